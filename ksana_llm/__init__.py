@@ -1,0 +1,19 @@
+"""ksana-llm: a high-performance LLM inference and serving engine in Python.
+
+    import ksana_llm as kt
+    engine = kt.Engine()                      # the embedded SmolLM2-135M-Instruct on CPU
+    print(engine.generate("What is the capital of France?"))
+"""
+
+from ksana_llm.api.engine import Engine, EngineDeadError
+from ksana_llm.api.model import Model
+from ksana_llm.api.outputs import Request, RequestHandle, RequestOutput, SequenceOutput
+from ksana_llm.config import EngineConfig
+from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.generation_config import GenerationConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["Engine", "EngineConfig", "EngineDeadError", "GenerationConfig", "Model",
+           "QueueFullError", "Request", "RequestHandle", "RequestOutput", "SequenceOutput",
+           "__version__"]

@@ -1,0 +1,1 @@
+"""api layer of ksana_llm (see DESIGN.md §1)."""

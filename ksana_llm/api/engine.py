@@ -1,0 +1,345 @@
+"""`Engine`: the Python front of the engine core, stepping it on a background thread.
+
+Callers validate and tokenize on their own thread; the engine thread is the only one that touches
+the core. Requests cross over through a small locked inbox, outputs come back through handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from ksana_llm.api.model import Model
+from ksana_llm.api.outputs import Prompt, Request, RequestHandle, RequestOutput
+from ksana_llm.api.stats import EngineStats, StatsTracker
+from ksana_llm.config import EngineConfig
+from ksana_llm.engine.core import EngineCore
+from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.request import Sequence
+from ksana_llm.engine.scheduler import QueueFullError, SchedulerConfig
+from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.memory import plan_num_blocks
+from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
+from ksana_llm.runner.sampler import Sampler
+
+logger = logging.getLogger("ksana_llm.engine")
+
+__all__ = ["Engine", "EngineDeadError", "QueueFullError"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
+
+
+def _as_config(value: GenerationConfig | dict[str, Any] | None,
+               default: GenerationConfig) -> GenerationConfig:
+    if value is None:
+        return default
+    if isinstance(value, GenerationConfig):
+        return value
+    if isinstance(value, dict):
+        return default.replace(**value)
+    raise ValueError(f"generation_config must be a GenerationConfig or a dict, got {type(value).__name__}")
+
+
+class Engine:
+    """Continuous-batching generation over one model.
+
+    `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
+    `max_queue_size` bounds the waiting requests (beyond it `submit` raises QueueFullError);
+    `scheduler` is "fifo" or "priority". Any other `EngineConfig` field may be passed by name,
+    or a whole `config`.
+    """
+
+    def __init__(self, model: Model | str | None = None, tokenizer: Any = None,
+                 generation_config: GenerationConfig | None = None, *,
+                 max_batch_size: int | None = None, max_queue_size: int | None = None,
+                 scheduler: str | None = None, config: EngineConfig | None = None,
+                 **engine_kwargs: Any) -> None:
+        overrides = dict(engine_kwargs)
+        if max_batch_size is not None:
+            overrides["max_step_tokens"] = max_batch_size
+        if max_queue_size is not None:
+            overrides["max_queue_size"] = max_queue_size
+        if scheduler is not None:
+            overrides["scheduler_policy"] = scheduler
+        base = config or EngineConfig()
+        self.config = EngineConfig(**{**base.model_dump(), **overrides})
+        if not isinstance(model, Model):
+            model = Model.from_pretrained(model if model is not None else self.config.model,
+                                          device=self.config.device, dtype=self.config.dtype)
+        self.model = model
+        self.tokenizer = tokenizer or model.tokenizer
+        self.generation_config = generation_config or GenerationConfig()
+        self._core = self._build_core()
+        self._stats = StatsTracker()
+        self._inbox: list[tuple[Sequence, RequestHandle]] = []
+        self._aborts: list[str] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._num_waiting = 0  # the core's waiting count as of the last step
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="ksana-llm-engine", daemon=True)
+        self._thread.start()
+
+    def _build_core(self) -> EngineCore:
+        cfg, model = self.config, self.model
+        per_block = kv_bytes_per_block(model.module, cfg.block_token_num, model.dtype)
+        num_blocks = cfg.num_device_blocks or plan_num_blocks(
+            model.device, per_block, ratio=cfg.block_device_memory_ratio,
+            reserved_ratio=cfg.reserved_device_memory_ratio)
+        num_host_blocks = int(num_blocks * cfg.block_host_memory_factor) if cfg.preempt_mode == 0 else 0
+        block_manager = BlockManager(num_blocks, cfg.block_token_num,
+                                     enable_prefix_caching=cfg.enable_prefix_caching,
+                                     num_host_blocks=num_host_blocks)
+        runner = ModelRunner(model.module, device=model.device, dtype=model.dtype,
+                             num_blocks=num_blocks, block_size=cfg.block_token_num,
+                             num_host_blocks=num_host_blocks)
+        scheduler_config = SchedulerConfig(
+            max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
+            split_fuse_token_num=cfg.split_fuse_token_num, preempt_mode=cfg.preempt_mode,
+            policy=cfg.scheduler_policy, max_queue_size=cfg.max_queue_size)
+        # A sequence can never outgrow the model's context, nor the whole KV pool.
+        self.max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
+                                 num_blocks * cfg.block_token_num)
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d host blocks", num_blocks,
+                    cfg.block_token_num, num_blocks * per_block / 2**20, num_host_blocks)
+        return EngineCore(runner, block_manager, scheduler_config, self.tokenizer,
+                          max_model_len=self.max_model_len, sampler=Sampler(cfg.seed))
+
+    # ---- validation (caller's thread) -------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string or list of token ids")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+            return list(prompt)
+        raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+
+    def _make_sequence(self, request: Request) -> Sequence:
+        config = _as_config(request.generation_config, self.generation_config)
+        token_ids = self._tokenize(request.prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's context, "
+                             f"bounded by the KV cache) is {self.max_model_len}, leaving no room "
+                             "to generate")
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise ValueError(f"priority must be an integer, got {request.priority!r}")
+        request_id = request.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        eos = () if config.ignore_eos else self.model.eos_token_ids
+        return Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
+
+    # ---- submission ------------------------------------------------------------------------------
+    def submit(self, request: Request | Prompt, *,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue a request; returns its handle at once. Raises ValueError for bad input,
+        QueueFullError when `max_queue_size` requests are already waiting."""
+        if not isinstance(request, Request):
+            request = Request(request)
+        seq = self._make_sequence(request)
+        handle = RequestHandle(seq.request_id, seq.prompt_token_ids, seq.config,
+                               callback=request.callback, loop=loop)
+        handle.output.metrics.arrival_time = seq.arrival_time
+        with self._wake:
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+            if seq.request_id in self._handles:
+                raise ValueError(f"request_id {seq.request_id!r} is already in use")
+            if self._num_waiting + len(self._inbox) >= self.config.max_queue_size:
+                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} "
+                                     "requests); retry later")
+            self._inbox.append((seq, handle))
+            self._handles[seq.request_id] = handle
+            self._wake.notify()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its handle finishes with finish_reason "abort" and its blocks are freed."""
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate_outputs(self, prompts: Prompt | list[Prompt],
+                         generation_config: GenerationConfig | list[GenerationConfig] | None = None,
+                         *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run many prompts to completion (submitted as the queue allows), in input order."""
+        batch = self._as_batch(prompts)
+        configs = generation_config if isinstance(generation_config, list) else [generation_config] * len(batch)
+        if len(configs) != len(batch):
+            raise ValueError("generation_config: give one config, or one per prompt")
+        requests = [Request(p, c) for p, c in zip(batch, configs)]
+        for r in requests:  # validate everything before running anything
+            self._make_sequence(r)
+        handles: list[RequestHandle] = []
+        progress = None
+        if use_tqdm and len(requests) > 1:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(requests), desc="Generating", unit="req")
+        pending = deque(requests)
+        try:
+            while pending:
+                try:
+                    handles.append(self.submit(pending[0]))
+                    pending.popleft()
+                except QueueFullError:
+                    self._wait_one(handles, progress)
+            return [self._finish_one(h, progress) for h in handles]
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def _wait_one(self, handles: list[RequestHandle], progress: Any) -> None:
+        for h in handles:
+            if not h.finished:
+                self._finish_one(h, progress)
+                return
+
+    @staticmethod
+    def _finish_one(handle: RequestHandle, progress: Any) -> RequestOutput:
+        already = handle.finished
+        out = handle.result()
+        if progress is not None and not already:
+            progress.update(1)
+        return out
+
+    @staticmethod
+    def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts:
+            return list(prompts)
+        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of those")
+
+    def generate(self, prompts: Prompt | list[Prompt], generation_config: GenerationConfig | None = None,
+                 *, stream: bool = False, use_tqdm: bool = True) -> str | list[str] | Iterator[str]:
+        """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
+                                              and all(isinstance(t, int) for t in prompts))
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes a single prompt")
+            return iter(self.submit(Request(prompts, generation_config)))
+        outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm)
+        return outputs[0].text if single else [o.text for o in outputs]
+
+    async def generate_async(self, prompt: Prompt | Request,
+                             generation_config: GenerationConfig | None = None) -> str:
+        return (await self.generate_output_async(prompt, generation_config)).text
+
+    async def generate_output_async(self, prompt: Prompt | Request,
+                                    generation_config: GenerationConfig | None = None) -> RequestOutput:
+        request = prompt if isinstance(prompt, Request) else Request(prompt, generation_config)
+        handle = self.submit(request, loop=asyncio.get_running_loop())
+        try:
+            return await handle.aresult()
+        except asyncio.CancelledError:
+            self.abort(handle.id)
+            raise
+
+    async def stream_async(self, prompt: Prompt | Request,
+                           generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
+        request = prompt if isinstance(prompt, Request) else Request(prompt, generation_config)
+        handle = self.submit(request, loop=asyncio.get_running_loop())
+        finished = False
+        try:
+            async for delta in handle.astream():
+                yield delta
+            finished = True
+        finally:
+            if not finished:  # the consumer stopped early or was cancelled: free the blocks
+                self.abort(handle.id)
+
+    # ---- introspection and lifecycle --------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return self._stats.snapshot(self._core.stats(), num_inbox=len(self._inbox))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None and not self._stopping
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the step loop; unfinished requests fail with EngineDeadError."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self._core
+        try:
+            while True:
+                with self._wake:
+                    while not (self._inbox or self._aborts or self._stopping or core.has_work()):
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                for seq, handle in inbox:
+                    try:
+                        core.add(seq)
+                    except (QueueFullError, ValueError) as exc:
+                        self._handles.pop(seq.request_id, None)
+                        handle.fail(exc)
+                for request_id in aborts:
+                    out = core.abort(request_id)
+                    if out is not None:
+                        self._dispatch([out])
+                if core.has_work():
+                    start = time.monotonic()
+                    outputs = core.step()
+                    self._stats.record_step(time.monotonic() - start, outputs)
+                    self._dispatch(outputs)
+                with self._wake:
+                    self._num_waiting = len(core.scheduler.waiting)
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiter
+            logger.exception("engine step loop failed")
+            self._dead = exc
+        finally:
+            self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+
+    def _dispatch(self, outputs: list) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            handle.deliver(out, now)
+            if out.finished:
+                del self._handles[out.request_id]
+                self._stats.record_finished(handle.output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._wake:
+            self._stopping = True
+            pending = list(self._handles.values())
+            self._handles.clear()
+            self._inbox.clear()
+        for handle in pending:
+            handle.fail(error)

@@ -1,0 +1,87 @@
+"""Engine statistics: queue and KV state from the core, throughput and latency from recent history."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ksana_llm.api.outputs import RequestOutput
+from ksana_llm.engine.core import CoreStats
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int  # queue length, including requests not yet picked up by the engine thread
+    num_running: int
+    num_swapped: int
+    kv_cache_usage: float  # share of device KV blocks held by live sequences
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_finished: int
+    generation_tokens_per_s: float  # over the last `window_s` seconds
+    mean_latency_s: float | None
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class StatsTracker:
+    """Written by the engine thread, read by anyone (a lock guards the deques)."""
+
+    def __init__(self, window_s: float = 10.0, history: int = 1000) -> None:
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._token_events: deque[tuple[float, int]] = deque()
+        self._finished: deque[RequestOutput] = deque(maxlen=history)
+        self._num_finished = 0
+
+    def record_step(self, seconds: float, outputs: list) -> None:
+        now = time.monotonic()
+        tokens = sum(len(o.new_token_ids) for o in outputs)
+        with self._lock:
+            self._token_events.append((now, tokens))
+            while self._token_events and self._token_events[0][0] < now - self.window_s:
+                self._token_events.popleft()
+
+    def record_finished(self, output: RequestOutput) -> None:
+        with self._lock:
+            self._finished.append(output)
+            self._num_finished += 1
+
+    def snapshot(self, core: CoreStats, num_inbox: int = 0) -> EngineStats:
+        now = time.monotonic()
+        with self._lock:
+            events = [(t, n) for t, n in self._token_events if t >= now - self.window_s]
+            finished = list(self._finished)
+            num_finished = self._num_finished
+        span = (now - events[0][0]) if events else 0.0
+        tokens = sum(n for _, n in events)
+        ttfts = [o.metrics.ttft for o in finished if o.metrics.ttft is not None]
+        latencies = [o.metrics.latency for o in finished if o.metrics.latency is not None]
+        hit_rate = core.prefix_cache_hits / core.prefix_cache_queries if core.prefix_cache_queries else 0.0
+        return EngineStats(
+            num_waiting=core.num_waiting + num_inbox, num_running=core.num_running,
+            num_swapped=core.num_swapped, kv_cache_usage=core.kv_cache_usage,
+            num_kv_blocks=core.num_blocks, num_free_kv_blocks=core.num_free_blocks,
+            num_preemptions=core.num_preemptions, prefix_cache_hit_rate=hit_rate,
+            num_finished=num_finished,
+            generation_tokens_per_s=tokens / span if span > 0 else 0.0,
+            mean_latency_s=sum(latencies) / len(latencies) if latencies else None,
+            ttft_p50_s=_percentile(ttfts, 50), ttft_p90_s=_percentile(ttfts, 90),
+            ttft_p99_s=_percentile(ttfts, 99))

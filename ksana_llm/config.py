@@ -1,0 +1,54 @@
+"""Engine-wide configuration: one object holding every user-facing knob.
+
+Names follow vLLM where KsanaLLM's are ambiguous: `max_step_tokens` is the token budget of one
+forward step (the KTransformers guide's `Engine(max_batch_size=)`), `max_num_seqs` the number of
+sequences in one step (KsanaLLM YAML `batch_scheduler.max_batch_size`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class EngineConfig(BaseModel):
+    """Validated, immutable engine settings. Invalid values raise a ValueError naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="HF folder or .gguf file; None -> default model")
+    device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
+    dtype: DType = Field("auto", description="'auto' = float32 on CPU, bfloat16 on CUDA")
+
+    # KV cache (KsanaLLM block_manager.*)
+    block_token_num: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_device_blocks: int | None = Field(None, ge=2, description="explicit KV block count")
+    block_device_memory_ratio: float | None = Field(
+        None, gt=0, le=1,
+        description="share of free device memory (CUDA) or available RAM (CPU) for KV blocks; "
+                    "default 0.9 on CUDA, 0.1 on CPU")
+    reserved_device_memory_ratio: float = Field(0.01, ge=0, lt=1)
+    block_host_memory_factor: float = Field(
+        1.0, ge=0, description="host swap pool size as a multiple of the device block count")
+    enable_prefix_caching: bool = True
+
+    # scheduler (KsanaLLM batch_scheduler.*)
+    max_step_tokens: int = Field(2048, ge=1, description="token budget of one forward step")
+    max_num_seqs: int = Field(256, ge=1, description="sequences in one forward step")
+    split_fuse_token_num: int = Field(
+        0, ge=0, description="max prefill tokens of one sequence per step (0 = only the budget)")
+    preempt_mode: Literal[0, 1] = Field(0, description="0 = swap to host, 1 = recompute")
+    scheduler_policy: Literal["fifo", "priority"] = "fifo"
+    max_queue_size: int = Field(1000, ge=1, description="waiting requests before QueueFullError")
+    max_model_len: int | None = Field(None, ge=1, description="default: the model's context size")
+
+    seed: int | None = Field(None, description="seed of the shared sampling RNG")
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> EngineConfig:
+        if self.split_fuse_token_num > self.max_step_tokens:
+            raise ValueError("split_fuse_token_num must be <= max_step_tokens")
+        return self

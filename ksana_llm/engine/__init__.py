@@ -1,0 +1,1 @@
+"""engine layer of ksana_llm (see DESIGN.md §1)."""

@@ -1,0 +1,193 @@
+"""Token-budget continuous batching with chunked prefill and preemption.
+
+There is no prefill phase and no decode phase: each sequence tracks `num_computed_tokens`, and
+every step hands out at most `max_step_tokens` tokens so that it catches up with `num_tokens`.
+Running sequences are served first (a decode costs 1 token, a prefill chunk up to the rest of the
+budget), then swapped-out sequences come back, then waiting ones are admitted. When the KV pool
+runs out, the lowest-priority running sequence is preempted: swapped to the host pool
+(`preempt_mode=0`) or freed to be recomputed later (`preempt_mode=1`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.request import Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queue_size` requests already; try again later."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_step_tokens: int = 2048
+    max_num_seqs: int = 256
+    split_fuse_token_num: int = 0  # 0: a prefill chunk is bounded by the budget only
+    preempt_mode: Literal[0, 1] = 0  # 0 = swap, 1 = recompute
+    policy: Literal["fifo", "priority"] = "fifo"
+    max_queue_size: int = 1000
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose KV this step computes, starting at num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, step by step, which sequences run and how many tokens each computes."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # ordered by policy key
+        self.running: list[Sequence] = []  # ordered by policy key
+        self.swapped: list[Sequence] = []  # ordered by policy key
+        self._admissions = 0  # FIFO tie-breaker that survives preemption
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple[float, ...]:
+        if self.config.policy == "priority":
+            return (seq.priority, seq.arrival_time, seq.admission_order)
+        return (seq.arrival_time, seq.admission_order)
+
+    def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=self._key)
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_queue_size:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_queue_size} requests); retry later")
+        seq.admission_order = self._admissions
+        self._admissions += 1
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of whichever queue holds it and release its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.block_manager.free(seq)
+        self.block_manager.free_host(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- one step ------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, budget: int, num_computed: int) -> int:
+        num_new = min(seq.num_tokens - num_computed, budget)
+        if self.config.split_fuse_token_num:
+            num_new = min(num_new, self.config.split_fuse_token_num)
+        return num_new
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_step_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        queue = list(self.running)
+        still_running: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            if budget <= 0:
+                still_running.append(seq)
+                continue
+            num_new = self._chunk(seq, budget, seq.num_computed_tokens)
+            while not self.block_manager.allocate(seq, num_new):
+                # Out of blocks: preempt the lowest-priority sequence, possibly this one.
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                still_running.append(seq)
+                budget -= num_new
+        self.running = still_running
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = self._chunk(seq, budget, seq.num_computed_tokens)
+            mapping = self.block_manager.swap_in(seq, num_new)
+            if mapping is None:
+                break
+            self.swapped.pop(0)
+            out.swap_in.extend(mapping)
+            seq.status = SequenceStatus.RUNNING
+            self._insert(self.running, seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.match_prefix(seq)
+            num_new = self._chunk(seq, budget, prefix.num_tokens)
+            if not bm.allocate(seq, num_new, prefix):
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = prefix.num_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = prefix.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            self._insert(self.running, seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preempt_mode == 0:
+            mapping = self.block_manager.swap_out(seq)
+            if mapping is not None:
+                out.swap_out.extend(mapping)
+                seq.status = SequenceStatus.SWAPPED
+                self._insert(self.swapped, seq)
+                return
+        # Recompute (or the host pool is full): drop the KV, keep the tokens.
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done: release everything it holds."""
+        self.remove(seq)
+        seq.status = SequenceStatus.FINISHED

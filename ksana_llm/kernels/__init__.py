@@ -1,0 +1,1 @@
+"""kernels layer of ksana_llm (see DESIGN.md §1)."""

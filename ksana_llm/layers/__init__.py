@@ -1,0 +1,1 @@
+"""layers layer of ksana_llm (see DESIGN.md §1)."""

@@ -1,0 +1,239 @@
+"""Convert a GGUF file into a plain fp32 Hugging Face checkpoint folder, cached on disk.
+
+The engine's weight loader only understands Hugging Face folders (config.json + safetensors +
+tokenizer files). Rather than writing our own GGUF dequantizer, we let transformers' GGUF
+loader do the work once and keep the result: later runs read the cached folder directly.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+LOGGER = logging.getLogger("ksana_llm.loader")
+
+CACHE_ENV_VAR = "KSANA_LLM_CACHE"
+# Written last into a converted folder. Its presence is what "complete" means, so a folder that
+# somebody created by hand (or an older, interrupted layout) is never mistaken for a good one.
+COMPLETE_MARKER = "ksana_llm_conversion.json"
+_GGUF_MAGIC = b"GGUF"
+
+
+def default_cache_dir() -> Path:
+    """Return the cache root: ``$KSANA_LLM_CACHE`` if set, else ``~/.cache/ksana_llm``.
+
+    Read on every call (not at import) so tests and users can redirect it at any time.
+    """
+    configured = os.environ.get(CACHE_ENV_VAR)
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "ksana_llm"
+
+
+def gguf_cache_path(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Return the folder a GGUF file converts into: ``<cache>/gguf/<stem>-<hash>``.
+
+    The hash covers the absolute path, size and mtime, so replacing or editing the file yields a
+    new folder instead of silently reusing a stale conversion. It does not hash the content,
+    which would mean reading the whole file on every start.
+    """
+    source = Path(gguf_path).expanduser().resolve()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return root / "gguf" / f"{source.stem}-{_short_hash(_fingerprint(source))}"
+
+
+def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Convert ``gguf_path`` into a Hugging Face fp32 model folder and return that folder.
+
+    The folder holds config.json (without ``quantization_config``), model.safetensors, the
+    tokenizer files (with the chat template) and generation_config.json when transformers
+    provides one. A completed conversion is reused as is; a new one is written into a
+    temporary sibling folder and moved into place with ``os.replace``, so the cache never holds
+    a half-written folder under the final name, even if the process dies mid-way.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
+        ValueError: ``gguf_path`` is not a GGUF file.
+    """
+    source = _validated_gguf(gguf_path)
+    target = gguf_cache_path(source, cache_dir)
+    if _is_complete(target):
+        LOGGER.info("Using cached conversion of %s at %s", source, target)
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent as the target, so the final os.replace is a rename within one filesystem.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    LOGGER.info("Converting %s to a Hugging Face checkpoint in %s (done once, then cached)", source, target)
+    started = time.perf_counter()
+    try:
+        _write_hf_folder(source, staging)
+        _write_marker(staging, source)
+        published = _publish(staging, target)
+    except BaseException:
+        # Also on KeyboardInterrupt: never leave multi-hundred-MB staging folders behind.
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    LOGGER.info("Converted %s in %.1f s", source.name, time.perf_counter() - started)
+    return published
+
+
+def _validated_gguf(gguf_path: str | os.PathLike[str]) -> Path:
+    """Return the absolute path of ``gguf_path`` after checking it really is a GGUF file.
+
+    Checking the magic bytes up front gives a clear error instead of a confusing one from deep
+    inside transformers.
+    """
+    source = Path(gguf_path).expanduser().resolve()
+    if not source.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {source}")
+    with source.open("rb") as handle:
+        magic = handle.read(len(_GGUF_MAGIC))
+    if magic != _GGUF_MAGIC:
+        raise ValueError(f"{source} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
+    return source
+
+
+def _fingerprint(source: Path) -> dict[str, Any]:
+    """Describe the identity of a source file cheaply (no content read)."""
+    stat = source.stat()
+    return {"path": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _short_hash(fingerprint: dict[str, Any]) -> str:
+    """Hash a fingerprint into a short, filesystem-safe, stable string."""
+    payload = json.dumps(fingerprint, sort_keys=True).encode("utf-8")
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def _is_complete(folder: Path) -> bool:
+    """Whether ``folder`` is a finished conversion (its marker is written last)."""
+    return (folder / COMPLETE_MARKER).is_file()
+
+
+def _write_marker(folder: Path, source: Path) -> None:
+    """Record where the folder came from; also serves as the completeness marker."""
+    import transformers  # local: keeps `import ksana_llm.loader` cheap
+
+    record = {**_fingerprint(source), "transformers_version": transformers.__version__, "converted_at": time.time()}
+    (folder / COMPLETE_MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def _publish(staging: Path, target: Path) -> Path:
+    """Atomically move a finished ``staging`` folder to ``target`` and return ``target``.
+
+    If another process finished the same conversion first, its folder wins and ours is dropped:
+    both are equivalent, and replacing a folder someone may be reading would be unsafe.
+    """
+    if target.exists() and not _is_complete(target):
+        # Not produced by us (we only ever publish complete folders): treat it as stale.
+        LOGGER.warning("Replacing incomplete or foreign folder %s", target)
+        shutil.rmtree(target)
+    try:
+        os.replace(staging, target)
+    except OSError:
+        if not _is_complete(target):
+            raise
+        LOGGER.info("Another process already converted %s; using its result", target.name)
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_hf_folder(source: Path, out_dir: Path) -> None:
+    """Dequantize ``source`` with transformers and save model + tokenizer into ``out_dir``."""
+    from transformers import AutoTokenizer
+
+    model = _load_dense_model(source)
+    model.save_pretrained(out_dir, **_safetensors_kwargs(model.save_pretrained))
+    del model  # free the fp32 weights before loading the tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    if not getattr(tokenizer, "chat_template", None):
+        LOGGER.warning("%s has no chat template; chat requests will need one supplied", source.name)
+    tokenizer.save_pretrained(out_dir)
+    _strip_quantization_config(out_dir / "config.json")
+    if not (out_dir / "generation_config.json").is_file():
+        LOGGER.info("transformers produced no generation_config.json for %s", source.name)
+
+
+def _safetensors_kwargs(save_pretrained: Any) -> dict[str, bool]:
+    """Ask for safetensors output where ``save_pretrained`` still has the switch.
+
+    transformers 4.x takes ``safe_serialization=True``; 5.x always writes safetensors and would
+    silently swallow the unknown keyword, so it is only passed where it means something.
+    """
+    if "safe_serialization" in inspect.signature(save_pretrained).parameters:
+        return {"safe_serialization": True}
+    return {}
+
+
+def _load_dense_model(source: Path) -> Any:
+    """Load ``source`` through transformers' GGUF loader as a plain fp32 model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"gguf_file": source.name, "dtype": torch.float32}
+    dequantize = _dequantizing_gguf_config()
+    if dequantize is not None:
+        # Newer transformers may keep GGUF weights packed (and refuse to save them); ask for
+        # dense weights explicitly.
+        kwargs["quantization_config"] = dequantize
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), **kwargs)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model = _without_quantizer(model)
+    return model
+
+
+def _dequantizing_gguf_config() -> Any | None:
+    """Return ``GgufConfig(dequantize=True)`` when this transformers version has it, else None.
+
+    Older transformers always dequantize GGUF and have no such option.
+    """
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return None
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:
+        return None
+    return GgufConfig(dequantize=True)
+
+
+def _without_quantizer(model: Any) -> Any:
+    """Rebuild ``model`` as an unquantized model sharing the same (dense) tensors.
+
+    transformers refuses to ``save_pretrained`` a model that still carries a non-serializable
+    GGUF quantizer even when every weight is already dense. Building the architecture on the
+    meta device and assigning the loaded tensors avoids a second copy of the weights. A strict
+    load fails loudly if any weight is still packed.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(model.state_dict(), strict=True, assign=True)
+    clean.tie_weights()
+    clean.generation_config = copy.deepcopy(model.generation_config)
+    return clean
+
+
+def _strip_quantization_config(config_path: Path) -> None:
+    """Drop ``quantization_config`` from a saved config.json: the weights are plain fp32 now.
+
+    Left in place, downstream loaders would try to treat the safetensors as GGUF-quantized.
+    """
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.pop("quantization_config", None) is not None:
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,166 @@
+"""Find a model folder and stream its tensors, whatever checkpoint layout it uses.
+
+Model code consumes ``(name, tensor)`` pairs one at a time, so a checkpoint never has to be
+materialized twice in memory (once as a state dict, once as model parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .default_model import default_model_gguf
+from .gguf_convert import convert_gguf_to_hf
+
+LOGGER = logging.getLogger("ksana_llm.loader")
+
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN_SINGLE = "pytorch_model.bin"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the Hugging Face checkpoint in ``model_dir``.
+
+    Supports single or sharded safetensors and single or sharded ``pytorch_model.bin``;
+    safetensors wins when both exist, because it loads without unpickling and memory-maps.
+    Tensors are on CPU. A tqdm bar ("Loading weights") counts tensors unless ``progress`` is
+    False.
+
+    Raises:
+        FileNotFoundError: no weight files in ``model_dir`` (or a shard named by an index is missing).
+    """
+    folder = Path(model_dir).expanduser()
+    files, expected_total = _weight_files(folder)
+    LOGGER.info("Loading %d weight file(s) from %s", len(files), folder)
+    with tqdm(total=expected_total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path in files:
+            tensors = _iter_safetensors(path) if path.suffix == ".safetensors" else _iter_torch_bin(path)
+            for name, tensor in tensors:
+                yield name, tensor
+                bar.update(1)
+
+
+def _weight_files(folder: Path) -> tuple[list[Path], int | None]:
+    """Return the weight files of ``folder`` in load order, and the tensor count if an index tells it."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"Model folder not found: {folder}")
+    for index_name, single_name in ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE), (TORCH_BIN_INDEX, TORCH_BIN_SINGLE)):
+        index_path = folder / index_name
+        if index_path.is_file():
+            return _shards_from_index(index_path)
+        if (folder / single_name).is_file():
+            return [folder / single_name], None
+    # Some exports use other safetensors names (e.g. a lone "model-00001-of-00001.safetensors").
+    loose = sorted(folder.glob("*.safetensors"))
+    if loose:
+        return loose, None
+    raise FileNotFoundError(
+        f"No weight files found in {folder}: expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
+        f"{TORCH_BIN_SINGLE} or {TORCH_BIN_INDEX}"
+    )
+
+
+def _shards_from_index(index_path: Path) -> tuple[list[Path], int]:
+    """Read a sharded checkpoint's index: the shard files (first-use order) and the tensor count."""
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{index_path} is not a valid checkpoint index (need a 'weight_map' object)") from error
+    # dict.fromkeys de-duplicates while keeping order, so shards load in the order the index lists them.
+    shards = [index_path.parent / name for name in dict.fromkeys(weight_map.values())]
+    missing = [shard.name for shard in shards if not shard.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index_path} references missing shard file(s): {', '.join(missing)}")
+    return shards, len(weight_map)
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one safetensors file, one at a time (never the whole file at once)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        for name in handle.keys():
+            yield name, handle.get_tensor(name)
+
+
+def _iter_torch_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one ``pytorch_model.bin`` file."""
+    state = _load_torch_file(path)
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path} does not contain a state dict (got {type(state).__name__})")
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{path}: entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        yield name, tensor
+
+
+def _load_torch_file(path: Path) -> object:
+    """``torch.load`` safely (``weights_only``) and memory-mapped when the file format allows it.
+
+    mmap avoids reading a multi-GB shard into RAM up front, but only works for the zip format
+    that torch has written since 1.6; older pickles are loaded normally.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap" not in str(error):
+            raise
+        LOGGER.info("%s is in the legacy torch format; loading it without mmap", path.name)
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def resolve_model_dir(
+    path: str | os.PathLike[str] | None, *, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """Turn what the user passed as "the model" into a Hugging Face checkpoint folder.
+
+    - ``None``: the bundled default model (its GGUF is converted once and cached);
+    - a ``.gguf`` file: converted (and cached);
+    - a folder with ``config.json``: used as is;
+    - a folder without ``config.json`` holding exactly one ``.gguf`` file: that file, converted.
+
+    ``cache_dir`` overrides where GGUF conversions are cached (see ``convert_gguf_to_hf``).
+
+    Raises:
+        FileNotFoundError: the path does not exist, or a folder holds neither config.json nor a GGUF file.
+        ValueError: the path exists but is not usable (another file type, several GGUF files).
+    """
+    if path is None:
+        LOGGER.info("No model given; using the default model")
+        return convert_gguf_to_hf(default_model_gguf(), cache_dir)
+
+    target = Path(path).expanduser()
+    if not target.exists():
+        raise FileNotFoundError(
+            f"Model path not found: {target} (expected a Hugging Face model folder with config.json or a .gguf file)"
+        )
+    if target.is_file():
+        if target.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"Unsupported model file {target}: expected a .gguf file or a Hugging Face model folder with config.json"
+            )
+        return convert_gguf_to_hf(target, cache_dir)
+    return _resolve_folder(target, cache_dir)
+
+
+def _resolve_folder(folder: Path, cache_dir: str | os.PathLike[str] | None) -> Path:
+    """Resolve a folder: a HF checkpoint as is, or the single GGUF file it contains."""
+    if (folder / "config.json").is_file():
+        return folder.resolve()
+    ggufs = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() == ".gguf")
+    if len(ggufs) == 1:
+        return convert_gguf_to_hf(ggufs[0], cache_dir)
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ValueError(f"{folder} holds several GGUF files ({names}); pass the path of the one to load")
+    raise FileNotFoundError(
+        f"{folder} is not a model folder: expected a config.json (Hugging Face checkpoint) or exactly one .gguf file"
+    )

@@ -1,0 +1,1 @@
+"""models layer of ksana_llm (see DESIGN.md §1)."""

@@ -1,0 +1,1 @@
+"""runner layer of ksana_llm (see DESIGN.md §1)."""

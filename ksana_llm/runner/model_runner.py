@@ -1,0 +1,170 @@
+"""Runs one scheduled step on one device: owns the KV tensors, builds the batch, runs the model.
+
+Token layout of a step: [one token per decoding sequence | each prefill chunk, in order]. Decodes
+go first so attention can treat them as one batched call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ksana_llm.layers.attention import AttentionMetadata, KVCache, PrefillChunk
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """The part of one sequence a step computes: tokens from position `start` on."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool  # True when these are the sequence's last pending tokens: return its logits
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepInput:
+    slices: list[SeqSlice]
+    swap_out: list[tuple[int, int]]  # (device block, host block), done before the forward
+    swap_in: list[tuple[int, int]]  # (host block, device block)
+
+
+@dataclass
+class StepResult:
+    """Next-token logits of the slices that asked for them, in slice order."""
+
+    sampled: list[int]  # indices into StepInput.slices
+    logits: torch.Tensor | None  # [len(sampled), vocab] float32
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.sliding_window = model.sliding_window
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)]
+        host_shape = (num_host_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        # torch.empty: pages are committed only when a block is actually swapped out.
+        self.host_caches: list[KVCache] = [
+            (torch.empty(host_shape, dtype=dtype, pin_memory=pin),
+             torch.empty(host_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(model.num_layers)] if num_host_blocks else []
+
+    # ---- swap ------------------------------------------------------------------------------------
+    def _copy_blocks(self, mapping: list[tuple[int, int]], to_host: bool) -> None:
+        if not mapping:
+            return
+        src_ids = torch.tensor([a for a, _ in mapping])
+        dst_ids = torch.tensor([b for _, b in mapping])
+        for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_caches):
+            if to_host:
+                hk[dst_ids] = dk[src_ids.to(self.device)].to("cpu")
+                hv[dst_ids] = dv[src_ids.to(self.device)].to("cpu")
+            else:
+                dk[dst_ids.to(self.device)] = hk[src_ids].to(self.device)
+                dv[dst_ids.to(self.device)] = hv[src_ids].to(self.device)
+
+    # ---- batch building -------------------------------------------------------------------------
+    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        return block_table[..., positions // bs] * bs + positions % bs
+
+    def _window_ok(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        allowed = k_pos <= q_pos
+        if self.sliding_window:
+            allowed &= k_pos > q_pos - self.sliding_window
+        return allowed
+
+    def build(self, slices: list[SeqSlice]
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """(input_ids, positions, metadata, last-token row of each sampled slice, their indices)."""
+        order = sorted(range(len(slices)), key=lambda i: slices[i].num_tokens != 1)
+        ordered = [slices[i] for i in order]
+        num_decodes = sum(1 for s in ordered if s.num_tokens == 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[int] = []
+        for i, s in zip(order, ordered):
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start, s.start + s.num_tokens))
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(i)
+
+        bs = self.block_size
+        positions = torch.tensor(pos, dtype=torch.long)
+        width = max(len(s.block_table) for s in ordered)
+        table = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in ordered],
+                             dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(ordered)),
+                                            torch.tensor([s.num_tokens for s in ordered]))
+        slot_mapping = table[seq_index, positions // bs] * bs + positions % bs
+
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes)
+        if num_decodes:
+            ctx = positions[:num_decodes] + 1
+            length = int(ctx.max())
+            k_pos = torch.arange(length)
+            meta.decode_len = length
+            meta.decode_slots = self._slots(table[:num_decodes], k_pos).reshape(-1)
+            if self.sliding_window or int(ctx.min()) != length:
+                allowed = self._window_ok(positions[:num_decodes, None], k_pos[None, :])
+                meta.decode_mask = allowed[:, None, None, :]
+        start = num_decodes
+        for i in range(num_decodes, len(ordered)):
+            s = ordered[i]
+            n, first = s.num_tokens, s.start
+            chunk = PrefillChunk(start=start, num_tokens=n, context_len=first + n)
+            needs_window = bool(self.sliding_window) and first + n > self.sliding_window
+            if first or needs_window:
+                k_pos = torch.arange(first + n)
+                chunk.slots = self._slots(table[i], k_pos)
+                chunk.mask = self._window_ok(torch.arange(first, first + n)[:, None], k_pos[None, :])
+            meta.prefills.append(chunk)
+            start += n
+        return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows, sampled
+
+    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        if self.device.type == "cpu":
+            return meta
+        move = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
+        meta.slot_mapping = move(meta.slot_mapping)
+        meta.decode_slots = move(meta.decode_slots)
+        meta.decode_mask = move(meta.decode_mask)
+        for chunk in meta.prefills:
+            chunk.slots, chunk.mask = move(chunk.slots), move(chunk.mask)
+        return meta
+
+    # ---- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepResult:
+        self._copy_blocks(step.swap_out, to_host=True)
+        self._copy_blocks(step.swap_in, to_host=False)
+        if not step.slices:
+            return StepResult([], None)
+        input_ids, positions, meta, rows, sampled = self.build(step.slices)
+        meta = self._to_device(meta)
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, meta)
+        if not sampled:
+            return StepResult([], None)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return StepResult(sampled, self.model.compute_logits(hidden.index_select(0, rows_t)))

@@ -1,0 +1,340 @@
+"""Batched next-token selection: penalties, warpers and sampling for one decoding step.
+
+Everything runs on the logits' device (CPU or CUDA, same code) in float32 and is vectorised
+across the batch with per-row parameter tensors, so a batch of requests with different settings
+costs a handful of kernels rather than one pass per request.
+
+Order of operations (that of `transformers.generate`, so greedy outputs match it):
+
+1. `process_logits`: min_new_tokens EOS/stop suppression, HF repetition penalty over prompt and
+   output, OpenAI presence/frequency penalties over the output. Applies to every row.
+2. `warp_logits` (sampling rows only): temperature, top-k, top-p, min-p with the semantics of
+   `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`.
+3. Greedy rows take the argmax of the processed logits; sampling rows are drawn with the
+   exponential race (`argmax(probs / E)`, `E ~ Exponential(1)`), which is an exact categorical
+   sample and lets every row draw its noise from its own generator: a seeded request then yields
+   the same tokens whatever else shares its batch.
+
+Log-probs are those of the raw model distribution (log_softmax of the unprocessed logits), as
+vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ksana_llm.generation_config import GenerationConfig
+
+__all__ = [
+    "SamplingRow",
+    "SamplerOutput",
+    "Sampler",
+    "make_generator",
+    "process_logits",
+    "warp_logits",
+]
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request, created once per request by the engine.
+
+    It must live on the logits' device because `exponential_` only accepts a generator of the
+    tensor's own device.
+    """
+    generator = torch.Generator(device=torch.device(device))
+    # manual_seed rejects values outside the 64-bit range; fold them so any Python int works.
+    generator.manual_seed(seed % (1 << 64))
+    return generator
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request at this step."""
+
+    config: GenerationConfig
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Per-request RNG for seeded requests (see `make_generator`); None: use the Sampler's own.
+    generator: torch.Generator | None = None
+    # Suppressed (with config.stop_token_ids) while len(output_token_ids) < min_new_tokens. The
+    # engine decides what goes here (e.g. nothing when the request ignores EOS).
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def suppresses_stop(self) -> bool:
+        """Whether min_new_tokens still forbids the stop tokens at this step."""
+        return len(self.output_token_ids) < self.config.min_new_tokens and bool(
+            self.eos_token_ids or self.config.stop_token_ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        config = self.config
+        return (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
+                or config.frequency_penalty != 0.0)
+
+
+@dataclass
+class SamplerOutput:
+    """The chosen tokens of one step, and their log-probs when some row asked for them."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32, chosen token under the raw distribution
+    # (values [B, k_max] float32, ids [B, k_max] int64); k_max is the largest k asked in the
+    # batch, so a row that asked for fewer should keep only its first `config.logprobs` columns.
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def to_lists(
+        self,
+    ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
+        """(token_ids, logprobs, (top values, top ids)) as Python lists, with one host sync.
+
+        Everything is packed into one float64 tensor before the copy: token ids are exact in
+        float64 (< 2**53) and float32 log-probs widen exactly, so nothing is lost.
+        """
+        parts = [self.token_ids.to(torch.float64).unsqueeze(1)]
+        if self.logprobs is not None:
+            parts.append(self.logprobs.to(torch.float64).unsqueeze(1))
+        k = 0
+        if self.top_logprobs is not None:
+            values, ids = self.top_logprobs
+            k = values.shape[1]
+            parts.append(values.to(torch.float64))
+            parts.append(ids.to(torch.float64))
+        packed = torch.cat(parts, dim=1).cpu() if len(parts) > 1 else parts[0].cpu()
+        rows = packed.tolist()
+        token_ids = [int(r[0]) for r in rows]
+        col = 1
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = [r[1] for r in rows]
+            col = 2
+        top = None
+        if self.top_logprobs is not None:
+            top = ([r[col:col + k] for r in rows], [[int(t) for t in r[col + k:col + 2 * k]]
+                                                    for r in rows])
+        return token_ids, logprobs, top
+
+
+def _index_tensor(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Right-pad token id lists into [R, L] int64, padding (and out-of-vocab ids) -> vocab_size.
+
+    Scattering into a [R, vocab_size + 1] buffer then lets the padding land in a spare column
+    that is dropped, like HF does for ids beyond the lm_head (which can never be generated).
+    """
+    width = max(1, max(len(t) for t in token_lists))
+    padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
+    index = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+    return index.clamp_(min=0, max=vocab_size)
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """min_new_tokens suppression and penalties, for every row; returns a new float32 tensor.
+
+    This is the part shared by greedy and sampled rows (HF applies its processors before the
+    sampling warpers). The caller's tensor is never modified.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+    vocab_size = logits.shape[1]
+    device = logits.device
+    # Our own copy: everything below may then work in place.
+    out = logits.to(torch.float32, copy=True)
+
+    # 1. min_new_tokens: stop tokens are -inf until enough tokens have been produced. HF runs
+    # this after the repetition penalty; the penalties keep -inf at -inf, so the order is moot.
+    sup_rows: list[int] = []
+    sup_tokens: list[int] = []
+    for i, row in enumerate(rows):
+        if row.suppresses_stop:
+            for token in {*row.eos_token_ids, *row.config.stop_token_ids}:
+                if 0 <= token < vocab_size:
+                    sup_rows.append(i)
+                    sup_tokens.append(token)
+    if sup_rows:
+        out[torch.tensor(sup_rows, device=device), torch.tensor(sup_tokens, device=device)] = (
+            float("-inf"))
+
+    # 2. Repetition penalty (HF): every token seen in prompt or output is scaled once,
+    # multiplied when negative and divided when positive, so it always becomes less likely.
+    rep = [i for i, row in enumerate(rows) if row.config.repetition_penalty != 1.0]
+    if rep:
+        index = _index_tensor(
+            [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab_size, device)
+        seen = torch.zeros(len(rep), vocab_size + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, index, True)
+        seen = seen[:, :vocab_size]
+        penalty = torch.tensor([rows[i].config.repetition_penalty for i in rep],
+                               dtype=torch.float32).to(device).unsqueeze(1)
+        rep_idx = torch.tensor(rep, device=device)
+        sub = out.index_select(0, rep_idx)
+        penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
+        out.index_copy_(0, rep_idx, torch.where(seen, penalised, sub))
+
+    # 3. Presence / frequency penalties (OpenAI): output tokens only, additive, count-based.
+    pf = [i for i, row in enumerate(rows)
+          if row.config.presence_penalty != 0.0 or row.config.frequency_penalty != 0.0]
+    if pf:
+        index = _index_tensor([rows[i].output_token_ids for i in pf], vocab_size, device)
+        counts = torch.zeros(len(pf), vocab_size + 1, dtype=torch.float32, device=device)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+        counts = counts[:, :vocab_size]
+        coeffs = torch.tensor(
+            [[rows[i].config.presence_penalty, rows[i].config.frequency_penalty] for i in pf],
+            dtype=torch.float32).to(device)
+        pf_idx = torch.tensor(pf, device=device)
+        delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
+        out.index_copy_(0, pf_idx, out.index_select(0, pf_idx) - delta)
+    return out
+
+
+def warp_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for sampling rows; greedy rows pass through unchanged.
+
+    Removed tokens become -inf. Returns a new float32 tensor; the input is not modified.
+    Semantics are HF's warpers with min_tokens_to_keep=1 (what `generate` uses for sampling):
+    top-k keeps ties with the k-th value, top-p keeps the smallest set whose mass reaches top_p
+    (and at least the best token), min-p keeps tokens with prob >= min_p * max prob.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+    vocab_size = logits.shape[1]
+    device = logits.device
+    # Neutral settings for greedy rows (temperature 1, no filters) keep the code branch-free.
+    params = []
+    for row in rows:
+        c = row.config
+        if c.greedy:
+            params.append((1.0, 0.0, 1.0, 0.0))
+        else:
+            params.append((float(c.temperature), float(min(c.top_k, vocab_size)), float(c.top_p),
+                           float(c.min_p)))
+    # One host-to-device copy for all per-row parameters.
+    p = torch.tensor(params, dtype=torch.float32).to(device)
+    temperature, top_k, top_p, min_p = p[:, 0:1], p[:, 1:2], p[:, 2:3], p[:, 3:4]
+    use_temp = any(t != 1.0 for t, _, _, _ in params)
+    use_top_k = any(k > 0 for _, k, _, _ in params)
+    use_top_p = any(tp < 1.0 for _, _, tp, _ in params)
+    use_min_p = any(mp > 0.0 for _, _, _, mp in params)
+
+    out = logits.to(torch.float32)
+    if use_temp:
+        out = out / temperature
+    elif out is logits:
+        out = out.clone()  # later steps work in place on our own copy
+
+    if use_top_k or use_top_p:
+        # One ascending sort serves both, like HF's TopPLogitsWarper (ascending cumsum).
+        sorted_logits, sorted_idx = torch.sort(out, dim=-1, descending=False)
+        remove_sorted = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if use_top_k:
+            # The k-th largest value sits at ascending position V - k; k = 0 means "off", which
+            # position 0 (the minimum) expresses naturally: nothing is strictly below it.
+            k = top_k.to(torch.int64)
+            pos = torch.where(k > 0, vocab_size - k, torch.zeros_like(k))
+            threshold = sorted_logits.gather(1, pos)
+            remove_sorted |= sorted_logits < threshold
+        if use_top_p:
+            masked = sorted_logits.masked_fill(remove_sorted, float("-inf"))
+            cumulative = masked.softmax(dim=-1).cumsum(dim=-1)
+            top_p_remove = (cumulative <= (1 - top_p)) & (top_p < 1.0)
+            top_p_remove[:, -1] = False  # keep at least the most likely token
+            remove_sorted |= top_p_remove
+        remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+        out.masked_fill_(remove, float("-inf"))
+
+    if use_min_p:
+        probs = out.softmax(dim=-1)
+        top_probs = probs.amax(dim=-1, keepdim=True)
+        # min_p <= 1, so the top token always survives (min_tokens_to_keep=1 for free).
+        out.masked_fill_(probs < min_p * top_probs, float("-inf"))
+    return out
+
+
+class Sampler:
+    """Chooses the next token for a batch of requests with heterogeneous settings.
+
+    Rows without their own generator share one owned by the Sampler (one per device, created
+    lazily), seeded with `seed` when given so an engine run is reproducible as a whole.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed % (1 << 64))
+            self._generators[device] = generator
+        return generator
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """One token per row from logits [B, V] (any float dtype); see the module docstring."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+        want_logprobs = [row.config.logprobs for row in rows if row.config.logprobs is not None]
+        all_greedy = all(row.config.greedy for row in rows)
+        needs_processing = any(row.has_penalties or row.suppresses_stop for row in rows)
+
+        if all_greedy and not needs_processing and not want_logprobs:
+            # Fast path: argmax is exact on the native dtype (float32 widening is monotone).
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+
+        processed = process_logits(logits, rows) if needs_processing else logits.float()
+        greedy_ids = processed.argmax(dim=-1)
+        if all_greedy:
+            token_ids = greedy_ids
+        else:
+            sampled = self._sample_rows(warp_logits(processed, rows), rows)
+            greedy_mask = torch.tensor([row.config.greedy for row in rows]).to(logits.device)
+            token_ids = torch.where(greedy_mask, greedy_ids, sampled)
+
+        if not want_logprobs:
+            return SamplerOutput(token_ids=token_ids)
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        k_max = max(want_logprobs)
+        if k_max > 0:
+            values, ids = torch.topk(raw, min(k_max, raw.shape[1]), dim=-1)
+        else:
+            values = raw.new_empty((raw.shape[0], 0))
+            ids = token_ids.new_empty((raw.shape[0], 0))
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=(values, ids))
+
+    def _sample_rows(self, warped: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Exponential race on warped logits: argmax(probs / E) ~ Categorical(probs).
+
+        Seeded rows draw exactly V exponentials per step from their own generator, so their
+        stream does not depend on batch size or position. Greedy rows get E = 1 (their result is
+        replaced by the argmax anyway) so they do not consume the shared generator.
+        """
+        probs = warped.softmax(dim=-1)
+        batch = len(rows)
+        shared = [i for i, row in enumerate(rows)
+                  if not row.config.greedy and row.generator is None]
+        seeded = [i for i, row in enumerate(rows)
+                  if not row.config.greedy and row.generator is not None]
+        noise = torch.empty_like(probs)
+        default = self._default_generator(probs.device)
+        if len(shared) == batch:
+            noise.exponential_(generator=default)
+        else:
+            noise.fill_(1.0)
+            if shared:
+                draws = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype,
+                                    device=probs.device).exponential_(generator=default)
+                noise.index_copy_(0, torch.tensor(shared, device=probs.device), draws)
+            for i in seeded:
+                noise[i].exponential_(generator=rows[i].generator)
+        # A zero draw would turn a removed token's 0 probability into 0/0 = NaN; clamp it away.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)

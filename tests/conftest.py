@@ -1,0 +1,18 @@
+"""Shared fixtures: the real default model (SmolLM2-135M-Instruct) converted once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores on CI: let torch use both, and keep results deterministic across runs.
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from ksana_llm.loader import resolve_model_dir
+
+    return resolve_model_dir(None)

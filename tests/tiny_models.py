@@ -1,0 +1,43 @@
+"""Tiny random checkpoints built with transformers, saved as real HF folders, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY_CONFIGS = {
+    "llama2": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
+    "llama3-rope-scaling": lambda: LlamaConfig(
+        **{**COMMON, "max_position_embeddings": 1024}, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}),
+    "smollm-tied-mha": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 4},
+                                           tie_word_embeddings=True),
+    "yi-gqa4-bias": lambda: LlamaConfig(**{**COMMON, "num_attention_heads": 8,
+                                           "num_key_value_heads": 2, "head_dim": 16},
+                                        attention_bias=True, tie_word_embeddings=False),
+    "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False),
+}
+
+
+def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True,
+                     seed: int = 0) -> torch.nn.Module:
+    """Create, save and return the HF reference model (fp32, eval mode)."""
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[name]()
+    cls = MistralForCausalLM if isinstance(config, MistralConfig) else LlamaForCausalLM
+    model = cls(config).eval()
+    # Random init leaves biases at 0; give them values so a dropped bias would be noticed.
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(folder, safe_serialization=safe_serialization)
+    return model
