@@ -260,6 +260,23 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
 
 
+def test_stale_staging_is_cleaned_but_fresh_kept(tmp_path: Path) -> None:
+    target = tmp_path / "gguf" / "m-abc"
+    target.parent.mkdir(parents=True)
+    stale = target.parent / ".m-abc.111-deadbeef.tmp"
+    fresh = target.parent / ".m-abc.222-cafebabe.tmp"
+    unrelated = target.parent / ".other.333-0.tmp"
+    for folder in (stale, fresh, unrelated):
+        folder.mkdir()
+    old = time.time() - 2 * 24 * 3600
+    os.utime(stale, (old, old))
+    os.utime(unrelated, (old, old))
+    gguf_convert._remove_stale_staging(target)
+    assert not stale.exists()
+    assert fresh.exists(), "a running conversion's staging folder must survive"
+    assert unrelated.exists(), "only this target's leftovers are touched"
+
+
 def _finished_folder(path: Path, content: str) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(content)

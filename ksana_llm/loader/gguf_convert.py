@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,9 @@ CACHE_ENV_VAR = "KSANA_LLM_CACHE"
 # somebody created by hand (or an older, interrupted layout) is never mistaken for a good one.
 COMPLETE_MARKER = "ksana_llm_conversion.json"
 _GGUF_MAGIC = b"GGUF"
+_STAGING_SUFFIX = ".tmp"
+# Far longer than any conversion takes, so a live conversion's staging folder is never removed.
+_STALE_STAGING_AGE_S = 24 * 3600
 
 
 def default_cache_dir() -> Path:
@@ -71,8 +74,8 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], cache_dir: str | os.Pa
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Same parent as the target, so the final os.replace is a rename within one filesystem.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    _remove_stale_staging(target)
+    staging = _new_staging_dir(target)
     LOGGER.info("Converting %s to a Hugging Face checkpoint in %s (done once, then cached)", source, target)
     started = time.perf_counter()
     try:
@@ -101,6 +104,33 @@ def _validated_gguf(gguf_path: str | os.PathLike[str]) -> Path:
     if magic != _GGUF_MAGIC:
         raise ValueError(f"{source} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
     return source
+
+
+def _new_staging_dir(target: Path) -> Path:
+    """Create an empty, uniquely named, hidden sibling of ``target`` to convert into.
+
+    A sibling, so the final ``os.replace`` is a rename within one filesystem. Created with
+    ``mkdir`` rather than ``tempfile.mkdtemp`` so it gets the usual umask permissions instead of
+    0700: the published cache folder should be readable like any other.
+    """
+    staging = target.parent / f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{_STAGING_SUFFIX}"
+    staging.mkdir()
+    return staging
+
+
+def _remove_stale_staging(target: Path) -> None:
+    """Delete staging folders for ``target`` left by processes killed mid-conversion.
+
+    Only old ones: a young staging folder may belong to a conversion still running elsewhere.
+    """
+    cutoff = time.time() - _STALE_STAGING_AGE_S
+    for leftover in target.parent.glob(f".{target.name}.*{_STAGING_SUFFIX}"):
+        try:
+            if leftover.stat().st_mtime < cutoff:
+                LOGGER.info("Removing leftover staging folder %s", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+        except FileNotFoundError:
+            continue  # another process cleaned it up first
 
 
 def _fingerprint(source: Path) -> dict[str, Any]:

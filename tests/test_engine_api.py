@@ -1,0 +1,193 @@
+"""The Python API on the real default model: streaming, async, abort, bounded queue, bad input,
+priorities, callbacks, stats and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import ksana_llm as kt
+
+PROMPT = "Tell me a short story about a cat."
+
+
+@pytest.fixture(scope="module")
+def model(default_model_dir):
+    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with kt.Engine(model, generation_config=kt.GenerationConfig(max_new_tokens=16),
+                   num_device_blocks=256) as engine:
+        yield engine
+
+
+def test_stream_joined_equals_text(engine):
+    config = kt.GenerationConfig(max_new_tokens=40)
+    deltas = list(engine.generate("你好！请用中文介绍一下你自己，再加一个表情符号。", config, stream=True))
+    text = engine.generate("你好！请用中文介绍一下你自己，再加一个表情符号。", config)
+    assert "".join(deltas) == text and len(deltas) > 1
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_list_of_prompts_and_token_ids(engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    texts = engine.generate([PROMPT, ids], use_tqdm=False)
+    assert isinstance(texts, list) and texts[0] == texts[1] != ""
+    out = engine.generate_outputs(ids, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.finish_reason in ("stop", "length")
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.metrics.ttft is not None and out.metrics.latency >= out.metrics.ttft
+
+
+def test_per_request_config_and_stop_tokens(engine):
+    short, longer = kt.GenerationConfig(max_new_tokens=3), kt.GenerationConfig(max_new_tokens=9,
+                                                                               ignore_eos=True)
+    outs = engine.generate_outputs([PROMPT, PROMPT], [short, longer], use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [3, 9]
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert outs[1].token_ids[:3] == outs[0].token_ids
+    stop_id = outs[1].token_ids[4]
+    out = engine.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=9, stop_token_ids=[stop_id]),
+                                  use_tqdm=False)[0]
+    first = outs[1].token_ids.index(stop_id)
+    assert out.token_ids == outs[1].token_ids[:first + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_id
+
+
+def test_stop_string_truncates(engine):
+    full = engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    stop = full.split()[3]
+    cut = engine.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=30, stop=[stop]),
+                                  use_tqdm=False)[0]
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    assert cut.stop_reason == stop
+
+
+def test_min_new_tokens_suppresses_eos(engine, model):
+    # An answer this model ends quickly; min_new_tokens forbids EOS until then.
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                 add_generation_prompt=True, tokenize=False)
+    free = engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=64), use_tqdm=False)[0]
+    assert free.finish_reason == "stop"
+    forced = engine.generate_outputs(
+        prompt, kt.GenerationConfig(max_new_tokens=64, min_new_tokens=len(free.token_ids) + 5),
+        use_tqdm=False)[0]
+    assert len(forced.token_ids) >= len(free.token_ids) + 5
+    assert not set(forced.token_ids[:len(free.token_ids) + 4]) & set(model.eos_token_ids)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    config = kt.GenerationConfig(max_new_tokens=20, do_sample=True, temperature=1.0, top_p=0.9,
+                                 seed=1234, ignore_eos=True)
+    a = engine.generate(PROMPT, config)
+    b = engine.generate([PROMPT, "Another prompt to share the batch.", PROMPT],
+                        [config, kt.GenerationConfig(do_sample=True), config], use_tqdm=False)
+    assert a == b[0] == b[2]
+
+
+def test_async_generate_and_stream(engine):
+    async def main():
+        texts = await asyncio.gather(*(engine.generate_async(p) for p in (PROMPT, "Hello!")))
+        deltas = [d async for d in engine.stream_async(PROMPT)]
+        return texts, deltas
+
+    texts, deltas = asyncio.run(main())
+    assert texts[0] == engine.generate(PROMPT) and "".join(deltas) == texts[0]
+
+
+def test_submit_with_callback_and_priority(model):
+    seen = []
+    # One sequence per step, so the order of completion follows the priority order.
+    with kt.Engine(model, num_device_blocks=64, max_num_seqs=1, scheduler="priority",
+                   generation_config=kt.GenerationConfig(max_new_tokens=4)) as engine:
+        gate = threading.Event()
+        blocker = engine.submit(kt.Request(PROMPT, callback=lambda out: gate.wait(5)))
+        handles = [engine.submit(kt.Request(f"Prompt number {p}", priority=p,
+                                            callback=lambda out, p=p: out.finished and seen.append(p)))
+                   for p in (5, 1, 3)]
+        gate.set()
+        for h in [blocker, *handles]:
+            h.result(timeout=60)
+    assert seen == [1, 3, 5]
+
+
+def test_abort_frees_every_block(engine):
+    handle = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=500,
+                                                                  ignore_eos=True)))
+    stream = iter(handle)
+    next(stream)
+    engine.abort(handle.id)
+    out = handle.result(timeout=30)
+    assert out.finish_reason == "abort" and out.finished
+    deadline = time.monotonic() + 10
+    while engine.stats().num_free_kv_blocks != 256 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = engine.stats()
+    assert stats.num_free_kv_blocks == 256 and stats.num_running == 0
+
+
+def test_full_queue_raises(model):
+    with kt.Engine(model, num_device_blocks=64, max_queue_size=2, max_num_seqs=1,
+                   generation_config=kt.GenerationConfig(max_new_tokens=64, ignore_eos=True)) as engine:
+        handles, error = [], None
+        for _ in range(10):
+            try:
+                handles.append(engine.submit(PROMPT))
+            except kt.QueueFullError as exc:
+                error = exc
+                break
+        assert error is not None and "queue is full" in str(error)
+        assert len(handles) <= 3
+        for h in handles:
+            assert h.result(timeout=120).finished
+        # After the queue drains, submissions work again.
+        assert engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("prompt, config, field", [
+    ("", {}, "prompt"),
+    ([], {}, "prompt"),
+    ([10**9], {}, "prompt"),
+    (PROMPT, {"max_new_tokens": 0}, "max_new_tokens"),
+    (PROMPT, {"temperature": -0.5}, "temperature"),
+    (PROMPT, {"top_p": 0.0}, "top_p"),
+    (PROMPT, {"top_p": 1.5}, "top_p"),
+    (PROMPT, {"top_k": -3}, "top_k"),
+    (PROMPT, {"repetition_penalty": 0}, "repetition_penalty"),
+    (PROMPT, {"no_such_field": 1}, "no_such_field"),
+])
+def test_bad_input_names_the_field_and_engine_keeps_serving(engine, prompt, config, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate(prompt, config)
+    assert engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
+
+
+def test_prompt_longer_than_context(engine, model):
+    too_long = [100] * model.max_context
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate(too_long)
+    assert engine.is_running
+
+
+def test_stats_report_queue_kv_and_latency(engine):
+    engine.generate([PROMPT, "Hello"], use_tqdm=False)
+    stats = engine.stats()
+    assert stats.num_kv_blocks == 256 and 0.0 <= stats.kv_cache_usage <= 1.0
+    assert stats.num_finished >= 2 and stats.ttft_p50_s is not None and stats.mean_latency_s > 0
+    assert stats.generation_tokens_per_s > 0
+
+
+def test_shutdown_fails_pending_requests(model):
+    engine = kt.Engine(model, num_device_blocks=64)
+    handle = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=2000,
+                                                                  ignore_eos=True)))
+    engine.shutdown()
+    with pytest.raises(kt.api.outputs.RequestError):
+        handle.result(timeout=30)
+    with pytest.raises(kt.EngineDeadError):
+        engine.submit(PROMPT)

@@ -1,0 +1,521 @@
+"""BlockManager bookkeeping: block ids, refcounts, free-queue order, prefix cache, host swap pool.
+
+No model and no tensors: a "computed" token is simulated the way the engine core does it
+(`seq.num_computed_tokens += n; block_manager.cache_full_blocks(seq)`), and every expected value
+below follows from the algorithm described in `ksana_llm/engine/kv_cache.py`:
+
+* new blocks are taken from the front of the free queue;
+* a block whose refcount drops to zero goes to the back of the free queue if it holds a cached
+  (hashed) full block, to the very front otherwise;
+* `free` releases a sequence's blocks tail first;
+* a full block's key is hash(parent key, its tokens); a partial block is never published;
+* `match_prefix` always leaves at least one token to compute.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ksana_llm.engine.kv_cache import BlockManager, PrefixMatch, hash_block
+from ksana_llm.engine.request import Sequence
+from ksana_llm.generation_config import GenerationConfig
+
+
+def make_seq(request_id: str, tokens, **kwargs) -> Sequence:
+    return Sequence(request_id, list(tokens), GenerationConfig(), **kwargs)
+
+
+def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
+    """What the engine core does after a step that computed `num_tokens` tokens of `seq`."""
+    if num_tokens is None:
+        num_tokens = seq.num_tokens - seq.num_computed_tokens
+    seq.num_computed_tokens += num_tokens
+    assert seq.num_computed_tokens <= seq.num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> PrefixMatch:
+    """Admit a new sequence the way the scheduler does: prefix match, allocate, compute all."""
+    prefix = bm.match_prefix(seq)
+    assert bm.allocate(seq, seq.num_tokens - prefix.num_tokens, prefix)
+    seq.num_computed_tokens = prefix.num_tokens
+    compute(bm, seq)
+    return prefix
+
+
+def free_queue(bm: BlockManager) -> list[int]:
+    return list(bm.free_queue)
+
+
+# A 10-token prompt: with block_size 4 it fills blocks 0 and 1 and 2 tokens of a third block.
+PROMPT10 = list(range(1, 11))
+H0 = hash_block(None, (1, 2, 3, 4))
+H1 = hash_block(H0, (5, 6, 7, 8))
+
+
+# ---- construction and queries --------------------------------------------------------------
+def test_initial_state():
+    bm = BlockManager(8, 4)
+    assert free_queue(bm) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert bm.num_free_blocks == 8
+    assert bm.ref_counts == [0] * 8
+    assert bm.block_key == [None] * 8
+    assert bm.cached_blocks == {}
+    assert bm.usage == 0.0
+    assert bm.free_host_blocks == []
+    assert [bm.blocks_needed(n) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("num_blocks,block_size", [(0, 4), (4, 0), (-1, 4)])
+def test_rejects_empty_pool(num_blocks, block_size):
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks, block_size)
+
+
+def test_host_pool_hands_out_lowest_ids_first():
+    bm = BlockManager(4, 4, num_host_blocks=3)
+    # free_host_blocks is a stack: pop() gives 0, then 1, then 2.
+    assert bm.free_host_blocks == [2, 1, 0]
+
+
+# ---- allocation ----------------------------------------------------------------------------
+def test_allocate_takes_blocks_from_front_of_free_queue():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    a = make_seq("a", PROMPT10)
+    assert bm.allocate(a, 10)
+    assert a.block_table == [0, 1, 2]
+    assert bm.ref_counts == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert free_queue(bm) == [3, 4, 5, 6, 7]
+    assert bm.num_free_blocks == 5
+    assert bm.usage == pytest.approx(3 / 8)
+
+    b = make_seq("b", [50, 51, 52, 53, 54])
+    assert bm.allocate(b, 5)
+    assert b.block_table == [3, 4]
+    assert free_queue(bm) == [5, 6, 7]
+
+
+def test_allocate_grows_only_when_a_block_boundary_is_crossed():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    a = make_seq("a", PROMPT10)
+    assert bm.allocate(a, 10)
+    compute(bm, a)
+    # Decodes of tokens 11 and 12 fit in block 2 (which holds tokens 9..12).
+    for token in (100, 101):
+        a.output_token_ids.append(token)
+        assert bm.allocate(a, 1)
+        assert a.block_table == [0, 1, 2]
+        compute(bm, a)
+    # Token 13 needs a fourth block.
+    a.output_token_ids.append(102)
+    assert bm.allocate(a, 1)
+    assert a.block_table == [0, 1, 2, 3]
+    assert free_queue(bm) == [4, 5, 6, 7]
+
+
+def test_allocate_failure_changes_nothing():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    a = make_seq("a", range(12))
+    assert bm.allocate(a, 12)  # blocks 0, 1, 2
+    b = make_seq("b", range(100, 108))
+    assert not bm.allocate(b, 8)  # needs 2 blocks, 1 free
+    assert b.block_table == []
+    assert bm.ref_counts == [1, 1, 1, 0]
+    assert free_queue(bm) == [3]
+    # A sequence that already holds blocks and cannot grow is left as it was, too.
+    compute(bm, a)
+    a.output_token_ids.append(7)
+    assert bm.allocate(a, 1)
+    assert a.block_table == [0, 1, 2, 3]
+    compute(bm, a)
+    for t in range(4):
+        a.output_token_ids.append(t)
+    assert not bm.allocate(a, 4)
+    assert a.block_table == [0, 1, 2, 3]
+    assert bm.ref_counts == [1, 1, 1, 1]
+    assert free_queue(bm) == []
+
+
+# ---- free and free-queue order -------------------------------------------------------------
+def test_free_without_prefix_caching_puts_blocks_at_front():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    a, b = make_seq("a", PROMPT10), make_seq("b", range(5))
+    assert bm.allocate(a, 10) and bm.allocate(b, 5)
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [3, 4])
+    assert free_queue(bm) == [5, 6, 7]
+
+    bm.free(a)
+    # Released tail first (2, 1, 0), each moved to the front: nothing in them is reusable.
+    assert free_queue(bm) == [0, 1, 2, 5, 6, 7]
+    assert a.block_table == []
+    assert a.num_registered_blocks == 0
+    assert bm.ref_counts == [0, 0, 0, 1, 1, 0, 0, 0]
+
+    bm.free(b)
+    assert free_queue(bm) == [3, 4, 0, 1, 2, 5, 6, 7]
+    assert bm.ref_counts == [0] * 8
+    assert bm.usage == 0.0
+    assert bm.cached_blocks == {}
+
+
+def test_free_puts_cached_blocks_at_back_tail_first():
+    bm = BlockManager(6, 4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    assert a.block_table == [0, 1, 2]
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+    assert free_queue(bm) == [3, 4, 5]
+
+    bm.free(a)
+    # Block 2 (partial, uncached) goes to the front; the cached blocks go to the back, tail (1)
+    # before head (0), so the head of the prefix is evicted last.
+    assert free_queue(bm) == [2, 3, 4, 5, 1, 0]
+    # Freed cached blocks keep their keys until they are evicted.
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+    assert bm.block_key[:3] == [H0, H1, None]
+    assert bm.num_free_blocks == 6
+    assert bm.usage == 0.0
+
+
+def test_eviction_order_least_recently_freed_cached_block_first():
+    bm = BlockManager(8, 2)
+    a = make_seq("a", [1, 2, 3, 4])
+    b = make_seq("b", [5, 6, 7, 8])
+    admit(bm, a)
+    admit(bm, b)
+    assert (a.block_table, b.block_table) == ([0, 1], [2, 3])
+    ka = a.block_hashes
+    kb = b.block_hashes
+    assert bm.cached_blocks == {ka[0]: 0, ka[1]: 1, kb[0]: 2, kb[1]: 3}
+
+    bm.free(a)
+    bm.free(b)
+    assert free_queue(bm) == [4, 5, 6, 7, 1, 0, 3, 2]
+
+    # 5 blocks: the 4 never-used ones, then the least recently freed cached block (a's tail).
+    c = make_seq("c", range(100, 110))
+    assert bm.allocate(c, 10)
+    assert c.block_table == [4, 5, 6, 7, 1]
+    assert free_queue(bm) == [0, 3, 2]
+    # The evicted block's key is forgotten; the others survive.
+    assert bm.block_key[1] is None
+    assert bm.cached_blocks == {ka[0]: 0, kb[0]: 2, kb[1]: 3}
+    assert bm.match_prefix(make_seq("a2", [1, 2, 3, 4, 9])) == PrefixMatch([0], 2)
+    assert bm.match_prefix(make_seq("b2", [5, 6, 7, 8, 9])) == PrefixMatch([2, 3], 4)
+
+    # One more: a's head (block 0) goes next, then b's tail (3).
+    d = make_seq("d", range(200, 204))
+    assert bm.allocate(d, 4)
+    assert d.block_table == [0, 3]
+    assert free_queue(bm) == [2]
+    assert bm.cached_blocks == {kb[0]: 2}
+    assert bm.block_key == [None, None, kb[0], None, None, None, None, None]
+    assert bm.match_prefix(make_seq("a3", [1, 2, 3, 4, 9])) == PrefixMatch([], 0)
+    assert bm.match_prefix(make_seq("b3", [5, 6, 7, 8, 9])) == PrefixMatch([2], 2)
+
+
+# ---- prefix cache --------------------------------------------------------------------------
+def test_hash_chain_depends_on_every_earlier_token():
+    assert hash_block(None, (1, 2)) == hash_block(None, (1, 2))
+    assert hash_block(None, (1, 2)) != hash_block(None, (2, 1))
+    parent_a, parent_b = hash_block(None, (1, 2)), hash_block(None, (3, 4))
+    assert hash_block(parent_a, (5, 6)) != hash_block(parent_b, (5, 6))
+
+
+def test_block_hashes_cover_full_blocks_including_output_tokens():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", [1, 2, 3, 4, 5, 6])
+    bm.update_block_hashes(a)
+    assert a.block_hashes == [H0]
+    a.output_token_ids += [7, 8]
+    bm.update_block_hashes(a)
+    assert a.block_hashes == [H0, H1]
+
+
+def test_cache_full_blocks_publishes_only_computed_full_blocks():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", PROMPT10)
+    assert bm.allocate(a, 10)
+    assert a.block_table == [0, 1, 2]
+
+    compute(bm, a, 3)  # block 0 not full yet
+    assert bm.cached_blocks == {}
+    assert a.num_registered_blocks == 0
+
+    compute(bm, a, 3)  # 6 computed: block 0 full, block 1 half
+    assert bm.cached_blocks == {H0: 0}
+    assert bm.block_key[:3] == [H0, None, None]
+    assert a.num_registered_blocks == 1
+
+    compute(bm, a, 4)  # 10 computed: blocks 0 and 1 full, block 2 holds 2 tokens
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+    assert bm.block_key[:3] == [H0, H1, None]
+    assert a.num_registered_blocks == 2
+    assert a.block_hashes == [H0, H1]
+
+    # Calling it again changes nothing.
+    bm.cache_full_blocks(a)
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+
+
+def test_match_prefix_returns_the_cached_chain():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    assert (bm.prefix_queries, bm.prefix_hits) == (10, 0)
+
+    # Shares both full blocks.
+    b = make_seq("b", list(range(1, 9)) + [99, 100, 101])
+    assert bm.match_prefix(b) == PrefixMatch([0, 1], 8)
+    assert (bm.prefix_queries, bm.prefix_hits) == (21, 8)
+    # Shares the first block only.
+    c = make_seq("c", [1, 2, 3, 4, 50, 6, 7, 8, 9])
+    assert bm.match_prefix(c) == PrefixMatch([0], 4)
+    # Same second-block tokens, different first block: the chain breaks at block 0.
+    d = make_seq("d", [0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert bm.match_prefix(d) == PrefixMatch([], 0)
+    # Shorter than one full block + 1: nothing can match.
+    e = make_seq("e", [1, 2, 3, 4])
+    assert bm.match_prefix(e) == PrefixMatch([], 0)
+    assert (bm.prefix_queries, bm.prefix_hits) == (10 + 11 + 9 + 9 + 4, 8 + 4)
+    # Matching reserves nothing.
+    assert bm.ref_counts[:3] == [1, 1, 1]
+
+
+def test_full_prefix_hit_leaves_at_least_one_token_to_compute():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", range(1, 9))  # exactly 2 full blocks
+    admit(bm, a)
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+
+    # Identical 8-token prompt: only (8 - 1) // 4 = 1 block may be reused.
+    b = make_seq("b", range(1, 9))
+    prefix = bm.match_prefix(b)
+    assert prefix == PrefixMatch([0], 4)
+    assert bm.allocate(b, 4, prefix)
+    assert b.block_table == [0, 2]
+    assert bm.ref_counts[:3] == [2, 1, 1]
+    assert b.num_registered_blocks == 1
+    b.num_computed_tokens = prefix.num_tokens
+    compute(bm, b)
+    # b's block 2 holds the same tokens as a's block 1, whose key is already published: block 2
+    # stays unkeyed and the cache still points at block 1.
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+    assert bm.block_key[:3] == [H0, H1, None]
+    assert b.num_registered_blocks == 2
+
+    # One more token after the shared 8: both blocks are reused, 1 token is computed.
+    c = make_seq("c", list(range(1, 9)) + [42])
+    assert bm.match_prefix(c) == PrefixMatch([0, 1], 8)
+
+
+def test_partial_last_block_is_never_shared():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", [1, 2, 3, 4, 5, 6])  # block 1 holds 2 tokens
+    admit(bm, a)
+    assert a.block_table == [0, 1]
+    assert bm.cached_blocks == {H0: 0}
+
+    b = make_seq("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert bm.match_prefix(b) == PrefixMatch([0], 4)
+
+    # Once a's decodes fill block 1 (tokens 7 and 8 are outputs), it is published.
+    for token in (7, 8):
+        a.output_token_ids.append(token)
+        assert bm.allocate(a, 1)
+        compute(bm, a)
+    assert a.block_table == [0, 1]
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+    assert bm.match_prefix(b) == PrefixMatch([0, 1], 8)
+
+
+def test_adopting_cached_free_blocks_revives_them():
+    bm = BlockManager(6, 4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    bm.free(a)
+    assert free_queue(bm) == [2, 3, 4, 5, 1, 0]
+
+    b = make_seq("b", PROMPT10)
+    prefix = bm.match_prefix(b)
+    assert prefix == PrefixMatch([0, 1], 8)
+    assert bm.allocate(b, 2, prefix)
+    # Blocks 0 and 1 leave the free queue; the third block is the front one (2).
+    assert b.block_table == [0, 1, 2]
+    assert bm.ref_counts == [1, 1, 1, 0, 0, 0]
+    assert free_queue(bm) == [3, 4, 5]
+    assert b.num_registered_blocks == 2
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+
+
+def test_adopting_blocks_in_use_shares_them():
+    bm = BlockManager(6, 4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    b = make_seq("b", list(range(1, 9)) + [70, 71, 72, 73, 74])
+    prefix = bm.match_prefix(b)
+    assert prefix == PrefixMatch([0, 1], 8)
+    assert bm.allocate(b, 5, prefix)
+    assert b.block_table == [0, 1, 3, 4]
+    assert bm.ref_counts == [2, 2, 1, 1, 1, 0]
+    assert free_queue(bm) == [5]
+
+    bm.free(a)
+    # Shared blocks stay out of the free queue; a's partial block goes to the front.
+    assert bm.ref_counts == [1, 1, 0, 1, 1, 0]
+    assert free_queue(bm) == [2, 5]
+    bm.free(b)
+    # b computed nothing into blocks 3 and 4, so they are unkeyed and go to the front (released
+    # tail first: 4, then 3); the cached blocks 1 and 0 go to the back.
+    assert free_queue(bm) == [3, 4, 2, 5, 1, 0]
+
+
+def test_allocate_counts_revived_blocks_against_free_space():
+    bm = BlockManager(3, 4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    bm.free(a)
+    assert free_queue(bm) == [2, 1, 0]
+
+    # 14 tokens: blocks 0 and 1 revived + 2 new = 4 > 3 free.
+    b = make_seq("b", PROMPT10 + [11, 12, 13, 14])
+    prefix = bm.match_prefix(b)
+    assert prefix == PrefixMatch([0, 1], 8)
+    assert not bm.allocate(b, 6, prefix)
+    assert b.block_table == []
+    assert b.num_registered_blocks == 0
+    assert bm.ref_counts == [0, 0, 0]
+    assert free_queue(bm) == [2, 1, 0]
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+
+    # 12 tokens fit exactly: 2 revived + 1 new (block 2).
+    c = make_seq("c", PROMPT10 + [11, 12])
+    prefix = bm.match_prefix(c)
+    assert prefix == PrefixMatch([0, 1], 8)
+    assert bm.allocate(c, 4, prefix)
+    assert c.block_table == [0, 1, 2]
+    assert free_queue(bm) == []
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    assert bm.cached_blocks == {}
+    assert bm.block_key == [None] * 8
+    assert a.num_registered_blocks == 0
+    b = make_seq("b", PROMPT10)
+    assert bm.match_prefix(b) == PrefixMatch([], 0)
+    assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
+
+
+# ---- fork ----------------------------------------------------------------------------------
+def test_fork_shares_blocks_by_refcount():
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    parent = make_seq("p", range(8))
+    assert bm.allocate(parent, 8)
+    child = make_seq("c", range(8))
+    bm.fork(parent, child)
+    assert child.block_table == [0, 1]
+    assert child.block_table is not parent.block_table
+    assert bm.ref_counts[:2] == [2, 2]
+    assert free_queue(bm) == [2, 3, 4, 5]
+
+    bm.free(parent)
+    assert bm.ref_counts[:2] == [1, 1]
+    assert free_queue(bm) == [2, 3, 4, 5]
+    bm.free(child)
+    assert bm.ref_counts[:2] == [0, 0]
+    assert free_queue(bm) == [0, 1, 2, 3, 4, 5]
+
+
+# ---- host swap pool ------------------------------------------------------------------------
+def test_swap_out_and_in_mappings():
+    bm = BlockManager(4, 4, num_host_blocks=3)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    assert a.block_table == [0, 1, 2]
+    assert free_queue(bm) == [3]
+
+    mapping = bm.swap_out(a)
+    assert mapping == [(0, 0), (1, 1), (2, 2)]
+    assert a.host_block_table == [0, 1, 2]
+    assert a.block_table == []
+    assert a.num_computed_tokens == 10  # the KV lives on the host now
+    assert bm.free_host_blocks == []
+    assert bm.ref_counts == [0, 0, 0, 0]
+    assert free_queue(bm) == [2, 3, 1, 0]
+    assert bm.cached_blocks == {H0: 0, H1: 1}
+
+    # Swap back in with room for one decode token (11 tokens -> 3 blocks), front of the queue first.
+    a.output_token_ids.append(500)
+    mapping = bm.swap_in(a, 1)
+    assert mapping == [(0, 2), (1, 3), (2, 1)]
+    assert a.block_table == [2, 3, 1]
+    assert a.host_block_table == []
+    assert bm.free_host_blocks == [2, 1, 0]
+    assert free_queue(bm) == [0]
+    # Block 1 was a's old cached block: reusing it evicted its key.
+    assert bm.cached_blocks == {H0: 0}
+    assert bm.block_key == [H0, None, None, None]
+
+    # The swapped-in blocks are published again as tokens are computed on them.
+    compute(bm, a, 1)
+    assert a.num_computed_tokens == 11
+    assert bm.cached_blocks == {H0: 0, H1: 3}
+    assert bm.block_key == [H0, None, None, H1]
+
+
+def test_swap_out_needs_room_for_every_block():
+    bm = BlockManager(4, 4, num_host_blocks=2)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    assert bm.swap_out(a) is None
+    assert a.block_table == [0, 1, 2]
+    assert a.host_block_table == []
+    assert bm.free_host_blocks == [1, 0]
+    assert bm.ref_counts == [1, 1, 1, 0]
+    assert free_queue(bm) == [3]
+
+
+def test_swap_in_needs_free_device_blocks():
+    bm = BlockManager(4, 4, num_host_blocks=4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    assert bm.swap_out(a) == [(0, 0), (1, 1), (2, 2)]
+    b = make_seq("b", range(100, 108))
+    assert bm.allocate(b, 8)
+    assert b.block_table == [2, 3]
+    assert free_queue(bm) == [1, 0]
+
+    a.output_token_ids.append(500)
+    assert bm.swap_in(a, 1) is None
+    assert a.block_table == []
+    assert a.host_block_table == [0, 1, 2]
+    assert bm.free_host_blocks == [3]
+    assert free_queue(bm) == [1, 0]
+
+    bm.free(b)
+    assert free_queue(bm) == [2, 3, 1, 0]
+    assert bm.swap_in(a, 1) == [(0, 2), (1, 3), (2, 1)]
+    assert bm.free_host_blocks == [3, 2, 1, 0]
+
+
+def test_swap_out_of_shared_blocks_keeps_other_owner():
+    bm = BlockManager(6, 4, num_host_blocks=4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    b = make_seq("b", PROMPT10)
+    prefix = admit(bm, b)
+    assert prefix == PrefixMatch([0, 1], 8)
+    assert b.block_table == [0, 1, 3]
+    assert bm.ref_counts == [2, 2, 1, 1, 0, 0]
+
+    assert bm.swap_out(b) == [(0, 0), (1, 1), (3, 2)]
+    assert bm.ref_counts == [1, 1, 1, 0, 0, 0]
+    assert free_queue(bm) == [3, 4, 5]
+    assert bm.free_host_blocks == [3]
+
+    bm.free_host(b)
+    assert b.host_block_table == []
+    assert bm.free_host_blocks == [3, 2, 1, 0]
