@@ -11,7 +11,7 @@ import pytest
 
 import ksana_llm as kt
 
-PROMPT = "Tell me a short story about a cat."
+PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
 
 @pytest.fixture(scope="module")

@@ -382,22 +382,47 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_full():
     assert sched.block_manager.free_host_blocks == [0]
 
 
-def test_swap_in_respects_max_num_seqs_and_budget():
+def test_swap_in_resumes_a_chunked_prefill():
     sched = make_scheduler(num_blocks=5, num_host_blocks=4, max_step_tokens=100, preempt_mode=0,
-                           max_num_seqs=2)
-    a, b = make_seq("a", 8), make_seq("b", 8)
+                           split_fuse_token_num=4)
+    bm = sched.block_manager
+    a, b = make_seq("a", 8), make_seq("b", 12)
     sched.add(a)
     sched.add(b)
-    step(sched)
-    step(sched)  # b swapped out
-    assert ids(sched.swapped) == ["b"]
-    # Free enough blocks without finishing a: the running count (1) is below max_num_seqs.
+    assert plan(step(sched)) == [("a", 4), ("b", 4)]
+    assert plan(step(sched)) == [("a", 4), ("b", 4)]
+    assert (a.block_table, b.block_table) == ([0, 2], [1, 3])
+
+    # a's decode takes the last free block; b's next chunk needs a third block: b swaps out
+    # with 8 of its 12 prompt tokens computed.
     out = step(sched)
-    assert plan(out) == [("a", 1)]  # b still lacks blocks (needs 3, 2 free)
+    assert plan(out) == [("a", 1)]
+    assert out.preempted == [b] and out.swap_out == [(1, 0), (3, 1)]
+    assert b.num_computed_tokens == 8
+
     sched.finish(a)
+    assert list(bm.free_queue) == [4, 3, 1, 2, 0]
     out = step(sched)
-    assert plan(out) == [("b", 1)]
+    # Back in with room for a split_fuse-sized chunk: the last 4 prompt tokens.
     assert out.swap_in == [(0, 4), (1, 3)]
+    assert plan(out) == [("b", 4)]
+    assert b.block_table == [4, 3, 1]
+    assert b.num_computed_tokens == 12 and len(b.output_token_ids) == 1
+
+
+def test_swap_preempts_the_last_running_sequence():
+    sched = make_scheduler(num_blocks=4, num_host_blocks=4, max_step_tokens=100, preempt_mode=0)
+    a, b, c = make_seq("a", 4), make_seq("b", 4), make_seq("c", 4)
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    assert (a.block_table, b.block_table, c.block_table) == ([0], [1], [2])
+    out = step(sched)
+    assert plan(out) == [("a", 1), ("b", 1)]
+    assert out.preempted == [c] and out.swap_out == [(2, 0)]
+    assert (a.block_table, b.block_table) == ([0, 3], [1, 2])
+    assert c.host_block_table == [0] and c.num_computed_tokens == 4
+    assert ids(sched.swapped) == ["c"] and ids(sched.running) == ["a", "b"]
 
 
 # ---- victim choice -------------------------------------------------------------------------
@@ -541,9 +566,11 @@ def test_remove_swapped_sequence_frees_its_host_blocks():
     assert not sched.has_work()
 
 
-def test_requests_run_to_completion_and_release_everything():
-    sched = make_scheduler(num_blocks=6, num_host_blocks=6, max_step_tokens=7, preempt_mode=0,
-                           split_fuse_token_num=5)
+@pytest.mark.parametrize("preempt_mode", [0, 1])
+def test_requests_run_to_completion_and_release_everything(preempt_mode):
+    # 5 blocks of 4 tokens for 5 requests of 3..11 prompt tokens + 4 outputs: preemptions happen.
+    sched = make_scheduler(num_blocks=5, num_host_blocks=6, max_step_tokens=7,
+                           preempt_mode=preempt_mode, split_fuse_token_num=5)
     bm = sched.block_manager
     seqs = [make_seq(f"r{i}", 3 + 2 * i) for i in range(5)]
     for s in seqs:
@@ -556,7 +583,9 @@ def test_requests_run_to_completion_and_release_everything():
             if len(s.output_token_ids) >= 4:
                 sched.finish(s)
     assert not sched.has_work()
+    assert sched.num_preemptions > 0
     assert all(s.status == SequenceStatus.FINISHED for s in seqs)
     assert all(len(s.output_token_ids) == 4 for s in seqs)
-    assert bm.ref_counts == [0] * 6 and bm.num_free_blocks == 6
+    assert all(s.block_table == [] and s.host_block_table == [] for s in seqs)
+    assert bm.ref_counts == [0] * 5 and bm.num_free_blocks == 5
     assert sorted(bm.free_host_blocks) == list(range(6))

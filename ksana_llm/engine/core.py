@@ -105,11 +105,10 @@ class EngineCore:
                                    sample=end == seq.num_tokens))
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                self.num_prompt_tokens += seq.num_prompt_tokens
         result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in))
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            if item.seq.num_computed_tokens == item.num_new_tokens:
-                self.num_prompt_tokens += item.seq.num_prompt_tokens
             self.block_manager.cache_full_blocks(item.seq)
         if not result.sampled:
             return []

@@ -91,9 +91,12 @@ class BlockManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(blocks) * self.block_size
         return PrefixMatch(blocks, len(blocks) * self.block_size)
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix lookup for the hit-rate metric."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly computed full blocks in the prefix cache."""
@@ -136,7 +139,8 @@ class BlockManager:
         return True
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's device blocks, tail first (the tail is evicted first)."""
+        """Release the sequence's device blocks, tail first: among cached blocks the tail is evicted
+        first; blocks holding nothing reusable go to the front of the queue."""
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []

@@ -165,6 +165,8 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
+                if bm.enable_prefix_caching:
+                    bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))

@@ -1,0 +1,119 @@
+"""`ksana-llm generate "..."` and `ksana-llm chat` (interactive, streaming, with the chat template)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sample with this temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _generation_config(args: argparse.Namespace):
+    from ksana_llm.generation_config import GenerationConfig
+
+    sample = args.temperature is not None and args.temperature > 0
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=sample,
+                            temperature=args.temperature if sample else 1.0, top_p=args.top_p,
+                            top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed)
+
+
+def _engine(args: argparse.Namespace):
+    from ksana_llm.api.engine import Engine
+
+    return Engine(args.model, device=args.device, dtype=args.dtype,
+                  generation_config=_generation_config(args))
+
+
+def _render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # No template: plain transcript, so base models still answer something sensible.
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    with _engine(args) as engine:
+        prompt = args.prompt
+        if args.chat:
+            prompt = _render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+        for delta in engine.generate(prompt, stream=True):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    with _engine(args) as engine:
+        messages: list[dict[str, str]] = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        print("ksana-llm chat — empty line or Ctrl-D to quit, /reset to start over.", flush=True)
+        while True:
+            try:
+                user = input("you> ").strip()
+            except EOFError:
+                print()
+                break
+            if not user:
+                break
+            if user == "/reset":
+                messages = messages[:1] if args.system else []
+                continue
+            messages.append({"role": "user", "content": user})
+            sys.stdout.write("assistant> ")
+            answer = []
+            for delta in engine.generate(_render_chat(engine.tokenizer, messages), stream=True):
+                answer.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(answer)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ksana-llm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _add_model_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive streaming chat")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_model_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("KLLM_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ksana-llm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
