@@ -51,7 +51,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 # token (the same value as vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 # SentencePiece decoders drop the leading space of the first token in a decode
 # call; with context in front, the first *output* token is not the first token.
-_PROMPT_CONTEXT_TOKENS = 0
+_PROMPT_CONTEXT_TOKENS = 5
 
 # Upper bound on tokens waiting for a character to complete. A UTF-8 character
 # is at most 4 bytes, so real text needs only a few; the bound only matters for
