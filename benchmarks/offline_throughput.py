@@ -40,8 +40,11 @@ Batch-1 decode latency
 
 Output
     A markdown table of tokens/s with the ratio ours / peer, and a batch-1 table of ms/token
-    with the ratio peer / ours (both > 1 means ksana_llm is faster). `--json-out PATH` also
-    writes every number as JSON. A failing peer prints its error and the run goes on.
+    with the ratio peer / ours (both > 1 means ksana_llm is faster). "same tokens as ours" counts
+    the requests whose greedy output equals ksana_llm's token for token (a sanity check that the
+    systems compute the same thing; float rounding at near-ties can flip a few). `--json-out PATH`
+    also writes every number as JSON. A failing peer prints its error and the run goes on; the
+    exit status is non-zero only if ksana_llm itself failed or produced a wrong length.
 
 Run
     python benchmarks/offline_throughput.py --quick        # smoke run: 8 requests, lengths [16, 64]
@@ -105,13 +108,16 @@ class ThroughputResult:
     raw_tokens: int  # everything the system generated (padding rows of static batches included)
     exact_lengths: bool  # every request got exactly its requested output length
     notes: str = ""
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)  # useful tokens per request
+    same_as_ours: int | None = None  # requests whose greedy tokens equal ksana_llm's
 
     @property
     def tokens_per_s(self) -> float:
         return self.useful_tokens / self.wall_s if self.wall_s > 0 else float("nan")
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+        data = {k: v for k, v in asdict(self).items() if k != "token_ids"}
+        return {**data, "tokens_per_s": self.tokens_per_s}
 
 
 @dataclass
@@ -173,7 +179,7 @@ def run_ours(engine: kt.Engine, workload: Workload) -> ThroughputResult:
     bad = [(i, g, want) for i, (g, want) in enumerate(zip(got, workload.output_lens)) if g != want]
     notes = "" if not bad else f"length mismatches (idx, got, want): {bad[:5]}"
     return ThroughputResult("ksana_llm", wall, sum(min(g, w) for g, w in zip(got, workload.output_lens)),
-                            sum(got), not bad, notes)
+                            sum(got), not bad, notes, [list(o.token_ids) for o in outputs])
 
 
 def ours_batch1(engine: kt.Engine, prompt: list[int], new_tokens: int,
@@ -239,6 +245,7 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, pad_id: int
     hf_generate_batch(model, [p[:8] for p in workload.prompts[:2]], 2, pad_id)  # warm-up
     useful = raw = 0
     exact = True
+    token_ids: list[list[int]] = []
     start = time.perf_counter()
     for lo in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[lo:lo + batch_size]
@@ -247,9 +254,10 @@ def run_hf_generate(model: Any, workload: Workload, batch_size: int, pad_id: int
         raw += new.numel()
         exact &= new.shape[1] == max(lens)
         useful += sum(min(n, new.shape[1]) for n in lens)
+        token_ids.extend(new[row, :n].tolist() for row, n in enumerate(lens))
     wall = time.perf_counter() - start
     return ThroughputResult(f"HF generate (static, bs={batch_size})", wall, useful, raw, exact,
-                            f"raw generated tokens incl. padding rows: {raw}")
+                            f"raw generated tokens incl. padding rows: {raw}", token_ids)
 
 
 class _TokenTimer:
@@ -356,10 +364,25 @@ def run_hf_continuous(model: Any, workload: Workload, page_size: int, max_batch_
         notes += f"; length mismatches (idx, got, want): {bad[:5]}"
     return ThroughputResult("HF generate_batch (continuous)", wall,
                             sum(min(g, w) for g, w in zip(got, workload.output_lens)), sum(got),
-                            not bad, notes)
+                            not bad, notes, tokens)
 
 
 # ---- reporting ------------------------------------------------------------------------------------
+def compare_tokens(results: list[ThroughputResult]) -> None:
+    """Set `same_as_ours` on every peer: how many requests produced exactly ksana_llm's tokens.
+
+    All systems decode greedily on the same weights, so this is a correctness sanity check of the
+    comparison; a few differences are expected from float rounding at near-ties (padding and
+    batch shape change the summation order), many would mean the systems compute different things.
+    """
+    ours = next((r for r in results if r.name == "ksana_llm"), None)
+    if ours is None or not ours.token_ids:
+        return
+    for r in results:
+        if r is not ours and r.token_ids and len(r.token_ids) == len(ours.token_ids):
+            r.same_as_ours = sum(a == b for a, b in zip(r.token_ids, ours.token_ids))
+
+
 def guarded(name: str, errors: dict[str, str], fn: Callable[[], Any]) -> Any:
     """Run one benchmark step; on failure print and record the error and return None."""
     print(f"[bench] running {name} ...", flush=True)
@@ -380,12 +403,14 @@ def throughput_table(results: list[ThroughputResult], workload: Workload) -> str
     lines = [f"Offline throughput: {len(workload.prompts)} requests, {workload.input_tokens} prompt "
              f"tokens, {workload.output_tokens} output tokens (EOS ignored)", "",
              "| system | wall (s) | useful output tokens | raw generated tokens | tokens/s "
-             "| ours / peer | exact lengths |",
-             "|---|---:|---:|---:|---:|---:|:---:|"]
+             "| ours / peer | exact lengths | same tokens as ours |",
+             "|---|---:|---:|---:|---:|---:|:---:|---:|"]
     for r in results:
         ratio = (ours.tokens_per_s / r.tokens_per_s) if ours and r.tokens_per_s > 0 else float("nan")
+        same = "-" if r.same_as_ours is None else f"{r.same_as_ours}/{len(r.token_ids)}"
         lines.append(f"| {r.name} | {r.wall_s:.2f} | {r.useful_tokens} | {r.raw_tokens} "
-                     f"| {r.tokens_per_s:.1f} | {ratio:.2f}x | {'yes' if r.exact_lengths else 'NO'} |")
+                     f"| {r.tokens_per_s:.1f} | {ratio:.2f}x | {'yes' if r.exact_lengths else 'NO'} "
+                     f"| {same} |")
     return "\n".join(lines)
 
 
@@ -507,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
 
     throughput = [r for r in (part["ours"], peers.get("generate"), peers.get("generate_batch")) if r]
     latency = [r for r in (part["ours_b1"], peers.get("generate_b1")) if r]
+    compare_tokens(throughput)
     print()
     print(throughput_table(throughput, workload))
     if latency:

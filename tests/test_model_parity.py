@@ -20,9 +20,10 @@ NUM_DECODE = 16
 class PagedDriver:
     """Feeds sequences through ModelRunner by hand, so a test controls every chunk."""
 
-    def __init__(self, module: torch.nn.Module, block_size: int = 4, num_blocks: int = 128) -> None:
+    def __init__(self, module: torch.nn.Module, block_size: int = 4, num_blocks: int = 128,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.bm = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(module, device=torch.device("cpu"), dtype=torch.float32,
+        self.runner = ModelRunner(module, device=torch.device("cpu"), dtype=dtype,
                                   num_blocks=num_blocks, block_size=block_size)
 
     def new_seq(self, tokens: list[int], name: str = "s") -> Sequence:
@@ -115,3 +116,21 @@ def test_prefix_cache_hit_and_mixed_batch_logits_match(tiny):
         for row, (seq, (ids, ref)) in enumerate(zip(seqs, traces)):
             torch.testing.assert_close(logits[row], ref[seq.num_tokens - 1], atol=ATOL, rtol=1e-4,
                                        msg=f"{name}: batched decode {step}, seq {row}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_loads_and_tracks_fp32(tmp_path, dtype):
+    hf = build_tiny_model("llama2", tmp_path)
+    ours = Model.from_pretrained(tmp_path, device="cpu", dtype=dtype, progress=False)
+    assert {p.dtype for p in ours.module.parameters()} == {getattr(torch, dtype)}
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 256, (20,)).tolist()
+    ids, ref = hf_greedy_trace(hf, prompt, 4)
+    driver = PagedDriver(ours.module, dtype=getattr(torch, dtype))
+    seq = driver.new_seq(prompt)
+    logits = driver.step([(seq, len(prompt))])
+    torch.testing.assert_close(logits[0], ref[len(prompt) - 1], atol=0.1, rtol=0.05)
+    for i in range(4):
+        seq.output_token_ids.append(ids[len(prompt) + i])
+        logits = driver.step([(seq, 1)])
+        torch.testing.assert_close(logits[0], ref[len(prompt) + i], atol=0.1, rtol=0.05)
