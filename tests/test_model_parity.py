@@ -134,3 +134,34 @@ def test_half_precision_loads_and_tracks_fp32(tmp_path, dtype):
         seq.output_token_ids.append(ids[len(prompt) + i])
         logits = driver.step([(seq, 1)])
         torch.testing.assert_close(logits[0], ref[len(prompt) + i], atol=0.1, rtol=0.05)
+
+
+def test_many_decodes_split_into_length_groups_match(tmp_path):
+    """20 sequences of very different lengths decode in one step: several padded groups."""
+    hf = build_tiny_model("llama2", tmp_path)
+    ours = load_ours(hf, tmp_path)
+    torch.manual_seed(4)
+    lengths = [3 + 6 * i for i in range(20)]
+    prompts = [torch.randint(3, 256, (n,)).tolist() for n in lengths]
+    traces = [hf_greedy_trace(hf, p, 3) for p in prompts]
+    driver = PagedDriver(ours, num_blocks=512)
+    seqs = [driver.new_seq(p, f"s{i}") for i, p in enumerate(prompts)]
+    driver.step([(s, s.num_prompt_tokens) for s in seqs])
+    groups = driver.runner._decode_groups(sorted(s.num_tokens for s in seqs))
+    assert len(groups) > 1
+    for _ in range(3):
+        for seq, (ids, _) in zip(seqs, traces):
+            seq.output_token_ids.append(ids[seq.num_tokens])
+        logits = driver.step([(s, 1) for s in seqs])
+        for row, (seq, (_, ref)) in enumerate(zip(seqs, traces)):
+            torch.testing.assert_close(logits[row], ref[seq.num_tokens - 1], atol=ATOL, rtol=1e-4)
+
+
+def test_decode_groups_bound_padding():
+    from ksana_llm.runner.model_runner import ModelRunner
+
+    groups = ModelRunner._decode_groups(list(range(0, 400, 10)), max_waste=1.5, min_size=8)
+    covered = [i for first, count in groups for i in range(first, first + count)]
+    assert covered == list(range(40)) and len(groups) > 1
+    assert all(count >= 8 for _, count in groups)
+    assert ModelRunner._decode_groups([5] * 30) == [(0, 30)]

@@ -18,6 +18,6 @@ def get_gated_activation(name: str):
 
     def gated(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return act(gate) * up
+        return act(gate).mul_(up)  # in place on the fresh activation: one temporary fewer
 
     return gated

@@ -32,12 +32,25 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens [start, start + count) whose contexts are padded to one length.
+
+    Decodes are grouped by similar context length so that padding (gathered and attended for
+    nothing) stays small when short and long sequences decode together.
+    """
+
+    start: int
+    count: int
+    length: int  # L: longest context in the group
+    slots: torch.Tensor  # [count * L] cache slots to gather, padded
+    mask: torch.Tensor | None = None  # [count, 1, 1, L] bool; None when nothing is padded
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
     num_decodes: int = 0  # the first num_decodes tokens are single-token decodes
-    decode_slots: torch.Tensor | None = None  # [num_decodes * L] slots to gather, padded
-    decode_len: int = 0  # L: longest decode context in the batch
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, L] bool; None if no padding
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -53,18 +66,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     gqa = q.shape[1] != num_kv_heads
 
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        length = meta.decode_len
-        kd = k_flat.index_select(0, meta.decode_slots).view(nd, length, num_kv_heads, head_dim)
-        vd = v_flat.index_select(0, meta.decode_slots).view(nd, length, num_kv_heads, head_dim)
-        # With one query token, the query heads that share a KV head can act as that head's
-        # "query positions": plain MHA with no head expansion (faster than enable_gqa on CPU).
-        group = q.shape[1] // num_kv_heads
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+    # With one query token, the query heads that share a KV head can act as that head's "query
+    # positions": plain multi-head attention with no head expansion (faster than enable_gqa).
+    group_size = q.shape[1] // num_kv_heads
+    for g in meta.decode_groups:
+        n, length = g.count, g.length
+        kd = k_flat.index_select(0, g.slots).view(n, length, num_kv_heads, head_dim)
+        vd = v_flat.index_select(0, g.slots).view(n, length, num_kv_heads, head_dim)
+        qd = q[g.start:g.start + n].view(n, num_kv_heads, group_size, head_dim)
         o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                           attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = o.reshape(nd, q.shape[1], head_dim)
+                                           attn_mask=g.mask, scale=scale)
+        out[g.start:g.start + n] = o.reshape(n, q.shape[1], head_dim)
     for chunk in meta.prefills:
         s, n = chunk.start, chunk.num_tokens
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]

@@ -15,8 +15,8 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like transformers, then cast back before the weight multiply.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        return self.weight * (xf * scale).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -69,15 +69,16 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = cached
         return cached
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T]."""
-        cos_table, sin_table = self._table(q.device, q.dtype)
-        cos = cos_table.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        sin = sin_table.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """cos and sin for `positions`, shaped [T, 1, D/2]; computed once per step, shared by
+        every layer."""
+        cos_table, sin_table = self._table(positions.device, dtype)
+        return cos_table.index_select(0, positions).unsqueeze(1), \
+            sin_table.index_select(0, positions).unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the head dim (NeoX / Llama layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ksana_llm.layers.attention import AttentionMetadata, KVCache, PrefillChunk
+from ksana_llm.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,9 @@ class ModelRunner:
     def build(self, slices: list[SeqSlice]
               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """(input_ids, positions, metadata, last-token row of each sampled slice, their indices)."""
-        order = sorted(range(len(slices)), key=lambda i: slices[i].num_tokens != 1)
+        # Decodes first, shortest context first (see _decode_groups), then prefill chunks.
+        order = sorted(range(len(slices)), key=lambda i: (slices[i].num_tokens != 1,
+                                                          slices[i].start))
         ordered = [slices[i] for i in order]
         num_decodes = sum(1 for s in ordered if s.num_tokens == 1)
         ids: list[int] = []
@@ -120,15 +122,16 @@ class ModelRunner:
         slot_mapping = table[seq_index, positions // bs] * bs + positions % bs
 
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes)
-        if num_decodes:
-            ctx = positions[:num_decodes] + 1
+        for first, count in self._decode_groups(positions[:num_decodes].tolist()):
+            ctx = positions[first:first + count] + 1
             length = int(ctx.max())
             k_pos = torch.arange(length)
-            meta.decode_len = length
-            meta.decode_slots = self._slots(table[:num_decodes], k_pos).reshape(-1)
+            group = DecodeGroup(first, count, length,
+                                self._slots(table[first:first + count], k_pos).reshape(-1))
             if self.sliding_window or int(ctx.min()) != length:
-                allowed = self._window_ok(positions[:num_decodes, None], k_pos[None, :])
-                meta.decode_mask = allowed[:, None, None, :]
+                allowed = self._window_ok(positions[first:first + count, None], k_pos[None, :])
+                group.mask = allowed[:, None, None, :]
+            meta.decode_groups.append(group)
         start = num_decodes
         for i in range(num_decodes, len(ordered)):
             s = ordered[i]
@@ -143,13 +146,30 @@ class ModelRunner:
             start += n
         return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows, sampled
 
+    @staticmethod
+    def _decode_groups(positions: list[int], max_waste: float = 1.5, min_size: int = 8
+                       ) -> list[tuple[int, int]]:
+        """Split decodes (sorted by context length) into (first, count) groups whose longest
+        context is at most `max_waste` times the shortest, so padding stays bounded; groups
+        smaller than `min_size` are not split off (a launch costs more than a little padding)."""
+        groups: list[tuple[int, int]] = []
+        first = 0
+        for i, pos in enumerate(positions):
+            if i - first >= min_size and pos + 1 > max_waste * (positions[first] + 1) \
+                    and len(positions) - i >= min_size:
+                groups.append((first, i - first))
+                first = i
+        if positions:
+            groups.append((first, len(positions) - first))
+        return groups
+
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":
             return meta
         move = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
         meta.slot_mapping = move(meta.slot_mapping)
-        meta.decode_slots = move(meta.decode_slots)
-        meta.decode_mask = move(meta.decode_mask)
+        for group in meta.decode_groups:
+            group.slots, group.mask = move(group.slots), move(group.mask)
         for chunk in meta.prefills:
             chunk.slots, chunk.mask = move(chunk.slots), move(chunk.mask)
         return meta
