@@ -1,0 +1,234 @@
+"""Prometheus metrics of the server, named like vLLM's (`ksana_llm:` instead of `vllm:`).
+
+Why the shape: each `ServerMetrics` owns its own `CollectorRegistry`, so two apps (or two tests) in
+one process never share or double-register series. Engine state (queue lengths, KV usage, prefix
+hits, preemptions) is read from `engine.stats()` at scrape time by a custom collector, so it is
+never stale and nothing has to poll. Per-request series (tokens, latencies, finish reasons) are fed
+by the server when a request ends, from the `RequestOutput` the engine returned.
+
+Server usage:
+
+    metrics = ServerMetrics(model_name="SmolLM2")
+    mount(app, engine, metrics)                   # GET /metrics
+    timer = metrics.token_timer()                 # per streaming request
+    ...  timer.tick()                             # on every streamed chunk with new tokens
+    metrics.observe_finished(output, queue_time)  # once per request the engine returned
+    metrics.count_failure("queue_full")           # once per request refused or failed
+
+Series (all carry the label `model_name`):
+- gauges `ksana_llm:num_requests_running|waiting|swapped`, `ksana_llm:kv_cache_usage_perc`
+  (0..1), `ksana_llm:prefix_cache_hit_rate` (0..1), `ksana_llm:num_kv_blocks`,
+  `ksana_llm:num_free_kv_blocks`, `ksana_llm:avg_generation_throughput_toks_per_s`
+- counters `ksana_llm:num_preemptions_total` (from the engine), `ksana_llm:prompt_tokens_total`,
+  `ksana_llm:generation_tokens_total`, `ksana_llm:request_success_total{finished_reason}`,
+  `ksana_llm:request_failure_total{reason}`
+- histograms (seconds) `ksana_llm:time_to_first_token_seconds`,
+  `ksana_llm:inter_token_latency_seconds` (streamed chunks), `ksana_llm:e2e_request_latency_seconds`,
+  `ksana_llm:request_queue_time_seconds`, `ksana_llm:request_time_per_output_token_seconds`
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ksana_llm.api.engine import Engine
+    from ksana_llm.api.outputs import RequestOutput
+    from ksana_llm.api.stats import EngineStats
+
+__all__ = ["FAILURE_REASONS", "FINISH_REASONS", "PREFIX", "ServerMetrics", "TokenTimer", "mount"]
+
+logger = logging.getLogger("ksana_llm.server.metrics")
+
+PREFIX = "ksana_llm:"
+FINISH_REASONS = ("stop", "length", "abort")
+# A closed set keeps the label's cardinality bounded; anything else is counted as "other".
+FAILURE_REASONS = ("invalid_request", "queue_full", "aborted", "engine_error", "unauthorized",
+                   "timeout", "other")
+
+# Buckets follow vLLM's, so dashboards built for it read ours unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+StatsSource = Callable[[], "EngineStats"]
+
+
+class _EngineCollector(Collector):
+    """Reads `engine.stats()` once per scrape and exposes it as gauges and a counter."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.source: StatsSource | None = None
+
+    def describe(self) -> list[Metric]:
+        # Returning nothing stops the registry from calling collect() at registration time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        try:
+            stats = self.source()
+        except Exception:  # a dead engine must not break the scrape of the other series
+            logger.exception("engine.stats() failed; engine gauges left out of this scrape")
+            return
+        labels = [self.model_name]
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("num_requests_swapped", "Requests swapped out to the host pool.", stats.num_swapped),
+            ("kv_cache_usage_perc", "Share of device KV blocks in use (1 = full).",
+             stats.kv_cache_usage),
+            ("prefix_cache_hit_rate", "Share of queried prompt blocks found in the prefix cache.",
+             stats.prefix_cache_hit_rate),
+            ("num_kv_blocks", "Device KV-cache blocks in total.", stats.num_kv_blocks),
+            ("num_free_kv_blocks", "Device KV-cache blocks not held by live sequences.",
+             stats.num_free_kv_blocks),
+            ("avg_generation_throughput_toks_per_s", "Generated tokens per second, recent window.",
+             stats.generation_tokens_per_s),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, float(value))
+            yield family
+        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions since start.",
+                                          labels=["model_name"])
+        preemptions.add_metric(labels, float(stats.num_preemptions))
+        yield preemptions
+
+
+class TokenTimer:
+    """Per-request clock for inter-token latency: one `tick()` per streamed chunk of new tokens.
+
+    The first tick only sets the reference (the first token's delay is TTFT, recorded by
+    `observe_finished`); each later tick observes the gap since the previous one. Not shared
+    between requests, so it needs no lock.
+    """
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._last: float | None = None
+
+    def tick(self, now: float | None = None) -> float | None:
+        """Record a chunk at `now` (default: time.monotonic()); returns the gap observed, if any."""
+        now = time.monotonic() if now is None else now
+        gap = None if self._last is None else max(0.0, now - self._last)
+        if gap is not None:
+            self._histogram.observe(gap)
+        self._last = now
+        return gap
+
+
+class ServerMetrics:
+    """All Prometheus series of one server, in a registry of its own.
+
+    Thread-safe: prometheus_client metrics lock internally, and the only other state (the bound
+    stats source) is set once at mount time.
+    """
+
+    def __init__(self, engine: Engine | None = None, *, model_name: str = "ksana_llm") -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._engine_collector = _EngineCollector(model_name)
+        self.registry.register(self._engine_collector)
+        if engine is not None:
+            self.bind(engine)
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests."
+                                     ).labels(model_name)
+        self.generation_tokens = counter("generation_tokens",
+                                         "Generated tokens of finished requests.").labels(model_name)
+        self._success = counter("request_success", "Finished requests by finish reason.",
+                                ("finished_reason",))
+        self._failure = counter("request_failure", "Failed or refused requests by reason.",
+                                ("reason",))
+        for reason in FINISH_REASONS:  # export zeros, so rate() works from the first scrape
+            self._success.labels(model_name, reason)
+        for reason in FAILURE_REASONS:
+            self._failure.labels(model_name, reason)
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Seconds from arrival to the first generated token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Seconds between streamed chunks of one request.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Seconds from arrival to the last token.", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Seconds a request waited before it was scheduled.",
+                                    REQUEST_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Per request: (latency - TTFT) / (generated tokens - 1).", ITL_BUCKETS)
+
+    def bind(self, engine: Engine | StatsSource) -> None:
+        """Read gauges from this engine (or any zero-argument callable returning EngineStats)."""
+        self._engine_collector.source = engine.stats if hasattr(engine, "stats") else engine
+
+    # ---- per request ---------------------------------------------------------------------------
+    def token_timer(self) -> TokenTimer:
+        """A fresh inter-token clock for one streaming request."""
+        return TokenTimer(self.itl)
+
+    def observe_finished(self, output: RequestOutput, queue_time: float | None = None) -> None:
+        """Record one request the engine returned (any finish reason, including "abort")."""
+        num_generated = len(output.token_ids)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(num_generated)
+        reason = output.finish_reason if output.finish_reason in FINISH_REASONS else "abort"
+        self._success.labels(self.model_name, reason).inc()
+        ttft, latency = output.metrics.ttft, output.metrics.latency
+        if ttft is not None:
+            self.ttft.observe(max(0.0, ttft))
+        if latency is not None:
+            self.e2e.observe(max(0.0, latency))
+        if queue_time is not None:
+            self.queue_time.observe(max(0.0, queue_time))
+        if ttft is not None and latency is not None and num_generated > 1:
+            self.tpot.observe(max(0.0, latency - ttft) / (num_generated - 1))
+
+    def count_failure(self, reason: str) -> None:
+        """Count a request that was refused or failed; unknown reasons count as "other"."""
+        label = reason if reason in FAILURE_REASONS else "other"
+        self._failure.labels(self.model_name, label).inc()
+
+    # ---- exposition ----------------------------------------------------------------------------
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition text and its content type; engine gauges are read now.
+
+        `accept` is the request's Accept header: OpenMetrics when the scraper asks for it,
+        the Prometheus text format otherwise.
+        """
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+def mount(app: FastAPI, engine: Engine | StatsSource | None, metrics: ServerMetrics) -> None:
+    """Add `GET /metrics` to `app`, reading gauges from `engine` (if given) on every scrape."""
+    if engine is not None:
+        metrics.bind(engine)
+
+    async def get_metrics(request: Request) -> Response:
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(content=body, media_type=content_type)
+
+    app.add_api_route("/metrics", get_metrics, methods=["GET"], include_in_schema=False)

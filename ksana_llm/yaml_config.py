@@ -1,0 +1,279 @@
+"""KsanaLLM-style YAML configuration -> `EngineConfig` plus server-level settings.
+
+KsanaLLM users bring their `ksana_llm.yaml`; we read the keys that mean something to this engine,
+translate them to `EngineConfig` field names (see `config.py` for the naming clash around
+`max_batch_size`), and refuse everything else with a `ValueError` naming the full dotted key, so
+that a typo never silently falls back to a default. CLI flags (`overrides`, already in
+`EngineConfig` field names) win over the file.
+
+    config, server = load_engine_config("examples/ksana_llm.yaml", {"device": "cpu"})
+
+Keys and where they go:
+
+| YAML key                                          | destination                               |
+|---------------------------------------------------|-------------------------------------------|
+| setting.global.tensor_para_size                   | ServerSettings.tensor_para_size (0 or 1)  |
+| setting.batch_scheduler.max_batch_size            | EngineConfig.max_num_seqs                 |
+| setting.batch_scheduler.max_step_tokens           | EngineConfig.max_step_tokens              |
+| setting.batch_scheduler.max_token_len             | EngineConfig.max_model_len (0 -> None)    |
+|                                                   |   and ServerSettings.max_token_len        |
+| setting.batch_scheduler.max_waiting_queue_len     | EngineConfig.max_queue_size               |
+| setting.batch_scheduler.waiting_timeout_in_ms     | ServerSettings.waiting_timeout_in_ms      |
+| setting.batch_scheduler.split_fuse_token_num      | EngineConfig.split_fuse_token_num         |
+| setting.batch_scheduler.enable_auto_prefix_cache  | EngineConfig.enable_prefix_caching        |
+| setting.batch_scheduler.preempt_mode              | EngineConfig.preempt_mode                 |
+| setting.block_manager.block_token_num             | EngineConfig.block_token_num              |
+| setting.block_manager.reserved_device_memory_ratio| EngineConfig.reserved_device_memory_ratio |
+| setting.block_manager.block_device_memory_ratio   | EngineConfig.block_device_memory_ratio    |
+|                                                   |   (< 0 -> None: "all that remains")       |
+| setting.block_manager.block_host_memory_factor    | EngineConfig.block_host_memory_factor     |
+| model_spec.base_model.model_dir                   | EngineConfig.model, ServerSettings.model_dir |
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ksana_llm.config import EngineConfig
+
+__all__ = ["ServerSettings", "load_engine_config", "parse_engine_config"]
+
+DEFAULT_WAITING_TIMEOUT_MS = 600_000  # KsanaLLM's C++ parser default
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Settings from the YAML file that the server (not the engine core) acts on.
+
+    - `model_dir`: `model_spec.base_model.model_dir` as written (None when absent); the model the
+      engine actually loads is `EngineConfig.model`, which a CLI override may have replaced.
+    - `tensor_para_size`: 0 (all visible devices) or 1; only a single device runs for now.
+    - `max_token_len`: prompt + generated tokens per request; 0 = the model's context.
+    - `waiting_timeout_in_ms`: how long a request may wait in the queue before the server fails it.
+    - `config_file`: the YAML path the settings came from (None for an in-memory mapping).
+    """
+
+    model_dir: str | None = None
+    tensor_para_size: int = 1
+    max_token_len: int = 0
+    waiting_timeout_in_ms: int = DEFAULT_WAITING_TIMEOUT_MS
+    config_file: str | None = None
+
+
+# ---- schema ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Key:
+    """One accepted YAML leaf: its expected type, and where its (converted) value lands."""
+
+    kind: str  # "int" | "float" | "bool" | "str"
+    field: str | None = None  # EngineConfig field
+    server: str | None = None  # ServerSettings attribute
+    convert: Callable[[Any], Any] | None = None  # YAML value -> EngineConfig value
+
+
+def _zero_is_none(value: int) -> int | None:
+    return None if value == 0 else value
+
+
+def _negative_is_none(value: float) -> float | None:
+    return None if value < 0 else value
+
+
+def _expand_path(value: str) -> str:
+    return os.path.expanduser(value)
+
+
+_BS = "setting.batch_scheduler."
+_BM = "setting.block_manager."
+_SCHEMA: Mapping[str, _Key] = MappingProxyType({
+    "setting.global.tensor_para_size": _Key("int", server="tensor_para_size"),
+    _BS + "max_batch_size": _Key("int", field="max_num_seqs"),
+    _BS + "max_step_tokens": _Key("int", field="max_step_tokens"),
+    _BS + "max_token_len": _Key("int", field="max_model_len", server="max_token_len",
+                                convert=_zero_is_none),
+    _BS + "max_waiting_queue_len": _Key("int", field="max_queue_size"),
+    _BS + "waiting_timeout_in_ms": _Key("int", server="waiting_timeout_in_ms"),
+    _BS + "split_fuse_token_num": _Key("int", field="split_fuse_token_num"),
+    _BS + "enable_auto_prefix_cache": _Key("bool", field="enable_prefix_caching"),
+    _BS + "preempt_mode": _Key("int", field="preempt_mode"),
+    _BM + "block_token_num": _Key("int", field="block_token_num"),
+    _BM + "reserved_device_memory_ratio": _Key("float", field="reserved_device_memory_ratio"),
+    _BM + "block_device_memory_ratio": _Key("float", field="block_device_memory_ratio",
+                                            convert=_negative_is_none),
+    _BM + "block_host_memory_factor": _Key("float", field="block_host_memory_factor"),
+    "model_spec.base_model.model_dir": _Key("str", field="model", server="model_dir",
+                                            convert=_expand_path),
+})
+
+# KsanaLLM keys (and whole sections) that exist upstream but mean nothing here yet: they get a more
+# helpful error than "unknown key", because the user did not make a typo.
+_UNSUPPORTED: frozenset[str] = frozenset({
+    "setting.global.pipeline_para_size", "setting.global.attn_data_para_size",
+    "setting.global.expert_world_size", "setting.global.expert_para_size",
+    "setting.global.enable_full_shared_expert", "setting.global.embed_tokens_use_cpu",
+    "setting.global.enable_cuda_graph", "setting.global.enable_lora_adapter",
+    "setting.global.pipeline_para_comm_type", "setting.global.is_version_report",
+    _BS + "schedule_strategy", _BS + "swapout_block_threshold", _BS + "swapin_block_threshold",
+    _BS + "launch_block_threshold", _BS + "swap_threadpool_size", _BS + "min_flexible_cache_num",
+    _BS + "enable_speculative_decoding", _BS + "mtp_step_num", _BS + "enable_xgrammar",
+    _BS + "enable_async", _BS + "max_pp_batch_num", _BS + "pp_multibatch_wb_strategy",
+    _BS + "max_pretransfer_batch_size", _BS + "transfer_layer_chunk_size",
+    _BS + "attention_dp_lb_config",
+    _BM + "dynamic_reusable_memory_ratio", _BM + "enable_block_checksum",
+    "setting.attn_backend", "setting.kernel_config", "setting.quantization_config",
+    "setting.profiler", "setting.endpoint_type", "setting.tokenization", "setting.connector",
+    "model_spec.base_model.tokenizer_dir", "model_spec.plugin_model", "model_spec.lora_models",
+    "model_spec.model_performance_runner_config",
+})
+
+# Every proper prefix of an accepted key is a section that must be a mapping.
+_SECTIONS: frozenset[str] = frozenset(
+    key.rsplit(".", i)[0] for key in _SCHEMA for i in range(1, key.count(".") + 1))
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: PyYAML would silently keep the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: Path) -> Any:
+    text = path.read_text(encoding="utf-8")
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: invalid YAML: {exc}") from exc
+
+
+def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
+    """Collect accepted leaves as dotted keys; reject anything unknown or misplaced."""
+    for key, value in node.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{prefix}{key!r}: keys must be strings")
+        dotted = prefix + key
+        if any(dotted == u or dotted.startswith(u + ".") for u in _UNSUPPORTED):
+            raise ValueError(f"{dotted}: a KsanaLLM key that ksana_llm does not support yet; "
+                             "remove it")
+        if dotted in _SCHEMA:
+            out[dotted] = value
+        elif dotted in _SECTIONS:
+            if value is None:  # a section with every key commented out
+                continue
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{dotted}: expected a mapping of keys, got {value!r}")
+            _flatten(value, dotted + ".", out)
+        else:
+            raise ValueError(f"{dotted}: unknown key")
+
+
+def _check_type(dotted: str, kind: str, value: Any) -> Any:
+    """YAML already typed the scalar; accept it only if it is the kind the key needs."""
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{dotted}: expected an integer, got {value!r}")
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{dotted}: expected a number, got {value!r}")
+        value = float(value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{dotted}: expected true or false, got {value!r}")
+    elif kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{dotted}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _check_tensor_para_size(value: int) -> None:
+    if value not in (0, 1):
+        raise ValueError(f"setting.global.tensor_para_size: {value} is not supported; tensor "
+                         "parallelism is not built yet (use 1, or 0 for all visible devices = 1)")
+
+
+def _validation_error(exc: ValidationError, sources: Mapping[str, str]) -> ValueError:
+    """Re-word pydantic's errors with the YAML key (or CLI override) that set each field."""
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        if field:
+            where = sources.get(field, f"{field} (override)")
+        else:  # a cross-field check: name the keys of the fields its message mentions
+            named = [source for name, source in sources.items() if name in str(err["msg"])]
+            where = ", ".join(named) or "config"
+        message = str(err["msg"]).removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if field and "input" in err else ""
+        lines.append(f"{where}: {message}{got}")
+    return ValueError("; ".join(lines))
+
+
+def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None,
+                        *, config_file: str | None = None) -> tuple[EngineConfig, ServerSettings]:
+    """Like `load_engine_config`, for an already-parsed YAML mapping (None = empty file)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"the top level must be a mapping of keys, got {type(data).__name__}")
+    leaves: dict[str, Any] = {}
+    _flatten(data, "", leaves)
+
+    fields: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # EngineConfig field -> the YAML key that set it
+    server: dict[str, Any] = {"config_file": config_file}
+    for dotted, raw in leaves.items():
+        spec = _SCHEMA[dotted]
+        value = _check_type(dotted, spec.kind, raw)
+        if dotted == "setting.global.tensor_para_size":
+            _check_tensor_para_size(value)
+        if spec.server is not None:
+            server[spec.server] = value
+        if spec.field is not None:
+            fields[spec.field] = spec.convert(value) if spec.convert else value
+            sources[spec.field] = dotted
+
+    for name, value in (overrides or {}).items():
+        if value is None:  # a CLI flag that was not given
+            continue
+        fields[name] = value
+        sources[name] = f"{name} (override)"
+    try:
+        config = EngineConfig(**fields)
+    except ValidationError as exc:
+        raise _validation_error(exc, sources) from None
+    return config, ServerSettings(**server)
+
+
+def load_engine_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+                       ) -> tuple[EngineConfig, ServerSettings]:
+    """Read a KsanaLLM-style YAML file and return `(EngineConfig, ServerSettings)`.
+
+    `overrides` are CLI flags in `EngineConfig` field names; they win over the file. A value of
+    None means "flag not given" and is skipped. Raises `ValueError` naming the dotted key for an
+    unknown or unsupported key, an ill-typed value, or a value `EngineConfig` rejects;
+    `FileNotFoundError` if the file is missing.
+    """
+    path = Path(path)
+    return parse_engine_config(_read_yaml(path), overrides, config_file=str(path))

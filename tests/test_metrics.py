@@ -1,0 +1,176 @@
+"""ServerMetrics against a real engine: counters equal real token counts, histograms count the
+requests, gauges mirror engine.stats(), and GET /metrics serves the Prometheus text format."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import ksana_llm as kt
+from ksana_llm.api.outputs import RequestMetrics, RequestOutput
+from ksana_llm.api.stats import EngineStats
+from ksana_llm.server.metrics import FAILURE_REASONS, ServerMetrics, mount
+
+MODEL = "smollm2"
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels without model_name): value} of a rendered exposition."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def value(parsed: dict, name: str, **labels: str) -> float:
+    return parsed[(name, frozenset(labels.items()))]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    model = kt.Model.from_pretrained(default_model_dir, device="cpu", progress=False)
+    eng = kt.Engine(model, num_device_blocks=64)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def outputs(engine):
+    prompts = ["What is the capital of France?", "Count: one, two, three,", "Hello"]
+    configs = [kt.GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (5, 3, 1)]
+    return engine.generate_outputs(prompts, configs, use_tqdm=False)
+
+
+def test_counters_and_histograms_match_real_requests(engine, outputs):
+    metrics = ServerMetrics(engine, model_name=MODEL)
+    for i, out in enumerate(outputs):
+        metrics.observe_finished(out, queue_time=0.001 * i)
+    body, content_type = metrics.render()
+    parsed = samples(body.decode())
+
+    assert content_type.startswith("text/plain")
+    assert value(parsed, "ksana_llm:prompt_tokens_total") == sum(len(o.prompt_token_ids) for o in outputs)
+    assert value(parsed, "ksana_llm:generation_tokens_total") == sum(len(o.token_ids) for o in outputs) == 9
+    assert value(parsed, "ksana_llm:request_success_total", finished_reason="length") == 3
+    assert value(parsed, "ksana_llm:request_success_total", finished_reason="stop") == 0
+    n = len(outputs)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert value(parsed, f"ksana_llm:{name}_count") == n, name
+        assert value(parsed, f"ksana_llm:{name}_bucket", le="+Inf") == n, name
+    assert value(parsed, "ksana_llm:e2e_request_latency_seconds_sum") == pytest.approx(
+        sum(o.metrics.latency for o in outputs))
+    assert value(parsed, "ksana_llm:time_to_first_token_seconds_sum") == pytest.approx(
+        sum(o.metrics.ttft for o in outputs))
+    # TPOT needs two tokens: the 1-token request has none.
+    assert value(parsed, "ksana_llm:request_time_per_output_token_seconds_count") == 2
+
+
+def test_gauges_reflect_engine_stats(engine, outputs):
+    metrics = ServerMetrics(engine, model_name=MODEL)
+    parsed = samples(metrics.render()[0].decode())
+    stats = engine.stats()  # idle engine: nothing moves between the scrape and this call
+    assert value(parsed, "ksana_llm:num_requests_running") == stats.num_running == 0
+    assert value(parsed, "ksana_llm:num_requests_waiting") == stats.num_waiting == 0
+    assert value(parsed, "ksana_llm:num_requests_swapped") == stats.num_swapped
+    assert value(parsed, "ksana_llm:kv_cache_usage_perc") == stats.kv_cache_usage
+    assert value(parsed, "ksana_llm:prefix_cache_hit_rate") == pytest.approx(stats.prefix_cache_hit_rate)
+    assert value(parsed, "ksana_llm:num_kv_blocks") == 64
+    assert value(parsed, "ksana_llm:num_preemptions_total") == stats.num_preemptions
+
+
+def test_gauges_are_read_at_scrape_time():
+    state = {"stats": EngineStats(3, 2, 1, 0.5, 64, 32, 7, 0.25, 0, 12.5, None, None, None, None)}
+    metrics = ServerMetrics(model_name=MODEL)
+    metrics.bind(lambda: state["stats"])
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:num_requests_waiting") == 3
+    assert value(parsed, "ksana_llm:num_requests_running") == 2
+    assert value(parsed, "ksana_llm:num_requests_swapped") == 1
+    assert value(parsed, "ksana_llm:kv_cache_usage_perc") == 0.5
+    assert value(parsed, "ksana_llm:prefix_cache_hit_rate") == 0.25
+    assert value(parsed, "ksana_llm:num_preemptions_total") == 7
+    state["stats"] = EngineStats(0, 9, 0, 0.75, 64, 16, 8, 0.5, 0, 0.0, None, None, None, None)
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:num_requests_running") == 9
+    assert value(parsed, "ksana_llm:num_preemptions_total") == 8
+
+
+def test_failing_stats_source_does_not_break_the_scrape():
+    def broken() -> EngineStats:
+        raise RuntimeError("engine is dead")
+
+    metrics = ServerMetrics(broken, model_name=MODEL)
+    metrics.count_failure("engine_error")
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:request_failure_total", reason="engine_error") == 1
+    assert ("ksana_llm:num_requests_running", frozenset()) not in parsed
+
+
+def test_failures_by_reason_and_unknown_reason_is_other():
+    metrics = ServerMetrics(model_name=MODEL)
+    for reason in ("queue_full", "queue_full", "invalid_request", "no-such-reason"):
+        metrics.count_failure(reason)
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:request_failure_total", reason="queue_full") == 2
+    assert value(parsed, "ksana_llm:request_failure_total", reason="invalid_request") == 1
+    assert value(parsed, "ksana_llm:request_failure_total", reason="other") == 1
+    assert value(parsed, "ksana_llm:request_failure_total", reason="aborted") == 0
+    assert {r for (name, labels), _ in parsed.items() if name == "ksana_llm:request_failure_total"
+            for k, r in labels} == set(FAILURE_REASONS)
+
+
+def test_inter_token_latency_from_token_timer():
+    metrics = ServerMetrics(model_name=MODEL)
+    timer = metrics.token_timer()
+    assert timer.tick(10.0) is None  # the first chunk is TTFT's business
+    assert timer.tick(10.02) == pytest.approx(0.02)
+    assert timer.tick(10.07) == pytest.approx(0.05)
+    other = metrics.token_timer()  # per request: never mixes gaps of two requests
+    other.tick(100.0)
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:inter_token_latency_seconds_count") == 2
+    assert value(parsed, "ksana_llm:inter_token_latency_seconds_sum") == pytest.approx(0.07)
+    assert value(parsed, "ksana_llm:inter_token_latency_seconds_bucket", le="0.025") == 1
+
+
+def test_aborted_and_unstarted_requests():
+    metrics = ServerMetrics(model_name=MODEL)
+    aborted = RequestOutput("r", [1, 2], finished=True, finish_reason="abort",
+                            metrics=RequestMetrics(arrival_time=1.0, finished_time=1.5))
+    metrics.observe_finished(aborted)
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:request_success_total", finished_reason="abort") == 1
+    assert value(parsed, "ksana_llm:time_to_first_token_seconds_count") == 0  # no token came
+    assert value(parsed, "ksana_llm:e2e_request_latency_seconds_count") == 1
+    assert value(parsed, "ksana_llm:request_queue_time_seconds_count") == 0
+
+
+def test_registries_are_independent():
+    a, b = ServerMetrics(model_name=MODEL), ServerMetrics(model_name=MODEL)
+    a.count_failure("queue_full")
+    parsed = samples(b.render()[0].decode())
+    assert value(parsed, "ksana_llm:request_failure_total", reason="queue_full") == 0
+
+
+def test_get_metrics_route(engine, outputs):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    metrics = ServerMetrics(model_name=MODEL)
+    mount(app, engine, metrics)
+    metrics.observe_finished(outputs[0])
+    with TestClient(app) as client:
+        response = client.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        parsed = samples(response.text)
+        assert value(parsed, "ksana_llm:num_kv_blocks") == 64
+        assert value(parsed, "ksana_llm:generation_tokens_total") == len(outputs[0].token_ids)
+        openmetrics = client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+        assert openmetrics.status_code == 200
+        assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+        assert openmetrics.text.rstrip().endswith("# EOF")

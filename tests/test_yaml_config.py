@@ -1,0 +1,175 @@
+"""KsanaLLM YAML -> EngineConfig: every mapping, strict errors that name the key, CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ksana_llm.config import EngineConfig
+from ksana_llm.yaml_config import ServerSettings, load_engine_config, parse_engine_config
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ksana_llm.yaml"
+
+FULL_YAML = """
+setting:
+  global:
+    tensor_para_size: 0
+  batch_scheduler:
+    max_batch_size: 7
+    max_step_tokens: 333
+    max_token_len: 1234
+    max_waiting_queue_len: 55
+    waiting_timeout_in_ms: 4321
+    split_fuse_token_num: 32
+    enable_auto_prefix_cache: false
+    preempt_mode: 1
+  block_manager:
+    block_token_num: 32
+    reserved_device_memory_ratio: 0.05
+    block_device_memory_ratio: 0.25
+    block_host_memory_factor: 2
+model_spec:
+  base_model:
+    model_dir: /models/some-model
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_example_file_loads_cleanly():
+    config, server = load_engine_config(EXAMPLE)
+    assert isinstance(config, EngineConfig)
+    assert config.max_num_seqs == 128 and config.max_step_tokens == 4096
+    assert config.block_device_memory_ratio is None  # -1.0 = "the default"
+    assert server == ServerSettings(model_dir=None, tensor_para_size=1, max_token_len=2048,
+                                    waiting_timeout_in_ms=600000, config_file=str(EXAMPLE))
+
+
+def test_example_documents_every_accepted_key():
+    text = EXAMPLE.read_text(encoding="utf-8")
+    for leaf in ("tensor_para_size", "max_batch_size", "max_step_tokens", "max_token_len",
+                 "max_waiting_queue_len", "waiting_timeout_in_ms", "split_fuse_token_num",
+                 "enable_auto_prefix_cache", "preempt_mode", "block_token_num",
+                 "reserved_device_memory_ratio", "block_device_memory_ratio",
+                 "block_host_memory_factor", "model_dir"):
+        assert f"{leaf}:" in text, leaf
+
+
+def test_every_key_lands_in_its_field(tmp_path):
+    config, server = load_engine_config(write(tmp_path, FULL_YAML))
+    assert config.max_num_seqs == 7
+    assert config.max_step_tokens == 333
+    assert config.max_model_len == 1234
+    assert config.max_queue_size == 55
+    assert config.split_fuse_token_num == 32
+    assert config.enable_prefix_caching is False
+    assert config.preempt_mode == 1
+    assert config.block_token_num == 32
+    assert config.reserved_device_memory_ratio == 0.05
+    assert config.block_device_memory_ratio == 0.25
+    assert config.block_host_memory_factor == 2.0
+    assert config.model == "/models/some-model"
+    assert server.tensor_para_size == 0
+    assert server.max_token_len == 1234
+    assert server.waiting_timeout_in_ms == 4321
+    assert server.model_dir == "/models/some-model"
+
+
+def test_empty_file_and_untouched_keys_keep_defaults(tmp_path):
+    config, server = load_engine_config(write(tmp_path, "# nothing\n"))
+    assert config == EngineConfig()
+    assert server.waiting_timeout_in_ms == 600000 and server.tensor_para_size == 1
+
+
+def test_max_token_len_zero_means_model_context():
+    config, server = parse_engine_config({"setting": {"batch_scheduler": {"max_token_len": 0}}})
+    assert config.max_model_len is None and server.max_token_len == 0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("setting:\n  batch_scheduler:\n    max_step_tokenz: 4\n",
+     "setting.batch_scheduler.max_step_tokenz: unknown key"),
+    ("setting:\n  block_managr:\n    block_token_num: 16\n", "setting.block_managr: unknown key"),
+    ("model_spec:\n  base_model:\n    model_dirr: x\n", "model_spec.base_model.model_dirr: unknown key"),
+    ("extra: 1\n", "extra: unknown key"),
+    ("setting:\n  global:\n    enable_cuda_graph: true\n",
+     "setting.global.enable_cuda_graph: a KsanaLLM key that ksana_llm does not support yet"),
+    ("setting:\n  profiler:\n    export_interval_millis: 5\n",
+     "setting.profiler: a KsanaLLM key that ksana_llm does not support yet"),
+    ("setting:\n  batch_scheduler: 5\n", "setting.batch_scheduler: expected a mapping"),
+])
+def test_unknown_keys_are_named(tmp_path, text, message):
+    with pytest.raises(ValueError) as info:
+        load_engine_config(write(tmp_path, text))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("block_manager", "block_token_num", "abc",
+     "setting.block_manager.block_token_num: expected an integer, got 'abc'"),
+    ("block_manager", "block_token_num", "16.5", "expected an integer, got 16.5"),
+    ("batch_scheduler", "max_batch_size", "true", "expected an integer, got True"),
+    ("batch_scheduler", "enable_auto_prefix_cache", "1",
+     "setting.batch_scheduler.enable_auto_prefix_cache: expected true or false, got 1"),
+    ("block_manager", "reserved_device_memory_ratio", "lots",
+     "setting.block_manager.reserved_device_memory_ratio: expected a number, got 'lots'"),
+])
+def test_wrong_types_are_named(tmp_path, section, key, value, message):
+    text = f"setting:\n  {section}:\n    {key}: {value}\n"
+    with pytest.raises(ValueError) as info:
+        load_engine_config(write(tmp_path, text))
+    assert message in str(info.value)
+
+
+def test_out_of_range_values_name_the_yaml_key():
+    with pytest.raises(ValueError, match=r"setting\.batch_scheduler\.preempt_mode: .*\(got 2\)"):
+        parse_engine_config({"setting": {"batch_scheduler": {"preempt_mode": 2}}})
+    with pytest.raises(ValueError, match=r"setting\.block_manager\.block_token_num: .*\(got 0\)"):
+        parse_engine_config({"setting": {"block_manager": {"block_token_num": 0}}})
+
+
+@pytest.mark.parametrize("size", [2, 8, -1])
+def test_tensor_parallel_beyond_one_is_refused(size):
+    with pytest.raises(ValueError) as info:
+        parse_engine_config({"setting": {"global": {"tensor_para_size": size}}})
+    assert "setting.global.tensor_para_size" in str(info.value)
+    assert "tensor parallelism is not built yet" in str(info.value)
+
+
+def test_overrides_win_over_yaml(tmp_path):
+    path = write(tmp_path, FULL_YAML)
+    config, server = load_engine_config(path, {"max_num_seqs": 9, "model": "/other", "device": "cpu",
+                                               "max_step_tokens": None})
+    assert config.max_num_seqs == 9
+    assert config.model == "/other"
+    assert config.device == "cpu"
+    assert config.max_step_tokens == 333  # None = flag not given
+    assert server.model_dir == "/models/some-model"  # what the file said
+
+
+def test_bad_override_is_named():
+    with pytest.raises(ValueError, match=r"max_num_seqs \(override\)"):
+        parse_engine_config({}, {"max_num_seqs": 0})
+    with pytest.raises(ValueError, match=r"no_such_field \(override\)"):
+        parse_engine_config({}, {"no_such_field": 1})
+
+
+def test_cross_field_check_is_reported():
+    data = {"setting": {"batch_scheduler": {"max_step_tokens": 64, "split_fuse_token_num": 128}}}
+    with pytest.raises(ValueError, match="split_fuse_token_num must be <= max_step_tokens"):
+        parse_engine_config(data)
+
+
+def test_duplicate_keys_and_bad_yaml_are_errors(tmp_path):
+    dup = "setting:\n  block_manager:\n    block_token_num: 16\n    block_token_num: 32\n"
+    with pytest.raises(ValueError, match="duplicate key 'block_token_num'"):
+        load_engine_config(write(tmp_path, dup))
+    with pytest.raises(ValueError, match="invalid YAML"):
+        load_engine_config(write(tmp_path, "setting: [unclosed\n"))
+    with pytest.raises(ValueError, match="top level must be a mapping"):
+        load_engine_config(write(tmp_path, "- a\n- b\n"))
