@@ -89,6 +89,45 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ksana_llm.server.app import run_server
+
+    return run_server(args)
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config_file", "--config-file", dest="config_file", default=None,
+                        help="KsanaLLM YAML config; the flags below override it")
+    parser.add_argument("--model", default=None,
+                        help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients pass as `model` (default: the model folder's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: $KLLM_API_KEY, else no key)")
+    parser.add_argument("--chat-template", default=None,
+                        help="Jinja chat template file (default: the tokenizer's)")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="largest request body accepted, else 413 (default: 2 MiB)")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds to let in-flight requests finish on SIGTERM")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    # Engine settings (EngineConfig fields); only those given override the config file.
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--num-device-blocks", type=int, default=None, help="KV cache blocks")
+    parser.add_argument("--block-token-num", type=int, default=None, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    parser.add_argument("--max-step-tokens", type=int, default=None, help="token budget per step")
+    parser.add_argument("--max-queue-size", type=int, default=None,
+                        help="waiting requests before 429")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ksana-llm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

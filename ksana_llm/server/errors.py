@@ -1,0 +1,133 @@
+"""OpenAI-shaped errors: one exception type for the routes, and handlers that turn every failure
+(ours, pydantic's, Starlette's) into `{"error": {"message", "type", "param", "code"}}`.
+
+Client mistakes must never surface as 422 or 5xx, so FastAPI's own validation error is mapped to
+400 here as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("ksana_llm.server")
+
+# Seconds a client should wait after a 429 (queue full); short, since a slot frees per finished request.
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error the client sees as-is: HTTP status plus the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                    type="authentication_error", code="invalid_api_key")
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body is larger than the limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+def queue_full(detail: str) -> APIError:
+    return APIError(429, f"The server is overloaded: {detail}", type="rate_limit_error",
+                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def engine_unavailable(detail: str = "the engine is not running") -> APIError:
+    return APIError(503, f"Service unavailable: {detail}", type="service_unavailable",
+                    code="engine_unavailable")
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the offending field (dotted path)."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("Invalid request body.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"Malformed JSON body: {first.get('msg', '')}", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "model_type" and not loc:
+        return bad_request("The request body must be a JSON object.")
+    if first.get("type") == "extra_forbidden":
+        return bad_request(f"Unknown parameter `{param}`.", param=param, code="unknown_parameter")
+    message = first.get("msg", "invalid value")
+    return bad_request(f"Invalid value for `{param}`: {message}." if param else f"{message}.",
+                       param=param)
+
+
+# Failure reasons as the metrics module labels them.
+_FAILURE_REASON = {400: "invalid_request", 404: "invalid_request", 401: "unauthorized",
+                   429: "queue_full", 503: "engine_error"}
+
+
+def _count(request: Request, error: APIError) -> JSONResponse:
+    state = getattr(request.app.state, "server", None)
+    if state is not None:
+        state.count_failure(_FAILURE_REASON.get(error.status, "other"))
+    return error.response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _count(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _count(request, from_validation_error(exc))
+
+    @app.exception_handler(ValidationError)
+    async def _validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return _count(request, from_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        # Details go to the log, not to the client (they may hold paths or prompts).
+        logger.exception("unhandled error while serving a request")
+        return JSONResponse(error_body("Internal server error.", "internal_error"), status_code=500)

@@ -1,0 +1,89 @@
+"""Engine logprob entries -> the two OpenAI formats (completions and chat).
+
+The engine reports, per generated token, `{"token_id", "logprob", "top_logprobs": {id: logprob}}`.
+OpenAI wants token *strings* plus, for chat, the token's raw UTF-8 bytes: a byte-level BPE token
+may hold half of a multi-byte character, so its text alone cannot be reassembled by a client.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ksana_llm.server.openai_protocol import (ChatLogprobEntry, ChatLogprobs, CompletionLogprobs,
+                                              TopLogprob)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted (char -> byte)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenTexts:
+    """Token id -> (text, raw bytes), cached per tokenizer (one instance lives in app.state)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_map = _byte_level_alphabet() if "ByteLevel" in repr(decoder) else None
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        raw: bytes | None = None
+        if self._byte_map is not None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(c in self._byte_map for c in piece):
+                raw = bytes(self._byte_map[c] for c in piece)
+        if raw is None:
+            raw = self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        entry = (raw.decode("utf-8", errors="replace"), raw)
+        self._cache[token_id] = entry
+        return entry
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[0]
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number, so clamp like other servers do.
+    return value if math.isfinite(value) else -9999.0
+
+
+def completion_logprobs(entries: list[dict[str, Any]], texts: TokenTexts,
+                        start_offset: int = 0) -> CompletionLogprobs:
+    """`start_offset`: characters of text already returned before these tokens (echo, streaming)."""
+    out = CompletionLogprobs()
+    offset = start_offset
+    for entry in entries:
+        token = texts.text(entry["token_id"])
+        out.tokens.append(token)
+        out.token_logprobs.append(_finite(entry["logprob"]))
+        out.top_logprobs.append({texts.text(t): _finite(lp) for t, lp in entry["top_logprobs"].items()})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(entries: list[dict[str, Any]], texts: TokenTexts) -> ChatLogprobs:
+    content = []
+    for entry in entries:
+        token, raw = texts.get(entry["token_id"])
+        tops = []
+        for token_id, lp in entry["top_logprobs"].items():
+            t, b = texts.get(token_id)
+            tops.append(TopLogprob(token=t, logprob=_finite(lp), bytes=list(b)))
+        content.append(ChatLogprobEntry(token=token, logprob=_finite(entry["logprob"]),
+                                        bytes=list(raw), top_logprobs=tops))
+    return ChatLogprobs(content=content)

@@ -1,0 +1,94 @@
+"""Pure ASGI middlewares: API-key check and request-body size limit.
+
+They run before routing, so they guard every route (including ones other modules mount) and an
+unauthenticated or oversized request never gets its body buffered or parsed.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Collection
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ksana_llm.server.errors import APIError, bad_request, body_too_large, unauthorized
+
+
+async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    await error.response()(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on every path but `open_paths`, compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str] = ("/health",)) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self._open_paths:
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"authorization") or b""
+        if not hmac.compare_digest(given, self._expected):
+            await _send_error(unauthorized(), scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reject bodies over `max_bytes` with 413: by Content-Length up front, and by counting the bytes
+    actually received (a chunked upload has no Content-Length, and a client may lie).
+
+    The body (at most `max_bytes`) is buffered and replayed to the app; later `receive` calls pass
+    through, so the app still sees `http.disconnect` when the client goes away.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                await _send_error(bad_request("Invalid Content-Length header."), scope, receive, send)
+                return
+            if length > self.max_bytes:
+                await _send_error(body_too_large(self.max_bytes), scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its whole request: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _send_error(body_too_large(self.max_bytes), scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            if pending:
+                return pending.pop()
+            return await receive()
+
+        await self.app(scope, replay, send)

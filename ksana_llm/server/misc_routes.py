@@ -1,0 +1,81 @@
+"""Small routes: /health, /version, /v1/models, /v1/stats, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+import ksana_llm
+from ksana_llm.server.chat import render_chat
+from ksana_llm.server.errors import bad_request
+from ksana_llm.server.openai_protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                              ModelList, TokenizeRequest, TokenizeResponse)
+from ksana_llm.server.openai_routes import parse_body
+from ksana_llm.server.params import check_token_ids
+from ksana_llm.server.state import server_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while the engine serves, 503 once it is dead or the server is shutting down.
+
+    The queue counts are there for load balancers and for tests that check aborts free the engine.
+    """
+    state = server_state(request)
+    engine = state.engine
+    if state.shutting_down or not engine.is_running:
+        status = "shutting_down" if state.shutting_down else "dead"
+        return JSONResponse({"status": status}, status_code=503)
+    stats = engine.stats()
+    return JSONResponse({"status": "ok", "num_running": stats.num_running,
+                         "num_waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage})
+
+
+@router.get("/v1/stats")
+async def stats(request: Request) -> JSONResponse:
+    """The engine's full statistics (debugging aid; guarded by the API key like every route)."""
+    return JSONResponse(server_state(request).engine.stats().as_dict())
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": ksana_llm.__version__})
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    state = server_state(request)
+    card = ModelCard(id=state.served_model_name, root=state.served_model_name,
+                     max_model_len=state.limits.max_model_len)
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    state = server_state(request)
+    req = await parse_body(request, TokenizeRequest)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("Give exactly one of `prompt` or `messages`.", param="prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("`messages` must not be empty.", param="messages")
+        text = render_chat(state.tokenizer, req.messages, state.chat_template,
+                           add_generation_prompt=req.add_generation_prompt)
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return JSONResponse(TokenizeResponse(tokens=list(ids), count=len(ids),
+                                         max_model_len=state.limits.max_model_len).model_dump())
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    state = server_state(request)
+    req = await parse_body(request, DetokenizeRequest)
+    state.check_model(req.model)
+    check_token_ids(req.tokens, state.limits.vocab_size, "tokens")
+    text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())

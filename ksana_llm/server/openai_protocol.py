@@ -1,0 +1,260 @@
+"""Pydantic models of the OpenAI HTTP protocol, as far as this server speaks it.
+
+Requests forbid unknown fields: a parameter we cannot honour must fail loudly (400) rather than be
+silently dropped. Fields OpenAI defines but the engine cannot honour yet are declared (typed `Any`)
+so that the error names them as unsupported instead of unknown; `unsupported_params` lists the
+ones a request actually set. Harmless fields (`user`, `metadata`, `service_tier`, ...) are accepted
+and ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Caps against single-request denial of service (see serving-reliability-notes §7).
+MAX_N = 16
+MAX_CHOICES = 64  # prompts x n in one request
+MAX_STOP = 16
+MAX_LOGPROBS = 20  # the engine's limit
+
+
+class _Request(BaseModel):
+    # Strict: "5" is not an int and 1 is not a bool, as in the OpenAI API.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Parameters shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted and ignored: they do not change what is generated.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # Declared only so that a request setting them gets "not supported" (see unsupported_params).
+    best_of: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    prompt_logprobs: Any = None
+
+    def unsupported_params(self) -> list[str]:
+        found = []
+        if self.best_of is not None and self.best_of != 1 and self.best_of != self.n:
+            found.append("best_of")
+        if self.logit_bias:
+            found.append("logit_bias")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            found.append("response_format")
+        if self.prompt_logprobs is not None:
+            found.append("prompt_logprobs")
+        return found
+
+
+class CompletionRequest(_SamplingRequest):
+    # Typed loosely on purpose: `prompt_to_token_ids` gives precise 400 messages for the four
+    # accepted shapes instead of pydantic's union-error noise.
+    prompt: Any = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: Any = None
+
+    def unsupported_params(self) -> list[str]:
+        found = super().unsupported_params()
+        if self.suffix:
+            found.append("suffix")
+        return found
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    # str, or a list of {"type": "text", "text": ...} parts; checked by chat.py for clear errors.
+    content: Any = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools, so harmless
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def unsupported_params(self) -> list[str]:
+        found = super().unsupported_params()
+        for name in ("tools", "functions", "function_call", "chat_template_kwargs", "audio",
+                     "prediction", "reasoning_effort", "web_search_options"):
+            if getattr(self, name):
+                found.append(name)
+        if self.tool_choice not in (None, "none"):
+            found.append("tool_choice")
+        if self.modalities not in (None, ["text"]):
+            found.append("modalities")
+        if self.store:
+            found.append("store")
+        return found
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ksana-llm"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,51 @@
+"""What the routes share, built once by `build_app` and kept in `app.state.server`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from ksana_llm.api.engine import Engine
+from ksana_llm.server.errors import engine_unavailable, model_not_found
+from ksana_llm.server.logprobs import TokenTexts
+from ksana_llm.server.params import ModelLimits
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    served_model_name: str
+    chat_template: str | None  # None: the tokenizer's own
+    limits: ModelLimits
+    token_texts: TokenTexts
+    shutting_down: bool = False
+    metrics: Any = None  # a ksana_llm.server.metrics.ServerMetrics when that module is present
+
+    def observe_finished(self, output: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_finished(output)
+
+    def count_failure(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count_failure(reason)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        # An omitted model means the one being served (as vLLM does); any other name is a 404.
+        if name is not None and name != self.served_model_name:
+            raise model_not_found(name)
+
+    def check_alive(self) -> None:
+        if self.shutting_down:
+            raise engine_unavailable("the server is shutting down")
+        if not self.engine.is_running:
+            raise engine_unavailable()
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server

@@ -1,0 +1,71 @@
+"""A real `ksana-llm serve` subprocess on 127.0.0.1 for server tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m ksana_llm.cli serve ...` on a free port; `stop()` always ends it."""
+
+    def __init__(self, extra_args: Sequence[str] = (), ready_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="ksana-server-", suffix=".log",
+                                                delete=False)
+        cmd = [sys.executable, "-m", "ksana_llm.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--device", "cpu", *extra_args]
+        env = {**os.environ, "TQDM_DISABLE": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self._log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        os.unlink(self._log.name)

@@ -1,0 +1,405 @@
+"""The OpenAI-compatible server as a real subprocess, driven by the official `openai` client and
+`httpx`: completions and chat (sync/async, streamed or not, n > 1, logprobs), the small routes,
+one test per error class, auth, backpressure (429) and abort on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+import ksana_llm as kt
+from tests.server_process import ServerProcess
+
+KV_ARGS = ["--num-device-blocks", "256"]
+MAX_BODY = 64 * 1024
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    # default_model_dir: the GGUF is converted (and cached) before the server process needs it.
+    proc = ServerProcess([*KV_ARGS, "--max-body-bytes", str(MAX_BODY)])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def local_model(default_model_dir):
+    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def local_engine(local_model):
+    """The Python API on the same model: the reference for what the server must answer."""
+    with kt.Engine(local_model, num_device_blocks=256) as engine:
+        yield engine
+
+
+def _error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+# ---- small routes ----------------------------------------------------------------------------------
+
+def test_health_models_version(server, model_name):
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok" and health.json()["num_running"] == 0
+    models = httpx.get(server.base_url + "/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [model_name]
+    assert models["data"][0]["max_model_len"] == 4096  # 256 blocks x 16 tokens
+    assert httpx.get(server.url + "/version").json() == {"version": kt.__version__}
+
+
+def test_tokenize_detokenize(server, local_engine):
+    tok = local_engine.tokenizer
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT})
+    assert r.status_code == 200
+    assert r.json() == {"tokens": tok.encode(PROMPT), "count": len(tok.encode(PROMPT)),
+                        "max_model_len": 4096}
+    r = httpx.post(server.url + "/detokenize", json={"tokens": tok.encode(PROMPT)})
+    assert r.json() == {"prompt": PROMPT}
+    rendered = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    r = httpx.post(server.url + "/tokenize", json={"messages": QUESTION})
+    assert r.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [10**6]})
+    assert r.status_code == 400 and _error(r)["param"] == "tokens"
+
+
+# ---- generation --------------------------------------------------------------------------------
+
+def test_chat_greedy_matches_python_api(client, model_name, local_engine):
+    rendered = local_engine.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True,
+                                                          tokenize=False)
+    expected = local_engine.generate_outputs(rendered, kt.GenerationConfig(max_new_tokens=16),
+                                             use_tqdm=False)[0]
+    reply = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0,
+                                           max_tokens=16)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == expected.finish_reason
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+    # Streaming: the same text, finish_reason on the last chunk, usage equal to the non-streamed one.
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=QUESTION, temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason == expected.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+
+
+def test_completions_sync_stream_and_prompt_shapes(client, model_name, local_engine):
+    ids = local_engine.tokenizer.encode(PROMPT)
+    expected = local_engine.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=8),
+                                             use_tqdm=False)[0]
+    done = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=8)
+    assert done.object == "text_completion" and done.choices[0].text == expected.text
+    assert done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 8)
+
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPT, temperature=0,
+                                            max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage == done.usage
+    # No usage chunk unless asked for.
+    plain = list(client.completions.create(model=model_name, prompt=PROMPT, temperature=0,
+                                           max_tokens=2, stream=True))
+    assert all(c.usage is None and c.choices for c in plain)
+
+    # A list of prompts, as strings and as token ids: one choice per prompt, in order.
+    hello = local_engine.tokenizer.encode("Hello")
+    batch = client.completions.create(model=model_name, prompt=[ids, hello], temperature=0,
+                                      max_tokens=8)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == expected.text
+    assert batch.usage.prompt_tokens == len(ids) + len(hello)
+    texts = client.completions.create(model=model_name, prompt=[PROMPT, "Hello"], temperature=0,
+                                      max_tokens=8)
+    assert [c.text for c in texts.choices] == [c.text for c in batch.choices]
+
+    echoed = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=8,
+                                       echo=True)
+    assert echoed.choices[0].text == PROMPT + expected.text
+
+
+def test_async_client_n_with_seed(server, model_name):
+    async def main() -> None:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+        kwargs = dict(model=model_name, prompt=PROMPT, n=3, seed=1234, temperature=1.0,
+                      max_tokens=8, extra_body={"ignore_eos": True})
+        first, again = await asyncio.gather(aclient.completions.create(**kwargs),
+                                            aclient.completions.create(**kwargs))
+        assert [c.index for c in first.choices] == [0, 1, 2]
+        assert [c.text for c in first.choices] == [c.text for c in again.choices]  # reproducible
+        assert len({c.text for c in first.choices}) > 1  # each choice has its own seed
+        assert first.usage.completion_tokens == 24
+
+        stream = await aclient.chat.completions.create(
+            model=model_name, messages=QUESTION, n=2, seed=7, max_tokens=6, stream=True,
+            stream_options={"include_usage": True})
+        texts, finished = {0: "", 1: ""}, {}
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                if c.finish_reason:
+                    finished[c.index] = c.finish_reason
+        assert set(finished) == {0, 1} and usage.completion_tokens >= 2
+        await aclient.close()
+
+    asyncio.run(main())
+
+
+def test_logprobs_formats(client, model_name):
+    done = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, max_tokens=5,
+                                     logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) == 2 and top[token] == pytest.approx(value)  # greedy: top-1
+
+    chat = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0,
+                                          max_tokens=5, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode() == chat.choices[0].message.content
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in content)
+
+    streamed = list(client.chat.completions.create(model=model_name, messages=QUESTION,
+                                                   temperature=0, max_tokens=5, logprobs=True,
+                                                   stream=True))
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs
+              for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    # (id, route, body (dict, or raw bytes), param, code)
+    ("malformed_json", "/v1/completions", b'{"prompt": "x",', None, "invalid_json"),
+    ("not_an_object", "/v1/completions", b"[1, 2]", None, None),
+    ("wrong_type", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", None),
+    ("wrong_type_bool", "/v1/chat/completions", {"messages": QUESTION, "stream": "yes"}, "stream", None),
+    ("out_of_range_temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", None),
+    ("out_of_range_top_p", "/v1/chat/completions", {"messages": QUESTION, "top_p": 1.5}, "top_p", None),
+    ("out_of_range_n", "/v1/completions", {"prompt": "x", "n": 0}, "n", None),
+    ("max_tokens_zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
+    ("min_over_max", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens", None),
+    ("empty_prompt", "/v1/completions", {"prompt": ""}, "prompt", "empty_prompt"),
+    ("empty_prompt_list", "/v1/completions", {"prompt": []}, "prompt", None),
+    ("empty_prompt_in_list", "/v1/completions", {"prompt": ["ok", ""]}, "prompt", "empty_prompt"),
+    ("missing_prompt", "/v1/completions", {"max_tokens": 3}, "prompt", None),
+    ("empty_messages", "/v1/chat/completions", {"messages": []}, "messages", None),
+    ("bad_token_id", "/v1/completions", {"prompt": [1, 49152]}, "prompt", "invalid_token_id"),
+    ("negative_token_id", "/v1/completions", {"prompt": [-1]}, "prompt", "invalid_token_id"),
+    ("bad_stop_token_id", "/v1/completions", {"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids",
+     "invalid_token_id"),
+    ("over_context", "/v1/completions", {"prompt": "x", "max_tokens": 5000}, "prompt",
+     "context_length_exceeded"),
+    ("over_context_stream", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 5000, "stream": True},
+     "messages", "context_length_exceeded"),
+    ("unsupported_logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias",
+     "unsupported_parameter"),
+    ("unsupported_best_of", "/v1/completions", {"prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
+    ("unsupported_suffix", "/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix", "unsupported_parameter"),
+    ("unsupported_tools", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]},
+     "tools", "unsupported_parameter"),
+    ("unsupported_response_format", "/v1/chat/completions",
+     {"messages": QUESTION, "response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ("unsupported_echo_logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo",
+     "unsupported_parameter"),
+    ("unknown_field", "/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ("request_chat_template", "/v1/chat/completions", {"messages": QUESTION, "chat_template": "{{ 7*7 }}"},
+     "chat_template", "unsupported_parameter"),
+    ("image_content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0", None),
+    ("stream_options_without_stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options", None),
+]
+
+
+@pytest.mark.parametrize("route,body,param,code", [b[1:] for b in BAD_REQUESTS],
+                         ids=[b[0] for b in BAD_REQUESTS])
+def test_400_invalid_input(server, route, body, param, code):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + route, timeout=30, **kwargs)
+    assert r.status_code == 400, r.text
+    error = _error(r)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] == code, error
+
+
+def test_400_with_openai_client(client, model_name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=5000)
+    assert info.value.status_code == 400 and info.value.code == "context_length_exceeded"
+    assert "maximum context length is 4096 tokens" in info.value.message
+
+
+def test_404_unknown_model(server, client):
+    r = httpx.post(server.base_url + "/completions", json={"model": "gpt-17", "prompt": "x"})
+    assert r.status_code == 404
+    assert _error(r) == {"message": "The model `gpt-17` does not exist.", "type": "invalid_request_error",
+                         "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=QUESTION)
+
+
+def test_413_body_too_large(server):
+    big = {"prompt": "x" * (MAX_BODY + 10)}
+    r = httpx.post(server.base_url + "/completions", json=big)
+    assert r.status_code == 413
+    assert _error(r)["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the size must be counted as it arrives
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 8192):
+            yield payload[i:i + 8192]
+
+    r = httpx.post(server.base_url + "/completions", content=chunked(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
+
+
+def test_401_api_key(default_model_dir):
+    proc = ServerProcess([*KV_ARGS, "--api-key", "s3cret"])
+    try:
+        assert httpx.get(proc.url + "/health").status_code == 200  # open for probes
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                 ("POST", "/tokenize"), ("GET", "/version")):
+                r = httpx.request(method, proc.url + path, headers=headers, json={"prompt": "x"})
+                assert r.status_code == 401, (path, headers)
+                assert _error(r) == {"message": "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                                     "type": "authentication_error", "param": None,
+                                     "code": "invalid_api_key"}
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=proc.base_url, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=proc.base_url, api_key="s3cret", max_retries=0)
+        name = good.models.list().data[0].id
+        out = good.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+    finally:
+        proc.stop()
+
+
+def test_429_queue_full_with_retry_after(default_model_dir):
+    proc = ServerProcess([*KV_ARGS, "--max-num-seqs", "1", "--max-queue-size", "1"])
+    try:
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=proc.base_url, timeout=120) as http:
+                body = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}
+                return await asyncio.gather(*(http.post("/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(flood())
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) == {200, 429} and statuses.count(200) >= 1, statuses
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                error = _error(r)
+                assert (error["type"], error["code"], error["param"]) == ("rate_limit_error", "queue_full", None)
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 24
+        # Serial requests are never throttled.
+        for _ in range(2):
+            assert httpx.post(proc.base_url + "/completions", timeout=60,
+                              json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        proc.stop()
+
+
+# ---- disconnects -----------------------------------------------------------------------------------
+
+def _engine_counts(server) -> tuple[int, int]:
+    health = httpx.get(server.url + "/health").json()
+    return health["num_running"], health["num_waiting"]
+
+
+def test_disconnect_aborts_requests(server, model_name):
+    # Far more tokens than could be generated before the deadline below: only aborts free the engine.
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}
+
+    async def cut_streams() -> None:
+        async def one() -> None:
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", server.base_url + "/completions",
+                                       json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            seen += 1
+                            if seen == 2:
+                                return  # leaving the block closes the connection mid-stream
+
+        async def impatient() -> None:  # non-streaming client that gives up
+            async with httpx.AsyncClient(timeout=0.5) as http:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(server.base_url + "/completions", json=body)
+
+        await asyncio.gather(*(one() for _ in range(6)), *(impatient() for _ in range(3)))
+
+    asyncio.run(cut_streams())
+    deadline = time.monotonic() + 15
+    while _engine_counts(server) != (0, 0):
+        assert time.monotonic() < deadline, f"requests still live: {_engine_counts(server)}"
+        time.sleep(0.1)
+    start = time.monotonic()
+    out = httpx.post(server.base_url + "/completions", timeout=30,
+                     json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert out.status_code == 200 and time.monotonic() - start < 5
+
+
+# ---- the app in-process: engine death --------------------------------------------------------------
+
+def test_503_when_engine_dead(local_model):
+    from ksana_llm.server.app import build_app
+
+    engine = kt.Engine(local_model, num_device_blocks=16)
+    app = build_app(engine, served_model_name="m", mount_extensions=False)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200
+            engine.shutdown()
+            assert (await http.get("/health")).status_code == 503
+            r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503
+            assert _error(r)["type"] == "service_unavailable"
+
+    asyncio.run(main())
