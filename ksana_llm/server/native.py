@@ -1,0 +1,242 @@
+"""KsanaLLM's native `POST /generate` (see ksana-notes §1 and §3).
+
+Request: `prompt` (str) or `input_tokens` (list[int]) -- exactly one -- plus `sampling_config`
+(KsanaLLM names: `topk`, `topp`, `max_new_tokens`, `num_return_sequences`, ...) and `stream`
+(default **true**). Response: `{"texts", "output_token_ids", "logprobs", "input_token_ids"}`, one
+entry per return sequence. A stream is not SSE: each chunk is that same object, JSON, followed by a
+NUL byte, holding the *cumulative* output so far; the last chunk is the final result.
+
+Errors, the API key, metrics and abort-on-disconnect are the OpenAI routes' own (`errors.py`,
+`generation.py`, the middlewares), so a client gets the same statuses and bodies on both APIs.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.server.errors import APIError, bad_request, from_validation_error
+from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
+from ksana_llm.server.logprobs import _finite
+from ksana_llm.server.openai_protocol import MAX_LOGPROBS, MAX_N, MAX_STOP
+from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, _AbortOnCloseStreamingResponse
+from ksana_llm.server.params import (check_token_ids, choice_seeds, engine_value_error,
+                                     prompt_token_lists, resolve_max_tokens)
+from ksana_llm.server.state import ServerState, server_state
+
+NUL = b"\0"
+STREAM_MEDIA_TYPE = "application/octet-stream"
+
+# KsanaLLM top-level keys we do not serve yet: named in the 400 rather than called unknown.
+_UNSUPPORTED_TOP = ("messages", "input_refit_embedding", "pos", "embeddings",
+                    "structured_output_regex", "additional_params", "model_type",
+                    "use_chat_template")
+
+# KsanaLLM sampling_config keys we do not serve yet, with the value that means "off" (accepted).
+_UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "num_beams": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "decoder_no_repeat_ngram_size": 0,
+    "enable_structured_output": False, "json_schema": "", "enable_thinking": True,
+}
+
+# GenerationConfig field -> sampling_config key, so that an engine ValueError names the key sent.
+_ENGINE_TO_NATIVE = {"top_k": "topk", "top_p": "topp", "stop": "stop_strings"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    topk: int = Field(1, ge=0)
+    topp: float = Field(1.0, gt=0, le=1)
+    do_sample: bool | None = None
+    max_new_tokens: int | None = None  # absent or <= 0: until EOS or the context limit
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
+    stop_strings: list[str] = Field(default_factory=list, max_length=MAX_STOP)
+    ignore_eos: bool = False
+    logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)  # top-N per step; 0 = none
+    num_return_sequences: int = Field(1, ge=1, le=MAX_N)
+    # Extension (not KsanaLLM's): base seed; sequence i samples with seed + i.
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+    @property
+    def greedy(self) -> bool:
+        return self.do_sample is False or self.topk == 1 or self.temperature == 0
+
+
+class GenerateRequest(_Strict):
+    prompt: str | None = None
+    input_tokens: list[int] | None = None
+    sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
+    stream: bool = True
+    model_name: str = ""  # accepted, as KsanaLLM does; one model is served
+    debug_mode: bool = False  # accepted and ignored
+
+
+def _check_keys(body: Any) -> None:
+    """400 naming *every* unsupported or unknown key (pydantic would name only the first)."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    unsupported = [k for k in _UNSUPPORTED_TOP if k in body]
+    sampling = body.get("sampling_config")
+    if isinstance(sampling, dict):
+        unsupported += [f"sampling_config.{k}" for k, off in _UNSUPPORTED_SAMPLING_DEFAULTS.items()
+                        if k in sampling and sampling[k] != off]
+    known_top = set(GenerateRequest.model_fields)
+    unknown = [k for k in body if k not in known_top and k not in _UNSUPPORTED_TOP]
+    if isinstance(sampling, dict):
+        known = set(SamplingConfig.model_fields) | set(_UNSUPPORTED_SAMPLING_DEFAULTS)
+        unknown += [f"sampling_config.{k}" for k in sampling if k not in known]
+    parts = []
+    if unsupported:
+        parts.append(f"Unsupported parameter(s): {', '.join(unsupported)}.")
+    if unknown:
+        parts.append(f"Unknown parameter(s): {', '.join(unknown)}.")
+    if parts:
+        raise bad_request(" ".join(parts), param=(unsupported + unknown)[0],
+                          code="unsupported_parameter" if unsupported else "unknown_parameter")
+
+
+async def parse_generate_request(request: Request) -> GenerateRequest:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"Malformed JSON body: {exc}", code="invalid_json") from exc
+    _check_keys(body)
+    # Defaults for the keys that mean "off" are dropped before the model sees them.
+    sampling = body.get("sampling_config")
+    if isinstance(sampling, dict):
+        body = {**body, "sampling_config": {k: v for k, v in sampling.items()
+                                            if k not in _UNSUPPORTED_SAMPLING_DEFAULTS}}
+    try:
+        return GenerateRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def prompt_ids(req: GenerateRequest, state: ServerState) -> list[int]:
+    if (req.prompt is None) == (req.input_tokens is None):
+        raise bad_request("Give exactly one of `prompt` and `input_tokens`.", param="prompt")
+    if req.prompt is not None:
+        return prompt_token_lists(req.prompt, state.tokenizer, state.limits)[0]
+    if not req.input_tokens:
+        raise bad_request("The prompt is empty.", param="input_tokens", code="empty_prompt")
+    check_token_ids(req.input_tokens, state.limits.vocab_size, "input_tokens")
+    return list(req.input_tokens)
+
+
+def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState) -> list[GenerationConfig]:
+    """One engine config per return sequence (KsanaLLM semantics: greedy by default)."""
+    param = "sampling_config.max_new_tokens"
+    requested = sc.max_new_tokens if sc.max_new_tokens is not None and sc.max_new_tokens > 0 else None
+    try:
+        max_tokens = resolve_max_tokens(requested, prompt_len, state.limits, "prompt")
+    except APIError as exc:
+        if requested is not None:
+            exc.param = param
+        raise
+    check_token_ids(sc.stop_token_ids, state.limits.vocab_size, "sampling_config.stop_token_ids")
+    if any(not s for s in sc.stop_strings):
+        raise bad_request("Stop strings must be non-empty.", param="sampling_config.stop_strings")
+    sample = not sc.greedy
+    base_seed = (sc.seed if sc.seed is not None else secrets.randbits(62)) if sample else None
+    fields: dict[str, Any] = {
+        "max_new_tokens": max_tokens, "do_sample": sample,
+        "temperature": sc.temperature if sample else 1.0,
+        "top_k": sc.topk if sample else 0, "top_p": sc.topp if sample else 1.0,
+        "repetition_penalty": sc.repetition_penalty, "stop": list(sc.stop_strings),
+        "stop_token_ids": list(sc.stop_token_ids), "ignore_eos": sc.ignore_eos,
+        "logprobs": sc.logprobs or None,
+    }
+    try:
+        return [GenerationConfig(**fields, seed=seed)
+                for seed in choice_seeds(base_seed, sc.num_return_sequences)]
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        native = _ENGINE_TO_NATIVE.get(field, field)
+        if native not in SamplingConfig.model_fields:
+            raise engine_value_error(exc) from exc
+        raise bad_request(native + str(exc)[len(field):], param=f"sampling_config.{native}") from exc
+
+
+def _logprob_steps(entries: list[dict[str, Any]], n: int) -> list[list[list[float | int]]]:
+    """KsanaLLM's format: per step, the top-N `[token_id, logprob]` pairs, best first."""
+    steps = []
+    for entry in entries:
+        top = sorted(entry["top_logprobs"].items(), key=lambda kv: kv[1], reverse=True)[:n]
+        steps.append([[int(token_id), _finite(lp)] for token_id, lp in top])
+    return steps
+
+
+def snapshot(choices: ChoiceSet, input_ids: list[int], logprobs_n: int) -> dict[str, Any]:
+    """The response object as of now (cumulative; final once every sequence finished)."""
+    outs = [h.output for h in choices.handles]
+    token_ids = [list(o.token_ids) for o in outs]  # copied first: the engine thread appends
+    return {
+        "texts": [o.text for o in outs],
+        "output_token_ids": token_ids,
+        "logprobs": ([_logprob_steps(list(o.logprobs or []), logprobs_n) for o in outs]
+                     if logprobs_n else None),
+        "input_token_ids": input_ids,
+    }
+
+
+def _chunk(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + NUL
+
+
+async def _nul_stream(choices: ChoiceSet, input_ids: list[int], logprobs_n: int,
+                      every_event: bool) -> AsyncIterator[bytes]:
+    """A chunk whenever the token count changes (every event with stop strings, as KsanaLLM),
+    then the final result; an engine failure after the 200 went out becomes an error chunk."""
+    last_counts: list[int] | None = None
+    try:
+        async for _ in choices.events():
+            payload = snapshot(choices, input_ids, logprobs_n)
+            counts = [len(t) for t in payload["output_token_ids"]]
+            if every_event or counts != last_counts:
+                last_counts = counts
+                yield _chunk(payload)
+    except APIError as exc:
+        yield _chunk(exc.body())
+        return
+    yield _chunk(snapshot(choices, input_ids, logprobs_n))
+
+
+async def generate(request: Request) -> Response:
+    state = server_state(request)
+    req = await parse_generate_request(request)
+    state.check_alive()
+    ids = prompt_ids(req, state)
+    sc = req.sampling_config
+    configs = generation_configs(sc, len(ids), state)
+    choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],
+                               state.observe_finished if state.metrics is not None else None)
+    if req.stream:
+        response = _AbortOnCloseStreamingResponse(
+            _nul_stream(choices, ids, sc.logprobs, every_event=bool(sc.stop_strings)), choices)
+        response.headers["content-type"] = STREAM_MEDIA_TYPE
+        return response
+    try:
+        await choices.wait(request)
+    except ClientDisconnected:
+        state.count_failure("aborted")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(snapshot(choices, ids, sc.logprobs))
+
+
+def mount(app: FastAPI, engine: Any = None) -> None:
+    """Called by `build_app` (the engine is in `app.state.server`; the argument is unused)."""
+    app.add_api_route("/generate", generate, methods=["POST"], include_in_schema=True)

@@ -1,0 +1,281 @@
+"""KsanaLLM's native `POST /generate` on a real server subprocess, driven by httpx: results equal the
+Python API's, NUL-delimited cumulative streaming, num_return_sequences, stop strings, logprobs, the
+error classes (400 in the server; 401/429/503 in-process), abort on disconnect, and the load client
+(`benchmarks/benchmark_throughput.py`) end to end against the same server with both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import ksana_llm as kt
+from tests.server_process import ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    proc = ServerProcess(["--num-device-blocks", "256"])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def local_model(default_model_dir):
+    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def local_engine(local_model):
+    """The Python API on the same model: the reference for what the server must answer."""
+    with kt.Engine(local_model, num_device_blocks=256) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def greedy16(local_engine):
+    return local_engine.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=16),
+                                         use_tqdm=False)[0]
+
+
+def _post(server, body: dict, **kw) -> httpx.Response:
+    return httpx.post(server.url + "/generate", json=body, timeout=kw.pop("timeout", 60), **kw)
+
+
+def _chunks(response: httpx.Response) -> list[dict]:
+    *chunks, tail = response.content.split(b"\0")
+    assert tail == b"", "the stream must end with a NUL byte"
+    return [json.loads(c) for c in chunks]
+
+
+def _error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+# ---- results -----------------------------------------------------------------------------------------
+
+def test_greedy_matches_python_api(server, local_engine, greedy16):
+    r = _post(server, {"prompt": PROMPT, "sampling_config": {"max_new_tokens": 16}, "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"texts": [greedy16.text], "output_token_ids": [greedy16.token_ids],
+                        "logprobs": None, "input_token_ids": local_engine.tokenizer.encode(PROMPT)}
+    # Greedy is the default (topk 1) whatever the temperature; do_sample false forces it too.
+    for sampling in ({"temperature": 0.7}, {"topk": 40, "temperature": 0.9, "do_sample": False}):
+        r = _post(server, {"prompt": PROMPT, "stream": False,
+                           "sampling_config": {"max_new_tokens": 16, **sampling}})
+        assert r.json()["output_token_ids"] == [greedy16.token_ids], sampling
+
+
+def test_input_tokens(server, local_engine, greedy16):
+    ids = local_engine.tokenizer.encode(PROMPT)
+    r = _post(server, {"input_tokens": ids, "sampling_config": {"max_new_tokens": 16}, "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["input_token_ids"] == ids
+    assert r.json()["output_token_ids"] == [greedy16.token_ids]
+    assert r.json()["texts"] == [greedy16.text]
+
+
+def test_stream_is_nul_delimited_and_cumulative(server):
+    body = {"prompt": PROMPT, "sampling_config": {"max_new_tokens": 12}}  # stream defaults to true
+    full = _post(server, {**body, "stream": False}).json()
+    r = _post(server, body)
+    assert r.status_code == 200 and "text/event-stream" not in r.headers["content-type"]
+    chunks = _chunks(r)
+    assert len(chunks) >= 3
+    previous: list[int] = []
+    for chunk in chunks:
+        assert set(chunk) == {"texts", "output_token_ids", "logprobs", "input_token_ids"}
+        tokens = chunk["output_token_ids"][0]
+        assert tokens[:len(previous)] == previous and len(tokens) >= len(previous)  # cumulative
+        previous = tokens
+    assert chunks[-1] == full
+
+
+def test_num_return_sequences_sampling(server):
+    sampling = {"max_new_tokens": 8, "ignore_eos": True, "topk": 50, "temperature": 1.0,
+                "do_sample": True, "num_return_sequences": 2, "seed": 7}
+    r = _post(server, {"prompt": PROMPT, "sampling_config": sampling, "stream": False})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["texts"]) == 2 and [len(t) for t in out["output_token_ids"]] == [8, 8]
+    assert out["output_token_ids"][0] != out["output_token_ids"][1]  # seeds 7 and 8
+    again = _post(server, {"prompt": PROMPT, "sampling_config": sampling, "stream": False}).json()
+    assert again == out  # same seed, same samples
+    chunks = _chunks(_post(server, {"prompt": PROMPT, "sampling_config": sampling}))
+    assert chunks[-1] == out
+
+
+def test_stop_strings_truncate(server, greedy16):
+    text = greedy16.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    sampling = {"max_new_tokens": 16, "stop_strings": [stop]}
+    r = _post(server, {"prompt": PROMPT, "sampling_config": sampling, "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["texts"] == [text[:text.index(stop)]]
+    assert _chunks(_post(server, {"prompt": PROMPT, "sampling_config": sampling}))[-1] == r.json()
+
+
+def test_logprobs(server, greedy16):
+    sampling = {"max_new_tokens": 16, "logprobs": 3}
+    r = _post(server, {"prompt": PROMPT, "sampling_config": sampling, "stream": False})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_token_ids"] == [greedy16.token_ids]
+    (steps,) = out["logprobs"]
+    assert len(steps) == len(greedy16.token_ids)
+    for token, step in zip(greedy16.token_ids, steps):
+        assert len(step) == 3 and all(len(pair) == 2 for pair in step)
+        assert step[0][0] == token  # greedy: the chosen token is the top one
+        assert [lp for _, lp in step] == sorted((lp for _, lp in step), reverse=True)
+        assert all(lp <= 0 for _, lp in step)
+    assert _chunks(_post(server, {"prompt": PROMPT, "sampling_config": sampling}))[-1] == out
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"prompt": "x", "input_tokens": [1, 2]}, "prompt", None),
+    ({"sampling_config": {"max_new_tokens": 2}}, "prompt", None),
+    ({"prompt": ""}, "prompt", "empty_prompt"),
+    ({"input_tokens": []}, "input_tokens", "empty_prompt"),
+    ({"input_tokens": [1, 10**9]}, "input_tokens", "invalid_token_id"),
+    ({"prompt": "x", "sampling_config": {"stop_token_ids": [10**9]}},
+     "sampling_config.stop_token_ids", "invalid_token_id"),
+    ({"prompt": "x", "sampling_config": {"max_new_tokens": 10**6}},
+     "sampling_config.max_new_tokens", "context_length_exceeded"),
+    ({"input_tokens": [1] * 5000}, "prompt", "context_length_exceeded"),
+    ({"prompt": "x", "sampling_config": {"foo": 1, "bar": 2}}, "sampling_config.foo", "unknown_parameter"),
+    ({"prompt": "x", "frobnicate": True}, "frobnicate", "unknown_parameter"),
+    ({"prompt": "x", "sampling_config": {"num_beams": 4}}, "sampling_config.num_beams",
+     "unsupported_parameter"),
+    ({"prompt": "x", "sampling_config": {"no_repeat_ngram_size": 3}},
+     "sampling_config.no_repeat_ngram_size", "unsupported_parameter"),
+    ({"prompt": "x", "sampling_config": {"length_penalty": 0.5}}, "sampling_config.length_penalty",
+     "unsupported_parameter"),
+    ({"prompt": "x", "sampling_config": {"json_schema": "{}", "enable_structured_output": True}},
+     "sampling_config.enable_structured_output", "unsupported_parameter"),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "messages",
+     "unsupported_parameter"),
+    ({"prompt": "x", "sampling_config": {"topp": 0}}, "sampling_config.topp", None),
+    ({"prompt": "x", "sampling_config": {"temperature": -1}}, "sampling_config.temperature", None),
+    ({"prompt": "x", "sampling_config": {"logprobs": 50}}, "sampling_config.logprobs", None),
+    ({"prompt": 5}, "prompt", None),
+])
+def test_400(server, body, param, code):
+    for stream in (False, True):
+        r = _post(server, {**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        error = _error(r)
+        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+
+
+def test_400_names_every_bad_key(server):
+    r = _post(server, {"prompt": "x", "sampling_config": {"foo": 1, "num_beams": 2, "bar": 3}})
+    message = _error(r)["message"]
+    assert all(k in message for k in ("sampling_config.foo", "sampling_config.bar",
+                                      "sampling_config.num_beams")), message
+    # Their "off" values are accepted.
+    r = _post(server, {"prompt": "x", "stream": False, "sampling_config": {
+        "num_beams": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0, "max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/generate", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+
+
+def test_disconnect_aborts_requests(server):
+    body = {"prompt": PROMPT, "sampling_config": {"max_new_tokens": 3000, "ignore_eos": True,
+                                                  "num_return_sequences": 2}}
+
+    async def cut() -> None:
+        async def streaming() -> None:
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", server.url + "/generate", json=body) as r:
+                    assert r.status_code == 200
+                    buffered = b""
+                    async for raw in r.aiter_bytes():
+                        buffered += raw
+                        if buffered.count(b"\0") >= 2:
+                            return  # closes the connection mid-stream
+
+        async def impatient() -> None:
+            async with httpx.AsyncClient(timeout=0.5) as http:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(server.url + "/generate", json={**body, "stream": False})
+
+        await asyncio.gather(*(streaming() for _ in range(3)), *(impatient() for _ in range(2)))
+
+    asyncio.run(cut())
+    deadline = time.monotonic() + 15
+    while (counts := httpx.get(server.url + "/health").json()) and \
+            (counts["num_running"], counts["num_waiting"]) != (0, 0):
+        assert time.monotonic() < deadline, f"requests still live: {counts}"
+        time.sleep(0.1)
+
+
+def test_401_429_503_in_process(local_model):
+    """Same statuses and bodies as the OpenAI routes, on an in-process app (no extra server)."""
+    from ksana_llm.server.app import build_app
+
+    engine = kt.Engine(local_model, num_device_blocks=64, max_num_seqs=1, max_queue_size=1)
+    app = build_app(engine, served_model_name="m", api_key="s3cret")
+    auth = {"Authorization": "Bearer s3cret"}
+    body = {"prompt": PROMPT, "stream": False, "sampling_config": {"max_new_tokens": 16,
+                                                                  "ignore_eos": True}}
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as http:
+            r = await http.post("/generate", json=body)
+            assert r.status_code == 401 and _error(r)["code"] == "invalid_api_key"
+            responses = await asyncio.gather(*(http.post("/generate", json=body, headers=auth)
+                                               for _ in range(6)))
+            statuses = [r.status_code for r in responses]
+            assert set(statuses) == {200, 429}, statuses
+            for r in responses:
+                if r.status_code == 429:
+                    assert int(r.headers["Retry-After"]) >= 1
+                    error = _error(r)
+                    assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+                else:
+                    assert len(r.json()["output_token_ids"][0]) == 16
+            engine.shutdown()
+            for stream in (False, True):
+                r = await http.post("/generate", json={**body, "stream": stream}, headers=auth)
+                assert r.status_code == 503 and _error(r)["type"] == "service_unavailable"
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+# ---- the load client, end to end ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["ksana", "openai"])
+def test_benchmark_client_end_to_end(server, backend, tmp_path):
+    perf = tmp_path / "perf.csv"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "benchmark_throughput.py"),
+           "--host", "127.0.0.1", "--port", str(server.port), "--backend", backend, "--stream",
+           "--prompt_num", "4", "--max_new_tokens", "8",
+           "--input_csv", str(REPO / "benchmarks" / "sample_prompts.csv"), "--perf_csv", str(perf)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(perf, newline="", encoding="utf-8") as f:
+        header, values = list(csv.reader(f))
+    row = dict(zip(header, (float(v) for v in values)))
+    assert row["Successful requests"] == 4 and row["Failed requests"] == 0, row
+    assert 1 <= row["Avg output tokens"] <= 8 and row["Avg input tokens"] > 0, row
