@@ -64,6 +64,8 @@ class BenchConfig:
     percentiles: tuple[float, ...] = (99.0,)
     seed: int = 0
     client_timeout: float = 3 * 3600.0
+    # Per-request output lengths (the offline benchmark's workload); None: max_new_tokens for all.
+    output_lens: tuple[int, ...] | None = None
 
     @property
     def base_url(self) -> str:
@@ -320,10 +322,13 @@ def format_summary(row: dict[str, float]) -> str:
 
 # ---- requests ----------------------------------------------------------------------------------
 
-def build_request(cfg: BenchConfig, prompt: str) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of one request for the configured backend."""
+def build_request(cfg: BenchConfig, prompt: str | list[int], max_new_tokens: int | None = None
+                  ) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one request for the configured backend; a prompt is text or token
+    ids (sent as `input_tokens` to /generate)."""
+    max_new_tokens = max_new_tokens or cfg.max_new_tokens
     if cfg.backend == "openai":
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": cfg.max_new_tokens,
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_new_tokens,
                                 "temperature": cfg.temperature, "stream": cfg.stream}
         if cfg.model:
             body["model"] = cfg.model
@@ -332,9 +337,10 @@ def build_request(cfg: BenchConfig, prompt: str) -> tuple[str, dict[str, Any]]:
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}
         return "/v1/completions", body
-    sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": cfg.temperature,
                 "ignore_eos": cfg.ignore_eos}
-    return "/generate", {"prompt": prompt, "sampling_config": sampling, "stream": cfg.stream}
+    key = "prompt" if isinstance(prompt, str) else "input_tokens"
+    return "/generate", {key: prompt, "sampling_config": sampling, "stream": cfg.stream}
 
 
 def _headers(cfg: BenchConfig) -> dict[str, str]:
@@ -405,8 +411,10 @@ def _apply_full_response(cfg: BenchConfig, body: dict[str, Any], result: Request
 async def send_one(client: httpx.AsyncClient, cfg: BenchConfig, index: int, prompt: str
                    ) -> RequestResult:
     """Send one request and time it; a failure is recorded in the result, never raised."""
-    path, body = build_request(cfg, prompt)
-    result = RequestResult(index, prompt, start=time.perf_counter())
+    path, body = build_request(cfg, prompt,
+                               cfg.output_lens[index] if cfg.output_lens is not None else None)
+    result = RequestResult(index, prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>",
+                           start=time.perf_counter())
     try:
         async with client.stream("POST", path, json=body, headers=_headers(cfg)) as response:
             if response.status_code != 200:
@@ -535,6 +543,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="served model name (openai); default: the first of /v1/models")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=None)
     p.add_argument("--max_new_tokens", type=int, default=1024)
+    p.add_argument("--random_workload", type=int, default=0, metavar="N",
+                   help="instead of --input_csv: the offline benchmark's workload of N requests "
+                        "(random non-special token ids, input and output lengths uniform in "
+                        "[--random_min_len, --random_max_len], --seed), EOS ignored")
+    p.add_argument("--random_min_len", type=int, default=32)
+    p.add_argument("--random_max_len", type=int, default=256)
+    p.add_argument("--tokenizer", default=None,
+                   help="model folder whose tokenizer defines the special ids to avoid "
+                        "(default: the embedded default model)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore_eos", action="store_true")
     p.add_argument("--percentiles", type=_percentile_list, default=(99.0,),
@@ -558,12 +575,36 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        client_timeout=args.client_timeout)
 
 
+def random_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    """The exact requests `benchmarks/offline_throughput.py` sends, so server and offline
+    throughput can be compared on one workload."""
+    from transformers import AutoTokenizer
+
+    from ksana_llm.loader import resolve_model_dir
+
+    try:  # run as `python benchmarks/benchmark_throughput.py`: its folder is on sys.path
+        from offline_throughput import allowed_token_ids, build_workload
+    except ImportError:  # imported as benchmarks.benchmark_throughput
+        from benchmarks.offline_throughput import allowed_token_ids, build_workload
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.tokenizer))
+    allowed = allowed_token_ids(tokenizer, len(tokenizer))
+    workload = build_workload(args.random_workload, args.random_min_len, args.random_max_len,
+                              args.seed, allowed)
+    return workload.prompts, workload.output_lens
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-        prompts = read_prompts(args.input_csv, args.col_idx, args.prompt_num)
+        if args.random_workload:
+            prompts, output_lens = random_workload(args)
+            cfg = BenchConfig(**{**cfg.__dict__, "output_lens": tuple(output_lens),
+                                 "ignore_eos": True})
+        else:
+            prompts = read_prompts(args.input_csv, args.col_idx, args.prompt_num)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     cfg, results, duration = asyncio.run(run_benchmark(cfg, prompts))

@@ -252,3 +252,16 @@ def test_unreported_token_counts_stay_unknown():
     row = summarize([result(0, 0.0, [0.1], 1.0, None, 2)], 1.0, request_rate=1.0, concurrency=1,
                     percentiles=(50,), stream=True)
     assert math.isnan(row["Avg input tokens"]) and row["Avg output tokens"] == 2
+
+
+def test_token_id_prompts_and_per_request_lengths():
+    """The offline workload travels as token ids with each request's own output length."""
+    from benchmarks.benchmark_throughput import BenchConfig, build_request
+
+    path, body = build_request(BenchConfig(backend="ksana"), [5, 6, 7], 9)
+    assert path == "/generate" and body["input_tokens"] == [5, 6, 7]
+    assert body["sampling_config"]["max_new_tokens"] == 9 and "prompt" not in body
+    path, body = build_request(BenchConfig(backend="openai", max_new_tokens=100), [5, 6], 3)
+    assert path == "/v1/completions" and body["prompt"] == [5, 6] and body["max_tokens"] == 3
+    _, body = build_request(BenchConfig(backend="openai", max_new_tokens=100), "text")
+    assert body["max_tokens"] == 100
