@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import Prompt, Request, RequestHandle, RequestOutput
+from ksana_llm.api.outputs import (FORWARD_TARGETS, TOKEN_REDUCE_MODES, ForwardHandle, ForwardOutput,
+                                   ForwardTarget, Prompt, Request, RequestHandle, RequestOutput)
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.core import EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
-from ksana_llm.engine.request import Sequence
+from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.engine.scheduler import QueueFullError, SchedulerConfig
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.memory import plan_num_blocks
@@ -83,7 +84,10 @@ class Engine:
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []
         self._handles: dict[str, RequestHandle] = {}
-        self._num_waiting = 0  # the core's waiting count as of the last step
+        # The core's queue as of the last step (picked-up inbox requests count as waiting until
+        # then), guarded by _wake: what admission control sees from callers' threads.
+        self._num_waiting = 0
+        self._num_running = 0
         self._wake = threading.Condition()
         self._stopping = False
         self._dead: BaseException | None = None
@@ -107,7 +111,10 @@ class Engine:
         scheduler_config = SchedulerConfig(
             max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
             split_fuse_token_num=cfg.split_fuse_token_num, preempt_mode=cfg.preempt_mode,
-            policy=cfg.scheduler_policy, max_queue_size=cfg.max_queue_size)
+            policy=cfg.scheduler_policy,
+            # Admission control happens in submit(); requests it admits to start at once sit in
+            # the core's waiting list until the next step, so the core's bound leaves them room.
+            max_queue_size=cfg.max_queue_size + cfg.max_num_seqs)
         # A sequence can never outgrow the model's context, nor the whole KV pool.
         self.max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
                                  num_blocks * cfg.block_token_num)
@@ -144,6 +151,98 @@ class Engine:
         eos = () if config.ignore_eos else self.model.eos_token_ids
         return Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
 
+    def _resolve_target(self, j: int, target: Any, n: int) -> tuple[ForwardTarget, list[int]]:
+        """Validate one ForwardTarget (or dict) against an n-token prompt; returns it and its
+        row positions."""
+        name = f"targets[{j}]"
+        if isinstance(target, dict):
+            try:
+                target = ForwardTarget(**target)
+            except TypeError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        if not isinstance(target, ForwardTarget):
+            raise ValueError(f"{name} must be a ForwardTarget, got {type(target).__name__}")
+        if target.target_name not in FORWARD_TARGETS:
+            raise ValueError(f"{name}.target_name must be one of {', '.join(FORWARD_TARGETS)}; "
+                             f"got {target.target_name!r}")
+        if target.token_reduce_mode not in TOKEN_REDUCE_MODES:
+            raise ValueError(f"{name}.token_reduce_mode must be one of "
+                             f"{', '.join(TOKEN_REDUCE_MODES)}; got {target.token_reduce_mode!r}")
+        is_logits = target.target_name == "logits"
+        if target.token_reduce_mode == "GATHER_TOKEN_ID":
+            if not is_logits:
+                raise ValueError(f"{name}.token_reduce_mode GATHER_TOKEN_ID applies to logits only")
+            ids = target.token_id
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"{name}.token_id must be a non-empty list of token ids with "
+                                 "GATHER_TOKEN_ID")
+            vocab = self.model.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}.token_id must be in [0, {vocab}); got {bad[:5]}")
+        elif target.token_id:
+            raise ValueError(f"{name}.token_id needs token_reduce_mode GATHER_TOKEN_ID")
+        top = target.input_top_logprobs_num
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= self.model.vocab_size:
+            raise ValueError(f"{name}.input_top_logprobs_num must be an integer in "
+                             f"[0, {self.model.vocab_size}]; got {top!r}")
+        if not is_logits and (top or target.token_logprobs):
+            raise ValueError(f"{name}: input_top_logprobs_num and token_logprobs need "
+                             "target_name logits")
+        if not target.slice_pos:
+            return target, list(range(n))
+        positions: list[int] = []
+        if not isinstance(target.slice_pos, (list, tuple)):
+            raise ValueError(f"{name}.slice_pos must be a list of [start, end] pairs")
+        for pair in target.slice_pos:
+            if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)):
+                raise ValueError(f"{name}.slice_pos must be a list of [start, end] integer pairs; "
+                                 f"got {pair!r}")
+            start, end = (v + n if v < 0 else v for v in pair)
+            if not 0 <= start <= end < n:
+                raise ValueError(f"{name}.slice_pos {list(pair)} is out of range for a {n}-token "
+                                 f"prompt (inclusive [start, end], -{n} <= pos < {n}, start <= end)")
+            positions.extend(range(start, end + 1))
+        return target, positions
+
+    def submit_forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
+                       request_id: str | None = None,
+                       loop: asyncio.AbstractEventLoop | None = None) -> ForwardHandle:
+        """Queue a forward-only request (no sampling, no prefix-cache hits); returns its handle.
+        Raises ValueError naming the bad field, QueueFullError, EngineDeadError."""
+        token_ids = self._tokenize(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's "
+                             f"context, bounded by the KV cache) is {self.max_model_len}")
+        if not isinstance(targets, (list, tuple)) or not targets:
+            raise ValueError("targets must be a non-empty list of ForwardTarget")
+        resolved = [self._resolve_target(j, t, len(token_ids)) for j, t in enumerate(targets)]
+        targets = [t for t, _ in resolved]
+        positions = [ps for _, ps in resolved]
+        spec = ForwardSpec(tuple(sorted({p for ps in positions for p in ps})),
+                           logits=any(t.target_name == "logits" for t in targets),
+                           hidden=any(t.target_name == "layernorm" for t in targets))
+        request_id = request_id or f"fwd-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        seq = Sequence(request_id, token_ids, self.generation_config, forward=spec)
+        return ForwardHandle(self._enqueue(seq, None, loop), list(targets), positions)
+
+    def forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
+                request_id: str | None = None) -> ForwardOutput:
+        """Run the prompt through the model once and return the requested rows (see ForwardTarget)."""
+        return self.submit_forward(prompt, targets, request_id=request_id).result()
+
+    async def forward_async(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
+                            request_id: str | None = None) -> ForwardOutput:
+        handle = self.submit_forward(prompt, targets, request_id=request_id,
+                                     loop=asyncio.get_running_loop())
+        try:
+            return await handle.aresult()
+        except asyncio.CancelledError:
+            self.abort(handle.id)
+            raise
+
     # ---- submission ------------------------------------------------------------------------------
     def submit(self, request: Request | Prompt, *,
                loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
@@ -151,22 +250,32 @@ class Engine:
         QueueFullError when `max_queue_size` requests are already waiting."""
         if not isinstance(request, Request):
             request = Request(request)
-        seq = self._make_sequence(request)
+        return self._enqueue(self._make_sequence(request), request.callback, loop)
+
+    def _enqueue(self, seq: Sequence, callback: Any,
+                 loop: asyncio.AbstractEventLoop | None) -> RequestHandle:
         handle = RequestHandle(seq.request_id, seq.prompt_token_ids, seq.config,
-                               callback=request.callback, loop=loop)
+                               callback=callback, loop=loop)
         handle.output.metrics.arrival_time = seq.arrival_time
         with self._wake:
             if self._dead is not None or self._stopping:
                 raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
             if seq.request_id in self._handles:
                 raise ValueError(f"request_id {seq.request_id!r} is already in use")
-            if self._num_waiting + len(self._inbox) >= self.config.max_queue_size:
+            if self._num_queued() >= self.config.max_queue_size:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} "
                                      "requests); retry later")
             self._inbox.append((seq, handle))
             self._handles[seq.request_id] = handle
             self._wake.notify()
         return handle
+
+    def _num_queued(self) -> int:
+        """Requests that would wait if one more came now: those not yet running, less the free
+        sequence slots they are about to take (so a request that starts at once never counts
+        as queued, however quickly the next one arrives). Call with _wake held."""
+        free_slots = max(0, self.config.max_num_seqs - self._num_running)
+        return max(0, self._num_waiting + len(self._inbox) - free_slots)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its handle finishes with finish_reason "abort" and its blocks are freed."""
@@ -300,6 +409,7 @@ class Engine:
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
+                    self._num_waiting += len(inbox)
                     aborts, self._aborts = self._aborts, []
                 for seq, handle in inbox:
                     try:
@@ -317,7 +427,8 @@ class Engine:
                     self._stats.record_step(time.monotonic() - start, outputs)
                     self._dispatch(outputs)
                 with self._wake:
-                    self._num_waiting = len(core.scheduler.waiting)
+                    self._num_waiting = len(core.scheduler.waiting) + len(core.scheduler.swapped)
+                    self._num_running = len(core.scheduler.running)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiter
             logger.exception("engine step loop failed")
             self._dead = exc

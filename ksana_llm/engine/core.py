@@ -7,16 +7,28 @@ a background thread (see `ksana_llm.api`).
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import FinishReason, Sequence
 from ksana_llm.engine.scheduler import Scheduler, SchedulerConfig
-from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
+from ksana_llm.runner.model_runner import CapturedRows, ModelRunner, SeqSlice, StepInput
 from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """A forward-only request's captured rows, on the CPU, in `ForwardSpec.positions` order."""
+
+    positions: list[int]
+    hidden: Any  # torch.Tensor [P, hidden] float32 (after the final norm), or None
+    logits: Any  # torch.Tensor [P, vocab] float32, or None
 
 
 @dataclass
@@ -30,6 +42,8 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     new_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    forward: ForwardResult | None = None  # set on the (only) output of a forward-only request
+    first_scheduled_time: float | None = None  # time.monotonic() when it first got compute
 
 
 @dataclass(frozen=True)
@@ -101,8 +115,15 @@ class EngineCore:
         for item in plan.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            slices.append(SeqSlice(seq.tokens_slice(start, end), start, seq.block_table,
-                                   sample=end == seq.num_tokens))
+            spec = seq.forward
+            if spec is None:
+                slices.append(SeqSlice(seq.tokens_slice(start, end), start, seq.block_table,
+                                       sample=end == seq.num_tokens))
+            else:
+                lo, hi = bisect.bisect_left(spec.positions, start), bisect.bisect_left(spec.positions, end)
+                slices.append(SeqSlice(seq.tokens_slice(start, end), start, seq.block_table,
+                                       sample=False, capture=spec.positions[lo:hi],
+                                       capture_logits=spec.logits))
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += seq.num_prompt_tokens
@@ -110,8 +131,9 @@ class EngineCore:
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
+        outputs = self._collect_forward(plan.scheduled, slices, result.captured)
         if not result.sampled:
-            return []
+            return outputs
         seqs = [plan.scheduled[i].seq for i in result.sampled]
         rows = [SamplingRow(config=s.config, prompt_token_ids=s.prompt_token_ids,
                             output_token_ids=s.output_token_ids, generator=s.generator,
@@ -119,13 +141,43 @@ class EngineCore:
         sampled = self.sampler.sample(result.logits, rows)
         token_ids, logprobs, top = sampled.to_lists()
         now = time.monotonic()
-        outputs = []
         for i, seq in enumerate(seqs):
             outputs.append(self._append(seq, token_ids[i],
                                         None if logprobs is None else logprobs[i],
                                         None if top is None else list(zip(top[1][i], top[0][i])),
                                         now))
         return outputs
+
+    def _collect_forward(self, scheduled: list, slices: list[SeqSlice],
+                         captured: dict[int, CapturedRows]) -> list[StepOutput]:
+        """Keep the rows forward-only sequences captured; finish those whose prompt is done."""
+        outputs = []
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            if seq.forward is None:
+                continue
+            rows = captured.get(i)
+            if rows is not None:
+                hidden = rows.hidden.float().cpu() if seq.forward.hidden else None
+                logits = rows.logits.float().cpu() if rows.logits is not None else None
+                for k, pos in enumerate(slices[i].capture):
+                    seq.forward_rows[pos] = (None if hidden is None else hidden[k],
+                                             None if logits is None else logits[k])
+            if seq.num_computed_tokens >= seq.num_tokens:
+                outputs.append(self._finish_forward(seq))
+        return outputs
+
+    def _finish_forward(self, seq: Sequence) -> StepOutput:
+        spec = seq.forward
+        positions = list(spec.positions)
+        rows = [seq.forward_rows[p] for p in positions]
+        hidden = torch.stack([h for h, _ in rows]) if spec.hidden and rows else None
+        logits = torch.stack([lg for _, lg in rows]) if spec.logits and rows else None
+        seq.forward_rows = {}
+        seq.finish_reason = FinishReason.STOP
+        out = self._finish(seq, [], "")
+        out.forward = ForwardResult(positions, hidden, logits)
+        return out
 
     def _append(self, seq: Sequence, token: int, logprob: float | None,
                 top: Any, now: float) -> StepOutput:
@@ -151,7 +203,8 @@ class EngineCore:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason is not None:
             return self._finish(seq, [token], update.delta, entries)
-        return StepOutput(seq.request_id, [token], update.delta, new_logprobs=entries)
+        return StepOutput(seq.request_id, [token], update.delta, new_logprobs=entries,
+                          first_scheduled_time=seq.first_scheduled_time)
 
     def _finish(self, seq: Sequence, tokens: list[int], delta: str,
                 logprobs: list[dict[str, Any]] | None = None) -> StepOutput:
@@ -161,4 +214,4 @@ class EngineCore:
         seq.finished_time = time.monotonic()
         del self.sequences[seq.request_id]
         return StepOutput(seq.request_id, tokens, delta, True, seq.finish_reason, seq.stop_reason,
-                          logprobs or [])
+                          logprobs or [], first_scheduled_time=seq.first_scheduled_time)

@@ -23,6 +23,21 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+@dataclass(frozen=True)
+class ForwardSpec:
+    """What a forward-only sequence captures (no sampling; it finishes once its prompt is computed).
+
+    `positions`: sorted, unique prompt positions whose rows to keep. `logits`: keep their final
+    logits rows (float32); `hidden`: keep their last hidden state (after the final norm).
+    A forward-only sequence never adopts prefix-cache blocks (every token is recomputed), though it
+    publishes its own full blocks like any other sequence.
+    """
+
+    positions: tuple[int, ...]
+    logits: bool = True
+    hidden: bool = False
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sequence being generated.
@@ -56,6 +71,10 @@ class Sequence:
     # Block hashes of this sequence's full blocks, in order (prefix-cache chain).
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already published in the prefix cache
+    # Forward-only requests: what to capture, and the rows captured so far, keyed by position
+    # (keyed, so a recompute after preemption overwrites rather than duplicates).
+    forward: ForwardSpec | None = None
+    forward_rows: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:

@@ -14,7 +14,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.kv_cache import BlockManager, PrefixMatch
 from ksana_llm.engine.request import Sequence, SequenceStatus
 
 
@@ -157,7 +157,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = bm.match_prefix(seq)
+            # A forward-only sequence must compute every token itself: no prefix-cache hits.
+            prefix = bm.match_prefix(seq) if seq.forward is None else PrefixMatch([], 0)
             num_new = self._chunk(seq, budget, prefix.num_tokens)
             if not bm.allocate(seq, num_new, prefix):
                 break
@@ -165,7 +166,7 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
-                if bm.enable_prefix_caching:
+                if bm.enable_prefix_caching and seq.forward is None:
                     bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)

@@ -6,7 +6,7 @@ go first so attention can treat them as one batched call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,6 +22,10 @@ class SeqSlice:
     start: int
     block_table: list[int]
     sample: bool  # True when these are the sequence's last pending tokens: return its logits
+    # Forward-only: absolute positions (within this slice) whose final hidden rows to return,
+    # with their logits too when `capture_logits`.
+    capture: tuple[int, ...] = ()
+    capture_logits: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -35,12 +39,21 @@ class StepInput:
     swap_in: list[tuple[int, int]]  # (host block, device block)
 
 
+@dataclass(frozen=True)
+class CapturedRows:
+    """Rows a forward-only slice asked for, in the order of its `capture` positions."""
+
+    hidden: torch.Tensor  # [len(capture), hidden] (after the final norm), on the device
+    logits: torch.Tensor | None  # [len(capture), vocab] float32, when capture_logits
+
+
 @dataclass
 class StepResult:
     """Next-token logits of the slices that asked for them, in slice order."""
 
     sampled: list[int]  # indices into StepInput.slices
     logits: torch.Tensor | None  # [len(sampled), vocab] float32
+    captured: dict[int, CapturedRows] = field(default_factory=dict)  # slice index -> its rows
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -56,6 +69,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.sliding_window = model.sliding_window
+        self._capture_rows: dict[int, list[int]] = {}  # set by build()
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches: list[KVCache] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -95,7 +109,10 @@ class ModelRunner:
 
     def build(self, slices: list[SeqSlice]
               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
-        """(input_ids, positions, metadata, last-token row of each sampled slice, their indices)."""
+        """(input_ids, positions, metadata, last-token row of each sampled slice, their indices).
+
+        The row of each forward-only capture position is left in `self._capture_rows`
+        (slice index -> rows), read by `execute`."""
         # Decodes first, shortest context first (see _decode_groups), then prefill chunks.
         order = sorted(range(len(slices)), key=lambda i: (slices[i].num_tokens != 1,
                                                           slices[i].start))
@@ -105,7 +122,10 @@ class ModelRunner:
         pos: list[int] = []
         sample_rows: list[int] = []
         sampled: list[int] = []
+        self._capture_rows = {}
         for i, s in zip(order, ordered):
+            if s.capture:
+                self._capture_rows[i] = [len(ids) + p - s.start for p in s.capture]
             ids.extend(s.token_ids)
             pos.extend(range(s.start, s.start + s.num_tokens))
             if s.sample:
@@ -184,7 +204,26 @@ class ModelRunner:
         input_ids, positions, meta, rows, sampled = self.build(step.slices)
         meta = self._to_device(meta)
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, meta)
+        captured = self._capture(step.slices, hidden) if self._capture_rows else {}
         if not sampled:
-            return StepResult([], None)
+            return StepResult([], None, captured)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return StepResult(sampled, self.model.compute_logits(hidden.index_select(0, rows_t)))
+        return StepResult(sampled, self.model.compute_logits(hidden.index_select(0, rows_t)), captured)
+
+    def _capture(self, slices: list[SeqSlice], hidden: torch.Tensor) -> dict[int, CapturedRows]:
+        """The requested rows of forward-only slices; the LM head runs on those rows only."""
+        order = sorted(self._capture_rows)
+        # Slices that want logits first, so their rows are one contiguous block of `picked`.
+        order.sort(key=lambda i: not slices[i].capture_logits)
+        all_rows = [r for i in order for r in self._capture_rows[i]]
+        picked = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
+        num_logit_rows = sum(len(self._capture_rows[i]) for i in order if slices[i].capture_logits)
+        logits = self.model.compute_logits(picked[:num_logit_rows]) if num_logit_rows else None
+        out: dict[int, CapturedRows] = {}
+        offset = 0
+        for i in order:
+            n = len(self._capture_rows[i])
+            rows_logits = logits[offset:offset + n] if slices[i].capture_logits else None
+            out[i] = CapturedRows(picked[offset:offset + n], rows_logits)
+            offset += n
+        return out

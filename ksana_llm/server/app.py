@@ -51,6 +51,9 @@ def _mount_extensions(app: FastAPI, engine: Engine, state: ServerState) -> None:
     native_module = _optional_module("ksana_llm.server.native")
     if native_module is not None and callable(getattr(native_module, "mount", None)):
         native_module.mount(app, engine)
+    forward_module = _optional_module("ksana_llm.server.forward")
+    if forward_module is not None:
+        forward_module.mount(app)  # POST /forward
 
 
 def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,

@@ -61,24 +61,19 @@ class ChoiceSet:
 
     @classmethod
     def submit(cls, engine: Engine, base_id: str, jobs: list[tuple[list[int], GenerationConfig]],
-               on_finished: Callable[[RequestOutput], None] | None = None) -> ChoiceSet:
+               observer: Callable[[], Callable[[RequestOutput], None]] | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
 
-        `on_finished(output)` runs once per choice when it ends, on the engine thread (metrics).
+        `observer()` makes one callback per choice; it sees every output of that choice on the
+        engine thread (per-token metrics, and the finished request).
         """
-        callback = None
-        if on_finished is not None:
-            def callback(output: RequestOutput) -> None:
-                if output.finished:
-                    on_finished(output)
-
         loop = asyncio.get_running_loop()
         choices = cls(engine)
         try:
             for i, (prompt_ids, config) in enumerate(jobs):
                 choices.handles.append(engine.submit(
                     Request(prompt_ids, generation_config=config, request_id=f"{base_id}-{i}",
-                            callback=callback),
+                            callback=observer() if observer is not None else None),
                     loop=loop))
         except (QueueFullError, EngineDeadError, ValueError) as exc:
             choices.abort_unfinished()

@@ -223,7 +223,7 @@ async def generate(request: Request) -> Response:
     sc = req.sampling_config
     configs = generation_configs(sc, len(ids), state)
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],
-                               state.observe_finished if state.metrics is not None else None)
+                               state.request_observer if state.metrics is not None else None)
     if req.stream:
         response = _AbortOnCloseStreamingResponse(
             _nul_stream(choices, ids, sc.logprobs, every_event=bool(sc.stop_strings)), choices)

@@ -119,7 +119,7 @@ async def create_completion(request: Request) -> Response:
                                                 seed=seed, limits=state.limits)))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = ChoiceSet.submit(state.engine, request_id, jobs,
-                               state.observe_finished if state.metrics is not None else None)
+                               state.request_observer if state.metrics is not None else None)
     prompt_tokens = sum(len(p) for p in prompts)
     # Choice i answers prompt i // n; echo needs that prompt's text.
     echo_texts = ([state.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
@@ -203,7 +203,7 @@ async def create_chat_completion(request: Request) -> Response:
             for seed in choice_seeds(req.seed, req.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = ChoiceSet.submit(state.engine, request_id, jobs,
-                               state.observe_finished if state.metrics is not None else None)
+                               state.request_observer if state.metrics is not None else None)
     created = int(time.time())
     model = state.served_model_name
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,24 @@ class ServerState:
     shutting_down: bool = False
     metrics: Any = None  # a ksana_llm.server.metrics.ServerMetrics when that module is present
 
-    def observe_finished(self, output: Any) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_finished(output)
+    def request_observer(self) -> Callable[[Any], None] | None:
+        """A callback for one engine request (None without metrics): it times the gaps between
+        tokens as the engine produces them, streaming or not, and records the finished request."""
+        metrics = self.metrics
+        if metrics is None:
+            return None
+        timer = metrics.token_timer()
+        seen = 0
+
+        def observe(output: Any) -> None:
+            nonlocal seen
+            if len(output.token_ids) > seen:
+                seen = len(output.token_ids)
+                timer.tick()
+            if output.finished:
+                metrics.observe_finished(output, output.metrics.queue_time)
+
+        return observe
 
     def count_failure(self, reason: str) -> None:
         if self.metrics is not None:

@@ -1,0 +1,228 @@
+"""KsanaLLM's native `POST /forward`: one forward pass per prompt, no sampling (ksana-notes §1).
+
+Body: msgpack when `Content-Type: application/x-msgpack` (the response is msgpack too), else JSON.
+
+Request: `{"requests": [{"prompt" | "input_tokens", "request_target": [{"target_name": "logits" |
+"layernorm", "slice_pos": [[start, end], ...], "token_reduce_mode": "GATHER_ALL" |
+"GATHER_TOKEN_ID", "token_id": [int], "input_top_logprobs_num": int, "token_logprobs": bool}]}]}`.
+`slice_pos` ranges are inclusive, negatives count from the end; absent or [] = every position.
+`token_logprobs` is our extension: the log-prob of the next actual prompt token at each row
+(null/NaN at the last prompt position) -- what a PPL computation needs.
+
+Response: `{"responses": [{"input_token_ids", "input_top_logprobs", "response": [{"target_name",
+"tensor": {"data", "shape", "dtype": "float32"}, ["token_logprobs"]}]}], "message": "", "code": 0}`.
+`tensor.data` is base64 of the raw little-endian float32 bytes, in JSON *and* in msgpack (as
+KsanaLLM's own clients decode it). `input_top_logprobs[t][row]` is the top-N `[token_id, logprob]`
+list of target t's row (`[]` for targets that did not ask).
+
+Errors are the other routes' OpenAI-shaped JSON bodies (also for msgpack requests): 400 bad input
+(`param` names the field, e.g. `requests.0.request_target.1.slice_pos`), 429 queue full, 503
+engine dead or shutting down; a client that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import uuid
+from typing import Any
+
+import msgpack
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ksana_llm.api.engine import EngineDeadError
+from ksana_llm.api.outputs import ForwardHandle, ForwardOutput, ForwardTarget, RequestError
+from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.server.errors import APIError, bad_request, from_validation_error
+from ksana_llm.server.generation import DISCONNECT_POLL_S, map_engine_error
+from ksana_llm.server.logprobs import _finite
+from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST
+from ksana_llm.server.params import check_token_ids, prompt_token_lists
+from ksana_llm.server.state import server_state
+
+MSGPACK = "application/x-msgpack"
+MAX_FORWARD_REQUESTS = 256  # prompts per body
+_UNSUPPORTED_TARGETS = ("transformer", "lm_head")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TargetBody(_Strict):
+    target_name: str
+    token_id: list[int] = Field(default_factory=list)
+    slice_pos: list[list[int]] = Field(default_factory=list)
+    token_reduce_mode: str = "GATHER_ALL"
+    input_top_logprobs_num: int = Field(0, ge=0, le=1000)
+    token_logprobs: bool = False  # extension: next-token log-probs (PPL)
+
+
+class ForwardRequestBody(_Strict):
+    prompt: str | None = None
+    input_tokens: list[int] | None = None
+    request_target: list[TargetBody] = Field(min_length=1)
+
+
+class ForwardBody(_Strict):
+    requests: list[ForwardRequestBody] = Field(min_length=1, max_length=MAX_FORWARD_REQUESTS)
+    model_name: str = ""  # accepted, as on /generate; one model is served
+
+
+def _decode(raw: bytes, is_msgpack: bool) -> Any:
+    try:
+        if is_msgpack:
+            return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, msgpack.UnpackException) as exc:
+        kind = "msgpack" if is_msgpack else "JSON"
+        raise bad_request(f"Malformed {kind} body: {exc}", code="invalid_body") from exc
+
+
+def _targets_param(i: int, message: str) -> tuple[str, str | None]:
+    """An engine message "targets[j].field ..." -> (client message, param) in the body's names."""
+    m = re.match(r"targets\[(\d+)\](?:\.(\w+))?", message)
+    if m is None:
+        return message, None
+    param = f"requests.{i}.request_target.{m.group(1)}" + (f".{m.group(2)}" if m.group(2) else "")
+    return param + message[m.end():], param
+
+
+def _tensor(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().to(torch.float32).contiguous()
+    data = t.numpy().astype("<f4", copy=False).tobytes()
+    return {"data": base64.b64encode(data).decode("ascii"), "shape": list(t.shape), "dtype": "float32"}
+
+
+def _nan_to_none(values: list[float]) -> list[float | None]:
+    """NaN (no next token) -> null; -inf -> -9999.0 as in the logprobs of the other routes."""
+    return [None if v != v else _finite(v) for v in values]
+
+
+def _response_item(out: ForwardOutput, targets: list[TargetBody]) -> dict[str, Any]:
+    items, top = [], []
+    for target, got in zip(targets, out.targets):
+        item: dict[str, Any] = {"target_name": got.target_name, "tensor": _tensor(got.tensor)}
+        if got.token_logprobs is not None:
+            item["token_logprobs"] = _nan_to_none(got.token_logprobs.tolist())
+        items.append(item)
+        top.append([[[int(i), _finite(float(lp))] for i, lp in row] for row in got.top_logprobs]
+                   if got.top_logprobs is not None else [])
+    return {"input_token_ids": out.prompt_token_ids, "input_top_logprobs": top, "response": items}
+
+
+def _prompt_ids(i: int, req: ForwardRequestBody, state: Any) -> list[int]:
+    if (req.prompt is None) == (req.input_tokens is None):
+        raise bad_request("Give exactly one of `prompt` and `input_tokens`.",
+                          param=f"requests.{i}.prompt")
+    if req.prompt is not None:
+        try:
+            return prompt_token_lists(req.prompt, state.tokenizer, state.limits)[0]
+        except APIError as exc:
+            exc.param = f"requests.{i}.prompt"
+            raise
+    if not req.input_tokens:
+        raise bad_request("The prompt is empty.", param=f"requests.{i}.input_tokens",
+                          code="empty_prompt")
+    check_token_ids(req.input_tokens, state.limits.vocab_size, f"requests.{i}.input_tokens")
+    return list(req.input_tokens)
+
+
+def _submit_all(engine: Any, body: ForwardBody, state: Any,
+                loop: asyncio.AbstractEventLoop) -> list[ForwardHandle]:
+    """Validate every request first, then submit them all or none."""
+    jobs = []
+    for i, req in enumerate(body.requests):
+        ids = _prompt_ids(i, req, state)
+        for j, t in enumerate(req.request_target):
+            if t.target_name in _UNSUPPORTED_TARGETS:
+                raise bad_request(f"target_name {t.target_name!r} is not supported yet "
+                                  "(supported: logits, layernorm).",
+                                  param=f"requests.{i}.request_target.{j}.target_name",
+                                  code="unsupported_parameter")
+        targets = [ForwardTarget(t.target_name, slice_pos=t.slice_pos or None,
+                                 token_id=t.token_id or None, token_reduce_mode=t.token_reduce_mode,
+                                 input_top_logprobs_num=t.input_top_logprobs_num,
+                                 token_logprobs=t.token_logprobs) for t in req.request_target]
+        jobs.append((ids, targets))
+    handles: list[ForwardHandle] = []
+    base = f"fwd-{uuid.uuid4().hex}"
+    try:
+        for i, (ids, targets) in enumerate(jobs):
+            try:
+                handles.append(engine.submit_forward(ids, targets, request_id=f"{base}-{i}",
+                                                     loop=loop))
+            except ValueError as exc:
+                message, param = _targets_param(i, str(exc))
+                if param is None and str(exc).startswith("prompt"):
+                    param = f"requests.{i}.input_tokens"
+                raise bad_request(message, param=param) from exc
+    except (QueueFullError, EngineDeadError) as exc:
+        for h in handles:
+            engine.abort(h.id)
+        raise map_engine_error(exc) from exc
+    except APIError:
+        for h in handles:
+            engine.abort(h.id)
+        raise
+    return handles
+
+
+async def _wait_all(engine: Any, handles: list[ForwardHandle], request: Request
+                    ) -> list[ForwardOutput] | None:
+    """Every result, or None when the client went away (then everything is aborted)."""
+    results = asyncio.gather(*(h.aresult() for h in handles))
+    try:
+        while True:
+            done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return results.result()
+            if await request.is_disconnected():
+                return None
+    except RequestError as exc:
+        raise map_engine_error(exc) from exc
+    finally:
+        results.cancel()
+        for h in handles:
+            if not h.finished:
+                engine.abort(h.id)
+
+
+async def forward(request: Request) -> Response:
+    state = server_state(request)
+    is_msgpack = request.headers.get("content-type", "").split(";")[0].strip().lower() == MSGPACK
+    data = _decode(await request.body(), is_msgpack)
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be an object.")
+    if "requests" in data and isinstance(data["requests"], list):
+        for i, req in enumerate(data["requests"]):
+            if isinstance(req, dict) and "input_refit_embedding" in req:
+                raise bad_request("Unsupported parameter(s): input_refit_embedding.",
+                                  param=f"requests.{i}.input_refit_embedding",
+                                  code="unsupported_parameter")
+    try:
+        body = ForwardBody.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+    state.check_alive()
+    handles = _submit_all(state.engine, body, state, asyncio.get_running_loop())
+    outputs = await _wait_all(state.engine, handles, request)
+    if outputs is None:
+        state.count_failure("aborted")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    payload = {"responses": [_response_item(out, req.request_target)
+                             for out, req in zip(outputs, body.requests)],
+               "message": "", "code": 0}
+    if is_msgpack:
+        return Response(msgpack.packb(payload, use_bin_type=True), media_type=MSGPACK)
+    return JSONResponse(payload)
+
+
+def mount(app: FastAPI) -> None:
+    """Called by `build_app` next to the native /generate router."""
+    app.add_api_route("/forward", forward, methods=["POST"], include_in_schema=True)
