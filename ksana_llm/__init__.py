@@ -10,12 +10,11 @@ from ksana_llm.api.model import Model
 from ksana_llm.api.outputs import (ForwardOutput, ForwardTarget, Request, RequestHandle,
                                    RequestOutput, SequenceOutput)
 from ksana_llm.config import EngineConfig
-from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
-           "GenerationConfig", "Model",
-           "QueueFullError", "Request", "RequestHandle", "RequestOutput", "SequenceOutput",
-           "__version__"]
+           "GenerationConfig", "Model", "QueueFullError", "QueueTimeoutError", "Request",
+           "RequestHandle", "RequestOutput", "SequenceOutput", "__version__"]

@@ -43,6 +43,9 @@ class EngineConfig(BaseModel):
     preempt_mode: Literal[0, 1] = Field(0, description="0 = swap to host, 1 = recompute")
     scheduler_policy: Literal["fifo", "priority"] = "fifo"
     max_queue_size: int = Field(1000, ge=1, description="waiting requests before QueueFullError")
+    waiting_timeout_ms: int | None = Field(
+        None, ge=1, description="a request never scheduled within this many ms fails with "
+                                "QueueTimeoutError (KsanaLLM waiting_timeout_in_ms); None = no limit")
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context size")
 
     seed: int | None = Field(None, description="seed of the shared sampling RNG")

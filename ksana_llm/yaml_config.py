@@ -18,7 +18,7 @@ Keys and where they go:
 | setting.batch_scheduler.max_token_len             | EngineConfig.max_model_len (0 -> None)    |
 |                                                   |   and ServerSettings.max_token_len        |
 | setting.batch_scheduler.max_waiting_queue_len     | EngineConfig.max_queue_size               |
-| setting.batch_scheduler.waiting_timeout_in_ms     | ServerSettings.waiting_timeout_in_ms      |
+| setting.batch_scheduler.waiting_timeout_in_ms     | EngineConfig.waiting_timeout_ms           |
 | setting.batch_scheduler.split_fuse_token_num      | EngineConfig.split_fuse_token_num         |
 | setting.batch_scheduler.enable_auto_prefix_cache  | EngineConfig.enable_prefix_caching        |
 | setting.batch_scheduler.preempt_mode              | EngineConfig.preempt_mode                 |
@@ -102,7 +102,8 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     _BS + "max_token_len": _Key("int", field="max_model_len", server="max_token_len",
                                 convert=_zero_is_none),
     _BS + "max_waiting_queue_len": _Key("int", field="max_queue_size"),
-    _BS + "waiting_timeout_in_ms": _Key("int", server="waiting_timeout_in_ms"),
+    _BS + "waiting_timeout_in_ms": _Key("int", field="waiting_timeout_ms",
+                                        server="waiting_timeout_in_ms"),
     _BS + "split_fuse_token_num": _Key("int", field="split_fuse_token_num"),
     _BS + "enable_auto_prefix_cache": _Key("bool", field="enable_prefix_caching"),
     _BS + "preempt_mode": _Key("int", field="preempt_mode"),

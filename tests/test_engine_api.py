@@ -191,3 +191,17 @@ def test_shutdown_fails_pending_requests(model):
         handle.result(timeout=30)
     with pytest.raises(kt.EngineDeadError):
         engine.submit(PROMPT)
+
+
+def test_waiting_timeout_fails_only_the_expired_request(model):
+    with kt.Engine(model, num_device_blocks=64, max_num_seqs=1, waiting_timeout_ms=300,
+                   generation_config=kt.GenerationConfig(max_new_tokens=40, ignore_eos=True)) as engine:
+        running = engine.submit(PROMPT)
+        next(iter(running))  # it holds the only sequence slot now
+        waiting = engine.submit("A second prompt that cannot start in time")
+        with pytest.raises(kt.api.outputs.RequestError) as info:
+            waiting.result(timeout=60)
+        assert isinstance(info.value.__cause__, kt.QueueTimeoutError)
+        assert len(running.result(timeout=60).token_ids) == 40
+        assert engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
+        assert engine.stats().num_free_kv_blocks == 64

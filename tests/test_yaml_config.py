@@ -66,6 +66,7 @@ def test_every_key_lands_in_its_field(tmp_path):
     assert config.max_step_tokens == 333
     assert config.max_model_len == 1234
     assert config.max_queue_size == 55
+    assert config.waiting_timeout_ms == 4321
     assert config.split_fuse_token_num == 32
     assert config.enable_prefix_caching is False
     assert config.preempt_mode == 1

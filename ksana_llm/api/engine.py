@@ -21,10 +21,10 @@ from ksana_llm.api.outputs import (FORWARD_TARGETS, TOKEN_REDUCE_MODES, ForwardH
                                    ForwardTarget, Prompt, Request, RequestHandle, RequestOutput)
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
-from ksana_llm.engine.core import EngineCore
+from ksana_llm.engine.core import TIMEOUT_STOP_REASON, EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import ForwardSpec, Sequence
-from ksana_llm.engine.scheduler import QueueFullError, SchedulerConfig
+from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError, SchedulerConfig
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.memory import plan_num_blocks
 from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -421,6 +421,8 @@ class Engine:
                     out = core.abort(request_id)
                     if out is not None:
                         self._dispatch([out])
+                if self.config.waiting_timeout_ms is not None:
+                    self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work():
                     start = time.monotonic()
                     outputs = core.step()
@@ -440,6 +442,12 @@ class Engine:
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is None:
+                continue
+            if out.finished and out.stop_reason == TIMEOUT_STOP_REASON and not out.new_token_ids:
+                del self._handles[out.request_id]
+                handle.fail(QueueTimeoutError(
+                    f"request {out.request_id} waited over {self.config.waiting_timeout_ms} ms "
+                    "(waiting_timeout_ms) without being scheduled"))
                 continue
             handle.deliver(out, now)
             if out.finished:

@@ -31,6 +31,10 @@ class ForwardResult:
     logits: Any  # torch.Tensor [P, vocab] float32, or None
 
 
+# stop_reason of a request that expired in the waiting queue.
+TIMEOUT_STOP_REASON = "timeout"
+
+
 @dataclass
 class StepOutput:
     """What one step added to one request."""
@@ -109,6 +113,15 @@ class EngineCore:
                          bm.prefix_queries, bm.prefix_hits)
 
     # ---- one step ------------------------------------------------------------------------------
+    def expire_waiting(self, timeout_s: float) -> list[StepOutput]:
+        """Finish (finish_reason "abort", stop_reason "timeout") the requests that waited longer
+        than `timeout_s` without ever being scheduled."""
+        outputs = []
+        for seq in self.scheduler.expire_waiting(time.monotonic() - timeout_s):
+            seq.finish_reason, seq.stop_reason = FinishReason.ABORT, TIMEOUT_STOP_REASON
+            outputs.append(self._finish(seq, [], ""))
+        return outputs
+
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         slices = []

@@ -22,6 +22,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue holds `max_queue_size` requests already; try again later."""
 
 
+class QueueTimeoutError(TimeoutError):
+    """A request waited longer than `waiting_timeout_ms` without being scheduled."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_step_tokens: int = 2048
@@ -83,6 +87,15 @@ class Scheduler:
         self._admissions += 1
         seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, seq)
+
+    def expire_waiting(self, deadline: float) -> list[Sequence]:
+        """Take out the waiting sequences that arrived before `deadline` and never ran (a
+        preempted sequence waiting to resume is not expired: it already holds the user's output)."""
+        expired = [s for s in self.waiting
+                   if s.arrival_time < deadline and s.first_scheduled_time is None]
+        for seq in expired:
+            self.waiting.remove(seq)
+        return expired
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whichever queue holds it and release its blocks."""

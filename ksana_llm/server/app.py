@@ -127,8 +127,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         yaml_config = _optional_module("ksana_llm.yaml_config")
         if yaml_config is None:
             raise ValueError("--config_file is not supported yet")
-        # Returns (EngineConfig, ServerSettings); the server settings (max_token_len,
-        # waiting_timeout_in_ms, ...) are not acted on by this server yet.
+        # Returns (EngineConfig, ServerSettings); everything the engine acts on (including
+        # max_token_len and waiting_timeout_in_ms) is already in the EngineConfig.
         config, _server_settings = yaml_config.load_engine_config(args.config_file, overrides)
         return config
     return EngineConfig(**{k: v for k, v in overrides.items() if v is not None})

@@ -16,7 +16,7 @@ from starlette.requests import Request as HTTPRequest
 
 from ksana_llm.api.engine import Engine, EngineDeadError
 from ksana_llm.api.outputs import Request, RequestError, RequestHandle, RequestOutput
-from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, engine_unavailable, queue_full
 from ksana_llm.server.params import engine_value_error
@@ -45,6 +45,8 @@ def map_engine_error(exc: BaseException) -> APIError:
     cause = exc.__cause__ if isinstance(exc, RequestError) and exc.__cause__ else exc
     if isinstance(cause, QueueFullError):
         return queue_full(str(cause))
+    if isinstance(cause, QueueTimeoutError):
+        return engine_unavailable(str(cause))
     if isinstance(cause, EngineDeadError):
         return engine_unavailable(str(cause) or "the engine is not running")
     if isinstance(cause, ValueError):
