@@ -406,6 +406,28 @@ def test_503_when_engine_dead(local_model):
     asyncio.run(main())
 
 
+def test_503_when_waiting_timeout_expires(local_model):
+    from ksana_llm.server.app import build_app
+
+    engine = kt.Engine(local_model, num_device_blocks=64, max_num_seqs=1, waiting_timeout_ms=300)
+    app = build_app(engine, served_model_name="m", mount_extensions=False)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            long = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+            first = asyncio.create_task(http.post("/v1/completions", json=long))
+            await asyncio.sleep(0.2)  # the first request holds the only sequence slot
+            late = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert late.status_code == 503 and "waiting_timeout_ms" in _error(late)["message"]
+            assert (await first).status_code == 200
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
 # ---- metrics -----------------------------------------------------------------------------------------
 
 def _scrape(server) -> dict[tuple[str, tuple], float]:
