@@ -16,3 +16,12 @@ def default_model_dir():
     from ksana_llm.loader import resolve_model_dir
 
     return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    """The default model loaded once (fp32, CPU) and shared by every test that builds an Engine:
+    engines keep their KV caches to themselves, and the weights are only read."""
+    import ksana_llm as kt
+
+    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)

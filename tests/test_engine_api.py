@@ -15,8 +15,8 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived a cat nam
 
 
 @pytest.fixture(scope="module")
-def model(default_model_dir):
-    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+def model(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,8 @@ def _long_prompt(tokenizer) -> str:
 
 
 @pytest.fixture(scope="module")
-def model(default_model_dir):
-    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+def model(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

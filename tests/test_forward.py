@@ -27,8 +27,8 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model(default_model_dir):
-    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+def model(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,8 @@ def server(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def local_model(default_model_dir):
-    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+def local_model(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,8 @@ def model_name(client):
 
 
 @pytest.fixture(scope="module")
-def local_model(default_model_dir):
-    return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+def local_model(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
