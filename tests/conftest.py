@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -25,3 +24,12 @@ def default_model(default_model_dir):
     import ksana_llm as kt
 
     return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def local_engine(default_model):
+    """The Python API on the default model: the reference for what a server must answer."""
+    import ksana_llm as kt
+
+    with kt.Engine(default_model, num_device_blocks=256) as engine:
+        yield engine

@@ -31,18 +31,6 @@ def server(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def local_model(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
-def local_engine(local_model):
-    """The Python API on the same model: the reference for what the server must answer."""
-    with kt.Engine(local_model, num_device_blocks=256) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def greedy16(local_engine):
     return local_engine.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=16),
                                          use_tqdm=False)[0]
@@ -226,11 +214,11 @@ def test_disconnect_aborts_requests(server):
         time.sleep(0.1)
 
 
-def test_401_429_503_in_process(local_model):
+def test_401_429_503_in_process(default_model):
     """Same statuses and bodies as the OpenAI routes, on an in-process app (no extra server)."""
     from ksana_llm.server.app import build_app
 
-    engine = kt.Engine(local_model, num_device_blocks=64, max_num_seqs=1, max_queue_size=1)
+    engine = kt.Engine(default_model, num_device_blocks=64, max_num_seqs=1, max_queue_size=1)
     app = build_app(engine, served_model_name="m", api_key="s3cret")
     auth = {"Authorization": "Bearer s3cret"}
     body = {"prompt": PROMPT, "stream": False, "sampling_config": {"max_new_tokens": 16,

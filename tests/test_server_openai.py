@@ -39,18 +39,6 @@ def model_name(client):
     return client.models.list().data[0].id
 
 
-@pytest.fixture(scope="module")
-def local_model(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
-def local_engine(local_model):
-    """The Python API on the same model: the reference for what the server must answer."""
-    with kt.Engine(local_model, num_device_blocks=256) as engine:
-        yield engine
-
-
 def _error(response: httpx.Response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
@@ -387,10 +375,10 @@ def test_disconnect_aborts_requests(server, model_name):
 
 # ---- the app in-process: engine death --------------------------------------------------------------
 
-def test_503_when_engine_dead(local_model):
+def test_503_when_engine_dead(default_model):
     from ksana_llm.server.app import build_app
 
-    engine = kt.Engine(local_model, num_device_blocks=16)
+    engine = kt.Engine(default_model, num_device_blocks=16)
     app = build_app(engine, served_model_name="m", mount_extensions=False)
 
     async def main() -> None:
@@ -406,10 +394,10 @@ def test_503_when_engine_dead(local_model):
     asyncio.run(main())
 
 
-def test_503_when_waiting_timeout_expires(local_model):
+def test_503_when_waiting_timeout_expires(default_model):
     from ksana_llm.server.app import build_app
 
-    engine = kt.Engine(local_model, num_device_blocks=64, max_num_seqs=1, waiting_timeout_ms=300)
+    engine = kt.Engine(default_model, num_device_blocks=64, max_num_seqs=1, waiting_timeout_ms=300)
     app = build_app(engine, served_model_name="m", mount_extensions=False)
 
     async def main() -> None:

@@ -16,8 +16,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import (FORWARD_TARGETS, TOKEN_REDUCE_MODES, ForwardHandle, ForwardOutput,
+from ksana_llm.api.outputs import (ForwardHandle, ForwardOutput,
                                    ForwardTarget, Prompt, Request, RequestHandle, RequestOutput)
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
@@ -151,62 +152,6 @@ class Engine:
         eos = () if config.ignore_eos else self.model.eos_token_ids
         return Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
 
-    def _resolve_target(self, j: int, target: Any, n: int) -> tuple[ForwardTarget, list[int]]:
-        """Validate one ForwardTarget (or dict) against an n-token prompt; returns it and its
-        row positions."""
-        name = f"targets[{j}]"
-        if isinstance(target, dict):
-            try:
-                target = ForwardTarget(**target)
-            except TypeError as exc:
-                raise ValueError(f"{name}: {exc}") from None
-        if not isinstance(target, ForwardTarget):
-            raise ValueError(f"{name} must be a ForwardTarget, got {type(target).__name__}")
-        if target.target_name not in FORWARD_TARGETS:
-            raise ValueError(f"{name}.target_name must be one of {', '.join(FORWARD_TARGETS)}; "
-                             f"got {target.target_name!r}")
-        if target.token_reduce_mode not in TOKEN_REDUCE_MODES:
-            raise ValueError(f"{name}.token_reduce_mode must be one of "
-                             f"{', '.join(TOKEN_REDUCE_MODES)}; got {target.token_reduce_mode!r}")
-        is_logits = target.target_name == "logits"
-        if target.token_reduce_mode == "GATHER_TOKEN_ID":
-            if not is_logits:
-                raise ValueError(f"{name}.token_reduce_mode GATHER_TOKEN_ID applies to logits only")
-            ids = target.token_id
-            if not isinstance(ids, (list, tuple)) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"{name}.token_id must be a non-empty list of token ids with "
-                                 "GATHER_TOKEN_ID")
-            vocab = self.model.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name}.token_id must be in [0, {vocab}); got {bad[:5]}")
-        elif target.token_id:
-            raise ValueError(f"{name}.token_id needs token_reduce_mode GATHER_TOKEN_ID")
-        top = target.input_top_logprobs_num
-        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= self.model.vocab_size:
-            raise ValueError(f"{name}.input_top_logprobs_num must be an integer in "
-                             f"[0, {self.model.vocab_size}]; got {top!r}")
-        if not is_logits and (top or target.token_logprobs):
-            raise ValueError(f"{name}: input_top_logprobs_num and token_logprobs need "
-                             "target_name logits")
-        if not target.slice_pos:
-            return target, list(range(n))
-        positions: list[int] = []
-        if not isinstance(target.slice_pos, (list, tuple)):
-            raise ValueError(f"{name}.slice_pos must be a list of [start, end] pairs")
-        for pair in target.slice_pos:
-            if (not isinstance(pair, (list, tuple)) or len(pair) != 2
-                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)):
-                raise ValueError(f"{name}.slice_pos must be a list of [start, end] integer pairs; "
-                                 f"got {pair!r}")
-            start, end = (v + n if v < 0 else v for v in pair)
-            if not 0 <= start <= end < n:
-                raise ValueError(f"{name}.slice_pos {list(pair)} is out of range for a {n}-token "
-                                 f"prompt (inclusive [start, end], -{n} <= pos < {n}, start <= end)")
-            positions.extend(range(start, end + 1))
-        return target, positions
-
     def submit_forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
                        request_id: str | None = None,
                        loop: asyncio.AbstractEventLoop | None = None) -> ForwardHandle:
@@ -218,7 +163,8 @@ class Engine:
                              f"context, bounded by the KV cache) is {self.max_model_len}")
         if not isinstance(targets, (list, tuple)) or not targets:
             raise ValueError("targets must be a non-empty list of ForwardTarget")
-        resolved = [self._resolve_target(j, t, len(token_ids)) for j, t in enumerate(targets)]
+        resolved = [resolve_target(j, t, len(token_ids), self.model.vocab_size)
+                    for j, t in enumerate(targets)]
         targets = [t for t, _ in resolved]
         positions = [ps for _, ps in resolved]
         spec = ForwardSpec(tuple(sorted({p for ps in positions for p in ps})),

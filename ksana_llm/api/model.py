@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import logging
 import os
 from dataclasses import dataclass
@@ -16,9 +18,9 @@ from ksana_llm.models.registry import model_class_for
 
 logger = logging.getLogger("ksana_llm.model")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+_DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-           "half": torch.float16, "float": torch.float32}
+           "half": torch.float16, "float": torch.float32})
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

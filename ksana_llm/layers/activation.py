@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = MappingProxyType({"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")})
 
 
 def get_gated_activation(name: str):

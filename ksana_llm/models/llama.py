@@ -6,6 +6,8 @@ into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the parts
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,10 +21,10 @@ from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
 
 # checkpoint part -> (fused parameter, part index)
-_FUSED_PARTS = {
+_FUSED_PARTS = MappingProxyType({
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+})
 
 
 # Up to this many rows, logits use the transposed LM-head copy (see prepare_for_inference).

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
 
 from ksana_llm.models.llama import LlamaForCausalLM
 
-_ARCHITECTURES: dict[str, type[nn.Module]] = {
+_ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1/2/3, Yi, SmolLM2, Vicuna
     "MistralForCausalLM": LlamaForCausalLM,  # same layout; sliding window from the config
     "YiForCausalLM": LlamaForCausalLM,
-}
-_MODEL_TYPES: dict[str, type[nn.Module]] = {
+})
+_MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "yi": LlamaForCausalLM,
-}
+})
 
 
 def supported_architectures() -> list[str]:

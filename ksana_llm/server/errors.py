@@ -7,6 +7,8 @@ Client mistakes must never surface as 422 or 5xx, so FastAPI's own validation er
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import logging
 from typing import Any
 
@@ -96,8 +98,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
 
 
 # Failure reasons as the metrics module labels them.
-_FAILURE_REASON = {400: "invalid_request", 404: "invalid_request", 401: "unauthorized",
-                   429: "queue_full", 503: "engine_error"}
+_FAILURE_REASON = MappingProxyType({400: "invalid_request", 404: "invalid_request", 401: "unauthorized",
+                   429: "queue_full", 503: "engine_error"})
 
 
 def _count(request: Request, error: APIError) -> JSONResponse:

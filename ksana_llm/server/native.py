@@ -12,6 +12,8 @@ Errors, the API key, metrics and abort-on-disconnect are the OpenAI routes' own 
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import json
 import secrets
 import uuid
@@ -48,7 +50,7 @@ _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 
 # GenerationConfig field -> sampling_config key, so that an engine ValueError names the key sent.
-_ENGINE_TO_NATIVE = {"top_k": "topk", "top_p": "topp", "stop": "stop_strings"}
+_ENGINE_TO_NATIVE = MappingProxyType({"top_k": "topk", "top_p": "topp", "stop": "stop_strings"})
 
 
 class _Strict(BaseModel):

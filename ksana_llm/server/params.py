@@ -5,6 +5,8 @@ length, and the engine's own GenerationConfig validation.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +15,8 @@ from ksana_llm.server.errors import APIError, bad_request
 from ksana_llm.server.openai_protocol import MAX_STOP, _SamplingRequest
 
 # Engine field -> OpenAI parameter, so that an engine ValueError names what the client sent.
-_ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-                     "do_sample": "temperature"}
+_ENGINE_TO_OPENAI = MappingProxyType({"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                     "do_sample": "temperature"})
 
 
 @dataclass(frozen=True)
