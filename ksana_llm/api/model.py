@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch

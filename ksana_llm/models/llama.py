@@ -6,9 +6,8 @@ into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the parts
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Any
 
 import torch

@@ -7,9 +7,8 @@ Client mistakes must never surface as 422 or 5xx, so FastAPI's own validation er
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import logging
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI, Request

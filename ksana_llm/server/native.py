@@ -12,12 +12,11 @@ Errors, the API key, metrics and abort-on-disconnect are the OpenAI routes' own 
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import json
 import secrets
 import uuid
 from collections.abc import AsyncIterator
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,8 +29,13 @@ from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS, MAX_N, MAX_STOP
 from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, _AbortOnCloseStreamingResponse
-from ksana_llm.server.params import (check_token_ids, choice_seeds, engine_value_error,
-                                     prompt_token_lists, resolve_max_tokens)
+from ksana_llm.server.params import (
+    check_token_ids,
+    choice_seeds,
+    engine_value_error,
+    prompt_token_lists,
+    resolve_max_tokens,
+)
 from ksana_llm.server.state import ServerState, server_state
 
 NUL = b"\0"

@@ -5,9 +5,8 @@ length, and the engine's own GenerationConfig validation.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from ksana_llm.generation_config import GenerationConfig
