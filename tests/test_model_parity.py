@@ -7,45 +7,12 @@ import pytest
 import torch
 
 from ksana_llm.api.model import Model
-from ksana_llm.engine.kv_cache import BlockManager
-from ksana_llm.engine.request import Sequence
-from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
+from tests.family_harness import ATOL, NUM_DECODE, PagedDriver, greedy_trace, hf_reference
 from tests.tiny_models import TINY_CONFIGS, build_tiny_model
 
-ATOL = 2e-4
-NUM_DECODE = 16
 
-
-class PagedDriver:
-    """Feeds sequences through ModelRunner by hand, so a test controls every chunk."""
-
-    def __init__(self, module: torch.nn.Module, block_size: int = 4, num_blocks: int = 128,
-                 dtype: torch.dtype = torch.float32) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(module, device=torch.device("cpu"), dtype=dtype,
-                                  num_blocks=num_blocks, block_size=block_size)
-
-    def new_seq(self, tokens: list[int], name: str = "s") -> Sequence:
-        return Sequence(name, list(tokens), GenerationConfig())
-
-    def step(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Compute `n` more tokens of each sequence in one batch; logits of the last ones."""
-        slices = []
-        for seq, n in work:
-            if not seq.block_table:
-                prefix = self.bm.match_prefix(seq)
-                assert self.bm.allocate(seq, n, prefix)
-                seq.num_computed_tokens = prefix.num_tokens
-            else:
-                assert self.bm.allocate(seq, n)
-            start = seq.num_computed_tokens
-            slices.append(SeqSlice(seq.tokens_slice(start, start + n), start, seq.block_table, True))
-        result = self.runner.execute(StepInput(slices, [], []))
-        for seq, n in work:
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
-        return result.logits
+def hf_greedy_trace(hf: torch.nn.Module, prompt: list[int], steps: int):
+    return greedy_trace(hf_reference(hf), prompt, steps)
 
 
 def load_ours(hf_model: torch.nn.Module, folder) -> torch.nn.Module:
@@ -57,16 +24,6 @@ def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = build_tiny_model(request.param, folder)
     return request.param, hf, load_ours(hf, folder)
-
-
-def hf_greedy_trace(hf: torch.nn.Module, prompt: list[int], steps: int):
-    """Full token list (prompt + greedy continuation) and HF logits at every position."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = hf(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-        return ids, hf(torch.tensor([ids])).logits[0].float()
 
 
 @pytest.mark.parametrize("chunks", [[40], [16, 16, 8], [1, 39]])
@@ -165,3 +122,11 @@ def test_decode_groups_bound_padding():
     assert covered == list(range(40)) and len(groups) > 1
     assert all(count >= 8 for _, count in groups)
     assert ModelRunner._decode_groups([5] * 30) == [(0, 30)]
+
+
+def test_engine_greedy_tokens_match_through_harness(tmp_path):
+    """The shared family harness's engine check, on the base family (chunked prefill + prefix hit)."""
+    from tests.family_harness import check_engine_greedy
+
+    hf = build_tiny_model("llama2", tmp_path)
+    check_engine_greedy(tmp_path, hf_reference(hf), vocab=256)

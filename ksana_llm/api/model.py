@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ksana_llm.loader import iterate_weights, resolve_model_dir
+from ksana_llm.loader import iterate_weights, load_hf_config, resolve_model_dir
 from ksana_llm.models.registry import model_class_for
 
 logger = logging.getLogger("ksana_llm.model")
@@ -104,14 +104,12 @@ class Model:
                         dtype: str | torch.dtype | None = "auto", tensor_parallel_size: int = 1,
                         progress: bool = True) -> Model:
         """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct."""
-        from transformers import AutoConfig
-
         if tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size must be 1 (tensor parallelism is not built yet)")
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         model_dir = resolve_model_dir(path)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = load_hf_config(model_dir)
         model_cls = model_class_for(hf_config)
         # Build on the meta device so no memory is touched before the real weights arrive.
         with torch.device("meta"):

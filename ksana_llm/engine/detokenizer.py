@@ -105,6 +105,8 @@ class _IncrementalDecoder:
         self._prefix_len: int | None = None
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._tokenizer is None:
+            return ""  # a weights-only model (no tokenizer) serves token ids, no text
         # Cleanup is disabled: it rewrites text across token boundaries, so a
         # windowed decode could not reproduce it consistently.
         return self._tokenizer.decode(

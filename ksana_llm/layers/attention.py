@@ -18,6 +18,28 @@ import torch.nn.functional as F
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size, kv_heads, head_dim]
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one layer keeps per cached token; models declare it, the runner allocates it.
+
+    K is [num_blocks, block_size, num_kv_heads, head_dim] and V the same with `v_head_dim`. A
+    `v_head_dim` of 0 means the layer keeps no separate V (MLA stores one compressed latent per
+    token in K and reads its values from there).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # None: same as head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.num_kv_heads * (self.head_dim + self.v_dim) * elem
+
+
 @dataclass
 class PrefillChunk:
     """One sequence's query chunk in the flattened batch."""
@@ -49,34 +71,57 @@ class DecodeGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
+    positions: torch.Tensor | None = None  # [T] absolute position of each new token
     num_decodes: int = 0  # the first num_decodes tokens are single-token decodes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+def _alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                allowed: torch.Tensor | None) -> torch.Tensor:
+    """ALiBi as an additive mask [..., Hq, Tq, Tk]: slope * (k_pos - q_pos), -inf where not
+    allowed. q_pos: [..., Tq], k_pos: [Tk], allowed broadcastable to the result."""
+    distance = (k_pos[None, :] - q_pos[..., :, None]).to(slopes.dtype)  # [..., Tq, Tk]
+    bias = slopes[:, None, None] * distance.unsqueeze(-3)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    return bias
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float,
+                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] / [T, Hkv, Dv] for the new tokens. Returns [T, Hq, Dv].
+
+    `alibi_slopes` ([Hq], float32) adds ALiBi position biases (Baichuan-13B); it needs
+    `meta.positions`.
+    """
     k_cache, v_cache = kv_cache
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    num_kv_heads, head_dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, v_dim)
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != num_kv_heads
 
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     # With one query token, the query heads that share a KV head can act as that head's "query
     # positions": plain multi-head attention with no head expansion (faster than enable_gqa).
     group_size = q.shape[1] // num_kv_heads
     for g in meta.decode_groups:
         n, length = g.count, g.length
         kd = k_flat.index_select(0, g.slots).view(n, length, num_kv_heads, head_dim)
-        vd = v_flat.index_select(0, g.slots).view(n, length, num_kv_heads, head_dim)
+        vd = v_flat.index_select(0, g.slots).view(n, length, num_kv_heads, v_dim)
         qd = q[g.start:g.start + n].view(n, num_kv_heads, group_size, head_dim)
+        mask = g.mask
+        if alibi_slopes is not None:
+            q_pos = meta.positions[g.start:g.start + n, None]  # [n, 1]
+            bias = _alibi_bias(alibi_slopes, q_pos, torch.arange(length, device=q.device),
+                               None if mask is None else mask.view(n, 1, 1, length))
+            mask = bias.view(n, num_kv_heads, group_size, length).to(q.dtype)
         o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                           attn_mask=g.mask, scale=scale)
-        out[g.start:g.start + n] = o.reshape(n, q.shape[1], head_dim)
+                                           attn_mask=mask, scale=scale)
+        out[g.start:g.start + n] = o.reshape(n, q.shape[1], v_dim)
     for chunk in meta.prefills:
         s, n = chunk.start, chunk.num_tokens
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -84,9 +129,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             kp, vp = k[s:s + n], v[s:s + n]
         else:
             kp, vp = k_flat.index_select(0, chunk.slots), v_flat.index_select(0, chunk.slots)
+        mask, causal = chunk.mask, chunk.mask is None and n > 1
+        if alibi_slopes is not None:
+            ctx = chunk.context_len
+            k_pos = torch.arange(ctx, device=q.device)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)
+            allowed = mask if mask is not None else k_pos[None, :] <= q_pos[:, None]
+            mask, causal = _alibi_bias(alibi_slopes, q_pos, k_pos, allowed).unsqueeze(0).to(q.dtype), False
         o = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask, is_causal=chunk.mask is None and n > 1, scale=scale,
-            enable_gqa=gqa)
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
     return out

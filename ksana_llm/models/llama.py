@@ -6,7 +6,7 @@ into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the parts
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -14,12 +14,15 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
-from ksana_llm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec, paged_attention
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from ksana_llm.models.weight_loading import load_checkpoint
 
-# checkpoint part -> (fused parameter, part index)
+EmbeddingOverrides = tuple[torch.Tensor, torch.Tensor]  # rows of the batch, their embeddings
+
+# checkpoint part -> (fused parameter, part index): q/k/v and gate/up each load into one matmul
 _FUSED_PARTS = MappingProxyType({
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -36,8 +39,17 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def embed_tokens(embedding: nn.Embedding, input_ids: torch.Tensor,
+                 overrides: EmbeddingOverrides | None) -> torch.Tensor:
+    """Token embeddings, with some rows replaced (plugins: image features and the like)."""
+    hidden = embedding(input_ids)
+    if overrides is not None:
+        hidden = hidden.index_copy(0, overrides[0], overrides[1].to(hidden.dtype))
+    return hidden
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -62,7 +74,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layer_idx: int = 0) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
@@ -75,13 +87,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Pre-norm block; families swap in their own attention and MLP (MoE) modules."""
+
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +110,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
         theta, scaling = rope_settings(config)
         # One RoPE table for all layers; cos/sin are looked up once per step.
@@ -107,8 +121,9 @@ class LlamaModel(nn.Module):
                                           theta, scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, embedding_overrides: EmbeddingOverrides | None = None
+                ) -> torch.Tensor:
+        hidden = embed_tokens(self.embed_tokens, input_ids, embedding_overrides)
         rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -118,16 +133,34 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Forward over a flattened batch of tokens; logits only for the rows asked for."""
+    """Forward over a flattened batch of tokens; logits only for the rows asked for.
+
+    Families that differ only in their attention or MLP override `make_attention` / `make_mlp`
+    (or `make_layer` for a different block) and `fused_parts` / `skip_checkpoint_tensor`.
+    """
+
+    # checkpoint part -> (fused parameter, part index)
+    fused_parts: Mapping[str, tuple[str, int]] = _FUSED_PARTS
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.make_layer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._lm_head_transposed: torch.Tensor | None = None
+
+    # ---- building blocks (overridden by families) ---------------------------------------------
+    def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
+        return LlamaAttention(config, layer_idx)
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, layer_idx)
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        return LlamaDecoderLayer(config, self.make_attention(config, layer_idx),
+                                 self.make_mlp(config, layer_idx))
 
     # ---- facts the runner needs --------------------------------------------------------------
     @property
@@ -143,13 +176,18 @@ class LlamaForCausalLM(nn.Module):
         return head_dim_of(self.config)
 
     @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.num_kv_heads, self.head_dim)
+
+    @property
     def sliding_window(self) -> int | None:
         return getattr(self.config, "sliding_window", None) or None
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+                meta: AttentionMetadata, embedding_overrides: EmbeddingOverrides | None = None
+                ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, embedding_overrides)
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
@@ -170,41 +208,13 @@ class LlamaForCausalLM(nn.Module):
             self._lm_head_transposed = weight.detach().t().contiguous()
 
     # ---- weights -------------------------------------------------------------------------------
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Tensors we compute ourselves (old checkpoints store the RoPE table) or share."""
+        if "rotary_emb.inv_freq" in name:
+            return True
+        return name == "lm_head.weight" and self.tie_word_embeddings
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # old checkpoints store the RoPE table; we compute it
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target, part = name, None
-            for ckpt_part, (fused, index) in _FUSED_PARTS.items():
-                if f".{ckpt_part}." in name:
-                    target, part = name.replace(f".{ckpt_part}.", f".{fused}."), index
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            tensor = tensor.to(param.dtype)
-            if part is None:
-                if tensor.shape != param.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                param.data.copy_(tensor)
-                loaded.add(target)
-            else:
-                module = self.get_submodule(target.rsplit(".", 1)[0])
-                module.load_shard(param, tensor, part)
-                loaded.add(f"{target}#{part}")
-        expected = set()
-        for pname, param in params.items():
-            module = self.get_submodule(pname.rsplit(".", 1)[0])
-            if isinstance(module, MergedLinear):
-                expected.update(f"{pname}#{i}" for i in range(len(module.out_sizes)))
-            else:
-                expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        load_checkpoint(self, weights, self.fused_parts, self.skip_checkpoint_tensor)
         self.prepare_for_inference()

@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ksana_llm.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KVCache, KVCacheSpec,
+                                        PrefillChunk)
+
+# Rows of the flattened batch whose input embeddings replace the token embeddings, and those
+# embeddings: ([R] long, [R, hidden]). Models apply them right after the embedding lookup.
+EmbeddingOverrides = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,10 @@ class SeqSlice:
     # with their logits too when `capture_logits`.
     capture: tuple[int, ...] = ()
     capture_logits: bool = False
+    # Input embeddings that replace the token embeddings at some absolute positions of the
+    # sequence (plugins, e.g. image features): (positions, [len(positions), hidden]). Only those
+    # inside this slice are used.
+    embeddings: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +46,9 @@ class StepInput:
     slices: list[SeqSlice]
     swap_out: list[tuple[int, int]]  # (device block, host block), done before the forward
     swap_in: list[tuple[int, int]]  # (host block, device block)
+    # (source, destination) device blocks to copy before the forward: copy-on-write of a shared
+    # partial block when sequences fork (parallel sampling, beam search).
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,8 @@ class StepResult:
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+    spec: KVCacheSpec = model.kv_cache_spec
+    return model.num_layers * block_size * spec.bytes_per_token(dtype)
 
 
 class ModelRunner:
@@ -70,16 +82,19 @@ class ModelRunner:
         self.block_size = block_size
         self.sliding_window = model.sliding_window
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self._embedding_overrides: EmbeddingOverrides | None = None  # set by build()
+        spec: KVCacheSpec = model.kv_cache_spec
+        k_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        v_shape = (num_blocks, block_size, spec.num_kv_heads, spec.v_dim)
         self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(k_shape, dtype=dtype, device=device),
+             torch.zeros(v_shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)]
-        host_shape = (num_host_blocks, *shape[1:])
         pin = device.type == "cuda"
         # torch.empty: pages are committed only when a block is actually swapped out.
         self.host_caches: list[KVCache] = [
-            (torch.empty(host_shape, dtype=dtype, pin_memory=pin),
-             torch.empty(host_shape, dtype=dtype, pin_memory=pin))
+            (torch.empty((num_host_blocks, *k_shape[1:]), dtype=dtype, pin_memory=pin),
+             torch.empty((num_host_blocks, *v_shape[1:]), dtype=dtype, pin_memory=pin))
             for _ in range(model.num_layers)] if num_host_blocks else []
 
     # ---- swap ------------------------------------------------------------------------------------
@@ -95,6 +110,15 @@ class ModelRunner:
             else:
                 dk[dst_ids.to(self.device)] = hk[src_ids].to(self.device)
                 dv[dst_ids.to(self.device)] = hv[src_ids].to(self.device)
+
+    def _copy_device_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        if not mapping:
+            return
+        src = torch.tensor([a for a, _ in mapping], device=self.device)
+        dst = torch.tensor([b for _, b in mapping], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
 
     # ---- batch building -------------------------------------------------------------------------
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -122,10 +146,17 @@ class ModelRunner:
         pos: list[int] = []
         sample_rows: list[int] = []
         sampled: list[int] = []
+        override_rows: list[int] = []
+        override_values: list[torch.Tensor] = []
         self._capture_rows = {}
         for i, s in zip(order, ordered):
             if s.capture:
                 self._capture_rows[i] = [len(ids) + p - s.start for p in s.capture]
+            if s.embeddings is not None:
+                for row, p in enumerate(s.embeddings[0]):
+                    if s.start <= p < s.start + s.num_tokens:
+                        override_rows.append(len(ids) + p - s.start)
+                        override_values.append(s.embeddings[1][row])
             ids.extend(s.token_ids)
             pos.extend(range(s.start, s.start + s.num_tokens))
             if s.sample:
@@ -141,7 +172,8 @@ class ModelRunner:
                                             torch.tensor([s.num_tokens for s in ordered]))
         slot_mapping = table[seq_index, positions // bs] * bs + positions % bs
 
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, positions=positions,
+                                 num_decodes=num_decodes)
         for first, count in self._decode_groups(positions[:num_decodes].tolist()):
             ctx = positions[first:first + count] + 1
             length = int(ctx.max())
@@ -164,6 +196,9 @@ class ModelRunner:
                 chunk.mask = self._window_ok(torch.arange(first, first + n)[:, None], k_pos[None, :])
             meta.prefills.append(chunk)
             start += n
+        self._embedding_overrides = (
+            (torch.tensor(override_rows, dtype=torch.long), torch.stack(override_values))
+            if override_rows else None)
         return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows, sampled
 
     @staticmethod
@@ -188,6 +223,7 @@ class ModelRunner:
             return meta
         move = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
         meta.slot_mapping = move(meta.slot_mapping)
+        meta.positions = move(meta.positions)
         for group in meta.decode_groups:
             group.slots, group.mask = move(group.slots), move(group.mask)
         for chunk in meta.prefills:
@@ -199,11 +235,16 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepResult:
         self._copy_blocks(step.swap_out, to_host=True)
         self._copy_blocks(step.swap_in, to_host=False)
+        self._copy_device_blocks(step.copy_blocks)
         if not step.slices:
             return StepResult([], None)
-        input_ids, positions, meta, rows, sampled = self.build(step.slices)
-        meta = self._to_device(meta)
-        hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, meta)
+        input_ids, _, meta, rows, sampled = self.build(step.slices)
+        meta = self._to_device(meta)  # carries the positions to the device too
+        overrides = self._embedding_overrides
+        if overrides is not None:
+            overrides = (overrides[0].to(self.device), overrides[1].to(self.device, self.dtype))
+        hidden = self.model(input_ids.to(self.device), meta.positions, self.kv_caches, meta,
+                            embedding_overrides=overrides)
         captured = self._capture(step.slices, hidden) if self._capture_rows else {}
         if not sampled:
             return StepResult([], None, captured)

@@ -1,0 +1,75 @@
+"""Argument checks and launch helpers shared by the kernel launchers (torch only, no triton)."""
+
+from __future__ import annotations
+
+import torch
+
+# tl.dot needs every tile dimension >= 16 when compiled for a GPU (the interpreter accepts less,
+# so this floor is what keeps CPU-tested kernels compilable).
+MIN_DOT_DIM = 16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_tile(n: int) -> int:
+    """A power-of-two tile covering n that tl.dot accepts."""
+    return max(MIN_DOT_DIM, next_pow2(n))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs would silently drop to TF32 on tensor cores; keep them exact ("ieee") so fp32
+    results match the fp32 reference. 16-bit inputs use the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), "
+                         f"got strides {tuple(t.stride())}")
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(block_size, num_kv_heads, head_dim, v_head_dim) of a K/V cache pair, validated."""
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError("k_cache, v_cache: expected [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} does not match k_cache "
+                         f"{tuple(k_cache.shape)} in blocks, block size or heads")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"v_cache: dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
+    check_last_dim_contiguous("k_cache", k_cache)
+    check_last_dim_contiguous("v_cache", v_cache)
+    return k_cache.shape[1], k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+
+
+def check_dtype(name: str, t: torch.Tensor, expected: torch.dtype) -> None:
+    if t.dtype != expected:
+        raise ValueError(f"{name}: dtype {t.dtype} differs from the KV cache's {expected}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def check_alibi(alibi_slopes: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Slopes as a contiguous fp32 [num_heads] tensor (what the kernels read), or None."""
+    if alibi_slopes is None:
+        return None
+    if alibi_slopes.shape != (num_heads,):
+        raise ValueError(f"alibi_slopes: expected shape ({num_heads},), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    return alibi_slopes.float().contiguous()
+
+
+def check_window(sliding_window: int | None) -> int:
+    """The window as the kernels take it: 0 = none."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window: must be >= 1 or None, got {sliding_window}")
+    return int(sliding_window)

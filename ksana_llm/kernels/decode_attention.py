@@ -1,0 +1,265 @@
+"""Paged decode attention (one query token per sequence), flash-decoding style.
+
+Grid: (sequence, KV head, split). A program takes all query heads that share its KV head (GQA),
+so each K/V tile is read from memory once for the whole group, and walks its split of the context
+in tiles of BLOCK_N tokens gathered through the block table (any page size works: the tile is
+independent of it). With one split the program writes the final output; otherwise it writes a
+partial (normalised output, log-sum-exp) and `_reduce_kernel` merges the splits.
+
+The number of splits is picked on the host from the block-table width (an upper bound on the
+context), never from `context_lens` itself, so a launch needs no device->host sync and stays the
+same shape inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ksana_llm.kernels._common import (check_alibi, check_dtype, check_kv_cache,
+                                       check_last_dim_contiguous, check_same_device, check_window,
+                                       dot_precision, dot_tile, next_pow2)
+
+# Assumed SM count when running in the interpreter on CPU (an H100/H200 has 132), so the split
+# choice made in CPU tests is the one a Hopper GPU would make.
+_INTERPRETER_SMS = 132
+# A split shorter than this costs more in the reduce step and partial writes than it gains.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K_cache, V_cache, Block_tables, Context_lens, Alibi, Out, Mid_o, Mid_lse,
+    scale_log2, window, split_len,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh,
+    stride_mb, stride_mh, stride_ms,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx = tl.load(Context_lens + b)
+    q_pos = ctx - 1
+    kv_start = 0
+    if USE_WINDOW:
+        # keys with pos > q_pos - window, i.e. pos >= ctx - window
+        kv_start = tl.maximum(ctx - window, 0)
+    lo = kv_start + split * split_len
+    hi = tl.minimum(lo + split_len, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
+    dv_mask = dv < HEAD_DIM_V
+
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if USE_ALIBI:
+        slopes = tl.load(Alibi + heads, mask=g_mask, other=0.0) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    table = Block_tables + b.to(tl.int64) * stride_bt
+    k_head = K_cache + kv_head * stride_kh
+    v_head = V_cache + kv_head * stride_vh
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        kv_mask = pos < hi
+        # int64: block * stride can pass 2**31 elements in a large cache.
+        block = tl.load(table + pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        # K tile loaded transposed, [BLOCK_D, BLOCK_N], so the dot needs no tl.trans.
+        k = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
+                    + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], log2
+        if USE_ALIBI:
+            s += slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]
+        s = tl.where(kv_mask[None, :], s, float("-inf"))
+        # Every tile holds at least one valid key (start < hi), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vs
+                    + dv[None, :], mask=kv_mask[:, None] & dv_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split (or context) leaves l_i == 0: output zeros, log-sum-exp -inf.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & dv_mask[None, :]
+    if SINGLE_SPLIT:
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                 out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(Mid_o + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+                 + dv[None, :], out, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(Mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    Mid_o, Mid_lse, Out, num_splits,
+    stride_mb, stride_mh, stride_ms,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_splits
+    dv = tl.arange(0, BLOCK_DV)
+    dv_mask = dv < HEAD_DIM_V
+    lse = tl.load(Mid_lse + b * stride_lb + h * stride_lh + s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights all 0, output 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o = tl.load(Mid_o + b * stride_mb + h * stride_mh + s[:, None] * stride_ms + dv[None, :],
+                mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + dv, out.to(Out.dtype.element_ty), mask=dv_mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
+                      *, min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS
+                      ) -> int:
+    """Splits per (sequence, KV head) so that the launch fills the GPU (~2 programs per SM)
+    without making splits shorter than `min_split_tokens`. A batch that already fills the GPU
+    gets 1 (no reduce pass)."""
+    programs = batch_size * num_kv_heads
+    if programs >= num_sms or max_context <= min_split_tokens:
+        return 1
+    wanted = -(-2 * num_sms // programs)
+    by_length = max(1, max_context // min_split_tokens)
+    return max(1, min(wanted, by_length, max_splits))
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a head dim: wide heads get shorter tiles so K and V
+    tiles stay within shared memory when pipelined."""
+    wide = head_dim > 128 or dtype == torch.float32
+    return (32 if wide else 64), 4, 2
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           *, sliding_window: int | None = None,
+                           alibi_slopes: torch.Tensor | None = None,
+                           num_splits: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    q [B, Hq, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D|Dv]; block_tables [B, W]
+    int32; context_lens [B] int32 (tokens in the cache, the new token's included: it sits at
+    position context_len - 1). Returns [B, Hq, Dv] in q's dtype (into `out` when given).
+    `sliding_window`: attend only keys with pos > q_pos - window. `alibi_slopes` [Hq]: add
+    slope[h] * (k_pos - q_pos). `num_splits` overrides the flash-decoding split count (tests,
+    tuning); by default it follows `choose_num_splits` on the block-table capacity.
+    """
+    block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"q: expected [B, Hq, {head_dim}] with Hq a multiple of "
+                         f"{num_kv_heads}, got {tuple(q.shape)}")
+    check_dtype("q", q, k_cache.dtype)
+    batch, num_heads = q.shape[0], q.shape[1]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables: expected [{batch}, W], got {tuple(block_tables.shape)}")
+    if context_lens.shape != (batch,):
+        raise ValueError(f"context_lens: expected shape ({batch},), "
+                         f"got {tuple(context_lens.shape)}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
+    check_same_device(q=q, k_cache=k_cache, block_tables=block_tables,
+                      context_lens=context_lens, alibi_slopes=alibi_slopes, out=out)
+    check_last_dim_contiguous("q", q)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    window = check_window(sliding_window)
+    slopes = check_alibi(alibi_slopes, num_heads)
+    if out is None:
+        out = q.new_empty(batch, num_heads, v_head_dim)
+    elif out.shape != (batch, num_heads, v_head_dim):
+        raise ValueError(f"out: expected shape ({batch}, {num_heads}, {v_head_dim}), "
+                         f"got {tuple(out.shape)}")
+    else:
+        check_last_dim_contiguous("out", out)
+    if batch == 0:
+        return out
+
+    block_n, num_warps, num_stages = _decode_config(head_dim, q.dtype)
+    max_context = block_tables.shape[1] * block_size
+    if window:
+        max_context = min(max_context, window)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device))
+    # Whole tiles per split, so only a split's last tile is ragged.
+    split_len = -(-max(1, -(-max_context // num_splits)) // block_n) * block_n
+    single = num_splits == 1
+    if single:
+        mid_o = mid_lse = out  # unused
+        mid_strides = (0, 0, 0, 0, 0)
+    else:
+        mid_o = torch.empty(batch, num_heads, num_splits, v_head_dim, device=q.device,
+                            dtype=torch.float32)
+        mid_lse = torch.empty(batch, num_heads, num_splits, device=q.device, dtype=torch.float32)
+        mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+                       mid_lse.stride(0), mid_lse.stride(1))
+    group = num_heads // num_kv_heads
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        slopes if slopes is not None else q, out, mid_o, mid_lse,
+        scale * _LOG2E, window, split_len,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *mid_strides,
+        GROUP=group, BLOCK_G=dot_tile(group),
+        HEAD_DIM=head_dim, BLOCK_D=dot_tile(head_dim),
+        HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, SINGLE_SPLIT=single,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _reduce_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, num_splits,
+            *mid_strides,
+            out.stride(0), out.stride(1),
+            HEAD_DIM_V=v_head_dim, BLOCK_DV=next_pow2(v_head_dim),
+            BLOCK_S=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out

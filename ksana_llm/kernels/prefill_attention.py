@@ -1,0 +1,202 @@
+"""Paged prefill / extend attention: query chunks of many sequences over their paged contexts.
+
+One launch covers every sequence, whatever its chunk length. Grid: (query block, query head).
+Sequence b owns the query-block indices starting at query_start_loc[b] // BLOCK_M + b (enough for
+its ceil(q_len / BLOCK_M) blocks, since these starts never overlap); a program finds its sequence
+by binary search over query_start_loc, so the grid size (T // BLOCK_M + B) comes from shapes alone:
+no device->host sync, CUDA-graph friendly. The chunk's own K/V are already in the cache, so the
+kernel reads the cached prefix and the chunk alike through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ksana_llm.kernels._common import (check_alibi, check_dtype, check_kv_cache,
+                                       check_last_dim_contiguous, check_same_device, check_window,
+                                       dot_precision, dot_tile)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(Query_start_loc, q_block, num_seqs, BLOCK_M: tl.constexpr):
+    """The last sequence b whose first query block (query_start_loc[b] // BLOCK_M + b) is
+    <= q_block."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        first_block = tl.load(Query_start_loc + mid) // BLOCK_M + mid
+        if first_block <= q_block:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K_cache, V_cache, Block_tables, Query_start_loc, Seq_lens, Alibi, Out,
+    scale_log2, window, num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+
+    b = _find_sequence(Query_start_loc, q_block, num_seqs, BLOCK_M)
+    q_start = tl.load(Query_start_loc + b)
+    q_len = tl.load(Query_start_loc + b + 1) - q_start
+    m0 = (q_block - (q_start // BLOCK_M + b)) * BLOCK_M
+    if m0 >= q_len:  # a spare block of this sequence's range
+        return
+    ctx = tl.load(Seq_lens + b)
+    prefix = ctx - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < q_len
+    q_pos = prefix + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
+    dv_mask = dv < HEAD_DIM_V
+    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if USE_ALIBI:
+        slope = tl.load(Alibi + head) * 1.4426950408889634
+
+    # Keys this block can see: causal up to its last query, windowed from its first one.
+    kv_hi = tl.minimum(ctx, prefix + m0 + BLOCK_M)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(prefix + m0 - window + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    table = Block_tables + b.to(tl.int64) * stride_bt
+    k_head = K_cache + kv_head * stride_kh
+    v_head = V_cache + kv_head * stride_vh
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        kv_mask = pos < kv_hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        k = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
+                    + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        rel = pos[None, :] - q_pos[:, None]  # key pos - query pos
+        if USE_ALIBI:
+            s += slope * rel.to(tl.float32)
+        allowed = (rel <= 0) & kv_mask[None, :]
+        if USE_WINDOW:
+            allowed &= rel > -window
+        s = tl.where(allowed, s, float("-inf"))
+        # A row can see no key in this tile (window or causal edge): keep its max finite so
+        # exp2(-inf - -inf) never makes a NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vs
+                    + dv[None, :], mask=kv_mask[:, None] & dv_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + dv[None, :],
+             out.to(Out.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64x64 tiles for 16-bit heads up to 128; fp32 and
+    wider heads get smaller tiles to stay within shared memory."""
+    if dtype == torch.float32 or head_dim > 128:
+        return 32, 32, 4, 2
+    return 64, 64, 4, 2
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, *,
+                            sliding_window: int | None = None,
+                            alibi_slopes: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of query chunks over their paged contexts (prefill, chunked prefill,
+    prefix-cache hits, and multi-token extends alike).
+
+    q [T, Hq, D]: sequence b's queries are rows query_start_loc[b]:query_start_loc[b+1]
+    (query_start_loc [B+1] int32, starting at 0). seq_lens [B] int32: context length including
+    the chunk, whose K/V must already be in the cache (`store_kv` first); query i of sequence b
+    sits at position seq_lens[b] - q_len_b + i. block_tables [B, W] int32. Returns [T, Hq, Dv]
+    in q's dtype (into `out` when given).
+    """
+    block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"q: expected [T, Hq, {head_dim}] with Hq a multiple of "
+                         f"{num_kv_heads}, got {tuple(q.shape)}")
+    check_dtype("q", q, k_cache.dtype)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens: expected [B], got {tuple(seq_lens.shape)}")
+    batch = seq_lens.shape[0]
+    if query_start_loc.shape != (batch + 1,):
+        raise ValueError(f"query_start_loc: expected shape ({batch + 1},), "
+                         f"got {tuple(query_start_loc.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables: expected [{batch}, W], got {tuple(block_tables.shape)}")
+    check_same_device(q=q, k_cache=k_cache, block_tables=block_tables,
+                      query_start_loc=query_start_loc, seq_lens=seq_lens,
+                      alibi_slopes=alibi_slopes, out=out)
+    check_last_dim_contiguous("q", q)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    seq_lens = seq_lens.contiguous()
+    window = check_window(sliding_window)
+    slopes = check_alibi(alibi_slopes, num_heads)
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads, v_head_dim)
+    elif out.shape != (num_tokens, num_heads, v_head_dim):
+        raise ValueError(f"out: expected shape ({num_tokens}, {num_heads}, {v_head_dim}), "
+                         f"got {tuple(out.shape)}")
+    else:
+        check_last_dim_contiguous("out", out)
+    if num_tokens == 0 or batch == 0:
+        return out
+
+    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype)
+    # sum_b ceil(q_len_b / BLOCK_M) <= T // BLOCK_M + B: every block of every sequence has a slot.
+    grid = (num_tokens // block_m + batch, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        slopes if slopes is not None else q, out,
+        scale * _LOG2E, window, batch,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=dot_tile(head_dim),
+        HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_WINDOW=bool(window), USE_ALIBI=slopes is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,91 @@
+"""Copying checkpoint tensors (Hugging Face names) into a model's parameters.
+
+One loader for every family. A checkpoint tensor lands in one of three ways:
+- a submodule that defines `load_checkpoint_tensor(local_name, tensor) -> list[str]` takes every
+  tensor under its prefix and returns the keys it filled (MoE experts stacked into one tensor,
+  MLA's absorbed projections, ...); it lists what it expects in `expected_checkpoint_keys()`;
+- a part of a fused projection (`q_proj` into `qkv_proj`, ...) goes through
+  `MergedLinear.load_shard`;
+- anything else is copied into the parameter of the same name, shapes checked.
+At the end every expected key must have been filled, so a checkpoint that lacks a tensor fails
+loudly instead of serving random weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ksana_llm.layers.linear import MergedLinear
+
+
+def _custom_loaders(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: module for name, module in model.named_modules()
+            if name and hasattr(module, "load_checkpoint_tensor")}
+
+
+def _owner(name: str, loaders: Mapping[str, nn.Module]) -> str | None:
+    """The longest module prefix of `name` with a custom loader."""
+    best = None
+    for prefix in loaders:
+        if name.startswith(prefix + ".") and (best is None or len(prefix) > len(best)):
+            best = prefix
+    return best
+
+
+def expected_keys(model: nn.Module) -> set[str]:
+    loaders = _custom_loaders(model)
+    keys: set[str] = set()
+    for prefix, module in loaders.items():
+        keys.update(f"{prefix}.{key}" for key in module.expected_checkpoint_keys())
+    for pname, _ in model.named_parameters():
+        if _owner(pname, loaders) is not None:
+            continue
+        module = model.get_submodule(pname.rsplit(".", 1)[0])
+        if isinstance(module, MergedLinear):
+            keys.update(f"{pname}#{i}" for i in range(len(module.out_sizes)))
+        else:
+            keys.add(pname)
+    return keys
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    fused_parts: Mapping[str, tuple[str, int]],
+                    skip: Callable[[str], bool] = lambda name: False) -> None:
+    """Load HF-named tensors into `model`; `fused_parts` maps a checkpoint part name (`q_proj`)
+    to (fused parameter module name, part index); `skip(name)` drops tensors we compute
+    ourselves (RoPE tables) or do not use."""
+    params = dict(model.named_parameters())
+    loaders = _custom_loaders(model)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        prefix = _owner(name, loaders)
+        if prefix is not None:
+            filled = loaders[prefix].load_checkpoint_tensor(name[len(prefix) + 1:], tensor)
+            loaded.update(f"{prefix}.{key}" for key in filled)
+            continue
+        target, part = name, None
+        for ckpt_part, (fused, index) in fused_parts.items():
+            if f".{ckpt_part}." in name:
+                target, part = name.replace(f".{ckpt_part}.", f".{fused}."), index
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        tensor = tensor.to(param.dtype)
+        if part is None:
+            if tensor.shape != param.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(target)
+        else:
+            module = model.get_submodule(target.rsplit(".", 1)[0])
+            module.load_shard(param, tensor, part)
+            loaded.add(f"{target}#{part}")
+    missing = sorted(expected_keys(model) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
