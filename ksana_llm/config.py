@@ -49,6 +49,8 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context size")
 
     seed: int | None = Field(None, description="seed of the shared sampling RNG")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="'auto' = Triton kernels on CUDA when installed, torch SDPA otherwise")
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

@@ -69,12 +69,36 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelBatch:
+    """The batch as the Triton kernels read it (block tables and lengths, no gathered slots)."""
+
+    decode_block_tables: torch.Tensor  # [num_decodes, W] int32
+    decode_context_lens: torch.Tensor  # [num_decodes] int32, the new token included
+    prefill_block_tables: torch.Tensor  # [num_prefills, W] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, rows after the decodes
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32, cached prefix + this chunk
+
+    def to(self, device: torch.device) -> KernelBatch:
+        return KernelBatch(*(t.to(device, non_blocking=True) for t in (
+            self.decode_block_tables, self.decode_context_lens, self.prefill_block_tables,
+            self.prefill_query_start_loc, self.prefill_seq_lens)))
+
+
+@dataclass
 class AttentionMetadata:
+    """One step's batch for the attention layers.
+
+    The torch backend reads `decode_groups` / `prefills` (gathered slots and masks); the Triton
+    backend reads `kernel_batch` instead, and the runner builds only the one its backend needs.
+    """
+
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
     positions: torch.Tensor | None = None  # [T] absolute position of each new token
     num_decodes: int = 0  # the first num_decodes tokens are single-token decodes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    kernel_batch: KernelBatch | None = None
+    sliding_window: int | None = None  # the Triton kernels apply it themselves
 
 
 def _alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -96,6 +120,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     `alibi_slopes` ([Hq], float32) adds ALiBi position biases (Baichuan-13B); it needs
     `meta.positions`.
     """
+    if meta.kernel_batch is not None:
+        return _kernel_attention(q, k, v, kv_cache, meta, scale, alibi_slopes)
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
@@ -140,4 +166,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                      meta: AttentionMetadata, scale: float,
+                      alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+    """The Triton backend: store the new K/V, then one decode launch and one prefill launch
+    that read the paged cache in place (no gathers)."""
+    from ksana_llm import kernels  # imports triton: only when this backend was chosen
+
+    k_cache, v_cache = kv_cache
+    batch = meta.kernel_batch
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    slopes = None if alibi_slopes is None else alibi_slopes.float()
+    d = meta.num_decodes
+    if d:
+        kernels.paged_decode_attention(
+            q[:d], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
+            sliding_window=meta.sliding_window, alibi_slopes=slopes, out=out[:d])
+    if q.shape[0] > d:
+        kernels.paged_prefill_attention(
+            q[d:], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_query_start_loc,
+            batch.prefill_seq_lens, scale, sliding_window=meta.sliding_window,
+            alibi_slopes=slopes, out=out[d:])
     return out

@@ -6,13 +6,14 @@ go first so attention can treat them as one batched call.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KVCache, KVCacheSpec,
-                                        PrefillChunk)
+from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
+                                        KVCacheSpec, PrefillChunk)
 
 # Rows of the flattened batch whose input embeddings replace the token embeddings, and those
 # embeddings: ([R] long, [R, hidden]). Models apply them right after the embedding lookup.
@@ -73,10 +74,32 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     return model.num_layers * block_size * spec.bytes_per_token(dtype)
 
 
+def resolve_attention_backend(requested: str, model: nn.Module, device: torch.device) -> str:
+    """"torch" or "triton". "auto" takes Triton on CUDA when it is installed and the model's
+    attention can use it (MLA has its own attention and says so in `attention_backends`)."""
+    from ksana_llm.kernels import triton_available
+
+    supported = getattr(model, "attention_backends", ("torch", "triton"))
+    if requested == "auto":
+        use_triton = device.type == "cuda" and "triton" in supported and triton_available()
+        return "triton" if use_triton else "torch"
+    if requested not in ("torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, got {requested!r}")
+    if requested not in supported:
+        raise ValueError(f"attention_backend {requested!r}: {type(model).__name__} supports "
+                         f"{', '.join(supported)}")
+    if requested == "triton" and not triton_available():
+        raise ValueError("attention_backend 'triton' needs triton and a CUDA device "
+                         "(or TRITON_INTERPRET=1 to run the kernels on the CPU)")
+    return requested
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+                 num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 attention_backend: str = "auto") -> None:
         self.model = model
+        self.attention_backend = resolve_attention_backend(attention_backend, model, device)
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -173,7 +196,19 @@ class ModelRunner:
         slot_mapping = table[seq_index, positions // bs] * bs + positions % bs
 
         meta = AttentionMetadata(slot_mapping=slot_mapping, positions=positions,
-                                 num_decodes=num_decodes)
+                                 num_decodes=num_decodes, sliding_window=self.sliding_window)
+        self._embedding_overrides = self._overrides(override_rows, override_values)
+        if self.attention_backend == "triton":
+            lengths = [s.num_tokens for s in ordered[num_decodes:]]
+            meta.kernel_batch = KernelBatch(
+                decode_block_tables=table[:num_decodes].int(),
+                decode_context_lens=(positions[:num_decodes] + 1).int(),
+                prefill_block_tables=table[num_decodes:].int(),
+                prefill_query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)],
+                                                     dtype=torch.int32),
+                prefill_seq_lens=torch.tensor([s.start + s.num_tokens for s in ordered[num_decodes:]],
+                                              dtype=torch.int32))
+            return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows, sampled
         for first, count in self._decode_groups(positions[:num_decodes].tolist()):
             ctx = positions[first:first + count] + 1
             length = int(ctx.max())
@@ -196,10 +231,13 @@ class ModelRunner:
                 chunk.mask = self._window_ok(torch.arange(first, first + n)[:, None], k_pos[None, :])
             meta.prefills.append(chunk)
             start += n
-        self._embedding_overrides = (
-            (torch.tensor(override_rows, dtype=torch.long), torch.stack(override_values))
-            if override_rows else None)
         return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows, sampled
+
+    @staticmethod
+    def _overrides(rows: list[int], values: list[torch.Tensor]) -> EmbeddingOverrides | None:
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.long), torch.stack(values)
 
     @staticmethod
     def _decode_groups(positions: list[int], max_waste: float = 1.5, min_size: int = 8
@@ -224,6 +262,8 @@ class ModelRunner:
         move = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
         meta.slot_mapping = move(meta.slot_mapping)
         meta.positions = move(meta.positions)
+        if meta.kernel_batch is not None:
+            meta.kernel_batch = meta.kernel_batch.to(self.device)
         for group in meta.decode_groups:
             group.slots, group.mask = move(group.slots), move(group.mask)
         for chunk in meta.prefills:
