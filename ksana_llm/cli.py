@@ -115,6 +115,18 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds to let in-flight requests finish on SIGTERM")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"])
+    # Output parsing (names are checked at start-up, before the model loads).
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto"); '
+                             "needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="how tool calls are read from model text: hermes, qwen3, "
+                             "llama3_json, deepseek_v3, deepseek_v31")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="fill reasoning_content from <think>...</think>: deepseek_r1, qwen3")
+    parser.add_argument("--max-logprobs", type=int, default=None,
+                        help="largest logprobs / top_logprobs / prompt_logprobs a request may "
+                             "ask for (default: 20)")
     # Engine settings (EngineConfig fields); only those given override the config file.
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
@@ -126,6 +138,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="waiting requests before 429")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
+    parser.add_argument("--tensor-parallel-size", "--tensor-para-size", type=int, default=None,
+                        dest="tensor_parallel_size",
+                        help="ranks the model is split across (0 = every visible GPU); YAML "
+                             "setting.global.tensor_para_size")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=None,
+                        dest="pipeline_parallel_size",
+                        help="pipeline stages; with WORLD_SIZE > 1 each node is one stage")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,9 +28,12 @@ class EngineConfig(BaseModel):
     num_device_blocks: int | None = Field(None, ge=2, description="explicit KV block count")
     block_device_memory_ratio: float | None = Field(
         None, gt=0, le=1,
-        description="share of free device memory (CUDA) or available RAM (CPU) for KV blocks; "
-                    "default 0.9 on CUDA, 0.1 on CPU")
-    reserved_device_memory_ratio: float = Field(0.01, ge=0, lt=1)
+        description="CUDA: share of the device's memory that weights, the largest step's "
+                    "activations (profiled at start-up) and KV blocks may use together, default "
+                    "0.9; CPU: share of available RAM for KV blocks, default 0.1")
+    reserved_device_memory_ratio: float = Field(
+        0.01, ge=0, lt=1, description="share of the device's memory kept free of KV blocks "
+                                      "(CUDA graphs, allocator slack, other users)")
     block_host_memory_factor: float = Field(
         1.0, ge=0, description="host swap pool size as a multiple of the device block count")
     enable_prefix_caching: bool = True
@@ -49,8 +52,20 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context size")
 
     seed: int | None = Field(None, description="seed of the shared sampling RNG")
+
+    # parallelism (KsanaLLM setting.global.*); see ksana_llm.distributed
+    tensor_parallel_size: int = Field(
+        1, ge=0, description="ranks one model is split across; 0 = every visible GPU")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="pipeline stages (layers split between ranks or nodes)")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="'auto' = Triton kernels on CUDA when installed, torch SDPA otherwise")
+    enable_cuda_graphs: bool = Field(
+        True, description="replay CUDA graphs for pure-decode steps; effective only on CUDA with "
+                          "the triton attention backend and a model without host syncs")
+    cuda_graph_max_batch_size: int | None = Field(
+        None, ge=1, description="largest decode batch captured in a graph (larger batches run "
+                                "eagerly); default: max_num_seqs")
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

@@ -11,8 +11,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "regex", "grammar")
+EARLY_STOPPING_VALUES = (True, False, "never")
+MAX_LOGPROBS = 20  # top alternatives per position (outputs and prompt); servers may cap lower
+LOGIT_BIAS_RANGE = 100.0
+
+
 def _fail(name: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What the output must match: `kind` is "json_object" (any JSON object, `value` None),
+    "json_schema" (`value`: the schema as a JSON string), "regex" or "grammar" (EBNF, as xgrammar
+    reads it). Whether `value` itself is valid is checked when the engine compiles it at submit."""
+
+    kind: str
+    value: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            _fail("structured_output.kind", self.kind, f"one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+        if self.kind == "json_object":
+            if self.value is not None:
+                _fail("structured_output.value", self.value, "None for kind 'json_object'")
+        elif not isinstance(self.value, str) or not self.value.strip():
+            _fail("structured_output.value", self.value, f"a non-empty string for kind {self.kind!r}")
 
 
 @dataclass
@@ -21,6 +50,20 @@ class GenerationConfig:
 
     Sampling happens only when `do_sample` is True and `temperature > 0`; otherwise the argmax is
     taken (the penalties still apply).
+
+    Several sequences per request:
+    - sampling (or greedy) with `num_return_sequences` = n > 1: n sequences share the prompt's KV
+      blocks; with `best_of` = m >= n, m are generated and the n with the highest cumulative
+      log-prob are returned, best first. Sequence i of a seeded request draws from seed + i, so it
+      equals a single request with that seed.
+    - beam search (`num_beams` > 1, `transformers` semantics: `length_penalty` divides a finished
+      hypothesis' summed log-prob by its generated length ** length_penalty; `early_stopping`
+      True / False / "never"): the best `num_return_sequences` hypotheses, best first.
+
+    `logit_bias` adds to the logits of token ids (OpenAI semantics, like transformers'
+    `SequenceBiasLogitsProcessor` with one-token sequences). `prompt_logprobs` = k returns, for
+    every prompt token after the first, its log-prob and the k most likely alternatives.
+    `structured_output` constrains the output to a JSON schema, regex or grammar (xgrammar).
     """
 
     max_new_tokens: int = 128
@@ -44,6 +87,11 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + k top alternatives
     seed: int | None = None
+    best_of: int | None = None  # sequences generated (>= num_return_sequences); None: as many
+    early_stopping: bool | str = False  # beam search only: True, False or "never"
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    prompt_logprobs: int | None = None  # None: none; k >= 0: prompt token + k top alternatives
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +100,18 @@ class GenerationConfig:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):
+            # JSON objects (OpenAI's logit_bias) arrive with string keys: "50256" -> 50256.
+            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
+        elif self.logit_bias is None:
+            self.logit_bias = {}
+        if isinstance(self.structured_output, dict):
+            try:
+                self.structured_output = StructuredOutputSpec(**self.structured_output)
+            except TypeError:
+                _fail("structured_output", self.structured_output,
+                      "a StructuredOutputSpec or a dict with 'kind' and 'value'")
         self.validate()
 
     def validate(self) -> None:
@@ -90,13 +150,17 @@ class GenerationConfig:
             _fail("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         if self.no_repeat_ngram_size < 0:
             _fail("no_repeat_ngram_size", self.no_repeat_ngram_size, ">= 0")
-        if self.num_beams != 1:
-            _fail("num_beams", self.num_beams, "1 (beam search is not supported yet)")
-        if self.num_return_sequences != 1:
-            _fail("num_return_sequences", self.num_return_sequences,
-                  "1 (parallel sampling is not supported yet)")
-        if self.no_repeat_ngram_size != 0:
-            _fail("no_repeat_ngram_size", self.no_repeat_ngram_size, "0 (not supported yet)")
+        if self.num_beams < 1:
+            _fail("num_beams", self.num_beams, ">= 1")
+        if self.num_return_sequences < 1:
+            _fail("num_return_sequences", self.num_return_sequences, ">= 1")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or self.best_of < self.num_return_sequences:
+                _fail("best_of", self.best_of,
+                      f"None or an integer >= num_return_sequences ({self.num_return_sequences})")
+        if self.early_stopping not in EARLY_STOPPING_VALUES or (
+                isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool)):
+            _fail("early_stopping", self.early_stopping, "True, False or 'never'")
         if not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", self.stop, "a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -104,14 +168,74 @@ class GenerationConfig:
             _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if self.logprobs is not None and (
                 isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                or not 0 <= self.logprobs <= 20):
-            _fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+                or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             _fail("seed", self.seed, "None or an integer")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            _fail("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        self._validate_logit_bias()
+        if self.structured_output is not None and not isinstance(self.structured_output,
+                                                                 StructuredOutputSpec):
+            _fail("structured_output", self.structured_output, "None or a StructuredOutputSpec")
+        if self.num_beams > 1:
+            self._validate_beam_search()
+        else:
+            if self.length_penalty != 1.0:
+                _fail("length_penalty", self.length_penalty, "1.0 unless num_beams > 1 (beam search)")
+            if self.early_stopping is not False:
+                _fail("early_stopping", self.early_stopping, "False unless num_beams > 1 (beam search)")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            _fail("logit_bias", bias, "a dict of token id -> bias")
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                _fail("logit_bias", token, "keyed by non-negative integer token ids")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+                raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
+                                 f"{LOGIT_BIAS_RANGE:g}], got {value!r} for token {token}")
+
+    def _validate_beam_search(self) -> None:
+        """Beam search is deterministic: sampling knobs cannot apply, so they are errors."""
+        if self.num_return_sequences > self.num_beams:
+            _fail("num_return_sequences", self.num_return_sequences,
+                  f"<= num_beams ({self.num_beams}) with beam search")
+        if self.do_sample:
+            _fail("do_sample", self.do_sample, "False with beam search (num_beams > 1)")
+        for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != neutral:
+                _fail(name, getattr(self, name), f"{neutral} with beam search (num_beams > 1)")
+        if self.best_of is not None:
+            _fail("best_of", self.best_of, "None with beam search (num_beams is the beam width)")
+        if self.structured_output is not None:
+            _fail("structured_output", self.structured_output, "None with beam search (num_beams > 1)")
+        if self.stop:
+            _fail("stop", self.stop, "empty with beam search (use stop_token_ids)")
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.num_beams > 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: the beams, or best_of / n samples."""
+        if self.use_beam_search:
+            return self.num_beams
+        return self.best_of or self.num_return_sequences
+
+    @property
+    def ranks_sequences(self) -> bool:
+        """Whether the returned sequences are chosen and ordered at the end (beam search, or
+        best_of > n), so nothing can be streamed before the request finishes."""
+        return self.use_beam_search or self.num_sequences > self.num_return_sequences
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A validated copy with some fields changed; unknown names raise ValueError."""

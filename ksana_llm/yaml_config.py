@@ -12,7 +12,9 @@ Keys and where they go:
 
 | YAML key                                          | destination                               |
 |---------------------------------------------------|-------------------------------------------|
-| setting.global.tensor_para_size                   | ServerSettings.tensor_para_size (0 or 1)  |
+| setting.global.tensor_para_size                   | EngineConfig.tensor_parallel_size         |
+|                                                   |   (0 = all visible GPUs)                  |
+| setting.global.pipeline_para_size                 | EngineConfig.pipeline_parallel_size       |
 | setting.batch_scheduler.max_batch_size            | EngineConfig.max_num_seqs                 |
 | setting.batch_scheduler.max_step_tokens           | EngineConfig.max_step_tokens              |
 | setting.batch_scheduler.max_token_len             | EngineConfig.max_model_len (0 -> None)    |
@@ -56,7 +58,7 @@ class ServerSettings:
 
     - `model_dir`: `model_spec.base_model.model_dir` as written (None when absent); the model the
       engine actually loads is `EngineConfig.model`, which a CLI override may have replaced.
-    - `tensor_para_size`: 0 (all visible devices) or 1; only a single device runs for now.
+    - `tensor_para_size`: as written (the engine reads `EngineConfig.tensor_parallel_size`).
     - `max_token_len`: prompt + generated tokens per request; 0 = the model's context.
     - `waiting_timeout_in_ms`: how long a request may wait in the queue before the server fails it.
     - `config_file`: the YAML path the settings came from (None for an in-memory mapping).
@@ -96,7 +98,9 @@ def _expand_path(value: str) -> str:
 _BS = "setting.batch_scheduler."
 _BM = "setting.block_manager."
 _SCHEMA: Mapping[str, _Key] = MappingProxyType({
-    "setting.global.tensor_para_size": _Key("int", server="tensor_para_size"),
+    "setting.global.tensor_para_size": _Key("int", field="tensor_parallel_size",
+                                            server="tensor_para_size"),
+    "setting.global.pipeline_para_size": _Key("int", field="pipeline_parallel_size"),
     _BS + "max_batch_size": _Key("int", field="max_num_seqs"),
     _BS + "max_step_tokens": _Key("int", field="max_step_tokens"),
     _BS + "max_token_len": _Key("int", field="max_model_len", server="max_token_len",
@@ -119,7 +123,7 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
 # KsanaLLM keys (and whole sections) that exist upstream but mean nothing here yet: they get a more
 # helpful error than "unknown key", because the user did not make a typo.
 _UNSUPPORTED: frozenset[str] = frozenset({
-    "setting.global.pipeline_para_size", "setting.global.attn_data_para_size",
+    "setting.global.attn_data_para_size",
     "setting.global.expert_world_size", "setting.global.expert_para_size",
     "setting.global.enable_full_shared_expert", "setting.global.embed_tokens_use_cpu",
     "setting.global.enable_cuda_graph", "setting.global.enable_lora_adapter",
@@ -209,12 +213,6 @@ def _check_type(dotted: str, kind: str, value: Any) -> Any:
     return value
 
 
-def _check_tensor_para_size(value: int) -> None:
-    if value not in (0, 1):
-        raise ValueError(f"setting.global.tensor_para_size: {value} is not supported; tensor "
-                         "parallelism is not built yet (use 1, or 0 for all visible devices = 1)")
-
-
 def _validation_error(exc: ValidationError, sources: Mapping[str, str]) -> ValueError:
     """Re-word pydantic's errors with the YAML key (or CLI override) that set each field."""
     lines = []
@@ -247,8 +245,6 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     for dotted, raw in leaves.items():
         spec = _SCHEMA[dotted]
         value = _check_type(dotted, spec.kind, raw)
-        if dotted == "setting.global.tensor_para_size":
-            _check_tensor_para_size(value)
         if spec.server is not None:
             server[spec.server] = value
         if spec.field is not None:

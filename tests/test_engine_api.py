@@ -205,3 +205,65 @@ def test_waiting_timeout_fails_only_the_expired_request(model):
         assert len(running.result(timeout=60).token_ids) == 40
         assert engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
         assert engine.stats().num_free_kv_blocks == 64
+
+
+def test_stop_string_kept_and_special_tokens_shown(engine, model):
+    full = engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    stop = full.split()[3]
+    kept = engine.generate_outputs(PROMPT, kt.GenerationConfig(
+        max_new_tokens=30, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == full[:full.index(stop) + len(stop)] and kept.stop_reason == stop
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                 add_generation_prompt=True, tokenize=False)
+    shown, hidden = engine.generate_outputs(
+        [prompt, prompt], [kt.GenerationConfig(max_new_tokens=64, skip_special_tokens=False),
+                           kt.GenerationConfig(max_new_tokens=64)], use_tqdm=False)
+    assert shown.token_ids == hidden.token_ids and shown.finish_reason == "stop"
+    assert shown.text == hidden.text + "<|im_end|>"
+
+
+def test_prompt_logprobs_match_transformers(model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = model.tokenizer.encode(PROMPT + " It liked to sit by the window and watch the boats.")
+    hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    # Chunked prefill, with the prompt's blocks already in the prefix cache: every prompt row
+    # must still be computed (a request with prompt log-probs takes no cache hits).
+    with kt.Engine(model, num_device_blocks=64, max_batch_size=64, split_fuse_token_num=7) as e:
+        e.generate(ids, kt.GenerationConfig(max_new_tokens=2))
+        hits = e._core.block_manager.prefix_hits
+        out = e.generate_outputs(ids, kt.GenerationConfig(max_new_tokens=2, prompt_logprobs=3,
+                                                          num_return_sequences=2, do_sample=True),
+                                 use_tqdm=False)[0]
+        assert e._core.block_manager.prefix_hits == hits
+    entries = out.prompt_logprobs
+    assert len(entries) == len(ids) and entries[0] is None
+    for p in range(1, len(ids)):
+        entry, row = entries[p], expected[p - 1]
+        assert entry["token_id"] == ids[p]
+        assert entry["logprob"] == pytest.approx(float(row[ids[p]]), abs=1e-4)
+        top_v, top_i = row.topk(3)
+        assert list(entry["top_logprobs"]) == top_i.tolist()
+        assert list(entry["top_logprobs"].values()) == pytest.approx(top_v.tolist(), abs=1e-4)
+    assert len(out.sequences) == 2
+
+
+def test_input_embeddings_replace_token_embeddings(engine, model):
+    ids = model.tokenizer.encode(PROMPT)
+    table = model.module.model.embed_tokens.weight
+    swapped = list(ids)
+    swapped[3], swapped[5] = model.tokenizer.encode(" dog")[0], model.tokenizer.encode(" lion")[0]
+    rows = table[[swapped[3], swapped[5]]].detach().clone()
+    config = kt.GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    plain = engine.generate_outputs(ids, config, use_tqdm=False)[0]  # its blocks are cached now
+    hits = engine._core.block_manager.prefix_hits
+    out = engine.submit(kt.Request(ids, config, input_embeddings=([3, 5], rows))).result(timeout=60)
+    # Same ids as the cached prompt, different KV: no prefix-cache hit.
+    assert engine._core.block_manager.prefix_hits == hits
+    expected = engine.generate_outputs(swapped, config, use_tqdm=False)[0]
+    assert out.token_ids == expected.token_ids != plain.token_ids
+    with pytest.raises(ValueError, match="input_embeddings"):
+        engine.submit(kt.Request(ids, config, input_embeddings=([3], rows)))

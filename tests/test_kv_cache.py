@@ -428,6 +428,98 @@ def test_fork_shares_blocks_by_refcount():
     assert free_queue(bm) == [0, 1, 2, 3, 4, 5]
 
 
+def test_fork_copies_the_prefix_chain():
+    bm = BlockManager(8, 4)
+    parent = make_seq("p", PROMPT10)
+    admit(bm, parent)
+    child = make_seq("c", PROMPT10)
+    bm.fork(parent, child)
+    assert child.block_hashes == parent.block_hashes == [H0, H1]
+    assert child.block_hashes is not parent.block_hashes
+    assert child.num_registered_blocks == 2
+
+
+def _forked_pair(num_blocks: int = 6) -> tuple[BlockManager, Sequence, Sequence]:
+    """A 10-token prompt computed once (blocks 0, 1 and 2 tokens of block 2), then forked: both
+    sequences sampled a different 11th token, whose KV is not computed yet."""
+    bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
+    parent = make_seq("p", PROMPT10)
+    admit(bm, parent)
+    child = make_seq("c", PROMPT10)
+    bm.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens
+    parent.output_token_ids.append(100)
+    child.output_token_ids.append(200)
+    return bm, parent, child
+
+
+def test_writing_a_shared_partial_block_copies_it_first():
+    bm, parent, child = _forked_pair()
+    assert bm.ref_counts[:3] == [2, 2, 2] and free_queue(bm) == [3, 4, 5]
+    # The child writes position 10, inside shared block 2: it gets block 3, a copy of block 2.
+    assert bm.allocate(child, 1)
+    assert child.block_table == [0, 1, 3] and parent.block_table == [0, 1, 2]
+    assert bm.take_copies() == [(2, 3)] and bm.take_copies() == []
+    assert bm.ref_counts[:4] == [2, 2, 1, 1] and free_queue(bm) == [4, 5]
+    # The parent is now the only owner of block 2: it writes in place, no copy.
+    assert bm.allocate(parent, 1)
+    assert parent.block_table == [0, 1, 2] and bm.take_copies() == []
+    # Full shared blocks are never copied: crossing into a new block just allocates one.
+    compute(bm, child, 1)
+    child.output_token_ids.append(201)
+    assert bm.allocate(child, 2)
+    assert child.block_table == [0, 1, 3, 4] and bm.take_copies() == []
+
+
+def test_copy_on_write_needs_a_free_block_and_fails_cleanly():
+    bm, parent, child = _forked_pair(num_blocks=3)
+    assert free_queue(bm) == []
+    assert not bm.allocate(child, 1)
+    assert child.block_table == [0, 1, 2] and bm.ref_counts == [2, 2, 2]
+    assert bm.take_copies() == []
+    bm.free(parent)  # the other owner goes away: the child may now write in place
+    assert bm.allocate(child, 1) and bm.take_copies() == []
+
+
+def test_block_boundary_fork_needs_no_copy():
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    parent = make_seq("p", range(8))
+    admit(bm, parent)
+    child = make_seq("c", range(8))
+    bm.fork(parent, child)
+    child.num_computed_tokens = 8
+    child.output_token_ids.append(1)
+    assert bm.allocate(child, 1)
+    assert child.block_table == [0, 1, 2] and bm.take_copies() == []
+
+
+def test_peak_used_blocks_tracks_the_high_water_mark():
+    bm, parent, child = _forked_pair()
+    assert bm.peak_used_blocks == 3  # forking shares: no new block
+    bm.allocate(child, 1)
+    assert bm.peak_used_blocks == 4
+    bm.free(child)
+    bm.free(parent)
+    assert bm.num_used_blocks == 0 and bm.peak_used_blocks == 4
+
+
+def test_sequences_with_input_embeddings_never_touch_the_prefix_cache():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", PROMPT10)
+    a.embeddings = ((0,), None)
+    admit(bm, a)
+    assert bm.cached_blocks == {}  # not published: same ids, different KV
+    b = make_seq("b", PROMPT10)
+    admit(bm, b)
+    c = make_seq("c", PROMPT10)
+    c.embeddings = ((1,), None)
+    assert bm.match_prefix(c) == PrefixMatch([], 0)  # b's blocks are cached, but not for c
+    d = make_seq("d", PROMPT10)
+    d.prompt_logprobs = {}
+    assert bm.match_prefix(d) == PrefixMatch([], 0)  # every prompt row must be computed
+    assert bm.match_prefix(make_seq("e", PROMPT10)).num_tokens == 8
+
+
 # ---- host swap pool ------------------------------------------------------------------------
 def test_swap_out_and_in_mappings():
     bm = BlockManager(4, 4, num_host_blocks=3)

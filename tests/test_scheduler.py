@@ -589,3 +589,81 @@ def test_requests_run_to_completion_and_release_everything(preempt_mode):
     assert all(s.block_table == [] and s.host_block_table == [] for s in seqs)
     assert bm.ref_counts == [0] * 5 and bm.num_free_blocks == 5
     assert sorted(bm.free_host_blocks) == list(range(6))
+
+
+# ---- forked sequences (parallel sampling, beam search) -------------------------------------
+def test_fork_of_running_parent_shares_blocks_and_copies_on_write():
+    sched = make_scheduler(num_blocks=8, max_step_tokens=100, enable_prefix_caching=False)
+    bm = sched.block_manager
+    parent = make_seq("p", 10)
+    sched.add(parent)
+    step(sched)  # prompt computed (blocks 0, 1, 2), one token sampled
+    child = parent.fork(1)
+    child.output_token_ids[-1] = next(_sampled)  # the child sampled another token
+    sched.fork(parent, child)
+    assert child.status == SequenceStatus.RUNNING and sched.running == [parent, child]
+    assert child.block_table == [0, 1, 2] and child.num_computed_tokens == 10
+    assert (child.arrival_time, child.admission_order) == (parent.arrival_time,
+                                                            parent.admission_order)
+    out = step(sched)
+    # Both write position 10, in shared block 2: the first to allocate copies it.
+    assert plan(out) == [("p", 1), ("p", 1)]
+    assert out.copy_blocks == [(2, 3)]
+    assert parent.block_table == [0, 1, 3] and child.block_table == [0, 1, 2]
+    assert bm.ref_counts[:4] == [2, 2, 1, 1]
+    assert step(sched).copy_blocks == []
+    sched.finish(parent)
+    sched.finish(child)
+    assert bm.num_free_blocks == 8
+
+
+def test_fork_of_a_parent_without_blocks_recomputes():
+    sched = make_scheduler(num_blocks=8, max_step_tokens=100)
+    parent = make_seq("p", 6)
+    sched.add(parent)  # waiting: no blocks yet
+    parent.output_token_ids.append(next(_sampled))
+    child = parent.fork(1)
+    sched.fork(parent, child)
+    assert child.status == SequenceStatus.WAITING and sched.waiting == [parent, child]
+    assert child.block_table == [] and child.num_computed_tokens == 0
+    assert plan(step(sched)) == [("p", 7), ("p", 7)]
+
+
+def test_idle_running_sequence_is_not_scheduled():
+    sched = make_scheduler(num_blocks=8, max_step_tokens=100)
+    a, b = make_seq("a", 5), make_seq("b", 6)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    a.output_token_ids.pop()  # a is idle: all its tokens are computed, nothing sampled yet
+    assert plan(step(sched)) == [("b", 1)]
+    assert sched.running == [a, b]
+
+
+def test_idle_sequences_holding_the_pool_are_preempted_for_recompute():
+    sched = make_scheduler(num_blocks=4, max_step_tokens=100, num_host_blocks=8)  # swap mode
+    bm = sched.block_manager
+    a = make_seq("a", 14)
+    sched.add(a)
+    step(sched)
+    a.output_token_ids.pop()  # idle, holding all 4 blocks
+    b = make_seq("b", 5, arrival_time=0.0)  # e.g. a's sibling, queued ahead of it
+    sched.add(b)
+    out = sched.schedule()
+    # Nothing could run: the idle sequence is freed (recompute, not swapped: swapping it back in
+    # would take the same blocks again) and b gets its blocks next step.
+    assert out.is_empty and out.preempted == [a] and out.swap_out == []
+    assert a.status == SequenceStatus.WAITING and a.num_computed_tokens == 0
+    assert bm.num_free_blocks == 4 and sched.waiting == [b, a]
+    assert plan(step(sched)) == [("b", 5)]
+
+
+def test_admission_reserves_the_width_of_a_multi_sequence_request():
+    sched = make_scheduler(num_blocks=32, max_step_tokens=100, max_num_seqs=4)
+    a, b = make_seq("a", 4), make_seq("b", 4)
+    b.num_reserved_slots = 4  # will fork into 4 sequences
+    sched.add(a)
+    sched.add(b)
+    assert plan(step(sched)) == [("a", 4)]  # 1 running + 4 reserved > 4
+    sched.finish(a)
+    assert plan(step(sched)) == [("b", 4)]

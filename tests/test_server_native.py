@@ -148,14 +148,14 @@ def test_logprobs(server, greedy16):
     ({"input_tokens": [1] * 5000}, "prompt", "context_length_exceeded"),
     ({"prompt": "x", "sampling_config": {"foo": 1, "bar": 2}}, "sampling_config.foo", "unknown_parameter"),
     ({"prompt": "x", "frobnicate": True}, "frobnicate", "unknown_parameter"),
-    ({"prompt": "x", "sampling_config": {"num_beams": 4}}, "sampling_config.num_beams",
-     "unsupported_parameter"),
-    ({"prompt": "x", "sampling_config": {"no_repeat_ngram_size": 3}},
-     "sampling_config.no_repeat_ngram_size", "unsupported_parameter"),
+    ({"prompt": "x", "sampling_config": {"num_beams": 4, "do_sample": True}}, "sampling_config.do_sample",
+     None),
+    ({"prompt": "x", "sampling_config": {"encoder_no_repeat_ngram_size": 3}},
+     "sampling_config.encoder_no_repeat_ngram_size", "unsupported_parameter"),
     ({"prompt": "x", "sampling_config": {"length_penalty": 0.5}}, "sampling_config.length_penalty",
-     "unsupported_parameter"),
-    ({"prompt": "x", "sampling_config": {"json_schema": "{}", "enable_structured_output": True}},
-     "sampling_config.enable_structured_output", "unsupported_parameter"),
+     None),
+    ({"prompt": "x", "sampling_config": {"json_schema": '{"type": "nope"}', "enable_structured_output": True}},
+     "sampling_config.json_schema", None),
     ({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "messages",
      "unsupported_parameter"),
     ({"prompt": "x", "sampling_config": {"topp": 0}}, "sampling_config.topp", None),
@@ -172,10 +172,11 @@ def test_400(server, body, param, code):
 
 
 def test_400_names_every_bad_key(server):
-    r = _post(server, {"prompt": "x", "sampling_config": {"foo": 1, "num_beams": 2, "bar": 3}})
+    r = _post(server, {"prompt": "x", "sampling_config": {"foo": 1, "decoder_no_repeat_ngram_size": 2,
+                                                          "bar": 3}})
     message = _error(r)["message"]
     assert all(k in message for k in ("sampling_config.foo", "sampling_config.bar",
-                                      "sampling_config.num_beams")), message
+                                      "sampling_config.decoder_no_repeat_ngram_size")), message
     # Their "off" values are accepted.
     r = _post(server, {"prompt": "x", "stream": False, "sampling_config": {
         "num_beams": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0, "max_new_tokens": 1}})

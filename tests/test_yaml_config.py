@@ -134,12 +134,17 @@ def test_out_of_range_values_name_the_yaml_key():
         parse_engine_config({"setting": {"block_manager": {"block_token_num": 0}}})
 
 
-@pytest.mark.parametrize("size", [2, 8, -1])
-def test_tensor_parallel_beyond_one_is_refused(size):
+def test_parallel_sizes_reach_the_engine_config():
+    config, _ = parse_engine_config({"setting": {"global": {"tensor_para_size": 2,
+                                                            "pipeline_para_size": 3}}})
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
+
+
+@pytest.mark.parametrize("key, size", [("tensor_para_size", -1), ("pipeline_para_size", 0)])
+def test_invalid_parallel_sizes_name_the_yaml_key(key, size):
     with pytest.raises(ValueError) as info:
-        parse_engine_config({"setting": {"global": {"tensor_para_size": size}}})
-    assert "setting.global.tensor_para_size" in str(info.value)
-    assert "tensor parallelism is not built yet" in str(info.value)
+        parse_engine_config({"setting": {"global": {key: size}}})
+    assert f"setting.global.{key}" in str(info.value)
 
 
 def test_overrides_win_over_yaml(tmp_path):

@@ -22,6 +22,7 @@ from ksana_llm.api.outputs import (ForwardHandle, ForwardOutput,
                                    ForwardTarget, Prompt, Request, RequestHandle, RequestOutput)
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
+from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
 from ksana_llm.engine.core import TIMEOUT_STOP_REASON, EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import ForwardSpec, Sequence
@@ -75,8 +76,10 @@ class Engine:
         base = config or EngineConfig()
         self.config = EngineConfig(**{**base.model_dump(), **overrides})
         if not isinstance(model, Model):
-            model = Model.from_pretrained(model if model is not None else self.config.model,
-                                          device=self.config.device, dtype=self.config.dtype)
+            model = Model.from_pretrained(
+                model if model is not None else self.config.model, device=self.config.device,
+                dtype=self.config.dtype, tensor_parallel_size=self.config.tensor_parallel_size,
+                pipeline_parallel_size=self.config.pipeline_parallel_size)
         self.model = model
         self.tokenizer = tokenizer or model.tokenizer
         self.generation_config = generation_config or GenerationConfig()
@@ -93,6 +96,8 @@ class Engine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._ids = itertools.count()
+        self._grammar_compiler: Any = None  # built on the first structured-output request
+        self._grammar_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="ksana-llm-engine", daemon=True)
         self._thread.start()
 
@@ -106,9 +111,15 @@ class Engine:
         block_manager = BlockManager(num_blocks, cfg.block_token_num,
                                      enable_prefix_caching=cfg.enable_prefix_caching,
                                      num_host_blocks=num_host_blocks)
-        runner = ModelRunner(model.module, device=model.device, dtype=model.dtype,
-                             num_blocks=num_blocks, block_size=cfg.block_token_num,
-                             num_host_blocks=num_host_blocks)
+        runner_kwargs = dict(num_blocks=num_blocks, block_size=cfg.block_token_num,
+                             num_host_blocks=num_host_blocks,
+                             attention_backend=cfg.attention_backend)
+        runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
+        if model.runtime is not None:
+            # A parallel run: every step also goes to the worker ranks, which build the same
+            # runner (same block count, so block tables mean the same thing everywhere).
+            runner = DistributedRunner(runner, model.runtime, runner_kwargs, model.workers,
+                                       on_failure=self._on_worker_failure)
         scheduler_config = SchedulerConfig(
             max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
             split_fuse_token_num=cfg.split_fuse_token_num, preempt_mode=cfg.preempt_mode,
@@ -139,18 +150,88 @@ class Engine:
             return list(prompt)
         raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
 
-    def _make_sequence(self, request: Request) -> Sequence:
+    def _make_sequence(self, request: Request) -> tuple[Sequence, Any]:
+        """Validate and build the request's first sequence (caller's thread); also returns what
+        the model's plugin preprocess gave (for its postprocess), or None."""
         config = _as_config(request.generation_config, self.generation_config)
         token_ids = self._tokenize(request.prompt)
+        embeddings = self._check_embeddings(request.input_embeddings, len(token_ids))
+        plugin_info = None
+        plugin = getattr(self.model, "plugin", None)
+        if plugin is not None:
+            plugin_info = plugin.run_preprocess(
+                token_ids, generation_config=config,
+                prompt=request.prompt if isinstance(request.prompt, str) else None,
+                input_embeddings=embeddings, additional_params=request.additional_params)
+            token_ids, config = plugin_info.token_ids, plugin_info.generation_config
+            embeddings = plugin_info.input_embeddings
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's context, "
                              f"bounded by the KV cache) is {self.max_model_len}, leaving no room "
                              "to generate")
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
+        self._check_config(config)
         request_id = request.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         eos = () if config.ignore_eos else self.model.eos_token_ids
-        return Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
+        seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
+        if embeddings is not None:
+            seq.embeddings = (tuple(embeddings[0]), embeddings[1])
+        if config.prompt_logprobs is not None:
+            seq.prompt_logprobs = {}
+        if config.structured_output is not None:
+            # Compiled here, so an invalid schema is a ValueError in the caller's thread.
+            seq.matcher = self._grammar().matcher(config.structured_output)
+        return seq, plugin_info
+
+    def _check_config(self, config: GenerationConfig) -> None:
+        """What GenerationConfig cannot check alone: limits of this model and engine."""
+        vocab = self.model.vocab_size
+        bad = [t for t in config.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        if config.num_sequences > self.config.max_num_seqs:
+            what = "num_beams" if config.use_beam_search else (
+                "best_of" if config.best_of else "num_return_sequences")
+            raise ValueError(f"{what} must be <= max_num_seqs ({self.config.max_num_seqs}), "
+                             f"got {config.num_sequences}")
+
+    def _check_embeddings(self, value: Any, num_tokens: int) -> tuple[list[int], Any] | None:
+        """`Request.input_embeddings` -> (positions, rows on the model's device and dtype)."""
+        if value is None:
+            return None
+        import torch
+
+        hidden = int(self.model.hf_config.hidden_size)
+        try:
+            positions, rows = value
+        except (TypeError, ValueError):
+            raise ValueError("input_embeddings must be (positions, tensor of [len(positions), "
+                             "hidden_size])") from None
+        if not isinstance(positions, (list, tuple)) or not positions or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 <= p < num_tokens
+                for p in positions) or len(set(positions)) != len(positions):
+            raise ValueError(f"input_embeddings positions must be distinct prompt positions in "
+                             f"[0, {num_tokens}), got {positions!r}")
+        if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (len(positions), hidden):
+            shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise ValueError(f"input_embeddings rows must be a tensor of shape "
+                             f"({len(positions)}, {hidden}), got {shape}")
+        return list(positions), rows.detach().to(self.model.device, self.model.dtype)
+
+    def _grammar(self) -> Any:
+        """The structured-output compiler, built on first use (it needs xgrammar and a scan of
+        the tokenizer's vocabulary)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_output needs a tokenizer; this model has none")
+                from ksana_llm.structured import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model.vocab_size,
+                    stop_token_ids=list(self.model.eos_token_ids) or None)
+            return self._grammar_compiler
 
     def submit_forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
                        request_id: str | None = None,
@@ -172,7 +253,7 @@ class Engine:
                            hidden=any(t.target_name == "layernorm" for t in targets))
         request_id = request_id or f"fwd-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         seq = Sequence(request_id, token_ids, self.generation_config, forward=spec)
-        return ForwardHandle(self._enqueue(seq, None, loop), list(targets), positions)
+        return ForwardHandle(self._enqueue(seq, None, loop, None), list(targets), positions)
 
     def forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
                 request_id: str | None = None) -> ForwardOutput:
@@ -196,12 +277,14 @@ class Engine:
         QueueFullError when `max_queue_size` requests are already waiting."""
         if not isinstance(request, Request):
             request = Request(request)
-        return self._enqueue(self._make_sequence(request), request.callback, loop)
+        seq, plugin_info = self._make_sequence(request)
+        return self._enqueue(seq, request.callback, loop, plugin_info)
 
-    def _enqueue(self, seq: Sequence, callback: Any,
-                 loop: asyncio.AbstractEventLoop | None) -> RequestHandle:
+    def _enqueue(self, seq: Sequence, callback: Any, loop: asyncio.AbstractEventLoop | None,
+                 plugin_info: Any) -> RequestHandle:
         handle = RequestHandle(seq.request_id, seq.prompt_token_ids, seq.config,
                                callback=callback, loop=loop)
+        handle.plugin_info = plugin_info
         handle.output.metrics.arrival_time = seq.arrival_time
         with self._wake:
             if self._dead is not None or self._stopping:
@@ -238,20 +321,20 @@ class Engine:
         configs = generation_config if isinstance(generation_config, list) else [generation_config] * len(batch)
         if len(configs) != len(batch):
             raise ValueError("generation_config: give one config, or one per prompt")
-        requests = [Request(p, c) for p, c in zip(batch, configs)]
-        for r in requests:  # validate everything before running anything
-            self._make_sequence(r)
+        # Validate (and preprocess) everything before running anything.
+        prepared = [self._make_sequence(Request(p, c)) for p, c in zip(batch, configs)]
         handles: list[RequestHandle] = []
         progress = None
-        if use_tqdm and len(requests) > 1:
+        if use_tqdm and len(prepared) > 1:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(requests), desc="Generating", unit="req")
-        pending = deque(requests)
+            progress = tqdm(total=len(prepared), desc="Generating", unit="req")
+        pending = deque(prepared)
         try:
             while pending:
                 try:
-                    handles.append(self.submit(pending[0]))
+                    seq, plugin_info = pending[0]
+                    handles.append(self._enqueue(seq, None, None, plugin_info))
                     pending.popleft()
                 except QueueFullError:
                     self._wait_one(handles, progress)
@@ -330,13 +413,30 @@ class Engine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None and not self._stopping
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the engine, when it died rather than being shut down."""
+        return self._dead
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the step loop; unfinished requests fail with EngineDeadError."""
+        """Stop the step loop; unfinished requests fail with EngineDeadError. In a parallel run
+        the worker ranks are told to stop too."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if isinstance(self._core.runner, DistributedRunner) and not self._thread.is_alive():
+                self._core.runner.close()
+
+    def _on_worker_failure(self, message: str) -> None:
+        """A worker rank died (seen between steps): the engine cannot go on, so it stops and
+        every waiting request fails with that reason; health turns unhealthy."""
+        with self._wake:
+            if self._dead is None:
+                self._dead = WorkerFailure(message)
+            self._stopping = True
+            self._wake.notify()
 
     def __enter__(self) -> Engine:
         return self
@@ -364,9 +464,7 @@ class Engine:
                         self._handles.pop(seq.request_id, None)
                         handle.fail(exc)
                 for request_id in aborts:
-                    out = core.abort(request_id)
-                    if out is not None:
-                        self._dispatch([out])
+                    self._dispatch(core.abort(request_id))
                 if self.config.waiting_timeout_ms is not None:
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work():
@@ -395,10 +493,18 @@ class Engine:
                     f"request {out.request_id} waited over {self.config.waiting_timeout_ms} ms "
                     "(waiting_timeout_ms) without being scheduled"))
                 continue
-            handle.deliver(out, now)
+            handle.deliver(out, now, self._postprocess(handle) if out.finished else None)
             if out.finished:
                 del self._handles[out.request_id]
                 self._stats.record_finished(handle.output)
+
+    def _postprocess(self, handle: RequestHandle) -> Any:
+        """The model plugin's postprocess for a finishing request, or None (no plugin, or a
+        forward-only request)."""
+        plugin = getattr(self.model, "plugin", None)
+        if plugin is None or handle.forward_result is not None:
+            return None
+        return lambda output: plugin.run_postprocess(handle.plugin_info, output)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._wake:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -12,8 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ksana_llm.loader import iterate_weights, load_hf_config, resolve_model_dir
-from ksana_llm.models.registry import model_class_for
+from ksana_llm.api.plugin import Plugin, load_plugin
+from ksana_llm.distributed.launch import start_master, stop_workers
+from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
+from ksana_llm.loader import load_hf_config, resolve_model_dir
+from ksana_llm.models.factory import check_parallel_sizes, load_model_module
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -47,6 +50,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def resolve_parallel_size(name: str, value: int, device: torch.device | None) -> int:
+    """A parallel size as given, or, for tensor_parallel_size 0, every visible GPU."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if value == 0:
+        if device is None or device.type != "cuda":
+            raise ValueError(f"{name} 0 means every visible GPU; give an explicit size on the CPU")
+        return torch.cuda.device_count()
+    return value
 
 
 def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -90,9 +104,18 @@ class Model:
     device: torch.device
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    plugin: Plugin | None = None  # the folder's ksana_plugin.py, loaded and initialised
+    # A parallel run: this rank's process groups, and the worker processes this node started.
+    runtime: Runtime | None = None
+    workers: list[Any] = field(default_factory=list)
 
     @property
     def max_context(self) -> int:
+        """The longest sequence the model serves exactly: the model class may know better than
+        `max_position_embeddings` (Qwen v1's dynamic-NTK limit, Baichuan's model_max_length)."""
+        own = getattr(self.module, "max_context", None)
+        if own is not None:
+            return int(own)
         return int(getattr(self.hf_config, "max_position_embeddings", 2048))
 
     @property
@@ -102,23 +125,57 @@ class Model:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike | None = None, *, device: str | None = "auto",
                         dtype: str | torch.dtype | None = "auto", tensor_parallel_size: int = 1,
-                        progress: bool = True) -> Model:
-        """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct."""
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size must be 1 (tensor parallelism is not built yet)")
+                        pipeline_parallel_size: int = 1, progress: bool = True,
+                        plugin: bool | str | os.PathLike = True) -> Model:
+        """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct.
+
+        Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
+        package has one (see `ksana_llm.loader.weight_map`). `plugin`: True loads the folder's
+        `ksana_plugin.py` if there is one, False never runs plugin code, a path loads that file
+        (see `ksana_llm.api.plugin`).
+
+        `tensor_parallel_size` > 1 (0: every visible GPU) or `pipeline_parallel_size` > 1 starts
+        one worker process per extra rank; this process is rank 0. With KsanaLLM's multi-node
+        variables set (WORLD_SIZE > 1, NODE_RANK 0, MASTER_HOST, MASTER_PORT) the nodes are the
+        pipeline stages and the other nodes' ranks join from their own `ksana-llm serve`.
+        """
+        if not isinstance(plugin, (bool, str, os.PathLike)):
+            raise ValueError(f"plugin must be True, False or the path of a ksana_plugin.py, got {plugin!r}")
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        tp_size = resolve_parallel_size("tensor_parallel_size", tensor_parallel_size, torch_device)
+        pp_size = resolve_parallel_size("pipeline_parallel_size", pipeline_parallel_size, None)
         model_dir = resolve_model_dir(path)
         hf_config = load_hf_config(model_dir)
-        model_cls = model_class_for(hf_config)
-        # Build on the meta device so no memory is touched before the real weights arrive.
-        with torch.device("meta"):
-            module = model_cls(hf_config)
-        module = module.to(torch_dtype).to_empty(device=torch_device)
-        module.load_weights(iterate_weights(model_dir, progress=progress))
-        module.eval()
+        model_type = getattr(hf_config, "model_type", None)
+        runtime, workers = None, []
+        node = multi_node_env()
+        if tp_size * pp_size > 1 or node is not None:
+            check_parallel_sizes(model_dir, hf_config, tp_size, pp_size)
+            spec = LaunchSpec(str(model_dir), str(torch_dtype).removeprefix("torch."),
+                              torch_device.type, tp_size, pp_size)
+            runtime, workers = start_master(spec, node)
+            torch_device = runtime.device
+        try:
+            module, _ = load_model_module(model_dir, device=torch_device, dtype=torch_dtype,
+                                          parallel=None if runtime is None else runtime.ctx,
+                                          progress=progress, hf_config=hf_config)
+        except BaseException:
+            stop_workers(workers)
+            if runtime is not None:
+                shutdown_runtime()
+            raise
+        model_cls = type(module)
         tokenizer = _load_tokenizer(model_dir)
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)
+        loaded_plugin = None
+        if plugin is not False:
+            loaded_plugin = load_plugin(
+                model_dir, model_type=str(model_type or ""),
+                hidden_size=int(hf_config.hidden_size), vocab_size=int(hf_config.vocab_size),
+                device=torch_device, dtype=torch_dtype,
+                path=None if plugin is True else plugin)
         return cls(module, hf_config, tokenizer, Path(model_dir), torch_device, torch_dtype,
-                   _eos_token_ids(Path(model_dir), hf_config, tokenizer))
+                   _eos_token_ids(Path(model_dir), hf_config, tokenizer), loaded_plugin,
+                   runtime, workers)

@@ -28,6 +28,9 @@ class Request:
 
     `callback(output: RequestOutput)` runs on the engine thread after every step that changed the
     request; keep it short. Lower `priority` values run first under the "priority" policy.
+    `input_embeddings`: `(positions, rows)` -- rows `[len(positions), hidden_size]` replace the
+    token embeddings at those prompt positions (image features, ...); such a request never shares
+    KV through the prefix cache. `additional_params`: free-form values for the model's plugin.
     """
 
     prompt: Prompt
@@ -35,6 +38,8 @@ class Request:
     priority: int = 0
     callback: Callable[[RequestOutput], None] | None = None
     request_id: str | None = None
+    input_embeddings: tuple[list[int], Any] | None = None
+    additional_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -63,14 +68,53 @@ class RequestMetrics:
 
 @dataclass
 class SequenceOutput:
-    text: str
-    token_ids: list[int]
+    """One returned sequence of a request (a sample, or a beam).
+
+    `cumulative_logprob`: the sum of its tokens' log-probs (raw model distribution for samples;
+    for beams, the processed log-probs beam search ranks by), when computed (logprobs asked,
+    best_of, beam search). `score`: beam search's length-penalised score (transformers'
+    `sequences_scores`). `logprobs`: per-token entries as in `RequestOutput.logprobs`.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    stop_reason: str | int | None = None
+    score: float | None = None
+
+
+@dataclass(frozen=True)
+class SequenceDelta:
+    """What one engine step added to one sequence of a request, as streamed by
+    `RequestHandle.deltas()` / `adeltas()`.
+
+    `index` is the sequence's place in `RequestOutput.sequences` (the OpenAI choice index).
+    Parallel samples (n > 1 without best_of) stream as they go, interleaved; beam search and
+    best_of > n rank their sequences at the end, so each of those arrives as one delta holding
+    its whole text, best first. A sequence's last delta has `finish_reason` set (its text may be
+    empty); the iteration ends once every sequence has finished.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None = None  # entries added by this step, when asked
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
 class RequestOutput:
+    """A request's result so far (final once `finished`).
+
+    The top-level `text`, `token_ids`, `logprobs`, `finish_reason` and `stop_reason` are those of
+    sequence 0 (the best one for beam search and best_of); `sequences` lists every returned
+    sequence. `prompt_logprobs` (when asked): one entry per prompt token, the first None, each
+    like the `logprobs` entries. `extra`: free-form fields a plugin's postprocess added.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     text: str = ""
@@ -80,13 +124,23 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: list[dict[str, Any]] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Set for requests returning several sequences; `sequences` derives one from the top-level
+    # fields otherwise.
+    sequence_outputs: list[SequenceOutput] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # sequence 0's
+    score: float | None = None  # sequence 0's beam score
 
     @property
     def sequences(self) -> list[SequenceOutput]:
-        cumulative = None
-        if self.logprobs is not None:
+        if self.sequence_outputs:
+            return self.sequence_outputs
+        cumulative = self.cumulative_logprob
+        if cumulative is None and self.logprobs:
             cumulative = sum(entry["logprob"] for entry in self.logprobs)
-        return [SequenceOutput(self.text, list(self.token_ids), cumulative, self.finish_reason)]
+        return [SequenceOutput(self.text, list(self.token_ids), cumulative, self.finish_reason,
+                               self.logprobs, self.stop_reason, self.score)]
 
 
 class RequestError(RuntimeError):
@@ -97,7 +151,13 @@ _END = object()
 
 
 class RequestHandle:
-    """Live view of one submitted request."""
+    """Live view of one submitted request.
+
+    Iterating it (or `astream()` for asyncio handles) yields the text deltas of sequence 0;
+    `deltas()` / `adeltas()` yield a `SequenceDelta` per step and sequence (use them for
+    n > 1: the server streams one choice per sequence index). `result()` / `aresult()` wait for
+    the final `RequestOutput`.
+    """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], config: GenerationConfig,
                  callback: Callable[[RequestOutput], None] | None = None,
@@ -106,12 +166,17 @@ class RequestHandle:
         self.config = config
         self.output = RequestOutput(request_id, prompt_token_ids,
                                     logprobs=[] if config.logprobs is not None else None)
+        if config.num_return_sequences > 1:
+            self.output.sequence_outputs = [
+                SequenceOutput(logprobs=[] if config.logprobs is not None else None)
+                for _ in range(config.num_return_sequences)]
         self._callback = callback
         self._loop = loop
         self._sync: queue.Queue[Any] = queue.Queue()
         self._async: asyncio.Queue[Any] | None = asyncio.Queue() if loop is not None else None
         self.error: BaseException | None = None
         self.forward_result: Any = None  # a core ForwardResult, for forward-only requests
+        self.plugin_info: Any = None  # what the model plugin's preprocess returned, if it ran
 
     @property
     def finished(self) -> bool:
@@ -127,30 +192,56 @@ class RequestHandle:
         else:
             self._sync.put(item)
 
-    def deliver(self, step: StepOutput, now: float) -> None:
+    def deliver(self, step: StepOutput, now: float,
+                before_final: Callable[[RequestOutput], None] | None = None) -> None:
+        """Apply one core output. `before_final(output)` runs on the request's last output,
+        after the output is complete and before anyone (callback, waiters) sees it finished."""
         out = self.output
         if step.forward is not None:
             self.forward_result = step.forward
-        out.token_ids.extend(step.new_token_ids)
-        out.text += step.text_delta
-        if out.logprobs is not None:
-            out.logprobs.extend(step.new_logprobs)
+        reason = step.finish_reason.value if step.finish_reason else None
+        if out.sequence_outputs:
+            seq = out.sequence_outputs[step.index]
+            seq.token_ids.extend(step.new_token_ids)
+            seq.text += step.text_delta
+            if seq.logprobs is not None:
+                seq.logprobs.extend(step.new_logprobs)
+            seq.cumulative_logprob, seq.score = step.cumulative_logprob, step.score
+            if step.finish_reason is not None:
+                seq.finish_reason, seq.stop_reason = reason, step.stop_reason
+        if step.index == 0:
+            out.token_ids.extend(step.new_token_ids)
+            out.text += step.text_delta
+            if out.logprobs is not None:
+                out.logprobs.extend(step.new_logprobs)
+            out.cumulative_logprob, out.score = step.cumulative_logprob, step.score
+            if step.finish_reason is not None:
+                out.finish_reason, out.stop_reason = reason, step.stop_reason
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs
         if step.first_scheduled_time is not None and out.metrics.first_scheduled_time is None:
             out.metrics.first_scheduled_time = step.first_scheduled_time
         if step.new_token_ids and out.metrics.first_token_time is None:
             out.metrics.first_token_time = now
         if step.finished:
             out.finished = True
-            out.finish_reason = step.finish_reason.value if step.finish_reason else None
-            out.stop_reason = step.stop_reason
+            if out.finish_reason is None:  # e.g. aborted before sequence 0 produced anything
+                out.finish_reason, out.stop_reason = reason, step.stop_reason
+            for seq in out.sequence_outputs:
+                if seq.finish_reason is None:
+                    seq.finish_reason = reason
             out.metrics.finished_time = now
+            if before_final is not None:
+                before_final(out)
         if self._callback is not None:
             try:
                 self._callback(out)
             except Exception:  # a user callback must not take the engine down
                 logger.exception("callback of request %s raised", self.id)
-        if step.text_delta:
-            self._push(step.text_delta)
+        if step.text_delta or step.new_token_ids or step.finish_reason is not None:
+            self._push(SequenceDelta(step.index, step.text_delta, list(step.new_token_ids),
+                                     list(step.new_logprobs) if self.config.logprobs is not None
+                                     else None, reason, step.stop_reason))
         if step.finished:
             self._push(_END)
 
@@ -165,23 +256,24 @@ class RequestHandle:
             raise RequestError(f"request {self.id} failed: {item}") from item
         return item is _END
 
-    def __iter__(self) -> Iterator[str]:
-        """Text deltas as they are produced (blocking)."""
+    def deltas(self) -> Iterator[SequenceDelta]:
+        """Every sequence's deltas as they are produced (blocking)."""
         if self._async is not None:
-            raise RuntimeError("this handle was created for asyncio; use astream()")
+            raise RuntimeError("this handle was created for asyncio; use adeltas()")
         while True:
             item = self._sync.get()
             if self._check(item):
                 return
             yield item
 
+    def __iter__(self) -> Iterator[str]:
+        """Sequence 0's text deltas as they are produced (blocking)."""
+        for delta in self.deltas():
+            if delta.index == 0 and delta.text:
+                yield delta.text
+
     def result(self, timeout: float | None = None) -> RequestOutput:
         deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in self._iter_until(deadline):
-            pass
-        return self.output
-
-    def _iter_until(self, deadline: float | None) -> Iterator[str]:
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -189,10 +281,10 @@ class RequestHandle:
             except queue.Empty:
                 raise TimeoutError(f"request {self.id} did not finish in time") from None
             if self._check(item):
-                return
-            yield item
+                return self.output
 
-    async def astream(self) -> AsyncIterator[str]:
+    async def adeltas(self) -> AsyncIterator[SequenceDelta]:
+        """Every sequence's deltas as they are produced (asyncio)."""
         if self._async is None:
             raise RuntimeError("this handle was created without an event loop; iterate it instead")
         while True:
@@ -201,8 +293,14 @@ class RequestHandle:
                 return
             yield item
 
+    async def astream(self) -> AsyncIterator[str]:
+        """Sequence 0's text deltas as they are produced (asyncio)."""
+        async for delta in self.adeltas():
+            if delta.index == 0 and delta.text:
+                yield delta.text
+
     async def aresult(self) -> RequestOutput:
-        async for _ in self.astream():
+        async for _ in self.adeltas():
             pass
         return self.output
 

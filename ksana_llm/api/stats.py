@@ -36,6 +36,7 @@ class EngineStats:
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
+    peak_used_kv_blocks: int = 0  # most device KV blocks held at once since the engine started
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -79,6 +80,7 @@ class StatsTracker:
             num_waiting=core.num_waiting + num_inbox, num_running=core.num_running,
             num_swapped=core.num_swapped, kv_cache_usage=core.kv_cache_usage,
             num_kv_blocks=core.num_blocks, num_free_kv_blocks=core.num_free_blocks,
+            peak_used_kv_blocks=core.peak_used_blocks,
             num_preemptions=core.num_preemptions, prefix_cache_hit_rate=hit_rate,
             num_finished=num_finished,
             generation_tokens_per_s=tokens / span if span > 0 else 0.0,

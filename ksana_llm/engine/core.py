@@ -3,6 +3,13 @@
 The core owns the scheduler, the block manager, the model runner and the sampler. Callers feed it
 validated `Sequence`s and read back `StepOutput` deltas; the Python API and the server run it in
 a background thread (see `ksana_llm.api`).
+
+One request is one `SequenceGroup`. It starts as one sequence; when that sequence's prompt is
+computed it either stays alone, or forks into `num_sequences` samples that share the prompt's KV
+blocks (each with its own random stream: seed + i when the request is seeded), or runs beam search
+(`beam_search.BeamSearch` picks the continuations; beams fork and are dropped, sharing blocks).
+Outputs are per sequence (`StepOutput.index`); outputs that are ranked at the end (beam search,
+best_of > n) are only emitted when the request finishes, best first.
 """
 
 from __future__ import annotations
@@ -14,12 +21,14 @@ from typing import Any
 
 import torch
 
+from ksana_llm.engine.beam_search import BeamSearch, Hypothesis
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
-from ksana_llm.engine.request import FinishReason, Sequence
-from ksana_llm.engine.scheduler import Scheduler, SchedulerConfig
+from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
+from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from ksana_llm.runner.model_runner import CapturedRows, ModelRunner, SeqSlice, StepInput
-from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator
+from ksana_llm.runner.sampler import (Sampler, SamplingRow, beam_log_probs, make_generator,
+                                      token_logprobs)
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,12 @@ TIMEOUT_STOP_REASON = "timeout"
 
 @dataclass
 class StepOutput:
-    """What one step added to one request."""
+    """What one step added to one sequence of one request.
+
+    `index`: the sequence (0 for single-sequence requests; for ranked outputs, the rank).
+    `finish_reason` is set on the last output of that sequence; `finished` on the last output of
+    the whole request (all its sequences are done).
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -48,6 +62,11 @@ class StepOutput:
     new_logprobs: list[dict[str, Any]] = field(default_factory=list)
     forward: ForwardResult | None = None  # set on the (only) output of a forward-only request
     first_scheduled_time: float | None = None  # time.monotonic() when it first got compute
+    index: int = 0
+    cumulative_logprob: float | None = None  # the sequence's, when log-probs are computed
+    score: float | None = None  # beam search: the hypothesis' length-penalised score
+    # Set once per request, on the first output after its prompt is computed (when asked).
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,7 @@ class CoreStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    peak_used_blocks: int = 0
 
 
 class EngineCore:
@@ -73,8 +93,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.sampler = sampler or Sampler()
-        self.sequences: dict[str, Sequence] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.groups: dict[str, SequenceGroup] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
@@ -84,24 +103,39 @@ class EngineCore:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def add(self, seq: Sequence) -> None:
-        """Queue a validated sequence (may raise QueueFullError)."""
-        if seq.request_id in self.sequences:
+        """Queue a validated sequence, the whole request for now (may raise QueueFullError)."""
+        if seq.request_id in self.groups:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        config = seq.config
+        group = SequenceGroup(seq.request_id, config, seqs=[seq])
+        several = seq.forward is None and config.num_sequences > 1
+        group.forked = not several or config.use_beam_search
+        if seq.prompt_logprobs is not None and seq.num_prompt_tokens == 1:
+            group.prompt_logprobs = [None]  # nothing to score
+        if several and config.use_beam_search:
+            stop = [] if config.ignore_eos else list(seq.eos_token_ids)
+            group.beam = BeamSearch(
+                num_beams=config.num_beams, length_penalty=config.length_penalty,
+                early_stopping=config.early_stopping, stop_token_ids=stop + config.stop_token_ids,
+                max_generated=min(config.max_new_tokens, self.max_model_len - seq.num_tokens))
+        seq.group = group
+        seq.num_reserved_slots = config.num_sequences if several else 1
         self.scheduler.add(seq)
-        if seq.config.seed is not None and seq.generator is None:
-            seq.generator = make_generator(seq.config.seed, self.runner.device)
-        self.sequences[seq.request_id] = seq
-        self.detokenizers[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids,
-            skip_special_tokens=seq.config.skip_special_tokens, stop=seq.config.stop,
-            include_stop_str_in_output=seq.config.include_stop_str_in_output)
+        if config.seed is not None and seq.generator is None:
+            seq.generator = make_generator(config.seed, self.runner.device)
+        seq.detokenizer = self._detokenizer(seq)
+        self.groups[seq.request_id] = group
 
-    def abort(self, request_id: str) -> StepOutput | None:
-        seq = self.sequences.get(request_id)
-        if seq is None:
-            return None
-        seq.finish_reason = FinishReason.ABORT
-        return self._finish(seq, [], "")
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        c = seq.config
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                      skip_special_tokens=c.skip_special_tokens, stop=c.stop,
+                                      include_stop_str_in_output=c.include_stop_str_in_output)
+
+    def abort(self, request_id: str) -> list[StepOutput]:
+        """Finish the request now (finish_reason "abort"), freeing every block it holds."""
+        group = self.groups.get(request_id)
+        return [] if group is None else self._abort_group(group, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -110,7 +144,7 @@ class EngineCore:
         s, bm = self.scheduler, self.block_manager
         return CoreStats(len(s.waiting), len(s.running), len(s.swapped), bm.usage,
                          bm.num_free_blocks, bm.num_blocks, s.num_preemptions,
-                         bm.prefix_queries, bm.prefix_hits)
+                         bm.prefix_queries, bm.prefix_hits, bm.peak_used_blocks)
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:
@@ -118,58 +152,57 @@ class EngineCore:
         than `timeout_s` without ever being scheduled."""
         outputs = []
         for seq in self.scheduler.expire_waiting(time.monotonic() - timeout_s):
-            seq.finish_reason, seq.stop_reason = FinishReason.ABORT, TIMEOUT_STOP_REASON
-            outputs.append(self._finish(seq, [], ""))
+            outputs.extend(self._abort_group(seq.group, TIMEOUT_STOP_REASON))
         return outputs
 
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
-        slices = []
-        for item in plan.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            spec = seq.forward
-            if spec is None:
-                slices.append(SeqSlice(seq.tokens_slice(start, end), start, seq.block_table,
-                                       sample=end == seq.num_tokens))
-            else:
-                lo, hi = bisect.bisect_left(spec.positions, start), bisect.bisect_left(spec.positions, end)
-                slices.append(SeqSlice(seq.tokens_slice(start, end), start, seq.block_table,
-                                       sample=False, capture=spec.positions[lo:hi],
-                                       capture_logits=spec.logits))
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-                self.num_prompt_tokens += seq.num_prompt_tokens
-        result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in))
+        slices = [self._slice(item) for item in plan.scheduled]
+        result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in,
+                                               plan.copy_blocks))
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
-        outputs = self._collect_forward(plan.scheduled, slices, result.captured)
-        if not result.sampled:
-            return outputs
-        seqs = [plan.scheduled[i].seq for i in result.sampled]
-        rows = [SamplingRow(config=s.config, prompt_token_ids=s.prompt_token_ids,
-                            output_token_ids=s.output_token_ids, generator=s.generator,
-                            eos_token_ids=s.eos_token_ids) for s in seqs]
-        sampled = self.sampler.sample(result.logits, rows)
-        token_ids, logprobs, top = sampled.to_lists()
-        now = time.monotonic()
-        for i, seq in enumerate(seqs):
-            outputs.append(self._append(seq, token_ids[i],
-                                        None if logprobs is None else logprobs[i],
-                                        None if top is None else list(zip(top[1][i], top[0][i])),
-                                        now))
+        outputs = self._collect_captures(plan.scheduled, slices, result.captured)
+        if result.sampled:
+            outputs.extend(self._sample([plan.scheduled[i].seq for i in result.sampled],
+                                        result.logits))
         return outputs
 
-    def _collect_forward(self, scheduled: list, slices: list[SeqSlice],
-                         captured: dict[int, CapturedRows]) -> list[StepOutput]:
-        """Keep the rows forward-only sequences captured; finish those whose prompt is done."""
+    def _slice(self, item: ScheduledSequence) -> SeqSlice:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+            self.num_prompt_tokens += seq.num_prompt_tokens
+        tokens = seq.tokens_slice(start, end)
+        embeddings = seq.embeddings if seq.embeddings is not None and start < seq.num_prompt_tokens else None
+        spec = seq.forward
+        if spec is not None:
+            lo, hi = bisect.bisect_left(spec.positions, start), bisect.bisect_left(spec.positions, end)
+            return SeqSlice(tokens, start, seq.block_table, sample=False,
+                            capture=spec.positions[lo:hi], capture_logits=spec.logits,
+                            embeddings=embeddings)
+        capture: tuple[int, ...] = ()
+        if seq.prompt_logprobs is not None:
+            # Row p scores prompt token p + 1; rows already collected (before a recompute) are not
+            # captured again.
+            capture = tuple(p for p in range(start, min(end, seq.num_prompt_tokens - 1))
+                            if p + 1 not in seq.prompt_logprobs)
+        return SeqSlice(tokens, start, seq.block_table, sample=end == seq.num_tokens,
+                        capture=capture, capture_logits=bool(capture), embeddings=embeddings)
+
+    def _collect_captures(self, scheduled: list[ScheduledSequence], slices: list[SeqSlice],
+                          captured: dict[int, CapturedRows]) -> list[StepOutput]:
+        """Keep captured rows: forward-only sequences' (finishing those whose prompt is done) and
+        prompt log-probs."""
         outputs = []
         for i, item in enumerate(scheduled):
-            seq = item.seq
+            seq, rows = item.seq, captured.get(i)
             if seq.forward is None:
+                if rows is not None and seq.prompt_logprobs is not None:
+                    self._keep_prompt_logprobs(seq, slices[i].capture, rows.logits)
                 continue
-            rows = captured.get(i)
             if rows is not None:
                 hidden = rows.hidden.float().cpu() if seq.forward.hidden else None
                 logits = rows.logits.float().cpu() if rows.logits is not None else None
@@ -180,6 +213,19 @@ class EngineCore:
                 outputs.append(self._finish_forward(seq))
         return outputs
 
+    def _keep_prompt_logprobs(self, seq: Sequence, positions: tuple[int, ...],
+                              logits: torch.Tensor) -> None:
+        k = seq.config.prompt_logprobs or 0
+        targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in positions], dtype=torch.long)
+        chosen, values, ids = token_logprobs(logits, targets, k)
+        for p, lp, top_v, top_i in zip(positions, chosen.tolist(), values.tolist(), ids.tolist()):
+            seq.prompt_logprobs[p + 1] = {"token_id": seq.prompt_token_ids[p + 1], "logprob": lp,
+                                          "top_logprobs": dict(zip(top_i, top_v))}
+        group = seq.group
+        if group.prompt_logprobs is None and len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1:
+            group.prompt_logprobs = [None] + [seq.prompt_logprobs[p]
+                                              for p in range(1, seq.num_prompt_tokens)]
+
     def _finish_forward(self, seq: Sequence) -> StepOutput:
         spec = seq.forward
         positions = list(spec.positions)
@@ -188,43 +234,275 @@ class EngineCore:
         logits = torch.stack([lg for _, lg in rows]) if spec.logits and rows else None
         seq.forward_rows = {}
         seq.finish_reason = FinishReason.STOP
-        out = self._finish(seq, [], "")
-        out.forward = ForwardResult(positions, hidden, logits)
-        return out
+        self.scheduler.finish(seq)
+        seq.finished_time = time.monotonic()
+        del self.groups[seq.request_id]
+        return StepOutput(seq.request_id, [], seq.detokenizer.flush(), True, FinishReason.STOP,
+                          forward=ForwardResult(positions, hidden, logits),
+                          first_scheduled_time=seq.first_scheduled_time)
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        beam = [i for i, s in enumerate(seqs) if s.group.beam is not None]
+        other = [i for i, s in enumerate(seqs) if s.group.beam is None]
+        if other:
+            outputs.extend(self._sample_tokens([seqs[i] for i in other], logits, other))
+        if beam:
+            outputs.extend(self._collect_beams([seqs[i] for i in beam], logits, beam))
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        matcher = seq.matcher if seq.matcher is not None and not seq.matcher.is_terminated() else None
+        return SamplingRow(config=seq.config, prompt_token_ids=seq.prompt_token_ids,
+                           output_token_ids=seq.output_token_ids, generator=seq.generator,
+                           eos_token_ids=seq.eos_token_ids, matcher=matcher,
+                           need_logprob=seq.config.num_sequences > seq.config.num_return_sequences)
+
+    def _sample_tokens(self, seqs: list[Sequence], logits: torch.Tensor,
+                       rows_of: list[int]) -> list[StepOutput]:
+        """One token per sequence; a request's first sample forks it into all its samples,
+        which draw from the same logits row."""
+        row_seqs: list[Sequence] = []
+        source: list[int] = []
+        for seq, row in zip(seqs, rows_of):
+            row_seqs.append(seq)
+            source.append(row)
+            if not seq.group.forked:
+                for child in self._fork_samples(seq):
+                    row_seqs.append(child)
+                    source.append(row)
+        if source != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(source, device=logits.device))
+        sampled = self.sampler.sample(logits, [self._sampling_row(s) for s in row_seqs])
+        token_ids, logprobs, top = sampled.to_lists()
+        now = time.monotonic()
+        outputs = []
+        for i, seq in enumerate(row_seqs):
+            outputs.extend(self._append(seq, token_ids[i], None if logprobs is None else logprobs[i],
+                                        None if top is None else list(zip(top[1][i], top[0][i])),
+                                        now))
+        return outputs
+
+    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """The other num_sequences - 1 samples of `seq`'s request, sharing its blocks. Sample i of
+        a seeded request draws from seed + i: it equals a single request with that seed."""
+        group = seq.group
+        group.forked = True
+        seq.num_reserved_slots = 1
+        children = []
+        for i in range(1, group.config.num_sequences):
+            child = seq.fork(i)
+            child.prompt_logprobs = None  # computed once, by the first sequence
+            child.num_reserved_slots = 1
+            if group.config.seed is not None:
+                child.generator = make_generator(group.config.seed + i, self.runner.device)
+            child.detokenizer = self._detokenizer(child)
+            self.scheduler.fork(seq, child)
+            children.append(child)
+        group.seqs.extend(children)
+        group.next_index = group.config.num_sequences
+        return children
 
     def _append(self, seq: Sequence, token: int, logprob: float | None,
-                top: Any, now: float) -> StepOutput:
+                top: Any, now: float) -> list[StepOutput]:
         seq.output_token_ids.append(token)
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
         entries = []
-        if seq.config.logprobs is not None and logprob is not None:
-            entry = {"token_id": token, "logprob": logprob,
-                     "top_logprobs": dict(top[:seq.config.logprobs]) if top else {}}
-            seq.logprobs.append(entry)
-            entries.append(entry)
-        update = self.detokenizers[seq.request_id].update([token])
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+            if seq.config.logprobs is not None:
+                entry = {"token_id": token, "logprob": logprob,
+                         "top_logprobs": dict(top[:seq.config.logprobs]) if top else {}}
+                seq.logprobs.append(entry)
+                entries.append(entry)
+        update = seq.detokenizer.update([token])
         config = seq.config
+        grammar_ended = False
+        if seq.matcher is not None:
+            # A token the grammar refuses can only come from a row whose every token was masked;
+            # either way the structured output cannot go on.
+            grammar_ended = not seq.matcher.accept_token(token) or seq.matcher.is_terminated()
         if update.stop_str is not None:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, update.stop_str
         elif not config.ignore_eos and token in seq.eos_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif token in config.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+        elif grammar_ended:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif len(seq.output_token_ids) >= config.max_new_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
+        if config.ranks_sequences:
+            seq.text += update.delta
+            return self._finish_sequence(seq, [], "") if seq.finish_reason is not None else []
         if seq.finish_reason is not None:
-            return self._finish(seq, [token], update.delta, entries)
-        return StepOutput(seq.request_id, [token], update.delta, new_logprobs=entries,
-                          first_scheduled_time=seq.first_scheduled_time)
+            return self._finish_sequence(seq, [token], update.delta, entries)
+        return [self._output(seq, [token], update.delta, entries)]
 
-    def _finish(self, seq: Sequence, tokens: list[int], delta: str,
-                logprobs: list[dict[str, Any]] | None = None) -> StepOutput:
-        detok = self.detokenizers.pop(seq.request_id)
-        delta += detok.flush()
+    def _output(self, seq: Sequence, tokens: list[int], delta: str,
+                entries: list[dict[str, Any]], finished: bool = False) -> StepOutput:
+        out = StepOutput(seq.request_id, tokens, delta, finished, seq.finish_reason,
+                         seq.stop_reason, entries, first_scheduled_time=seq.first_scheduled_time,
+                         index=seq.index, cumulative_logprob=self._cumulative(seq))
+        self._attach_prompt_logprobs(seq.group, out)
+        return out
+
+    @staticmethod
+    def _cumulative(seq: Sequence) -> float | None:
+        c = seq.config
+        return seq.cumulative_logprob if c.logprobs is not None or c.num_sequences > c.num_return_sequences else None
+
+    @staticmethod
+    def _attach_prompt_logprobs(group: SequenceGroup, out: StepOutput) -> None:
+        """The request's prompt log-probs ride on its first output after they are complete."""
+        if group.prompt_logprobs is not None and not group.prompt_logprobs_sent:
+            out.prompt_logprobs = group.prompt_logprobs
+            group.prompt_logprobs_sent = True
+
+    def _finish_sequence(self, seq: Sequence, tokens: list[int], delta: str,
+                         entries: list[dict[str, Any]] | None = None) -> list[StepOutput]:
+        """`seq` is done (its finish_reason is set): release it; outputs for what it adds, and the
+        request's ranked outputs once its last sequence is done."""
+        group = seq.group
+        flushed = seq.detokenizer.flush() if seq.detokenizer is not None else ""
         self.scheduler.finish(seq)
         seq.finished_time = time.monotonic()
-        del self.sequences[seq.request_id]
-        return StepOutput(seq.request_id, tokens, delta, True, seq.finish_reason, seq.stop_reason,
-                          logprobs or [], first_scheduled_time=seq.first_scheduled_time)
+        group.seqs.remove(seq)
+        group.finished.append(seq)
+        last = not group.seqs
+        if last:
+            del self.groups[group.request_id]
+        if group.config.ranks_sequences:
+            seq.text += flushed
+            return self._ranked_outputs(group) if last else []
+        return [self._output(seq, tokens, delta + flushed, entries or [], finished=last)]
+
+    def _ranked_outputs(self, group: SequenceGroup) -> list[StepOutput]:
+        """best_of: the num_return_sequences samples with the highest cumulative log-prob."""
+        config = group.config
+        best = sorted(group.finished, key=lambda s: -s.cumulative_logprob)[:config.num_return_sequences]
+        outputs = []
+        for rank, seq in enumerate(best):
+            out = StepOutput(group.request_id, list(seq.output_token_ids), seq.text,
+                             rank == len(best) - 1, seq.finish_reason, seq.stop_reason,
+                             list(seq.logprobs) if config.logprobs is not None else [],
+                             first_scheduled_time=seq.first_scheduled_time, index=rank,
+                             cumulative_logprob=seq.cumulative_logprob)
+            self._attach_prompt_logprobs(group, out)
+            outputs.append(out)
+        return outputs
+
+    def _abort_group(self, group: SequenceGroup, stop_reason: str | None) -> list[StepOutput]:
+        """Finish every live sequence of the request with finish_reason "abort"."""
+        del self.groups[group.request_id]
+        outputs = []
+        live = list(group.seqs)
+        for seq in live:
+            seq.finish_reason, seq.stop_reason = FinishReason.ABORT, stop_reason
+            self.scheduler.finish(seq)
+            seq.finished_time = time.monotonic()
+        group.seqs = []
+        if group.config.ranks_sequences or not live:
+            first = live[0] if live else None
+            return [StepOutput(group.request_id, [], "", True, FinishReason.ABORT, stop_reason,
+                               first_scheduled_time=first.first_scheduled_time if first else None)]
+        for k, seq in enumerate(live):
+            flushed = seq.detokenizer.flush() if seq.detokenizer is not None else ""
+            outputs.append(StepOutput(seq.request_id, [], flushed, k == len(live) - 1,
+                                      FinishReason.ABORT, stop_reason,
+                                      first_scheduled_time=seq.first_scheduled_time,
+                                      index=seq.index, cumulative_logprob=self._cumulative(seq)))
+        return outputs
+
+    # ---- beam search ---------------------------------------------------------------------------
+    def _collect_beams(self, seqs: list[Sequence], logits: torch.Tensor,
+                       rows_of: list[int]) -> list[StepOutput]:
+        """Keep each beam's log-probs; a request whose live beams all have theirs takes a step.
+        (Beams of one request normally decode in the same step; one that was preempted or ran
+        out of budget catches up, and its siblings wait idle meanwhile.)"""
+        sub = logits.index_select(0, torch.tensor(rows_of, device=logits.device))
+        processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs])
+        ready: list[SequenceGroup] = []
+        for k, seq in enumerate(seqs):
+            group = seq.group
+            seq.num_reserved_slots = 1  # the group's width is reserved by its live beams now
+            group.beam.rows[seq] = (processed[k], raw[k])
+            if group not in ready and all(s in group.beam.rows for s in group.seqs):
+                ready.append(group)
+        outputs: list[StepOutput] = []
+        for group in ready:
+            outputs.extend(self._beam_step(group))
+        return outputs
+
+    def _beam_step(self, group: SequenceGroup) -> list[StepOutput]:
+        beam, config, seqs = group.beam, group.config, list(group.seqs)
+        processed = torch.stack([beam.rows[s][0] for s in seqs])
+        raw = torch.stack([beam.rows[s][1] for s in seqs])
+        beam.rows = {}
+        want = config.logprobs
+        stop = set(beam.stop_token_ids.tolist())
+
+        def entry(parent: int, token: int) -> dict[str, Any]:
+            row = raw[parent]
+            top = torch.topk(row, want) if want else None
+            return {"token_id": token, "logprob": float(row[token]),
+                    "top_logprobs": dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}}
+
+        def finalize(parent: int, token: int, score: float, sum_logprob: float) -> Hypothesis:
+            p = seqs[parent]
+            return Hypothesis(p.output_token_ids + [token], score, sum_logprob,
+                              "stop" if token in stop else "length",
+                              p.logprobs + [entry(parent, token)] if want is not None else None)
+
+        continuations = beam.step(processed, finalize)
+        if beam.done:
+            return self._finish_beams(group)
+        # Parents chosen once continue themselves; chosen again, they fork first (before any
+        # token is appended); parents nobody chose are dropped.
+        plan: list[tuple[Sequence, int, int]] = []
+        reused: set[int] = set()
+        for parent, token in continuations:
+            if parent in reused:
+                child = seqs[parent].fork(group.next_index)
+                group.next_index += 1
+                self.scheduler.fork(seqs[parent], child)
+                plan.append((child, parent, token))
+            else:
+                reused.add(parent)
+                plan.append((seqs[parent], parent, token))
+        for i, seq in enumerate(seqs):
+            if i not in reused:
+                self.scheduler.finish(seq)
+        now = time.monotonic()
+        for seq, parent, token in plan:
+            seq.output_token_ids.append(token)
+            if want is not None:
+                seq.logprobs.append(entry(parent, token))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+        self.num_generated_tokens += len(plan)
+        group.seqs = [seq for seq, _, _ in plan]
+        return []
+
+    def _finish_beams(self, group: SequenceGroup) -> list[StepOutput]:
+        for seq in group.seqs:
+            self.scheduler.finish(seq)
+        first = group.seqs[0]
+        group.seqs = []
+        del self.groups[group.request_id]
+        best = group.beam.results(group.config.num_return_sequences)
+        outputs = []
+        for rank, hyp in enumerate(best):
+            detok = self._detokenizer(first)
+            text = detok.update(hyp.token_ids).delta + detok.flush()
+            reason = FinishReason.STOP if hyp.finish_reason == "stop" else FinishReason.LENGTH
+            out = StepOutput(group.request_id, list(hyp.token_ids), text, rank == len(best) - 1,
+                             reason, hyp.token_ids[-1] if reason is FinishReason.STOP else None,
+                             list(hyp.logprobs or []), first_scheduled_time=first.first_scheduled_time,
+                             index=rank, cumulative_logprob=hyp.sum_logprob, score=hyp.score)
+            self._attach_prompt_logprobs(group, out)
+            outputs.append(out)
+        return outputs

@@ -9,6 +9,11 @@ refcount drops to zero goes to the free queue but keeps its key, and is reused f
 request asks for the same prefix before it is evicted. Eviction takes the front of the free queue:
 blocks that hold nothing reusable are put there first, cached blocks at the back (least recently
 freed evicted first), and a finished sequence frees its tail first so its prefix survives longest.
+
+Forked sequences (parallel samples, beams) share every block of their parent by refcount. Before a
+sequence writes into a block someone else still holds (the parent's last, partial block), `allocate`
+gives it a private copy: the (source, destination) pair is queued in `pending_copies` for the
+runner, which copies the KV before the step's forward (copy-on-write).
 """
 
 from __future__ import annotations
@@ -48,9 +53,12 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.num_host_blocks = num_host_blocks
         self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        # Copy-on-write copies decided by `allocate`, drained by the scheduler with take_copies().
+        self.pending_copies: list[tuple[int, int]] = []
         # Counters for metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.peak_used_blocks = 0  # most device blocks referenced at once
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -62,8 +70,17 @@ class BlockManager:
         """Share of device blocks referenced by live sequences (cached-but-free counts as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (source, destination) block copies queued since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     # ---- prefix cache --------------------------------------------------------------------
     def update_block_hashes(self, seq: Sequence) -> None:
@@ -81,7 +98,7 @@ class BlockManager:
 
         At least one token is always left uncached so the step computes logits for it.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.uses_prefix_cache:
             return PrefixMatch([], 0)
         self.update_block_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -100,7 +117,7 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly computed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.fills_prefix_cache:
             return
         self.update_block_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
@@ -115,27 +132,35 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Give `seq` blocks for its computed tokens plus `num_new_tokens` more.
 
-        `prefix` (only for a sequence holding no blocks) adopts cached blocks first. Returns False
-        and changes nothing when there are not enough free blocks.
+        `prefix` (only for a sequence holding no blocks) adopts cached blocks first. A block the
+        new tokens write into that is shared with another sequence (a fork's partial block) is
+        replaced by a private copy (see `pending_copies`). Returns False and changes nothing when
+        there are not enough free blocks.
         """
         prefix_blocks = prefix.block_ids if prefix else []
         computed = prefix.num_tokens if prefix else seq.num_computed_tokens
         total = self.blocks_needed(computed + num_new_tokens)
         num_new_blocks = max(0, total - len(seq.block_table) - len(prefix_blocks))
+        # Only blocks from the first written one on can need a copy; earlier ones are full.
+        shared = [i for i in range(computed // self.block_size, len(seq.block_table))
+                  if self.ref_counts[seq.block_table[i]] > 1] if num_new_tokens else []
         # Cached blocks sitting in the free queue leave it when adopted.
         revived = sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
-        if num_new_blocks + revived > self.num_free_blocks:
+        if num_new_blocks + revived + len(shared) > self.num_free_blocks:
             return False
         for block in prefix_blocks:
             self._take(block)
         seq.block_table.extend(prefix_blocks)
+        for i in shared:
+            source, copy = seq.block_table[i], self._pop_free()
+            seq.block_table[i] = copy
+            self._release(source)  # still held by the other owner(s): refcount stays >= 1
+            self.pending_copies.append((source, copy))
         for _ in range(num_new_blocks):
-            block, _ = self.free_queue.popitem(last=False)
-            self._forget(block)
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._pop_free())
         if prefix_blocks:
             seq.num_registered_blocks = len(prefix_blocks)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -147,10 +172,13 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share all of `parent`'s blocks with `child` (refcounted, no copy)."""
+        """Share all of `parent`'s blocks with `child` (refcounted, no copy). The child (holding no
+        blocks) also takes the parent's prefix-cache chain, which names the same tokens."""
         for block in parent.block_table:
             self.ref_counts[block] += 1
         child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
 
     # ---- host swap pool ------------------------------------------------------------------
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
@@ -177,6 +205,12 @@ class BlockManager:
         seq.host_block_table = []
 
     # ---- internals -----------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        self._forget(block)
+        self.ref_counts[block] = 1
+        return block
+
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free_queue[block]

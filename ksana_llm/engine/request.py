@@ -75,6 +75,21 @@ class Sequence:
     # (keyed, so a recompute after preemption overwrites rather than duplicates).
     forward: ForwardSpec | None = None
     forward_rows: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    # Several sequences per request (parallel sampling, beam search): the request's group, this
+    # sequence's index in it (stable; the order of creation) and the slots it reserves at
+    # admission (the whole group's width for the request's first sequence, 1 otherwise).
+    group: SequenceGroup | None = None
+    index: int = 0
+    num_reserved_slots: int = 1
+    cumulative_logprob: float = 0.0  # sum of the chosen tokens' raw log-probs, when computed
+    matcher: Any = None  # structured output: a ksana_llm.structured GrammarMatcher
+    detokenizer: Any = None  # its IncrementalDetokenizer (set by the engine core)
+    # Plugin input embeddings replacing token embeddings at some prompt positions:
+    # (positions, [len(positions), hidden] tensor). Such a sequence never touches the prefix cache.
+    embeddings: tuple[tuple[int, ...], Any] | None = None
+    # Prompt log-probs collected so far, keyed by the position of the token they score (>= 1).
+    prompt_logprobs: dict[int, dict[str, Any]] | None = None
+    text: str = ""  # output text so far, kept only when outputs are ranked at the end (best_of)
 
     @property
     def token_ids(self) -> list[int]:
@@ -93,9 +108,34 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether it may adopt cached blocks: not when every prompt row must be computed
+        (forward-only, prompt log-probs) nor when its KV depends on more than its token ids."""
+        return self.forward is None and self.prompt_logprobs is None and self.embeddings is None
+
+    @property
+    def fills_prefix_cache(self) -> bool:
+        """Whether its full blocks may be published: the same tokens must mean the same KV."""
+        return self.embeddings is None
+
+    @property
     def is_prefill(self) -> bool:
         """True while tokens other than the last sampled one still lack KV."""
         return self.num_tokens - self.num_computed_tokens > 1
+
+    def fork(self, index: int) -> Sequence:
+        """A new sequence with a copy of this one's tokens and sampling state (not its blocks nor
+        its queue: `Scheduler.fork` does those). Its generator and detokenizer are the caller's."""
+        return Sequence(
+            self.request_id, self.prompt_token_ids, self.config, eos_token_ids=self.eos_token_ids,
+            priority=self.priority, arrival_time=self.arrival_time,
+            admission_order=self.admission_order, output_token_ids=list(self.output_token_ids),
+            status=self.status, num_cached_tokens=self.num_cached_tokens,
+            logprobs=list(self.logprobs), first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time, num_preemptions=self.num_preemptions,
+            group=self.group, index=index, cumulative_logprob=self.cumulative_logprob,
+            matcher=self.matcher.fork() if self.matcher is not None else None,
+            embeddings=self.embeddings, text=self.text)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
@@ -108,3 +148,25 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request.
+
+    A request starts as one sequence. Once its prompt is computed it forks into
+    `config.num_sequences` sequences sharing the prompt's blocks (parallel sampling, best_of), or
+    it runs beam search, whose live beams are its sequences (`beam` holds the search state).
+    `finished` keeps the sequences that ended, for outputs ranked at the end.
+    """
+
+    request_id: str
+    config: GenerationConfig
+    seqs: list[Sequence] = field(default_factory=list)  # live sequences
+    finished: list[Sequence] = field(default_factory=list)
+    beam: Any = None  # ksana_llm.engine.beam_search.BeamSearch for beam-search requests
+    next_index: int = 1  # index of the next sequence forked
+    forked: bool = False  # the prompt's sequence has forked (or needs no fork)
+    # Prompt log-probs once complete (first entry None), and whether an output carried them.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs_sent: bool = False

@@ -6,6 +6,12 @@ Running sequences are served first (a decode costs 1 token, a prefill chunk up t
 budget), then swapped-out sequences come back, then waiting ones are admitted. When the KV pool
 runs out, the lowest-priority running sequence is preempted: swapped to the host pool
 (`preempt_mode=0`) or freed to be recomputed later (`preempt_mode=1`).
+
+Sequences of one request (parallel samples, beams) are scheduled one by one like any other: they
+share blocks by refcount, and the block manager copies a shared block before anyone writes to it.
+A running sequence with nothing to compute (a beam waiting for its siblings' logits) is skipped;
+if such idle sequences hold the blocks that everything else waits for, the last one is preempted
+for recompute so the others can move (see `schedule`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ksana_llm.engine.kv_cache import BlockManager, PrefixMatch
+from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import Sequence, SequenceStatus
 
 
@@ -47,6 +53,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # (source, destination) device blocks: copy-on-write of blocks shared with a fork. Safe to run
+    # after the swaps: a victim is never a sequence that allocated this step, and swap-ins only
+    # happen in steps that preempt nothing, so no source or destination changes hands before.
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -97,6 +107,22 @@ class Scheduler:
             self.waiting.remove(seq)
         return expired
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue `child`, which holds a copy of `parent`'s tokens, next to the parent: sharing its
+        blocks when the parent is running, otherwise (waiting or swapped out) to be recomputed."""
+        child.priority, child.arrival_time = parent.priority, parent.arrival_time
+        child.admission_order = parent.admission_order
+        if parent.status == SequenceStatus.RUNNING:
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self._insert(self.running, child)
+        else:
+            child.block_table, child.num_computed_tokens = [], 0
+            child.block_hashes, child.num_registered_blocks = [], 0
+            child.status = SequenceStatus.WAITING
+            self._insert(self.waiting, child)
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whichever queue holds it and release its blocks."""
         for queue in (self.waiting, self.running, self.swapped):
@@ -127,6 +153,15 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
         if not out.preempted and not self.swapped:
             self._schedule_waiting(out, budget)
+        if out.is_empty and not out.preempted and (self.waiting or self.swapped):
+            # Idle sequences never allocate, so nothing above preempts them; if they hold the
+            # blocks the others wait for, free the last one (recompute: swapping it back in would
+            # just take the same blocks again).
+            idle = [s for s in self.running if s.num_computed_tokens >= s.num_tokens]
+            if idle:
+                self.running.remove(idle[-1])
+                self._preempt(idle[-1], out, recompute=True)
+        out.copy_blocks = self.block_manager.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -134,8 +169,8 @@ class Scheduler:
         still_running: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
-            if budget <= 0:
-                still_running.append(seq)
+            if budget <= 0 or seq.num_computed_tokens >= seq.num_tokens:
+                still_running.append(seq)  # out of budget, or idle (nothing to compute)
                 continue
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
             while not self.block_manager.allocate(seq, num_new):
@@ -162,16 +197,19 @@ class Scheduler:
             out.swap_in.extend(mapping)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            if num_new:  # an idle sequence comes back with nothing to compute
+                out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and (
+                len(self.running) + self.waiting[0].num_reserved_slots <= self.config.max_num_seqs
+                or not self.running):
             seq = self.waiting[0]
-            # A forward-only sequence must compute every token itself: no prefix-cache hits.
-            prefix = bm.match_prefix(seq) if seq.forward is None else PrefixMatch([], 0)
+            # Forward-only, prompt-logprob and embedding sequences get no prefix-cache hits.
+            prefix = bm.match_prefix(seq)
             num_new = self._chunk(seq, budget, prefix.num_tokens)
             if not bm.allocate(seq, num_new, prefix):
                 break
@@ -179,18 +217,18 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
-                if bm.enable_prefix_caching and seq.forward is None:
+                if bm.enable_prefix_caching and seq.uses_prefix_cache:
                     bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, recompute: bool = False) -> None:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)
-        if self.config.preempt_mode == 0:
+        if self.config.preempt_mode == 0 and not recompute:
             mapping = self.block_manager.swap_out(seq)
             if mapping is not None:
                 out.swap_out.extend(mapping)

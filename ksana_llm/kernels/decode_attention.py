@@ -117,7 +117,8 @@ def _decode_kernel(
         tl.store(Mid_lse + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
-@triton.jit
+# num_splits varies with batch and context; unspecialised, it cannot trigger recompiles.
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     Mid_o, Mid_lse, Out, num_splits,
     stride_mb, stride_mh, stride_ms,
@@ -164,8 +165,8 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a head dim: wide heads get shorter tiles so K and V
-    tiles stay within shared memory when pipelined."""
+    """(BLOCK_N, num_warps, num_stages): fp32 and heads wider than 128 take 32-token tiles, so
+    the double-buffered K and V tiles stay well within shared memory."""
     wide = head_dim > 128 or dtype == torch.float32
     return (32 if wide else 64), 4, 2
 
@@ -222,8 +223,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_context = min(max_context, window)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device))
-    # Whole tiles per split, so only a split's last tile is ragged.
-    split_len = -(-max(1, -(-max_context // num_splits)) // block_n) * block_n
+    per_split = max(1, -(-max_context // num_splits))  # ceil
+    split_len = -(-per_split // block_n) * block_n  # whole tiles: only a split's last is ragged
     single = num_splits == 1
     if single:
         mid_o = mid_lse = out  # unused

@@ -25,11 +25,12 @@ def _store_kv_kernel(
     t = tl.program_id(0)
     # int64: slot * stride can pass 2**31 elements in a large cache.
     slot = tl.load(Slots + t).to(tl.int64)
-    valid = slot >= 0  # negative slot: a padding token, nothing to write
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     heads = tl.arange(0, BLOCK_H)
-    head_mask = (heads < NUM_HEADS) & valid
+    # A negative slot is a padding token: no head to write. (One comparison rather than
+    # `(heads < NUM_HEADS) & (slot >= 0)`, whose scalar-block `&` the interpreter mistypes.)
+    head_mask = heads < tl.where(slot >= 0, NUM_HEADS, 0)
 
     d = tl.arange(0, BLOCK_D)
     k_mask = head_mask[:, None] & (d < HEAD_DIM)[None, :]

@@ -37,7 +37,8 @@ def _find_sequence(Query_start_loc, q_block, num_seqs, BLOCK_M: tl.constexpr):
     return left - 1
 
 
-@triton.jit
+# The batch size varies step to step; unspecialised (==1, %16), it cannot trigger recompiles.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     Q, K_cache, V_cache, Block_tables, Query_start_loc, Seq_lens, Alibi, Out,
     scale_log2, window, num_seqs,
@@ -105,8 +106,9 @@ def _prefill_kernel(
         if USE_WINDOW:
             allowed &= rel > -window
         s = tl.where(allowed, s, float("-inf"))
-        # A row can see no key in this tile (window or causal edge): keep its max finite so
-        # exp2(-inf - -inf) never makes a NaN.
+        # A row may see no key at all so far: padding rows past the chunk's end under a
+        # window, or (were BLOCK_N < BLOCK_M) a row whose window starts after this tile. Keep
+        # its max finite so exp2(-inf - -inf) never makes a NaN.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)

@@ -9,14 +9,22 @@ from torch import nn
 class MergedLinear(nn.Module):
     """One matmul for several projections stacked along the output dim (QKV, gate/up).
 
-    Checkpoints store the parts separately; `load_shard` copies part `index` into its rows.
+    Checkpoints store the parts separately; `load_shard` copies part `index` into its rows. Under
+    tensor parallelism a rank keeps only some rows of each part: `shards[i]` is (first row, row
+    count) of part i's full checkpoint tensor (column-parallel), and `out_sizes` are the kept
+    sizes. Without shards every row is kept.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 shards: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
-        self.out_sizes = list(out_sizes)
-        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
-        total = sum(out_sizes)
+        self.full_sizes = list(out_sizes)
+        self.shards = list(shards) if shards is not None else [(0, n) for n in out_sizes]
+        if len(self.shards) != len(self.full_sizes):
+            raise ValueError("one shard per part")
+        self.out_sizes = [size for _, size in self.shards]
+        self.offsets = [sum(self.out_sizes[:i]) for i in range(len(self.out_sizes))]
+        total = sum(self.out_sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
 
@@ -24,7 +32,9 @@ class MergedLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, index: int) -> None:
-        start, size = self.offsets[index], self.out_sizes[index]
-        if tensor.shape[0] != size:
-            raise ValueError(f"shard {index} has {tensor.shape[0]} rows, expected {size}")
-        param.data[start:start + size].copy_(tensor)
+        if tensor.shape[0] != self.full_sizes[index]:
+            raise ValueError(f"shard {index} has {tensor.shape[0]} rows, "
+                             f"expected {self.full_sizes[index]}")
+        first, size = self.shards[index]
+        offset = self.offsets[index]
+        param.data[offset:offset + size].copy_(tensor[first:first + size])

@@ -15,8 +15,13 @@ from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec, paged_attention
+from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.norm import RMSNorm
+from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear,
+                                       VocabParallelEmbedding, check_heads_divisible, kv_head_shard,
+                                       tp_all_gather_rows)
+from ksana_llm.layers.pipeline import PipelineGap, recv_hidden, send_hidden
 from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
 from ksana_llm.models.weight_loading import load_checkpoint
 
@@ -49,37 +54,87 @@ def embed_tokens(embedding: nn.Embedding, input_ids: torch.Tensor,
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int = 0) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim ** -0.5
-        bias = bool(getattr(config, "attention_bias", False))
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = MergedLinear(config.hidden_size, list(self.split), bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+    """Multi-head / grouped-query attention over the paged KV cache.
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache,
+    The options cover the families built on this block: `qkv_bias` / `o_bias` override the
+    config's `attention_bias` (Qwen2 and Qwen v1 bias q/k/v but not the output); `qk_norm` adds
+    RMSNorm over each head of q and k before RoPE (Qwen3); `alibi_slopes` ([num_heads]) replaces
+    RoPE with ALiBi position biases (Baichuan-13B).
+
+    Under tensor parallelism each rank keeps num_heads / tp query heads and the KV heads they
+    read (split, or replicated when there are fewer KV heads than ranks); `o_proj` sums the
+    ranks' partial outputs.
+    """
+
+    def __init__(self, config: Any, layer_idx: int = 0, *, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None, qk_norm: bool = False,
+                 alibi_slopes: torch.Tensor | None = None,
+                 parallel: ParallelContext = SINGLE) -> None:
+        super().__init__()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        check_heads_divisible(total_heads, parallel)
+        self.num_heads = total_heads // parallel.tp_size
+        first_kv, self.num_kv_heads = kv_head_shard(total_kv_heads, parallel)
+        self.head_dim = d = head_dim_of(config)
+        self.scale = d ** -0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        self.split = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        q_shard = (parallel.tp_rank * self.num_heads * d, self.num_heads * d)
+        kv_shard = (first_kv * d, self.num_kv_heads * d)
+        self.qkv_proj = MergedLinear(config.hidden_size,
+                                     [total_heads * d, total_kv_heads * d, total_kv_heads * d],
+                                     bias=bias if qkv_bias is None else qkv_bias,
+                                     shards=[q_shard, kv_shard, kv_shard])
+        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size,
+                                        bias=bias if o_bias is None else o_bias, ctx=parallel)
+        if alibi_slopes is not None:
+            first_head = parallel.tp_rank * self.num_heads
+            alibi_slopes = alibi_slopes[first_head:first_head + self.num_heads]
+        if qk_norm:
+            eps = getattr(config, "rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+        self.qk_norm = qk_norm
+        # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
+        # would come out of `to_empty` uninitialised. Moved to the device on first use.
+        self._alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().cpu()
+
+    def _slopes_on(self, device: torch.device) -> torch.Tensor | None:
+        slopes = self._alibi_slopes
+        if slopes is not None and slopes.device != device:
+            slopes = self._alibi_slopes = slopes.to(device)
+        return slopes
+
+    def forward(self, rope: Rope | None, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        slopes = self._slopes_on(q.device)
+        if slopes is None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, layer_idx: int = 0) -> None:
+    """SwiGLU MLP; under tensor parallelism each rank keeps a (possibly uneven) slice of the
+    intermediate columns and `down_proj` sums the ranks' partial outputs."""
+
+    def __init__(self, config: Any, layer_idx: int = 0, *,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        shard = parallel.tp_split(size)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias,
+                                         shards=[shard, shard])
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, ctx=parallel)
         self.act = get_gated_activation(getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +152,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = mlp
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: Rope | None, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
@@ -110,25 +165,63 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module]) -> None:
+    """Embedding, decoder layers, final norm. Under pipeline parallelism a stage builds only its
+    own layers (the others are parameter-free `PipelineGap`s, so checkpoint names keep their
+    layer numbers); the first stage embeds, the last one normalises and sends the final hidden
+    states back to the first, which computes the logits."""
+
+    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module],
+                 use_rope: bool = True, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
-        theta, scaling = rope_settings(config)
-        # One RoPE table for all layers; cos/sin are looked up once per step.
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                          theta, scaling)
+        self.parallel = parallel
+        self.hidden_size = config.hidden_size
+        num_layers = config.num_hidden_layers
+        if parallel.pp_size > num_layers:
+            raise ValueError(f"pipeline_parallel_size {parallel.pp_size} is more than the "
+                             f"model's {num_layers} layers")
+        self.first_layer, self.end_layer = parallel.layer_range(num_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+                             if parallel.is_first_stage else PipelineGap())
+        self.layers = nn.ModuleList(
+            make_layer(config, i) if self.first_layer <= i < self.end_layer else PipelineGap()
+            for i in range(num_layers))
+        self.norm = (RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
+                     if parallel.is_last_stage else PipelineGap())
+        # One RoPE table for all layers; cos/sin are looked up once per step. ALiBi models
+        # (use_rope False) position tokens inside attention instead.
+        self.rotary_emb: RotaryEmbedding | None = None
+        if use_rope:
+            theta, scaling = rope_settings(config)
+            self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                              theta, scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, embedding_overrides: EmbeddingOverrides | None = None
                 ) -> torch.Tensor:
-        hidden = embed_tokens(self.embed_tokens, input_ids, embedding_overrides)
-        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        ctx = self.parallel
+        local_layers = self.layers[self.first_layer:self.end_layer]
+        if ctx.is_first_stage:
+            hidden = embed_tokens(self.embed_tokens, input_ids, embedding_overrides)
+        else:
+            dtype = local_layers[0].input_layernorm.weight.dtype
+            hidden = recv_hidden((input_ids.shape[0], self.hidden_size), dtype, input_ids.device,
+                                 ctx.stage_rank(ctx.pp_rank - 1))
+        rope = None if self.rotary_emb is None else self.rotary_emb.cos_sin(positions,
+                                                                          hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(local_layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        if not ctx.is_last_stage:
+            # hidden + residual is what the next layer's fused add-norm would see.
+            send_hidden(hidden if residual is None else hidden + residual,
+                        ctx.stage_rank(ctx.pp_rank + 1))
+            if ctx.is_first_stage:
+                return recv_hidden(hidden.shape, hidden.dtype, hidden.device,
+                                   ctx.stage_rank(ctx.pp_size - 1))
+            return hidden  # a middle stage's output is not used
         hidden, _ = self.norm(hidden, residual)
+        if ctx.pp_size > 1:
+            send_hidden(hidden, ctx.stage_rank(0))
         return hidden
 
 
@@ -141,22 +234,30 @@ class LlamaForCausalLM(nn.Module):
 
     # checkpoint part -> (fused parameter, part index)
     fused_parts: Mapping[str, tuple[str, int]] = _FUSED_PARTS
+    supports_parallel = True  # tensor and pipeline parallelism (see ksana_llm.distributed)
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.make_layer)
+        self.parallel = parallel or SINGLE
+        self.model = LlamaModel(config, self.make_layer, use_rope=self.uses_rope(config),
+                                parallel=self.parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Logits are computed on the first pipeline stage, which also holds the embedding.
+        if not self.tie_word_embeddings and self.parallel.is_first_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.parallel)
         self._lm_head_transposed: torch.Tensor | None = None
 
     # ---- building blocks (overridden by families) ---------------------------------------------
+    def uses_rope(self, config: Any) -> bool:
+        """False for families that position tokens another way (ALiBi)."""
+        return True
+
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
-        return LlamaAttention(config, layer_idx)
+        return LlamaAttention(config, layer_idx, parallel=self.parallel)
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
-        return LlamaMLP(config, layer_idx)
+        return LlamaMLP(config, layer_idx, parallel=self.parallel)
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         return LlamaDecoderLayer(config, self.make_attention(config, layer_idx),
@@ -165,11 +266,14 @@ class LlamaForCausalLM(nn.Module):
     # ---- facts the runner needs --------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+        """Decoder layers this rank runs (and keeps a KV cache for)."""
+        return self.model.end_layer - self.model.first_layer
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        """KV heads this rank keeps."""
+        total = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return kv_head_shard(total, self.parallel)[1]
 
     @property
     def head_dim(self) -> int:
@@ -192,29 +296,54 @@ class LlamaForCausalLM(nn.Module):
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits of `hidden`'s rows; None on pipeline stages other than the first."""
+        if not self.parallel.is_first_stage:
+            return None
         transposed = self._lm_head_transposed
         if transposed is not None and hidden.shape[0] <= _GEMV_ROWS:
-            return (hidden @ transposed).float()
-        return nn.functional.linear(hidden, self._lm_head_weight()).float()
+            logits = hidden @ transposed
+        else:
+            logits = nn.functional.linear(hidden, self._lm_head_weight())
+        return tp_all_gather_rows(logits.float(), self.parallel, self.config.vocab_size)
 
     def prepare_for_inference(self) -> None:
         """Called once the weights are loaded. On CPU, a few-row product with the big LM head is a
         matrix-vector product that MKL runs about twice as fast against a [hidden, vocab]
         contiguous copy (measured: 13 ms -> 6 ms for SmolLM2's 49152 x 576 head)."""
         self._lm_head_transposed = None
+        if not self.parallel.is_first_stage:
+            return
         weight = self._lm_head_weight()
         if weight.device.type == "cpu":
             self._lm_head_transposed = weight.detach().t().contiguous()
 
     # ---- weights -------------------------------------------------------------------------------
     def skip_checkpoint_tensor(self, name: str) -> bool:
-        """Tensors we compute ourselves (old checkpoints store the RoPE table) or share."""
+        """Tensors we compute ourselves (old checkpoints store the RoPE table), share, or that
+        another pipeline stage holds."""
         if "rotary_emb.inv_freq" in name:
             return True
-        return name == "lm_head.weight" and self.tie_word_embeddings
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return True
+        return not self._stage_holds(name)
+
+    def _stage_holds(self, name: str) -> bool:
+        ctx = self.parallel
+        if ctx.pp_size == 1:
+            return True
+        if name.startswith("model.layers."):
+            index = int(name.split(".", 3)[2])
+            return self.model.first_layer <= index < self.model.end_layer \
+                or index >= self.config.num_hidden_layers  # extra layers (MTP): the family decides
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return ctx.is_first_stage
+        if name.startswith("model.norm."):
+            return ctx.is_last_stage
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set."""
         load_checkpoint(self, weights, self.fused_parts, self.skip_checkpoint_tensor)
         self.prepare_for_inference()
+

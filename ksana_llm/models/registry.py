@@ -8,17 +8,39 @@ from typing import Any
 
 from torch import nn
 
+from ksana_llm.models.baichuan import BaichuanForCausalLM
+from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM
+from ksana_llm.models.mixtral import MixtralForCausalLM
+from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
+from ksana_llm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1/2/3, Yi, SmolLM2, Vicuna
     "MistralForCausalLM": LlamaForCausalLM,  # same layout; sliding window from the config
     "YiForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,  # Qwen1.5, Qwen2, Qwen2.5
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "QWenLMHeadModel": QWenLMHeadModel,  # Qwen (v1)
+    "BaichuanForCausalLM": BaichuanForCausalLM,  # Baichuan-13B, Baichuan2-7B/13B
+    "BaiChuanForCausalLM": BaichuanForCausalLM,  # Baichuan-7B spells it this way
+    "MixtralForCausalLM": MixtralForCausalLM,  # Mixtral 8x7B / 8x22B
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1 (MLA + DeepSeek MoE)
 })
 _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "yi": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen": QWenLMHeadModel,
+    "baichuan": BaichuanForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 })
 
 

@@ -51,41 +51,56 @@ def expected_keys(model: nn.Module) -> set[str]:
     return keys
 
 
+def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor,
+                 fused_parts: Mapping[str, tuple[str, int]],
+                 loaders: Mapping[str, nn.Module] | None = None) -> list[str]:
+    """Put one checkpoint tensor where it belongs in `model`; the keys it filled."""
+    loaders = _custom_loaders(model) if loaders is None else loaders
+    prefix = _owner(name, loaders)
+    if prefix is not None:
+        filled = loaders[prefix].load_checkpoint_tensor(name[len(prefix) + 1:], tensor)
+        return [f"{prefix}.{key}" for key in filled]
+    target, part = name, None
+    for ckpt_part, (fused, index) in fused_parts.items():
+        if f".{ckpt_part}." in f".{name}":
+            target, part = f".{name}".replace(f".{ckpt_part}.", f".{fused}.")[1:], index
+            break
+    try:
+        param = model.get_parameter(target)
+    except AttributeError:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}") from None
+    tensor = tensor.to(param.dtype)
+    owner = model.get_submodule(target.rsplit(".", 1)[0])
+    if part is None and isinstance(owner, MergedLinear):
+        # A checkpoint that stores the projections already fused (Qwen v1 `c_attn`, Baichuan
+        # `W_pack`, through their weight maps): split it into its parts, so that each part is
+        # checked and, under tensor parallelism, sharded like a separately stored one.
+        if tensor.shape[0] != sum(owner.full_sizes):
+            raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(owner.full_sizes)} "
+                             f"(parts {owner.full_sizes})")
+        for index, piece in enumerate(tensor.split(owner.full_sizes, dim=0)):
+            owner.load_shard(param, piece, index)
+        return [f"{target}#{i}" for i in range(len(owner.full_sizes))]
+    if part is None:
+        if tensor.shape != param.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        return [target]
+    owner.load_shard(param, tensor, part)
+    return [f"{target}#{part}"]
+
+
 def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                     fused_parts: Mapping[str, tuple[str, int]],
                     skip: Callable[[str], bool] = lambda name: False) -> None:
     """Load HF-named tensors into `model`; `fused_parts` maps a checkpoint part name (`q_proj`)
     to (fused parameter module name, part index); `skip(name)` drops tensors we compute
     ourselves (RoPE tables) or do not use."""
-    params = dict(model.named_parameters())
     loaders = _custom_loaders(model)
     loaded: set[str] = set()
     for name, tensor in weights:
-        if skip(name):
-            continue
-        prefix = _owner(name, loaders)
-        if prefix is not None:
-            filled = loaders[prefix].load_checkpoint_tensor(name[len(prefix) + 1:], tensor)
-            loaded.update(f"{prefix}.{key}" for key in filled)
-            continue
-        target, part = name, None
-        for ckpt_part, (fused, index) in fused_parts.items():
-            if f".{ckpt_part}." in name:
-                target, part = name.replace(f".{ckpt_part}.", f".{fused}."), index
-                break
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        tensor = tensor.to(param.dtype)
-        if part is None:
-            if tensor.shape != param.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.data.copy_(tensor)
-            loaded.add(target)
-        else:
-            module = model.get_submodule(target.rsplit(".", 1)[0])
-            module.load_shard(param, tensor, part)
-            loaded.add(f"{target}#{part}")
+        if not skip(name):
+            loaded.update(place_tensor(model, name, tensor, fused_parts, loaders))
     missing = sorted(expected_keys(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")

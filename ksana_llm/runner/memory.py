@@ -1,8 +1,30 @@
-"""How many KV blocks fit: from an explicit count, or a share of free device memory / RAM."""
+"""How many KV blocks fit: from an explicit count, or a share of free device memory / RAM.
+
+On CUDA the count comes from a profiling step (`plan_device_blocks`): before the cache exists, the
+largest step the scheduler can build (`max_step_tokens` tokens, `max_num_seqs` sampled rows) runs
+once through a runner with a tiny cache, and its peak memory is what the weights, the CUDA context
+and the activations need. What remains of `block_device_memory_ratio` of the device, less
+`reserved_device_memory_ratio` of it, holds KV blocks.
+"""
 
 from __future__ import annotations
 
+import gc
+import logging
+from dataclasses import dataclass
+
 import torch
+from torch import nn
+
+from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.model_runner import (ModelRunner, SeqSlice, StepInput, kv_bytes_per_block,
+                                           resolve_attention_backend)
+from ksana_llm.runner.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger("ksana_llm.runner")
+
+# Share of the device that weights + activations + KV blocks may use when no ratio is given.
+DEFAULT_DEVICE_RATIO = 0.9
 
 
 def available_host_bytes() -> int:
@@ -35,4 +57,106 @@ def plan_num_blocks(device: torch.device, bytes_per_block: int, *, ratio: float 
     if blocks < 2:
         raise ValueError(f"not enough memory for the KV cache on {device}: {budget / 2**20:.0f} MiB "
                          "left; lower the dtype, or raise block_device_memory_ratio")
+    return blocks
+
+
+# ---- profiled planning (CUDA) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Device memory around the profiling step, in bytes."""
+
+    total: int
+    peak_used: int  # everything in use at the step's peak: weights, context, activations, others
+    activation_peak: int  # the step's own share of it (informational)
+
+
+def kv_blocks_from_profile(profile: MemoryProfile, bytes_per_block: int, *, ratio: float | None,
+                           reserved_ratio: float) -> int:
+    """Blocks = (total * ratio - total * reserved_ratio - peak in use) / bytes per block."""
+    share = DEFAULT_DEVICE_RATIO if ratio is None else ratio
+    budget = profile.total * (share - reserved_ratio) - profile.peak_used
+    blocks = int(budget // bytes_per_block)
+    if blocks < 2:
+        raise ValueError(
+            f"not enough device memory for the KV cache: {profile.peak_used / 2**30:.2f} GiB in "
+            f"use at the largest step's peak of {profile.total / 2**30:.2f} GiB, "
+            f"block_device_memory_ratio {share} and reserved_device_memory_ratio "
+            f"{reserved_ratio} leave {max(budget, 0) / 2**20:.0f} MiB; raise "
+            "block_device_memory_ratio, or lower max_step_tokens / max_num_seqs")
+    return blocks
+
+
+def profile_step(num_tokens: int, num_seqs: int, block_size: int) -> tuple[StepInput, int]:
+    """The largest step the scheduler can build, on a cache of its own: one prefill chunk of
+    `num_tokens - (num_seqs - 1)` tokens and `num_seqs - 1` one-token rows, every row sampled
+    (so the LM head and the sampler see `num_seqs` rows). Returns (step, blocks it needs)."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    prefill = num_tokens - (num_seqs - 1)
+    prefill_blocks = -(-prefill // block_size)
+    slices = [SeqSlice([0] * prefill, 0, list(range(prefill_blocks)), sample=True)]
+    # The one-token rows all write one spare block: values are irrelevant, only memory is.
+    slices += [SeqSlice([0], 0, [prefill_blocks], sample=True) for _ in range(num_seqs - 1)]
+    return StepInput(slices, [], []), prefill_blocks + 1
+
+
+def run_profile_step(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                     block_size: int, max_step_tokens: int, max_num_seqs: int,
+                     attention_backend: str) -> torch.Tensor:
+    """Run the profiling step once (no graphs, own tiny cache) and sample its logits with top-k,
+    top-p and log-probs on; returns the sampled token ids. Works on any device."""
+    step, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size)
+    runner = ModelRunner(model, device=device, dtype=dtype, num_blocks=num_blocks,
+                         block_size=block_size, attention_backend=attention_backend,
+                         cuda_graphs=False)
+    result = runner.execute(step)
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, logprobs=5)
+    rows = [SamplingRow(config=config, prompt_token_ids=[0], output_token_ids=[])
+            for _ in result.sampled]
+    return Sampler(seed=0).sample(result.logits, rows).token_ids
+
+
+def profile_memory(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                   block_size: int, max_step_tokens: int, max_num_seqs: int,
+                   attention_backend: str) -> MemoryProfile:
+    """Device memory in use at the peak of the largest step (CUDA only)."""
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # The CUDA context, other processes, NCCL buffers: in use, but not through torch's allocator.
+    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    before = torch.cuda.memory_allocated(device)
+    _, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size)
+    cache_bytes = num_blocks * kv_bytes_per_block(model, block_size, dtype)
+    run_profile_step(model, device=device, dtype=dtype, block_size=block_size,
+                     max_step_tokens=max_step_tokens, max_num_seqs=max_num_seqs,
+                     attention_backend=attention_backend)
+    torch.cuda.synchronize(device)
+    # Reserved, not allocated: the allocator keeps the step's segments cached for the next one.
+    peak = torch.cuda.max_memory_reserved(device) - cache_bytes
+    gc.collect()
+    torch.cuda.empty_cache()
+    return MemoryProfile(total=total, peak_used=outside_torch + peak,
+                         activation_peak=max(0, peak - before))
+
+
+def plan_device_blocks(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                       block_size: int, max_step_tokens: int, max_num_seqs: int,
+                       attention_backend: str, ratio: float | None,
+                       reserved_ratio: float) -> int:
+    """KV blocks for this model on this device: profiled on CUDA, a share of RAM on the CPU
+    (`plan_num_blocks`, unchanged)."""
+    per_block = kv_bytes_per_block(model, block_size, dtype)
+    if device.type != "cuda":
+        return plan_num_blocks(device, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
+    backend = resolve_attention_backend(attention_backend, model, device)
+    profile = profile_memory(model, device=device, dtype=dtype, block_size=block_size,
+                             max_step_tokens=max_step_tokens, max_num_seqs=max_num_seqs,
+                             attention_backend=backend)
+    blocks = kv_blocks_from_profile(profile, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
+    logger.info("memory profile: %.2f GiB of %.2f GiB in use at the largest step's peak "
+                "(activations %.2f GiB) -> %d KV blocks (%.2f GiB)", profile.peak_used / 2**30,
+                profile.total / 2**30, profile.activation_peak / 2**30, blocks,
+                blocks * per_block / 2**30)
     return blocks

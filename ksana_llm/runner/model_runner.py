@@ -7,6 +7,7 @@ go first so attention can treat them as one batched call.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,13 @@ from torch import nn
 
 from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
                                         KVCacheSpec, PrefillChunk)
+from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
+                                          unsupported_reason)
+
+logger = logging.getLogger("ksana_llm.runner")
+
+# Largest decode batch captured by default (EngineConfig.max_num_seqs's default).
+DEFAULT_GRAPH_MAX_BATCH_SIZE = 256
 
 # Rows of the flattened batch whose input embeddings replace the token embeddings, and those
 # embeddings: ([R] long, [R, hidden]). Models apply them right after the embedding lookup.
@@ -94,10 +102,26 @@ def resolve_attention_backend(requested: str, model: nn.Module, device: torch.de
     return requested
 
 
+def model_context_len(model: nn.Module) -> int | None:
+    """The longest sequence the model serves, as far as the module knows it."""
+    own = getattr(model, "max_context", None)
+    if own is not None:
+        return int(own)
+    length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(length) if length else None
+
+
 class ModelRunner:
+    """`cuda_graphs`: replay captured CUDA graphs for pure-decode steps of up to
+    `cuda_graph_max_batch_size` sequences, when the device, backend and model allow it
+    (`cuda_graph_status` says which, and why not). `max_model_len` bounds a sequence (default:
+    the model's context, at most the whole cache): graphs pad block tables to that width."""
+
     def __init__(self, model: nn.Module, *, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", max_model_len: int | None = None,
+                 cuda_graphs: bool = True,
+                 cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE) -> None:
         self.model = model
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
         self.device = device
@@ -119,6 +143,65 @@ class ModelRunner:
             (torch.empty((num_host_blocks, *k_shape[1:]), dtype=dtype, pin_memory=pin),
              torch.empty((num_host_blocks, *v_shape[1:]), dtype=dtype, pin_memory=pin))
             for _ in range(model.num_layers)] if num_host_blocks else []
+        self.max_model_len = min(max_model_len or model_context_len(model) or num_blocks * block_size,
+                                 num_blocks * block_size)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.cuda_graph_status = "off: disabled (enable_cuda_graphs=False)"
+        if cuda_graphs:
+            reason = unsupported_reason(model, device, self.attention_backend)
+            if reason is None:
+                self.setup_cuda_graphs(cuda_graph_max_batch_size)
+            else:
+                self.cuda_graph_status = f"off: {reason}"
+        logger.info("CUDA graphs: %s", self.cuda_graph_status)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+    def setup_cuda_graphs(self, max_batch_size: int, *, capture: bool = True) -> None:
+        """Static decode buffers for up to `max_batch_size` sequences, and (capture=True) one
+        captured graph per bucket. capture=False runs the same static-buffer forward eagerly
+        (CPU tests of the padding logic). A failed capture leaves decode steps eager."""
+        if self.attention_backend != "triton":
+            raise ValueError("CUDA graphs need attention_backend 'triton'")
+        sizes = graph_batch_sizes(max_batch_size)
+        width = -(-self.max_model_len // self.block_size)
+        inputs = DecodeInputs(max_batch_size, width, self.device, self.block_size)
+        graphs = DecodeGraphs(self._decode_forward, inputs, sizes=sizes,
+                              sliding_window=self.sliding_window, capture=capture)
+        try:
+            with torch.inference_mode():
+                graphs.capture_all()
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+            logger.warning("CUDA graph capture failed; decode steps run eagerly: %s", exc)
+            self.decode_graphs = None
+            self.cuda_graph_status = f"off: capture failed ({type(exc).__name__}: {exc})"[:500]
+            return
+        self.decode_graphs = graphs
+        self.cuda_graph_status = (
+            f"on: {len(sizes)} graphs for decode batches of 1..{max_batch_size}, block tables "
+            f"{width} wide, captured in {graphs.capture_seconds:.1f} s" if capture
+            else f"static decode buffers for 1..{max_batch_size} rows, run eagerly (no capture)")
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _graph_eligible(self, slices: list[SeqSlice]) -> bool:
+        """Pure decode (one token each), nothing captured or overridden, within the buffers."""
+        graphs = self.decode_graphs
+        return graphs is not None and len(slices) <= graphs.max_batch_size and all(
+            s.num_tokens == 1 and not s.capture and s.embeddings is None for s in slices
+        ) and graphs.inputs.fits([s.block_table for s in slices])
+
+    def _execute_decode_graph(self, slices: list[SeqSlice]) -> StepResult:
+        hidden = self.decode_graphs.run([s.token_ids[0] for s in slices],
+                                        [s.start for s in slices],
+                                        [s.block_table for s in slices])
+        sampled = [i for i, s in enumerate(slices) if s.sample]
+        if not sampled:
+            return StepResult([], None)
+        if len(sampled) < len(slices):
+            hidden = hidden.index_select(0, torch.tensor(sampled, device=self.device))
+        return StepResult(sampled, self.model.compute_logits(hidden))
 
     # ---- swap ------------------------------------------------------------------------------------
     def _copy_blocks(self, mapping: list[tuple[int, int]], to_host: bool) -> None:
@@ -278,17 +361,21 @@ class ModelRunner:
         self._copy_device_blocks(step.copy_blocks)
         if not step.slices:
             return StepResult([], None)
+        if self._graph_eligible(step.slices):
+            return self._execute_decode_graph(step.slices)
         input_ids, _, meta, rows, sampled = self.build(step.slices)
         meta = self._to_device(meta)  # carries the positions to the device too
         overrides = self._embedding_overrides
         if overrides is not None:
             overrides = (overrides[0].to(self.device), overrides[1].to(self.device, self.dtype))
+        # Copied before the forward is launched: a host-to-device copy from pageable memory
+        # waits for the stream, and after the launches it would wait for the whole forward.
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device) if sampled else None
         hidden = self.model(input_ids.to(self.device), meta.positions, self.kv_caches, meta,
                             embedding_overrides=overrides)
         captured = self._capture(step.slices, hidden) if self._capture_rows else {}
         if not sampled:
             return StepResult([], None, captured)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         return StepResult(sampled, self.model.compute_logits(hidden.index_select(0, rows_t)), captured)
 
     def _capture(self, slices: list[SeqSlice], hidden: torch.Tensor) -> dict[int, CapturedRows]:
@@ -304,7 +391,9 @@ class ModelRunner:
         offset = 0
         for i in order:
             n = len(self._capture_rows[i])
-            rows_logits = logits[offset:offset + n] if slices[i].capture_logits else None
+            # logits is None on pipeline stages other than the first (they have no LM head)
+            rows_logits = logits[offset:offset + n] if slices[i].capture_logits and logits is not None \
+                else None
             out[i] = CapturedRows(picked[offset:offset + n], rows_logits)
             offset += n
         return out

@@ -6,8 +6,12 @@ costs a handful of kernels rather than one pass per request.
 
 Order of operations (that of `transformers.generate`, so greedy outputs match it):
 
-1. `process_logits`: min_new_tokens EOS/stop suppression, HF repetition penalty over prompt and
-   output, OpenAI presence/frequency penalties over the output. Applies to every row.
+0. Structured output: rows with a grammar matcher get their disallowed tokens masked to -inf
+   first (xgrammar bitmask), so nothing below can revive them.
+1. `process_logits`, in `transformers`' processor order: logit bias (`SequenceBiasLogitsProcessor`),
+   HF repetition penalty over prompt and output, `no_repeat_ngram_size` over prompt and output
+   (`NoRepeatNGramLogitsProcessor`), min_new_tokens EOS/stop suppression, then OpenAI
+   presence/frequency penalties over the output. Applies to every row.
 2. `warp_logits` (sampling rows only): temperature, top-k, top-p, min-p with the semantics of
    `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`.
 3. Greedy rows take the argmax of the processed logits; sampling rows are drawn with the
@@ -17,11 +21,15 @@ Order of operations (that of `transformers.generate`, so greedy outputs match it
 
 Log-probs are those of the raw model distribution (log_softmax of the unprocessed logits), as
 vLLM reports them by default.
+
+Beam search does not sample: `beam_log_probs` gives the engine each beam's log-probs with the
+processors applied to log_softmax(logits), which is what `transformers` beam search scores.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,8 +39,10 @@ __all__ = [
     "SamplingRow",
     "SamplerOutput",
     "Sampler",
+    "beam_log_probs",
     "make_generator",
     "process_logits",
+    "token_logprobs",
     "warp_logits",
 ]
 
@@ -61,6 +71,11 @@ class SamplingRow:
     # Suppressed (with config.stop_token_ids) while len(output_token_ids) < min_new_tokens. The
     # engine decides what goes here (e.g. nothing when the request ignores EOS).
     eos_token_ids: tuple[int, ...] = ()
+    # Structured output: a grammar matcher (`ksana_llm.structured.GrammarMatcher`) whose bitmask
+    # masks this row first. The sampler only reads it; the engine feeds it the chosen token.
+    matcher: Any = None
+    # The chosen token's log-prob is wanted even without config.logprobs (best_of ranking).
+    need_logprob: bool = False
 
     @property
     def suppresses_stop(self) -> bool:
@@ -72,7 +87,12 @@ class SamplingRow:
     def has_penalties(self) -> bool:
         config = self.config
         return (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
-                or config.frequency_penalty != 0.0)
+                or config.frequency_penalty != 0.0 or config.no_repeat_ngram_size > 0
+                or bool(config.logit_bias))
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.need_logprob or self.config.logprobs is not None
 
 
 @dataclass
@@ -144,6 +164,15 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     # Our own copy: everything below may then work in place.
     out = logits.to(torch.float32, copy=True)
 
+    # 0. Logit bias (first, as HF's SequenceBiasLogitsProcessor). Ids past the logits never win.
+    bias = [(i, token, value) for i, row in enumerate(rows)
+            for token, value in row.config.logit_bias.items() if token < vocab_size]
+    if bias:
+        rows_t = torch.tensor([b[0] for b in bias], device=device)
+        tokens_t = torch.tensor([b[1] for b in bias], device=device)
+        values = torch.tensor([float(b[2]) for b in bias], dtype=torch.float32).to(device)
+        out.index_put_((rows_t, tokens_t), values, accumulate=True)
+
     # 1. min_new_tokens: stop tokens are -inf until enough tokens have been produced. HF runs
     # this after the repetition penalty; the penalties keep -inf at -inf, so the order is moot.
     sup_rows: list[int] = []
@@ -174,6 +203,12 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
         out.index_copy_(0, rep_idx, torch.where(seen, penalised, sub))
 
+    # 2b. No repeated n-grams (HF, over prompt and output).
+    for size in sorted({row.config.no_repeat_ngram_size for row in rows} - {0}):
+        members = [i for i, row in enumerate(rows) if row.config.no_repeat_ngram_size == size]
+        _ban_repeated_ngrams(out, [rows[i].prompt_token_ids + rows[i].output_token_ids
+                                   for i in members], members, size)
+
     # 3. Presence / frequency penalties (OpenAI): output tokens only, additive, count-based.
     pf = [i for i, row in enumerate(rows)
           if row.config.presence_penalty != 0.0 or row.config.frequency_penalty != 0.0]
@@ -188,6 +223,75 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         pf_idx = torch.tensor(pf, device=device)
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
         out.index_copy_(0, pf_idx, out.index_select(0, pf_idx) - delta)
+    return out
+
+
+def _ban_repeated_ngrams(out: torch.Tensor, token_lists: list[list[int]], members: list[int],
+                         size: int) -> None:
+    """-inf (in place, rows `members` of `out`) for every token that would complete an n-gram of
+    `size` tokens already present, as HF's NoRepeatNGramLogitsProcessor: each window of the
+    history whose first size-1 tokens equal the history's last size-1 tokens bans its last token.
+    Batched over rows by right-padding the histories with -1."""
+    lengths = [len(t) for t in token_lists]
+    keep = [k for k, n in enumerate(lengths) if n >= size]  # no complete n-gram yet: no ban
+    if not keep:
+        return
+    vocab_size, device = out.shape[1], out.device
+    width = max(lengths[k] for k in keep)
+    padded = [token_lists[k] + [-1] * (width - lengths[k]) for k in keep]
+    tokens = torch.tensor(padded, dtype=torch.int64).to(device)
+    length = torch.tensor([lengths[k] for k in keep], dtype=torch.int64).to(device)
+    windows = tokens.unfold(1, size, 1)  # [R, W - size + 1, size]
+    # The last size-1 tokens of each history.
+    offsets = torch.arange(size - 1, device=device)
+    prefix = tokens.gather(1, (length[:, None] - (size - 1) + offsets).clamp(min=0))
+    matches = (windows[..., :-1] == prefix[:, None, :]).all(dim=-1)
+    # Only windows lying inside the history (the one starting at the prefix is one token short).
+    starts = torch.arange(windows.shape[1], device=device)
+    matches &= starts[None, :] <= (length[:, None] - size)
+    banned_ids = torch.where(matches, windows[..., -1].clamp(min=0, max=vocab_size), vocab_size)
+    banned = torch.zeros(len(keep), vocab_size + 1, dtype=torch.bool, device=device)
+    banned.scatter_(1, banned_ids, True)
+    index = torch.tensor([members[k] for k in keep], device=device)
+    out.index_copy_(0, index, out.index_select(0, index).masked_fill(banned[:, :vocab_size],
+                                                                     float("-inf")))
+
+
+def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(processed, raw) float32 [B, V] log-probs for beam search, as `transformers` scores beams:
+    the logits processors run on log_softmax(logits), not on the logits."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    needs_processing = any(row.has_penalties or row.suppresses_stop for row in rows)
+    return (process_logits(raw, rows) if needs_processing else raw), raw
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log-probs of `token_ids` [N] under logits [N, V], and the top-k (values, ids) of each
+    row (k may be 0): the entries of prompt log-probs."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = raw.gather(1, token_ids.to(raw.device).unsqueeze(1)).squeeze(1)
+    if k > 0:
+        values, ids = torch.topk(raw, min(k, raw.shape[1]), dim=-1)
+    else:
+        values, ids = raw.new_empty((raw.shape[0], 0)), token_ids.new_empty((raw.shape[0], 0))
+    return chosen, values, ids
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask each matcher row's disallowed tokens to -inf; returns a float32 copy when any row has
+    a matcher (the caller's tensor is never modified), else `logits` itself."""
+    constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
+    if not constrained:
+        return logits
+    # Imported here: xgrammar is only loaded once a request asks for structured output.
+    from ksana_llm.structured import allocate_bitmask, apply_bitmask
+
+    out = logits.to(torch.float32, copy=True)
+    bitmask = allocate_bitmask(len(rows), out.shape[1])
+    for i in constrained:
+        rows[i].matcher.fill_bitmask(bitmask, i)
+    apply_bitmask(out, bitmask, constrained)
     return out
 
 
@@ -281,9 +385,12 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
-        want_logprobs = [row.config.logprobs for row in rows if row.config.logprobs is not None]
+        want_logprobs = [row.config.logprobs or 0 for row in rows if row.wants_logprob]
         all_greedy = all(row.config.greedy for row in rows)
         needs_processing = any(row.has_penalties or row.suppresses_stop for row in rows)
+        # Log-probs stay those of the raw model distribution, grammar or not.
+        raw_logits = logits
+        logits = apply_grammar_masks(logits, rows)
 
         if all_greedy and not needs_processing and not want_logprobs:
             # Fast path: argmax is exact on the native dtype (float32 widening is monotone).
@@ -300,7 +407,7 @@ class Sampler:
 
         if not want_logprobs:
             return SamplerOutput(token_ids=token_ids)
-        raw = torch.log_softmax(logits.float(), dim=-1)
+        raw = torch.log_softmax(raw_logits.float(), dim=-1)
         chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         k_max = max(want_logprobs)
         if k_max > 0:

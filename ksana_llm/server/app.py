@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +21,17 @@ from fastapi import FastAPI
 
 import ksana_llm
 from ksana_llm.api.engine import Engine
+from ksana_llm.distributed.launch import run_worker_node
+from ksana_llm.distributed.runtime import multi_node_env
 from ksana_llm.server.chat import load_chat_template
 from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
 from ksana_llm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
+from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.state import ServerState
+from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 logger = logging.getLogger("ksana_llm.server")
 
@@ -56,13 +64,39 @@ def _mount_extensions(app: FastAPI, engine: Engine, state: ServerState) -> None:
         forward_module.mount(app)  # POST /forward
 
 
+@dataclass(frozen=True)
+class OutputParsing:
+    """How chat outputs are read: `--tool-call-parser`, `--enable-auto-tool-choice`,
+    `--reasoning-parser` and the `--max-logprobs` cap."""
+
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    max_logprobs: int = MAX_LOGPROBS
+
+    def check(self) -> None:
+        """ValueError for a bad combination or an unknown parser (listing the known names);
+        run before the model loads so that a typo fails at once."""
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                             f"(one of: {', '.join(sorted(TOOL_PARSERS))})")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
+        if self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+
+
 def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              mount_extensions: bool = True) -> FastAPI:
+              mount_extensions: bool = True, parsing: OutputParsing | None = None) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `chat_template` is template text (not a path); None uses the tokenizer's own.
     """
+    parsing = parsing or OutputParsing()
+    parsing.check()
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if api_key is not None and not api_key:
@@ -73,7 +107,13 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     state = ServerState(
         engine=engine, served_model_name=served_model_name, chat_template=chat_template,
         limits=ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model.vocab_size),
-        token_texts=TokenTexts(engine.tokenizer))
+        token_texts=TokenTexts(engine.tokenizer),
+        tool_parser=(get_tool_parser(parsing.tool_call_parser)
+                     if parsing.tool_call_parser is not None else None),
+        enable_auto_tool_choice=parsing.enable_auto_tool_choice,
+        reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
+                          if parsing.reasoning_parser is not None else None),
+        max_logprobs=parsing.max_logprobs)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -114,7 +154,8 @@ def default_served_model_name(model: str | None) -> str:
 
 # CLI flag -> EngineConfig field, applied only when given (so a YAML file keeps the rest).
 ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_num_seqs",
-                "max_step_tokens", "max_queue_size", "max_model_len", "seed")
+                "max_step_tokens", "max_queue_size", "max_model_len", "seed",
+                "tensor_parallel_size", "pipeline_parallel_size")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
@@ -134,19 +175,62 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     return EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
+    return OutputParsing(tool_call_parser=getattr(args, "tool_call_parser", None),
+                         enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+                         reasoning_parser=getattr(args, "reasoning_parser", None),
+                         max_logprobs=MAX_LOGPROBS if getattr(args, "max_logprobs", None) is None
+                         else args.max_logprobs)
+
+
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
+    parsing = output_parsing_from_args(args)
+    parsing.check()  # before the model loads: a misspelt parser name fails at once
     config = engine_config_from_args(args)
+    node = multi_node_env()
+    if node is not None and node.node_rank != 0:
+        return run_worker_node(worker_spec(config), node)  # no HTTP here: the master serves
     chat_template = load_chat_template(args.chat_template)
     engine = Engine(config.model, config=config)
     app = build_app(engine, served_model_name=args.served_model_name
                     or default_served_model_name(config.model),
                     api_key=args.api_key, chat_template=chat_template,
-                    max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                    max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, parsing=parsing)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    died = threading.Event()
+    threading.Thread(target=_exit_when_engine_dies, args=(engine, server, died),
+                     name="ksana-llm-engine-watch", daemon=True).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        server.run()
     finally:
         engine.shutdown()
-    return 0
+    return 1 if died.is_set() else 0
+
+
+def _exit_when_engine_dies(engine: Engine, server: Any, died: threading.Event) -> None:
+    """A dead engine (e.g. a worker rank of a parallel run died) cannot serve again: /health is
+    already 503; stop the server too and exit non-zero, so a supervisor restarts the process."""
+    while not server.should_exit:
+        if server.started and not engine.is_running:
+            died.set()
+            logger.error("the engine stopped (%s); shutting the server down", engine.failure)
+            server.should_exit = True
+            return
+        time.sleep(0.2)
+
+
+def worker_spec(config: Any) -> Any:
+    """The launch spec of a non-master node, from the same settings the master was given."""
+    from ksana_llm.api.model import resolve_device, resolve_dtype
+    from ksana_llm.distributed.runtime import LaunchSpec
+    from ksana_llm.loader import resolve_model_dir
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    return LaunchSpec(str(resolve_model_dir(config.model)), str(dtype).removeprefix("torch."),
+                      device.type, tp_size=config.tensor_parallel_size,
+                      pp_size=config.pipeline_parallel_size)

@@ -8,6 +8,7 @@ server-side code execution.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +50,72 @@ def _content_text(message: ChatMessage, index: int) -> str:
                       param=param)
 
 
+# apply_chat_template's own parameters: `chat_template_kwargs` must not reach them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """OpenAI tool calls as templates expect them: `arguments` as a mapping (HF convention),
+    not the JSON text the API carries."""
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("A tool call must be {'id', 'type': 'function', 'function': "
+                              "{'name', 'arguments'}}.", param=f"messages.{index}.tool_calls.{j}")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass  # the template gets the text as it is
+        out.append({**call, "type": call.get("type", "function"),
+                    "function": {**fn, "arguments": arguments}})
+    return out
+
+
 def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         # "developer" is OpenAI's newer name for the system role; templates only know "system".
         role = "system" if message.role == "developer" else message.role
-        entry: dict[str, Any] = {"role": role, "content": _content_text(message, i)}
+        if message.role == "assistant" and message.tool_calls and message.content is None:
+            content = ""  # a turn that only called tools
+        else:
+            content = _content_text(message, i)
+        entry: dict[str, Any] = {"role": role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise bad_request("Only assistant messages carry tool_calls.",
+                                  param=f"messages.{i}.tool_calls")
+            entry["tool_calls"] = _template_tool_calls(message.tool_calls, i)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         out.append(entry)
     return out
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    reserved = sorted(set(kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs cannot set {', '.join(reserved)}.",
+                          param="chat_template_kwargs")
+    return dict(kwargs or {})
+
+
 def render_chat(tokenizer: Any, messages: list[ChatMessage], template: str | None, *,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text. `tools` (OpenAI tool definitions) and `template_kwargs` (the request's
+    chat_template_kwargs, e.g. enable_thinking) are handed to the template."""
     if add_generation_prompt and continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true.",
                           param="continue_final_message")
@@ -78,7 +131,8 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], template: str | Non
         rendered = tokenizer.apply_chat_template(
             to_template_messages(messages), chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message)
+            continue_final_message=continue_final_message, tools=tools,
+            **check_template_kwargs(template_kwargs))
     except TemplateError as exc:
         # Templates raise on messages they do not accept (e.g. roles out of order): client input.
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from exc

@@ -2,12 +2,15 @@
 outputs into one event stream, wait for them while watching the client, and abort whatever is
 left when the client goes away.
 
-The engine serves one sequence per request, so `n` choices are `n` engine requests.
+A choice is one sequence of one engine request. An engine request returns one sequence, or
+several (`num_return_sequences`: beam search, best_of, parallel sampling), listed in
+`RequestOutput.sequences`; the choices are all sequences of all requests, in submission order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +30,25 @@ DISCONNECT_POLL_S = 0.25
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready; its requests were aborted."""
+
+
+@dataclass
+class ChoiceResult:
+    """The final output of one choice."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    request: int = 0  # which engine request it came from (its prompt, for completions)
+
+
+def _sequences(handle: RequestHandle) -> list[ChoiceResult]:
+    return [ChoiceResult(seq.text, list(seq.token_ids),
+                         list(seq.logprobs) if seq.logprobs is not None else None,
+                         seq.finish_reason, seq.stop_reason)
+            for seq in handle.output.sequences]
 
 
 @dataclass
@@ -66,8 +88,8 @@ class ChoiceSet:
                observer: Callable[[], Callable[[RequestOutput], None]] | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
 
-        `observer()` makes one callback per choice; it sees every output of that choice on the
-        engine thread (per-token metrics, and the finished request).
+        `observer()` makes one callback per engine request; it sees every output of that request
+        on the engine thread (per-token metrics, and the finished request).
         """
         loop = asyncio.get_running_loop()
         choices = cls(engine)
@@ -81,6 +103,19 @@ class ChoiceSet:
             choices.abort_unfinished()
             raise map_engine_error(exc) from exc
         return choices
+
+    @property
+    def num_choices(self) -> int:
+        return sum(h.config.num_return_sequences for h in self.handles)
+
+    def results(self) -> list[ChoiceResult]:
+        """Every choice's output (final once all requests finished), in choice order."""
+        out = []
+        for r, handle in enumerate(self.handles):
+            for result in _sequences(handle):
+                result.request = r
+                out.append(result)
+        return out
 
     def abort_unfinished(self) -> None:
         for handle in self.handles:
@@ -109,32 +144,30 @@ class ChoiceSet:
 
         Logprob entries ride along with the text: each event carries the entries produced since the
         previous one (text held back by the detokenizer may arrive an event later than its logprob).
+        Parallel samples stream token by token; beams and best_of > n arrive whole at the end
+        (they are ranked only then).
         """
         queue: asyncio.Queue[ChoiceEvent | BaseException] = asyncio.Queue()
+        # Choice index of each request's first sequence.
+        first_index = [0, *itertools.accumulate(h.config.num_return_sequences for h in self.handles)]
 
-        async def pump(index: int, handle: RequestHandle) -> None:
-            seen = 0
-
-            def new_logprobs() -> list[dict[str, Any]] | None:
-                nonlocal seen
-                entries = handle.output.logprobs
-                if entries is None:
-                    return None
-                fresh = entries[seen:]
-                seen += len(fresh)
-                return fresh
-
+        async def pump(first: int, handle: RequestHandle) -> None:
+            open_choices = set(range(handle.config.num_return_sequences))
             try:
-                async for delta in handle.astream():
-                    queue.put_nowait(ChoiceEvent(index, delta, new_logprobs()))
-                out = handle.output
-                queue.put_nowait(ChoiceEvent(index, "", new_logprobs(), out.finish_reason or "stop",
-                                             out.stop_reason))
+                async for delta in handle.adeltas():
+                    if delta.finish_reason is not None:
+                        open_choices.discard(delta.index)
+                    queue.put_nowait(ChoiceEvent(first + delta.index, delta.text, delta.logprobs,
+                                                 delta.finish_reason, delta.stop_reason))
+                # The request ended: a sequence that never said so (an abort) ends with it.
+                reason = handle.output.finish_reason or "abort"
+                for index in sorted(open_choices):
+                    queue.put_nowait(ChoiceEvent(first + index, "", None, reason))
             except Exception as exc:  # noqa: BLE001 - handed to the consumer, which maps it
                 queue.put_nowait(exc)
 
-        tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(self.handles)]
-        remaining = len(tasks)
+        tasks = [asyncio.create_task(pump(first_index[r], h)) for r, h in enumerate(self.handles)]
+        remaining = self.num_choices
         try:
             while remaining:
                 item = await queue.get()

@@ -10,8 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ksana_llm.server.openai_protocol import (ChatLogprobEntry, ChatLogprobs, CompletionLogprobs,
-                                              TopLogprob)
+from ksana_llm.server.openai_protocol import (
+    ChatLogprobEntry,
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    TopLogprob,
+)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -87,3 +92,57 @@ def chat_logprobs(entries: list[dict[str, Any]], texts: TokenTexts) -> ChatLogpr
         content.append(ChatLogprobEntry(token=token, logprob=_finite(entry["logprob"]),
                                         bytes=list(raw), top_logprobs=tops))
     return ChatLogprobs(content=content)
+
+
+# ---- prompt logprobs -------------------------------------------------------------------------------
+# The engine reports them per prompt token, aligned with the prompt: None for the first token (it
+# has no context), then entries like the generated ones ({"token_id", "logprob", "top_logprobs"}).
+
+def prompt_logprobs_entries(output: Any) -> list[dict[str, Any] | None]:
+    entries = getattr(output, "prompt_logprobs", None)
+    if entries is None:
+        raise RuntimeError("the engine returned no prompt logprobs although they were asked for")
+    return list(entries)
+
+
+def completion_prompt_logprobs(entries: list[dict[str, Any] | None] | None, prompt_ids: list[int],
+                               texts: TokenTexts) -> CompletionLogprobs:
+    """echo + logprobs: the prompt tokens in the completions format (the first one null)."""
+    out = CompletionLogprobs()
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        token = texts.text(token_id)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_finite(entry["logprob"]))
+        out.top_logprobs.append({texts.text(t): _finite(lp)
+                                 for t, lp in entry.get("top_logprobs", {}).items()})
+    return out
+
+
+def vllm_prompt_logprobs(entries: list[dict[str, Any] | None], prompt_ids: list[int],
+                         texts: TokenTexts) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: logprob,
+    rank (1 = most likely), decoded_token} for the actual token and the top alternatives."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for i, token_id in enumerate(prompt_ids):
+        entry = entries[i] if i < len(entries) else None
+        if entry is None:
+            out.append(None)
+            continue
+        tops = entry.get("top_logprobs", {})
+        ranked = sorted(tops.items(), key=lambda kv: kv[1], reverse=True)
+        item = {str(t): PromptLogprob(logprob=_finite(lp), rank=r + 1, decoded_token=texts.text(t))
+                for r, (t, lp) in enumerate(ranked)}
+        actual = entry.get("token_id", token_id)
+        if str(actual) not in item:
+            item[str(actual)] = PromptLogprob(logprob=_finite(entry["logprob"]), rank=entry.get("rank"),
+                                              decoded_token=texts.text(actual))
+        out.append(item)
+    return out

@@ -191,7 +191,8 @@ class ServerMetrics:
 
     def observe_finished(self, output: RequestOutput, queue_time: float | None = None) -> None:
         """Record one request the engine returned (any finish reason, including "abort")."""
-        num_generated = len(output.token_ids)
+        # Every returned sequence counts (n > 1, beams), as the usage the client sees does.
+        num_generated = sum(len(seq.token_ids) for seq in output.sequences)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(num_generated)
         reason = output.finish_reason if output.finish_reason in FINISH_REASONS else "abort"
@@ -203,8 +204,9 @@ class ServerMetrics:
             self.e2e.observe(max(0.0, latency))
         if queue_time is not None:
             self.queue_time.observe(max(0.0, queue_time))
-        if ttft is not None and latency is not None and num_generated > 1:
-            self.tpot.observe(max(0.0, latency - ttft) / (num_generated - 1))
+        steps = len(output.token_ids)  # sequence 0: the sequences decode side by side
+        if ttft is not None and latency is not None and steps > 1:
+            self.tpot.observe(max(0.0, latency - ttft) / (steps - 1))
 
     def count_failure(self, reason: str) -> None:
         """Count a request that was refused or failed; unknown reasons count as "other"."""

@@ -8,8 +8,14 @@ from fastapi.responses import JSONResponse
 import ksana_llm
 from ksana_llm.server.chat import render_chat
 from ksana_llm.server.errors import bad_request
-from ksana_llm.server.openai_protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                              ModelList, TokenizeRequest, TokenizeResponse)
+from ksana_llm.server.openai_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from ksana_llm.server.openai_routes import parse_body
 from ksana_llm.server.params import check_token_ids
 from ksana_llm.server.state import server_state

@@ -1,8 +1,11 @@
 """KsanaLLM's native `POST /generate` (see ksana-notes §1 and §3).
 
 Request: `prompt` (str) or `input_tokens` (list[int]) -- exactly one -- plus `sampling_config`
-(KsanaLLM names: `topk`, `topp`, `max_new_tokens`, `num_return_sequences`, ...) and `stream`
-(default **true**). Response: `{"texts", "output_token_ids", "logprobs", "input_token_ids"}`, one
+(KsanaLLM names: `topk`, `topp`, `max_new_tokens`, `num_return_sequences`, `num_beams`,
+`length_penalty`, `no_repeat_ngram_size`, `structured_output_regex`, `enable_structured_output` +
+`json_schema`, ...), `structured_output_regex` (KsanaLLM's top-level spelling) and `stream`
+(default **true**). `num_return_sequences` sequences are one engine request (beam search returns
+its best `num_return_sequences` beams, at most `num_beams`). Response: `{"texts", "output_token_ids", "logprobs", "input_token_ids"}`, one
 entry per return sequence. A stream is not SSE: each chunk is that same object, JSON, followed by a
 NUL byte, holding the *cumulative* output so far; the last chunk is the final result.
 
@@ -27,34 +30,42 @@ from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
-from ksana_llm.server.openai_protocol import MAX_LOGPROBS, MAX_N, MAX_STOP
+from ksana_llm.server.openai_protocol import MAX_N, MAX_STOP
 from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, _AbortOnCloseStreamingResponse
 from ksana_llm.server.params import (
+    check_logprobs_cap,
     check_token_ids,
     choice_seeds,
-    engine_value_error,
+    engine_config,
     prompt_token_lists,
     resolve_max_tokens,
 )
 from ksana_llm.server.state import ServerState, server_state
+from ksana_llm.server.structured_params import StructuredRequest, compile_spec, single
 
 NUL = b"\0"
 STREAM_MEDIA_TYPE = "application/octet-stream"
 
 # KsanaLLM top-level keys we do not serve yet: named in the 400 rather than called unknown.
 _UNSUPPORTED_TOP = ("messages", "input_refit_embedding", "pos", "embeddings",
-                    "structured_output_regex", "additional_params", "model_type",
-                    "use_chat_template")
+                    "additional_params", "model_type", "use_chat_template")
 
 # KsanaLLM sampling_config keys we do not serve yet, with the value that means "off" (accepted).
 _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
-    "num_beams": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0, "decoder_no_repeat_ngram_size": 0,
-    "enable_structured_output": False, "json_schema": "", "enable_thinking": True,
+    "enable_thinking": True,
 }
 
-# GenerationConfig field -> sampling_config key, so that an engine ValueError names the key sent.
-_ENGINE_TO_NATIVE = MappingProxyType({"top_k": "topk", "top_p": "topp", "stop": "stop_strings"})
+# GenerationConfig field -> request parameter, so that an engine ValueError names the key sent.
+_ENGINE_TO_NATIVE = MappingProxyType({
+    name: f"sampling_config.{key}" for name, key in (
+        ("top_k", "topk"), ("top_p", "topp"), ("stop", "stop_strings"),
+        ("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
+        ("do_sample", "do_sample"), ("repetition_penalty", "repetition_penalty"),
+        ("stop_token_ids", "stop_token_ids"), ("logprobs", "logprobs"),
+        ("num_return_sequences", "num_return_sequences"), ("num_beams", "num_beams"),
+        ("length_penalty", "length_penalty"), ("no_repeat_ngram_size", "no_repeat_ngram_size"),
+        ("seed", "seed"), ("ignore_eos", "ignore_eos"))})
 
 
 class _Strict(BaseModel):
@@ -71,8 +82,15 @@ class SamplingConfig(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP)
     stop_strings: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     ignore_eos: bool = False
-    logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)  # top-N per step; 0 = none
+    logprobs: int = Field(0, ge=0)  # top-N per step; 0 = none; capped by --max-logprobs
     num_return_sequences: int = Field(1, ge=1, le=MAX_N)
+    num_beams: int = Field(1, ge=1, le=MAX_N)
+    length_penalty: float = 1.0
+    no_repeat_ngram_size: int = Field(0, ge=0)
+    # Structured output (xgrammar): a regex, or a JSON schema when enable_structured_output.
+    structured_output_regex: str | None = None
+    enable_structured_output: bool = False
+    json_schema: str | dict[str, Any] | None = None
     # Extension (not KsanaLLM's): base seed; sequence i samples with seed + i.
     seed: int | None = Field(None, ge=0, lt=2**63)
 
@@ -84,6 +102,7 @@ class SamplingConfig(_Strict):
 class GenerateRequest(_Strict):
     prompt: str | None = None
     input_tokens: list[int] | None = None
+    structured_output_regex: str | None = None  # KsanaLLM's top-level spelling
     sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
     stream: bool = True
     model_name: str = ""  # accepted, as KsanaLLM does; one model is served
@@ -143,8 +162,52 @@ def prompt_ids(req: GenerateRequest, state: ServerState) -> list[int]:
     return list(req.input_tokens)
 
 
-def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState) -> list[GenerationConfig]:
-    """One engine config per return sequence (KsanaLLM semantics: greedy by default)."""
+def _structured(req: GenerateRequest) -> StructuredRequest | None:
+    sc = req.sampling_config
+    found = []
+    for param, regex in (("structured_output_regex", req.structured_output_regex),
+                         ("sampling_config.structured_output_regex", sc.structured_output_regex)):
+        if regex is not None:
+            if not regex:
+                raise bad_request(f"`{param}` must be a non-empty regex.", param=param)
+            found.append(StructuredRequest("regex", regex, param))
+    if sc.enable_structured_output:
+        param = "sampling_config.json_schema"
+        if sc.json_schema in (None, ""):
+            raise bad_request("enable_structured_output needs `sampling_config.json_schema`.",
+                              param=param)
+        schema = sc.json_schema if isinstance(sc.json_schema, str) else json.dumps(sc.json_schema)
+        found.append(StructuredRequest("json_schema", schema, param))
+    elif sc.json_schema not in (None, ""):
+        raise bad_request("`sampling_config.json_schema` needs enable_structured_output: true.",
+                          param="sampling_config.enable_structured_output")
+    return single(found)
+
+
+def _beam_fields(sc: SamplingConfig) -> dict[str, Any]:
+    """Beam search (num_beams > 1): deterministic, so sampling settings are refused; the
+    num_return_sequences best beams come back (KsanaLLM caps them at num_beams)."""
+    if sc.num_beams == 1:
+        if sc.length_penalty != 1.0:
+            raise bad_request("`length_penalty` applies to beam search only (num_beams > 1).",
+                              param="sampling_config.length_penalty")
+        return {}
+    if sc.do_sample:
+        raise bad_request("Beam search cannot sample: do_sample must be false with num_beams > 1.",
+                          param="sampling_config.do_sample")
+    if sc.topp < 1:
+        raise bad_request("Beam search cannot use topp < 1.", param="sampling_config.topp")
+    if sc.num_return_sequences > sc.num_beams:
+        raise bad_request(f"num_return_sequences ({sc.num_return_sequences}) cannot exceed "
+                          f"num_beams ({sc.num_beams}).", param="sampling_config.num_return_sequences")
+    return {"num_beams": sc.num_beams, "length_penalty": sc.length_penalty,
+            "num_return_sequences": sc.num_return_sequences}
+
+
+def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
+                       structured: Any = None) -> list[GenerationConfig]:
+    """The engine configs of one request (KsanaLLM semantics: greedy by default): one per return
+    sequence, or one returning them all (beam search)."""
     param = "sampling_config.max_new_tokens"
     requested = sc.max_new_tokens if sc.max_new_tokens is not None and sc.max_new_tokens > 0 else None
     try:
@@ -154,9 +217,11 @@ def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState) 
             exc.param = param
         raise
     check_token_ids(sc.stop_token_ids, state.limits.vocab_size, "sampling_config.stop_token_ids")
+    check_logprobs_cap(sc.logprobs, state.max_logprobs, "sampling_config.logprobs")
     if any(not s for s in sc.stop_strings):
         raise bad_request("Stop strings must be non-empty.", param="sampling_config.stop_strings")
-    sample = not sc.greedy
+    beam = _beam_fields(sc)
+    sample = not sc.greedy and not beam
     base_seed = (sc.seed if sc.seed is not None else secrets.randbits(62)) if sample else None
     fields: dict[str, Any] = {
         "max_new_tokens": max_tokens, "do_sample": sample,
@@ -166,15 +231,14 @@ def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState) 
         "stop_token_ids": list(sc.stop_token_ids), "ignore_eos": sc.ignore_eos,
         "logprobs": sc.logprobs or None,
     }
-    try:
-        return [GenerationConfig(**fields, seed=seed)
-                for seed in choice_seeds(base_seed, sc.num_return_sequences)]
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        native = _ENGINE_TO_NATIVE.get(field, field)
-        if native not in SamplingConfig.model_fields:
-            raise engine_value_error(exc) from exc
-        raise bad_request(native + str(exc)[len(field):], param=f"sampling_config.{native}") from exc
+    if sc.no_repeat_ngram_size:
+        fields["no_repeat_ngram_size"] = sc.no_repeat_ngram_size
+    if structured is not None:
+        fields["structured_output"] = structured
+    if beam:
+        return [engine_config({**fields, **beam}, _ENGINE_TO_NATIVE)]
+    return [engine_config({**fields, "seed": seed}, _ENGINE_TO_NATIVE)
+            for seed in choice_seeds(base_seed, sc.num_return_sequences)]
 
 
 def _logprob_steps(entries: list[dict[str, Any]], n: int) -> list[list[list[float | int]]]:
@@ -188,11 +252,10 @@ def _logprob_steps(entries: list[dict[str, Any]], n: int) -> list[list[list[floa
 
 def snapshot(choices: ChoiceSet, input_ids: list[int], logprobs_n: int) -> dict[str, Any]:
     """The response object as of now (cumulative; final once every sequence finished)."""
-    outs = [h.output for h in choices.handles]
-    token_ids = [list(o.token_ids) for o in outs]  # copied first: the engine thread appends
+    outs = choices.results()  # token lists copied: the engine thread appends
     return {
         "texts": [o.text for o in outs],
-        "output_token_ids": token_ids,
+        "output_token_ids": [o.token_ids for o in outs],
         "logprobs": ([_logprob_steps(list(o.logprobs or []), logprobs_n) for o in outs]
                      if logprobs_n else None),
         "input_token_ids": input_ids,
@@ -227,7 +290,9 @@ async def generate(request: Request) -> Response:
     state.check_alive()
     ids = prompt_ids(req, state)
     sc = req.sampling_config
-    configs = generation_configs(sc, len(ids), state)
+    constraint = _structured(req)
+    spec = await compile_spec(state, constraint) if constraint is not None else None
+    configs = generation_configs(sc, len(ids), state, spec)
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],
                                state.request_observer if state.metrics is not None else None)
     if req.stream:

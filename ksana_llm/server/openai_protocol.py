@@ -1,10 +1,12 @@
-"""Pydantic models of the OpenAI HTTP protocol, as far as this server speaks it.
+"""Pydantic models of the OpenAI HTTP protocol, as far as this server speaks it, plus the vLLM
+extra parameters users send through `extra_body` (beam search, structured outputs, ...).
 
 Requests forbid unknown fields: a parameter we cannot honour must fail loudly (400) rather than be
-silently dropped. Fields OpenAI defines but the engine cannot honour yet are declared (typed `Any`)
+silently dropped. Fields OpenAI defines but the server cannot honour are declared (typed `Any`)
 so that the error names them as unsupported instead of unknown; `unsupported_params` lists the
 ones a request actually set. Harmless fields (`user`, `metadata`, `service_tier`, ...) are accepted
-and ignored.
+and ignored. Fields whose shape needs a precise error (`response_format`, `tools`, `tool_choice`,
+...) are typed loosely here and checked by the module that maps them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one request
 MAX_STOP = 16
-MAX_LOGPROBS = 20  # the engine's limit
+MAX_LOGPROBS = 20  # default of --max-logprobs (the engine's own limit)
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 
 
 class _Request(BaseModel):
@@ -57,30 +60,32 @@ class _SamplingRequest(_Request):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # Declared only so that a request setting them gets "not supported" (see unsupported_params).
-    best_of: Any = None
-    logit_bias: Any = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}; see structured_params
     response_format: Any = None
-    prompt_logprobs: Any = None
+    # vLLM extras: prompt logprobs, beam search, n-gram blocking, structured outputs.
+    prompt_logprobs: int | None = Field(None, ge=0)
+    use_beam_search: bool = False
+    num_beams: int | None = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    no_repeat_ngram_size: int = Field(0, ge=0)
+    structured_outputs: Any = None  # {"json" | "regex" | "grammar" | "choice" | "json_object": ...}
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     def unsupported_params(self) -> list[str]:
-        found = []
-        if self.best_of is not None and self.best_of != 1 and self.best_of != self.n:
-            found.append("best_of")
-        if self.logit_bias:
-            found.append("logit_bias")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            found.append("response_format")
-        if self.prompt_logprobs is not None:
-            found.append("prompt_logprobs")
-        return found
+        return []
 
 
 class CompletionRequest(_SamplingRequest):
     # Typed loosely on purpose: `prompt_to_token_ids` gives precise 400 messages for the four
     # accepted shapes instead of pydantic's union-error noise.
     prompt: Any = None
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs in the route
     echo: bool = False
     suffix: Any = None
 
@@ -92,27 +97,31 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # str, or a list of {"type": "text", "text": ...} parts; checked by chat.py for clear errors.
     content: Any = None
     name: str | None = None
+    # An assistant turn that called tools, and the tool's answer (multi-turn tool use).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # a thinking model's earlier reasoning; templates may drop it
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs in the route
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     store: bool | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools, so harmless
-    tools: Any = None
-    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    tools: Any = None  # [{"type": "function", "function": {...}}]; checked by tools.py
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -121,12 +130,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def unsupported_params(self) -> list[str]:
         found = super().unsupported_params()
-        for name in ("tools", "functions", "function_call", "chat_template_kwargs", "audio",
-                     "prediction", "reasoning_effort", "web_search_options"):
+        # functions / function_call: OpenAI's deprecated spelling of tools / tool_choice.
+        for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
+                     "web_search_options"):
             if getattr(self, name):
                 found.append(name)
-        if self.tool_choice not in (None, "none"):
-            found.append("tool_choice")
         if self.modalities not in (None, ["text"]):
             found.append("modalities")
         if self.store:
@@ -142,6 +150,12 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -155,6 +169,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # vLLM's prompt_logprobs: None for the first prompt token, then {token_id: PromptLogprob}.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -180,9 +196,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallModel(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallModel] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -200,11 +229,26 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

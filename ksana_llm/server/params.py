@@ -5,6 +5,8 @@ length, and the engine's own GenerationConfig validation.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -15,7 +17,7 @@ from ksana_llm.server.openai_protocol import MAX_STOP, _SamplingRequest
 
 # Engine field -> OpenAI parameter, so that an engine ValueError names what the client sent.
 _ENGINE_TO_OPENAI = MappingProxyType({"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-                     "do_sample": "temperature"})
+                     "do_sample": "temperature", "num_return_sequences": "n"})
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,95 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def engine_fields() -> frozenset[str]:
+    """The GenerationConfig fields this engine build has (decoding features land over time)."""
+    return frozenset(f.name for f in dataclasses.fields(GenerationConfig))
+
+
+def engine_samples_n() -> bool:
+    """Whether one engine request can sample several sequences (else: one request per choice)."""
+    try:
+        GenerationConfig(num_return_sequences=2, do_sample=True)
+    except ValueError:
+        return False
+    return True
+
+
+def engine_config(fields: dict[str, Any], params: dict[str, str]) -> GenerationConfig:
+    """GenerationConfig(**fields); a field this engine lacks, or rejects, is a 400 naming the
+    request parameter (`params`: field -> parameter, for the fields whose names differ)."""
+    missing = sorted(set(fields) - engine_fields())
+    if missing:
+        param = params.get(missing[0], missing[0])
+        raise bad_request(f"`{param}` is not supported by this engine build.", param=param,
+                          code="unsupported_parameter")
+    try:
+        return GenerationConfig(**fields)
+    except ValueError as exc:
+        raise engine_value_error(exc, params) from exc
+
+
+def logit_bias_map(bias: dict[str, float] | None, vocab_size: int, param: str) -> dict[int, float]:
+    """OpenAI's {"token id": bias} -> {token_id: bias}; ids must be in the vocabulary and biases
+    in [-100, 100], as OpenAI checks."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"`{param}` keys must be token ids, got {key!r}.", param=param) from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"Token id {token} in `{param}` is out of vocabulary "
+                              f"(valid: 0..{vocab_size - 1}).", param=param, code="invalid_token_id")
+        if not -100 <= value <= 100:
+            raise bad_request(f"`{param}` values must be in [-100, 100], got {value}.", param=param)
+        out[token] = float(value)
+    return out
+
+
+def check_logprobs_cap(value: int | None, cap: int, param: str) -> None:
+    if value is not None and value > cap:
+        raise bad_request(f"`{param}` must be at most {cap} on this server (--max-logprobs), "
+                          f"got {value}.", param=param)
+
+
+def beam_search_fields(req: _SamplingRequest) -> dict[str, Any] | None:
+    """GenerationConfig fields of a beam-search request (None if it does not ask for beams).
+
+    Beam width: `num_beams` if given, else `best_of`, else `n` (vLLM's use_beam_search); the
+    caller asks for the `n` best beams. Beams are deterministic, so sampling parameters are
+    refused."""
+    if not req.use_beam_search and (req.num_beams or 1) == 1:
+        if req.length_penalty != 1.0:
+            raise bad_request("`length_penalty` applies to beam search only (set use_beam_search "
+                              "or num_beams).", param="length_penalty")
+        if req.early_stopping is not False:
+            raise bad_request("`early_stopping` applies to beam search only (set use_beam_search "
+                              "or num_beams).", param="early_stopping")
+        return None
+    sampling = [("temperature", req.temperature is not None and req.temperature > 0),
+                ("top_p", req.top_p is not None and req.top_p < 1),
+                ("top_k", req.top_k not in (None, -1, 0)),
+                ("min_p", bool(req.min_p)),
+                ("best_of", req.best_of is not None and req.num_beams is not None
+                 and req.best_of != req.num_beams)]
+    for name, used in sampling:
+        if used:
+            raise bad_request(f"Beam search is deterministic: `{name}` cannot be used with it "
+                              "(use temperature 0 and no top_p / top_k / min_p).", param=name)
+    width = req.num_beams or max(req.best_of or 0, req.n)
+    if req.n > width:
+        raise bad_request(f"`n` ({req.n}) cannot exceed the beam width ({width}).", param="n")
+    return {"num_beams": width, "do_sample": False, "temperature": 1.0,
+            "length_penalty": req.length_penalty, "early_stopping": req.early_stopping}
+
+
 def generation_config(req: _SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                      seed: int | None, limits: ModelLimits) -> GenerationConfig:
-    """One engine config for one choice. OpenAI semantics: temperature defaults to 1.0 (sampling);
-    0 means greedy."""
+                      seed: int | None, limits: ModelLimits, num_return_sequences: int = 1,
+                      extra: dict[str, Any] | None = None) -> GenerationConfig:
+    """One engine config (one choice, or all `num_return_sequences` of them). OpenAI semantics:
+    temperature defaults to 1.0 (sampling); 0 means greedy. `extra`: fields already mapped by
+    the caller (beam search, best_of, structured output, prompt logprobs)."""
     temperature = 1.0 if req.temperature is None else req.temperature
     sample = temperature > 0
     stop_token_ids = list(req.stop_token_ids or [])
@@ -117,17 +204,24 @@ def generation_config(req: _SamplingRequest, *, max_tokens: int, logprobs: int |
         "ignore_eos": req.ignore_eos, "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs, "seed": seed,
     }
-    try:
-        return GenerationConfig(**fields)
-    except ValueError as exc:
-        raise engine_value_error(exc) from exc
+    # Only fields that differ from "off" are passed, so an engine without a feature still
+    # serves every request that does not use it.
+    if req.no_repeat_ngram_size:
+        fields["no_repeat_ngram_size"] = req.no_repeat_ngram_size
+    bias = logit_bias_map(req.logit_bias, limits.vocab_size, "logit_bias")
+    if bias:
+        fields["logit_bias"] = bias
+    if num_return_sequences != 1:
+        fields["num_return_sequences"] = num_return_sequences
+    fields.update(extra or {})
+    return engine_config(fields, dict(_ENGINE_TO_OPENAI))
 
 
-def engine_value_error(exc: ValueError) -> APIError:
-    """The engine's ValueError ("<field> must be ...") as a 400 naming the OpenAI parameter."""
+def engine_value_error(exc: ValueError, params: Mapping[str, str] = _ENGINE_TO_OPENAI) -> APIError:
+    """The engine's ValueError ("<field> must be ...") as a 400 naming the request parameter."""
     message = str(exc)
-    field = message.split(" ", 1)[0]
-    param = _ENGINE_TO_OPENAI.get(field, field if field.isidentifier() else None)
+    field = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
+    param = params.get(field, field if field.isidentifier() else None)
     if param is not None and param != field:
         message = param + message[len(field):]
     return bad_request(message, param=param)

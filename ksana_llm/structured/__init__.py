@@ -7,8 +7,7 @@ feeds every sampled token back to it.
 """
 
 from ksana_llm.structured.bitmask import allocate_bitmask, apply_bitmask
-from ksana_llm.structured.grammar import (STRUCTURED_OUTPUT_KINDS, GrammarCompiler,
-                                          GrammarMatcher)
+from ksana_llm.structured.grammar import STRUCTURED_OUTPUT_KINDS, GrammarCompiler, GrammarMatcher
 
 __all__ = ["STRUCTURED_OUTPUT_KINDS", "GrammarCompiler", "GrammarMatcher", "allocate_bitmask",
            "apply_bitmask"]

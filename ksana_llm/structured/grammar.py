@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xgrammar as xgr
 
+from ksana_llm.generation_config import STRUCTURED_OUTPUT_KINDS
+
 if TYPE_CHECKING:
     from ksana_llm.generation_config import StructuredOutputSpec
-
-STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "regex", "grammar")
 
 # Compiled grammars kept per compiler; a compiled JSON schema is a few hundred KiB at most.
 DEFAULT_CACHE_SIZE = 256

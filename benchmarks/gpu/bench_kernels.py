@@ -1,0 +1,330 @@
+"""GPU stages of benchmarks/gpu/run.sh, one sub-command each, each writing its own JSON.
+
+    python -m benchmarks.gpu.bench_kernels env     --out DIR  # device, library versions
+    python -m benchmarks.gpu.bench_kernels tests   --out DIR  # tests/test_kernels.py natively
+    python -m benchmarks.gpu.bench_kernels decode  --out DIR  # paged decode attention, GB/s
+    python -m benchmarks.gpu.bench_kernels prefill --out DIR  # paged prefill, TFLOP/s
+
+Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block 16). Each
+benchmark times its peer in the same run — the torch backend's method (gather the paged K/V, then
+`scaled_dot_product_attention`) — and prints the ratio. Timings are triton's `do_bench` medians
+(L2 flushed between runs) and, where capture works, the same under a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B attention
+
+
+def write_json(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("this stage needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def time_ms(fn: Callable[[], Any]) -> dict[str, float | str | None]:
+    """Median milliseconds per call: plain launches, and replayed from a CUDA graph (what the
+    engine will do for decode) — or why the capture failed."""
+    import triton.testing
+
+    result: dict[str, float | str | None] = {
+        "ms": triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")}
+    try:
+        result["ms_graph"] = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception as exc:  # report, do not abort the stage: capture is a separate question
+        result["ms_graph"] = None
+        result["graph_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# env
+# --------------------------------------------------------------------------------------------
+
+
+def stage_env(out_dir: Path) -> int:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "cuda_available": torch.cuda.is_available()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                    sms=props.multi_processor_count, cuda=torch.version.cuda,
+                    memory_gib=round(props.total_memory / 2**30, 1))
+    print(json.dumps(info, indent=2))
+    write_json(out_dir, "env", info)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+# --------------------------------------------------------------------------------------------
+
+
+def stage_tests(out_dir: Path) -> int:
+    """tests/test_kernels.py natively on the GPU (no interpreter): fp32, fp16 and bf16."""
+    junit = out_dir / "kernel_tests.xml"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels.py", "-q",
+                           "-p", "no:cacheprovider", f"--junitxml={junit}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n")
+    summary: dict[str, Any] = {"returncode": proc.returncode, "seconds": round(seconds, 1)}
+    if junit.exists():
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        summary.update({key: int(suite.get(key, 0))
+                        for key in ("tests", "failures", "errors", "skipped")})
+        summary["failed"] = [case.get("name") for case in suite.iter("testcase")
+                             if case.find("failure") is not None or case.find("error") is not None]
+    if proc.returncode:
+        summary["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    write_json(out_dir, "kernel_tests", summary)
+    return proc.returncode
+
+
+# --------------------------------------------------------------------------------------------
+# Paged batches and the torch peer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Paged:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, W] int32, blocks scattered at random
+    lens: torch.Tensor  # [B] int32
+
+
+def make_paged(lens: list[int], dtype: torch.dtype, seed: int = 0) -> Paged:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = [-(-n // BLOCK_SIZE) for n in lens]
+    width = max(per_seq)
+    num_blocks = sum(per_seq)
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen, device="cuda").int()
+    tables = torch.zeros(len(lens), width, dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = order[used:used + n]
+        used += n
+    return Paged(k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device="cuda"))
+
+
+def gather_slots(paged: Paged, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots [B * length] of every sequence's first `length` positions (padding repeats slot 0)
+    and the padding mask [B, 1, 1, length]: the torch backend's decode inputs."""
+    pos = torch.arange(length, device="cuda")
+    blocks = paged.block_tables.long().gather(
+        1, (pos // BLOCK_SIZE).clamp(max=paged.block_tables.shape[1] - 1).expand(
+            paged.block_tables.shape[0], -1))
+    valid = pos[None, :] < paged.lens[:, None].long()
+    slots = torch.where(valid, blocks * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
+    return slots.reshape(-1), valid[:, None, None, :]
+
+
+def torch_decode(q: torch.Tensor, paged: Paged, slots: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """ksana_llm.layers.attention's decode path: gather padded K/V, one SDPA with the query heads
+    of a KV head as its query rows."""
+    batch, length = q.shape[0], mask.shape[-1]
+    k = paged.k_cache.view(-1, KV_HEADS, HEAD_DIM).index_select(0, slots)
+    v = paged.v_cache.view(-1, KV_HEADS, HEAD_DIM).index_select(0, slots)
+    k = k.view(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    v = v.view(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    qd = q.view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+    return F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale
+                                          ).reshape(batch, HEADS, HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------------
+
+# (name, batch, shortest context, longest context)
+DECODE_CASES = [("b256-ctx600", 256, 550, 650), ("b4-ctx8k", 4, 7800, 8192)]
+
+
+def bench_decode_case(name: str, batch: int, lo: int, hi: int, dtype: torch.dtype
+                      ) -> dict[str, Any]:
+    from ksana_llm.kernels import choose_num_splits, paged_decode_attention
+    from ksana_llm.kernels.reference import paged_decode_attention_ref
+
+    scale = HEAD_DIM ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+    paged = make_paged(lens, dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    out = torch.empty_like(q)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.lens, scale)
+    result = paged_decode_attention(*args, out=out).clone()
+    few = slice(0, 4)  # correctness at this shape on a few sequences (the reference is slow)
+    expected = paged_decode_attention_ref(q[few], paged.k_cache, paged.v_cache,
+                                          paged.block_tables[few], paged.lens[few], scale)
+    max_err = (result[few].float() - expected.float()).abs().max().item()
+    kernel = time_ms(lambda: paged_decode_attention(*args, out=out))
+
+    slots, mask = gather_slots(paged, max(lens))
+    peer = time_ms(lambda: torch_decode(q, paged, slots, mask, scale))
+    peer_err = (torch_decode(q, paged, slots, mask, scale).float()
+                - result.float()).abs().max().item()
+
+    element = q.element_size()
+    kv_bytes = sum(lens) * KV_HEADS * 2 * HEAD_DIM * element
+    io_bytes = 2 * q.numel() * element + paged.block_tables.numel() * 4 + batch * 4
+    total_bytes = kv_bytes + io_bytes
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {
+        "case": name, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+        "mean_context": sum(lens) / batch, "heads": HEADS, "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
+        "num_splits": choose_num_splits(batch, KV_HEADS,
+                                        paged.block_tables.shape[1] * BLOCK_SIZE, sms),
+        "bytes": total_bytes, "max_abs_err_vs_reference": max_err,
+        "max_abs_err_vs_torch": peer_err, "triton": kernel, "torch": peer,
+        "triton_gbps": total_bytes / kernel["ms"] / 1e6,
+        "triton_graph_gbps": (total_bytes / kernel["ms_graph"] / 1e6
+                              if kernel.get("ms_graph") else None),
+        "torch_gbps": total_bytes / peer["ms"] / 1e6,
+        "speedup_vs_torch": peer["ms"] / kernel["ms"],
+    }
+
+
+def stage_decode(out_dir: Path) -> int:
+    require_cuda()
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for name, batch, lo, hi in DECODE_CASES:
+            row = bench_decode_case(name, batch, lo, hi, dtype)
+            rows.append(row)
+            kernel, peer = row["triton"], row["torch"]
+            print(f"decode {name:12s} {row['dtype']:8s} splits={row['num_splits']:2d} "
+                  f"triton {kernel['ms'] * 1e3:8.1f} us {row['triton_gbps']:7.0f} GB/s | "
+                  f"torch {peer['ms'] * 1e3:8.1f} us {row['torch_gbps']:7.0f} GB/s | "
+                  f"x{row['speedup_vs_torch']:.2f} | err {row['max_abs_err_vs_reference']:.2e}")
+    write_json(out_dir, "decode_attention", {"device": torch.cuda.get_device_name(0),
+                                              "results": rows})
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# prefill
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefillCase:
+    name: str
+    batch: int
+    query_len: int  # new tokens per sequence
+    prefix_len: int  # cached tokens before them
+
+
+PREFILL_CASES = [PrefillCase("b8-q1024", 8, 1024, 0),
+                 PrefillCase("b8-q512-prefix1536", 8, 512, 1536)]
+
+
+def bench_prefill_case(case: PrefillCase) -> dict[str, Any]:
+    from ksana_llm.kernels import paged_prefill_attention
+
+    scale = HEAD_DIM ** -0.5
+    dtype = torch.bfloat16
+    n, m, p = case.batch, case.query_len, case.prefix_len
+    paged = make_paged([p + m] * n, dtype)
+    q = torch.randn(n * m, HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    starts = torch.arange(0, n * m + 1, m, dtype=torch.int32, device="cuda")
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, starts, paged.lens, scale)
+    out = torch.empty_like(q)
+    kernel = time_ms(lambda: paged_prefill_attention(*args, out=out))
+
+    # Peer: SDPA (flash / efficient backend) over K/V already gathered into dense tensors — it
+    # skips the paging work the kernel does, so the ratio flatters the peer.
+    pos = torch.arange(p + m, device="cuda")
+    slots = paged.block_tables.long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    k = paged.k_cache.view(-1, KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
+    v = paged.v_cache.view(-1, KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
+    qd = q.view(n, m, HEADS, HEAD_DIM).transpose(1, 2)
+    # Causal with the queries at the end of the context: a bottom-right aligned mask.
+    attn_mask = None if p == 0 else (torch.arange(m, device="cuda")[:, None] + p >= pos[None, :])
+
+    def peer_fn() -> torch.Tensor:
+        return F.scaled_dot_product_attention(qd, k, v, attn_mask=attn_mask, is_causal=p == 0,
+                                              scale=scale, enable_gqa=True)
+
+    peer = time_ms(peer_fn)
+    result = paged_prefill_attention(*args, out=out)
+    err = (peer_fn().transpose(1, 2).reshape(n * m, HEADS, HEAD_DIM).float()
+           - result.float()).abs().max().item()
+    # QK^T and PV over the causal part: 2 matmuls x 2 flops per multiply-add.
+    pairs = n * (m * p + m * (m + 1) / 2)
+    flops = 4 * pairs * HEADS * HEAD_DIM
+    return {**asdict(case), "dtype": "bfloat16", "triton": kernel, "torch": peer,
+            "triton_tflops": flops / kernel["ms"] / 1e9, "torch_tflops": flops / peer["ms"] / 1e9,
+            "speedup_vs_torch": peer["ms"] / kernel["ms"], "max_abs_err_vs_torch": err}
+
+
+def stage_prefill(out_dir: Path) -> int:
+    require_cuda()
+    rows = []
+    for case in PREFILL_CASES:
+        row = bench_prefill_case(case)
+        rows.append(row)
+        print(f"prefill {case.name:20s} triton {row['triton']['ms'] * 1e3:8.1f} us "
+              f"{row['triton_tflops']:6.1f} TFLOP/s | torch {row['torch']['ms'] * 1e3:8.1f} us "
+              f"{row['torch_tflops']:6.1f} TFLOP/s | x{row['speedup_vs_torch']:.2f} | "
+              f"err {row['max_abs_err_vs_torch']:.2e}")
+    write_json(out_dir, "prefill_attention", {"device": torch.cuda.get_device_name(0),
+                                               "results": rows})
+    return 0
+
+
+STAGES = {"env": stage_env, "tests": stage_tests, "decode": stage_decode,
+          "prefill": stage_prefill}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=sorted(STAGES))
+    parser.add_argument("--out", type=Path,
+                        default=Path(os.environ.get("OUT") or REPO / "benchmarks/gpu/results"),
+                        help="folder for the stage's JSON (default: $OUT, else "
+                             "benchmarks/gpu/results)")
+    args = parser.parse_args(argv)
+    return STAGES[args.stage](args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

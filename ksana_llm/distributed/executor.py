@@ -1,0 +1,88 @@
+"""Rank 0's side of a parallel run: its own runner plus the worker ranks it drives.
+
+`DistributedRunner` has the `ModelRunner` interface the engine core uses (`execute`, `device`):
+each step goes to every worker first, then rank 0 runs its own share of the forward; the
+collectives inside the forward keep the ranks in lockstep. A worker that dies makes the next step
+fail with a clear error (a local worker is also watched between steps), never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ksana_llm.distributed.runtime import Runtime, broadcast_message, shutdown_runtime
+from ksana_llm.distributed.worker import RUNNER, STEP, STOP
+from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
+
+logger = logging.getLogger("ksana_llm.distributed")
+
+
+class WorkerFailure(RuntimeError):
+    """A worker rank died or its connection broke: the engine cannot go on."""
+
+
+class DistributedRunner:
+    def __init__(self, runner: ModelRunner, runtime: Runtime, runner_kwargs: dict[str, Any],
+                 workers: list[Any] = (), on_failure: Callable[[str], None] | None = None) -> None:
+        self.local = runner
+        self.runtime = runtime
+        self.workers = list(workers)  # local worker processes (multiprocessing.Process)
+        self._on_failure = on_failure
+        self.failure: str | None = None
+        self._closed = False
+        broadcast_message((RUNNER, runner_kwargs), runtime)
+        if self.workers:
+            threading.Thread(target=self._watch_workers, name="ksana-llm-worker-watch",
+                             daemon=True).start()
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def _fail(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = message
+            logger.error(message)
+            if self._on_failure is not None:
+                self._on_failure(message)
+
+    def _watch_workers(self) -> None:
+        sentinels = {w.sentinel: w for w in self.workers}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._closed:
+            return
+        dead = sentinels[ready[0]]
+        dead.join(timeout=1)
+        self._fail(f"worker process {dead.name} exited with code {dead.exitcode}; "
+                   "the engine cannot continue without it")
+
+    def execute(self, step: StepInput) -> StepResult:
+        if self.failure is not None:
+            raise WorkerFailure(self.failure)
+        try:
+            broadcast_message((STEP, step), self.runtime)
+            return self.local.execute(step)
+        except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection
+            self._fail(f"a worker rank failed during a step: {exc}")
+            raise WorkerFailure(self.failure) from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is None:
+            try:
+                broadcast_message((STOP, None), self.runtime)
+            except RuntimeError:
+                logger.warning("could not tell the workers to stop", exc_info=True)
+        for worker in self.workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+        shutdown_runtime()

@@ -1,0 +1,52 @@
+"""A worker rank: load this rank's shard, then run every step rank 0 sends until told to stop.
+
+Workers never sample and never schedule: rank 0 decides each step (block tables included, so
+every rank's cache holds the same blocks, each with its own heads) and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from ksana_llm.distributed.runtime import LaunchSpec, Runtime, broadcast_message, init_runtime
+from ksana_llm.distributed.runtime import shutdown_runtime
+from ksana_llm.models.factory import load_model_module
+from ksana_llm.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("ksana_llm.worker")
+
+# Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput)..., then ("stop", None).
+RUNNER, STEP, STOP = "runner", "step", "stop"
+
+
+def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -> None:
+    runner: ModelRunner | None = None
+    while True:
+        kind, payload = broadcast_message(None, runtime)
+        if kind == STOP:
+            return
+        if kind == RUNNER:
+            runner = ModelRunner(module, device=runtime.device, dtype=dtype, **payload)
+        elif kind == STEP and runner is not None:
+            runner.execute(payload)
+        else:
+            raise RuntimeError(f"worker got an unexpected message {kind!r}")
+
+
+def worker_main(rank: int, spec: LaunchSpec) -> None:
+    """Entry point of a worker process (spawned locally, or run by `ksana-llm serve` on a node
+    that is not the master)."""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
+    runtime = init_runtime(spec, rank)
+    try:
+        module, dtype = load_model_module(spec.model_dir, device=runtime.device, dtype=spec.dtype,
+                                          parallel=runtime.ctx, progress=False)
+        serve_steps(runtime, module, dtype)
+    except Exception:
+        logger.exception("worker rank %d failed", rank)
+        sys.exit(1)
+    finally:
+        shutdown_runtime()

@@ -1,0 +1,224 @@
+"""Compile each kernel for a GPU target, without a GPU: `python -m ksana_llm.kernels.compile_check`.
+
+The interpreter (TRITON_INTERPRET=1) runs kernels as numpy code and accepts things GPU compilation
+rejects (tl.dot tiles under 16, loop-carried type changes, too much shared memory). This tool runs
+each launcher on CPU tensors of real model shapes with the kernels swapped for recorders, then
+compiles every recorded launch ahead of time for the target (default sm_90, Hopper) through
+triton's own pipeline down to a cubin (triton ships ptxas), and checks the shared memory each
+kernel needs against the target's limit. Prints one JSON line per compiled kernel; exits non-zero
+on the first failure.
+
+It must run without TRITON_INTERPRET (the kernels have to be JIT functions, not interpreted ones),
+hence a separate process from the interpreter-mode tests. Written against triton 3.x's
+`ASTSource(fn, signature, constexprs)` / `triton.compile(src, target=GPUTarget(...))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+# Shared memory one block may use (bytes) per compute capability (CUDA programming guide).
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                 torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
+_OPTION_NAMES = ("num_warps", "num_stages")
+
+
+@dataclass
+class Launch:
+    kernel: Any  # the triton JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class LaunchRecorder:
+    """Takes a @triton.jit kernel's place: `kernel[grid](...)` records the arguments instead of
+    running them."""
+
+    kernel: Any
+    launches: list[Launch] = field(default_factory=list)
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.append(Launch(self.kernel, args, kwargs))
+        return launch
+
+
+@contextlib.contextmanager
+def recording(module: ModuleType, *names: str) -> Iterator[list[Launch]]:
+    """Within the block, launches of `module`'s kernels `names` are recorded, not run."""
+    launches: list[Launch] = []
+    originals = {name: getattr(module, name) for name in names}
+    try:
+        for name, kernel in originals.items():
+            recorder = LaunchRecorder(kernel, launches)
+            setattr(module, name, recorder)
+        yield launches
+    finally:
+        for name, kernel in originals.items():
+            setattr(module, name, kernel)
+
+
+def _signature(launch: Launch) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+    """(signature, constexprs, options) as triton's launcher would derive them: tensors become
+    typed pointers, ints i32 / i64 (1 specialises to a constant, as at run time, unless the
+    kernel opts out), floats fp32."""
+    fn = launch.kernel
+    kwargs = dict(launch.kwargs)
+    options = {name: kwargs.pop(name) for name in _OPTION_NAMES if name in kwargs}
+    bound = dict(zip(fn.arg_names, launch.args, strict=False))  # trailing args: kwargs
+    bound.update(kwargs)
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    for param in fn.params:
+        name = param.name
+        value = bound[name]
+        specialised_one = (isinstance(value, int) and not isinstance(value, bool) and value == 1
+                           and not param.do_not_specialize)
+        if param.is_constexpr or specialised_one:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
+    return signature, constexprs, options
+
+
+def compile_launch(launch: Launch, capability: int) -> dict[str, Any]:
+    """Compile one recorded launch for sm_<capability>; returns what it needs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, options = _signature(launch)
+    source = ASTSource(launch.kernel, signature, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    shared = int(compiled.metadata.shared)
+    limit = SHARED_MEMORY_LIMIT.get(capability)
+    if limit is not None and shared > limit:
+        raise RuntimeError(f"{launch.kernel.__name__}: needs {shared} bytes of shared memory, "
+                           f"sm_{capability} allows {limit}")
+    constants = {k: v for k, v in constexprs.items() if k.isupper()}
+    return {"kernel": launch.kernel.__name__, "sm": capability, "shared_bytes": shared,
+            **options, "constexprs": constants}
+
+
+@dataclass(frozen=True)
+class ShapeConfig:
+    name: str
+    dtype: torch.dtype
+    head_dim: int
+    heads: int
+    kv_heads: int
+    block_size: int
+
+
+CONFIGS = (
+    ShapeConfig("qwen3-0.6b-fp16", torch.float16, 128, 16, 8, 16),
+    ShapeConfig("llama3-8b-bf16", torch.bfloat16, 128, 32, 8, 32),
+    ShapeConfig("mha-hd80-fp16", torch.float16, 80, 8, 8, 64),
+    # fp32 takes the exact "ieee" dots and the smaller tiles
+    ShapeConfig("gqa4-hd96-fp32", torch.float32, 96, 4, 1, 8),
+)
+
+
+def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
+    """What the unit test compiles (each compile costs ~1 s of CPU): every variant at the Qwen3
+    fp16 shape, plus the fp32 attention kernels (their dots take the "ieee" path) with every
+    option on."""
+    if config.name == "qwen3-0.6b-fp16":
+        return True
+    return config.name == "gqa4-hd96-fp32" and launch.kwargs.get("USE_ALIBI") is True
+
+
+def record_launches(config: ShapeConfig) -> list[Launch]:
+    """Every kernel variant the engine can launch (decode with one and several splits, with and
+    without window / ALiBi; prefill of one and of several sequences; norm with and without
+    residual; rotary on views of a fused QKV) at one model shape. The tensors are empty CPU
+    tensors: nothing runs."""
+    from ksana_llm.kernels import (decode_attention, kv_store, prefill_attention, rmsnorm,
+                                   rotary)
+
+    dtype, head_dim, heads, kv_heads = config.dtype, config.head_dim, config.heads, config.kv_heads
+    k_cache = torch.empty(64, config.block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.empty_like(k_cache)
+    tables = torch.zeros(4, 16, dtype=torch.int32)
+    lens = torch.ones(4, dtype=torch.int32)
+    slopes = torch.ones(heads)
+    launches: list[Launch] = []
+    with recording(kv_store, "_store_kv_kernel") as rec:
+        kv = torch.empty(8, kv_heads, head_dim, dtype=dtype)
+        kv_store.store_kv(kv, kv, k_cache, v_cache, torch.zeros(8, dtype=torch.int64))
+    launches += rec
+    with recording(decode_attention, "_decode_kernel", "_reduce_kernel") as rec:
+        q = torch.empty(4, heads, head_dim, dtype=dtype)
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
+                                                sliding_window=100, alibi_slopes=slopes,
+                                                num_splits=3)
+    launches += rec
+    with recording(prefill_attention, "_prefill_kernel") as rec:
+        q = torch.empty(40, heads, head_dim, dtype=dtype)
+        prefill_attention.paged_prefill_attention(
+            q, k_cache, v_cache, tables[:1], torch.tensor([0, 40], dtype=torch.int32),
+            lens[:1], 0.1)
+        prefill_attention.paged_prefill_attention(
+            q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
+            lens, 0.1, sliding_window=64, alibi_slopes=slopes)
+    launches += rec
+    with recording(rmsnorm, "_rms_norm_kernel") as rec:
+        x = torch.empty(8, heads * head_dim, dtype=dtype)
+        rmsnorm.rms_norm(x, torch.empty(x.shape[1], dtype=dtype), 1e-6)
+        rmsnorm.rms_norm(x, torch.empty(x.shape[1]), 1e-6, residual=x)
+    launches += rec
+    with recording(rotary, "_rotary_kernel") as rec:
+        qkv = torch.empty(8, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+        q = qkv[:, :heads * head_dim].view(8, heads, head_dim)
+        k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(8, kv_heads, head_dim)
+        cos = torch.empty(8, head_dim // 2, dtype=dtype)
+        rotary.apply_rotary_(q, k, cos, cos)
+    launches += rec
+    return launches
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sm", type=int, nargs="+", default=[90],
+                        help="compute capabilities to compile for (default: 90)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a representative subset (what tests/test_kernels.py compiles)")
+    args = parser.parse_args(argv)
+    from ksana_llm.kernels import interpreter_mode
+
+    if interpreter_mode():
+        parser.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
+    for capability in args.sm:
+        for config in CONFIGS:
+            for launch in record_launches(config):
+                if args.quick and not in_quick_set(config, launch):
+                    continue
+                result = compile_launch(launch, capability)
+                print(json.dumps({"config": config.name, **result}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

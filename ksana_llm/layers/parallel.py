@@ -1,0 +1,137 @@
+"""Tensor-parallel building blocks: each rank holds a slice of a layer's weights and the layer
+all-reduces or all-gathers its output over the TP group.
+
+- Column-parallel projections are `MergedLinear` with shards (ksana_llm.layers.linear): each rank
+  keeps some output rows of every part, so attention heads and MLP columns split with no
+  communication until the following row-parallel layer.
+- `RowParallelLinear` (o_proj, down_proj): input columns split, partial products all-reduced,
+  bias added once.
+- `VocabParallelEmbedding` / `gather_vocab_logits`: the vocabulary split in row ranges (uneven
+  when vocab % tp != 0), out-of-range ids masked and the lookups all-reduced; logits all-gathered.
+
+Every module loads its slice from the full checkpoint tensor, so a rank never keeps more than its
+shard. With tp_size 1 they are plain layers (no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ksana_llm.distributed.context import ParallelContext, balanced_split
+
+SINGLE = ParallelContext()
+
+
+def tp_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    if ctx.tp_size > 1:
+        dist.all_reduce(x, group=ctx.tp_group)
+    return x
+
+
+def tp_all_gather_rows(x: torch.Tensor, ctx: ParallelContext, total: int) -> torch.Tensor:
+    """Concatenate each rank's slice of the last dim (balanced split of `total`) on every rank."""
+    if ctx.tp_size == 1:
+        return x
+    widest = balanced_split(total, ctx.tp_size, 0)[1]
+    padded = F.pad(x, (0, widest - x.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(ctx.tp_size)]
+    dist.all_gather(parts, padded, group=ctx.tp_group)
+    sizes = [balanced_split(total, ctx.tp_size, r)[1] for r in range(ctx.tp_size)]
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+def kv_head_shard(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int]:
+    """(first KV head, count) this rank keeps. Heads are split when there are at least as many
+    as ranks, and replicated (each rank keeps the one its query heads read) when there are fewer."""
+    if num_kv_heads % ctx.tp_size == 0:
+        per_rank = num_kv_heads // ctx.tp_size
+        return ctx.tp_rank * per_rank, per_rank
+    if ctx.tp_size % num_kv_heads == 0:
+        return ctx.tp_rank // (ctx.tp_size // num_kv_heads), 1
+    raise ValueError(f"tensor_parallel_size {ctx.tp_size} cannot split {num_kv_heads} KV heads: "
+                     "it must divide them or be a multiple of them")
+
+
+def check_heads_divisible(num_heads: int, ctx: ParallelContext) -> None:
+    if num_heads % ctx.tp_size:
+        raise ValueError(f"tensor_parallel_size {ctx.tp_size} must divide the model's "
+                         f"{num_heads} attention heads")
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r @ W_r^T, + bias: the input features are split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 ctx: ParallelContext = SINGLE, reduce_output: bool = True) -> None:
+        super().__init__()
+        self.ctx = ctx
+        # False: return this rank's partial sum (a caller that adds several partial sums
+        # all-reduces once); the bias is then added by rank 0 only, so the sum has it once.
+        self.reduce_output = reduce_output
+        self.in_start, local_in = ctx.tp_split(in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if not self.reduce_output:
+            return F.linear(x, self.weight, self.bias if self.ctx.tp_rank == 0 else None)
+        y = tp_all_reduce(F.linear(x, self.weight), self.ctx)
+        return y if self.bias is None else y + self.bias
+
+    def expected_checkpoint_keys(self) -> list[str]:
+        return ["weight"] if self.bias is None else ["weight", "bias"]
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name == "bias" and self.bias is not None:
+            self.bias.data.copy_(tensor)
+            return ["bias"]
+        if name != "weight":
+            raise ValueError(f"unexpected checkpoint tensor {name!r} for a row-parallel linear")
+        local = tensor[:, self.in_start:self.in_start + self.weight.shape[1]]
+        if local.shape != self.weight.shape:
+            raise ValueError(f"weight: shape {tuple(tensor.shape)} does not fit "
+                             f"{tuple(self.weight.shape)} on TP rank {self.ctx.tp_rank}")
+        self.weight.data.copy_(local)
+        return ["weight"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings with the vocabulary split in row ranges across the TP ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext = SINGLE) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.start, local = ctx.tp_split(vocab_size)
+        self.weight = nn.Parameter(torch.empty(local, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.start
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        hidden = hidden.masked_fill(outside[:, None], 0)
+        return tp_all_reduce(hidden, self.ctx)
+
+    def expected_checkpoint_keys(self) -> list[str]:
+        return ["weight"]
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name != "weight" or tensor.shape[0] != self.vocab_size:
+            raise ValueError(f"embedding {name!r}: shape {tuple(tensor.shape)}, expected "
+                             f"[{self.vocab_size}, {self.weight.shape[1]}]")
+        self.weight.data.copy_(tensor[self.start:self.start + self.weight.shape[0]])
+        return ["weight"]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The untied LM head: the same vocabulary split; logits are gathered by the model."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not a module call
+        raise TypeError("use compute_logits")

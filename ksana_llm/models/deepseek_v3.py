@@ -1,0 +1,231 @@
+"""DeepSeek-V3 / R1: multi-head latent attention, DeepSeek MoE, first dense layers, MTP weights.
+
+- Every layer attends with MLA (`layers/mla.py`); the paged cache keeps one compressed latent
+  per token (`kv_lora_rank + qk_rope_head_dim` numbers, no V cache).
+- Layers below `first_k_dense_replace` have a dense MLP of `intermediate_size`; the rest a MoE
+  block: group-limited sigmoid routing (`n_group` / `topk_group`, `e_score_correction_bias`,
+  `routed_scaling_factor`, `norm_topk_prob`) over `n_routed_experts` experts of
+  `moe_intermediate_size`, plus `n_shared_experts` always-on experts fused into one MLP.
+- RoPE covers only `qk_rope_head_dim`, interleaved when `rope_interleave`; YaRN scaling changes
+  the table and the softmax scale (`layers/rotary_yarn.py`).
+- Multi-token prediction: hub checkpoints carry `num_nextn_predict_layers` extra layers as
+  `model.layers.{num_hidden_layers + i}.*` (a decoder layer plus `enorm`, `hnorm`, `eh_proj`,
+  `shared_head.{norm,head}` and `embed_tokens`). They load into `self.mtp` for speculative
+  decoding; the main forward does not run them. Checkpoints saved by transformers drop them
+  (while keeping `num_nextn_predict_layers`), so a checkpoint without any MTP tensor loads with
+  `self.mtp = None`; one with only some of them fails like any incomplete checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec
+from ksana_llm.layers.mla import MLADims, MultiLatentAttention
+from ksana_llm.layers.moe import (
+    FusedExperts,
+    GatedMLP,
+    GroupedTopKRouter,
+    SparseMoeBlock,
+)
+from ksana_llm.layers.norm import RMSNorm
+from ksana_llm.layers.rotary import rope_settings
+from ksana_llm.layers.rotary_yarn import build_rotary
+from ksana_llm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Rope
+from ksana_llm.models.weight_loading import expected_keys, load_checkpoint, place_tensor
+
+# checkpoint part -> (fused parameter, part index): dense / shared-expert gate+up (and MLA's own).
+_MLP_FUSED_PARTS = MappingProxyType({"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
+
+
+def _check_config(config: Any) -> None:
+    """ValueError naming the field for DeepSeek configs this implementation does not cover."""
+    checks = (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1))
+    for field, supported in checks:
+        value = getattr(config, field, supported)
+        if value != supported:
+            raise ValueError(f"{field}={value!r} is not supported (DeepSeek-V3 uses {supported!r})")
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        # The hub's DeepSeek-V3 / R1 are fp8 with per-block scales (`weight_scale_inv`); the
+        # loader has no dequantization yet, so say so before reading 700 GB.
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"quantization_config ({method}) is not supported yet; convert the "
+                         "checkpoint to bfloat16 first")
+    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
+    if first_dense < 0:
+        raise ValueError(f"first_k_dense_replace must be >= 0, got {first_dense}")
+    if num_mtp_layers(config) < 0:
+        raise ValueError(f"num_nextn_predict_layers must be >= 0, got {num_mtp_layers(config)}")
+
+
+def num_mtp_layers(config: Any) -> int:
+    return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+
+
+def deepseek_moe_block(config: Any) -> SparseMoeBlock:
+    act = getattr(config, "hidden_act", "silu")
+    hidden, num_experts = config.hidden_size, config.n_routed_experts
+    router = GroupedTopKRouter(
+        hidden, num_experts, config.num_experts_per_tok, n_group=config.n_group or 1,
+        topk_group=config.topk_group or 1, renormalize=bool(config.norm_topk_prob),
+        routed_scaling_factor=config.routed_scaling_factor)
+    experts = FusedExperts(num_experts, hidden, config.moe_intermediate_size, act)
+    num_shared = getattr(config, "n_shared_experts", 0) or 0
+    # The shared experts are always on and unweighted: one MLP n_shared times as wide.
+    shared = GatedMLP(hidden, config.moe_intermediate_size * num_shared, act) if num_shared else None
+    return SparseMoeBlock(router, experts, shared, shared_expert_name="shared_experts")
+
+
+class MtpSharedHead(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class DeepseekV3MtpLayer(LlamaDecoderLayer):
+    """One multi-token-prediction depth: `eh_proj([enorm(embed(token)); hnorm(h_prev)])` through a
+    decoder layer (always MoE), then `shared_head.norm`; `shared_head.head` gives the draft's
+    logits. Names match the checkpoint's `model.layers.{N + i}.*`."""
+
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__(config, attention, mlp)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = MtpSharedHead(config)
+
+    def forward(self, rope: Rope, input_ids: torch.Tensor, previous_hidden: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states (after `shared_head.norm`) for tokens `input_ids` given the previous
+        depth's hidden states at the same rows; `shared_head.head` turns them into logits."""
+        joined = torch.cat((self.enorm(self.embed_tokens(input_ids)), self.hnorm(previous_hidden)),
+                           dim=-1)
+        hidden, residual = super().forward(rope, self.eh_proj(joined), None, kv_cache, meta)
+        return self.shared_head.norm(hidden, residual)[0]
+
+
+class DeepseekV3Mtp(nn.Module):
+    def __init__(self, layers: Iterable[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+class _LoadIfPresent(nn.Module):
+    """Stands in for a submodule the checkpoint may omit entirely, while the checkpoint loads.
+
+    `load_checkpoint` sends it every tensor under its prefix (it is a custom loader) and asks for
+    its expected keys only at the end: none if no tensor came, all of the target's otherwise. The
+    target is held outside the module tree meanwhile, so its own custom loaders (MoE experts)
+    are not required when it is absent."""
+
+    def __init__(self, target: nn.Module, fused_parts: Mapping[str, tuple[str, int]]) -> None:
+        super().__init__()
+        self.__dict__["target"] = target  # not registered: see the docstring
+        self.fused_parts = fused_parts
+        self.filled = False
+
+    def expected_checkpoint_keys(self) -> list[str]:
+        return sorted(expected_keys(self.target)) if self.filled else []
+
+    def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor) -> list[str]:
+        """Place one tensor the way `load_checkpoint` does: a nested custom loader, a part of a
+        fused projection, or a parameter of the same name."""
+        self.filled = True
+        try:
+            return place_tensor(self.target, local_name, tensor, self.fused_parts)
+        except ValueError as exc:
+            raise ValueError(f"MTP layers: {exc}") from None
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    supports_parallel = False  # MLA and MTP are not sharded yet
+    attention_backends = ("torch",)  # MLA reads its latent cache itself (no Triton kernel yet)
+
+    def __init__(self, config: Any) -> None:
+        _check_config(config)
+        super().__init__(config)
+        self.mla_dims = MLADims.from_config(config)
+        # Llama's RoPE table spans head_dim and knows no YaRN (uses_rope is False for that
+        # reason): MLA ropes only qk_rope_head_dim, with DeepSeek's scaling.
+        theta, scaling = rope_settings(config)
+        self.model.rotary_emb = build_rotary(self.mla_dims.qk_rope_head_dim,
+                                             config.max_position_embeddings, theta, scaling)
+        first = config.num_hidden_layers
+        self.mtp: DeepseekV3Mtp | None = None
+        if num_mtp_layers(config):
+            self.mtp = DeepseekV3Mtp(
+                DeepseekV3MtpLayer(config, self.make_attention(config, first + i),
+                                   deepseek_moe_block(config))
+                for i in range(num_mtp_layers(config)))
+
+    # ---- building blocks -----------------------------------------------------------------------
+    def uses_rope(self, config: Any) -> bool:
+        return False  # installed in __init__ instead (see there)
+
+    def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
+        return MultiLatentAttention(config, layer_idx)
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        if layer_idx < (getattr(config, "first_k_dense_replace", 0) or 0):
+            return LlamaMLP(config, layer_idx)
+        return deepseek_moe_block(config)
+
+    # ---- facts the runner needs --------------------------------------------------------------
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.mla_dims.latent_dim
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.mla_dims.cache_spec()
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None
+
+    # ---- weights -------------------------------------------------------------------------------
+    @property
+    def fused_parts(self) -> Mapping[str, tuple[str, int]]:  # type: ignore[override]
+        return MappingProxyType({**_MLP_FUSED_PARTS, **self.mla_dims.fused_parts})
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`model.layers.{N + i}.*` (MTP depth i) -> `mtp.layers.{i}.*`."""
+        first = self.config.num_hidden_layers
+        pattern = re.compile(r"model\.layers\.(\d+)\.(.*)")
+        for name, tensor in weights:
+            match = pattern.fullmatch(name)
+            if match is not None and int(match.group(1)) >= first:
+                depth = int(match.group(1)) - first
+                if depth >= num_mtp_layers(self.config):
+                    raise ValueError(f"checkpoint tensor {name!r}: layer {match.group(1)} is beyond "
+                                     f"num_hidden_layers + num_nextn_predict_layers")
+                name = f"mtp.layers.{depth}.{match.group(2)}"
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        mtp = self.mtp
+        stand_in = None if mtp is None else _LoadIfPresent(mtp, self.fused_parts)
+        if stand_in is not None:
+            self.mtp = stand_in  # type: ignore[assignment]
+        try:
+            load_checkpoint(self, self._renamed(weights), self.fused_parts,
+                            self.skip_checkpoint_tensor)
+        finally:
+            if stand_in is not None:
+                self.mtp = mtp if stand_in.filled else None
+        self.prepare_for_inference()

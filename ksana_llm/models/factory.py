@@ -1,0 +1,87 @@
+"""Building a model's module from a checkpoint folder: the class from the registry, built on the
+meta device, moved to its device, filled from the checkpoint (through a weight map if there is
+one). Used by `Model.from_pretrained` and by the worker ranks of a parallel run, which load only
+their own shard."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ksana_llm.distributed.context import ParallelContext
+from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
+from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
+from ksana_llm.models.llama import LlamaForCausalLM
+from ksana_llm.models.registry import model_class_for
+
+logger = logging.getLogger("ksana_llm.model")
+
+
+def model_class(hf_config: Any, weight_map_path: Path | None) -> type[nn.Module]:
+    """The registry's class; for a family it does not know, Llama when a weight map was found
+    (KsanaLLM's rule: a map means "Llama with other tensor names")."""
+    try:
+        return model_class_for(hf_config)
+    except ValueError as exc:
+        if weight_map_path is None:
+            model_type = getattr(hf_config, "model_type", None)
+            raise ValueError(f"{exc}; a model with Llama's structure under other tensor names "
+                             f"loads through a {model_type}_weight_map.json in its folder") from exc
+    logger.info("model_type %r is not a known family; loading it as Llama through the weight map %s",
+                getattr(hf_config, "model_type", None), weight_map_path)
+    return LlamaForCausalLM
+
+
+def build_module(model_cls: type[nn.Module], hf_config: Any,
+                 parallel: ParallelContext | None) -> nn.Module:
+    if parallel is None or parallel.world_size == 1:
+        return model_cls(hf_config)
+    if not getattr(model_cls, "supports_parallel", False):
+        raise ValueError(f"{model_cls.__name__} does not support tensor or pipeline parallelism "
+                         "yet; run it with tensor_parallel_size 1")
+    return model_cls(hf_config, parallel=parallel)
+
+
+def check_parallel_sizes(model_dir: str | Path, hf_config: Any, tp_size: int, pp_size: int) -> None:
+    """Refuse a split the model cannot take before any worker process is started."""
+    if tp_size * pp_size == 1:
+        return
+    model_cls = model_class(hf_config, find_weight_map(model_dir, getattr(hf_config, "model_type", None)))
+    if not getattr(model_cls, "supports_parallel", False):
+        raise ValueError(f"{model_cls.__name__} does not support tensor or pipeline parallelism "
+                         "yet; run it with tensor_parallel_size 1")
+    ctx = ParallelContext(tp_size=tp_size, pp_size=pp_size)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads:
+        check_heads_divisible(heads, ctx)
+        kv_head_shard(getattr(hf_config, "num_key_value_heads", None) or heads, ctx)
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if layers and pp_size > layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} is more than the model's {layers} layers")
+
+
+def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | str,
+                      parallel: ParallelContext | None = None, progress: bool = True,
+                      hf_config: Any = None) -> tuple[nn.Module, torch.dtype]:
+    """(module with its weights loaded, in eval mode; its dtype)."""
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+    hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
+    model_type = getattr(hf_config, "model_type", None)
+    weight_map_path = find_weight_map(model_dir, model_type)
+    # Validate the map before building anything: a broken map should fail in milliseconds.
+    weight_map = load_weight_map(weight_map_path) if weight_map_path is not None else None
+    model_cls = model_class(hf_config, weight_map_path)
+    # Build on the meta device so no memory is touched before the real weights arrive.
+    with torch.device("meta"):
+        module = build_module(model_cls, hf_config, parallel)
+    module = module.to(torch_dtype).to_empty(device=device)
+    weights = iterate_weights(model_dir, progress=progress)
+    if weight_map is not None:
+        logger.info("renaming checkpoint tensors with %s", weight_map_path)
+        weights = weight_map.apply(weights)
+    module.load_weights(weights)
+    return module.eval(), torch_dtype

@@ -1,0 +1,119 @@
+"""One chat choice's text -> message parts: reasoning, content and tool calls.
+
+Text flows through the reasoning parser first (when the server has one and the request did not
+turn thinking off), and whatever it calls content through the tool-call extractor (when the
+request's tool_choice wants one). The same object serves streaming (feed deltas, then finish)
+and non-streaming (feed everything, then finish), so both answers agree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from ksana_llm.server.openai_protocol import (
+    ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallModel,
+)
+from ksana_llm.server.reasoning_parsers import ReasoningStream
+from ksana_llm.server.tool_parsers import ToolCallDelta, ToolCallStream
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class ChoiceOutputParser:
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+        self._ids: dict[int, str] = {}  # tool-call index -> id, given with the call's name
+
+    @property
+    def num_tool_calls(self) -> int:
+        return len(self._ids)
+
+    def _route(self, reasoning: str, content: str, last: bool) -> ChatDelta:
+        out = ChatDelta(reasoning=reasoning)
+        if self._tools is None:
+            out.content = content
+            return out
+        parsed = self._tools.feed(content) if content else None
+        if last:
+            tail = self._tools.finish()
+            if parsed is None:
+                parsed = tail
+            else:
+                parsed.extend(tail)
+        if parsed is not None:
+            out.content = parsed.content
+            out.tool_calls = parsed.tool_calls
+            for call in parsed.tool_calls:
+                if call.name is not None:
+                    self._ids[call.index] = tool_call_id()
+        return out
+
+    def feed(self, text: str) -> ChatDelta:
+        if self._reasoning is None:
+            return self._route("", text, last=False)
+        split = self._reasoning.feed(text)
+        return self._route(split.reasoning, split.content, last=False)
+
+    def finish(self) -> ChatDelta:
+        if self._reasoning is None:
+            return self._route("", "", last=True)
+        split = self._reasoning.finish()
+        return self._route(split.reasoning, split.content, last=True)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """OpenAI says "tool_calls" when the model stopped after calling tools."""
+        if self.num_tool_calls and engine_reason == "stop":
+            return "tool_calls"
+        return engine_reason
+
+    # ---- OpenAI shapes ------------------------------------------------------------------------
+    def delta_message(self, delta: ChatDelta) -> DeltaMessage:
+        calls = None
+        if delta.tool_calls:
+            # The first delta of a call carries its id, type and name (arguments "" if none yet),
+            # later ones only argument text, as OpenAI streams them.
+            calls = [DeltaToolCall(index=c.index,
+                                   id=self._ids[c.index] if c.name is not None else None,
+                                   type="function" if c.name is not None else None,
+                                   function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                     for c in delta.tool_calls]
+        return DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None,
+                            tool_calls=calls)
+
+    def message(self, deltas: list[ChatDelta]) -> ChatResponseMessage:
+        """The whole message from all of a choice's deltas."""
+        names: dict[int, str] = {}
+        args: dict[int, list[str]] = {}
+        for d in deltas:
+            for c in d.tool_calls:
+                if c.name is not None:
+                    names[c.index] = c.name
+                args.setdefault(c.index, []).append(c.arguments)
+        calls = [ToolCallModel(id=self._ids[i], function=FunctionCall(name=names[i],
+                                                                      arguments="".join(args.get(i, []))))
+                 for i in sorted(names)]
+        content = "".join(d.content for d in deltas)
+        reasoning = "".join(d.reasoning for d in deltas)
+        # A plain answer keeps its text as is ("" included); beside calls or reasoning, no text
+        # is null, as OpenAI sends it.
+        return ChatResponseMessage(content=content if content or not (calls or reasoning) else None,
+                                   reasoning_content=reasoning or None, tool_calls=calls)

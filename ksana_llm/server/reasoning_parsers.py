@@ -1,0 +1,136 @@
+"""Reasoning parsers (`--reasoning-parser NAME`): split a thinking model's output into
+`reasoning_content` (inside `<think>...</think>`) and `content` (after it).
+
+As with the tool parsers, one incremental machine serves both paths (`extract` streams the whole
+text through it), so streamed deltas always add up to the non-streamed answer. Text that may be
+half of a tag is held back until the next chunk decides it. Whitespace between `</think>` and
+the answer is dropped (templates put a blank line there).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar
+
+from ksana_llm.server.tool_parsers.base import held_prefix
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+_START, _REASONING, _CONTENT_START, _CONTENT = range(4)
+_WHITESPACE = " \t\r\n"
+
+
+@dataclass
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content)
+
+
+@dataclass(frozen=True)
+class ReasoningOutput:
+    reasoning: str | None
+    content: str | None
+
+
+class ReasoningStream:
+    """`starts_in_reasoning`: the prompt already opened the thinking block (DeepSeek-R1), so the
+    output is reasoning until `</think>` even without a `<think>` of its own. Otherwise (Qwen3)
+    only an output that opens with `<think>` has reasoning."""
+
+    def __init__(self, starts_in_reasoning: bool) -> None:
+        self._starts_in_reasoning = starts_in_reasoning
+        self._state = _START
+        self._buffer = ""
+
+    def feed(self, text: str) -> ReasoningDelta:
+        self._buffer += text
+        out = ReasoningDelta()
+        while self._buffer:
+            if self._state == _START:
+                visible = self._buffer.lstrip(_WHITESPACE)
+                if visible.startswith(THINK_START):
+                    self._buffer = visible[len(THINK_START):]
+                    self._state = _REASONING
+                elif THINK_START.startswith(visible):
+                    return out  # whitespace, or the tag still being spelled out
+                else:
+                    self._state = _REASONING if self._starts_in_reasoning else _CONTENT
+            elif self._state == _REASONING:
+                end = self._buffer.find(THINK_END)
+                if end < 0:
+                    cut = len(self._buffer) - held_prefix(self._buffer, (THINK_END,))
+                    out.reasoning += self._buffer[:cut]
+                    self._buffer = self._buffer[cut:]
+                    return out
+                out.reasoning += self._buffer[:end]
+                self._buffer = self._buffer[end + len(THINK_END):]
+                self._state = _CONTENT_START
+            elif self._state == _CONTENT_START:
+                self._buffer = self._buffer.lstrip(_WHITESPACE)
+                if self._buffer:
+                    self._state = _CONTENT
+            else:
+                out.content += self._buffer
+                self._buffer = ""
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        out = ReasoningDelta()
+        rest, self._buffer = self._buffer, ""
+        if self._state == _REASONING or (self._state == _START and self._starts_in_reasoning):
+            out.reasoning = rest
+        elif self._state != _CONTENT_START:
+            out.content = rest
+        return out
+
+
+class ReasoningParser(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def stream(self) -> ReasoningStream: ...
+
+    def extract(self, text: str) -> ReasoningOutput:
+        stream = self.stream()
+        first, last = stream.feed(text), stream.finish()
+        return ReasoningOutput(first.reasoning + last.reasoning or None,
+                               first.content + last.content or None)
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1's template ends the prompt with `<think>\\n`: the output starts inside the
+    thinking block; everything before `</think>` is reasoning (a leading `<think>` is tolerated),
+    and an output without `</think>` is all reasoning."""
+
+    name = "deepseek_r1"
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(starts_in_reasoning=True)
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen3 writes `<think>...</think>` itself when thinking; without it the output is content."""
+
+    name = "qwen3"
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(starts_in_reasoning=False)
+
+
+REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)})
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser registered as `name`; ValueError listing the known names otherwise."""
+    cls = REASONING_PARSERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
+    return cls()

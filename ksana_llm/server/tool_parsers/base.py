@@ -1,0 +1,153 @@
+"""Records and the streaming contract shared by every tool-call parser.
+
+A parser turns model text into content plus tool calls. Each parser has one incremental machine
+(`ToolCallStream`); the non-streamed `extract` runs that same machine over the whole text, so a
+streamed answer always adds up to exactly the non-streamed one, however the text was chunked.
+A stream commits only what later text cannot change: content that could still turn out to be the
+start of a tool-call tag is held back, a function name is sent once it is complete, and argument
+text is sent as it arrives (the raw JSON the model wrote, which is also the final `arguments`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ksana_llm.server.tool_parsers.json_scan import WHITESPACE
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as the OpenAI API carries it
+
+
+@dataclass
+class ToolCallDelta:
+    """New output of tool call `index`: its name on the first delta, then argument text."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ParsedDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+    def extend(self, other: ParsedDelta) -> None:
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def collect(deltas: list[ParsedDelta]) -> ParsedOutput:
+    """Fold a stream's deltas into the final content and calls."""
+    content = "".join(d.content for d in deltas)
+    names: dict[int, str] = {}
+    args: dict[int, list[str]] = {}
+    for d in deltas:
+        for call in d.tool_calls:
+            if call.name is not None:
+                names[call.index] = call.name
+            args.setdefault(call.index, []).append(call.arguments)
+    calls = [ToolCall(names[i], "".join(args.get(i, []))) for i in sorted(names)]
+    return ParsedOutput(content or None, calls)
+
+
+class ToolCallStream(ABC):
+    """Incremental extraction over one model output; `feed` text as it comes, then `finish`."""
+
+    @abstractmethod
+    def feed(self, text: str) -> ParsedDelta: ...
+
+    @abstractmethod
+    def finish(self) -> ParsedDelta: ...
+
+
+class ToolParser(ABC):
+    """A named output format. Stateless: `stream()` makes the per-output state."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def stream(self) -> ToolCallStream: ...
+
+    def extract(self, text: str) -> ParsedOutput:
+        stream = self.stream()
+        return collect([stream.feed(text), stream.finish()])
+
+
+def held_prefix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some marker: text that
+    must not be committed yet because the next chunk may complete a marker."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+class ContentGate:
+    """Content passes through, except whitespace, which waits for the next visible character:
+    the blank lines models put around tool calls are not content. Waiting whitespace is dropped
+    when no content was sent yet but a call was (the lines after a leading call), and at the
+    end if the output had calls; otherwise it goes out with the text after it."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._sent = False
+        self.had_call = False
+
+    def push(self, text: str) -> str:
+        if not text:
+            return ""
+        stripped = text.rstrip(WHITESPACE)
+        if not stripped:
+            self._pending += text
+            return ""
+        if not self._sent and self.had_call:
+            self._pending = ""
+            stripped = stripped.lstrip(WHITESPACE)
+        out = self._pending + stripped
+        self._pending = text[len(text.rstrip(WHITESPACE)):]
+        self._sent = True
+        return out
+
+    def finish(self) -> str:
+        pending, self._pending = self._pending, ""
+        return "" if self.had_call else pending
+
+
+@dataclass
+class CallProgress:
+    """What a stream already sent of one call."""
+
+    index: int
+    name_sent: bool = False
+    args_sent: int = 0  # characters of arguments sent
+
+    def update(self, name: str | None, arguments: str) -> ToolCallDelta | None:
+        """The delta that brings the client up to (name, arguments); None if nothing is new."""
+        if name is None:
+            return None  # arguments wait for the name: a call is announced by its name
+        delta = ToolCallDelta(self.index)
+        if not self.name_sent:
+            delta.name = name
+            self.name_sent = True
+        if len(arguments) > self.args_sent:
+            delta.arguments = arguments[self.args_sent:]
+            self.args_sent = len(arguments)
+        return delta if delta.name is not None or delta.arguments else None

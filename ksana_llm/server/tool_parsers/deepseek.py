@@ -1,0 +1,65 @@
+"""DeepSeek's tool-call formats.
+
+V3 / R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`. V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
+"""
+
+from __future__ import annotations
+
+from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
+from ksana_llm.server.tool_parsers.json_scan import partial_value, skip_ws
+from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
+
+CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+CALLS_END = "<｜tool▁calls▁end｜>"
+CALL_BEGIN = "<｜tool▁call▁begin｜>"
+CALL_END = "<｜tool▁call▁end｜>"
+SEP = "<｜tool▁sep｜>"
+
+
+def _raw_value(text: str, pos: int) -> str:
+    return partial_value(text, skip_ws(text, pos))
+
+
+def parse_v3_body(body: str) -> BodyScan:
+    sep = body.find(SEP)
+    if sep < 0:
+        return BodyScan()
+    newline = body.find("\n", sep + len(SEP))
+    if newline < 0:
+        return BodyScan()  # the name may still grow
+    name = body[sep + len(SEP):newline].strip()
+    if not name:
+        return BodyScan()
+    rest = body[newline + 1:]
+    fence = rest.find("```")
+    if fence < 0:
+        return BodyScan(name)
+    line_end = rest.find("\n", fence)
+    if line_end < 0:
+        return BodyScan(name)  # still inside the fence line ("```json")
+    return BodyScan(name, _raw_value(rest, line_end + 1))
+
+
+def parse_v31_body(body: str) -> BodyScan:
+    sep = body.find(SEP)
+    if sep < 0:
+        return BodyScan()
+    name = body[:sep].strip()
+    if not name:
+        return BodyScan()
+    return BodyScan(name, _raw_value(body, sep + len(SEP)))
+
+
+class DeepSeekV3ToolParser(ToolParser):
+    name = "deepseek_v3"
+
+    def stream(self) -> ToolCallStream:
+        return TaggedToolStream(CALL_BEGIN, CALL_END, parse_v3_body, ignored=(CALLS_BEGIN, CALLS_END))
+
+
+class DeepSeekV31ToolParser(ToolParser):
+    name = "deepseek_v31"
+
+    def stream(self) -> ToolCallStream:
+        return TaggedToolStream(CALL_BEGIN, CALL_END, parse_v31_body, ignored=(CALLS_BEGIN, CALLS_END))

@@ -1,0 +1,148 @@
+"""Outputs that *are* a sequence of JSON call objects rather than content with tagged calls:
+Llama 3's `{"name": ..., "parameters": ...}; {...}` and the `[{"name": ..., "parameters": ...}]`
+array that `tool_choice="required"` constrains the model to."""
+
+from __future__ import annotations
+
+from ksana_llm.server.tool_parsers.base import (
+    CallProgress,
+    ContentGate,
+    ParsedDelta,
+    ToolCallStream,
+    held_prefix,
+)
+from ksana_llm.server.tool_parsers.json_scan import scan_call_object, skip_ws
+
+_START, _OBJECT, _SEPARATOR, _CONTENT, _DROP = range(5)
+
+
+class JsonCallSequenceStream(ToolCallStream):
+    """`[lead tags] OPEN? {call} (SEP {call})* CLOSE?` -> tool calls; anything else is content.
+
+    The output counts as calls only if its first visible character is `open` (after any `lead`
+    tags, which are dropped). An object without a "name" ends the calls: it and everything after
+    it are content. An object that is not JSON ends them too: given back as content if its name
+    was never sent, dropped otherwise (the call it started was already streamed).
+    """
+
+    def __init__(self, *, open: str, separator: str, close: str | None = None,
+                 lead: tuple[str, ...] = ()) -> None:
+        self._open = open
+        self._separator = separator
+        self._close = close
+        self._lead = lead
+        self._state = _START
+        self._text = ""  # everything received
+        self._pos = 0  # where the undecided text starts
+        self._prefix = ""  # leading whitespace of the output, content if it turns out to be content
+        self._region = 0  # where the calls start (after the lead tags)
+        self._call: CallProgress | None = None
+        self._num_calls = 0
+        self._gate = ContentGate()
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._text += text
+        out = ParsedDelta()
+        self._advance(out)
+        return out
+
+    def _advance(self, out: ParsedDelta) -> None:
+        while True:
+            text, pos = self._text, self._pos
+            if self._state == _CONTENT:
+                out.content += self._gate.push(text[pos:])
+                self._pos = len(text)
+                return
+            if self._state == _DROP:
+                self._pos = len(text)
+                return
+            if self._state == _START:
+                i = skip_ws(text, pos)
+                self._prefix += text[pos:i]
+                self._pos = i
+                rest = text[i:]
+                tag = next((t for t in self._lead if rest.startswith(t)), None)
+                if tag is not None:
+                    self._pos = i + len(tag)
+                    continue
+                if not rest or (held_prefix(rest, self._lead) == len(rest)):
+                    return  # undecided: more whitespace, or a lead tag being spelled out
+                self._region = i
+                if rest.startswith(self._open):
+                    self._pos = i + (0 if self._open == "{" else len(self._open))
+                    self._state = _OBJECT
+                else:
+                    self._to_content(i)
+                continue
+            if self._state == _OBJECT:
+                i = skip_ws(text, pos)
+                if i >= len(text):
+                    return
+                if text[i] != "{":
+                    if self._close is not None and text[i] == self._close:
+                        self._pos = i
+                        self._state = _SEPARATOR
+                    else:
+                        self._to_content(i)
+                    continue
+                scan = scan_call_object(text, i)
+                if scan.name is not None:
+                    if self._call is None:
+                        self._call = CallProgress(self._num_calls)
+                        self._num_calls += 1
+                        self._gate.had_call = True
+                    delta = self._call.update(scan.name, scan.arguments(text))
+                    if delta is not None:
+                        out.tool_calls.append(delta)
+                if scan.invalid:
+                    if self._call is not None:
+                        self._state = _DROP
+                    else:
+                        self._to_content(i)
+                    self._call = None
+                    continue
+                if scan.end is None:
+                    self._pos = i  # rescan from the object's start when more text comes
+                    return
+                if self._call is None:  # a complete object without a name: not a call
+                    self._to_content(i)
+                    continue
+                self._call = None
+                self._pos = scan.end
+                self._state = _SEPARATOR
+                continue
+            # _SEPARATOR: after an object (or after `close`, where only whitespace may follow)
+            i = skip_ws(text, pos)
+            if i >= len(text):
+                return
+            if text[i] == self._separator:
+                self._pos = i + 1
+                self._state = _OBJECT
+            elif self._close is not None and text[i] == self._close:
+                self._pos = i + 1
+                self._close = None  # closed: whatever follows is content
+            else:
+                self._to_content(i)
+
+    def _to_content(self, pos: int) -> None:
+        """Everything from `pos` on is content; before any call, the whole output is (less the
+        lead tags), so a plain answer passes through unchanged."""
+        self._state = _CONTENT
+        if self._num_calls == 0:
+            self._gate.push(self._prefix)  # held by the gate until visible text follows
+            self._pos = self._region
+        else:
+            self._pos = pos
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._state == _START:
+            # Never decided: whitespace (and maybe half a lead tag) is content.
+            out.content += self._gate.push(self._prefix + self._text[self._pos:])
+        elif self._state == _OBJECT and self._call is None:
+            # Cut off inside an object whose name never came: content after all.
+            self._to_content(self._pos)
+            self._advance(out)
+        self._pos = len(self._text)
+        out.content += self._gate.finish()
+        return out

@@ -1,0 +1,188 @@
+"""Beam search on the real default model: the same sequences and scores as
+`transformers.generate(num_beams=k)`, through batching, preemption (both modes) and block forking;
+invalid combinations are ValueErrors naming the field."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ksana_llm as kt
+
+MAX_NEW = 12
+
+# (num_beams, num_return_sequences, length_penalty, early_stopping)
+CASES = [
+    (2, 2, 1.0, False),
+    (4, 4, 0.6, True),
+    (4, 3, 1.5, "never"),
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):
+    """A chat answer that ends with EOS inside the limit (finished hypotheses compete with running
+    beams) and raw text that runs to the limit."""
+    tok = default_model.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    return [tok.encode(chat), tok.encode("The three primary colors are")]
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def _config(num_beams, num_return, length_penalty, early_stopping, **kwargs) -> kt.GenerationConfig:
+    return kt.GenerationConfig(max_new_tokens=MAX_NEW, num_beams=num_beams,
+                               num_return_sequences=num_return, length_penalty=length_penalty,
+                               early_stopping=early_stopping, **kwargs)
+
+
+def _hf_beams(hf_model, ids: list[int], config: kt.GenerationConfig, eos: tuple[int, ...]):
+    """transformers' returned sequences (generated part, cut after the first EOS: the rest is
+    padding) and their sequences_scores."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=config.max_new_tokens, do_sample=False,
+            num_beams=config.num_beams, num_return_sequences=config.num_return_sequences,
+            length_penalty=config.length_penalty, early_stopping=config.early_stopping,
+            repetition_penalty=config.repetition_penalty,
+            no_repeat_ngram_size=config.no_repeat_ngram_size or None,
+            return_dict_in_generate=True, output_scores=True)
+    sequences = []
+    for row in out.sequences[:, len(ids):].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        sequences.append(row[:cut])
+    return sequences, out.sequences_scores.tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts, default_model):
+    """(prompt index, case) -> transformers' beams, for the prompt/case pairs the tests use."""
+    pairs = [(0, c) for c in CASES] + [(1, CASES[0])]
+    return {(p, case): _hf_beams(hf_model, prompts[p], _config(*case), default_model.eos_token_ids)
+            for p, case in pairs}
+
+
+def _assert_same(out: kt.RequestOutput, expected) -> None:
+    sequences, scores = expected
+    assert [s.token_ids for s in out.sequences] == sequences
+    ours = [s.score for s in out.sequences]
+    assert ours == pytest.approx(scores, abs=2e-4), (ours, scores)
+    assert out.token_ids == sequences[0] and out.text == out.sequences[0].text
+    for s in out.sequences:
+        assert s.finish_reason == ("stop" if len(s.token_ids) < MAX_NEW else "length") or (
+            s.token_ids[-1] == 2 and s.finish_reason == "stop")
+
+
+def _run(engine, prompts, reference) -> list[kt.RequestOutput]:
+    keys = list(reference)
+    return engine.generate_outputs([prompts[p] for p, _ in keys], [_config(*c) for _, c in keys],
+                                   use_tqdm=False)
+
+
+def test_beams_and_scores_match_transformers(default_model, prompts, reference):
+    # Every case at once: beam groups of different widths share the batch.
+    with kt.Engine(default_model, num_device_blocks=256) as engine:
+        outs = _run(engine, prompts, reference)
+        assert engine.stats().num_free_kv_blocks == 256
+    for out, key in zip(outs, reference):
+        _assert_same(out, reference[key])
+    # Hypotheses that ended with EOS competed with running beams (and won, for the chat prompt).
+    assert outs[0].sequences[0].token_ids[-1] in default_model.eos_token_ids
+    assert any(len(s.token_ids) == MAX_NEW for o in outs for s in o.sequences)
+
+
+@pytest.mark.parametrize("preempt_mode", [0, 1], ids=["swap", "recompute"])
+def test_beams_survive_preemption(default_model, prompts, reference, preempt_mode):
+    # 7 blocks of 8 tokens: five beam requests (up to 4 beams of ~30 tokens) cannot all fit.
+    with kt.Engine(default_model, num_device_blocks=7, block_token_num=8,
+                   preempt_mode=preempt_mode) as engine:
+        outs = _run(engine, prompts, reference)
+        stats = engine.stats()
+        assert stats.num_preemptions > 0
+        assert stats.num_free_kv_blocks == 7 and stats.num_swapped == 0
+    for out, key in zip(outs, reference):
+        _assert_same(out, reference[key])
+
+
+def test_beams_fork_blocks_instead_of_copying(default_model):
+    ids = default_model.tokenizer.encode(
+        "The history of the printing press begins in the fifteenth century, when movable type "
+        "changed how books were made across Europe. In short,")
+    block = 4
+    with kt.Engine(default_model, num_device_blocks=64, block_token_num=block,
+                   enable_prefix_caching=False) as engine:
+        out = engine.generate_outputs(ids, _config(4, 4, 1.0, False), use_tqdm=False)[0]
+        peak = engine.stats().peak_used_kv_blocks
+    assert len(out.sequences) == 4
+    per_beam = -(-(len(ids) + MAX_NEW) // block)
+    prompt_blocks = len(ids) // block
+    # Four private copies would need 4 * per_beam blocks; forks share the prompt's full blocks,
+    # each beam holding only its own tail (plus, for a moment, a copy-on-write block).
+    assert prompt_blocks >= 5
+    assert peak <= prompt_blocks + 4 * (per_beam - prompt_blocks + 1) < 4 * per_beam
+
+
+def test_beam_search_with_penalties_matches_transformers(default_model, hf_model, prompts):
+    config = _config(2, 2, 1.0, False, repetition_penalty=1.3, no_repeat_ngram_size=2)
+    expected = _hf_beams(hf_model, prompts[1], config, default_model.eos_token_ids)
+    with kt.Engine(default_model, num_device_blocks=64) as engine:
+        out, plain = engine.generate_outputs([prompts[1]] * 2, [config, _config(2, 2, 1.0, False)],
+                                             use_tqdm=False)
+    _assert_same(out, expected)
+    # The processors change the beams (plain beams equal transformers' by the test above).
+    assert [s.token_ids for s in plain.sequences] != expected[0]
+
+
+def test_beam_logprobs_and_abort(default_model, prompts):
+    with kt.Engine(default_model, num_device_blocks=64) as engine:
+        out = engine.generate_outputs(prompts[0], _config(2, 2, 1.0, False, logprobs=2),
+                                      use_tqdm=False)[0]
+        for s in out.sequences:
+            assert len(s.logprobs) == len(s.token_ids)
+            assert [e["token_id"] for e in s.logprobs] == s.token_ids
+            assert all(len(e["top_logprobs"]) == 2 for e in s.logprobs)
+            # Without processors the beam's summed log-prob is that of its raw token log-probs.
+            assert s.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in s.logprobs),
+                                                         abs=1e-4)
+            assert s.score == pytest.approx(s.cumulative_logprob / len(s.token_ids), abs=1e-5)
+        config = _config(4, 2, 1.0, False, ignore_eos=True).replace(max_new_tokens=400)
+        handle = engine.submit(kt.Request(prompts[1], config))
+        end = time.monotonic() + 30
+        while engine.stats().num_running < 4 and time.monotonic() < end:
+            time.sleep(0.01)  # the beams have forked
+        assert engine.stats().num_running == 4
+        engine.abort(handle.id)
+        aborted = handle.result(timeout=60)
+        assert aborted.finish_reason == "abort" and aborted.finished
+        end = time.monotonic() + 10
+        while engine.stats().num_free_kv_blocks != 64 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert engine.stats().num_free_kv_blocks == 64
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"do_sample": True}, "do_sample"),
+    ({"top_k": 5}, "top_k"),
+    ({"top_p": 0.9}, "top_p"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"num_return_sequences": 3}, "num_return_sequences"),
+    ({"best_of": 2}, "best_of"),
+    ({"stop": ["x"]}, "stop"),
+    ({"structured_output": {"kind": "json_object"}}, "structured_output"),
+    ({"num_beams": 1, "length_penalty": 2.0}, "length_penalty"),
+    ({"num_beams": 1, "early_stopping": True}, "early_stopping"),
+    ({"num_beams": 1000}, "num_beams"),
+])
+def test_invalid_beam_combinations_name_the_field(local_engine, changes, field):
+    config = {"num_beams": 2, "num_return_sequences": 2, **changes}
+    with pytest.raises(ValueError, match=field):
+        local_engine.submit(kt.Request("Hi", config))
+    assert local_engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))

@@ -1,0 +1,245 @@
+"""CUDA graphs for decode steps and the profiled KV-cache sizing.
+
+On CPU the graph path runs as `capture=False`: the same static buffers, padding and bucketed
+forward, eagerly, with the Triton kernels in their interpreter (TRITON_INTERPRET=1). On a CUDA
+machine the same test captures and replays real graphs. Either way the logits and the KV cache
+must equal those of the normal (eager, unpadded) path step for step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from ksana_llm.api.model import Model  # noqa: E402
+from ksana_llm.engine.kv_cache import BlockManager  # noqa: E402
+from ksana_llm.engine.request import Sequence  # noqa: E402
+from ksana_llm.generation_config import GenerationConfig  # noqa: E402
+from ksana_llm.layers.moe import FusedExperts  # noqa: E402
+from ksana_llm.runner.cuda_graphs import (DecodeInputs, choose_bucket,  # noqa: E402
+                                          graph_batch_sizes, unsupported_reason)
+from ksana_llm.runner.memory import (MemoryProfile, kv_blocks_from_profile,  # noqa: E402
+                                     profile_step, run_profile_step)
+from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput  # noqa: E402
+from tests.tiny_models import build_tiny_model  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+GiB, MiB = 2**30, 2**20
+
+
+# ---- buckets ------------------------------------------------------------------------------------
+def test_graph_batch_sizes_and_bucket_choice():
+    sizes = graph_batch_sizes(256)
+    assert sizes[:6] == (1, 2, 4, 8, 16, 24) and sizes[-1] == 256 and len(sizes) == 35
+    assert all(b - a == 8 for a, b in zip(sizes[4:], sizes[5:]))
+    assert graph_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert graph_batch_sizes(1) == (1,)
+    assert [choose_bucket(n, sizes) for n in (1, 3, 5, 8, 9, 17, 250, 256)] == \
+        [1, 4, 8, 8, 16, 24, 256, 256]
+    assert choose_bucket(257, sizes) is None
+    with pytest.raises(ValueError, match="cuda_graph_max_batch_size"):
+        graph_batch_sizes(0)
+
+
+# ---- static buffers -----------------------------------------------------------------------------
+def _decode_slices(seed: int, n: int, block_size: int, num_blocks: int) -> list[SeqSlice]:
+    """n decode rows with random contexts and block tables scattered over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    slices = []
+    for _ in range(n):
+        start = int(torch.randint(0, 40, (1,), generator=gen))
+        table = torch.randperm(num_blocks, generator=gen)[:start // block_size + 1].tolist()
+        slices.append(SeqSlice([int(torch.randint(3, 250, (1,), generator=gen))], start, table, True))
+    return sorted(slices, key=lambda s: s.start)  # build() orders decodes this way
+
+
+def test_static_buffers_hold_the_unpadded_batch_then_padding(tmp_path):
+    """Filled for n rows in a larger bucket, the buffers' first n rows equal what the normal
+    batch builder makes of the same rows; the padding rows write no slot and read no context."""
+    build_tiny_model("llama2", tmp_path)
+    module = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False).module
+    block_size, num_blocks = 4, 64
+    runner = ModelRunner(module, device=torch.device("cpu"), dtype=torch.float32,
+                         num_blocks=num_blocks, block_size=block_size, attention_backend="triton")
+    inputs = DecodeInputs(16, 12, torch.device("cpu"), block_size)
+    for seed, n, bucket in ((0, 13, 16), (1, 3, 4), (2, 5, 8)):  # big, then smaller: no stale rows
+        slices = _decode_slices(seed, n, block_size, num_blocks)
+        ids, positions, meta, _, _ = runner.build(slices)
+        inputs.fill([s.token_ids[0] for s in slices], [s.start for s in slices],
+                    [s.block_table for s in slices], bucket)
+        kb = meta.kernel_batch
+        assert inputs.input_ids(bucket)[:n].tolist() == ids.tolist()
+        assert inputs.positions(bucket)[:n].tolist() == positions.tolist()
+        assert inputs.slots(bucket)[:n].tolist() == meta.slot_mapping.tolist()
+        assert inputs.context_lens(bucket)[:n].tolist() == kb.decode_context_lens.tolist()
+        for row, s in enumerate(slices):
+            used = len(s.block_table)
+            assert inputs.block_tables(bucket)[row, :used].tolist() == \
+                kb.decode_block_tables[row, :used].tolist()
+        assert inputs.slots(bucket)[n:].tolist() == [-1] * (bucket - n)
+        assert inputs.context_lens(bucket)[n:].tolist() == [0] * (bucket - n)
+        assert inputs.input_ids(bucket)[n:].tolist() == [0] * (bucket - n)
+        meta_static = inputs.metadata(bucket, None)
+        assert meta_static.num_decodes == bucket
+        assert meta_static.kernel_batch.decode_block_tables.shape == (bucket, 12)
+    assert not inputs.fits([[0] * 13])  # wider than the buffers: runs eagerly
+    assert inputs.fits([[0] * 12] * 16) and not inputs.fits([[0]] * 17)
+
+
+# ---- when graphs are used -----------------------------------------------------------------------
+def test_graphs_are_skipped_with_the_reason(tmp_path):
+    build_tiny_model("llama2", tmp_path)
+    module = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False).module
+    runner = ModelRunner(module, device=torch.device("cpu"), dtype=torch.float32, num_blocks=8,
+                         block_size=4, attention_backend="triton")
+    assert runner.decode_graphs is None
+    assert runner.cuda_graph_status.startswith("off: device is cpu")
+    off = ModelRunner(module, device=torch.device("cpu"), dtype=torch.float32, num_blocks=8,
+                      block_size=4, cuda_graphs=False)
+    assert off.decode_graphs is None and "disabled" in off.cuda_graph_status
+
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    assert unsupported_reason(module, cuda, "triton") is None
+    assert "triton" in unsupported_reason(module, cuda, "torch")
+    moe = torch.nn.ModuleDict({"experts": FusedExperts(4, 8, 16)})
+    assert "syncs with the host" in unsupported_reason(moe, cuda, "triton")
+    moe.supports_cuda_graphs = True  # a model may vouch for itself
+    assert unsupported_reason(moe, cuda, "triton") is None
+    module.supports_cuda_graphs = False
+    try:
+        assert "syncs with the host" in unsupported_reason(module, cuda, "triton")
+    finally:
+        del module.supports_cuda_graphs
+    with pytest.raises(ValueError, match="triton"):
+        ModelRunner(module, device=torch.device("cpu"), dtype=torch.float32, num_blocks=8,
+                    block_size=4, attention_backend="torch").setup_cuda_graphs(4, capture=False)
+
+
+# ---- the graph path computes what the eager path computes --------------------------------------
+class TwinDrivers:
+    """One block manager feeding two runners over the same weights: eager, and graphs."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, max_graph_batch: int) -> None:
+        self.block_size, num_blocks = 4, 96
+        self.bm = BlockManager(num_blocks, self.block_size)
+        common = dict(device=device, dtype=torch.float32, num_blocks=num_blocks,
+                      block_size=self.block_size, attention_backend="triton")
+        self.eager = ModelRunner(module, cuda_graphs=False, **common)
+        self.graphs = ModelRunner(module, cuda_graphs=False, **common)
+        self.graphs.setup_cuda_graphs(max_graph_batch, capture=device.type == "cuda")
+
+    def step(self, work: list[tuple[Sequence, int, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
+        slices = []
+        for seq, n, sample in work:
+            assert self.bm.allocate(seq, n)
+            start = seq.num_computed_tokens
+            slices.append(SeqSlice(seq.tokens_slice(start, start + n), start, seq.block_table,
+                                   sample))
+        results = [runner.execute(StepInput(slices, [], []))
+                   for runner in (self.eager, self.graphs)]
+        for seq, n, _ in work:
+            seq.num_computed_tokens += n
+        # Logits rows follow `sampled`, which each path may order its own way: slice order here.
+        assert sorted(results[0].sampled) == sorted(results[1].sampled)
+        return tuple(r.logits[torch.tensor(r.sampled).argsort()] for r in results)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["yi-gqa4-bias", "mistral-sliding"])
+def test_graph_decode_equals_eager_decode(tmp_path, device, name):
+    hf = build_tiny_model(name, tmp_path)
+    module = Model.from_pretrained(tmp_path, device=device, dtype="float32",
+                                   progress=False).module
+    twins = TwinDrivers(module, torch.device(device), max_graph_batch=8)
+    graphs = twins.graphs.decode_graphs
+    torch.manual_seed(3)
+    seqs = [Sequence(f"s{i}", torch.randint(3, 256, (n,)).tolist(), GenerationConfig())
+            for i, n in enumerate((5, 17, 30, 9, 26, 3, 12, 21, 14))]
+    eager, _ = twins.step([(seq, seq.num_tokens, True) for seq in seqs])  # prefill: eager in both
+    for seq, row in zip(seqs, eager):
+        seq.output_token_ids.append(int(row.argmax()))
+
+    def decode(rows: list[Sequence], sample: list[bool] | None = None) -> None:
+        flags = sample or [True] * len(rows)
+        before = graphs.steps_run
+        eager, graph = twins.step([(s, 1, f) for s, f in zip(rows, flags)])
+        assert graphs.steps_run == before + (len(rows) <= 8)
+        torch.testing.assert_close(graph, eager, atol=2e-5, rtol=1e-5)
+        # Greedy continuation: the next step feeds the argmax back.
+        for k, i in enumerate(i for i, f in enumerate(flags) if f):
+            rows[i].output_token_ids.append(int(eager[k].argmax()))
+        for i, f in enumerate(flags):
+            if not f:
+                rows[i].output_token_ids.append(7)
+
+    for _ in range(5):  # contexts grow across block boundaries (block size 4)
+        decode(seqs[:3])  # bucket 4 with one padding row
+        decode(seqs[3:8])  # bucket 8 with three
+        decode(seqs[8:9])  # bucket 1
+    decode(seqs[:5], sample=[True, False, True, True, False])  # logits of some rows only
+    decode(seqs)  # 9 rows: beyond the largest bucket, eager in both
+    for (ek, ev), (gk, gv) in zip(twins.eager.kv_caches, twins.graphs.kv_caches):
+        # Same cache: the padding rows wrote nothing, the real rows wrote the same K/V.
+        torch.testing.assert_close(gk, ek, atol=1e-6, rtol=0)
+        torch.testing.assert_close(gv, ev, atol=1e-6, rtol=0)
+    del hf
+
+
+# ---- KV sizing from a profiled step -------------------------------------------------------------
+def test_kv_blocks_from_profile_arithmetic():
+    profile = MemoryProfile(total=100 * GiB, peak_used=10 * GiB, activation_peak=2 * GiB)
+    # (100 GiB * (0.9 - 0.01) - 10 GiB) / 1 MiB
+    assert kv_blocks_from_profile(profile, MiB, ratio=0.9, reserved_ratio=0.01) == 79 * 1024
+    assert kv_blocks_from_profile(profile, MiB, ratio=None, reserved_ratio=0.01) == 79 * 1024
+    assert kv_blocks_from_profile(profile, 3 * MiB, ratio=0.5, reserved_ratio=0.0) == \
+        int(40 * GiB // (3 * MiB))
+    with pytest.raises(ValueError, match="block_device_memory_ratio"):
+        kv_blocks_from_profile(profile, MiB, ratio=0.1, reserved_ratio=0.01)
+
+
+def test_profile_step_is_the_largest_step():
+    step, num_blocks = profile_step(2048, 256, 16)
+    slices = step.slices
+    assert len(slices) == 256 and sum(s.num_tokens for s in slices) == 2048
+    assert slices[0].num_tokens == 2048 - 255 and all(s.num_tokens == 1 for s in slices[1:])
+    assert all(s.sample for s in slices)
+    assert num_blocks == -(-1793 // 16) + 1
+    assert max(b for s in slices for b in s.block_table) == num_blocks - 1
+    step, num_blocks = profile_step(4, 16, 16)  # more rows than tokens: one token each
+    assert [s.num_tokens for s in step.slices] == [1, 1, 1, 1] and num_blocks == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_profile_step_runs_through_runner_and_sampler(tmp_path, backend):
+    build_tiny_model("llama2", tmp_path)
+    module = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False).module
+    tokens = run_profile_step(module, device=torch.device("cpu"), dtype=torch.float32,
+                              block_size=4, max_step_tokens=48, max_num_seqs=6,
+                              attention_backend=backend)
+    assert tokens.shape == (6,) and 0 <= int(tokens.min()) and int(tokens.max()) < 256
+
+
+# ---- the GPU benchmark script, on CPU ------------------------------------------------------------
+def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
+    """`benchmarks/gpu/bench_engine.py --smoke`: the whole GPU benchmark with tiny shapes on the
+    CPU, both models, ours against HF generate_batch, graphs on and off."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--out", str(tmp_path)]) == 0
+    for name in ("qwen3-0.6b", "llama-3-8b"):
+        report = json.loads((tmp_path / f"engine_{name}.json").read_text())
+        ours = report["throughput"]["ksana_llm"]
+        assert ours["exact_lengths"] and ours["output_tokens"] == report["workload"]["output_tokens"]
+        assert report["throughput"]["hf_generate_batch"]["output_tokens_per_s"] > 0
+        assert report["ratio_vs_hf_generate_batch"] > 0
+        assert report["cuda_graphs"]["on"]["status"].startswith("off: device is cpu")
+        assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
+        assert report["batch1"]["graphs_off"]["ms_per_token"] > 0

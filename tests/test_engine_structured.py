@@ -1,0 +1,69 @@
+"""Structured output through the engine on the real default model: the output validates against
+the JSON schema (jsonschema) or matches the regex, and ends with finish_reason "stop"."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+import ksana_llm as kt
+from ksana_llm.generation_config import StructuredOutputSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population_millions", "capital"],
+    "additionalProperties": False,
+}
+REGEX = r"(Paris|London|Rome), [0-9]{1,2} (million|thousand)"
+
+
+def _chat(model, text: str) -> str:
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=False)
+
+
+def test_json_schema_output_validates(default_model, local_engine):
+    prompt = _chat(default_model, "Describe Paris as JSON with its city name, population in "
+                                  "millions and whether it is a capital.")
+    config = kt.GenerationConfig(max_new_tokens=60, structured_output=StructuredOutputSpec(
+        "json_schema", json.dumps(SCHEMA)))
+    free, out = local_engine.generate_outputs(
+        [prompt, prompt], [kt.GenerationConfig(max_new_tokens=60), config], use_tqdm=False)
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert out.finish_reason == "stop" and out.token_ids[-1] in default_model.eos_token_ids
+    with pytest.raises((ValueError, jsonschema.ValidationError)):  # the constraint did something
+        jsonschema.validate(json.loads(free.text), SCHEMA)
+
+
+def test_regex_and_json_object_with_several_samples(default_model, local_engine):
+    prompt = _chat(default_model, "Which city is the capital of France, and how many people "
+                                  "live there?")
+    regex = kt.GenerationConfig(max_new_tokens=30, do_sample=True, seed=3, num_return_sequences=3,
+                                structured_output=StructuredOutputSpec("regex", REGEX))
+    obj = kt.GenerationConfig(max_new_tokens=40, structured_output={"kind": "json_object"})
+    obj_prompt = _chat(default_model, "Give the capital of France as a JSON object with one key.")
+    out, out_obj = local_engine.generate_outputs([prompt, obj_prompt], [regex, obj], use_tqdm=False)
+    assert len(out.sequences) == 3
+    for s in out.sequences:  # each sample has its own grammar state
+        assert re.fullmatch(REGEX, s.text), s.text
+        assert s.finish_reason == "stop"
+    assert isinstance(json.loads(out_obj.text), dict) and out_obj.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputSpec("json_schema", '{"type": "object", "properties": 5}'),
+    StructuredOutputSpec("json_schema", "{not json"),
+    StructuredOutputSpec("regex", "(unclosed"),
+])
+def test_invalid_spec_is_a_value_error_at_submit(local_engine, spec):
+    with pytest.raises(ValueError, match="structured_output"):
+        local_engine.submit(kt.Request("Hi", kt.GenerationConfig(structured_output=spec)))
+    assert local_engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))

@@ -1,0 +1,520 @@
+"""Triton kernels vs their torch references, and the references vs dense attention / the layers.
+
+Without CUDA the kernels run in triton's interpreter (TRITON_INTERPRET=1, set before anything
+imports triton's kernels) on CPU tensors; with CUDA the same tests run natively on the GPU, adding
+bf16. The interpreter cannot test bf16 (its bf16 tl.dot returns garbage and its fp32->bf16 cast
+truncates), and accepts code a GPU compile rejects: `test_kernels_compile_for_hopper` compiles
+every kernel for sm_90 ahead of time to close that gap.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from ksana_llm import kernels  # noqa: E402
+from ksana_llm.kernels import reference as ref  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# (atol, rtol) of a kernel against the fp32-math reference on the same inputs.
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 2e-2), torch.bfloat16: (3e-2, 5e-2)}
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@pytest.fixture(params=[DEVICE])
+def device(request) -> str:
+    """The device the kernels run on: cuda natively when present, else cpu (interpreter)."""
+    return request.param
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# --------------------------------------------------------------------------------------------
+# A batch of sequences whose K/V live in a paged cache at random, non-contiguous blocks.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PagedBatch:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, W] int32
+    lens: list[int]
+    dense_k: list[torch.Tensor]  # per sequence [L, Hkv, D]: what was scattered into the cache
+    dense_v: list[torch.Tensor]
+
+
+def make_paged_batch(lens: list[int], *, block_size: int, kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: str, seed: int = 0,
+                     v_head_dim: int | None = None) -> PagedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    v_head_dim = v_head_dim or head_dim
+    per_seq = [-(-n // block_size) for n in lens]
+    width = max(per_seq + [1]) + 1  # a spare column: its (junk) block must never be read
+    num_blocks = sum(per_seq) + 3  # spare blocks full of noise
+    # Noise everywhere, so a kernel reading a slot it should not changes its result.
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, v_head_dim, generator=gen)
+    block_tables = torch.randint(0, num_blocks, (len(lens), width), generator=gen,
+                                 dtype=torch.int32)
+    order = torch.randperm(num_blocks, generator=gen)
+    dense_k, dense_v = [], []
+    used = 0
+    for b, n in enumerate(lens):
+        block_tables[b, :per_seq[b]] = order[used:used + per_seq[b]].int()
+        used += per_seq[b]
+        k = torch.randn(n, kv_heads, head_dim, generator=gen)
+        v = torch.randn(n, kv_heads, v_head_dim, generator=gen)
+        pos = torch.arange(n)
+        blocks = block_tables[b].long()[pos // block_size]
+        k_cache[blocks, pos % block_size] = k
+        v_cache[blocks, pos % block_size] = v
+        dense_k.append(k.to(device, dtype))
+        dense_v.append(v.to(device, dtype))
+    return PagedBatch(k_cache.to(device, dtype), v_cache.to(device, dtype),
+                      block_tables.to(device), list(lens), dense_k, dense_v)
+
+
+def random_q(num: int, heads: int, head_dim: int, dtype: torch.dtype, device: str,
+             seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num, heads, head_dim, generator=gen).to(device, dtype)
+
+
+def slopes_for(heads: int, device: str) -> torch.Tensor:
+    # Gentle slopes, so that keys hundreds of tokens back still carry weight.
+    return torch.linspace(0.004, 0.06, heads, device=device)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    scale: float, window: int | None, slopes: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """SDPA over unpaged K/V with the mask built from first principles: q [n, Hq, D] at
+    absolute positions q_pos, k / v [L, Hkv, *] at positions 0..L-1."""
+    group = q.shape[1] // k.shape[1]
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    dist = q_pos[:, None] - k_pos[None, :]  # how far back each key is
+    visible = (dist >= 0) & ((dist < window) if window else True)
+    bias = torch.zeros(q.shape[1], *dist.shape, device=q.device)
+    if slopes is not None:
+        bias = -slopes.float()[:, None, None] * dist[None].float()
+    bias = bias.masked_fill(~visible[None], float("-inf"))
+    # The math backend: exact fp32 on CUDA too (no fused kernel with its own precision).
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None],
+            k.float().repeat_interleave(group, 1).transpose(0, 1)[None],
+            v.float().repeat_interleave(group, 1).transpose(0, 1)[None],
+            attn_mask=bias[None], scale=scale)
+    return out[0].transpose(0, 1)
+
+
+WINDOW_ALIBI = [pytest.param(None, False, id="plain"), pytest.param(24, False, id="window"),
+                pytest.param(None, True, id="alibi"), pytest.param(40, True, id="window+alibi")]
+
+
+# --------------------------------------------------------------------------------------------
+# The references are right: dense attention, and the layers' own norm / rotary.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window, alibi", WINDOW_ALIBI)
+def test_attention_references_match_dense_sdpa(window, alibi):
+    heads, kv_heads, head_dim = 4, 2, 16
+    batch = make_paged_batch([1, 30, 75], block_size=8, kv_heads=kv_heads, head_dim=head_dim,
+                             v_head_dim=12, dtype=torch.float32, device="cpu")
+    slopes = slopes_for(heads, "cpu") if alibi else None
+    scale = head_dim ** -0.5
+    lens = torch.tensor(batch.lens, dtype=torch.int32)
+    q = random_q(3, heads, head_dim, torch.float32, "cpu")
+    decode = ref.paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                            lens, scale, sliding_window=window,
+                                            alibi_slopes=slopes)
+    for b, n in enumerate(batch.lens):
+        expected = dense_attention(q[b:b + 1], batch.dense_k[b], batch.dense_v[b],
+                                   torch.tensor([n - 1]), scale, window, slopes)
+        torch.testing.assert_close(decode[b:b + 1], expected, atol=1e-5, rtol=1e-5)
+
+    q_lens = [1, 12, 75]  # a decode-like chunk, a chunk after a cached prefix, a full prefill
+    starts = torch.tensor([0, 1, 13, 88], dtype=torch.int32)
+    qp = random_q(88, heads, head_dim, torch.float32, "cpu")
+    prefill = ref.paged_prefill_attention_ref(qp, batch.k_cache, batch.v_cache,
+                                              batch.block_tables, starts, lens, scale,
+                                              sliding_window=window, alibi_slopes=slopes)
+    for b, (n, m) in enumerate(zip(batch.lens, q_lens, strict=True)):
+        s = int(starts[b])
+        expected = dense_attention(qp[s:s + m], batch.dense_k[b], batch.dense_v[b],
+                                   torch.arange(n - m, n), scale, window, slopes)
+        torch.testing.assert_close(prefill[s:s + m], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+def test_rms_norm_reference_matches_layer(dtype):
+    from ksana_llm.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=gen))
+    x = torch.randn(5, 48, generator=gen).to(dtype)
+    residual = torch.randn(5, 48, generator=gen).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ref.rms_norm_ref(x, norm.weight, 1e-5), norm(x))
+        out, new_residual = ref.rms_norm_ref(x, norm.weight, 1e-5, residual)
+        layer_out, layer_residual = norm(x, residual)
+    assert torch.equal(out, layer_out) and torch.equal(new_residual, layer_residual)
+
+
+def test_rotary_reference_matches_layer():
+    from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rope = RotaryEmbedding(32, max_positions=64, theta=10000.0)
+    positions = torch.tensor([0, 5, 63, 17])
+    cos, sin = rope.cos_sin(positions, torch.float32)  # [T, 1, D/2]
+    x = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ref.rotary_ref(x, cos, sin), apply_rotary(x, cos, sin),
+                               atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# KV store
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_store_kv_writes_slots_and_skips_padding(device, dtype):
+    kv_heads, head_dim, v_head_dim, block_size = 2, 80, 48, 16
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(6, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(6, block_size, kv_heads, v_head_dim, generator=gen).to(device, dtype)
+    # k and v as strided views of one fused projection output, as the models produce them.
+    fused = torch.randn(7, kv_heads * (head_dim + v_head_dim) + 8, generator=gen).to(device, dtype)
+    k = fused[:, :kv_heads * head_dim].view(7, kv_heads, head_dim)
+    v = fused[:, kv_heads * head_dim:kv_heads * (head_dim + v_head_dim)].view(7, kv_heads,
+                                                                             v_head_dim)
+    slots = torch.tensor([17, -1, 0, 95, 40, -1, 63], device=device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    ref.store_kv_ref(k, v, expected_k, expected_v, slots)
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[5, 15], v[3])  # slot 17, 95
+
+
+# --------------------------------------------------------------------------------------------
+# Decode attention
+# --------------------------------------------------------------------------------------------
+
+DECODE_SHAPES = [  # (block_size, q heads per kv head, head_dim)
+    pytest.param(8, 1, 64, id="bs8-mha-d64"),
+    pytest.param(16, 2, 80, id="bs16-gqa2-d80"),
+    pytest.param(32, 4, 64, id="bs32-gqa4-d64"),
+    pytest.param(64, 2, 96, id="bs64-gqa2-d96"),
+    pytest.param(1, 2, 32, id="bs1-gqa2-d32"),
+    pytest.param(256, 4, 128, id="bs256-gqa4-d128"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("block_size, group, head_dim", DECODE_SHAPES)
+def test_decode_matches_reference(device, dtype, block_size, group, head_dim):
+    kv_heads = 2
+    batch = make_paged_batch([1, 9, 47, 100], block_size=block_size, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=dtype, device=device)
+    q = random_q(4, kv_heads * group, head_dim, dtype, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                         lens, scale)
+    expected = ref.paged_decode_attention_ref(q, batch.k_cache, batch.v_cache,
+                                              batch.block_tables, lens, scale)
+    assert out.dtype == dtype and out.shape == (4, kv_heads * group, head_dim)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("window, alibi", WINDOW_ALIBI)
+def test_decode_window_and_alibi(device, window, alibi):
+    heads, kv_heads, head_dim = 4, 2, 32
+    batch = make_paged_batch([3, 24, 25, 90], block_size=16, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=torch.float32, device=device)
+    q = random_q(4, heads, head_dim, torch.float32, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    slopes = slopes_for(heads, device) if alibi else None
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, 0.2)
+    out = kernels.paged_decode_attention(*args, sliding_window=window, alibi_slopes=slopes)
+    expected = ref.paged_decode_attention_ref(*args, sliding_window=window, alibi_slopes=slopes)
+    assert_close(out, expected, torch.float32)
+
+
+def test_choose_num_splits():
+    # A full batch already fills the GPU: one split, no reduce pass.
+    assert kernels.choose_num_splits(256, 8, 1024, num_sms=132) == 1
+    # Short contexts are never split.
+    assert kernels.choose_num_splits(1, 8, 200, num_sms=132) == 1
+    # One long sequence: split, but never below MIN_SPLIT_TOKENS per split.
+    assert kernels.choose_num_splits(1, 8, 4096, num_sms=132) == 4096 // 256
+    assert kernels.choose_num_splits(4, 8, 32768, num_sms=132) == 9  # ceil(2 * 132 / 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_decode_long_context_splits(device, dtype):
+    """Contexts long enough that the launcher splits them (flash-decoding), plus an empty
+    sequence (context 0, a padded batch slot: output zeros)."""
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    batch = make_paged_batch([700, 0, 300], block_size=block_size, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=dtype, device=device)
+    capacity = batch.block_tables.shape[1] * block_size
+    assert kernels.choose_num_splits(3, kv_heads, capacity, num_sms=132) > 1
+    q = random_q(3, heads, head_dim, dtype, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, head_dim ** -0.5)
+    expected = ref.paged_decode_attention_ref(*args)
+    assert_close(kernels.paged_decode_attention(*args), expected, dtype)
+    assert torch.count_nonzero(expected[1]) == 0
+    # Split counts that do not divide the context, and more splits than tiles (empty splits).
+    for num_splits in (3, 13):
+        assert_close(kernels.paged_decode_attention(*args, num_splits=num_splits), expected,
+                     dtype)
+
+
+def test_decode_splits_with_window_and_alibi(device):
+    heads, kv_heads, head_dim = 4, 1, 32
+    batch = make_paged_batch([650, 130], block_size=32, kv_heads=kv_heads, head_dim=head_dim,
+                             dtype=torch.float32, device=device)
+    q = random_q(2, heads, head_dim, torch.float32, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, 0.15)
+    kw = {"sliding_window": 300, "alibi_slopes": slopes_for(heads, device)}
+    expected = ref.paged_decode_attention_ref(*args, **kw)
+    assert_close(kernels.paged_decode_attention(*args, num_splits=4, **kw), expected,
+                 torch.float32)
+
+
+def test_decode_writes_into_out_buffer(device):
+    batch = make_paged_batch([5, 33], block_size=16, kv_heads=2, head_dim=32,
+                             dtype=torch.float32, device=device)
+    q = random_q(2, 4, 32, torch.float32, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    out = torch.full((2, 4, 32), float("nan"), device=device)
+    result = kernels.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                            lens, 0.2, out=out)
+    assert result is out
+    assert_close(out, ref.paged_decode_attention_ref(q, batch.k_cache, batch.v_cache,
+                                                     batch.block_tables, lens, 0.2),
+                 torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill / extend attention
+# --------------------------------------------------------------------------------------------
+
+PREFILL_SHAPES = [  # (block_size, q heads per kv head, head_dim)
+    pytest.param(8, 1, 64, id="bs8-mha-d64"),
+    pytest.param(16, 2, 80, id="bs16-gqa2-d80"),
+    pytest.param(32, 4, 32, id="bs32-gqa4-d32"),
+    pytest.param(64, 2, 96, id="bs64-gqa2-d96"),
+]
+# (query tokens, context tokens) per sequence: a one-token extend, a fresh prefill longer than a
+# query block, a chunk after a cached prefix, an empty slot, a chunk after a long prefix.
+PREFILL_SEQS = [(1, 1), (70, 70), (5, 37), (0, 12), (20, 130)]
+
+
+def prefill_inputs(seqs, *, block_size, kv_heads, heads, head_dim, dtype, device, seed=0,
+                   v_head_dim=None):
+    batch = make_paged_batch([n for _, n in seqs], block_size=block_size, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=dtype, device=device, seed=seed,
+                             v_head_dim=v_head_dim)
+    q_lens = torch.tensor([m for m, _ in seqs])
+    starts = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32)
+    q = random_q(int(q_lens.sum()), heads, head_dim, dtype, device, seed=seed + 1)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    return batch, q, starts, lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("block_size, group, head_dim", PREFILL_SHAPES)
+def test_prefill_matches_reference(device, dtype, block_size, group, head_dim):
+    kv_heads = 2
+    batch, q, starts, lens = prefill_inputs(PREFILL_SEQS, block_size=block_size,
+                                            kv_heads=kv_heads, heads=kv_heads * group,
+                                            head_dim=head_dim, dtype=dtype, device=device)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, starts, lens, head_dim ** -0.5)
+    out = kernels.paged_prefill_attention(*args)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, ref.paged_prefill_attention_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("window, alibi", WINDOW_ALIBI)
+def test_prefill_window_and_alibi(device, window, alibi):
+    heads = 4
+    batch, q, starts, lens = prefill_inputs(PREFILL_SEQS, block_size=16, kv_heads=2,
+                                            heads=heads, head_dim=32, dtype=torch.float32,
+                                            device=device, v_head_dim=16)
+    slopes = slopes_for(heads, device) if alibi else None
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, starts, lens, 0.2)
+    out = kernels.paged_prefill_attention(*args, sliding_window=window, alibi_slopes=slopes)
+    expected = ref.paged_prefill_attention_ref(*args, sliding_window=window,
+                                               alibi_slopes=slopes)
+    assert_close(out, expected, torch.float32)
+
+
+def test_chunked_prefill_equals_whole_prefill(device):
+    """Store K/V and attend chunk by chunk (prefix hit, then the rest) == one whole prefill."""
+    kv_heads, heads, head_dim, block_size, n = 2, 4, 32, 16, 45
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(device)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(device)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device)
+    k_cache = torch.zeros(8, block_size, kv_heads, head_dim, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32, device=device)
+    pos = torch.arange(n, device=device)
+    slots = table[0].long()[pos // block_size] * block_size + pos % block_size
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
+
+    def run(lo: int, hi: int) -> torch.Tensor:
+        return kernels.paged_prefill_attention(
+            q[lo:hi], k_cache, v_cache, table,
+            torch.tensor([0, hi - lo], dtype=torch.int32, device=device),
+            torch.tensor([hi], dtype=torch.int32, device=device), 0.2)
+
+    whole = run(0, n)
+    chunked = torch.cat([run(0, 19), run(19, n)])
+    assert_close(chunked, whole, torch.float32)
+    expected = dense_attention(q, k, v, pos, 0.2, None, None)
+    assert_close(whole, expected, torch.float32)
+    # The last token alone is a decode: the decode kernel must agree.
+    decode = kernels.paged_decode_attention(q[n - 1:], k_cache, v_cache, table,
+                                            torch.tensor([n], dtype=torch.int32, device=device),
+                                            0.2)
+    assert_close(decode, whole[n - 1:], torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm and rotary
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("weight_fp32", [False, True], ids=["weight-same", "weight-fp32"])
+def test_rms_norm_matches_reference(device, dtype, weight_fp32):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 100, generator=gen).to(device, dtype)  # non-power-of-two hidden
+    residual = torch.randn(3, 5, 100, generator=gen).to(device, dtype)
+    weight = torch.randn(100, generator=gen).to(device, torch.float32 if weight_fp32 else dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+
+    out = kernels.rms_norm(x, weight, 1e-6)
+    expected = ref.rms_norm_ref(x, weight, 1e-6)
+    assert out.dtype == expected.dtype and out.shape == x.shape
+    assert_close(out, expected, dtype)
+
+    out, new_residual = kernels.rms_norm(x, weight, 1e-6, residual)
+    expected, expected_residual = ref.rms_norm_ref(x, weight, 1e-6, residual)
+    assert_close(out, expected, dtype)
+    assert torch.equal(new_residual, expected_residual)  # same single rounding of x + residual
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
+def test_rotary_in_place_on_fused_qkv_views(device, dtype, rotary_dim):
+    tokens, heads, kv_heads, head_dim = 5, 4, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    before = qkv.clone()
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, rotary_dim // 2, generator=gen) * 6.0
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    expected_q, expected_k = ref.rotary_ref(q, cos, sin), ref.rotary_ref(k, cos, sin)
+    kernels.apply_rotary_(q, k, cos.unsqueeze(1), sin.unsqueeze(1))  # [T, 1, R/2] like the layer
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+    v_start = (heads + kv_heads) * head_dim
+    assert torch.equal(qkv[:, v_start:], before[:, v_start:])  # V untouched
+    if rotary_dim < head_dim:  # dims past the rotary dim pass through
+        assert torch.equal(q[..., rotary_dim:], before[:, :heads * head_dim]
+                           .view(tokens, heads, head_dim)[..., rotary_dim:])
+
+
+# --------------------------------------------------------------------------------------------
+# API: input errors, lazy import, real GPU compilation
+# --------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_value_errors_naming_the_field(device):
+    batch = make_paged_batch([5, 9], block_size=8, kv_heads=2, head_dim=32,
+                             dtype=torch.float32, device=device)
+    q = random_q(2, 4, 32, torch.float32, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    caches = (batch.k_cache, batch.v_cache, batch.block_tables)
+    with pytest.raises(ValueError, match="q:"):
+        kernels.paged_decode_attention(q[..., :16], *caches, lens, 0.2)
+    with pytest.raises(ValueError, match="q:"):
+        kernels.paged_decode_attention(q.half(), *caches, lens, 0.2)
+    with pytest.raises(ValueError, match="context_lens"):
+        kernels.paged_decode_attention(q, *caches, lens[:1], 0.2)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        kernels.paged_decode_attention(q, *caches, lens, 0.2, alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="sliding_window"):
+        kernels.paged_decode_attention(q, *caches, lens, 0.2, sliding_window=0)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        kernels.paged_prefill_attention(q, *caches, torch.zeros(2, dtype=torch.int32,
+                                                                device=device), lens, 0.2)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.store_kv(q[:, :2], q[:, :2], batch.k_cache, batch.v_cache, lens[:1])
+    with pytest.raises(ValueError, match="weight"):
+        kernels.rms_norm(q, torch.ones(5, device=device), 1e-6)
+
+
+def test_package_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
+        "import ksana_llm.kernels as k, ksana_llm.layers.attention\n"
+        "assert not k.triton_available()\n"
+        "try:\n    k.paged_decode_attention\nexcept ImportError as e:\n    print('ERR', e)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "ERR ksana_llm.kernels.paged_decode_attention needs triton" in result.stdout
+
+
+def test_triton_available_here():
+    assert kernels.triton_available()
+
+
+def test_kernels_compile_for_hopper():
+    """Every kernel variant compiles for sm_90 down to a cubin and fits its shared memory — what
+    the interpreter cannot tell (tile sizes tl.dot rejects, loop-carried types, resources)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "ksana_llm.kernels.compile_check", "--quick"],
+                            capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = [json.loads(line) for line in result.stdout.splitlines()]
+    names = {c["kernel"] for c in compiled}
+    assert names == {"_store_kv_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel",
+                     "_rms_norm_kernel", "_rotary_kernel"}
+    assert all(c["sm"] == 90 for c in compiled)

@@ -1,0 +1,74 @@
+"""Reasoning parsers: `<think>...</think>` split into reasoning and content, non-streamed and
+streamed in random chunkings (every chunking must give the non-streamed answer, and no half tag
+may be sent as text)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ksana_llm.server.reasoning_parsers import REASONING_PARSERS, ReasoningOutput, get_reasoning_parser
+
+THOUGHT = "The user asks for the capital of France.\nThat is Paris; answer briefly."
+ANSWER = "The capital of France is Paris."
+
+# (parser, output, reasoning, content)
+CASES = [
+    ("qwen3", f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}", f"\n{THOUGHT}\n", ANSWER),
+    ("qwen3", ANSWER, None, ANSWER),  # enable_thinking off, or a direct answer
+    ("qwen3", f"  <think>{THOUGHT}</think>{ANSWER}", THOUGHT, ANSWER),
+    ("qwen3", f"{ANSWER} <think> is a tag", None, f"{ANSWER} <think> is a tag"),
+    ("qwen3", f"<think>{THOUGHT}", THOUGHT, None),  # cut off while thinking
+    ("qwen3", "<think></think>\n\n" + ANSWER, None, ANSWER),
+    # DeepSeek-R1: the template opened the block; the output starts inside it.
+    ("deepseek_r1", f"{THOUGHT}\n</think>\n\n{ANSWER}", f"{THOUGHT}\n", ANSWER),
+    ("deepseek_r1", f"<think>\n{THOUGHT}</think>{ANSWER}", f"\n{THOUGHT}", ANSWER),
+    ("deepseek_r1", THOUGHT, THOUGHT, None),  # no end yet: all reasoning
+    ("deepseek_r1", f"{THOUGHT}</think>", THOUGHT, None),
+]
+
+
+def _streamed(name: str, text: str, sizes: list[int]) -> tuple[ReasoningOutput, list]:
+    stream = get_reasoning_parser(name).stream()
+    deltas, i = [], 0
+    for size in sizes:
+        deltas.append(stream.feed(text[i:i + size]))
+        i += size
+    deltas.append(stream.feed(text[i:]))
+    deltas.append(stream.finish())
+    reasoning = "".join(d.reasoning for d in deltas)
+    content = "".join(d.content for d in deltas)
+    return ReasoningOutput(reasoning or None, content or None), deltas
+
+
+@pytest.mark.parametrize("name,text,reasoning,content", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_split_streamed_and_not(name, text, reasoning, content):
+    final = get_reasoning_parser(name).extract(text)
+    assert final == ReasoningOutput(reasoning, content)
+    rng = random.Random(len(text))
+    chunkings = [[1] * len(text), []]
+    for _ in range(80):
+        chunkings.append([rng.randint(1, 9) for _ in range(len(text) // 4 + 1)])
+    for sizes in chunkings:
+        got, deltas = _streamed(name, text, sizes)
+        assert got == final, sizes
+        if "<" not in (final.reasoning or "") + (final.content or ""):
+            assert not any("<" in d.reasoning or "<" in d.content for d in deltas)
+
+
+def test_reasoning_streams_before_the_end_tag():
+    stream = get_reasoning_parser("qwen3").stream()
+    first = stream.feed("<think>Paris is the")
+    assert first.reasoning == "Paris is the" and first.content == ""
+    held = stream.feed(" capital.</th")  # "</th" may be the end tag: held back
+    assert held.reasoning == " capital." and held.content == ""
+    rest = stream.feed("ink>Paris.")
+    assert rest.reasoning == "" and rest.content == "Paris."
+
+
+def test_registry_names_and_unknown():
+    assert set(REASONING_PARSERS) >= {"deepseek_r1", "qwen3"}
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'.*deepseek_r1.*qwen3"):
+        get_reasoning_parser("r2")

@@ -1,0 +1,142 @@
+"""Tensor and pipeline parallelism on CPU with gloo: real worker processes, real process groups.
+
+Each parallel engine must give the same greedy tokens as transformers (= TP 1) and logits within
+fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2 and Mixtral
+(MoE), with TP 2 and 3 and PP 2; and a dead worker must fail the engine fast and clearly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import ksana_llm as kt
+from ksana_llm.api.model import Model
+from ksana_llm.generation_config import GenerationConfig
+from tests.family_harness import greedy_trace, hf_reference
+
+pytestmark = pytest.mark.timeout(300)
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
+             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+MODELS = {
+    # 4 heads / 2 KV heads: one KV head per rank at TP 2.
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SMALL)),
+    # 6 heads / 3 KV heads at TP 3; MLP width 128 and vocab 256 split unevenly (43/43/42, 86/85/85).
+    "llama-tp3": lambda: LlamaForCausalLM(LlamaConfig(**{**SMALL, "hidden_size": 96,
+                                                          "num_attention_heads": 6,
+                                                          "num_key_value_heads": 3,
+                                                          "num_hidden_layers": 3})),
+    # One KV head for two ranks: replicated; tied embeddings (vocab-parallel on both ends).
+    "llama-mqa-tied": lambda: LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_key_value_heads": 1,
+                                                               "tie_word_embeddings": True})),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**SMALL, num_local_experts=4,
+                                                        num_experts_per_tok=2)),
+}
+
+
+def build(name: str, folder: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith("bias"):
+                param.normal_(0, 0.1)  # a bias a rank dropped or doubled must show
+            elif "gate" in pname and param.dim() == 2 and param.shape[0] <= 8:
+                param.normal_(0, 0.5)  # routers: spread tokens over the experts
+    model.save_pretrained(folder)
+    return model
+
+
+def prompts(n: int = 3) -> list[list[int]]:
+    torch.manual_seed(1)
+    return [torch.randint(3, 256, (length,)).tolist() for length in (9, 30, 17)[:n]]
+
+
+def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
+                 max_new_tokens: int = 12) -> None:
+    reference = hf_reference(hf)
+    batch = prompts()
+    expected = [greedy_trace(reference, p, max_new_tokens)[0][len(p):] for p in batch]
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert model.module.num_layers < hf.config.num_hidden_layers or pp == 1
+    config = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=96,
+                   split_fuse_token_num=16) as engine:
+        outputs = engine.generate_outputs(batch)
+        logits = engine.forward(batch[1], [{"target_name": "logits"}]).targets[0].tensor
+    assert [o.token_ids for o in outputs] == expected
+    torch.testing.assert_close(logits, reference(batch[1]), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
+                                      ("qwen2", 2), ("mixtral", 2)])
+def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
+    hf = build(name, tmp_path)
+    check_engine(tmp_path, hf, tp=tp)
+
+
+def test_pipeline_parallel_matches_transformers(tmp_path):
+    hf = build("llama-tp3", tmp_path)  # 3 layers over 2 stages: 2 + 1
+    check_engine(tmp_path, hf, pp=2)
+
+
+def test_each_rank_holds_only_its_shard(tmp_path):
+    build("llama-tp3", tmp_path)
+    full = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False)
+    sharded = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                    tensor_parallel_size=3)
+    try:
+        attn = sharded.module.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        assert sharded.module.model.layers[0].mlp.down_proj.weight.shape == (96, 43)
+        assert sharded.module.model.embed_tokens.weight.shape == (86, 96)
+        count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        assert count(sharded.module) < 0.45 * count(full.module)
+        # Rank 0's query rows are the first two heads of the full projection.
+        torch.testing.assert_close(attn.qkv_proj.weight[:32],
+                                   full.module.model.layers[0].self_attn.qkv_proj.weight[:32])
+    finally:
+        kt.Engine(sharded, num_device_blocks=8).shutdown()
+
+
+def test_invalid_parallel_sizes_are_clear_errors(tmp_path):
+    build("llama", tmp_path)  # 4 heads
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        Model.from_pretrained(tmp_path, device="cpu", progress=False, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Model.from_pretrained(tmp_path, device="cpu", progress=False, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 is more than"):
+        Model.from_pretrained(tmp_path, device="cpu", progress=False, pipeline_parallel_size=3)
+
+
+def test_a_dead_worker_fails_the_engine_fast(tmp_path):
+    build("llama", tmp_path)
+    model = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=2)
+    engine = kt.Engine(model, generation_config=GenerationConfig(max_new_tokens=4),
+                       num_device_blocks=32)
+    try:
+        assert len(engine.generate_outputs([[5, 6, 7]])[0].token_ids) == 4
+        os.kill(model.workers[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while engine.is_running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not engine.is_running
+        start = time.monotonic()
+        with pytest.raises(Exception, match="worker"):
+            engine.generate_outputs([[5, 6, 7]])
+        assert time.monotonic() - start < 10
+    finally:
+        engine.shutdown()

@@ -1,0 +1,225 @@
+"""Tool-call parsers: each format, non-streamed and streamed in random chunkings.
+
+Model outputs are built here from known calls (name + arguments) in each model family's format;
+the parser must give those calls back (arguments as JSON text that loads to the same object), the
+content around them, and -- streamed -- exactly the non-streamed result, with names before
+arguments and no half-written tag ever sent as content.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ksana_llm.server.chat_output import ChoiceOutputParser
+from ksana_llm.server.reasoning_parsers import get_reasoning_parser
+from ksana_llm.server.tool_parsers import (
+    TOOL_PARSERS,
+    JsonCallSequenceStream,
+    ParsedOutput,
+    ToolCallStream,
+    collect,
+    get_tool_parser,
+)
+from ksana_llm.server.tools import NamedCallStream, plan_tools, required_schema
+
+WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
+NESTED = ("search", {"query": "tags: {a} [b] \"quoted\" </tool_call>", "filters": {"n": [1, 2.5, None, True]},
+                     "note": "naïve — ünïcode"})
+EMPTY = ("list_files", {})
+CALLS = [WEATHER, NESTED, EMPTY]
+
+
+def hermes(content: str, calls: list, pretty: bool = False) -> str:
+    blocks = []
+    for name, args in calls:
+        body = json.dumps({"name": name, "arguments": args}, indent=2 if pretty else None,
+                          ensure_ascii=False)
+        blocks.append(f"<tool_call>\n{body}\n</tool_call>")
+    return content + ("\n" if content and blocks else "") + "\n".join(blocks)
+
+
+def llama3(calls: list, tag: bool) -> str:
+    text = "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
+    return ("<|python_tag|>" if tag else "") + text
+
+
+def deepseek_v3(content: str, calls: list) -> str:
+    parts = [f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n"
+             f"{json.dumps(a, ensure_ascii=False)}\n```<｜tool▁call▁end｜>" for n, a in calls]
+    return content + "<｜tool▁calls▁begin｜>" + "\n".join(parts) + "<｜tool▁calls▁end｜>"
+
+
+def deepseek_v31(content: str, calls: list) -> str:
+    parts = [f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{json.dumps(a, ensure_ascii=False)}<｜tool▁call▁end｜>"
+             for n, a in calls]
+    return content + "<｜tool▁calls▁begin｜>" + "".join(parts) + "<｜tool▁calls▁end｜>"
+
+
+# (parser, model text, expected content, expected calls)
+CASES = [
+    ("hermes", hermes("Let me look that up.", CALLS), "Let me look that up.", CALLS),
+    ("hermes", hermes("", [WEATHER], pretty=True), None, [WEATHER]),
+    ("hermes", "The weather is fine, no <tool needed. 3 < 4 > 2.", "The weather is fine, no <tool needed. 3 < 4 > 2.", []),
+    ("hermes", hermes("", [WEATHER]) + "\nAnything else?", "Anything else?", [WEATHER]),
+    # Not a call after all (no name): the region is content, tags included.
+    ("hermes", "<tool_call>\nnot json\n</tool_call> ok", "<tool_call>\nnot json\n</tool_call> ok", []),
+    # Arguments before the name.
+    ("hermes", '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>', None,
+     [("get_weather", {"city": "Oslo"})]),
+    # Arguments JSON-encoded a second time (some models do): decoded.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>',
+     None, [("get_weather", {"city": "Rome"})]),
+    ("qwen3", hermes("I'll call two tools.", [WEATHER, EMPTY]), "I'll call two tools.", [WEATHER, EMPTY]),
+    ("llama3_json", llama3(CALLS, tag=True), None, CALLS),
+    ("llama3_json", llama3([WEATHER], tag=False), None, [WEATHER]),
+    ("llama3_json", "  The capital of France is Paris.", "  The capital of France is Paris.", []),
+    # JSON that is not a call stays content, whole.
+    ("llama3_json", '{"answer": 42, "why": "because"}', '{"answer": 42, "why": "because"}', []),
+    ("deepseek_v3", deepseek_v3("Checking both.", [WEATHER, NESTED]), "Checking both.", [WEATHER, NESTED]),
+    ("deepseek_v3", deepseek_v3("", [EMPTY]), None, [EMPTY]),
+    ("deepseek_v31", deepseek_v31("On it.", [WEATHER, EMPTY]), "On it.", [WEATHER, EMPTY]),
+]
+
+
+def _stream(stream: ToolCallStream, text: str, sizes: list[int]) -> list:
+    deltas, i = [], 0
+    for size in sizes:
+        deltas.append(stream.feed(text[i:i + size]))
+        i += size
+    deltas.append(stream.feed(text[i:]))
+    deltas.append(stream.finish())
+    return deltas
+
+
+def _chunkings(text: str, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = [[1] * len(text), [len(text)]]
+    for _ in range(count):
+        sizes, total = [], 0
+        while total < len(text):
+            sizes.append(rng.randint(1, 12))
+            total += sizes[-1]
+        out.append(sizes)
+    return out
+
+
+def _check_stream(deltas: list, final: ParsedOutput) -> None:
+    """Names before arguments, each call announced once, no half tag in the content."""
+    assert collect(deltas) == final
+    announced: set[int] = set()
+    for d in deltas:
+        for call in d.tool_calls:
+            if call.name is not None:
+                assert call.index not in announced
+                announced.add(call.index)
+            else:
+                assert call.index in announced and call.arguments
+    if final.content is None or "<" not in final.content:
+        assert not any("<" in d.content for d in deltas)
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_extract_and_stream(name, text, content, calls):
+    parser = get_tool_parser(name)
+    final = parser.extract(text)
+    assert final.content == content
+    assert [c.name for c in final.tool_calls] == [n for n, _ in calls]
+    for call, (_, args) in zip(final.tool_calls, calls):
+        assert json.loads(call.arguments) == args
+    for sizes in _chunkings(text, 60, seed=len(text)):
+        _check_stream(_stream(parser.stream(), text, sizes), final)
+
+
+def test_arguments_stream_before_the_call_ends():
+    parser = get_tool_parser("hermes")
+    text = hermes("", [NESTED])
+    stream = parser.stream()
+    cut = text.index('"filters"')
+    first = stream.feed(text[:cut])
+    assert [c.name for c in first.tool_calls] == ["search"]
+    sent = "".join(c.arguments for c in first.tool_calls)
+    assert sent and json.dumps(NESTED[1], ensure_ascii=False).startswith(sent)
+    rest = collect([first, stream.feed(text[cut:]), stream.finish()])
+    assert json.loads(rest.tool_calls[0].arguments) == NESTED[1]
+
+
+def test_cut_off_call_keeps_what_was_streamed():
+    """max_tokens in the middle of the arguments: the call stays (its name went out), with the
+    arguments so far -- the same streamed or not."""
+    text = hermes("", [WEATHER])
+    cut = text[:text.index("celsius")]
+    parser = get_tool_parser("hermes")
+    final = parser.extract(cut)
+    assert final.content is None and [c.name for c in final.tool_calls] == ["get_weather"]
+    assert final.tool_calls[0].arguments.startswith('{"city": "Paris"')
+    for sizes in _chunkings(cut, 20, seed=1):
+        assert collect(_stream(parser.stream(), cut, sizes)) == final
+
+
+def test_required_array_and_named_streams():
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n, _ in CALLS]
+    text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS], ensure_ascii=False)
+    required = plan_tools(tools, "required", parallel_tool_calls=None, auto_enabled=False, parser=None)
+    stream = required.stream()
+    final = collect([stream.feed(text), stream.finish()])
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == CALLS
+    for sizes in _chunkings(text, 30, seed=2):
+        assert collect(_stream(JsonCallSequenceStream(open="[", separator=",", close="]"), text,
+                               sizes)) == final
+    args = json.dumps(WEATHER[1])
+    named = collect(_stream(NamedCallStream("get_weather"), args, [3, 5, 1]))
+    assert named == ParsedOutput(None, [named.tool_calls[0]])
+    assert named.tool_calls[0].name == "get_weather" and named.tool_calls[0].arguments == args
+
+
+def test_required_schema_shape():
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+             {"type": "function", "function": {"name": "b"}}]
+    schema = required_schema(tools, parallel=True)
+    jsonschema.validate([{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}], schema)
+    for bad in ([], [{"name": "a", "parameters": {"x": "1"}}], [{"name": "c", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = required_schema(tools, parallel=False)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "b", "parameters": {}}] * 2, single)
+
+
+def test_reasoning_then_tool_calls_streamed():
+    """Qwen3 thinks, then calls a tool: reasoning, content and calls come apart the same way
+    streamed in any chunking as in one piece."""
+    text = "<think>\nThe user wants weather.\n</think>\n\n" + hermes("Checking.", [WEATHER])
+
+    def run(sizes: list[int]):
+        parser = ChoiceOutputParser(get_reasoning_parser("qwen3").stream(),
+                                    get_tool_parser("qwen3").stream())
+        deltas, i = [], 0
+        for size in sizes:
+            deltas.append(parser.feed(text[i:i + size]))
+            i += size
+        deltas.append(parser.feed(text[i:]))
+        deltas.append(parser.finish())
+        message = parser.message(deltas)
+        return (message.reasoning_content, message.content,
+                [(c.function.name, c.function.arguments) for c in message.tool_calls],
+                parser.finish_reason("stop"))
+
+    whole = run([])
+    assert whole[0] == "\nThe user wants weather.\n" and whole[1] == "Checking."
+    assert [(n, json.loads(a)) for n, a in whole[2]] == [WEATHER] and whole[3] == "tool_calls"
+    for sizes in _chunkings(text, 30, seed=3):
+        assert run(sizes) == whole
+
+
+def test_registry_names_and_unknown():
+    assert {"hermes", "qwen3", "llama3_json", "deepseek_v3"} <= set(TOOL_PARSERS)
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*hermes.*llama3_json"):
+        get_tool_parser("nope")
