@@ -8,13 +8,14 @@
 from ksana_llm.api.engine import Engine, EngineDeadError
 from ksana_llm.api.model import Model
 from ksana_llm.api.outputs import (ForwardOutput, ForwardTarget, Request, RequestHandle,
-                                   RequestOutput, SequenceOutput)
+                                   RequestOutput, SequenceDelta, SequenceOutput)
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
-from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec
 
 __version__ = "0.1.0"
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
            "GenerationConfig", "Model", "QueueFullError", "QueueTimeoutError", "Request",
-           "RequestHandle", "RequestOutput", "SequenceOutput", "__version__"]
+           "RequestHandle", "RequestOutput", "SequenceDelta", "SequenceOutput",
+           "StructuredOutputSpec", "__version__"]

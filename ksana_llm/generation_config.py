@@ -154,10 +154,10 @@ class GenerationConfig:
             _fail("num_beams", self.num_beams, ">= 1")
         if self.num_return_sequences < 1:
             _fail("num_return_sequences", self.num_return_sequences, ">= 1")
-        if self.best_of is not None:
-            if not _is_int(self.best_of) or self.best_of < self.num_return_sequences:
-                _fail("best_of", self.best_of,
-                      f"None or an integer >= num_return_sequences ({self.num_return_sequences})")
+        if self.best_of is not None and (
+                not _is_int(self.best_of) or self.best_of < self.num_return_sequences):
+            _fail("best_of", self.best_of,
+                  f"None or an integer >= num_return_sequences ({self.num_return_sequences})")
         if self.early_stopping not in EARLY_STOPPING_VALUES or (
                 isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool)):
             _fail("early_stopping", self.early_stopping, "True, False or 'never'")

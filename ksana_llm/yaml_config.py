@@ -15,6 +15,7 @@ Keys and where they go:
 | setting.global.tensor_para_size                   | EngineConfig.tensor_parallel_size         |
 |                                                   |   (0 = all visible GPUs)                  |
 | setting.global.pipeline_para_size                 | EngineConfig.pipeline_parallel_size       |
+| setting.global.enable_cuda_graph                  | EngineConfig.enable_cuda_graphs           |
 | setting.batch_scheduler.max_batch_size            | EngineConfig.max_num_seqs                 |
 | setting.batch_scheduler.max_step_tokens           | EngineConfig.max_step_tokens              |
 | setting.batch_scheduler.max_token_len             | EngineConfig.max_model_len (0 -> None)    |
@@ -101,6 +102,7 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     "setting.global.tensor_para_size": _Key("int", field="tensor_parallel_size",
                                             server="tensor_para_size"),
     "setting.global.pipeline_para_size": _Key("int", field="pipeline_parallel_size"),
+    "setting.global.enable_cuda_graph": _Key("bool", field="enable_cuda_graphs"),
     _BS + "max_batch_size": _Key("int", field="max_num_seqs"),
     _BS + "max_step_tokens": _Key("int", field="max_step_tokens"),
     _BS + "max_token_len": _Key("int", field="max_model_len", server="max_token_len",
@@ -126,7 +128,7 @@ _UNSUPPORTED: frozenset[str] = frozenset({
     "setting.global.attn_data_para_size",
     "setting.global.expert_world_size", "setting.global.expert_para_size",
     "setting.global.enable_full_shared_expert", "setting.global.embed_tokens_use_cpu",
-    "setting.global.enable_cuda_graph", "setting.global.enable_lora_adapter",
+    "setting.global.enable_lora_adapter",
     "setting.global.pipeline_para_comm_type", "setting.global.is_version_report",
     _BS + "schedule_strategy", _BS + "swapout_block_threshold", _BS + "swapin_block_threshold",
     _BS + "launch_block_threshold", _BS + "swap_threadpool_size", _BS + "min_flexible_cache_num",

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when it is
+# first imported (transformers may import it early), so set it before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Two cores on CI: let torch use both, and keep results deterministic across runs.
 torch.manual_seed(0)

@@ -167,6 +167,18 @@ def check_engine_greedy(folder: Path, reference: Reference, *, vocab: int, num_t
     assert second.token_ids == expected[1], "prefix-cache hit: greedy tokens differ"
 
 
+def check_other_format(first: torch.nn.Module, folder: Path, reference: Reference, *,
+                       vocab: int) -> None:
+    """The same weights saved in the other format load into exactly the same parameters (so
+    every check run on the first load holds for this one), and its logits match too."""
+    second = load_ours(folder)
+    a, b = dict(first.named_parameters()), dict(second.named_parameters())
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
+    check_prefill_and_decode(second, reference, vocab=vocab, chunks=[16, 16, 8])
+
+
 def memoized(reference: Reference) -> Reference:
     """The checks replay the same traces (one per chunking); run each reference forward once."""
     cache: dict[tuple[int, ...], torch.Tensor] = {}

@@ -4,14 +4,32 @@ invalid combinations are ValueErrors naming the field."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import ksana_llm as kt
+from tests.tiny_models import build_tiny_model
 
 MAX_NEW = 12
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """transformers' references run single-threaded: generate launches thousands of small ops,
+    and on a busy 2-core machine two threads wait for each other at every one of them (10x
+    slower, measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 # (num_beams, num_return_sequences, length_penalty, early_stopping)
 CASES = [
@@ -23,12 +41,16 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def prompts(default_model):
-    """A chat answer that ends with EOS inside the limit (finished hypotheses compete with running
+    """Chat answers that end with EOS inside the limit (finished hypotheses compete with running
     beams) and raw text that runs to the limit."""
     tok = default_model.tokenizer
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True, tokenize=False)
-    return [tok.encode(chat), tok.encode("The three primary colors are")]
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=False))
+
+    return [chat("What is the capital of France?"), tok.encode("The three primary colors are"),
+            chat("Name one planet.")]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +69,7 @@ def _config(num_beams, num_return, length_penalty, early_stopping, **kwargs) -> 
 def _hf_beams(hf_model, ids: list[int], config: kt.GenerationConfig, eos: tuple[int, ...]):
     """transformers' returned sequences (generated part, cut after the first EOS: the rest is
     padding) and their sequences_scores."""
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         out = hf_model.generate(
             torch.tensor([ids]), max_new_tokens=config.max_new_tokens, do_sample=False,
             num_beams=config.num_beams, num_return_sequences=config.num_return_sequences,
@@ -65,7 +87,7 @@ def _hf_beams(hf_model, ids: list[int], config: kt.GenerationConfig, eos: tuple[
 @pytest.fixture(scope="module")
 def reference(hf_model, prompts, default_model):
     """(prompt index, case) -> transformers' beams, for the prompt/case pairs the tests use."""
-    pairs = [(0, c) for c in CASES] + [(1, CASES[0])]
+    pairs = [(0, c) for c in CASES] + [(1, CASES[0]), (2, CASES[1])]
     return {(p, case): _hf_beams(hf_model, prompts[p], _config(*case), default_model.eos_token_ids)
             for p, case in pairs}
 
@@ -81,16 +103,12 @@ def _assert_same(out: kt.RequestOutput, expected) -> None:
             s.token_ids[-1] == 2 and s.finish_reason == "stop")
 
 
-def _run(engine, prompts, reference) -> list[kt.RequestOutput]:
-    keys = list(reference)
-    return engine.generate_outputs([prompts[p] for p, _ in keys], [_config(*c) for _, c in keys],
-                                   use_tqdm=False)
-
-
 def test_beams_and_scores_match_transformers(default_model, prompts, reference):
     # Every case at once: beam groups of different widths share the batch.
+    keys = list(reference)
     with kt.Engine(default_model, num_device_blocks=256) as engine:
-        outs = _run(engine, prompts, reference)
+        outs = engine.generate_outputs([prompts[p] for p, _ in keys],
+                                       [_config(*c) for _, c in keys], use_tqdm=False)
         assert engine.stats().num_free_kv_blocks == 256
     for out, key in zip(outs, reference):
         _assert_same(out, reference[key])
@@ -99,17 +117,76 @@ def test_beams_and_scores_match_transformers(default_model, prompts, reference):
     assert any(len(s.token_ids) == MAX_NEW for o in outs for s in o.sequences)
 
 
+@pytest.fixture(scope="module")
+def peaky_tiny(tmp_path_factory):
+    """A tiny random Llama whose logits are far apart (few near-ties) and whose stop tokens 2 and
+    7 win often enough that finished hypotheses compete with running beams at every width."""
+    folder = tmp_path_factory.mktemp("tiny_beam")
+    hf = build_tiny_model("llama2", folder)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(40)
+        ids = torch.randint(3, 256, (4, 24), generator=torch.Generator().manual_seed(1))
+        hidden = hf.model(ids).last_hidden_state.reshape(-1, hf.config.hidden_size)
+        best = (hidden @ hf.lm_head.weight.T).max(-1).values
+        mean = hidden.mean(0)
+        for token, quantile in ((2, 0.7), (7, 0.5)):  # logit ~ that quantile of the best logit
+            hf.lm_head.weight[token] = mean / (mean @ mean) * best.quantile(quantile)
+    hf.save_pretrained(folder)
+    return hf, kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+
+
+def _hf_tiny_beams(hf, ids: list[int], k: int, lp: float, es: bool | str):
+    with torch.no_grad(), one_thread():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=10, num_beams=k,
+                          num_return_sequences=k, length_penalty=lp, early_stopping=es,
+                          do_sample=False, eos_token_id=[2, 7], pad_token_id=0,
+                          return_dict_in_generate=True, output_scores=True)
+    rows = out.sequences[:, len(ids):].tolist()
+    cut = [next((j + 1 for j, t in enumerate(r) if t in (2, 7)), len(r)) for r in rows]
+    return [r[:c] for r, c in zip(rows, cut)], out.sequences_scores.tolist()
+
+
+def test_beam_search_grid_matches_transformers_on_a_tiny_model(peaky_tiny):
+    """Every width, length penalty sign and early_stopping mode, two stop tokens."""
+    hf, model = peaky_tiny
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 17)]
+    cases = list(itertools.product([2, 3, 4], [-0.5, 0.0, 1.0, 2.0], [True, False, "never"]))
+    expected = [_hf_tiny_beams(hf, prompts[i % 3], *case) for i, case in enumerate(cases)]
+    with kt.Engine(model, num_device_blocks=256) as engine:
+        outs = engine.generate_outputs(
+            [prompts[i % 3] for i in range(len(cases))],
+            [kt.GenerationConfig(max_new_tokens=10, num_beams=k, num_return_sequences=k,
+                                 length_penalty=lp, early_stopping=es, stop_token_ids=[7])
+             for k, lp, es in cases], use_tqdm=False)
+    for case, out, (sequences, scores) in zip(cases, outs, expected):
+        assert [s.token_ids for s in out.sequences] == sequences, case
+        assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-4), case
+    stopped = [s for seqs, _ in expected for s in seqs if s[-1] in (2, 7)]
+    assert len(stopped) > 20 and {s[-1] for s in stopped} == {2, 7}
+
+
 @pytest.mark.parametrize("preempt_mode", [0, 1], ids=["swap", "recompute"])
-def test_beams_survive_preemption(default_model, prompts, reference, preempt_mode):
-    # 7 blocks of 8 tokens: five beam requests (up to 4 beams of ~30 tokens) cannot all fit.
-    with kt.Engine(default_model, num_device_blocks=7, block_token_num=8,
+def test_beams_survive_preemption(peaky_tiny, preempt_mode):
+    hf, model = peaky_tiny
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 17, 13)]
+    cases = [(4, 1.0, False), (3, 0.5, "never"), (4, 2.0, True), (2, 0.0, False)]
+    expected = [_hf_tiny_beams(hf, ids, *case) for ids, case in zip(prompts, cases)]
+    # 10 blocks of 4 tokens hold the longest sequence (27 tokens) but not 13 beams: beams are
+    # preempted, come back, and wait idle for their siblings' log-probs.
+    with kt.Engine(model, num_device_blocks=10, block_token_num=4,
                    preempt_mode=preempt_mode) as engine:
-        outs = _run(engine, prompts, reference)
+        outs = engine.generate_outputs(
+            prompts, [kt.GenerationConfig(max_new_tokens=10, num_beams=k, num_return_sequences=k,
+                                          length_penalty=lp, early_stopping=es, stop_token_ids=[7])
+                      for k, lp, es in cases], use_tqdm=False)
         stats = engine.stats()
         assert stats.num_preemptions > 0
-        assert stats.num_free_kv_blocks == 7 and stats.num_swapped == 0
-    for out, key in zip(outs, reference):
-        _assert_same(out, reference[key])
+        assert stats.num_free_kv_blocks == 10 and stats.num_swapped == 0
+    for case, out, (sequences, scores) in zip(cases, outs, expected):
+        assert [s.token_ids for s in out.sequences] == sequences, case
+        assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-4), case
 
 
 def test_beams_fork_blocks_instead_of_copying(default_model):

@@ -160,6 +160,13 @@ def test_full_queue_raises(model):
     (PROMPT, {"top_k": -3}, "top_k"),
     (PROMPT, {"repetition_penalty": 0}, "repetition_penalty"),
     (PROMPT, {"no_such_field": 1}, "no_such_field"),
+    (PROMPT, {"logit_bias": {10**7: 1.0}}, "logit_bias"),  # beyond the vocabulary
+    (PROMPT, {"logit_bias": {5: 101}}, "logit_bias"),
+    (PROMPT, {"num_return_sequences": 3, "best_of": 2}, "best_of"),
+    (PROMPT, {"num_return_sequences": 1000}, "num_return_sequences"),  # > max_num_seqs
+    (PROMPT, {"prompt_logprobs": 21}, "prompt_logprobs"),
+    (PROMPT, {"structured_output": {"kind": "xml"}}, "structured_output"),
+    (PROMPT, {"early_stopping": "sometimes", "num_beams": 2}, "early_stopping"),
 ])
 def test_bad_input_names_the_field_and_engine_keeps_serving(engine, prompt, config, field):
     with pytest.raises(ValueError, match=field):

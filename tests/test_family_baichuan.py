@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ksana_llm.models.baichuan import BaichuanForCausalLM, _baichuan_view, alibi_slopes
-from tests.family_harness import check_family, check_prefill_and_decode, hf_reference, load_ours
+from tests.family_harness import (check_family, check_other_format,
+                                  hf_reference, load_ours)
 from tests.test_alibi import alibi_attention_reference
 
 VOCAB, HIDDEN, HEADS, LAYERS, EPS = 256, 64, 4, 2, 1e-6
@@ -166,17 +167,6 @@ def test_explicit_reference_matches_transformers_with_rope(twin):
     assert not torch.allclose(baichuan_reference(tensors, "alibi", False)(ids), expected, atol=1e-2)
 
 
-def check_other_format(first: torch.nn.Module, folder: Path, reference) -> None:
-    """The .bin folder loads into exactly the parameters of the safetensors one (so every check
-    run on the first holds for it), and matches at prefill and decode."""
-    second = load_ours(folder)
-    a, b = dict(first.named_parameters()), dict(second.named_parameters())
-    assert a.keys() == b.keys()
-    for name, tensor in a.items():
-        assert torch.equal(tensor, b[name]), name
-    check_prefill_and_decode(second, reference, vocab=VOCAB, chunks=[16, 16, 8])
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_baichuan_matches_reference(variant, tmp_path):
     architecture, position, normalized = VARIANTS[variant]
@@ -193,7 +183,8 @@ def test_baichuan_matches_reference(variant, tmp_path):
     assert (ours.model.rotary_emb is None) == (position == "alibi")
     assert ours.max_context == 512
     check_family(ours, folder, reference, vocab=VOCAB)
-    check_other_format(ours, write_checkpoint(tmp_path / "bin", config, tensors, "bin"), reference)
+    check_other_format(ours, write_checkpoint(tmp_path / "bin", config, tensors, "bin"), reference,
+                       vocab=VOCAB)
 
 
 @pytest.mark.parametrize("hidden,vocab,position,normalized", [

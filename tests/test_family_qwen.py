@@ -26,8 +26,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 from ksana_llm.api.model import Model
 from ksana_llm.loader import load_hf_config
 from ksana_llm.models import qwen as ours_qwen
-from tests.family_harness import (check_family, check_prefill_and_decode, hf_reference, load_ours,
-                                  save_both_formats)
+from tests.family_harness import (check_family, check_other_format,
+                                  hf_reference, load_ours, save_both_formats)
 
 VOCAB = 256
 COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -64,17 +64,6 @@ EXPECTED_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen2.5-tied": "Qwen2ForCausalLM
                   "qwen2-sliding": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def check_other_format(first: torch.nn.Module, folder: Path, reference) -> None:
-    """The same weights saved in the other format load into exactly the same parameters (so
-    every check run on the first load holds for this one), and its logits match too."""
-    second = load_ours(folder)
-    a, b = dict(first.named_parameters()), dict(second.named_parameters())
-    assert a.keys() == b.keys()
-    for name, tensor in a.items():
-        assert torch.equal(tensor, b[name]), name
-    check_prefill_and_decode(second, reference, vocab=VOCAB, chunks=[16, 16, 8])
-
-
 @pytest.mark.parametrize("variant", sorted(HF_VARIANTS))
 def test_transformers_families_match(variant, tmp_path):
     """Every check of the harness on the safetensors folder; the .bin folder loads the same."""
@@ -89,7 +78,7 @@ def test_transformers_families_match(variant, tmp_path):
     else:
         assert ours.sliding_window is None  # released configs keep sliding_window set, unused
     check_family(ours, folders["safetensors"], reference, vocab=VOCAB)
-    check_other_format(ours, folders["bin"], reference)
+    check_other_format(ours, folders["bin"], reference, vocab=VOCAB)
 
 
 def test_qwen2_mixed_window_layers_are_refused(tmp_path):
@@ -181,7 +170,8 @@ def test_qwen_v1_matches_rearranged_qwen2(qwen_v1, tmp_path):
     # Qwen-VL is a QWenLMHeadModel too: its vision tower rides along and the map drops it.
     with_visual = {**tensors, "transformer.visual.proj": torch.randn(4, 4)}
     check_other_format(ours, write_checkpoint(tmp_path / "bin", qwen_v1_config(), with_visual,
-                                              "bin"), reference)
+                                              "bin"), reference,
+                       vocab=VOCAB)
 
 
 def test_qwen_v1_context_is_max_positions_without_ntk_or_logn(qwen_v1, tmp_path):

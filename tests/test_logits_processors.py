@@ -7,6 +7,9 @@ compares its greedy tokens with `transformers.generate` using the equivalent pro
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
@@ -18,6 +21,18 @@ from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.sampler import SamplingRow, beam_log_probs, process_logits
 
 VOCAB = 40
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """transformers' reference forwards run single-threaded: on a busy 2-core machine two torch
+    threads wait for each other at every small op (10x slower, measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _row(config: GenerationConfig, prompt: list[int], output: list[int],
@@ -162,7 +177,7 @@ def hf_model(default_model_dir):
 def _check_greedy(hf_model, ids: list[int], out: list[int], config: GenerationConfig,
                   eos: tuple[int, ...]) -> None:
     full = torch.tensor([ids + out])
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         logits = hf_model(full).logits[0].float()
     procs = _hf_processors(config, len(ids), eos)
     for j, token in enumerate(out):

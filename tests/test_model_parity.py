@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ksana_llm.api.model import Model
-from tests.family_harness import ATOL, NUM_DECODE, PagedDriver, greedy_trace, hf_reference
+from tests.family_harness import (ATOL, PagedDriver, check_prefill_and_decode,
+                                  check_prefix_hit_mixed_batch, greedy_trace, hf_reference)
 from tests.tiny_models import TINY_CONFIGS, build_tiny_model
 
 
@@ -29,50 +30,14 @@ def tiny(request, tmp_path_factory):
 @pytest.mark.parametrize("chunks", [[40], [16, 16, 8], [1, 39]])
 def test_prefill_and_decode_logits_match(tiny, chunks):
     name, hf, ours = tiny
-    torch.manual_seed(1)
-    prompt = torch.randint(3, 256, (40,)).tolist()
-    ids, ref = hf_greedy_trace(hf, prompt, NUM_DECODE)
-    driver = PagedDriver(ours)
-    seq = driver.new_seq(prompt)
-    for n in chunks:
-        logits = driver.step([(seq, n)])
-    torch.testing.assert_close(logits[0], ref[len(prompt) - 1], atol=ATOL, rtol=1e-4)
-    for i in range(NUM_DECODE):
-        seq.output_token_ids.append(ids[len(prompt) + i])
-        logits = driver.step([(seq, 1)])
-        torch.testing.assert_close(logits[0], ref[len(prompt) + i], atol=ATOL, rtol=1e-4,
-                                   msg=f"{name}: decode step {i}")
+    check_prefill_and_decode(ours, hf_reference(hf), vocab=256, chunks=chunks)
 
 
 def test_prefix_cache_hit_and_mixed_batch_logits_match(tiny):
+    """One decode, one prefix-hit prefill (24 shared tokens = 6 full blocks) and one chunked
+    prefill in one batch, then all decode together at different context lengths."""
     name, hf, ours = tiny
-    torch.manual_seed(2)
-    shared = torch.randint(3, 256, (24,)).tolist()
-    prompts = [shared + torch.randint(3, 256, (n,)).tolist() for n in (5, 13, 30)]
-    traces = [hf_greedy_trace(hf, p, 6) for p in prompts]
-    driver = PagedDriver(ours)
-    first = driver.new_seq(prompts[0], "a")
-    driver.step([(first, len(prompts[0]))])
-    # The second and third sequences share 24 tokens = 6 full blocks with the first.
-    seqs = [first] + [driver.new_seq(p, f"s{i}") for i, p in enumerate(prompts[1:])]
-    prefix = driver.bm.match_prefix(seqs[1])
-    assert prefix.num_tokens == 24 and prefix.block_ids == first.block_table[:6]
-    # Mixed batch: one decode, one prefix-hit prefill, one prefill in two chunks.
-    seqs[0].output_token_ids.append(traces[0][0][len(prompts[0])])
-    logits = driver.step([(seqs[0], 1), (seqs[1], len(prompts[1]) - 24), (seqs[2], 20)])
-    assert seqs[1].num_computed_tokens == len(prompts[1])
-    torch.testing.assert_close(logits[0], traces[0][1][len(prompts[0])], atol=ATOL, rtol=1e-4)
-    torch.testing.assert_close(logits[1], traces[1][1][len(prompts[1]) - 1], atol=ATOL, rtol=1e-4)
-    logits = driver.step([(seqs[2], len(prompts[2]) - seqs[2].num_computed_tokens)])
-    torch.testing.assert_close(logits[0], traces[2][1][len(prompts[2]) - 1], atol=ATOL, rtol=1e-4)
-    # Then everyone decodes together, with different context lengths.
-    for step in range(1, 6):
-        for seq, (ids, _) in zip(seqs, traces):
-            seq.output_token_ids.append(ids[seq.num_prompt_tokens + len(seq.output_token_ids)])
-        logits = driver.step([(s, 1) for s in seqs])
-        for row, (seq, (ids, ref)) in enumerate(zip(seqs, traces)):
-            torch.testing.assert_close(logits[row], ref[seq.num_tokens - 1], atol=ATOL, rtol=1e-4,
-                                       msg=f"{name}: batched decode {step}, seq {row}")
+    check_prefix_hit_mixed_batch(ours, hf_reference(hf), vocab=256)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -124,9 +89,12 @@ def test_decode_groups_bound_padding():
     assert ModelRunner._decode_groups([5] * 30) == [(0, 30)]
 
 
-def test_engine_greedy_tokens_match_through_harness(tmp_path):
-    """The shared family harness's engine check, on the base family (chunked prefill + prefix hit)."""
-    from tests.family_harness import check_engine_greedy
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_engine_greedy_tokens_match_from_bin_checkpoint(tmp_path, name):
+    """32 greedy tokens through the Engine (chunked prefill, then a prefix-cache hit) equal
+    transformers', for every Llama-family config loaded from a pytorch_model.bin folder."""
+    from tests.family_harness import check_engine_greedy, save_both_formats
 
-    hf = build_tiny_model("llama2", tmp_path)
-    check_engine_greedy(tmp_path, hf_reference(hf), vocab=256)
+    hf = build_tiny_model(name, tmp_path / "hf")
+    folders = save_both_formats(hf, tmp_path)
+    check_engine_greedy(folders["bin"], hf_reference(hf), vocab=256)

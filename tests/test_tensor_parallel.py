@@ -87,8 +87,9 @@ def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     check_engine(tmp_path, hf, tp=tp)
 
 
-def test_pipeline_parallel_matches_transformers(tmp_path):
-    hf = build("llama-tp3", tmp_path)  # 3 layers over 2 stages: 2 + 1
+@pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral"])
+def test_pipeline_parallel_matches_transformers(tmp_path, name):
+    hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)
 
 

@@ -98,8 +98,8 @@ def test_max_token_len_zero_means_model_context():
     ("setting:\n  block_managr:\n    block_token_num: 16\n", "setting.block_managr: unknown key"),
     ("model_spec:\n  base_model:\n    model_dirr: x\n", "model_spec.base_model.model_dirr: unknown key"),
     ("extra: 1\n", "extra: unknown key"),
-    ("setting:\n  global:\n    enable_cuda_graph: true\n",
-     "setting.global.enable_cuda_graph: a KsanaLLM key that ksana_llm does not support yet"),
+    ("setting:\n  global:\n    enable_lora_adapter: true\n",
+     "setting.global.enable_lora_adapter: a KsanaLLM key that ksana_llm does not support yet"),
     ("setting:\n  profiler:\n    export_interval_millis: 5\n",
      "setting.profiler: a KsanaLLM key that ksana_llm does not support yet"),
     ("setting:\n  batch_scheduler: 5\n", "setting.batch_scheduler: expected a mapping"),
@@ -132,6 +132,11 @@ def test_out_of_range_values_name_the_yaml_key():
         parse_engine_config({"setting": {"batch_scheduler": {"preempt_mode": 2}}})
     with pytest.raises(ValueError, match=r"setting\.block_manager\.block_token_num: .*\(got 0\)"):
         parse_engine_config({"setting": {"block_manager": {"block_token_num": 0}}})
+
+
+def test_cuda_graph_switch_reaches_the_engine_config():
+    config, _ = parse_engine_config({"setting": {"global": {"enable_cuda_graph": False}}})
+    assert config.enable_cuda_graphs is False
 
 
 def test_parallel_sizes_reach_the_engine_config():

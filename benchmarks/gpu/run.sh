@@ -1,30 +1,54 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, from the repository root on a CUDA machine:
-#     bash benchmarks/gpu/run.sh            # all stages
+#     bash benchmarks/gpu/run.sh            # all stages (about 8 minutes on an H200)
 #     bash benchmarks/gpu/run.sh decode     # only the named stages
+# Stages: env, tests (kernel tests natively), graph-tests (tests/test_cuda_graphs.py with real
+# capture), engine-qwen3 / engine-llama8b (the reference workload: our engine vs HF
+# generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks).
 # Each stage writes its own JSON into $OUT when set (the device runner), else
-# benchmarks/gpu/results/. A failing stage is reported and the next one still runs; the script
-# exits non-zero if any stage failed. Needs a CUDA build of torch, triton, and `pip install -e .`.
+# benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
+# reported and the next one still runs; the script exits non-zero if any stage failed.
+#
+# Python packages the GPU image lacks (pydantic and its dependencies) travel as wheels in .whl/:
+# run `bash benchmarks/gpu/fetch_wheels.sh` on the development machine first, and carry `.whl`.
+# Check the whole script on a CPU with: python -m benchmarks.gpu.bench_engine --smoke
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
 RESULTS="${OUT:-benchmarks/gpu/results}"
 mkdir -p "$RESULTS"
 unset TRITON_INTERPRET  # compiled kernels on the GPU, never the interpreter
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$RESULTS/run.log") 2>&1  # the whole log comes back with the JSON files
+
+if ! "$PYTHON" -c "import pydantic" 2>/dev/null; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/ksana-site .whl/*.whl
+        export PYTHONPATH="/tmp/ksana-site${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        echo "pydantic is missing and there is no .whl/: run benchmarks/gpu/fetch_wheels.sh" \
+             "on the development machine and carry .whl" >&2
+    fi
+fi
 
 STAGES=("$@")
 if [ ${#STAGES[@]} -eq 0 ]; then
-    STAGES=(env tests decode prefill)
+    STAGES=(env tests graph-tests engine-qwen3 engine-llama8b decode prefill)
 fi
+
+# Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
+declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [engine-qwen3]=300
+                  [engine-llama8b]=330 [decode]=120 [prefill]=120)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
     local name="$1"; shift
     echo
-    echo "=== stage: $name ($(date -u +%H:%M:%S)) ==="
+    echo "=== stage: $name ($(date -u +%H:%M:%S), limit ${LIMIT[$name]} s) ==="
     local start=$SECONDS
-    if "$@"; then
+    if timeout --kill-after=15 "${LIMIT[$name]}" "$@"; then
         echo "=== $name: ok in $((SECONDS - start)) s ==="
     else
         echo "=== $name: FAILED (exit $?) after $((SECONDS - start)) s ==="
@@ -38,16 +62,27 @@ for stage in "${STAGES[@]}"; do
         env)     run_stage env     "$PYTHON" -m benchmarks.gpu.bench_kernels env --out "$RESULTS" ;;
         # tests/test_kernels.py natively on the GPU (fp32, fp16, bf16)
         tests)   run_stage tests   "$PYTHON" -m benchmarks.gpu.bench_kernels tests --out "$RESULTS" ;;
+        # decode graphs captured and replayed for real, logits and KV cache vs the eager path
+        graph-tests) run_stage graph-tests "$PYTHON" -m pytest tests/test_cuda_graphs.py -q \
+                         -p no:cacheprovider -k "not smoke" ;;
+        # reference workload, Qwen3-0.6B shape: ours (graphs on, off) vs HF generate_batch
+        engine-qwen3)   run_stage engine-qwen3 "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models qwen3-0.6b --out "$RESULTS" ;;
+        # the same at the Llama-3-8B shape
+        engine-llama8b) run_stage engine-llama8b "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models llama-3-8b --out "$RESULTS" ;;
         # paged decode attention at the Qwen3-0.6B shape: batch 256 x ~600 tokens, and 4 x 8k
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
         # paged prefill attention: fresh prompts and chunks after a cached prefix
         prefill) run_stage prefill "$PYTHON" -m benchmarks.gpu.bench_kernels prefill --out "$RESULTS" ;;
-        *) echo "unknown stage '$stage' (stages: env tests decode prefill)" >&2; exit 2 ;;
+        *) echo "unknown stage '$stage' (stages: env tests graph-tests engine-qwen3" \
+                "engine-llama8b decode prefill)" >&2; exit 2 ;;
     esac
 done
 
 echo
 echo "results in $RESULTS"
+"$PYTHON" -m benchmarks.gpu.bench_engine --summarize "$RESULTS" || true
 if [ ${#failed[@]} -gt 0 ]; then
     echo "failed stages: ${failed[*]}" >&2
     exit 1

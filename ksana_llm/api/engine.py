@@ -28,7 +28,7 @@ from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError, SchedulerConfig
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.runner.memory import plan_num_blocks
+from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
 from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
 from ksana_llm.runner.sampler import Sampler
 
@@ -104,16 +104,30 @@ class Engine:
     def _build_core(self) -> EngineCore:
         cfg, model = self.config, self.model
         per_block = kv_bytes_per_block(model.module, cfg.block_token_num, model.dtype)
-        num_blocks = cfg.num_device_blocks or plan_num_blocks(
-            model.device, per_block, ratio=cfg.block_device_memory_ratio,
+        # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
+        num_blocks = cfg.num_device_blocks or plan_device_blocks(
+            model.module, device=model.device, dtype=model.dtype, block_size=cfg.block_token_num,
+            max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
+            attention_backend=cfg.attention_backend, ratio=cfg.block_device_memory_ratio,
             reserved_ratio=cfg.reserved_device_memory_ratio)
-        num_host_blocks = int(num_blocks * cfg.block_host_memory_factor) if cfg.preempt_mode == 0 else 0
+        # A sequence can never outgrow the model's context, nor the whole KV pool.
+        max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
+                            num_blocks * cfg.block_token_num)
+        num_host_blocks = 0
+        if cfg.preempt_mode == 0:
+            # The swap pool mirrors the device pool, but never more than half the free host RAM
+            # (a GPU's cache can be larger than the machine's memory).
+            num_host_blocks = min(int(num_blocks * cfg.block_host_memory_factor),
+                                  available_host_bytes() // 2 // per_block)
         block_manager = BlockManager(num_blocks, cfg.block_token_num,
                                      enable_prefix_caching=cfg.enable_prefix_caching,
                                      num_host_blocks=num_host_blocks)
         runner_kwargs = dict(num_blocks=num_blocks, block_size=cfg.block_token_num,
                              num_host_blocks=num_host_blocks,
-                             attention_backend=cfg.attention_backend)
+                             attention_backend=cfg.attention_backend,
+                             max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
+                             cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
+                             or cfg.max_num_seqs)
         runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
         if model.runtime is not None:
             # A parallel run: every step also goes to the worker ranks, which build the same
@@ -127,9 +141,7 @@ class Engine:
             # Admission control happens in submit(); requests it admits to start at once sit in
             # the core's waiting list until the next step, so the core's bound leaves them room.
             max_queue_size=cfg.max_queue_size + cfg.max_num_seqs)
-        # A sequence can never outgrow the model's context, nor the whole KV pool.
-        self.max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
-                                 num_blocks * cfg.block_token_num)
+        self.max_model_len = max_model_len
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d host blocks", num_blocks,
                     cfg.block_token_num, num_blocks * per_block / 2**20, num_host_blocks)
         return EngineCore(runner, block_manager, scheduler_config, self.tokenizer,
@@ -218,6 +230,13 @@ class Engine:
             raise ValueError(f"input_embeddings rows must be a tensor of shape "
                              f"({len(positions)}, {hidden}), got {shape}")
         return list(positions), rows.detach().to(self.model.device, self.model.dtype)
+
+    @property
+    def grammar_compiler(self) -> Any:
+        """The engine's structured-output compiler (a `ksana_llm.structured.GrammarCompiler`):
+        callers that validate a spec early (the server) compile through it, so the compile at
+        submit is a cache hit."""
+        return self._grammar()
 
     def _grammar(self) -> Any:
         """The structured-output compiler, built on first use (it needs xgrammar and a scan of

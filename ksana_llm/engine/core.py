@@ -176,7 +176,8 @@ class EngineCore:
             seq.first_scheduled_time = time.monotonic()
             self.num_prompt_tokens += seq.num_prompt_tokens
         tokens = seq.tokens_slice(start, end)
-        embeddings = seq.embeddings if seq.embeddings is not None and start < seq.num_prompt_tokens else None
+        # Embeddings only replace prompt rows; decode slices need not carry them.
+        embeddings = seq.embeddings if start < seq.num_prompt_tokens else None
         spec = seq.forward
         if spec is not None:
             lo, hi = bisect.bisect_left(spec.positions, start), bisect.bisect_left(spec.positions, end)
@@ -329,9 +330,7 @@ class EngineCore:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, update.stop_str
         elif not config.ignore_eos and token in seq.eos_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-        elif token in config.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-        elif grammar_ended:
+        elif token in config.stop_token_ids or grammar_ended:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif len(seq.output_token_ids) >= config.max_new_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
@@ -353,7 +352,8 @@ class EngineCore:
     @staticmethod
     def _cumulative(seq: Sequence) -> float | None:
         c = seq.config
-        return seq.cumulative_logprob if c.logprobs is not None or c.num_sequences > c.num_return_sequences else None
+        tracked = c.logprobs is not None or c.num_sequences > c.num_return_sequences
+        return seq.cumulative_logprob if tracked else None
 
     @staticmethod
     def _attach_prompt_logprobs(group: SequenceGroup, out: StepOutput) -> None:
@@ -383,7 +383,8 @@ class EngineCore:
     def _ranked_outputs(self, group: SequenceGroup) -> list[StepOutput]:
         """best_of: the num_return_sequences samples with the highest cumulative log-prob."""
         config = group.config
-        best = sorted(group.finished, key=lambda s: -s.cumulative_logprob)[:config.num_return_sequences]
+        ranked = sorted(group.finished, key=lambda s: -s.cumulative_logprob)
+        best = ranked[:config.num_return_sequences]
         outputs = []
         for rank, seq in enumerate(best):
             out = StepOutput(group.request_id, list(seq.output_token_ids), seq.text,

@@ -96,6 +96,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
         self.qk_norm = qk_norm
+        self.use_triton = False  # set by the runner with the Triton backend: fused in-place RoPE
         # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
         # would come out of `to_empty` uninitialised. Moved to the device on first use.
         self._alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().cpu()
@@ -116,7 +117,11 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         slopes = self._slopes_on(q.device)
-        if slopes is None:
+        if slopes is None and self.use_triton:
+            from ksana_llm import kernels
+
+            kernels.apply_rotary_(q, k, *rope)  # q, k are views of this step's fresh QKV output
+        elif slopes is None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes)
         return self.o_proj(out.reshape(num_tokens, -1))

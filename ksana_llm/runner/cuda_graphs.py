@@ -27,18 +27,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from ksana_llm.layers.attention import AttentionMetadata, KernelBatch
-
-logger = logging.getLogger("ksana_llm.runner")
 
 # Small buckets one by one (batch-1 latency matters), then every multiple of this.
 _SMALL_BUCKETS = (1, 2, 4, 8)
@@ -88,17 +84,6 @@ def unsupported_reason(model: nn.Module, device: torch.device, attention_backend
             and torch.distributed.get_world_size() > 1:
         return "parallel runs stay eager for now (ranks would have to capture in lockstep)"
     return None
-
-
-@dataclass(frozen=True)
-class DecodeRows:
-    """The host-side view of one pure-decode step, before it is copied to the device."""
-
-    num_rows: int  # real sequences
-    bucket: int  # rows the graph computes (num_rows plus padding)
-    # Rows of the step whose logits are wanted, when not all of them in order (rare: a 1-token
-    # forward-only slice); None = rows 0..num_rows-1.
-    sample_rows: list[int] | None
 
 
 class DecodeInputs:

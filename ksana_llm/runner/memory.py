@@ -146,9 +146,12 @@ def plan_device_blocks(model: nn.Module, *, device: torch.device, dtype: torch.d
                        attention_backend: str, ratio: float | None,
                        reserved_ratio: float) -> int:
     """KV blocks for this model on this device: profiled on CUDA, a share of RAM on the CPU
-    (`plan_num_blocks`, unchanged)."""
+    (`plan_num_blocks`, unchanged). Parallel runs are not profiled (a forward on rank 0 alone
+    would wait for the other ranks in its collectives): they keep `plan_num_blocks`."""
     per_block = kv_bytes_per_block(model, block_size, dtype)
-    if device.type != "cuda":
+    parallel = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    if device.type != "cuda" or parallel:
         return plan_num_blocks(device, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
     backend = resolve_attention_backend(attention_backend, model, device)
     profile = profile_memory(model, device=device, dtype=dtype, block_size=block_size,

@@ -124,6 +124,11 @@ class ModelRunner:
                  cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE) -> None:
         self.model = model
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
+        if self.attention_backend == "triton":
+            # The rest of the Triton path: fused RMSNorm (+ residual) and in-place RoPE.
+            for module in model.modules():
+                if hasattr(module, "use_triton"):
+                    module.use_triton = True
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -143,8 +148,8 @@ class ModelRunner:
             (torch.empty((num_host_blocks, *k_shape[1:]), dtype=dtype, pin_memory=pin),
              torch.empty((num_host_blocks, *v_shape[1:]), dtype=dtype, pin_memory=pin))
             for _ in range(model.num_layers)] if num_host_blocks else []
-        self.max_model_len = min(max_model_len or model_context_len(model) or num_blocks * block_size,
-                                 num_blocks * block_size)
+        capacity = num_blocks * block_size
+        self.max_model_len = min(max_model_len or model_context_len(model) or capacity, capacity)
         self.decode_graphs: DecodeGraphs | None = None
         self.cuda_graph_status = "off: disabled (enable_cuda_graphs=False)"
         if cuda_graphs:

@@ -30,24 +30,11 @@ class ServerState:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
-    _grammar_compiler: Any = None
 
     def grammar_compiler(self) -> Any:
-        """The engine's GrammarCompiler when it exposes one (so a spec compiled here to check it
-        is a cache hit at submit), else one of the server's own, built on first use."""
-        compiler = getattr(self.engine, "grammar_compiler", None)
-        if callable(compiler) and not hasattr(compiler, "compile"):
-            compiler = compiler()
-        if compiler is not None:
-            return compiler
-        if self._grammar_compiler is None:
-            from ksana_llm.structured import GrammarCompiler
-
-            model = self.engine.model
-            self._grammar_compiler = GrammarCompiler(
-                self.engine.tokenizer, model.vocab_size,
-                stop_token_ids=list(getattr(model, "eos_token_ids", ()) or ()) or None)
-        return self._grammar_compiler
+        """The engine's GrammarCompiler: a spec compiled here to check it (off the event loop)
+        is a cache hit when the engine compiles it again at submit."""
+        return self.engine.grammar_compiler
 
     def request_observer(self) -> Callable[[Any], None] | None:
         """A callback for one engine request (None without metrics): it times the gaps between

@@ -1,0 +1,546 @@
+"""The reference workload on the GPU: our Engine against HF `generate_batch`, one run per model.
+
+    python -m benchmarks.gpu.bench_engine --models qwen3-0.6b --out DIR   # one model
+    python -m benchmarks.gpu.bench_engine --smoke --out DIR               # tiny shapes on CPU
+
+Models: random-init Hugging Face models with the real shapes of Qwen3-0.6B and Llama-3-8B
+(DESIGN.md §6), built on the device in bf16, saved as safetensors into a temp folder (in /dev/shm
+when it has room) and loaded by `Model.from_pretrained` like any checkpoint. No tokenizer: prompts
+are token ids.
+
+Workload (DESIGN.md §6, nano-vllm's): 256 requests, input and output lengths uniform in
+[100, 1024], seed 0, random token ids, EOS ignored (every request produces exactly its length);
+the workload code is `benchmarks/offline_throughput.py`'s, shared with the CPU benchmark. Output
+tokens/s = all output tokens / wall time from submitting the first request to the last result.
+
+Per model, in one process:
+1. ksana_llm with CUDA graphs on: start-up (KV profile, graph capture), a warm-up, the workload,
+   batch-1 decode (ms per output token after the first, median of repeats).
+2. ksana_llm with CUDA graphs off on the same weights: batch-1 decode, and the workload too
+   for Qwen3-0.6B (the model with a throughput target).
+3. HF `generate_batch` (transformers' continuous batching, its default attention and graphs) on
+   the same weights and requests, per-request output lengths through the manager as in
+   offline_throughput.py, same token budget per step. It stops at `--hf-time-cap` seconds (per
+   model by default) if not done: its tokens/s is then measured over that window (finished
+   requests plus tokens of requests still running) -- an estimate of the full-run rate, not a
+   bound, and the JSON says so ("complete": false, "extrapolated"). HF generate batch-1 decode
+   is timed too.
+
+Engine settings: 8192 tokens and 256 sequences per step, max_model_len 2048, recompute on
+preemption (no pinned host swap pool), KV cache from the engine's own sizing.
+
+Each model writes `engine_<model>.json` into --out; a summary table is printed last. A failing
+step is recorded in the JSON ("errors") and the others still run; the exit status is non-zero
+when ours failed or produced a wrong number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a file as well as with -m
+    sys.path.insert(0, str(REPO))
+
+import ksana_llm as kt  # noqa: E402
+from benchmarks.offline_throughput import (ThroughputResult, Workload,  # noqa: E402
+                                           allowed_token_ids, batch1_prompt, build_workload,
+                                           hf_batch1, ours_batch1, pad_token_id, run_ours)
+
+# ---- models ---------------------------------------------------------------------------------------
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+                  rope_theta=1000000.0)
+LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  bos_token_id=128000, eos_token_id=128001, rope_theta=500000.0)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # "qwen3" | "llama"
+    shape: dict[str, Any]
+    hf_time_cap_s: float  # HF generate_batch stops here if not done
+    off_throughput: bool  # run the workload with graphs off too
+    targets: dict[str, float] = field(default_factory=dict)
+
+
+SPECS = {
+    "qwen3-0.6b": ModelSpec("qwen3-0.6b", "qwen3", QWEN3_0_6B, 60.0, True,
+                            {"tokens_per_s_min": 20000.0, "ratio_vs_hf_min": 20.0,
+                             "batch1_ms_per_token_max": 2.0}),
+    "llama-3-8b": ModelSpec("llama-3-8b", "llama", LLAMA_3_8B, 30.0, False,
+                            {"batch1_ms_per_token_max": 5.5}),
+}
+
+
+def hf_config(spec: ModelSpec, smoke: bool) -> Any:
+    from transformers import LlamaConfig, Qwen3Config
+
+    shape = dict(TINY if smoke else spec.shape)
+    theta = shape.pop("rope_theta", 10000.0)
+    cls = Qwen3Config if spec.family == "qwen3" else LlamaConfig
+    config = cls(**shape)
+    # transformers 5 keeps the RoPE base in rope_parameters (4.x: rope_theta).
+    if getattr(config, "rope_parameters", None) is not None:
+        config.rope_parameters = {**config.rope_parameters, "rope_theta": theta}
+    else:
+        config.rope_theta = theta
+    return config
+
+
+def build_checkpoint(spec: ModelSpec, device: torch.device, dtype: torch.dtype, smoke: bool,
+                     root: Path) -> tuple[Any, Path]:
+    """(HF model on the device, in eval mode, with random weights; the folder it was saved to)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(spec, smoke)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    folder = root / spec.name
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def temp_root(need_bytes: int) -> Path:
+    """/dev/shm when it has room (checkpoint I/O at memory speed), else the default temp dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * need_bytes:
+        return Path(tempfile.mkdtemp(prefix="ksana-bench-", dir=shm))
+    return Path(tempfile.mkdtemp(prefix="ksana-bench-"))
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def guarded(name: str, errors: dict[str, str], fn: Callable[[], Any]) -> Any:
+    """Run one step; on failure record and print the error, return None."""
+    print(f"[bench] {name} ...", flush=True)
+    start = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - one failing step must not stop the others
+        traceback.print_exc()
+        errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"[bench] {name} FAILED: {errors[name][:300]}", flush=True)
+        return None
+    print(f"[bench] {name}: {time.perf_counter() - start:.1f} s", flush=True)
+    return result
+
+
+def runner_of(engine: kt.Engine) -> Any:
+    """The engine's (rank-0) model runner, for its CUDA-graph status and block count."""
+    runner = getattr(getattr(engine, "_core", None), "runner", None)
+    return getattr(runner, "local", runner)
+
+
+def engine_facts(engine: kt.Engine, startup_s: float) -> dict[str, Any]:
+    runner = runner_of(engine)
+    graphs = getattr(runner, "decode_graphs", None)
+    core = getattr(engine, "_core", None)
+    return {"startup_s": round(startup_s, 2),
+            "status": getattr(runner, "cuda_graph_status", "unknown (runner has no status)"),
+            "graph_steps": None if graphs is None else graphs.steps_run,
+            "capture_s": None if graphs is None else round(graphs.capture_seconds, 2),
+            "kv_blocks": getattr(getattr(core, "block_manager", None), "num_blocks", None),
+            "max_model_len": getattr(engine, "max_model_len", None)}
+
+
+def throughput_json(result: ThroughputResult | None, workload: Workload) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return {"wall_s": round(result.wall_s, 3), "output_tokens": result.useful_tokens,
+            "output_tokens_per_s": round(result.tokens_per_s, 1),
+            "exact_lengths": result.exact_lengths,
+            "requests": len(workload.prompts), "notes": result.notes}
+
+
+def warm_up(engine: kt.Engine, workload: Workload) -> None:
+    """A few requests of assorted lengths so kernel variants compile outside the timed run."""
+    prompts = [p[:n] for p, n in zip(workload.prompts[:16], (16, 40, 100, 300) * 4)]
+    configs = [kt.GenerationConfig(max_new_tokens=n, ignore_eos=True)
+               for n in (4, 9, 17, 33) * 4][:len(prompts)]
+    engine.generate_outputs(prompts, configs, use_tqdm=False)
+
+
+# ---- ours -----------------------------------------------------------------------------------------
+def engine_kwargs(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+    kwargs = dict(max_batch_size=args.max_step_tokens, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, enable_cuda_graphs=graphs,
+                  # Recompute on preemption: no host swap pool (it would pin as much host
+                  # memory as the device cache holds).
+                  preempt_mode=1)
+    if args.kv_ratio is not None:
+        kwargs["block_device_memory_ratio"] = args.kv_ratio
+    if args.num_device_blocks is not None:
+        kwargs["num_device_blocks"] = args.num_device_blocks
+    return kwargs
+
+
+def run_ours_engine(model: kt.Model, workload: Workload, args: argparse.Namespace, *,
+                    graphs: bool, throughput: bool, b1_prompt: list[int],
+                    errors: dict[str, str]) -> dict[str, Any]:
+    label = "graphs on" if graphs else "graphs off"
+    start = time.perf_counter()
+    engine = guarded(f"ksana_llm start ({label})", errors,
+                     lambda: kt.Engine(model, **engine_kwargs(args, graphs)))
+    if engine is None:
+        return {}
+    out: dict[str, Any] = {}
+    try:
+        out["facts"] = engine_facts(engine, time.perf_counter() - start)
+        print(f"[bench] CUDA graphs: {out['facts']['status']}; KV blocks "
+              f"{out['facts']['kv_blocks']}", flush=True)
+        guarded(f"ksana_llm warm-up ({label})", errors, lambda: warm_up(engine, workload))
+        if throughput:
+            out["throughput"] = guarded(f"ksana_llm workload ({label})", errors,
+                                        lambda: run_ours(engine, workload))
+        b1 = guarded(f"ksana_llm batch-1 ({label})", errors,
+                     lambda: ours_batch1(engine, b1_prompt, args.b1_new_tokens, args.b1_repeats))
+        out["batch1"] = None if b1 is None else asdict(b1)
+        out["facts"] = {**engine_facts(engine, out["facts"]["startup_s"])}
+    finally:
+        engine.shutdown()
+        engine = None  # noqa: F841 - drop the last reference before freeing device memory
+        free_memory(model.device)
+    return out
+
+
+# ---- HF generate_batch, time-capped -------------------------------------------------------------
+def cb_configs(model: Any, workload: Workload, page_size: int, max_batch_tokens: int
+               ) -> tuple[Any, Any, Any]:
+    """offline_throughput.cb_configs for any transformers 5: the KV page size is the
+    `ContinuousBatchingConfig` field `page_size` from 5.18 on, `block_size` before (the GPU
+    image has 5.17)."""
+    import dataclasses
+
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gen = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False,
+                           eos_token_id=-1, pad_token_id=model.generation_config.pad_token_id)
+    blocks = sum(-(-(len(p) + n) // page_size) + 1
+                 for p, n in zip(workload.prompts, workload.output_lens))
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page_field = "page_size" if "page_size" in names else "block_size"
+    cb = ContinuousBatchingConfig(**{page_field: page_size}, num_blocks=blocks + 8,
+                                  max_batch_tokens=max_batch_tokens, scheduler_type="fifo")
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p in workload.prompts),
+                          max_generated_length=max(workload.output_lens),
+                          num_requests=len(workload.prompts))
+    return gen, cb, hints
+
+
+def in_flight_tokens(manager: Any, pending: set[str]) -> int | None:
+    """Tokens generated so far by requests still running (transformers internals; None when
+    this transformers keeps them elsewhere)."""
+    try:
+        states = manager.batch_processor.scheduler.active_requests
+        return sum(len(states[r].generated_tokens) for r in pending if r in states)
+    except Exception:  # noqa: BLE001 - best effort across transformers versions
+        return None
+
+
+def run_hf_capped(model: Any, workload: Workload, page_size: int, max_batch_tokens: int,
+                  cap_s: float) -> dict[str, Any]:
+    """offline_throughput.py's continuous-batching session, stopped at `cap_s` if not done.
+    HF's own warm-up (`warmup=True`: CUDA-graph capture at the largest sizes) runs before the
+    clock starts, as our engine's start-up does."""
+    gen, cb, hints = cb_configs(model, workload, page_size, max_batch_tokens)
+    want = {f"bench-{i}": n for i, n in enumerate(workload.output_lens)}
+    done: dict[str, int] = {}
+    with model.continuous_batching_context_manager(generation_config=gen,
+                                                   continuous_batching_config=cb,
+                                                   workload_hints=hints, warmup=True,
+                                                   block=True) as manager:
+        start = time.perf_counter()
+        for (rid, n), prompt in zip(want.items(), workload.prompts):
+            manager.add_request(input_ids=prompt, request_id=rid, max_new_tokens=n,
+                                eos_token_id=-1)
+        deadline = start + cap_s
+        while len(done) < len(want) and time.perf_counter() < deadline:
+            result = manager.get_result(timeout=max(0.01, min(1.0, deadline - time.perf_counter())))
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("the HF continuous-batching thread stopped")
+                continue
+            if result.request_id in want and result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+                done[result.request_id] = len(result.generated_tokens)
+        wall = time.perf_counter() - start
+        partial = in_flight_tokens(manager, set(want) - set(done))
+    complete = len(done) == len(want)
+    counted = sum(done.values()) + (partial or 0)
+    rate = counted / wall if wall > 0 else float("nan")
+    wrong = [r for r, n in done.items() if n != want[r]]
+    out = {"complete": complete, "wall_s": round(wall, 3), "requests_finished": len(done),
+           "requests": len(want), "output_tokens_counted": counted,
+           "output_tokens_per_s": round(rate, 1), "exact_lengths": not wrong,
+           "in_flight_tokens_counted": partial is not None,
+           "notes": f"manager add_request(max_new_tokens=per request), page_size={page_size}, "
+                    f"max_batch_tokens={max_batch_tokens}"}
+    if not complete:
+        out["extrapolated"] = (
+            f"stopped at the {cap_s:.0f} s cap with {len(done)}/{len(want)} requests finished; "
+            "tokens/s is measured over that window (finished requests plus the tokens of "
+            f"running ones{'' if partial is not None else ' (not readable: not counted)'}). "
+            "An estimate of the full-run rate, not a bound: the window holds the prefill-heavy "
+            "start and leaves out the low-concurrency tail. Projected full run: "
+            f"{workload.output_tokens / rate:.0f} s" if rate > 0 else "no tokens by the cap")
+    return out
+
+
+class GenerateOnDevice:
+    """The HF model, for offline_throughput's HF generate helpers, which build their input
+    tensors on the CPU: moves them to the model's device first."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def generate(self, **kwargs: Any) -> Any:
+        device = self.model.device
+        return self.model.generate(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                      for k, v in kwargs.items()})
+
+
+def run_hf(hf_model: Any, workload: Workload, b1_prompt: list[int], args: argparse.Namespace,
+           cap_s: float, errors: dict[str, str]) -> dict[str, Any]:
+    pad_id = pad_token_id(hf_model, None)
+    out = {"throughput": guarded(
+        "HF generate_batch workload", errors,
+        lambda: run_hf_capped(hf_model, workload, args.hf_page_size, args.max_step_tokens, cap_s))}
+    b1 = guarded("HF generate batch-1", errors,
+                 lambda: hf_batch1(GenerateOnDevice(hf_model), b1_prompt, args.b1_new_tokens,
+                                   pad_id, 1))
+    out["batch1"] = None if b1 is None else asdict(b1)
+    return out
+
+
+# ---- one model ------------------------------------------------------------------------------------
+def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
+                dtype: torch.dtype) -> dict[str, Any]:
+    errors: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    config = hf_config(spec, args.smoke)
+    params_bytes = 2 * (config.vocab_size * config.hidden_size * 2
+                        + config.num_hidden_layers * 12 * config.hidden_size ** 2)
+    root = temp_root(params_bytes)
+    report: dict[str, Any] = {"model": spec.name, "shape": spec.shape if not args.smoke else TINY,
+                              "device": torch.cuda.get_device_name(device)
+                              if device.type == "cuda" else "cpu",
+                              "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke}
+    try:
+        t0 = time.perf_counter()
+        hf_model, folder = build_checkpoint(spec, device, dtype, args.smoke, root)
+        timings["build_and_save_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model = kt.Model.from_pretrained(folder, device=str(device),
+                                         dtype=str(dtype).removeprefix("torch."), progress=False)
+        timings["load_ours_s"] = time.perf_counter() - t0
+        allowed = allowed_token_ids(None, config.vocab_size)
+        workload = build_workload(args.num_requests, args.min_len, args.max_len, args.seed, allowed)
+        b1_prompt = batch1_prompt(args.b1_prompt_len, args.seed, allowed)
+        report["workload"] = workload.summary()
+        report["engine_config"] = {k: v for k, v in engine_kwargs(args, True).items()
+                                   if k != "enable_cuda_graphs"}
+
+        t0 = time.perf_counter()
+        on = run_ours_engine(model, workload, args, graphs=True, throughput=True,
+                             b1_prompt=b1_prompt, errors=errors)
+        timings["ours_graphs_on_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        off = run_ours_engine(model, workload, args, graphs=False,
+                              throughput=spec.off_throughput or args.smoke,
+                              b1_prompt=b1_prompt, errors=errors)
+        timings["ours_graphs_off_s"] = time.perf_counter() - t0
+        del model
+        free_memory(device)
+
+        t0 = time.perf_counter()
+        cap = args.hf_time_cap if args.hf_time_cap is not None else spec.hf_time_cap_s
+        hf = run_hf(hf_model, workload, b1_prompt, args, cap, errors)
+        timings["hf_s"] = time.perf_counter() - t0
+        del hf_model
+        free_memory(device)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    ours_tp = throughput_json(on.get("throughput"), workload)
+    hf_tp = hf["throughput"]
+    report["cuda_graphs"] = {"on": on.get("facts"), "off": off.get("facts")}
+    report["throughput"] = {"ksana_llm": ours_tp,
+                            "ksana_llm_graphs_off": throughput_json(off.get("throughput"), workload),
+                            "hf_generate_batch": hf_tp}
+    ratio = None
+    if ours_tp and hf_tp and hf_tp["output_tokens_per_s"] > 0:
+        ratio = round(ours_tp["output_tokens_per_s"] / hf_tp["output_tokens_per_s"], 2)
+    report["ratio_vs_hf_generate_batch"] = ratio
+    report["batch1"] = {"prompt_len": args.b1_prompt_len, "new_tokens": args.b1_new_tokens,
+                        "graphs_on": on.get("batch1"), "graphs_off": off.get("batch1"),
+                        "hf_generate": hf.get("batch1")}
+    report["targets"] = check_targets(spec, report) if not args.smoke else {
+        "note": "smoke run on CPU: targets apply to the H200 run only"}
+    report["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
+    report["errors"] = errors
+    return report
+
+
+def check_targets(spec: ModelSpec, report: dict[str, Any]) -> dict[str, Any]:
+    t = spec.targets
+    ours = report["throughput"]["ksana_llm"] or {}
+    b1 = report["batch1"]["graphs_on"] or {}
+    checks: dict[str, Any] = {}
+    if "tokens_per_s_min" in t:
+        got = ours.get("output_tokens_per_s")
+        checks["tokens_per_s"] = {"target": t["tokens_per_s_min"], "got": got,
+                                  "met": got is not None and got >= t["tokens_per_s_min"]}
+    if "ratio_vs_hf_min" in t:
+        got = report["ratio_vs_hf_generate_batch"]
+        checks["ratio_vs_hf"] = {"target": t["ratio_vs_hf_min"], "got": got,
+                                 "met": got is not None and got >= t["ratio_vs_hf_min"]}
+    if "batch1_ms_per_token_max" in t:
+        got = b1.get("ms_per_token")
+        checks["batch1_ms_per_token"] = {"target": t["batch1_ms_per_token_max"], "got": got,
+                                         "met": got is not None
+                                         and got <= t["batch1_ms_per_token_max"]}
+    return checks
+
+
+# ---- output ---------------------------------------------------------------------------------------
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary(reports: list[dict[str, Any]]) -> str:
+    lines = ["", "| model | system | output tok/s | vs HF | batch-1 ms/tok | note |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in reports:
+        tp, b1 = r["throughput"], r["batch1"]
+        graphs = r["cuda_graphs"]
+        rows = [("ksana_llm graphs on", tp["ksana_llm"], b1["graphs_on"],
+                 (graphs["on"] or {}).get("status", "")),
+                ("ksana_llm graphs off", tp["ksana_llm_graphs_off"], b1["graphs_off"], ""),
+                ("HF generate_batch", tp["hf_generate_batch"], b1["hf_generate"],
+                 "" if not tp["hf_generate_batch"] or tp["hf_generate_batch"]["complete"]
+                 else f"capped: {tp['hf_generate_batch']['requests_finished']}/"
+                      f"{tp['hf_generate_batch']['requests']} done")]
+        for i, (name, t, b, note) in enumerate(rows):
+            ratio = r["ratio_vs_hf_generate_batch"] if i == 0 else None
+            lines.append(f"| {r['model'] if i == 0 else ''} | {name} "
+                         f"| {_fmt(t and t['output_tokens_per_s'])} | {_fmt(ratio, '.2f')} "
+                         f"| {_fmt(b and b['ms_per_token'], '.3f')} | {note[:60]} |")
+        for key, check in r["targets"].items():
+            if isinstance(check, dict):
+                lines.append(f"|  | target {key} | | | | {check['got']} vs {check['target']}: "
+                             f"{'MET' if check['met'] else 'MISSED'} |")
+        if r["errors"]:
+            lines.append(f"|  | errors | | | | {'; '.join(r['errors'])[:80]} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="qwen3-0.6b,llama-3-8b",
+                   help=f"comma-separated, from {', '.join(SPECS)}")
+    p.add_argument("--out", type=Path,
+                   default=Path(os.environ.get("OUT") or REPO / "benchmarks/gpu/results"))
+    p.add_argument("--summarize", type=Path, default=None, metavar="DIR",
+                   help="only print the summary table of the engine_*.json files in DIR")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on CPU, a few short requests: checks the script end to end")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-step-tokens", type=int, default=8192,
+                   help="our token budget per step, and HF's max_batch_tokens")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-ratio", type=float, default=None,
+                   help="block_device_memory_ratio (default: the engine's)")
+    p.add_argument("--num-device-blocks", type=int, default=None,
+                   help="explicit KV block count (default: profiled from free memory)")
+    p.add_argument("--hf-time-cap", type=float, default=None,
+                   help="seconds before HF generate_batch is stopped (default: per model)")
+    p.add_argument("--hf-page-size", type=int, default=256)
+    p.add_argument("--b1-prompt-len", type=int, default=128)
+    p.add_argument("--b1-new-tokens", type=int, default=128)
+    p.add_argument("--b1-repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.num_requests, args.min_len, args.max_len = 6, 8, 24
+        args.max_step_tokens, args.max_num_seqs, args.max_model_len = 64, 8, 128
+        args.b1_prompt_len, args.b1_new_tokens, args.b1_repeats = 8, 6, 1
+        args.hf_page_size, args.num_device_blocks = 16, 256
+    unknown = [m for m in args.models.split(",") if m not in SPECS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; choose from {', '.join(SPECS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.summarize is not None:
+        reports = [json.loads(p.read_text()) for p in sorted(args.summarize.glob("engine_*.json"))]
+        print(summary(reports) if reports else f"no engine_*.json in {args.summarize}")
+        return 0
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU (or --smoke for a CPU check of the script)")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    reports = []
+    ok = True
+    for name in args.models.split(","):
+        start = time.perf_counter()
+        report = bench_model(SPECS[name], args, device, dtype)
+        report["total_s"] = round(time.perf_counter() - start, 1)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"engine_{name}.json"
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path} ({report['total_s']} s)", flush=True)
+        ours = report["throughput"]["ksana_llm"]
+        ok &= bool(ours and ours["exact_lengths"])
+        reports.append(report)
+    print(summary(reports))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
