@@ -6,6 +6,24 @@ import torch
 from torch import nn
 
 
+def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 CPU weight, or None where it does not apply.
+
+    Measured on the 2-core AVX2 CI machine with SmolLM2's shapes: 1.05-1.8x faster than
+    `F.linear` (MKL) from 1 to 1,024 rows, and 1.2-2x for the 49152-row LM head. The price is a
+    second copy of the weight, which is why only CPU float32 weights get one.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class MergedLinear(nn.Module):
     """One matmul for several projections stacked along the output dim (QKV, gate/up).
 
@@ -27,8 +45,15 @@ class MergedLinear(nn.Module):
         total = sum(self.out_sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
+        self._packed: torch.Tensor | None = None  # see prepack()
+
+    def prepack(self) -> None:
+        """Called once the weights are loaded (CPU float32 only: see prepack_cpu_weight)."""
+        self._packed = prepack_cpu_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None and x.dim() == 2:
+            return packed_linear(x, self._packed, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, index: int) -> None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext, balanced_split
+from ksana_llm.layers.linear import packed_linear, prepack_cpu_weight
 
 SINGLE = ParallelContext()
 
@@ -74,8 +75,17 @@ class RowParallelLinear(nn.Module):
         self.in_start, local_in = ctx.tp_split(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._packed: torch.Tensor | None = None  # see prepack()
+
+    def prepack(self) -> None:
+        """Called once the weights are loaded (CPU float32 only: see prepack_cpu_weight)."""
+        self._packed = prepack_cpu_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None and x.dim() == 2:
+            y = packed_linear(x, self._packed, self.bias if self.ctx.tp_rank == 0 else None)
+            return y if self.ctx.tp_size == 1 or not self.reduce_output \
+                else tp_all_reduce(y, self.ctx)
         if self.ctx.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         if not self.reduce_output:
