@@ -9,6 +9,7 @@ transformers class can pass a hand-written torch forward.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,18 @@ def hf_reference(hf_model: torch.nn.Module) -> Reference:
         with torch.no_grad():
             return hf_model(torch.tensor([ids])).logits[0].float()
     return logits
+
+
+def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> Path:
+    """A checkpoint folder written by hand (families transformers has no class for): config.json
+    plus the tensors as model.safetensors or pytorch_model.bin."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        safetensors.torch.save_file(tensors, str(folder / "model.safetensors"))
+    else:
+        torch.save(tensors, folder / "pytorch_model.bin")
+    return folder
 
 
 def save_both_formats(hf_model: torch.nn.Module, root: Path) -> dict[str, Path]:

@@ -14,18 +14,15 @@ config keys, as safetensors and as pytorch_model.bin, and load through the shipp
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ksana_llm.models.baichuan import BaichuanForCausalLM, _baichuan_view, alibi_slopes
-from tests.family_harness import (check_family, check_other_format,
+from tests.family_harness import (check_family, check_other_format, write_checkpoint,
                                   hf_reference, load_ours)
 from tests.test_alibi import alibi_attention_reference
 
@@ -91,16 +88,6 @@ def baichuan_config(architecture: str, position: str, normalized: bool) -> dict:
     else:
         config["model_max_length"] = 512  # the 13B configs name their context this way
     return config
-
-
-def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    if fmt == "safetensors":
-        save_file(tensors, str(folder / "model.safetensors"))
-    else:
-        torch.save(tensors, folder / "pytorch_model.bin")
-    return folder
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -16,17 +16,15 @@ and the second must load into identical parameters (and match at prefill and dec
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from ksana_llm.api.model import Model
 from ksana_llm.loader import load_hf_config
 from ksana_llm.models import qwen as ours_qwen
-from tests.family_harness import (check_family, check_other_format,
+from tests.family_harness import (check_family, check_other_format, write_checkpoint,
                                   hf_reference, load_ours, save_both_formats)
 
 VOCAB = 256
@@ -141,16 +139,6 @@ def qwen_v1_tensors(hf: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
         out[dst + "mlp.w2.weight"] = sd[src + "mlp.gate_proj.weight"]
         out[dst + "mlp.c_proj.weight"] = sd[src + "mlp.down_proj.weight"]
     return {name: t.clone().contiguous() for name, t in out.items()}
-
-
-def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    if fmt == "safetensors":
-        save_file(tensors, str(folder / "model.safetensors"))
-    else:
-        torch.save(tensors, folder / "pytorch_model.bin")
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -143,6 +143,17 @@ class RequestOutput:
                                self.logprobs, self.stop_reason, self.score)]
 
 
+def _apply_step(target: Any, step: Any, reason: str | None) -> None:
+    """Add one engine step to a SequenceOutput or to the RequestOutput (same field names)."""
+    target.token_ids.extend(step.new_token_ids)
+    target.text += step.text_delta
+    if target.logprobs is not None:
+        target.logprobs.extend(step.new_logprobs)
+    target.cumulative_logprob, target.score = step.cumulative_logprob, step.score
+    if step.finish_reason is not None:
+        target.finish_reason, target.stop_reason = reason, step.stop_reason
+
+
 class RequestError(RuntimeError):
     """The engine could not finish this request (it died or shut down)."""
 
@@ -201,22 +212,9 @@ class RequestHandle:
             self.forward_result = step.forward
         reason = step.finish_reason.value if step.finish_reason else None
         if out.sequence_outputs:
-            seq = out.sequence_outputs[step.index]
-            seq.token_ids.extend(step.new_token_ids)
-            seq.text += step.text_delta
-            if seq.logprobs is not None:
-                seq.logprobs.extend(step.new_logprobs)
-            seq.cumulative_logprob, seq.score = step.cumulative_logprob, step.score
-            if step.finish_reason is not None:
-                seq.finish_reason, seq.stop_reason = reason, step.stop_reason
-        if step.index == 0:
-            out.token_ids.extend(step.new_token_ids)
-            out.text += step.text_delta
-            if out.logprobs is not None:
-                out.logprobs.extend(step.new_logprobs)
-            out.cumulative_logprob, out.score = step.cumulative_logprob, step.score
-            if step.finish_reason is not None:
-                out.finish_reason, out.stop_reason = reason, step.stop_reason
+            _apply_step(out.sequence_outputs[step.index], step, reason)
+        if step.index == 0:  # the top-level fields mirror sequence 0
+            _apply_step(out, step, reason)
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = step.prompt_logprobs
         if step.first_scheduled_time is not None and out.metrics.first_scheduled_time is None:
