@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec
+from ksana_llm.layers.attention import (AttentionMetadata, KVCache, KVCacheSpec, gather_kv,
+                                        store_kv)
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.rotary import apply_rotary, rope_settings
@@ -206,8 +207,8 @@ class MultiLatentAttention(nn.Module):
         d = self.dims
         num_tokens = hidden.shape[0]
         q_nope, q_pe, entries = self._project(hidden, rope)
-        cache = kv_cache[0].view(-1, d.latent_dim)
-        cache.index_copy_(0, meta.slot_mapping, entries)
+        cache = kv_cache[0]  # [blocks, block_size, 1, latent_dim]: one latent "head" per token
+        store_kv(cache, meta.slot_index(cache.shape[1]), entries.unsqueeze(1))
 
         out = hidden.new_empty(num_tokens, d.num_heads, d.v_head_dim)
         if meta.decode_groups:
@@ -217,8 +218,8 @@ class MultiLatentAttention(nn.Module):
             q_abs = self._absorb(q_nope[:nd], q_pe[:nd])  # [nd, H, r + dr]
             o_lat = q_abs.new_empty(nd, d.num_heads, d.kv_lora_rank)
             for g in meta.decode_groups:
-                n, length = g.count, g.length
-                kv = cache.index_select(0, g.slots).view(n, 1, length, d.latent_dim)
+                n = g.count
+                kv = gather_kv(cache, g.rows(1), (n,))  # [n, 1, L, latent]
                 o = F.scaled_dot_product_attention(
                     q_abs[g.start:g.start + n].unsqueeze(1), kv, kv[..., :d.kv_lora_rank],
                     attn_mask=g.mask, scale=self.scale)
@@ -226,7 +227,7 @@ class MultiLatentAttention(nn.Module):
             out[:nd] = self._unabsorb(o_lat)
         for chunk in meta.prefills:
             s, n = chunk.start, chunk.num_tokens
-            kv = entries[s:s + n] if chunk.slots is None else cache.index_select(0, chunk.slots)
+            kv = entries[s:s + n] if chunk.blocks is None else gather_kv(cache, chunk.rows(1), ())[0]
             attend = self._expanded_prefill if n >= self.expand_min_tokens else self._absorbed_prefill
             out[s:s + n] = attend(q_nope[s:s + n], q_pe[s:s + n], kv, chunk.mask)
         return self.o_proj(out.view(num_tokens, -1))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
-                                        KVCacheSpec, PrefillChunk)
+                                        KVCacheSpec, PrefillChunk, allocate_kv_cache)
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
 
@@ -136,17 +136,17 @@ class ModelRunner:
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
         self._embedding_overrides: EmbeddingOverrides | None = None  # set by build()
         spec: KVCacheSpec = model.kv_cache_spec
-        k_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        v_shape = (num_blocks, block_size, spec.num_kv_heads, spec.v_dim)
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(k_shape, dtype=dtype, device=device),
-             torch.zeros(v_shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)]
+
+        def cache_pair(blocks: int, **kwargs: object) -> KVCache:
+            return tuple(allocate_kv_cache(blocks, block_size, spec.num_kv_heads, dim, dtype=dtype,
+                                           **kwargs) for dim in (spec.head_dim, spec.v_dim))
+
+        self.kv_caches: list[KVCache] = [cache_pair(num_blocks, device=device)
+                                         for _ in range(model.num_layers)]
+        # Uncommitted host memory: pages are committed only when a block is actually swapped out.
         pin = device.type == "cuda"
-        # torch.empty: pages are committed only when a block is actually swapped out.
         self.host_caches: list[KVCache] = [
-            (torch.empty((num_host_blocks, *k_shape[1:]), dtype=dtype, pin_memory=pin),
-             torch.empty((num_host_blocks, *v_shape[1:]), dtype=dtype, pin_memory=pin))
+            cache_pair(num_host_blocks, zero=False, pin_memory=pin)
             for _ in range(model.num_layers)] if num_host_blocks else []
         capacity = num_blocks * block_size
         self.max_model_len = min(max_model_len or model_context_len(model) or capacity, capacity)
@@ -232,10 +232,6 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     # ---- batch building -------------------------------------------------------------------------
-    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        return block_table[..., positions // bs] * bs + positions % bs
-
     def _window_ok(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         allowed = k_pos <= q_pos
         if self.sliding_window:
@@ -297,13 +293,14 @@ class ModelRunner:
                 prefill_seq_lens=torch.tensor([s.start + s.num_tokens for s in ordered[num_decodes:]],
                                               dtype=torch.int32))
             return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows, sampled
+        # Contexts are gathered in whole blocks; the mask hides the tail of each last block (and
+        # anything outside a sliding window).
         for first, count in self._decode_groups(positions[:num_decodes].tolist()):
             ctx = positions[first:first + count] + 1
-            length = int(ctx.max())
-            k_pos = torch.arange(length)
-            group = DecodeGroup(first, count, length,
-                                self._slots(table[first:first + count], k_pos).reshape(-1))
-            if self.sliding_window or int(ctx.min()) != length:
+            width = -(-int(ctx.max()) // bs)
+            k_pos = torch.arange(width * bs)
+            group = DecodeGroup(first, count, width * bs, table[first:first + count, :width])
+            if self.sliding_window or int(ctx.min()) != width * bs:
                 allowed = self._window_ok(positions[first:first + count, None], k_pos[None, :])
                 group.mask = allowed[:, None, None, :]
             meta.decode_groups.append(group)
@@ -314,8 +311,9 @@ class ModelRunner:
             chunk = PrefillChunk(start=start, num_tokens=n, context_len=first + n)
             needs_window = bool(self.sliding_window) and first + n > self.sliding_window
             if first or needs_window:
-                k_pos = torch.arange(first + n)
-                chunk.slots = self._slots(table[i], k_pos)
+                width = -(-(first + n) // bs)
+                chunk.blocks = table[i, :width]
+                k_pos = torch.arange(width * bs)
                 chunk.mask = self._window_ok(torch.arange(first, first + n)[:, None], k_pos[None, :])
             meta.prefills.append(chunk)
             start += n
@@ -352,10 +350,8 @@ class ModelRunner:
         meta.positions = move(meta.positions)
         if meta.kernel_batch is not None:
             meta.kernel_batch = meta.kernel_batch.to(self.device)
-        for group in meta.decode_groups:
-            group.slots, group.mask = move(group.slots), move(group.mask)
-        for chunk in meta.prefills:
-            chunk.slots, chunk.mask = move(chunk.slots), move(chunk.mask)
+        for part in (*meta.decode_groups, *meta.prefills):
+            part.blocks, part.mask = move(part.blocks), move(part.mask)
         return meta
 
     # ---- one step --------------------------------------------------------------------------------
