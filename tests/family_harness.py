@@ -9,8 +9,9 @@ transformers class can pass a hand-written torch forward.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import safetensors.torch
@@ -22,6 +23,20 @@ from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import Sequence
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run transformers' references single-threaded: generate launches thousands of small ops,
+    and on a busy 2-core machine two torch threads wait for each other at every one of them (10x
+    slower, measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 ATOL = 2e-4
 RTOL = 1e-4

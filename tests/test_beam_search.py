@@ -4,31 +4,17 @@ invalid combinations are ValueErrors naming the field."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 import ksana_llm as kt
+from tests.family_harness import one_thread
 from tests.tiny_models import build_tiny_model
 
 MAX_NEW = 12
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """transformers' references run single-threaded: generate launches thousands of small ops,
-    and on a busy 2-core machine two threads wait for each other at every one of them (10x
-    slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # (num_beams, num_return_sequences, length_penalty, early_stopping)

@@ -7,9 +7,6 @@ compares its greedy tokens with `transformers.generate` using the equivalent pro
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
@@ -19,20 +16,9 @@ from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLeng
 import ksana_llm as kt
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.sampler import SamplingRow, beam_log_probs, process_logits
+from tests.family_harness import one_thread
 
 VOCAB = 40
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """transformers' reference forwards run single-threaded: on a busy 2-core machine two torch
-    threads wait for each other at every small op (10x slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _row(config: GenerationConfig, prompt: list[int], output: list[int],
