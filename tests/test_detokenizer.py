@@ -407,3 +407,30 @@ def test_decode_window_stays_short(tok) -> None:
     # and there are at most two decodes per token.
     assert max(spy.lengths) <= 12
     assert len(spy.lengths) <= 2 * len(ids) + 2
+
+
+
+
+def test_rust_decode_is_used_only_when_it_equals_the_tokenizers_decode(tok) -> None:
+    from ksana_llm.engine.detokenizer import _backend_decode
+
+    ids = encode(tok, EMOJI + " " + CODE)
+    fast = _backend_decode(tok, skip_special_tokens=True)
+    assert fast is not None, "SmolLM2's fast tokenizer should be decoded by its Rust backend"
+    for end in range(1, len(ids) + 1):
+        assert fast(ids[:end]) == decode(tok, ids[:end])
+
+    # A class that changes decoding keeps its own decode.
+    calls: list[list[int]] = []
+
+    def own_decode(self, token_ids, **kwargs):
+        calls.append(list(token_ids))
+        return type(tok)._decode(self, token_ids, **kwargs)
+
+    marked = type("OwnDecodeTokenizer", (type(tok),), {"_decode": own_decode})
+    custom = marked.__new__(marked)
+    custom.__dict__.update(tok.__dict__)
+    assert _backend_decode(custom, skip_special_tokens=True) is None
+    det = IncrementalDetokenizer(custom, [])
+    assert joined([det.update(ids)]) + det.flush() == decode(tok, ids)
+    assert calls and calls[-1][-1] == ids[-1]

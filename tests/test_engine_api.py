@@ -274,3 +274,20 @@ def test_input_embeddings_replace_token_embeddings(engine, model):
     assert out.token_ids == expected.token_ids != plain.token_ids
     with pytest.raises(ValueError, match="input_embeddings"):
         engine.submit(kt.Request(ids, config, input_embeddings=([3], rows)))
+
+
+def test_tokenizer_ids_past_the_vocabulary_fail_the_request_not_the_engine(model, tmp_path):
+    """A text prompt whose tokens lie outside the model's vocabulary (a tokenizer that does not
+    match the weights) is refused at submit; it used to fail the step and kill the engine."""
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("llama2", tmp_path)  # vocabulary of 256 ids
+    tiny = kt.Model.from_pretrained(str(tmp_path), device="cpu", dtype="float32", progress=False)
+    tokenizer_ids = model.tokenizer.encode(PROMPT)
+    assert max(tokenizer_ids) >= tiny.vocab_size
+    with kt.Engine(tiny, tokenizer=model.tokenizer, num_device_blocks=32) as engine:
+        with pytest.raises(ValueError, match="prompt: the tokenizer gave token ids outside"):
+            engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=2))
+        out = engine.generate_outputs([[5, 6, 7]], kt.GenerationConfig(max_new_tokens=3,
+                                                                       ignore_eos=True))
+        assert len(out[0].token_ids) == 3 and engine.is_running

@@ -18,12 +18,12 @@ from typing import Any
 
 from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import (ForwardHandle, ForwardOutput,
-                                   ForwardTarget, Prompt, Request, RequestHandle, RequestOutput)
+from ksana_llm.api.outputs import (AsyncDeliveries, ForwardHandle, ForwardOutput, ForwardTarget,
+                                   Prompt, Request, RequestHandle, RequestOutput)
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
-from ksana_llm.engine.core import TIMEOUT_STOP_REASON, EngineCore
+from ksana_llm.engine.core import TIMEOUT_STOP_REASON, EngineCore, StepOutput
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError, SchedulerConfig
@@ -155,12 +155,20 @@ class Engine:
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
             return list(prompt)
         raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+
+    def _check_token_ids(self, token_ids: list[int], prompt: Prompt) -> None:
+        """Every id the model will embed must be in its vocabulary: an id past the embedding
+        table would fail the whole step, and with it every request in the batch."""
+        vocab = self.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if not bad:
+            return
+        if isinstance(prompt, str):
+            raise ValueError(f"prompt: the tokenizer gave token ids outside the model's vocabulary "
+                             f"[0, {vocab}): {bad[:5]} (does the tokenizer match the model?)")
+        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
     def _make_sequence(self, request: Request) -> tuple[Sequence, Any]:
         """Validate and build the request's first sequence (caller's thread); also returns what
@@ -177,6 +185,7 @@ class Engine:
                 input_embeddings=embeddings, additional_params=request.additional_params)
             token_ids, config = plugin_info.token_ids, plugin_info.generation_config
             embeddings = plugin_info.input_embeddings
+        self._check_token_ids(token_ids, request.prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's context, "
                              f"bounded by the KV cache) is {self.max_model_len}, leaving no room "
@@ -502,20 +511,27 @@ class Engine:
 
     def _dispatch(self, outputs: list) -> None:
         now = time.monotonic()
-        for out in outputs:
-            handle = self._handles.get(out.request_id)
-            if handle is None:
-                continue
-            if out.finished and out.stop_reason == TIMEOUT_STOP_REASON and not out.new_token_ids:
-                del self._handles[out.request_id]
-                handle.fail(QueueTimeoutError(
-                    f"request {out.request_id} waited over {self.config.waiting_timeout_ms} ms "
-                    "(waiting_timeout_ms) without being scheduled"))
-                continue
-            handle.deliver(out, now, self._postprocess(handle) if out.finished else None)
-            if out.finished:
-                del self._handles[out.request_id]
-                self._stats.record_finished(handle.output)
+        batch = AsyncDeliveries()
+        try:
+            for out in outputs:
+                self._deliver(out, now, batch)
+        finally:
+            batch.flush()
+
+    def _deliver(self, out: StepOutput, now: float, batch: AsyncDeliveries) -> None:
+        handle = self._handles.get(out.request_id)
+        if handle is None:
+            return
+        if out.finished and out.stop_reason == TIMEOUT_STOP_REASON and not out.new_token_ids:
+            del self._handles[out.request_id]
+            handle.fail(QueueTimeoutError(
+                f"request {out.request_id} waited over {self.config.waiting_timeout_ms} ms "
+                "(waiting_timeout_ms) without being scheduled"), batch)
+            return
+        handle.deliver(out, now, self._postprocess(handle) if out.finished else None, batch)
+        if out.finished:
+            del self._handles[out.request_id]
+            self._stats.record_finished(handle.output)
 
     def _postprocess(self, handle: RequestHandle) -> Any:
         """The model plugin's postprocess for a finishing request, or None (no plugin, or a

@@ -161,6 +161,32 @@ class RequestError(RuntimeError):
 _END = object()
 
 
+class AsyncDeliveries:
+    """Items for handles read from asyncio loops, gathered while the engine thread delivers one
+    step and handed to each loop in one `call_soon_threadsafe`: one wake-up of the loop per step
+    instead of one per sequence (each wake-up is a syscall, and the loop's thread then competes
+    with the engine thread for the GIL)."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, target: asyncio.Queue, item: Any) -> None:
+        self._by_loop.setdefault(loop, []).append((target, item))
+
+    def flush(self) -> None:
+        by_loop, self._by_loop = self._by_loop, {}
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for target, item in items:
+        target.put_nowait(item)
+
+
 class RequestHandle:
     """Live view of one submitted request.
 
@@ -183,9 +209,13 @@ class RequestHandle:
                 for _ in range(config.num_return_sequences)]
         self._callback = callback
         self._loop = loop
-        self._sync: queue.Queue[Any] = queue.Queue()
+        self._sync: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._async: asyncio.Queue[Any] | None = asyncio.Queue() if loop is not None else None
         self.error: BaseException | None = None
+        # Cleared once the reader only waits for the end (`result` / `aresult`): the engine then
+        # stops queueing per-step deltas nobody reads, and the reader is woken once, not per
+        # token (for an asyncio reader every wake-up is a task step that holds the GIL).
+        self._deltas_wanted = True
         self.forward_result: Any = None  # a core ForwardResult, for forward-only requests
         self.plugin_info: Any = None  # what the model plugin's preprocess returned, if it ran
 
@@ -194,8 +224,10 @@ class RequestHandle:
         return self.output.finished or self.error is not None
 
     # ---- engine side ----------------------------------------------------------------------------
-    def _push(self, item: Any) -> None:
-        if self._async is not None:
+    def _push(self, item: Any, batch: AsyncDeliveries | None = None) -> None:
+        if self._async is not None and batch is not None:
+            batch.add(self._loop, self._async, item)
+        elif self._async is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed: nobody is listening any more
@@ -204,9 +236,12 @@ class RequestHandle:
             self._sync.put(item)
 
     def deliver(self, step: StepOutput, now: float,
-                before_final: Callable[[RequestOutput], None] | None = None) -> None:
+                before_final: Callable[[RequestOutput], None] | None = None,
+                batch: AsyncDeliveries | None = None) -> None:
         """Apply one core output. `before_final(output)` runs on the request's last output,
-        after the output is complete and before anyone (callback, waiters) sees it finished."""
+        after the output is complete and before anyone (callback, waiters) sees it finished.
+        An asyncio reader gets its items through `batch` when one is given (the caller
+        flushes it)."""
         out = self.output
         if step.forward is not None:
             self.forward_result = step.forward
@@ -236,16 +271,17 @@ class RequestHandle:
                 self._callback(out)
             except Exception:  # a user callback must not take the engine down
                 logger.exception("callback of request %s raised", self.id)
-        if step.text_delta or step.new_token_ids or step.finish_reason is not None:
+        if self._deltas_wanted and (step.text_delta or step.new_token_ids
+                                    or step.finish_reason is not None):
             self._push(SequenceDelta(step.index, step.text_delta, list(step.new_token_ids),
                                      list(step.new_logprobs) if self.config.logprobs is not None
-                                     else None, reason, step.stop_reason))
+                                     else None, reason, step.stop_reason), batch)
         if step.finished:
-            self._push(_END)
+            self._push(_END, batch)
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, batch: AsyncDeliveries | None = None) -> None:
         self.error = error
-        self._push(error)
+        self._push(error, batch)
 
     # ---- caller side ----------------------------------------------------------------------------
     def _check(self, item: Any) -> bool:
@@ -271,6 +307,7 @@ class RequestHandle:
                 yield delta.text
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        self._deltas_wanted = False
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -298,6 +335,7 @@ class RequestHandle:
                 yield delta.text
 
     async def aresult(self) -> RequestOutput:
+        self._deltas_wanted = False
         async for _ in self.adeltas():
             pass
         return self.output

@@ -44,7 +44,7 @@ class ForwardResult:
 TIMEOUT_STOP_REASON = "timeout"
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     """What one step added to one sequence of one request.
 
@@ -253,12 +253,17 @@ class EngineCore:
             outputs.extend(self._collect_beams([seqs[i] for i in beam], logits, beam))
         return outputs
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        matcher = seq.matcher if seq.matcher is not None and not seq.matcher.is_terminated() else None
-        return SamplingRow(config=seq.config, prompt_token_ids=seq.prompt_token_ids,
-                           output_token_ids=seq.output_token_ids, generator=seq.generator,
-                           eos_token_ids=seq.eos_token_ids, matcher=matcher,
-                           need_logprob=seq.config.num_sequences > seq.config.num_return_sequences)
+    @staticmethod
+    def _sampling_row(seq: Sequence) -> SamplingRow:
+        """The sequence's row, built once: it holds the sequence's own (growing) token lists,
+        and a sequence whose grammar has terminated is finished, so it never changes."""
+        if seq.sampling_row is None:
+            seq.sampling_row = SamplingRow(
+                config=seq.config, prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids, generator=seq.generator,
+                eos_token_ids=seq.eos_token_ids, matcher=seq.matcher,
+                need_logprob=seq.config.num_sequences > seq.config.num_return_sequences)
+        return seq.sampling_row
 
     def _sample_tokens(self, seqs: list[Sequence], logits: torch.Tensor,
                        rows_of: list[int]) -> list[StepOutput]:

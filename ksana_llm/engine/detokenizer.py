@@ -12,7 +12,9 @@ The work is split in two layers, composed by :class:`IncrementalDetokenizer`:
   short window ``tokens[prefix_offset:]`` and compares it with the decode of
   ``tokens[prefix_offset:read_offset]`` (text that was already emitted or is
   prompt context). The difference is emitted only when the window does not end
-  with U+FFFD, i.e. when it does not end inside a character.
+  with U+FFFD, i.e. when it does not end inside a character. Unlike vLLM's, the
+  window moves only every few tokens: until then the read part's text is the
+  previous decode, which halves the decode calls.
 * :class:`_StopStringMatcher` turns safe text into client text: it finds stop
   strings (also ones split across tokens) and holds back a suffix that could
   still grow into a stop string.
@@ -37,9 +39,9 @@ and ``tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenizatio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["DetokenizerUpdate", "IncrementalDetokenizer"]
 
@@ -58,6 +60,11 @@ _PROMPT_CONTEXT_TOKENS = 5
 # invalid byte streams, where waiting forever would hold back all text and make
 # every step re-decode an ever-growing window.
 _MAX_UNREAD_TOKENS = 16
+
+# A decode window grows to this many tokens before it moves on. While it grows, the text of its
+# read part is the previous decode, so each token costs one decode instead of two; moving costs
+# one extra decode. Decoding a few more tokens per call is cheap next to the call itself.
+_WINDOW_TOKENS = 8
 
 
 class _Tokenizer(Protocol):
@@ -87,6 +94,29 @@ class DetokenizerUpdate:
     stop_str: str | None
 
 
+def _backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """The Rust `tokenizers` decode behind a transformers fast tokenizer, when calling it directly
+    gives exactly what `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=
+    False)` gives: the class must not override transformers' own decode path. None otherwise.
+
+    The transformers wrapper costs about three times the decode itself (argument conversion and
+    dispatch), and every generated token is decoded twice, for every sequence of every step.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep the public API
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or cls.decode is not PreTrainedTokenizerBase.decode \
+            or cls._decode is not TokenizersBackend._decode:
+        return None
+    return lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
 class _IncrementalDecoder:
     """Token ids -> text that never ends inside a multi-byte character."""
 
@@ -95,6 +125,7 @@ class _IncrementalDecoder:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._fast_decode = _backend_decode(tokenizer, skip_special_tokens)
         # Only the window from prefix_offset on is ever needed, so older tokens
         # are dropped as the window moves (offsets are relative to this list).
         self._token_ids: list[int] = self._prompt_context(prompt_token_ids)
@@ -105,6 +136,8 @@ class _IncrementalDecoder:
         self._prefix_len: int | None = None
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(token_ids)
         if self._tokenizer is None:
             return ""  # a weights-only model (no tokenizer) serves token ids, no text
         # Cleanup is disabled: it rewrites text across token boundaries, so a
@@ -149,7 +182,13 @@ class _IncrementalDecoder:
             # the text ends inside a character: wait for more tokens.
             return ""
         delta = new_text[self._prefix_len :]
-        self._move_window()
+        if len(self._token_ids) - self._prefix_offset < _WINDOW_TOKENS:
+            # Everything in the window is read now, and its decode is `new_text`: the next
+            # window starts at the same place, so its prefix needs no decode of its own.
+            self._read_offset = len(self._token_ids)
+            self._prefix_len = len(new_text)
+        else:
+            self._move_window()
         return delta
 
     def _move_window(self) -> None:

@@ -117,10 +117,11 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly computed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching or not seq.fills_prefix_cache:
-            return
-        self.update_block_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching \
+                or not seq.fills_prefix_cache:
+            return  # (most decode steps fill no block: nothing new to hash)
+        self.update_block_hashes(seq)
         for i in range(seq.num_registered_blocks, num_full):
             block, key = seq.block_table[i], seq.block_hashes[i]
             if self.block_key[block] is None and key not in self.cached_blocks:
@@ -137,6 +138,11 @@ class BlockManager:
         replaced by a private copy (see `pending_copies`). Returns False and changes nothing when
         there are not enough free blocks.
         """
+        if prefix is None and num_new_tokens == 1:
+            # Decode steps, the common case: the token goes into the sequence's own last block.
+            index = seq.num_computed_tokens // self.block_size
+            if index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] == 1:
+                return True
         prefix_blocks = prefix.block_ids if prefix else []
         computed = prefix.num_tokens if prefix else seq.num_computed_tokens
         total = self.blocks_needed(computed + num_new_tokens)

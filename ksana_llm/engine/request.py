@@ -90,6 +90,7 @@ class Sequence:
     # Prompt log-probs collected so far, keyed by the position of the token they score (>= 1).
     prompt_logprobs: dict[int, dict[str, Any]] | None = None
     text: str = ""  # output text so far, kept only when outputs are ranked at the end (best_of)
+    sampling_row: Any = None  # its runner.sampler.SamplingRow, built at its first sample
 
     @property
     def token_ids(self) -> list[int]:

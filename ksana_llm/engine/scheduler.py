@@ -42,7 +42,7 @@ class SchedulerConfig:
     max_queue_size: int = 1000
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per sequence per step: not frozen, which costs more to build
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes, starting at num_computed_tokens

@@ -26,7 +26,6 @@ padding and buffer logic is tested on CPU, and the fallback if a capture fails.
 from __future__ import annotations
 
 import bisect
-import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.attention import AttentionMetadata, KernelBatch
+from ksana_llm.runner.host_arrays import fill_block_tables
 
 # Small buckets one by one (batch-1 latency matters), then every multiple of this.
 _SMALL_BUCKETS = (1, 2, 4, 8)
@@ -108,7 +108,6 @@ class DecodeInputs:
                            for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self._columns = np.arange(w, dtype=np.int64)
 
     # ---- device views (fixed addresses: what the graphs read) ---------------------------------
     def input_ids(self, bucket: int) -> torch.Tensor:
@@ -164,15 +163,10 @@ class DecodeInputs:
         longs, ints = host_longs.numpy(), host_ints.numpy()
 
         pos = np.fromiter(starts, dtype=np.int64, count=n)
-        lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
         tables = ints[b:b + bucket * w].reshape(bucket, w)
-        # All tables in one C-level pass: row-major boolean assignment keeps each row's order.
         # Columns past a row's own table keep stale values: the kernel reads only the blocks
         # its context length covers.
-        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
-                           count=int(lens.sum()))
-        used = int(lens.max()) if n else 0
-        tables[:n, :used][self._columns[None, :used] < lens[:, None]] = flat
+        fill_block_tables(tables, block_tables)
         longs[0, :n] = np.fromiter(token_ids, dtype=np.int64, count=n)
         longs[1, :n] = pos
         longs[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs

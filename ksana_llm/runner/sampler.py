@@ -113,6 +113,8 @@ class SamplerOutput:
         Everything is packed into one float64 tensor before the copy: token ids are exact in
         float64 (< 2**53) and float32 log-probs widen exactly, so nothing is lost.
         """
+        if self.logprobs is None and self.top_logprobs is None:
+            return self.token_ids.tolist(), None, None  # the common case: one small copy
         parts = [self.token_ids.to(torch.float64).unsqueeze(1)]
         if self.logprobs is not None:
             parts.append(self.logprobs.to(torch.float64).unsqueeze(1))

@@ -1,0 +1,198 @@
+"""Host time of one decode step: what the Python step loop costs besides the model.
+
+On a GPU the forward of a small model at batch 256 takes a few milliseconds, and every
+millisecond the host spends scheduling, building the batch, sampling bookkeeping, detokenizing
+and delivering outputs is a millisecond the device waits (issue 5: "a step loop that keeps the
+GPU busy"). That host work is the same Python on a CPU, so it can be measured here: this script
+serves `--num-seqs` requests that all decode together on a tiny random Llama (hidden 64, 2
+layers) with the default model's tokenizer and vocabulary, and times each phase of every pure
+decode step.
+
+Phases (wall time per decode step, median over the steps where all sequences decode)
+    schedule   `Scheduler.schedule`: admission, block allocation, preemption checks
+    slices     `EngineCore._slice` for every scheduled sequence
+    build      `ModelRunner.build`: token ids, positions, block tables, attention metadata
+    forward    the model (tiny here: stands for device time)
+    lm_head    `compute_logits` (vocabulary-wide: device time)
+    sample     `Sampler.sample` + the device-to-host copy of the chosen tokens
+    process    per-sequence bookkeeping: append, stop checks, detokenize, `StepOutput`s
+    dispatch   `Engine._dispatch`: handing outputs to the waiting requests
+    host       everything except forward, lm_head and sample: the step loop's own overhead
+
+Run
+    python benchmarks/step_overhead.py                  # 256 sequences, 64 decode steps
+    python benchmarks/step_overhead.py --api async      # outputs read from asyncio, as the server does
+    python benchmarks/step_overhead.py --num-seqs 64 --json-out /tmp/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ksana_llm as kt
+
+DEVICE_PHASES = ("forward", "lm_head", "sample")
+VOCAB_SIZE = 8192
+
+
+class PhaseClock:
+    """Accumulates wall time per phase within one step; `close_step` files the step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[tuple[int, dict[str, float]]] = []  # (num decoding seqs, phases)
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        """Time every call of `obj.name` (an instance attribute shadows the method)."""
+        method = getattr(obj, name)
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.current[phase] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+    def close_step(self, num_decoding: int) -> None:
+        """File the current step: "process" is the step's time not spent in a timed phase."""
+        phases = dict(self.current)
+        total = phases.pop("step", 0.0)
+        inner = sum(v for k, v in phases.items() if k != "dispatch")
+        phases["process"] = max(0.0, total - inner)
+        self.steps.append((num_decoding, phases))
+        self.current = defaultdict(float)
+
+
+def tiny_model_dir(folder: Path) -> Path:
+    """A random 2-layer Llama with the default model's tokenizer and the first `VOCAB_SIZE` ids of
+    its vocabulary (ordinary BPE pieces): real detokenization work, while the LM head and the
+    sampler (device work) stay small enough not to drown the host phases in timing noise."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from ksana_llm.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB_SIZE,
+                         max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def instrument(engine: kt.Engine, clock: PhaseClock) -> Callable[[], None]:
+    """Time the phases of every step; returns the function that files the last step."""
+    core, runner = engine._core, engine._core.runner
+    clock.wrap(core.scheduler, "schedule", "schedule")
+    clock.wrap(core, "_slice", "slices")
+    clock.wrap(runner, "build", "build")
+    clock.wrap(runner.model, "forward", "forward")
+    clock.wrap(runner.model, "compute_logits", "lm_head")
+    clock.wrap(core.sampler, "sample", "sample")
+    clock.wrap(engine, "_dispatch", "dispatch")
+    step = core.step
+    pending: list[int] = []  # the decoding count of the step whose dispatch is still to come
+
+    def close() -> None:
+        if pending:
+            clock.close_step(pending.pop())
+
+    def timed_step() -> list:
+        close()  # the previous step's outputs have been dispatched by now
+        decoding = sum(1 for s in core.scheduler.running
+                       if s.num_computed_tokens >= s.num_tokens - 1)
+        start = time.perf_counter()
+        outputs = step()
+        clock.current["step"] += time.perf_counter() - start
+        pending.append(decoding)
+        return outputs
+
+    core.step = timed_step
+    return close
+
+
+async def generate_async(engine: kt.Engine, prompts: list[list[int]],
+                         config: kt.GenerationConfig) -> None:
+    await asyncio.gather(*(engine.generate_output_async(p, config) for p in prompts))
+
+
+def summarize(clock: PhaseClock, num_seqs: int) -> dict[str, float]:
+    full = [phases for n, phases in clock.steps if n == num_seqs and "build" in phases]
+    if not full:
+        raise SystemExit("no step decoded every sequence at once; raise --num-blocks")
+    names = sorted({k for p in full for k in p})
+    median = {k: statistics.median(p.get(k, 0.0) for p in full) * 1e3 for k in names}
+    host = [sum(v for k, v in p.items() if k not in DEVICE_PHASES) for p in full]
+    median["host"] = statistics.median(host) * 1e3
+    median["steps"] = len(full)
+    return median
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--api", choices=("sync", "async"), default="sync",
+                        help="collect outputs with blocking handles, or from an asyncio loop "
+                             "(the server's path)")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = kt.Model.from_pretrained(str(tiny_model_dir(Path(tmp))), device="cpu",
+                                         dtype="float32", progress=False)
+    engine = kt.Engine(model, max_num_seqs=args.num_seqs, max_batch_size=16384,
+                       num_device_blocks=args.num_seqs * (8 + args.steps // 16))
+    config = kt.GenerationConfig(max_new_tokens=args.steps, ignore_eos=True)
+    # Token-id prompts (24 ordinary pieces each) inside the tiny model's vocabulary.
+    ids = torch.randint(256, VOCAB_SIZE, (args.num_seqs, 24), generator=torch.Generator().manual_seed(0))
+    prompts = ids.tolist()
+    with engine:
+        engine.generate(prompts[:4], config, use_tqdm=False)  # warm-up
+        clock = PhaseClock()
+        close_last_step = instrument(engine, clock)
+        start = time.perf_counter()
+        if args.api == "sync":
+            engine.generate(prompts, config, use_tqdm=False)
+        else:
+            asyncio.run(generate_async(engine, prompts, config))
+        wall = time.perf_counter() - start
+        close_last_step()
+    result = summarize(clock, args.num_seqs)
+    steps = int(result.pop("steps"))
+    print(f"{args.num_seqs} sequences decoding together ({args.api} API), {steps} decode steps, "
+          f"{wall:.2f} s in all; median ms per decode step:")
+    for name in ("schedule", "slices", "build", "forward", "lm_head", "sample", "process",
+                 "dispatch", "host"):
+        value = result.get(name, 0.0)
+        note = " (device work on a GPU)" if name in DEVICE_PHASES else ""
+        print(f"  {name:<9} {value:8.2f}{note}")
+    print(f"  host per sequence: {1e3 * result['host'] / args.num_seqs:.1f} us")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"num_seqs": args.num_seqs, "api": args.api,
+                                             "decode_steps": steps,
+                                             "ms_per_step": result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
