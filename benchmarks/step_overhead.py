@@ -16,12 +16,19 @@ Phases (wall time per decode step, median over the steps where all sequences dec
     lm_head    `compute_logits` (vocabulary-wide: device time)
     sample     `Sampler.sample` + the device-to-host copy of the chosen tokens
     process    per-sequence bookkeeping: append, stop checks, detokenize, `StepOutput`s
-    dispatch   `Engine._dispatch`: handing outputs to the waiting requests
+    deferred   (--overlap on) the previous step's detokenizing and `StepOutput`s, done after
+               this step's forward is launched
+    dispatch   `Engine._dispatch`: handing outputs to the waiting requests (with --overlap on,
+               mostly from inside the next step, after its launch)
     host       everything except forward, lm_head and sample: the step loop's own overhead
+    idle       the part of `host` the device waits for: `host` less what runs after the launch
+               (deferred work and in-step dispatch) -- on a GPU, hidden under the forward as
+               long as that is longer
 
 Run
     python benchmarks/step_overhead.py                  # 256 sequences, 64 decode steps
     python benchmarks/step_overhead.py --api async      # outputs read from asyncio, as the server does
+    python benchmarks/step_overhead.py --overlap on     # output processing overlapped (CUDA default)
     python benchmarks/step_overhead.py --num-seqs 64 --json-out /tmp/overhead.json
 """
 
@@ -44,6 +51,8 @@ import torch
 import ksana_llm as kt
 
 DEVICE_PHASES = ("forward", "lm_head", "sample")
+# Host phases that, with overlapped output processing, run while the device computes the step.
+OVERLAPPED_PHASES = ("deferred", "dispatch_in_step")
 VOCAB_SIZE = 8192
 
 
@@ -53,6 +62,8 @@ class PhaseClock:
     def __init__(self) -> None:
         self.current: dict[str, float] = defaultdict(float)
         self.steps: list[tuple[int, dict[str, float]]] = []  # (num decoding seqs, phases)
+        self.in_step = False
+        self.inner = 0.0  # time in timed phases during the current step call
 
     def wrap(self, obj: Any, name: str, phase: str) -> None:
         """Time every call of `obj.name` (an instance attribute shadows the method)."""
@@ -60,11 +71,15 @@ class PhaseClock:
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            in_step = self.in_step
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.current[phase] += time.perf_counter() - start
+                spent = time.perf_counter() - start
+                self.current[f"{phase}_in_step" if in_step and phase == "dispatch" else phase] += spent
+                if in_step:
+                    self.inner += spent
 
         setattr(obj, name, timed)
 
@@ -72,10 +87,10 @@ class PhaseClock:
         """File the current step: "process" is the step's time not spent in a timed phase."""
         phases = dict(self.current)
         total = phases.pop("step", 0.0)
-        inner = sum(v for k, v in phases.items() if k != "dispatch")
-        phases["process"] = max(0.0, total - inner)
+        phases["process"] = max(0.0, total - self.inner)
         self.steps.append((num_decoding, phases))
         self.current = defaultdict(float)
+        self.inner = 0.0
 
 
 def tiny_model_dir(folder: Path) -> Path:
@@ -107,6 +122,7 @@ def instrument(engine: kt.Engine, clock: PhaseClock) -> Callable[[], None]:
     clock.wrap(runner.model, "compute_logits", "lm_head")
     clock.wrap(core.sampler, "sample", "sample")
     clock.wrap(engine, "_dispatch", "dispatch")
+    clock.wrap(core, "_drain_deferred", "deferred")
     step = core.step
     pending: list[int] = []  # the decoding count of the step whose dispatch is still to come
 
@@ -114,12 +130,16 @@ def instrument(engine: kt.Engine, clock: PhaseClock) -> Callable[[], None]:
         if pending:
             clock.close_step(pending.pop())
 
-    def timed_step() -> list:
+    def timed_step(*args: Any, **kwargs: Any) -> list:
         close()  # the previous step's outputs have been dispatched by now
         decoding = sum(1 for s in core.scheduler.running
                        if s.num_computed_tokens >= s.num_tokens - 1)
         start = time.perf_counter()
-        outputs = step()
+        clock.in_step = True
+        try:
+            outputs = step(*args, **kwargs)
+        finally:
+            clock.in_step = False
         clock.current["step"] += time.perf_counter() - start
         pending.append(decoding)
         return outputs
@@ -140,7 +160,9 @@ def summarize(clock: PhaseClock, num_seqs: int) -> dict[str, float]:
     names = sorted({k for p in full for k in p})
     median = {k: statistics.median(p.get(k, 0.0) for p in full) * 1e3 for k in names}
     host = [sum(v for k, v in p.items() if k not in DEVICE_PHASES) for p in full]
+    idle = [h - sum(p.get(k, 0.0) for k in OVERLAPPED_PHASES) for h, p in zip(host, full)]
     median["host"] = statistics.median(host) * 1e3
+    median["idle"] = statistics.median(idle) * 1e3
     median["steps"] = len(full)
     return median
 
@@ -154,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api", choices=("sync", "async"), default="sync",
                         help="collect outputs with blocking handles, or from an asyncio loop "
                              "(the server's path)")
+    parser.add_argument("--overlap", choices=("on", "off"), default="off",
+                        help="overlap output processing with the next step (the engine's default "
+                             "on CUDA; off on a CPU, where nothing runs concurrently)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     if args.threads:
@@ -162,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         model = kt.Model.from_pretrained(str(tiny_model_dir(Path(tmp))), device="cpu",
                                          dtype="float32", progress=False)
     engine = kt.Engine(model, max_num_seqs=args.num_seqs, max_batch_size=16384,
-                       num_device_blocks=args.num_seqs * (8 + args.steps // 16))
+                       num_device_blocks=args.num_seqs * (8 + args.steps // 16),
+                       overlap_output_processing=args.overlap == "on")
     config = kt.GenerationConfig(max_new_tokens=args.steps, ignore_eos=True)
     # Token-id prompts (24 ordinary pieces each) inside the tiny model's vocabulary.
     ids = torch.randint(256, VOCAB_SIZE, (args.num_seqs, 24), generator=torch.Generator().manual_seed(0))
@@ -180,16 +206,19 @@ def main(argv: list[str] | None = None) -> None:
         close_last_step()
     result = summarize(clock, args.num_seqs)
     steps = int(result.pop("steps"))
-    print(f"{args.num_seqs} sequences decoding together ({args.api} API), {steps} decode steps, "
-          f"{wall:.2f} s in all; median ms per decode step:")
+    print(f"{args.num_seqs} sequences decoding together ({args.api} API, overlap {args.overlap}), "
+          f"{steps} decode steps, {wall:.2f} s in all; median ms per decode step:")
+    notes = {name: " (device work on a GPU)" for name in DEVICE_PHASES}
+    notes.update(deferred=" (after the launch)", dispatch_in_step=" (after the launch)",
+                 idle=" (host time the device waits for)")
     for name in ("schedule", "slices", "build", "forward", "lm_head", "sample", "process",
-                 "dispatch", "host"):
-        value = result.get(name, 0.0)
-        note = " (device work on a GPU)" if name in DEVICE_PHASES else ""
-        print(f"  {name:<9} {value:8.2f}{note}")
-    print(f"  host per sequence: {1e3 * result['host'] / args.num_seqs:.1f} us")
+                 "deferred", "dispatch", "dispatch_in_step", "host", "idle"):
+        print(f"  {name:<16} {result.get(name, 0.0):8.2f}{notes.get(name, '')}")
+    print(f"  host per sequence: {1e3 * result['host'] / args.num_seqs:.1f} us, of which the "
+          f"device waits for {1e3 * result['idle'] / args.num_seqs:.1f} us")
     if args.json_out:
         args.json_out.write_text(json.dumps({"num_seqs": args.num_seqs, "api": args.api,
+                                             "overlap": args.overlap,
                                              "decode_steps": steps,
                                              "ms_per_step": result}, indent=2))
 

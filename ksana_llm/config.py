@@ -66,6 +66,10 @@ class EngineConfig(BaseModel):
     cuda_graph_max_batch_size: int | None = Field(
         None, ge=1, description="largest decode batch captured in a graph (larger batches run "
                                 "eagerly); default: max_num_seqs")
+    overlap_output_processing: bool | None = Field(
+        None, description="detokenize and deliver a step's outputs while the device runs the next "
+                          "step (outputs arrive one step later; requests with stop strings or "
+                          "best_of/beam search are not deferred); None = on for CUDA")
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

@@ -176,6 +176,7 @@ def engine_facts(engine: kt.Engine, startup_s: float) -> dict[str, Any]:
             "graph_steps": None if graphs is None else graphs.steps_run,
             "capture_s": None if graphs is None else round(graphs.capture_seconds, 2),
             "kv_blocks": getattr(getattr(core, "block_manager", None), "num_blocks", None),
+            "overlap_outputs": getattr(core, "overlap_outputs", None),
             "max_model_len": getattr(engine, "max_model_len", None)}
 
 
@@ -202,7 +203,8 @@ def engine_kwargs(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
                   max_model_len=args.max_model_len, enable_cuda_graphs=graphs,
                   # Recompute on preemption: no host swap pool (it would pin as much host
                   # memory as the device cache holds).
-                  preempt_mode=1)
+                  preempt_mode=1,
+                  overlap_output_processing={"auto": None, "on": True, "off": False}[args.overlap])
     if args.kv_ratio is not None:
         kwargs["block_device_memory_ratio"] = args.kv_ratio
     if args.num_device_blocks is not None:
@@ -495,6 +497,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="block_device_memory_ratio (default: the engine's)")
     p.add_argument("--num-device-blocks", type=int, default=None,
                    help="explicit KV block count (default: profiled from free memory)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="overlap output processing with the next step (auto: on for CUDA)")
     p.add_argument("--hf-time-cap", type=float, default=None,
                    help="seconds before HF generate_batch is stopped (default: per model)")
     p.add_argument("--hf-page-size", type=int, default=256)

@@ -144,8 +144,12 @@ class Engine:
         self.max_model_len = max_model_len
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d host blocks", num_blocks,
                     cfg.block_token_num, num_blocks * per_block / 2**20, num_host_blocks)
+        overlap = cfg.overlap_output_processing
+        if overlap is None:
+            overlap = model.device.type == "cuda"
         return EngineCore(runner, block_manager, scheduler_config, self.tokenizer,
-                          max_model_len=self.max_model_len, sampler=Sampler(cfg.seed))
+                          max_model_len=self.max_model_len, sampler=Sampler(cfg.seed),
+                          overlap_outputs=overlap)
 
     # ---- validation (caller's thread) -------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -496,10 +500,7 @@ class Engine:
                 if self.config.waiting_timeout_ms is not None:
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work():
-                    start = time.monotonic()
-                    outputs = core.step()
-                    self._stats.record_step(time.monotonic() - start, outputs)
-                    self._dispatch(outputs)
+                    self._dispatch_step(core.step(early=self._dispatch_step))
                 with self._wake:
                     self._num_waiting = len(core.scheduler.waiting) + len(core.scheduler.swapped)
                     self._num_running = len(core.scheduler.running)
@@ -508,6 +509,10 @@ class Engine:
             self._dead = exc
         finally:
             self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+
+    def _dispatch_step(self, outputs: list[StepOutput]) -> None:
+        self._stats.record_outputs(outputs)
+        self._dispatch(outputs)
 
     def _dispatch(self, outputs: list) -> None:
         now = time.monotonic()

@@ -52,7 +52,7 @@ class StatsTracker:
         self._finished: deque[RequestOutput] = deque(maxlen=history)
         self._num_finished = 0
 
-    def record_step(self, seconds: float, outputs: list) -> None:
+    def record_outputs(self, outputs: list) -> None:
         now = time.monotonic()
         tokens = sum(len(o.new_token_ids) for o in outputs)
         with self._lock:

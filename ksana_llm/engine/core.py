@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,6 +70,21 @@ class StepOutput:
     prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
+@dataclass(slots=True)
+class _DeferredOutput:
+    """A sampled token whose text and `StepOutput` are made while the device runs the next step.
+
+    Everything that decides what runs next (appending the token, stop checks, freeing a finished
+    sequence) has happened; only the detokenization and the output itself wait.
+    """
+
+    seq: Sequence
+    token: int
+    entries: list[dict[str, Any]]
+    finishing: bool  # the sequence ended with this token: flush its held-back text
+    last: bool  # ... and it was its request's last live sequence
+
+
 @dataclass(frozen=True)
 class CoreStats:
     num_waiting: int
@@ -86,7 +102,7 @@ class CoreStats:
 class EngineCore:
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, tokenizer: Any, *, max_model_len: int,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, overlap_outputs: bool = False) -> None:
         self.runner = runner
         self.block_manager = block_manager
         self.scheduler = Scheduler(scheduler_config, block_manager)
@@ -96,6 +112,10 @@ class EngineCore:
         self.groups: dict[str, SequenceGroup] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        # Overlap output processing with the next step (see `step`). Exact for requests without
+        # stop strings or ranking; those keep producing their outputs in their own step.
+        self.overlap_outputs = overlap_outputs
+        self._deferred: list[_DeferredOutput] = []
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -134,11 +154,13 @@ class EngineCore:
 
     def abort(self, request_id: str) -> list[StepOutput]:
         """Finish the request now (finish_reason "abort"), freeing every block it holds."""
+        # The request's deferred text comes first (it may even have finished already).
+        outputs = self._drain_deferred()
         group = self.groups.get(request_id)
-        return [] if group is None else self._abort_group(group, None)
+        return outputs if group is None else outputs + self._abort_group(group, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._deferred)
 
     def stats(self) -> CoreStats:
         s, bm = self.scheduler, self.block_manager
@@ -155,18 +177,46 @@ class EngineCore:
             outputs.extend(self._abort_group(seq.group, TIMEOUT_STOP_REASON))
         return outputs
 
-    def step(self) -> list[StepOutput]:
+    def step(self, early: Callable[[list[StepOutput]], None] | None = None) -> list[StepOutput]:
+        """Run one step; its outputs (with `overlap_outputs`, mostly the previous step's).
+
+        With `overlap_outputs`, the per-token output work of a step (detokenizing, building the
+        `StepOutput`s) is deferred to the next step and done after that step's forward is
+        launched, while the device computes; `early` (when given) receives those outputs right
+        then, so delivering them overlaps the device too. On a CPU nothing runs concurrently and
+        it only delays outputs by a step, which is why it is meant for CUDA.
+        """
         plan = self.scheduler.schedule()
         slices = [self._slice(item) for item in plan.scheduled]
         result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in,
                                                plan.copy_blocks))
+        outputs = self._drain_deferred()
+        if early is not None and outputs:
+            early(outputs)
+            outputs = []
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
-        outputs = self._collect_captures(plan.scheduled, slices, result.captured)
+        outputs.extend(self._collect_captures(plan.scheduled, slices, result.captured))
         if result.sampled:
             outputs.extend(self._sample([plan.scheduled[i].seq for i in result.sampled],
                                         result.logits))
+        if self._deferred and not self.scheduler.has_work():
+            outputs.extend(self._drain_deferred())  # no next step to overlap with
+        return outputs
+
+    def _drain_deferred(self) -> list[StepOutput]:
+        """The deferred outputs, in the order their tokens were sampled."""
+        if not self._deferred:
+            return []
+        deferred, self._deferred = self._deferred, []
+        outputs = []
+        for item in deferred:
+            seq = item.seq
+            delta = seq.detokenizer.update([item.token]).delta
+            if item.finishing:
+                delta += seq.detokenizer.flush()
+            outputs.append(self._output(seq, [item.token], delta, item.entries, finished=item.last))
         return outputs
 
     def _slice(self, item: ScheduledSequence) -> SeqSlice:
@@ -324,14 +374,16 @@ class EngineCore:
                          "top_logprobs": dict(top[:seq.config.logprobs]) if top else {}}
                 seq.logprobs.append(entry)
                 entries.append(entry)
-        update = seq.detokenizer.update([token])
         config = seq.config
+        # Without stop strings the text cannot end the sequence, so it can wait (see `step`).
+        deferred = self.overlap_outputs and not config.stop and not config.ranks_sequences
+        update = None if deferred else seq.detokenizer.update([token])
         grammar_ended = False
         if seq.matcher is not None:
             # A token the grammar refuses can only come from a row whose every token was masked;
             # either way the structured output cannot go on.
             grammar_ended = not seq.matcher.accept_token(token) or seq.matcher.is_terminated()
-        if update.stop_str is not None:
+        if update is not None and update.stop_str is not None:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, update.stop_str
         elif not config.ignore_eos and token in seq.eos_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
@@ -339,6 +391,11 @@ class EngineCore:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif len(seq.output_token_ids) >= config.max_new_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
+        if update is None:
+            finishing = seq.finish_reason is not None
+            self._deferred.append(_DeferredOutput(seq, token, entries, finishing,
+                                                  finishing and self._release(seq)))
+            return []
         if config.ranks_sequences:
             seq.text += update.delta
             return self._finish_sequence(seq, [], "") if seq.finish_reason is not None else []
@@ -373,6 +430,15 @@ class EngineCore:
         request's ranked outputs once its last sequence is done."""
         group = seq.group
         flushed = seq.detokenizer.flush() if seq.detokenizer is not None else ""
+        last = self._release(seq)
+        if group.config.ranks_sequences:
+            seq.text += flushed
+            return self._ranked_outputs(group) if last else []
+        return [self._output(seq, tokens, delta + flushed, entries or [], finished=last)]
+
+    def _release(self, seq: Sequence) -> bool:
+        """Free the finished `seq`; whether it was its request's last live sequence."""
+        group = seq.group
         self.scheduler.finish(seq)
         seq.finished_time = time.monotonic()
         group.seqs.remove(seq)
@@ -380,10 +446,7 @@ class EngineCore:
         last = not group.seqs
         if last:
             del self.groups[group.request_id]
-        if group.config.ranks_sequences:
-            seq.text += flushed
-            return self._ranked_outputs(group) if last else []
-        return [self._output(seq, tokens, delta + flushed, entries or [], finished=last)]
+        return last
 
     def _ranked_outputs(self, group: SequenceGroup) -> list[StepOutput]:
         """best_of: the num_return_sequences samples with the highest cumulative log-prob."""

@@ -373,8 +373,8 @@ class ModelRunner:
         # Copied before the forward is launched: a host-to-device copy from pageable memory
         # waits for the stream, and after the launches it would wait for the whole forward.
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device) if sampled else None
-        hidden = self.model(input_ids.to(self.device), meta.positions, self.kv_caches, meta,
-                            embedding_overrides=overrides)
+        hidden = self.model(input_ids.to(self.device, non_blocking=True), meta.positions,
+                            self.kv_caches, meta, embedding_overrides=overrides)
         captured = self._capture(step.slices, hidden) if self._capture_rows else {}
         if not sampled:
             return StepResult([], None, captured)

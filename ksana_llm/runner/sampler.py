@@ -139,6 +139,16 @@ class SamplerOutput:
         return token_ids, logprobs, top
 
 
+def _to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without waiting for the device.
+
+    A blocking copy (`.to(device)`, `torch.tensor(..., device=...)`) synchronizes the stream, so
+    the host would sit until the already queued forward is done. The source is pageable memory,
+    which CUDA stages before the call returns, so it may be freed at once.
+    """
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _index_tensor(
     token_lists: list[list[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
@@ -149,8 +159,7 @@ def _index_tensor(
     """
     width = max(1, max(len(t) for t in token_lists))
     padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
-    index = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
-    return index.clamp_(min=0, max=vocab_size)
+    return _to_device(padded, torch.int64, device).clamp_(min=0, max=vocab_size)
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -170,9 +179,9 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     bias = [(i, token, value) for i, row in enumerate(rows)
             for token, value in row.config.logit_bias.items() if token < vocab_size]
     if bias:
-        rows_t = torch.tensor([b[0] for b in bias], device=device)
-        tokens_t = torch.tensor([b[1] for b in bias], device=device)
-        values = torch.tensor([float(b[2]) for b in bias], dtype=torch.float32).to(device)
+        rows_t = _to_device([b[0] for b in bias], torch.int64, device)
+        tokens_t = _to_device([b[1] for b in bias], torch.int64, device)
+        values = _to_device([float(b[2]) for b in bias], torch.float32, device)
         out.index_put_((rows_t, tokens_t), values, accumulate=True)
 
     # 1. min_new_tokens: stop tokens are -inf until enough tokens have been produced. HF runs
@@ -186,7 +195,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
                     sup_rows.append(i)
                     sup_tokens.append(token)
     if sup_rows:
-        out[torch.tensor(sup_rows, device=device), torch.tensor(sup_tokens, device=device)] = (
+        out[_to_device(sup_rows, torch.int64, device), _to_device(sup_tokens, torch.int64, device)] = (
             float("-inf"))
 
     # 2. Repetition penalty (HF): every token seen in prompt or output is scaled once,
@@ -198,9 +207,9 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         seen = torch.zeros(len(rep), vocab_size + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, index, True)
         seen = seen[:, :vocab_size]
-        penalty = torch.tensor([rows[i].config.repetition_penalty for i in rep],
-                               dtype=torch.float32).to(device).unsqueeze(1)
-        rep_idx = torch.tensor(rep, device=device)
+        penalty = _to_device([rows[i].config.repetition_penalty for i in rep], torch.float32,
+                             device).unsqueeze(1)
+        rep_idx = _to_device(rep, torch.int64, device)
         sub = out.index_select(0, rep_idx)
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
         out.index_copy_(0, rep_idx, torch.where(seen, penalised, sub))
@@ -219,10 +228,10 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         counts = torch.zeros(len(pf), vocab_size + 1, dtype=torch.float32, device=device)
         counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
         counts = counts[:, :vocab_size]
-        coeffs = torch.tensor(
+        coeffs = _to_device(
             [[rows[i].config.presence_penalty, rows[i].config.frequency_penalty] for i in pf],
-            dtype=torch.float32).to(device)
-        pf_idx = torch.tensor(pf, device=device)
+            torch.float32, device)
+        pf_idx = _to_device(pf, torch.int64, device)
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
         out.index_copy_(0, pf_idx, out.index_select(0, pf_idx) - delta)
     return out
@@ -241,8 +250,8 @@ def _ban_repeated_ngrams(out: torch.Tensor, token_lists: list[list[int]], member
     vocab_size, device = out.shape[1], out.device
     width = max(lengths[k] for k in keep)
     padded = [token_lists[k] + [-1] * (width - lengths[k]) for k in keep]
-    tokens = torch.tensor(padded, dtype=torch.int64).to(device)
-    length = torch.tensor([lengths[k] for k in keep], dtype=torch.int64).to(device)
+    tokens = _to_device(padded, torch.int64, device)
+    length = _to_device([lengths[k] for k in keep], torch.int64, device)
     windows = tokens.unfold(1, size, 1)  # [R, W - size + 1, size]
     # The last size-1 tokens of each history.
     offsets = torch.arange(size - 1, device=device)
@@ -254,7 +263,7 @@ def _ban_repeated_ngrams(out: torch.Tensor, token_lists: list[list[int]], member
     banned_ids = torch.where(matches, windows[..., -1].clamp(min=0, max=vocab_size), vocab_size)
     banned = torch.zeros(len(keep), vocab_size + 1, dtype=torch.bool, device=device)
     banned.scatter_(1, banned_ids, True)
-    index = torch.tensor([members[k] for k in keep], device=device)
+    index = _to_device([members[k] for k in keep], torch.int64, device)
     out.index_copy_(0, index, out.index_select(0, index).masked_fill(banned[:, :vocab_size],
                                                                      float("-inf")))
 
@@ -319,7 +328,7 @@ def warp_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
             params.append((float(c.temperature), float(min(c.top_k, vocab_size)), float(c.top_p),
                            float(c.min_p)))
     # One host-to-device copy for all per-row parameters.
-    p = torch.tensor(params, dtype=torch.float32).to(device)
+    p = _to_device(params, torch.float32, device)
     temperature, top_k, top_p, min_p = p[:, 0:1], p[:, 1:2], p[:, 2:3], p[:, 3:4]
     use_temp = any(t != 1.0 for t, _, _, _ in params)
     use_top_k = any(k > 0 for _, k, _, _ in params)
@@ -404,7 +413,7 @@ class Sampler:
             token_ids = greedy_ids
         else:
             sampled = self._sample_rows(warp_logits(processed, rows), rows)
-            greedy_mask = torch.tensor([row.config.greedy for row in rows]).to(logits.device)
+            greedy_mask = _to_device([row.config.greedy for row in rows], torch.bool, logits.device)
             token_ids = torch.where(greedy_mask, greedy_ids, sampled)
 
         if not want_logprobs:
@@ -441,7 +450,7 @@ class Sampler:
             if shared:
                 draws = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype,
                                     device=probs.device).exponential_(generator=default)
-                noise.index_copy_(0, torch.tensor(shared, device=probs.device), draws)
+                noise.index_copy_(0, _to_device(shared, torch.int64, probs.device), draws)
             for i in seeded:
                 noise[i].exponential_(generator=rows[i].generator)
         # A zero draw would turn a removed token's 0 probability into 0/0 = NaN; clamp it away.
