@@ -23,7 +23,8 @@ from ksana_llm.api.outputs import (AsyncDeliveries, ForwardHandle, ForwardOutput
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
-from ksana_llm.engine.core import TIMEOUT_STOP_REASON, EngineCore, StepOutput
+from ksana_llm.engine.core import TIMEOUT_STOP_REASON, EngineCore
+from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError, SchedulerConfig

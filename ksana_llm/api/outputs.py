@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ksana_llm.engine.core import StepOutput
+from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.generation_config import GenerationConfig
 
 logger = logging.getLogger("ksana_llm.api")

@@ -8,81 +8,34 @@ One request is one `SequenceGroup`. It starts as one sequence; when that sequenc
 computed it either stays alone, or forks into `num_sequences` samples that share the prompt's KV
 blocks (each with its own random stream: seed + i when the request is seeded), or runs beam search
 (`beam_search.BeamSearch` picks the continuations; beams fork and are dropped, sharing blocks).
-Outputs are per sequence (`StepOutput.index`); outputs that are ranked at the end (beam search,
-best_of > n) are only emitted when the request finishes, best first.
+Outputs are per sequence (`StepOutput.index`, see `engine.outputs`); outputs that are ranked at
+the end (beam search, best_of > n) are only emitted when the request finishes, best first. Beam
+search's steps live in `engine.beam_steps`.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ksana_llm.engine.beam_search import BeamSearch, Hypothesis
+from ksana_llm.engine.beam_search import BeamSearch
+from ksana_llm.engine.beam_steps import BeamSearchSteps
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.outputs import DeferredOutput, ForwardResult, StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
 from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from ksana_llm.runner.model_runner import CapturedRows, ModelRunner, SeqSlice, StepInput
-from ksana_llm.runner.sampler import (Sampler, SamplingRow, beam_log_probs, make_generator,
-                                      token_logprobs)
-
-
-@dataclass(frozen=True)
-class ForwardResult:
-    """A forward-only request's captured rows, on the CPU, in `ForwardSpec.positions` order."""
-
-    positions: list[int]
-    hidden: Any  # torch.Tensor [P, hidden] float32 (after the final norm), or None
-    logits: Any  # torch.Tensor [P, vocab] float32, or None
+from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator, token_logprobs
 
 
 # stop_reason of a request that expired in the waiting queue.
 TIMEOUT_STOP_REASON = "timeout"
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step added to one sequence of one request.
-
-    `index`: the sequence (0 for single-sequence requests; for ranked outputs, the rank).
-    `finish_reason` is set on the last output of that sequence; `finished` on the last output of
-    the whole request (all its sequences are done).
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    new_logprobs: list[dict[str, Any]] = field(default_factory=list)
-    forward: ForwardResult | None = None  # set on the (only) output of a forward-only request
-    first_scheduled_time: float | None = None  # time.monotonic() when it first got compute
-    index: int = 0
-    cumulative_logprob: float | None = None  # the sequence's, when log-probs are computed
-    score: float | None = None  # beam search: the hypothesis' length-penalised score
-    # Set once per request, on the first output after its prompt is computed (when asked).
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-
-
-@dataclass(slots=True)
-class _DeferredOutput:
-    """A sampled token whose text and `StepOutput` are made while the device runs the next step.
-
-    Everything that decides what runs next (appending the token, stop checks, freeing a finished
-    sequence) has happened; only the detokenization and the output itself wait.
-    """
-
-    seq: Sequence
-    token: int
-    entries: list[dict[str, Any]]
-    finishing: bool  # the sequence ended with this token: flush its held-back text
-    last: bool  # ... and it was its request's last live sequence
 
 
 @dataclass(frozen=True)
@@ -99,7 +52,7 @@ class CoreStats:
     peak_used_blocks: int = 0
 
 
-class EngineCore:
+class EngineCore(BeamSearchSteps):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, tokenizer: Any, *, max_model_len: int,
                  sampler: Sampler | None = None, overlap_outputs: bool = False) -> None:
@@ -115,7 +68,7 @@ class EngineCore:
         # Overlap output processing with the next step (see `step`). Exact for requests without
         # stop strings or ranking; those keep producing their outputs in their own step.
         self.overlap_outputs = overlap_outputs
-        self._deferred: list[_DeferredOutput] = []
+        self._deferred: list[DeferredOutput] = []
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -393,7 +346,7 @@ class EngineCore:
             seq.finish_reason = FinishReason.LENGTH
         if update is None:
             finishing = seq.finish_reason is not None
-            self._deferred.append(_DeferredOutput(seq, token, entries, finishing,
+            self._deferred.append(DeferredOutput(seq, token, entries, finishing,
                                                   finishing and self._release(seq)))
             return []
         if config.ranks_sequences:
@@ -484,94 +437,4 @@ class EngineCore:
                                       FinishReason.ABORT, stop_reason,
                                       first_scheduled_time=seq.first_scheduled_time,
                                       index=seq.index, cumulative_logprob=self._cumulative(seq)))
-        return outputs
-
-    # ---- beam search ---------------------------------------------------------------------------
-    def _collect_beams(self, seqs: list[Sequence], logits: torch.Tensor,
-                       rows_of: list[int]) -> list[StepOutput]:
-        """Keep each beam's log-probs; a request whose live beams all have theirs takes a step.
-        (Beams of one request normally decode in the same step; one that was preempted or ran
-        out of budget catches up, and its siblings wait idle meanwhile.)"""
-        sub = logits.index_select(0, torch.tensor(rows_of, device=logits.device))
-        processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs])
-        ready: list[SequenceGroup] = []
-        for k, seq in enumerate(seqs):
-            group = seq.group
-            seq.num_reserved_slots = 1  # the group's width is reserved by its live beams now
-            group.beam.rows[seq] = (processed[k], raw[k])
-            if group not in ready and all(s in group.beam.rows for s in group.seqs):
-                ready.append(group)
-        outputs: list[StepOutput] = []
-        for group in ready:
-            outputs.extend(self._beam_step(group))
-        return outputs
-
-    def _beam_step(self, group: SequenceGroup) -> list[StepOutput]:
-        beam, config, seqs = group.beam, group.config, list(group.seqs)
-        processed = torch.stack([beam.rows[s][0] for s in seqs])
-        raw = torch.stack([beam.rows[s][1] for s in seqs])
-        beam.rows = {}
-        want = config.logprobs
-        stop = set(beam.stop_token_ids.tolist())
-
-        def entry(parent: int, token: int) -> dict[str, Any]:
-            row = raw[parent]
-            top = torch.topk(row, want) if want else None
-            return {"token_id": token, "logprob": float(row[token]),
-                    "top_logprobs": dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}}
-
-        def finalize(parent: int, token: int, score: float, sum_logprob: float) -> Hypothesis:
-            p = seqs[parent]
-            return Hypothesis(p.output_token_ids + [token], score, sum_logprob,
-                              "stop" if token in stop else "length",
-                              p.logprobs + [entry(parent, token)] if want is not None else None)
-
-        continuations = beam.step(processed, finalize)
-        if beam.done:
-            return self._finish_beams(group)
-        # Parents chosen once continue themselves; chosen again, they fork first (before any
-        # token is appended); parents nobody chose are dropped.
-        plan: list[tuple[Sequence, int, int]] = []
-        reused: set[int] = set()
-        for parent, token in continuations:
-            if parent in reused:
-                child = seqs[parent].fork(group.next_index)
-                group.next_index += 1
-                self.scheduler.fork(seqs[parent], child)
-                plan.append((child, parent, token))
-            else:
-                reused.add(parent)
-                plan.append((seqs[parent], parent, token))
-        for i, seq in enumerate(seqs):
-            if i not in reused:
-                self.scheduler.finish(seq)
-        now = time.monotonic()
-        for seq, parent, token in plan:
-            seq.output_token_ids.append(token)
-            if want is not None:
-                seq.logprobs.append(entry(parent, token))
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-        self.num_generated_tokens += len(plan)
-        group.seqs = [seq for seq, _, _ in plan]
-        return []
-
-    def _finish_beams(self, group: SequenceGroup) -> list[StepOutput]:
-        for seq in group.seqs:
-            self.scheduler.finish(seq)
-        first = group.seqs[0]
-        group.seqs = []
-        del self.groups[group.request_id]
-        best = group.beam.results(group.config.num_return_sequences)
-        outputs = []
-        for rank, hyp in enumerate(best):
-            detok = self._detokenizer(first)
-            text = detok.update(hyp.token_ids).delta + detok.flush()
-            reason = FinishReason.STOP if hyp.finish_reason == "stop" else FinishReason.LENGTH
-            out = StepOutput(group.request_id, list(hyp.token_ids), text, rank == len(best) - 1,
-                             reason, hyp.token_ids[-1] if reason is FinishReason.STOP else None,
-                             list(hyp.logprobs or []), first_scheduled_time=first.first_scheduled_time,
-                             index=rank, cumulative_logprob=hyp.sum_logprob, score=hyp.score)
-            self._attach_prompt_logprobs(group, out)
-            outputs.append(out)
         return outputs

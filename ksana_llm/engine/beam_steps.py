@@ -1,0 +1,110 @@
+"""The engine core's beam-search steps: collect each beam's log-probs, advance a request's beams
+together (`beam_search.BeamSearch` picks the continuations; beams fork and are dropped, sharing
+blocks) and emit the best hypotheses when it is done.
+
+A mixin of `EngineCore`: it works on the core's `scheduler`, `groups`, `num_generated_tokens`,
+and its `_sampling_row`, `_detokenizer` and `_attach_prompt_logprobs`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ksana_llm.engine.beam_search import Hypothesis
+from ksana_llm.engine.outputs import StepOutput
+from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
+from ksana_llm.runner.sampler import beam_log_probs
+
+
+class BeamSearchSteps:
+    def _collect_beams(self, seqs: list[Sequence], logits: torch.Tensor,
+                       rows_of: list[int]) -> list[StepOutput]:
+        """Keep each beam's log-probs; a request whose live beams all have theirs takes a step.
+        (Beams of one request normally decode in the same step; one that was preempted or ran
+        out of budget catches up, and its siblings wait idle meanwhile.)"""
+        sub = logits.index_select(0, torch.tensor(rows_of, device=logits.device))
+        processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs])
+        ready: list[SequenceGroup] = []
+        for k, seq in enumerate(seqs):
+            group = seq.group
+            seq.num_reserved_slots = 1  # the group's width is reserved by its live beams now
+            group.beam.rows[seq] = (processed[k], raw[k])
+            if group not in ready and all(s in group.beam.rows for s in group.seqs):
+                ready.append(group)
+        outputs: list[StepOutput] = []
+        for group in ready:
+            outputs.extend(self._beam_step(group))
+        return outputs
+
+    def _beam_step(self, group: SequenceGroup) -> list[StepOutput]:
+        beam, config, seqs = group.beam, group.config, list(group.seqs)
+        processed = torch.stack([beam.rows[s][0] for s in seqs])
+        raw = torch.stack([beam.rows[s][1] for s in seqs])
+        beam.rows = {}
+        want = config.logprobs
+        stop = set(beam.stop_token_ids.tolist())
+
+        def entry(parent: int, token: int) -> dict[str, Any]:
+            row = raw[parent]
+            top = torch.topk(row, want) if want else None
+            return {"token_id": token, "logprob": float(row[token]),
+                    "top_logprobs": dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}}
+
+        def finalize(parent: int, token: int, score: float, sum_logprob: float) -> Hypothesis:
+            p = seqs[parent]
+            return Hypothesis(p.output_token_ids + [token], score, sum_logprob,
+                              "stop" if token in stop else "length",
+                              p.logprobs + [entry(parent, token)] if want is not None else None)
+
+        continuations = beam.step(processed, finalize)
+        if beam.done:
+            return self._finish_beams(group)
+        # Parents chosen once continue themselves; chosen again, they fork first (before any
+        # token is appended); parents nobody chose are dropped.
+        plan: list[tuple[Sequence, int, int]] = []
+        reused: set[int] = set()
+        for parent, token in continuations:
+            if parent in reused:
+                child = seqs[parent].fork(group.next_index)
+                group.next_index += 1
+                self.scheduler.fork(seqs[parent], child)
+                plan.append((child, parent, token))
+            else:
+                reused.add(parent)
+                plan.append((seqs[parent], parent, token))
+        for i, seq in enumerate(seqs):
+            if i not in reused:
+                self.scheduler.finish(seq)
+        now = time.monotonic()
+        for seq, parent, token in plan:
+            seq.output_token_ids.append(token)
+            if want is not None:
+                seq.logprobs.append(entry(parent, token))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+        self.num_generated_tokens += len(plan)
+        group.seqs = [seq for seq, _, _ in plan]
+        return []
+
+    def _finish_beams(self, group: SequenceGroup) -> list[StepOutput]:
+        for seq in group.seqs:
+            self.scheduler.finish(seq)
+        first = group.seqs[0]
+        group.seqs = []
+        del self.groups[group.request_id]
+        best = group.beam.results(group.config.num_return_sequences)
+        outputs = []
+        for rank, hyp in enumerate(best):
+            detok = self._detokenizer(first)
+            text = detok.update(hyp.token_ids).delta + detok.flush()
+            reason = FinishReason.STOP if hyp.finish_reason == "stop" else FinishReason.LENGTH
+            out = StepOutput(group.request_id, list(hyp.token_ids), text, rank == len(best) - 1,
+                             reason, hyp.token_ids[-1] if reason is FinishReason.STOP else None,
+                             list(hyp.logprobs or []), first_scheduled_time=first.first_scheduled_time,
+                             index=rank, cumulative_logprob=hyp.sum_logprob, score=hyp.score)
+            self._attach_prompt_logprobs(group, out)
+            outputs.append(out)
+        return outputs

@@ -1,0 +1,57 @@
+"""What an engine step gives back: per-sequence `StepOutput` deltas (and the records behind them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ksana_llm.engine.request import FinishReason, Sequence
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """A forward-only request's captured rows, on the CPU, in `ForwardSpec.positions` order."""
+
+    positions: list[int]
+    hidden: Any  # torch.Tensor [P, hidden] float32 (after the final norm), or None
+    logits: Any  # torch.Tensor [P, vocab] float32, or None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step added to one sequence of one request.
+
+    `index`: the sequence (0 for single-sequence requests; for ranked outputs, the rank).
+    `finish_reason` is set on the last output of that sequence; `finished` on the last output of
+    the whole request (all its sequences are done).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    new_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    forward: ForwardResult | None = None  # set on the (only) output of a forward-only request
+    first_scheduled_time: float | None = None  # time.monotonic() when it first got compute
+    index: int = 0
+    cumulative_logprob: float | None = None  # the sequence's, when log-probs are computed
+    score: float | None = None  # beam search: the hypothesis' length-penalised score
+    # Set once per request, on the first output after its prompt is computed (when asked).
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+@dataclass(slots=True)
+class DeferredOutput:
+    """A sampled token whose text and `StepOutput` are made while the device runs the next step.
+
+    Everything that decides what runs next (appending the token, stop checks, freeing a finished
+    sequence) has happened; only the detokenization and the output itself wait.
+    """
+
+    seq: Sequence
+    token: int
+    entries: list[dict[str, Any]]
+    finishing: bool  # the sequence ended with this token: flush its held-back text
+    last: bool  # ... and it was its request's last live sequence
