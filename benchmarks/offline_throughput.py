@@ -492,7 +492,6 @@ def run_engine_part(args: argparse.Namespace, errors: dict[str, str]) -> dict[st
         return part
     finally:
         engine.shutdown()
-        del engine
         gc.collect()
 
 

@@ -101,8 +101,8 @@ def test_a_tokens_output_is_made_during_the_next_step(default_model):
     with kt.Engine(default_model, num_device_blocks=64, overlap_output_processing=True) as engine:
         engine.shutdown()  # drive the core by hand from here on
         core = engine._core
-        seq, _ = engine._make_sequence(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=5,
-                                                                             ignore_eos=True)))
+        request = kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=5, ignore_eos=True))
+        seq, _ = engine._requests.sequence(request, engine.generation_config)
         core.add(seq)
         early: list[tuple[int, list[int], str]] = []
         returned = []

@@ -1,0 +1,72 @@
+"""Building an `EngineCore` for a model and an `EngineConfig`: KV pool sizing, the model runner
+(local, or driving worker ranks), the scheduler's limits, the sampler."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ksana_llm.api.model import Model
+from ksana_llm.config import EngineConfig
+from ksana_llm.distributed.executor import DistributedRunner
+from ksana_llm.engine.core import EngineCore
+from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.scheduler import SchedulerConfig
+from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
+from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
+from ksana_llm.runner.sampler import Sampler
+
+logger = logging.getLogger("ksana_llm.engine")
+
+
+def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
+               on_worker_failure: Callable[[str], None]) -> EngineCore:
+    """The core; its `max_model_len` is the context a request may use (the model's, bounded by
+    `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank."""
+    per_block = kv_bytes_per_block(model.module, cfg.block_token_num, model.dtype)
+    # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
+    num_blocks = cfg.num_device_blocks or plan_device_blocks(
+        model.module, device=model.device, dtype=model.dtype, block_size=cfg.block_token_num,
+        max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
+        attention_backend=cfg.attention_backend, ratio=cfg.block_device_memory_ratio,
+        reserved_ratio=cfg.reserved_device_memory_ratio)
+    # A sequence can never outgrow the model's context, nor the whole KV pool.
+    max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
+                        num_blocks * cfg.block_token_num)
+    num_host_blocks = 0
+    if cfg.preempt_mode == 0:
+        # The swap pool mirrors the device pool, but never more than half the free host RAM
+        # (a GPU's cache can be larger than the machine's memory).
+        num_host_blocks = min(int(num_blocks * cfg.block_host_memory_factor),
+                              available_host_bytes() // 2 // per_block)
+    block_manager = BlockManager(num_blocks, cfg.block_token_num,
+                                 enable_prefix_caching=cfg.enable_prefix_caching,
+                                 num_host_blocks=num_host_blocks)
+    runner_kwargs = dict(num_blocks=num_blocks, block_size=cfg.block_token_num,
+                         num_host_blocks=num_host_blocks,
+                         attention_backend=cfg.attention_backend,
+                         max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
+                         cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
+                         or cfg.max_num_seqs)
+    runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
+    if model.runtime is not None:
+        # A parallel run: every step also goes to the worker ranks, which build the same
+        # runner (same block count, so block tables mean the same thing everywhere).
+        runner = DistributedRunner(runner, model.runtime, runner_kwargs, model.workers,
+                                   on_failure=on_worker_failure)
+    scheduler_config = SchedulerConfig(
+        max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
+        split_fuse_token_num=cfg.split_fuse_token_num, preempt_mode=cfg.preempt_mode,
+        policy=cfg.scheduler_policy,
+        # Admission control happens in submit(); requests it admits to start at once sit in
+        # the core's waiting list until the next step, so the core's bound leaves them room.
+        max_queue_size=cfg.max_queue_size + cfg.max_num_seqs)
+    logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d host blocks", num_blocks,
+                cfg.block_token_num, num_blocks * per_block / 2**20, num_host_blocks)
+    overlap = cfg.overlap_output_processing
+    if overlap is None:
+        overlap = model.device.type == "cuda"
+    return EngineCore(runner, block_manager, scheduler_config, tokenizer,
+                      max_model_len=max_model_len, sampler=Sampler(cfg.seed),
+                      overlap_outputs=overlap)

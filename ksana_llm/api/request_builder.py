@@ -1,0 +1,176 @@
+"""Turning what callers submit into validated `Sequence`s, on the caller's thread.
+
+Everything here raises `ValueError` naming the bad field before anything reaches the engine
+thread, so a bad request never costs another request anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from typing import Any
+
+from ksana_llm.api.forward_targets import resolve_target
+from ksana_llm.api.model import Model
+from ksana_llm.api.outputs import ForwardTarget, Prompt, Request
+from ksana_llm.engine.request import ForwardSpec, Sequence
+from ksana_llm.generation_config import GenerationConfig
+
+
+def _as_config(value: GenerationConfig | dict[str, Any] | None,
+               default: GenerationConfig) -> GenerationConfig:
+    if value is None:
+        return default
+    if isinstance(value, GenerationConfig):
+        return value
+    if isinstance(value, dict):
+        return default.replace(**value)
+    raise ValueError(f"generation_config must be a GenerationConfig or a dict, got {type(value).__name__}")
+
+
+class RequestBuilder:
+    """Validates prompts and settings against one model and engine and builds their sequences.
+
+    `max_model_len`: the context a request may use; `max_num_seqs`: the most sequences one
+    request may ask for (samples or beams). Thread-safe: callers submit from any thread.
+    """
+
+    def __init__(self, model: Model, tokenizer: Any, *, max_model_len: int,
+                 max_num_seqs: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self._ids = itertools.count()
+        self._grammar_compiler: Any = None  # built on the first structured-output request
+        self._grammar_lock = threading.Lock()
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string or list of token ids")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+
+    def _check_token_ids(self, token_ids: list[int], prompt: Prompt) -> None:
+        """Every id the model will embed must be in its vocabulary: an id past the embedding
+        table would fail the whole step, and with it every request in the batch."""
+        vocab = self.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if not bad:
+            return
+        if isinstance(prompt, str):
+            raise ValueError(f"prompt: the tokenizer gave token ids outside the model's vocabulary "
+                             f"[0, {vocab}): {bad[:5]} (does the tokenizer match the model?)")
+        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+
+    def sequence(self, request: Request, default_config: GenerationConfig) -> tuple[Sequence, Any]:
+        """Validate and build the request's first sequence; also returns what the model's plugin
+        preprocess gave (for its postprocess), or None."""
+        config = _as_config(request.generation_config, default_config)
+        token_ids = self.tokenize(request.prompt)
+        embeddings = self._check_embeddings(request.input_embeddings, len(token_ids))
+        plugin_info = None
+        plugin = getattr(self.model, "plugin", None)
+        if plugin is not None:
+            plugin_info = plugin.run_preprocess(
+                token_ids, generation_config=config,
+                prompt=request.prompt if isinstance(request.prompt, str) else None,
+                input_embeddings=embeddings, additional_params=request.additional_params)
+            token_ids, config = plugin_info.token_ids, plugin_info.generation_config
+            embeddings = plugin_info.input_embeddings
+        self._check_token_ids(token_ids, request.prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's context, "
+                             f"bounded by the KV cache) is {self.max_model_len}, leaving no room "
+                             "to generate")
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise ValueError(f"priority must be an integer, got {request.priority!r}")
+        self._check_config(config)
+        request_id = request.request_id or self._new_id("req")
+        eos = () if config.ignore_eos else self.model.eos_token_ids
+        seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
+        if embeddings is not None:
+            seq.embeddings = (tuple(embeddings[0]), embeddings[1])
+        if config.prompt_logprobs is not None:
+            seq.prompt_logprobs = {}
+        if config.structured_output is not None:
+            # Compiled here, so an invalid schema is a ValueError in the caller's thread.
+            seq.matcher = self.grammar().matcher(config.structured_output)
+        return seq, plugin_info
+
+    def _check_config(self, config: GenerationConfig) -> None:
+        """What GenerationConfig cannot check alone: limits of this model and engine."""
+        vocab = self.model.vocab_size
+        bad = [t for t in config.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        if config.num_sequences > self.max_num_seqs:
+            what = "num_beams" if config.use_beam_search else (
+                "best_of" if config.best_of else "num_return_sequences")
+            raise ValueError(f"{what} must be <= max_num_seqs ({self.max_num_seqs}), "
+                             f"got {config.num_sequences}")
+
+    def _check_embeddings(self, value: Any, num_tokens: int) -> tuple[list[int], Any] | None:
+        """`Request.input_embeddings` -> (positions, rows on the model's device and dtype)."""
+        if value is None:
+            return None
+        import torch
+
+        hidden = int(self.model.hf_config.hidden_size)
+        try:
+            positions, rows = value
+        except (TypeError, ValueError):
+            raise ValueError("input_embeddings must be (positions, tensor of [len(positions), "
+                             "hidden_size])") from None
+        if not isinstance(positions, (list, tuple)) or not positions or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 <= p < num_tokens
+                for p in positions) or len(set(positions)) != len(positions):
+            raise ValueError(f"input_embeddings positions must be distinct prompt positions in "
+                             f"[0, {num_tokens}), got {positions!r}")
+        if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (len(positions), hidden):
+            shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise ValueError(f"input_embeddings rows must be a tensor of shape "
+                             f"({len(positions)}, {hidden}), got {shape}")
+        return list(positions), rows.detach().to(self.model.device, self.model.dtype)
+
+    def grammar(self) -> Any:
+        """The structured-output compiler, built on first use (it needs xgrammar and a scan of
+        the tokenizer's vocabulary)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_output needs a tokenizer; this model has none")
+                from ksana_llm.structured import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model.vocab_size,
+                    stop_token_ids=list(self.model.eos_token_ids) or None)
+            return self._grammar_compiler
+
+    def forward_sequence(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]],
+                         request_id: str | None, default_config: GenerationConfig
+                         ) -> tuple[Sequence, list[ForwardTarget], list[list[int]]]:
+        """A forward-only request's sequence, its resolved targets and each target's positions."""
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's "
+                             f"context, bounded by the KV cache) is {self.max_model_len}")
+        if not isinstance(targets, (list, tuple)) or not targets:
+            raise ValueError("targets must be a non-empty list of ForwardTarget")
+        resolved = [resolve_target(j, t, len(token_ids), self.model.vocab_size)
+                    for j, t in enumerate(targets)]
+        targets = [t for t, _ in resolved]
+        positions = [ps for _, ps in resolved]
+        spec = ForwardSpec(tuple(sorted({p for ps in positions for p in ps})),
+                           logits=any(t.target_name == "logits" for t in targets),
+                           hidden=any(t.target_name == "layernorm" for t in targets))
+        seq = Sequence(request_id or self._new_id("fwd"), token_ids, default_config, forward=spec)
+        return seq, targets, positions
