@@ -307,6 +307,8 @@ class RequestHandle:
                 yield delta.text
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output (blocking; TimeoutError after `timeout` s). From the first call on,
+        the handle stops queueing per-step deltas: `output` stays live, the stream does not."""
         self._deltas_wanted = False
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -335,6 +337,7 @@ class RequestHandle:
                 yield delta.text
 
     async def aresult(self) -> RequestOutput:
+        """The final output (asyncio); like `result`, it ends the per-step deltas."""
         self._deltas_wanted = False
         async for _ in self.adeltas():
             pass
