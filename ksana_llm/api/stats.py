@@ -53,8 +53,10 @@ class StatsTracker:
         self._num_finished = 0
 
     def record_outputs(self, outputs: list) -> None:
-        now = time.monotonic()
         tokens = sum(len(o.new_token_ids) for o in outputs)
+        if not tokens:
+            return  # (the step loop reports twice a step, often with nothing)
+        now = time.monotonic()
         with self._lock:
             self._token_events.append((now, tokens))
             while self._token_events and self._token_events[0][0] < now - self.window_s:

@@ -15,17 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def fill_block_tables(out: np.ndarray, block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+def fill_block_tables(out: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
     """Write table i at the start of row i of `out` (one C-level pass: a row-major boolean
-    assignment keeps each row's order). Columns past a row's own table are left as they are.
-    Returns the tables' lengths."""
+    assignment keeps each row's order). Columns past a row's own table are left as they are."""
     n = len(block_tables)
     lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
     used = int(lens.max()) if n else 0
     flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=out.dtype,
                        count=int(lens.sum()))
     out[:n, :used][np.arange(used)[None, :] < lens[:, None]] = flat
-    return lens
 
 
 @dataclass(frozen=True)
@@ -56,4 +54,4 @@ def flat_batch(token_ids: Sequence[Sequence[int]], starts: Sequence[int],
     tables = np.zeros((n, max(width, 1)), dtype=np.int64)
     fill_block_tables(tables, block_tables)
     slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
-    return FlatBatch(ids, positions, slots, seq_index, tables[:, :max(width, 1)])
+    return FlatBatch(ids, positions, slots, seq_index, tables)
