@@ -9,9 +9,10 @@ Order of operations (that of `transformers.generate`, so greedy outputs match it
 0. Structured output: rows with a grammar matcher get their disallowed tokens masked to -inf
    first (xgrammar bitmask), so nothing below can revive them.
 1. `process_logits` (in `runner.logits_processing`), in `transformers`' processor order: logit
-   bias (`SequenceBiasLogitsProcessor`), HF repetition penalty over prompt and output, `no_repeat_ngram_size` over prompt and output
-   (`NoRepeatNGramLogitsProcessor`), min_new_tokens EOS/stop suppression, then OpenAI
-   presence/frequency penalties over the output. Applies to every row.
+   bias (`SequenceBiasLogitsProcessor`), HF repetition penalty over prompt and output,
+   `no_repeat_ngram_size` over prompt and output (`NoRepeatNGramLogitsProcessor`),
+   min_new_tokens EOS/stop suppression, then OpenAI presence/frequency penalties over the
+   output. Applies to every row.
 2. `warp_logits` (sampling rows only): temperature, top-k, top-p, min-p with the semantics of
    `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`.
 3. Greedy rows take the argmax of the processed logits; sampling rows are drawn with the
