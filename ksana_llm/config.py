@@ -70,6 +70,12 @@ class EngineConfig(BaseModel):
         None, description="detokenize and deliver a step's outputs while the device runs the next "
                           "step (outputs arrive one step later; requests with stop strings or "
                           "best_of/beam search are not deferred); None = on for CUDA")
+    async_scheduling: bool | None = Field(
+        None, description="plan and launch each decode step before the previous step's tokens "
+                          "are read back (the device feeds them in), so the host's scheduling "
+                          "and output work overlaps the device; steps whose requests use "
+                          "penalties or structured output wait for their tokens. Needs a "
+                          "single-rank run; None = on for CUDA")
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

@@ -291,3 +291,36 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
         assert report["cuda_graphs"]["on"]["status"].startswith("off: device is cpu")
         assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
         assert report["batch1"]["graphs_off"]["ms_per_token"] > 0
+
+
+def test_gpu_parity_smoke_mode_runs_on_cpu(tmp_path):
+    """`benchmarks/gpu/parity.py --smoke`: CPU serial engine against the device-default engine
+    (here the Triton interpreter with async scheduling and overlapped outputs), two rounds."""
+    from benchmarks.gpu import parity
+
+    assert parity.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "parity.json").read_text())
+    assert report["ok"] and report["tokens_compared"] == report["tokens"] == 2 * 8 * 8
+    assert report["device"]["attention_backend"] == "triton"
+    assert report["device"]["async_scheduling"] and report["device"]["steps_ahead"] > 0
+    assert report["device"]["prefix_cache_hits"] > 0  # the second round reused the first's KV
+
+
+def test_gpu_parity_allows_a_difference_only_at_a_near_tie():
+    from types import SimpleNamespace
+
+    from benchmarks.gpu.parity import compare
+
+    def output(ids: list[int], tops: list[dict[int, float]]) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=ids, logprobs=[
+            {"token_id": t, "logprob": top.get(t, -9.0), "top_logprobs": top}
+            for t, top in zip(ids, tops)])
+
+    tied = [{5: -0.1, 6: -2.0}, {7: -0.6931, 8: -0.6935}, {9: -0.2, 1: -1.9}]
+    cpu = output([5, 7, 9], tied)
+    assert compare(cpu, output([5, 7, 9], tied), tie=1e-3)["ok"]
+    at_tie = compare(cpu, output([5, 8, 3], tied), tie=1e-3)
+    assert at_tie["ok"] and at_tie["compared"] == 1 and at_tie["first_difference"] == 1
+    assert not compare(cpu, output([5, 8, 3], tied), tie=1e-4)["ok"]  # not a tie at 1e-4
+    assert not compare(cpu, output([6, 7, 9], tied), tie=1e-3)["ok"]  # no tie at token 0
+    assert not compare(cpu, output([5, 7], tied), tie=1e-3)["ok"]  # a token missing

@@ -61,6 +61,9 @@ from benchmarks.offline_throughput import (ThroughputResult, Workload,  # noqa: 
                                            allowed_token_ids, batch1_prompt, build_workload,
                                            hf_batch1, ours_batch1, pad_token_id, run_ours)
 
+# An engine switch on the command line: auto = the engine's default for the device.
+SWITCH = {"auto": None, "on": True, "off": False}
+
 # ---- models ---------------------------------------------------------------------------------------
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -177,6 +180,8 @@ def engine_facts(engine: kt.Engine, startup_s: float) -> dict[str, Any]:
             "capture_s": None if graphs is None else round(graphs.capture_seconds, 2),
             "kv_blocks": getattr(getattr(core, "block_manager", None), "num_blocks", None),
             "overlap_outputs": getattr(core, "overlap_outputs", None),
+            "async_scheduling": getattr(core, "async_scheduling", None),
+            "steps_ahead": getattr(core, "num_steps_ahead", None),
             "max_model_len": getattr(engine, "max_model_len", None)}
 
 
@@ -204,7 +209,8 @@ def engine_kwargs(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
                   # Recompute on preemption: no host swap pool (it would pin as much host
                   # memory as the device cache holds).
                   preempt_mode=1,
-                  overlap_output_processing={"auto": None, "on": True, "off": False}[args.overlap])
+                  overlap_output_processing=SWITCH[args.overlap],
+                  async_scheduling=SWITCH[args.async_scheduling])
     if args.kv_ratio is not None:
         kwargs["block_device_memory_ratio"] = args.kv_ratio
     if args.num_device_blocks is not None:
@@ -497,8 +503,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="block_device_memory_ratio (default: the engine's)")
     p.add_argument("--num-device-blocks", type=int, default=None,
                    help="explicit KV block count (default: profiled from free memory)")
-    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--overlap", choices=tuple(SWITCH), default="auto",
                    help="overlap output processing with the next step (auto: on for CUDA)")
+    p.add_argument("--async-scheduling", choices=tuple(SWITCH), default="auto",
+                   help="plan and launch each step before the previous one's tokens are read "
+                        "back (auto: on for CUDA)")
     p.add_argument("--hf-time-cap", type=float, default=None,
                    help="seconds before HF generate_batch is stopped (default: per model)")
     p.add_argument("--hf-page-size", type=int, default=256)

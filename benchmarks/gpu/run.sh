@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, from the repository root on a CUDA machine:
-#     bash benchmarks/gpu/run.sh            # all stages (about 8 minutes on an H200)
+#     bash benchmarks/gpu/run.sh            # all stages (estimated 9-10 minutes on an H200:
+#                                           # more than one 600 s device call, so split them)
 #     bash benchmarks/gpu/run.sh decode     # only the named stages
 # Stages: env, tests (kernel tests natively), graph-tests (tests/test_cuda_graphs.py with real
-# capture), engine-qwen3 / engine-llama8b (the reference workload: our engine vs HF
+# capture), parity (the engine's greedy tokens on CUDA vs on the CPU, fp32, benchmarks/gpu/
+# parity.py), engine-qwen3 / engine-llama8b (the reference workload: our engine vs HF
 # generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks).
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
@@ -35,11 +37,11 @@ fi
 
 STAGES=("$@")
 if [ ${#STAGES[@]} -eq 0 ]; then
-    STAGES=(env tests graph-tests engine-qwen3 engine-llama8b decode prefill)
+    STAGES=(env tests graph-tests parity engine-qwen3 engine-llama8b decode prefill)
 fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
-declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [engine-qwen3]=300
+declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
                   [engine-llama8b]=330 [decode]=120 [prefill]=120)
 
 failed=()
@@ -65,6 +67,8 @@ for stage in "${STAGES[@]}"; do
         # decode graphs captured and replayed for real, logits and KV cache vs the eager path
         graph-tests) run_stage graph-tests "$PYTHON" -m pytest tests/test_cuda_graphs.py -q \
                          -p no:cacheprovider -k "not smoke" ;;
+        # greedy tokens with the CUDA defaults (graphs, async scheduling) vs the CPU, fp32
+        parity)  run_stage parity  "$PYTHON" -m benchmarks.gpu.parity --out "$RESULTS" ;;
         # reference workload, Qwen3-0.6B shape: ours (graphs on, off) vs HF generate_batch
         engine-qwen3)   run_stage engine-qwen3 "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --out "$RESULTS" ;;
@@ -75,7 +79,7 @@ for stage in "${STAGES[@]}"; do
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
         # paged prefill attention: fresh prompts and chunks after a cached prefix
         prefill) run_stage prefill "$PYTHON" -m benchmarks.gpu.bench_kernels prefill --out "$RESULTS" ;;
-        *) echo "unknown stage '$stage' (stages: env tests graph-tests engine-qwen3" \
+        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
                 "engine-llama8b decode prefill)" >&2; exit 2 ;;
     esac
 done

@@ -69,4 +69,17 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         overlap = model.device.type == "cuda"
     return EngineCore(runner, block_manager, scheduler_config, tokenizer,
                       max_model_len=max_model_len, sampler=Sampler(cfg.seed),
-                      overlap_outputs=overlap)
+                      overlap_outputs=overlap,
+                      async_scheduling=resolve_async_scheduling(cfg, model))
+
+
+def resolve_async_scheduling(cfg: EngineConfig, model: Model) -> bool:
+    """`cfg.async_scheduling`, with None = on for a single-rank CUDA run. Parallel runs cannot:
+    their worker ranks would need the sampled tokens, which only this rank's device holds."""
+    single_rank = model.runtime is None
+    if cfg.async_scheduling is None:
+        return single_rank and model.device.type == "cuda"
+    if cfg.async_scheduling and not single_rank:
+        raise ValueError("async_scheduling needs a single-rank run (tensor_parallel_size=1 and "
+                         "pipeline_parallel_size=1)")
+    return cfg.async_scheduling

@@ -27,10 +27,12 @@ from ksana_llm.engine.beam_search import BeamSearch
 from ksana_llm.engine.beam_steps import BeamSearchSteps
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
-from ksana_llm.engine.outputs import DeferredOutput, ForwardResult, StepOutput
-from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
+from ksana_llm.engine.outputs import DeferredOutput, ForwardResult, SampledStep, StepOutput
+from ksana_llm.engine.request import (PENDING_TOKEN, FinishReason, Sequence, SequenceGroup,
+                                     SequenceStatus)
 from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from ksana_llm.runner.model_runner import CapturedRows, ModelRunner, SeqSlice, StepInput
+from ksana_llm.runner.model_runner import (CapturedRows, ModelRunner, PendingInputs, SeqSlice,
+                                           StepInput)
 from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator, token_logprobs
 
 
@@ -55,7 +57,8 @@ class CoreStats:
 class EngineCore(BeamSearchSteps):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, tokenizer: Any, *, max_model_len: int,
-                 sampler: Sampler | None = None, overlap_outputs: bool = False) -> None:
+                 sampler: Sampler | None = None, overlap_outputs: bool = False,
+                 async_scheduling: bool = False) -> None:
         self.runner = runner
         self.block_manager = block_manager
         self.scheduler = Scheduler(scheduler_config, block_manager)
@@ -69,6 +72,10 @@ class EngineCore(BeamSearchSteps):
         # stop strings or ranking; those keep producing their outputs in their own step.
         self.overlap_outputs = overlap_outputs
         self._deferred: list[DeferredOutput] = []
+        # Plan and launch the next step before this one's tokens are read back (see `step`).
+        self.async_scheduling = async_scheduling
+        self._in_flight: SampledStep | None = None
+        self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -93,6 +100,7 @@ class EngineCore(BeamSearchSteps):
                 max_generated=min(config.max_new_tokens, self.max_model_len - seq.num_tokens))
         seq.group = group
         seq.num_reserved_slots = config.num_sequences if several else 1
+        seq.max_num_tokens = min(seq.num_prompt_tokens + config.max_new_tokens, self.max_model_len)
         self.scheduler.add(seq)
         if config.seed is not None and seq.generator is None:
             seq.generator = make_generator(config.seed, self.runner.device)
@@ -107,13 +115,15 @@ class EngineCore(BeamSearchSteps):
 
     def abort(self, request_id: str) -> list[StepOutput]:
         """Finish the request now (finish_reason "abort"), freeing every block it holds."""
-        # The request's deferred text comes first (it may even have finished already).
+        # The request's deferred text and tokens in flight come first (it may even have
+        # finished already).
         outputs = self._drain_deferred()
+        outputs.extend(self._resolve_in_flight())
         group = self.groups.get(request_id)
         return outputs if group is None else outputs + self._abort_group(group, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred)
+        return self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
 
     def stats(self) -> CoreStats:
         s, bm = self.scheduler, self.block_manager
@@ -131,32 +141,70 @@ class EngineCore(BeamSearchSteps):
         return outputs
 
     def step(self, early: Callable[[list[StepOutput]], None] | None = None) -> list[StepOutput]:
-        """Run one step; its outputs (with `overlap_outputs`, mostly the previous step's).
+        """Run one step; its outputs (with `overlap_outputs` or `async_scheduling`, mostly the
+        previous step's).
 
-        With `overlap_outputs`, the per-token output work of a step (detokenizing, building the
-        `StepOutput`s) is deferred to the next step and done after that step's forward is
-        launched, while the device computes; `early` (when given) receives those outputs right
-        then, so delivering them overlaps the device too. On a CPU nothing runs concurrently and
-        it only delays outputs by a step, which is why it is meant for CUDA.
+        The host's per-step work is done while the device computes, where that keeps outputs
+        exact:
+
+        - `async_scheduling`: the step after one whose sampling reads no token history is
+          planned and launched before that step's tokens are read back; its inputs come from
+          the sampled tokens on the device, and the tokens are then read back, appended and
+          checked (stops, lengths) while it runs. A sequence that stopped still ran in the step
+          already launched: that row is dropped.
+        - `overlap_outputs`: a step read back at once defers detokenizing and building its
+          `StepOutput`s to after the next step's launch.
+
+        `early` (when given) receives the outputs made after the launch right then, so
+        delivering them overlaps the device too. On a CPU nothing runs concurrently; both only
+        delay outputs by a step there, which is why they are meant for CUDA.
         """
         plan = self.scheduler.schedule()
         slices = [self._slice(item) for item in plan.scheduled]
         result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in,
-                                               plan.copy_blocks))
-        outputs = self._drain_deferred()
-        if early is not None and outputs:
-            early(outputs)
-            outputs = []
+                                               plan.copy_blocks,
+                                               self._pending_inputs(plan.scheduled)))
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
+        sampled = [plan.scheduled[i].seq for i in result.sampled]
+        beams = [i for i, s in enumerate(sampled) if s.group.beam is not None]
+        others = [i for i, s in enumerate(sampled) if s.group.beam is None]
+        launched = self._launch_samples([sampled[i] for i in others], result.logits,
+                                        others) if others else None
+        # This step is queued on the device: now the previous one's tokens and outputs.
+        outputs = self._drain_deferred()
+        outputs.extend(self._resolve_in_flight())
+        if early is not None and outputs:
+            early(outputs)
+            outputs = []
         outputs.extend(self._collect_captures(plan.scheduled, slices, result.captured))
-        if result.sampled:
-            outputs.extend(self._sample([plan.scheduled[i].seq for i in result.sampled],
-                                        result.logits))
-        if self._deferred and not self.scheduler.has_work():
+        if launched is not None:
+            if self.async_scheduling and launched.run_ahead:
+                self._in_flight = launched
+                self.num_steps_ahead += 1
+            else:
+                outputs.extend(self._resolve(launched, defer=self.overlap_outputs))
+        if beams:
+            outputs.extend(self._collect_beams([sampled[i] for i in beams], result.logits, beams))
+        if self._deferred and self._in_flight is None and not self.scheduler.has_work():
             outputs.extend(self._drain_deferred())  # no next step to overlap with
         return outputs
+
+    def _pending_inputs(self, scheduled: list[ScheduledSequence]) -> PendingInputs | None:
+        """Where the step's pending input tokens are: rows of the step in flight's samples."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return None
+        slices, source_rows = [], []
+        for j, item in enumerate(scheduled):
+            if item.seq.num_pending_tokens:
+                if item.num_new_tokens != 1:  # pending tokens are only ever decoded
+                    raise RuntimeError(f"a pending token scheduled in a {item.num_new_tokens}-"
+                                       "token slice")
+                slices.append(j)
+                source_rows.append(in_flight.rows[item.seq])
+        return PendingInputs(slices, source_rows, in_flight.token_ids) if slices else None
 
     def _drain_deferred(self) -> list[StepOutput]:
         """The deferred outputs, in the order their tokens were sampled."""
@@ -246,16 +294,6 @@ class EngineCore(BeamSearchSteps):
                           first_scheduled_time=seq.first_scheduled_time)
 
     # ---- sampling ------------------------------------------------------------------------------
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        beam = [i for i, s in enumerate(seqs) if s.group.beam is not None]
-        other = [i for i, s in enumerate(seqs) if s.group.beam is None]
-        if other:
-            outputs.extend(self._sample_tokens([seqs[i] for i in other], logits, other))
-        if beam:
-            outputs.extend(self._collect_beams([seqs[i] for i in beam], logits, beam))
-        return outputs
-
     @staticmethod
     def _sampling_row(seq: Sequence) -> SamplingRow:
         """The sequence's row, built once: it holds the sequence's own (growing) token lists,
@@ -268,10 +306,11 @@ class EngineCore(BeamSearchSteps):
                 need_logprob=seq.config.num_sequences > seq.config.num_return_sequences)
         return seq.sampling_row
 
-    def _sample_tokens(self, seqs: list[Sequence], logits: torch.Tensor,
-                       rows_of: list[int]) -> list[StepOutput]:
-        """One token per sequence; a request's first sample forks it into all its samples,
-        which draw from the same logits row."""
+    def _launch_samples(self, seqs: list[Sequence], logits: torch.Tensor,
+                        rows_of: list[int]) -> SampledStep:
+        """Sample one token per sequence on the device, without waiting for it; each sequence
+        gets a pending placeholder for it. A request's first sample forks it into all its
+        samples, which draw from the same logits row."""
         row_seqs: list[Sequence] = []
         source: list[int] = []
         for seq, row in zip(seqs, rows_of):
@@ -283,14 +322,46 @@ class EngineCore(BeamSearchSteps):
                     source.append(row)
         if source != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(source, device=logits.device))
-        sampled = self.sampler.sample(logits, [self._sampling_row(s) for s in row_seqs])
-        token_ids, logprobs, top = sampled.to_lists()
+        rows = [self._sampling_row(s) for s in row_seqs]
+        sampled = self.sampler.sample(logits, rows)
+        host = sampled.to_host()
+        indices = []
+        for seq in row_seqs:  # after sampling: penalties read the tokens before this one
+            indices.append(len(seq.output_token_ids))
+            seq.output_token_ids.append(PENDING_TOKEN)
+            seq.num_pending_tokens += 1
+        launched = SampledStep(row_seqs, indices, sampled.token_ids, host,
+                               run_ahead=not any(row.reads_history for row in rows))
+        if self.async_scheduling and launched.run_ahead:
+            launched.rows = dict(zip(row_seqs, range(len(row_seqs))))
+        return launched
+
+    def _resolve_in_flight(self) -> list[StepOutput]:
+        step, self._in_flight = self._in_flight, None
+        return [] if step is None else self._resolve(step, defer=False)
+
+    def _resolve(self, step: SampledStep, defer: bool) -> list[StepOutput]:
+        """Read a step's tokens back and append them: stop checks, outputs (deferred to the
+        next step when `defer` allows it)."""
+        token_ids, logprobs, top = step.host.to_lists()
         now = time.monotonic()
         outputs = []
-        for i, seq in enumerate(row_seqs):
-            outputs.extend(self._append(seq, token_ids[i], None if logprobs is None else logprobs[i],
+        block_size = self.block_manager.block_size
+        # Only a step launched ahead computes a pending token's KV before it is known.
+        publish = self.async_scheduling
+        for i, seq in enumerate(step.seqs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # stopped or aborted after this step was launched: a wasted row
+            index = step.indices[i]
+            outputs.extend(self._append(seq, index, token_ids[i],
+                                        None if logprobs is None else logprobs[i],
                                         None if top is None else list(zip(top[1][i], top[0][i])),
-                                        now))
+                                        now, defer))
+            # A token that completes a block the step in flight has computed: publish it.
+            position = len(seq.prompt_token_ids) + index
+            if publish and seq.num_computed_tokens > position and (position + 1) % block_size == 0 \
+                    and seq.status is not SequenceStatus.FINISHED:
+                self.block_manager.cache_full_blocks(seq)
         return outputs
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
@@ -313,9 +384,12 @@ class EngineCore(BeamSearchSteps):
         group.next_index = group.config.num_sequences
         return children
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None,
-                top: Any, now: float) -> list[StepOutput]:
-        seq.output_token_ids.append(token)
+    def _append(self, seq: Sequence, index: int, token: int, logprob: float | None,
+                top: Any, now: float, defer: bool) -> list[StepOutput]:
+        """`token` replaces the pending placeholder at `index` of the sequence's output."""
+        seq.output_token_ids[index] = token
+        seq.num_pending_tokens -= 1
+        num_output = index + 1
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -329,7 +403,7 @@ class EngineCore(BeamSearchSteps):
                 entries.append(entry)
         config = seq.config
         # Without stop strings the text cannot end the sequence, so it can wait (see `step`).
-        deferred = self.overlap_outputs and not config.stop and not config.ranks_sequences
+        deferred = defer and not config.stop and not config.ranks_sequences
         update = None if deferred else seq.detokenizer.update([token])
         grammar_ended = False
         if seq.matcher is not None:
@@ -342,8 +416,13 @@ class EngineCore(BeamSearchSteps):
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif token in config.stop_token_ids or grammar_ended:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-        elif len(seq.output_token_ids) >= config.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_output >= config.max_new_tokens \
+                or seq.num_prompt_tokens + num_output >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None and seq.num_pending_tokens:
+            # A token sampled after the last one (async scheduling): dropped.
+            del seq.output_token_ids[num_output:]
+            seq.num_pending_tokens = 0
         if update is None:
             finishing = seq.finish_reason is not None
             self._deferred.append(DeferredOutput(seq, token, entries, finishing,

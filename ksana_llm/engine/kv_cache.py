@@ -84,9 +84,9 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def update_block_hashes(self, seq: Sequence) -> None:
-        """Extend `seq.block_hashes` to cover every full block of its current tokens."""
+        """Extend `seq.block_hashes` to cover every full block of its known tokens."""
         bs = self.block_size
-        full = seq.num_tokens // bs
+        full = seq.num_known_tokens // bs
         hashes = seq.block_hashes
         while len(hashes) < full:
             i = len(hashes)
@@ -116,8 +116,12 @@ class BlockManager:
         self.prefix_hits += num_hit_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish the sequence's newly computed full blocks in the prefix cache."""
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        """Publish the sequence's newly computed full blocks in the prefix cache. A block that
+        holds a pending token (async scheduling) waits until the token is known."""
+        computed = seq.num_computed_tokens
+        if seq.num_pending_tokens:
+            computed = min(computed, seq.num_known_tokens)
+        num_full = min(computed // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching \
                 or not seq.fills_prefix_cache:
             return  # (most decode steps fill no block: nothing new to hash)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ksana_llm.engine.request import FinishReason, Sequence
+from ksana_llm.runner.sampler import HostSamples
 
 
 @dataclass(frozen=True)
@@ -55,3 +58,23 @@ class DeferredOutput:
     entries: list[dict[str, Any]]
     finishing: bool  # the sequence ended with this token: flush its held-back text
     last: bool  # ... and it was its request's last live sequence
+
+
+@dataclass(slots=True)
+class SampledStep:
+    """One step's sampled tokens: chosen on the device, on their way back to the host.
+
+    Each sequence already holds a pending placeholder at `indices[i]` of its output tokens (so
+    the scheduler counts the token); `EngineCore._resolve` writes the real ids in. With async
+    scheduling that happens after the next step is launched, which reads its inputs straight
+    from `token_ids` on the device (`rows` maps a sequence to its row there).
+    """
+
+    seqs: list[Sequence]
+    indices: list[int]
+    token_ids: torch.Tensor  # [len(seqs)] int64, on the device
+    host: HostSamples
+    # The next step may be planned before these tokens are known: no sequence's sampling reads
+    # its previous tokens (penalties, grammars).
+    run_ahead: bool
+    rows: dict[Sequence, int] = field(default_factory=dict)

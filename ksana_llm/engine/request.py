@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ksana_llm.generation_config import GenerationConfig
+
+
+# Stands in a sequence's token list for a sampled token the host does not know yet (async
+# scheduling: the next step is planned, and launched, before the previous step's tokens are read
+# back; the device feeds those tokens to it directly).
+PENDING_TOKEN = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -91,6 +98,12 @@ class Sequence:
     prompt_logprobs: dict[int, dict[str, Any]] | None = None
     text: str = ""  # output text so far, kept only when outputs are ranked at the end (best_of)
     sampling_row: Any = None  # its runner.sampler.SamplingRow, built at its first sample
+    # Async scheduling: trailing output tokens sampled on the device but not yet read back (each
+    # is PENDING_TOKEN in `output_token_ids`; at most 2, for one step in flight and the next).
+    num_pending_tokens: int = 0
+    # The sequence ends once it holds this many tokens (prompt + max_new_tokens, bounded by the
+    # context); set by the engine core.
+    max_num_tokens: int = sys.maxsize
 
     @property
     def token_ids(self) -> list[int]:
@@ -99,6 +112,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (all but the pending ones)."""
+        return self.num_tokens - self.num_pending_tokens
+
+    @property
+    def final_token_pending(self) -> bool:
+        """Its last token is sampled but not read back: nothing more to compute (async)."""
+        return self.num_pending_tokens > 0 and self.num_tokens >= self.max_num_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -136,7 +159,7 @@ class Sequence:
             first_token_time=self.first_token_time, num_preemptions=self.num_preemptions,
             group=self.group, index=index, cumulative_logprob=self.cumulative_logprob,
             matcher=self.matcher.fork() if self.matcher is not None else None,
-            embeddings=self.embeddings, text=self.text)
+            embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

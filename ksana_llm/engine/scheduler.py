@@ -9,6 +9,9 @@ runs out, the lowest-priority running sequence is preempted: swapped to the host
 
 Sequences of one request (parallel samples, beams) are scheduled one by one like any other: they
 share blocks by refcount, and the block manager copies a shared block before anyone writes to it.
+With async scheduling a step is planned before the previous step's tokens are known: a sequence
+then holds pending tokens (`Sequence.num_pending_tokens`) that count like any other, except that
+one whose pending token is its last is not scheduled again.
 A running sequence with nothing to compute (a beam waiting for its siblings' logits) is skipped;
 if such idle sequences hold the blocks that everything else waits for, the last one is preempted
 for recompute so the others can move (see `schedule`).
@@ -169,8 +172,10 @@ class Scheduler:
         still_running: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
-            if budget <= 0 or seq.num_computed_tokens >= seq.num_tokens:
-                still_running.append(seq)  # out of budget, or idle (nothing to compute)
+            if budget <= 0 or seq.num_computed_tokens >= seq.num_tokens or seq.final_token_pending:
+                # Out of budget, or idle: nothing to compute, or (async scheduling) its last
+                # token is still on its way back and ends it.
+                still_running.append(seq)
                 continue
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
             while not self.block_manager.allocate(seq, num_new):

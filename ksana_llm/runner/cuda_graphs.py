@@ -234,14 +234,18 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
 
     def run(self, token_ids: Sequence[int], starts: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+            block_tables: Sequence[Sequence[int]],
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] of one pure-decode step of n <= max_batch_size rows. The
-        result is a view of a static buffer: read it before the next call."""
+        result is a view of a static buffer: read it before the next call. `patch` = (rows,
+        token ids), on the device: input ids written over the host's (async scheduling)."""
         n = len(starts)
         bucket = choose_bucket(n, self.sizes)
         if bucket is None:
             raise ValueError(f"{n} decode rows exceed the largest graph bucket {self.sizes[-1]}")
         self.inputs.fill(token_ids, starts, block_tables, bucket)
+        if patch is not None:
+            self.inputs.input_ids(bucket).index_copy_(0, *patch)
         self.steps_run += 1
         if self.capture:
             self._graphs[bucket].replay()

@@ -53,6 +53,17 @@ class SeqSlice:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class PendingInputs:
+    """Input tokens the host does not know yet (async scheduling): the single token of slice
+    `slices[j]` is row `source_rows[j]` of `source`, the previous step's sampled token ids, still
+    on the device. Those slices carry a placeholder id the runner overwrites on the device."""
+
+    slices: list[int]
+    source_rows: list[int]
+    source: torch.Tensor  # [B] int64 on the runner's device
+
+
 @dataclass
 class StepInput:
     slices: list[SeqSlice]
@@ -61,6 +72,7 @@ class StepInput:
     # (source, destination) device blocks to copy before the forward: copy-on-write of a shared
     # partial block when sequences fork (parallel sampling, beam search).
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    pending: PendingInputs | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sliding_window = model.sliding_window
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
+        self._first_rows: list[int] = []  # set by build(): each slice's first row
         self._embedding_overrides: EmbeddingOverrides | None = None  # set by build()
         spec: KVCacheSpec = model.kv_cache_spec
 
@@ -200,10 +213,13 @@ class ModelRunner:
             s.num_tokens == 1 and not s.capture and s.embeddings is None for s in slices
         ) and graphs.inputs.fits([s.block_table for s in slices])
 
-    def _execute_decode_graph(self, slices: list[SeqSlice]) -> StepResult:
+    def _execute_decode_graph(self, slices: list[SeqSlice],
+                              pending: PendingInputs | None) -> StepResult:
+        # Graph rows are the slices, in order.
+        patch = None if pending is None else self._patch_values(pending, pending.slices)
         hidden = self.decode_graphs.run([s.token_ids[0] for s in slices],
                                         [s.start for s in slices],
-                                        [s.block_table for s in slices])
+                                        [s.block_table for s in slices], patch=patch)
         sampled = [i for i, s in enumerate(slices) if s.sample]
         if not sampled:
             return StepResult([], None)
@@ -259,8 +275,10 @@ class ModelRunner:
         override_rows: list[int] = []
         override_values: list[torch.Tensor] = []
         self._capture_rows = {}
+        self._first_rows = first_rows = [0] * len(slices)
         row = 0  # the slice's first row in the flat batch
         for i, s in zip(order, ordered):
+            first_rows[i] = row
             if s.capture:
                 self._capture_rows[i] = [row + p - s.start for p in s.capture]
             if s.embeddings is not None:
@@ -364,7 +382,7 @@ class ModelRunner:
         if not step.slices:
             return StepResult([], None)
         if self._graph_eligible(step.slices):
-            return self._execute_decode_graph(step.slices)
+            return self._execute_decode_graph(step.slices, step.pending)
         input_ids, _, meta, rows, sampled = self.build(step.slices)
         meta = self._to_device(meta)  # carries the positions to the device too
         overrides = self._embedding_overrides
@@ -373,12 +391,27 @@ class ModelRunner:
         # Copied before the forward is launched: a host-to-device copy from pageable memory
         # waits for the stream, and after the launches it would wait for the whole forward.
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device) if sampled else None
-        hidden = self.model(input_ids.to(self.device, non_blocking=True), meta.positions,
-                            self.kv_caches, meta, embedding_overrides=overrides)
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        if step.pending is not None:
+            rows_of = self._first_rows
+            target, values = self._patch_values(step.pending,
+                                                [rows_of[i] for i in step.pending.slices])
+            input_ids.index_copy_(0, target, values)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta,
+                            embedding_overrides=overrides)
         captured = self._capture(step.slices, hidden) if self._capture_rows else {}
         if not sampled:
             return StepResult([], None, captured)
         return StepResult(sampled, self.model.compute_logits(hidden.index_select(0, rows_t)), captured)
+
+    def _patch_values(self, pending: PendingInputs, rows: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input rows, their token ids): the pending tokens, gathered on the device."""
+        if len(rows) != len(pending.source_rows):
+            raise ValueError("pending inputs: one source row per pending slice")
+        source_rows = torch.tensor(pending.source_rows, dtype=torch.long)
+        values = pending.source.index_select(0, source_rows.to(self.device, non_blocking=True))
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), values
 
     def _capture(self, slices: list[SeqSlice], hidden: torch.Tensor) -> dict[int, CapturedRows]:
         """The requested rows of forward-only slices; the LM head runs on those rows only."""

