@@ -145,6 +145,15 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", type=int, default=None,
                         dest="pipeline_parallel_size",
                         help="pipeline stages; with WORLD_SIZE > 1 each node is one stage")
+    # The GPU step loop (defaults: on for CUDA; see README "Configuration").
+    parser.add_argument("--enable-cuda-graphs", action=argparse.BooleanOptionalAction,
+                        default=None, help="replay CUDA graphs for decode steps")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="launch each step before the previous step's tokens are read back")
+    parser.add_argument("--overlap-output-processing", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="detokenize and deliver a step's outputs during the next step")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,3 +35,22 @@ def test_chat_streams_and_keeps_history(default_model_dir):
 def test_bad_arguments_give_a_clear_error(args, needle):
     proc = _run(args)
     assert proc.returncode == 2 and needle in proc.stderr
+
+
+def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import engine_config_from_args
+
+    parse = build_parser().parse_args
+    config = engine_config_from_args(parse(["serve"]))
+    assert (config.enable_cuda_graphs, config.async_scheduling,
+            config.overlap_output_processing) == (True, None, None)  # the device decides
+    args = ["serve", "--no-enable-cuda-graphs", "--no-async-scheduling",
+            "--overlap-output-processing"]
+    config = engine_config_from_args(parse(args))
+    assert (config.enable_cuda_graphs, config.async_scheduling,
+            config.overlap_output_processing) == (False, False, True)
+    yaml_file = tmp_path / "ksana.yaml"
+    yaml_file.write_text("setting:\n  global:\n    enable_cuda_graph: true\n")
+    config = engine_config_from_args(parse([*args, "--config_file", str(yaml_file)]))
+    assert (config.enable_cuda_graphs, config.async_scheduling) == (False, False)  # flags win
