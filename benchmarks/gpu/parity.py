@@ -19,7 +19,8 @@ legitimately. So each request is compared token by token up to its first differe
 passes only when the CPU's own top-2 log-probs there are within `--tie` (and the GPU took the
 CPU's second choice). The JSON reports the tokens compared and the largest log-prob difference
 over them. Requests: prompts of 5..400 tokens in one batch, then the same batch again, which
-now hits the prefix cache (paged prefill over cached blocks).
+now hits the prefix cache (paged prefill over cached blocks), then again without log-probs
+(the sampler's fast argmax path and the token-ids-only copy back).
 """
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ def prompts_for(vocab_size: int, smoke: bool) -> list[list[int]]:
 
 def run_engine(folder: Path, device: str, prompts: list[list[int]], new_tokens: int,
                **engine_kwargs: Any) -> tuple[list[list[kt.RequestOutput]], dict[str, Any]]:
-    """Two rounds of the batch (the second hits the prefix cache), greedy with top-2 log-probs."""
+    """Three rounds of the batch, greedy: with top-2 log-probs, again (now hitting the prefix
+    cache), and without log-probs (the sampler's token-ids-only path)."""
     model = kt.Model.from_pretrained(str(folder), device=device, dtype="float32", progress=False)
     config = kt.GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)
     with kt.Engine(model, **engine_kwargs) as engine:
         rounds = [engine.generate_outputs(prompts, config, use_tqdm=False) for _ in range(2)]
+        rounds.append(engine.generate_outputs(prompts, config.replace(logprobs=None),
+                                              use_tqdm=False))
         core = engine._core
         facts = {"device": device, "attention_backend": core.runner.attention_backend,
                  "cuda_graphs": core.runner.cuda_graph_status,
@@ -86,8 +90,8 @@ def compare(reference: kt.RequestOutput, other: kt.RequestOutput, tie: float) ->
     ref_ids, ids = reference.token_ids, other.token_ids
     same = next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b),
                 min(len(ref_ids), len(ids)))
-    diffs = [abs(a["logprob"] - b["logprob"])
-             for a, b in zip(reference.logprobs[:same], other.logprobs[:same])]
+    diffs = [abs(a["logprob"] - b["logprob"])  # (none when `other` has no log-probs)
+             for a, b in zip(reference.logprobs[:same], (other.logprobs or [])[:same])]
     row: dict[str, Any] = {"tokens": len(ref_ids), "compared": same,
                            "max_logprob_diff": max(diffs, default=0.0)}
     if same == len(ref_ids) == len(ids):
@@ -135,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                                  overlap_output_processing=True)
         gpu, gpu_facts = run_engine(folder, "cpu" if args.smoke else "cuda", prompts, new_tokens,
                                     **device_kwargs)
+    # Round 2 has no log-probs on either side: its reference is round 0's CPU output (the same
+    # greedy tokens, with the log-probs that say where the ties are).
     rows = [dict(round=r, request=i, prompt_tokens=len(prompts[i]),
-                 **compare(cpu[r][i], gpu[r][i], args.tie))
-            for r in range(2) for i in range(len(prompts))]
+                 **compare(cpu[0 if r == 2 else r][i], gpu[r][i], args.tie))
+            for r in range(3) for i in range(len(prompts))]
     ok = all(row["ok"] for row in rows)
     report = {"ok": ok, "model": "random-init SmolLM2-135M shapes" if not args.smoke else "tiny",
               "dtype": "float32", "tie": args.tie, "new_tokens": new_tokens,

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import torch
+
 from ksana_llm.api.core_builder import build_core
 from ksana_llm.api.model import Model
 from ksana_llm.api.outputs import (AsyncDeliveries, ForwardHandle, ForwardOutput, ForwardTarget,
@@ -294,6 +296,10 @@ class Engine:
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         core = self._core
+        if core.runner.device.type == "cuda":
+            # The current device is per thread: make it the model's, so kernels and events that
+            # use the current stream (Triton launches, graph captures) use the model's GPU.
+            torch.cuda.set_device(core.runner.device)
         try:
             while True:
                 with self._wake:
@@ -311,7 +317,8 @@ class Engine:
                         self._handles.pop(seq.request_id, None)
                         handle.fail(exc)
                 for request_id in aborts:
-                    self._dispatch(core.abort(request_id))
+                    # Step outputs (deferred or in flight) may come first: count them.
+                    self._dispatch_step(core.abort(request_id))
                 if self.config.waiting_timeout_ms is not None:
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work():

@@ -16,6 +16,7 @@ import torch
 from ksana_llm.engine.beam_search import Hypothesis
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
+from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.sampler import beam_log_probs
 
 
@@ -25,7 +26,7 @@ class BeamSearchSteps:
         """Keep each beam's log-probs; a request whose live beams all have theirs takes a step.
         (Beams of one request normally decode in the same step; one that was preempted or ran
         out of budget catches up, and its siblings wait idle meanwhile.)"""
-        sub = logits.index_select(0, torch.tensor(rows_of, device=logits.device))
+        sub = logits.index_select(0, to_device(rows_of, torch.long, logits.device))
         processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs])
         ready: list[SequenceGroup] = []
         for k, seq in enumerate(seqs):

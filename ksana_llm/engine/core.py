@@ -33,6 +33,7 @@ from ksana_llm.engine.request import (PENDING_TOKEN, FinishReason, Sequence, Seq
 from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from ksana_llm.runner.model_runner import (CapturedRows, ModelRunner, PendingInputs, SeqSlice,
                                            StepInput)
+from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator, token_logprobs
 
 
@@ -321,7 +322,7 @@ class EngineCore(BeamSearchSteps):
                     row_seqs.append(child)
                     source.append(row)
         if source != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(source, device=logits.device))
+            logits = logits.index_select(0, to_device(source, torch.long, logits.device))
         rows = [self._sampling_row(s) for s in row_seqs]
         sampled = self.sampler.sample(logits, rows)
         host = sampled.to_host()

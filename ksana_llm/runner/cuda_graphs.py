@@ -180,7 +180,7 @@ class DecodeInputs:
         self.ints[:b + bucket * w].copy_(host_ints[:b + bucket * w], non_blocking=True)
         if self.device.type == "cuda":
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(self.device))
             self._copied[turn] = done
 
 

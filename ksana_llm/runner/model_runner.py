@@ -6,6 +6,7 @@ go first so attention can treat them as one batched call.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBa
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
 from ksana_llm.runner.host_arrays import flat_batch
+from ksana_llm.runner.logits_processing import to_device
 
 logger = logging.getLogger("ksana_llm.runner")
 
@@ -189,7 +191,9 @@ class ModelRunner:
         graphs = DecodeGraphs(self._decode_forward, inputs, sizes=sizes,
                               sliding_window=self.sliding_window, capture=capture)
         try:
-            with torch.inference_mode():
+            # Captured on the model's GPU whatever this thread's current device is.
+            with torch.inference_mode(), torch.cuda.device(self.device) \
+                    if self.device.type == "cuda" else contextlib.nullcontext():
                 graphs.capture_all()
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
             logger.warning("CUDA graph capture failed; decode steps run eagerly: %s", exc)
@@ -224,7 +228,7 @@ class ModelRunner:
         if not sampled:
             return StepResult([], None)
         if len(sampled) < len(slices):
-            hidden = hidden.index_select(0, torch.tensor(sampled, device=self.device))
+            hidden = hidden.index_select(0, to_device(sampled, torch.long, self.device))
         return StepResult(sampled, self.model.compute_logits(hidden))
 
     # ---- swap ------------------------------------------------------------------------------------
@@ -244,8 +248,8 @@ class ModelRunner:
     def _copy_device_blocks(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
-        src = torch.tensor([a for a, _ in mapping], device=self.device)
-        dst = torch.tensor([b for _, b in mapping], device=self.device)
+        src = to_device([a for a, _ in mapping], torch.long, self.device)
+        dst = to_device([b for _, b in mapping], torch.long, self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
@@ -387,10 +391,11 @@ class ModelRunner:
         meta = self._to_device(meta)  # carries the positions to the device too
         overrides = self._embedding_overrides
         if overrides is not None:
-            overrides = (overrides[0].to(self.device), overrides[1].to(self.device, self.dtype))
-        # Copied before the forward is launched: a host-to-device copy from pageable memory
-        # waits for the stream, and after the launches it would wait for the whole forward.
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device) if sampled else None
+            overrides = (overrides[0].to(self.device, non_blocking=True),
+                         overrides[1].to(self.device, self.dtype, non_blocking=True))
+        # Every copy to the device here is non-blocking: a blocking one waits for the stream,
+        # which (async scheduling) still holds the previous step's forward and sampling.
+        rows_t = to_device(rows, torch.long, self.device) if sampled else None
         input_ids = input_ids.to(self.device, non_blocking=True)
         if step.pending is not None:
             rows_of = self._first_rows
@@ -409,9 +414,9 @@ class ModelRunner:
         """(input rows, their token ids): the pending tokens, gathered on the device."""
         if len(rows) != len(pending.source_rows):
             raise ValueError("pending inputs: one source row per pending slice")
-        source_rows = torch.tensor(pending.source_rows, dtype=torch.long)
-        values = pending.source.index_select(0, source_rows.to(self.device, non_blocking=True))
-        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), values
+        values = pending.source.index_select(0, to_device(pending.source_rows, torch.long,
+                                                          self.device))
+        return to_device(rows, torch.long, self.device), values
 
     def _capture(self, slices: list[SeqSlice], hidden: torch.Tensor) -> dict[int, CapturedRows]:
         """The requested rows of forward-only slices; the LM head runs on those rows only."""
@@ -419,7 +424,7 @@ class ModelRunner:
         # Slices that want logits first, so their rows are one contiguous block of `picked`.
         order.sort(key=lambda i: not slices[i].capture_logits)
         all_rows = [r for i in order for r in self._capture_rows[i]]
-        picked = hidden.index_select(0, torch.tensor(all_rows, dtype=torch.long, device=self.device))
+        picked = hidden.index_select(0, to_device(all_rows, torch.long, self.device))
         num_logit_rows = sum(len(self._capture_rows[i]) for i in order if slices[i].capture_logits)
         logits = self.model.compute_logits(picked[:num_logit_rows]) if num_logit_rows else None
         out: dict[int, CapturedRows] = {}

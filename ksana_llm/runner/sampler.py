@@ -147,7 +147,7 @@ class SamplerOutput:
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(packed.device))  # the copy's stream, any device
         return HostSamples(host, copied, self.logprobs is not None, top_k)
 
 
