@@ -9,8 +9,9 @@ computed it either stays alone, or forks into `num_sequences` samples that share
 blocks (each with its own random stream: seed + i when the request is seeded), or runs beam search
 (`beam_search.BeamSearch` picks the continuations; beams fork and are dropped, sharing blocks).
 Outputs are per sequence (`StepOutput.index`, see `engine.outputs`); outputs that are ranked at
-the end (beam search, best_of > n) are only emitted when the request finishes, best first. Beam
-search's steps live in `engine.beam_steps`.
+the end (beam search, best_of > n) are only emitted when the request finishes, best first.
+Sampling and reading tokens back live in `engine.sampling_steps`, beam search's steps in
+`engine.beam_steps`.
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ from ksana_llm.engine.beam_steps import BeamSearchSteps
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.outputs import DeferredOutput, ForwardResult, SampledStep, StepOutput
-from ksana_llm.engine.request import (PENDING_TOKEN, FinishReason, Sequence, SequenceGroup,
-                                     SequenceStatus)
+from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
+from ksana_llm.engine.sampling_steps import SamplingSteps
 from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from ksana_llm.runner.model_runner import (CapturedRows, ModelRunner, PendingInputs, SeqSlice,
-                                           StepInput)
-from ksana_llm.runner.logits_processing import to_device
-from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator, token_logprobs
+from ksana_llm.runner.model_runner import CapturedRows, ModelRunner, SeqSlice, StepInput
+from ksana_llm.runner.sampler import Sampler, make_generator, token_logprobs
 
 
 # stop_reason of a request that expired in the waiting queue.
@@ -55,7 +54,7 @@ class CoreStats:
     peak_used_blocks: int = 0
 
 
-class EngineCore(BeamSearchSteps):
+class EngineCore(SamplingSteps, BeamSearchSteps):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, tokenizer: Any, *, max_model_len: int,
                  sampler: Sampler | None = None, overlap_outputs: bool = False,
@@ -192,21 +191,6 @@ class EngineCore(BeamSearchSteps):
             outputs.extend(self._drain_deferred())  # no next step to overlap with
         return outputs
 
-    def _pending_inputs(self, scheduled: list[ScheduledSequence]) -> PendingInputs | None:
-        """Where the step's pending input tokens are: rows of the step in flight's samples."""
-        in_flight = self._in_flight
-        if in_flight is None:
-            return None
-        slices, source_rows = [], []
-        for j, item in enumerate(scheduled):
-            if item.seq.num_pending_tokens:
-                if item.num_new_tokens != 1:  # pending tokens are only ever decoded
-                    raise RuntimeError(f"a pending token scheduled in a {item.num_new_tokens}-"
-                                       "token slice")
-                slices.append(j)
-                source_rows.append(in_flight.rows[item.seq])
-        return PendingInputs(slices, source_rows, in_flight.token_ids) if slices else None
-
     def _drain_deferred(self) -> list[StepOutput]:
         """The deferred outputs, in the order their tokens were sampled."""
         if not self._deferred:
@@ -294,97 +278,7 @@ class EngineCore(BeamSearchSteps):
                           forward=ForwardResult(positions, hidden, logits),
                           first_scheduled_time=seq.first_scheduled_time)
 
-    # ---- sampling ------------------------------------------------------------------------------
-    @staticmethod
-    def _sampling_row(seq: Sequence) -> SamplingRow:
-        """The sequence's row, built once: it holds the sequence's own (growing) token lists,
-        and a sequence whose grammar has terminated is finished, so it never changes."""
-        if seq.sampling_row is None:
-            seq.sampling_row = SamplingRow(
-                config=seq.config, prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids, generator=seq.generator,
-                eos_token_ids=seq.eos_token_ids, matcher=seq.matcher,
-                need_logprob=seq.config.num_sequences > seq.config.num_return_sequences)
-        return seq.sampling_row
-
-    def _launch_samples(self, seqs: list[Sequence], logits: torch.Tensor,
-                        rows_of: list[int]) -> SampledStep:
-        """Sample one token per sequence on the device, without waiting for it; each sequence
-        gets a pending placeholder for it. A request's first sample forks it into all its
-        samples, which draw from the same logits row."""
-        row_seqs: list[Sequence] = []
-        source: list[int] = []
-        for seq, row in zip(seqs, rows_of):
-            row_seqs.append(seq)
-            source.append(row)
-            if not seq.group.forked:
-                for child in self._fork_samples(seq):
-                    row_seqs.append(child)
-                    source.append(row)
-        if source != list(range(logits.shape[0])):
-            logits = logits.index_select(0, to_device(source, torch.long, logits.device))
-        rows = [self._sampling_row(s) for s in row_seqs]
-        sampled = self.sampler.sample(logits, rows)
-        host = sampled.to_host()
-        indices = []
-        for seq in row_seqs:  # after sampling: penalties read the tokens before this one
-            indices.append(len(seq.output_token_ids))
-            seq.output_token_ids.append(PENDING_TOKEN)
-            seq.num_pending_tokens += 1
-        launched = SampledStep(row_seqs, indices, sampled.token_ids, host,
-                               run_ahead=not any(row.reads_history for row in rows))
-        if self.async_scheduling and launched.run_ahead:
-            launched.rows = dict(zip(row_seqs, range(len(row_seqs))))
-        return launched
-
-    def _resolve_in_flight(self) -> list[StepOutput]:
-        step, self._in_flight = self._in_flight, None
-        return [] if step is None else self._resolve(step, defer=False)
-
-    def _resolve(self, step: SampledStep, defer: bool) -> list[StepOutput]:
-        """Read a step's tokens back and append them: stop checks, outputs (deferred to the
-        next step when `defer` allows it)."""
-        token_ids, logprobs, top = step.host.to_lists()
-        now = time.monotonic()
-        outputs = []
-        block_size = self.block_manager.block_size
-        # Only a step launched ahead computes a pending token's KV before it is known.
-        publish = self.async_scheduling
-        for i, seq in enumerate(step.seqs):
-            if seq.status is SequenceStatus.FINISHED:
-                continue  # stopped or aborted after this step was launched: a wasted row
-            index = step.indices[i]
-            outputs.extend(self._append(seq, index, token_ids[i],
-                                        None if logprobs is None else logprobs[i],
-                                        None if top is None else list(zip(top[1][i], top[0][i])),
-                                        now, defer))
-            # A token that completes a block the step in flight has computed: publish it.
-            position = len(seq.prompt_token_ids) + index
-            if publish and seq.num_computed_tokens > position and (position + 1) % block_size == 0 \
-                    and seq.status is not SequenceStatus.FINISHED:
-                self.block_manager.cache_full_blocks(seq)
-        return outputs
-
-    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
-        """The other num_sequences - 1 samples of `seq`'s request, sharing its blocks. Sample i of
-        a seeded request draws from seed + i: it equals a single request with that seed."""
-        group = seq.group
-        group.forked = True
-        seq.num_reserved_slots = 1
-        children = []
-        for i in range(1, group.config.num_sequences):
-            child = seq.fork(i)
-            child.prompt_logprobs = None  # computed once, by the first sequence
-            child.num_reserved_slots = 1
-            if group.config.seed is not None:
-                child.generator = make_generator(group.config.seed + i, self.runner.device)
-            child.detokenizer = self._detokenizer(child)
-            self.scheduler.fork(seq, child)
-            children.append(child)
-        group.seqs.extend(children)
-        group.next_index = group.config.num_sequences
-        return children
-
+    # ---- appending sampled tokens --------------------------------------------------------------
     def _append(self, seq: Sequence, index: int, token: int, logprob: float | None,
                 top: Any, now: float, defer: bool) -> list[StepOutput]:
         """`token` replaces the pending placeholder at `index` of the sequence's output."""
