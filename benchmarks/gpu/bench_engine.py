@@ -48,6 +48,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ from benchmarks.offline_throughput import (ThroughputResult, Workload,  # noqa: 
                                            hf_batch1, ours_batch1, pad_token_id, run_ours)
 
 # An engine switch on the command line: auto = the engine's default for the device.
-SWITCH = {"auto": None, "on": True, "off": False}
+SWITCH = MappingProxyType({"auto": None, "on": True, "off": False})
 
 # ---- models ---------------------------------------------------------------------------------------
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,

@@ -41,14 +41,12 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
     sys.path.insert(0, str(REPO))
 
 import ksana_llm as kt  # noqa: E402
+from benchmarks.gpu.bench_engine import TINY  # noqa: E402  (the GPU benchmark's smoke shape)
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
                     rope_theta=100000.0, bos_token_id=1, eos_token_id=2)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 PROMPT_LENGTHS = (5, 17, 33, 64, 100, 150, 250, 400)
 
 
