@@ -34,7 +34,12 @@ Run
     python benchmarks/step_overhead.py --api async      # outputs read from asyncio, as the server does
     python benchmarks/step_overhead.py --overlap on     # output processing overlapped
     python benchmarks/step_overhead.py --overlap on --async-scheduling on   # the CUDA default
+    python benchmarks/step_overhead.py --penalties on --prompt-tokens 1000   # penalised rows
     python benchmarks/step_overhead.py --num-seqs 64 --json-out /tmp/overhead.json
+
+With --penalties on every request has repetition, presence and frequency penalties: the
+sampler reads each row's ids from its device table (`runner/token_history.py`), so `sample`
+grows with the rows' history lengths only through gathers on the device.
 """
 
 from __future__ import annotations
@@ -188,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--async-scheduling", choices=("on", "off"), default="off",
                         help="launch each step before the previous step's tokens are read back "
                              "(the engine's default on CUDA)")
+    parser.add_argument("--prompt-tokens", type=int, default=24, help="tokens per prompt")
+    parser.add_argument("--penalties", choices=("on", "off"), default="off",
+                        help="repetition, presence and frequency penalties on every request")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     if args.threads:
@@ -196,12 +204,17 @@ def main(argv: list[str] | None = None) -> None:
         model = kt.Model.from_pretrained(str(tiny_model_dir(Path(tmp))), device="cpu",
                                          dtype="float32", progress=False)
     engine = kt.Engine(model, max_num_seqs=args.num_seqs, max_batch_size=16384,
-                       num_device_blocks=args.num_seqs * (8 + args.steps // 16),
+                       num_device_blocks=args.num_seqs * (
+                           (args.prompt_tokens + args.steps) // 16 + 4),
+                       max_model_len=args.prompt_tokens + args.steps + 16,
                        overlap_output_processing=args.overlap == "on",
                        async_scheduling=args.async_scheduling == "on")
-    config = kt.GenerationConfig(max_new_tokens=args.steps, ignore_eos=True)
-    # Token-id prompts (24 ordinary pieces each) inside the tiny model's vocabulary.
-    ids = torch.randint(256, VOCAB_SIZE, (args.num_seqs, 24), generator=torch.Generator().manual_seed(0))
+    penalties = (dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3)
+                 if args.penalties == "on" else {})
+    config = kt.GenerationConfig(max_new_tokens=args.steps, ignore_eos=True, **penalties)
+    # Token-id prompts (ordinary pieces) inside the tiny model's vocabulary.
+    ids = torch.randint(256, VOCAB_SIZE, (args.num_seqs, args.prompt_tokens),
+                        generator=torch.Generator().manual_seed(0))
     prompts = ids.tolist()
     with engine:
         engine.generate(prompts[:4], config, use_tqdm=False)  # warm-up
@@ -219,8 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     ahead = args.async_scheduling == "on"
     if ahead:
         result.pop("idle")  # nothing is serial: see the module docstring
-    print(f"{args.num_seqs} sequences decoding together ({args.api} API, overlap {args.overlap}, "
-          f"async scheduling {args.async_scheduling}), {steps} decode steps, {wall:.2f} s in all; "
+    print(f"{args.num_seqs} sequences of {args.prompt_tokens} prompt tokens decoding together "
+          f"({args.api} API, overlap {args.overlap}, async scheduling {args.async_scheduling}, "
+          f"penalties {args.penalties}), {steps} decode steps, {wall:.2f} s in all; "
           "median ms per decode step:")
     notes = {name: " (device work on a GPU)" for name in DEVICE_PHASES}
     notes.update(deferred=" (after the launch)", resolve=" (after the launch)",
@@ -239,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         args.json_out.write_text(json.dumps({"num_seqs": args.num_seqs, "api": args.api,
                                              "overlap": args.overlap,
                                              "async_scheduling": args.async_scheduling,
+                                             "prompt_tokens": args.prompt_tokens,
+                                             "penalties": args.penalties,
                                              "decode_steps": steps,
                                              "ms_per_step": result}, indent=2))
 

@@ -106,16 +106,42 @@ def test_steps_run_ahead_and_no_sequence_computes_more_than_it_may(default_model
     assert sum(1 for step in steps for rid, _, _ in step if rid == "stopping") == 1 + 3  # 1 wasted
 
 
-def test_penalties_make_their_steps_wait_for_the_tokens(default_model):
+def test_penalties_run_ahead_and_ngram_bans_wait(default_model):
+    """Repetition, presence and frequency penalties read the token ids the sampler keeps on the
+    device, so their steps run ahead and give the tokens of a synchronous engine; n-gram bans
+    read the ids on the host, so their steps wait for them."""
+    penalties = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.7)
+    requests = {"plain": kt.GenerationConfig(max_new_tokens=10, ignore_eos=True),
+                "penalised": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, **penalties),
+                "sampled": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, do_sample=True,
+                                               num_return_sequences=2, seed=11, **penalties)}
+    results = {}
+    for run_ahead in (False, True):
+        with kt.Engine(default_model, num_device_blocks=64, async_scheduling=run_ahead) as engine:
+            seqs, steps, outputs = _drive(engine, [kt.Request(PROMPT, config, request_id=name)
+                                                   for name, config in requests.items()])
+            histories = list(engine._core.sampler._histories.values())
+        results[run_ahead] = {(o.request_id, o.index): [] for o in outputs}
+        for o in outputs:
+            results[run_ahead][(o.request_id, o.index)].extend(o.new_token_ids)
+        # Every penalised sequence held a slot of the device table; all are released.
+        assert len(histories) == 1 and histories[0].num_rows == 0
+    assert results[True] == results[False]
+    assert len(results[True]) == 4 and all(len(t) in (8, 10) for t in results[True].values())
+    # The penalties changed what greedy decoding gives.
+    assert results[True][("penalised", 0)] != results[True][("plain", 0)][:8]
+    # Every step after the first (the prefill's) fed its tokens from the device.
+    assert all(any(p for _, _, p in step) for step in steps[1:])
+    assert engine._core.num_steps_ahead == len(steps)
+
     with kt.Engine(default_model, num_device_blocks=64, async_scheduling=True) as engine:
-        plain = kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=10, ignore_eos=True),
-                           request_id="plain")
-        penalised = kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=4, ignore_eos=True,
-                                                           repetition_penalty=1.5),
-                               request_id="penalised")
-        seqs, steps, _ = _drive(engine, [plain, penalised])
-    # While the penalised request samples (its prefill's step and 3 decodes), every step reads
-    # its tokens back before the next is planned; once it is done, the rest run ahead.
+        plain = kt.Request(PROMPT, requests["plain"], request_id="plain")
+        banned = kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=4, ignore_eos=True,
+                                                        no_repeat_ngram_size=2),
+                            request_id="banned")
+        seqs, steps, _ = _drive(engine, [plain, banned])
+    # While the n-gram request samples (its prefill's step and 3 decodes), every step reads its
+    # tokens back before the next is planned; once it is done, the rest run ahead.
     pending_per_step = [any(p for _, _, p in step) for step in steps]
     assert pending_per_step[:5] == [False] * 5 and all(pending_per_step[5:])
     assert engine._core.num_steps_ahead == len(steps) - 4

@@ -173,7 +173,10 @@ def _check_greedy(hf_model, ids: list[int], out: list[int], config: GenerationCo
     assert len(out) == config.max_new_tokens or out[-1] in eos
 
 
-def test_greedy_with_processors_matches_transformers(default_model, hf_model):
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["sync", "async-scheduling"])
+def test_greedy_with_processors_matches_transformers(default_model, hf_model, run_ahead):
+    """With async scheduling the penalties run ahead of the read-back, reading the token ids
+    the sampler keeps on the device; the n-gram bans make their steps wait."""
     tok = default_model.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True, tokenize=False)
@@ -181,7 +184,7 @@ def test_greedy_with_processors_matches_transformers(default_model, hf_model):
     eos = default_model.eos_token_ids
     configs = dict(CONFIGS)
     jobs = [(name, ids) for name in configs for ids in prompts]
-    with kt.Engine(default_model, num_device_blocks=256) as engine:
+    with kt.Engine(default_model, num_device_blocks=256, async_scheduling=run_ahead) as engine:
         plain = [o.token_ids for o in engine.generate_outputs(
             prompts + [chat], GenerationConfig(max_new_tokens=MAX_NEW), use_tqdm=False)]
         assert plain[2][-1] in eos and len(plain[2]) < MAX_NEW  # the chat answer ends early
@@ -193,6 +196,7 @@ def test_greedy_with_processors_matches_transformers(default_model, hf_model):
         jobs[-1] = ("min_new_tokens", tok.encode(chat))
         outs = engine.generate_outputs([ids for _, ids in jobs], [configs[n] for n, _ in jobs],
                                        use_tqdm=False)
+        assert (engine._core.num_steps_ahead > 0) == run_ahead
     reference = {tuple(p): o for p, o in zip(prompts + [tok.encode(chat)], plain)}
     changed = set()
     for (name, ids), out in zip(jobs, outs):

@@ -22,7 +22,9 @@ def _chat(model, text: str) -> str:
 
 def _mixed_requests(model) -> list[tuple[str, kt.GenerationConfig]]:
     """One batch touching every output path: deferred (plain, logprobs, n>1, penalties, EOS,
-    stop tokens, prompt log-probs) and kept in their own step (stop strings, best_of, beams)."""
+    stop tokens, prompt log-probs) and kept in their own step (stop strings, best_of, beams).
+    The penalties of the sampled n>1 request read the sampler's device copy of its ids (and run
+    ahead); the n-gram bans read the host's ids (and wait)."""
     cfg = kt.GenerationConfig
     return [
         (PROMPT, cfg(max_new_tokens=24, ignore_eos=True)),
@@ -38,6 +40,8 @@ def _mixed_requests(model) -> list[tuple[str, kt.GenerationConfig]]:
         (PROMPT, cfg(max_new_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
                      no_repeat_ngram_size=2, logit_bias={11: -5.0}, min_new_tokens=4)),
         ("你好！请用中文介绍一下你自己。", cfg(max_new_tokens=20, ignore_eos=True)),
+        (PROMPT, cfg(max_new_tokens=14, do_sample=True, num_return_sequences=2, seed=9,
+                     repetition_penalty=1.2, frequency_penalty=0.8, logprobs=1)),
     ]
 
 
@@ -92,7 +96,7 @@ def test_overlapped_outputs_equal_the_serial_ones(default_model, blocks, preempt
             assert (core.overlap_outputs, core.async_scheduling) == (overlap, run_ahead)
             results[mode] = engine.generate_outputs(prompts, configs, use_tqdm=False)
             preemptions[mode] = core.stats().num_preemptions
-            # Steps with penalties or beams wait for their tokens; the others ran ahead.
+            # Steps with n-gram bans or beams wait for their tokens; the others ran ahead.
             assert (core.num_steps_ahead >= 5) if run_ahead else core.num_steps_ahead == 0
     # Async scheduling computes a row for a sequence that already stopped: under preemption,
     # who is preempted when (and so who is recomputed in which batch) may differ.

@@ -3,7 +3,7 @@ together (`beam_search.BeamSearch` picks the continuations; beams fork and are d
 blocks) and emit the best hypotheses when it is done.
 
 A mixin of `EngineCore`: it works on the core's `scheduler`, `groups`, `num_generated_tokens`,
-and its `_sampling_row`, `_detokenizer` and `_attach_prompt_logprobs`.
+and its `_sampling_row`, `_free`, `_detokenizer` and `_attach_prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class BeamSearchSteps:
                 plan.append((seqs[parent], parent, token))
         for i, seq in enumerate(seqs):
             if i not in reused:
-                self.scheduler.finish(seq)
+                self._free(seq)
         now = time.monotonic()
         for seq, parent, token in plan:
             seq.output_token_ids.append(token)
@@ -92,7 +92,7 @@ class BeamSearchSteps:
 
     def _finish_beams(self, group: SequenceGroup) -> list[StepOutput]:
         for seq in group.seqs:
-            self.scheduler.finish(seq)
+            self._free(seq)
         first = group.seqs[0]
         group.seqs = []
         del self.groups[group.request_id]

@@ -271,7 +271,7 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         logits = torch.stack([lg for _, lg in rows]) if spec.logits and rows else None
         seq.forward_rows = {}
         seq.finish_reason = FinishReason.STOP
-        self.scheduler.finish(seq)
+        self._free(seq)
         seq.finished_time = time.monotonic()
         del self.groups[seq.request_id]
         return StepOutput(seq.request_id, [], seq.detokenizer.flush(), True, FinishReason.STOP,
@@ -363,10 +363,16 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
             return self._ranked_outputs(group) if last else []
         return [self._output(seq, tokens, delta + flushed, entries or [], finished=last)]
 
+    def _free(self, seq: Sequence) -> None:
+        """`seq` is done: release its blocks and queue place, and what the sampler keeps for it."""
+        self.scheduler.finish(seq)
+        if seq.sampling_row is not None:
+            self.sampler.release(seq.sampling_row)
+
     def _release(self, seq: Sequence) -> bool:
         """Free the finished `seq`; whether it was its request's last live sequence."""
         group = seq.group
-        self.scheduler.finish(seq)
+        self._free(seq)
         seq.finished_time = time.monotonic()
         group.seqs.remove(seq)
         group.finished.append(seq)
@@ -398,7 +404,7 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         live = list(group.seqs)
         for seq in live:
             seq.finish_reason, seq.stop_reason = FinishReason.ABORT, stop_reason
-            self.scheduler.finish(seq)
+            self._free(seq)
             seq.finished_time = time.monotonic()
         group.seqs = []
         if group.config.ranks_sequences or not live:

@@ -1,17 +1,22 @@
 """The logits processors every row goes through before warping and sampling, in `transformers`'
 order: logit bias, min_new_tokens stop suppression, repetition penalty, no-repeat n-grams, then
-OpenAI presence/frequency penalties. Batched over rows with per-row parameter tensors."""
+OpenAI presence/frequency penalties. Batched over rows with per-row parameter tensors.
+
+The penalties' token statistics come from the sampler's `PenaltyTables` (kept on the device) when
+given, else from the rows' token lists (beam search, which reorders histories between steps)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # only for annotations: the sampler imports this module
+if TYPE_CHECKING:  # only for annotations: both modules import this one
+    from ksana_llm.runner.token_history import TokenHistories
     from ksana_llm.runner.sampler import SamplingRow
 
-__all__ = ["process_logits", "to_device"]
+__all__ = ["PenaltyIds", "process_logits", "to_device"]
 
 
 def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -24,31 +29,45 @@ def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> to
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _index_tensor(
-    token_lists: list[list[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """Right-pad token id lists into [R, L] int64, padding (and out-of-vocab ids) -> vocab_size.
+@dataclass(frozen=True)
+class PenaltyIds:
+    """The token ids a penalty reads, one row per batch row: [B, W] int64, right-padded with
+    `vocab_size` (a row with no ids is all padding). Ids past the logits are `vocab_size` too."""
 
-    Scattering into a [R, vocab_size + 1] buffer then lets the padding land in a spare column
-    that is dropped, like HF does for ids beyond the lm_head (which can never be generated).
-    """
-    width = max(1, max(len(t) for t in token_lists))
-    padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
-    return to_device(padded, torch.int64, device).clamp_(min=0, max=vocab_size)
+    ids: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, batch_size: int, members: list[int], token_lists: list[list[int]],
+                   vocab_size: int, device: torch.device) -> PenaltyIds:
+        """Rows `members` get `token_lists` (in order); the other rows none."""
+        width = max(1, max(len(t) for t in token_lists))
+        padded = [[vocab_size] * width for _ in range(batch_size)]
+        for i, tokens in zip(members, token_lists):
+            padded[i] = tokens + [vocab_size] * (width - len(tokens))
+        return cls(to_device(padded, torch.int64, device).clamp_(min=0, max=vocab_size))
 
 
-def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
+                   histories: TokenHistories | None = None) -> torch.Tensor:
     """min_new_tokens suppression and penalties, for every row; returns a new float32 tensor.
 
     This is the part shared by greedy and sampled rows (HF applies its processors before the
-    sampling warpers). The caller's tensor is never modified.
+    sampling warpers). The caller's tensor is never modified. With `histories`, the
+    repetition, presence and frequency penalties read the rows' ids there (rows without a slot
+    get one), not their token lists.
+
+    The penalties gather the logits at a row's history ids and scatter the penalised values
+    back (an id seen twice gets the same value twice): work in the history's length, not the
+    vocabulary's. They run on a buffer with one spare column, where the padding lands.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
     vocab_size = logits.shape[1]
     device = logits.device
-    # Our own copy: everything below may then work in place.
-    out = logits.to(torch.float32, copy=True)
+    # Our own copy, with the spare column: everything below may then work in place.
+    padded_out = torch.empty((len(rows), vocab_size + 1), dtype=torch.float32, device=device)
+    out = padded_out[:, :vocab_size]
+    out.copy_(logits)
 
     # 0. Logit bias (first, as HF's SequenceBiasLogitsProcessor). Ids past the logits never win.
     bias = [(i, token, value) for i, row in enumerate(rows)
@@ -77,17 +96,18 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     # multiplied when negative and divided when positive, so it always becomes less likely.
     rep = [i for i, row in enumerate(rows) if row.config.repetition_penalty != 1.0]
     if rep:
-        index = _index_tensor(
-            [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab_size, device)
-        seen = torch.zeros(len(rep), vocab_size + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, index, True)
-        seen = seen[:, :vocab_size]
-        penalty = to_device([rows[i].config.repetition_penalty for i in rep], torch.float32,
-                             device).unsqueeze(1)
-        rep_idx = to_device(rep, torch.int64, device)
-        sub = out.index_select(0, rep_idx)
-        penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
-        out.index_copy_(0, rep_idx, torch.where(seen, penalised, sub))
+        if histories is not None:
+            seen = histories.penalty_ids(len(rows), rep, histories.slots([rows[i] for i in rep]),
+                                         prompt=True)
+        else:
+            seen = PenaltyIds.from_lists(len(rows), rep, [rows[i].prompt_token_ids
+                                                          + rows[i].output_token_ids
+                                                          for i in rep], vocab_size, device)
+        penalty = to_device([row.config.repetition_penalty for row in rows], torch.float32,
+                            device).unsqueeze(1)
+        values = padded_out.gather(1, seen.ids)
+        padded_out.scatter_(1, seen.ids, torch.where(values < 0, values * penalty,
+                                                     values / penalty))
 
     # 2b. No repeated n-grams (HF, over prompt and output).
     for size in sorted({row.config.no_repeat_ngram_size for row in rows} - {0}):
@@ -95,20 +115,25 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         _ban_repeated_ngrams(out, [rows[i].prompt_token_ids + rows[i].output_token_ids
                                    for i in members], members, size)
 
-    # 3. Presence / frequency penalties (OpenAI): output tokens only, additive, count-based.
+    # 3. Presence / frequency penalties (OpenAI): output tokens only, additive, count-based:
+    # logit - (presence * (count > 0) + frequency * count), for the ids the row produced.
     pf = [i for i, row in enumerate(rows)
           if row.config.presence_penalty != 0.0 or row.config.frequency_penalty != 0.0]
     if pf:
-        index = _index_tensor([rows[i].output_token_ids for i in pf], vocab_size, device)
-        counts = torch.zeros(len(pf), vocab_size + 1, dtype=torch.float32, device=device)
-        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
-        counts = counts[:, :vocab_size]
-        coeffs = to_device(
-            [[rows[i].config.presence_penalty, rows[i].config.frequency_penalty] for i in pf],
-            torch.float32, device)
-        pf_idx = to_device(pf, torch.int64, device)
+        if histories is not None:
+            produced = histories.penalty_ids(len(rows), pf,
+                                             histories.slots([rows[i] for i in pf]), prompt=False)
+        else:
+            produced = PenaltyIds.from_lists(len(rows), pf, [rows[i].output_token_ids for i in pf],
+                                             vocab_size, device)
+        # Sorted, an id's count is the width of its run: two batched binary searches.
+        ids = produced.ids.sort(dim=1).values
+        counts = (torch.searchsorted(ids, ids, right=True)
+                  - torch.searchsorted(ids, ids, right=False)).to(torch.float32)
+        coeffs = to_device([[row.config.presence_penalty, row.config.frequency_penalty]
+                            for row in rows], torch.float32, device)
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
-        out.index_copy_(0, pf_idx, out.index_select(0, pf_idx) - delta)
+        padded_out.scatter_(1, ids, padded_out.gather(1, ids) - delta)
     return out
 
 

@@ -20,6 +20,11 @@ Order of operations (that of `transformers.generate`, so greedy outputs match it
    sample and lets every row draw its noise from its own generator: a seeded request then yields
    the same tokens whatever else shares its batch.
 
+The repetition, presence and frequency penalties read each row's token ids from a table the
+sampler keeps on the device (`runner.token_history`) and extends with each token it samples, so
+they need neither the host's token lists nor the previous step's token on the host; the engine
+calls `Sampler.release` when a sequence is done.
+
 Log-probs are those of the raw model distribution (log_softmax of the unprocessed logits), as
 vLLM reports them by default.
 
@@ -36,6 +41,7 @@ import torch
 
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.logits_processing import process_logits, to_device
+from ksana_llm.runner.token_history import TokenHistories
 
 __all__ = [
     "SamplingRow",
@@ -79,16 +85,18 @@ class SamplingRow:
     matcher: Any = None
     # The chosen token's log-prob is wanted even without config.logprobs (best_of ranking).
     need_logprob: bool = False
-    # Whether choosing this row's next token reads its previous tokens' ids (penalties over
-    # them, a grammar's state): then the host must know them before the next step samples.
+    # Whether its penalties read the token ids the sampler keeps on the device (repetition,
+    # presence, frequency: see `runner.token_history`).
+    counts_tokens: bool = field(init=False)
+    # Whether choosing this row's next token reads its previous tokens' ids on the host (a
+    # grammar's state, n-gram bans): then the host must know them before the next step samples.
     reads_history: bool = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.config
-        self.reads_history = (self.matcher is not None or config.repetition_penalty != 1.0
-                              or config.presence_penalty != 0.0
-                              or config.frequency_penalty != 0.0
-                              or config.no_repeat_ngram_size > 0)
+        self.counts_tokens = (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
+                              or config.frequency_penalty != 0.0)
+        self.reads_history = self.matcher is not None or config.no_repeat_ngram_size > 0
 
     @property
     def suppresses_stop(self) -> bool:
@@ -294,6 +302,21 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._histories: dict[tuple[torch.device, int], TokenHistories] = {}
+
+    def token_histories(self, device: torch.device, vocab_size: int) -> TokenHistories:
+        """The token ids of the penalised rows sampled on `device` (made on first use)."""
+        key = (device, vocab_size)
+        histories = self._histories.get(key)
+        if histories is None:
+            histories = self._histories[key] = TokenHistories(vocab_size, device)
+        return histories
+
+    def release(self, row: SamplingRow) -> None:
+        """`row` will not be sampled again: free what the sampler keeps for it."""
+        if row.counts_tokens:
+            for histories in self._histories.values():
+                histories.release(row)
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -322,7 +345,10 @@ class Sampler:
             # Fast path: argmax is exact on the native dtype (float32 widening is monotone).
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
 
-        processed = process_logits(logits, rows) if needs_processing else logits.float()
+        counting = [i for i, row in enumerate(rows) if row.counts_tokens]
+        histories = self.token_histories(logits.device, logits.shape[1]) if counting else None
+        processed = (process_logits(logits, rows, histories) if needs_processing
+                     else logits.float())
         greedy_ids = processed.argmax(dim=-1)
         if all_greedy:
             token_ids = greedy_ids
@@ -330,6 +356,8 @@ class Sampler:
             sampled = self._sample_rows(warp_logits(processed, rows), rows)
             greedy_mask = to_device([row.config.greedy for row in rows], torch.bool, logits.device)
             token_ids = torch.where(greedy_mask, greedy_ids, sampled)
+        if histories is not None:
+            histories.record(histories.slots([rows[i] for i in counting]), counting, token_ids)
 
         if not want_logprobs:
             return SamplerOutput(token_ids=token_ids)
