@@ -74,8 +74,7 @@ class EngineConfig(BaseModel):
         None, description="plan and launch each decode step before the previous step's tokens "
                           "are read back (the device feeds them in), so the host's scheduling "
                           "and output work overlaps the device; steps whose requests use "
-                          "structured output, no_repeat_ngram_size or beam search wait for their "
-                          "tokens. Needs a "
+                          "structured output or beam search wait for their tokens. Needs a "
                           "single-rank run; None = on for CUDA")
 
     @model_validator(mode="after")

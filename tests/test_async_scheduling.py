@@ -106,11 +106,12 @@ def test_steps_run_ahead_and_no_sequence_computes_more_than_it_may(default_model
     assert sum(1 for step in steps for rid, _, _ in step if rid == "stopping") == 1 + 3  # 1 wasted
 
 
-def test_penalties_run_ahead_and_ngram_bans_wait(default_model):
-    """Repetition, presence and frequency penalties read the token ids the sampler keeps on the
-    device, so their steps run ahead and give the tokens of a synchronous engine; n-gram bans
-    read the ids on the host, so their steps wait for them."""
-    penalties = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.7)
+def test_penalties_run_ahead_and_grammars_wait(default_model):
+    """Penalties and n-gram bans read the token ids the sampler keeps on the device, so their
+    steps run ahead and give the tokens of a synchronous engine; a grammar advances on the
+    host with each token, so its steps wait for them."""
+    penalties = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.7,
+                     no_repeat_ngram_size=2)
     requests = {"plain": kt.GenerationConfig(max_new_tokens=10, ignore_eos=True),
                 "penalised": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, **penalties),
                 "sampled": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, do_sample=True,
@@ -136,12 +137,12 @@ def test_penalties_run_ahead_and_ngram_bans_wait(default_model):
 
     with kt.Engine(default_model, num_device_blocks=64, async_scheduling=True) as engine:
         plain = kt.Request(PROMPT, requests["plain"], request_id="plain")
-        banned = kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=4, ignore_eos=True,
-                                                        no_repeat_ngram_size=2),
-                            request_id="banned")
-        seqs, steps, _ = _drive(engine, [plain, banned])
-    # While the n-gram request samples (its prefill's step and 3 decodes), every step reads its
-    # tokens back before the next is planned; once it is done, the rest run ahead.
+        constrained = kt.Request(PROMPT, kt.GenerationConfig(
+            max_new_tokens=4, ignore_eos=True,
+            structured_output={"kind": "regex", "value": "[a-z ]{60}"}), request_id="constrained")
+        seqs, steps, _ = _drive(engine, [plain, constrained])
+    # While the constrained request samples (its prefill's step and 3 decodes), every step reads
+    # its tokens back before the next is planned; once it is done, the rest run ahead.
     pending_per_step = [any(p for _, _, p in step) for step in steps]
     assert pending_per_step[:5] == [False] * 5 and all(pending_per_step[5:])
     assert engine._core.num_steps_ahead == len(steps) - 4

@@ -23,8 +23,7 @@ def _chat(model, text: str) -> str:
 def _mixed_requests(model) -> list[tuple[str, kt.GenerationConfig]]:
     """One batch touching every output path: deferred (plain, logprobs, n>1, penalties, EOS,
     stop tokens, prompt log-probs) and kept in their own step (stop strings, best_of, beams).
-    The penalties of the sampled n>1 request read the sampler's device copy of its ids (and run
-    ahead); the n-gram bans read the host's ids (and wait)."""
+    Penalties and n-gram bans read the sampler's device copy of the ids, and run ahead."""
     cfg = kt.GenerationConfig
     return [
         (PROMPT, cfg(max_new_tokens=24, ignore_eos=True)),
@@ -96,13 +95,14 @@ def test_overlapped_outputs_equal_the_serial_ones(default_model, blocks, preempt
             assert (core.overlap_outputs, core.async_scheduling) == (overlap, run_ahead)
             results[mode] = engine.generate_outputs(prompts, configs, use_tqdm=False)
             preemptions[mode] = core.stats().num_preemptions
-            # Steps with n-gram bans or beams wait for their tokens; the others ran ahead.
+            # Steps with beams wait for their tokens; the others ran ahead.
             assert (core.num_steps_ahead >= 5) if run_ahead else core.num_steps_ahead == 0
-    # Async scheduling computes a row for a sequence that already stopped: under preemption,
-    # who is preempted when (and so who is recomputed in which batch) may differ.
+    # Async scheduling computes a row for a sequence that already stopped, so some steps run in
+    # another batch shape (the CPU's matmuls then round log-probs differently, by ~1e-6); under
+    # preemption, who is preempted when (and so recomputed in which batch) may differ too.
     for mode, (_, run_ahead) in MODES.items():
         for serial, other in zip(results["serial"], results[mode]):
-            _assert_same_outputs(serial, other, exact=not (run_ahead and blocks < 256))
+            _assert_same_outputs(serial, other, exact=not run_ahead)
     assert preemptions["overlap"] == preemptions["serial"]
     if blocks < 256:
         assert preemptions["serial"] > 0  # the small cache really made sequences preempt

@@ -1,6 +1,7 @@
-"""The sampler's device copy of the penalised rows' token ids (`runner.token_history`).
+"""The sampler's device copy of the token ids of rows with penalties or n-gram bans
+(`runner.token_history`).
 
-The penalties computed from it must equal those computed from the rows' own token lists (which
+The penalties and bans computed from it must equal those computed from the rows' own token lists (which
 `test_sampler.py` and `test_logits_processors.py` check against transformers) at every step, as
 the sampler extends it with the tokens it samples: across slot reuse, table growth and ids
 beyond the logits. On a CUDA machine the first test also runs on the GPU (the GPU benchmark's
@@ -25,8 +26,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def _random_row(config: GenerationConfig, prompt_len: int, seed: int) -> SamplingRow:
     g = torch.Generator().manual_seed(seed)
-    # Some prompt ids lie past the logits (a tokenizer's added tokens): never penalised.
+    # Some prompt ids lie past the logits (a tokenizer's added tokens): never penalised, and
+    # two different ones are different n-gram tokens.
     prompt = torch.randint(0, VOCAB + 5, (prompt_len,), generator=g).tolist()
+    if config.no_repeat_ngram_size:
+        # Few distinct ids, so the prompt repeats n-grams: bans from the first step on.
+        prompt = [[0, 1, 2, 3, 4, 5, VOCAB + 1, VOCAB + 3][t % 8] for t in prompt]
     return SamplingRow(config=config, prompt_token_ids=prompt, output_token_ids=[])
 
 
@@ -38,6 +43,8 @@ def _configs() -> list[GenerationConfig]:
                          temperature=0.9),
         GenerationConfig(),  # no penalty: holds no slot
         GenerationConfig(presence_penalty=-1.0, do_sample=True, top_k=5, seed=3),
+        GenerationConfig(no_repeat_ngram_size=2),
+        GenerationConfig(no_repeat_ngram_size=3, repetition_penalty=1.2, presence_penalty=0.3),
     ]
 
 
@@ -46,7 +53,7 @@ def test_device_ids_give_the_penalties_of_the_token_lists_at_every_step(device: 
     sampler = Sampler(seed=0)
     configs = _configs()
     # Prompts long enough to widen the table (256 ids at first), and more rows than its first
-    # 8 slots: it must grow both ways.
+    # 8 slots: it must grow both ways. A small vocabulary makes repeated n-grams common.
     rows = [_random_row(configs[i % len(configs)], 40 + 30 * i, seed=i) for i in range(12)]
     histories = sampler.token_histories(torch.device(device), VOCAB)
     g = torch.Generator().manual_seed(1)
@@ -68,12 +75,12 @@ def test_device_ids_give_the_penalties_of_the_token_lists_at_every_step(device: 
                 sampler.release(row)
             rows[:4] = [_random_row(configs[i % len(configs)], 7 + i, seed=100 + i)
                         for i in range(4)]
-    penalised = sum(1 for row in rows if row.counts_tokens)
-    assert histories.num_rows == penalised
+    tracked = sum(1 for row in rows if row.uses_token_history)
+    assert histories.num_rows == tracked
     assert histories.capacity == 16 and histories.width >= 40 + 30 * 11 + 12
     assert sorted(histories.lengths[s] for s in histories.slots(
-        [r for r in rows if r.counts_tokens])) == sorted(
-        len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows if r.counts_tokens)
+        [r for r in rows if r.uses_token_history])) == sorted(
+        len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows if r.uses_token_history)
 
 
 def test_a_row_nobody_releases_frees_its_slot_when_it_is_gone() -> None:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # only for annotations: both modules import this one
-    from ksana_llm.runner.token_history import TokenHistories
     from ksana_llm.runner.sampler import SamplingRow
+    from ksana_llm.runner.token_history import TokenHistories
 
 __all__ = ["PenaltyIds", "process_logits", "to_device"]
 
@@ -112,8 +112,15 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     # 2b. No repeated n-grams (HF, over prompt and output).
     for size in sorted({row.config.no_repeat_ngram_size for row in rows} - {0}):
         members = [i for i, row in enumerate(rows) if row.config.no_repeat_ngram_size == size]
-        _ban_repeated_ngrams(out, [rows[i].prompt_token_ids + rows[i].output_token_ids
-                                   for i in members], members, size)
+        if histories is not None:
+            tokens, lengths = histories.history(histories.slots([rows[i] for i in members]))
+        else:
+            lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in members]
+            lengths = [len(t) for t in lists]
+            width = max(1, max(lengths))
+            tokens = to_device([t + [vocab_size] * (width - len(t)) for t in lists], torch.int64,
+                               device)
+        _ban_repeated_ngrams(padded_out, tokens, lengths, members, size)
 
     # 3. Presence / frequency penalties (OpenAI): output tokens only, additive, count-based:
     # logit - (presence * (count > 0) + frequency * count), for the ids the row produced.
@@ -137,20 +144,21 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     return out
 
 
-def _ban_repeated_ngrams(out: torch.Tensor, token_lists: list[list[int]], members: list[int],
-                         size: int) -> None:
-    """-inf (in place, rows `members` of `out`) for every token that would complete an n-gram of
+def _ban_repeated_ngrams(padded_out: torch.Tensor, tokens: torch.Tensor, lengths: list[int],
+                         members: list[int], size: int) -> None:
+    """-inf (in place, rows `members` of `padded_out`, whose last column is spare) for every token that would complete an n-gram of
     `size` tokens already present, as HF's NoRepeatNGramLogitsProcessor: each window of the
     history whose first size-1 tokens equal the history's last size-1 tokens bans its last token.
-    Batched over rows by right-padding the histories with -1."""
-    lengths = [len(t) for t in token_lists]
+    Batched over rows: `tokens` [len(members), W] holds each member's history, right-padded (the
+    padding is never inside a window that counts), `lengths` their lengths."""
     keep = [k for k, n in enumerate(lengths) if n >= size]  # no complete n-gram yet: no ban
     if not keep:
         return
-    vocab_size, device = out.shape[1], out.device
+    vocab_size, device = padded_out.shape[1] - 1, padded_out.device
     width = max(lengths[k] for k in keep)
-    padded = [token_lists[k] + [-1] * (width - lengths[k]) for k in keep]
-    tokens = to_device(padded, torch.int64, device)
+    if len(keep) < len(lengths):
+        tokens = tokens.index_select(0, to_device(keep, torch.int64, device))
+    tokens = tokens[:, :width]
     length = to_device([lengths[k] for k in keep], torch.int64, device)
     windows = tokens.unfold(1, size, 1)  # [R, W - size + 1, size]
     # The last size-1 tokens of each history.
@@ -160,9 +168,8 @@ def _ban_repeated_ngrams(out: torch.Tensor, token_lists: list[list[int]], member
     # Only windows lying inside the history (the one starting at the prefix is one token short).
     starts = torch.arange(windows.shape[1], device=device)
     matches &= starts[None, :] <= (length[:, None] - size)
+    # Windows that ban nothing (and ids past the logits) land in the spare column.
     banned_ids = torch.where(matches, windows[..., -1].clamp(min=0, max=vocab_size), vocab_size)
-    banned = torch.zeros(len(keep), vocab_size + 1, dtype=torch.bool, device=device)
-    banned.scatter_(1, banned_ids, True)
     index = to_device([members[k] for k in keep], torch.int64, device)
-    out.index_copy_(0, index, out.index_select(0, index).masked_fill(banned[:, :vocab_size],
-                                                                     float("-inf")))
+    padded_out.index_put_((index[:, None].expand_as(banned_ids), banned_ids),
+                          torch.tensor(float("-inf"), device=device))

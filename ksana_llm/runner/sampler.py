@@ -20,8 +20,8 @@ Order of operations (that of `transformers.generate`, so greedy outputs match it
    sample and lets every row draw its noise from its own generator: a seeded request then yields
    the same tokens whatever else shares its batch.
 
-The repetition, presence and frequency penalties read each row's token ids from a table the
-sampler keeps on the device (`runner.token_history`) and extends with each token it samples, so
+The repetition, presence and frequency penalties and the n-gram bans read each row's token ids
+from a table the sampler keeps on the device (`runner.token_history`) and extends with each token it samples, so
 they need neither the host's token lists nor the previous step's token on the host; the engine
 calls `Sampler.release` when a sequence is done.
 
@@ -85,18 +85,20 @@ class SamplingRow:
     matcher: Any = None
     # The chosen token's log-prob is wanted even without config.logprobs (best_of ranking).
     need_logprob: bool = False
-    # Whether its penalties read the token ids the sampler keeps on the device (repetition,
-    # presence, frequency: see `runner.token_history`).
-    counts_tokens: bool = field(init=False)
+    # Whether its processors read the token ids the sampler keeps on the device (repetition,
+    # presence and frequency penalties, n-gram bans: see `runner.token_history`).
+    uses_token_history: bool = field(init=False)
     # Whether choosing this row's next token reads its previous tokens' ids on the host (a
-    # grammar's state, n-gram bans): then the host must know them before the next step samples.
+    # grammar's state): then the host must know them before the next step samples.
     reads_history: bool = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.config
-        self.counts_tokens = (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
-                              or config.frequency_penalty != 0.0)
-        self.reads_history = self.matcher is not None or config.no_repeat_ngram_size > 0
+        self.uses_token_history = (config.repetition_penalty != 1.0
+                                   or config.presence_penalty != 0.0
+                                   or config.frequency_penalty != 0.0
+                                   or config.no_repeat_ngram_size > 0)
+        self.reads_history = self.matcher is not None
 
     @property
     def suppresses_stop(self) -> bool:
@@ -305,7 +307,8 @@ class Sampler:
         self._histories: dict[tuple[torch.device, int], TokenHistories] = {}
 
     def token_histories(self, device: torch.device, vocab_size: int) -> TokenHistories:
-        """The token ids of the penalised rows sampled on `device` (made on first use)."""
+        """The token ids of the rows sampled on `device` whose processors read them (made on
+        first use)."""
         key = (device, vocab_size)
         histories = self._histories.get(key)
         if histories is None:
@@ -314,7 +317,7 @@ class Sampler:
 
     def release(self, row: SamplingRow) -> None:
         """`row` will not be sampled again: free what the sampler keeps for it."""
-        if row.counts_tokens:
+        if row.uses_token_history:
             for histories in self._histories.values():
                 histories.release(row)
 
@@ -345,8 +348,8 @@ class Sampler:
             # Fast path: argmax is exact on the native dtype (float32 widening is monotone).
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
 
-        counting = [i for i, row in enumerate(rows) if row.counts_tokens]
-        histories = self.token_histories(logits.device, logits.shape[1]) if counting else None
+        tracked = [i for i, row in enumerate(rows) if row.uses_token_history]
+        histories = self.token_histories(logits.device, logits.shape[1]) if tracked else None
         processed = (process_logits(logits, rows, histories) if needs_processing
                      else logits.float())
         greedy_ids = processed.argmax(dim=-1)
@@ -357,7 +360,7 @@ class Sampler:
             greedy_mask = to_device([row.config.greedy for row in rows], torch.bool, logits.device)
             token_ids = torch.where(greedy_mask, greedy_ids, sampled)
         if histories is not None:
-            histories.record(histories.slots([rows[i] for i in counting]), counting, token_ids)
+            histories.record(histories.slots([rows[i] for i in tracked]), tracked, token_ids)
 
         if not want_logprobs:
             return SamplerOutput(token_ids=token_ids)

@@ -1,7 +1,7 @@
-"""The token ids of the rows with repetition, presence or frequency penalties, kept on the device.
+"""The token ids of the rows with penalties or n-gram bans, kept on the device.
 
-Those penalties read a row's whole history: the ids of its prompt and output (repetition) or of
-its output (presence, frequency). Rebuilding that from the host's token lists at every step costs
+Those read a row's whole history: the ids of its prompt and output (repetition penalty,
+`no_repeat_ngram_size`) or of its output (presence and frequency penalties). Rebuilding that from the host's token lists at every step costs
 host time proportional to the history, and needs the previous step's token on the host, so such
 steps could not run ahead of the read-back (async scheduling). Instead each row holds a slot in
 one table from its first sample until it is released:
@@ -12,8 +12,8 @@ A slot is filled once from the row's lists; afterwards the sampler writes every 
 there on the device (`record`), in stream order with the next step's reads. The host keeps each
 slot's lengths (it knows how many tokens each row has, even before their ids are read back).
 Padding is `vocab_size`, one past the logits: `logits_processing` works on a buffer with a spare
-last column for it, which also takes ids beyond the logits (added tokens past the LM head), like
-`transformers` does.
+last column for it, which also takes ids beyond the logits (added tokens past the LM head: kept
+as they are in the table, so n-grams tell them apart), like `transformers` does.
 
 Memory: 4 bytes x width per slot; the width grows by doubling to the longest history, so the
 table is about the size of the penalised rows' token lists, far below a [rows, vocab] table.
@@ -74,26 +74,33 @@ class TokenHistories:
             self._fill(new)
         return slots
 
+    def history(self, slots: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Each slot's ids (prompt, then output) as [len(slots), W] int64, right-padded with
+        `vocab_size`, and their lengths; W is the longest (at least 1)."""
+        lengths = [self.lengths[s] for s in slots]
+        rows = self.ids.index_select(0, to_device(slots, torch.int64, self.device))
+        return rows[:, :max(1, max(lengths))].long(), lengths
+
     def penalty_ids(self, batch_size: int, members: list[int], slots: list[int],
                     *, prompt: bool) -> PenaltyIds:
         """Rows `members` of a batch get the ids of slots `slots` (prompt and output, or output
-        only); the other rows get none."""
-        starts = [0 if prompt else self.prompt_lengths[s] for s in slots]
-        ends = [self.lengths[s] for s in slots]
-        width = max(1, max(e - b for b, e in zip(starts, ends)))
-        index = to_device(slots, torch.int64, self.device)
-        rows = self.ids.index_select(0, index)
+        only); the other rows get none. Ids past the logits become `vocab_size`."""
         if prompt:
-            picked = rows[:, :width]  # padded past each row's length already
+            picked, _ = self.history(slots)  # padded past each row's length already
         else:
+            starts = [self.prompt_lengths[s] for s in slots]
+            ends = [self.lengths[s] for s in slots]
+            width = max(1, max(e - b for b, e in zip(starts, ends)))
+            rows = self.ids.index_select(0, to_device(slots, torch.int64, self.device))
             begin = to_device(starts, torch.int64, self.device)
             end = to_device(ends, torch.int64, self.device)
             positions = begin[:, None] + torch.arange(width, device=self.device)
-            picked = rows.gather(1, positions.clamp(max=self.width - 1))
-            picked = picked.masked_fill(positions >= end[:, None], self.vocab_size)
-        out = torch.full((batch_size, width), self.vocab_size, dtype=torch.int64,
+            picked = rows.gather(1, positions.clamp(max=self.width - 1)).long()
+            picked.masked_fill_(positions >= end[:, None], self.vocab_size)
+        out = torch.full((batch_size, picked.shape[1]), self.vocab_size, dtype=torch.int64,
                          device=self.device)
-        out.index_copy_(0, to_device(members, torch.int64, self.device), picked.long())
+        out.index_copy_(0, to_device(members, torch.int64, self.device),
+                        picked.clamp_(max=self.vocab_size))
         return PenaltyIds(out)
 
     def record(self, slots: list[int], rows_of: list[int], token_ids: torch.Tensor) -> None:
@@ -104,7 +111,7 @@ class TokenHistories:
         tokens = token_ids.index_select(0, to_device(rows_of, torch.int64, token_ids.device))
         self.ids.index_put_((to_device(slots, torch.int64, self.device),
                              to_device(positions, torch.int64, self.device)),
-                            tokens.to(self.device, torch.int32).clamp(0, self.vocab_size))
+                            tokens.to(self.device, torch.int32))
         for s in slots:
             self.lengths[s] += 1
 
@@ -156,4 +163,4 @@ class TokenHistories:
         vocab = self.vocab_size
         padded = [h + [vocab] * (self.width - len(h)) for h in histories]
         self.ids.index_copy_(0, to_device([slot for slot, _ in new], torch.int64, self.device),
-                             to_device(padded, torch.int32, self.device).clamp_(0, vocab))
+                             to_device(padded, torch.int32, self.device))
