@@ -73,8 +73,9 @@ class EngineConfig(BaseModel):
     async_scheduling: bool | None = Field(
         None, description="plan and launch each decode step before the previous step's tokens "
                           "are read back (the device feeds them in), so the host's scheduling "
-                          "and output work overlaps the device; steps whose requests use "
-                          "structured output or beam search wait for their tokens. Needs a "
+                          "and output work overlaps the device; beam search steps wait for their "
+                          "tokens, structured output steps read the previous step back between "
+                          "their forward and their sampling. Needs a "
                           "single-rank run; None = on for CUDA")
 
     @model_validator(mode="after")

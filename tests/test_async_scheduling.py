@@ -106,16 +106,26 @@ def test_steps_run_ahead_and_no_sequence_computes_more_than_it_may(default_model
     assert sum(1 for step in steps for rid, _, _ in step if rid == "stopping") == 1 + 3  # 1 wasted
 
 
-def test_penalties_run_ahead_and_grammars_wait(default_model):
-    """Penalties and n-gram bans read the token ids the sampler keeps on the device, so their
-    steps run ahead and give the tokens of a synchronous engine; a grammar advances on the
-    host with each token, so its steps wait for them."""
+def test_penalties_and_grammars_run_ahead(default_model):
+    """Penalties and n-gram bans read the token ids the sampler keeps on the device; a grammar
+    advances on the host, so a step sampling one reads the step in flight back after launching
+    its forward and before sampling. Either way every step runs ahead, and the tokens are a
+    synchronous engine's, including a grammar that ends while a step for it is in flight."""
     penalties = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.7,
                      no_repeat_ngram_size=2)
-    requests = {"plain": kt.GenerationConfig(max_new_tokens=10, ignore_eos=True),
-                "penalised": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, **penalties),
-                "sampled": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, do_sample=True,
-                                               num_return_sequences=2, seed=11, **penalties)}
+    requests = {
+        "plain": kt.GenerationConfig(max_new_tokens=10, ignore_eos=True),
+        "penalised": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, **penalties),
+        "sampled": kt.GenerationConfig(max_new_tokens=8, ignore_eos=True, do_sample=True,
+                                       num_return_sequences=2, seed=11, **penalties),
+        "constrained": kt.GenerationConfig(max_new_tokens=6, ignore_eos=True,
+                                           structured_output={"kind": "regex",
+                                                              "value": "[a-z ]{60}"}),
+        # Its grammar ends after a few tokens, while the next step for it is in flight.
+        "short grammar": kt.GenerationConfig(max_new_tokens=10,
+                                             structured_output={"kind": "regex",
+                                                                "value": "[a-z ]{8}"}),
+    }
     results = {}
     for run_ahead in (False, True):
         with kt.Engine(default_model, num_device_blocks=64, async_scheduling=run_ahead) as engine:
@@ -128,24 +138,14 @@ def test_penalties_run_ahead_and_grammars_wait(default_model):
         # Every penalised sequence held a slot of the device table; all are released.
         assert len(histories) == 1 and histories[0].num_rows == 0
     assert results[True] == results[False]
-    assert len(results[True]) == 4 and all(len(t) in (8, 10) for t in results[True].values())
-    # The penalties changed what greedy decoding gives.
+    assert len(results[True]) == 6
+    # The penalties changed what greedy decoding gives; the short grammar ended by itself.
     assert results[True][("penalised", 0)] != results[True][("plain", 0)][:8]
+    assert 1 < len(results[True][("short grammar", 0)]) < 10
+    assert len(results[True][("constrained", 0)]) == 6
     # Every step after the first (the prefill's) fed its tokens from the device.
     assert all(any(p for _, _, p in step) for step in steps[1:])
     assert engine._core.num_steps_ahead == len(steps)
-
-    with kt.Engine(default_model, num_device_blocks=64, async_scheduling=True) as engine:
-        plain = kt.Request(PROMPT, requests["plain"], request_id="plain")
-        constrained = kt.Request(PROMPT, kt.GenerationConfig(
-            max_new_tokens=4, ignore_eos=True,
-            structured_output={"kind": "regex", "value": "[a-z ]{60}"}), request_id="constrained")
-        seqs, steps, _ = _drive(engine, [plain, constrained])
-    # While the constrained request samples (its prefill's step and 3 decodes), every step reads
-    # its tokens back before the next is planned; once it is done, the rest run ahead.
-    pending_per_step = [any(p for _, _, p in step) for step in steps]
-    assert pending_per_step[:5] == [False] * 5 and all(pending_per_step[5:])
-    assert engine._core.num_steps_ahead == len(steps) - 4
     assert all(PENDING_TOKEN not in s.output_token_ids for s in seqs)
 
 

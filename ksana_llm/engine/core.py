@@ -29,7 +29,7 @@ from ksana_llm.engine.beam_steps import BeamSearchSteps
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.outputs import DeferredOutput, ForwardResult, SampledStep, StepOutput
-from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
+from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from ksana_llm.engine.sampling_steps import SamplingSteps
 from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from ksana_llm.runner.model_runner import CapturedRows, ModelRunner, SeqSlice, StepInput
@@ -147,11 +147,13 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         The host's per-step work is done while the device computes, where that keeps outputs
         exact:
 
-        - `async_scheduling`: the step after one whose sampling reads no token history is
-          planned and launched before that step's tokens are read back; its inputs come from
-          the sampled tokens on the device, and the tokens are then read back, appended and
-          checked (stops, lengths) while it runs. A sequence that stopped still ran in the step
-          already launched: that row is dropped.
+        - `async_scheduling`: each step is planned and launched before the previous step's
+          tokens are read back; its inputs come from the sampled tokens on the device, and the
+          tokens are then read back, appended and checked (stops, lengths) while it runs. A
+          sequence that stopped still ran in the step already launched: that row is dropped.
+          A step sampling a grammar's row reads the previous step back between its forward's
+          launch and its sampling (the grammar must see the token to mask the next); beam
+          search's steps are read back at once.
         - `overlap_outputs`: a step read back at once defers detokenizing and building its
           `StepOutput`s to after the next step's launch.
 
@@ -170,17 +172,25 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         sampled = [plan.scheduled[i].seq for i in result.sampled]
         beams = [i for i, s in enumerate(sampled) if s.group.beam is not None]
         others = [i for i, s in enumerate(sampled) if s.group.beam is None]
+        outputs: list[StepOutput] = []
+        if self._in_flight is not None and any(sampled[i].matcher is not None for i in others):
+            # A grammar advances on the host with each token, and masks the next sample: read
+            # the step in flight back first (this step's forward is queued meanwhile). A
+            # sequence that stopped there is not sampled.
+            outputs = self._drain_deferred()
+            outputs.extend(self._resolve_in_flight())
+            others = [i for i in others if sampled[i].status is not SequenceStatus.FINISHED]
         launched = self._launch_samples([sampled[i] for i in others], result.logits,
                                         others) if others else None
         # This step is queued on the device: now the previous one's tokens and outputs.
-        outputs = self._drain_deferred()
+        outputs.extend(self._drain_deferred())
         outputs.extend(self._resolve_in_flight())
         if early is not None and outputs:
             early(outputs)
             outputs = []
         outputs.extend(self._collect_captures(plan.scheduled, slices, result.captured))
         if launched is not None:
-            if self.async_scheduling and launched.run_ahead:
+            if self.async_scheduling:
                 self._in_flight = launched
                 self.num_steps_ahead += 1
             else:

@@ -74,7 +74,4 @@ class SampledStep:
     indices: list[int]
     token_ids: torch.Tensor  # [len(seqs)] int64, on the device
     host: HostSamples
-    # The next step may be planned before these tokens are known: no sequence's sampling reads
-    # its previous tokens on the host (grammars, n-gram bans; penalties read the device's copy).
-    run_ahead: bool
     rows: dict[Sequence, int] = field(default_factory=dict)

@@ -74,9 +74,8 @@ class SamplingSteps:
             indices.append(len(seq.output_token_ids))
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens += 1
-        launched = SampledStep(row_seqs, indices, sampled.token_ids, host,
-                               run_ahead=not any(row.reads_history for row in rows))
-        if self.async_scheduling and launched.run_ahead:
+        launched = SampledStep(row_seqs, indices, sampled.token_ids, host)
+        if self.async_scheduling:
             launched.rows = dict(zip(row_seqs, range(len(row_seqs))))
         return launched
 

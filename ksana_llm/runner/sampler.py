@@ -88,9 +88,6 @@ class SamplingRow:
     # Whether its processors read the token ids the sampler keeps on the device (repetition,
     # presence and frequency penalties, n-gram bans: see `runner.token_history`).
     uses_token_history: bool = field(init=False)
-    # Whether choosing this row's next token reads its previous tokens' ids on the host (a
-    # grammar's state): then the host must know them before the next step samples.
-    reads_history: bool = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -98,7 +95,6 @@ class SamplingRow:
                                    or config.presence_penalty != 0.0
                                    or config.frequency_penalty != 0.0
                                    or config.no_repeat_ngram_size > 0)
-        self.reads_history = self.matcher is not None
 
     @property
     def suppresses_stop(self) -> bool:
@@ -224,10 +220,12 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     from ksana_llm.structured import allocate_bitmask, apply_bitmask
 
     out = logits.to(torch.float32, copy=True)
-    bitmask = allocate_bitmask(len(rows), out.shape[1])
+    bitmask = allocate_bitmask(len(rows), out.shape[1])  # every token allowed
     for i in constrained:
         rows[i].matcher.fill_bitmask(bitmask, i)
-    apply_bitmask(out, bitmask, constrained)
+    # Applied to every row (the others' masks allow everything): no row-index list to copy to
+    # the device, which might wait for the forward queued before it.
+    apply_bitmask(out, bitmask)
     return out
 
 
