@@ -1,8 +1,9 @@
 """Tensor and pipeline parallelism on CPU with gloo: real worker processes, real process groups.
 
 Each parallel engine must give the same greedy tokens as transformers (= TP 1) and logits within
-fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2 and Mixtral
-(MoE), with TP 2 and 3 and PP 2; and a dead worker must fail the engine fast and clearly.
+fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2, Mixtral
+(MoE) and DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split),
+with TP 2 and 3 and PP 2; and a dead worker must fail the engine fast and clearly.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import ksana_llm as kt
 from ksana_llm.api.model import Model
@@ -42,6 +43,15 @@ MODELS = {
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)),
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**SMALL, num_local_experts=4,
                                                         num_experts_per_tok=2)),
+    # MLA with a low-rank query (4 heads: 2 per rank), a dense first layer, then MoE layers with
+    # group-limited routing over 8 experts and a shared expert; 3 layers for PP's 2 + 1.
+    "deepseek": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**{
+        **SMALL, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+        "first_k_dense_replace": 1, "num_key_value_heads": 4, "n_routed_experts": 8,
+        "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 32,
+        "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "rope_interleave": True})),
 }
 
 
@@ -54,6 +64,11 @@ def build(name: str, folder: Path) -> torch.nn.Module:
                 param.normal_(0, 0.1)  # a bias a rank dropped or doubled must show
             elif "gate" in pname and param.dim() == 2 and param.shape[0] <= 8:
                 param.normal_(0, 0.5)  # routers: spread tokens over the experts
+            elif "experts" in pname:
+                param.normal_(0, 0.1)  # experts big enough for a wrong split to show
+        for bname, buffer in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.3)  # DeepSeek's selection bias
     model.save_pretrained(folder)
     return model
 
@@ -81,13 +96,13 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
 
 
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
-                                      ("qwen2", 2), ("mixtral", 2)])
+                                      ("qwen2", 2), ("mixtral", 2), ("deepseek", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
     check_engine(tmp_path, hf, tp=tp)
 
 
-@pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral"])
+@pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek"])
 def test_pipeline_parallel_matches_transformers(tmp_path, name):
     hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)
@@ -108,6 +123,26 @@ def test_each_rank_holds_only_its_shard(tmp_path):
         # Rank 0's query rows are the first two heads of the full projection.
         torch.testing.assert_close(attn.qkv_proj.weight[:32],
                                    full.module.model.layers[0].self_attn.qkv_proj.weight[:32])
+    finally:
+        kt.Engine(sharded, num_device_blocks=8).shutdown()
+
+
+def test_deepseek_ranks_split_mla_heads_and_experts(tmp_path):
+    build("deepseek", tmp_path)
+    sharded = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                    tensor_parallel_size=2)
+    try:
+        layers = sharded.module.model.layers
+        attn = layers[0].self_attn
+        assert attn.dims.num_heads == 2
+        assert attn.q_b_proj.weight.shape == (2 * 24, 48)  # 2 heads x (16 nope + 8 rope)
+        assert attn.kv_b_proj.weight.shape == (2 * 32, 32)  # 2 heads x (16 + 16), from r = 32
+        assert attn.o_proj.weight.shape == (64, 2 * 16)
+        assert attn.qkv_a_proj.weight.shape == (48 + 32 + 8, 64)  # replicated down-projections
+        assert layers[0].mlp.down_proj.weight.shape == (64, 48)  # dense layer: 96 / 2
+        experts = layers[1].mlp.experts
+        assert experts.w13.shape == (8, 2 * 16, 64) and experts.w2.shape == (8, 64, 16)
+        assert layers[1].mlp.shared_experts.down_proj.weight.shape == (64, 16)
     finally:
         kt.Engine(sharded, num_device_blocks=8).shutdown()
 

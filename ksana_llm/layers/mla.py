@@ -16,10 +16,16 @@ Two exact ways to attend:
   multi-head attention. Expanding costs a fixed amount per cached token, absorbed attention more
   per query row, so chunks with enough rows (`expand_min_tokens`) take this form.
 W_UK and W_UV are views of `kv_b_proj.weight`: no second copy of the weights.
+
+Under tensor parallelism each rank keeps num_heads / tp heads: its rows of the query projection
+(`q_b_proj` or `q_proj`) and of `kv_b_proj`, and its columns of `o_proj` (whose partial outputs
+are summed). The down-projections and their norms are small and replicated, so every rank
+computes and caches the same latents: the cache is not split, as in vLLM's MLA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,8 +38,10 @@ from torch import nn
 
 from ksana_llm.layers.attention import (AttentionMetadata, KVCache, KVCacheSpec, gather_kv,
                                         store_kv)
+from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.norm import RMSNorm
+from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, check_heads_divisible
 from ksana_llm.layers.rotary import apply_rotary, rope_settings
 from ksana_llm.layers.rotary_yarn import mla_softmax_scale
 
@@ -111,23 +119,32 @@ class MultiLatentAttention(nn.Module):
     """DeepSeek MLA; parameter names are the checkpoint's (`q_a_proj` and `kv_a_proj_with_mqa`
     load into `qkv_a_proj` through MLA_FUSED_PARTS)."""
 
-    def __init__(self, config: Any, layer_idx: int = 0) -> None:
+    def __init__(self, config: Any, layer_idx: int = 0, *,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        d = self.dims = MLADims.from_config(config)
+        full = MLADims.from_config(config)
+        check_heads_divisible(full.num_heads, parallel)
+        d = self.dims = dataclasses.replace(full, num_heads=full.num_heads // parallel.tp_size)
+        first_head = parallel.tp_rank * d.num_heads
         hidden = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
-        q_out = d.num_heads * d.qk_head_dim
+
+        def heads_of(in_features: int, per_head: int) -> MergedLinear:
+            """This rank's heads' rows of a [num_heads * per_head, in] projection."""
+            return MergedLinear(in_features, [full.num_heads * per_head],
+                                shards=[(first_head * per_head, d.num_heads * per_head)])
+
         if d.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = heads_of(hidden, d.qk_head_dim)
             self.kv_a_proj_with_mqa = nn.Linear(hidden, d.latent_dim, bias=bias)
         else:
             self.qkv_a_proj = MergedLinear(hidden, [d.q_lora_rank, d.latent_dim], bias=bias)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(d.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = heads_of(d.q_lora_rank, d.qk_head_dim)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = heads_of(d.kv_lora_rank, d.qk_nope_head_dim + d.v_head_dim)
+        self.o_proj = RowParallelLinear(full.num_heads * d.v_head_dim, hidden, bias=bias,
+                                        ctx=parallel)
         _, scaling = rope_settings(config)
         self.scale = mla_softmax_scale(d.qk_head_dim, scaling, config.max_position_embeddings)
         self.interleaved_rope = bool(getattr(config, "rope_interleave", False))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec
 from ksana_llm.layers.mla import MLADims, MultiLatentAttention
 from ksana_llm.layers.moe import (
@@ -35,6 +36,7 @@ from ksana_llm.layers.moe import (
     SparseMoeBlock,
 )
 from ksana_llm.layers.norm import RMSNorm
+from ksana_llm.layers.parallel import SINGLE
 from ksana_llm.layers.rotary import rope_settings
 from ksana_llm.layers.rotary_yarn import build_rotary
 from ksana_llm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Rope
@@ -69,18 +71,24 @@ def num_mtp_layers(config: Any) -> int:
     return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
 
 
-def deepseek_moe_block(config: Any) -> SparseMoeBlock:
+def deepseek_moe_block(config: Any, parallel: ParallelContext = SINGLE) -> SparseMoeBlock:
+    """Under tensor parallelism every rank routes (the router is replicated) and keeps a slice
+    of every expert's (and the shared experts') intermediate columns; the block all-reduces the
+    partial sums once."""
     act = getattr(config, "hidden_act", "silu")
     hidden, num_experts = config.hidden_size, config.n_routed_experts
     router = GroupedTopKRouter(
         hidden, num_experts, config.num_experts_per_tok, n_group=config.n_group or 1,
         topk_group=config.topk_group or 1, renormalize=bool(config.norm_topk_prob),
         routed_scaling_factor=config.routed_scaling_factor)
-    experts = FusedExperts(num_experts, hidden, config.moe_intermediate_size, act)
+    experts = FusedExperts(num_experts, hidden, config.moe_intermediate_size, act,
+                           parallel=parallel)
     num_shared = getattr(config, "n_shared_experts", 0) or 0
     # The shared experts are always on and unweighted: one MLP n_shared times as wide.
-    shared = GatedMLP(hidden, config.moe_intermediate_size * num_shared, act) if num_shared else None
-    return SparseMoeBlock(router, experts, shared, shared_expert_name="shared_experts")
+    shared = GatedMLP(hidden, config.moe_intermediate_size * num_shared, act, parallel=parallel,
+                      reduce_output=False) if num_shared else None
+    return SparseMoeBlock(router, experts, shared, shared_expert_name="shared_experts",
+                          parallel=parallel)
 
 
 class MtpSharedHead(nn.Module):
@@ -148,12 +156,15 @@ class _LoadIfPresent(nn.Module):
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
-    supports_parallel = False  # MLA and MTP are not sharded yet
+    """Tensor parallelism splits MLA's heads and every expert's columns (see `layers/mla.py`,
+    `deepseek_moe_block`); pipeline parallelism splits the layers, and the last stage keeps the
+    MTP layers. The MTP layers' own embedding and head are not split."""
+
     attention_backends = ("torch",)  # MLA reads its latent cache itself (no Triton kernel yet)
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         _check_config(config)
-        super().__init__(config)
+        super().__init__(config, parallel)
         self.mla_dims = MLADims.from_config(config)
         # Llama's RoPE table spans head_dim and knows no YaRN (uses_rope is False for that
         # reason): MLA ropes only qk_rope_head_dim, with DeepSeek's scaling.
@@ -162,10 +173,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                                              config.max_position_embeddings, theta, scaling)
         first = config.num_hidden_layers
         self.mtp: DeepseekV3Mtp | None = None
-        if num_mtp_layers(config):
+        if num_mtp_layers(config) and self.parallel.is_last_stage:
             self.mtp = DeepseekV3Mtp(
                 DeepseekV3MtpLayer(config, self.make_attention(config, first + i),
-                                   deepseek_moe_block(config))
+                                   deepseek_moe_block(config, self.parallel))
                 for i in range(num_mtp_layers(config)))
 
     # ---- building blocks -----------------------------------------------------------------------
@@ -173,12 +184,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return False  # installed in __init__ instead (see there)
 
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
-        return MultiLatentAttention(config, layer_idx)
+        return MultiLatentAttention(config, layer_idx, parallel=self.parallel)
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
         if layer_idx < (getattr(config, "first_k_dense_replace", 0) or 0):
-            return LlamaMLP(config, layer_idx)
-        return deepseek_moe_block(config)
+            return LlamaMLP(config, layer_idx, parallel=self.parallel)
+        return deepseek_moe_block(config, self.parallel)
 
     # ---- facts the runner needs --------------------------------------------------------------
     @property
@@ -216,6 +227,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                                      f"num_hidden_layers + num_nextn_predict_layers")
                 name = f"mtp.layers.{depth}.{match.group(2)}"
             yield name, tensor
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Also the MTP layers' tensors, on pipeline stages other than the last."""
+        if name.startswith("mtp.") and not self.parallel.is_last_stage:
+            return True
+        return super().skip_checkpoint_tensor(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         mtp = self.mtp
