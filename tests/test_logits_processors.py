@@ -175,8 +175,8 @@ def _check_greedy(hf_model, ids: list[int], out: list[int], config: GenerationCo
 
 @pytest.mark.parametrize("run_ahead", [False, True], ids=["sync", "async-scheduling"])
 def test_greedy_with_processors_matches_transformers(default_model, hf_model, run_ahead):
-    """With async scheduling the penalties run ahead of the read-back, reading the token ids
-    the sampler keeps on the device; the n-gram bans make their steps wait."""
+    """With async scheduling the penalties and n-gram bans run ahead of the read-back, reading
+    the token ids the sampler keeps on the device."""
     tok = default_model.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True, tokenize=False)

@@ -75,7 +75,9 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         # Plan and launch the next step before this one's tokens are read back (see `step`).
         self.async_scheduling = async_scheduling
         self._in_flight: SampledStep | None = None
-        self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
+        # Steps planned and their forward launched before the previous step's tokens were read
+        # back (a structured-output step then still waits for them before it samples).
+        self.num_steps_ahead = 0
 
     # ---- requests ------------------------------------------------------------------------------
     @property

@@ -2,8 +2,9 @@
 order: logit bias, min_new_tokens stop suppression, repetition penalty, no-repeat n-grams, then
 OpenAI presence/frequency penalties. Batched over rows with per-row parameter tensors.
 
-The penalties' token statistics come from the sampler's `PenaltyTables` (kept on the device) when
-given, else from the rows' token lists (beam search, which reorders histories between steps)."""
+The penalties and n-gram bans read the rows' token ids from the sampler's `TokenHistories` (kept
+on the device) when given, else from the rows' token lists (beam search, which reorders histories
+between steps)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
 
     This is the part shared by greedy and sampled rows (HF applies its processors before the
     sampling warpers). The caller's tensor is never modified. With `histories`, the
-    repetition, presence and frequency penalties read the rows' ids there (rows without a slot
-    get one), not their token lists.
+    repetition, presence and frequency penalties and the n-gram bans read the rows' ids there
+    (rows without a slot get one), not their token lists.
 
     The penalties gather the logits at a row's history ids and scatter the penalised values
     back (an id seen twice gets the same value twice): work in the history's length, not the
@@ -171,5 +172,7 @@ def _ban_repeated_ngrams(padded_out: torch.Tensor, tokens: torch.Tensor, lengths
     # Windows that ban nothing (and ids past the logits) land in the spare column.
     banned_ids = torch.where(matches, windows[..., -1].clamp(min=0, max=vocab_size), vocab_size)
     index = to_device([members[k] for k in keep], torch.int64, device)
+    # The value made on the device: a host tensor would be a blocking copy, waiting for the
+    # forward queued before it.
     padded_out.index_put_((index[:, None].expand_as(banned_ids), banned_ids),
-                          torch.tensor(float("-inf"), device=device))
+                          padded_out.new_full((), float("-inf")))

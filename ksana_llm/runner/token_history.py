@@ -15,8 +15,10 @@ Padding is `vocab_size`, one past the logits: `logits_processing` works on a buf
 last column for it, which also takes ids beyond the logits (added tokens past the LM head: kept
 as they are in the table, so n-grams tell them apart), like `transformers` does.
 
-Memory: 4 bytes x width per slot; the width grows by doubling to the longest history, so the
-table is about the size of the penalised rows' token lists, far below a [rows, vocab] table.
+Memory: capacity x width int32, both grown by doubling (the width to the longest history seen,
+the capacity to the most rows alive at once) and kept for the engine's life, outside the KV
+cache's memory budget: 256 rows of 32k-token histories take 32 MB, where a [rows, vocab] count
+table would take 150 MB at Qwen's 152k ids. Each step reads only the columns its rows fill.
 """
 
 from __future__ import annotations
@@ -78,8 +80,9 @@ class TokenHistories:
         """Each slot's ids (prompt, then output) as [len(slots), W] int64, right-padded with
         `vocab_size`, and their lengths; W is the longest (at least 1)."""
         lengths = [self.lengths[s] for s in slots]
-        rows = self.ids.index_select(0, to_device(slots, torch.int64, self.device))
-        return rows[:, :max(1, max(lengths))].long(), lengths
+        width = max(1, max(lengths))
+        index = to_device(slots, torch.int64, self.device)
+        return self.ids[:, :width].index_select(0, index).long(), lengths
 
     def penalty_ids(self, batch_size: int, members: list[int], slots: list[int],
                     *, prompt: bool) -> PenaltyIds:
@@ -91,11 +94,13 @@ class TokenHistories:
             starts = [self.prompt_lengths[s] for s in slots]
             ends = [self.lengths[s] for s in slots]
             width = max(1, max(e - b for b, e in zip(starts, ends)))
-            rows = self.ids.index_select(0, to_device(slots, torch.int64, self.device))
+            columns = max(ends)  # every row's ids lie before its end
+            rows = self.ids[:, :columns].index_select(0, to_device(slots, torch.int64,
+                                                                    self.device))
             begin = to_device(starts, torch.int64, self.device)
             end = to_device(ends, torch.int64, self.device)
             positions = begin[:, None] + torch.arange(width, device=self.device)
-            picked = rows.gather(1, positions.clamp(max=self.width - 1)).long()
+            picked = rows.gather(1, positions.clamp(max=columns - 1)).long()
             picked.masked_fill_(positions >= end[:, None], self.vocab_size)
         out = torch.full((batch_size, picked.shape[1]), self.vocab_size, dtype=torch.int64,
                          device=self.device)
@@ -147,7 +152,8 @@ class TokenHistories:
         self.ids = torch.cat([self.ids, pad], dim=1)
 
     def _fill(self, new: list[tuple[int, SamplingRow]]) -> None:
-        """Write the new rows' lists into their slots (padding the rest), in one copy."""
+        """Write the new rows' lists into their slots (padding the rest): host work in the
+        histories' length, not the table's width."""
         histories = []
         for slot, row in new:
             if any(t < 0 for t in row.output_token_ids):
@@ -161,6 +167,9 @@ class TokenHistories:
         if longest >= self.width:
             self._widen(longest + 1)
         vocab = self.vocab_size
-        padded = [h + [vocab] * (self.width - len(h)) for h in histories]
-        self.ids.index_copy_(0, to_device([slot for slot, _ in new], torch.int64, self.device),
-                             to_device(padded, torch.int32, self.device))
+        index = to_device([slot for slot, _ in new], torch.int64, self.device)
+        self.ids.index_fill_(0, index, vocab)  # a reused slot's old ids must not show
+        if longest:
+            padded = [h + [vocab] * (longest - len(h)) for h in histories]
+            self.ids[:, :longest].index_copy_(0, index, to_device(padded, torch.int32,
+                                                                   self.device))
