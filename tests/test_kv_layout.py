@@ -1,13 +1,15 @@
 """The torch backend's KV cache layout: a [blocks, block_size, heads, dim] view of head-major
 storage. Stores land where the view says; gathers return whole blocks in [.., heads, tokens, dim]
-order; and a token-major cache is refused rather than read wrongly."""
+order; swap copies move whole blocks in runs; and a token-major cache is refused rather than read
+wrongly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ksana_llm.layers.attention import (allocate_kv_cache, gather_kv, gather_rows, store_kv)
+from ksana_llm.layers.attention import (allocate_kv_cache, block_runs, copy_cache_blocks, gather_kv,
+                                        gather_rows, store_kv)
 
 
 def test_cache_is_a_head_major_view():
@@ -15,6 +17,27 @@ def test_cache_is_a_head_major_view():
     assert cache.shape == (5, 4, 3, 8)
     assert cache.transpose(1, 2).is_contiguous()  # storage: [blocks, heads, block_size, dim]
     assert cache.stride(-1) == 1  # what the Triton kernels require
+
+
+def test_swap_copies_move_whole_blocks_in_runs():
+    assert block_runs([(4, 0), (5, 1), (6, 2), (9, 3), (2, 4), (3, 5), (7, 7)]) == [
+        (4, 0, 3), (9, 3, 1), (2, 4, 2), (7, 7, 1)]
+    assert block_runs([]) == []
+    torch.manual_seed(0)
+    device = allocate_kv_cache(10, 4, 3, 8, dtype=torch.float32)
+    device.copy_(torch.randn(device.shape))
+    host = allocate_kv_cache(8, 4, 3, 8, dtype=torch.float32, zero=False)
+    mapping = [(4, 0), (5, 1), (6, 2), (9, 3), (2, 4), (3, 5), (7, 7)]
+    copy_cache_blocks(device, host, block_runs(mapping))  # swap out
+    for src, dst in mapping:
+        assert torch.equal(host[dst], device[src])
+    back = allocate_kv_cache(10, 4, 3, 8, dtype=torch.float32)
+    returning = [(7, 0), (0, 1), (1, 2), (4, 8)]  # swap in, other blocks
+    copy_cache_blocks(host, back, block_runs(returning))
+    for src, dst in returning:
+        assert torch.equal(back[dst], host[src])
+    untouched = [b for b in range(10) if b not in {dst for _, dst in returning}]
+    assert not back[untouched].any()
 
 
 def test_store_then_gather_matches_plain_indexing():

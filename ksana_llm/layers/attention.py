@@ -38,6 +38,31 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     return storage.transpose(1, 2)
 
 
+def block_runs(mapping: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(source, destination) block pairs as (first source, first destination, count) runs of
+    consecutive blocks on both sides, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in mapping:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def copy_cache_blocks(src: torch.Tensor, dst: torch.Tensor,
+                      runs: list[tuple[int, int, int]]) -> None:
+    """Copy whole blocks between two caches of `allocate_kv_cache`'s layout (on any devices),
+    one contiguous copy per run (`block_runs`), without waiting: between a device and pinned
+    host memory each is an asynchronous DMA on the current stream, ordered with the kernels
+    around it. (Gathering on the device and scattering on the host would need the data on the
+    host first, a wait for everything queued before.)"""
+    src_blocks, dst_blocks = src.transpose(1, 2), dst.transpose(1, 2)  # contiguous, block-major
+    for first_src, first_dst, count in runs:
+        dst_blocks[first_dst:first_dst + count].copy_(src_blocks[first_src:first_src + count],
+                                                      non_blocking=True)
+
+
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
     """The [num_blocks * kv_heads, block_size * head_dim] rows behind a cache view."""
     storage = cache.transpose(1, 2)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
-                                        KVCacheSpec, PrefillChunk, allocate_kv_cache)
+                                        KVCacheSpec, PrefillChunk, allocate_kv_cache, block_runs,
+                                        copy_cache_blocks)
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
 from ksana_llm.runner.host_arrays import flat_batch
@@ -233,17 +234,18 @@ class ModelRunner:
 
     # ---- swap ------------------------------------------------------------------------------------
     def _copy_blocks(self, mapping: list[tuple[int, int]], to_host: bool) -> None:
+        """Swap out ((device, host) pairs) or in ((host, device) pairs), queued on the stream:
+        the host caches are pinned on CUDA and only ever touched by these copies, so nothing
+        waits for the device (async scheduling keeps running ahead through swaps)."""
         if not mapping:
             return
-        src_ids = torch.tensor([a for a, _ in mapping])
-        dst_ids = torch.tensor([b for _, b in mapping])
-        for (dk, dv), (hk, hv) in zip(self.kv_caches, self.host_caches):
-            if to_host:
-                hk[dst_ids] = dk[src_ids.to(self.device)].to("cpu")
-                hv[dst_ids] = dv[src_ids.to(self.device)].to("cpu")
-            else:
-                dk[dst_ids.to(self.device)] = hk[src_ids].to(self.device)
-                dv[dst_ids.to(self.device)] = hv[src_ids].to(self.device)
+        runs = block_runs(mapping)
+        for device_pair, host_pair in zip(self.kv_caches, self.host_caches):
+            for device_cache, host_cache in zip(device_pair, host_pair):
+                if to_host:
+                    copy_cache_blocks(device_cache, host_cache, runs)
+                else:
+                    copy_cache_blocks(host_cache, device_cache, runs)
 
     def _copy_device_blocks(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
