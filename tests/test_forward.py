@@ -139,11 +139,15 @@ def test_ppl_and_top_logprobs(engine, ids, hf):
                                values.numpy(), atol=ATOL)
 
 
-def test_forward_alongside_generation(model, ids, hf):
-    """Forward requests and generate requests share steps; each gets its own right answer."""
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["sync", "async-scheduling"])
+def test_forward_alongside_generation(model, ids, hf, run_ahead):
+    """Forward requests and generate requests share steps; each gets its own right answer.
+    With async scheduling the captured rows (and prompt log-probs) are read back after the next
+    step is launched, with the step's tokens."""
     prompts = ["What is the capital of France?", "Write a haiku about the sea."]
     cfg = kt.GenerationConfig(max_new_tokens=12)
-    with kt.Engine(model, num_device_blocks=256, max_batch_size=32) as e:
+    with kt.Engine(model, num_device_blocks=256, max_batch_size=32,
+                   async_scheduling=run_ahead) as e:
         alone = [e.generate_outputs(p, cfg, use_tqdm=False)[0].token_ids for p in prompts]
 
         async def main():
@@ -157,6 +161,7 @@ def test_forward_alongside_generation(model, ids, hf):
         torch.testing.assert_close(short.targets[0].tensor, hf[0][:20], atol=ATOL, rtol=RTOL)
         stats = e._core.stats()
         assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, 256)
+        assert (e._core.num_steps_ahead > 0) == run_ahead
 
 
 # ---- engine: validation -------------------------------------------------------------------------------

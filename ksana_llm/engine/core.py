@@ -28,10 +28,13 @@ from ksana_llm.engine.beam_search import BeamSearch
 from ksana_llm.engine.beam_steps import BeamSearchSteps
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
-from ksana_llm.engine.outputs import DeferredOutput, ForwardResult, SampledStep, StepOutput
+from ksana_llm.engine.outputs import (CaptureRead, DeferredOutput, ForwardResult, SampledStep,
+                                      StepOutput)
 from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from ksana_llm.engine.sampling_steps import SamplingSteps
 from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from ksana_llm.runner.host_copy import start_host_copy
+from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.model_runner import CapturedRows, ModelRunner, SeqSlice, StepInput
 from ksana_llm.runner.sampler import Sampler, make_generator, token_logprobs
 
@@ -75,6 +78,7 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         # Plan and launch the next step before this one's tokens are read back (see `step`).
         self.async_scheduling = async_scheduling
         self._in_flight: SampledStep | None = None
+        self._captures_in_flight: list[CaptureRead] = []  # read before `_in_flight`'s tokens
         # Steps planned and their forward launched before the previous step's tokens were read
         # back (a structured-output step then still waits for them before it samples).
         self.num_steps_ahead = 0
@@ -125,7 +129,8 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         return outputs if group is None else outputs + self._abort_group(group, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
+        return (self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
+                or bool(self._captures_in_flight))
 
     def stats(self) -> CoreStats:
         s, bm = self.scheduler, self.block_manager
@@ -184,18 +189,21 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
             others = [i for i in others if sampled[i].status is not SequenceStatus.FINISHED]
         launched = self._launch_samples([sampled[i] for i in others], result.logits,
                                         others) if others else None
+        captures = self._launch_captures(plan.scheduled, slices, result.captured)
         # This step is queued on the device: now the previous one's tokens and outputs.
         outputs.extend(self._drain_deferred())
         outputs.extend(self._resolve_in_flight())
         if early is not None and outputs:
             early(outputs)
             outputs = []
-        outputs.extend(self._collect_captures(plan.scheduled, slices, result.captured))
-        if launched is not None:
-            if self.async_scheduling:
+        if self.async_scheduling:
+            self._captures_in_flight = captures
+            if launched is not None:
                 self._in_flight = launched
                 self.num_steps_ahead += 1
-            else:
+        else:
+            outputs.extend(self._read_captures(captures))
+            if launched is not None:
                 outputs.extend(self._resolve(launched, defer=self.overlap_outputs))
         if beams:
             outputs.extend(self._collect_beams([sampled[i] for i in beams], result.logits, beams))
@@ -241,41 +249,69 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         return SeqSlice(tokens, start, seq.block_table, sample=end == seq.num_tokens,
                         capture=capture, capture_logits=bool(capture), embeddings=embeddings)
 
-    def _collect_captures(self, scheduled: list[ScheduledSequence], slices: list[SeqSlice],
-                          captured: dict[int, CapturedRows]) -> list[StepOutput]:
-        """Keep captured rows: forward-only sequences' (finishing those whose prompt is done) and
-        prompt log-probs."""
-        outputs = []
+    def _launch_captures(self, scheduled: list[ScheduledSequence], slices: list[SeqSlice],
+                         captured: dict[int, CapturedRows]) -> list[CaptureRead]:
+        """Queue the device work on the step's captured rows and their copies to the host:
+        forward-only sequences' rows, and prompt log-probs. A forward-only sequence whose
+        prompt is done is freed now (its rows are activations, not KV blocks); its output comes
+        with the read (`_read_captures`)."""
+        reads = []
         for i, item in enumerate(scheduled):
             seq, rows = item.seq, captured.get(i)
+            positions = slices[i].capture
             if seq.forward is None:
                 if rows is not None and seq.prompt_logprobs is not None:
-                    self._keep_prompt_logprobs(seq, slices[i].capture, rows.logits)
+                    k = seq.config.prompt_logprobs or 0
+                    targets = to_device([seq.prompt_token_ids[p + 1] for p in positions],
+                                        torch.long, rows.logits.device)
+                    chosen, values, ids = token_logprobs(rows.logits, targets, k)
+                    packed = torch.cat((chosen.double().unsqueeze(1), values.double(),
+                                        ids.double()), dim=1)  # ids < 2**53: exact
+                    reads.append(CaptureRead(seq, positions, prompt_logprobs=start_host_copy(packed)))
                 continue
+            hidden = logits = None
             if rows is not None:
-                hidden = rows.hidden.float().cpu() if seq.forward.hidden else None
-                logits = rows.logits.float().cpu() if rows.logits is not None else None
-                for k, pos in enumerate(slices[i].capture):
-                    seq.forward_rows[pos] = (None if hidden is None else hidden[k],
-                                             None if logits is None else logits[k])
-            if seq.num_computed_tokens >= seq.num_tokens:
+                hidden = start_host_copy(rows.hidden.float()) if seq.forward.hidden else None
+                logits = start_host_copy(rows.logits.float()) if rows.logits is not None else None
+            done = seq.num_computed_tokens >= seq.num_tokens
+            if done:
+                self._free(seq)
+            reads.append(CaptureRead(seq, positions, hidden=hidden, logits=logits, done=done))
+        return reads
+
+    def _read_captures(self, reads: list[CaptureRead]) -> list[StepOutput]:
+        """Keep the captured rows once on the host; outputs of the forward-only sequences done."""
+        outputs = []
+        for read in reads:
+            seq = read.seq
+            if read.prompt_logprobs is not None:
+                self._keep_prompt_logprobs(seq, read.positions, read.prompt_logprobs.wait())
+                continue
+            hidden = None if read.hidden is None else read.hidden.wait()
+            logits = None if read.logits is None else read.logits.wait()
+            for k, pos in enumerate(read.positions):
+                seq.forward_rows[pos] = (None if hidden is None else hidden[k],
+                                         None if logits is None else logits[k])
+            if read.done:
                 outputs.append(self._finish_forward(seq))
         return outputs
 
     def _keep_prompt_logprobs(self, seq: Sequence, positions: tuple[int, ...],
-                              logits: torch.Tensor) -> None:
+                              packed: torch.Tensor) -> None:
+        """`packed` [len(positions), 1 + 2k]: each row's chosen log-prob, then the top k values
+        and ids (`_launch_captures`)."""
         k = seq.config.prompt_logprobs or 0
-        targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in positions], dtype=torch.long)
-        chosen, values, ids = token_logprobs(logits, targets, k)
-        for p, lp, top_v, top_i in zip(positions, chosen.tolist(), values.tolist(), ids.tolist()):
-            seq.prompt_logprobs[p + 1] = {"token_id": seq.prompt_token_ids[p + 1], "logprob": lp,
-                                          "top_logprobs": dict(zip(top_i, top_v))}
+        for p, row in zip(positions, packed.tolist()):
+            seq.prompt_logprobs[p + 1] = {
+                "token_id": seq.prompt_token_ids[p + 1], "logprob": row[0],
+                "top_logprobs": dict(zip((int(t) for t in row[1 + k:]), row[1:1 + k]))}
         group = seq.group
         if group.prompt_logprobs is None and len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1:
             group.prompt_logprobs = [None] + [seq.prompt_logprobs[p]
                                               for p in range(1, seq.num_prompt_tokens)]
 
     def _finish_forward(self, seq: Sequence) -> StepOutput:
+        """The output of a forward-only sequence, already freed (`_launch_captures`)."""
         spec = seq.forward
         positions = list(spec.positions)
         rows = [seq.forward_rows[p] for p in positions]
@@ -283,7 +319,6 @@ class EngineCore(SamplingSteps, BeamSearchSteps):
         logits = torch.stack([lg for _, lg in rows]) if spec.logits and rows else None
         seq.forward_rows = {}
         seq.finish_reason = FinishReason.STOP
-        self._free(seq)
         seq.finished_time = time.monotonic()
         del self.groups[seq.request_id]
         return StepOutput(seq.request_id, [], seq.detokenizer.flush(), True, FinishReason.STOP,

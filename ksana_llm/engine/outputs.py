@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ksana_llm.engine.request import FinishReason, Sequence
+from ksana_llm.runner.host_copy import HostCopy
 from ksana_llm.runner.sampler import HostSamples
 
 
@@ -75,3 +76,18 @@ class SampledStep:
     token_ids: torch.Tensor  # [len(seqs)] int64, on the device
     host: HostSamples
     rows: dict[Sequence, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CaptureRead:
+    """One sequence's captured rows of a step, on their way to the host (`EngineCore.
+    _launch_captures`): its prompt log-probs, or a forward-only request's hidden states and
+    logits at `positions`. With async scheduling they are read with the step's tokens, after the
+    next step is launched."""
+
+    seq: Sequence
+    positions: tuple[int, ...]
+    prompt_logprobs: HostCopy | None = None  # [n, 1 + 2k] float64: chosen, top values, top ids
+    hidden: HostCopy | None = None  # [n, hidden] float32
+    logits: HostCopy | None = None  # [n, vocab] float32
+    done: bool = False  # a forward-only sequence whose prompt is all computed: it is answered

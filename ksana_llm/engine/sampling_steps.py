@@ -4,8 +4,8 @@ With async scheduling (`EngineCore.step`) a step's tokens are read back after th
 launched; that step finds its pending input tokens on the device through `_pending_inputs`.
 
 A mixin of `EngineCore`: it works on the core's `runner`, `scheduler`, `block_manager`,
-`sampler`, `async_scheduling` and step in flight (`_in_flight`), and its `_detokenizer` and
-`_append`.
+`sampler`, `async_scheduling` and step in flight (`_in_flight`, `_captures_in_flight`), and its
+`_detokenizer`, `_append` and `_read_captures`.
 """
 
 from __future__ import annotations
@@ -80,8 +80,12 @@ class SamplingSteps:
         return launched
 
     def _resolve_in_flight(self) -> list[StepOutput]:
+        """Read back the step in flight: its captured rows (prompt log-probs first: its tokens'
+        outputs carry them), then its tokens."""
+        captures, self._captures_in_flight = self._captures_in_flight, []
+        outputs = self._read_captures(captures)
         step, self._in_flight = self._in_flight, None
-        return [] if step is None else self._resolve(step, defer=False)
+        return outputs if step is None else outputs + self._resolve(step, defer=False)
 
     def _resolve(self, step: SampledStep, defer: bool) -> list[StepOutput]:
         """Read a step's tokens back and append them: stop checks, outputs (deferred to the

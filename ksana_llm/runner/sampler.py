@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.host_copy import HostCopy, start_host_copy
 from ksana_llm.runner.logits_processing import process_logits, to_device
 from ksana_llm.runner.token_history import TokenHistories
 
@@ -148,21 +149,14 @@ class SamplerOutput:
             if self.top_logprobs is not None:
                 parts.extend(t.to(torch.float64) for t in self.top_logprobs)
             packed = torch.cat(parts, dim=1)
-        if packed.device.type != "cuda":
-            return HostSamples(packed, None, self.logprobs is not None, top_k)
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(packed.device))  # the copy's stream, any device
-        return HostSamples(host, copied, self.logprobs is not None, top_k)
+        return HostSamples(start_host_copy(packed), self.logprobs is not None, top_k)
 
 
 @dataclass(frozen=True)
 class HostSamples:
     """A step's chosen tokens (and log-probs) on their way to the host (`SamplerOutput.to_host`)."""
 
-    packed: torch.Tensor  # [B] int64 token ids, or [B, 1 (+1) (+2k)] float64
-    copied: Any  # torch.cuda.Event recorded after the copy, or None (already on the host)
+    packed: HostCopy  # [B] int64 token ids, or [B, 1 (+1) (+2k)] float64
     has_logprobs: bool
     top_k: int | None  # top log-prob columns (values, then ids); None: none asked
 
@@ -170,11 +164,10 @@ class HostSamples:
         self,
     ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
         """(token_ids, logprobs, (top values, top ids)) as Python lists; waits for the copy."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        if self.packed.dim() == 1:
-            return self.packed.tolist(), None, None  # the common case: token ids only
-        rows = self.packed.tolist()
+        packed = self.packed.wait()
+        if packed.dim() == 1:
+            return packed.tolist(), None, None  # the common case: token ids only
+        rows = packed.tolist()
         token_ids = [int(r[0]) for r in rows]
         col = 1
         logprobs = None
