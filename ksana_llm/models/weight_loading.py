@@ -69,7 +69,8 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor,
         param = model.get_parameter(target)
     except AttributeError:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}") from None
-    tensor = tensor.to(param.dtype)
+    # No dtype conversion here: `copy_` converts, after a tensor-parallel shard is sliced, so a
+    # rank never converts (or, through safetensors' memory map, reads) more than its slice.
     owner = model.get_submodule(target.rsplit(".", 1)[0])
     if part is None and isinstance(owner, MergedLinear):
         # A checkpoint that stores the projections already fused (Qwen v1 `c_attn`, Baichuan
