@@ -213,8 +213,6 @@ class GenerationConfig:
             _fail("best_of", self.best_of, "None with beam search (num_beams is the beam width)")
         if self.structured_output is not None:
             _fail("structured_output", self.structured_output, "None with beam search (num_beams > 1)")
-        if self.stop:
-            _fail("stop", self.stop, "empty with beam search (use stop_token_ids)")
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,6 @@
 """Beam search on the real default model: the same sequences and scores as
-`transformers.generate(num_beams=k)`, through batching, preemption (both modes) and block forking;
-invalid combinations are ValueErrors naming the field."""
+`transformers.generate(num_beams=k)` (also with stop strings), through batching, preemption (both
+modes) and block forking; invalid combinations are ValueErrors naming the field."""
 
 from __future__ import annotations
 
@@ -204,6 +204,41 @@ def test_beam_search_with_penalties_matches_transformers(default_model, hf_model
     assert [s.token_ids for s in plain.sequences] != expected[0]
 
 
+@pytest.mark.parametrize("stop", [[","], [" and", "."]])
+def test_beam_search_with_stop_strings_matches_transformers(default_model, hf_model, prompts, stop):
+    """A beam ends on a stop string overlapping its last token, as transformers' stop_strings;
+    the text ends before the stop string (unless include_stop_str_in_output)."""
+    tok = default_model.tokenizer
+    ids = prompts[1]
+    pad = len(tok) - 1  # a padding id the model never picks here, so it can be stripped
+    with torch.no_grad(), one_thread():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                num_beams=4, num_return_sequences=3, stop_strings=stop,
+                                tokenizer=tok, pad_token_id=pad, return_dict_in_generate=True,
+                                output_scores=True)
+    expected = []
+    for row in out.sequences[:, len(ids):].tolist():
+        while row and row[-1] == pad:
+            row.pop()
+        expected.append(row)
+    config = _config(4, 3, 1.0, False, stop=stop)
+    with kt.Engine(default_model, num_device_blocks=64) as engine:
+        ours, kept = engine.generate_outputs(
+            [ids, ids], [config, config.replace(include_stop_str_in_output=True)], use_tqdm=False)
+    assert [s.token_ids for s in ours.sequences] == expected
+    assert [s.score for s in ours.sequences] == pytest.approx(out.sequences_scores.tolist(),
+                                                              abs=2e-4)
+    stopped = [s for s in ours.sequences if s.finish_reason == "stop"]
+    assert stopped, "no beam ended on a stop string: the test would not bite"
+    for s, with_stop in zip(ours.sequences, kept.sequences):
+        assert s.token_ids == with_stop.token_ids
+        if s.finish_reason == "stop":
+            assert s.stop_reason in stop and with_stop.text == s.text + s.stop_reason
+            assert tok.decode(s.token_ids).startswith(s.text + s.stop_reason)
+        else:
+            assert len(s.token_ids) == MAX_NEW and s.text == with_stop.text
+
+
 def test_beam_logprobs_and_abort(default_model, prompts):
     with kt.Engine(default_model, num_device_blocks=64) as engine:
         out = engine.generate_outputs(prompts[0], _config(2, 2, 1.0, False, logprobs=2),
@@ -238,7 +273,6 @@ def test_beam_logprobs_and_abort(default_model, prompts):
     ({"min_p": 0.1}, "min_p"),
     ({"num_return_sequences": 3}, "num_return_sequences"),
     ({"best_of": 2}, "best_of"),
-    ({"stop": ["x"]}, "stop"),
     ({"structured_output": {"kind": "json_object"}}, "structured_output"),
     ({"num_beams": 1, "length_penalty": 2.0}, "length_penalty"),
     ({"num_beams": 1, "early_stopping": True}, "early_stopping"),

@@ -363,6 +363,15 @@ def test_beam_search_matches_python_api(server, client, model, local_engine):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert [texts[0], texts[1]] == [s.text for s in expected.sequences]
+    # With stop strings: the beams that end on one say so.
+    expected = _local(local_engine, "The three primary colors are", max_new_tokens=12,
+                      num_beams=4, num_return_sequences=3, stop=[","])
+    assert any(s.stop_reason == "," for s in expected.sequences)
+    out = client.completions.create(model=model, prompt="The three primary colors are",
+                                    max_tokens=12, n=3, temperature=0, stop=[","],
+                                    extra_body={"use_beam_search": True, "num_beams": 4})
+    assert [(c.text, c.finish_reason) for c in out.choices] == [
+        (s.text, s.finish_reason) for s in expected.sequences]
 
 
 def test_sampling_params_match_python_api(server, client, model, local_engine):

@@ -8,9 +8,11 @@ of `topk` calls, so sequences and `sequences_scores` match:
 
 - every step keeps the top K = max(2, 1 + #stop tokens) * num_beams continuations over all beams
   (accumulated processed log-probs); the best num_beams of those that did not stop run on;
-- a continuation that stops (a stop token, or the length limit) among the first num_beams of the
-  K becomes a finished hypothesis scored sum_logprobs / generated_len ** length_penalty, the
-  generated length counting the stop token; the num_beams best hypotheses are kept;
+- a continuation that stops (a stop token, a stop string ending in its last token -- the
+  engine's `stop_string` callback, as transformers' `StopStringCriteria` -- or the length limit)
+  among the first num_beams of the K becomes a finished hypothesis scored
+  sum_logprobs / generated_len ** length_penalty, the generated length counting the stopping
+  token; the num_beams best hypotheses are kept;
 - `early_stopping`: True ends once num_beams hypotheses are finished; False and "never" end when
   the heuristic says the best running beam can no longer beat the worst kept hypothesis
   ("never" assumes, with a positive length penalty, that it could still grow to the length limit).
@@ -35,12 +37,15 @@ class Hypothesis:
     token_ids: list[int]  # generated tokens, the stop token included
     score: float  # sum_logprob / len(token_ids) ** length_penalty: transformers' sequences_scores
     sum_logprob: float  # summed processed log-probs of the tokens
-    finish_reason: str  # "stop" (a stop token) or "length"
+    finish_reason: str  # "stop" (a stop token or string) or "length"
     logprobs: list[dict[str, Any]] | None = None  # per-token entries, when asked
+    stop_string: str | None = None  # the stop string it ended on, if any
 
 
-# finalize(parent beam index, token, score, sum_logprob) -> the Hypothesis to keep.
-Finalize = Callable[[int, int, float, float], Hypothesis]
+# finalize(parent beam index, token, score, sum_logprob, stop string or None) -> the Hypothesis.
+Finalize = Callable[[int, int, float, float, "str | None"], Hypothesis]
+# stop_string(parent beam index, token) -> the stop string that continuation ends on, or None.
+StopString = Callable[[int, int], "str | None"]
 
 
 class BeamSearch:
@@ -68,7 +73,8 @@ class BeamSearch:
         # Log-prob rows received for the current step, by live beam (set by the engine).
         self.rows: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def step(self, log_probs: torch.Tensor, finalize: Finalize) -> list[tuple[int, int]]:
+    def step(self, log_probs: torch.Tensor, finalize: Finalize,
+             stop_string: StopString | None = None) -> list[tuple[int, int]]:
         """Advance by one token. `log_probs` [beams, V]: each live beam's processed log-probs,
         in live-beam order. Returns the next live beams as (parent beam index, token), best first
         (the order the engine must keep for the next step); `done` tells whether to stop."""
@@ -80,6 +86,11 @@ class BeamSearch:
         parents, tokens = topk_index // vocab, topk_index % vocab
         generated = self.num_generated + 1
         hits = torch.isin(tokens, self.stop_token_ids) | (generated >= self.max_generated)
+        # Stop strings: only the K candidates are checked (the host decodes their tails).
+        strings: list[str | None] = [None] * k
+        if stop_string is not None:
+            strings = [stop_string(int(p), int(t)) for p, t in zip(parents, tokens)]
+            hits |= torch.tensor([s is not None for s in strings], dtype=torch.bool)
 
         # Running beams: the best num_beams continuations that did not stop.
         running = topk_scores + hits.to(torch.float32) * NEG
@@ -104,7 +115,7 @@ class BeamSearch:
             elif merged_finished[j]:
                 c = j - self.num_beams
                 pool.append(finalize(int(parents[c]), int(tokens[c]), float(candidates[c]),
-                                     float(topk_scores[c])))
+                                     float(topk_scores[c]), strings[c]))
             else:
                 pool.append(None)  # an unfinished filler, as transformers keeps it
         self.pool = pool

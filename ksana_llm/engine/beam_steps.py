@@ -3,7 +3,7 @@ together (`beam_search.BeamSearch` picks the continuations; beams fork and are d
 blocks) and emit the best hypotheses when it is done.
 
 A mixin of `EngineCore`: it works on the core's `scheduler`, `groups`, `num_generated_tokens`,
-and its `_sampling_row`, `_free`, `_detokenizer` and `_attach_prompt_logprobs`.
+`tokenizer`, and its `_sampling_row`, `_free`, `_detokenizer` and `_attach_prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,35 @@ from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.sampler import beam_log_probs
+
+
+class StopStringCheck:
+    """Which stop string, if any, a continuation (parent beam, token) ends on: one that overlaps
+    the token's text, as transformers' `StopStringCriteria` (a stop string wholly before the
+    token would have ended the parent already). The text is the raw decode (special tokens
+    kept) of the parent's last tokens, prompt included, and the token."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], seqs: list[Sequence]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.seqs = seqs
+        # Enough tokens to hold the longest stop string, even through tokens that decode to
+        # nothing on their own (pieces of a multi-byte character).
+        self.tail = 2 * max(len(s) for s in stop) + 8
+        self._texts: dict[int, tuple[list[int], str]] = {}  # parent -> (tail ids, their text)
+
+    def __call__(self, parent: int, token: int) -> str | None:
+        if parent not in self._texts:
+            seq = self.seqs[parent]
+            ids = (seq.prompt_token_ids + seq.output_token_ids)[-self.tail:]
+            self._texts[parent] = (ids, self.tokenizer.decode(ids))
+        ids, before = self._texts[parent]
+        text = self.tokenizer.decode(ids + [token])
+        for stop in self.stop:
+            # An occurrence overlapping the new token's text ends after `before`.
+            if text.find(stop, max(0, len(before) - len(stop) + 1)) >= 0:
+                return stop
+        return None
 
 
 class BeamSearchSteps:
@@ -54,13 +83,16 @@ class BeamSearchSteps:
             return {"token_id": token, "logprob": float(row[token]),
                     "top_logprobs": dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}}
 
-        def finalize(parent: int, token: int, score: float, sum_logprob: float) -> Hypothesis:
+        def finalize(parent: int, token: int, score: float, sum_logprob: float,
+                     stop_string: str | None) -> Hypothesis:
             p = seqs[parent]
             return Hypothesis(p.output_token_ids + [token], score, sum_logprob,
-                              "stop" if token in stop else "length",
-                              p.logprobs + [entry(parent, token)] if want is not None else None)
+                              "stop" if token in stop or stop_string is not None else "length",
+                              p.logprobs + [entry(parent, token)] if want is not None else None,
+                              stop_string)
 
-        continuations = beam.step(processed, finalize)
+        stop_string = StopStringCheck(self.tokenizer, config.stop, seqs) if config.stop else None
+        continuations = beam.step(processed, finalize, stop_string)
         if beam.done:
             return self._finish_beams(group)
         # Parents chosen once continue themselves; chosen again, they fork first (before any
@@ -102,8 +134,10 @@ class BeamSearchSteps:
             detok = self._detokenizer(first)
             text = detok.update(hyp.token_ids).delta + detok.flush()
             reason = FinishReason.STOP if hyp.finish_reason == "stop" else FinishReason.LENGTH
+            stop_reason = (hyp.stop_string if hyp.stop_string is not None else hyp.token_ids[-1]
+                           ) if reason is FinishReason.STOP else None
             out = StepOutput(group.request_id, list(hyp.token_ids), text, rank == len(best) - 1,
-                             reason, hyp.token_ids[-1] if reason is FinishReason.STOP else None,
+                             reason, stop_reason,
                              list(hyp.logprobs or []), first_scheduled_time=first.first_scheduled_time,
                              index=rank, cumulative_logprob=hyp.sum_logprob, score=hyp.score)
             self._attach_prompt_logprobs(group, out)
