@@ -237,3 +237,22 @@ def test_async_scheduling_setting():
         resolve_async_scheduling(EngineConfig(async_scheduling=True), parallel)
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="maybe")
+
+
+def test_beams_ending_in_their_first_step_keep_their_prompt_logprobs(default_model):
+    """A beam search that ends in the step finishing its prompt answers in that step, so the
+    step's captured prompt log-probs are read then, not with the next step's read-back."""
+    configs = [kt.GenerationConfig(max_new_tokens=1, num_beams=2, prompt_logprobs=1),
+               kt.GenerationConfig(max_new_tokens=3, num_beams=2, prompt_logprobs=1),
+               kt.GenerationConfig(max_new_tokens=1, prompt_logprobs=1)]
+    results = {}
+    for run_ahead in (False, True):
+        with kt.Engine(default_model, num_device_blocks=64, async_scheduling=run_ahead) as engine:
+            results[run_ahead] = engine.generate_outputs([PROMPT] * 3, configs, use_tqdm=False)
+    for sync, ahead in zip(results[False], results[True]):
+        assert ahead.token_ids == sync.token_ids
+        assert ahead.prompt_logprobs is not None
+        assert len(ahead.prompt_logprobs) == len(sync.prompt_logprobs) == len(sync.prompt_token_ids)
+        for a, b in zip(ahead.prompt_logprobs[1:], sync.prompt_logprobs[1:]):
+            assert a["token_id"] == b["token_id"]
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)

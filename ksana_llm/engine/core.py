@@ -201,15 +201,18 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
         if early is not None and outputs:
             early(outputs)
             outputs = []
-        if self.async_scheduling:
+        if self.async_scheduling and not beams:
             self._captures_in_flight = captures
+        else:
+            # Beam search ends (and answers) in this step when it can: its prompt log-probs
+            # must be there by then. Its step reads its results now anyway.
+            outputs.extend(self._read_captures(captures))
+        if self.async_scheduling:
             if launched is not None:
                 self._in_flight = launched
                 self.num_steps_ahead += 1
-        else:
-            outputs.extend(self._read_captures(captures))
-            if launched is not None:
-                outputs.extend(self._resolve(launched, defer=self.overlap_outputs))
+        elif launched is not None:
+            outputs.extend(self._resolve(launched, defer=self.overlap_outputs))
         if beams:
             outputs.extend(self._collect_beams([sampled[i] for i in beams], result.logits, beams))
         if self._deferred and self._in_flight is None and not self.scheduler.has_work():

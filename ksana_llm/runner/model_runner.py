@@ -162,7 +162,8 @@ class ModelRunner:
 
         self.kv_caches: list[KVCache] = [cache_pair(num_blocks, device=device)
                                          for _ in range(model.num_layers)]
-        # Uncommitted host memory: pages are committed only when a block is actually swapped out.
+        # Host swap space: left uncommitted until a block is swapped out, except on CUDA, where
+        # it is pinned (committed at once) so swap copies can run asynchronously.
         pin = device.type == "cuda"
         self.host_caches: list[KVCache] = [
             cache_pair(num_host_blocks, zero=False, pin_memory=pin)
