@@ -16,7 +16,7 @@ from torch import nn
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec, paged_attention
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.layers.linear import MergedLinear, packed_linear, prepack_cpu_weight
+from ksana_llm.layers.linear import MergedLinear, packed_linear, prepack_cpu_weight, prepack_fits
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear,
                                        VocabParallelEmbedding, check_heads_divisible, kv_head_shard,
@@ -312,11 +312,19 @@ class LlamaForCausalLM(nn.Module):
     def prepare_for_inference(self) -> None:
         """Called once the weights are loaded. On CPU in float32, every projection and the LM
         head get oneDNN's prepacked copy of their weight (see `layers.linear.prepack_cpu_weight`:
-        1.05-2x faster matmuls, the largest part of a CPU step)."""
+        1.05-2x faster matmuls, the largest part of a CPU step) -- when a second copy of those
+        weights fits in memory (`layers.linear.prepack_fits`)."""
         self._lm_head_packed = None
-        for module in self.modules():
-            if hasattr(module, "prepack"):
-                module.prepack()
+        packers = [m for m in self.modules() if hasattr(m, "prepack")]
+        weights = [m.weight for m in packers]
+        if self.parallel.is_first_stage:
+            weights.append(self._lm_head_weight())
+        num_bytes = sum(w.numel() * w.element_size() for w in weights
+                        if w.device.type == "cpu" and w.dtype == torch.float32)
+        if num_bytes and not prepack_fits(num_bytes):
+            return
+        for module in packers:
+            module.prepack()
         if self.parallel.is_first_stage:
             self._lm_head_packed = prepack_cpu_weight(self._lm_head_weight())
 
