@@ -3,7 +3,7 @@
 Each parallel engine must give the same greedy tokens as transformers (= TP 1) and logits within
 fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2, Mixtral
 (MoE) and DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split),
-with TP 2 and 3 and PP 2; and a dead worker must fail the engine fast and clearly.
+with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
 """
 
 from __future__ import annotations
@@ -106,6 +106,12 @@ def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
 def test_pipeline_parallel_matches_transformers(tmp_path, name):
     hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "deepseek"])
+def test_tensor_and_pipeline_parallel_together_match_transformers(tmp_path, name):
+    hf = build(name, tmp_path)  # 4 ranks: 2 stages, each split over 2 ranks
+    check_engine(tmp_path, hf, tp=2, pp=2)
 
 
 def test_each_rank_holds_only_its_shard(tmp_path):
