@@ -21,9 +21,9 @@ Order of operations (that of `transformers.generate`, so greedy outputs match it
    the same tokens whatever else shares its batch.
 
 The repetition, presence and frequency penalties and the n-gram bans read each row's token ids
-from a table the sampler keeps on the device (`runner.token_history`) and extends with each token it samples, so
-they need neither the host's token lists nor the previous step's token on the host; the engine
-calls `Sampler.release` when a sequence is done.
+from a table the sampler keeps on the device (`runner.token_history`) and extends with each
+token it samples, so they need neither the host's token lists nor the previous step's token on
+the host; the engine calls `Sampler.release` when a sequence is done.
 
 Log-probs are those of the raw model distribution (log_softmax of the unprocessed logits), as
 vLLM reports them by default.
