@@ -1,11 +1,11 @@
 """The sampler's device copy of the token ids of rows with penalties or n-gram bans
 (`runner.token_history`).
 
-The penalties and bans computed from it must equal those computed from the rows' own token lists (which
-`test_sampler.py` and `test_logits_processors.py` check against transformers) at every step, as
-the sampler extends it with the tokens it samples: across slot reuse, table growth and ids
-beyond the logits. On a CUDA machine the first test also runs on the GPU (the GPU benchmark's
-`tests` stage), against the token lists on the CPU.
+The penalties and bans computed from it must equal those computed from the rows' own token
+lists (which `test_sampler.py` and `test_logits_processors.py` check against transformers) at
+every step, as the sampler extends it with the tokens it samples: across slot reuse, table growth
+and ids beyond the logits. On a CUDA machine the first test also runs on the GPU (the GPU
+benchmark's `tests` stage), against the token lists on the CPU.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ class CaptureSteps:
                     chosen, values, ids = token_logprobs(rows.logits, targets, k)
                     packed = torch.cat((chosen.double().unsqueeze(1), values.double(),
                                         ids.double()), dim=1)  # ids < 2**53: exact
-                    reads.append(CaptureRead(seq, positions, prompt_logprobs=start_host_copy(packed)))
+                    reads.append(CaptureRead(seq, positions,
+                                             prompt_logprobs=start_host_copy(packed)))
                 continue
             hidden = logits = None
             if rows is not None:

@@ -147,11 +147,12 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
 
 def _ban_repeated_ngrams(padded_out: torch.Tensor, tokens: torch.Tensor, lengths: list[int],
                          members: list[int], size: int) -> None:
-    """-inf (in place, rows `members` of `padded_out`, whose last column is spare) for every token that would complete an n-gram of
-    `size` tokens already present, as HF's NoRepeatNGramLogitsProcessor: each window of the
-    history whose first size-1 tokens equal the history's last size-1 tokens bans its last token.
-    Batched over rows: `tokens` [len(members), W] holds each member's history, right-padded (the
-    padding is never inside a window that counts), `lengths` their lengths."""
+    """-inf (in place, rows `members` of `padded_out`, whose last column is spare) for every
+    token that would complete an n-gram of `size` tokens already present, as HF's
+    NoRepeatNGramLogitsProcessor: each window of the history whose first size-1 tokens equal the
+    history's last size-1 tokens bans its last token. Batched over rows: `tokens`
+    [len(members), W] holds each member's history, right-padded (the padding is never inside a
+    window that counts), `lengths` their lengths."""
     keep = [k for k, n in enumerate(lengths) if n >= size]  # no complete n-gram yet: no ban
     if not keep:
         return
