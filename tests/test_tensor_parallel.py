@@ -135,6 +135,11 @@ def test_each_rank_holds_only_its_shard(tmp_path):
 
 def test_deepseek_ranks_split_mla_heads_and_experts(tmp_path):
     build("deepseek", tmp_path)
+    # MLA has no KV heads to split: a num_key_value_heads that TP 2 could not split is no error.
+    config_path = tmp_path / "config.json"
+    text = config_path.read_text()
+    assert '"num_key_value_heads": 4' in text
+    config_path.write_text(text.replace('"num_key_value_heads": 4', '"num_key_value_heads": 3'))
     sharded = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
                                     tensor_parallel_size=2)
     try:

@@ -58,7 +58,8 @@ def check_parallel_sizes(model_dir: str | Path, hf_config: Any, tp_size: int, pp
     heads = getattr(hf_config, "num_attention_heads", None)
     if heads:
         check_heads_divisible(heads, ctx)
-        kv_head_shard(getattr(hf_config, "num_key_value_heads", None) or heads, ctx)
+        if not getattr(hf_config, "kv_lora_rank", None):  # MLA caches a latent, not KV heads
+            kv_head_shard(getattr(hf_config, "num_key_value_heads", None) or heads, ctx)
     layers = getattr(hf_config, "num_hidden_layers", None)
     if layers and pp_size > layers:
         raise ValueError(f"pipeline_parallel_size {pp_size} is more than the model's {layers} layers")
