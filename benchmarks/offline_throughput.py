@@ -384,15 +384,16 @@ def compare_tokens(results: list[ThroughputResult]) -> None:
 
 
 def guarded(name: str, errors: dict[str, str], fn: Callable[[], Any]) -> Any:
-    """Run one benchmark step; on failure print and record the error and return None."""
+    """Run one benchmark step; on failure print and record the error (shortened: a CUDA error
+    can be pages long) and return None. Also the GPU benchmark's (`gpu/bench_engine.py`)."""
     print(f"[bench] running {name} ...", flush=True)
     start = time.perf_counter()
     try:
         result = fn()
     except Exception as exc:  # noqa: BLE001 - one failing peer must not stop the others
         traceback.print_exc()
-        errors[name] = f"{type(exc).__name__}: {exc}"
-        print(f"[bench] {name} FAILED: {errors[name]}", flush=True)
+        errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"[bench] {name} FAILED: {errors[name][:300]}", flush=True)
         return None
     print(f"[bench] {name} done in {time.perf_counter() - start:.1f}s", flush=True)
     return result

@@ -44,8 +44,6 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -60,7 +58,8 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
 import ksana_llm as kt  # noqa: E402
 from benchmarks.offline_throughput import (ThroughputResult, Workload,  # noqa: E402
                                            allowed_token_ids, batch1_prompt, build_workload,
-                                           hf_batch1, ours_batch1, pad_token_id, run_ours)
+                                           guarded, hf_batch1, ours_batch1, pad_token_id,
+                                           run_ours)
 
 # An engine switch on the command line: auto = the engine's default for the device.
 SWITCH = MappingProxyType({"auto": None, "on": True, "off": False})
@@ -148,21 +147,6 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-def guarded(name: str, errors: dict[str, str], fn: Callable[[], Any]) -> Any:
-    """Run one step; on failure record and print the error, return None."""
-    print(f"[bench] {name} ...", flush=True)
-    start = time.perf_counter()
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - one failing step must not stop the others
-        traceback.print_exc()
-        errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
-        print(f"[bench] {name} FAILED: {errors[name][:300]}", flush=True)
-        return None
-    print(f"[bench] {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    return result
 
 
 def runner_of(engine: kt.Engine) -> Any:
