@@ -41,11 +41,16 @@ class PenaltyIds:
     def from_lists(cls, batch_size: int, members: list[int], token_lists: list[list[int]],
                    vocab_size: int, device: torch.device) -> PenaltyIds:
         """Rows `members` get `token_lists` (in order); the other rows none."""
-        width = max(1, max(len(t) for t in token_lists))
-        padded = [[vocab_size] * width for _ in range(batch_size)]
+        lists: list[list[int]] = [[] for _ in range(batch_size)]
         for i, tokens in zip(members, token_lists):
-            padded[i] = tokens + [vocab_size] * (width - len(tokens))
-        return cls(to_device(padded, torch.int64, device).clamp_(min=0, max=vocab_size))
+            lists[i] = tokens
+        return cls(_right_padded(lists, vocab_size, device).clamp_(min=0, max=vocab_size))
+
+
+def _right_padded(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), longest list (at least 1)] int64 on `device`, right-padded with `pad`."""
+    width = max(1, max(len(t) for t in token_lists))
+    return to_device([t + [pad] * (width - len(t)) for t in token_lists], torch.int64, device)
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
@@ -118,9 +123,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
         else:
             lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in members]
             lengths = [len(t) for t in lists]
-            width = max(1, max(lengths))
-            tokens = to_device([t + [vocab_size] * (width - len(t)) for t in lists], torch.int64,
-                               device)
+            tokens = _right_padded(lists, vocab_size, device)
         _ban_repeated_ngrams(padded_out, tokens, lengths, members, size)
 
     # 3. Presence / frequency penalties (OpenAI): output tokens only, additive, count-based:

@@ -4,8 +4,8 @@ Those read a row's whole history: the ids of its prompt and output (repetition p
 `no_repeat_ngram_size`) or of its output (presence and frequency penalties). Rebuilding that from
 the host's token lists at every step costs host time proportional to the history, and needs the
 previous step's token on the host, so such steps could not run ahead of the read-back (async
-scheduling). Instead each row holds a slot in
-one table from its first sample until it is released:
+scheduling). Instead each row holds a slot in one table from its first sample until it is
+released:
 
     ids  [slots, width] int32   prompt ids, then output ids, then `vocab_size` (padding)
 
