@@ -154,6 +154,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-output-processing", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="detokenize and deliver a step's outputs during the next step")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="speculative decoding: tokens the MTP layer drafts per step "
+                             "(DeepSeek V3/R1 with MTP weights; 0 = off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

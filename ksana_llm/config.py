@@ -78,8 +78,22 @@ class EngineConfig(BaseModel):
                           "their forward and their sampling. Needs a "
                           "single-rank run; None = on for CUDA")
 
+    num_speculative_tokens: int = Field(
+        0, ge=0, le=8,
+        description="speculative decoding: tokens the model's MTP layer drafts per sequence and "
+                    "step, verified by the main model in the next step (DeepSeek V3/R1 "
+                    "checkpoints with MTP weights; KsanaLLM mtp_step_num). Greedy outputs are "
+                    "unchanged and sampled ones keep their distribution. 0 = off. Turns "
+                    "async_scheduling off; needs pipeline_parallel_size 1")
+
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:
         if self.split_fuse_token_num > self.max_step_tokens:
             raise ValueError("split_fuse_token_num must be <= max_step_tokens")
+        if self.num_speculative_tokens and self.async_scheduling:
+            raise ValueError("num_speculative_tokens does not work with async_scheduling=True "
+                             "(a step's inputs depend on how many drafts the last one accepted)")
+        if self.num_speculative_tokens and self.pipeline_parallel_size > 1:
+            raise ValueError("num_speculative_tokens needs pipeline_parallel_size 1 (the MTP "
+                             "layer sits on the last stage, the logits on the first)")
         return self

@@ -25,6 +25,9 @@ Keys and where they go:
 | setting.batch_scheduler.split_fuse_token_num      | EngineConfig.split_fuse_token_num         |
 | setting.batch_scheduler.enable_auto_prefix_cache  | EngineConfig.enable_prefix_caching        |
 | setting.batch_scheduler.preempt_mode              | EngineConfig.preempt_mode                 |
+| setting.batch_scheduler.enable_speculative_decoding | EngineConfig.num_speculative_tokens     |
+|   with setting.batch_scheduler.mtp_step_num       |   (mtp_step_num, default 1, when enabled; |
+|                                                   |   0 when not)                             |
 | setting.block_manager.block_token_num             | EngineConfig.block_token_num              |
 | setting.block_manager.reserved_device_memory_ratio| EngineConfig.reserved_device_memory_ratio |
 | setting.block_manager.block_device_memory_ratio   | EngineConfig.block_device_memory_ratio    |
@@ -113,6 +116,9 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     _BS + "split_fuse_token_num": _Key("int", field="split_fuse_token_num"),
     _BS + "enable_auto_prefix_cache": _Key("bool", field="enable_prefix_caching"),
     _BS + "preempt_mode": _Key("int", field="preempt_mode"),
+    # Both set num_speculative_tokens together (see `_speculative_tokens`).
+    _BS + "enable_speculative_decoding": _Key("bool"),
+    _BS + "mtp_step_num": _Key("int"),
     _BM + "block_token_num": _Key("int", field="block_token_num"),
     _BM + "reserved_device_memory_ratio": _Key("float", field="reserved_device_memory_ratio"),
     _BM + "block_device_memory_ratio": _Key("float", field="block_device_memory_ratio",
@@ -132,7 +138,7 @@ _UNSUPPORTED: frozenset[str] = frozenset({
     "setting.global.pipeline_para_comm_type", "setting.global.is_version_report",
     _BS + "schedule_strategy", _BS + "swapout_block_threshold", _BS + "swapin_block_threshold",
     _BS + "launch_block_threshold", _BS + "swap_threadpool_size", _BS + "min_flexible_cache_num",
-    _BS + "enable_speculative_decoding", _BS + "mtp_step_num", _BS + "enable_xgrammar",
+    _BS + "enable_xgrammar",
     _BS + "enable_async", _BS + "max_pp_batch_num", _BS + "pp_multibatch_wb_strategy",
     _BS + "max_pretransfer_batch_size", _BS + "transfer_layer_chunk_size",
     _BS + "attention_dp_lb_config",
@@ -253,6 +259,12 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
             fields[spec.field] = spec.convert(value) if spec.convert else value
             sources[spec.field] = dotted
 
+    if _BS + "enable_speculative_decoding" in leaves:
+        enabled = _check_type(_BS + "enable_speculative_decoding", "bool",
+                              leaves[_BS + "enable_speculative_decoding"])
+        steps = _check_type(_BS + "mtp_step_num", "int", leaves.get(_BS + "mtp_step_num", 1))
+        fields["num_speculative_tokens"] = steps if enabled else 0
+        sources["num_speculative_tokens"] = _BS + "mtp_step_num"
     for name, value in (overrides or {}).items():
         if value is None:  # a CLI flag that was not given
             continue

@@ -22,13 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.modeling_layers import MtpLayer
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    DeepseekV3DecoderLayer,
-    DeepseekV3RMSNorm,
-    DeepseekV3RotaryEmbedding,
-)
+from transformers import DeepseekV3ForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from ksana_llm.layers.attention import KVCacheSpec
 from ksana_llm.layers.mla import MultiLatentAttention
@@ -36,44 +31,16 @@ from ksana_llm.layers.moe import GroupedTopKRouter, SparseMoeBlock
 from ksana_llm.models.deepseek_v3 import DeepseekV3MtpLayer
 from ksana_llm.models.llama import LlamaMLP
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice
+from tests.deepseek_checkpoint import (
+    NUM_LAYERS,
+    VOCAB,
+    deepseek_config,
+    hf_mtp_layer,
+    mtp_checkpoint_tensors,
+    randomize,
+)
 from tests.family_harness import Reference, check_family, hf_reference, load_ours
 
-VOCAB = 256
-NUM_LAYERS = 3
-
-
-def _config(**overrides) -> DeepseekV3Config:
-    return DeepseekV3Config(**{
-        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-        "num_hidden_layers": NUM_LAYERS, "first_k_dense_replace": 1, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
-        "num_experts_per_tok": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": VOCAB,
-        "max_position_embeddings": 256, "rope_interleave": True,
-        # DeepSeek-V3's own YaRN settings, with the original length short enough that the test
-        # prompts run past it.
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                            "original_max_position_embeddings": 32, "mscale": 1.0,
-                            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
-        "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
-        **overrides})
-
-
-def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Default init (std 0.02) leaves experts too small to matter and the router near uniform;
-    widen both, give the selection bias visible values, and move norms off 1."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("e_score_correction_bias"):
-                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.3)
-            elif name.endswith("mlp.gate.weight"):
-                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
-            elif ".mlp." in name or "eh_proj" in name:
-                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
-            elif name.endswith("norm.weight"):
-                tensor.copy_(torch.rand(tensor.shape, generator=gen) * 0.4 + 0.8)
 
 
 def _write_bin_twin(folder: Path, target: Path) -> Path:
@@ -99,8 +66,9 @@ class Family:
 @pytest.fixture(scope="module")
 def family(tmp_path_factory) -> Family:
     torch.manual_seed(0)
-    hf = DeepseekV3ForCausalLM(_config()).eval()  # num_nextn_predict_layers: 1, as by default
-    _randomize(hf)
+    # num_nextn_predict_layers: 1, as by default
+    hf = DeepseekV3ForCausalLM(deepseek_config()).eval()
+    randomize(hf)
     root = tmp_path_factory.mktemp("deepseek_v3")
     hf.save_pretrained(root / "safetensors")
     folders = {"safetensors": root / "safetensors"}
@@ -161,35 +129,6 @@ def test_routing_is_not_degenerate(family):
 
 # ---- multi-token prediction ------------------------------------------------------------------
 
-def _hf_mtp_layer(config: DeepseekV3Config) -> MtpLayer:
-    """transformers' MTP depth (always MoE), random and widened like the main model."""
-    torch.manual_seed(5)
-    layer = MtpLayer(config.get_mtp_config(), DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 0).eval()
-    _randomize(layer, seed=5)
-    return layer
-
-
-def _mtp_checkpoint_tensors(layer: MtpLayer, embed: torch.Tensor, head: torch.Tensor
-                            ) -> dict[str, torch.Tensor]:
-    """The layer as hub checkpoints store it: `model.layers.{N}.*`, experts one by one,
-    `post_norm` as `shared_head.norm`, plus the depth's own embedding and head."""
-    prefix = f"model.layers.{NUM_LAYERS}."
-    tensors = {prefix + "embed_tokens.weight": embed, prefix + "shared_head.head.weight": head}
-    for name, tensor in [*layer.state_dict().items()]:
-        name = name.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
-        if name.endswith("experts.gate_up_proj"):
-            gate, up = tensor.chunk(2, dim=1)
-            for e in range(tensor.shape[0]):
-                tensors[f"{prefix}{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate[e]
-                tensors[f"{prefix}{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up[e]
-        elif name.endswith("experts.down_proj"):
-            for e in range(tensor.shape[0]):
-                tensors[f"{prefix}{name[:-len('down_proj')]}{e}.down_proj.weight"] = tensor[e]
-        else:
-            tensors[prefix + name] = tensor
-    return {k: v.contiguous().clone() for k, v in tensors.items()}
-
-
 def _folder_with(family: Family, root: Path, extra: dict[str, torch.Tensor],
                  drop: tuple[str, ...] = (), **config_changes) -> Path:
     folder = root
@@ -207,9 +146,9 @@ def _folder_with(family: Family, root: Path, extra: dict[str, torch.Tensor],
 
 def test_mtp_weights_load_and_match_transformers_mtp_layer(family, tmp_path):
     config = family.hf.config
-    hf_layer = _hf_mtp_layer(config)
+    hf_layer = hf_mtp_layer(config)
     embed, head = torch.randn(VOCAB, 64), torch.randn(VOCAB, 64) * 0.1
-    extra = _mtp_checkpoint_tensors(hf_layer, embed, head)
+    extra = mtp_checkpoint_tensors(hf_layer, embed, head)
     ours = load_ours(_folder_with(family, tmp_path / "mtp", extra))
     assert ours.mtp is not None and len(ours.mtp.layers) == 1
     mtp = ours.mtp.layers[0]
@@ -245,7 +184,7 @@ def test_mtp_weights_load_and_match_transformers_mtp_layer(family, tmp_path):
 
 
 def test_partial_mtp_weights_fail_loudly(family, tmp_path):
-    extra = _mtp_checkpoint_tensors(_hf_mtp_layer(family.hf.config), torch.randn(VOCAB, 64),
+    extra = mtp_checkpoint_tensors(hf_mtp_layer(family.hf.config), torch.randn(VOCAB, 64),
                                     torch.randn(VOCAB, 64))
     folder = _folder_with(family, tmp_path / "partial", extra, drop=("eh_proj.weight",))
     with pytest.raises(ValueError, match=r"missing .*mtp\.layers\.0\.eh_proj\.weight"):
@@ -258,7 +197,7 @@ def test_no_mtp_layers_configured(family, tmp_path):
     folder = _folder_with(family, tmp_path / "none", {}, num_nextn_predict_layers=0)
     ours = load_ours(folder)
     assert ours.mtp is None and not any(n.startswith("mtp.") for n, _ in ours.named_parameters())
-    extra = _mtp_checkpoint_tensors(_hf_mtp_layer(family.hf.config), torch.randn(VOCAB, 64),
+    extra = mtp_checkpoint_tensors(hf_mtp_layer(family.hf.config), torch.randn(VOCAB, 64),
                                     torch.randn(VOCAB, 64))
     folder = _folder_with(family, tmp_path / "unexpected", extra, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
@@ -268,7 +207,7 @@ def test_no_mtp_layers_configured(family, tmp_path):
 def test_unsupported_routing_names_the_field():
     from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM as Ours
 
-    config = _config()
+    config = deepseek_config()
     config.topk_method = "group_limited_greedy"  # DeepSeek-V2's routing
     with pytest.raises(ValueError, match="topk_method"):
         Ours(config)

@@ -14,7 +14,7 @@ from ksana_llm.engine.core import EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.scheduler import SchedulerConfig
 from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
-from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
+from ksana_llm.runner.model_runner import ModelRunner, draft_layers_for, kv_bytes_per_block
 from ksana_llm.runner.sampler import Sampler
 
 logger = logging.getLogger("ksana_llm.engine")
@@ -24,13 +24,14 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                on_worker_failure: Callable[[str], None]) -> EngineCore:
     """The core; its `max_model_len` is the context a request may use (the model's, bounded by
     `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank."""
-    per_block = kv_bytes_per_block(model.module, cfg.block_token_num, model.dtype)
+    draft_layers = draft_layers_for(model.module, cfg.num_speculative_tokens)
+    per_block = kv_bytes_per_block(model.module, cfg.block_token_num, model.dtype, draft_layers)
     # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
     num_blocks = cfg.num_device_blocks or plan_device_blocks(
         model.module, device=model.device, dtype=model.dtype, block_size=cfg.block_token_num,
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
         attention_backend=cfg.attention_backend, ratio=cfg.block_device_memory_ratio,
-        reserved_ratio=cfg.reserved_device_memory_ratio)
+        reserved_ratio=cfg.reserved_device_memory_ratio, num_draft_layers=draft_layers)
     # A sequence can never outgrow the model's context, nor the whole KV pool.
     max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
                         num_blocks * cfg.block_token_num)
@@ -48,7 +49,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          attention_backend=cfg.attention_backend,
                          max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
                          cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
-                         or cfg.max_num_seqs)
+                         or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens)
     runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
     if model.runtime is not None:
         # A parallel run: every step also goes to the worker ranks, which build the same
@@ -70,15 +71,17 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     return EngineCore(runner, block_manager, scheduler_config, tokenizer,
                       max_model_len=max_model_len, sampler=Sampler(cfg.seed),
                       overlap_outputs=overlap,
-                      async_scheduling=resolve_async_scheduling(cfg, model))
+                      async_scheduling=resolve_async_scheduling(cfg, model),
+                      num_speculative_tokens=cfg.num_speculative_tokens)
 
 
 def resolve_async_scheduling(cfg: EngineConfig, model: Model) -> bool:
-    """`cfg.async_scheduling`, with None = on for a single-rank CUDA run. Parallel runs cannot:
-    their worker ranks would need the sampled tokens, which only this rank's device holds."""
+    """`cfg.async_scheduling`, with None = on for a single-rank CUDA run without speculative
+    decoding. Parallel runs cannot: their worker ranks would need the sampled tokens, which only
+    this rank's device holds."""
     single_rank = model.runtime is None
     if cfg.async_scheduling is None:
-        return single_rank and model.device.type == "cuda"
+        return single_rank and model.device.type == "cuda" and not cfg.num_speculative_tokens
     if cfg.async_scheduling and not single_rank:
         raise ValueError("async_scheduling needs a single-rank run (tensor_parallel_size=1 and "
                          "pipeline_parallel_size=1)")

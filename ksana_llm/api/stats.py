@@ -37,6 +37,16 @@ class EngineStats:
     ttft_p90_s: float | None
     ttft_p99_s: float | None
     peak_used_kv_blocks: int = 0  # most device KV blocks held at once since the engine started
+    # Speculative decoding, since the engine started: drafts verified, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / verified drafts (None before any draft)."""
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_draft_tokens / self.num_draft_tokens
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -83,6 +93,8 @@ class StatsTracker:
             num_swapped=core.num_swapped, kv_cache_usage=core.kv_cache_usage,
             num_kv_blocks=core.num_blocks, num_free_kv_blocks=core.num_free_blocks,
             peak_used_kv_blocks=core.peak_used_blocks,
+            num_draft_tokens=core.num_draft_tokens,
+            num_accepted_draft_tokens=core.num_accepted_draft_tokens,
             num_preemptions=core.num_preemptions, prefix_cache_hit_rate=hit_rate,
             num_finished=num_finished,
             generation_tokens_per_s=tokens / span if span > 0 else 0.0,

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ksana_llm.distributed.runtime import Runtime, broadcast_message, shutdown_runtime
-from ksana_llm.distributed.worker import RUNNER, STEP, STOP
+from ksana_llm.distributed.worker import DRAFT, RUNNER, STEP, STOP
+from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
 
 logger = logging.getLogger("ksana_llm.distributed")
@@ -63,11 +64,18 @@ class DistributedRunner:
                    "the engine cannot continue without it")
 
     def execute(self, step: StepInput) -> StepResult:
+        return self._everywhere(STEP, step, self.local.execute)
+
+    def propose(self, draft: DraftInput) -> torch.Tensor:
+        """Speculative decoding's draft layer runs on every rank too (it is split like the rest)."""
+        return self._everywhere(DRAFT, draft, self.local.propose)
+
+    def _everywhere(self, kind: str, payload: Any, run: Callable[[Any], Any]) -> Any:
         if self.failure is not None:
             raise WorkerFailure(self.failure)
         try:
-            broadcast_message((STEP, step), self.runtime)
-            return self.local.execute(step)
+            broadcast_message((kind, payload), self.runtime)
+            return run(payload)
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection
             self._fail(f"a worker rank failed during a step: {exc}")
             raise WorkerFailure(self.failure) from exc

@@ -18,8 +18,9 @@ from ksana_llm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("ksana_llm.worker")
 
-# Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput)..., then ("stop", None).
-RUNNER, STEP, STOP = "runner", "step", "stop"
+# Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput) and ("draft",
+# DraftInput: speculative decoding) as the engine runs, then ("stop", None).
+RUNNER, STEP, DRAFT, STOP = "runner", "step", "draft", "stop"
 
 
 def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -32,6 +33,8 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
             runner = ModelRunner(module, device=runtime.device, dtype=dtype, **payload)
         elif kind == STEP and runner is not None:
             runner.execute(payload)
+        elif kind == DRAFT and runner is not None:
+            runner.propose(payload)
         else:
             raise RuntimeError(f"worker got an unexpected message {kind!r}")
 

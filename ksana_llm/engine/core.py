@@ -11,7 +11,8 @@ blocks (each with its own random stream: seed + i when the request is seeded), o
 Outputs are per sequence (`StepOutput.index`, see `engine.outputs`); outputs that are ranked at
 the end (beam search, best_of > n) are only emitted when the request finishes, best first.
 Sampling and reading tokens back live in `engine.sampling_steps`, captured rows (forward-only
-requests, prompt log-probs) in `engine.capture_steps`, beam search's steps in `engine.beam_steps`.
+requests, prompt log-probs) in `engine.capture_steps`, beam search's steps in `engine.beam_steps`,
+drafting and verifying drafts (speculative decoding) in `engine.speculative_steps`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ksana_llm.engine.request import (
 )
 from ksana_llm.engine.sampling_steps import SamplingSteps
 from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
 from ksana_llm.runner.sampler import Sampler, make_generator
 
@@ -60,13 +62,18 @@ class CoreStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     peak_used_blocks: int = 0
+    num_draft_tokens: int = 0  # drafts verified so far (speculative decoding)
+    num_accepted_draft_tokens: int = 0
 
 
-class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
+class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, tokenizer: Any, *, max_model_len: int,
                  sampler: Sampler | None = None, overlap_outputs: bool = False,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, num_speculative_tokens: int = 0) -> None:
+        if num_speculative_tokens and async_scheduling:
+            raise ValueError("num_speculative_tokens does not work with async_scheduling (a "
+                             "step's inputs depend on how many drafts the last one accepted)")
         self.runner = runner
         self.block_manager = block_manager
         self.scheduler = Scheduler(scheduler_config, block_manager)
@@ -87,6 +94,11 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
         # Steps planned and their forward launched before the previous step's tokens were read
         # back (a structured-output step then still waits for them before it samples).
         self.num_steps_ahead = 0
+        # Speculative decoding: drafts per sequence and step (0 = off; the runner must have
+        # draft layers), and how many were verified / accepted.
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -141,7 +153,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
         s, bm = self.scheduler, self.block_manager
         return CoreStats(len(s.waiting), len(s.running), len(s.swapped), bm.usage,
                          bm.num_free_blocks, bm.num_blocks, s.num_preemptions,
-                         bm.prefix_queries, bm.prefix_hits, bm.peak_used_blocks)
+                         bm.prefix_queries, bm.prefix_hits, bm.peak_used_blocks,
+                         self.num_draft_tokens, self.num_accepted_draft_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:
@@ -179,11 +192,15 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
                                                plan.copy_blocks,
                                                self._pending_inputs(plan.scheduled)))
         for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            # Drafts count once verified (`_verify`).
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
             self.block_manager.cache_full_blocks(item.seq)
         sampled = [plan.scheduled[i].seq for i in result.sampled]
+        logit_rows = self._logit_rows(slices, result.sampled)
         beams = [i for i, s in enumerate(sampled) if s.group.beam is not None]
-        others = [i for i, s in enumerate(sampled) if s.group.beam is None]
+        verifying = [i for i in range(len(sampled)) if slices[result.sampled[i]].num_draft_tokens]
+        others = [i for i, s in enumerate(sampled)
+                  if s.group.beam is None and not slices[result.sampled[i]].num_draft_tokens]
         outputs: list[StepOutput] = []
         if self._in_flight is not None and any(sampled[i].matcher is not None for i in others):
             # A grammar advances on the host with each token, and masks the next sample: read
@@ -193,7 +210,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
             outputs.extend(self._resolve_in_flight())
             others = [i for i in others if sampled[i].status is not SequenceStatus.FINISHED]
         launched = self._launch_samples([sampled[i] for i in others], result.logits,
-                                        others) if others else None
+                                        [logit_rows[i] for i in others]) if others else None
         captures = self._launch_captures(plan.scheduled, slices, result.captured)
         # This step is queued on the device: now the previous one's tokens and outputs.
         outputs.extend(self._drain_deferred())
@@ -213,8 +230,17 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
                 self.num_steps_ahead += 1
         elif launched is not None:
             outputs.extend(self._resolve(launched, defer=self.overlap_outputs))
+        accepted = {}
+        if verifying:
+            verified, accepted = self._verify(
+                [sampled[i] for i in verifying], [slices[result.sampled[i]] for i in verifying],
+                result.logits, [logit_rows[i] for i in verifying], defer=self.overlap_outputs)
+            outputs.extend(verified)
         if beams:
-            outputs.extend(self._collect_beams([sampled[i] for i in beams], result.logits, beams))
+            outputs.extend(self._collect_beams([sampled[i] for i in beams], result.logits,
+                                               [logit_rows[i] for i in beams]))
+        if self.num_speculative_tokens:
+            self._propose(plan.scheduled, slices, accepted)
         if self._deferred and self._in_flight is None and not self.scheduler.has_work():
             outputs.extend(self._drain_deferred())  # no next step to overlap with
         return outputs
@@ -233,9 +259,18 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
             outputs.append(self._output(seq, [item.token], delta, item.entries, finished=item.last))
         return outputs
 
+    @staticmethod
+    def _logit_rows(slices: list[SeqSlice], sampled: list[int]) -> list[int]:
+        """The first logits row of each sampled slice (a slice with drafts has 1 + k rows)."""
+        rows, row = [], 0
+        for i in sampled:
+            rows.append(row)
+            row += 1 + slices[i].num_draft_tokens
+        return rows
+
     def _slice(self, item: ScheduledSequence) -> SeqSlice:
         seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
+        end = start + item.num_new_tokens - item.num_draft_tokens
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
             self.num_prompt_tokens += seq.num_prompt_tokens
@@ -254,8 +289,11 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps):
             # captured again.
             capture = tuple(p for p in range(start, min(end, seq.num_prompt_tokens - 1))
                             if p + 1 not in seq.prompt_logprobs)
+        if item.num_draft_tokens:
+            tokens = tokens + seq.draft_token_ids[:item.num_draft_tokens]
         return SeqSlice(tokens, start, seq.block_table, sample=end == seq.num_tokens,
-                        capture=capture, capture_logits=bool(capture), embeddings=embeddings)
+                        capture=capture, capture_logits=bool(capture), embeddings=embeddings,
+                        num_draft_tokens=item.num_draft_tokens)
 
     # ---- appending sampled tokens --------------------------------------------------------------
     def _append(self, seq: Sequence, index: int, token: int, logprob: float | None,

@@ -104,6 +104,9 @@ class Sequence:
     # The sequence ends once it holds this many tokens (prompt + max_new_tokens, bounded by the
     # context); set by the engine core.
     max_num_tokens: int = sys.maxsize
+    # Speculative decoding: tokens the draft layer proposes after the last one, verified (and
+    # replaced) in the sequence's next decode step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

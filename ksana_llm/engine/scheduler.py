@@ -2,10 +2,11 @@
 
 There is no prefill phase and no decode phase: each sequence tracks `num_computed_tokens`, and
 every step hands out at most `max_step_tokens` tokens so that it catches up with `num_tokens`.
-Running sequences are served first (a decode costs 1 token, a prefill chunk up to the rest of the
-budget), then swapped-out sequences come back, then waiting ones are admitted. When the KV pool
-runs out, the lowest-priority running sequence is preempted: swapped to the host pool
-(`preempt_mode=0`) or freed to be recomputed later (`preempt_mode=1`).
+Running sequences are served first (a decode costs 1 token, plus its drafts under speculative
+decoding; a prefill chunk up to the rest of the budget), then swapped-out sequences come back,
+then waiting ones are admitted. When the KV pool runs out, the lowest-priority running sequence
+is preempted: swapped to the host pool (`preempt_mode=0`) or freed to be recomputed later
+(`preempt_mode=1`).
 
 Sequences of one request (parallel samples, beams) are scheduled one by one like any other: they
 share blocks by refcount, and the block manager copies a shared block before anyone writes to it.
@@ -49,6 +50,7 @@ class SchedulerConfig:
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes, starting at num_computed_tokens
+    num_draft_tokens: int = 0  # the last ones of them are the sequence's drafts, to verify
 
 
 @dataclass
@@ -178,14 +180,24 @@ class Scheduler:
                 still_running.append(seq)
                 continue
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
-            while not self.block_manager.allocate(seq, num_new):
+            num_drafts, allocated = 0, False
+            if seq.draft_token_ids and seq.num_tokens - seq.num_computed_tokens == 1:
+                # Speculative decoding: the drafts ride along, as far as the budget and the free
+                # blocks go (a sequence decodes alone rather than preempt anyone for drafts).
+                num_drafts = min(len(seq.draft_token_ids), budget - num_new)
+                allocated = self.block_manager.allocate(seq, num_new + num_drafts)
+                if allocated:
+                    num_new += num_drafts
+                else:
+                    num_drafts = 0
+            while not (allocated or self.block_manager.allocate(seq, num_new)):
                 # Out of blocks: preempt the lowest-priority sequence, possibly this one.
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+                out.scheduled.append(ScheduledSequence(seq, num_new, num_drafts))
                 still_running.append(seq)
                 budget -= num_new
         self.running = still_running

@@ -10,8 +10,9 @@
   the table and the softmax scale (`layers/rotary_yarn.py`).
 - Multi-token prediction: hub checkpoints carry `num_nextn_predict_layers` extra layers as
   `model.layers.{num_hidden_layers + i}.*` (a decoder layer plus `enorm`, `hnorm`, `eh_proj`,
-  `shared_head.{norm,head}` and `embed_tokens`). They load into `self.mtp` for speculative
-  decoding; the main forward does not run them. Checkpoints saved by transformers drop them
+  `shared_head.{norm,head}` and `embed_tokens`). They load into `self.mtp` and draft tokens
+  for speculative decoding (`draft_hidden` / `draft_logits`, driven by `runner.drafting`); the
+  main forward does not run them. Checkpoints saved by transformers drop them
   (while keeping `num_nextn_predict_layers`), so a checkpoint without any MTP tensor loads with
   `self.mtp = None`; one with only some of them fails like any incomplete checkpoint.
 """
@@ -207,6 +208,29 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     @property
     def sliding_window(self) -> int | None:
         return None
+
+    # ---- multi-token prediction (speculative decoding) ----------------------------------------
+    @property
+    def num_draft_layers(self) -> int:
+        """Draft layers the runner keeps a KV cache for: the first MTP layer, which drafts every
+        speculative token (as vLLM does with DeepSeek's single MTP layer); 0 without MTP
+        weights or off the last pipeline stage."""
+        return 0 if self.mtp is None else 1
+
+    def draft_hidden(self, input_ids: torch.Tensor, previous_hidden: torch.Tensor,
+                     positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+                     ) -> torch.Tensor:
+        """The MTP layer's hidden states for rows at `positions`: row p reads the hidden state
+        the main model (or the previous draft) gave position p and the id of token p + 1, and
+        leads to token p + 2."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP layers to draft with")
+        rope = self.model.rotary_emb.cos_sin(positions, previous_hidden.dtype)
+        return self.mtp.layers[0](rope, input_ids, previous_hidden, kv_cache, meta)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the MTP layer's own head (not split under tensor parallelism)."""
+        return self.mtp.layers[0].shared_head.head(hidden).float()
 
     # ---- weights -------------------------------------------------------------------------------
     @property

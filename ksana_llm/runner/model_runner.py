@@ -19,8 +19,10 @@ from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBa
                                         copy_cache_blocks)
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
+from ksana_llm.runner.drafting import MtpDrafting
 from ksana_llm.runner.host_arrays import flat_batch
 from ksana_llm.runner.logits_processing import to_device
+from ksana_llm.runner.slices import SeqSlice
 
 logger = logging.getLogger("ksana_llm.runner")
 
@@ -30,30 +32,6 @@ DEFAULT_GRAPH_MAX_BATCH_SIZE = 256
 # Rows of the flattened batch whose input embeddings replace the token embeddings, and those
 # embeddings: ([R] long, [R, hidden]). Models apply them right after the embedding lookup.
 EmbeddingOverrides = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(slots=True)
-class SeqSlice:
-    """The part of one sequence a step computes: tokens from position `start` on. (Read-only by
-    convention, not frozen: a frozen dataclass costs a microsecond more to build, per sequence
-    per step.)"""
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    sample: bool  # True when these are the sequence's last pending tokens: return its logits
-    # Forward-only: absolute positions (within this slice) whose final hidden rows to return,
-    # with their logits too when `capture_logits`.
-    capture: tuple[int, ...] = ()
-    capture_logits: bool = False
-    # Input embeddings that replace the token embeddings at some absolute positions of the
-    # sequence (plugins, e.g. image features): (positions, [len(positions), hidden]). Only those
-    # inside this slice are used.
-    embeddings: tuple[tuple[int, ...], torch.Tensor] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -88,16 +66,32 @@ class CapturedRows:
 
 @dataclass
 class StepResult:
-    """Next-token logits of the slices that asked for them, in slice order."""
+    """Next-token logits of the slices that asked for them, in slice order: one row each, or
+    1 + num_draft_tokens rows for a slice with drafts."""
 
     sampled: list[int]  # indices into StepInput.slices
-    logits: torch.Tensor | None  # [len(sampled), vocab] float32
+    logits: torch.Tensor | None  # [sum of sampled slices' rows, vocab] float32
     captured: dict[int, CapturedRows] = field(default_factory=dict)  # slice index -> its rows
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype,
+                       num_draft_layers: int = 0) -> int:
+    """One block of every layer's cache, the draft layers' (speculative decoding) included."""
     spec: KVCacheSpec = model.kv_cache_spec
-    return model.num_layers * block_size * spec.bytes_per_token(dtype)
+    return (model.num_layers + num_draft_layers) * block_size * spec.bytes_per_token(dtype)
+
+
+def draft_layers_for(model: nn.Module, num_speculative_tokens: int) -> int:
+    """Draft layers to keep a cache for: ValueError when speculative decoding is asked of a model
+    that cannot draft."""
+    if num_speculative_tokens <= 0:
+        return 0
+    layers = getattr(model, "num_draft_layers", 0)
+    if not layers:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: "
+                         f"{type(model).__name__} has no draft (MTP) layers; speculative decoding "
+                         "needs a checkpoint with multi-token-prediction weights (DeepSeek V3/R1)")
+    return layers
 
 
 def resolve_attention_backend(requested: str, model: nn.Module, device: torch.device) -> str:
@@ -129,7 +123,7 @@ def model_context_len(model: nn.Module) -> int | None:
     return int(length) if length else None
 
 
-class ModelRunner:
+class ModelRunner(MtpDrafting):
     """`cuda_graphs`: replay captured CUDA graphs for pure-decode steps of up to
     `cuda_graph_max_batch_size` sequences, when the device, backend and model allow it
     (`cuda_graph_status` says which, and why not). `max_model_len` bounds a sequence (default:
@@ -139,8 +133,11 @@ class ModelRunner:
                  num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  attention_backend: str = "auto", max_model_len: int | None = None,
                  cuda_graphs: bool = True,
-                 cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE) -> None:
+                 cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE,
+                 num_speculative_tokens: int = 0) -> None:
         self.model = model
+        self.num_speculative_tokens = num_speculative_tokens
+        num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
         if self.attention_backend == "triton":
             # The rest of the Triton path: fused RMSNorm (+ residual) and in-place RoPE.
@@ -162,12 +159,19 @@ class ModelRunner:
 
         self.kv_caches: list[KVCache] = [cache_pair(num_blocks, device=device)
                                          for _ in range(model.num_layers)]
+        # The draft (MTP) layers' caches share the block tables; swaps and copies move them too.
+        self.draft_kv_caches: list[KVCache] = [cache_pair(num_blocks, device=device)
+                                               for _ in range(num_draft_layers)]
         # Host swap space: left uncommitted until a block is swapped out, except on CUDA, where
         # it is pinned (committed at once) so swap copies can run asynchronously.
         pin = device.type == "cuda"
         self.host_caches: list[KVCache] = [
             cache_pair(num_host_blocks, zero=False, pin_memory=pin)
-            for _ in range(model.num_layers)] if num_host_blocks else []
+            for _ in range(model.num_layers + num_draft_layers)] if num_host_blocks else []
+        # Speculative decoding: the last step's final hidden states and each slice's first row
+        # in them, which the draft layers read (`runner.drafting`).
+        self.last_hidden: torch.Tensor | None = None
+        self.last_first_rows: list[int] = []
         capacity = num_blocks * block_size
         self.max_model_len = min(max_model_len or model_context_len(model) or capacity, capacity)
         self.decode_graphs: DecodeGraphs | None = None
@@ -226,6 +230,7 @@ class ModelRunner:
         hidden = self.decode_graphs.run([s.token_ids[0] for s in slices],
                                         [s.start for s in slices],
                                         [s.block_table for s in slices], patch=patch)
+        self._keep_hidden(hidden, list(range(len(slices))))
         sampled = [i for i, s in enumerate(slices) if s.sample]
         if not sampled:
             return StepResult([], None)
@@ -241,7 +246,7 @@ class ModelRunner:
         if not mapping:
             return
         runs = block_runs(mapping)
-        for device_pair, host_pair in zip(self.kv_caches, self.host_caches):
+        for device_pair, host_pair in zip(self.kv_caches + self.draft_kv_caches, self.host_caches):
             for device_cache, host_cache in zip(device_pair, host_pair):
                 if to_host:
                     copy_cache_blocks(device_cache, host_cache, runs)
@@ -253,7 +258,7 @@ class ModelRunner:
             return
         src = to_device([a for a, _ in mapping], torch.long, self.device)
         dst = to_device([b for _, b in mapping], torch.long, self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self.kv_caches + self.draft_kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
@@ -295,7 +300,7 @@ class ModelRunner:
                         override_values.append(s.embeddings[1][k])
             row += s.num_tokens
             if s.sample:
-                sample_rows.append(row - 1)
+                sample_rows.extend(range(row - 1 - s.num_draft_tokens, row))
                 sampled.append(i)
 
         bs = self.block_size
@@ -407,10 +412,15 @@ class ModelRunner:
             input_ids.index_copy_(0, target, values)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta,
                             embedding_overrides=overrides)
+        self._keep_hidden(hidden, self._first_rows)
         captured = self._capture(step.slices, hidden) if self._capture_rows else {}
         if not sampled:
             return StepResult([], None, captured)
         return StepResult(sampled, self.model.compute_logits(hidden.index_select(0, rows_t)), captured)
+
+    def _keep_hidden(self, hidden: torch.Tensor, first_rows: list[int]) -> None:
+        if self.draft_kv_caches:
+            self.last_hidden, self.last_first_rows = hidden, list(first_rows)
 
     def _patch_values(self, pending: PendingInputs, rows: list[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -312,7 +312,7 @@ class Sampler:
             for histories in self._histories.values():
                 histories.release(row)
 
-    def _default_generator(self, device: torch.device) -> torch.Generator:
+    def default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
@@ -347,7 +347,7 @@ class Sampler:
         if all_greedy:
             token_ids = greedy_ids
         else:
-            sampled = self._sample_rows(warp_logits(processed, rows), rows)
+            sampled = self.sample_rows(warp_logits(processed, rows), rows)
             greedy_mask = to_device([row.config.greedy for row in rows], torch.bool, logits.device)
             token_ids = torch.where(greedy_mask, greedy_ids, sampled)
         if histories is not None:
@@ -365,7 +365,7 @@ class Sampler:
             ids = token_ids.new_empty((raw.shape[0], 0))
         return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=(values, ids))
 
-    def _sample_rows(self, warped: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def sample_rows(self, warped: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Exponential race on warped logits: argmax(probs / E) ~ Categorical(probs).
 
         Seeded rows draw exactly V exponentials per step from their own generator, so their
@@ -379,7 +379,7 @@ class Sampler:
         seeded = [i for i, row in enumerate(rows)
                   if not row.config.greedy and row.generator is not None]
         noise = torch.empty_like(probs)
-        default = self._default_generator(probs.device)
+        default = self.default_generator(probs.device)
         if len(shared) == batch:
             noise.exponential_(generator=default)
         else:

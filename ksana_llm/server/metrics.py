@@ -19,7 +19,8 @@ Series (all carry the label `model_name`):
 - gauges `ksana_llm:num_requests_running|waiting|swapped`, `ksana_llm:kv_cache_usage_perc`
   (0..1), `ksana_llm:prefix_cache_hit_rate` (0..1), `ksana_llm:num_kv_blocks`,
   `ksana_llm:num_free_kv_blocks`, `ksana_llm:avg_generation_throughput_toks_per_s`
-- counters `ksana_llm:num_preemptions_total` (from the engine), `ksana_llm:prompt_tokens_total`,
+- counters `ksana_llm:num_preemptions_total`, `ksana_llm:spec_decode_num_draft_tokens_total`,
+  `ksana_llm:spec_decode_num_accepted_tokens_total` (from the engine), `ksana_llm:prompt_tokens_total`,
   `ksana_llm:generation_tokens_total`, `ksana_llm:request_success_total{finished_reason}`,
   `ksana_llm:request_failure_total{reason}`
 - histograms (seconds) `ksana_llm:time_to_first_token_seconds`,
@@ -105,10 +106,17 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric(labels, float(value))
             yield family
-        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions since start.",
-                                          labels=["model_name"])
-        preemptions.add_metric(labels, float(stats.num_preemptions))
-        yield preemptions
+        counters = (
+            ("num_preemptions", "Preemptions since start.", stats.num_preemptions),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+             stats.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
+             stats.num_accepted_draft_tokens),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, float(value))
+            yield family
 
 
 class TokenTimer:

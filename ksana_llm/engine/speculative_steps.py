@@ -1,0 +1,121 @@
+"""The engine core's speculative decoding steps (`num_speculative_tokens` > 0, DeepSeek MTP).
+
+A decoding sequence that holds drafts (`Sequence.draft_token_ids`) is scheduled with them: its
+slice computes its last token and the drafts in one forward, and the main model's logits at those
+1 + k rows decide how many drafts stand (`runner.draft_verification`); the first refused draft is
+replaced by the main model's own choice, and when all stand a bonus token follows. So a step adds
+1 to k + 1 tokens to such a sequence, each exactly what decoding without drafts would give
+(greedy), or drawn from the same distribution (sampling).
+
+After every step the draft layer runs over the rows whose next token is now known (prompt chunks
+too, so its KV cache keeps up) and drafts for each sequence that may draft (`_drafts_allowed`).
+Those steps read their results at once: speculative decoding turns async scheduling off.
+
+A mixin of `EngineCore`: it works on the core's `runner`, `sampler`, `block_manager`,
+`num_speculative_tokens` and draft counters, and its `_sampling_row` and `_append`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ksana_llm.engine.outputs import StepOutput
+from ksana_llm.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
+from ksana_llm.engine.scheduler import ScheduledSequence
+from ksana_llm.runner.draft_verification import NO_DRAFT, verify_drafts
+from ksana_llm.runner.drafting import DraftInput
+from ksana_llm.runner.logits_processing import to_device
+from ksana_llm.runner.slices import SeqSlice
+
+
+class SpeculativeSteps:
+    @staticmethod
+    def _drafts_allowed(seq: Sequence) -> bool:
+        """Whether each row of a drafted step sees the same processors as the first, and nothing
+        needs per-token host work between them: no penalties over the token history, no grammar,
+        no log-probs (asked, or for best_of ranking), min_new_tokens already met, no beams."""
+        row = seq.sampling_row
+        return (row is not None and seq.group.beam is None and seq.matcher is None
+                and not row.uses_token_history and not row.wants_logprob
+                and not row.suppresses_stop)
+
+    def _verify(self, seqs: list[Sequence], slices: list[SeqSlice], logits: torch.Tensor,
+                first_rows: list[int], defer: bool) -> tuple[list[StepOutput], dict[Sequence, int]]:
+        """Verify each sequence's drafts (its slice's last num_draft_tokens tokens) against its
+        logits rows from `first_rows[i]` on, and append the tokens that stand; returns the
+        outputs and each sequence's accepted draft count."""
+        rows, draft_ids, logit_rows = [], [], []
+        for seq, piece, first in zip(seqs, slices, first_rows):
+            k = piece.num_draft_tokens
+            rows.extend([self._sampling_row(seq)] * (k + 1))
+            draft_ids.extend(piece.token_ids[-k:] + [NO_DRAFT])
+            logit_rows.extend(range(first, first + k + 1))
+        if logit_rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(logit_rows, torch.long, logits.device))
+        verdict = verify_drafts(self.sampler, logits, rows, draft_ids).tolist()
+        now = time.monotonic()
+        outputs: list[StepOutput] = []
+        accepted: dict[Sequence, int] = {}
+        offset = 0
+        for seq, piece in zip(seqs, slices):
+            k = piece.num_draft_tokens
+            num_accepted = 0
+            while num_accepted < k and verdict[offset + num_accepted][0]:
+                num_accepted += 1
+            tokens = draft_ids[offset:offset + num_accepted] + [verdict[offset + num_accepted][1]]
+            offset += k + 1
+            self.num_draft_tokens += k
+            self.num_accepted_draft_tokens += num_accepted
+            accepted[seq] = num_accepted
+            # The accepted drafts' KV is computed (the refused ones' is overwritten later).
+            seq.num_computed_tokens += num_accepted
+            for token in tokens:
+                index = len(seq.output_token_ids)
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens += 1
+                outputs.extend(self._append(seq, index, token, None, None, now, defer))
+                if seq.status is SequenceStatus.FINISHED:
+                    break  # a stop (or the length limit) among the drafts: the rest is dropped
+            else:
+                self.block_manager.cache_full_blocks(seq)
+        return outputs, accepted
+
+    def _propose(self, scheduled: list[ScheduledSequence], slices: list[SeqSlice],
+                 accepted: dict[Sequence, int]) -> None:
+        """Run the draft layer over this step's rows whose next token is known, and give each
+        sequence that may draft its next drafts."""
+        draft_slices: list[SeqSlice] = []
+        sources: list[int] = []
+        num_drafts: list[int] = []
+        drafting: list[Sequence] = []
+        for j, (item, piece) in enumerate(zip(scheduled, slices)):
+            seq = item.seq
+            seq.draft_token_ids = []
+            if seq.status is SequenceStatus.FINISHED or seq.forward is not None:
+                continue  # its blocks are gone (or it never decodes)
+            # Rows whose KV stands, and whose next token is known (a beam's is not, yet).
+            kept = item.num_new_tokens - item.num_draft_tokens + accepted.get(seq, 0)
+            known = seq.num_prompt_tokens if seq.group.beam is not None else seq.num_tokens
+            num_rows = min(kept, known - 1 - piece.start)
+            if num_rows <= 0:
+                continue
+            wanted = 0
+            if piece.sample and self._drafts_allowed(seq):
+                wanted = min(self.num_speculative_tokens, seq.max_num_tokens - seq.num_tokens - 1)
+                # Chained drafts write the draft layer's KV past the sequence's last token.
+                if wanted > 1 and not self.block_manager.allocate(seq, wanted - 1):
+                    wanted = 1
+            draft_slices.append(SeqSlice(seq.tokens_slice(piece.start + 1,
+                                                          piece.start + 1 + num_rows),
+                                         piece.start, seq.block_table, sample=wanted > 0))
+            sources.append(j)
+            if wanted > 0:
+                num_drafts.append(wanted)
+                drafting.append(seq)
+        if not draft_slices:
+            return
+        drafts = self.runner.propose(DraftInput(draft_slices, sources, num_drafts))
+        for seq, count, row in zip(drafting, num_drafts, drafts.tolist()):
+            seq.draft_token_ids = row[:count]

@@ -1,0 +1,72 @@
+"""Verifying draft tokens against the main model (speculative decoding), on the device.
+
+A sequence with k drafts d_1..d_k gets k + 1 rows of logits from the main model: row j is the
+distribution of the token after d_j (row 0: after its last known token). Each row is processed
+and warped exactly as the sampler does for one token (`process_logits`, `warp_logits`), then:
+
+- greedy rows accept d_{j+1} when it is row j's argmax; the token emitted at the first refusal
+  (or after the last draft: the bonus token) is that row's argmax, so the output is the greedy
+  output token for token;
+- sampling rows accept d_{j+1} with probability p_j(d_{j+1}) and, at the first refusal, draw
+  from p_j with d_{j+1} removed (renormalised); after the last draft they draw from p_k. Drafts
+  are the draft model's argmax (a one-hot proposal), for which this is the standard speculative
+  sampling rule: every emitted token follows the same distribution as without drafts.
+
+Rows only mix settings the sampler would accept for one token at a time; the engine drafts only
+for sequences whose processors do not depend on the tokens between rows (no penalties read the
+history, no grammar, no pending min_new_tokens: see `EngineCore._drafts_allowed`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ksana_llm.runner.logits_processing import process_logits, to_device
+from ksana_llm.runner.sampler import Sampler, SamplingRow, warp_logits
+
+# Marks a row's draft id when it has none (the last row of each sequence: its bonus token).
+NO_DRAFT = -1
+
+
+def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
+                  draft_ids: list[int]) -> torch.Tensor:
+    """[R, 2] int64 on the logits' device: (whether row r accepts its draft, the token emitted
+    if row r is where its sequence stops accepting). `rows[r]` is row r's sequence's settings;
+    `draft_ids[r]` the draft row r judges, or NO_DRAFT."""
+    if logits.dim() != 2 or not logits.shape[0] == len(rows) == len(draft_ids):
+        raise ValueError(f"expected logits [len(rows)={len(rows)}, V] and one draft id per row, "
+                         f"got {tuple(logits.shape)} and {len(draft_ids)}")
+    device = logits.device
+    needs_processing = any(row.has_penalties for row in rows)
+    processed = process_logits(logits, rows) if needs_processing else logits.float()
+    has_draft = to_device([d != NO_DRAFT for d in draft_ids], torch.bool, device)
+    drafts = to_device([max(d, 0) for d in draft_ids], torch.long, device).unsqueeze(1)
+    greedy_ids = processed.argmax(dim=-1)
+    greedy_accept = greedy_ids == drafts.squeeze(1)
+    if all(row.config.greedy for row in rows):
+        accepted, tokens = greedy_accept, greedy_ids
+    else:
+        probs = warp_logits(processed, rows).softmax(dim=-1)
+        draft_probs = probs.gather(1, drafts).squeeze(1)
+        sampled_accept = _uniforms(sampler, rows, device) < draft_probs
+        # The residual distribution: p without the refused draft (rows without one keep p).
+        residual = probs.scatter(1, drafts, torch.where(has_draft.unsqueeze(1), 0.0,
+                                                        draft_probs.unsqueeze(1)))
+        # A draft with all the mass is always accepted; keep its row finite all the same.
+        residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, probs)
+        # `sample_rows` softmaxes its input: log(residual) gives back residual / sum.
+        sampled = sampler.sample_rows(residual.log(), rows)
+        greedy = to_device([row.config.greedy for row in rows], torch.bool, device)
+        accepted = torch.where(greedy, greedy_accept, sampled_accept)
+        tokens = torch.where(greedy, greedy_ids, sampled)
+    return torch.stack((accepted & has_draft, tokens), dim=1).long()
+
+
+def _uniforms(sampler: Sampler, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per row: from the row's own generator (seeded requests) or the sampler's."""
+    out = torch.empty(len(rows), dtype=torch.float32, device=device)
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    out.uniform_(generator=sampler.default_generator(device))
+    for i in seeded:
+        out[i:i + 1].uniform_(generator=rows[i].generator)
+    return out

@@ -1,0 +1,229 @@
+"""Speculative decoding with DeepSeek's MTP layer, against transformers (fp32, CPU).
+
+The model is a tiny random DeepSeek-V3 with one MTP layer (tests/deepseek_checkpoint.py). Random
+MTP weights almost never guess the main model's next tokens, so the MTP head is fitted to the
+main model's greedy continuations of the test prompts, their first half (`fit_draft_head`):
+drafts are then often right and often wrong, and both paths of verification run.
+
+- greedy tokens through the Engine equal transformers' `generate`, with 1 and 3 drafts per step,
+  chunked prefill, a prefix-cache hit, preemption (swap and recompute), and requests that do not
+  draft (penalties, log-probs, n > 1, beam search) in the same batches;
+- the engine's drafts after every step equal the MTP layer run by transformers over the whole
+  sequence (so the draft layer's paged cache is right after accepted and refused drafts);
+- verification keeps the sampling distribution (the speculative sampling rule), checked on
+  synthetic logits with many draws;
+- bad settings fail with a ValueError naming the field, and KsanaLLM's YAML keys map to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV3ForCausalLM
+
+import ksana_llm as kt
+from ksana_llm import EngineConfig, GenerationConfig, Model
+from ksana_llm.api.core_builder import build_core
+from ksana_llm.engine.request import Sequence
+from ksana_llm.runner.draft_verification import NO_DRAFT, verify_drafts
+from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator, warp_logits
+from ksana_llm.yaml_config import parse_engine_config
+from tests.deepseek_checkpoint import (
+    deepseek_config,
+    fit_draft_head,
+    greedy_continuations,
+    hf_drafts,
+    hf_mtp_layer,
+    randomize,
+    save_with_mtp,
+)
+
+VOCAB = 32
+NUM_TOKENS = 24
+
+
+class Setup:
+    def __init__(self, root) -> None:
+        torch.manual_seed(0)
+        self.hf = DeepseekV3ForCausalLM(deepseek_config(vocab_size=VOCAB)).eval()
+        randomize(self.hf)
+        self.layer = hf_mtp_layer(self.hf.config)
+        gen = torch.Generator().manual_seed(1)
+        shared = torch.randint(3, VOCAB, (9,), generator=gen).tolist()
+        self.prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 13)]
+        self.prompts.append(shared + torch.randint(3, VOCAB, (6,), generator=gen).tolist())
+        self.prompts.append(shared + torch.randint(3, VOCAB, (3,), generator=gen).tolist())
+        self.expected = greedy_continuations(self.hf, self.prompts, NUM_TOKENS)
+        # Fitted to the first half of each continuation only: the second half's drafts are
+        # often refused.
+        self.head = fit_draft_head(self.hf, self.layer, [
+            p + e[:NUM_TOKENS // 2] for p, e in zip(self.prompts, self.expected)])
+        self.folder = save_with_mtp(self.hf, self.layer, self.head, root / "deepseek_mtp")
+        self.model = Model.from_pretrained(self.folder, device="cpu", dtype="float32",
+                                           progress=False)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Setup:
+    return Setup(tmp_path_factory.mktemp("spec"))
+
+
+def _generate(setup: Setup, prompts: list[list[int]], configs=None, then=(), **engine_kwargs):
+    """Outputs of `prompts` (then of `then`, once those are done) and the engine's stats."""
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    kwargs = {"block_token_num": 4, "num_device_blocks": 128, **engine_kwargs}
+    with kt.Engine(setup.model, generation_config=config, **kwargs) as engine:
+        outputs = engine.generate_outputs(prompts, configs) if configs else \
+            engine.generate_outputs(prompts)
+        if then:
+            outputs += engine.generate_outputs(list(then))
+        return outputs, engine.stats()
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_greedy_tokens_equal_transformers(setup, num_drafts):
+    """Chunked prefill (split_fuse 8); the last prompt hits the cached prefix of the one before."""
+    outputs, stats = _generate(setup, setup.prompts[:3], then=setup.prompts[3:],
+                               num_speculative_tokens=num_drafts, split_fuse_token_num=8)
+    assert [o.token_ids for o in outputs] == setup.expected
+    # Both verification paths ran: drafts accepted and drafts refused.
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.prefix_cache_hit_rate > 0
+    assert stats.draft_acceptance_rate == stats.num_accepted_draft_tokens / stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("preempt_mode", [0, 1])
+def test_greedy_tokens_survive_preemption(setup, preempt_mode):
+    """A KV pool too small for every sequence at once: drafts' blocks count, sequences are
+    swapped out or recomputed, outputs stay transformers' (the draft cache is swapped too)."""
+    outputs, stats = _generate(setup, setup.prompts, num_speculative_tokens=3,
+                               num_device_blocks=18, preempt_mode=preempt_mode)
+    assert stats.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == setup.expected
+    assert stats.num_accepted_draft_tokens > 0
+
+
+def test_requests_that_do_not_draft_share_the_batch(setup):
+    """Penalties, log-probs, parallel samples and beam search decode one token per step next to
+    drafting requests: the greedy ones still equal transformers, the others equal the same
+    requests without speculative decoding."""
+    plain = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    others = [GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+              GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2),
+              GenerationConfig(max_new_tokens=8, ignore_eos=True, num_beams=2),
+              GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, do_sample=True,
+                               seed=3, num_return_sequences=2, presence_penalty=0.5)]
+    prompts = setup.prompts[:2] + setup.prompts[:4]
+    configs = [plain, plain, *others]
+    with_drafts, stats = _generate(setup, prompts, configs, num_speculative_tokens=2)
+    without, _ = _generate(setup, prompts, configs)
+    assert [o.token_ids for o in with_drafts[:2]] == setup.expected[:2]
+    assert stats.num_accepted_draft_tokens > 0
+    for ours, reference in zip(with_drafts[2:], without[2:]):
+        assert [s.token_ids for s in ours.sequences] == [s.token_ids for s in reference.sequences]
+    lp_ours, lp_ref = with_drafts[3].logprobs, without[3].logprobs
+    assert [e["token_id"] for e in lp_ours] == [e["token_id"] for e in lp_ref]
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_drafts_equal_transformers_mtp(setup, num_drafts):
+    """After every step, the sequence's drafts are what transformers' MTP layer gives over the
+    whole sequence so far (main hidden states, shifted tokens; chained drafts one row on)."""
+    config = EngineConfig(device="cpu", dtype="float32", block_token_num=4, num_device_blocks=64,
+                          num_speculative_tokens=num_drafts, max_step_tokens=8)
+    core = build_core(setup.model, config, setup.model.tokenizer, lambda message: None)
+    prompt = setup.prompts[1]
+    seq = Sequence("s", list(prompt), GenerationConfig(max_new_tokens=16, ignore_eos=True))
+    core.add(seq)
+    checked = 0
+    while core.has_work():
+        core.step()
+        if seq.draft_token_ids:
+            assert seq.draft_token_ids == hf_drafts(setup.hf, setup.layer, setup.head,
+                                                    seq.token_ids, len(seq.draft_token_ids))
+            checked += 1
+    assert seq.output_token_ids == setup.expected[1][:16]
+    assert checked >= 3 and core.num_accepted_draft_tokens > 0
+
+
+# ---- verification on synthetic logits ------------------------------------------------------------
+
+def _emitted(verdict: torch.Tensor, drafts: list[int], k: int) -> list[list[int]]:
+    """Per sequence (k + 1 rows each): the tokens verification emits."""
+    out = []
+    for start in range(0, verdict.shape[0], k + 1):
+        rows = verdict[start:start + k + 1].tolist()
+        accepted = 0
+        while accepted < k and rows[accepted][0]:
+            accepted += 1
+        out.append(drafts[start:start + accepted] + [rows[accepted][1]])
+    return out
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_verification_keeps_the_sampling_distribution(draft):
+    """k = 1: the first token follows the warped p0 whatever the draft (likely or not), and the
+    second one (after an accepted draft) follows p1."""
+    torch.manual_seed(0)
+    vocab, num = 6, 40000
+    p_logits = torch.randn(2, vocab) * 1.5
+    config = GenerationConfig(do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=4)
+    row = SamplingRow(config=config, prompt_token_ids=[1], output_token_ids=[])
+    logits = p_logits.repeat(num, 1)
+    drafts = [draft, NO_DRAFT] * num
+    verdict = verify_drafts(Sampler(seed=0), logits, [row] * (2 * num), drafts)
+    emitted = _emitted(verdict, drafts, 1)
+    target = warp_logits(p_logits, [row, row]).softmax(dim=-1)
+    first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=vocab) / num
+    assert (first - target[0]).abs().sum() / 2 < 0.015
+    seconds = torch.tensor([e[1] for e in emitted if len(e) == 2])
+    second = torch.bincount(seconds, minlength=vocab) / len(seconds)
+    assert len(seconds) > 0.9 * num * target[0, draft].item()
+    assert (second - target[1]).abs().sum() / 2 < 0.04
+
+
+def test_greedy_verification_and_seeded_rows():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0],
+                           [0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    greedy = SamplingRow(config=GenerationConfig(), prompt_token_ids=[1], output_token_ids=[])
+    drafts = [1, 2, NO_DRAFT, 1, 0, NO_DRAFT]  # first: refused at row 1; second: all accepted
+    verdict = verify_drafts(Sampler(), logits, [greedy] * 6, drafts)
+    assert _emitted(verdict, drafts, 2) == [[1, 0], [1, 0, 2]]
+
+    def seeded_run() -> list[list[int]]:
+        config = GenerationConfig(do_sample=True, seed=7)
+        row = SamplingRow(config=config, prompt_token_ids=[1], output_token_ids=[],
+                          generator=make_generator(7, "cpu"))
+        return _emitted(verify_drafts(Sampler(), torch.randn(3, 50, generator=torch.Generator()
+                                                             .manual_seed(2)),
+                                      [row] * 3, [4, 9, NO_DRAFT]), [4, 9, NO_DRAFT], 2)
+
+    assert seeded_run() == seeded_run()
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+def test_bad_settings_name_the_field(setup, tmp_path):
+    smol = Model.from_pretrained(None, device="cpu", dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="num_speculative_tokens.*no draft"):
+        kt.Engine(smol, num_speculative_tokens=1, num_device_blocks=16)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(num_speculative_tokens=1, async_scheduling=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        EngineConfig(num_speculative_tokens=1, pipeline_parallel_size=2)
+
+
+def test_yaml_keys():
+    section = {"setting": {"batch_scheduler": {"enable_speculative_decoding": True,
+                                               "mtp_step_num": 2}}}
+    assert parse_engine_config(section)[0].num_speculative_tokens == 2
+    section["setting"]["batch_scheduler"]["enable_speculative_decoding"] = False
+    assert parse_engine_config(section)[0].num_speculative_tokens == 0
+    del section["setting"]["batch_scheduler"]["mtp_step_num"]
+    section["setting"]["batch_scheduler"]["enable_speculative_decoding"] = True
+    assert parse_engine_config(section)[0].num_speculative_tokens == 1
+    section["setting"]["batch_scheduler"]["mtp_step_num"] = "two"
+    with pytest.raises(ValueError, match="mtp_step_num"):
+        parse_engine_config(section)
