@@ -21,6 +21,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="speculative decoding: tokens the MTP layer drafts per step "
+                             "(DeepSeek V3/R1 with MTP weights; 0 = off)")
 
 
 def _generation_config(args: argparse.Namespace):
@@ -37,7 +40,8 @@ def _engine(args: argparse.Namespace):
     from ksana_llm.api.engine import Engine
 
     return Engine(args.model, device=args.device, dtype=args.dtype,
-                  generation_config=_generation_config(args))
+                  generation_config=_generation_config(args),
+                  num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _render_chat(tokenizer, messages: list[dict[str, str]]) -> str:

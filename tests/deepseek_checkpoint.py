@@ -61,11 +61,11 @@ def hf_mtp_layer(config: DeepseekV3Config) -> MtpLayer:
     return layer
 
 
-def mtp_checkpoint_tensors(layer: MtpLayer, embed: torch.Tensor, head: torch.Tensor
-                            ) -> dict[str, torch.Tensor]:
+def mtp_checkpoint_tensors(layer: MtpLayer, embed: torch.Tensor, head: torch.Tensor,
+                           num_layers: int = NUM_LAYERS) -> dict[str, torch.Tensor]:
     """The layer as hub checkpoints store it: `model.layers.{N}.*`, experts one by one,
     `post_norm` as `shared_head.norm`, plus the depth's own embedding and head."""
-    prefix = f"model.layers.{NUM_LAYERS}."
+    prefix = f"model.layers.{num_layers}."
     tensors = {prefix + "embed_tokens.weight": embed, prefix + "shared_head.head.weight": head}
     for name, tensor in [*layer.state_dict().items()]:
         name = name.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
@@ -152,6 +152,7 @@ def save_with_mtp(hf: torch.nn.Module, layer: MtpLayer, head: torch.Tensor,
     model's embedding and `head` as the depth's own."""
     hf.save_pretrained(folder)
     tensors = load_file(folder / "model.safetensors")
-    tensors.update(mtp_checkpoint_tensors(layer, hf.model.embed_tokens.weight.detach(), head))
+    tensors.update(mtp_checkpoint_tensors(layer, hf.model.embed_tokens.weight.detach(), head,
+                                          hf.config.num_hidden_layers))
     save_file(tensors, folder / "model.safetensors")
     return folder

@@ -31,6 +31,9 @@ def test_chat_streams_and_keeps_history(default_model_dir):
 @pytest.mark.parametrize("args, needle", [
     (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     (["generate", "hi", "--model", "/nonexistent/model"], "/nonexistent/model"),
+    # SmolLM2 has no MTP layer to draft with
+    (["generate", "hi", "--num-speculative-tokens", "1", "--device", "cpu"],
+     "num_speculative_tokens"),
 ])
 def test_bad_arguments_give_a_clear_error(args, needle):
     proc = _run(args)
@@ -54,3 +57,6 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     yaml_file.write_text("setting:\n  global:\n    enable_cuda_graph: true\n")
     config = engine_config_from_args(parse([*args, "--config_file", str(yaml_file)]))
     assert (config.enable_cuda_graphs, config.async_scheduling) == (False, False)  # flags win
+    assert engine_config_from_args(parse(["serve"])).num_speculative_tokens == 0
+    config = engine_config_from_args(parse(["serve", "--num-speculative-tokens", "2"]))
+    assert config.num_speculative_tokens == 2

@@ -6,8 +6,10 @@ main model's greedy continuations of the test prompts, their first half (`fit_dr
 drafts are then often right and often wrong, and both paths of verification run.
 
 - greedy tokens through the Engine equal transformers' `generate`, with 1 and 3 drafts per step,
-  chunked prefill, a prefix-cache hit, preemption (swap and recompute), and requests that do not
-  draft (penalties, log-probs, n > 1, beam search) in the same batches;
+  chunked prefill, a prefix-cache hit, preemption (swap and recompute), tensor parallelism (2
+  gloo ranks), requests with log-probs (which draft too: their log-probs equal those without
+  drafts) and requests that do not draft (penalties, n > 1 with a penalty, beam search) in the
+  same batches;
 - the engine's drafts after every step equal the MTP layer run by transformers over the whole
   sequence (so the draft layer's paged cache is right after accepted and refused drafts);
 - verification keeps the sampling distribution (the speculative sampling rule), checked on
@@ -104,25 +106,49 @@ def test_greedy_tokens_survive_preemption(setup, preempt_mode):
 
 
 def test_requests_that_do_not_draft_share_the_batch(setup):
-    """Penalties, log-probs, parallel samples and beam search decode one token per step next to
-    drafting requests: the greedy ones still equal transformers, the others equal the same
-    requests without speculative decoding."""
+    """Penalties, parallel samples with a penalty and beam search decode one token per step next
+    to drafting requests (greedy, and greedy with log-probs): the greedy ones still equal
+    transformers, the others equal the same requests without speculative decoding, and the
+    log-probs of drafted tokens equal those computed one token at a time."""
     plain = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
-    others = [GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, repetition_penalty=1.3),
-              GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2),
-              GenerationConfig(max_new_tokens=8, ignore_eos=True, num_beams=2),
-              GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, do_sample=True,
-                               seed=3, num_return_sequences=2, presence_penalty=0.5)]
-    prompts = setup.prompts[:2] + setup.prompts[:4]
-    configs = [plain, plain, *others]
+    configs = [plain, GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2),
+               GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True,
+                                repetition_penalty=1.3),
+               GenerationConfig(max_new_tokens=8, ignore_eos=True, num_beams=2),
+               GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, do_sample=True,
+                                seed=3, num_return_sequences=2, presence_penalty=0.5)]
+    prompts = setup.prompts[:2] + setup.prompts[:3]
     with_drafts, stats = _generate(setup, prompts, configs, num_speculative_tokens=2)
     without, _ = _generate(setup, prompts, configs)
     assert [o.token_ids for o in with_drafts[:2]] == setup.expected[:2]
     assert stats.num_accepted_draft_tokens > 0
     for ours, reference in zip(with_drafts[2:], without[2:]):
         assert [s.token_ids for s in ours.sequences] == [s.token_ids for s in reference.sequences]
-    lp_ours, lp_ref = with_drafts[3].logprobs, without[3].logprobs
-    assert [e["token_id"] for e in lp_ours] == [e["token_id"] for e in lp_ref]
+    # The log-prob request drafts as well (alone, it has drafts accepted).
+    _, alone = _generate(setup, prompts[1:2], configs[1:2], num_speculative_tokens=2)
+    assert alone.num_accepted_draft_tokens > 0
+    ours, reference = with_drafts[1].logprobs, without[1].logprobs
+    assert len(ours) == len(reference) == NUM_TOKENS
+    for entry, expected in zip(ours, reference):
+        assert entry["token_id"] == expected["token_id"]
+        assert entry["logprob"] == pytest.approx(expected["logprob"], abs=1e-4)
+        assert list(entry["top_logprobs"]) == list(expected["top_logprobs"])
+        assert list(entry["top_logprobs"].values()) == pytest.approx(
+            list(expected["top_logprobs"].values()), abs=1e-4)
+
+
+def test_tensor_parallel_drafts(setup):
+    """Two gloo ranks: the draft layer (MLA heads and experts split like the main layers) runs
+    on both, and greedy outputs stay transformers'."""
+    model = Model.from_pretrained(setup.folder, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=2)
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
+                   num_speculative_tokens=2) as engine:
+        outputs = engine.generate_outputs(setup.prompts)
+        stats = engine.stats()
+    assert [o.token_ids for o in outputs] == setup.expected
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
 
 
 @pytest.mark.parametrize("num_drafts", [1, 3])

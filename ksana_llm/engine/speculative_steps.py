@@ -35,11 +35,10 @@ class SpeculativeSteps:
     def _drafts_allowed(seq: Sequence) -> bool:
         """Whether each row of a drafted step sees the same processors as the first, and nothing
         needs per-token host work between them: no penalties over the token history, no grammar,
-        no log-probs (asked, or for best_of ranking), min_new_tokens already met, no beams."""
+        min_new_tokens already met, no beams."""
         row = seq.sampling_row
         return (row is not None and seq.group.beam is None and seq.matcher is None
-                and not row.uses_token_history and not row.wants_logprob
-                and not row.suppresses_stop)
+                and not row.uses_token_history and not row.suppresses_stop)
 
     def _verify(self, seqs: list[Sequence], slices: list[SeqSlice], logits: torch.Tensor,
                 first_rows: list[int], defer: bool) -> tuple[list[StepOutput], dict[Sequence, int]]:
@@ -54,7 +53,9 @@ class SpeculativeSteps:
             logit_rows.extend(range(first, first + k + 1))
         if logit_rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(logit_rows, torch.long, logits.device))
-        verdict = verify_drafts(self.sampler, logits, rows, draft_ids).tolist()
+        wanted = [row.config.logprobs or 0 for row in rows if row.wants_logprob]
+        top_k = max(wanted) if wanted else None
+        verdict = verify_drafts(self.sampler, logits, rows, draft_ids, top_k).tolist()
         now = time.monotonic()
         outputs: list[StepOutput] = []
         accepted: dict[Sequence, int] = {}
@@ -64,23 +65,38 @@ class SpeculativeSteps:
             num_accepted = 0
             while num_accepted < k and verdict[offset + num_accepted][0]:
                 num_accepted += 1
-            tokens = draft_ids[offset:offset + num_accepted] + [verdict[offset + num_accepted][1]]
+            last = verdict[offset + num_accepted]
+            tokens = draft_ids[offset:offset + num_accepted] + [int(last[1])]
+            logprobs = self._draft_logprobs(verdict[offset:offset + num_accepted + 1], top_k)
             offset += k + 1
             self.num_draft_tokens += k
             self.num_accepted_draft_tokens += num_accepted
             accepted[seq] = num_accepted
             # The accepted drafts' KV is computed (the refused ones' is overwritten later).
             seq.num_computed_tokens += num_accepted
-            for token in tokens:
+            for token, (logprob, top) in zip(tokens, logprobs):
                 index = len(seq.output_token_ids)
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
-                outputs.extend(self._append(seq, index, token, None, None, now, defer))
+                outputs.extend(self._append(seq, index, token, logprob, top, now, defer))
                 if seq.status is SequenceStatus.FINISHED:
                     break  # a stop (or the length limit) among the drafts: the rest is dropped
             else:
                 self.block_manager.cache_full_blocks(seq)
         return outputs, accepted
+
+    @staticmethod
+    def _draft_logprobs(verdict: list[list[float]], top_k: int | None
+                        ) -> list[tuple[float | None, list[tuple[int, float]] | None]]:
+        """(log-prob, top (id, log-prob) pairs) of each emitted token: the accepted drafts', then
+        the last row's own token's (see `verify_drafts`' columns); Nones without log-probs."""
+        if top_k is None:
+            return [(None, None)] * len(verdict)
+        out = []
+        for j, row in enumerate(verdict):
+            top = list(zip((int(t) for t in row[4 + top_k:4 + 2 * top_k]), row[4:4 + top_k]))
+            out.append((row[2] if j < len(verdict) - 1 else row[3], top))
+        return out
 
     def _propose(self, scheduled: list[ScheduledSequence], slices: list[SeqSlice],
                  accepted: dict[Sequence, int]) -> None:

@@ -12,6 +12,9 @@ and warped exactly as the sampler does for one token (`process_logits`, `warp_lo
   are the draft model's argmax (a one-hot proposal), for which this is the standard speculative
   sampling rule: every emitted token follows the same distribution as without drafts.
 
+Log-probs (when asked) are those of the raw model distribution at each row, as the sampler
+reports them: of the row's draft, of the token it would emit, and the row's top ones.
+
 Rows only mix settings the sampler would accept for one token at a time; the engine drafts only
 for sequences whose processors do not depend on the tokens between rows (no penalties read the
 history, no grammar, no pending min_new_tokens: see `EngineCore._drafts_allowed`).
@@ -29,10 +32,14 @@ NO_DRAFT = -1
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
-                  draft_ids: list[int]) -> torch.Tensor:
+                  draft_ids: list[int], num_top_logprobs: int | None = None) -> torch.Tensor:
     """[R, 2] int64 on the logits' device: (whether row r accepts its draft, the token emitted
     if row r is where its sequence stops accepting). `rows[r]` is row r's sequence's settings;
-    `draft_ids[r]` the draft row r judges, or NO_DRAFT."""
+    `draft_ids[r]` the draft row r judges, or NO_DRAFT.
+
+    With `num_top_logprobs` (k, may be 0): [R, 4 + 2k] float64 instead (token ids are exact in
+    it), the columns followed by the raw log-probs of the draft and of the token, then the row's
+    top-k log-prob values and ids."""
     if logits.dim() != 2 or not logits.shape[0] == len(rows) == len(draft_ids):
         raise ValueError(f"expected logits [len(rows)={len(rows)}, V] and one draft id per row, "
                          f"got {tuple(logits.shape)} and {len(draft_ids)}")
@@ -59,7 +66,13 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
         greedy = to_device([row.config.greedy for row in rows], torch.bool, device)
         accepted = torch.where(greedy, greedy_accept, sampled_accept)
         tokens = torch.where(greedy, greedy_ids, sampled)
-    return torch.stack((accepted & has_draft, tokens), dim=1).long()
+    verdict = torch.stack((accepted & has_draft, tokens), dim=1).long()
+    if num_top_logprobs is None:
+        return verdict
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.cat((raw.gather(1, drafts), raw.gather(1, tokens.unsqueeze(1))), dim=1)
+    values, ids = torch.topk(raw, min(num_top_logprobs, raw.shape[1]), dim=-1)
+    return torch.cat((verdict.double(), chosen.double(), values.double(), ids.double()), dim=1)
 
 
 def _uniforms(sampler: Sampler, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
