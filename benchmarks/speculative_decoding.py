@@ -39,6 +39,7 @@ from tests.deepseek_checkpoint import (  # noqa: E402
     fit_draft_head,
     greedy_continuations,
     hf_mtp_layer,
+    mtp_embedding,
     randomize,
     save_with_mtp,
 )
@@ -54,12 +55,13 @@ def build(root: Path, args: argparse.Namespace) -> tuple[torch.nn.Module, Path, 
     hf = DeepseekV3ForCausalLM(config).eval()
     randomize(hf)
     layer = hf_mtp_layer(config)
+    embed = mtp_embedding(hf)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, args.vocab, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 48, (max(args.batch_sizes),), generator=gen)]
     fit_on = greedy_continuations(hf, prompts, args.fit_tokens)
-    head = fit_draft_head(hf, layer, [p + c for p, c in zip(prompts, fit_on)], steps=400)
-    return hf, save_with_mtp(hf, layer, head, root / "deepseek_mtp"), prompts
+    head = fit_draft_head(hf, layer, embed, [p + c for p, c in zip(prompts, fit_on)], steps=400)
+    return hf, save_with_mtp(hf, layer, embed, head, root / "deepseek_mtp"), prompts
 
 
 def run_engine(model: Model, prompts: list[list[int]], k: int, new_tokens: int

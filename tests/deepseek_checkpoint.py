@@ -84,21 +84,22 @@ def mtp_checkpoint_tensors(layer: MtpLayer, embed: torch.Tensor, head: torch.Ten
 
 # ---- drafting with the MTP layer, as transformers computes it ----------------------------------
 
-def _mtp_rows(hf: torch.nn.Module, layer: MtpLayer, previous: torch.Tensor,
+def _mtp_rows(hf: torch.nn.Module, layer: MtpLayer, embed: torch.Tensor, previous: torch.Tensor,
               next_ids: list[int]) -> torch.Tensor:
     """The MTP layer's hidden states (after its final norm) for rows 0..n-1: row p reads
-    `previous[p]` and the embedding of `next_ids[p]`, attending causally (no cache)."""
+    `previous[p]` and the MTP embedding `embed` of `next_ids[p]`, attending causally (no
+    cache)."""
     n = len(next_ids)
     positions = torch.arange(n)[None]
-    embeds = hf.model.embed_tokens(torch.tensor(next_ids))[None]
+    embeds = torch.nn.functional.embedding(torch.tensor(next_ids), embed)[None]
     mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
     cos_sin = DeepseekV3RotaryEmbedding(hf.config)(previous[None], positions)
     return layer(embeds, previous[None], position_embeddings=cos_sin, attention_mask=mask,
                  position_ids=positions, cache=None)[0]
 
 
-def hf_drafts(hf: torch.nn.Module, layer: MtpLayer, head: torch.Tensor, ids: list[int],
-              num_drafts: int) -> list[int]:
+def hf_drafts(hf: torch.nn.Module, layer: MtpLayer, embed: torch.Tensor, head: torch.Tensor,
+              ids: list[int], num_drafts: int) -> list[int]:
     """The drafts after `ids`: the MTP layer over rows 0..n-2 (main model hidden state at p, token
     p + 1), its last row's argmax, then each further draft one row on, reading the previous
     row's MTP hidden state and draft (one MTP layer reused, as the engine chains it)."""
@@ -107,15 +108,15 @@ def hf_drafts(hf: torch.nn.Module, layer: MtpLayer, head: torch.Tensor, ids: lis
         previous, next_ids = hidden[:len(ids) - 1], list(ids[1:])
         drafts = []
         for _ in range(num_drafts):
-            rows = _mtp_rows(hf, layer, previous, next_ids)
+            rows = _mtp_rows(hf, layer, embed, previous, next_ids)
             drafts.append(int((rows[-1] @ head.T).argmax()))
             previous = torch.cat((previous, rows[-1:]))
             next_ids.append(drafts[-1])
     return drafts
 
 
-def fit_draft_head(hf: torch.nn.Module, layer: MtpLayer, sequences: list[list[int]],
-                   steps: int = 300) -> torch.Tensor:
+def fit_draft_head(hf: torch.nn.Module, layer: MtpLayer, embed: torch.Tensor,
+                   sequences: list[list[int]], steps: int = 300) -> torch.Tensor:
     """A head for the (random) MTP layer fitted to predict token p + 2 of `sequences` (the main
     model's own greedy continuations): a stand-in for trained MTP weights, so drafts are
     accepted often enough to exercise (and measure) acceptance. Returns [vocab, hidden]."""
@@ -123,7 +124,7 @@ def fit_draft_head(hf: torch.nn.Module, layer: MtpLayer, sequences: list[list[in
     with torch.no_grad():
         for ids in sequences:
             hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
-            features.append(_mtp_rows(hf, layer, hidden[:len(ids) - 1], ids[1:])[:-1])
+            features.append(_mtp_rows(hf, layer, embed, hidden[:len(ids) - 1], ids[1:])[:-1])
             targets.append(torch.tensor(ids[2:]))
     x, y = torch.cat(features), torch.cat(targets)
     head = torch.zeros(hf.config.vocab_size, x.shape[1], requires_grad=True)
@@ -146,13 +147,20 @@ def greedy_continuations(hf: torch.nn.Module, prompts: list[list[int]], num_toke
     return out
 
 
-def save_with_mtp(hf: torch.nn.Module, layer: MtpLayer, head: torch.Tensor,
+def mtp_embedding(hf: torch.nn.Module, seed: int = 7) -> torch.Tensor:
+    """The MTP depth's own embedding: the main model's, perturbed (hub checkpoints store a copy;
+    a different one shows which of the two the drafts read)."""
+    noise = torch.randn(hf.model.embed_tokens.weight.shape,
+                        generator=torch.Generator().manual_seed(seed))
+    return hf.model.embed_tokens.weight.detach() + noise * hf.config.initializer_range
+
+
+def save_with_mtp(hf: torch.nn.Module, layer: MtpLayer, embed: torch.Tensor, head: torch.Tensor,
                   folder: Path) -> Path:
-    """`hf` saved by transformers, plus the MTP layer as `model.layers.{N}.*` with the main
-    model's embedding and `head` as the depth's own."""
+    """`hf` saved by transformers, plus the MTP layer as `model.layers.{N}.*` with `embed` and
+    `head` as the depth's own embedding and head."""
     hf.save_pretrained(folder)
     tensors = load_file(folder / "model.safetensors")
-    tensors.update(mtp_checkpoint_tensors(layer, hf.model.embed_tokens.weight.detach(), head,
-                                          hf.config.num_hidden_layers))
+    tensors.update(mtp_checkpoint_tensors(layer, embed, head, hf.config.num_hidden_layers))
     save_file(tensors, folder / "model.safetensors")
     return folder

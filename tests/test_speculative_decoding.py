@@ -27,6 +27,7 @@ import ksana_llm as kt
 from ksana_llm import EngineConfig, GenerationConfig, Model
 from ksana_llm.api.core_builder import build_core
 from ksana_llm.engine.request import Sequence
+from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.runner.draft_verification import NO_DRAFT, verify_drafts
 from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator, warp_logits
 from ksana_llm.yaml_config import parse_engine_config
@@ -36,6 +37,7 @@ from tests.deepseek_checkpoint import (
     greedy_continuations,
     hf_drafts,
     hf_mtp_layer,
+    mtp_embedding,
     randomize,
     save_with_mtp,
 )
@@ -50,6 +52,7 @@ class Setup:
         self.hf = DeepseekV3ForCausalLM(deepseek_config(vocab_size=VOCAB)).eval()
         randomize(self.hf)
         self.layer = hf_mtp_layer(self.hf.config)
+        self.embed = mtp_embedding(self.hf)  # the depth's own, not the main model's
         gen = torch.Generator().manual_seed(1)
         shared = torch.randint(3, VOCAB, (9,), generator=gen).tolist()
         self.prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 13)]
@@ -58,9 +61,10 @@ class Setup:
         self.expected = greedy_continuations(self.hf, self.prompts, NUM_TOKENS)
         # Fitted to the first half of each continuation only: the second half's drafts are
         # often refused.
-        self.head = fit_draft_head(self.hf, self.layer, [
+        self.head = fit_draft_head(self.hf, self.layer, self.embed, [
             p + e[:NUM_TOKENS // 2] for p, e in zip(self.prompts, self.expected)])
-        self.folder = save_with_mtp(self.hf, self.layer, self.head, root / "deepseek_mtp")
+        self.folder = save_with_mtp(self.hf, self.layer, self.embed, self.head,
+                                    root / "deepseek_mtp")
         self.model = Model.from_pretrained(self.folder, device="cpu", dtype="float32",
                                            progress=False)
 
@@ -82,11 +86,13 @@ def _generate(setup: Setup, prompts: list[list[int]], configs=None, then=(), **e
         return outputs, engine.stats()
 
 
-@pytest.mark.parametrize("num_drafts", [1, 3])
-def test_greedy_tokens_equal_transformers(setup, num_drafts):
-    """Chunked prefill (split_fuse 8); the last prompt hits the cached prefix of the one before."""
+@pytest.mark.parametrize("num_drafts, overlap", [(1, False), (3, False), (2, True)])
+def test_greedy_tokens_equal_transformers(setup, num_drafts, overlap):
+    """Chunked prefill (split_fuse 8); the last prompt hits the cached prefix of the one before;
+    with overlapped output processing too (outputs of accepted drafts deferred a step)."""
     outputs, stats = _generate(setup, setup.prompts[:3], then=setup.prompts[3:],
-                               num_speculative_tokens=num_drafts, split_fuse_token_num=8)
+                               num_speculative_tokens=num_drafts, split_fuse_token_num=8,
+                               overlap_output_processing=overlap)
     assert [o.token_ids for o in outputs] == setup.expected
     # Both verification paths ran: drafts accepted and drafts refused.
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
@@ -96,13 +102,46 @@ def test_greedy_tokens_equal_transformers(setup, num_drafts):
 
 @pytest.mark.parametrize("preempt_mode", [0, 1])
 def test_greedy_tokens_survive_preemption(setup, preempt_mode):
-    """A KV pool too small for every sequence at once: drafts' blocks count, sequences are
-    swapped out or recomputed, outputs stay transformers' (the draft cache is swapped too)."""
-    outputs, stats = _generate(setup, setup.prompts, num_speculative_tokens=3,
-                               num_device_blocks=18, preempt_mode=preempt_mode)
+    """A KV pool too small for every sequence at once: sequences are swapped out or recomputed
+    (the draft cache is swapped too); a greedy request with two sequences forks and shares its
+    prompt's last block while drafting. Outputs stay transformers'."""
+    plain = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    twice = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True, num_return_sequences=2)
+    outputs, stats = _generate(setup, setup.prompts, [twice, plain, plain, plain],
+                               num_speculative_tokens=3, num_device_blocks=20,
+                               preempt_mode=preempt_mode)
     assert stats.num_preemptions > 0
     assert [o.token_ids for o in outputs] == setup.expected
+    assert [s.token_ids for s in outputs[0].sequences] == [setup.expected[0]] * 2
     assert stats.num_accepted_draft_tokens > 0
+
+
+def test_stops_among_accepted_drafts(setup, monkeypatch):
+    """A stop token can be one of a step's accepted drafts: the tokens after it are dropped, as
+    without drafts. (Several requests, each stopping at a different token of the same greedy
+    continuation; a spy checks that some stop fell before a step's last token.)"""
+    cut_short = []
+    verify = SpeculativeSteps._verify
+
+    def spy(self, seqs, slices, *args, **kwargs):
+        before = [len(seq.output_token_ids) for seq in seqs]
+        outputs, accepted = verify(self, seqs, slices, *args, **kwargs)
+        cut_short.extend(seq.finish_reason is not None
+                         and len(seq.output_token_ids) - n < accepted[seq] + 1
+                         for seq, n in zip(seqs, before))
+        return outputs, accepted
+
+    monkeypatch.setattr(SpeculativeSteps, "_verify", spy)
+    continuation = setup.expected[0]
+    stops = list(dict.fromkeys(continuation[2:12]))
+    configs = [GenerationConfig(max_new_tokens=NUM_TOKENS, stop_token_ids=[stop])
+               for stop in stops]
+    outputs, _ = _generate(setup, [setup.prompts[0]] * len(stops), configs,
+                           num_speculative_tokens=3)
+    for stop, output in zip(stops, outputs):
+        assert output.token_ids == continuation[:continuation.index(stop) + 1]
+        assert (output.finish_reason, output.stop_reason) == ("stop", stop)
+    assert any(cut_short)
 
 
 def test_requests_that_do_not_draft_share_the_batch(setup):
@@ -165,8 +204,9 @@ def test_drafts_equal_transformers_mtp(setup, num_drafts):
     while core.has_work():
         core.step()
         if seq.draft_token_ids:
-            assert seq.draft_token_ids == hf_drafts(setup.hf, setup.layer, setup.head,
-                                                    seq.token_ids, len(seq.draft_token_ids))
+            assert seq.draft_token_ids == hf_drafts(setup.hf, setup.layer, setup.embed,
+                                                    setup.head, seq.token_ids,
+                                                    len(seq.draft_token_ids))
             checked += 1
     assert seq.output_token_ids == setup.expected[1][:16]
     assert checked >= 3 and core.num_accepted_draft_tokens > 0
@@ -229,7 +269,7 @@ def test_greedy_verification_and_seeded_rows():
 
 # ---- configuration ----------------------------------------------------------------------------
 
-def test_bad_settings_name_the_field(setup, tmp_path):
+def test_bad_settings_name_the_field():
     smol = Model.from_pretrained(None, device="cpu", dtype="float32", progress=False)
     with pytest.raises(ValueError, match="num_speculative_tokens.*no draft"):
         kt.Engine(smol, num_speculative_tokens=1, num_device_blocks=16)

@@ -49,7 +49,7 @@ class EngineStats:
         return self.num_accepted_draft_tokens / self.num_draft_tokens
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "draft_acceptance_rate": self.draft_acceptance_rate}
 
 
 class StatsTracker:

@@ -230,7 +230,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
                 self.num_steps_ahead += 1
         elif launched is not None:
             outputs.extend(self._resolve(launched, defer=self.overlap_outputs))
-        accepted = {}
+        accepted: dict[Sequence, int] = {}
         if verifying:
             verified, accepted = self._verify(
                 [sampled[i] for i in verifying], [slices[result.sampled[i]] for i in verifying],

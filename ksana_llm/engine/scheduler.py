@@ -180,27 +180,37 @@ class Scheduler:
                 still_running.append(seq)
                 continue
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
-            num_drafts, allocated = 0, False
-            if seq.draft_token_ids and seq.num_tokens - seq.num_computed_tokens == 1:
-                # Speculative decoding: the drafts ride along, as far as the budget and the free
-                # blocks go (a sequence decodes alone rather than preempt anyone for drafts).
-                num_drafts = min(len(seq.draft_token_ids), budget - num_new)
-                allocated = self.block_manager.allocate(seq, num_new + num_drafts)
-                if allocated:
-                    num_new += num_drafts
-                else:
-                    num_drafts = 0
-            while not (allocated or self.block_manager.allocate(seq, num_new)):
+            while not self.block_manager.allocate(seq, num_new):
                 # Out of blocks: preempt the lowest-priority sequence, possibly this one.
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, num_new, num_drafts))
+                out.scheduled.append(ScheduledSequence(seq, num_new))
                 still_running.append(seq)
                 budget -= num_new
         self.running = still_running
+        if not out.preempted:
+            budget = self._add_drafts(out, budget)
+        return budget
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Speculative decoding: once every running sequence has its tokens and blocks, decodes
+        take their drafts along as far as the budget and the free blocks go. Drafts never
+        preempt anyone (and are not tried in a step that preempted)."""
+        for item in out.scheduled:
+            seq = item.seq
+            if budget <= 0:
+                break
+            if not seq.draft_token_ids or item.num_new_tokens != 1 \
+                    or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            num_drafts = min(len(seq.draft_token_ids), budget)
+            if self.block_manager.allocate(seq, 1 + num_drafts):
+                item.num_new_tokens += num_drafts
+                item.num_draft_tokens = num_drafts
+                budget -= num_drafts
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:

@@ -24,7 +24,15 @@ import torch
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
 from ksana_llm.engine.scheduler import ScheduledSequence
-from ksana_llm.runner.draft_verification import NO_DRAFT, verify_drafts
+from ksana_llm.runner.draft_verification import (
+    ACCEPTED,
+    DRAFT_LOGPROB,
+    NO_DRAFT,
+    TOKEN,
+    TOKEN_LOGPROB,
+    TOP_LOGPROBS,
+    verify_drafts,
+)
 from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.slices import SeqSlice
@@ -63,10 +71,10 @@ class SpeculativeSteps:
         for seq, piece in zip(seqs, slices):
             k = piece.num_draft_tokens
             num_accepted = 0
-            while num_accepted < k and verdict[offset + num_accepted][0]:
+            while num_accepted < k and verdict[offset + num_accepted][ACCEPTED]:
                 num_accepted += 1
             last = verdict[offset + num_accepted]
-            tokens = draft_ids[offset:offset + num_accepted] + [int(last[1])]
+            tokens = draft_ids[offset:offset + num_accepted] + [int(last[TOKEN])]
             logprobs = self._draft_logprobs(verdict[offset:offset + num_accepted + 1], top_k)
             offset += k + 1
             self.num_draft_tokens += k
@@ -93,9 +101,12 @@ class SpeculativeSteps:
         if top_k is None:
             return [(None, None)] * len(verdict)
         out = []
+        values, ids = slice(TOP_LOGPROBS, TOP_LOGPROBS + top_k), \
+            slice(TOP_LOGPROBS + top_k, TOP_LOGPROBS + 2 * top_k)
         for j, row in enumerate(verdict):
-            top = list(zip((int(t) for t in row[4 + top_k:4 + 2 * top_k]), row[4:4 + top_k]))
-            out.append((row[2] if j < len(verdict) - 1 else row[3], top))
+            top = list(zip((int(t) for t in row[ids]), row[values]))
+            # An accepted draft's log-prob, then the last row's own token's.
+            out.append((row[DRAFT_LOGPROB] if j < len(verdict) - 1 else row[TOKEN_LOGPROB], top))
         return out
 
     def _propose(self, scheduled: list[ScheduledSequence], slices: list[SeqSlice],
@@ -119,10 +130,12 @@ class SpeculativeSteps:
                 continue
             wanted = 0
             if piece.sample and self._drafts_allowed(seq):
-                wanted = min(self.num_speculative_tokens, seq.max_num_tokens - seq.num_tokens - 1)
-                # Chained drafts write the draft layer's KV past the sequence's last token.
-                if wanted > 1 and not self.block_manager.allocate(seq, wanted - 1):
-                    wanted = 1
+                # Chained drafts write the draft layer's KV at positions num_tokens - 1 on: only
+                # into blocks the sequence holds already (allocating here would take blocks the
+                # next step may need, and queue copy-on-write copies a step late).
+                held = len(seq.block_table) * self.block_manager.block_size
+                wanted = min(self.num_speculative_tokens, seq.max_num_tokens - seq.num_tokens - 1,
+                             held - seq.num_tokens + 2)
             draft_slices.append(SeqSlice(seq.tokens_slice(piece.start + 1,
                                                           piece.start + 1 + num_rows),
                                          piece.start, seq.block_table, sample=wanted > 0))

@@ -223,8 +223,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         """The MTP layer's hidden states for rows at `positions`: row p reads the hidden state
         the main model (or the previous draft) gave position p and the id of token p + 1, and
         leads to token p + 2."""
-        if self.mtp is None:
-            raise ValueError("this checkpoint has no MTP layers to draft with")
+        if self.mtp is None:  # the runner checks num_draft_layers first
+            raise RuntimeError("this checkpoint has no MTP layers to draft with")
         rope = self.model.rotary_emb.cos_sin(positions, previous_hidden.dtype)
         return self.mtp.layers[0](rope, input_ids, previous_hidden, kv_cache, meta)
 

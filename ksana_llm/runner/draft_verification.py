@@ -17,7 +17,11 @@ reports them: of the row's draft, of the token it would emit, and the row's top 
 
 Rows only mix settings the sampler would accept for one token at a time; the engine drafts only
 for sequences whose processors do not depend on the tokens between rows (no penalties read the
-history, no grammar, no pending min_new_tokens: see `EngineCore._drafts_allowed`).
+history, no grammar, no pending min_new_tokens: see `SpeculativeSteps._drafts_allowed`).
+
+Seeded rows draw their noise from their request's generator, one row at a time: a seeded request
+is reproducible, but its tokens depend on how many drafts each of its steps verified (which
+depends on the batch, the budget and free blocks), so they differ from those without drafts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from ksana_llm.runner.sampler import Sampler, SamplingRow, warp_logits
 
 # Marks a row's draft id when it has none (the last row of each sequence: its bonus token).
 NO_DRAFT = -1
+
+# Columns of `verify_drafts`' result.
+ACCEPTED, TOKEN = 0, 1  # whether the row accepts its draft; the token emitted if it stops there
+DRAFT_LOGPROB, TOKEN_LOGPROB, TOP_LOGPROBS = 2, 3, 4  # with log-probs: then k values, k ids
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],

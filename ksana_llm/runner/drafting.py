@@ -14,7 +14,8 @@ makes drafts worse, never outputs wrong: the engine verifies every draft against
 (`runner.draft_verification`).
 
 A mixin of `ModelRunner`: it works on the runner's `model`, `draft_kv_caches`, `device`, the
-last step's `last_hidden` / `last_first_rows`, and its `build` / `_to_device`.
+last step's `last_hidden` / `last_first_rows`, and its `build` (with the `_first_rows` it leaves)
+and `_to_device`.
 """
 
 from __future__ import annotations

@@ -136,7 +136,6 @@ class ModelRunner(MtpDrafting):
                  cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE,
                  num_speculative_tokens: int = 0) -> None:
         self.model = model
-        self.num_speculative_tokens = num_speculative_tokens
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
         if self.attention_backend == "triton":
@@ -393,6 +392,7 @@ class ModelRunner(MtpDrafting):
         self._copy_device_blocks(step.copy_blocks)
         if not step.slices:
             return StepResult([], None)
+        self.last_hidden = None  # (a step whose drafting had nothing to do left it)
         if self._graph_eligible(step.slices):
             return self._execute_decode_graph(step.slices, step.pending)
         input_ids, _, meta, rows, sampled = self.build(step.slices)
