@@ -149,6 +149,24 @@ def test_full_queue_raises(model):
         assert engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
 
 
+def test_generate_outputs_beyond_the_queue_bound(model):
+    """More prompts than the queue holds: generate_outputs submits as the queue drains (it waits
+    on an early request, whose result it reads again at the end) and returns every output."""
+    config = kt.GenerationConfig(max_new_tokens=2, ignore_eos=True)
+    result = []
+    with kt.Engine(model, num_device_blocks=64, max_queue_size=1, max_num_seqs=1,
+                   generation_config=config) as engine:
+        worker = threading.Thread(
+            target=lambda: result.append(engine.generate_outputs([PROMPT] * 5, use_tqdm=False)),
+            daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "generate_outputs did not return"
+        assert [len(o.token_ids) for o in result[0]] == [2] * 5
+        handle = engine.submit(PROMPT)
+        assert handle.result(timeout=60) is handle.result(timeout=1)  # a second read answers
+
+
 @pytest.mark.parametrize("prompt, config, field", [
     ("", {}, "prompt"),
     ([], {}, "prompt"),

@@ -216,6 +216,9 @@ class RequestHandle:
         # stops queueing per-step deltas nobody reads, and the reader is woken once, not per
         # token (for an asyncio reader every wake-up is a task step that holds the GIL).
         self._deltas_wanted = True
+        # What ended the stream, once a reader took it off the queue (True: the end; else the
+        # error): a later reader gets the same answer at once instead of waiting forever.
+        self._end_seen: bool | BaseException = False
         self.forward_result: Any = None  # a core ForwardResult, for forward-only requests
         self.plugin_info: Any = None  # what the model plugin's preprocess returned, if it ran
 
@@ -287,13 +290,25 @@ class RequestHandle:
     def _check(self, item: Any) -> bool:
         """True at the end of the stream; raises the engine's error if there was one."""
         if isinstance(item, BaseException):
+            self._end_seen = item
             raise RequestError(f"request {self.id} failed: {item}") from item
+        if item is _END:
+            self._end_seen = True
         return item is _END
+
+    def _already_ended(self) -> bool:
+        """Whether a reader took the stream's end already (raising again if it was an error)."""
+        seen = self._end_seen
+        if isinstance(seen, BaseException):
+            raise RequestError(f"request {self.id} failed: {seen}") from seen
+        return seen
 
     def deltas(self) -> Iterator[SequenceDelta]:
         """Every sequence's deltas as they are produced (blocking)."""
         if self._async is not None:
             raise RuntimeError("this handle was created for asyncio; use adeltas()")
+        if self._already_ended():
+            return
         while True:
             item = self._sync.get()
             if self._check(item):
@@ -310,6 +325,8 @@ class RequestHandle:
         """The final output (blocking; TimeoutError after `timeout` s). From the first call on,
         the handle stops queueing per-step deltas: `output` stays live, the stream does not."""
         self._deltas_wanted = False
+        if self._already_ended():
+            return self.output
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -324,6 +341,8 @@ class RequestHandle:
         """Every sequence's deltas as they are produced (asyncio)."""
         if self._async is None:
             raise RuntimeError("this handle was created without an event loop; iterate it instead")
+        if self._already_ended():
+            return
         while True:
             item = await self._async.get()
             if self._check(item):
