@@ -134,8 +134,8 @@ def test_mla_matches_transformers_through_the_paged_cache(variant, prefill_form)
     config = _config(**VARIANTS[variant])
     hf, ours = _pair(config)
     ours.expand_min_tokens = math.inf if prefill_form == "absorbed" else 0
-    lengths = {"a": 26, "b": 30, "c": 15}  # positions up to 29: past YaRN's original 16
-    starts = dict(zip(lengths, [0, 26, 56]))
+    lengths = {"a": 29, "b": 33, "c": 17}  # positions up to 32: past YaRN's original 16
+    starts = dict(zip(lengths, [0, 29, 62]))
     torch.manual_seed(1)
     table = torch.randn(sum(lengths.values()), HIDDEN)
     run = _PagedRun(ours, config, table)
@@ -147,6 +147,7 @@ def test_mla_matches_transformers_through_the_paged_cache(variant, prefill_form)
     run.step([(a, 1), (b, 1), (c, 12)])     # decodes beside a fresh prefill
     run.step([(b, 1), (c, 1)])
     run.step([(b, 1), (c, 1), (a, 2)])      # a two-token chunk (absorbed prefill path)
+    run.step([(a, 3), (b, 3), (c, 3)])      # equal chunks over cached prefixes: one batched call
     for name, seq in zip(lengths, (a, b, c)):
         start, done = starts[name], seq["done"]
         expected = _hf_outputs(hf, config, table[start:start + done])

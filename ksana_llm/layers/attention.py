@@ -5,7 +5,8 @@ one `AttentionMetadata`, and every layer reads it; models never see the schedule
 
 This is the torch backend (CPU, and any device): it writes new K/V into the cache by slot, then
 runs `scaled_dot_product_attention` over K/V gathered from the blocks — each group of decodes in
-one batched call, each prefill chunk in its own call.
+one batched call, each prefill chunk in its own call (MLA batches short chunks of one length:
+`AttentionMetadata.chunk_batches`).
 
 Cache layout: each layer's K (and V) is presented as [num_blocks, block_size, kv_heads, head_dim],
 but stored head-major, [num_blocks, kv_heads, block_size, head_dim] (`allocate_kv_cache`). A
@@ -191,12 +192,59 @@ class AttentionMetadata:
     sliding_window: int | None = None  # the Triton kernels apply it themselves
     _slot_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False,
                                                                   compare=False)
+    _chunk_batches: dict[tuple[float, int], list[ChunkBatch]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     def slot_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, offset in block) of each new token, computed once per step."""
         if self._slot_index is None:
             self._slot_index = (self.slot_mapping // block_size, self.slot_mapping % block_size)
         return self._slot_index
+
+    def chunk_batches(self, max_tokens: float, num_kv_heads: int) -> list[ChunkBatch]:
+        """The prefill chunks over a cached prefix with fewer than `max_tokens` rows, batched by
+        length (groups of two or more), computed once per step. Speculative decoding's verify
+        slices (1 + k tokens over a long context each) are the case this is for."""
+        key = (max_tokens, num_kv_heads)
+        if key not in self._chunk_batches:
+            self._chunk_batches[key] = _batch_equal_chunks(self.prefills, max_tokens, num_kv_heads)
+        return self._chunk_batches[key]
+
+
+@dataclass(frozen=True)
+class ChunkBatch:
+    """Prefill chunks of one length n attended in one call (`AttentionMetadata.chunk_batches`)."""
+
+    chunks: tuple[int, ...]  # their indices in `AttentionMetadata.prefills`
+    num_tokens: int  # n
+    rows: torch.Tensor  # [C * n] their rows of the flat batch, chunk after chunk
+    kv_rows: torch.Tensor  # gather rows (`gather_rows`) of their blocks, padded to one width
+    mask: torch.Tensor  # [C, n, W * block_size] bool, True = attend (False on the padding)
+
+
+def _batch_equal_chunks(prefills: list[PrefillChunk], max_tokens: float,
+                        num_kv_heads: int) -> list[ChunkBatch]:
+    by_length: dict[int, list[int]] = {}
+    for i, chunk in enumerate(prefills):
+        if chunk.blocks is not None and chunk.num_tokens < max_tokens:
+            by_length.setdefault(chunk.num_tokens, []).append(i)
+    batches = []
+    for n, indices in by_length.items():
+        if len(indices) < 2:
+            continue
+        chunks = [prefills[i] for i in indices]
+        first = chunks[0]
+        width = max(c.blocks.shape[0] for c in chunks)
+        block_size = first.mask.shape[1] // first.blocks.shape[0]
+        table = first.blocks.new_zeros((len(chunks), width))  # padding: block 0, masked out
+        mask = first.mask.new_zeros((len(chunks), n, width * block_size))
+        for j, chunk in enumerate(chunks):
+            table[j, :chunk.blocks.shape[0]] = chunk.blocks
+            mask[j, :, :chunk.mask.shape[1]] = chunk.mask
+        rows = torch.tensor([c.start + t for c in chunks for t in range(n)], dtype=torch.long)
+        batches.append(ChunkBatch(tuple(indices), n, rows.to(first.blocks.device),
+                                  gather_rows(table, num_kv_heads), mask))
+    return batches
 
 
 def _alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,

@@ -16,6 +16,9 @@ Two exact ways to attend:
   multi-head attention. Expanding costs a fixed amount per cached token, absorbed attention more
   per query row, so chunks with enough rows (`expand_min_tokens`) take this form.
 W_UK and W_UV are views of `kv_b_proj.weight`: no second copy of the weights.
+Decodes attend in one call per group; so do short chunks of one length over cached contexts
+(`AttentionMetadata.chunk_batches`: speculative decoding's verify slices), whose (row, head)
+pairs act as the query positions of one latent "head", as a decode's heads do.
 
 Under tensor parallelism each rank keeps num_heads / tp heads: its rows of the query projection
 (`q_b_proj` or `q_proj`) and of `kv_b_proj`, and its columns of `o_proj` (whose partial outputs
@@ -36,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ksana_llm.layers.attention import (AttentionMetadata, KVCache, KVCacheSpec, gather_kv,
-                                        store_kv)
+from ksana_llm.layers.attention import (AttentionMetadata, ChunkBatch, KVCache, KVCacheSpec,
+                                        gather_kv, store_kv)
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.norm import RMSNorm
@@ -216,6 +219,22 @@ class MultiLatentAttention(nn.Module):
             is_causal=mask is None and n > 1, scale=self.scale)
         return self._unabsorb(o_lat.transpose(0, 1))
 
+    def _batched_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                          batch: ChunkBatch) -> torch.Tensor:
+        """Absorbed attention of C chunks of n rows each ([C * n, H, *] queries) against their
+        gathered latents; as for decodes, each chunk's (row, head) pairs are the query positions
+        of one latent "head". Returns [C * n, H, dv]."""
+        d = self.dims
+        num_chunks, n = len(batch.chunks), batch.num_tokens
+        q = self._absorb(q_nope, q_pe).reshape(num_chunks, 1, n * d.num_heads, -1)
+        kv = gather_kv(cache, batch.kv_rows, (num_chunks,))  # [C, 1, L, r + dr]
+        length = kv.shape[2]
+        mask = batch.mask[:, None, :, None, :].expand(num_chunks, 1, n, d.num_heads, length)
+        o = F.scaled_dot_product_attention(
+            q, kv, kv[..., :d.kv_lora_rank], scale=self.scale,
+            attn_mask=mask.reshape(num_chunks, 1, n * d.num_heads, length))
+        return self._unabsorb(o.reshape(num_chunks * n, d.num_heads, d.kv_lora_rank))
+
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -242,7 +261,18 @@ class MultiLatentAttention(nn.Module):
                     attn_mask=g.mask, scale=self.scale)
                 o_lat[g.start:g.start + n] = o.squeeze(1)
             out[:nd] = self._unabsorb(o_lat)
-        for chunk in meta.prefills:
+        batched: set[int] = set()
+        if len(meta.prefills) > 1:
+            # Short chunks of one length over cached contexts (speculative decoding's verify
+            # slices) attend in one call per length, like decodes.
+            for batch in meta.chunk_batches(self.expand_min_tokens, 1):
+                batched.update(batch.chunks)
+                out.index_copy_(0, batch.rows, self._batched_absorbed(
+                    q_nope.index_select(0, batch.rows), q_pe.index_select(0, batch.rows), cache,
+                    batch))
+        for k, chunk in enumerate(meta.prefills):
+            if k in batched:
+                continue
             s, n = chunk.start, chunk.num_tokens
             kv = entries[s:s + n] if chunk.blocks is None else gather_kv(cache, chunk.rows(1), ())[0]
             attend = self._expanded_prefill if n >= self.expand_min_tokens else self._absorbed_prefill
