@@ -163,8 +163,15 @@ def test_generate_outputs_beyond_the_queue_bound(model):
         worker.join(timeout=120)
         assert not worker.is_alive(), "generate_outputs did not return"
         assert [len(o.token_ids) for o in result[0]] == [2] * 5
-        handle = engine.submit(PROMPT)
-        assert handle.result(timeout=60) is handle.result(timeout=1)  # a second read answers
+        # Two readers waiting at once both get the end; a later read answers at once.
+        handle, answers = engine.submit(PROMPT), []
+        readers = [threading.Thread(target=lambda: answers.append(handle.result(timeout=60)))
+                   for _ in range(2)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=90)
+        assert len(answers) == 2 and answers[0] is answers[1] is handle.result(timeout=1)
 
 
 @pytest.mark.parametrize("prompt, config, field", [

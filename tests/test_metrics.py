@@ -92,10 +92,15 @@ def test_gauges_are_read_at_scrape_time():
     assert value(parsed, "ksana_llm:kv_cache_usage_perc") == 0.5
     assert value(parsed, "ksana_llm:prefix_cache_hit_rate") == 0.25
     assert value(parsed, "ksana_llm:num_preemptions_total") == 7
-    state["stats"] = EngineStats(0, 9, 0, 0.75, 64, 16, 8, 0.5, 0, 0.0, None, None, None, None)
+    assert value(parsed, "ksana_llm:spec_decode_num_draft_tokens_total") == 0
+    state["stats"] = EngineStats(0, 9, 0, 0.75, 64, 16, 8, 0.5, 0, 0.0, None, None, None, None,
+                                 num_draft_tokens=40, num_accepted_draft_tokens=30)
     parsed = samples(metrics.render()[0].decode())
     assert value(parsed, "ksana_llm:num_requests_running") == 9
     assert value(parsed, "ksana_llm:num_preemptions_total") == 8
+    assert value(parsed, "ksana_llm:spec_decode_num_draft_tokens_total") == 40
+    assert value(parsed, "ksana_llm:spec_decode_num_accepted_tokens_total") == 30
+    assert state["stats"].draft_acceptance_rate == 0.75
 
 
 def test_failing_stats_source_does_not_break_the_scrape():

@@ -200,9 +200,9 @@ class Engine:
 
     @staticmethod
     def _finish_one(handle: RequestHandle, progress: Any) -> RequestOutput:
-        already = handle.finished
+        counted = handle.end_read  # each request ticks the progress bar once
         out = handle.result()
-        if progress is not None and not already:
+        if progress is not None and not counted:
             progress.update(1)
         return out
 

@@ -288,13 +288,22 @@ class RequestHandle:
 
     # ---- caller side ----------------------------------------------------------------------------
     def _check(self, item: Any) -> bool:
-        """True at the end of the stream; raises the engine's error if there was one."""
+        """True at the end of the stream; raises the engine's error if there was one. The end
+        (or error) goes back on the queue, so every other reader waiting on it wakes too."""
+        if isinstance(item, BaseException) or item is _END:
+            self._end_seen = True if item is _END else item
+            if self._async is not None:
+                self._async.put_nowait(item)
+            else:
+                self._sync.put(item)
         if isinstance(item, BaseException):
-            self._end_seen = item
             raise RequestError(f"request {self.id} failed: {item}") from item
-        if item is _END:
-            self._end_seen = True
         return item is _END
+
+    @property
+    def end_read(self) -> bool:
+        """Whether a reader has taken the end of the stream (result / deltas ran to the end)."""
+        return self._end_seen is not False
 
     def _already_ended(self) -> bool:
         """Whether a reader took the stream's end already (raising again if it was an error)."""

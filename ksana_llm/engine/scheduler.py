@@ -191,14 +191,15 @@ class Scheduler:
                 still_running.append(seq)
                 budget -= num_new
         self.running = still_running
-        if not out.preempted:
+        if not out.preempted and not self.swapped:
             budget = self._add_drafts(out, budget)
         return budget
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
         """Speculative decoding: once every running sequence has its tokens and blocks, decodes
         take their drafts along as far as the budget and the free blocks go. Drafts never
-        preempt anyone (and are not tried in a step that preempted)."""
+        preempt anyone, and wait while anything is preempted or swapped out (they would hold
+        back the blocks a swap-in, and then new admissions, need)."""
         for item in out.scheduled:
             seq = item.seq
             if budget <= 0:

@@ -101,8 +101,8 @@ class SpeculativeSteps:
         if top_k is None:
             return [(None, None)] * len(verdict)
         out = []
-        values, ids = slice(TOP_LOGPROBS, TOP_LOGPROBS + top_k), \
-            slice(TOP_LOGPROBS + top_k, TOP_LOGPROBS + 2 * top_k)
+        k = (len(verdict[0]) - TOP_LOGPROBS) // 2  # top_k, at most the vocabulary
+        values, ids = slice(TOP_LOGPROBS, TOP_LOGPROBS + k), slice(TOP_LOGPROBS + k, None)
         for j, row in enumerate(verdict):
             top = list(zip((int(t) for t in row[ids]), row[values]))
             # An accepted draft's log-prob, then the last row's own token's.

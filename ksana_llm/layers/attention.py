@@ -242,7 +242,8 @@ def _batch_equal_chunks(prefills: list[PrefillChunk], max_tokens: float,
             table[j, :chunk.blocks.shape[0]] = chunk.blocks
             mask[j, :, :chunk.mask.shape[1]] = chunk.mask
         rows = torch.tensor([c.start + t for c in chunks for t in range(n)], dtype=torch.long)
-        batches.append(ChunkBatch(tuple(indices), n, rows.to(first.blocks.device),
+        batches.append(ChunkBatch(tuple(indices), n, rows.to(first.blocks.device,
+                                                             non_blocking=True),
                                   gather_rows(table, num_kv_heads), mask))
     return batches
 

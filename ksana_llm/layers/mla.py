@@ -222,17 +222,16 @@ class MultiLatentAttention(nn.Module):
     def _batched_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                           batch: ChunkBatch) -> torch.Tensor:
         """Absorbed attention of C chunks of n rows each ([C * n, H, *] queries) against their
-        gathered latents; as for decodes, each chunk's (row, head) pairs are the query positions
-        of one latent "head". Returns [C * n, H, dv]."""
+        gathered latents. A chunk's rows act as n query "heads" sharing the one latent KV head
+        (GQA), and each row's heads as its query positions, so each row's mask is broadcast
+        over its heads rather than copied. Returns [C * n, H, dv]."""
         d = self.dims
         num_chunks, n = len(batch.chunks), batch.num_tokens
-        q = self._absorb(q_nope, q_pe).reshape(num_chunks, 1, n * d.num_heads, -1)
+        q = self._absorb(q_nope, q_pe).view(num_chunks, n, d.num_heads, -1)
         kv = gather_kv(cache, batch.kv_rows, (num_chunks,))  # [C, 1, L, r + dr]
-        length = kv.shape[2]
-        mask = batch.mask[:, None, :, None, :].expand(num_chunks, 1, n, d.num_heads, length)
         o = F.scaled_dot_product_attention(
-            q, kv, kv[..., :d.kv_lora_rank], scale=self.scale,
-            attn_mask=mask.reshape(num_chunks, 1, n * d.num_heads, length))
+            q, kv, kv[..., :d.kv_lora_rank], attn_mask=batch.mask[:, :, None, :],
+            scale=self.scale, enable_gqa=True)
         return self._unabsorb(o.reshape(num_chunks * n, d.num_heads, d.kv_lora_rank))
 
     # ---- forward ----------------------------------------------------------------------------

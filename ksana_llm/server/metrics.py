@@ -102,10 +102,6 @@ class _EngineCollector(Collector):
             ("avg_generation_throughput_toks_per_s", "Generated tokens per second, recent window.",
              stats.generation_tokens_per_s),
         )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, float(value))
-            yield family
         counters = (
             ("num_preemptions", "Preemptions since start.", stats.num_preemptions),
             ("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
@@ -113,10 +109,11 @@ class _EngineCollector(Collector):
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
              stats.num_accepted_draft_tokens),
         )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, float(value))
-            yield family
+        for kind, series in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in series:
+                family = kind(PREFIX + name, doc, labels=["model_name"])
+                family.add_metric(labels, float(value))
+                yield family
 
 
 class TokenTimer:
