@@ -20,7 +20,8 @@ Series (all carry the label `model_name`):
   (0..1), `ksana_llm:prefix_cache_hit_rate` (0..1), `ksana_llm:num_kv_blocks`,
   `ksana_llm:num_free_kv_blocks`, `ksana_llm:avg_generation_throughput_toks_per_s`
 - counters `ksana_llm:num_preemptions_total`, `ksana_llm:spec_decode_num_draft_tokens_total`,
-  `ksana_llm:spec_decode_num_accepted_tokens_total` (from the engine), `ksana_llm:prompt_tokens_total`,
+  `ksana_llm:spec_decode_num_accepted_tokens_total` (from the engine),
+  `ksana_llm:prompt_tokens_total`,
   `ksana_llm:generation_tokens_total`, `ksana_llm:request_success_total{finished_reason}`,
   `ksana_llm:request_failure_total{reason}`
 - histograms (seconds) `ksana_llm:time_to_first_token_seconds`,
