@@ -6,9 +6,10 @@
 """
 
 from ksana_llm.api.engine import Engine, EngineDeadError
+from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import (ForwardOutput, ForwardTarget, Request, RequestHandle,
-                                   RequestOutput, SequenceDelta, SequenceOutput)
+from ksana_llm.api.outputs import (Request, RequestHandle, RequestOutput, SequenceDelta,
+                                   SequenceOutput)
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ksana_llm as kt
-from ksana_llm.api.outputs import ForwardOutput, ForwardTarget
+from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
 from tests.server_process import ServerProcess
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and "

@@ -14,7 +14,8 @@ from ksana_llm.engine.core import EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.scheduler import SchedulerConfig
 from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
-from ksana_llm.runner.model_runner import ModelRunner, draft_layers_for, kv_bytes_per_block
+from ksana_llm.runner.drafting import draft_layers_for
+from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
 from ksana_llm.runner.sampler import Sampler
 
 logger = logging.getLogger("ksana_llm.engine")

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from ksana_llm.api.core_builder import build_core
+from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import (AsyncDeliveries, ForwardHandle, ForwardOutput, ForwardTarget,
-                                   Prompt, Request, RequestHandle, RequestOutput)
+from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle,
+                                   RequestOutput)
 from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ksana_llm.api.outputs import FORWARD_TARGETS, TOKEN_REDUCE_MODES, ForwardTarget
+from ksana_llm.api.forward_outputs import FORWARD_TARGETS, TOKEN_REDUCE_MODES, ForwardTarget
 
 
 def resolve_target(j: int, target: Any, n: int, vocab: int) -> tuple[ForwardTarget, list[int]]:

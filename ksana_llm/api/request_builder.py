@@ -13,7 +13,8 @@ from typing import Any
 
 from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import ForwardTarget, Prompt, Request
+from ksana_llm.api.forward_outputs import ForwardTarget
+from ksana_llm.api.outputs import Prompt, Request
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.generation_config import GenerationConfig
 

@@ -23,10 +23,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ksana_llm.layers.attention import AttentionMetadata
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.slices import SeqSlice
+
+
+def draft_layers_for(model: nn.Module, num_speculative_tokens: int) -> int:
+    """Draft layers to keep a cache for: ValueError when speculative decoding is asked of a model
+    that cannot draft."""
+    if num_speculative_tokens <= 0:
+        return 0
+    layers = getattr(model, "num_draft_layers", 0)
+    if not layers:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: "
+                         f"{type(model).__name__} has no draft (MTP) layers; speculative decoding "
+                         "needs a checkpoint with multi-token-prediction weights (DeepSeek V3/R1)")
+    return layers
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBa
                                         copy_cache_blocks)
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
-from ksana_llm.runner.drafting import MtpDrafting
+from ksana_llm.runner.drafting import MtpDrafting, draft_layers_for
 from ksana_llm.runner.host_arrays import flat_batch
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.slices import SeqSlice
@@ -79,19 +79,6 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype,
     """One block of every layer's cache, the draft layers' (speculative decoding) included."""
     spec: KVCacheSpec = model.kv_cache_spec
     return (model.num_layers + num_draft_layers) * block_size * spec.bytes_per_token(dtype)
-
-
-def draft_layers_for(model: nn.Module, num_speculative_tokens: int) -> int:
-    """Draft layers to keep a cache for: ValueError when speculative decoding is asked of a model
-    that cannot draft."""
-    if num_speculative_tokens <= 0:
-        return 0
-    layers = getattr(model, "num_draft_layers", 0)
-    if not layers:
-        raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: "
-                         f"{type(model).__name__} has no draft (MTP) layers; speculative decoding "
-                         "needs a checkpoint with multi-token-prediction weights (DeepSeek V3/R1)")
-    return layers
 
 
 def resolve_attention_backend(requested: str, model: nn.Module, device: torch.device) -> str:

@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ksana_llm.api.engine import EngineDeadError
-from ksana_llm.api.outputs import ForwardHandle, ForwardOutput, ForwardTarget, RequestError
+from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
+from ksana_llm.api.outputs import RequestError
 from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import DISCONNECT_POLL_S, map_engine_error
