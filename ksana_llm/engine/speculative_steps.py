@@ -88,7 +88,7 @@ class SpeculativeSteps:
                 seq.num_pending_tokens += 1
                 outputs.extend(self._append(seq, index, token, logprob, top, now, defer))
                 if seq.status is SequenceStatus.FINISHED:
-                    break  # a stop (or the length limit) among the drafts: the rest is dropped
+                    break  # a stop token or string among the drafts: the rest is dropped
             else:
                 self.block_manager.cache_full_blocks(seq)
         return outputs, accepted
