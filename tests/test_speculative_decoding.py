@@ -15,14 +15,21 @@ drafts are then often right and often wrong, and both paths of verification run.
 - verification keeps the sampling distribution (the speculative sampling rule): sampled
   requests' second tokens (each verified from a draft) against transformers' marginal, and
   synthetic logits with many draws;
+- a real `ksana-llm serve --num-speculative-tokens 2` answers the `openai` client with
+  transformers' greedy text (plain and streamed) and counts accepted drafts in /metrics;
 - bad settings fail with a ValueError naming the field, and KsanaLLM's YAML keys map to it.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
 import pytest
 import torch
-from transformers import DeepseekV3ForCausalLM
+from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 import ksana_llm as kt
 from ksana_llm import EngineConfig, GenerationConfig, Model
@@ -42,6 +49,7 @@ from tests.deepseek_checkpoint import (
     randomize,
     save_with_mtp,
 )
+from tests.server_process import ServerProcess
 
 VOCAB = 32
 NUM_TOKENS = 24
@@ -234,6 +242,42 @@ def test_sampled_tokens_keep_their_distribution(setup):
     assert stats.num_draft_tokens >= num and stats.num_accepted_draft_tokens > num // 3
     counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outputs]), minlength=VOCAB)
     assert (counts / num - marginal).abs().sum() / 2 < 0.06
+
+
+def test_server_serves_drafted_tokens(default_model_dir, tmp_path):
+    """`ksana-llm serve --num-speculative-tokens 2` on a tiny DeepSeek with SmolLM2's tokenizer,
+    driven by the `openai` client: plain and streamed greedy completions are transformers' text,
+    and /metrics counts the accepted drafts."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(deepseek_config(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)).eval()
+    randomize(hf)
+    layer, embed = hf_mtp_layer(hf.config), mtp_embedding(hf)
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    expected = greedy_continuations(hf, [prompt], NUM_TOKENS)[0]
+    head = fit_draft_head(hf, layer, embed, [prompt + expected])
+    folder = save_with_mtp(hf, layer, embed, head, tmp_path / "deepseek-chat")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_dir) / name, folder / name)
+    server = ServerProcess(["--model", str(folder), "--served-model-name", "tiny",
+                            "--dtype", "float32", "--num-speculative-tokens", "2"])
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                               timeout=120)
+        request = {"model": "tiny", "prompt": "The capital of France is",
+                   "max_tokens": NUM_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        text = client.completions.create(**request).choices[0].text
+        streamed = "".join(chunk.choices[0].text for chunk in
+                           client.completions.create(**request, stream=True))
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.stop()
+    assert text == streamed == tokenizer.decode(expected)
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("ksana_llm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0
 
 
 # ---- verification on synthetic logits ------------------------------------------------------------
