@@ -99,13 +99,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu or cuda (the MTP head is fitted on the CPU either way)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         hf, folder, all_prompts = build(Path(tmp), args)
-        model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+        model = Model.from_pretrained(folder, device=args.device, dtype="float32",
+                                      progress=False)
+        hf.to(args.device)  # the peer runs where the engine does
         for batch in args.batch_sizes:
             prompts = all_prompts[:batch]
             start = time.perf_counter()
@@ -114,7 +118,7 @@ def main() -> None:
             total = batch * args.new_tokens
             print(f"\nbatch {batch}, {args.new_tokens} new tokens each "
                   f"(DeepSeek-V3 shape: hidden {args.hidden}, {args.layers} layers, "
-                  f"vocab {args.vocab}, float32, CPU)")
+                  f"vocab {args.vocab}, float32, {args.device})")
             print(f"{'':14}{'tok/s':>9}{'steps':>7}{'accepted':>14}{'vs k=0':>8}{'vs HF':>8}")
             print(f"{'HF generate':14}{total / hf_seconds:9.1f}{'':>7}{'':>14}{'':>8}{1.0:8.2f}")
             baseline = None
@@ -127,7 +131,8 @@ def main() -> None:
                 rate = f"{accepted}/{drafts}" if drafts else "-"
                 print(f"{f'k = {k}':14}{total / seconds:9.1f}{steps:7d}{rate:>14}"
                       f"{baseline / seconds:8.2f}{hf_seconds / seconds:8.2f}")
-                results.append({"batch": batch, "k": k, "tokens_per_s": total / seconds,
+                results.append({"device": args.device, "batch": batch, "k": k,
+                                "tokens_per_s": total / seconds,
                                 "steps": steps, "drafts": drafts, "accepted": accepted,
                                 "speedup_vs_k0": baseline / seconds,
                                 "speedup_vs_hf": hf_seconds / seconds})

@@ -140,8 +140,10 @@ def greedy_continuations(hf: torch.nn.Module, prompts: list[list[int]], num_toke
                          ) -> list[list[int]]:
     """transformers' greedy `generate`, EOS ignored: the new tokens of each prompt."""
     out = []
+    device = next(hf.parameters()).device
     for prompt in prompts:
-        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+        ids = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=num_tokens,
+                          do_sample=False,
                           min_new_tokens=num_tokens, eos_token_id=None)
         out.append(ids[0, len(prompt):].tolist())
     return out

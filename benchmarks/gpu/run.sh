@@ -6,7 +6,8 @@
 # Stages: env, tests (kernel tests natively), graph-tests (tests/test_cuda_graphs.py with real
 # capture), parity (the engine's greedy tokens on CUDA vs on the CPU, fp32, benchmarks/gpu/
 # parity.py), engine-qwen3 / engine-llama8b (the reference workload: our engine vs HF
-# generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks).
+# generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks); spec
+# (speculative decoding, benchmarks/speculative_decoding.py on CUDA) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -42,7 +43,7 @@ fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
 declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
-                  [engine-llama8b]=330 [decode]=120 [prefill]=120)
+                  [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -79,8 +80,11 @@ for stage in "${STAGES[@]}"; do
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
         # paged prefill attention: fresh prompts and chunks after a cached prefix
         prefill) run_stage prefill "$PYTHON" -m benchmarks.gpu.bench_kernels prefill --out "$RESULTS" ;;
+        # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
+        spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
+                     --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
-                "engine-llama8b decode prefill)" >&2; exit 2 ;;
+                "engine-llama8b decode prefill spec)" >&2; exit 2 ;;
     esac
 done
 
