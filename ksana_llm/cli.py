@@ -99,6 +99,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from ksana_llm.server.router import run_router
+
+    return run_router(args)
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config_file", "--config-file", dest="config_file", default=None,
                         help="KsanaLLM YAML config; the flags below override it")
@@ -131,6 +137,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
+    # Prefill/decode disaggregation (see README "Prefill/decode disaggregation").
+    parser.add_argument("--kv-role", default=None, choices=["prefill", "decode", "both"],
+                        help="take part in disaggregated serving: keep prompts' KV for decode "
+                             "servers (prefill), start from a prefill server's KV (decode), or both")
+    parser.add_argument("--kv-transfer-ttl", type=float, default=None,
+                        help="seconds a prefill server keeps KV nobody fetched (default: 300)")
     # Engine settings (EngineConfig fields); only those given override the config file.
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
@@ -163,6 +175,19 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(DeepSeek V3/R1 with MTP weights; 0 = off)")
 
 
+def _add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a prefill server (serve --kv-role prefill); repeat for several")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode server (serve --kv-role decode); repeat for several")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--api-key", default=None,
+                        help="required of clients, and sent to the servers (which share it)")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ksana-llm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    route = sub.add_parser("router", help="one OpenAI endpoint over prefill and decode servers "
+                                          "(prefill/decode disaggregation)")
+    _add_router_args(route)
+    route.set_defaults(func=cmd_router)
     return parser
 
 

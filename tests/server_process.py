@@ -20,16 +20,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m ksana_llm.cli serve ...` on a free port; `stop()` always ends it."""
+    """`python -m ksana_llm.cli serve ...` (or `router ...`) on a free port; `stop()` always
+    ends it."""
 
     def __init__(self, extra_args: Sequence[str] = (), ready_timeout: float = 180.0,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, command: str = "serve") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="ksana-server-", suffix=".log",
                                                 delete=False)
-        cmd = [sys.executable, "-m", "ksana_llm.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", "cpu", *extra_args]
+        device = ["--device", "cpu"] if command == "serve" else []
+        cmd = [sys.executable, "-m", "ksana_llm.cli", command, "--host", "127.0.0.1",
+               "--port", str(self.port), *device, *extra_args]
         env = {**os.environ, "TQDM_DISABLE": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:

@@ -73,8 +73,11 @@ class Engine:
         self.generation_config = generation_config or GenerationConfig()
         self._core = build_core(model, self.config, self.tokenizer, self._on_worker_failure)
         self.max_model_len = self._core.max_model_len
-        self._requests = RequestBuilder(model, self.tokenizer, max_model_len=self.max_model_len,
-                                        max_num_seqs=self.config.max_num_seqs)
+        runner = self._core.runner
+        self._requests = RequestBuilder(
+            model, self.tokenizer, max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout)
         self._stats = StatsTracker()
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []
@@ -88,6 +91,12 @@ class Engine:
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="ksana-llm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def can_transfer_kv(self) -> bool:
+        """Whether requests may export or import KV (`Request.export_kv` / `imported_kv`):
+        single-rank engines only."""
+        return self._requests.kv_layout is not None
 
     @property
     def grammar_compiler(self) -> Any:

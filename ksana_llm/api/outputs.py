@@ -16,6 +16,7 @@ from typing import Any
 
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.kv_transfer import TransferredKv
 
 logger = logging.getLogger("ksana_llm.api")
 
@@ -31,6 +32,11 @@ class Request:
     `input_embeddings`: `(positions, rows)` -- rows `[len(positions), hidden_size]` replace the
     token embeddings at those prompt positions (image features, ...); such a request never shares
     KV through the prefix cache. `additional_params`: free-form values for the model's plugin.
+
+    Prefill/decode disaggregation (single-rank engines): `export_kv=True` makes the finished
+    output carry the prompt's KV (`RequestOutput.exported_kv`); another engine given it as
+    `imported_kv` starts from that KV for the common prefix of the prompts, computing only the
+    rest (at least the last prompt token, whose logits it samples from).
     """
 
     prompt: Prompt
@@ -40,6 +46,8 @@ class Request:
     request_id: str | None = None
     input_embeddings: tuple[list[int], Any] | None = None
     additional_params: dict[str, Any] | None = None
+    export_kv: bool = False
+    imported_kv: TransferredKv | None = None
 
 
 @dataclass
@@ -131,6 +139,9 @@ class RequestOutput:
     sequence_outputs: list[SequenceOutput] = field(default_factory=list)
     cumulative_logprob: float | None = None  # sequence 0's
     score: float | None = None  # sequence 0's beam score
+    # The prompt's KV, for a request submitted with `export_kv=True` (a TransferredKv; hand it
+    # to another engine as `Request(imported_kv=...)`).
+    exported_kv: TransferredKv | None = None
 
     @property
     def sequences(self) -> list[SequenceOutput]:
@@ -261,6 +272,7 @@ class RequestHandle:
             out.metrics.first_token_time = now
         if step.finished:
             out.finished = True
+            out.exported_kv = step.exported_kv
             if out.finish_reason is None:  # e.g. aborted before sequence 0 produced anything
                 out.finish_reason, out.stop_reason = reason, step.stop_reason
             for seq in out.sequence_outputs:

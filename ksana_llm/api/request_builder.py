@@ -17,6 +17,7 @@ from ksana_llm.api.forward_outputs import ForwardTarget
 from ksana_llm.api.outputs import Prompt, Request
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
 
 
 def _as_config(value: GenerationConfig | dict[str, Any] | None,
@@ -38,8 +39,11 @@ class RequestBuilder:
     """
 
     def __init__(self, model: Model, tokenizer: Any, *, max_model_len: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, kv_layout: KvLayout | None = None) -> None:
         self.model = model
+        # The engine's KV rows, which imported KV must match; None: a parallel engine, whose
+        # cache is split over ranks (no KV transfer).
+        self.kv_layout = kv_layout
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -105,7 +109,38 @@ class RequestBuilder:
         if config.structured_output is not None:
             # Compiled here, so an invalid schema is a ValueError in the caller's thread.
             seq.matcher = self.grammar().matcher(config.structured_output)
+        self._kv_transfer(request, seq)
         return seq, plugin_info
+
+    def _kv_transfer(self, request: Request, seq: Sequence) -> None:
+        """Check `export_kv` / `imported_kv` and set them on the sequence."""
+        wanted = "export_kv" if request.export_kv else (
+            "imported_kv" if request.imported_kv is not None else None)
+        if wanted is None:
+            return
+        if self.kv_layout is None:
+            raise ValueError(f"{wanted} needs a single-rank engine (tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1)")
+        if seq.embeddings is not None:
+            raise ValueError(f"{wanted} does not work with input_embeddings (their KV depends on "
+                             "more than the token ids)")
+        if request.export_kv:
+            if seq.config.num_sequences != 1:
+                raise ValueError("export_kv needs a single sequence (n=1, no best_of, no beam "
+                                 "search)")
+            seq.export_kv = True
+        kv = request.imported_kv
+        if kv is None:
+            return
+        if not isinstance(kv, TransferredKv):
+            raise ValueError(f"imported_kv must be a TransferredKv, got {type(kv).__name__}")
+        if seq.prompt_logprobs is not None:
+            raise ValueError("imported_kv does not work with prompt_logprobs (the imported rows "
+                             "are not computed here)")
+        self.kv_layout.check(kv)
+        usable = kv.usable_prefix(seq.prompt_token_ids)
+        if usable:
+            seq.imported_kv = kv.truncated(usable)
 
     def _check_config(self, config: GenerationConfig) -> None:
         """What GenerationConfig cannot check alone: limits of this model and engine."""

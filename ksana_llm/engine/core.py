@@ -106,7 +106,9 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def add(self, seq: Sequence) -> None:
-        """Queue a validated sequence, the whole request for now (may raise QueueFullError)."""
+        """Queue a validated sequence, the whole request for now (may raise QueueFullError).
+        With `seq.export_kv`, its last output carries its prompt's KV (`StepOutput.exported_kv`,
+        for another engine to decode from)."""
         if seq.request_id in self.groups:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         config = seq.config
@@ -190,7 +192,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
         slices = [self._slice(item) for item in plan.scheduled]
         result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in,
                                                plan.copy_blocks,
-                                               self._pending_inputs(plan.scheduled)))
+                                               self._pending_inputs(plan.scheduled),
+                                               plan.kv_imports))
         for item in plan.scheduled:
             # Drafts count once verified (`_verify`).
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
@@ -353,6 +356,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
                          seq.stop_reason, entries, first_scheduled_time=seq.first_scheduled_time,
                          index=seq.index, cumulative_logprob=self._cumulative(seq))
         self._attach_prompt_logprobs(seq.group, out)
+        if finished:
+            out.exported_kv = seq.group.exported_kv
         return out
 
     @staticmethod
@@ -381,7 +386,14 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
         return [self._output(seq, tokens, delta + flushed, entries or [], finished=last)]
 
     def _free(self, seq: Sequence) -> None:
-        """`seq` is done: release its blocks and queue place, and what the sampler keeps for it."""
+        """`seq` is done: release its blocks and queue place, and what the sampler keeps for it.
+        A request that exports its KV (a single sequence) copies its prompt's KV out first."""
+        group = seq.group
+        if seq.export_kv and group.exported_kv is None and seq.finish_reason is not None \
+                and seq.finish_reason is not FinishReason.ABORT:
+            num_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            group.exported_kv = self.runner.export_kv(seq.block_table,
+                                                      seq.prompt_token_ids[:num_tokens])
         self.scheduler.finish(seq)
         if seq.sampling_row is not None:
             self.sampler.release(seq.sampling_row)

@@ -44,6 +44,8 @@ class StepOutput:
     score: float | None = None  # beam search: the hypothesis' length-penalised score
     # Set once per request, on the first output after its prompt is computed (when asked).
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # Set on the last output of a request that exports its KV (a runner.kv_transfer.TransferredKv).
+    exported_kv: Any = None
 
 
 @dataclass(slots=True)

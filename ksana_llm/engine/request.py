@@ -107,6 +107,12 @@ class Sequence:
     # Speculative decoding: tokens the draft layer proposes after the last one, verified (and
     # replaced) in the sequence's next decode step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Prefill/decode disaggregation: KV of a prompt prefix computed by another engine (a
+    # runner.kv_transfer.TransferredKv already cut to the usable prefix), written into this
+    # sequence's blocks when it is admitted, and dropped then.
+    imported_kv: Any = None
+    kv_imported: bool = False  # its KV started from an import (kept after `imported_kv` is dropped)
+    export_kv: bool = False  # copy the prompt's KV out when it finishes (single-sequence requests)
 
     @property
     def token_ids(self) -> list[int]:
@@ -142,8 +148,10 @@ class Sequence:
 
     @property
     def fills_prefix_cache(self) -> bool:
-        """Whether its full blocks may be published: the same tokens must mean the same KV."""
-        return self.embeddings is None
+        """Whether its full blocks may be published: the same tokens must mean the same KV. Not
+        for KV imported from another engine: this engine cannot vouch for it, and a bad import
+        must not reach other requests."""
+        return self.embeddings is None and not self.kv_imported
 
     @property
     def is_prefill(self) -> bool:
@@ -162,7 +170,8 @@ class Sequence:
             first_token_time=self.first_token_time, num_preemptions=self.num_preemptions,
             group=self.group, index=index, cumulative_logprob=self.cumulative_logprob,
             matcher=self.matcher.fork() if self.matcher is not None else None,
-            embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens)
+            embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens,
+            kv_imported=self.kv_imported)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
@@ -197,3 +206,6 @@ class SequenceGroup:
     # Prompt log-probs once complete (first entry None), and whether an output carried them.
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_logprobs_sent: bool = False
+    # Prefill/decode disaggregation: the prompt's KV exported when the request finished (a
+    # runner.kv_transfer.TransferredKv, see Sequence.export_kv); it rides on the last output.
+    exported_kv: Any = None

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.kv_cache import BlockManager, PrefixMatch
 from ksana_llm.engine.request import Sequence, SequenceStatus
 
 
@@ -63,6 +63,9 @@ class SchedulerOutput:
     # happen in steps that preempt nothing, so no source or destination changes hands before.
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Admitted sequences whose first positions come from another engine's KV (their block
+    # tables now, and the KV to write there before the forward).
+    kv_imports: list[tuple[list[int], Any]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -238,11 +241,23 @@ class Scheduler:
             seq = self.waiting[0]
             # Forward-only, prompt-logprob and embedding sequences get no prefix-cache hits.
             prefix = bm.match_prefix(seq)
-            num_new = self._chunk(seq, budget, prefix.num_tokens)
-            if not bm.allocate(seq, num_new, prefix):
-                break
+            imported = seq.imported_kv
+            if imported is not None and imported.num_tokens > prefix.num_tokens:
+                # KV from another engine covers more than the cache: fresh blocks, filled with it.
+                num_new = self._chunk(seq, budget, imported.num_tokens)
+                if not bm.allocate(seq, imported.num_tokens + num_new):
+                    break
+                out.kv_imports.append((list(seq.block_table), imported))
+                seq.kv_imported = True
+                prefix, start = PrefixMatch([], 0), imported.num_tokens
+            else:
+                num_new = self._chunk(seq, budget, prefix.num_tokens)
+                if not bm.allocate(seq, num_new, prefix):
+                    break
+                start = prefix.num_tokens
+            seq.imported_kv = None  # written now, or not needed; a recompute computes it all
             self.waiting.pop(0)
-            seq.num_computed_tokens = prefix.num_tokens
+            seq.num_computed_tokens = start
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
                 if bm.enable_prefix_caching and seq.uses_prefix_cache:

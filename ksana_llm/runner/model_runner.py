@@ -21,6 +21,7 @@ from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batc
                                           unsupported_reason)
 from ksana_llm.runner.drafting import MtpDrafting, draft_layers_for
 from ksana_llm.runner.host_arrays import flat_batch
+from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv, gather_tokens, scatter_tokens
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.slices import SeqSlice
 
@@ -54,6 +55,8 @@ class StepInput:
     # partial block when sequences fork (parallel sampling, beam search).
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     pending: PendingInputs | None = None
+    # KV received from another engine, written into these block tables before the forward.
+    kv_imports: list[tuple[list[int], TransferredKv]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,27 @@ class ModelRunner(MtpDrafting):
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    # ---- KV transfer (prefill/decode disaggregation) ----------------------------------------------
+    @property
+    def _all_caches(self) -> list[torch.Tensor]:
+        return [t for pair in self.kv_caches + self.draft_kv_caches for t in pair]
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.dtype)
+
+    def export_kv(self, block_table: list[int], token_ids: list[int]) -> TransferredKv:
+        """The KV of a sequence's first len(token_ids) positions, copied to the host (this waits
+        for the device: the rows must be final before the blocks are freed)."""
+        n = len(token_ids)
+        return TransferredKv(tuple(token_ids), tuple(
+            gather_tokens(cache, block_table, n).cpu() for cache in self._all_caches))
+
+    def _import_kv(self, imports: list[tuple[list[int], TransferredKv]]) -> None:
+        for block_table, kv in imports:
+            for cache, rows in zip(self._all_caches, kv.tensors):
+                scatter_tokens(cache, block_table, rows)
+
     # ---- batch building -------------------------------------------------------------------------
     def _window_ok(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         allowed = k_pos <= q_pos
@@ -377,6 +401,7 @@ class ModelRunner(MtpDrafting):
         self._copy_blocks(step.swap_out, to_host=True)
         self._copy_blocks(step.swap_in, to_host=False)
         self._copy_device_blocks(step.copy_blocks)
+        self._import_kv(step.kv_imports)
         if not step.slices:
             return StepResult([], None)
         self.last_hidden = None  # (a step whose drafting had nothing to do left it)

@@ -23,6 +23,7 @@ import ksana_llm
 from ksana_llm.api.engine import Engine
 from ksana_llm.distributed.launch import run_worker_node
 from ksana_llm.distributed.runtime import multi_node_env
+from ksana_llm.server import kv_transfer
 from ksana_llm.server.chat import load_chat_template
 from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
@@ -90,10 +91,12 @@ class OutputParsing:
 
 def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              mount_extensions: bool = True, parsing: OutputParsing | None = None) -> FastAPI:
+              mount_extensions: bool = True, parsing: OutputParsing | None = None,
+              kv_role: str | None = None, kv_transfer_ttl_s: float | None = None) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
-    `chat_template` is template text (not a path); None uses the tokenizer's own.
+    `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
+    ("prefill", "decode", "both"): the server's part in disaggregated serving (`server.kv_transfer`).
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -103,6 +106,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         raise ValueError("api_key must not be empty (omit it to disable authentication)")
     if engine.tokenizer is None:
         raise ValueError("the OpenAI server needs a tokenizer; this model folder has none")
+    transfer = _kv_transfer(engine, kv_role, kv_transfer_ttl_s, api_key)
 
     state = ServerState(
         engine=engine, served_model_name=served_model_name, chat_template=chat_template,
@@ -113,7 +117,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         enable_auto_tool_choice=parsing.enable_auto_tool_choice,
         reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
                           if parsing.reasoning_parser is not None else None),
-        max_logprobs=parsing.max_logprobs)
+        max_logprobs=parsing.max_logprobs, kv_transfer=transfer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -131,6 +135,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
 
     app.include_router(openai_router)
     app.include_router(misc_router)
+    if transfer is not None and transfer.exports:
+        kv_transfer.mount(app)  # GET /kv_transfer/{id}
 
     # ---- extension point: metrics (/metrics) and the native API (/generate, /forward) ----------
     if mount_extensions:
@@ -141,6 +147,25 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
+
+
+def _kv_transfer(engine: Engine, role: str | None, ttl_s: float | None,
+                 api_key: str | None) -> kv_transfer.KvTransfer | None:
+    if role is None:
+        if ttl_s is not None:
+            raise ValueError("--kv-transfer-ttl needs --kv-role")
+        return None
+    if role not in kv_transfer.KV_ROLES:
+        raise ValueError(f"--kv-role must be one of {', '.join(kv_transfer.KV_ROLES)}, got {role!r}")
+    if not engine.can_transfer_kv:
+        raise ValueError("--kv-role needs a single-rank engine (tensor_parallel_size=1 and "
+                         "pipeline_parallel_size=1): a parallel engine's KV is split over ranks")
+    store = kv_transfer.KvTransferStore()
+    if ttl_s is not None:
+        if ttl_s <= 0:
+            raise ValueError(f"--kv-transfer-ttl must be > 0, got {ttl_s}")
+        store.ttl_s = ttl_s
+    return kv_transfer.KvTransfer(role, store=store, api_key=api_key)
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -198,7 +223,9 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_name=args.served_model_name
                     or default_served_model_name(config.model),
                     api_key=args.api_key, chat_template=chat_template,
-                    max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, parsing=parsing)
+                    max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, parsing=parsing,
+                    kv_role=getattr(args, "kv_role", None),
+                    kv_transfer_ttl_s=getattr(args, "kv_transfer_ttl", None))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

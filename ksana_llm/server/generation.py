@@ -85,11 +85,13 @@ class ChoiceSet:
 
     @classmethod
     def submit(cls, engine: Engine, base_id: str, jobs: list[tuple[list[int], GenerationConfig]],
-               observer: Callable[[], Callable[[RequestOutput], None]] | None = None) -> ChoiceSet:
+               observer: Callable[[], Callable[[RequestOutput], None]] | None = None,
+               request_fields: dict[str, Any] | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
 
         `observer()` makes one callback per engine request; it sees every output of that request
-        on the engine thread (per-token metrics, and the finished request).
+        on the engine thread (per-token metrics, and the finished request). `request_fields`:
+        more `Request` fields for every job (KV transfer).
         """
         loop = asyncio.get_running_loop()
         choices = cls(engine)
@@ -97,7 +99,8 @@ class ChoiceSet:
             for i, (prompt_ids, config) in enumerate(jobs):
                 choices.handles.append(engine.submit(
                     Request(prompt_ids, generation_config=config, request_id=f"{base_id}-{i}",
-                            callback=observer() if observer is not None else None),
+                            callback=observer() if observer is not None else None,
+                            **(request_fields or {})),
                     loop=loop))
         except (QueueFullError, EngineDeadError, ValueError) as exc:
             choices.abort_unfinished()

@@ -76,6 +76,8 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # Prefill/decode disaggregation (vLLM's name); checked by server.kv_transfer.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported_params(self) -> list[str]:
         return []
@@ -180,6 +182,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's answer to do_remote_decode
 
 
 class TopLogprob(BaseModel):
@@ -230,6 +233,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's answer to do_remote_decode
 
 
 class DeltaFunctionCall(BaseModel):

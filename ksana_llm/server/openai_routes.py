@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.server import kv_transfer
 from ksana_llm.server.chat import check_template_kwargs, render_chat
 from ksana_llm.server.chat_output import ChatDelta, ChoiceOutputParser
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
@@ -194,6 +195,22 @@ def _usage(prompt_tokens: int, choices: ChoiceSet) -> Usage:
                  total_tokens=prompt_tokens + completion)
 
 
+async def _kv_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs) -> dict[str, Any]:
+    """Engine `Request` fields for the request's `kv_transfer_params` (see server.kv_transfer)."""
+    if req.kv_transfer_params is None:
+        return {}
+    return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
+                                            num_choices=sum(config.num_return_sequences
+                                                            for _, config in jobs.items),
+                                            stream=req.stream)
+
+
+def _kv_response(state: ServerState, choices: ChoiceSet) -> dict[str, Any] | None:
+    if len(choices.handles) != 1:
+        return None
+    return kv_transfer.response_params(state.kv_transfer, choices.handles[0].output)
+
+
 async def _wait(choices: ChoiceSet, request: Request, state: ServerState) -> bool:
     """Wait for every choice; False (and counted) if the client left first."""
     try:
@@ -230,7 +247,8 @@ async def create_completion(request: Request) -> Response:
                                                                 state.limits, "prompt"))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
-                               state.request_observer if state.metrics is not None else None)
+                               state.request_observer if state.metrics is not None else None,
+                               await _kv_fields(req, state, jobs))
     prompt_tokens = sum(len(p) for p in prompts)
     echo_texts = ([state.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
                   if req.echo else None)
@@ -304,7 +322,8 @@ async def create_completion(request: Request) -> Response:
             prompt_logprobs=(vllm_prompt_logprobs(entries, prompts[p], state.token_texts)
                              if req.prompt_logprobs is not None else None)))
     response = CompletionResponse(id=request_id, created=created, model=model, choices=result,
-                                  usage=_usage(prompt_tokens, choices))
+                                  usage=_usage(prompt_tokens, choices),
+                                  kv_transfer_params=_kv_response(state, choices))
     return JSONResponse(response.model_dump())
 
 
@@ -360,7 +379,8 @@ async def create_chat_completion(request: Request) -> Response:
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
-                               state.request_observer if state.metrics is not None else None)
+                               state.request_observer if state.metrics is not None else None,
+                               await _kv_fields(req, state, jobs))
     created = int(time.time())
     model = state.served_model_name
 
@@ -410,6 +430,7 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_lps = vllm_prompt_logprobs(prompt_logprobs_entries(choices.handles[0].output), ids,
                                           state.token_texts)
     response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=result,
-                                      usage=_usage(len(ids), choices), prompt_logprobs=prompt_lps)
+                                      usage=_usage(len(ids), choices), prompt_logprobs=prompt_lps,
+                                      kv_transfer_params=_kv_response(state, choices))
     return JSONResponse(response.model_dump())
 

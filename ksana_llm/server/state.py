@@ -30,6 +30,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
+    kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
 
     def grammar_compiler(self) -> Any:
         """The engine's GrammarCompiler: a spec compiled here to check it (off the event loop)

@@ -1,0 +1,113 @@
+"""Moving a prompt's KV cache between engines (prefill/decode disaggregation).
+
+A prefill engine computes a prompt and exports its KV as a `TransferredKv`: the token ids it
+covers and, for every cache tensor of the runner (K and V of each layer, then of each draft
+layer), one `[num_tokens, heads, dim]` tensor on the host. The layout is per token, not per
+block, so the engines may use different block sizes. A decode engine that receives it writes
+those rows into blocks of its own (`scatter_tokens`) and computes only what the KV lacks.
+
+`to_bytes` / `from_bytes` carry it over the wire as a safetensors payload (the server's
+`GET /kv_transfer/{id}`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+__all__ = ["KvLayout", "TransferredKv", "gather_tokens", "scatter_tokens"]
+
+_FORMAT = "ksana-llm-kv/1"
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """What an engine's KV rows look like: one per-token shape per cache tensor, and a dtype."""
+
+    token_shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    def check(self, kv: TransferredKv) -> None:
+        """ValueError unless `kv` came from an engine with this layout (same model, draft
+        layers and dtype; tensor-parallel shards would differ too)."""
+        shapes = tuple(tuple(t.shape[1:]) for t in kv.tensors)
+        if shapes != self.token_shapes:
+            raise ValueError(
+                f"imported_kv: its cache tensors {_describe(shapes)} do not match this engine's "
+                f"{_describe(self.token_shapes)} (a different model, draft layers or parallelism)")
+        if kv.tensors and kv.tensors[0].dtype != self.dtype:
+            raise ValueError(f"imported_kv: its dtype {kv.tensors[0].dtype} differs from this "
+                             f"engine's {self.dtype}")
+
+
+def _describe(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return f"{len(shapes)} x {list(shapes[0]) if shapes else []}"
+
+
+@dataclass(frozen=True)
+class TransferredKv:
+    """A prompt prefix's KV: row i of every tensor is the KV of `token_ids[i]` at position i."""
+
+    token_ids: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]  # each [num_tokens, heads, dim], on the host
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def truncated(self, num_tokens: int) -> TransferredKv:
+        """The first `num_tokens` positions (views, no copy)."""
+        return TransferredKv(self.token_ids[:num_tokens],
+                             tuple(t[:num_tokens] for t in self.tensors))
+
+    def usable_prefix(self, prompt_token_ids: list[int]) -> int:
+        """How many leading positions of `prompt_token_ids` this KV holds: the common prefix,
+        less the prompt's last token (whose logits the receiving engine must compute)."""
+        limit = min(self.num_tokens, len(prompt_token_ids) - 1)
+        n = 0
+        while n < limit and self.token_ids[n] == prompt_token_ids[n]:
+            n += 1
+        return n
+
+    def to_bytes(self) -> bytes:
+        tensors = {f"cache.{i}": t.contiguous() for i, t in enumerate(self.tensors)}
+        tensors["token_ids"] = torch.tensor(self.token_ids, dtype=torch.int64)
+        return save_safetensors(tensors, metadata={"format": _FORMAT})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TransferredKv:
+        """ValueError for a payload that is not one `to_bytes` wrote."""
+        try:
+            tensors = load_safetensors(data)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"not a KV transfer payload: {exc}") from exc
+        token_ids = tensors.pop("token_ids", None)
+        caches = [tensors.pop(f"cache.{i}", None) for i in range(len(tensors))]
+        if token_ids is None or tensors or any(
+                c is None or c.dim() < 1 or c.shape[0] != token_ids.numel() for c in caches):
+            raise ValueError("not a KV transfer payload: expected token_ids and cache.0..N "
+                             "with one row per token")
+        return cls(tuple(token_ids.tolist()), tuple(caches))
+
+
+def _slots(block_table: list[int], num_tokens: int, block_size: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(num_tokens)
+    blocks = torch.tensor(block_table, dtype=torch.long)[positions // block_size]
+    return blocks.to(device), (positions % block_size).to(device)
+
+
+def gather_tokens(cache: torch.Tensor, block_table: list[int], num_tokens: int) -> torch.Tensor:
+    """Rows 0..num_tokens-1 of a sequence from one `[num_blocks, block_size, heads, dim]` cache,
+    as a new `[num_tokens, heads, dim]` tensor on the cache's device."""
+    blocks, offsets = _slots(block_table, num_tokens, cache.shape[1], cache.device)
+    return cache[blocks, offsets]
+
+
+def scatter_tokens(cache: torch.Tensor, block_table: list[int], rows: torch.Tensor) -> None:
+    """Write `rows` ([num_tokens, heads, dim], any device) into positions 0.. of a sequence."""
+    blocks, offsets = _slots(block_table, rows.shape[0], cache.shape[1], cache.device)
+    cache[blocks, offsets] = rows.to(cache.device, non_blocking=True)

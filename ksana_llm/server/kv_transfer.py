@@ -1,0 +1,202 @@
+"""Prefill/decode disaggregation on the server side: `kv_transfer_params` and `GET /kv_transfer`.
+
+A server started with `--kv-role prefill` (or `both`) answers a request carrying
+`kv_transfer_params: {"do_remote_decode": true}` as usual (the router asks for one token), and
+keeps the prompt's KV for a while under a fresh transfer id, returned in the response's
+`kv_transfer_params` (`{"do_remote_prefill": true, "transfer_id": ..., "num_tokens": ...}`).
+A server started with `--kv-role decode` (or `both`) given those params plus `remote_url` (the
+prefill server's base URL; `ksana-llm router` adds it) fetches the KV from
+`{remote_url}/kv_transfer/{transfer_id}` (one use, then it is gone), and its engine computes only
+what the KV lacks (at least the last prompt token). If the fetch fails (expired, server gone) the
+decode server computes the prompt itself: slower, never wrong, and logged.
+
+The names follow vLLM's `kv_transfer_params`. The payload format is `TransferredKv.to_bytes`.
+Only single-rank engines transfer KV (a tensor-parallel cache is split over ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
+
+from ksana_llm.runner.kv_transfer import TransferredKv
+from ksana_llm.server.errors import APIError, bad_request
+
+logger = logging.getLogger("ksana_llm.server")
+
+KvRole = Literal["prefill", "decode", "both"]
+KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+
+# KsanaLLM's connector.task_expire_sec: how long a prefill server keeps KV nobody fetched.
+DEFAULT_TTL_S = 300.0
+
+
+class KvTransferParams(BaseModel):
+    """The request's `kv_transfer_params` (vLLM's field name)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    do_remote_decode: bool = False  # prefill server: keep this prompt's KV for a decode server
+    do_remote_prefill: bool = False  # decode server: start from KV a prefill server keeps
+    remote_url: str | None = None  # that prefill server's base URL, e.g. http://10.0.0.2:8090
+    transfer_id: str | None = None
+    num_tokens: int | None = None  # informational (what the prefill server returned)
+
+
+@dataclass
+class KvTransferStore:
+    """Exported KV waiting to be fetched: each entry once, until `ttl_s` passes; past
+    `max_bytes` in all, the oldest entries go first. Used from the event loop only."""
+
+    ttl_s: float = DEFAULT_TTL_S
+    max_bytes: int = 4 * 2**30
+    _entries: OrderedDict[str, tuple[TransferredKv, float, int]] = field(default_factory=OrderedDict)
+    _bytes: int = 0
+
+    def put(self, kv: TransferredKv) -> str:
+        self._expire()
+        size = sum(t.numel() * t.element_size() for t in kv.tensors)
+        while self._entries and self._bytes + size > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        transfer_id = uuid.uuid4().hex
+        self._entries[transfer_id] = (kv, time.monotonic() + self.ttl_s, size)
+        self._bytes += size
+        return transfer_id
+
+    def take(self, transfer_id: str) -> TransferredKv | None:
+        self._expire()
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            return None
+        self._drop(transfer_id)
+        return entry[0]
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._entries)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for transfer_id in [k for k, (_, deadline, _) in self._entries.items() if deadline < now]:
+            self._drop(transfer_id)
+
+    def _drop(self, transfer_id: str) -> None:
+        _, _, size = self._entries.pop(transfer_id)
+        self._bytes -= size
+
+
+@dataclass
+class KvTransfer:
+    """A server's part in disaggregated serving: its role, the KV it keeps for decode servers,
+    and how it fetches KV from prefill servers (with its own API key: the servers of one
+    deployment share one)."""
+
+    role: KvRole
+    store: KvTransferStore = field(default_factory=KvTransferStore)
+    api_key: str | None = None
+    fetch_timeout_s: float = 60.0
+    num_fetched: int = 0
+    num_fetch_failures: int = 0
+
+    @property
+    def exports(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def imports(self) -> bool:
+        return self.role in ("decode", "both")
+
+    async def fetch(self, params: KvTransferParams) -> TransferredKv | None:
+        """The KV `params` point to, or None (logged) when it cannot be had."""
+        url = f"{params.remote_url.rstrip('/')}/kv_transfer/{params.transfer_id}"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with httpx.AsyncClient(timeout=self.fetch_timeout_s) as client:
+                response = await client.get(url, headers=headers)
+            response.raise_for_status()
+            kv = TransferredKv.from_bytes(response.content)
+        except (httpx.HTTPError, ValueError) as exc:
+            self.num_fetch_failures += 1
+            logger.warning("could not fetch KV from %s (%s); computing the prompt here", url, exc)
+            return None
+        self.num_fetched += 1
+        return kv
+
+
+def parse_params(raw: dict[str, Any] | None) -> KvTransferParams | None:
+    if raw is None:
+        return None
+    try:
+        return KvTransferParams.model_validate(raw)
+    except ValueError as exc:
+        raise bad_request(f"Invalid kv_transfer_params: {exc}", param="kv_transfer_params") from exc
+
+
+async def request_fields(raw: dict[str, Any] | None, transfer: KvTransfer | None, *,
+                         num_choices: int, stream: bool) -> dict[str, Any]:
+    """The engine `Request` fields for the HTTP request's `kv_transfer_params` (400 for what this
+    server cannot do): `export_kv=True`, or `imported_kv=...`, or nothing."""
+    params = parse_params(raw)
+    if params is None or not (params.do_remote_decode or params.do_remote_prefill):
+        return {}
+    if transfer is None:
+        raise bad_request("kv_transfer_params needs a server started with --kv-role.",
+                          param="kv_transfer_params")
+    if params.do_remote_decode and params.do_remote_prefill:
+        raise bad_request("kv_transfer_params: give do_remote_decode or do_remote_prefill, not both.",
+                          param="kv_transfer_params")
+    if params.do_remote_decode:
+        if not transfer.exports:
+            raise bad_request(f"This server's --kv-role is {transfer.role}: it does not keep KV for "
+                              "other servers (do_remote_decode).", param="kv_transfer_params")
+        if stream or num_choices != 1:
+            raise bad_request("kv_transfer_params.do_remote_decode needs one prompt, n=1 and no "
+                              "streaming.", param="kv_transfer_params")
+        return {"export_kv": True}
+    if not transfer.imports:
+        raise bad_request(f"This server's --kv-role is {transfer.role}: it does not take KV from "
+                          "other servers (do_remote_prefill).", param="kv_transfer_params")
+    if not params.remote_url or not params.transfer_id:
+        raise bad_request("kv_transfer_params.do_remote_prefill needs remote_url and transfer_id.",
+                          param="kv_transfer_params")
+    if not params.remote_url.startswith(("http://", "https://")):
+        raise bad_request("kv_transfer_params.remote_url must be an http(s) URL.",
+                          param="kv_transfer_params")
+    kv = await transfer.fetch(params)
+    return {} if kv is None else {"imported_kv": kv}
+
+
+def response_params(transfer: KvTransfer | None, output: Any) -> dict[str, Any] | None:
+    """The response's `kv_transfer_params` for a finished request that exported its KV."""
+    kv = getattr(output, "exported_kv", None)
+    if transfer is None or kv is None:
+        return None
+    return {"do_remote_prefill": True, "transfer_id": transfer.store.put(kv),
+            "num_tokens": kv.num_tokens}
+
+
+router = APIRouter()
+
+
+@router.get("/kv_transfer/{transfer_id}")
+async def fetch_kv(transfer_id: str, request: Request) -> Response:
+    """The KV kept under `transfer_id` (safetensors bytes), once; 404 when unknown or expired."""
+    transfer: KvTransfer | None = request.app.state.server.kv_transfer
+    kv = transfer.store.take(transfer_id) if transfer is not None and transfer.exports else None
+    if kv is None:
+        raise APIError(404, f"No KV is kept under transfer id {transfer_id!r} (unknown, already "
+                       "fetched or expired).", type="not_found_error", code="kv_transfer_not_found")
+    return Response(kv.to_bytes(), media_type="application/octet-stream")
+
+
+def mount(app: FastAPI) -> None:
+    app.include_router(router)

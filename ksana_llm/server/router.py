@@ -1,0 +1,232 @@
+"""`ksana-llm router`: one OpenAI endpoint in front of prefill servers and decode servers.
+
+For each `/v1/completions` or `/v1/chat/completions` request the router
+1. asks a prefill server (`serve --kv-role prefill`) for one token of it, with
+   `kv_transfer_params: {"do_remote_decode": true}`: that server computes the prompt and keeps
+   its KV under a transfer id;
+2. sends the client's request, unchanged but for `kv_transfer_params` (the transfer id and the
+   prefill server's URL), to a decode server (`serve --kv-role decode`), which fetches the KV,
+   computes the last prompt token, generates, and answers (streamed or not) through the router.
+
+Servers are taken in turn (round robin). Requests the split cannot help are sent straight to a
+decode server, which then computes the prompt itself: several prompts in one completions request,
+prompt log-probs (the decode server does not compute the imported rows). So is every request
+when the prefill server fails or is overloaded (5xx, 429, unreachable): slower, never lost. A
+prefill server's answer to a bad request (a 4xx) is the client's answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import ksana_llm
+from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
+from ksana_llm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+
+logger = logging.getLogger("ksana_llm.router")
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+
+# What a prefill request keeps of the client's: what decides the prompt's tokens.
+_PROMPT_FIELDS = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls",
+                  "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+
+
+@dataclass
+class RouterConfig:
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    api_key: str | None = None  # checked on clients, and sent to the servers
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.decode_urls:
+            raise ValueError("the router needs at least one --decode server")
+        for url in self.prefill_urls + self.decode_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server URLs must start with http:// or https://, got {url!r}")
+        self.prefill_urls = [u.rstrip("/") for u in self.prefill_urls]
+        self.decode_urls = [u.rstrip("/") for u in self.decode_urls]
+
+
+@dataclass
+class RouterStats:
+    num_disaggregated: int = 0  # requests decoded from a prefill server's KV
+    num_direct: int = 0  # requests a decode server computed alone
+    num_prefill_failures: int = 0
+
+
+@dataclass
+class Router:
+    config: RouterConfig
+    client: httpx.AsyncClient
+    stats: RouterStats = field(default_factory=RouterStats)
+    _prefill: Iterator[str] = field(init=False)
+    _decode: Iterator[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._prefill = itertools.cycle(self.config.prefill_urls)
+        self._decode = itertools.cycle(self.config.decode_urls)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any] | Response | None:
+        """The decode server's `kv_transfer_params` from a prefill server; a Response to return
+        as is (the request is bad); None to decode without it."""
+        if not self.config.prefill_urls or not _disaggregable(path, body):
+            return None
+        url = next(self._prefill)
+        request = {k: body[k] for k in _PROMPT_FIELDS if k in body}
+        request.update(max_tokens=1, temperature=0,
+                       kv_transfer_params={"do_remote_decode": True})
+        try:
+            response = await self.client.post(url + path, json=request, headers=self.headers)
+        except httpx.HTTPError as exc:
+            return self._prefill_failed(url, repr(exc))
+        if response.status_code == 429 or response.status_code >= 500:
+            return self._prefill_failed(url, f"status {response.status_code}")
+        if response.status_code != 200:
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type"))
+        params = response.json().get("kv_transfer_params")
+        if not isinstance(params, dict):
+            return self._prefill_failed(url, "no kv_transfer_params (started without --kv-role?)")
+        return {**params, "remote_url": url}
+
+    def _prefill_failed(self, url: str, why: str) -> None:
+        self.stats.num_prefill_failures += 1
+        logger.warning("prefill server %s failed (%s); the decode server computes the prompt", url, why)
+        return None
+
+    async def forward(self, path: str, body: dict[str, Any]) -> Response:
+        """The whole request through prefill (when it helps) and decode servers."""
+        params = await self.prefill(path, body)
+        if isinstance(params, Response):
+            return params
+        body = dict(body)
+        body.pop("kv_transfer_params", None)
+        if params is None:
+            self.stats.num_direct += 1
+        else:
+            self.stats.num_disaggregated += 1
+            body["kv_transfer_params"] = params
+        url = next(self._decode) + path
+        request = self.client.build_request("POST", url, json=body, headers=self.headers)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
+        media_type = response.headers.get("content-type")
+        if not body.get("stream") or response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            return Response(content, status_code=response.status_code, media_type=media_type)
+        return StreamingResponse(_relay(response), status_code=200, media_type=media_type,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The decode server's stream; closing it (the client left) aborts the request there."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        await response.aclose()
+
+
+def _disaggregable(path: str, body: dict[str, Any]) -> bool:
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if path.endswith("/completions") and "messages" not in body:
+        prompt = body.get("prompt")
+        if body.get("echo") and body.get("logprobs") is not None:
+            return False  # the prompt's own log-probs are wanted
+        several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        return not several or len(prompt) == 1
+    return True
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise bad_request(f"The body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise bad_request("The body must be a JSON object.")
+    return body
+
+
+def build_router_app(config: RouterConfig, *,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with httpx.AsyncClient(timeout=config.timeout_s) as client:
+            app.state.router = Router(config, client)
+            yield
+
+    app = FastAPI(title="ksana-llm router", version=ksana_llm.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await request.app.state.router.forward("/v1/completions", await _json_body(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await request.app.state.router.forward("/v1/chat/completions",
+                                                      await _json_body(request))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        router: Router = request.app.state.router
+        try:
+            response = await router.client.get(config.decode_urls[0] + "/v1/models",
+                                               headers=router.headers)
+        except httpx.HTTPError as exc:
+            raise engine_unavailable(f"decode server cannot be reached ({exc!r})") from exc
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type"))
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        """200 when every server answers its /health with 200, else 503; each one's status."""
+        router: Router = request.app.state.router
+        servers = {}
+        for url in dict.fromkeys(config.prefill_urls + config.decode_urls):
+            try:
+                servers[url] = (await router.client.get(url + "/health", timeout=5.0)).status_code
+            except httpx.HTTPError:
+                servers[url] = None
+        ok = all(code == 200 for code in servers.values())
+        stats = router.stats
+        return JSONResponse({"status": "ok" if ok else "degraded", "servers": servers,
+                             "num_disaggregated": stats.num_disaggregated,
+                             "num_direct": stats.num_direct,
+                             "num_prefill_failures": stats.num_prefill_failures},
+                            status_code=200 if ok else 503)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_router_app(RouterConfig(args.prefill, args.decode, api_key=args.api_key))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
