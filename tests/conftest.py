@@ -40,3 +40,11 @@ def local_engine(default_model):
 
     with kt.Engine(default_model, num_device_blocks=256) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_dir):
+    """transformers' model on the same weights (fp32): the reference for greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()

@@ -125,6 +125,40 @@ def test_greedy_tokens_survive_preemption(setup, preempt_mode):
     assert stats.num_accepted_draft_tokens > 0
 
 
+def test_drafting_engine_decodes_from_imported_kv(setup):
+    """Prefill/decode disaggregation with drafts: the exported KV carries the MTP layer's cache
+    too, so the decode engine (another block size) drafts exactly as if it had computed the
+    prompt itself: same tokens as transformers, same drafts accepted as a local run."""
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    local, local_stats = _generate(setup, setup.prompts[:2], num_speculative_tokens=1)
+    with kt.Engine(setup.model, num_speculative_tokens=1, block_token_num=4,
+                   num_device_blocks=64) as prefill, \
+            kt.Engine(setup.model, num_speculative_tokens=1, block_token_num=8,
+                      num_device_blocks=64) as decode:
+        outputs = []
+        for prompt in setup.prompts[:2]:
+            kv = prefill.submit(kt.Request(prompt, generation_config=config.replace(
+                max_new_tokens=1), export_kv=True)).result().exported_kv
+            assert len(kv.tensors) == 2 * (setup.model.module.num_layers + 1)  # + the MTP layer
+            outputs.append(decode.submit(kt.Request(prompt, generation_config=config,
+                                                    imported_kv=kv)).result())
+            # The decode engine's cache holds the imported rows, the MTP layer's included, and
+            # computes the last prompt row of the main layers as the prefill engine did (the MTP
+            # layer's last row needs the token after the prompt: neither engine has it yet).
+            again = decode.submit(kt.Request(prompt, generation_config=config.replace(
+                max_new_tokens=1), imported_kv=kv, export_kv=True)).result().exported_kv
+            for mine, theirs in zip(again.tensors, kv.tensors):
+                assert torch.equal(mine[:-1], theirs[:-1])
+            num_main = 2 * setup.model.module.num_layers
+            for mine, theirs in zip(again.tensors[:num_main], kv.tensors[:num_main]):
+                torch.testing.assert_close(mine[-1], theirs[-1], rtol=1e-4, atol=1e-5)
+        stats = decode.stats()
+    assert [o.token_ids for o in outputs] == setup.expected[:2] == [o.token_ids for o in local]
+    assert stats.num_imported_kv_tokens == 2 * sum(len(p) - 1 for p in setup.prompts[:2])
+    assert (stats.num_draft_tokens, stats.num_accepted_draft_tokens) == (
+        local_stats.num_draft_tokens, local_stats.num_accepted_draft_tokens)
+
+
 def test_stops_among_accepted_drafts(setup, monkeypatch):
     """A stop token can be one of a step's accepted drafts: the tokens after it are dropped, as
     without drafts. (Several requests, each stopping at a different token of the same greedy

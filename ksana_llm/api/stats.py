@@ -40,6 +40,10 @@ class EngineStats:
     # Speculative decoding, since the engine started: drafts verified, and those accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # Prefill/decode disaggregation, since the engine started: prompt tokens whose KV was
+    # imported from (exported to) another engine.
+    num_imported_kv_tokens: int = 0
+    num_exported_kv_tokens: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -95,6 +99,8 @@ class StatsTracker:
             peak_used_kv_blocks=core.peak_used_blocks,
             num_draft_tokens=core.num_draft_tokens,
             num_accepted_draft_tokens=core.num_accepted_draft_tokens,
+            num_imported_kv_tokens=core.num_imported_kv_tokens,
+            num_exported_kv_tokens=core.num_exported_kv_tokens,
             num_preemptions=core.num_preemptions, prefix_cache_hit_rate=hit_rate,
             num_finished=num_finished,
             generation_tokens_per_s=tokens / span if span > 0 else 0.0,

@@ -12,7 +12,8 @@ Outputs are per sequence (`StepOutput.index`, see `engine.outputs`); outputs tha
 the end (beam search, best_of > n) are only emitted when the request finishes, best first.
 Sampling and reading tokens back live in `engine.sampling_steps`, captured rows (forward-only
 requests, prompt log-probs) in `engine.capture_steps`, beam search's steps in `engine.beam_steps`,
-drafting and verifying drafts (speculative decoding) in `engine.speculative_steps`.
+drafting and verifying drafts (speculative decoding) in `engine.speculative_steps`, KV exports
+(prefill/decode disaggregation) in `engine.kv_export_steps`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ksana_llm.engine.beam_steps import BeamSearchSteps
 from ksana_llm.engine.capture_steps import CaptureSteps
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.kv_export_steps import KvExportSteps
 from ksana_llm.engine.outputs import (
     CaptureRead,
     DeferredOutput,
@@ -64,9 +66,12 @@ class CoreStats:
     peak_used_blocks: int = 0
     num_draft_tokens: int = 0  # drafts verified so far (speculative decoding)
     num_accepted_draft_tokens: int = 0
+    # Prefill/decode disaggregation: prompt tokens whose KV came from (went to) another engine.
+    num_imported_kv_tokens: int = 0
+    num_exported_kv_tokens: int = 0
 
 
-class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps):
+class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps, KvExportSteps):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, tokenizer: Any, *, max_model_len: int,
                  sampler: Sampler | None = None, overlap_outputs: bool = False,
@@ -99,6 +104,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
         self.num_speculative_tokens = num_speculative_tokens
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        self._init_exports()
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -156,7 +162,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
         return CoreStats(len(s.waiting), len(s.running), len(s.swapped), bm.usage,
                          bm.num_free_blocks, bm.num_blocks, s.num_preemptions,
                          bm.prefix_queries, bm.prefix_hits, bm.peak_used_blocks,
-                         self.num_draft_tokens, self.num_accepted_draft_tokens)
+                         self.num_draft_tokens, self.num_accepted_draft_tokens,
+                         s.num_imported_kv_tokens, self.num_exported_kv_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:
@@ -244,6 +251,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
                                                [logit_rows[i] for i in beams]))
         if self.num_speculative_tokens:
             self._propose(plan.scheduled, slices, accepted)
+            self._finish_exports(outputs)
         if self._deferred and self._in_flight is None and not self.scheduler.has_work():
             outputs.extend(self._drain_deferred())  # no next step to overlap with
         return outputs
@@ -388,12 +396,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps)
     def _free(self, seq: Sequence) -> None:
         """`seq` is done: release its blocks and queue place, and what the sampler keeps for it.
         A request that exports its KV (a single sequence) copies its prompt's KV out first."""
-        group = seq.group
-        if seq.export_kv and group.exported_kv is None and seq.finish_reason is not None \
-                and seq.finish_reason is not FinishReason.ABORT:
-            num_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            group.exported_kv = self.runner.export_kv(seq.block_table,
-                                                      seq.prompt_token_ids[:num_tokens])
+        self._export_on_free(seq)
         self.scheduler.finish(seq)
         if seq.sampling_row is not None:
             self.sampler.release(seq.sampling_row)

@@ -181,6 +181,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def retain(self, blocks: list[int]) -> None:
+        """Hold held blocks once more (a finished sequence's, until its KV is copied out)."""
+        for block in blocks:
+            self._take(block)
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Undo `retain`."""
+        for block in reversed(blocks):
+            self._release(block)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of `parent`'s blocks with `child` (refcounted, no copy). The child (holding no
         blocks) also takes the parent's prefix-cache chain, which names the same tokens."""

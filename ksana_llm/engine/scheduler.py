@@ -87,6 +87,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # ordered by policy key
         self._admissions = 0  # FIFO tie-breaker that survives preemption
         self.num_preemptions = 0
+        self.num_imported_kv_tokens = 0  # prompt tokens whose KV another engine computed
 
     # ---- queue management ----------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[float, ...]:
@@ -249,6 +250,7 @@ class Scheduler:
                     break
                 out.kv_imports.append((list(seq.block_table), imported))
                 seq.kv_imported = True
+                self.num_imported_kv_tokens += imported.num_tokens
                 prefix, start = PrefixMatch([], 0), imported.num_tokens
             else:
                 num_new = self._chunk(seq, budget, prefix.num_tokens)

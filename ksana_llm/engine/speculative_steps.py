@@ -120,8 +120,14 @@ class SpeculativeSteps:
         for j, (item, piece) in enumerate(zip(scheduled, slices)):
             seq = item.seq
             seq.draft_token_ids = []
-            if seq.status is SequenceStatus.FINISHED or seq.forward is not None:
-                continue  # its blocks are gone (or it never decodes)
+            block_table = seq.block_table
+            if seq.status is SequenceStatus.FINISHED:
+                # Its blocks are gone, unless they wait for these rows to be exported.
+                block_table = self._held_export_table(seq)
+                if block_table is None:
+                    continue
+            if seq.forward is not None:
+                continue  # it never decodes
             # Rows whose KV stands, and whose next token is known (a beam's is not, yet).
             kept = item.num_new_tokens - item.num_draft_tokens + accepted.get(seq, 0)
             known = seq.num_prompt_tokens if seq.group.beam is not None else seq.num_tokens
@@ -129,7 +135,8 @@ class SpeculativeSteps:
             if num_rows <= 0:
                 continue
             wanted = 0
-            if piece.sample and self._drafts_allowed(seq):
+            if piece.sample and seq.status is not SequenceStatus.FINISHED \
+                    and self._drafts_allowed(seq):
                 # Chained drafts write the draft layer's KV at positions num_tokens - 1 on: only
                 # into blocks the sequence holds already (allocating here would take blocks the
                 # next step may need, and queue copy-on-write copies a step late).
@@ -138,7 +145,7 @@ class SpeculativeSteps:
                              held - seq.num_tokens + 2)
             draft_slices.append(SeqSlice(seq.tokens_slice(piece.start + 1,
                                                           piece.start + 1 + num_rows),
-                                         piece.start, seq.block_table, sample=wanted > 0))
+                                         piece.start, block_table, sample=wanted > 0))
             sources.append(j)
             if wanted > 0:
                 num_drafts.append(wanted)

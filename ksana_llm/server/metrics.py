@@ -20,7 +20,9 @@ Series (all carry the label `model_name`):
   (0..1), `ksana_llm:prefix_cache_hit_rate` (0..1), `ksana_llm:num_kv_blocks`,
   `ksana_llm:num_free_kv_blocks`, `ksana_llm:avg_generation_throughput_toks_per_s`
 - counters `ksana_llm:num_preemptions_total`, `ksana_llm:spec_decode_num_draft_tokens_total`,
-  `ksana_llm:spec_decode_num_accepted_tokens_total` (from the engine),
+  `ksana_llm:spec_decode_num_accepted_tokens_total`,
+  `ksana_llm:kv_transfer_imported_tokens_total`, `ksana_llm:kv_transfer_exported_tokens_total`
+  (from the engine),
   `ksana_llm:prompt_tokens_total`,
   `ksana_llm:generation_tokens_total`, `ksana_llm:request_success_total{finished_reason}`,
   `ksana_llm:request_failure_total{reason}`
@@ -109,6 +111,10 @@ class _EngineCollector(Collector):
              stats.num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
              stats.num_accepted_draft_tokens),
+            ("kv_transfer_imported_tokens", "Prompt tokens whose KV came from a prefill server.",
+             stats.num_imported_kv_tokens),
+            ("kv_transfer_exported_tokens", "Prompt tokens whose KV was kept for a decode server.",
+             stats.num_exported_kv_tokens),
         )
         for kind, series in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in series:
