@@ -25,9 +25,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
@@ -134,17 +136,26 @@ class Router:
             content = await response.aread()
             await response.aclose()
             return Response(content, status_code=response.status_code, media_type=media_type)
-        return StreamingResponse(_relay(response), status_code=200, media_type=media_type,
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _RelayedStream(response, media_type)
 
 
-async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The decode server's stream; closing it (the client left) aborts the request there."""
-    try:
-        async for chunk in response.aiter_raw():
-            yield chunk
-    finally:
-        await response.aclose()
+class _RelayedStream(StreamingResponse):
+    """The decode server's stream, passed on; however it ends (done, or the client left), the
+    connection to the decode server is closed, which aborts the request there."""
+
+    def __init__(self, upstream: httpx.Response, media_type: str | None) -> None:
+        super().__init__(upstream.aiter_raw(), status_code=200, media_type=media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Shielded: after a disconnect this may run in a cancelled scope, where an
+            # unshielded await would be cancelled before the connection is closed.
+            with anyio.CancelScope(shield=True):
+                await self._upstream.aclose()
 
 
 def _disaggregable(path: str, body: dict[str, Any]) -> bool:
@@ -202,7 +213,9 @@ def build_router_app(config: RouterConfig, *,
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        """200 when every server answers its /health with 200, else 503; each one's status."""
+        """Each server's /health status. 200 while a decode server is up (the router can answer:
+        without prefill servers the decode servers compute prompts themselves), with status
+        "ok" when every server is up, "degraded" when some are not; 503 with no decode server."""
         router: Router = request.app.state.router
         servers = {}
         for url in dict.fromkeys(config.prefill_urls + config.decode_urls):
@@ -211,12 +224,13 @@ def build_router_app(config: RouterConfig, *,
             except httpx.HTTPError:
                 servers[url] = None
         ok = all(code == 200 for code in servers.values())
+        serving = any(servers[url] == 200 for url in config.decode_urls)
         stats = router.stats
         return JSONResponse({"status": "ok" if ok else "degraded", "servers": servers,
                              "num_disaggregated": stats.num_disaggregated,
                              "num_direct": stats.num_direct,
                              "num_prefill_failures": stats.num_prefill_failures},
-                            status_code=200 if ok else 503)
+                            status_code=200 if serving else 503)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if config.api_key is not None:

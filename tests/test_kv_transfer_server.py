@@ -1,0 +1,202 @@
+"""Prefill/decode disaggregation over HTTP: a real prefill server (`serve --kv-role prefill`), a
+real decode server (`serve --kv-role decode`, another block size) and `ksana-llm router` in front,
+driven by the official `openai` client. Answers must equal the Python API's on the same model
+(whose greedy tokens equal transformers', tests/test_kv_transfer.py); the decode server must
+really decode from the prefill server's KV (its counters say so), and every failure of the
+transfer must still give the right answer, or a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+import ksana_llm as kt
+from ksana_llm.runner.kv_transfer import TransferredKv
+from tests.server_process import ServerProcess, free_port
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
+
+
+@pytest.fixture(scope="module")
+def prefill(default_model_dir):
+    proc = ServerProcess(["--kv-role", "prefill", "--num-device-blocks", "128"])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def decode(default_model_dir):
+    proc = ServerProcess(["--kv-role", "decode", "--num-device-blocks", "192",
+                          "--block-token-num", "8"])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def router(prefill, decode):
+    proc = ServerProcess(["--prefill", prefill.url, "--decode", decode.url], command="router")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    return openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def _counter(server: ServerProcess, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^ksana_llm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["message"]
+    return body["error"]
+
+
+def _chat_ids(local_engine: kt.Engine, messages: list[dict]) -> list[int]:
+    tok = local_engine.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_chat_through_router_decodes_from_prefill_kv(client, prefill, decode, router, local_engine):
+    ids = _chat_ids(local_engine, QUESTION)
+    want = local_engine.generate(ids, kt.GenerationConfig(max_new_tokens=24, temperature=0))
+    imported, exported = (_counter(decode, "kv_transfer_imported_tokens"),
+                          _counter(prefill, "kv_transfer_exported_tokens"))
+    answer = client.chat.completions.create(model=None, messages=QUESTION, temperature=0,
+                                            max_tokens=24)
+    assert answer.choices[0].message.content == want
+    assert answer.usage.prompt_tokens == len(ids)
+    # The prefill server computed the prompt; the decode server only its last token.
+    assert _counter(prefill, "kv_transfer_exported_tokens") - exported == len(ids)
+    assert _counter(decode, "kv_transfer_imported_tokens") - imported == len(ids) - 1
+    stream = client.chat.completions.create(model=None, messages=QUESTION, temperature=0,
+                                            max_tokens=24, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    health = httpx.get(router.url + "/health").json()
+    assert health["status"] == "ok" and health["num_disaggregated"] >= 2
+    assert set(health["servers"].values()) == {200}
+
+
+def test_completion_through_router_with_logprobs(client, local_engine):
+    config = kt.GenerationConfig(max_new_tokens=12, temperature=0, logprobs=2)
+    want = local_engine.generate_outputs(PROMPT, config)[0]
+    got = client.completions.create(model=None, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    logprobs=2)
+    choice = got.choices[0]
+    assert choice.text == want.text
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        [e["logprob"] for e in want.logprobs], abs=1e-4)
+    # Several prompts in one request: the decode server computes them (no split).
+    two = client.completions.create(model=None, prompt=[PROMPT, "The capital of France is"],
+                                    max_tokens=6, temperature=0)
+    assert two.choices[0].text == local_engine.generate(
+        PROMPT, kt.GenerationConfig(max_new_tokens=6, temperature=0))
+
+
+def test_kept_kv_is_fetched_once(prefill, local_engine):
+    r = httpx.post(prefill.base_url + "/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200
+    params = r.json()["kv_transfer_params"]
+    ids = local_engine.tokenizer.encode(PROMPT)
+    assert params["do_remote_prefill"] is True and params["num_tokens"] == len(ids)
+    fetched = httpx.get(f"{prefill.url}/kv_transfer/{params['transfer_id']}")
+    assert fetched.status_code == 200
+    kv = TransferredKv.from_bytes(fetched.content)
+    assert list(kv.token_ids) == ids
+    assert _error(httpx.get(f"{prefill.url}/kv_transfer/{params['transfer_id']}"), 404)["code"] \
+        == "kv_transfer_not_found"
+    _error(httpx.get(f"{prefill.url}/kv_transfer/nonsense"), 404)
+
+
+def test_bad_kv_transfer_params_are_400(prefill, decode):
+    def post(server: ServerProcess, params, **extra) -> httpx.Response:
+        return httpx.post(server.base_url + "/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params, **extra})
+
+    cases = [
+        (prefill, {"do_remote_decode": True}, {"stream": True}, "streaming"),
+        (prefill, {"do_remote_decode": True}, {"n": 2, "temperature": 1.0}, "n=1"),
+        (prefill, {"do_remote_prefill": True, "remote_url": "http://x", "transfer_id": "y"}, {},
+         "--kv-role is prefill"),
+        (decode, {"do_remote_decode": True}, {}, "--kv-role is decode"),
+        (decode, {"do_remote_prefill": True}, {}, "remote_url and transfer_id"),
+        (decode, {"do_remote_prefill": True, "remote_url": "file:///etc/passwd",
+                  "transfer_id": "y"}, {}, "http"),
+        (decode, {"do_remote_decode": "yes"}, {}, "Invalid kv_transfer_params"),
+        (decode, {"do_remote_prefill": True, "remote_port": 1}, {}, "Invalid kv_transfer_params"),
+    ]
+    for server, params, extra, words in cases:
+        error = _error(post(server, params, **extra), 400)
+        assert error["param"] == "kv_transfer_params" and words in error["message"], error
+    # Both still serve.
+    assert post(prefill, None).status_code == 200 and post(decode, None).status_code == 200
+
+
+def test_failed_fetch_falls_back_to_a_local_prefill(decode, local_engine):
+    """KV that cannot be had (gone, expired, server down) costs time, never the answer."""
+    imported = _counter(decode, "kv_transfer_imported_tokens")
+    for remote in (f"http://127.0.0.1:{free_port()}", decode.url):  # down; no such transfer
+        r = httpx.post(decode.base_url + "/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "kv_transfer_params": {
+                "do_remote_prefill": True, "remote_url": remote, "transfer_id": "0" * 32}})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == local_engine.generate(
+            PROMPT, kt.GenerationConfig(max_new_tokens=8, temperature=0))
+    assert _counter(decode, "kv_transfer_imported_tokens") == imported
+
+
+def test_router_without_a_live_prefill_server(decode, local_engine):
+    proc = ServerProcess(["--prefill", f"http://127.0.0.1:{free_port()}", "--decode", decode.url],
+                         command="router")
+    try:
+        r = httpx.post(proc.base_url + "/chat/completions", timeout=60, json={
+            "messages": QUESTION, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200
+        want = local_engine.generate(_chat_ids(local_engine, QUESTION),
+                                     kt.GenerationConfig(max_new_tokens=16, temperature=0))
+        assert r.json()["choices"][0]["message"]["content"] == want
+        health = httpx.get(proc.url + "/health")
+        assert health.status_code == 200  # it still answers
+        assert health.json()["status"] == "degraded" and health.json()["num_prefill_failures"] == 1
+    finally:
+        proc.stop()
+
+
+def test_router_passes_client_errors_through(router):
+    r = httpx.post(router.base_url + "/chat/completions", timeout=60, json={
+        "messages": [{"role": "robot", "content": "hi"}]})
+    assert _error(r, 400)["param"]
+    _error(httpx.post(router.base_url + "/completions", content=b"{not json"), 400)
+    _error(httpx.post(router.base_url + "/completions", json=[1, 2]), 400)
+
+
+def test_client_leaving_a_routed_stream_aborts_it_on_the_decode_server(router, decode):
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", router.base_url + "/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        return  # closes the connection mid-stream
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 15
+    while httpx.get(decode.url + "/health").json()["num_running"]:
+        assert time.monotonic() < deadline, "the decode server still runs the request"
+        time.sleep(0.1)
