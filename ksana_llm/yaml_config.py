@@ -34,6 +34,9 @@ Keys and where they go:
 |                                                   |   (< 0 -> None: "all that remains")       |
 | setting.block_manager.block_host_memory_factor    | EngineConfig.block_host_memory_factor     |
 | model_spec.base_model.model_dir                   | EngineConfig.model, ServerSettings.model_dir |
+| setting.connector.group_role                      | ServerSettings.kv_role (`serve --kv-role`; |
+|                                                   |   "none" -> None)                         |
+| setting.connector.task_expire_sec                 | ServerSettings.kv_transfer_ttl_s          |
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class ServerSettings:
     - `max_token_len`: prompt + generated tokens per request; 0 = the model's context.
     - `waiting_timeout_in_ms`: how long a request may wait in the queue before the server fails it.
     - `config_file`: the YAML path the settings came from (None for an in-memory mapping).
+    - `kv_role`, `kv_transfer_ttl_s`: prefill/decode disaggregation (`serve --kv-role`,
+      `--kv-transfer-ttl`); None when not set.
     """
 
     model_dir: str | None = None
@@ -73,6 +78,8 @@ class ServerSettings:
     max_token_len: int = 0
     waiting_timeout_in_ms: int = DEFAULT_WAITING_TIMEOUT_MS
     config_file: str | None = None
+    kv_role: str | None = None
+    kv_transfer_ttl_s: float | None = None
 
 
 # ---- schema ----------------------------------------------------------------------------------------
@@ -97,6 +104,18 @@ def _negative_is_none(value: float) -> float | None:
 
 def _expand_path(value: str) -> str:
     return os.path.expanduser(value)
+
+
+_KV_ROLES = ("prefill", "decode", "both")
+
+
+def _kv_role(value: str) -> str | None:
+    if value == "none":
+        return None
+    if value not in _KV_ROLES:
+        raise ValueError(f"setting.connector.group_role must be none, {', '.join(_KV_ROLES)}; "
+                         f"got {value!r}")
+    return value
 
 
 _BS = "setting.batch_scheduler."
@@ -126,6 +145,9 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     _BM + "block_host_memory_factor": _Key("float", field="block_host_memory_factor"),
     "model_spec.base_model.model_dir": _Key("str", field="model", server="model_dir",
                                             convert=_expand_path),
+    # Prefill/decode disaggregation: the server's role; how long kept KV waits to be fetched.
+    "setting.connector.group_role": _Key("str", server="kv_role", convert=_kv_role),
+    "setting.connector.task_expire_sec": _Key("float", server="kv_transfer_ttl_s"),
 })
 
 # KsanaLLM keys (and whole sections) that exist upstream but mean nothing here yet: they get a more
@@ -144,7 +166,13 @@ _UNSUPPORTED: frozenset[str] = frozenset({
     _BS + "attention_dp_lb_config",
     _BM + "dynamic_reusable_memory_ratio", _BM + "enable_block_checksum",
     "setting.attn_backend", "setting.kernel_config", "setting.quantization_config",
-    "setting.profiler", "setting.endpoint_type", "setting.tokenization", "setting.connector",
+    "setting.profiler", "setting.endpoint_type", "setting.tokenization",
+    # The connector's transport and cluster keys: our servers talk HTTP, a router routes.
+    *("setting.connector." + key for key in (
+        "backend", "router_addr", "inference_addr", "coordinator_addr", "cluster_name",
+        "heartbeat_interval_ms", "transfer_batch", "connector_waiting_sec",
+        "circular_bucket_size", "circular_bucket_num", "circular_thread_num", "send_thread_num",
+        "communication_type", "redis_password", "metadata_addr")),
     "model_spec.base_model.tokenizer_dir", "model_spec.plugin_model", "model_spec.lora_models",
     "model_spec.model_performance_runner_config",
 })
@@ -254,7 +282,8 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
         spec = _SCHEMA[dotted]
         value = _check_type(dotted, spec.kind, raw)
         if spec.server is not None:
-            server[spec.server] = value
+            server[spec.server] = spec.convert(value) if spec.convert and spec.field is None \
+                else value
         if spec.field is not None:
             fields[spec.field] = spec.convert(value) if spec.convert else value
             sources[spec.field] = dotted

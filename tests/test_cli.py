@@ -60,3 +60,38 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     assert engine_config_from_args(parse(["serve"])).num_speculative_tokens == 0
     config = engine_config_from_args(parse(["serve", "--num-speculative-tokens", "2"]))
     assert config.num_speculative_tokens == 2
+
+
+def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import build_app, configs_from_args, kv_transfer_from_args
+
+    parse = build_parser().parse_args
+    yaml_file = tmp_path / "ksana.yaml"
+    yaml_file.write_text("setting:\n  connector:\n    group_role: decode\n"
+                         "    task_expire_sec: 30\n")
+    args = parse(["serve", "--config_file", str(yaml_file)])
+    assert kv_transfer_from_args(args, configs_from_args(args)[1]) == ("decode", 30.0)
+    args = parse(["serve", "--config_file", str(yaml_file), "--kv-role", "prefill",
+                  "--kv-transfer-ttl", "5"])
+    assert kv_transfer_from_args(args, configs_from_args(args)[1]) == ("prefill", 5.0)
+    assert kv_transfer_from_args(parse(["serve"]), None) == (None, None)
+    from fastapi.testclient import TestClient
+
+    app = build_app(local_engine, served_model_name="m", kv_role="prefill")
+    assert app.state.server.kv_transfer.exports and not app.state.server.kv_transfer.imports
+    # (No `with`: the app's shutdown would stop the shared engine.)
+    missing = TestClient(app).get("/kv_transfer/abc")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "kv_transfer_not_found"
+    plain = build_app(local_engine, served_model_name="m")
+    assert plain.state.server.kv_transfer is None
+    assert TestClient(plain).get("/kv_transfer/abc").status_code == 404  # no such route
+    refused = TestClient(plain).post("/v1/completions", json={
+        "prompt": "Hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert refused.status_code == 400 and "--kv-role" in refused.json()["error"]["message"]
+    with pytest.raises(ValueError, match="--kv-transfer-ttl needs --kv-role"):
+        build_app(local_engine, served_model_name="m", kv_transfer_ttl_s=5)
+    with pytest.raises(ValueError, match="--kv-role must be one of"):
+        build_app(local_engine, served_model_name="m", kv_role="middle")
+    with pytest.raises(ValueError, match="--kv-transfer-ttl must be > 0"):
+        build_app(local_engine, served_model_name="m", kv_role="both", kv_transfer_ttl_s=0)

@@ -47,7 +47,8 @@ def test_example_file_loads_cleanly():
     assert config.max_num_seqs == 128 and config.max_step_tokens == 4096
     assert config.block_device_memory_ratio is None  # -1.0 = "the default"
     assert server == ServerSettings(model_dir=None, tensor_para_size=1, max_token_len=2048,
-                                    waiting_timeout_in_ms=600000, config_file=str(EXAMPLE))
+                                    waiting_timeout_in_ms=600000, config_file=str(EXAMPLE),
+                                    kv_role=None, kv_transfer_ttl_s=300.0)
 
 
 def test_example_documents_every_accepted_key():
@@ -56,7 +57,7 @@ def test_example_documents_every_accepted_key():
                  "max_waiting_queue_len", "waiting_timeout_in_ms", "split_fuse_token_num",
                  "enable_auto_prefix_cache", "preempt_mode", "block_token_num",
                  "reserved_device_memory_ratio", "block_device_memory_ratio",
-                 "block_host_memory_factor", "model_dir"):
+                 "block_host_memory_factor", "model_dir", "group_role", "task_expire_sec"):
         assert f"{leaf}:" in text, leaf
 
 
@@ -184,3 +185,17 @@ def test_duplicate_keys_and_bad_yaml_are_errors(tmp_path):
         load_engine_config(write(tmp_path, "setting: [unclosed\n"))
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_engine_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_connector_role_reaches_the_server_settings():
+    """KsanaLLM's PD-disaggregation keys: the role and the TTL of kept KV (the server's
+    --kv-role / --kv-transfer-ttl); its transport and cluster keys are named as unsupported."""
+    _, server = parse_engine_config({"setting": {"connector": {
+        "group_role": "decode", "task_expire_sec": 60}}})
+    assert (server.kv_role, server.kv_transfer_ttl_s) == ("decode", 60.0)
+    _, server = parse_engine_config({"setting": {"connector": {"group_role": "none"}}})
+    assert server.kv_role is None
+    with pytest.raises(ValueError, match="setting.connector.group_role must be none, prefill"):
+        parse_engine_config({"setting": {"connector": {"group_role": "decoder"}}})
+    with pytest.raises(ValueError, match="setting.connector.metadata_addr: a KsanaLLM key"):
+        parse_engine_config({"setting": {"connector": {"metadata_addr": "redis://x"}}})

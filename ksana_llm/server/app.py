@@ -186,6 +186,12 @@ ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     """EngineConfig from --config_file (when given) with the engine flags given on top."""
+    return configs_from_args(args)[0]
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(EngineConfig, the YAML's ServerSettings or None) from --config_file (when given) with the
+    engine flags given on top."""
     from ksana_llm.config import EngineConfig
 
     overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
@@ -194,11 +200,19 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         yaml_config = _optional_module("ksana_llm.yaml_config")
         if yaml_config is None:
             raise ValueError("--config_file is not supported yet")
-        # Returns (EngineConfig, ServerSettings); everything the engine acts on (including
-        # max_token_len and waiting_timeout_in_ms) is already in the EngineConfig.
-        config, _server_settings = yaml_config.load_engine_config(args.config_file, overrides)
-        return config
-    return EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
+        # Everything the engine acts on (including max_token_len and waiting_timeout_in_ms) is
+        # in the EngineConfig; the ServerSettings add what only the server does (KV transfer).
+        return yaml_config.load_engine_config(args.config_file, overrides)
+    return EngineConfig(**{k: v for k, v in overrides.items() if v is not None}), None
+
+
+def kv_transfer_from_args(args: argparse.Namespace, settings: Any) -> tuple[str | None, float | None]:
+    """(--kv-role, --kv-transfer-ttl), each from the YAML's connector section when not given."""
+    kv_role = getattr(args, "kv_role", None) or (settings.kv_role if settings else None)
+    kv_ttl = getattr(args, "kv_transfer_ttl", None)
+    if kv_ttl is None and settings is not None and kv_role is not None:
+        kv_ttl = settings.kv_transfer_ttl_s  # (meaningless, and ignored, without a role)
+    return kv_role, kv_ttl
 
 
 def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
@@ -214,7 +228,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     parsing = output_parsing_from_args(args)
     parsing.check()  # before the model loads: a misspelt parser name fails at once
-    config = engine_config_from_args(args)
+    config, settings = configs_from_args(args)
+    kv_role, kv_ttl = kv_transfer_from_args(args, settings)
     node = multi_node_env()
     if node is not None and node.node_rank != 0:
         return run_worker_node(worker_spec(config), node)  # no HTTP here: the master serves
@@ -224,8 +239,7 @@ def run_server(args: argparse.Namespace) -> int:
                     or default_served_model_name(config.model),
                     api_key=args.api_key, chat_template=chat_template,
                     max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, parsing=parsing,
-                    kv_role=getattr(args, "kv_role", None),
-                    kv_transfer_ttl_s=getattr(args, "kv_transfer_ttl", None))
+                    kv_role=kv_role, kv_transfer_ttl_s=kv_ttl)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
