@@ -13,10 +13,11 @@ from ksana_llm.api.outputs import (Request, RequestHandle, RequestOutput, Sequen
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec
+from ksana_llm.runner.kv_transfer import TransferredKv
 
 __version__ = "0.1.0"
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
            "GenerationConfig", "Model", "QueueFullError", "QueueTimeoutError", "Request",
            "RequestHandle", "RequestOutput", "SequenceDelta", "SequenceOutput",
-           "StructuredOutputSpec", "__version__"]
+           "StructuredOutputSpec", "TransferredKv", "__version__"]
