@@ -8,6 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ksana_llm.config import KV_ROLES
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -138,11 +140,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
     # Prefill/decode disaggregation (see README "Prefill/decode disaggregation").
-    parser.add_argument("--kv-role", default=None, choices=["prefill", "decode", "both"],
+    parser.add_argument("--kv-role", default=None, choices=KV_ROLES,
                         help="take part in disaggregated serving: keep prompts' KV for decode "
                              "servers (prefill), start from a prefill server's KV (decode), or both")
     parser.add_argument("--kv-transfer-ttl", type=float, default=None,
                         help="seconds a prefill server keeps KV nobody fetched (default: 300)")
+    parser.add_argument("--kv-prefill-url", action="append", default=None, metavar="URL",
+                        help="a decode server fetches KV only from these prefill servers "
+                             "(repeat for several; default: any URL a request names)")
     # Engine settings (EngineConfig fields); only those given override the config file.
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
+# A server's part in prefill/decode disaggregation (`serve --kv-role`, YAML connector.group_role).
+KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+
 
 class EngineConfig(BaseModel):
     """Validated, immutable engine settings. Invalid values raise a ValueError naming the field."""

@@ -52,7 +52,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ksana_llm.config import EngineConfig
+from ksana_llm.config import KV_ROLES, EngineConfig
 
 __all__ = ["ServerSettings", "load_engine_config", "parse_engine_config"]
 
@@ -106,14 +106,11 @@ def _expand_path(value: str) -> str:
     return os.path.expanduser(value)
 
 
-_KV_ROLES = ("prefill", "decode", "both")
-
-
 def _kv_role(value: str) -> str | None:
     if value == "none":
         return None
-    if value not in _KV_ROLES:
-        raise ValueError(f"setting.connector.group_role must be none, {', '.join(_KV_ROLES)}; "
+    if value not in KV_ROLES:
+        raise ValueError(f"setting.connector.group_role must be none, {', '.join(KV_ROLES)}; "
                          f"got {value!r}")
     return value
 

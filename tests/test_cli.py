@@ -42,23 +42,27 @@ def test_bad_arguments_give_a_clear_error(args, needle):
 
 def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     from ksana_llm.cli import build_parser
-    from ksana_llm.server.app import engine_config_from_args
+    from ksana_llm.server.app import configs_from_args
 
     parse = build_parser().parse_args
-    config = engine_config_from_args(parse(["serve"]))
+
+    def engine_config(args):
+        return configs_from_args(args)[0]
+
+    config = engine_config(parse(["serve"]))
     assert (config.enable_cuda_graphs, config.async_scheduling,
             config.overlap_output_processing) == (True, None, None)  # the device decides
     args = ["serve", "--no-enable-cuda-graphs", "--no-async-scheduling",
             "--overlap-output-processing"]
-    config = engine_config_from_args(parse(args))
+    config = engine_config(parse(args))
     assert (config.enable_cuda_graphs, config.async_scheduling,
             config.overlap_output_processing) == (False, False, True)
     yaml_file = tmp_path / "ksana.yaml"
     yaml_file.write_text("setting:\n  global:\n    enable_cuda_graph: true\n")
-    config = engine_config_from_args(parse([*args, "--config_file", str(yaml_file)]))
+    config = engine_config(parse([*args, "--config_file", str(yaml_file)]))
     assert (config.enable_cuda_graphs, config.async_scheduling) == (False, False)  # flags win
-    assert engine_config_from_args(parse(["serve"])).num_speculative_tokens == 0
-    config = engine_config_from_args(parse(["serve", "--num-speculative-tokens", "2"]))
+    assert engine_config(parse(["serve"])).num_speculative_tokens == 0
+    config = engine_config(parse(["serve", "--num-speculative-tokens", "2"]))
     assert config.num_speculative_tokens == 2
 
 
@@ -89,9 +93,22 @@ def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
     refused = TestClient(plain).post("/v1/completions", json={
         "prompt": "Hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     assert refused.status_code == 400 and "--kv-role" in refused.json()["error"]["message"]
-    with pytest.raises(ValueError, match="--kv-transfer-ttl needs --kv-role"):
+    # --kv-prefill-url: a decode server fetches from those servers only.
+    listed = build_app(local_engine, served_model_name="m", kv_role="decode",
+                       kv_prefill_urls=["http://127.0.0.1:1/"])
+    refused = TestClient(listed).post("/v1/completions", json={
+        "prompt": "Hi", "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_prefill": True, "remote_url": "http://169.254.169.254", "transfer_id": "x"}})
+    assert refused.status_code == 400 and "--kv-prefill-url" in refused.json()["error"]["message"]
+    with pytest.raises(ValueError, match="--kv-transfer-ttl and --kv-prefill-url need --kv-role"):
         build_app(local_engine, served_model_name="m", kv_transfer_ttl_s=5)
+    with pytest.raises(ValueError, match="need --kv-role"):
+        build_app(local_engine, served_model_name="m", kv_prefill_urls=["http://a:1"])
     with pytest.raises(ValueError, match="--kv-role must be one of"):
         build_app(local_engine, served_model_name="m", kv_role="middle")
     with pytest.raises(ValueError, match="--kv-transfer-ttl must be > 0"):
         build_app(local_engine, served_model_name="m", kv_role="both", kv_transfer_ttl_s=0)
+    from ksana_llm.server.app import check_kv_role
+
+    with pytest.raises(ValueError, match="--kv-role needs a single-rank engine"):
+        check_kv_role("decode", 2, 1)  # (checked before the model loads)

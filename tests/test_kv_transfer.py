@@ -129,3 +129,37 @@ def test_payload_round_trip(prefill_engine):
     assert cut.num_tokens == 5 and all(t.shape[0] == 5 for t in cut.tensors)
     assert kv.usable_prefix(list(kv.token_ids)) == kv.num_tokens - 1
     assert kv.usable_prefix([kv.token_ids[0], -1, *kv.token_ids[2:]]) == 1
+
+
+@pytest.mark.parametrize("preempt_mode", [0, 1])
+def test_export_preempted_while_its_token_is_in_flight(default_model, preempt_mode):
+    """Async scheduling: a one-token export request is preempted (swapped out, or dropped for
+    recompute) while its token is on its way back, then finishes. Its KV is no longer in device
+    blocks: nothing is exported (a decode server computes the prompt) and the engine goes on."""
+    from ksana_llm.api.core_builder import build_core
+    from ksana_llm.api.request_builder import RequestBuilder
+
+    config = kt.EngineConfig(num_device_blocks=4, block_token_num=4, async_scheduling=True,
+                             enable_prefix_caching=False, preempt_mode=preempt_mode)
+    core = build_core(default_model, config, None, print)
+    builder = RequestBuilder(default_model, None, max_model_len=core.max_model_len, max_num_seqs=8,
+                             kv_layout=core.runner.kv_layout)
+    greedy = kt.GenerationConfig(max_new_tokens=50, temperature=0, ignore_eos=True)
+    decoding, _ = builder.sequence(kt.Request(list(range(10, 14)), generation_config=greedy), greedy)
+    core.add(decoding)
+    for _ in range(4):
+        core.step()
+    one = greedy.replace(max_new_tokens=1)
+    # A prompt filling every free block: the decoding request's next block must come from it.
+    free = core.block_manager.num_free_blocks * 4
+    exporting, _ = builder.sequence(kt.Request(list(range(20, 20 + free)), generation_config=one,
+                                               export_kv=True), one)
+    core.add(exporting)
+    outputs = []
+    while core.has_work():
+        outputs += core.step()
+    assert exporting.num_preemptions == 1  # the case under test happened
+    final = [o for o in outputs if o.request_id == exporting.request_id and o.finished]
+    assert len(final) == 1 and final[0].exported_kv is None
+    assert decoding.is_finished and decoding.num_tokens == core.max_model_len  # (16: the pool)
+    assert core.block_manager.num_free_blocks == 4

@@ -8,12 +8,15 @@ transfer must still give the right answer, or a clear error."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import re
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+import torch
 
 import ksana_llm as kt
 from ksana_llm.runner.kv_transfer import TransferredKv
@@ -88,6 +91,8 @@ def test_chat_through_router_decodes_from_prefill_kv(client, prefill, decode, ro
     health = httpx.get(router.url + "/health").json()
     assert health["status"] == "ok" and health["num_disaggregated"] >= 2
     assert set(health["servers"].values()) == {200}
+    assert [m.id for m in client.models.list().data] == [
+        m["id"] for m in httpx.get(decode.base_url + "/models").json()["data"]]
 
 
 def test_completion_through_router_with_logprobs(client, local_engine):
@@ -136,6 +141,9 @@ def test_bad_kv_transfer_params_are_400(prefill, decode):
         (decode, {"do_remote_prefill": True}, {}, "remote_url and transfer_id"),
         (decode, {"do_remote_prefill": True, "remote_url": "file:///etc/passwd",
                   "transfer_id": "y"}, {}, "http"),
+        (decode, {"do_remote_prefill": True, "remote_url": "http://[::1/x", "transfer_id": "y"},
+         {}, "http"),
+        (prefill, {"do_remote_decode": True}, {"best_of": 2, "temperature": 1.0}, "best_of"),
         (decode, {"do_remote_decode": "yes"}, {}, "Invalid kv_transfer_params"),
         (decode, {"do_remote_prefill": True, "remote_port": 1}, {}, "Invalid kv_transfer_params"),
     ]
@@ -146,22 +154,74 @@ def test_bad_kv_transfer_params_are_400(prefill, decode):
     assert post(prefill, None).status_code == 200 and post(decode, None).status_code == 200
 
 
-def test_failed_fetch_falls_back_to_a_local_prefill(decode, local_engine):
-    """KV that cannot be had (gone, expired, server down) costs time, never the answer."""
+class _PayloadServer:
+    """A real HTTP server on 127.0.0.1 answering every GET with fixed bytes: KV payloads a
+    prefill server of this deployment would never send."""
+
+    def __init__(self, payloads: dict[str, bytes]) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                body = payloads[self.path.rsplit("/", 1)[-1]]
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_failed_fetch_falls_back_to_a_local_prefill(decode, prefill, local_engine):
+    """KV that cannot be had or used costs time, never the answer: a server that is down, a
+    transfer id nobody keeps, and payloads that are garbage, from another model (fewer KV
+    heads), or larger than a whole context's KV."""
+    ids = local_engine.tokenizer.encode(PROMPT)
+    r = httpx.post(prefill.base_url + "/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = TransferredKv.from_bytes(httpx.get(
+        f"{prefill.url}/kv_transfer/{r.json()['kv_transfer_params']['transfer_id']}").content)
+    other_model = TransferredKv(kv.token_ids, tuple(t[:, :1] for t in kv.tensors)).to_bytes()
+    # The decode server holds 1,536 tokens: KV for 2,048 is more than any context's (and would
+    # be used, its first rows being the prompt's, but for the size limit).
+    pad = 2048 - len(ids)
+    huge = TransferredKv(kv.token_ids + (0,) * pad, tuple(
+        torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in kv.tensors)).to_bytes()
+    payload_server = _PayloadServer({"garbage": b"\x00" * 64, "other-model": other_model,
+                                     "huge": huge})
+    stats = httpx.get(decode.base_url + "/stats").json()["kv_transfer"]
     imported = _counter(decode, "kv_transfer_imported_tokens")
-    for remote in (f"http://127.0.0.1:{free_port()}", decode.url):  # down; no such transfer
-        r = httpx.post(decode.base_url + "/completions", timeout=60, json={
-            "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "kv_transfer_params": {
-                "do_remote_prefill": True, "remote_url": remote, "transfer_id": "0" * 32}})
-        assert r.status_code == 200
-        assert r.json()["choices"][0]["text"] == local_engine.generate(
-            PROMPT, kt.GenerationConfig(max_new_tokens=8, temperature=0))
+    want = local_engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=8, temperature=0))
+    try:
+        sources = [(f"http://127.0.0.1:{free_port()}", "0" * 32), (decode.url, "0" * 32),
+                   *((payload_server.url, name) for name in ("garbage", "other-model", "huge"))]
+        for remote, transfer_id in sources:
+            r = httpx.post(decode.base_url + "/completions", timeout=60, json={
+                "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "kv_transfer_params": {
+                    "do_remote_prefill": True, "remote_url": remote, "transfer_id": transfer_id}})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, remote
+    finally:
+        payload_server.close()
     assert _counter(decode, "kv_transfer_imported_tokens") == imported
+    after = httpx.get(decode.base_url + "/stats").json()["kv_transfer"]
+    assert after["num_fetch_failures"] - stats["num_fetch_failures"] == len(sources)
+    assert after["num_fetched"] == stats["num_fetched"]
 
 
-def test_router_without_a_live_prefill_server(decode, local_engine):
-    proc = ServerProcess(["--prefill", f"http://127.0.0.1:{free_port()}", "--decode", decode.url],
-                         command="router")
+@pytest.mark.parametrize("prefill_server", ["down", "not a prefill server"])
+def test_router_without_a_working_prefill_server(decode, local_engine, prefill_server):
+    """A prefill server that is down, or refuses the KV-transfer part (here: a decode server,
+    which answers do_remote_decode with a 400 about kv_transfer_params): the decode server
+    computes the prompt."""
+    url = f"http://127.0.0.1:{free_port()}" if prefill_server == "down" else decode.url
+    proc = ServerProcess(["--prefill", url, "--decode", decode.url], command="router")
     try:
         r = httpx.post(proc.base_url + "/chat/completions", timeout=60, json={
             "messages": QUESTION, "max_tokens": 16, "temperature": 0})
@@ -171,7 +231,8 @@ def test_router_without_a_live_prefill_server(decode, local_engine):
         assert r.json()["choices"][0]["message"]["content"] == want
         health = httpx.get(proc.url + "/health")
         assert health.status_code == 200  # it still answers
-        assert health.json()["status"] == "degraded" and health.json()["num_prefill_failures"] == 1
+        assert health.json()["num_prefill_failures"] == 1 and health.json()["num_direct"] == 1
+        assert health.json()["status"] == ("degraded" if prefill_server == "down" else "ok")
     finally:
         proc.stop()
 
@@ -195,7 +256,13 @@ def test_client_leaving_a_routed_stream_aborts_it_on_the_decode_server(router, d
                     if line.startswith("data: "):
                         return  # closes the connection mid-stream
 
+    async def give_up() -> None:  # a non-streaming client that stops waiting
+        async with httpx.AsyncClient(timeout=1.0) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(router.base_url + "/completions", json={**body, "stream": False})
+
     asyncio.run(leave_early())
+    asyncio.run(give_up())
     deadline = time.monotonic() + 15
     while httpx.get(decode.url + "/health").json()["num_running"]:
         assert time.monotonic() < deadline, "the decode server still runs the request"

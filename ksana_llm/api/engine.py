@@ -30,6 +30,7 @@ from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.kv_transfer import KvLayout
 
 logger = logging.getLogger("ksana_llm.engine")
 
@@ -93,10 +94,10 @@ class Engine:
         self._thread.start()
 
     @property
-    def can_transfer_kv(self) -> bool:
-        """Whether requests may export or import KV (`Request.export_kv` / `imported_kv`):
-        single-rank engines only."""
-        return self._requests.kv_layout is not None
+    def kv_layout(self) -> KvLayout | None:
+        """What this engine's KV rows look like, which KV given as `Request.imported_kv` must
+        match; None for a parallel engine, which cannot export or import KV."""
+        return self._requests.kv_layout
 
     @property
     def grammar_compiler(self) -> Any:

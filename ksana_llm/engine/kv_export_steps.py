@@ -27,9 +27,14 @@ class KvExportSteps:
         self._held_exports: dict[Sequence, list[int]] = {}
 
     def _export_on_free(self, seq: Sequence) -> None:
-        """Called as `seq` is freed: export its prompt's KV now, or hold it for the draft layer."""
+        """Called as `seq` is freed: export its prompt's KV now, or hold it for the draft layer.
+
+        Nothing is exported (the output carries no KV, and a decode server computes the prompt
+        itself) when the request was aborted, or preempted while its last token was on its way
+        back (async scheduling): swapped out (its KV is in the host pool) or to be recomputed."""
         if not seq.export_kv or seq.group.exported_kv is not None or seq in self._held_exports \
-                or seq.finish_reason is None or seq.finish_reason is FinishReason.ABORT:
+                or seq.finish_reason is None or seq.finish_reason is FinishReason.ABORT \
+                or not seq.block_table or seq.num_computed_tokens == 0:
             return
         if self.num_speculative_tokens:
             table = list(seq.block_table)

@@ -262,7 +262,7 @@ class Scheduler:
             seq.num_computed_tokens = start
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
-                if bm.enable_prefix_caching and seq.uses_prefix_cache:
+                if bm.enable_prefix_caching and seq.uses_prefix_cache and not seq.kv_imported:
                     bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
@@ -283,6 +283,7 @@ class Scheduler:
         # Recompute (or the host pool is full): drop the KV, keep the tokens.
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.kv_imported = False  # all computed here from now on
         seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, seq)
 

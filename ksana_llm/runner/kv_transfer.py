@@ -12,13 +12,14 @@ those rows into blocks of its own (`scatter_tokens`) and computes only what the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-__all__ = ["KvLayout", "TransferredKv", "gather_tokens", "scatter_tokens"]
+__all__ = ["KvLayout", "TransferredKv", "gather_tokens", "scatter_tokens", "token_slots"]
 
 _FORMAT = "ksana-llm-kv/1"
 
@@ -30,6 +31,10 @@ class KvLayout:
     token_shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
 
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(math.prod(shape) for shape in self.token_shapes) * self.dtype.itemsize
+
     def check(self, kv: TransferredKv) -> None:
         """ValueError unless `kv` came from an engine with this layout (same model, draft
         layers and dtype; tensor-parallel shards would differ too)."""
@@ -38,9 +43,12 @@ class KvLayout:
             raise ValueError(
                 f"imported_kv: its cache tensors {_describe(shapes)} do not match this engine's "
                 f"{_describe(self.token_shapes)} (a different model, draft layers or parallelism)")
-        if kv.tensors and kv.tensors[0].dtype != self.dtype:
-            raise ValueError(f"imported_kv: its dtype {kv.tensors[0].dtype} differs from this "
+        dtypes = {t.dtype for t in kv.tensors}
+        if dtypes - {self.dtype}:
+            raise ValueError(f"imported_kv: its dtype {sorted(map(str, dtypes))} differs from this "
                              f"engine's {self.dtype}")
+        if any(t.shape[0] != kv.num_tokens for t in kv.tensors):
+            raise ValueError("imported_kv: every tensor must hold one row per token id")
 
 
 def _describe(shapes: tuple[tuple[int, ...], ...]) -> str:
@@ -86,28 +94,33 @@ class TransferredKv:
             raise ValueError(f"not a KV transfer payload: {exc}") from exc
         token_ids = tensors.pop("token_ids", None)
         caches = [tensors.pop(f"cache.{i}", None) for i in range(len(tensors))]
-        if token_ids is None or tensors or any(
+        if token_ids is None or token_ids.dtype != torch.int64 or token_ids.dim() != 1 or tensors \
+                or any(
                 c is None or c.dim() < 1 or c.shape[0] != token_ids.numel() for c in caches):
             raise ValueError("not a KV transfer payload: expected token_ids and cache.0..N "
                              "with one row per token")
         return cls(tuple(token_ids.tolist()), tuple(caches))
 
 
-def _slots(block_table: list[int], num_tokens: int, block_size: int,
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+Slots = tuple[torch.Tensor, torch.Tensor]  # (block id, offset in the block) of each position
+
+
+def token_slots(block_table: list[int], num_tokens: int, block_size: int,
+                device: torch.device) -> Slots:
+    """Where positions 0..num_tokens-1 of a sequence live in caches of `block_size`-token blocks
+    (made once for every cache tensor of the sequence)."""
     positions = torch.arange(num_tokens)
     blocks = torch.tensor(block_table, dtype=torch.long)[positions // block_size]
-    return blocks.to(device), (positions % block_size).to(device)
+    return (blocks.to(device, non_blocking=True),
+            (positions % block_size).to(device, non_blocking=True))
 
 
-def gather_tokens(cache: torch.Tensor, block_table: list[int], num_tokens: int) -> torch.Tensor:
-    """Rows 0..num_tokens-1 of a sequence from one `[num_blocks, block_size, heads, dim]` cache,
-    as a new `[num_tokens, heads, dim]` tensor on the cache's device."""
-    blocks, offsets = _slots(block_table, num_tokens, cache.shape[1], cache.device)
-    return cache[blocks, offsets]
+def gather_tokens(cache: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """A sequence's rows at `slots` from one `[num_blocks, block_size, heads, dim]` cache, as a
+    new `[num_tokens, heads, dim]` tensor on the cache's device."""
+    return cache[slots]
 
 
-def scatter_tokens(cache: torch.Tensor, block_table: list[int], rows: torch.Tensor) -> None:
-    """Write `rows` ([num_tokens, heads, dim], any device) into positions 0.. of a sequence."""
-    blocks, offsets = _slots(block_table, rows.shape[0], cache.shape[1], cache.device)
-    cache[blocks, offsets] = rows.to(cache.device, non_blocking=True)
+def scatter_tokens(cache: torch.Tensor, slots: Slots, rows: torch.Tensor) -> None:
+    """Write `rows` ([num_tokens, heads, dim], any device) at `slots` of the cache."""
+    cache[slots] = rows.to(cache.device, non_blocking=True)

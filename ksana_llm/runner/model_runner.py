@@ -21,7 +21,9 @@ from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batc
                                           unsupported_reason)
 from ksana_llm.runner.drafting import MtpDrafting, draft_layers_for
 from ksana_llm.runner.host_arrays import flat_batch
-from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv, gather_tokens, scatter_tokens
+from ksana_llm.runner.host_copy import start_host_copy
+from ksana_llm.runner.kv_transfer import (KvLayout, TransferredKv, gather_tokens, scatter_tokens,
+                                          token_slots)
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.slices import SeqSlice
 
@@ -262,15 +264,16 @@ class ModelRunner(MtpDrafting):
 
     def export_kv(self, block_table: list[int], token_ids: list[int]) -> TransferredKv:
         """The KV of a sequence's first len(token_ids) positions, copied to the host (this waits
-        for the device: the rows must be final before the blocks are freed)."""
-        n = len(token_ids)
-        return TransferredKv(tuple(token_ids), tuple(
-            gather_tokens(cache, block_table, n).cpu() for cache in self._all_caches))
+        for the device, once: the rows must be final before the blocks are freed)."""
+        slots = token_slots(block_table, len(token_ids), self.block_size, self.device)
+        copies = [start_host_copy(gather_tokens(cache, slots)) for cache in self._all_caches]
+        return TransferredKv(tuple(token_ids), tuple(copy.wait() for copy in copies))
 
     def _import_kv(self, imports: list[tuple[list[int], TransferredKv]]) -> None:
         for block_table, kv in imports:
+            slots = token_slots(block_table, kv.num_tokens, self.block_size, self.device)
             for cache, rows in zip(self._all_caches, kv.tensors):
-                scatter_tokens(cache, block_table, rows)
+                scatter_tokens(cache, slots, rows)
 
     # ---- batch building -------------------------------------------------------------------------
     def _window_ok(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -23,11 +23,13 @@ import ksana_llm
 from ksana_llm.api.engine import Engine
 from ksana_llm.distributed.launch import run_worker_node
 from ksana_llm.distributed.runtime import multi_node_env
+from ksana_llm.config import KV_ROLES
 from ksana_llm.server import kv_transfer
 from ksana_llm.server.chat import load_chat_template
 from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
-from ksana_llm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
+                                        BodyLimitMiddleware)
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
@@ -36,7 +38,6 @@ from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 logger = logging.getLogger("ksana_llm.server")
 
-DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # as TGI's payload_limit: far above any sane prompt
 
 # ---- extension point: sibling modules owned by other work streams ------------------------------
 # `ksana_llm.server.metrics` (GET /metrics, per-request series) and `ksana_llm.server.native`
@@ -92,11 +93,13 @@ class OutputParsing:
 def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               mount_extensions: bool = True, parsing: OutputParsing | None = None,
-              kv_role: str | None = None, kv_transfer_ttl_s: float | None = None) -> FastAPI:
+              kv_role: str | None = None, kv_transfer_ttl_s: float | None = None,
+              kv_prefill_urls: list[str] | None = None) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
-    ("prefill", "decode", "both"): the server's part in disaggregated serving (`server.kv_transfer`).
+    ("prefill", "decode", "both"): the server's part in disaggregated serving (`server.kv_transfer`);
+    `kv_prefill_urls`: the prefill servers a decode server may fetch KV from (None: any).
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -106,7 +109,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         raise ValueError("api_key must not be empty (omit it to disable authentication)")
     if engine.tokenizer is None:
         raise ValueError("the OpenAI server needs a tokenizer; this model folder has none")
-    transfer = _kv_transfer(engine, kv_role, kv_transfer_ttl_s, api_key)
+    transfer = _kv_transfer(engine, kv_role, kv_transfer_ttl_s, api_key, kv_prefill_urls)
 
     state = ServerState(
         engine=engine, served_model_name=served_model_name, chat_template=chat_template,
@@ -149,23 +152,36 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     return app
 
 
-def _kv_transfer(engine: Engine, role: str | None, ttl_s: float | None,
-                 api_key: str | None) -> kv_transfer.KvTransfer | None:
+def _kv_transfer(engine: Engine, role: str | None, ttl_s: float | None, api_key: str | None,
+                 prefill_urls: list[str] | None) -> kv_transfer.KvTransfer | None:
     if role is None:
-        if ttl_s is not None:
-            raise ValueError("--kv-transfer-ttl needs --kv-role")
+        if ttl_s is not None or prefill_urls:
+            raise ValueError("--kv-transfer-ttl and --kv-prefill-url need --kv-role")
         return None
-    if role not in kv_transfer.KV_ROLES:
-        raise ValueError(f"--kv-role must be one of {', '.join(kv_transfer.KV_ROLES)}, got {role!r}")
-    if not engine.can_transfer_kv:
-        raise ValueError("--kv-role needs a single-rank engine (tensor_parallel_size=1 and "
-                         "pipeline_parallel_size=1): a parallel engine's KV is split over ranks")
+    check_kv_role(role, engine.config.tensor_parallel_size, engine.config.pipeline_parallel_size)
     store = kv_transfer.KvTransferStore()
     if ttl_s is not None:
         if ttl_s <= 0:
             raise ValueError(f"--kv-transfer-ttl must be > 0, got {ttl_s}")
         store.ttl_s = ttl_s
-    return kv_transfer.KvTransfer(role, store=store, api_key=api_key)
+    layout = engine.kv_layout
+    if layout is None:  # (a parallel engine: check_kv_role refused it already)
+        raise ValueError("--kv-role needs a single-rank engine")
+    # The largest payload a decode server accepts: a whole context's KV, and room for the header.
+    max_payload = layout.bytes_per_token * engine.max_model_len + 2**20
+    return kv_transfer.KvTransfer(role, layout, max_payload, store=store, api_key=api_key,
+                                  prefill_urls=tuple(u.rstrip("/") for u in prefill_urls or ()))
+
+
+def check_kv_role(role: str | None, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """ValueError for a `--kv-role` this server cannot take (run before the model loads)."""
+    if role is None:
+        return
+    if role not in KV_ROLES:
+        raise ValueError(f"--kv-role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+    if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+        raise ValueError("--kv-role needs a single-rank engine (tensor_parallel_size=1 and "
+                         "pipeline_parallel_size=1): a parallel engine's KV is split over ranks")
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -182,11 +198,6 @@ ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_
                 "max_step_tokens", "max_queue_size", "max_model_len", "seed",
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_cuda_graphs",
                 "async_scheduling", "overlap_output_processing", "num_speculative_tokens")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    """EngineConfig from --config_file (when given) with the engine flags given on top."""
-    return configs_from_args(args)[0]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -230,6 +241,7 @@ def run_server(args: argparse.Namespace) -> int:
     parsing.check()  # before the model loads: a misspelt parser name fails at once
     config, settings = configs_from_args(args)
     kv_role, kv_ttl = kv_transfer_from_args(args, settings)
+    check_kv_role(kv_role, config.tensor_parallel_size, config.pipeline_parallel_size)
     node = multi_node_env()
     if node is not None and node.node_rank != 0:
         return run_worker_node(worker_spec(config), node)  # no HTTP here: the master serves
@@ -239,7 +251,8 @@ def run_server(args: argparse.Namespace) -> int:
                     or default_served_model_name(config.model),
                     api_key=args.api_key, chat_template=chat_template,
                     max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, parsing=parsing,
-                    kv_role=kv_role, kv_transfer_ttl_s=kv_ttl)
+                    kv_role=kv_role, kv_transfer_ttl_s=kv_ttl,
+                    kv_prefill_urls=getattr(args, "kv_prefill_url", None))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

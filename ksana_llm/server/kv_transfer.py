@@ -7,8 +7,10 @@ keeps the prompt's KV for a while under a fresh transfer id, returned in the res
 A server started with `--kv-role decode` (or `both`) given those params plus `remote_url` (the
 prefill server's base URL; `ksana-llm router` adds it) fetches the KV from
 `{remote_url}/kv_transfer/{transfer_id}` (one use, then it is gone), and its engine computes only
-what the KV lacks (at least the last prompt token). If the fetch fails (expired, server gone) the
-decode server computes the prompt itself: slower, never wrong, and logged.
+what the KV lacks (at least the last prompt token). If the fetch fails (expired, server gone, a
+payload too large or from another model) the decode server computes the prompt itself: slower,
+never wrong, logged and counted. `--kv-prefill-url` limits where a decode server fetches from;
+without it, any URL a request names (so only the router should reach such a server).
 
 The names follow vLLM's `kv_transfer_params`. The payload format is `TransferredKv.to_bytes`.
 Only single-rank engines transfer KV (a tensor-parallel cache is split over ranks).
@@ -16,6 +18,7 @@ Only single-rank engines transfer KV (a tensor-parallel cache is split over rank
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -28,13 +31,15 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from ksana_llm.runner.kv_transfer import TransferredKv
+from ksana_llm.config import KV_ROLES
+from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
 from ksana_llm.server.errors import APIError, bad_request
 
 logger = logging.getLogger("ksana_llm.server")
 
 KvRole = Literal["prefill", "decode", "both"]
-KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+__all__ = ["KV_ROLES", "KvTransfer", "KvTransferStore", "mount", "request_fields",
+           "response_params"]
 
 # KsanaLLM's connector.task_expire_sec: how long a prefill server keeps KV nobody fetched.
 DEFAULT_TTL_S = 300.0
@@ -98,11 +103,18 @@ class KvTransferStore:
 class KvTransfer:
     """A server's part in disaggregated serving: its role, the KV it keeps for decode servers,
     and how it fetches KV from prefill servers (with its own API key: the servers of one
-    deployment share one)."""
+    deployment share one).
+
+    `layout`: the engine's KV rows (fetched KV must match); `max_payload_bytes`: the largest
+    payload fetched (a whole context's KV, plus room for the header); `prefill_urls`: the only
+    base URLs fetched from (empty: any)."""
 
     role: KvRole
+    layout: KvLayout
+    max_payload_bytes: int
     store: KvTransferStore = field(default_factory=KvTransferStore)
     api_key: str | None = None
+    prefill_urls: tuple[str, ...] = ()
     fetch_timeout_s: float = 60.0
     num_fetched: int = 0
     num_fetch_failures: int = 0
@@ -115,21 +127,41 @@ class KvTransfer:
     def imports(self) -> bool:
         return self.role in ("decode", "both")
 
+    def stats(self) -> dict[str, Any]:
+        return {"role": self.role, "num_kept": len(self.store), "num_fetched": self.num_fetched,
+                "num_fetch_failures": self.num_fetch_failures}
+
     async def fetch(self, params: KvTransferParams) -> TransferredKv | None:
-        """The KV `params` point to, or None (logged) when it cannot be had."""
+        """The KV `params` point to, checked against this engine's layout, or None (logged and
+        counted) when it cannot be had."""
         url = f"{params.remote_url.rstrip('/')}/kv_transfer/{params.transfer_id}"
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             async with httpx.AsyncClient(timeout=self.fetch_timeout_s) as client:
-                response = await client.get(url, headers=headers)
-            response.raise_for_status()
-            kv = TransferredKv.from_bytes(response.content)
-        except (httpx.HTTPError, ValueError) as exc:
+                payload = await self._download(client, url, headers)
+            # Off the event loop: reading a long prompt's payload takes milliseconds per MB.
+            kv = await asyncio.to_thread(TransferredKv.from_bytes, payload)
+            self.layout.check(kv)
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
             self.num_fetch_failures += 1
-            logger.warning("could not fetch KV from %s (%s); computing the prompt here", url, exc)
+            logger.warning("could not use KV from %s (%s); computing the prompt here", url, exc)
             return None
         self.num_fetched += 1
         return kv
+
+    async def _download(self, client: httpx.AsyncClient, url: str,
+                        headers: dict[str, str]) -> bytes:
+        """The payload, refused (ValueError) as soon as it passes `max_payload_bytes`."""
+        limit = self.max_payload_bytes
+        async with client.stream("GET", url, headers=headers) as response:
+            response.raise_for_status()
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise ValueError(f"the payload is over {limit} bytes (a whole context's KV)")
+                chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def parse_params(raw: dict[str, Any] | None) -> KvTransferParams | None:
@@ -142,7 +174,7 @@ def parse_params(raw: dict[str, Any] | None) -> KvTransferParams | None:
 
 
 async def request_fields(raw: dict[str, Any] | None, transfer: KvTransfer | None, *,
-                         num_choices: int, stream: bool) -> dict[str, Any]:
+                         num_sequences: int, stream: bool) -> dict[str, Any]:
     """The engine `Request` fields for the HTTP request's `kv_transfer_params` (400 for what this
     server cannot do): `export_kv=True`, or `imported_kv=...`, or nothing."""
     params = parse_params(raw)
@@ -158,9 +190,10 @@ async def request_fields(raw: dict[str, Any] | None, transfer: KvTransfer | None
         if not transfer.exports:
             raise bad_request(f"This server's --kv-role is {transfer.role}: it does not keep KV for "
                               "other servers (do_remote_decode).", param="kv_transfer_params")
-        if stream or num_choices != 1:
-            raise bad_request("kv_transfer_params.do_remote_decode needs one prompt, n=1 and no "
-                              "streaming.", param="kv_transfer_params")
+        if stream or num_sequences != 1:
+            raise bad_request("kv_transfer_params.do_remote_decode needs one prompt, one sequence "
+                              "(n=1, no best_of, no beam search) and no streaming.",
+                              param="kv_transfer_params")
         return {"export_kv": True}
     if not transfer.imports:
         raise bad_request(f"This server's --kv-role is {transfer.role}: it does not take KV from "
@@ -168,11 +201,22 @@ async def request_fields(raw: dict[str, Any] | None, transfer: KvTransfer | None
     if not params.remote_url or not params.transfer_id:
         raise bad_request("kv_transfer_params.do_remote_prefill needs remote_url and transfer_id.",
                           param="kv_transfer_params")
-    if not params.remote_url.startswith(("http://", "https://")):
+    if not _is_http_url(params.remote_url):
         raise bad_request("kv_transfer_params.remote_url must be an http(s) URL.",
                           param="kv_transfer_params")
+    if transfer.prefill_urls and params.remote_url.rstrip("/") not in transfer.prefill_urls:
+        raise bad_request("kv_transfer_params.remote_url is not one of this server's "
+                          "--kv-prefill-url servers.", param="kv_transfer_params")
     kv = await transfer.fetch(params)
     return {} if kv is None else {"imported_kv": kv}
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.host)
 
 
 def response_params(transfer: KvTransfer | None, output: Any) -> dict[str, Any] | None:
@@ -195,7 +239,9 @@ async def fetch_kv(transfer_id: str, request: Request) -> Response:
     if kv is None:
         raise APIError(404, f"No KV is kept under transfer id {transfer_id!r} (unknown, already "
                        "fetched or expired).", type="not_found_error", code="kv_transfer_not_found")
-    return Response(kv.to_bytes(), media_type="application/octet-stream")
+    # Off the event loop: writing a long prompt's payload takes milliseconds per MB, which the
+    # streams of other requests would wait for.
+    return Response(await asyncio.to_thread(kv.to_bytes), media_type="application/octet-stream")
 
 
 def mount(app: FastAPI) -> None:

@@ -13,6 +13,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ksana_llm.server.errors import APIError, bad_request, body_too_large, unauthorized
 
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # as TGI's payload_limit: far above any sane prompt
+
 
 async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
     await error.response()(scope, receive, send)

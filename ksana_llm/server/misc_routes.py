@@ -41,8 +41,13 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/v1/stats")
 async def stats(request: Request) -> JSONResponse:
-    """The engine's full statistics (debugging aid; guarded by the API key like every route)."""
-    return JSONResponse(server_state(request).engine.stats().as_dict())
+    """The engine's full statistics (debugging aid; guarded by the API key like every route),
+    and a disaggregated server's KV-transfer counts under `kv_transfer`."""
+    state = server_state(request)
+    stats = state.engine.stats().as_dict()
+    if state.kv_transfer is not None:
+        stats["kv_transfer"] = state.kv_transfer.stats()
+    return JSONResponse(stats)
 
 
 @router.get("/version")

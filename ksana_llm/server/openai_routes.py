@@ -200,7 +200,7 @@ async def _kv_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs) -> d
     if req.kv_transfer_params is None:
         return {}
     return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
-                                            num_choices=sum(config.num_return_sequences
+                                            num_sequences=sum(config.num_sequences
                                                             for _, config in jobs.items),
                                             stream=req.stream)
 

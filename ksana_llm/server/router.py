@@ -18,9 +18,10 @@ prefill server's answer to a bad request (a 4xx) is the client's answer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +34,12 @@ from starlette.types import Receive, Scope, Send
 
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
-from ksana_llm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from ksana_llm.server.generation import DISCONNECT_POLL_S
+from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST
+from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
+                                        BodyLimitMiddleware)
 
 logger = logging.getLogger("ksana_llm.router")
-
-DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens.
 _PROMPT_FIELDS = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls",
@@ -98,12 +100,15 @@ class Router:
             response = await self.client.post(url + path, json=request, headers=self.headers)
         except httpx.HTTPError as exc:
             return self._prefill_failed(url, repr(exc))
-        if response.status_code == 429 or response.status_code >= 500:
-            return self._prefill_failed(url, f"status {response.status_code}")
         if response.status_code != 200:
-            return Response(response.content, status_code=response.status_code,
-                            media_type=response.headers.get("content-type"))
-        params = response.json().get("kv_transfer_params")
+            if _client_error(response):
+                return _passed_on(response, response.content)
+            return self._prefill_failed(url, f"status {response.status_code}: {response.text[:200]}")
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
             return self._prefill_failed(url, "no kv_transfer_params (started without --kv-role?)")
         return {**params, "remote_url": url}
@@ -131,20 +136,45 @@ class Router:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
-        media_type = response.headers.get("content-type")
-        if not body.get("stream") or response.status_code != 200:
+        if body.get("stream") and response.status_code == 200:
+            return _RelayedStream(response)
+        try:
             content = await response.aread()
+        finally:
             await response.aclose()
-            return Response(content, status_code=response.status_code, media_type=media_type)
-        return _RelayedStream(response, media_type)
+        return _passed_on(response, content)
+
+
+# Upstream headers a client may act on, passed on with the server's answer.
+_PASSED_HEADERS = ("retry-after",)
+
+
+def _passed_on(response: httpx.Response, content: bytes) -> Response:
+    """A server's whole answer as the router's."""
+    headers = {k: response.headers[k] for k in _PASSED_HEADERS if k in response.headers}
+    return Response(content, status_code=response.status_code, headers=headers,
+                    media_type=response.headers.get("content-type"))
+
+
+def _client_error(response: httpx.Response) -> bool:
+    """Whether a prefill server's refusal is about the client's request (the decode server would
+    refuse it the same way), not about the prefill server or its KV-transfer part."""
+    if response.status_code not in (400, 404, 413):
+        return False
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and error.get("param") != "kv_transfer_params"
 
 
 class _RelayedStream(StreamingResponse):
     """The decode server's stream, passed on; however it ends (done, or the client left), the
     connection to the decode server is closed, which aborts the request there."""
 
-    def __init__(self, upstream: httpx.Response, media_type: str | None) -> None:
-        super().__init__(upstream.aiter_raw(), status_code=200, media_type=media_type,
+    def __init__(self, upstream: httpx.Response) -> None:
+        super().__init__(upstream.aiter_bytes(), status_code=200,
+                         media_type=upstream.headers.get("content-type"),
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._upstream = upstream
 
@@ -170,6 +200,21 @@ def _disaggregable(path: str, body: dict[str, Any]) -> bool:
     return True
 
 
+async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s answer; if the client leaves first, `work` is cancelled, which closes its
+    connections to the servers, and they abort the request."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        task.cancel()
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -193,12 +238,13 @@ def build_router_app(config: RouterConfig, *,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await request.app.state.router.forward("/v1/completions", await _json_body(request))
+        return await _unless_client_leaves(request, request.app.state.router.forward(
+            "/v1/completions", await _json_body(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await request.app.state.router.forward("/v1/chat/completions",
-                                                      await _json_body(request))
+        return await _unless_client_leaves(request, request.app.state.router.forward(
+            "/v1/chat/completions", await _json_body(request)))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
