@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import re
 import threading
 import time
@@ -267,3 +268,19 @@ def test_client_leaving_a_routed_stream_aborts_it_on_the_decode_server(router, d
     while httpx.get(decode.url + "/health").json()["num_running"]:
         assert time.monotonic() < deadline, "the decode server still runs the request"
         time.sleep(0.1)
+
+
+def test_native_and_tokenizer_routes_go_straight_to_a_decode_server(router, decode):
+    body = {"prompt": PROMPT, "sampling_config": {"max_new_tokens": 8}, "stream": False}
+    direct = httpx.post(decode.url + "/generate", json=body, timeout=60)
+    routed = httpx.post(router.url + "/generate", json=body, timeout=60)
+    assert routed.status_code == 200 and routed.json() == direct.json()
+    streamed = httpx.post(router.url + "/generate", json={**body, "stream": True}, timeout=60)
+    chunks = [c for c in streamed.content.split(b"\0") if c]
+    assert streamed.status_code == 200 and len(chunks) > 1
+    assert json.loads(chunks[-1])["texts"] == direct.json()["texts"]
+    tokens = httpx.post(router.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens == httpx.post(decode.url + "/tokenize", json={"prompt": PROMPT}).json()
+    bad = httpx.post(router.url + "/generate", json={"sampling_config": {}}, timeout=60)
+    assert bad.status_code == 400 == httpx.post(decode.url + "/generate",
+                                                json={"sampling_config": {}}).status_code

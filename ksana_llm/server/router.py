@@ -8,11 +8,12 @@ For each `/v1/completions` or `/v1/chat/completions` request the router
    prefill server's URL), to a decode server (`serve --kv-role decode`), which fetches the KV,
    computes the last prompt token, generates, and answers (streamed or not) through the router.
 
-Servers are taken in turn (round robin). Requests the split cannot help are sent straight to a
-decode server, which then computes the prompt itself: several prompts in one completions request,
-prompt log-probs (the decode server does not compute the imported rows). So is every request
-when the prefill server fails or is overloaded (5xx, 429, unreachable): slower, never lost. A
-prefill server's answer to a bad request (a 4xx) is the client's answer.
+Servers are taken in turn (round robin). Requests the split cannot help go straight to a
+decode server, which then computes the prompt itself: several prompts in one completions
+request, prompt log-probs (the decode server does not compute the imported rows), and KsanaLLM's
+native `/generate` and `/forward` (and `/tokenize`, `/detokenize`). So does every request when
+the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
+lost. A prefill server's 400 about the request itself is the client's answer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
@@ -40,6 +42,9 @@ from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddlewar
                                         BodyLimitMiddleware)
 
 logger = logging.getLogger("ksana_llm.router")
+
+# Routes sent straight to a decode server.
+_DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize")
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens.
 _PROMPT_FIELDS = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls",
@@ -130,13 +135,20 @@ class Router:
         else:
             self.stats.num_disaggregated += 1
             body["kv_transfer_params"] = params
+        return await self.decode(path, json.dumps(body).encode(), "application/json",
+                                 stream=bool(body.get("stream")))
+
+    async def decode(self, path: str, content: bytes, content_type: str | None, *,
+                     stream: bool) -> Response:
+        """A request to the next decode server, its answer passed on (`stream`: as it comes)."""
         url = next(self._decode) + path
-        request = self.client.build_request("POST", url, json=body, headers=self.headers)
+        headers = {**self.headers, **({"Content-Type": content_type} if content_type else {})}
+        request = self.client.build_request("POST", url, content=content, headers=headers)
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
-        if body.get("stream") and response.status_code == 200:
+        if stream and response.status_code == 200:
             return _RelayedStream(response)
         try:
             content = await response.aread()
@@ -245,6 +257,18 @@ def build_router_app(config: RouterConfig, *,
     async def chat_completions(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.forward(
             "/v1/chat/completions", await _json_body(request)))
+
+    async def direct(request: Request) -> Response:
+        """KsanaLLM's native routes and the tokenizer's: straight to a decode server, which
+        computes the prompt (the body is passed on as it came: JSON or msgpack)."""
+        router: Router = request.app.state.router
+        router.stats.num_direct += 1
+        work = router.decode(request.url.path, await request.body(),
+                             request.headers.get("content-type"), stream=True)
+        return await _unless_client_leaves(request, work)
+
+    for path in _DIRECT_PATHS:
+        app.add_api_route(path, direct, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
