@@ -163,3 +163,19 @@ def test_export_preempted_while_its_token_is_in_flight(default_model, preempt_mo
     assert len(final) == 1 and final[0].exported_kv is None
     assert decoding.is_finished and decoding.num_tokens == core.max_model_len  # (16: the pool)
     assert core.block_manager.num_free_blocks == 4
+
+
+def test_transfer_with_the_cuda_step_loop(default_model, prefill_engine, hf_default_model):
+    """Both halves with async scheduling and overlapped outputs (the CUDA defaults), on CPU:
+    the export equals a synchronous engine's, and decoding from it gives transformers' tokens."""
+    ids = prefill_engine.tokenizer.encode(PROMPT)
+    want_kv = _export(prefill_engine, ids)
+    cuda_loop = dict(num_device_blocks=64, async_scheduling=True, overlap_output_processing=True)
+    with kt.Engine(default_model, **cuda_loop) as prefill, \
+            kt.Engine(default_model, block_token_num=8, **cuda_loop) as decode:
+        kv = _export(prefill, ids)
+        for mine, theirs in zip(kv.tensors, want_kv.tensors):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+        out = decode.submit(kt.Request(ids, generation_config=GREEDY, imported_kv=kv)).result()
+        assert decode.stats().num_imported_kv_tokens == len(ids) - 1
+    assert out.token_ids == _hf_greedy(hf_default_model, ids, 16)
