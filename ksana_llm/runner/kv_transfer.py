@@ -7,7 +7,7 @@ block, so the engines may use different block sizes. A decode engine that receiv
 those rows into blocks of its own (`scatter_tokens`) and computes only what the KV lacks.
 
 `to_bytes` / `from_bytes` carry it over the wire as a safetensors payload (the server's
-`GET /kv_transfer/{id}`).
+`GET /kv_transfer/{id}`). `KvTransferSteps` is the model runner's part.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-__all__ = ["KvLayout", "TransferredKv", "gather_tokens", "scatter_tokens", "token_slots"]
+from ksana_llm.runner.host_copy import start_host_copy
+
+__all__ = ["KvLayout", "KvTransferSteps", "TransferredKv", "gather_tokens", "scatter_tokens",
+           "token_slots"]
 
 _FORMAT = "ksana-llm-kv/1"
 
@@ -124,3 +127,30 @@ def gather_tokens(cache: torch.Tensor, slots: Slots) -> torch.Tensor:
 def scatter_tokens(cache: torch.Tensor, slots: Slots, rows: torch.Tensor) -> None:
     """Write `rows` ([num_tokens, heads, dim], any device) at `slots` of the cache."""
     cache[slots] = rows.to(cache.device, non_blocking=True)
+
+
+class KvTransferSteps:
+    """A mixin of `ModelRunner`: its KV rows out (`export_kv`) and in (`_import_kv`, run by
+    `execute` before the forward). It works on the runner's `kv_caches`, `draft_kv_caches`,
+    `block_size`, `device` and `dtype`."""
+
+    @property
+    def _all_caches(self) -> list[torch.Tensor]:
+        return [t for pair in self.kv_caches + self.draft_kv_caches for t in pair]
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.dtype)
+
+    def export_kv(self, block_table: list[int], token_ids: list[int]) -> TransferredKv:
+        """The KV of a sequence's first len(token_ids) positions, copied to the host (this waits
+        for the device, once: the rows must be final before the blocks are freed)."""
+        slots = token_slots(block_table, len(token_ids), self.block_size, self.device)
+        copies = [start_host_copy(gather_tokens(cache, slots)) for cache in self._all_caches]
+        return TransferredKv(tuple(token_ids), tuple(copy.wait() for copy in copies))
+
+    def _import_kv(self, imports: list[tuple[list[int], TransferredKv]]) -> None:
+        for block_table, kv in imports:
+            slots = token_slots(block_table, kv.num_tokens, self.block_size, self.device)
+            for cache, rows in zip(self._all_caches, kv.tensors):
+                scatter_tokens(cache, slots, rows)

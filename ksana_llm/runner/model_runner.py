@@ -21,9 +21,7 @@ from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batc
                                           unsupported_reason)
 from ksana_llm.runner.drafting import MtpDrafting, draft_layers_for
 from ksana_llm.runner.host_arrays import flat_batch
-from ksana_llm.runner.host_copy import start_host_copy
-from ksana_llm.runner.kv_transfer import (KvLayout, TransferredKv, gather_tokens, scatter_tokens,
-                                          token_slots)
+from ksana_llm.runner.kv_transfer import KvTransferSteps, TransferredKv
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.slices import SeqSlice
 
@@ -115,7 +113,7 @@ def model_context_len(model: nn.Module) -> int | None:
     return int(length) if length else None
 
 
-class ModelRunner(MtpDrafting):
+class ModelRunner(MtpDrafting, KvTransferSteps):
     """`cuda_graphs`: replay captured CUDA graphs for pure-decode steps of up to
     `cuda_graph_max_batch_size` sequences, when the device, backend and model allow it
     (`cuda_graph_status` says which, and why not). `max_model_len` bounds a sequence (default:
@@ -252,28 +250,6 @@ class ModelRunner(MtpDrafting):
         for k_cache, v_cache in self.kv_caches + self.draft_kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
-
-    # ---- KV transfer (prefill/decode disaggregation) ----------------------------------------------
-    @property
-    def _all_caches(self) -> list[torch.Tensor]:
-        return [t for pair in self.kv_caches + self.draft_kv_caches for t in pair]
-
-    @property
-    def kv_layout(self) -> KvLayout:
-        return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.dtype)
-
-    def export_kv(self, block_table: list[int], token_ids: list[int]) -> TransferredKv:
-        """The KV of a sequence's first len(token_ids) positions, copied to the host (this waits
-        for the device, once: the rows must be final before the blocks are freed)."""
-        slots = token_slots(block_table, len(token_ids), self.block_size, self.device)
-        copies = [start_host_copy(gather_tokens(cache, slots)) for cache in self._all_caches]
-        return TransferredKv(tuple(token_ids), tuple(copy.wait() for copy in copies))
-
-    def _import_kv(self, imports: list[tuple[list[int], TransferredKv]]) -> None:
-        for block_table, kv in imports:
-            slots = token_slots(block_table, kv.num_tokens, self.block_size, self.device)
-            for cache, rows in zip(self._all_caches, kv.tensors):
-                scatter_tokens(cache, slots, rows)
 
     # ---- batch building -------------------------------------------------------------------------
     def _window_ok(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
