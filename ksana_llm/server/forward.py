@@ -40,7 +40,7 @@ from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardT
 from ksana_llm.api.outputs import RequestError
 from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
-from ksana_llm.server.generation import DISCONNECT_POLL_S, map_engine_error
+from ksana_llm.server.generation import finished_before_client_left, map_engine_error
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST
 from ksana_llm.server.params import check_token_ids, prompt_token_lists
@@ -179,12 +179,9 @@ async def _wait_all(engine: Any, handles: list[ForwardHandle], request: Request
     """Every result, or None when the client went away (then everything is aborted)."""
     results = asyncio.gather(*(h.aresult() for h in handles))
     try:
-        while True:
-            done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return results.result()
-            if await request.is_disconnected():
-                return None
+        if not await finished_before_client_left(request, results):
+            return None
+        return results.result()
     except RequestError as exc:
         raise map_engine_error(exc) from exc
     finally:

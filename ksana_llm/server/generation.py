@@ -28,6 +28,17 @@ from ksana_llm.server.params import engine_value_error
 DISCONNECT_POLL_S = 0.25
 
 
+async def finished_before_client_left(http_request: HTTPRequest, work: asyncio.Future) -> bool:
+    """Wait for `work`; False as soon as the HTTP client has gone away instead (checked every
+    DISCONNECT_POLL_S). `work` is left as it is: the caller cancels or aborts what it started."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return True
+        if await http_request.is_disconnected():
+            return False
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready; its requests were aborted."""
 
@@ -129,12 +140,8 @@ class ChoiceSet:
         """Wait for every choice; abort them all if the client disconnects meanwhile."""
         results = asyncio.gather(*(h.aresult() for h in self.handles))
         try:
-            while True:
-                done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await http_request.is_disconnected():
-                    raise ClientDisconnected()
+            if not await finished_before_client_left(http_request, results):
+                raise ClientDisconnected()
             results.result()
         except RequestError as exc:
             raise map_engine_error(exc) from exc

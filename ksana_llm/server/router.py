@@ -36,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
-from ksana_llm.server.generation import DISCONNECT_POLL_S
+from ksana_llm.server.generation import finished_before_client_left
 from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
                                         BodyLimitMiddleware)
@@ -217,12 +217,9 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> 
     connections to the servers, and they abort the request."""
     task = asyncio.ensure_future(work)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if not await finished_before_client_left(request, task):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return task.result()
     finally:
         task.cancel()
 
