@@ -8,7 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ksana_llm.config import KV_ROLES
+from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES
+
+_KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / fp8_e4m3 (= fp8) "
+                        "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +29,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="speculative decoding: tokens the MTP layer drafts per step "
                              "(DeepSeek V3/R1 with MTP weights; 0 = off)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help=_KV_CACHE_DTYPE_HELP)
 
 
 def _generation_config(args: argparse.Namespace):
@@ -43,7 +48,8 @@ def _engine(args: argparse.Namespace):
 
     return Engine(args.model, device=args.device, dtype=args.dtype,
                   generation_config=_generation_config(args),
-                  num_speculative_tokens=args.num_speculative_tokens)
+                  num_speculative_tokens=args.num_speculative_tokens,
+                  kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
@@ -178,6 +184,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="speculative decoding: tokens the MTP layer drafts per step "
                              "(DeepSeek V3/R1 with MTP weights; 0 = off)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                        help=_KV_CACHE_DTYPE_HELP)
 
 
 def _add_router_args(parser: argparse.ArgumentParser) -> None:

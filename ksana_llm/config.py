@@ -7,11 +7,14 @@ sequences in one step (KsanaLLM YAML `batch_scheduler.max_batch_size`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+# KV cache storage (kernels.kv_quant.FP8_KV_DTYPES): "auto" = the model's dtype; "fp8" = E4M3.
+KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
 
 # A server's part in prefill/decode disaggregation (`serve --kv-role`, YAML connector.group_role).
 KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
@@ -40,6 +43,13 @@ class EngineConfig(BaseModel):
     block_host_memory_factor: float = Field(
         1.0, ge=0, description="host swap pool size as a multiple of the device block count")
     enable_prefix_caching: bool = True
+    kv_cache_dtype: KvCacheDType = Field(
+        "auto", description="KV cache storage: 'auto' = the model's dtype; 'fp8_e5m2' or "
+                            "'fp8_e4m3' (= 'fp8') keep one byte per number, twice the tokens of "
+                            "a 16-bit cache in the same memory, with K/V rounded to FP8. E4M3 "
+                            "reads per-layer scales from the model folder's "
+                            "kv_cache_scales.json (1.0 without one); E5M2 needs none "
+                            "(KsanaLLM quantization_config.kv_cache.dtype)")
 
     # scheduler (KsanaLLM batch_scheduler.*)
     max_step_tokens: int = Field(2048, ge=1, description="token budget of one forward step")

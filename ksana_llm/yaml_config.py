@@ -145,6 +145,8 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     # Prefill/decode disaggregation: the server's role; how long kept KV waits to be fetched.
     "setting.connector.group_role": _Key("str", server="kv_role", convert=_kv_role),
     "setting.connector.task_expire_sec": _Key("float", server="kv_transfer_ttl_s"),
+    # auto, fp8_e5m2 or fp8_e4m3 (KsanaLLM's values; vLLM's "fp8" is accepted too).
+    "setting.quantization_config.kv_cache.dtype": _Key("str", field="kv_cache_dtype"),
 })
 
 # KsanaLLM keys (and whole sections) that exist upstream but mean nothing here yet: they get a more
@@ -162,7 +164,9 @@ _UNSUPPORTED: frozenset[str] = frozenset({
     _BS + "max_pretransfer_batch_size", _BS + "transfer_layer_chunk_size",
     _BS + "attention_dp_lb_config",
     _BM + "dynamic_reusable_memory_ratio", _BM + "enable_block_checksum",
-    "setting.attn_backend", "setting.kernel_config", "setting.quantization_config",
+    "setting.attn_backend", "setting.kernel_config",
+    # Weight quantization (GPTQ / AWQ / FP8 weights); only the KV cache's dtype is read.
+    "setting.quantization_config.gptq_backend", "setting.quantization_config.weight",
     "setting.profiler", "setting.endpoint_type", "setting.tokenization",
     # The connector's transport and cluster keys: our servers talk HTTP, a router routes.
     *("setting.connector." + key for key in (

@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from ksana_llm import kernels  # noqa: E402
 from ksana_llm.kernels import reference as ref  # noqa: E402
+from ksana_llm.kernels.kv_quant import from_cache, to_cache  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -408,6 +409,76 @@ def test_chunked_prefill_equals_whole_prefill(device):
                                             torch.tensor([n], dtype=torch.int32, device=device),
                                             0.2)
     assert_close(decode, whole[n - 1:], torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 KV caches (kv_cache_dtype): entries are value / kv_scale in one byte
+# --------------------------------------------------------------------------------------------
+
+FP8_KV = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+
+
+def to_fp8(batch: PagedBatch, kv_dtype: torch.dtype, kv_scale: float) -> PagedBatch:
+    """The same batch over FP8 caches: every slot (noise included) quantized with kv_scale."""
+    return PagedBatch(to_cache(batch.k_cache.float(), kv_dtype, kv_scale),
+                      to_cache(batch.v_cache.float(), kv_dtype, kv_scale), batch.block_tables,
+                      batch.lens, batch.dense_k, batch.dense_v)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_store_kv_into_fp8_cache(device, dtype, kv_dtype):
+    """The kernel stores exactly the reference's bytes: value / scale, rounded, saturated."""
+    kv_heads, head_dim, block_size, scale = 2, 64, 16, 0.05
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(6, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(6, kv_heads, head_dim, generator=gen).to(device, dtype)
+    k[0, 0, 0] = 1e4  # / 0.05 is past both formats' largest finite value: saturates
+    slots = torch.tensor([3, -1, 17, 40, 0, 63], device=device)
+    k_cache = torch.zeros(4, block_size, kv_heads, head_dim, device=device, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    ref.store_kv_ref(k, v, expected_k, expected_v, slots, kv_scale=scale)
+    kernels.store_kv(k, v, k_cache, v_cache, slots, kv_scale=scale)
+    assert k_cache.dtype == kv_dtype
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+    assert from_cache(k_cache[0, 3, 0, 0], torch.float32, scale) == \
+        torch.finfo(kv_dtype).max * scale
+    # Read back, a value is within the format's rounding of what was stored.
+    back = from_cache(v_cache[2, 8], torch.float32, scale)  # slot 40: token 3
+    rel = {torch.float8_e4m3fn: 2 ** -4, torch.float8_e5m2: 2 ** -3}[kv_dtype]
+    assert torch.allclose(back, v[3].float(), rtol=rel, atol=scale * 2 ** -9)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_decode_and_prefill_read_fp8_cache(device, dtype, kv_dtype):
+    """Over an FP8 cache (scale != 1, GQA, long contexts split, a prefix hit), both attention
+    kernels equal the reference on the dequantized entries."""
+    kv_heads, heads, head_dim, block_size, scale = 2, 8, 64, 16, 0.25
+    batch = to_fp8(make_paged_batch([1, 30, 300], block_size=block_size, kv_heads=kv_heads,
+                                    head_dim=head_dim, dtype=dtype, device=device),
+                   kv_dtype, scale)
+    q = random_q(3, heads, head_dim, dtype, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, head_dim ** -0.5)
+    expected = ref.paged_decode_attention_ref(*args, kv_scale=scale)
+    for num_splits in (1, 3):
+        assert_close(kernels.paged_decode_attention(*args, num_splits=num_splits,
+                                                    kv_scale=scale), expected, dtype)
+    # The scale is applied: reading the same bytes with scale 1 gives another answer.
+    assert not torch.allclose(ref.paged_decode_attention_ref(*args).float(), expected.float(),
+                              atol=1e-2)
+
+    batch, q, starts, lens = prefill_inputs(PREFILL_SEQS, block_size=block_size,
+                                            kv_heads=kv_heads, heads=heads, head_dim=head_dim,
+                                            dtype=dtype, device=device)
+    batch = to_fp8(batch, kv_dtype, scale)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, starts, lens, head_dim ** -0.5)
+    out = kernels.paged_prefill_attention(*args, kv_scale=scale)
+    assert out.dtype == dtype
+    assert_close(out, ref.paged_prefill_attention_ref(*args, kv_scale=scale), dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,12 +7,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ksana_llm.api.model import Model
 from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner
 from ksana_llm.engine.core import EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.scheduler import SchedulerConfig
+from ksana_llm.kernels.kv_quant import kv_cache_dtype
+from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
 from ksana_llm.runner.drafting import draft_layers_for
 from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -26,10 +30,12 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     """The core; its `max_model_len` is the context a request may use (the model's, bounded by
     `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank."""
     draft_layers = draft_layers_for(model.module, cfg.num_speculative_tokens)
-    per_block = kv_bytes_per_block(model.module, cfg.block_token_num, model.dtype, draft_layers)
+    cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, model.dtype)
+    per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
     # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
     num_blocks = cfg.num_device_blocks or plan_device_blocks(
-        model.module, device=model.device, dtype=model.dtype, block_size=cfg.block_token_num,
+        model.module, device=model.device, dtype=model.dtype, cache_dtype=cache_dtype,
+        block_size=cfg.block_token_num,
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
         attention_backend=cfg.attention_backend, ratio=cfg.block_device_memory_ratio,
         reserved_ratio=cfg.reserved_device_memory_ratio, num_draft_layers=draft_layers)
@@ -50,7 +56,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          attention_backend=cfg.attention_backend,
                          max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
                          cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
-                         or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens)
+                         or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
+                         kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cfg))
     runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
     if model.runtime is not None:
         # A parallel run: every step also goes to the worker ranks, which build the same
@@ -64,8 +71,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         # Admission control happens in submit(); requests it admits to start at once sit in
         # the core's waiting list until the next step, so the core's bound leaves them room.
         max_queue_size=cfg.max_queue_size + cfg.max_num_seqs)
-    logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d host blocks", num_blocks,
-                cfg.block_token_num, num_blocks * per_block / 2**20, num_host_blocks)
+    logger.info("KV cache: %d blocks of %d tokens (%.0f MiB, %s), %d host blocks", num_blocks,
+                cfg.block_token_num, num_blocks * per_block / 2**20, cache_dtype, num_host_blocks)
     overlap = cfg.overlap_output_processing
     if overlap is None:
         overlap = model.device.type == "cuda"
@@ -74,6 +81,18 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                       overlap_outputs=overlap,
                       async_scheduling=resolve_async_scheduling(cfg, model),
                       num_speculative_tokens=cfg.num_speculative_tokens)
+
+
+def kv_scales(model: Model, cfg: EngineConfig) -> list[float] | None:
+    """Per-layer scales of an E4M3 cache, from the model folder; None (all 1.0) otherwise."""
+    if kv_cache_dtype(cfg.kv_cache_dtype, model.dtype) != torch.float8_e4m3fn:
+        return None
+    scales = load_kv_cache_scales(model.path, model.module.num_layers)
+    if scales is None:
+        # vLLM's default too: fine while |K|, |V| stay under E4M3's 448, clipped beyond.
+        logger.warning("kv_cache_dtype %s without %s in %s: every layer's scale is 1.0",
+                       cfg.kv_cache_dtype, KV_SCALES_FILENAME, model.path)
+    return scales
 
 
 def resolve_async_scheduling(cfg: EngineConfig, model: Model) -> bool:

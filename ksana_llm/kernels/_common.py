@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ksana_llm.kernels.kv_quant import is_fp8
+
 # tl.dot needs every tile dimension >= 16 when compiled for a GPU (the interpreter accepts less,
 # so this floor is what keeps CPU-tested kernels compilable).
 MIN_DOT_DIM = 16
@@ -45,9 +47,13 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return k_cache.shape[1], k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
 
 
-def check_dtype(name: str, t: torch.Tensor, expected: torch.dtype) -> None:
-    if t.dtype != expected:
-        raise ValueError(f"{name}: dtype {t.dtype} differs from the KV cache's {expected}")
+def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """q must have the cache's dtype, or any float type over an FP8 cache (entries widen to it)."""
+    if is_fp8(k_cache.dtype):
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"q: dtype {q.dtype} cannot read an {k_cache.dtype} KV cache")
+    elif q.dtype != k_cache.dtype:
+        raise ValueError(f"q: dtype {q.dtype} differs from the KV cache's {k_cache.dtype}")
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:

@@ -30,7 +30,8 @@ import torch
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                 torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
+                 torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _OPTION_NAMES = ("num_warps", "num_stages")
 
 
@@ -129,6 +130,7 @@ class ShapeConfig:
     heads: int
     kv_heads: int
     block_size: int
+    kv_dtype: torch.dtype | None = None  # the KV cache's storage type; None = dtype
 
 
 CONFIGS = (
@@ -137,28 +139,36 @@ CONFIGS = (
     ShapeConfig("mha-hd80-fp16", torch.float16, 80, 8, 8, 64),
     # fp32 takes the exact "ieee" dots and the smaller tiles
     ShapeConfig("gqa4-hd96-fp32", torch.float32, 96, 4, 1, 8),
+    # FP8 KV caches (kv_cache_dtype): the tiles widen from E4M3 / E5M2 in registers
+    ShapeConfig("qwen3-0.6b-bf16-kv-fp8e4m3", torch.bfloat16, 128, 16, 8, 16,
+                torch.float8_e4m3fn),
+    ShapeConfig("llama3-8b-fp16-kv-fp8e5m2", torch.float16, 128, 32, 8, 32, torch.float8_e5m2),
 )
 
 
 def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
     """What the unit test compiles (each compile costs ~1 s of CPU): every variant at the Qwen3
     fp16 shape, plus the fp32 attention kernels (their dots take the "ieee" path) with every
-    option on."""
+    option on, plus the kernels that touch an FP8 cache."""
     if config.name == "qwen3-0.6b-fp16":
         return True
+    if config.kv_dtype is not None:  # the kernels that read or write the cache
+        return launch.kernel.__name__ in ("_store_kv_kernel", "_decode_kernel",
+                                          "_prefill_kernel")
     return config.name == "gqa4-hd96-fp32" and launch.kwargs.get("USE_ALIBI") is True
 
 
 def record_launches(config: ShapeConfig) -> list[Launch]:
     """Every kernel variant the engine can launch (decode with one and several splits, with and
-    without window / ALiBi; prefill of one and of several sequences; norm with and without
+    without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of several sequences; norm with and without
     residual; rotary on views of a fused QKV) at one model shape. The tensors are empty CPU
     tensors: nothing runs."""
     from ksana_llm.kernels import (decode_attention, kv_store, prefill_attention, rmsnorm,
                                    rotary)
 
     dtype, head_dim, heads, kv_heads = config.dtype, config.head_dim, config.heads, config.kv_heads
-    k_cache = torch.empty(64, config.block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.empty(64, config.block_size, kv_heads, head_dim,
+                          dtype=config.kv_dtype or dtype)
     v_cache = torch.empty_like(k_cache)
     tables = torch.zeros(4, 16, dtype=torch.int32)
     lens = torch.ones(4, dtype=torch.int32)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ksana_llm.kernels._common import (check_alibi, check_dtype, check_kv_cache,
+from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_window,
                                        dot_precision, dot_tile, next_pow2)
 
@@ -34,7 +34,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, Block_tables, Context_lens, Alibi, Out, Mid_o, Mid_lse,
-    scale_log2, window, split_len,
+    scale_log2, v_scale, window, split_len,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -90,6 +90,8 @@ def _decode_kernel(
         # K tile loaded transposed, [BLOCK_D, BLOCK_N], so the dot needs no tl.trans.
         k = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
                     + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
+        # An FP8 cache's entries widen to q's type; the K scale is folded into scale_log2.
+        k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], log2
         if USE_ALIBI:
             s += slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]
@@ -101,11 +103,13 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                     + dv[None, :], mask=kv_mask[:, None] & dv_mask[None, :], other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty split (or context) leaves l_i == 0: output zeros, log-sum-exp -inf.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # The V scale (1.0 unless the cache is FP8) applies to the whole weighted sum at once.
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     out_mask = g_mask[:, None] & dv_mask[None, :]
     if SINGLE_SPLIT:
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
@@ -175,7 +179,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, sliding_window: int | None = None,
                            alibi_slopes: torch.Tensor | None = None,
-                           num_splits: int | None = None,
+                           num_splits: int | None = None, kv_scale: float = 1.0,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -184,13 +188,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     position context_len - 1). Returns [B, Hq, Dv] in q's dtype (into `out` when given).
     `sliding_window`: attend only keys with pos > q_pos - window. `alibi_slopes` [Hq]: add
     slope[h] * (k_pos - q_pos). `num_splits` overrides the flash-decoding split count (tests,
-    tuning); by default it follows `choose_num_splits` on the block-table capacity.
+    tuning); by default it follows `choose_num_splits` on the block-table capacity. An FP8
+    cache holds value / kv_scale (`kv_quant`): its entries read as entry * kv_scale.
     """
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
         raise ValueError(f"q: expected [B, Hq, {head_dim}] with Hq a multiple of "
                          f"{num_kv_heads}, got {tuple(q.shape)}")
-    check_dtype("q", q, k_cache.dtype)
+    check_cache_dtype(q, k_cache)
     batch, num_heads = q.shape[0], q.shape[1]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables: expected [{batch}, W], got {tuple(block_tables.shape)}")
@@ -239,7 +244,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         slopes if slopes is not None else q, out, mid_o, mid_lse,
-        scale * _LOG2E, window, split_len,
+        scale * kv_scale * _LOG2E, kv_scale, window, split_len,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -1,4 +1,8 @@
-"""Write a step's new K/V into the paged cache by slot (the `index_copy_` of the torch backend)."""
+"""Write a step's new K/V into the paged cache by slot (the `index_copy_` of the torch backend).
+
+Into an FP8 cache the values are scaled and rounded by torch first (`kv_quant.to_cache`), and the
+kernel moves bytes: one rounding rule for both backends (triton's interpreter rounds fp32 -> e5m2
+differently from the GPU), at the cost of one small elementwise pass over the step's K/V."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import triton.language as tl
 
 from ksana_llm.kernels._common import (check_kv_cache, check_last_dim_contiguous,
                                        check_same_device, next_pow2)
+from ksana_llm.kernels.kv_quant import is_fp8, to_cache
 
 
 @triton.jit
@@ -48,11 +53,12 @@ def _store_kv_kernel(
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, kv_scale: float = 1.0) -> None:
     """Write k [T, Hkv, D] and v [T, Hkv, Dv] into k_cache / v_cache
     [num_blocks, block_size, Hkv, D|Dv] at slot_mapping [T] (block * block_size + offset).
     A negative slot skips its token (padding). k and v may be strided views (e.g. slices of a
-    fused QKV output) as long as their last dimension is contiguous."""
+    fused QKV output) as long as their last dimension is contiguous. An FP8 cache stores
+    value / kv_scale (see `kv_quant`)."""
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if k.dim() != 3 or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"k: expected [T, {num_kv_heads}, {head_dim}], got {tuple(k.shape)}")
@@ -68,6 +74,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
+    if is_fp8(k_cache.dtype) and k.dtype != k_cache.dtype:
+        k, v = to_cache(k, k_cache.dtype, kv_scale), to_cache(v, v_cache.dtype, kv_scale)
     slots = slot_mapping.contiguous()
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slots,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ksana_llm.kernels._common import (check_alibi, check_dtype, check_kv_cache,
+from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_window,
                                        dot_precision, dot_tile)
 
@@ -41,7 +41,7 @@ def _find_sequence(Query_start_loc, q_block, num_seqs, BLOCK_M: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     Q, K_cache, V_cache, Block_tables, Query_start_loc, Seq_lens, Alibi, Out,
-    scale_log2, window, num_seqs,
+    scale_log2, v_scale, window, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -98,6 +98,8 @@ def _prefill_kernel(
         in_block = pos % BLOCK_SIZE
         k = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
                     + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
+        # An FP8 cache's entries widen to q's type; the K scale is folded into scale_log2.
+        k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         rel = pos[None, :] - q_pos[:, None]  # key pos - query pos
         if USE_ALIBI:
@@ -116,10 +118,12 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                     + dv[None, :], mask=kv_mask[:, None] & dv_mask[None, :], other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # The V scale (1.0 unless the cache is FP8) applies to the whole weighted sum at once.
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + dv[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
@@ -136,7 +140,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, *,
                             sliding_window: int | None = None,
-                            alibi_slopes: torch.Tensor | None = None,
+                            alibi_slopes: torch.Tensor | None = None, kv_scale: float = 1.0,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query chunks over their paged contexts (prefill, chunked prefill,
     prefix-cache hits, and multi-token extends alike).
@@ -145,13 +149,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (query_start_loc [B+1] int32, starting at 0). seq_lens [B] int32: context length including
     the chunk, whose K/V must already be in the cache (`store_kv` first); query i of sequence b
     sits at position seq_lens[b] - q_len_b + i. block_tables [B, W] int32. Returns [T, Hq, Dv]
-    in q's dtype (into `out` when given).
+    in q's dtype (into `out` when given). An FP8 cache holds value / kv_scale (`kv_quant`).
     """
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
         raise ValueError(f"q: expected [T, Hq, {head_dim}] with Hq a multiple of "
                          f"{num_kv_heads}, got {tuple(q.shape)}")
-    check_dtype("q", q, k_cache.dtype)
+    check_cache_dtype(q, k_cache)
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected [B], got {tuple(seq_lens.shape)}")
@@ -187,7 +191,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         slopes if slopes is not None else q, out,
-        scale * _LOG2E, window, batch,
+        scale * kv_scale * _LOG2E, kv_scale, window, batch,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -9,24 +9,29 @@ from __future__ import annotations
 
 import torch
 
+from ksana_llm.kernels.kv_quant import from_cache, to_cache
+
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Write k [T, Hkv, D] / v [T, Hkv, Dv] into the caches at `slot_mapping` (< 0 = skip)."""
+                 slot_mapping: torch.Tensor, *, kv_scale: float = 1.0) -> None:
+    """Write k [T, Hkv, D] / v [T, Hkv, Dv] into the caches at `slot_mapping` (< 0 = skip); an
+    FP8 cache gets value / kv_scale, rounded."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache(k[keep], k_cache.dtype, kv_scale)
+    v_cache[blocks, offsets] = to_cache(v[keep], v_cache.dtype, kv_scale)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence from a paged cache: [length, H, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, *,
+              dtype: torch.dtype | None = None, kv_scale: float = 1.0) -> torch.Tensor:
+    """The first `length` tokens of one sequence from a paged cache: [length, H, D], as `dtype`
+    values (default: the cache's own dtype; FP8 entries read as entry * kv_scale)."""
     block_size = cache.shape[1]
     pos = torch.arange(length, device=cache.device)
     blocks = block_table.long()[pos // block_size]
-    return cache[blocks, pos % block_size]
+    return from_cache(cache[blocks, pos % block_size], dtype or cache.dtype, kv_scale)
 
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -57,14 +62,15 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float, *, sliding_window: int | None = None,
-                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                               alibi_slopes: torch.Tensor | None = None,
+                               kv_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence at position context_len - 1: q [B, Hq, D] -> [B, Hq, Dv]."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
     for b, length in enumerate(context_lens.tolist()):
         if length == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], length)
-        v = gather_kv(v_cache, block_tables[b], length)
+        k = gather_kv(k_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
+        v = gather_kv(v_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
         q_pos = torch.tensor([length - 1], device=q.device)
         out[b] = attend_ref(q[b:b + 1], k, v, q_pos, scale, sliding_window=sliding_window,
                             alibi_slopes=alibi_slopes)[0]
@@ -75,7 +81,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, scale: float, *,
                                 sliding_window: int | None = None,
-                                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                                alibi_slopes: torch.Tensor | None = None,
+                                kv_scale: float = 1.0) -> torch.Tensor:
     """Query chunks over a paged prefix: q [T, Hq, D] -> [T, Hq, Dv].
 
     Sequence b's queries are rows query_start_loc[b]:query_start_loc[b+1]; they are the last
@@ -87,8 +94,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         s, e = starts[b], starts[b + 1]
         if e == s:
             continue
-        k = gather_kv(k_cache, block_tables[b], length)
-        v = gather_kv(v_cache, block_tables[b], length)
+        k = gather_kv(k_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
+        v = gather_kv(v_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
         q_pos = torch.arange(length - (e - s), length, device=q.device)
         out[s:e] = attend_ref(q[s:e], k, v, q_pos, scale, sliding_window=sliding_window,
                               alibi_slopes=alibi_slopes)

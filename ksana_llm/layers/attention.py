@@ -14,6 +14,10 @@ gather then copies whole (block, head) rows of block_size * head_dim contiguous 
 K/V already in the [batch, heads, tokens, dim] layout attention reads; with token-major storage
 the gathered K/V were strided and SDPA ran ~1.7x slower on them (measured on SmolLM2's decode
 shapes, 2-core CPU). The Triton kernels take strides, so they read either layout.
+
+An FP8 cache (`EngineConfig.kv_cache_dtype`) stores value / kv_scale rounded to one byte
+(`kernels.kv_quant`); every read widens it back to the query's dtype, and a chunk attended
+straight from its projection is rounded the same way, so attention always sees cached values.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ksana_llm.kernels.kv_quant import from_cache, through_cache, to_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -81,17 +87,21 @@ def gather_rows(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (blocks.unsqueeze(-2) * num_kv_heads + heads[:, None]).reshape(-1)
 
 
-def gather_kv(cache: torch.Tensor, rows: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-    """The cache rows `rows` (from `gather_rows`) as [*lead, kv_heads, tokens, head_dim]."""
+def gather_kv(cache: torch.Tensor, rows: torch.Tensor, lead: tuple[int, ...], *,
+              dtype: torch.dtype | None = None, kv_scale: float = 1.0) -> torch.Tensor:
+    """The cache rows `rows` (from `gather_rows`) as [*lead, kv_heads, tokens, head_dim], as
+    `dtype` values (default: the cache's dtype; FP8 entries read as entry * kv_scale)."""
     flat = _head_major(cache)
     heads, dim = cache.shape[2], cache.shape[3]
-    return flat.index_select(0, rows).view(*lead, heads, -1, dim)
+    rows_out = flat.index_select(0, rows).view(*lead, heads, -1, dim)
+    return from_cache(rows_out, dtype or cache.dtype, kv_scale)
 
 
 def store_kv(cache: torch.Tensor, slot_index: tuple[torch.Tensor, torch.Tensor],
-             values: torch.Tensor) -> None:
-    """Write values [T, kv_heads, dim] into a cache view at (block ids [T], offsets [T])."""
-    cache[slot_index] = values
+             values: torch.Tensor, kv_scale: float = 1.0) -> None:
+    """Write values [T, kv_heads, dim] into a cache view at (block ids [T], offsets [T]); an FP8
+    cache gets value / kv_scale, rounded."""
+    cache[slot_index] = to_cache(values, cache.dtype, kv_scale)
 
 
 class _RowsMemo:
@@ -261,19 +271,21 @@ def _alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                     meta: AttentionMetadata, scale: float,
-                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    alibi_slopes: torch.Tensor | None = None,
+                    kv_scale: float = 1.0) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] / [T, Hkv, Dv] for the new tokens. Returns [T, Hq, Dv].
 
     `alibi_slopes` ([Hq], float32) adds ALiBi position biases (Baichuan-13B); it needs
-    `meta.positions`.
+    `meta.positions`. `kv_scale` is the layer's FP8 cache scale (ignored by other caches).
     """
     if meta.kernel_batch is not None:
-        return _kernel_attention(q, k, v, kv_cache, meta, scale, alibi_slopes)
+        return _kernel_attention(q, k, v, kv_cache, meta, scale, alibi_slopes, kv_scale)
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
     slot_index = meta.slot_index(k_cache.shape[1])
-    store_kv(k_cache, slot_index, k)
-    store_kv(v_cache, slot_index, v)
+    store_kv(k_cache, slot_index, k, kv_scale)
+    store_kv(v_cache, slot_index, v, kv_scale)
+    cached = {"dtype": q.dtype, "kv_scale": kv_scale}
     gqa = q.shape[1] != num_kv_heads
 
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
@@ -283,7 +295,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for g in meta.decode_groups:
         n, length = g.count, g.length
         rows = g.rows(num_kv_heads)
-        kd, vd = gather_kv(k_cache, rows, (n,)), gather_kv(v_cache, rows, (n,))  # [n, Hkv, L, D]
+        kd = gather_kv(k_cache, rows, (n,), **cached)  # [n, Hkv, L, D]
+        vd = gather_kv(v_cache, rows, (n,), **cached)
         qd = q[g.start:g.start + n].view(n, num_kv_heads, group_size, head_dim)
         mask = g.mask
         if alibi_slopes is not None:
@@ -297,10 +310,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         s, n = chunk.start, chunk.num_tokens
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if chunk.blocks is None:
-            kp, vp = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [Hkv, n, D]
+            kp = through_cache(k[s:s + n], k_cache.dtype, kv_scale).transpose(0, 1)  # [Hkv, n, D]
+            vp = through_cache(v[s:s + n], v_cache.dtype, kv_scale).transpose(0, 1)
         else:
             rows = chunk.rows(num_kv_heads)
-            kp, vp = gather_kv(k_cache, rows, ()), gather_kv(v_cache, rows, ())
+            kp, vp = gather_kv(k_cache, rows, (), **cached), gather_kv(v_cache, rows, (), **cached)
         mask, causal = chunk.mask, chunk.mask is None and n > 1
         if alibi_slopes is not None:
             ctx = kp.shape[1]
@@ -317,24 +331,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                       meta: AttentionMetadata, scale: float,
-                      alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+                      alibi_slopes: torch.Tensor | None, kv_scale: float) -> torch.Tensor:
     """The Triton backend: store the new K/V, then one decode launch and one prefill launch
     that read the paged cache in place (no gathers)."""
     from ksana_llm import kernels  # imports triton: only when this backend was chosen
 
     k_cache, v_cache = kv_cache
     batch = meta.kernel_batch
-    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale=kv_scale)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     slopes = None if alibi_slopes is None else alibi_slopes.float()
     d = meta.num_decodes
     if d:
         kernels.paged_decode_attention(
             q[:d], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
-            sliding_window=meta.sliding_window, alibi_slopes=slopes, out=out[:d])
+            sliding_window=meta.sliding_window, alibi_slopes=slopes, kv_scale=kv_scale,
+            out=out[:d])
     if q.shape[0] > d:
         kernels.paged_prefill_attention(
             q[d:], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_query_start_loc,
             batch.prefill_seq_lens, scale, sliding_window=meta.sliding_window,
-            alibi_slopes=slopes, out=out[d:])
+            alibi_slopes=slopes, kv_scale=kv_scale, out=out[d:])
     return out

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ksana_llm.kernels.kv_quant import through_cache
 from ksana_llm.layers.attention import (AttentionMetadata, ChunkBatch, KVCache, KVCacheSpec,
                                         gather_kv, store_kv)
 from ksana_llm.distributed.context import ParallelContext
@@ -153,6 +154,8 @@ class MultiLatentAttention(nn.Module):
         self.interleaved_rope = bool(getattr(config, "rope_interleave", False))
         # Prefill chunks with at least this many rows attend in the expanded form.
         self.expand_min_tokens: float = d.expand_min_tokens()
+        self.layer_idx = layer_idx
+        self.kv_scale = 1.0  # the FP8 KV cache's scale for this layer, set by the runner
 
     # ---- pieces -----------------------------------------------------------------------------
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +231,8 @@ class MultiLatentAttention(nn.Module):
         d = self.dims
         num_chunks, n = len(batch.chunks), batch.num_tokens
         q = self._absorb(q_nope, q_pe).view(num_chunks, n, d.num_heads, -1)
-        kv = gather_kv(cache, batch.kv_rows, (num_chunks,))  # [C, 1, L, r + dr]
+        kv = gather_kv(cache, batch.kv_rows, (num_chunks,), dtype=q_nope.dtype,
+                       kv_scale=self.kv_scale)  # [C, 1, L, r + dr]
         o = F.scaled_dot_product_attention(
             q, kv, kv[..., :d.kv_lora_rank], attn_mask=batch.mask[:, :, None, :],
             scale=self.scale, enable_gqa=True)
@@ -243,7 +247,8 @@ class MultiLatentAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q_nope, q_pe, entries = self._project(hidden, rope)
         cache = kv_cache[0]  # [blocks, block_size, 1, latent_dim]: one latent "head" per token
-        store_kv(cache, meta.slot_index(cache.shape[1]), entries.unsqueeze(1))
+        store_kv(cache, meta.slot_index(cache.shape[1]), entries.unsqueeze(1), self.kv_scale)
+        cached = {"dtype": entries.dtype, "kv_scale": self.kv_scale}
 
         out = hidden.new_empty(num_tokens, d.num_heads, d.v_head_dim)
         if meta.decode_groups:
@@ -254,7 +259,7 @@ class MultiLatentAttention(nn.Module):
             o_lat = q_abs.new_empty(nd, d.num_heads, d.kv_lora_rank)
             for g in meta.decode_groups:
                 n = g.count
-                kv = gather_kv(cache, g.rows(1), (n,))  # [n, 1, L, latent]
+                kv = gather_kv(cache, g.rows(1), (n,), **cached)  # [n, 1, L, latent]
                 o = F.scaled_dot_product_attention(
                     q_abs[g.start:g.start + n].unsqueeze(1), kv, kv[..., :d.kv_lora_rank],
                     attn_mask=g.mask, scale=self.scale)
@@ -273,7 +278,10 @@ class MultiLatentAttention(nn.Module):
             if k in batched:
                 continue
             s, n = chunk.start, chunk.num_tokens
-            kv = entries[s:s + n] if chunk.blocks is None else gather_kv(cache, chunk.rows(1), ())[0]
+            if chunk.blocks is None:
+                kv = through_cache(entries[s:s + n], cache.dtype, self.kv_scale)
+            else:
+                kv = gather_kv(cache, chunk.rows(1), (), **cached)[0]
             attend = self._expanded_prefill if n >= self.expand_min_tokens else self._absorbed_prefill
             out[s:s + n] = attend(q_nope[s:s + n], q_pe[s:s + n], kv, chunk.mask)
         return self.o_proj(out.view(num_tokens, -1))

@@ -132,7 +132,7 @@ def scatter_tokens(cache: torch.Tensor, slots: Slots, rows: torch.Tensor) -> Non
 class KvTransferSteps:
     """A mixin of `ModelRunner`: its KV rows out (`export_kv`) and in (`_import_kv`, run by
     `execute` before the forward). It works on the runner's `kv_caches`, `draft_kv_caches`,
-    `block_size`, `device` and `dtype`."""
+    `block_size`, `device` and `cache_dtype`."""
 
     @property
     def _all_caches(self) -> list[torch.Tensor]:
@@ -140,7 +140,7 @@ class KvTransferSteps:
 
     @property
     def kv_layout(self) -> KvLayout:
-        return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.dtype)
+        return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.cache_dtype)
 
     def export_kv(self, block_table: list[int], token_ids: list[int]) -> TransferredKv:
         """The KV of a sequence's first len(token_ids) positions, copied to the host (this waits

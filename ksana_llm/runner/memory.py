@@ -144,11 +144,13 @@ def profile_memory(model: nn.Module, *, device: torch.device, dtype: torch.dtype
 def plan_device_blocks(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
                        block_size: int, max_step_tokens: int, max_num_seqs: int,
                        attention_backend: str, ratio: float | None,
-                       reserved_ratio: float, num_draft_layers: int = 0) -> int:
+                       reserved_ratio: float, num_draft_layers: int = 0,
+                       cache_dtype: torch.dtype | None = None) -> int:
     """KV blocks for this model on this device: profiled on CUDA, a share of RAM on the CPU
     (`plan_num_blocks`, unchanged). Parallel runs are not profiled (a forward on rank 0 alone
-    would wait for the other ranks in its collectives): they keep `plan_num_blocks`."""
-    per_block = kv_bytes_per_block(model, block_size, dtype, num_draft_layers)
+    would wait for the other ranks in its collectives): they keep `plan_num_blocks`.
+    `cache_dtype`: the KV cache's storage type (default: the model's `dtype`)."""
+    per_block = kv_bytes_per_block(model, block_size, cache_dtype or dtype, num_draft_layers)
     parallel = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
     if device.type != "cuda" or parallel:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ksana_llm.kernels.kv_quant import kv_cache_dtype as kv_cache_dtype_of
 from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
                                         KVCacheSpec, PrefillChunk, allocate_kv_cache, block_runs,
                                         copy_cache_blocks)
@@ -79,9 +81,19 @@ class StepResult:
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype,
                        num_draft_layers: int = 0) -> int:
-    """One block of every layer's cache, the draft layers' (speculative decoding) included."""
+    """One block of every layer's cache, the draft layers' (speculative decoding) included;
+    `dtype` is the cache's (`kv_quant.kv_cache_dtype`)."""
     spec: KVCacheSpec = model.kv_cache_spec
     return (model.num_layers + num_draft_layers) * block_size * spec.bytes_per_token(dtype)
+
+
+def set_kv_scales(model: nn.Module, scales: Sequence[float] | None) -> None:
+    """Give every attention layer its FP8 cache scale: scales[layer index], 1.0 for a layer the
+    list does not cover (draft layers) or without a list."""
+    for module in model.modules():
+        if hasattr(module, "kv_scale"):
+            index = module.layer_idx
+            module.kv_scale = float(scales[index]) if scales and index < len(scales) else 1.0
 
 
 def resolve_attention_backend(requested: str, model: nn.Module, device: torch.device) -> str:
@@ -124,7 +136,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
                  attention_backend: str = "auto", max_model_len: int | None = None,
                  cuda_graphs: bool = True,
                  cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto",
+                 kv_scales: Sequence[float] | None = None) -> None:
         self.model = model
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
@@ -135,6 +148,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
                     module.use_triton = True
         self.device = device
         self.dtype = dtype
+        self.cache_dtype = kv_cache_dtype_of(kv_cache_dtype, dtype)
+        set_kv_scales(model, kv_scales)
         self.block_size = block_size
         self.sliding_window = model.sliding_window
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
@@ -143,8 +158,9 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         spec: KVCacheSpec = model.kv_cache_spec
 
         def cache_pair(blocks: int, **kwargs: object) -> KVCache:
-            return tuple(allocate_kv_cache(blocks, block_size, spec.num_kv_heads, dim, dtype=dtype,
-                                           **kwargs) for dim in (spec.head_dim, spec.v_dim))
+            return tuple(allocate_kv_cache(blocks, block_size, spec.num_kv_heads, dim,
+                                           dtype=self.cache_dtype, **kwargs)
+                         for dim in (spec.head_dim, spec.v_dim))
 
         self.kv_caches: list[KVCache] = [cache_pair(num_blocks, device=device)
                                          for _ in range(model.num_layers)]

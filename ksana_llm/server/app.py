@@ -197,7 +197,8 @@ def default_served_model_name(model: str | None) -> str:
 ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_num_seqs",
                 "max_step_tokens", "max_queue_size", "max_model_len", "seed",
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_cuda_graphs",
-                "async_scheduling", "overlap_output_processing", "num_speculative_tokens")
+                "async_scheduling", "overlap_output_processing", "num_speculative_tokens",
+                "kv_cache_dtype")
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
