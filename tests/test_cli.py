@@ -34,6 +34,7 @@ def test_chat_streams_and_keeps_history(default_model_dir):
     # SmolLM2 has no MTP layer to draft with
     (["generate", "hi", "--num-speculative-tokens", "1", "--device", "cpu"],
      "num_speculative_tokens"),
+    (["generate", "hi", "--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
 ])
 def test_bad_arguments_give_a_clear_error(args, needle):
     proc = _run(args)
@@ -64,6 +65,10 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     assert engine_config(parse(["serve"])).num_speculative_tokens == 0
     config = engine_config(parse(["serve", "--num-speculative-tokens", "2"]))
     assert config.num_speculative_tokens == 2
+    assert engine_config(parse(["serve"])).kv_cache_dtype == "auto"
+    assert engine_config(parse(["serve", "--kv-cache-dtype", "fp8_e5m2"])).kv_cache_dtype == \
+        "fp8_e5m2"
+    assert parse(["generate", "hi", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
 
 
 def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):

@@ -57,7 +57,8 @@ def test_example_documents_every_accepted_key():
                  "max_waiting_queue_len", "waiting_timeout_in_ms", "split_fuse_token_num",
                  "enable_auto_prefix_cache", "preempt_mode", "block_token_num",
                  "reserved_device_memory_ratio", "block_device_memory_ratio",
-                 "block_host_memory_factor", "model_dir", "group_role", "task_expire_sec"):
+                 "block_host_memory_factor", "model_dir", "group_role", "task_expire_sec",
+                 "dtype"):
         assert f"{leaf}:" in text, leaf
 
 
@@ -199,3 +200,16 @@ def test_connector_role_reaches_the_server_settings():
         parse_engine_config({"setting": {"connector": {"group_role": "decoder"}}})
     with pytest.raises(ValueError, match="setting.connector.metadata_addr: a KsanaLLM key"):
         parse_engine_config({"setting": {"connector": {"metadata_addr": "redis://x"}}})
+
+
+def test_kv_cache_dtype_key():
+    """KsanaLLM's quantization_config.kv_cache.dtype; its weight-quantization keys are named as
+    unsupported, and a CLI flag wins."""
+    key = {"setting": {"quantization_config": {"kv_cache": {"dtype": "fp8_e5m2"}}}}
+    assert parse_engine_config(key)[0].kv_cache_dtype == "fp8_e5m2"
+    assert parse_engine_config(key, {"kv_cache_dtype": "fp8_e4m3"})[0].kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="setting.quantization_config.kv_cache.dtype: Input"):
+        parse_engine_config({"setting": {"quantization_config": {"kv_cache": {"dtype": "int8"}}}})
+    with pytest.raises(ValueError, match="setting.quantization_config.weight: a KsanaLLM key"):
+        parse_engine_config({"setting": {"quantization_config": {
+            "weight": {"quant_method": "fp8_e4m3"}}}})

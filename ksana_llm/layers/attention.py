@@ -200,10 +200,17 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     kernel_batch: KernelBatch | None = None
     sliding_window: int | None = None  # the Triton kernels apply it themselves
+    # An FP8 cache's per-layer scales (`kv_scale`); empty = 1.0 everywhere.
+    kv_scales: tuple[float, ...] = ()
     _slot_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False,
                                                                   compare=False)
     _chunk_batches: dict[tuple[float, int], list[ChunkBatch]] = field(
         default_factory=dict, repr=False, compare=False)
+
+    def kv_scale(self, layer_idx: int) -> float:
+        """The FP8 cache scale of layer `layer_idx`: 1.0 for a layer beyond the list (the MTP
+        draft layers) or when there is none."""
+        return self.kv_scales[layer_idx] if layer_idx < len(self.kv_scales) else 1.0
 
     def slot_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, offset in block) of each new token, computed once per step."""

@@ -154,8 +154,7 @@ class MultiLatentAttention(nn.Module):
         self.interleaved_rope = bool(getattr(config, "rope_interleave", False))
         # Prefill chunks with at least this many rows attend in the expanded form.
         self.expand_min_tokens: float = d.expand_min_tokens()
-        self.layer_idx = layer_idx
-        self.kv_scale = 1.0  # the FP8 KV cache's scale for this layer, set by the runner
+        self.layer_idx = layer_idx  # picks this layer's FP8 cache scale from the metadata
 
     # ---- pieces -----------------------------------------------------------------------------
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +222,7 @@ class MultiLatentAttention(nn.Module):
         return self._unabsorb(o_lat.transpose(0, 1))
 
     def _batched_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                          batch: ChunkBatch) -> torch.Tensor:
+                          batch: ChunkBatch, kv_scale: float) -> torch.Tensor:
         """Absorbed attention of C chunks of n rows each ([C * n, H, *] queries) against their
         gathered latents. A chunk's rows act as n query "heads" sharing the one latent KV head
         (GQA), and each row's heads as its query positions, so each row's mask is broadcast
@@ -232,7 +231,7 @@ class MultiLatentAttention(nn.Module):
         num_chunks, n = len(batch.chunks), batch.num_tokens
         q = self._absorb(q_nope, q_pe).view(num_chunks, n, d.num_heads, -1)
         kv = gather_kv(cache, batch.kv_rows, (num_chunks,), dtype=q_nope.dtype,
-                       kv_scale=self.kv_scale)  # [C, 1, L, r + dr]
+                       kv_scale=kv_scale)  # [C, 1, L, r + dr]
         o = F.scaled_dot_product_attention(
             q, kv, kv[..., :d.kv_lora_rank], attn_mask=batch.mask[:, :, None, :],
             scale=self.scale, enable_gqa=True)
@@ -247,8 +246,9 @@ class MultiLatentAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q_nope, q_pe, entries = self._project(hidden, rope)
         cache = kv_cache[0]  # [blocks, block_size, 1, latent_dim]: one latent "head" per token
-        store_kv(cache, meta.slot_index(cache.shape[1]), entries.unsqueeze(1), self.kv_scale)
-        cached = {"dtype": entries.dtype, "kv_scale": self.kv_scale}
+        kv_scale = meta.kv_scale(self.layer_idx)
+        store_kv(cache, meta.slot_index(cache.shape[1]), entries.unsqueeze(1), kv_scale)
+        cached = {"dtype": entries.dtype, "kv_scale": kv_scale}
 
         out = hidden.new_empty(num_tokens, d.num_heads, d.v_head_dim)
         if meta.decode_groups:
@@ -273,13 +273,13 @@ class MultiLatentAttention(nn.Module):
                 batched.update(batch.chunks)
                 out.index_copy_(0, batch.rows, self._batched_absorbed(
                     q_nope.index_select(0, batch.rows), q_pe.index_select(0, batch.rows), cache,
-                    batch))
+                    batch, kv_scale))
         for k, chunk in enumerate(meta.prefills):
             if k in batched:
                 continue
             s, n = chunk.start, chunk.num_tokens
             if chunk.blocks is None:
-                kv = through_cache(entries[s:s + n], cache.dtype, self.kv_scale)
+                kv = through_cache(entries[s:s + n], cache.dtype, kv_scale)
             else:
                 kv = gather_kv(cache, chunk.rows(1), (), **cached)[0]
             attend = self._expanded_prefill if n >= self.expand_min_tokens else self._absorbed_prefill

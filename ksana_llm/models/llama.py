@@ -94,8 +94,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps)
         self.qk_norm = qk_norm
         self.use_triton = False  # set by the runner with the Triton backend: fused in-place RoPE
-        self.layer_idx = layer_idx
-        self.kv_scale = 1.0  # the FP8 KV cache's scale for this layer, set by the runner
+        self.layer_idx = layer_idx  # picks this layer's FP8 cache scale from the metadata
         # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
         # would come out of `to_empty` uninitialised. Moved to the device on first use.
         self._alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().cpu()
@@ -123,7 +122,7 @@ class LlamaAttention(nn.Module):
         elif slopes is None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
-                              kv_scale=self.kv_scale)
+                              kv_scale=meta.kv_scale(self.layer_idx))
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -126,7 +126,8 @@ class DecodeInputs:
         b = self.max_batch_size
         return self.ints[b:b + bucket * self.width].view(bucket, self.width)
 
-    def metadata(self, bucket: int, sliding_window: int | None) -> AttentionMetadata:
+    def metadata(self, bucket: int, sliding_window: int | None,
+                 kv_scales: tuple[float, ...] = ()) -> AttentionMetadata:
         """Attention metadata over the static views of one bucket (no prefill part)."""
         tables = self.block_tables(bucket)
         batch = KernelBatch(
@@ -136,7 +137,7 @@ class DecodeInputs:
             prefill_seq_lens=self.context_lens(0))
         return AttentionMetadata(slot_mapping=self.slots(bucket), positions=self.positions(bucket),
                                  num_decodes=bucket, kernel_batch=batch,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, kv_scales=kv_scales)
 
     # ---- filling ---------------------------------------------------------------------------------
     def fits(self, block_tables: Sequence[Sequence[int]]) -> bool:
@@ -189,7 +190,8 @@ class DecodeGraphs:
     or the same static-buffer forward run eagerly (`capture=False`)."""
 
     def __init__(self, forward: DecodeForward, inputs: DecodeInputs, *, sizes: Sequence[int],
-                 sliding_window: int | None, capture: bool) -> None:
+                 sliding_window: int | None, capture: bool,
+                 kv_scales: tuple[float, ...] = ()) -> None:
         if not sizes or max(sizes) > inputs.max_batch_size:
             raise ValueError(f"graph batch sizes {tuple(sizes)} must be within the static "
                              f"buffers' {inputs.max_batch_size} rows")
@@ -199,7 +201,7 @@ class DecodeGraphs:
         self.capture = capture
         # Allocated by the first (eager) run, outside any graph's pool: the forward's width.
         self.hidden: torch.Tensor | None = None
-        self._meta = {bs: inputs.metadata(bs, sliding_window) for bs in self.sizes}
+        self._meta = {bs: inputs.metadata(bs, sliding_window, kv_scales) for bs in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.steps_run = 0  # decode steps served from the static buffers (graph replays)

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ksana_llm.kernels.kv_quant import kv_cache_dtype as kv_cache_dtype_of
 from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
                                         KVCacheSpec, PrefillChunk, allocate_kv_cache, block_runs,
                                         copy_cache_blocks)
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
 from ksana_llm.runner.drafting import MtpDrafting, draft_layers_for
+from ksana_llm.runner.fp8_cache import cache_dtype_for, check_fp8_support
 from ksana_llm.runner.host_arrays import flat_batch
 from ksana_llm.runner.kv_transfer import KvTransferSteps, TransferredKv
 from ksana_llm.runner.logits_processing import to_device
@@ -87,15 +87,6 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype,
     return (model.num_layers + num_draft_layers) * block_size * spec.bytes_per_token(dtype)
 
 
-def set_kv_scales(model: nn.Module, scales: Sequence[float] | None) -> None:
-    """Give every attention layer its FP8 cache scale: scales[layer index], 1.0 for a layer the
-    list does not cover (draft layers) or without a list."""
-    for module in model.modules():
-        if hasattr(module, "kv_scale"):
-            index = module.layer_idx
-            module.kv_scale = float(scales[index]) if scales and index < len(scales) else 1.0
-
-
 def resolve_attention_backend(requested: str, model: nn.Module, device: torch.device) -> str:
     """"torch" or "triton". "auto" takes Triton on CUDA when it is installed and the model's
     attention can use it (MLA has its own attention and says so in `attention_backends`)."""
@@ -148,8 +139,10 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
                     module.use_triton = True
         self.device = device
         self.dtype = dtype
-        self.cache_dtype = kv_cache_dtype_of(kv_cache_dtype, dtype)
-        set_kv_scales(model, kv_scales)
+        self.cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
+        check_fp8_support(self.cache_dtype, self.attention_backend, device)
+        # Per layer (AttentionMetadata.kv_scale), not on the modules: engines may share a model.
+        self.kv_scales = tuple(float(s) for s in kv_scales or ())
         self.block_size = block_size
         self.sliding_window = model.sliding_window
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
@@ -200,7 +193,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         width = -(-self.max_model_len // self.block_size)
         inputs = DecodeInputs(max_batch_size, width, self.device, self.block_size)
         graphs = DecodeGraphs(self._decode_forward, inputs, sizes=sizes,
-                              sliding_window=self.sliding_window, capture=capture)
+                              sliding_window=self.sliding_window, kv_scales=self.kv_scales,
+                              capture=capture)
         try:
             # Captured on the model's GPU whatever this thread's current device is.
             with torch.inference_mode(), torch.cuda.device(self.device) \
@@ -315,7 +309,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         slot_mapping = torch.from_numpy(flat.slots)
 
         meta = AttentionMetadata(slot_mapping=slot_mapping, positions=positions,
-                                 num_decodes=num_decodes, sliding_window=self.sliding_window)
+                                 num_decodes=num_decodes, sliding_window=self.sliding_window,
+                                 kv_scales=self.kv_scales)
         self._embedding_overrides = self._overrides(override_rows, override_values)
         if self.attention_backend == "triton":
             lengths = [s.num_tokens for s in ordered[num_decodes:]]
