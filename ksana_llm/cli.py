@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES
 
@@ -98,6 +99,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             sys.stdout.write("\n")
             messages.append({"role": "assistant", "content": "".join(answer)})
+    return 0
+
+
+def cmd_calibrate_kv_scales(args: argparse.Namespace) -> int:
+    from ksana_llm.api.kv_calibration import calibrate_kv_scales, write_kv_cache_scales
+    from ksana_llm.api.model import Model
+    from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME
+
+    model = Model.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    out = Path(args.out) if args.out else model.path / KV_SCALES_FILENAME
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} exists; pass --force to replace it")
+    texts = [Path(f).read_text(encoding="utf-8") for f in args.text_file] or None
+    scales = calibrate_kv_scales(model, texts)
+    model_type = str(getattr(model.hf_config, "model_type", ""))
+    print(f"wrote {write_kv_cache_scales(out, scales, model_type=model_type)}: "
+          f"{len(scales)} layers, scales {min(scales):.4g} .. {max(scales):.4g}")
     return 0
 
 
@@ -216,6 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    calibrate = sub.add_parser(
+        "calibrate-kv-scales", help="measure per-layer scales for an fp8_e4m3 KV cache and "
+                                    "write kv_cache_scales.json")
+    calibrate.add_argument("--model", default=None,
+                           help="HF model folder or .gguf file (default: embedded SmolLM2)")
+    calibrate.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    calibrate.add_argument("--dtype", default="auto",
+                           choices=["auto", "float32", "float16", "bfloat16"])
+    calibrate.add_argument("--text-file", action="append", default=[], metavar="FILE",
+                           help="a calibration prompt (repeat; default: built-in prose, code, "
+                                "numbers and Chinese)")
+    calibrate.add_argument("--out", default=None,
+                           help="where to write (default: kv_cache_scales.json in the model "
+                                "folder, where the engine reads it)")
+    calibrate.add_argument("--force", action="store_true", help="replace an existing file")
+    calibrate.set_defaults(func=cmd_calibrate_kv_scales)
     route = sub.add_parser("router", help="one OpenAI endpoint over prefill and decode servers "
                                           "(prefill/decode disaggregation)")
     _add_router_args(route)

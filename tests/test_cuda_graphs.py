@@ -293,6 +293,17 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
         assert report["batch1"]["graphs_off"]["ms_per_token"] > 0
 
 
+def test_gpu_benchmark_fp8_stage_smoke(tmp_path):
+    """run.sh's engine-qwen3-fp8 stage: the same workload with an E4M3 KV cache, its own file."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", "qwen3-0.6b", "--kv-cache-dtype",
+                              "fp8_e4m3", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_qwen3-0.6b-kv-fp8_e4m3.json").read_text())
+    assert report["kv_cache_dtype"] == "fp8_e4m3"
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+
+
 def test_gpu_parity_smoke_mode_runs_on_cpu(tmp_path):
     """`benchmarks/gpu/parity.py --smoke`: CPU serial engine against the device-default engine
     (here the Triton interpreter with async scheduling and overlapped outputs), three rounds."""

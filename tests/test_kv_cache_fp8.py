@@ -271,3 +271,78 @@ def test_scales_file(tmp_path, tiny):
 def test_bad_setting_names_the_field(default_model):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kt.Engine(default_model, kv_cache_dtype="int8", num_device_blocks=8)
+
+
+class RecordingCache(DynamicCache):
+    """transformers' cache, noting the largest |K| or |V| each layer stores."""
+
+    def __init__(self, amax: list[float], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.amax = amax
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.amax[layer_idx] = max(self.amax[layer_idx], float(key_states.abs().max()),
+                                   float(value_states.abs().max()))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def test_calibrated_scales_rescue_values_beyond_e4m3(tmp_path):
+    """V up to ~3,000 (E4M3 stops at 448): the calibrated scales equal transformers' max |K, V|
+    / 224, and with them the engine equals transformers with the same rounding and stays far
+    closer to the unrounded model than without them (where values clip)."""
+    from ksana_llm.api.kv_calibration import (CALIBRATION_TARGET, calibrate_kv_scales,
+                                              write_kv_cache_scales)
+
+    folder = tmp_path / "loud"
+    hf = build_tiny_model("llama2", folder)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * WEIGHT_STD)
+            if "v_proj" in name:  # (K this large would make attention one-hot)
+                param.mul_(500.0)
+    hf.save_pretrained(folder)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (30, 45)]
+    amax = [0.0] * hf.config.num_hidden_layers
+    with torch.no_grad():
+        for prompt in prompts:
+            hf(torch.tensor([prompt]), cache=RecordingCache(amax, config=hf.config))
+    assert max(amax) > 448
+
+    model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    scales = calibrate_kv_scales(model, prompts)
+    assert scales == pytest.approx([a / CALIBRATION_TARGET for a in amax], rel=1e-5)
+    ids = prompts[1]
+    plain = hf_logits(hf, ids, None)
+
+    def engine_logits() -> torch.Tensor:
+        with kt.Engine(model, kv_cache_dtype="fp8_e4m3", num_device_blocks=16) as engine:
+            out = engine.forward(ids, [kt.ForwardTarget("logits", [[0, len(ids) - 1]])])
+        return out.targets[0].tensor
+
+    unscaled = engine_logits()  # no file yet: every scale 1.0, values beyond 448 clipped
+    written = write_kv_cache_scales(folder, scales, model_type="llama")
+    assert written == folder / KV_SCALES_FILENAME
+    assert load_kv_cache_scales(folder, len(scales)) == pytest.approx(scales)
+    calibrated = engine_logits()
+    torch.testing.assert_close(calibrated, hf_logits(hf, ids, torch.float8_e4m3fn, scales),
+                               atol=2e-5, rtol=1e-4)
+    assert (unscaled - plain).abs().mean() > 3 * (calibrated - plain).abs().mean()
+
+
+def test_calibrate_command(default_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "scales.json"
+    command = [sys.executable, "-m", "ksana_llm.cli", "calibrate-kv-scales", "--device", "cpu",
+               "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}: 30 layers" in done.stdout
+    scales = load_kv_cache_scales(tmp_path, 30) if out.name == KV_SCALES_FILENAME else \
+        json.loads(out.read_text())["kv_cache"]["scaling_factor"]["0"]
+    assert len(scales) == 30 and all(float(s) > 0 for s in scales.values())
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "--force" in again.stderr

@@ -56,6 +56,7 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
     sys.path.insert(0, str(REPO))
 
 import ksana_llm as kt  # noqa: E402
+from ksana_llm.config import KV_CACHE_DTYPES  # noqa: E402
 from benchmarks.offline_throughput import (ThroughputResult, Workload,  # noqa: E402
                                            allowed_token_ids, batch1_prompt, build_workload,
                                            guarded, hf_batch1, ours_batch1, pad_token_id,
@@ -195,7 +196,8 @@ def engine_kwargs(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
                   # memory as the device cache holds).
                   preempt_mode=1,
                   overlap_output_processing=SWITCH[args.overlap],
-                  async_scheduling=SWITCH[args.async_scheduling])
+                  async_scheduling=SWITCH[args.async_scheduling],
+                  kv_cache_dtype=args.kv_cache_dtype)
     if args.kv_ratio is not None:
         kwargs["block_device_memory_ratio"] = args.kv_ratio
     if args.num_device_blocks is not None:
@@ -353,7 +355,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     params_bytes = 2 * (config.vocab_size * config.hidden_size * 2
                         + config.num_hidden_layers * 12 * config.hidden_size ** 2)
     root = temp_root(params_bytes)
-    report: dict[str, Any] = {"model": spec.name, "shape": spec.shape if not args.smoke else TINY,
+    report: dict[str, Any] = {"model": spec.name, "kv_cache_dtype": args.kv_cache_dtype, "shape": spec.shape if not args.smoke else TINY,
                               "device": torch.cuda.get_device_name(device)
                               if device.type == "cuda" else "cpu",
                               "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke}
@@ -477,6 +479,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on CPU, a few short requests: checks the script end to end")
     p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="our engine's KV cache storage (HF keeps its own dtype)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
@@ -530,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_model(SPECS[name], args, device, dtype)
         report["total_s"] = round(time.perf_counter() - start, 1)
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"engine_{name}.json"
+        suffix = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
+        path = args.out / f"engine_{name}{suffix}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path} ({report['total_s']} s)", flush=True)
         ours = report["throughput"]["ksana_llm"]

@@ -7,7 +7,8 @@
 # capture), parity (the engine's greedy tokens on CUDA vs on the CPU, fp32, benchmarks/gpu/
 # parity.py), engine-qwen3 / engine-llama8b (the reference workload: our engine vs HF
 # generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks); spec
-# (speculative decoding, benchmarks/speculative_decoding.py on CUDA) only when named.
+# (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
+# Qwen3 workload with an FP8 E4M3 KV cache) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -43,7 +44,8 @@ fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
 declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
-                  [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240)
+                  [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
+                  [engine-qwen3-fp8]=300)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -73,6 +75,9 @@ for stage in "${STAGES[@]}"; do
         # reference workload, Qwen3-0.6B shape: ours (graphs on, off) vs HF generate_batch
         engine-qwen3)   run_stage engine-qwen3 "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --out "$RESULTS" ;;
+        # the same with an FP8 (E4M3) KV cache: twice the tokens in the same memory
+        engine-qwen3-fp8) run_stage engine-qwen3-fp8 "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models qwen3-0.6b --kv-cache-dtype fp8_e4m3 --out "$RESULTS" ;;
         # the same at the Llama-3-8B shape
         engine-llama8b) run_stage engine-llama8b "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models llama-3-8b --out "$RESULTS" ;;
@@ -84,7 +89,7 @@ for stage in "${STAGES[@]}"; do
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
-                "engine-llama8b decode prefill spec)" >&2; exit 2 ;;
+                "engine-qwen3-fp8 engine-llama8b decode prefill spec)" >&2; exit 2 ;;
     esac
 done
 
