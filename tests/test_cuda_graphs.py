@@ -129,20 +129,28 @@ def test_graphs_are_skipped_with_the_reason(tmp_path):
 # CPU runs the kernels in Triton's interpreter (slow): one model there, both on a GPU. Without
 # a window the 512-token tables make the decode kernel split each context in two (padding rows
 # then go through the split-merge pass too); with mistral's window it takes one split.
-CASES = [("cpu", "yi-gqa4-bias")] + (
-    [("cuda", "yi-gqa4-bias"), ("cuda", "mistral-sliding")] if torch.cuda.is_available() else [])
+# The E4M3 case: the per-layer cache scales must reach the graphs' metadata too (the eager step
+# applies them, so a graph step without them would differ).
+CASES = [("cpu", "yi-gqa4-bias", "auto"), ("cpu", "yi-gqa4-bias", "fp8_e4m3")] + (
+    [("cuda", "yi-gqa4-bias", "auto"), ("cuda", "mistral-sliding", "auto"),
+     ("cuda", "yi-gqa4-bias", "fp8_e4m3")] if torch.cuda.is_available() else [])
+FP8_SCALES = (0.002, 0.003)
 
 
 class GraphDriver:
     """Feeds sequences through one runner that has decode graphs; each decode step runs twice,
     through the graphs and through the normal eager path, which rewrites the same K/V."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, max_graph_batch: int) -> None:
+    def __init__(self, module: torch.nn.Module, device: torch.device, max_graph_batch: int,
+                 kv_cache_dtype: str = "auto") -> None:
         self.block_size, num_blocks = 4, 128  # 512 tokens: as long as the tiny models' context
         self.bm = BlockManager(num_blocks, self.block_size)
+        fp8 = kv_cache_dtype != "auto"
         self.runner = ModelRunner(module, device=device, dtype=torch.float32,
                                   num_blocks=num_blocks, block_size=self.block_size,
-                                  attention_backend="triton", cuda_graphs=False)
+                                  attention_backend="triton", cuda_graphs=False,
+                                  kv_cache_dtype=kv_cache_dtype,
+                                  kv_scales=FP8_SCALES if fp8 else None)
         self.runner.setup_cuda_graphs(max_graph_batch, capture=device.type == "cuda")
         self.graphs = self.runner.decode_graphs
 
@@ -174,10 +182,14 @@ class GraphDriver:
         bs = self.block_size
         slots = {s.block_table[s.start // bs] * bs + s.start % bs for s in slices}
         step = StepInput(slices, [], [])
-        before = [(k.clone(), v.clone()) for k, v in self.runner.kv_caches]
+        def raw(t: torch.Tensor) -> torch.Tensor:  # FP8 entries compare as their bytes
+            return t.view(torch.uint8) if t.element_size() == 1 else t
+
+        before = [(raw(k).clone(), raw(v).clone()) for k, v in self.runner.kv_caches]
         graph = self.runner.execute(step)
         changed = set()
-        for (k0, v0), (k1, v1) in zip(before, self.runner.kv_caches):
+        after = [(raw(k), raw(v)) for k, v in self.runner.kv_caches]
+        for (k0, v0), (k1, v1) in zip(before, after):
             diff = (k0 != k1).flatten(2).any(-1) | (v0 != v1).flatten(2).any(-1)  # [blocks, bs]
             changed |= set(diff.flatten().nonzero().flatten().tolist())
         self.runner.decode_graphs = None  # the same step through the normal path
@@ -191,12 +203,13 @@ class GraphDriver:
         return self._in_slice_order(graph), self._in_slice_order(eager), changed, slots
 
 
-@pytest.mark.parametrize("device,name", CASES)
-def test_graph_decode_equals_eager_decode(tmp_path, device, name):
+@pytest.mark.parametrize("device,name,kv_cache_dtype", CASES)
+def test_graph_decode_equals_eager_decode(tmp_path, device, name, kv_cache_dtype):
     build_tiny_model(name, tmp_path)
     module = Model.from_pretrained(tmp_path, device=device, dtype="float32",
                                    progress=False).module
-    driver = GraphDriver(module, torch.device(device), max_graph_batch=8)
+    driver = GraphDriver(module, torch.device(device), max_graph_batch=8,
+                         kv_cache_dtype=kv_cache_dtype)
     torch.manual_seed(3)
     seqs = [Sequence(f"s{i}", torch.randint(3, 256, (n,)).tolist(), GenerationConfig())
             for i, n in enumerate((5, 11, 27, 9, 3, 7, 12, 4, 6))]

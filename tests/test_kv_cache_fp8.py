@@ -23,6 +23,7 @@ import torch
 from transformers import DeepseekV3ForCausalLM, DynamicCache
 
 import ksana_llm as kt
+from ksana_llm.api.kv_calibration import write_kv_cache_scales
 from ksana_llm.kernels.kv_quant import from_cache, kv_cache_dtype, through_cache, to_cache
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.runner.model_runner import kv_bytes_per_block
@@ -177,10 +178,15 @@ def test_logits_equal_transformers_with_the_same_rounding(tiny, kv_dtype):
 
 
 def test_triton_kernels_equal_transformers_with_the_same_rounding(tiny):
-    """The Triton backend (in the interpreter here) over an E4M3 cache with the file's scales."""
-    with tiny.engine("fp8_e4m3", attention_backend="triton") as engine:
-        outputs = engine.generate_outputs(tiny.prompts[:3], use_tqdm=False)
-    assert [o.token_ids for o in outputs] == tiny.expected("fp8_e4m3")[:3]
+    """The Triton backend (in the interpreter here) over an E4M3 cache with the file's scales:
+    chunked prefill, then the last prompt again (a prefix-cache hit)."""
+    with tiny.engine("fp8_e4m3", attention_backend="triton", split_fuse_token_num=16) as engine:
+        outputs = engine.generate_outputs(tiny.prompts, use_tqdm=False)
+        again = engine.generate_outputs(tiny.prompts[-1:], use_tqdm=False)
+        assert engine.stats().prefix_cache_hit_rate > 0
+    expected = tiny.expected("fp8_e4m3")
+    assert [o.token_ids for o in outputs] == expected
+    assert again[0].token_ids == expected[-1]
 
 
 @pytest.mark.parametrize("preempt_mode", [0, 1], ids=["swap", "recompute"])
@@ -191,20 +197,38 @@ def test_preemption_keeps_fp8_blocks(tiny, preempt_mode):
     assert [o.token_ids for o in outputs] == tiny.expected("fp8_e5m2")
 
 
-def test_kv_transfer_between_fp8_engines(tiny):
+def _without_scales_file(tiny: Tiny, folder: Path) -> kt.Model:
+    """The tiny model from a folder of links to its files, less kv_cache_scales.json."""
+    folder.mkdir()
+    for item in tiny.folder.iterdir():
+        if item.name != KV_SCALES_FILENAME:
+            (folder / item.name).symlink_to(item)
+    return kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+def test_kv_transfer_between_fp8_engines(tiny, kv_dtype, tmp_path):
+    """The payload keeps FP8 and the scales; an engine that would read the bytes otherwise (no
+    FP8, or other scales) refuses it."""
     prompt = tiny.prompts[1]
     greedy = kt.GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
-    with tiny.engine("fp8_e5m2") as prefill, tiny.engine("fp8_e5m2", block_token_num=4) as decode, \
+    with tiny.engine(kv_dtype) as prefill, tiny.engine(kv_dtype, block_token_num=4) as decode, \
             tiny.engine("auto") as plain:
         kv = prefill.submit(kt.Request(prompt, generation_config=greedy.replace(max_new_tokens=1),
                                        export_kv=True)).result().exported_kv
-        assert {t.dtype for t in kv.tensors} == {torch.float8_e5m2}
-        kv = type(kv).from_bytes(kv.to_bytes())  # the wire format keeps FP8
+        assert {t.dtype for t in kv.tensors} == {KV_DTYPES[kv_dtype]}
+        kv = type(kv).from_bytes(kv.to_bytes())  # the wire format
+        assert kv.kv_scales == (tuple(E4M3_SCALES) if kv_dtype == "fp8_e4m3" else ())
         out = decode.submit(kt.Request(prompt, generation_config=greedy, imported_kv=kv)).result()
         assert decode.stats().num_imported_kv_tokens == len(prompt) - 1
-        with pytest.raises(ValueError, match="imported_kv"):
+        with pytest.raises(ValueError, match="imported_kv: its dtype"):
             plain.submit(kt.Request(prompt, generation_config=greedy, imported_kv=kv))
-    assert out.token_ids == tiny.expected("fp8_e5m2")[1]
+    assert out.token_ids == tiny.expected(kv_dtype)[1]
+    if kv_dtype == "fp8_e4m3":
+        unscaled = _without_scales_file(tiny, tmp_path / "unscaled")
+        with kt.Engine(unscaled, kv_cache_dtype=kv_dtype, num_device_blocks=16) as other:
+            with pytest.raises(ValueError, match="FP8 cache scales differ"):
+                other.submit(kt.Request(prompt, generation_config=greedy, imported_kv=kv))
 
 
 def test_cache_holds_more_tokens(default_model):
@@ -216,25 +240,30 @@ def test_cache_holds_more_tokens(default_model):
         assert engine.kv_layout.bytes_per_token * 4 == fp32 // 16
 
 
-def test_mla_and_speculative_decoding_with_fp8_latents(tmp_path):
-    """DeepSeek: the compressed latents (and the MTP layer's) in an E5M2 cache; drafting on."""
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+def test_mla_and_speculative_decoding_with_fp8_latents(tmp_path, kv_dtype):
+    """DeepSeek: the compressed latents (and the MTP layer's) in an FP8 cache (E4M3 with
+    per-layer scales); drafting on and off."""
     torch.manual_seed(0)
     hf = DeepseekV3ForCausalLM(deepseek_config()).eval()
     randomize(hf)
     layer = hf_mtp_layer(hf.config)
     folder = save_with_mtp(hf, layer, mtp_embedding(hf), hf.lm_head.weight.detach(),
                            tmp_path / "deepseek")
+    scales = [0.01, 0.02, 0.015] if kv_dtype == "fp8_e4m3" else None  # latents stay under ~4
+    if scales:
+        write_kv_cache_scales(folder, scales)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (6, 40)]
-    expected = [hf_greedy(hf, p, torch.float8_e5m2) for p in prompts]
+    expected = [hf_greedy(hf, p, KV_DTYPES[kv_dtype], scales) for p in prompts]
     assert expected != [hf_greedy(hf, p, None) for p in prompts]
     model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
     config = kt.GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
     for drafts in (0, 2):
-        with kt.Engine(model, kv_cache_dtype="fp8_e5m2", num_device_blocks=64, block_token_num=4,
+        with kt.Engine(model, kv_cache_dtype=kv_dtype, num_device_blocks=64, block_token_num=4,
                        num_speculative_tokens=drafts, generation_config=config) as engine:
             outputs = engine.generate_outputs(prompts, use_tqdm=False)
-            assert engine.kv_layout.dtype == torch.float8_e5m2
+            assert engine.kv_layout.dtype == KV_DTYPES[kv_dtype]
             assert (engine.stats().num_draft_tokens > 0) == (drafts > 0)
         assert [o.token_ids for o in outputs] == expected, f"{drafts} drafts"
 

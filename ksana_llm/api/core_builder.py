@@ -34,7 +34,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
     # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
     num_blocks = cfg.num_device_blocks or plan_device_blocks(
-        model.module, device=model.device, dtype=model.dtype, cache_dtype=cache_dtype,
+        model.module, device=model.device, dtype=model.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
         block_size=cfg.block_token_num,
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
         attention_backend=cfg.attention_backend, ratio=cfg.block_device_memory_ratio,
@@ -87,7 +87,10 @@ def kv_scales(model: Model, cfg: EngineConfig) -> list[float] | None:
     """Per-layer scales of an E4M3 cache, from the model folder; None (all 1.0) otherwise."""
     if kv_cache_dtype(cfg.kv_cache_dtype, model.dtype) != torch.float8_e4m3fn:
         return None
-    scales = load_kv_cache_scales(model.path, model.module.num_layers)
+    # Every layer of the model (a pipeline stage runs some of them; layers look their scale up
+    # by their global index).
+    num_layers = int(getattr(model.hf_config, "num_hidden_layers", 0) or model.module.num_layers)
+    scales = load_kv_cache_scales(model.path, num_layers)
     if scales is None:
         # vLLM's default too: fine while |K|, |V| stay under E4M3's 448, clipped beyond.
         logger.warning("kv_cache_dtype %s without %s in %s: every layer's scale is 1.0",

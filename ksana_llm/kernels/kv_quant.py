@@ -51,8 +51,8 @@ def from_cache(entries: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
     """Cache entries as `dtype` values (a plain cast unless they are FP8)."""
     if not is_fp8(entries.dtype):
         return entries.to(dtype)
-    values = entries.to(dtype)
-    return values * scale if scale != 1.0 else values
+    values = entries.to(dtype)  # a new tensor (the types differ): safe to scale in place
+    return values.mul_(scale) if scale != 1.0 else values
 
 
 def through_cache(values: torch.Tensor, cache_dtype: torch.dtype,

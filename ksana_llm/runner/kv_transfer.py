@@ -29,10 +29,12 @@ _FORMAT = "ksana-llm-kv/1"
 
 @dataclass(frozen=True)
 class KvLayout:
-    """What an engine's KV rows look like: one per-token shape per cache tensor, and a dtype."""
+    """What an engine's KV rows look like: one per-token shape per cache tensor, a dtype, and
+    for an FP8 cache the per-layer scales its entries are read with."""
 
     token_shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    kv_scales: tuple[float, ...] = ()  # () = 1.0 for every layer
 
     @property
     def bytes_per_token(self) -> int:
@@ -52,6 +54,16 @@ class KvLayout:
                              f"engine's {self.dtype}")
         if any(t.shape[0] != kv.num_tokens for t in kv.tensors):
             raise ValueError("imported_kv: every tensor must hold one row per token id")
+        if not _same_scales(kv.kv_scales, self.kv_scales):
+            # The same bytes would read as other values here.
+            raise ValueError("imported_kv: its FP8 cache scales differ from this engine's (both "
+                             "models need the same kv_cache_scales.json)")
+
+
+def _same_scales(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Equal scale lists, a layer a list leaves out counting as 1.0."""
+    n = max(len(a), len(b))
+    return a + (1.0,) * (n - len(a)) == b + (1.0,) * (n - len(b))
 
 
 def _describe(shapes: tuple[tuple[int, ...], ...]) -> str:
@@ -64,6 +76,7 @@ class TransferredKv:
 
     token_ids: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]  # each [num_tokens, heads, dim], on the host
+    kv_scales: tuple[float, ...] = ()  # an FP8 cache's per-layer scales; () = all 1.0
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +85,7 @@ class TransferredKv:
     def truncated(self, num_tokens: int) -> TransferredKv:
         """The first `num_tokens` positions (views, no copy)."""
         return TransferredKv(self.token_ids[:num_tokens],
-                             tuple(t[:num_tokens] for t in self.tensors))
+                             tuple(t[:num_tokens] for t in self.tensors), self.kv_scales)
 
     def usable_prefix(self, prompt_token_ids: list[int]) -> int:
         """How many leading positions of `prompt_token_ids` this KV holds: the common prefix,
@@ -86,6 +99,8 @@ class TransferredKv:
     def to_bytes(self) -> bytes:
         tensors = {f"cache.{i}": t.contiguous() for i, t in enumerate(self.tensors)}
         tensors["token_ids"] = torch.tensor(self.token_ids, dtype=torch.int64)
+        if self.kv_scales:
+            tensors["kv_scales"] = torch.tensor(self.kv_scales, dtype=torch.float64)
         return save_safetensors(tensors, metadata={"format": _FORMAT})
 
     @classmethod
@@ -96,13 +111,17 @@ class TransferredKv:
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"not a KV transfer payload: {exc}") from exc
         token_ids = tensors.pop("token_ids", None)
+        scales = tensors.pop("kv_scales", None)
         caches = [tensors.pop(f"cache.{i}", None) for i in range(len(tensors))]
         if token_ids is None or token_ids.dtype != torch.int64 or token_ids.dim() != 1 or tensors \
                 or any(
                 c is None or c.dim() < 1 or c.shape[0] != token_ids.numel() for c in caches):
             raise ValueError("not a KV transfer payload: expected token_ids and cache.0..N "
                              "with one row per token")
-        return cls(tuple(token_ids.tolist()), tuple(caches))
+        if scales is not None and (scales.dim() != 1 or not scales.is_floating_point()):
+            raise ValueError("not a KV transfer payload: kv_scales must be a list of numbers")
+        return cls(tuple(token_ids.tolist()), tuple(caches),
+                   () if scales is None else tuple(scales.tolist()))
 
 
 Slots = tuple[torch.Tensor, torch.Tensor]  # (block id, offset in the block) of each position
@@ -132,7 +151,7 @@ def scatter_tokens(cache: torch.Tensor, slots: Slots, rows: torch.Tensor) -> Non
 class KvTransferSteps:
     """A mixin of `ModelRunner`: its KV rows out (`export_kv`) and in (`_import_kv`, run by
     `execute` before the forward). It works on the runner's `kv_caches`, `draft_kv_caches`,
-    `block_size`, `device` and `cache_dtype`."""
+    `block_size`, `device`, `cache_dtype` and `kv_scales`."""
 
     @property
     def _all_caches(self) -> list[torch.Tensor]:
@@ -140,14 +159,16 @@ class KvTransferSteps:
 
     @property
     def kv_layout(self) -> KvLayout:
-        return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.cache_dtype)
+        return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.cache_dtype,
+                        self.kv_scales)
 
     def export_kv(self, block_table: list[int], token_ids: list[int]) -> TransferredKv:
         """The KV of a sequence's first len(token_ids) positions, copied to the host (this waits
         for the device, once: the rows must be final before the blocks are freed)."""
         slots = token_slots(block_table, len(token_ids), self.block_size, self.device)
         copies = [start_host_copy(gather_tokens(cache, slots)) for cache in self._all_caches]
-        return TransferredKv(tuple(token_ids), tuple(copy.wait() for copy in copies))
+        return TransferredKv(tuple(token_ids), tuple(copy.wait() for copy in copies),
+                             self.kv_scales)
 
     def _import_kv(self, imports: list[tuple[list[int], TransferredKv]]) -> None:
         for block_table, kv in imports:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.fp8_cache import cache_dtype_for
 from ksana_llm.runner.model_runner import (ModelRunner, SeqSlice, StepInput, kv_bytes_per_block,
                                            resolve_attention_backend)
 from ksana_llm.runner.sampler import Sampler, SamplingRow
@@ -101,13 +102,13 @@ def profile_step(num_tokens: int, num_seqs: int, block_size: int) -> tuple[StepI
 
 def run_profile_step(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
                      block_size: int, max_step_tokens: int, max_num_seqs: int,
-                     attention_backend: str) -> torch.Tensor:
+                     attention_backend: str, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Run the profiling step once (no graphs, own tiny cache) and sample its logits with top-k,
     top-p and log-probs on; returns the sampled token ids. Works on any device."""
     step, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size)
     runner = ModelRunner(model, device=device, dtype=dtype, num_blocks=num_blocks,
                          block_size=block_size, attention_backend=attention_backend,
-                         cuda_graphs=False)
+                         cuda_graphs=False, kv_cache_dtype=kv_cache_dtype)
     result = runner.execute(step)
     config = GenerationConfig(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, logprobs=5)
     rows = [SamplingRow(config=config, prompt_token_ids=[0], output_token_ids=[])
@@ -117,7 +118,7 @@ def run_profile_step(model: nn.Module, *, device: torch.device, dtype: torch.dty
 
 def profile_memory(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
                    block_size: int, max_step_tokens: int, max_num_seqs: int,
-                   attention_backend: str) -> MemoryProfile:
+                   attention_backend: str, kv_cache_dtype: str = "auto") -> MemoryProfile:
     """Device memory in use at the peak of the largest step (CUDA only)."""
     torch.cuda.synchronize(device)
     gc.collect()
@@ -128,10 +129,13 @@ def profile_memory(model: nn.Module, *, device: torch.device, dtype: torch.dtype
     outside_torch = total - free - torch.cuda.memory_reserved(device)
     before = torch.cuda.memory_allocated(device)
     _, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size)
-    cache_bytes = num_blocks * kv_bytes_per_block(model, block_size, dtype)
+    # The profile's own cache has the engine's storage type: an FP8 cache's reads widen the
+    # gathered entries, and those copies belong to the step's peak.
+    cache_bytes = num_blocks * kv_bytes_per_block(model, block_size,
+                                                  cache_dtype_for(kv_cache_dtype, dtype))
     run_profile_step(model, device=device, dtype=dtype, block_size=block_size,
                      max_step_tokens=max_step_tokens, max_num_seqs=max_num_seqs,
-                     attention_backend=attention_backend)
+                     attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
     torch.cuda.synchronize(device)
     # Reserved, not allocated: the allocator keeps the step's segments cached for the next one.
     peak = torch.cuda.max_memory_reserved(device) - cache_bytes
@@ -145,18 +149,20 @@ def plan_device_blocks(model: nn.Module, *, device: torch.device, dtype: torch.d
                        block_size: int, max_step_tokens: int, max_num_seqs: int,
                        attention_backend: str, ratio: float | None,
                        reserved_ratio: float, num_draft_layers: int = 0,
-                       cache_dtype: torch.dtype | None = None) -> int:
+                       kv_cache_dtype: str = "auto") -> int:
     """KV blocks for this model on this device: profiled on CUDA, a share of RAM on the CPU
     (`plan_num_blocks`, unchanged). Parallel runs are not profiled (a forward on rank 0 alone
     would wait for the other ranks in its collectives): they keep `plan_num_blocks`.
-    `cache_dtype`: the KV cache's storage type (default: the model's `dtype`)."""
-    per_block = kv_bytes_per_block(model, block_size, cache_dtype or dtype, num_draft_layers)
+    `kv_cache_dtype`: the cache's storage (`EngineConfig.kv_cache_dtype`)."""
+    per_block = kv_bytes_per_block(model, block_size, cache_dtype_for(kv_cache_dtype, dtype),
+                                   num_draft_layers)
     parallel = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
     if device.type != "cuda" or parallel:
         return plan_num_blocks(device, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
     backend = resolve_attention_backend(attention_backend, model, device)
     profile = profile_memory(model, device=device, dtype=dtype, block_size=block_size,
+                             kv_cache_dtype=kv_cache_dtype,
                              max_step_tokens=max_step_tokens, max_num_seqs=max_num_seqs,
                              attention_backend=backend)
     blocks = kv_blocks_from_profile(profile, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
