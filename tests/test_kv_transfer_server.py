@@ -281,6 +281,10 @@ def test_native_and_tokenizer_routes_go_straight_to_a_decode_server(router, deco
     assert json.loads(chunks[-1])["texts"] == direct.json()["texts"]
     tokens = httpx.post(router.url + "/tokenize", json={"prompt": PROMPT}).json()
     assert tokens == httpx.post(decode.url + "/tokenize", json={"prompt": PROMPT}).json()
+    embedded = httpx.post(router.url + "/v1/embeddings", json={"input": PROMPT}, timeout=60)
+    assert embedded.status_code == 200
+    assert embedded.json()["data"] == httpx.post(decode.url + "/v1/embeddings",
+                                                 json={"input": PROMPT}, timeout=60).json()["data"]
     bad = httpx.post(router.url + "/generate", json={"sampling_config": {}}, timeout=60)
     assert bad.status_code == 400 == httpx.post(decode.url + "/generate",
                                                 json={"sampling_config": {}}).status_code

@@ -133,11 +133,13 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     app.state.server = state
     install_error_handlers(app)
 
+    from ksana_llm.server.embeddings import router as embeddings_router
     from ksana_llm.server.misc_routes import router as misc_router
     from ksana_llm.server.openai_routes import router as openai_router
 
     app.include_router(openai_router)
     app.include_router(misc_router)
+    app.include_router(embeddings_router)
     if transfer is not None and transfer.exports:
         kv_transfer.mount(app)  # GET /kv_transfer/{id}
 

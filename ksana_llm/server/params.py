@@ -38,8 +38,10 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                           param=param, code="invalid_token_id")
 
 
-def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits) -> list[list[int]]:
-    """The completions `prompt` in any of its four shapes -> one token-id list per prompt."""
+def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
+                       field: str = "prompt") -> list[list[int]]:
+    """The completions `prompt` (or embeddings `input`: `field`) in any of its four shapes -> one
+    token-id list per prompt."""
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif _is_token_list(prompt) and prompt:
@@ -48,23 +50,24 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits) -> list
                                                  or all(_is_token_list(p) for p in prompt)):
         prompts = prompt
     elif prompt is None:
-        raise bad_request("`prompt` is required.", param="prompt")
+        raise bad_request(f"`{field}` is required.", param=field)
     else:
-        raise bad_request("`prompt` must be a string, a list of strings, a list of token ids or a "
-                          "list of token-id lists, and must not be empty.", param="prompt")
+        raise bad_request(f"`{field}` must be a string, a list of strings, a list of token ids or "
+                          "a list of token-id lists, and must not be empty.", param=field)
     out = []
     for p in prompts:
         if isinstance(p, str):
             if not p:
-                raise bad_request("The prompt is empty.", param="prompt", code="empty_prompt")
+                raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")
             ids = list(tokenizer.encode(p))
         else:
             if not p:
-                raise bad_request("The prompt is empty.", param="prompt", code="empty_prompt")
-            check_token_ids(p, limits.vocab_size, "prompt")
+                raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")
+            check_token_ids(p, limits.vocab_size, field)
             ids = list(p)
         if not ids:
-            raise bad_request("The prompt tokenizes to no tokens.", param="prompt", code="empty_prompt")
+            raise bad_request(f"The {field} tokenizes to no tokens.", param=field,
+                              code="empty_prompt")
         out.append(ids)
     return out
 

@@ -11,7 +11,7 @@ For each `/v1/completions` or `/v1/chat/completions` request the router
 Servers are taken in turn (round robin). Requests the split cannot help go straight to a
 decode server, which then computes the prompt itself: several prompts in one completions
 request, prompt log-probs (the decode server does not compute the imported rows), and KsanaLLM's
-native `/generate` and `/forward` (and `/tokenize`, `/detokenize`). So does every request when
+native `/generate` and `/forward` (and `/tokenize`, `/detokenize`, `/v1/embeddings`). So does every request when
 the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
 lost. A prefill server's 400 about the request itself is the client's answer.
 """
@@ -44,7 +44,7 @@ from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddlewar
 logger = logging.getLogger("ksana_llm.router")
 
 # Routes sent straight to a decode server.
-_DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize")
+_DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings")
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens.
 _PROMPT_FIELDS = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls",

@@ -1,0 +1,110 @@
+"""`POST /v1/embeddings`: one vector per input, as OpenAI's (and vLLM's) embeddings API.
+
+A generative model embeds a text the way vLLM's default pooler does for decoder models (and the
+way last-token embedding models such as GTE-Qwen2 or Qwen3-Embedding are trained): the final
+norm's hidden state at the input's last token, L2-normalised. The engine computes it as a
+forward-only request (`ForwardTarget("layernorm")` at the last position): no sampling, one
+prefill, batched with whatever else runs.
+
+`encoding_format: "base64"` (what the `openai` client asks for by default) sends each vector as
+base64 of its little-endian float32 bytes. `dimensions` must be the model's hidden size: cutting
+a vector short only means something for models trained for it (Matryoshka), so it is refused
+rather than done badly, as vLLM does for other models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ksana_llm.api.forward_outputs import ForwardHandle, ForwardTarget
+from ksana_llm.api.outputs import RequestError
+from ksana_llm.server.errors import bad_request
+from ksana_llm.server.generation import finished_before_client_left, map_engine_error
+from ksana_llm.server.openai_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
+                                              EmbeddingRequest, EmbeddingResponse, EmbeddingUsage)
+from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, parse_body
+from ksana_llm.server.params import prompt_token_lists
+from ksana_llm.server.state import ServerState, server_state
+
+router = APIRouter()
+
+# The last position's hidden state after the model's final norm.
+_LAST_HIDDEN = [ForwardTarget("layernorm", slice_pos=[[-1, -1]])]
+
+
+def embed_vector(hidden: torch.Tensor) -> torch.Tensor:
+    """The embedding of one input from its last-token hidden state: float32, unit length."""
+    return torch.nn.functional.normalize(hidden.float().flatten(), dim=0)
+
+
+def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        data = vector.numpy().astype("<f4", copy=False).tobytes()
+        return base64.b64encode(data).decode("ascii")
+    return vector.tolist()
+
+
+def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
+    prompts = prompt_token_lists(req.input, state.tokenizer, state.limits, field="input")
+    if len(prompts) > MAX_EMBEDDING_INPUTS:
+        raise bad_request(f"At most {MAX_EMBEDDING_INPUTS} inputs per request; got "
+                          f"{len(prompts)}.", param="input")
+    return prompts
+
+
+def _submit(state: ServerState, prompts: list[list[int]],
+            loop: asyncio.AbstractEventLoop) -> list[ForwardHandle]:
+    """Every input or none: on the first refusal, abort those already queued."""
+    engine = state.engine
+    base = f"embd-{uuid.uuid4().hex}"
+    handles: list[ForwardHandle] = []
+    try:
+        for i, ids in enumerate(prompts):
+            handles.append(engine.submit_forward(ids, _LAST_HIDDEN, request_id=f"{base}-{i}",
+                                                 loop=loop))
+    except Exception as exc:
+        for handle in handles:
+            engine.abort(handle.id)
+        if isinstance(exc, ValueError):  # too long for the model, ...
+            raise bad_request(str(exc), param="input") from exc
+        raise map_engine_error(exc) from exc
+    return handles
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(request: Request) -> JSONResponse:
+    state = server_state(request)
+    req = await parse_body(request, EmbeddingRequest)
+    state.check_model(req.model)
+    hidden_size = int(state.engine.model.hf_config.hidden_size)
+    if req.dimensions is not None and req.dimensions != hidden_size:
+        raise bad_request(f"This model's embeddings have {hidden_size} dimensions and cannot be "
+                          f"shortened to {req.dimensions}.", param="dimensions",
+                          code="unsupported_parameter")
+    prompts = _inputs(req, state)
+    handles = _submit(state, prompts, asyncio.get_running_loop())
+    results = asyncio.gather(*(h.aresult() for h in handles))
+    try:
+        if not await finished_before_client_left(request, results):
+            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+        outputs = results.result()
+    except RequestError as exc:
+        raise map_engine_error(exc) from exc
+    finally:
+        results.cancel()
+        for handle in handles:
+            if not handle.finished:
+                state.engine.abort(handle.id)
+    data = [EmbeddingData(index=i, embedding=_encode(embed_vector(out.targets[0].tensor),
+                                                     req.encoding_format))
+            for i, out in enumerate(outputs)]
+    tokens = sum(map(len, prompts))
+    response = EmbeddingResponse(data=data, model=state.served_model_name,
+                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return JSONResponse(response.model_dump())

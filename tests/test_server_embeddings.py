@@ -1,0 +1,94 @@
+"""`POST /v1/embeddings` on a real server process, driven by the official `openai` client: each
+vector is transformers' last-token hidden state (after the final norm), L2-normalised, on the
+same weights; base64 and float encodings agree; every bad input is a 400 naming the parameter
+and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.server_process import ServerProcess
+
+TEXTS = ["The capital of France is Paris.", "def add(a, b):\n    return a + b\n",
+         "人工智能正在改变世界。", "A"]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    proc = ServerProcess(["--num-device-blocks", "128", "--max-model-len", "256"])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def _reference(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden, dim=0)
+
+
+def test_vectors_equal_transformers_last_token_state(client, hf_default_model, default_model):
+    tokenizer = default_model.tokenizer
+    # The openai client asks for base64 and decodes it itself.
+    response = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS)
+    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    ids = [tokenizer.encode(t) for t in TEXTS]
+    assert response.usage.prompt_tokens == response.usage.total_tokens == sum(map(len, ids))
+    for item, prompt in zip(response.data, ids):
+        vector = torch.tensor(item.embedding)
+        assert vector.shape == (default_model.hf_config.hidden_size,)
+        torch.testing.assert_close(vector, _reference(hf_default_model, prompt), atol=2e-5,
+                                   rtol=1e-4)
+    # Different texts, different directions.
+    a, b = (torch.tensor(response.data[i].embedding) for i in (0, 1))
+    assert float(a @ b) < 0.99
+
+
+def test_float_encoding_and_token_inputs_agree(client, default_model):
+    ids = default_model.tokenizer.encode(TEXTS[0])
+    as_text = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS[0],
+                                       encoding_format="float")
+    assert isinstance(as_text.data[0].embedding[0], float)
+    for tokens in (ids, [ids, ids]):
+        response = client.embeddings.create(model="SmolLM2-135M-Instruct", input=tokens)
+        for item in response.data:
+            torch.testing.assert_close(torch.tensor(item.embedding),
+                                       torch.tensor(as_text.data[0].embedding), atol=1e-6, rtol=0)
+    full = client.embeddings.create(model="SmolLM2-135M-Instruct", input="Hi",
+                                    dimensions=default_model.hf_config.hidden_size)
+    assert len(full.data[0].embedding) == default_model.hf_config.hidden_size
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": [10**9]}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": "x " * 400}, "input"),  # longer than --max-model-len 256
+    ({"input": "Hi", "dimensions": 17}, "dimensions"),
+    ({"input": "Hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "Hi", "temperature": 1}, "temperature"),
+])
+def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
+    response = httpx.post(server.base_url + "/embeddings", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"]
+
+
+def test_unknown_model_is_404_and_the_server_keeps_serving(client, server):
+    response = httpx.post(server.base_url + "/embeddings",
+                          json={"input": "Hi", "model": "no-such-model"}, timeout=60)
+    assert response.status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="SmolLM2-135M-Instruct", input="")
+    assert len(client.embeddings.create(model="SmolLM2-135M-Instruct", input="ok").data) == 1
