@@ -23,9 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardTarget
-from ksana_llm.api.outputs import RequestError
 from ksana_llm.server.errors import bad_request
-from ksana_llm.server.generation import finished_before_client_left, map_engine_error
+from ksana_llm.server.generation import forward_results, map_engine_error
 from ksana_llm.server.openai_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                               EmbeddingRequest, EmbeddingResponse, EmbeddingUsage)
 from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, parse_body
@@ -89,18 +88,10 @@ async def create_embeddings(request: Request) -> JSONResponse:
                           code="unsupported_parameter")
     prompts = _inputs(req, state)
     handles = _submit(state, prompts, asyncio.get_running_loop())
-    results = asyncio.gather(*(h.aresult() for h in handles))
-    try:
-        if not await finished_before_client_left(request, results):
-            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
-        outputs = results.result()
-    except RequestError as exc:
-        raise map_engine_error(exc) from exc
-    finally:
-        results.cancel()
-        for handle in handles:
-            if not handle.finished:
-                state.engine.abort(handle.id)
+    outputs = await forward_results(state.engine, handles, request)
+    if outputs is None:  # the client left; its requests were aborted
+        state.count_failure("aborted")
+        return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     data = [EmbeddingData(index=i, embedding=_encode(embed_vector(out.targets[0].tensor),
                                                      req.encoding_format))
             for i, out in enumerate(outputs)]

@@ -37,10 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ksana_llm.api.engine import EngineDeadError
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
-from ksana_llm.api.outputs import RequestError
 from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
-from ksana_llm.server.generation import finished_before_client_left, map_engine_error
+from ksana_llm.server.generation import forward_results, map_engine_error
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST
 from ksana_llm.server.params import check_token_ids, prompt_token_lists
@@ -174,23 +173,6 @@ def _submit_all(engine: Any, body: ForwardBody, state: Any,
     return handles
 
 
-async def _wait_all(engine: Any, handles: list[ForwardHandle], request: Request
-                    ) -> list[ForwardOutput] | None:
-    """Every result, or None when the client went away (then everything is aborted)."""
-    results = asyncio.gather(*(h.aresult() for h in handles))
-    try:
-        if not await finished_before_client_left(request, results):
-            return None
-        return results.result()
-    except RequestError as exc:
-        raise map_engine_error(exc) from exc
-    finally:
-        results.cancel()
-        for h in handles:
-            if not h.finished:
-                engine.abort(h.id)
-
-
 async def forward(request: Request) -> Response:
     state = server_state(request)
     is_msgpack = request.headers.get("content-type", "").split(";")[0].strip().lower() == MSGPACK
@@ -209,7 +191,7 @@ async def forward(request: Request) -> Response:
         raise from_validation_error(exc) from exc
     state.check_alive()
     handles = _submit_all(state.engine, body, state, asyncio.get_running_loop())
-    outputs = await _wait_all(state.engine, handles, request)
+    outputs = await forward_results(state.engine, handles, request)
     if outputs is None:
         state.count_failure("aborted")
         return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from ksana_llm.api.engine import Engine, EngineDeadError
+from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput
 from ksana_llm.api.outputs import Request, RequestError, RequestHandle, RequestOutput
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
@@ -37,6 +38,24 @@ async def finished_before_client_left(http_request: HTTPRequest, work: asyncio.F
             return True
         if await http_request.is_disconnected():
             return False
+
+
+async def forward_results(engine: Engine, handles: list[ForwardHandle],
+                          http_request: HTTPRequest) -> list[ForwardOutput] | None:
+    """Every forward-only request's output (`/forward`, `/v1/embeddings`), or None when the
+    client went away first; whatever has not finished is aborted either way."""
+    results = asyncio.gather(*(h.aresult() for h in handles))
+    try:
+        if not await finished_before_client_left(http_request, results):
+            return None
+        return results.result()
+    except RequestError as exc:
+        raise map_engine_error(exc) from exc
+    finally:
+        results.cancel()
+        for handle in handles:
+            if not handle.finished:
+                engine.abort(handle.id)
 
 
 class ClientDisconnected(Exception):
