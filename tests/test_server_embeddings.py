@@ -92,3 +92,25 @@ def test_unknown_model_is_404_and_the_server_keeps_serving(client, server):
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="SmolLM2-135M-Instruct", input="")
     assert len(client.embeddings.create(model="SmolLM2-135M-Instruct", input="ok").data) == 1
+
+
+def test_engine_embed_equals_the_server(client, local_engine, hf_default_model):
+    """The Python API's `Engine.embed` gives the server's vectors (one definition), in order,
+    also past a full queue; a bad prompt raises ValueError and the engine keeps serving."""
+    vectors = local_engine.embed(TEXTS)
+    assert vectors.shape == (len(TEXTS), local_engine.model.hf_config.hidden_size)
+    served = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS)
+    for vector, item in zip(vectors, served.data):
+        torch.testing.assert_close(vector, torch.tensor(item.embedding), atol=1e-6, rtol=0)
+    ids = local_engine.tokenizer.encode(TEXTS[0])
+    torch.testing.assert_close(local_engine.embed(ids)[0], _reference(hf_default_model, ids),
+                               atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="prompt"):
+        local_engine.embed(["fine", ""])
+    assert local_engine.embed("still serving").shape[0] == 1
+    import ksana_llm as kt
+
+    # One running, one waiting: submitting four makes embed wait for room (QueueFullError).
+    with kt.Engine(local_engine.model, num_device_blocks=64, max_queue_size=1,
+                   max_num_seqs=1) as small:
+        torch.testing.assert_close(small.embed(TEXTS), vectors, atol=1e-6, rtol=0)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ksana_llm.api.core_builder import build_core
+from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
 from ksana_llm.api.model import Model
 from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle,
@@ -129,6 +130,32 @@ class Engine:
         except asyncio.CancelledError:
             self.abort(handle.id)
             raise
+
+    def embed(self, prompts: Prompt | list[Prompt]) -> torch.Tensor:
+        """One embedding per prompt, [n, hidden_size] float32 on the CPU, in input order: the
+        final norm's hidden state at the prompt's last token, L2-normalised (`api.embeddings`).
+        Prompts are queued as the queue allows; a bad one raises ValueError (naming the problem)
+        and the ones already queued are aborted."""
+        batch = self._as_batch(prompts)
+        handles: list[ForwardHandle] = []
+        vectors: list[torch.Tensor] = []
+        try:
+            for prompt in batch:
+                while True:
+                    try:
+                        handles.append(self.submit_forward(prompt, list(EMBEDDING_TARGETS)))
+                        break
+                    except QueueFullError:  # make room: wait for the oldest one
+                        vectors.append(embedding_from_hidden(
+                            handles[len(vectors)].result().targets[0].tensor))
+            vectors += [embedding_from_hidden(h.result().targets[0].tensor)
+                        for h in handles[len(vectors):]]
+        except BaseException:
+            for handle in handles:
+                if not handle.finished:
+                    self.abort(handle.id)
+            raise
+        return torch.stack(vectors)
 
     # ---- submission ------------------------------------------------------------------------------
     def submit(self, request: Request | Prompt, *,

@@ -1,10 +1,5 @@
-"""`POST /v1/embeddings`: one vector per input, as OpenAI's (and vLLM's) embeddings API.
-
-A generative model embeds a text the way vLLM's default pooler does for decoder models (and the
-way last-token embedding models such as GTE-Qwen2 or Qwen3-Embedding are trained): the final
-norm's hidden state at the input's last token, L2-normalised. The engine computes it as a
-forward-only request (`ForwardTarget("layernorm")` at the last position): no sampling, one
-prefill, batched with whatever else runs.
+"""`POST /v1/embeddings`: one vector per input, as OpenAI's (and vLLM's) embeddings API; each is
+`Engine.embed`'s (`api.embeddings`: the last token's final-norm state, L2-normalised).
 
 `encoding_format: "base64"` (what the `openai` client asks for by default) sends each vector as
 base64 of its little-endian float32 bytes. `dimensions` must be the model's hidden size: cutting
@@ -22,7 +17,8 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ksana_llm.api.forward_outputs import ForwardHandle, ForwardTarget
+from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
+from ksana_llm.api.forward_outputs import ForwardHandle
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import forward_results, map_engine_error
 from ksana_llm.server.openai_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
@@ -32,14 +28,6 @@ from ksana_llm.server.params import prompt_token_lists
 from ksana_llm.server.state import ServerState, server_state
 
 router = APIRouter()
-
-# The last position's hidden state after the model's final norm.
-_LAST_HIDDEN = [ForwardTarget("layernorm", slice_pos=[[-1, -1]])]
-
-
-def embed_vector(hidden: torch.Tensor) -> torch.Tensor:
-    """The embedding of one input from its last-token hidden state: float32, unit length."""
-    return torch.nn.functional.normalize(hidden.float().flatten(), dim=0)
 
 
 def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
@@ -65,7 +53,7 @@ def _submit(state: ServerState, prompts: list[list[int]],
     handles: list[ForwardHandle] = []
     try:
         for i, ids in enumerate(prompts):
-            handles.append(engine.submit_forward(ids, _LAST_HIDDEN, request_id=f"{base}-{i}",
+            handles.append(engine.submit_forward(ids, list(EMBEDDING_TARGETS), request_id=f"{base}-{i}",
                                                  loop=loop))
     except Exception as exc:
         for handle in handles:
@@ -92,7 +80,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
     if outputs is None:  # the client left; its requests were aborted
         state.count_failure("aborted")
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
-    data = [EmbeddingData(index=i, embedding=_encode(embed_vector(out.targets[0].tensor),
+    data = [EmbeddingData(index=i, embedding=_encode(embedding_from_hidden(out.targets[0].tensor),
                                                      req.encoding_format))
             for i, out in enumerate(outputs)]
     tokens = sum(map(len, prompts))

@@ -1,0 +1,21 @@
+"""Text embeddings from a generative model: what `Engine.embed` and `POST /v1/embeddings` return.
+
+A prompt's embedding is the final norm's hidden state at its last token, L2-normalised: vLLM's
+default pooling for decoder models, and how last-token embedding models (GTE-Qwen2,
+Qwen3-Embedding) are trained to be used. The engine computes it as a forward-only request: no
+sampling, one prefill, batched with whatever else runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ksana_llm.api.forward_outputs import ForwardTarget
+
+# The last position's hidden state after the model's final norm.
+EMBEDDING_TARGETS = (ForwardTarget("layernorm", slice_pos=[[-1, -1]]),)
+
+
+def embedding_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
+    """The embedding of one prompt from its last-token hidden state: float32, unit length."""
+    return torch.nn.functional.normalize(hidden.float().flatten(), dim=0)
