@@ -37,6 +37,12 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as its bytes (a uint8 view), anything else as it is. Gathers and scatters
+    run on the bytes: torch's indexing kernels do not cover the FP8 types on every device."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
 def to_cache(values: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """K/V values as entries of a `cache_dtype` cache (a plain cast unless it is FP8)."""
     if not is_fp8(cache_dtype):

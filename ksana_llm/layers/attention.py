@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ksana_llm.kernels.kv_quant import from_cache, through_cache, to_cache
+from ksana_llm.kernels.kv_quant import from_cache, raw, through_cache, to_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -93,7 +93,7 @@ def gather_kv(cache: torch.Tensor, rows: torch.Tensor, lead: tuple[int, ...], *,
     `dtype` values (default: the cache's dtype; FP8 entries read as entry * kv_scale)."""
     flat = _head_major(cache)
     heads, dim = cache.shape[2], cache.shape[3]
-    rows_out = flat.index_select(0, rows).view(*lead, heads, -1, dim)
+    rows_out = raw(flat).index_select(0, rows).view(cache.dtype).view(*lead, heads, -1, dim)
     return from_cache(rows_out, dtype or cache.dtype, kv_scale)
 
 
@@ -101,7 +101,7 @@ def store_kv(cache: torch.Tensor, slot_index: tuple[torch.Tensor, torch.Tensor],
              values: torch.Tensor, kv_scale: float = 1.0) -> None:
     """Write values [T, kv_heads, dim] into a cache view at (block ids [T], offsets [T]); an FP8
     cache gets value / kv_scale, rounded."""
-    cache[slot_index] = to_cache(values, cache.dtype, kv_scale)
+    raw(cache)[slot_index] = raw(to_cache(values, cache.dtype, kv_scale))
 
 
 class _RowsMemo:

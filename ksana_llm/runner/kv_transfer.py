@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from ksana_llm.kernels.kv_quant import raw
 from ksana_llm.runner.host_copy import start_host_copy
 
 __all__ = ["KvLayout", "KvTransferSteps", "TransferredKv", "gather_tokens", "scatter_tokens",
@@ -140,12 +141,12 @@ def token_slots(block_table: list[int], num_tokens: int, block_size: int,
 def gather_tokens(cache: torch.Tensor, slots: Slots) -> torch.Tensor:
     """A sequence's rows at `slots` from one `[num_blocks, block_size, heads, dim]` cache, as a
     new `[num_tokens, heads, dim]` tensor on the cache's device."""
-    return cache[slots]
+    return raw(cache)[slots].view(cache.dtype)
 
 
 def scatter_tokens(cache: torch.Tensor, slots: Slots, rows: torch.Tensor) -> None:
     """Write `rows` ([num_tokens, heads, dim], any device) at `slots` of the cache."""
-    cache[slots] = rows.to(cache.device, non_blocking=True)
+    raw(cache)[slots] = raw(rows.to(cache.device, non_blocking=True))
 
 
 class KvTransferSteps:
