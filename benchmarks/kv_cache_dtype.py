@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import ksana_llm as kt
-from ksana_llm.kernels.kv_quant import kv_cache_dtype
+from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.runner.model_runner import kv_bytes_per_block
 
 CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
@@ -105,7 +105,7 @@ def main() -> None:
     baseline_tokens: list[list[int]] | None = None
     for name in CACHE_DTYPES:
         per_block = kv_bytes_per_block(model.module, args.block_token_num,
-                                       kv_cache_dtype(name, model.dtype))
+                                       cache_dtype_for(name, model.dtype))
         blocks = budget // per_block
         with kt.Engine(model, kv_cache_dtype=name, num_device_blocks=blocks,
                        block_token_num=args.block_token_num, generation_config=config) as engine:

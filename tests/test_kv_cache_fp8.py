@@ -24,7 +24,7 @@ from transformers import DeepseekV3ForCausalLM, DynamicCache
 
 import ksana_llm as kt
 from ksana_llm.api.kv_calibration import write_kv_cache_scales
-from ksana_llm.kernels.kv_quant import from_cache, kv_cache_dtype, through_cache, to_cache
+from ksana_llm.kernels.kv_quant import cache_dtype_for, from_cache, through_cache, to_cache
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.runner.model_runner import kv_bytes_per_block
 from tests.deepseek_checkpoint import (deepseek_config, hf_mtp_layer, mtp_embedding, randomize,
@@ -137,10 +137,10 @@ def test_rounding_scaling_and_saturation():
         assert torch.equal(through_cache(x, dtype, 0.5), stored.float() * 0.5)
     plain = torch.randn(4)
     assert through_cache(plain, torch.float32) is plain  # a cache of the model's dtype: as is
-    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
-    assert kv_cache_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
+    assert cache_dtype_for("auto", torch.bfloat16) == torch.bfloat16
+    assert cache_dtype_for("fp8", torch.bfloat16) == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        kv_cache_dtype("int4", torch.float32)
+        cache_dtype_for("int4", torch.float32)
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
@@ -286,13 +286,8 @@ def test_scales_file(tmp_path, tiny):
             load_kv_cache_scales(tmp_path, 2)
         assert message in str(err.value)
     # An engine refuses a broken file before it serves anything.
-    broken = tmp_path / "model"
-    broken.mkdir()
-    for item in tiny.folder.iterdir():
-        (broken / item.name).symlink_to(item)
-    (broken / KV_SCALES_FILENAME).unlink()
-    (broken / KV_SCALES_FILENAME).write_text("[1, 2]")
-    model = kt.Model.from_pretrained(broken, device="cpu", dtype="float32", progress=False)
+    model = _without_scales_file(tiny, tmp_path / "model")
+    (model.path / KV_SCALES_FILENAME).write_text("[1, 2]")
     with pytest.raises(ValueError, match=KV_SCALES_FILENAME):
         kt.Engine(model, kv_cache_dtype="fp8_e4m3", num_device_blocks=8)
 
@@ -340,6 +335,11 @@ def test_calibrated_scales_rescue_values_beyond_e4m3(tmp_path):
     assert max(amax) > 448
 
     model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="texts"):
+        calibrate_kv_scales(model, [])
+    with kt.Engine(model, kv_cache_dtype="fp8_e5m2", num_device_blocks=16) as rounded:
+        with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
+            calibrate_kv_scales(rounded, prompts)  # its values are rounded already
     scales = calibrate_kv_scales(model, prompts)
     assert scales == pytest.approx([a / CALIBRATION_TARGET for a in amax], rel=1e-5)
     ids = prompts[1]

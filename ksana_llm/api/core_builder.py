@@ -15,7 +15,7 @@ from ksana_llm.distributed.executor import DistributedRunner
 from ksana_llm.engine.core import EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.scheduler import SchedulerConfig
-from ksana_llm.kernels.kv_quant import kv_cache_dtype
+from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
 from ksana_llm.runner.drafting import draft_layers_for
@@ -30,7 +30,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     """The core; its `max_model_len` is the context a request may use (the model's, bounded by
     `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank."""
     draft_layers = draft_layers_for(model.module, cfg.num_speculative_tokens)
-    cache_dtype = kv_cache_dtype(cfg.kv_cache_dtype, model.dtype)
+    cache_dtype = cache_dtype_for(cfg.kv_cache_dtype, model.dtype)
     per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
     # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
     num_blocks = cfg.num_device_blocks or plan_device_blocks(
@@ -57,7 +57,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
                          cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
                          or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
-                         kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cfg))
+                         kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg))
     runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
     if model.runtime is not None:
         # A parallel run: every step also goes to the worker ranks, which build the same
@@ -83,9 +83,9 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                       num_speculative_tokens=cfg.num_speculative_tokens)
 
 
-def kv_scales(model: Model, cfg: EngineConfig) -> list[float] | None:
+def kv_scales(model: Model, cache_dtype: torch.dtype, cfg: EngineConfig) -> list[float] | None:
     """Per-layer scales of an E4M3 cache, from the model folder; None (all 1.0) otherwise."""
-    if kv_cache_dtype(cfg.kv_cache_dtype, model.dtype) != torch.float8_e4m3fn:
+    if cache_dtype != torch.float8_e4m3fn:
         return None
     # Every layer of the model (a pipeline stage runs some of them; layers look their scale up
     # by their global index).

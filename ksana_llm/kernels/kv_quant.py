@@ -13,17 +13,20 @@ and the chunk that is written in the same step alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 
 # User-facing names -> storage types. "fp8" is vLLM's name for E4M3.
-FP8_KV_DTYPES: dict[str, torch.dtype] = {
+FP8_KV_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
-}
+})
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def cache_dtype_for(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The storage type for `EngineConfig.kv_cache_dtype`: "auto" keeps the model's dtype."""
     if name == "auto":
         return model_dtype

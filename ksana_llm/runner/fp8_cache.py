@@ -1,14 +1,10 @@
-"""The runner's side of an FP8 KV cache (`EngineConfig.kv_cache_dtype`): the storage type and a
-check that the attention backend can read it on this GPU. The rounding itself is
+"""The runner's side of an FP8 KV cache (`EngineConfig.kv_cache_dtype`): a check that the
+attention backend can read it on this GPU. The storage type and the rounding are
 `kernels.kv_quant`; each layer's scale reaches it through `AttentionMetadata.kv_scales`."""
 
 from __future__ import annotations
 
 import torch
-
-from ksana_llm.kernels.kv_quant import kv_cache_dtype as cache_dtype_for
-
-__all__ = ["cache_dtype_for", "check_fp8_support"]
 
 
 def check_fp8_support(cache_dtype: torch.dtype, attention_backend: str,

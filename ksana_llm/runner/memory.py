@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.runner.fp8_cache import cache_dtype_for
+from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.runner.model_runner import (ModelRunner, SeqSlice, StepInput, kv_bytes_per_block,
                                            resolve_attention_backend)
 from ksana_llm.runner.sampler import Sampler, SamplingRow

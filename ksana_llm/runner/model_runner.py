@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
                                         KVCacheSpec, PrefillChunk, allocate_kv_cache, block_runs,
                                         copy_cache_blocks)
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
 from ksana_llm.runner.drafting import MtpDrafting, draft_layers_for
-from ksana_llm.runner.fp8_cache import cache_dtype_for, check_fp8_support
+from ksana_llm.runner.fp8_cache import check_fp8_support
 from ksana_llm.runner.host_arrays import flat_batch
 from ksana_llm.runner.kv_transfer import KvTransferSteps, TransferredKv
 from ksana_llm.runner.logits_processing import to_device
