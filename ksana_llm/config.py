@@ -99,6 +99,18 @@ class EngineConfig(BaseModel):
                     "unchanged and sampled ones keep their distribution. 0 = off. Turns "
                     "async_scheduling off; needs pipeline_parallel_size 1")
 
+    # LoRA adapters (vLLM's --lora-modules, --max-loras, --max-lora-rank)
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters loaded at start-up: name -> PEFT adapter folder. A request "
+                    "picks one by name (Request.lora; the OpenAI `model` field)")
+    max_loras: int | None = Field(
+        None, ge=1, le=64,
+        description="adapter slots kept on the device, all usable in one batch; default: the "
+                    "number of lora_modules (more leaves room for Engine.load_lora_adapter)")
+    max_lora_rank: int = Field(16, ge=1, le=1024, description="the largest adapter rank a slot "
+                                                            "holds")
+
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:
         if self.split_fuse_token_num > self.max_step_tokens:
@@ -109,4 +121,16 @@ class EngineConfig(BaseModel):
         if self.num_speculative_tokens and self.pipeline_parallel_size > 1:
             raise ValueError("num_speculative_tokens needs pipeline_parallel_size 1 (the MTP "
                              "layer sits on the last stage, the logits on the first)")
+        for name in self.lora_modules:
+            if not name or name != name.strip():
+                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, without "
+                                 "surrounding spaces")
+        if self.max_loras is not None and len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"lora_modules: {len(self.lora_modules)} adapters do not fit "
+                             f"max_loras ({self.max_loras})")
         return self
+
+    @property
+    def num_lora_slots(self) -> int:
+        """Adapter slots the engine allocates (0: LoRA off)."""
+        return self.max_loras or len(self.lora_modules)

@@ -26,9 +26,11 @@ logger = logging.getLogger("ksana_llm.engine")
 
 
 def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
-               on_worker_failure: Callable[[str], None]) -> EngineCore:
+               on_worker_failure: Callable[[str], None],
+               lora_adapters: list[tuple[int, str]] = ()) -> EngineCore:
     """The core; its `max_model_len` is the context a request may use (the model's, bounded by
-    `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank."""
+    `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank.
+    `lora_adapters`: (slot, folder) of the LoRA adapters every rank loads as it starts."""
     draft_layers = draft_layers_for(model.module, cfg.num_speculative_tokens)
     cache_dtype = cache_dtype_for(cfg.kv_cache_dtype, model.dtype)
     per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
@@ -57,7 +59,9 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
                          cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
                          or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
-                         kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg))
+                         kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
+                         max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,
+                         lora_adapters=list(lora_adapters))
     runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
     if model.runtime is not None:
         # A parallel run: every step also goes to the worker ranks, which build the same

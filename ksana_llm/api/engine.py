@@ -11,7 +11,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -19,6 +20,8 @@ import torch
 from ksana_llm.api.core_builder import build_core
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
+from ksana_llm.api.lora_control import LoraControl
+from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
 from ksana_llm.api.model import Model
 from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle,
                                    RequestOutput)
@@ -42,13 +45,14 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
 
 
-class Engine:
+class Engine(LoraControl):
     """Continuous-batching generation over one model.
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
     `max_queue_size` bounds the waiting requests (beyond it `submit` raises QueueFullError);
     `scheduler` is "fifo" or "priority". Any other `EngineConfig` field may be passed by name,
-    or a whole `config`.
+    or a whole `config`. LoRA adapters: `lora_modules` (name -> folder) load at start-up, a
+    request names one (`Request(lora=...)`, `generate(..., lora=...)`); see `LoraControl`.
     """
 
     def __init__(self, model: Model | str | None = None, tokenizer: Any = None,
@@ -73,16 +77,23 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer or model.tokenizer
         self.generation_config = generation_config or GenerationConfig()
-        self._core = build_core(model, self.config, self.tokenizer, self._on_worker_failure)
+        self._lora = LoraRegistry(self.config.num_lora_slots)
+        adapters = startup_adapters(self._lora, self.config.lora_modules)
+        self._core = build_core(model, self.config, self.tokenizer, self._on_worker_failure,
+                                lora_adapters=[(info.slot, info.path) for info in adapters])
+        for info in adapters:
+            self._lora.commit(info)
         self.max_model_len = self._core.max_model_len
         runner = self._core.runner
         self._requests = RequestBuilder(
             model, self.tokenizer, max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
-            kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout)
+            kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout,
+            lora=self._lora)
         self._stats = StatsTracker()
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []
+        self._commands: list[tuple[Callable[[], Any], Future]] = []  # see _on_engine_thread
         self._handles: dict[str, RequestHandle] = {}
         # The core's queue as of the last step (picked-up inbox requests count as waiting until
         # then), guarded by _wake: what admission control sees from callers' threads.
@@ -109,29 +120,31 @@ class Engine:
 
     def submit_forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
                        request_id: str | None = None,
-                       loop: asyncio.AbstractEventLoop | None = None) -> ForwardHandle:
+                       loop: asyncio.AbstractEventLoop | None = None,
+                       lora: str | None = None) -> ForwardHandle:
         """Queue a forward-only request (no sampling, no prefix-cache hits); returns its handle.
         Raises ValueError naming the bad field, QueueFullError, EngineDeadError."""
-        seq, targets, positions = self._requests.forward_sequence(prompt, targets, request_id,
-                                                                  self.generation_config)
+        seq, targets, positions = self._requests.forward_sequence(
+            prompt, targets, request_id, self.generation_config, lora=lora)
         return ForwardHandle(self._enqueue(seq, None, loop, None), list(targets), positions)
 
     def forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
-                request_id: str | None = None) -> ForwardOutput:
+                request_id: str | None = None, lora: str | None = None) -> ForwardOutput:
         """Run the prompt through the model once and return the requested rows (see ForwardTarget)."""
-        return self.submit_forward(prompt, targets, request_id=request_id).result()
+        return self.submit_forward(prompt, targets, request_id=request_id, lora=lora).result()
 
     async def forward_async(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
-                            request_id: str | None = None) -> ForwardOutput:
+                            request_id: str | None = None, lora: str | None = None
+                            ) -> ForwardOutput:
         handle = self.submit_forward(prompt, targets, request_id=request_id,
-                                     loop=asyncio.get_running_loop())
+                                     loop=asyncio.get_running_loop(), lora=lora)
         try:
             return await handle.aresult()
         except asyncio.CancelledError:
             self.abort(handle.id)
             raise
 
-    def embed(self, prompts: Prompt | list[Prompt]) -> torch.Tensor:
+    def embed(self, prompts: Prompt | list[Prompt], *, lora: str | None = None) -> torch.Tensor:
         """One embedding per prompt, [n, hidden_size] float32 on the CPU, in input order: the
         final norm's hidden state at the prompt's last token, L2-normalised (`api.embeddings`).
         Prompts are queued as the queue allows; a bad one raises ValueError (naming the problem)
@@ -143,7 +156,8 @@ class Engine:
             for prompt in batch:
                 while True:
                     try:
-                        handles.append(self.submit_forward(prompt, list(EMBEDDING_TARGETS)))
+                        handles.append(self.submit_forward(prompt, list(EMBEDDING_TARGETS),
+                                                           lora=lora))
                         break
                     except QueueFullError:  # make room: wait for the oldest one
                         vectors.append(embedding_from_hidden(
@@ -202,14 +216,16 @@ class Engine:
     # ---- generation -------------------------------------------------------------------------------
     def generate_outputs(self, prompts: Prompt | list[Prompt],
                          generation_config: GenerationConfig | list[GenerationConfig] | None = None,
-                         *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run many prompts to completion (submitted as the queue allows), in input order."""
+                         *, use_tqdm: bool = True, lora: str | None = None) -> list[RequestOutput]:
+        """Run many prompts to completion (submitted as the queue allows), in input order;
+        `lora` names the LoRA adapter every prompt uses (None: the base model)."""
         batch = self._as_batch(prompts)
         configs = generation_config if isinstance(generation_config, list) else [generation_config] * len(batch)
         if len(configs) != len(batch):
             raise ValueError("generation_config: give one config, or one per prompt")
         # Validate (and preprocess) everything before running anything.
-        prepared = [self._requests.sequence(Request(p, c), self.generation_config) for p, c in zip(batch, configs)]
+        prepared = [self._requests.sequence(Request(p, c, lora=lora), self.generation_config)
+                    for p, c in zip(batch, configs)]
         handles: list[RequestHandle] = []
         progress = None
         if use_tqdm and len(prepared) > 1:
@@ -254,15 +270,17 @@ class Engine:
         raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of those")
 
     def generate(self, prompts: Prompt | list[Prompt], generation_config: GenerationConfig | None = None,
-                 *, stream: bool = False, use_tqdm: bool = True) -> str | list[str] | Iterator[str]:
-        """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas."""
+                 *, stream: bool = False, use_tqdm: bool = True, lora: str | None = None
+                 ) -> str | list[str] | Iterator[str]:
+        """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas.
+        `lora`: the LoRA adapter to use (None: the base model)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
                                               and all(isinstance(t, int) for t in prompts))
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
-            return iter(self.submit(Request(prompts, generation_config)))
-        outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm)
+            return iter(self.submit(Request(prompts, generation_config, lora=lora)))
+        outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
         return outputs[0].text if single else [o.text for o in outputs]
 
     async def generate_async(self, prompt: Prompt | Request,
@@ -341,15 +359,19 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    while not (self._inbox or self._aborts or self._stopping or core.has_work()):
+                    while not (self._inbox or self._aborts or self._commands or self._stopping
+                               or core.has_work()):
                         self._wake.wait()
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
                     self._num_waiting += len(inbox)
                     aborts, self._aborts = self._aborts, []
+                    commands, self._commands = self._commands, []
                 for seq, handle in inbox:
                     try:
+                        if not self._lora_still_loaded(seq):
+                            raise ValueError("lora: the request's LoRA adapter was unloaded")
                         core.add(seq)
                     except (QueueFullError, ValueError) as exc:
                         self._handles.pop(seq.request_id, None)
@@ -357,6 +379,7 @@ class Engine:
                 for request_id in aborts:
                     # Step outputs (deferred or in flight) may come first: count them.
                     self._dispatch_step(core.abort(request_id))
+                self._run_commands(commands)
                 if self.config.waiting_timeout_ms is not None:
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work():
@@ -369,6 +392,27 @@ class Engine:
             self._dead = exc
         finally:
             self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+
+    def _on_engine_thread(self, work: Callable[[], Any]) -> Any:
+        """Run `work` on the engine thread between two steps and return its result (or raise
+        its exception) here."""
+        if threading.current_thread() is self._thread:
+            return work()
+        future: Future = Future()
+        with self._wake:
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
+            self._commands.append((work, future))
+            self._wake.notify()
+        return future.result()
+
+    @staticmethod
+    def _run_commands(commands: list[tuple[Callable[[], Any], Future]]) -> None:
+        for work, future in commands:
+            try:
+                future.set_result(work())
+            except Exception as exc:  # noqa: BLE001 - the caller re-raises it
+                future.set_exception(exc)
 
     def _dispatch_step(self, outputs: list[StepOutput]) -> None:
         self._stats.record_outputs(outputs)
@@ -412,5 +456,8 @@ class Engine:
             pending = list(self._handles.values())
             self._handles.clear()
             self._inbox.clear()
+            commands, self._commands = self._commands, []
+        for _, future in commands:
+            future.set_exception(error)
         for handle in pending:
             handle.fail(error)

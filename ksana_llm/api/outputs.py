@@ -37,6 +37,8 @@ class Request:
     output carry the prompt's KV (`RequestOutput.exported_kv`); another engine given it as
     `imported_kv` starts from that KV for the common prefix of the prompts, computing only the
     rest (at least the last prompt token, whose logits it samples from).
+
+    `lora`: the name of a loaded LoRA adapter to generate with (None: the base model).
     """
 
     prompt: Prompt
@@ -48,6 +50,7 @@ class Request:
     additional_params: dict[str, Any] | None = None
     export_kv: bool = False
     imported_kv: TransferredKv | None = None
+    lora: str | None = None
 
 
 @dataclass

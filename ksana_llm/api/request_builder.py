@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from ksana_llm.api.forward_targets import resolve_target
+from ksana_llm.api.lora_registry import LoraRegistry
 from ksana_llm.api.model import Model
 from ksana_llm.api.forward_outputs import ForwardTarget
 from ksana_llm.api.outputs import Prompt, Request
@@ -39,8 +40,10 @@ class RequestBuilder:
     """
 
     def __init__(self, model: Model, tokenizer: Any, *, max_model_len: int,
-                 max_num_seqs: int, kv_layout: KvLayout | None = None) -> None:
+                 max_num_seqs: int, kv_layout: KvLayout | None = None,
+                 lora: LoraRegistry | None = None) -> None:
         self.model = model
+        self.lora = lora or LoraRegistry(0)
         # The engine's KV rows, which imported KV must match; None: a parallel engine, whose
         # cache is split over ranks (no KV transfer).
         self.kv_layout = kv_layout
@@ -102,6 +105,7 @@ class RequestBuilder:
         request_id = request.request_id or self._new_id("req")
         eos = () if config.ignore_eos else self.model.eos_token_ids
         seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
+        self._use_lora(seq, request.lora)
         if embeddings is not None:
             seq.embeddings = (tuple(embeddings[0]), embeddings[1])
         if config.prompt_logprobs is not None:
@@ -112,12 +116,24 @@ class RequestBuilder:
         self._kv_transfer(request, seq)
         return seq, plugin_info
 
+    def _use_lora(self, seq: Sequence, name: str | None) -> None:
+        """Point the sequence at adapter `name`'s slot, with its prefix-cache salt."""
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise ValueError(f"lora must be an adapter name (a string), got {type(name).__name__}")
+        info = self.lora.resolve(name)
+        seq.lora_slot, seq.cache_salt = info.slot, info.cache_salt
+
     def _kv_transfer(self, request: Request, seq: Sequence) -> None:
         """Check `export_kv` / `imported_kv` and set them on the sequence."""
         wanted = "export_kv" if request.export_kv else (
             "imported_kv" if request.imported_kv is not None else None)
         if wanted is None:
             return
+        if seq.lora_slot:
+            # The transferred KV does not say which adapter computed it.
+            raise ValueError(f"{wanted} does not work with a LoRA adapter (lora)")
         if self.kv_layout is None:
             raise ValueError(f"{wanted} needs a single-rank engine (tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1)")
@@ -192,7 +208,8 @@ class RequestBuilder:
             return self._grammar_compiler
 
     def forward_sequence(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]],
-                         request_id: str | None, default_config: GenerationConfig
+                         request_id: str | None, default_config: GenerationConfig,
+                         lora: str | None = None
                          ) -> tuple[Sequence, list[ForwardTarget], list[list[int]]]:
         """A forward-only request's sequence, its resolved targets and each target's positions."""
         token_ids = self.tokenize(prompt)
@@ -209,4 +226,5 @@ class RequestBuilder:
                            logits=any(t.target_name == "logits" for t in targets),
                            hidden=any(t.target_name == "layernorm" for t in targets))
         seq = Sequence(request_id or self._new_id("fwd"), token_ids, default_config, forward=spec)
+        self._use_lora(seq, lora)
         return seq, targets, positions

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ksana_llm.distributed.runtime import Runtime, broadcast_message, shutdown_runtime
-from ksana_llm.distributed.worker import DRAFT, RUNNER, STEP, STOP
+from ksana_llm.distributed.worker import DRAFT, LORA, RUNNER, STEP, STOP, set_lora_slot
 from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
 
@@ -69,6 +69,17 @@ class DistributedRunner:
     def propose(self, draft: DraftInput) -> torch.Tensor:
         """Speculative decoding's draft layer runs on every rank too (it is split like the rest)."""
         return self._everywhere(DRAFT, draft, self.local.propose)
+
+    def load_lora(self, slot: int, path: str) -> None:
+        """Every rank reads the adapter and keeps its slices. Rank 0 loads first, so an adapter
+        it refuses (ValueError) never reaches the workers; a worker that cannot read it (a
+        folder missing on its node) stops, and the engine with it, rather than serve a slot
+        that differs between ranks."""
+        self.local.load_lora(slot, path)
+        self._everywhere(LORA, (slot, path), lambda payload: None)
+
+    def clear_lora(self, slot: int) -> None:
+        self._everywhere(LORA, (slot, None), lambda payload: set_lora_slot(self.local, *payload))
 
     def _everywhere(self, kind: str, payload: Any, run: Callable[[Any], Any]) -> Any:
         if self.failure is not None:

@@ -18,9 +18,10 @@ from ksana_llm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("ksana_llm.worker")
 
-# Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput) and ("draft",
-# DraftInput: speculative decoding) as the engine runs, then ("stop", None).
-RUNNER, STEP, DRAFT, STOP = "runner", "step", "draft", "stop"
+# Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput), ("draft",
+# DraftInput: speculative decoding) and ("lora", (slot, folder or None to clear)) as the engine
+# runs, then ("stop", None).
+RUNNER, STEP, DRAFT, LORA, STOP = "runner", "step", "draft", "lora", "stop"
 
 
 def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -35,8 +36,17 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
             runner.execute(payload)
         elif kind == DRAFT and runner is not None:
             runner.propose(payload)
+        elif kind == LORA and runner is not None:
+            set_lora_slot(runner, *payload)
         else:
             raise RuntimeError(f"worker got an unexpected message {kind!r}")
+
+
+def set_lora_slot(runner: ModelRunner, slot: int, path: str | None) -> None:
+    if path is None:
+        runner.clear_lora(slot)
+    else:
+        runner.load_lora(slot, path)
 
 
 def worker_main(rank: int, spec: LaunchSpec) -> None:

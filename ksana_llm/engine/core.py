@@ -293,7 +293,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
             lo, hi = bisect.bisect_left(spec.positions, start), bisect.bisect_left(spec.positions, end)
             return SeqSlice(tokens, start, seq.block_table, sample=False,
                             capture=spec.positions[lo:hi], capture_logits=spec.logits,
-                            embeddings=embeddings)
+                            embeddings=embeddings, lora_slot=seq.lora_slot)
         capture: tuple[int, ...] = ()
         if seq.prompt_logprobs is not None:
             # Row p scores prompt token p + 1; rows already collected (before a recompute) are not
@@ -304,7 +304,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
             tokens = tokens + seq.draft_token_ids[:item.num_draft_tokens]
         return SeqSlice(tokens, start, seq.block_table, sample=end == seq.num_tokens,
                         capture=capture, capture_logits=bool(capture), embeddings=embeddings,
-                        num_draft_tokens=item.num_draft_tokens)
+                        num_draft_tokens=item.num_draft_tokens, lora_slot=seq.lora_slot)
 
     # ---- appending sampled tokens --------------------------------------------------------------
     def _append(self, seq: Sequence, index: int, token: int, logprob: float | None,

@@ -90,7 +90,7 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) < full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else seq.cache_salt
             hashes.append(hash_block(parent, tuple(seq.tokens_slice(i * bs, (i + 1) * bs))))
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:

@@ -113,6 +113,10 @@ class Sequence:
     imported_kv: Any = None
     kv_imported: bool = False  # its KV started from an import (kept after `imported_kv` is dropped)
     export_kv: bool = False  # copy the prompt's KV out when it finishes (single-sequence requests)
+    # LoRA: the adapter slot its tokens use (0 = the base model), and what its prefix-cache
+    # chain starts from, so KV computed under one adapter is never served to another.
+    lora_slot: int = 0
+    cache_salt: int | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -171,7 +175,7 @@ class Sequence:
             group=self.group, index=index, cumulative_logprob=self.cumulative_logprob,
             matcher=self.matcher.fork() if self.matcher is not None else None,
             embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens,
-            kv_imported=self.kv_imported)
+            kv_imported=self.kv_imported, lora_slot=self.lora_slot, cache_salt=self.cache_salt)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ksana_llm.kernels.kv_quant import from_cache, raw, through_cache, to_cache
+from ksana_llm.layers.lora import LoraBatch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -202,6 +203,8 @@ class AttentionMetadata:
     sliding_window: int | None = None  # the Triton kernels apply it themselves
     # An FP8 cache's per-layer scales (`kv_scale`); empty = 1.0 everywhere.
     kv_scales: tuple[float, ...] = ()
+    # The step's LoRA adapters (ksana_llm.layers.lora); None when no token uses one.
+    lora: LoraBatch | None = None
     _slot_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False,
                                                                   compare=False)
     _chunk_batches: dict[tuple[float, int], list[ChunkBatch]] = field(

@@ -8,6 +8,8 @@ import os
 import torch
 from torch import nn
 
+from ksana_llm.layers.lora import LoraBatch
+
 logger = logging.getLogger("ksana_llm.model")
 
 
@@ -87,15 +89,18 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None  # see prepack()
+        self.lora_name = ""  # its name in the model, under which an engine keeps its adapters
 
     def prepack(self) -> None:
         """Called once the weights are loaded (CPU float32 only: see prepack_cpu_weight)."""
         self._packed = prepack_cpu_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         if self._packed is not None and x.dim() == 2:
-            return packed_linear(x, self._packed, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+            y = packed_linear(x, self._packed, self.bias)
+        else:
+            y = nn.functional.linear(x, self.weight, self.bias)
+        return y if lora is None else lora.add_delta(self.lora_name, x, y)
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, index: int) -> None:
         if tensor.shape[0] != self.full_sizes[index]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext, balanced_split
 from ksana_llm.layers.linear import packed_linear, prepack_cpu_weight
+from ksana_llm.layers.lora import LoraBatch
 
 SINGLE = ParallelContext()
 
@@ -72,26 +73,30 @@ class RowParallelLinear(nn.Module):
         # False: return this rank's partial sum (a caller that adds several partial sums
         # all-reduces once); the bias is then added by rank 0 only, so the sum has it once.
         self.reduce_output = reduce_output
+        self.in_features = in_features  # all ranks' columns
         self.in_start, local_in = ctx.tp_split(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None  # see prepack()
+        self.lora_name = ""  # its name in the model, under which an engine keeps its adapters
 
     def prepack(self) -> None:
         """Called once the weights are loaded (CPU float32 only: see prepack_cpu_weight)."""
         self._packed = prepack_cpu_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        ctx = self.ctx
+        # Under TP rank 0 adds the bias to its partial sum, so the sum has it once.
+        bias_now = self.bias if ctx.tp_rank == 0 else None
         if self._packed is not None and x.dim() == 2:
-            y = packed_linear(x, self._packed, self.bias if self.ctx.tp_rank == 0 else None)
-            return y if self.ctx.tp_size == 1 or not self.reduce_output \
-                else tp_all_reduce(y, self.ctx)
-        if self.ctx.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        if not self.reduce_output:
-            return F.linear(x, self.weight, self.bias if self.ctx.tp_rank == 0 else None)
-        y = tp_all_reduce(F.linear(x, self.weight), self.ctx)
-        return y if self.bias is None else y + self.bias
+            y = packed_linear(x, self._packed, bias_now)
+        else:
+            y = F.linear(x, self.weight, bias_now)
+        if lora is not None:
+            # This rank's input columns through A (a column slice of it), then the whole B: B is
+            # linear, so the ranks' partial deltas sum to the full one in the same all-reduce.
+            y = lora.add_delta(self.lora_name, x, y)
+        return y if ctx.tp_size == 1 or not self.reduce_output else tp_all_reduce(y, ctx)
 
     def expected_checkpoint_keys(self) -> list[str]:
         return ["weight"] if self.bias is None else ["weight", "bias"]

@@ -16,6 +16,7 @@ from torch import nn
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec, paged_attention
 from ksana_llm.distributed.context import ParallelContext
+from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.layers.linear import MergedLinear, packed_linear, prepack_cpu_weight, prepack_fits
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear,
@@ -63,6 +64,8 @@ class LlamaAttention(nn.Module):
     ranks' partial outputs.
     """
 
+    accepts_lora = True  # its projections apply the step's LoRA adapters (meta.lora)
+
     def __init__(self, config: Any, layer_idx: int = 0, *, qkv_bias: bool | None = None,
                  o_bias: bool | None = None, qk_norm: bool = False,
                  alibi_slopes: torch.Tensor | None = None,
@@ -108,7 +111,7 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope | None, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q, k, v = self.qkv_proj(hidden, meta.lora).split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -123,12 +126,14 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx))
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1), meta.lora)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP; under tensor parallelism each rank keeps a (possibly uneven) slice of the
     intermediate columns and `down_proj` sums the ranks' partial outputs."""
+
+    accepts_lora = True  # forward takes the step's LoRA adapters (see LlamaDecoderLayer)
 
     def __init__(self, config: Any, layer_idx: int = 0, *,
                  parallel: ParallelContext = SINGLE) -> None:
@@ -141,8 +146,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, ctx=parallel)
         self.act = get_gated_activation(getattr(config, "hidden_act", "silu"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -165,6 +170,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if meta.lora is not None and getattr(self.mlp, "accepts_lora", False):
+            return self.mlp(hidden, meta.lora), residual
         return self.mlp(hidden), residual
 
 

@@ -26,6 +26,7 @@ from ksana_llm.runner.fp8_cache import check_fp8_support
 from ksana_llm.runner.host_arrays import flat_batch
 from ksana_llm.runner.kv_transfer import KvTransferSteps, TransferredKv
 from ksana_llm.runner.logits_processing import to_device
+from ksana_llm.runner.lora_slots import LoraSlots
 from ksana_llm.runner.slices import SeqSlice
 
 logger = logging.getLogger("ksana_llm.runner")
@@ -129,7 +130,9 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
                  cuda_graphs: bool = True,
                  cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE,
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto",
-                 kv_scales: Sequence[float] | None = None) -> None:
+                 kv_scales: Sequence[float] | None = None, max_loras: int = 0,
+                 max_lora_rank: int = 16, lora_adapters: Sequence[tuple[int, str]] = ()
+                 ) -> None:
         self.model = model
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
@@ -146,6 +149,13 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         self.kv_scales = tuple(float(s) for s in kv_scales or ())
         self.block_size = block_size
         self.sliding_window = model.sliding_window
+        # LoRA: `max_loras` adapter slots; `lora_adapters` are (slot, folder) loaded now.
+        self.lora: LoraSlots | None = None
+        if max_loras:
+            self.lora = LoraSlots(model, num_slots=max_loras, max_rank=max_lora_rank,
+                                  device=device, dtype=dtype)
+            for slot, path in lora_adapters:
+                self.lora.load(slot, path)
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
         self._first_rows: list[int] = []  # set by build(): each slice's first row
         self._embedding_overrides: EmbeddingOverrides | None = None  # set by build()
@@ -183,6 +193,17 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
                 self.cuda_graph_status = f"off: {reason}"
         logger.info("CUDA graphs: %s", self.cuda_graph_status)
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def load_lora(self, slot: int, path: str) -> None:
+        """Read the adapter in folder `path` into slot `slot` (between steps)."""
+        if self.lora is None:
+            raise ValueError("this engine has no LoRA slots: set max_loras (or lora_modules)")
+        self.lora.load(slot, path)
+
+    def clear_lora(self, slot: int) -> None:
+        if self.lora is not None:
+            self.lora.clear(slot)
+
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def setup_cuda_graphs(self, max_batch_size: int, *, capture: bool = True) -> None:
         """Static decode buffers for up to `max_batch_size` sequences, and (capture=True) one
@@ -219,9 +240,10 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
     def _graph_eligible(self, slices: list[SeqSlice]) -> bool:
         """Pure decode (one token each), nothing captured or overridden, within the buffers."""
         graphs = self.decode_graphs
+        # (Steps with LoRA tokens run eagerly: the graphs are captured without adapters.)
         return graphs is not None and len(slices) <= graphs.max_batch_size and all(
-            s.num_tokens == 1 and not s.capture and s.embeddings is None for s in slices
-        ) and graphs.inputs.fits([s.block_table for s in slices])
+            s.num_tokens == 1 and not s.capture and s.embeddings is None and not s.lora_slot
+            for s in slices) and graphs.inputs.fits([s.block_table for s in slices])
 
     def _execute_decode_graph(self, slices: list[SeqSlice],
                               pending: PendingInputs | None) -> StepResult:
@@ -312,6 +334,9 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         meta = AttentionMetadata(slot_mapping=slot_mapping, positions=positions,
                                  num_decodes=num_decodes, sliding_window=self.sliding_window,
                                  kv_scales=self.kv_scales)
+        if self.lora is not None:
+            slice_slots = torch.tensor([s.lora_slot for s in ordered], dtype=torch.long)
+            meta.lora = self.lora.batch(slice_slots[torch.from_numpy(flat.seq_index)])
         self._embedding_overrides = self._overrides(override_rows, override_values)
         if self.attention_backend == "triton":
             lengths = [s.num_tokens for s in ordered[num_decodes:]]
@@ -380,6 +405,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         move = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
         meta.slot_mapping = move(meta.slot_mapping)
         meta.positions = move(meta.positions)
+        if meta.lora is not None:
+            meta.lora = meta.lora.to(self.device)
         if meta.kernel_batch is not None:
             meta.kernel_batch = meta.kernel_batch.to(self.device)
         for part in (*meta.decode_groups, *meta.prefills):

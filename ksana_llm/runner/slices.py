@@ -29,6 +29,8 @@ class SeqSlice:
     # Speculative decoding: the last `num_draft_tokens` tokens are drafts to verify; a sampled
     # slice then returns the logits of its last 1 + num_draft_tokens rows.
     num_draft_tokens: int = 0
+    # The LoRA adapter slot its tokens use (runner.lora_slots); 0 = the base model.
+    lora_slot: int = 0
 
     @property
     def num_tokens(self) -> int:

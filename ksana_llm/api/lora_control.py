@@ -1,0 +1,67 @@
+"""`Engine`'s LoRA adapter management: loading and unloading adapters while it serves.
+
+Slots are written on the engine thread between steps (`Engine._on_engine_thread`), so a step
+never sees half an adapter; under tensor parallelism every rank loads its slices in the same gap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ksana_llm.api.lora_registry import LoraAdapterInfo, LoraRegistry
+from ksana_llm.engine.request import Sequence
+
+
+class LoraControl:
+    """Mixed into `Engine`, which provides `_lora`, `_core` and `_on_engine_thread`."""
+
+    _lora: LoraRegistry
+    _core: Any
+
+    def _on_engine_thread(self, work: Callable[[], Any]) -> Any:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters: name -> folder."""
+        return {info.name: info.path for info in self._lora.adapters()}
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in folder `path` into a free slot; requests may then name it
+        (`Request(lora=name)`). Raises ValueError for a taken name, no free slot (max_loras), or
+        an adapter this engine cannot apply (rank above max_lora_rank, unsupported modules)."""
+        info = self._lora.reserve(name, path)
+        try:
+            self._on_engine_thread(lambda: self._core.runner.load_lora(info.slot, info.path))
+        except BaseException:
+            self._lora.cancel(info)
+            raise
+        self._lora.commit(info)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot. Raises ValueError when no adapter has that name, or while
+        requests using it (submitted before this call) are still queued or running: abort them
+        or wait for them first."""
+        self._lora.resolve(name)  # an unknown name fails here, on the caller's thread
+        self._on_engine_thread(lambda: self._unload(name))
+
+    def _unload(self, name: str) -> None:
+        # On the engine thread, after every request submitted before the call reached the core.
+        info = self._lora.resolve(name)
+        scheduler = self._core.scheduler
+        users = sum(1 for seq in (*scheduler.waiting, *scheduler.running, *scheduler.swapped)
+                    if seq.lora_slot == info.slot)
+        if users:
+            raise ValueError(f"lora_name: adapter {name!r} is used by {users} queued or running "
+                             "sequences")
+        self._lora.remove(name)
+        self._core.runner.clear_lora(info.slot)
+
+    def _lora_still_loaded(self, seq: Sequence) -> bool:
+        """Whether the adapter a new sequence resolved is still in its slot (it may have been
+        unloaded between the caller's lookup and the engine thread's pick-up)."""
+        if not seq.lora_slot:
+            return True
+        return any(info.slot == seq.lora_slot and info.cache_salt == seq.cache_salt
+                   for info in self._lora.adapters())

@@ -1,0 +1,131 @@
+"""Reading a LoRA adapter saved by PEFT (`adapter_config.json` plus `adapter_model.safetensors`
+or `adapter_model.bin`), checked strictly: anything this engine would apply differently from
+PEFT is refused with a ValueError naming it, rather than served wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+# PEFT saves `base_model.model.<module>.lora_A.weight`; older versions keep the adapter's name
+# (`lora_A.default.weight`).
+_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])"
+                          r"(?:\.[^.]+)?\.weight$")
+
+# Config fields that change what the adapter computes, with the value we implement.
+_REQUIRED_VALUES: Mapping[str, Any] = {
+    "use_dora": False, "fan_in_fan_out": False, "lora_bias": False,
+}
+
+
+@dataclass(frozen=True)
+class LoraModuleWeights:
+    """One adapted module: A [r, in] and B [out, r] with the scaling already folded into B."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    path: str
+    modules: Mapping[str, LoraModuleWeights]  # checkpoint module name -> weights
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
+    """PEFT's `rank_pattern` / `alpha_pattern` lookup: a key matches a module name it ends
+    (as a regular expression on whole dotted components)."""
+    for pattern, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+            return value
+    return default
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    config_path = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"LoRA adapter {path!r}: no {ADAPTER_CONFIG} (is it a PEFT adapter "
+                         "folder?)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"LoRA adapter {path!r}: cannot read {ADAPTER_CONFIG}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {path!r}: {ADAPTER_CONFIG} must hold an object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {path!r}: peft_type {config.get('peft_type')!r} is not "
+                         "supported (only LORA)")
+    for key, wanted in _REQUIRED_VALUES.items():
+        if bool(config.get(key, wanted)) != wanted:
+            raise ValueError(f"LoRA adapter {path!r}: {key}={config.get(key)!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {path!r}: bias={config['bias']!r} is not supported "
+                         "(only 'none')")
+    if config.get("modules_to_save"):
+        raise ValueError(f"LoRA adapter {path!r}: modules_to_save {config['modules_to_save']} "
+                         "(fully trained modules) are not supported")
+    return config
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    for filename in ADAPTER_WEIGHTS:
+        file = os.path.join(path, filename)
+        if not os.path.isfile(file):
+            continue
+        if filename.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(file)
+        return torch.load(file, map_location="cpu", weights_only=True)
+    raise ValueError(f"LoRA adapter {path!r}: none of {', '.join(ADAPTER_WEIGHTS)} found")
+
+
+def load_lora_adapter(path: str) -> LoraAdapter:
+    """Read and check the adapter in folder `path` (on the CPU, float32)."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.isdir(path):
+        raise ValueError(f"LoRA adapter {path!r} is not a folder")
+    config = _read_config(path)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in _read_tensors(path).items():
+        match = _TENSOR_NAME.match(name)
+        if match is None:
+            raise ValueError(f"LoRA adapter {path!r}: tensor {name!r} is not a LoRA A/B weight "
+                             "(embedding and bias adapters are not supported)")
+        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+    if not pairs:
+        raise ValueError(f"LoRA adapter {path!r} holds no LoRA weights")
+    alpha = config.get("lora_alpha", 8)
+    modules = {}
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {path!r}: {module} lacks its lora_"
+                             f"{'B' if 'A' in ab else 'A'} weight")
+        a, b = ab["A"].float(), ab["B"].float()
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank or rank == 0:
+            raise ValueError(f"LoRA adapter {path!r}: {module} has lora_A {tuple(a.shape)} and "
+                             f"lora_B {tuple(b.shape)}, which do not form a rank-r product")
+        module_alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha))
+        scaling = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        modules[module] = LoraModuleWeights(a, b * scaling)
+    return LoraAdapter(path, modules)

@@ -1,0 +1,190 @@
+"""An engine's resident LoRA adapters: `max_loras` slots of stacked A/B weights per projection,
+and the per-step token mask that picks each token's slot (see ksana_llm.layers.lora).
+
+Slot 0 means "no adapter"; adapters live in slots 1..max_loras. A projection gets its stacks the
+first time an adapter targets it, so a model whose adapters touch only q/v pays nothing for the
+MLP. Under tensor parallelism every rank loads the adapter from its folder and keeps the slices
+its shard of the projection needs: column-parallel layers split B's rows like their weight's,
+row-parallel layers split A's columns (their partial deltas join the layer's all-reduce).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ksana_llm.layers.linear import MergedLinear
+from ksana_llm.layers.lora import LoraBatch, LoraWeights
+from ksana_llm.layers.parallel import RowParallelLinear
+from ksana_llm.loader.lora import LoraAdapter, load_lora_adapter
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """An adaptable projection: its module and, per checkpoint module name, the part index
+    (0 for an unfused projection)."""
+
+    name: str
+    module: MergedLinear | RowParallelLinear
+    parts: Mapping[str, int]
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.module.out_sizes) if isinstance(self.module, MergedLinear) else 1
+
+
+def adaptable_projections(model: nn.Module) -> dict[str, tuple[_Projection, int]]:
+    """Checkpoint module name (`model.layers.3.self_attn.q_proj`) -> (projection, part index)
+    for every projection the decoder layers apply adapters to: those of attention and MLP
+    modules that take the step's adapters (`accepts_lora`)."""
+    fused_by_module: dict[str, list[tuple[str, int]]] = {}
+    for part, (fused, index) in getattr(model, "fused_parts", {}).items():
+        fused_by_module.setdefault(fused, []).append((part, index))
+    found: dict[str, tuple[_Projection, int]] = {}
+    for layer_name, layer in model.named_modules():
+        for role in ("self_attn", "mlp"):
+            block = getattr(layer, role, None)
+            if block is None or not getattr(block, "accepts_lora", False):
+                continue
+            for child_name, child in block.named_children():
+                name = f"{layer_name}.{role}.{child_name}"
+                if isinstance(child, MergedLinear):
+                    parts = {f"{layer_name}.{role}.{part}": index
+                             for part, index in fused_by_module.get(child_name, [])}
+                elif isinstance(child, RowParallelLinear):
+                    parts = {name: 0}
+                else:
+                    continue
+                projection = _Projection(name, child, parts)
+                child.lora_name = name
+                for checkpoint_name, index in parts.items():
+                    found[checkpoint_name] = (projection, index)
+    return found
+
+
+class LoraSlots:
+    def __init__(self, model: nn.Module, *, num_slots: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        self.model = model
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = device
+        self.dtype = dtype
+        self.projections = adaptable_projections(model)
+        self.weights: dict[str, LoraWeights] = {}  # projection name -> its stacks
+        self.paths: dict[int, str] = {}  # slot -> adapter folder
+
+    # ---- loading ---------------------------------------------------------------------------
+    def load(self, slot: int, path: str) -> None:
+        """Read the adapter in `path` into `slot` (1..num_slots), replacing what was there."""
+        self._check_slot(slot)
+        adapter = load_lora_adapter(path)
+        if adapter.max_rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {path!r} has rank {adapter.max_rank}, more than "
+                             f"max_lora_rank ({self.max_rank})")
+        placements = self._placements(adapter)
+        self.clear(slot)
+        for projection, index, weights in placements:
+            self._write(projection, index, slot, weights.a, weights.b)
+        self.paths[slot] = adapter.path
+
+    def clear(self, slot: int) -> None:
+        self._check_slot(slot)
+        for stacks in self.weights.values():
+            block = stacks.a.shape[0] // self.num_slots
+            stacks.a[(slot - 1) * block:slot * block].zero_()
+            stacks.b[:, (slot - 1) * block:slot * block].zero_()
+        self.paths.pop(slot, None)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 1 <= slot <= self.num_slots:
+            raise ValueError(f"LoRA slot {slot} is outside 1..{self.num_slots} (max_loras)")
+
+    def _placements(self, adapter: LoraAdapter) -> list[tuple[_Projection, int, object]]:
+        """Where each of the adapter's modules goes; every module is checked before anything
+        is written, so a bad adapter leaves the slot as it was."""
+        out = []
+        for module, weights in adapter.modules.items():
+            target = self.projections.get(module)
+            if target is None:
+                if self._on_other_stage(module):
+                    continue
+                raise ValueError(f"LoRA adapter {adapter.path!r}: module {module!r} cannot be "
+                                 "adapted here (supported: the q/k/v/o and gate/up/down "
+                                 "projections of the decoder layers)")
+            projection, index = target
+            self._check_shapes(adapter.path, module, projection, index, weights.a, weights.b)
+            out.append((projection, index, weights))
+        return out
+
+    def _on_other_stage(self, module: str) -> bool:
+        """A decoder layer another pipeline stage runs (this stage holds a placeholder)."""
+        match = _LAYER_INDEX.match(module)
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if match is None or layers is None or int(match[1]) >= len(layers):
+            return False
+        layer = layers[int(match[1])]
+        return not hasattr(layer, "self_attn")
+
+    @staticmethod
+    def _check_shapes(path: str, module: str, projection: _Projection, index: int,
+                      a: torch.Tensor, b: torch.Tensor) -> None:
+        linear = projection.module
+        if isinstance(linear, MergedLinear):
+            in_features, out_features = linear.weight.shape[1], linear.full_sizes[index]
+        else:
+            in_features, out_features = linear.in_features, linear.weight.shape[0]
+        fits = a.shape[1] == in_features and b.shape[0] == out_features
+        if not fits:
+            raise ValueError(f"LoRA adapter {path!r}: {module} has lora_A {tuple(a.shape)} and "
+                             f"lora_B {tuple(b.shape)}, which do not fit the model's projection")
+
+    def _stacks(self, projection: _Projection) -> LoraWeights:
+        stacks = self.weights.get(projection.name)
+        if stacks is None:
+            linear = projection.module
+            block = projection.num_parts * self.max_rank
+            zeros = dict(device=self.device, dtype=self.dtype)
+            stacks = LoraWeights(
+                torch.zeros(self.num_slots * block, linear.weight.shape[1], **zeros),
+                torch.zeros(linear.weight.shape[0], self.num_slots * block, **zeros),
+                self.num_slots)
+            self.weights[projection.name] = stacks
+        return stacks
+
+    def _write(self, projection: _Projection, index: int, slot: int,
+               a: torch.Tensor, b: torch.Tensor) -> None:
+        stacks = self._stacks(projection)
+        linear = projection.module
+        rank = a.shape[0]
+        first_col = (slot - 1) * projection.num_parts * self.max_rank + index * self.max_rank
+        cols = slice(first_col, first_col + rank)
+        if isinstance(linear, MergedLinear):
+            first_row, size = linear.shards[index]
+            offset = linear.offsets[index]
+            stacks.a[cols] = a.to(self.device, self.dtype)
+            stacks.b[offset:offset + size, cols] = b[first_row:first_row + size].to(
+                self.device, self.dtype)
+        else:
+            local_in = linear.weight.shape[1]
+            stacks.a[cols] = a[:, linear.in_start:linear.in_start + local_in].to(
+                self.device, self.dtype)
+            stacks.b[:, cols] = b.to(self.device, self.dtype)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def batch(self, token_slots: torch.Tensor) -> LoraBatch | None:
+        """The step's adapters for tokens using `token_slots` ([T] long, 0 = none); None when no
+        token uses one. The mask is built on the host; the runner moves it."""
+        if not bool((token_slots > 0).any()):
+            return None
+        mask = torch.zeros(token_slots.shape[0], self.num_slots + 1, dtype=self.dtype)
+        mask[torch.arange(token_slots.shape[0]), token_slots] = 1
+        return LoraBatch(self.weights, mask[:, 1:])

@@ -1,0 +1,251 @@
+"""LoRA adapters: the engine against PEFT applying the same adapter files to transformers' model.
+
+The adapters are PEFT's own (`get_peft_model(...).save_pretrained`), with random non-zero B
+matrices (PEFT initialises B to zero, which would make every adapter a no-op), so every adapted
+projection changes the output. Each reference is the PEFT model's full-sequence logits, and its
+greedy tokens from them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+
+import ksana_llm as kt
+from ksana_llm.api.model import Model
+from ksana_llm.generation_config import GenerationConfig
+from tests.family_harness import greedy_trace, hf_reference
+from tests.tiny_models import build_tiny_model
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NUM_TOKENS = 12
+PROMPTS = [[1, 5, 9, 33, 17, 99, 120, 7, 8, 3, 44, 61, 70, 23, 5, 200, 19],
+           [1, 77, 12, 250, 31],
+           [1, 5, 9, 33, 17, 99, 120, 7, 8, 3, 44, 61, 70, 23, 5, 200, 19, 88, 4, 180, 66]]
+
+
+def make_adapter(base: torch.nn.Module, folder: Path, *, seed: int, targets: list[str],
+                 rank: int, **lora_kwargs) -> torch.nn.Module:
+    """Save a PEFT LoRA adapter of `base` with random A and B; return the PEFT model."""
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                        init_lora_weights=False, **lora_kwargs)
+    model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny GQA Llama with biases (weights wide enough for varied greedy tokens) and three
+    adapters: every projection at rank 8; q/v/down at rank 4 with rsLoRA; and one with a rank
+    and an alpha pattern."""
+    folder = tmp_path_factory.mktemp("lora")
+    base = build_tiny_model("yi-gqa4-bias", folder / "base")
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.2)
+    base.save_pretrained(folder / "base")
+    adapters = {
+        "all": make_adapter(base, folder / "all", seed=1, targets=ALL_TARGETS, rank=8),
+        "qv-rslora": make_adapter(base, folder / "qv-rslora", seed=2,
+                                  targets=["q_proj", "v_proj", "down_proj"], rank=4,
+                                  use_rslora=True),
+        "patterns": make_adapter(base, folder / "patterns", seed=3,
+                                 targets=["k_proj", "o_proj", "up_proj"], rank=2,
+                                 rank_pattern={"o_proj": 6}, alpha_pattern={"up_proj": 1.5}),
+    }
+    return folder, base, adapters
+
+
+def expected_tokens(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    return greedy_trace(hf_reference(model), prompt, NUM_TOKENS)[0][len(prompt):]
+
+
+def make_engine(folder: Path, **kwargs) -> kt.Engine:
+    model = Model.from_pretrained(folder / "base", device="cpu", dtype="float32", progress=False)
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    settings = dict(block_token_num=4, num_device_blocks=128, split_fuse_token_num=8)
+    return kt.Engine(model, generation_config=config, **{**settings, **kwargs})
+
+
+def submit_all(engine: kt.Engine, jobs: list[tuple[list[int], str | None]]) -> list[list[int]]:
+    """Submit every job before waiting for any, so they share steps (and their batches mix
+    adapters, chunked prefills and decodes)."""
+    handles = [engine.submit(kt.Request(prompt, lora=lora)) for prompt, lora in jobs]
+    return [handle.result().token_ids for handle in handles]
+
+
+def test_mixed_batch_matches_peft(tiny):
+    """Base and three adapters in the same steps: every request gets its own model's tokens,
+    and the logits of a forward pass equal PEFT's."""
+    folder, base, adapters = tiny
+    modules = {name: str(folder / name) for name in adapters}
+    jobs = [(prompt, lora) for lora in (None, *adapters) for prompt in PROMPTS]
+    references = {None: base, **adapters}
+    with make_engine(folder, lora_modules=modules) as engine:
+        assert engine.lora_adapters == modules
+        got = submit_all(engine, jobs)
+        logits = {lora: engine.forward(PROMPTS[0], [{"target_name": "logits"}], lora=lora)
+                  .targets[0].tensor for lora in references}
+    expected = [expected_tokens(references[lora], prompt) for prompt, lora in jobs]
+    assert got == expected
+    for lora, model in references.items():
+        torch.testing.assert_close(logits[lora], hf_reference(model)(PROMPTS[0]),
+                                   atol=1e-4, rtol=1e-4)
+    # The adapters really change the model: each differs from the base somewhere.
+    by_lora = {lora: [tokens for (_, l), tokens in zip(jobs, got) if l == lora]
+               for lora in references}
+    assert all(by_lora[name] != by_lora[None] for name in adapters)
+
+
+def test_prefix_cache_never_crosses_adapters(tiny):
+    """The same prompt under the base model, then an adapter, then the adapter again: the second
+    request must not reuse the base's KV (its tokens equal PEFT's), the third reuses the
+    second's."""
+    folder, base, adapters = tiny
+    prompt = PROMPTS[2]
+    with make_engine(folder, lora_modules={"all": str(folder / "all")}) as engine:
+        first = engine.generate_outputs([prompt], use_tqdm=False)[0]
+        second = engine.generate_outputs([prompt], use_tqdm=False, lora="all")[0]
+        hit_rate_before = engine.stats().prefix_cache_hit_rate
+        third = engine.generate_outputs([prompt], use_tqdm=False, lora="all")[0]
+        hit_rate_after = engine.stats().prefix_cache_hit_rate
+    assert first.token_ids == expected_tokens(base, prompt)
+    assert second.token_ids == third.token_ids == expected_tokens(adapters["all"], prompt)
+    assert hit_rate_before == 0
+    assert hit_rate_after == pytest.approx(20 / (3 * len(prompt)))  # 5 of its 4-token blocks
+
+
+def test_beam_search_and_samples_keep_the_adapter(tiny):
+    """Forked sequences (beams, n samples) run with their request's adapter: beam search equals
+    PEFT's, and seeded samples equal those of a request alone."""
+    folder, _, adapters = tiny
+    peft_model = adapters["qv-rslora"]
+    prompt = PROMPTS[1]
+    beams = GenerationConfig(max_new_tokens=6, num_beams=3, num_return_sequences=3,
+                             ignore_eos=True, length_penalty=1.0)
+    with torch.no_grad():
+        reference = peft_model.generate(torch.tensor([prompt]), max_new_tokens=6, num_beams=3,
+                                        num_return_sequences=3, do_sample=False,
+                                        length_penalty=1.0, eos_token_id=None, pad_token_id=0)
+    with make_engine(folder, lora_modules={"qv": str(folder / "qv-rslora")}) as engine:
+        out = engine.submit(kt.Request(prompt, beams, lora="qv")).result()
+        base_out = engine.submit(kt.Request(prompt, beams)).result()
+    assert [s.token_ids for s in out.sequences] == [r[len(prompt):].tolist() for r in reference]
+    assert [s.token_ids for s in out.sequences] != [s.token_ids for s in base_out.sequences]
+
+
+def test_load_and_unload_while_serving(tiny):
+    """Adapters loaded and unloaded at run time; a name reloaded with another adapter serves
+    the new one (no stale prefix-cache blocks)."""
+    folder, base, adapters = tiny
+    prompt = PROMPTS[0]
+    with make_engine(folder, max_loras=1) as engine:
+        assert engine.lora_adapters == {}
+        with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
+            engine.submit(kt.Request(prompt, lora="x"))
+        engine.load_lora_adapter("x", str(folder / "all"))
+        assert engine.generate_outputs([prompt], use_tqdm=False, lora="x")[0].token_ids \
+            == expected_tokens(adapters["all"], prompt)
+        with pytest.raises(ValueError, match="already loaded"):
+            engine.load_lora_adapter("x", str(folder / "patterns"))
+        with pytest.raises(ValueError, match="slots"):
+            engine.load_lora_adapter("y", str(folder / "patterns"))
+        # In use: a long request holds the slot.
+        long_request = engine.submit(kt.Request(prompt, {"max_new_tokens": 400}, lora="x"))
+        with pytest.raises(ValueError, match="used by"):
+            engine.unload_lora_adapter("x")
+        engine.abort(long_request.id)
+        long_request.result()
+        engine.unload_lora_adapter("x")
+        with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
+            engine.unload_lora_adapter("x")
+        engine.load_lora_adapter("x", str(folder / "patterns"))
+        hit_rate = engine.stats().prefix_cache_hit_rate
+        again = engine.generate_outputs([prompt], use_tqdm=False, lora="x")[0]
+        assert engine.stats().prefix_cache_hit_rate < hit_rate  # nothing reused
+        base_out = engine.generate_outputs([prompt], use_tqdm=False)[0]
+    assert again.token_ids == expected_tokens(adapters["patterns"], prompt)
+    assert base_out.token_ids == expected_tokens(base, prompt)
+
+
+def _rewrite(folder: Path, target: Path, *, config: dict | None = None,
+             tensors=None) -> str:
+    """A copy of adapter `folder` with some config keys or tensors changed."""
+    target.mkdir()
+    settings = json.loads((folder / "adapter_config.json").read_text())
+    (target / "adapter_config.json").write_text(json.dumps({**settings, **(config or {})}))
+    weights = load_file(folder / "adapter_model.safetensors")
+    save_file(tensors(weights) if tensors else weights, target / "adapter_model.safetensors")
+    return str(target)
+
+
+def test_bad_adapters_are_clear_errors(tiny, tmp_path):
+    folder, _, _ = tiny
+    good = folder / "all"
+    first_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    cases = {
+        "max_lora_rank": (str(good), {"max_lora_rank": 4}),
+        "use_dora": (_rewrite(good, tmp_path / "dora", config={"use_dora": True}), {}),
+        "modules_to_save": (_rewrite(good, tmp_path / "mts",
+                                     config={"modules_to_save": ["lm_head"]}), {}),
+        "peft_type": (_rewrite(good, tmp_path / "ia3", config={"peft_type": "IA3"}), {}),
+        "lacks its lora_B": (_rewrite(good, tmp_path / "noB", tensors=lambda w: {
+            k: v for k, v in w.items() if k != first_b}), {}),
+        "lm_head": (_rewrite(good, tmp_path / "head", tensors=lambda w: {
+            **w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(256, 8)}), {}),
+        "do not fit": (_rewrite(good, tmp_path / "shape", tensors=lambda w: {
+            **w, first_b: torch.zeros(7, 8)}), {}),
+        "not a folder": (str(tmp_path / "missing"), {}),
+    }
+    for message, (path, settings) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            make_engine(folder, lora_modules={"bad": path}, **settings)
+    with make_engine(folder, max_loras=2) as engine:
+        for message, (path, settings) in cases.items():
+            if not settings:
+                with pytest.raises(ValueError, match=message):
+                    engine.load_lora_adapter("bad", path)
+        assert engine.lora_adapters == {}  # nothing half-loaded
+        engine.load_lora_adapter("bad", str(good))  # the name and slot are free again
+        with pytest.raises(ValueError, match="lora"):
+            engine.submit(kt.Request(PROMPTS[0], lora=3))
+        with pytest.raises(ValueError, match="export_kv does not work with a LoRA adapter"):
+            engine.submit(kt.Request(PROMPTS[0], lora="bad", export_kv=True))
+    with pytest.raises(ValueError, match="lora_modules"):
+        kt.EngineConfig(lora_modules={"a": "x", "b": "y"}, max_loras=1)
+    with make_engine(folder) as engine, pytest.raises(ValueError, match="no LoRA slots"):
+        engine.load_lora_adapter("a", str(good))
+
+
+def test_tensor_parallel_adapters_match_peft(tiny):
+    """Two gloo ranks: column-parallel projections split B's rows, row-parallel ones A's
+    columns; tokens and logits equal PEFT's, for an adapter loaded at start-up and one loaded
+    while serving."""
+    folder, base, adapters = tiny
+    model = Model.from_pretrained(folder / "base", device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=2)
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
+                   lora_modules={"all": str(folder / "all")}, max_loras=2) as engine:
+        engine.load_lora_adapter("patterns", str(folder / "patterns"))
+        jobs = [(PROMPTS[0], None), (PROMPTS[0], "all"), (PROMPTS[2], "patterns")]
+        got = submit_all(engine, jobs)
+        logits = engine.forward(PROMPTS[1], [{"target_name": "logits"}], lora="all")
+    references = {None: base, **adapters}
+    assert got == [expected_tokens(references[lora], prompt) for prompt, lora in jobs]
+    torch.testing.assert_close(logits.targets[0].tensor, hf_reference(adapters["all"])(PROMPTS[1]),
+                               atol=2e-4, rtol=1e-4)
