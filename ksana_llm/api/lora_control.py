@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ksana_llm.api.lora_registry import LoraAdapterInfo, LoraRegistry
+from ksana_llm.api.lora_registry import LoraRegistry
 from ksana_llm.engine.request import Sequence
 
 
