@@ -204,6 +204,25 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(DeepSeek V3/R1 with MTP weights; 0 = off)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                         help=_KV_CACHE_DTYPE_HELP)
+    # LoRA adapters (vLLM's flags); a request picks one with its `model` field.
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        type=_lora_module,
+                        help="PEFT LoRA adapters to serve, each under its name")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="adapter slots on the device (default: the number of "
+                             "--lora-modules)")
+    parser.add_argument("--max-lora-rank", type=int, default=None,
+                        help="the largest adapter rank a slot holds (default: 16)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="mount /v1/load_lora_adapter and /v1/unload_lora_adapter (clients "
+                             "then name folders the server reads)")
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
 
 
 def _add_router_args(parser: argparse.ArgumentParser) -> None:

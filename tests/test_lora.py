@@ -1,48 +1,30 @@
 """LoRA adapters: the engine against PEFT applying the same adapter files to transformers' model.
 
-The adapters are PEFT's own (`get_peft_model(...).save_pretrained`), with random non-zero B
-matrices (PEFT initialises B to zero, which would make every adapter a no-op), so every adapted
-projection changes the output. Each reference is the PEFT model's full-sequence logits, and its
+The adapters are PEFT's own (`get_peft_model(...).save_pretrained`, see tests.lora_adapters),
+with random non-zero B matrices, so every adapted projection changes the output. Each reference is the PEFT model's full-sequence logits, and its
 greedy tokens from them.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 import ksana_llm as kt
 from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from tests.family_harness import greedy_trace, hf_reference
+from tests.lora_adapters import ALL_TARGETS, make_adapter
 from tests.tiny_models import build_tiny_model
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_TOKENS = 12
 PROMPTS = [[1, 5, 9, 33, 17, 99, 120, 7, 8, 3, 44, 61, 70, 23, 5, 200, 19],
            [1, 77, 12, 250, 31],
            [1, 5, 9, 33, 17, 99, 120, 7, 8, 3, 44, 61, 70, 23, 5, 200, 19, 88, 4, 180, 66]]
-
-
-def make_adapter(base: torch.nn.Module, folder: Path, *, seed: int, targets: list[str],
-                 rank: int, **lora_kwargs) -> torch.nn.Module:
-    """Save a PEFT LoRA adapter of `base` with random A and B; return the PEFT model."""
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                        init_lora_weights=False, **lora_kwargs)
-    model = get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    model.save_pretrained(folder)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

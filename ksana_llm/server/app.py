@@ -94,12 +94,14 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               mount_extensions: bool = True, parsing: OutputParsing | None = None,
               kv_role: str | None = None, kv_transfer_ttl_s: float | None = None,
-              kv_prefill_urls: list[str] | None = None) -> FastAPI:
+              kv_prefill_urls: list[str] | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
     ("prefill", "decode", "both"): the server's part in disaggregated serving (`server.kv_transfer`);
     `kv_prefill_urls`: the prefill servers a decode server may fetch KV from (None: any).
+    `allow_runtime_lora_updating` mounts /v1/load_lora_adapter and /v1/unload_lora_adapter.
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -110,6 +112,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     if engine.tokenizer is None:
         raise ValueError("the OpenAI server needs a tokenizer; this model folder has none")
     transfer = _kv_transfer(engine, kv_role, kv_transfer_ttl_s, api_key, kv_prefill_urls)
+    if served_model_name in engine.lora_adapters:
+        raise ValueError(f"LoRA adapter name {served_model_name!r} is the served model's name")
 
     state = ServerState(
         engine=engine, served_model_name=served_model_name, chat_template=chat_template,
@@ -140,6 +144,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     app.include_router(openai_router)
     app.include_router(misc_router)
     app.include_router(embeddings_router)
+    if allow_runtime_lora_updating:
+        from ksana_llm.server.lora_routes import router as lora_router
+
+        app.include_router(lora_router)
     if transfer is not None and transfer.exports:
         kv_transfer.mount(app)  # GET /kv_transfer/{id}
 
@@ -200,7 +208,7 @@ ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_
                 "max_step_tokens", "max_queue_size", "max_model_len", "seed",
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_cuda_graphs",
                 "async_scheduling", "overlap_output_processing", "num_speculative_tokens",
-                "kv_cache_dtype")
+                "kv_cache_dtype", "lora_modules", "max_loras", "max_lora_rank")
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -210,6 +218,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 
     overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
     overrides["model"] = args.model
+    if overrides["lora_modules"] is not None:
+        names = [name for name, _ in overrides["lora_modules"]]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names each adapter once, got {names}")
+        overrides["lora_modules"] = dict(overrides["lora_modules"])
     if args.config_file is not None:
         yaml_config = _optional_module("ksana_llm.yaml_config")
         if yaml_config is None:
@@ -255,7 +268,9 @@ def run_server(args: argparse.Namespace) -> int:
                     api_key=args.api_key, chat_template=chat_template,
                     max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, parsing=parsing,
                     kv_role=kv_role, kv_transfer_ttl_s=kv_ttl,
-                    kv_prefill_urls=getattr(args, "kv_prefill_url", None))
+                    kv_prefill_urls=getattr(args, "kv_prefill_url", None),
+                    allow_runtime_lora_updating=bool(getattr(args, "allow_runtime_lora_updating",
+                                                             False)))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

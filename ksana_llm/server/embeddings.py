@@ -45,8 +45,8 @@ def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
     return prompts
 
 
-def _submit(state: ServerState, prompts: list[list[int]],
-            loop: asyncio.AbstractEventLoop) -> list[ForwardHandle]:
+def _submit(state: ServerState, prompts: list[list[int]], loop: asyncio.AbstractEventLoop,
+            lora: str | None) -> list[ForwardHandle]:
     """Every input or none: on the first refusal, abort those already queued."""
     engine = state.engine
     base = f"embd-{uuid.uuid4().hex}"
@@ -54,7 +54,7 @@ def _submit(state: ServerState, prompts: list[list[int]],
     try:
         for i, ids in enumerate(prompts):
             handles.append(engine.submit_forward(ids, list(EMBEDDING_TARGETS), request_id=f"{base}-{i}",
-                                                 loop=loop))
+                                                 loop=loop, lora=lora))
     except Exception as exc:
         for handle in handles:
             engine.abort(handle.id)
@@ -68,14 +68,14 @@ def _submit(state: ServerState, prompts: list[list[int]],
 async def create_embeddings(request: Request) -> JSONResponse:
     state = server_state(request)
     req = await parse_body(request, EmbeddingRequest)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     hidden_size = int(state.engine.model.hf_config.hidden_size)
     if req.dimensions is not None and req.dimensions != hidden_size:
         raise bad_request(f"This model's embeddings have {hidden_size} dimensions and cannot be "
                           f"shortened to {req.dimensions}.", param="dimensions",
                           code="unsupported_parameter")
     prompts = _inputs(req, state)
-    handles = _submit(state, prompts, asyncio.get_running_loop())
+    handles = _submit(state, prompts, asyncio.get_running_loop(), lora)
     outputs = await forward_results(state.engine, handles, request)
     if outputs is None:  # the client left; its requests were aborted
         state.count_failure("aborted")
@@ -84,6 +84,6 @@ async def create_embeddings(request: Request) -> JSONResponse:
                                                      req.encoding_format))
             for i, out in enumerate(outputs)]
     tokens = sum(map(len, prompts))
-    response = EmbeddingResponse(data=data, model=state.served_model_name,
+    response = EmbeddingResponse(data=data, model=state.response_model(req.model),
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
     return JSONResponse(response.model_dump())

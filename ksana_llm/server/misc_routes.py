@@ -58,9 +58,11 @@ async def version() -> JSONResponse:
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     state = server_state(request)
-    card = ModelCard(id=state.served_model_name, root=state.served_model_name,
-                     max_model_len=state.limits.max_model_len)
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    base = state.served_model_name
+    cards = [ModelCard(id=base, root=base, max_model_len=state.limits.max_model_len)]
+    cards += [ModelCard(id=name, root=path, parent=base, max_model_len=state.limits.max_model_len)
+              for name, path in state.engine.lora_adapters.items()]
+    return JSONResponse(ModelList(data=cards).model_dump())
 
 
 @router.post("/tokenize")

@@ -277,6 +277,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ksana-llm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (its root is the adapter's folder)
     max_model_len: int
 
 

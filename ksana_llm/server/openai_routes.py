@@ -195,10 +195,19 @@ def _usage(prompt_tokens: int, choices: ChoiceSet) -> Usage:
                  total_tokens=prompt_tokens + completion)
 
 
-async def _kv_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs) -> dict[str, Any]:
-    """Engine `Request` fields for the request's `kv_transfer_params` (see server.kv_transfer)."""
+async def _request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
+                          ) -> dict[str, Any]:
+    """Engine `Request` fields for the request's LoRA adapter (its `model`) and its
+    `kv_transfer_params` (see server.kv_transfer)."""
+    lora = state.check_model(req.model)
+    fields: dict[str, Any] = {} if lora is None else {"lora": lora}
     if req.kv_transfer_params is None:
-        return {}
+        return fields
+    if lora is not None:
+        # The transferred KV does not say which adapter computed it; a router that sees this
+        # refusal sends the request to a decode server whole.
+        raise bad_request("kv_transfer_params cannot be used with a LoRA adapter.",
+                          param="kv_transfer_params")
     return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
                                             num_sequences=sum(config.num_sequences
                                                             for _, config in jobs.items),
@@ -248,12 +257,12 @@ async def create_completion(request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
-                               await _kv_fields(req, state, jobs))
+                               await _request_fields(req, state, jobs))
     prompt_tokens = sum(len(p) for p in prompts)
     echo_texts = ([state.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
                   if req.echo else None)
     created = int(time.time())
-    model = state.served_model_name
+    model = state.response_model(req.model)
 
     def prompt_entries(request_index: int) -> list[dict[str, Any] | None] | None:
         if prompt_lp is None:
@@ -380,9 +389,9 @@ async def create_chat_completion(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
-                               await _kv_fields(req, state, jobs))
+                               await _request_fields(req, state, jobs))
     created = int(time.time())
-    model = state.served_model_name
+    model = state.response_model(req.model)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -64,10 +64,19 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def check_model(self, name: str | None) -> None:
-        # An omitted model means the one being served (as vLLM does); any other name is a 404.
-        if name is not None and name != self.served_model_name:
-            raise model_not_found(name)
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, or None for the base model. An omitted
+        model means the one being served (as vLLM does); a name that is neither the served
+        model nor a loaded adapter is a 404."""
+        if name is None or name == self.served_model_name:
+            return None
+        if name in self.engine.lora_adapters:
+            return name
+        raise model_not_found(name)
+
+    def response_model(self, name: str | None) -> str:
+        """The `model` a response names: the adapter or model the request named."""
+        return name or self.served_model_name
 
     def check_alive(self) -> None:
         if self.shutting_down:

@@ -1,0 +1,28 @@
+"""PEFT LoRA adapters for tests: saved by PEFT itself, with random non-zero B matrices (PEFT
+initialises B to zero, which would make every adapter a no-op)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: torch.nn.Module, folder: Path, *, seed: int, targets: list[str],
+                 rank: int, b_std: float = 0.1, **lora_kwargs) -> torch.nn.Module:
+    """Save a PEFT LoRA adapter of `base` (alpha = 2 x rank) in `folder`; return the PEFT model
+    (eval mode), the reference for that adapter."""
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                        init_lora_weights=False, **lora_kwargs)
+    model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, b_std)
+    model.save_pretrained(folder)
+    return model.eval()
