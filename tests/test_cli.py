@@ -71,6 +71,28 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     assert parse(["generate", "hi", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
 
 
+def test_lora_flags_reach_the_engine_config(tmp_path, capsys):
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    config = configs_from_args(parse(["serve"]))[0]
+    assert (config.lora_modules, config.num_lora_slots, config.max_lora_rank) == ({}, 0, 16)
+    args = parse(["serve", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "3",
+                  "--max-lora-rank", "64", "--allow-runtime-lora-updating"])
+    config = configs_from_args(args)[0]
+    assert config.lora_modules == {"sql": "/a/sql", "chat": "/a/chat"}
+    assert (config.num_lora_slots, config.max_lora_rank) == (3, 64)
+    assert args.allow_runtime_lora_updating
+    with pytest.raises(ValueError, match="each adapter once"):
+        configs_from_args(parse(["serve", "--lora-modules", "a=/x", "a=/y"]))
+    with pytest.raises(ValueError, match="lora_modules"):
+        configs_from_args(parse(["serve", "--lora-modules", "a=/x", "b=/y", "--max-loras", "1"]))
+    with pytest.raises(SystemExit):
+        parse(["serve", "--lora-modules", "no-path"])
+    assert "NAME=PATH" in capsys.readouterr().err
+
+
 def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
     from ksana_llm.cli import build_parser
     from ksana_llm.server.app import build_app, configs_from_args, kv_transfer_from_args

@@ -55,8 +55,8 @@ def expected_tokens(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     return greedy_trace(hf_reference(model), prompt, NUM_TOKENS)[0][len(prompt):]
 
 
-def make_engine(folder: Path, **kwargs) -> kt.Engine:
-    model = Model.from_pretrained(folder / "base", device="cpu", dtype="float32", progress=False)
+def make_engine(model_dir: Path, **kwargs) -> kt.Engine:
+    model = Model.from_pretrained(model_dir, device="cpu", dtype="float32", progress=False)
     config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
     settings = dict(block_token_num=4, num_device_blocks=128, split_fuse_token_num=8)
     return kt.Engine(model, generation_config=config, **{**settings, **kwargs})
@@ -76,7 +76,7 @@ def test_mixed_batch_matches_peft(tiny):
     modules = {name: str(folder / name) for name in adapters}
     jobs = [(prompt, lora) for lora in (None, *adapters) for prompt in PROMPTS]
     references = {None: base, **adapters}
-    with make_engine(folder, lora_modules=modules) as engine:
+    with make_engine(folder / "base", lora_modules=modules) as engine:
         assert engine.lora_adapters == modules
         got = submit_all(engine, jobs)
         logits = {lora: engine.forward(PROMPTS[0], [{"target_name": "logits"}], lora=lora)
@@ -98,7 +98,7 @@ def test_prefix_cache_never_crosses_adapters(tiny):
     second's."""
     folder, base, adapters = tiny
     prompt = PROMPTS[2]
-    with make_engine(folder, lora_modules={"all": str(folder / "all")}) as engine:
+    with make_engine(folder / "base", lora_modules={"all": str(folder / "all")}) as engine:
         first = engine.generate_outputs([prompt], use_tqdm=False)[0]
         second = engine.generate_outputs([prompt], use_tqdm=False, lora="all")[0]
         hit_rate_before = engine.stats().prefix_cache_hit_rate
@@ -122,7 +122,7 @@ def test_beam_search_and_samples_keep_the_adapter(tiny):
         reference = peft_model.generate(torch.tensor([prompt]), max_new_tokens=6, num_beams=3,
                                         num_return_sequences=3, do_sample=False,
                                         length_penalty=1.0, eos_token_id=None, pad_token_id=0)
-    with make_engine(folder, lora_modules={"qv": str(folder / "qv-rslora")}) as engine:
+    with make_engine(folder / "base", lora_modules={"qv": str(folder / "qv-rslora")}) as engine:
         out = engine.submit(kt.Request(prompt, beams, lora="qv")).result()
         base_out = engine.submit(kt.Request(prompt, beams)).result()
     assert [s.token_ids for s in out.sequences] == [r[len(prompt):].tolist() for r in reference]
@@ -134,7 +134,7 @@ def test_load_and_unload_while_serving(tiny):
     the new one (no stale prefix-cache blocks)."""
     folder, base, adapters = tiny
     prompt = PROMPTS[0]
-    with make_engine(folder, max_loras=1) as engine:
+    with make_engine(folder / "base", max_loras=1) as engine:
         assert engine.lora_adapters == {}
         with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
             engine.submit(kt.Request(prompt, lora="x"))
@@ -195,8 +195,8 @@ def test_bad_adapters_are_clear_errors(tiny, tmp_path):
     }
     for message, (path, settings) in cases.items():
         with pytest.raises(ValueError, match=message):
-            make_engine(folder, lora_modules={"bad": path}, **settings)
-    with make_engine(folder, max_loras=2) as engine:
+            make_engine(folder / "base", lora_modules={"bad": path}, **settings)
+    with make_engine(folder / "base", max_loras=2) as engine:
         for message, (path, settings) in cases.items():
             if not settings:
                 with pytest.raises(ValueError, match=message):
@@ -209,7 +209,7 @@ def test_bad_adapters_are_clear_errors(tiny, tmp_path):
             engine.submit(kt.Request(PROMPTS[0], lora="bad", export_kv=True))
     with pytest.raises(ValueError, match="lora_modules"):
         kt.EngineConfig(lora_modules={"a": "x", "b": "y"}, max_loras=1)
-    with make_engine(folder) as engine, pytest.raises(ValueError, match="no LoRA slots"):
+    with make_engine(folder / "base") as engine, pytest.raises(ValueError, match="no LoRA slots"):
         engine.load_lora_adapter("a", str(good))
 
 
@@ -231,3 +231,23 @@ def test_tensor_parallel_adapters_match_peft(tiny):
     assert got == [expected_tokens(references[lora], prompt) for prompt, lora in jobs]
     torch.testing.assert_close(logits.targets[0].tensor, hf_reference(adapters["all"])(PROMPTS[1]),
                                atol=2e-4, rtol=1e-4)
+
+
+def test_moe_attention_adapter_matches_peft_and_unadaptable_modules_are_refused(tmp_path):
+    """On Mixtral (MoE MLP) an attention adapter applies and equals PEFT; DeepSeek's MLA
+    attention takes no adapter, which is an error naming the module, not a silent no-op."""
+    from tests.test_tensor_parallel import build
+
+    moe = build("mixtral", tmp_path / "mixtral")
+    reference = make_adapter(moe, tmp_path / "mixtral-qv", seed=4, targets=["q_proj", "v_proj"],
+                             rank=4, b_std=0.3)
+    with make_engine(tmp_path / "mixtral",
+                     lora_modules={"qv": str(tmp_path / "mixtral-qv")}) as engine:
+        got = engine.generate_outputs(PROMPTS[:2], use_tqdm=False, lora="qv")
+    assert [o.token_ids for o in got] == [expected_tokens(reference, p) for p in PROMPTS[:2]]
+    assert [o.token_ids for o in got] != [expected_tokens(moe, p) for p in PROMPTS[:2]]
+
+    deepseek = build("deepseek", tmp_path / "deepseek")
+    make_adapter(deepseek, tmp_path / "mla", seed=5, targets=["kv_a_proj_with_mqa"], rank=4)
+    with pytest.raises(ValueError, match="kv_a_proj_with_mqa' cannot be adapted"):
+        make_engine(tmp_path / "deepseek", lora_modules={"mla": str(tmp_path / "mla")})
