@@ -27,37 +27,48 @@ import torch
 
 @dataclass
 class LoraWeights:
-    """One projection's adapters: `a` [slots * block, in], `b` [out, slots * block], where
-    `block` = parts * max rank. The scaling (alpha / r) is folded into `b`; a slot's unused rank
-    rows and columns are zero."""
+    """One projection's adapters: `a` [slots * block, in] and `b_t` [slots * block, out] (B
+    transposed), where `block` = parts * max rank: slot s owns rows [s * block, (s + 1) * block)
+    of both, so any run of slots is a contiguous slice. The scaling (alpha / r) is folded into
+    `b_t`; a slot's unused rank rows are zero."""
 
     a: torch.Tensor
-    b: torch.Tensor
+    b_t: torch.Tensor
     num_slots: int
 
-    def delta(self, x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    @property
+    def block(self) -> int:
+        return self.a.shape[0] // self.num_slots
+
+    def delta(self, x: torch.Tensor, token_mask: torch.Tensor, first_slot: int = 0
+              ) -> torch.Tensor:
         """The adapters' contribution to the projection of `x` [T, in]: each token's own slot's
-        B @ A @ x (zero for a token with no adapter). `token_mask` [T, slots], 1 at the slot."""
-        shrunk = x @ self.a.t()
+        B @ A @ x (zero for a token with no adapter). `token_mask` [T, n] covers slots
+        first_slot .. first_slot + n - 1 (1 at the token's slot): only those are computed."""
+        rows = slice(first_slot * self.block, (first_slot + token_mask.shape[1]) * self.block)
         num_tokens = x.shape[0]
-        shrunk = (shrunk.view(num_tokens, self.num_slots, -1) * token_mask[:, :, None])
-        return shrunk.view(num_tokens, -1) @ self.b.t()
+        shrunk = (x @ self.a[rows].t()).view(num_tokens, token_mask.shape[1], -1)
+        return (shrunk * token_mask[:, :, None]).view(num_tokens, -1) @ self.b_t[rows]
 
 
 @dataclass
 class LoraBatch:
     """One step's adapters: every adapted projection's weights, keyed by its module name
-    (`lora_name`, set on the module by the engine), and which slot each token uses."""
+    (`lora_name`, set on the module by the engine), and which slot each token uses. Only the
+    run of slots the step's tokens use is computed: `token_mask` [T, n] covers slots
+    first_slot .. first_slot + n - 1 (0-based), 1 where token t uses that slot."""
 
     weights: Mapping[str, LoraWeights]
-    token_mask: torch.Tensor  # [T, slots] in the model's dtype: 1 where token t uses slot s
+    token_mask: torch.Tensor  # in the model's dtype
+    first_slot: int = 0
 
     def add_delta(self, module_name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the projection of `x`) plus the adapters' delta, when the projection has any."""
         weights = self.weights.get(module_name)
         if weights is None:
             return y
-        return y + weights.delta(x, self.token_mask)
+        return y + weights.delta(x, self.token_mask, self.first_slot)
 
     def to(self, device: torch.device) -> LoraBatch:
-        return LoraBatch(self.weights, self.token_mask.to(device, non_blocking=True))
+        return LoraBatch(self.weights, self.token_mask.to(device, non_blocking=True),
+                         self.first_slot)

@@ -99,9 +99,9 @@ class LoraSlots:
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
         for stacks in self.weights.values():
-            block = stacks.a.shape[0] // self.num_slots
-            stacks.a[(slot - 1) * block:slot * block].zero_()
-            stacks.b[:, (slot - 1) * block:slot * block].zero_()
+            rows = slice((slot - 1) * stacks.block, slot * stacks.block)
+            stacks.a[rows].zero_()
+            stacks.b_t[rows].zero_()
         self.paths.pop(slot, None)
 
     def _check_slot(self, slot: int) -> None:
@@ -155,7 +155,7 @@ class LoraSlots:
             zeros = dict(device=self.device, dtype=self.dtype)
             stacks = LoraWeights(
                 torch.zeros(self.num_slots * block, linear.weight.shape[1], **zeros),
-                torch.zeros(linear.weight.shape[0], self.num_slots * block, **zeros),
+                torch.zeros(self.num_slots * block, linear.weight.shape[0], **zeros),
                 self.num_slots)
             self.weights[projection.name] = stacks
         return stacks
@@ -165,26 +165,34 @@ class LoraSlots:
         stacks = self._stacks(projection)
         linear = projection.module
         rank = a.shape[0]
-        first_col = (slot - 1) * projection.num_parts * self.max_rank + index * self.max_rank
-        cols = slice(first_col, first_col + rank)
+        first = (slot - 1) * stacks.block + index * self.max_rank
+        rows = slice(first, first + rank)  # this part's rank rows of the slot's block
         if isinstance(linear, MergedLinear):
-            first_row, size = linear.shards[index]
+            first_out, size = linear.shards[index]
             offset = linear.offsets[index]
-            stacks.a[cols] = a.to(self.device, self.dtype)
-            stacks.b[offset:offset + size, cols] = b[first_row:first_row + size].to(
+            stacks.a[rows] = a.to(self.device, self.dtype)
+            stacks.b_t[rows, offset:offset + size] = b[first_out:first_out + size].t().to(
                 self.device, self.dtype)
         else:
             local_in = linear.weight.shape[1]
-            stacks.a[cols] = a[:, linear.in_start:linear.in_start + local_in].to(
+            stacks.a[rows] = a[:, linear.in_start:linear.in_start + local_in].to(
                 self.device, self.dtype)
-            stacks.b[:, cols] = b.to(self.device, self.dtype)
+            stacks.b_t[rows] = b.t().to(self.device, self.dtype)
 
     # ---- one step ----------------------------------------------------------------------------
-    def batch(self, token_slots: torch.Tensor) -> LoraBatch | None:
-        """The step's adapters for tokens using `token_slots` ([T] long, 0 = none); None when no
-        token uses one. The mask is built on the host; the runner moves it."""
-        if not bool((token_slots > 0).any()):
+    def batch(self, slice_slots: list[int], token_slice: torch.Tensor) -> LoraBatch | None:
+        """The step's adapters: slice i's tokens use slot `slice_slots[i]` (0 = none), token t
+        belongs to slice `token_slice[t]`. None when no slice uses an adapter. Only the run of
+        slots from the lowest to the highest used is computed. Built on the host; the runner
+        moves the mask."""
+        used = [slot for slot in slice_slots if slot]
+        if not used:
             return None
-        mask = torch.zeros(token_slots.shape[0], self.num_slots + 1, dtype=self.dtype)
-        mask[torch.arange(token_slots.shape[0]), token_slots] = 1
-        return LoraBatch(self.weights, mask[:, 1:])
+        lo, hi = min(used), max(used)
+        # Column j of the mask is slot lo + j; a token without an adapter gets no 1 (the
+        # extra first column, dropped, takes its write).
+        column = torch.tensor([slot - lo + 1 if slot else 0 for slot in slice_slots],
+                              dtype=torch.long)[token_slice]
+        mask = torch.zeros(token_slice.shape[0], hi - lo + 2, dtype=self.dtype)
+        mask[torch.arange(token_slice.shape[0]), column] = 1
+        return LoraBatch(self.weights, mask[:, 1:].contiguous(), first_slot=lo - 1)

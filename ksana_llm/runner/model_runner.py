@@ -335,8 +335,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
                                  num_decodes=num_decodes, sliding_window=self.sliding_window,
                                  kv_scales=self.kv_scales)
         if self.lora is not None:
-            slice_slots = torch.tensor([s.lora_slot for s in ordered], dtype=torch.long)
-            meta.lora = self.lora.batch(slice_slots[torch.from_numpy(flat.seq_index)])
+            meta.lora = self.lora.batch([s.lora_slot for s in ordered],
+                                        torch.from_numpy(flat.seq_index))
         self._embedding_overrides = self._overrides(override_rows, override_values)
         if self.attention_backend == "triton":
             lengths = [s.num_tokens for s in ordered[num_decodes:]]
