@@ -1,13 +1,15 @@
-"""PEFT LoRA adapters for tests: saved by PEFT itself, with random non-zero B matrices (PEFT
-initialises B to zero, which would make every adapter a no-op)."""
+"""LoRA adapters for tests: saved by PEFT itself, with random non-zero B matrices (PEFT
+initialises B to zero, which would make every adapter a no-op); or, where PEFT is not installed
+(the GPU machine's image) and no PEFT reference is needed, written in PEFT's file format by hand."""
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -16,6 +18,8 @@ def make_adapter(base: torch.nn.Module, folder: Path, *, seed: int, targets: lis
                  rank: int, b_std: float = 0.1, **lora_kwargs) -> torch.nn.Module:
     """Save a PEFT LoRA adapter of `base` (alpha = 2 x rank) in `folder`; return the PEFT model
     (eval mode), the reference for that adapter."""
+    from peft import LoraConfig, get_peft_model
+
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                         init_lora_weights=False, **lora_kwargs)
@@ -26,3 +30,21 @@ def make_adapter(base: torch.nn.Module, folder: Path, *, seed: int, targets: lis
                 param.normal_(0, b_std)
     model.save_pretrained(folder)
     return model.eval()
+
+
+def write_adapter_files(base: torch.nn.Module, folder: Path, *, seed: int, targets: list[str],
+                        rank: int, std: float = 0.1) -> None:
+    """A random adapter in PEFT's format (config and safetensors), without PEFT: A and B of
+    every linear layer whose name ends in one of `targets`."""
+    torch.manual_seed(seed)
+    tensors = {}
+    for name, module in base.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, module.in_features) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(module.out_features, rank) * std
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
+         "bias": "none"}))

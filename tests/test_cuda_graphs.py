@@ -142,7 +142,7 @@ class GraphDriver:
     through the graphs and through the normal eager path, which rewrites the same K/V."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device, max_graph_batch: int,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", **runner_kwargs) -> None:
         self.block_size, num_blocks = 4, 128  # 512 tokens: as long as the tiny models' context
         self.bm = BlockManager(num_blocks, self.block_size)
         fp8 = kv_cache_dtype != "auto"
@@ -150,7 +150,7 @@ class GraphDriver:
                                   num_blocks=num_blocks, block_size=self.block_size,
                                   attention_backend="triton", cuda_graphs=False,
                                   kv_cache_dtype=kv_cache_dtype,
-                                  kv_scales=FP8_SCALES if fp8 else None)
+                                  kv_scales=FP8_SCALES if fp8 else None, **runner_kwargs)
         self.runner.setup_cuda_graphs(max_graph_batch, capture=device.type == "cuda")
         self.graphs = self.runner.decode_graphs
 
@@ -160,7 +160,7 @@ class GraphDriver:
             assert self.bm.allocate(seq, n)
             start = seq.num_computed_tokens
             slices.append(SeqSlice(seq.tokens_slice(start, start + n), start, seq.block_table,
-                                   sample))
+                                   sample, lora_slot=seq.lora_slot))
         return slices
 
     @staticmethod
@@ -239,6 +239,42 @@ def test_graph_decode_equals_eager_decode(tmp_path, device, name, kv_cache_dtype
         decode(seqs[8:9])  # bucket 1
     decode(seqs[:5], sample=[True, False, True, True, False])  # logits of some rows only
     decode(seqs)  # 9 rows: beyond the largest bucket, eager both times
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_decode_with_lora_adapters_equals_eager_decode(tmp_path, device):
+    """An engine with LoRA slots captures its graphs with the adapters in them: rows of two
+    adapters (slots 1 and 3, slot 2 empty) and of the base model in one graph step equal the
+    eager step, which computes only the slots it uses and is itself checked against PEFT in
+    tests/test_lora.py."""
+    from tests.lora_adapters import ALL_TARGETS, write_adapter_files
+
+    base = build_tiny_model("yi-gqa4-bias", tmp_path / "base")
+    write_adapter_files(base, tmp_path / "a", seed=1, targets=ALL_TARGETS, rank=4)
+    write_adapter_files(base, tmp_path / "b", seed=2, targets=["q_proj", "down_proj"], rank=2)
+    module = Model.from_pretrained(tmp_path / "base", device=device, dtype="float32",
+                                   progress=False).module
+    driver = GraphDriver(module, torch.device(device), max_graph_batch=4, max_loras=3,
+                         max_lora_rank=4, lora_adapters=[(1, str(tmp_path / "a")),
+                                                         (3, str(tmp_path / "b"))])
+    torch.manual_seed(3)
+    seqs = [Sequence(f"s{i}", torch.randint(3, 256, (n,)).tolist(), GenerationConfig())
+            for i, n in enumerate((5, 11, 7))]
+    for seq, slot in zip(seqs, (1, 0, 3)):
+        seq.lora_slot = slot
+    twin = Sequence("twin", list(seqs[0].prompt_token_ids), GenerationConfig())  # s0, base
+    rows = [*seqs, twin]
+    prefill = driver.prefill(rows)
+    assert not torch.allclose(prefill[0], prefill[3], atol=1e-3)  # the adapter is applied
+    for seq, row in zip(rows, prefill):
+        seq.output_token_ids.append(int(row.argmax()))
+    for _ in range(3):
+        runs = driver.graphs.steps_run
+        graph, eager, _, _ = driver.decode([(s, 1, True) for s in rows])  # bucket 4
+        assert driver.graphs.steps_run == runs + 1
+        torch.testing.assert_close(graph, eager, atol=2e-5, rtol=1e-5)
+        for seq, row in zip(rows, eager):
+            seq.output_token_ids.append(int(row.argmax()))
 
 
 # ---- KV sizing from a profiled step -------------------------------------------------------------

@@ -15,6 +15,9 @@ Graphs need fixed shapes and fixed addresses, so:
 - Each step's inputs are written into pinned host buffers with NumPy (no per-token Python loop)
   and reach the device in two asynchronous copies. Two host buffers alternate, each guarded by an
   event, so a copy still in flight is never overwritten.
+- An engine with LoRA slots captures its graphs with every slot's adapters in them (a static
+  per-row mask picks each row's slot, all zeros for the base model), as vLLM does: adapter
+  requests decode through graphs too, and a base-model step pays for the idle slots' products.
 - Graphs are captured largest first into one shared memory pool (they never run concurrently and
   their outputs are copied into one static buffer outside the pool), after an eager warm-up of
   the same bucket that compiles the kernels and builds lazy tables (RoPE).
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.attention import AttentionMetadata, KernelBatch
+from ksana_llm.layers.lora import LoraBatch, LoraWeights
 from ksana_llm.runner.host_arrays import fill_block_tables
 
 # Small buckets one by one (batch-1 latency matters), then every multiple of this.
@@ -92,13 +96,18 @@ class DecodeInputs:
     Device layout: `longs` [3, B] int64 = input ids, positions, slots; `ints` [B + B * W] int32 =
     context lengths, then the block tables as [B, W]. B is the largest bucket, W the widest block
     table. A step fills the host mirror and copies the first `bucket` rows' worth of each.
+    With LoRA slots (`lora_slots` > 0), `lora_mask` [B, lora_slots] marks each row's adapter
+    (a row of zeros: the base model, and the padding rows).
     """
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
-                 block_size: int) -> None:
+                 block_size: int, lora_slots: int = 0,
+                 lora_dtype: torch.dtype = torch.float32) -> None:
         b, w = max_batch_size, max_blocks_per_seq
         self.max_batch_size, self.width, self.block_size = b, w, block_size
         self.device = device
+        self.lora_mask = torch.zeros(b, lora_slots, dtype=lora_dtype, device=device) \
+            if lora_slots else None
         self.longs = torch.zeros(3, b, dtype=torch.long, device=device)
         self.longs[2].fill_(-1)  # padding slots: no KV write
         self.ints = torch.zeros(b + b * w, dtype=torch.int32, device=device)
@@ -106,6 +115,8 @@ class DecodeInputs:
         self._host_longs = [torch.zeros(3, b, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._host_ints = [torch.zeros(b + b * w, dtype=torch.int32, pin_memory=pin)
                            for _ in range(2)]
+        self._host_lora = [torch.zeros(b, lora_slots, dtype=lora_dtype, pin_memory=pin)
+                           for _ in range(2)] if lora_slots else None
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
 
@@ -127,17 +138,23 @@ class DecodeInputs:
         return self.ints[b:b + bucket * self.width].view(bucket, self.width)
 
     def metadata(self, bucket: int, sliding_window: int | None,
-                 kv_scales: tuple[float, ...] = ()) -> AttentionMetadata:
-        """Attention metadata over the static views of one bucket (no prefill part)."""
+                 kv_scales: tuple[float, ...] = (),
+                 lora_weights: dict[str, LoraWeights] | None = None) -> AttentionMetadata:
+        """Attention metadata over the static views of one bucket (no prefill part); with
+        `lora_weights` (every adaptable projection's stacks), the adapters of every slot, picked
+        per row by `lora_mask`."""
         tables = self.block_tables(bucket)
         batch = KernelBatch(
             decode_block_tables=tables, decode_context_lens=self.context_lens(bucket),
             prefill_block_tables=tables[:0],
             prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
             prefill_seq_lens=self.context_lens(0))
+        lora = None
+        if lora_weights is not None and self.lora_mask is not None:
+            lora = LoraBatch(lora_weights, self.lora_mask[:bucket])
         return AttentionMetadata(slot_mapping=self.slots(bucket), positions=self.positions(bucket),
                                  num_decodes=bucket, kernel_batch=batch,
-                                 sliding_window=sliding_window, kv_scales=kv_scales)
+                                 sliding_window=sliding_window, kv_scales=kv_scales, lora=lora)
 
     # ---- filling ---------------------------------------------------------------------------------
     def fits(self, block_tables: Sequence[Sequence[int]]) -> bool:
@@ -146,9 +163,11 @@ class DecodeInputs:
             len(t) <= self.width for t in block_tables)
 
     def fill(self, token_ids: Sequence[int], starts: Sequence[int],
-             block_tables: Sequence[Sequence[int]], bucket: int) -> None:
+             block_tables: Sequence[Sequence[int]], bucket: int,
+             lora_slots: Sequence[int] | None = None) -> None:
         """Write one decode step (row i: token `token_ids[i]` at position `starts[i]`, whose
-        sequence has `block_tables[i]`) into the device buffers, padded to `bucket` rows.
+        sequence has `block_tables[i]`, with LoRA slot `lora_slots[i]`, 0 = none) into the device
+        buffers, padded to `bucket` rows.
 
         Asynchronous on CUDA: two contiguous copies from a pinned host buffer, which is reused
         only once the copy that last read it has finished."""
@@ -179,6 +198,13 @@ class DecodeInputs:
 
         self.longs.copy_(host_longs, non_blocking=True)  # whole: contiguous, 24 bytes a row
         self.ints[:b + bucket * w].copy_(host_ints[:b + bucket * w], non_blocking=True)
+        if self.lora_mask is not None:
+            host_lora = self._host_lora[turn]
+            host_lora[:bucket].zero_()
+            rows = [(i, slot - 1) for i, slot in enumerate(lora_slots or ()) if slot]
+            if rows:
+                host_lora[[r for r, _ in rows], [c for _, c in rows]] = 1
+            self.lora_mask[:bucket].copy_(host_lora[:bucket], non_blocking=True)
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
@@ -191,7 +217,8 @@ class DecodeGraphs:
 
     def __init__(self, forward: DecodeForward, inputs: DecodeInputs, *, sizes: Sequence[int],
                  sliding_window: int | None, capture: bool,
-                 kv_scales: tuple[float, ...] = ()) -> None:
+                 kv_scales: tuple[float, ...] = (),
+                 lora_weights: dict[str, LoraWeights] | None = None) -> None:
         if not sizes or max(sizes) > inputs.max_batch_size:
             raise ValueError(f"graph batch sizes {tuple(sizes)} must be within the static "
                              f"buffers' {inputs.max_batch_size} rows")
@@ -201,7 +228,8 @@ class DecodeGraphs:
         self.capture = capture
         # Allocated by the first (eager) run, outside any graph's pool: the forward's width.
         self.hidden: torch.Tensor | None = None
-        self._meta = {bs: inputs.metadata(bs, sliding_window, kv_scales) for bs in self.sizes}
+        self._meta = {bs: inputs.metadata(bs, sliding_window, kv_scales, lora_weights)
+                      for bs in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.steps_run = 0  # decode steps served from the static buffers (graph replays)
@@ -237,15 +265,17 @@ class DecodeGraphs:
 
     def run(self, token_ids: Sequence[int], starts: Sequence[int],
             block_tables: Sequence[Sequence[int]],
-            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None,
+            lora_slots: Sequence[int] | None = None) -> torch.Tensor:
         """Hidden states [n, hidden] of one pure-decode step of n <= max_batch_size rows. The
         result is a view of a static buffer: read it before the next call. `patch` = (rows,
-        token ids), on the device: input ids written over the host's (async scheduling)."""
+        token ids), on the device: input ids written over the host's (async scheduling).
+        `lora_slots`: each row's adapter slot (graphs built with LoRA slots only)."""
         n = len(starts)
         bucket = choose_bucket(n, self.sizes)
         if bucket is None:
             raise ValueError(f"{n} decode rows exceed the largest graph bucket {self.sizes[-1]}")
-        self.inputs.fill(token_ids, starts, block_tables, bucket)
+        self.inputs.fill(token_ids, starts, block_tables, bucket, lora_slots)
         if patch is not None:
             self.inputs.input_ids(bucket).index_copy_(0, *patch)
         self.steps_run += 1

@@ -147,6 +147,13 @@ class LoraSlots:
             raise ValueError(f"LoRA adapter {path!r}: {module} has lora_A {tuple(a.shape)} and "
                              f"lora_B {tuple(b.shape)}, which do not fit the model's projection")
 
+    def allocate_all(self) -> dict[str, LoraWeights]:
+        """Stacks for every adaptable projection now (the CUDA graphs read them), the dict the
+        steps use."""
+        for projection, _ in self.projections.values():
+            self._stacks(projection)
+        return self.weights
+
     def _stacks(self, projection: _Projection) -> LoraWeights:
         stacks = self.weights.get(projection.name)
         if stacks is None:

@@ -213,10 +213,17 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
             raise ValueError("CUDA graphs need attention_backend 'triton'")
         sizes = graph_batch_sizes(max_batch_size)
         width = -(-self.max_model_len // self.block_size)
-        inputs = DecodeInputs(max_batch_size, width, self.device, self.block_size)
+        lora_weights = None
+        if self.lora is not None:
+            # Every projection's stacks exist before the capture, so adapters loaded later are
+            # written into tensors the graphs already read.
+            lora_weights = self.lora.allocate_all()
+        inputs = DecodeInputs(max_batch_size, width, self.device, self.block_size,
+                              lora_slots=self.lora.num_slots if self.lora else 0,
+                              lora_dtype=self.dtype)
         graphs = DecodeGraphs(self._decode_forward, inputs, sizes=sizes,
                               sliding_window=self.sliding_window, kv_scales=self.kv_scales,
-                              capture=capture)
+                              capture=capture, lora_weights=lora_weights)
         try:
             # Captured on the model's GPU whatever this thread's current device is.
             with torch.inference_mode(), torch.cuda.device(self.device) \
@@ -240,10 +247,9 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
     def _graph_eligible(self, slices: list[SeqSlice]) -> bool:
         """Pure decode (one token each), nothing captured or overridden, within the buffers."""
         graphs = self.decode_graphs
-        # (Steps with LoRA tokens run eagerly: the graphs are captured without adapters.)
         return graphs is not None and len(slices) <= graphs.max_batch_size and all(
-            s.num_tokens == 1 and not s.capture and s.embeddings is None and not s.lora_slot
-            for s in slices) and graphs.inputs.fits([s.block_table for s in slices])
+            s.num_tokens == 1 and not s.capture and s.embeddings is None for s in slices
+        ) and graphs.inputs.fits([s.block_table for s in slices])
 
     def _execute_decode_graph(self, slices: list[SeqSlice],
                               pending: PendingInputs | None) -> StepResult:
@@ -251,7 +257,9 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         patch = None if pending is None else self._patch_values(pending, pending.slices)
         hidden = self.decode_graphs.run([s.token_ids[0] for s in slices],
                                         [s.start for s in slices],
-                                        [s.block_table for s in slices], patch=patch)
+                                        [s.block_table for s in slices], patch=patch,
+                                        lora_slots=[s.lora_slot for s in slices]
+                                        if self.lora is not None else None)
         self._keep_hidden(hidden, list(range(len(slices))))
         sampled = [i for i, s in enumerate(slices) if s.sample]
         if not sampled:
