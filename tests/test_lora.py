@@ -31,7 +31,7 @@ PROMPTS = [[1, 5, 9, 33, 17, 99, 120, 7, 8, 3, 44, 61, 70, 23, 5, 200, 19],
 def tiny(tmp_path_factory):
     """A tiny GQA Llama with biases (weights wide enough for varied greedy tokens) and three
     adapters: every projection at rank 8; q/v/down at rank 4 with rsLoRA; and one with a rank
-    and an alpha pattern."""
+    pattern and an alpha pattern (an alternation, matched as PEFT matches it)."""
     folder = tmp_path_factory.mktemp("lora")
     base = build_tiny_model("yi-gqa4-bias", folder / "base")
     with torch.no_grad():
@@ -46,7 +46,8 @@ def tiny(tmp_path_factory):
                                   use_rslora=True),
         "patterns": make_adapter(base, folder / "patterns", seed=3,
                                  targets=["k_proj", "o_proj", "up_proj"], rank=2,
-                                 rank_pattern={"o_proj": 6}, alpha_pattern={"up_proj": 1.5}),
+                                 rank_pattern={"o_proj": 6},
+                                 alpha_pattern={"up_proj|k_proj": 1.5}),
     }
     return folder, base, adapters
 
@@ -184,6 +185,10 @@ def test_bad_adapters_are_clear_errors(tiny, tmp_path):
         "modules_to_save": (_rewrite(good, tmp_path / "mts",
                                      config={"modules_to_save": ["lm_head"]}), {}),
         "peft_type": (_rewrite(good, tmp_path / "ia3", config={"peft_type": "IA3"}), {}),
+        "alora_invocation_tokens": (_rewrite(good, tmp_path / "alora",
+                                             config={"alora_invocation_tokens": [5, 6]}), {}),
+        "layer_replication": (_rewrite(good, tmp_path / "replicate",
+                                       config={"layer_replication": [[0, 2]]}), {}),
         "lacks its lora_B": (_rewrite(good, tmp_path / "noB", tensors=lambda w: {
             k: v for k, v in w.items() if k != first_b}), {}),
         "lm_head": (_rewrite(good, tmp_path / "head", tensors=lambda w: {
@@ -251,3 +256,46 @@ def test_moe_attention_adapter_matches_peft_and_unadaptable_modules_are_refused(
     make_adapter(deepseek, tmp_path / "mla", seed=5, targets=["kv_a_proj_with_mqa"], rank=4)
     with pytest.raises(ValueError, match="kv_a_proj_with_mqa' cannot be adapted"):
         make_engine(tmp_path / "deepseek", lora_modules={"mla": str(tmp_path / "mla")})
+
+
+def test_lora_memory_is_set_aside_from_the_kv_cache(tiny):
+    """The KV planner leaves room for the slots: the estimate equals what the stacks take once
+    every projection has them, plus the largest step's low-rank products."""
+    from ksana_llm.runner.lora_slots import LoraSlots, lora_device_bytes
+    from ksana_llm.runner.memory import blocks_leaving_room
+
+    folder, _, _ = tiny
+    module = Model.from_pretrained(folder / "base", device="cpu", dtype="float32",
+                                   progress=False).module
+    slots = LoraSlots(module, num_slots=2, max_rank=4, device=torch.device("cpu"),
+                      dtype=torch.float32)
+    stacks = sum(w.a.numel() + w.b_t.numel() for w in slots.allocate_all().values()) * 4
+    widest = 2 * 3 * 4  # slots x parts (q, k, v) x rank
+    assert lora_device_bytes(module, num_slots=2, max_rank=4, dtype=torch.float32,
+                             max_step_tokens=100) == stacks + 2 * 100 * widest * 4
+    assert lora_device_bytes(module, num_slots=0, max_rank=4, dtype=torch.float32,
+                             max_step_tokens=100) == 0
+    assert blocks_leaving_room(100, 1000, 2500) == 97
+    with pytest.raises(ValueError, match="max_loras"):
+        blocks_leaving_room(10, 1000, 9000)
+
+
+def test_a_rank_that_refuses_an_adapter_fails_the_load_not_the_engine(tiny, tmp_path):
+    """Pipeline parallelism: rank 0 cannot check the layers another stage holds. An adapter
+    whose second layer names a module nothing can adapt is refused by that stage's worker: the
+    load is a ValueError, the slot is cleared on every rank, and the engine serves on."""
+    folder, base, adapters = tiny
+    bad = _rewrite(folder / "all", tmp_path / "bad", tensors=lambda w: {
+        **w, "base_model.model.model.layers.1.mlp.experts.lora_A.weight": torch.zeros(8, 64),
+        "base_model.model.model.layers.1.mlp.experts.lora_B.weight": torch.zeros(64, 8)})
+    model = Model.from_pretrained(folder / "base", device="cpu", dtype="float32", progress=False,
+                                  pipeline_parallel_size=2)
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
+                   max_loras=1) as engine:
+        with pytest.raises(ValueError, match="experts' cannot be adapted"):
+            engine.load_lora_adapter("bad", bad)
+        assert engine.lora_adapters == {}
+        engine.load_lora_adapter("all", str(folder / "all"))
+        got = submit_all(engine, [(PROMPTS[0], None), (PROMPTS[1], "all")])
+    assert got == [expected_tokens(base, PROMPTS[0]), expected_tokens(adapters["all"], PROMPTS[1])]

@@ -122,15 +122,36 @@ def test_load_and_unload_over_http(server, client, adapters, default_model):
         (load, {"lora_name": "x", "lora_path": str(folder / "missing")}, "lora_path"),
         (load, {"lora_name": BASE, "lora_path": str(folder / "sql")}, "lora_name"),
         (load, {"lora_name": "x"}, "lora_path"),
-        (unload, {"lora_name": "nope"}, "lora_name"),
     ]
     for url, body, param in refusals:
         response = httpx.post(url, json=body)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["param"] == param, response.text
+    response = httpx.post(unload, json={"lora_name": "nope"})  # vLLM's answer: 404
+    assert response.status_code == 404 and response.json()["error"]["param"] == "lora_name"
 
     assert httpx.post(unload, json={"lora_name": "late"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="late", prompt=PROMPT, max_tokens=2)
     # Still serving everyone else.
     assert client.completions.create(model="sql", prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def test_router_sends_adapter_requests_to_a_decode_server_whole(server, client):
+    """Adapter requests are not disaggregated (their KV does not say which adapter computed
+    it): the prefill server's refusal sends the first one straight to a decode server, with no
+    failure counted, and later ones skip the prefill server."""
+    router = ServerProcess(["--prefill", server.url, "--decode", server.url], command="router")
+    try:
+        routed = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
+                               timeout=60)
+        for _ in range(2):
+            text = routed.completions.create(model="sql", prompt=PROMPT, max_tokens=NUM_TOKENS,
+                                             temperature=0).choices[0].text
+            assert text == client.completions.create(model="sql", prompt=PROMPT,
+                                                     max_tokens=NUM_TOKENS,
+                                                     temperature=0).choices[0].text
+        health = httpx.get(router.url + "/health").json()
+        assert (health["num_direct"], health["num_prefill_failures"]) == (2, 0)
+    finally:
+        router.stop()

@@ -19,6 +19,7 @@ from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
 from ksana_llm.runner.drafting import draft_layers_for
+from ksana_llm.runner.lora_slots import lora_device_bytes
 from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
 from ksana_llm.runner.sampler import Sampler
 
@@ -40,7 +41,10 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         block_size=cfg.block_token_num,
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
         attention_backend=cfg.attention_backend, ratio=cfg.block_device_memory_ratio,
-        reserved_ratio=cfg.reserved_device_memory_ratio, num_draft_layers=draft_layers)
+        reserved_ratio=cfg.reserved_device_memory_ratio, num_draft_layers=draft_layers,
+        later_device_bytes=lora_device_bytes(model.module, num_slots=cfg.num_lora_slots,
+                                             max_rank=cfg.max_lora_rank, dtype=model.dtype,
+                                             max_step_tokens=cfg.max_step_tokens))
     # A sequence can never outgrow the model's context, nor the whole KV pool.
     max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
                         num_blocks * cfg.block_token_num)

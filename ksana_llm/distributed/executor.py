@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from ksana_llm.distributed.runtime import Runtime, broadcast_message, shutdown_runtime
-from ksana_llm.distributed.worker import DRAFT, LORA, RUNNER, STEP, STOP, set_lora_slot
+from ksana_llm.distributed.runtime import (Runtime, broadcast_message, gather_messages,
+                                           shutdown_runtime)
+from ksana_llm.distributed.worker import DRAFT, LORA, RUNNER, STEP, STOP, lora_slot_error
 from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
 
@@ -71,15 +72,27 @@ class DistributedRunner:
         return self._everywhere(DRAFT, draft, self.local.propose)
 
     def load_lora(self, slot: int, path: str) -> None:
-        """Every rank reads the adapter and keeps its slices. Rank 0 loads first, so an adapter
-        it refuses (ValueError) never reaches the workers; a worker that cannot read it (a
-        folder missing on its node) stops, and the engine with it, rather than serve a slot
-        that differs between ranks."""
+        """Every rank reads the adapter and keeps its slices. Rank 0 checks its own part first;
+        a worker that refuses its part (a module only another pipeline stage has, a folder
+        missing on its node) says why, and the slot is cleared on every rank: a ValueError, and
+        no rank serves a slot the others lack."""
         self.local.load_lora(slot, path)
-        self._everywhere(LORA, (slot, path), lambda payload: None)
+        errors = [e for e in self._lora_everywhere(slot, path) if e is not None]
+        if errors:
+            self._lora_everywhere(slot, None)
+            raise ValueError(errors[0])
 
     def clear_lora(self, slot: int) -> None:
-        self._everywhere(LORA, (slot, None), lambda payload: set_lora_slot(self.local, *payload))
+        self._lora_everywhere(slot, None)
+
+    def _lora_everywhere(self, slot: int, path: str | None) -> list[str | None]:
+        """The LORA message to the workers (rank 0 clears its own slot for path None); each
+        rank's refusal or None."""
+        def here(_: object) -> list[str | None]:
+            mine = lora_slot_error(self.local, slot, None) if path is None else None
+            return gather_messages(mine, self.runtime)
+
+        return self._everywhere(LORA, (slot, path), here)
 
     def _everywhere(self, kind: str, payload: Any, run: Callable[[Any], Any]) -> Any:
         if self.failure is not None:

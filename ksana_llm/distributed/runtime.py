@@ -115,6 +115,13 @@ def broadcast_message(message: Any, runtime: Runtime) -> Any:
     return box[0]
 
 
+def gather_messages(message: Any, runtime: Runtime) -> list[Any]:
+    """Every rank's `message`, in rank order, on every rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, message, group=runtime.control_group)
+    return out
+
+
 def shutdown_runtime() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

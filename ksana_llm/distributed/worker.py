@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from ksana_llm.distributed.runtime import LaunchSpec, Runtime, broadcast_message, init_runtime
+from ksana_llm.distributed.runtime import (LaunchSpec, Runtime, broadcast_message,
+                                           gather_messages, init_runtime)
 from ksana_llm.distributed.runtime import shutdown_runtime
 from ksana_llm.models.factory import load_model_module
 from ksana_llm.runner.model_runner import ModelRunner
@@ -19,8 +20,8 @@ from ksana_llm.runner.model_runner import ModelRunner
 logger = logging.getLogger("ksana_llm.worker")
 
 # Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput), ("draft",
-# DraftInput: speculative decoding) and ("lora", (slot, folder or None to clear)) as the engine
-# runs, then ("stop", None).
+# DraftInput: speculative decoding) and ("lora", (slot, folder or None to clear): every rank
+# answers with its refusal or None, see `lora_slot_error`) as the engine runs, then ("stop", None).
 RUNNER, STEP, DRAFT, LORA, STOP = "runner", "step", "draft", "lora", "stop"
 
 
@@ -37,16 +38,22 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
         elif kind == DRAFT and runner is not None:
             runner.propose(payload)
         elif kind == LORA and runner is not None:
-            set_lora_slot(runner, *payload)
+            gather_messages(lora_slot_error(runner, *payload), runtime)
         else:
             raise RuntimeError(f"worker got an unexpected message {kind!r}")
 
 
-def set_lora_slot(runner: ModelRunner, slot: int, path: str | None) -> None:
-    if path is None:
-        runner.clear_lora(slot)
-    else:
-        runner.load_lora(slot, path)
+def lora_slot_error(runner: ModelRunner, slot: int, path: str | None) -> str | None:
+    """Load (or with path None clear) a LoRA slot; the refusal's message, or None. A refusal
+    is an answer, not a failure: the rank's slot is left as it was and it keeps serving."""
+    try:
+        if path is None:
+            runner.clear_lora(slot)
+        else:
+            runner.load_lora(slot, path)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def worker_main(rank: int, spec: LaunchSpec) -> None:

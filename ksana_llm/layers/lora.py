@@ -43,12 +43,15 @@ class LoraWeights:
     def delta(self, x: torch.Tensor, token_mask: torch.Tensor, first_slot: int = 0
               ) -> torch.Tensor:
         """The adapters' contribution to the projection of `x` [T, in]: each token's own slot's
-        B @ A @ x (zero for a token with no adapter). `token_mask` [T, n] covers slots
-        first_slot .. first_slot + n - 1 (1 at the token's slot): only those are computed."""
+        B @ A @ x (zero for a token with no adapter). `token_mask` [T, n] (bool) covers slots
+        first_slot .. first_slot + n - 1 (True at the token's slot): only those are computed."""
         rows = slice(first_slot * self.block, (first_slot + token_mask.shape[1]) * self.block)
         num_tokens = x.shape[0]
         shrunk = (x @ self.a[rows].t()).view(num_tokens, token_mask.shape[1], -1)
-        return (shrunk * token_mask[:, :, None]).view(num_tokens, -1) @ self.b_t[rows]
+        # A select, not a multiply by 0/1: an inf in another slot's product must not turn into
+        # NaN (inf * 0) in this token's row.
+        kept = torch.where(token_mask[:, :, None], shrunk, 0.0)
+        return kept.view(num_tokens, -1) @ self.b_t[rows]
 
 
 @dataclass
@@ -56,10 +59,10 @@ class LoraBatch:
     """One step's adapters: every adapted projection's weights, keyed by its module name
     (`lora_name`, set on the module by the engine), and which slot each token uses. Only the
     run of slots the step's tokens use is computed: `token_mask` [T, n] covers slots
-    first_slot .. first_slot + n - 1 (0-based), 1 where token t uses that slot."""
+    first_slot .. first_slot + n - 1 (0-based), True where token t uses that slot."""
 
     weights: Mapping[str, LoraWeights]
-    token_mask: torch.Tensor  # in the model's dtype
+    token_mask: torch.Tensor  # bool
     first_slot: int = 0
 
     def add_delta(self, module_name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,16 @@ _TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab
 _REQUIRED_VALUES: Mapping[str, Any] = {
     "use_dora": False, "fan_in_fan_out": False, "lora_bias": False,
 }
+# PEFT's other LoRA variants and options that change the forward pass or the base model
+# (activated LoRA, Arrow routing, block-diagonal LoRA, KaSA, layer replication, QA-LoRA,
+# Megatron layers, MonteCLoRA, VeLoRA, LoRA on raw parameters, trainable token rows): refused
+# when set, rather than applied as plain LoRA. Options that only change initialisation (LoftQ,
+# EVA, CorDA, LoRA-GA) leave plain A and B behind and are fine.
+_VARIANT_KEYS: tuple[str, ...] = (
+    "alora_invocation_tokens", "arrow_config", "use_bdlora", "kasa_config", "layer_replication",
+    "use_qalora", "megatron_config", "monteclora_config", "velora_config", "target_parameters",
+    "trainable_token_indices",
+)
 
 
 @dataclass(frozen=True)
@@ -51,10 +61,10 @@ class LoraAdapter:
 
 
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
-    """PEFT's `rank_pattern` / `alpha_pattern` lookup: a key matches a module name it ends
-    (as a regular expression on whole dotted components)."""
+    """PEFT's `rank_pattern` / `alpha_pattern` lookup: a key (a regular expression, alternations
+    included) matches a module name it ends on whole dotted components."""
     for pattern, value in (patterns or {}).items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+        if re.fullmatch(rf"(.*\.)?(?:{pattern})", module):
             return value
     return default
 
@@ -77,6 +87,10 @@ def _read_config(path: str) -> dict[str, Any]:
     for key, wanted in _REQUIRED_VALUES.items():
         if bool(config.get(key, wanted)) != wanted:
             raise ValueError(f"LoRA adapter {path!r}: {key}={config.get(key)!r} is not supported")
+    for key in _VARIANT_KEYS:
+        if config.get(key):
+            raise ValueError(f"LoRA adapter {path!r}: {key}={config[key]!r} is not supported "
+                             "(only plain LoRA)")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {path!r}: bias={config['bias']!r} is not supported "
                          "(only 'none')")

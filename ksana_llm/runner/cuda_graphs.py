@@ -97,16 +97,15 @@ class DecodeInputs:
     context lengths, then the block tables as [B, W]. B is the largest bucket, W the widest block
     table. A step fills the host mirror and copies the first `bucket` rows' worth of each.
     With LoRA slots (`lora_slots` > 0), `lora_mask` [B, lora_slots] marks each row's adapter
-    (a row of zeros: the base model, and the padding rows).
+    (a row of False: the base model, and the padding rows).
     """
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
-                 block_size: int, lora_slots: int = 0,
-                 lora_dtype: torch.dtype = torch.float32) -> None:
+                 block_size: int, lora_slots: int = 0) -> None:
         b, w = max_batch_size, max_blocks_per_seq
         self.max_batch_size, self.width, self.block_size = b, w, block_size
         self.device = device
-        self.lora_mask = torch.zeros(b, lora_slots, dtype=lora_dtype, device=device) \
+        self.lora_mask = torch.zeros(b, lora_slots, dtype=torch.bool, device=device) \
             if lora_slots else None
         self.longs = torch.zeros(3, b, dtype=torch.long, device=device)
         self.longs[2].fill_(-1)  # padding slots: no KV write
@@ -115,7 +114,7 @@ class DecodeInputs:
         self._host_longs = [torch.zeros(3, b, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._host_ints = [torch.zeros(b + b * w, dtype=torch.int32, pin_memory=pin)
                            for _ in range(2)]
-        self._host_lora = [torch.zeros(b, lora_slots, dtype=lora_dtype, pin_memory=pin)
+        self._host_lora = [torch.zeros(b, lora_slots, dtype=torch.bool, pin_memory=pin)
                            for _ in range(2)] if lora_slots else None
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
@@ -203,7 +202,7 @@ class DecodeInputs:
             host_lora[:bucket].zero_()
             rows = [(i, slot - 1) for i, slot in enumerate(lora_slots or ()) if slot]
             if rows:
-                host_lora[[r for r, _ in rows], [c for _, c in rows]] = 1
+                host_lora[[r for r, _ in rows], [c for _, c in rows]] = True
             self.lora_mask[:bucket].copy_(host_lora[:bucket], non_blocking=True)
         if self.device.type == "cuda":
             done = torch.cuda.Event()

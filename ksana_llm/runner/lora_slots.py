@@ -68,6 +68,23 @@ def adaptable_projections(model: nn.Module) -> dict[str, tuple[_Projection, int]
     return found
 
 
+def lora_device_bytes(model: nn.Module, *, num_slots: int, max_rank: int, dtype: torch.dtype,
+                      max_step_tokens: int) -> int:
+    """What `num_slots` slots take once every adaptable projection has its stacks (as under
+    CUDA graphs), plus the largest step's low-rank products."""
+    if not num_slots:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    projections = {p.name: p for p, _ in adaptable_projections(model).values()}
+    stacks = widest = 0
+    for projection in projections.values():
+        rows = num_slots * projection.num_parts * max_rank
+        out_features, in_features = projection.module.weight.shape
+        stacks += rows * (in_features + out_features) * element
+        widest = max(widest, rows)
+    return stacks + 2 * max_step_tokens * widest * element
+
+
 class LoraSlots:
     def __init__(self, model: nn.Module, *, num_slots: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -200,6 +217,6 @@ class LoraSlots:
         # extra first column, dropped, takes its write).
         column = torch.tensor([slot - lo + 1 if slot else 0 for slot in slice_slots],
                               dtype=torch.long)[token_slice]
-        mask = torch.zeros(token_slice.shape[0], hi - lo + 2, dtype=self.dtype)
-        mask[torch.arange(token_slice.shape[0]), column] = 1
+        mask = torch.zeros(token_slice.shape[0], hi - lo + 2, dtype=torch.bool)
+        mask[torch.arange(token_slice.shape[0]), column] = True
         return LoraBatch(self.weights, mask[:, 1:].contiguous(), first_slot=lo - 1)

@@ -149,25 +149,41 @@ def plan_device_blocks(model: nn.Module, *, device: torch.device, dtype: torch.d
                        block_size: int, max_step_tokens: int, max_num_seqs: int,
                        attention_backend: str, ratio: float | None,
                        reserved_ratio: float, num_draft_layers: int = 0,
-                       kv_cache_dtype: str = "auto") -> int:
+                       kv_cache_dtype: str = "auto", later_device_bytes: int = 0) -> int:
     """KV blocks for this model on this device: profiled on CUDA, a share of RAM on the CPU
     (`plan_num_blocks`, unchanged). Parallel runs are not profiled (a forward on rank 0 alone
     would wait for the other ranks in its collectives): they keep `plan_num_blocks`.
-    `kv_cache_dtype`: the cache's storage (`EngineConfig.kv_cache_dtype`)."""
+    `kv_cache_dtype`: the cache's storage (`EngineConfig.kv_cache_dtype`).
+    `later_device_bytes`: CUDA memory the engine takes after the KV cache (LoRA slots), which
+    the cache leaves free."""
     per_block = kv_bytes_per_block(model, block_size, cache_dtype_for(kv_cache_dtype, dtype),
                                    num_draft_layers)
     parallel = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
-    if device.type != "cuda" or parallel:
+    if device.type != "cuda":
         return plan_num_blocks(device, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
+    if parallel:
+        blocks = plan_num_blocks(device, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
+        return blocks_leaving_room(blocks, per_block, later_device_bytes)
     backend = resolve_attention_backend(attention_backend, model, device)
     profile = profile_memory(model, device=device, dtype=dtype, block_size=block_size,
                              kv_cache_dtype=kv_cache_dtype,
                              max_step_tokens=max_step_tokens, max_num_seqs=max_num_seqs,
                              attention_backend=backend)
-    blocks = kv_blocks_from_profile(profile, per_block, ratio=ratio, reserved_ratio=reserved_ratio)
+    blocks = blocks_leaving_room(kv_blocks_from_profile(profile, per_block, ratio=ratio,
+                                                reserved_ratio=reserved_ratio),
+                         per_block, later_device_bytes)
     logger.info("memory profile: %.2f GiB of %.2f GiB in use at the largest step's peak "
                 "(activations %.2f GiB) -> %d KV blocks (%.2f GiB)", profile.peak_used / 2**30,
                 profile.total / 2**30, profile.activation_peak / 2**30, blocks,
                 blocks * per_block / 2**30)
     return blocks
+
+
+def blocks_leaving_room(blocks: int, per_block: int, later_bytes: int) -> int:
+    """`blocks` less those `later_bytes` of later allocations would need."""
+    left = blocks - -(-later_bytes // per_block)
+    if left < 2:
+        raise ValueError(f"not enough device memory for the KV cache once {later_bytes / 2**20:.0f} "
+                         "MiB of LoRA slots are set aside; lower max_loras or max_lora_rank")
+    return left

@@ -219,8 +219,7 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
             # written into tensors the graphs already read.
             lora_weights = self.lora.allocate_all()
         inputs = DecodeInputs(max_batch_size, width, self.device, self.block_size,
-                              lora_slots=self.lora.num_slots if self.lora else 0,
-                              lora_dtype=self.dtype)
+                              lora_slots=self.lora.num_slots if self.lora else 0)
         graphs = DecodeGraphs(self._decode_forward, inputs, sizes=sizes,
                               sliding_window=self.sliding_window, kv_scales=self.kv_scales,
                               capture=capture, lora_weights=lora_weights)

@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from ksana_llm.api.engine import EngineDeadError
-from ksana_llm.server.errors import bad_request, engine_unavailable
+from ksana_llm.server.errors import APIError, bad_request, engine_unavailable
 from ksana_llm.server.openai_routes import parse_body
 from ksana_llm.server.state import server_state
 
@@ -62,6 +62,9 @@ async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     state = server_state(request)
     req = await parse_body(request, UnloadLoraAdapterRequest)
     state.check_alive()
+    if req.lora_name not in state.engine.lora_adapters:
+        raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found.",
+                       param="lora_name", code="lora_adapter_not_found")
     try:
         await asyncio.to_thread(state.engine.unload_lora_adapter, req.lora_name)
     except EngineDeadError as exc:

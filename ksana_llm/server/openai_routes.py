@@ -195,6 +195,10 @@ def _usage(prompt_tokens: int, choices: ChoiceSet) -> Usage:
                  total_tokens=prompt_tokens + completion)
 
 
+# The refusal's code, which tells a router to send the request to a decode server whole.
+LORA_NOT_TRANSFERABLE = "lora_kv_not_transferable"
+
+
 async def _request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
                           ) -> dict[str, Any]:
     """Engine `Request` fields for the request's LoRA adapter (its `model`) and its
@@ -207,7 +211,7 @@ async def _request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
         # The transferred KV does not say which adapter computed it; a router that sees this
         # refusal sends the request to a decode server whole.
         raise bad_request("kv_transfer_params cannot be used with a LoRA adapter.",
-                          param="kv_transfer_params")
+                          param="kv_transfer_params", code=LORA_NOT_TRANSFERABLE)
     return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
                                             num_sequences=sum(config.num_sequences
                                                             for _, config in jobs.items),

@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
 from ksana_llm.server.generation import finished_before_client_left
-from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST
+from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
                                         BodyLimitMiddleware)
 
@@ -82,6 +82,9 @@ class Router:
     stats: RouterStats = field(default_factory=RouterStats)
     _prefill: Iterator[str] = field(init=False)
     _decode: Iterator[str] = field(init=False)
+    # `model` names the prefill servers answered are LoRA adapters, whose KV does not transfer:
+    # their requests go to a decode server whole, without asking a prefill server again.
+    _adapters: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._prefill = itertools.cycle(self.config.prefill_urls)
@@ -95,7 +98,8 @@ class Router:
     async def prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any] | Response | None:
         """The decode server's `kv_transfer_params` from a prefill server; a Response to return
         as is (the request is bad); None to decode without it."""
-        if not self.config.prefill_urls or not _disaggregable(path, body):
+        if not self.config.prefill_urls or not _disaggregable(path, body) \
+                or body.get("model") in self._adapters:
             return None
         url = next(self._prefill)
         request = {k: body[k] for k in _PROMPT_FIELDS if k in body}
@@ -106,6 +110,9 @@ class Router:
         except httpx.HTTPError as exc:
             return self._prefill_failed(url, repr(exc))
         if response.status_code != 200:
+            if _error_code(response) == LORA_NOT_TRANSFERABLE:
+                self._adapters.add(body.get("model"))
+                return None
             if _client_error(response):
                 return _passed_on(response, response.content)
             return self._prefill_failed(url, f"status {response.status_code}: {response.text[:200]}")
@@ -168,16 +175,26 @@ def _passed_on(response: httpx.Response, content: bytes) -> Response:
                     media_type=response.headers.get("content-type"))
 
 
-def _client_error(response: httpx.Response) -> bool:
-    """Whether a prefill server's refusal is about the client's request (the decode server would
-    refuse it the same way), not about the prefill server or its KV-transfer part."""
-    if response.status_code not in (400, 404, 413):
-        return False
+def _error_body(response: httpx.Response) -> dict[str, Any]:
     try:
         error = response.json()["error"]
     except (ValueError, KeyError, TypeError):
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    return _error_body(response).get("code")
+
+
+def _client_error(response: httpx.Response) -> bool:
+    """Whether a prefill server's refusal is about the client's request (the decode server would
+    refuse it the same way), not about the prefill server or its KV-transfer part. An unknown
+    `model` is the prefill server's: decode servers may serve LoRA adapters it lacks."""
+    if response.status_code not in (400, 404, 413):
         return False
-    return isinstance(error, dict) and error.get("param") != "kv_transfer_params"
+    error = _error_body(response)
+    return bool(error) and error.get("param") not in ("kv_transfer_params", "model")
 
 
 class _RelayedStream(StreamingResponse):
