@@ -137,6 +137,25 @@ def test_load_and_unload_over_http(server, client, adapters, default_model):
     assert client.completions.create(model="sql", prompt=PROMPT, max_tokens=2).choices[0].text
 
 
+def test_metrics_name_the_adapters_in_use(server):
+    """vLLM's `lora_requests_info` gauge: the slots, and the adapters of running requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def info() -> dict[str, str]:
+        text = httpx.get(server.url + "/metrics").text
+        (family,) = [f for f in text_string_to_metric_families(text)
+                     if f.name == "ksana_llm:lora_requests_info"]
+        return family.samples[0].labels
+
+    assert (info()["max_lora"], info()["running_lora_adapters"]) == ("4", "")
+    body = {"model": "tone", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith("data:"))  # it runs
+        running = info()
+    assert (running["running_lora_adapters"], running["waiting_lora_adapters"]) == ("tone", "")
+
+
 def test_router_sends_adapter_requests_to_a_decode_server_whole(server, client):
     """Adapter requests are not disaggregated (their KV does not say which adapter computed
     it): the prefill server's refusal sends the first one straight to a decode server, with no

@@ -312,7 +312,9 @@ class Engine(LoraControl):
 
     # ---- introspection and lifecycle --------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return self._stats.snapshot(self._core.stats(), num_inbox=len(self._inbox))
+        return self._stats.snapshot(
+            self._core.stats(), num_inbox=len(self._inbox), max_loras=self._lora.num_slots,
+            lora_names={info.slot: info.name for info in self._lora.adapters()})
 
     @property
     def is_running(self) -> bool:

@@ -69,6 +69,14 @@ class CoreStats:
     # Prefill/decode disaggregation: prompt tokens whose KV came from (went to) another engine.
     num_imported_kv_tokens: int = 0
     num_exported_kv_tokens: int = 0
+    # LoRA: the adapter slots of running sequences, and of waiting or swapped-out ones.
+    running_lora_slots: tuple[int, ...] = ()
+    waiting_lora_slots: tuple[int, ...] = ()
+
+
+def _lora_slots(*queues: list[Sequence]) -> tuple[int, ...]:
+    return tuple(sorted({seq.lora_slot for queue in queues for seq in list(queue)
+                         if seq.lora_slot}))
 
 
 class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps, KvExportSteps):
@@ -163,7 +171,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
                          bm.num_free_blocks, bm.num_blocks, s.num_preemptions,
                          bm.prefix_queries, bm.prefix_hits, bm.peak_used_blocks,
                          self.num_draft_tokens, self.num_accepted_draft_tokens,
-                         s.num_imported_kv_tokens, self.num_exported_kv_tokens)
+                         s.num_imported_kv_tokens, self.num_exported_kv_tokens,
+                         _lora_slots(s.running), _lora_slots(s.waiting, s.swapped))
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:

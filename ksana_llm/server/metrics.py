@@ -18,7 +18,9 @@ Server usage:
 Series (all carry the label `model_name`):
 - gauges `ksana_llm:num_requests_running|waiting|swapped`, `ksana_llm:kv_cache_usage_perc`
   (0..1), `ksana_llm:prefix_cache_hit_rate` (0..1), `ksana_llm:num_kv_blocks`,
-  `ksana_llm:num_free_kv_blocks`, `ksana_llm:avg_generation_throughput_toks_per_s`
+  `ksana_llm:num_free_kv_blocks`, `ksana_llm:avg_generation_throughput_toks_per_s`, and with
+  LoRA slots vLLM's info gauge `ksana_llm:lora_requests_info{max_lora, running_lora_adapters,
+  waiting_lora_adapters}` (comma-separated adapter names; the value is the scrape time)
 - counters `ksana_llm:num_preemptions_total`, `ksana_llm:spec_decode_num_draft_tokens_total`,
   `ksana_llm:spec_decode_num_accepted_tokens_total`,
   `ksana_llm:kv_transfer_imported_tokens_total`, `ksana_llm:kv_transfer_exported_tokens_total`
@@ -121,6 +123,17 @@ class _EngineCollector(Collector):
                 family = kind(PREFIX + name, doc, labels=["model_name"])
                 family.add_metric(labels, float(value))
                 yield family
+        if stats.max_loras:
+            # vLLM's info gauge (the labels carry the data; the value is the scrape time), which
+            # LoRA-aware routers read to send requests where their adapter already runs.
+            info = GaugeMetricFamily(
+                PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests.",
+                labels=["model_name", "max_lora", "running_lora_adapters",
+                        "waiting_lora_adapters"])
+            info.add_metric([self.model_name, str(stats.max_loras),
+                             ",".join(stats.running_lora_adapters),
+                             ",".join(stats.waiting_lora_adapters)], time.time())
+            yield info
 
 
 class TokenTimer:
