@@ -167,13 +167,21 @@ def ours_configs(output_lens: list[int]) -> list[kt.GenerationConfig]:
     return [kt.GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in output_lens]
 
 
-def run_ours(engine: kt.Engine, workload: Workload) -> ThroughputResult:
-    """All requests at once through the engine, after a tiny warm-up."""
+def run_ours(engine: kt.Engine, workload: Workload,
+             loras: list[str | None] | None = None) -> ThroughputResult:
+    """All requests at once through the engine, after a tiny warm-up; `loras`: request i's
+    LoRA adapter (None: the base model for all)."""
     warm = [p[:8] for p in workload.prompts[:2]]
-    engine.generate_outputs(warm, ours_configs([4] * len(warm)), use_tqdm=False)
+    engine.generate_outputs(warm, ours_configs([4] * len(warm)), use_tqdm=False,
+                            lora=loras[0] if loras else None)
+    configs = ours_configs(workload.output_lens)
     start = time.perf_counter()
-    outputs = engine.generate_outputs(workload.prompts, ours_configs(workload.output_lens),
-                                      use_tqdm=False)
+    if loras is None:
+        outputs = engine.generate_outputs(workload.prompts, configs, use_tqdm=False)
+    else:
+        handles = [engine.submit(kt.Request(p, c, lora=lora))
+                   for p, c, lora in zip(workload.prompts, configs, loras)]
+        outputs = [h.result() for h in handles]
     wall = time.perf_counter() - start
     got = [len(o.token_ids) for o in outputs]
     bad = [(i, g, want) for i, (g, want) in enumerate(zip(got, workload.output_lens)) if g != want]
@@ -183,13 +191,13 @@ def run_ours(engine: kt.Engine, workload: Workload) -> ThroughputResult:
 
 
 def ours_batch1(engine: kt.Engine, prompt: list[int], new_tokens: int,
-                repeats: int) -> LatencyResult:
+                repeats: int, lora: str | None = None) -> LatencyResult:
     config = kt.GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate_outputs([prompt[:8]], [kt.GenerationConfig(max_new_tokens=4, ignore_eos=True)],
-                            use_tqdm=False)
+                            use_tqdm=False, lora=lora)
     per_token, ttfts = [], []
     for _ in range(repeats):
-        out = engine.generate_outputs([prompt], [config], use_tqdm=False)[0]
+        out = engine.generate_outputs([prompt], [config], use_tqdm=False, lora=lora)[0]
         n, m = len(out.token_ids), out.metrics
         if n != new_tokens or m.ttft is None or m.latency is None:
             raise RuntimeError(f"batch-1 run produced {n} tokens (wanted {new_tokens})")

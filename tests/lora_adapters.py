@@ -5,11 +5,11 @@ initialises B to zero, which would make every adapter a no-op); or, where PEFT i
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from ksana_llm.loader.lora import save_lora_adapter
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -34,17 +34,12 @@ def make_adapter(base: torch.nn.Module, folder: Path, *, seed: int, targets: lis
 
 def write_adapter_files(base: torch.nn.Module, folder: Path, *, seed: int, targets: list[str],
                         rank: int, std: float = 0.1) -> None:
-    """A random adapter in PEFT's format (config and safetensors), without PEFT: A and B of
-    every linear layer whose name ends in one of `targets`."""
+    """A random adapter in PEFT's format, without PEFT: A and B of every linear layer whose
+    name ends in one of `targets`."""
     torch.manual_seed(seed)
-    tensors = {}
-    for name, module in base.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-            key = f"base_model.model.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, module.in_features) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(module.out_features, rank) * std
-    folder.mkdir(parents=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
-         "bias": "none"}))
+    save_lora_adapter(folder, {
+        name: (torch.randn(rank, module.in_features) * std,
+               torch.randn(module.out_features, rank) * std)
+        for name, module in base.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets},
+        lora_alpha=2 * rank)

@@ -353,6 +353,19 @@ def test_gpu_benchmark_fp8_stage_smoke(tmp_path):
     assert report["throughput"]["ksana_llm"]["exact_lengths"]
 
 
+def test_gpu_benchmark_lora_stage_smoke(tmp_path):
+    """run.sh's engine-qwen3-lora stage: the workload through random adapters, its own file."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", "qwen3-0.6b", "--lora-adapters", "2",
+                              "--lora-rank", "4", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_qwen3-0.6b-lora2.json").read_text())
+    assert report["lora"] == {"adapters": 2, "rank": 4}
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+    assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
+    assert not report["errors"]
+
+
 def test_gpu_parity_smoke_mode_runs_on_cpu(tmp_path):
     """`benchmarks/gpu/parity.py --smoke`: CPU serial engine against the device-default engine
     (here the Triton interpreter with async scheduling and overlapped outputs), three rounds."""

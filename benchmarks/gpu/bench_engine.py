@@ -202,7 +202,38 @@ def engine_kwargs(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
         kwargs["block_device_memory_ratio"] = args.kv_ratio
     if args.num_device_blocks is not None:
         kwargs["num_device_blocks"] = args.num_device_blocks
+    if args.lora_modules:
+        kwargs.update(lora_modules=args.lora_modules, max_lora_rank=args.lora_rank)
     return kwargs
+
+
+# The projections a LoRA run's random adapters target: every one our engine adapts.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora_adapters(hf_model: Any, root: Path, count: int, rank: int) -> dict[str, str]:
+    """`count` random adapters of `hf_model` (rank `rank`, every projection), written in PEFT's
+    format under root/lora; name -> folder."""
+    from ksana_llm.loader.lora import save_lora_adapter
+
+    folders = {}
+    for i in range(count):
+        generator = torch.Generator().manual_seed(100 + i)
+        modules = {}
+        for name, module in hf_model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS:
+                modules[name] = (
+                    torch.randn(rank, module.in_features, generator=generator) * 0.02,
+                    torch.randn(module.out_features, rank, generator=generator) * 0.02)
+        folders[f"adapter{i}"] = str(root / "lora" / f"adapter{i}")
+        save_lora_adapter(folders[f"adapter{i}"], modules, lora_alpha=2 * rank)
+    return folders
+
+
+def workload_loras(args: argparse.Namespace, workload: Workload) -> list[str | None] | None:
+    """Request i's adapter (round robin over the adapters), or None without a LoRA run."""
+    names = sorted(args.lora_modules or {})
+    return [names[i % len(names)] for i in range(len(workload.prompts))] if names else None
 
 
 def run_ours_engine(model: kt.Model, workload: Workload, args: argparse.Namespace, *,
@@ -222,9 +253,12 @@ def run_ours_engine(model: kt.Model, workload: Workload, args: argparse.Namespac
         guarded(f"ksana_llm warm-up ({label})", errors, lambda: warm_up(engine, workload))
         if throughput:
             out["throughput"] = guarded(f"ksana_llm workload ({label})", errors,
-                                        lambda: run_ours(engine, workload))
+                                        lambda: run_ours(engine, workload,
+                                                         workload_loras(args, workload)))
         b1 = guarded(f"ksana_llm batch-1 ({label})", errors,
-                     lambda: ours_batch1(engine, b1_prompt, args.b1_new_tokens, args.b1_repeats))
+                     lambda: ours_batch1(engine, b1_prompt, args.b1_new_tokens, args.b1_repeats,
+                                         lora=min(args.lora_modules) if args.lora_modules
+                                         else None))
         out["batch1"] = None if b1 is None else asdict(b1)
         out["facts"] = {**engine_facts(engine, out["facts"]["startup_s"])}
     finally:
@@ -355,13 +389,20 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     params_bytes = 2 * (config.vocab_size * config.hidden_size * 2
                         + config.num_hidden_layers * 12 * config.hidden_size ** 2)
     root = temp_root(params_bytes)
-    report: dict[str, Any] = {"model": spec.name, "kv_cache_dtype": args.kv_cache_dtype, "shape": spec.shape if not args.smoke else TINY,
+    report: dict[str, Any] = {"model": spec.name, "kv_cache_dtype": args.kv_cache_dtype,
+                              # ours with random adapters, round robin over the requests; HF
+                              # generate_batch runs the base model
+                              "lora": {"adapters": args.lora_adapters, "rank": args.lora_rank}
+                              if args.lora_adapters else None,
+                              "shape": spec.shape if not args.smoke else TINY,
                               "device": torch.cuda.get_device_name(device)
                               if device.type == "cuda" else "cpu",
                               "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke}
     try:
         t0 = time.perf_counter()
         hf_model, folder = build_checkpoint(spec, device, dtype, args.smoke, root)
+        args.lora_modules = write_lora_adapters(hf_model, root, args.lora_adapters,
+                                                args.lora_rank) if args.lora_adapters else {}
         timings["build_and_save_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         model = kt.Model.from_pretrained(folder, device=str(device),
@@ -372,7 +413,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
         b1_prompt = batch1_prompt(args.b1_prompt_len, args.seed, allowed)
         report["workload"] = workload.summary()
         report["engine_config"] = {k: v for k, v in engine_kwargs(args, True).items()
-                                   if k != "enable_cuda_graphs"}
+                                   if k not in ("enable_cuda_graphs", "lora_modules")}
 
         t0 = time.perf_counter()
         on = run_ours_engine(model, workload, args, graphs=True, throughput=True,
@@ -500,10 +541,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-time-cap", type=float, default=None,
                    help="seconds before HF generate_batch is stopped (default: per model)")
     p.add_argument("--hf-page-size", type=int, default=256)
+    p.add_argument("--lora-adapters", type=int, default=0,
+                   help="serve the workload through this many random LoRA adapters (round robin; "
+                        "batch-1 on the first); HF runs the base model")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--b1-prompt-len", type=int, default=128)
     p.add_argument("--b1-new-tokens", type=int, default=128)
     p.add_argument("--b1-repeats", type=int, default=2)
     args = p.parse_args(argv)
+    args.lora_modules = {}  # name -> folder, written per model by bench_model
     if args.smoke:
         args.num_requests, args.min_len, args.max_len = 6, 8, 24
         args.max_step_tokens, args.max_num_seqs, args.max_model_len = 64, 8, 128
@@ -535,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         report["total_s"] = round(time.perf_counter() - start, 1)
         args.out.mkdir(parents=True, exist_ok=True)
         suffix = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
+        suffix += f"-lora{args.lora_adapters}" if args.lora_adapters else ""
         path = args.out / f"engine_{name}{suffix}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path} ({report['total_s']} s)", flush=True)

@@ -8,7 +8,8 @@
 # parity.py), engine-qwen3 / engine-llama8b (the reference workload: our engine vs HF
 # generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks); spec
 # (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
-# Qwen3 workload with an FP8 E4M3 KV cache) only when named.
+# Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
+# random rank-16 LoRA adapters, round robin) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -45,7 +46,7 @@ fi
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
 declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
-                  [engine-qwen3-fp8]=300)
+                  [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -78,6 +79,9 @@ for stage in "${STAGES[@]}"; do
         # the same with an FP8 (E4M3) KV cache: twice the tokens in the same memory
         engine-qwen3-fp8) run_stage engine-qwen3-fp8 "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --kv-cache-dtype fp8_e4m3 --out "$RESULTS" ;;
+        # the same through 4 LoRA adapters (HF generate_batch runs the base model)
+        engine-qwen3-lora) run_stage engine-qwen3-lora "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models qwen3-0.6b --lora-adapters 4 --out "$RESULTS" ;;
         # the same at the Llama-3-8B shape
         engine-llama8b) run_stage engine-llama8b "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models llama-3-8b --out "$RESULTS" ;;
@@ -89,7 +93,7 @@ for stage in "${STAGES[@]}"; do
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
-                "engine-qwen3-fp8 engine-llama8b decode prefill spec)" >&2; exit 2 ;;
+                "engine-qwen3-fp8 engine-qwen3-lora engine-llama8b decode prefill spec)" >&2; exit 2 ;;
     esac
 done
 

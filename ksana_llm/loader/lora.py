@@ -143,3 +143,26 @@ def load_lora_adapter(path: str) -> LoraAdapter:
         scaling = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         modules[module] = LoraModuleWeights(a, b * scaling)
     return LoraAdapter(path, modules)
+
+
+def save_lora_adapter(folder: str | os.PathLike[str],
+                      modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *,
+                      lora_alpha: float) -> None:
+    """Write a LoRA adapter in PEFT's format (what `load_lora_adapter` and PEFT read):
+    `modules` maps a checkpoint module name (`model.layers.0.self_attn.q_proj`) to its
+    (A [r, in], B [out, r]); one rank for all modules."""
+    from safetensors.torch import save_file
+
+    ranks = {int(a.shape[0]) for a, _ in modules.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"save_lora_adapter: one rank for every module, got {sorted(ranks)}")
+    os.makedirs(folder, exist_ok=True)
+    tensors = {}
+    for name, (a, b) in modules.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS[0]))
+    targets = sorted({name.rsplit(".", 1)[-1] for name in modules})
+    with open(os.path.join(folder, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump({"peft_type": "LORA", "r": ranks.pop(), "lora_alpha": lora_alpha,
+                   "target_modules": targets, "bias": "none"}, f, indent=2)
