@@ -299,3 +299,23 @@ def test_a_rank_that_refuses_an_adapter_fails_the_load_not_the_engine(tiny, tmp_
         engine.load_lora_adapter("all", str(folder / "all"))
         got = submit_all(engine, [(PROMPTS[0], None), (PROMPTS[1], "all")])
     assert got == [expected_tokens(base, PROMPTS[0]), expected_tokens(adapters["all"], PROMPTS[1])]
+
+
+def test_saved_adapters_are_read_by_peft_and_by_the_engine_alike(tiny, tmp_path):
+    """`save_lora_adapter` writes PEFT's format: PEFT loads the file and the engine gives its
+    logits."""
+    import copy
+
+    from peft import PeftModel
+
+    from tests.lora_adapters import write_adapter_files
+
+    folder, base, _ = tiny
+    write_adapter_files(base, tmp_path / "saved", seed=7, targets=["v_proj", "gate_proj"], rank=3)
+    reference = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "saved").eval()
+    with make_engine(folder / "base", lora_modules={"saved": str(tmp_path / "saved")}) as engine:
+        logits = engine.forward(PROMPTS[0], [{"target_name": "logits"}], lora="saved")
+    torch.testing.assert_close(logits.targets[0].tensor, hf_reference(reference)(PROMPTS[0]),
+                               atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(logits.targets[0].tensor, hf_reference(base)(PROMPTS[0]),
+                              atol=1e-3)
