@@ -70,14 +70,19 @@ def submit_all(engine: kt.Engine, jobs: list[tuple[list[int], str | None]]) -> l
     return [handle.result().token_ids for handle in handles]
 
 
-def test_mixed_batch_matches_peft(tiny):
+@pytest.mark.parametrize("step_loop", ["sync", "async"])
+def test_mixed_batch_matches_peft(tiny, step_loop):
     """Base and three adapters in the same steps: every request gets its own model's tokens,
-    and the logits of a forward pass equal PEFT's."""
+    and the logits of a forward pass equal PEFT's; also with the GPU's step loop (async
+    scheduling: a step launched before the previous one's tokens are read back; outputs
+    processed during the next step)."""
     folder, base, adapters = tiny
     modules = {name: str(folder / name) for name in adapters}
     jobs = [(prompt, lora) for lora in (None, *adapters) for prompt in PROMPTS]
     references = {None: base, **adapters}
-    with make_engine(folder / "base", lora_modules=modules) as engine:
+    loop = dict(async_scheduling=True, overlap_output_processing=True) \
+        if step_loop == "async" else {}
+    with make_engine(folder / "base", lora_modules=modules, **loop) as engine:
         assert engine.lora_adapters == modules
         got = submit_all(engine, jobs)
         logits = {lora: engine.forward(PROMPTS[0], [{"target_name": "logits"}], lora=lora)
