@@ -324,3 +324,54 @@ def test_saved_adapters_are_read_by_peft_and_by_the_engine_alike(tiny, tmp_path)
                                atol=1e-4, rtol=1e-4)
     assert not torch.allclose(logits.targets[0].tensor, hf_reference(base)(PROMPTS[0]),
                               atol=1e-3)
+
+
+def test_fused_checkpoint_names_go_through_the_weight_map(tmp_path):
+    """Qwen v1 stores q/k/v as one `c_attn` and names its MLP w1/w2/c_proj; an adapter trained
+    on it names those modules. Its weight map renames them as it renames the weights, and a
+    `c_attn` adapter (one A for q, k and v, B's rows split between them) applies to the fused
+    projection. Reference: PEFT on transformers' Qwen2 with the same numbers (the Qwen v1
+    checkpoint is that model rearranged, and the c_attn adapter its q/k/v adapters stacked)."""
+    from safetensors.torch import load_file
+
+    from ksana_llm.loader.lora import save_lora_adapter
+    from tests.family_harness import write_checkpoint
+    from tests.test_family_qwen import qwen_v1_config, qwen_v1_reference, qwen_v1_tensors
+
+    hf = qwen_v1_reference()
+    folder = write_checkpoint(tmp_path / "qwen", qwen_v1_config(), qwen_v1_tensors(hf),
+                              "safetensors")
+    rank = 4
+    peft_model = make_adapter(hf, tmp_path / "qwen2-adapter", seed=6, targets=ALL_TARGETS,
+                              rank=rank)
+    ab = load_file(tmp_path / "qwen2-adapter" / "adapter_model.safetensors")
+
+    def pair(layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        key = f"base_model.model.model.layers.{layer}.{module}"
+        return ab[f"{key}.lora_A.weight"], ab[f"{key}.lora_B.weight"]
+
+    def padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every module at rank 3r (the stacked c_attn's), zeros beyond its own r.
+        return (torch.cat([a, a.new_zeros(2 * rank, a.shape[1])]),
+                torch.cat([b, b.new_zeros(b.shape[0], 2 * rank)], dim=1))
+
+    modules = {}
+    for i in range(hf.config.num_hidden_layers):
+        q, k, v = (pair(i, f"self_attn.{p}_proj") for p in "qkv")
+        modules[f"transformer.h.{i}.attn.c_attn"] = (torch.cat([q[0], k[0], v[0]]),
+                                                     torch.block_diag(q[1], k[1], v[1]))
+        modules[f"transformer.h.{i}.attn.c_proj"] = padded(*pair(i, "self_attn.o_proj"))
+        modules[f"transformer.h.{i}.mlp.w1"] = padded(*pair(i, "mlp.up_proj"))
+        modules[f"transformer.h.{i}.mlp.w2"] = padded(*pair(i, "mlp.gate_proj"))
+        modules[f"transformer.h.{i}.mlp.c_proj"] = padded(*pair(i, "mlp.down_proj"))
+    # The same scaling as the reference's alpha / r = 2r / r, at rank 3r.
+    save_lora_adapter(tmp_path / "v1-adapter", modules, lora_alpha=2 * 3 * rank)
+
+    with make_engine(folder, lora_modules={"v1": str(tmp_path / "v1-adapter")},
+                     max_lora_rank=3 * rank) as engine:
+        got = engine.generate_outputs(PROMPTS, use_tqdm=False, lora="v1")
+        logits = engine.forward(PROMPTS[0], [{"target_name": "logits"}], lora="v1")
+    assert [o.token_ids for o in got] == [expected_tokens(peft_model, p) for p in PROMPTS]
+    torch.testing.assert_close(logits.targets[0].tensor, hf_reference(peft_model)(PROMPTS[0]),
+                               atol=1e-4, rtol=1e-4)
+    assert [o.token_ids for o in got] != [expected_tokens(hf, p) for p in PROMPTS]

@@ -17,6 +17,7 @@ from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.scheduler import SchedulerConfig
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
+from ksana_llm.loader.weight_map import find_weight_map
 from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
 from ksana_llm.runner.drafting import draft_layers_for
 from ksana_llm.runner.lora_slots import lora_device_bytes
@@ -65,7 +66,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
                          kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
                          max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,
-                         lora_adapters=list(lora_adapters))
+                         lora_adapters=list(lora_adapters),
+                         lora_weight_map=lora_weight_map(model) if cfg.num_lora_slots else None)
     runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
     if model.runtime is not None:
         # A parallel run: every step also goes to the worker ranks, which build the same
@@ -104,6 +106,12 @@ def kv_scales(model: Model, cache_dtype: torch.dtype, cfg: EngineConfig) -> list
         logger.warning("kv_cache_dtype %s without %s in %s: every layer's scale is 1.0",
                        cfg.kv_cache_dtype, KV_SCALES_FILENAME, model.path)
     return scales
+
+
+def lora_weight_map(model: Model) -> str | None:
+    """The model's weight-name map file, which adapters' module names go through too."""
+    found = find_weight_map(model.path, getattr(model.hf_config, "model_type", None))
+    return None if found is None else str(found)
 
 
 def resolve_async_scheduling(cfg: EngineConfig, model: Model) -> bool:

@@ -21,8 +21,13 @@ from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.lora import LoraBatch, LoraWeights
 from ksana_llm.layers.parallel import RowParallelLinear
 from ksana_llm.loader.lora import LoraAdapter, load_lora_adapter
+from ksana_llm.loader.weight_map import WeightMap
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+# The part index of an adapter module that covers a fused projection whole (a checkpoint that
+# stores q/k/v as one matmul, like Qwen v1's `c_attn` or Baichuan's `W_pack`): its A feeds every
+# part, and its B's rows split into the parts.
+WHOLE = -1
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,8 @@ class _Projection:
 def adaptable_projections(model: nn.Module) -> dict[str, tuple[_Projection, int]]:
     """Checkpoint module name (`model.layers.3.self_attn.q_proj`) -> (projection, part index)
     for every projection the decoder layers apply adapters to: those of attention and MLP
-    modules that take the step's adapters (`accepts_lora`)."""
+    modules that take the step's adapters (`accepts_lora`). A fused projection is also listed
+    under its own name (`...self_attn.qkv_proj`), with part index WHOLE."""
     fused_by_module: dict[str, list[tuple[str, int]]] = {}
     for part, (fused, index) in getattr(model, "fused_parts", {}).items():
         fused_by_module.setdefault(fused, []).append((part, index))
@@ -57,6 +63,7 @@ def adaptable_projections(model: nn.Module) -> dict[str, tuple[_Projection, int]
                 if isinstance(child, MergedLinear):
                     parts = {f"{layer_name}.{role}.{part}": index
                              for part, index in fused_by_module.get(child_name, [])}
+                    parts[name] = WHOLE
                 elif isinstance(child, RowParallelLinear):
                     parts = {name: 0}
                 else:
@@ -87,7 +94,8 @@ def lora_device_bytes(model: nn.Module, *, num_slots: int, max_rank: int, dtype:
 
 class LoraSlots:
     def __init__(self, model: nn.Module, *, num_slots: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 name_map: WeightMap | None = None) -> None:
         if num_slots < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be at least 1")
         self.model = model
@@ -96,6 +104,9 @@ class LoraSlots:
         self.device = device
         self.dtype = dtype
         self.projections = adaptable_projections(model)
+        # The model's weight-name map (Qwen v1, Baichuan, ...): adapters name the checkpoint's
+        # modules, which the map renames as it renames their weights.
+        self.name_map = name_map
         self.weights: dict[str, LoraWeights] = {}  # projection name -> its stacks
         self.paths: dict[int, str] = {}  # slot -> adapter folder
 
@@ -129,22 +140,38 @@ class LoraSlots:
         """Where each of the adapter's modules goes; every module is checked before anything
         is written, so a bad adapter leaves the slot as it was."""
         out = []
-        for module, weights in adapter.modules.items():
-            target = self.projections.get(module)
+        taken: dict[tuple[str, int], str] = {}  # (projection, part) -> the module filling it
+        for checkpoint_module, weights in adapter.modules.items():
+            module = self._our_name(checkpoint_module)
+            target = self.projections.get(module) if module is not None else None
             if target is None:
                 if self._on_other_stage(module):
                     continue
-                raise ValueError(f"LoRA adapter {adapter.path!r}: module {module!r} cannot be "
-                                 "adapted here (supported: the q/k/v/o and gate/up/down "
+                raise ValueError(f"LoRA adapter {adapter.path!r}: module {checkpoint_module!r} "
+                                 "cannot be adapted here (supported: the q/k/v/o and gate/up/down "
                                  "projections of the decoder layers)")
             projection, index = target
-            self._check_shapes(adapter.path, module, projection, index, weights.a, weights.b)
+            self._check_shapes(adapter.path, checkpoint_module, projection, index, weights.a,
+                               weights.b)
+            parts = range(projection.num_parts) if index == WHOLE else (index,)
+            for part in parts:
+                other = taken.setdefault((projection.name, part), checkpoint_module)
+                if other != checkpoint_module:
+                    raise ValueError(f"LoRA adapter {adapter.path!r}: {other} and "
+                                     f"{checkpoint_module} both adapt {projection.name}")
             out.append((projection, index, weights))
         return out
 
-    def _on_other_stage(self, module: str) -> bool:
+    def _our_name(self, module: str) -> str | None:
+        """The module's name in our model (None: the weight map drops it)."""
+        if self.name_map is None:
+            return module
+        mapped = self.name_map.map_name(module + ".weight")
+        return None if mapped is None else mapped.removesuffix(".weight")
+
+    def _on_other_stage(self, module: str | None) -> bool:
         """A decoder layer another pipeline stage runs (this stage holds a placeholder)."""
-        match = _LAYER_INDEX.match(module)
+        match = _LAYER_INDEX.match(module or "")
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         if match is None or layers is None or int(match[1]) >= len(layers):
             return False
@@ -156,7 +183,8 @@ class LoraSlots:
                       a: torch.Tensor, b: torch.Tensor) -> None:
         linear = projection.module
         if isinstance(linear, MergedLinear):
-            in_features, out_features = linear.weight.shape[1], linear.full_sizes[index]
+            in_features = linear.weight.shape[1]
+            out_features = sum(linear.full_sizes) if index == WHOLE else linear.full_sizes[index]
         else:
             in_features, out_features = linear.in_features, linear.weight.shape[0]
         fits = a.shape[1] == in_features and b.shape[0] == out_features
@@ -186,6 +214,11 @@ class LoraSlots:
 
     def _write(self, projection: _Projection, index: int, slot: int,
                a: torch.Tensor, b: torch.Tensor) -> None:
+        if index == WHOLE:  # every part: the same A, its own rows of B
+            linear = projection.module
+            for part, rows in enumerate(b.split(linear.full_sizes, dim=0)):
+                self._write(projection, part, slot, a, rows)
+            return
         stacks = self._stacks(projection)
         linear = projection.module
         rank = a.shape[0]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ksana_llm.kernels.kv_quant import cache_dtype_for
+from ksana_llm.loader.weight_map import load_weight_map
 from ksana_llm.layers.attention import (AttentionMetadata, DecodeGroup, KernelBatch, KVCache,
                                         KVCacheSpec, PrefillChunk, allocate_kv_cache, block_runs,
                                         copy_cache_blocks)
@@ -131,8 +132,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
                  cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE,
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto",
                  kv_scales: Sequence[float] | None = None, max_loras: int = 0,
-                 max_lora_rank: int = 16, lora_adapters: Sequence[tuple[int, str]] = ()
-                 ) -> None:
+                 max_lora_rank: int = 16, lora_adapters: Sequence[tuple[int, str]] = (),
+                 lora_weight_map: str | None = None) -> None:
         self.model = model
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
@@ -149,11 +150,14 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         self.kv_scales = tuple(float(s) for s in kv_scales or ())
         self.block_size = block_size
         self.sliding_window = model.sliding_window
-        # LoRA: `max_loras` adapter slots; `lora_adapters` are (slot, folder) loaded now.
+        # LoRA: `max_loras` adapter slots; `lora_adapters` are (slot, folder) loaded now;
+        # `lora_weight_map`: the model's weight-name map file, which renames adapters' modules.
         self.lora: LoraSlots | None = None
         if max_loras:
             self.lora = LoraSlots(model, num_slots=max_loras, max_rank=max_lora_rank,
-                                  device=device, dtype=dtype)
+                                  device=device, dtype=dtype,
+                                  name_map=load_weight_map(lora_weight_map)
+                                  if lora_weight_map else None)
             for slot, path in lora_adapters:
                 self.lora.load(slot, path)
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
