@@ -304,6 +304,11 @@ def test_a_rank_that_refuses_an_adapter_fails_the_load_not_the_engine(tiny, tmp_
         engine.load_lora_adapter("all", str(folder / "all"))
         got = submit_all(engine, [(PROMPTS[0], None), (PROMPTS[1], "all")])
     assert got == [expected_tokens(base, PROMPTS[0]), expected_tokens(adapters["all"], PROMPTS[1])]
+    # The same adapter given at start-up: the engine does not start, with the worker's reason.
+    model = Model.from_pretrained(folder / "base", device="cpu", dtype="float32", progress=False,
+                                  pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="experts' cannot be adapted"):
+        kt.Engine(model, block_token_num=4, num_device_blocks=128, lora_modules={"bad": bad})
 
 
 def test_saved_adapters_are_read_by_peft_and_by_the_engine_alike(tiny, tmp_path):

@@ -66,7 +66,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
                          kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
                          max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,
-                         lora_adapters=list(lora_adapters),
+                         # A parallel run loads them below, where every rank's refusal is heard.
+                         lora_adapters=list(lora_adapters) if model.runtime is None else [],
                          lora_weight_map=lora_weight_map(model) if cfg.num_lora_slots else None)
     runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
     if model.runtime is not None:
@@ -74,6 +75,12 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         # runner (same block count, so block tables mean the same thing everywhere).
         runner = DistributedRunner(runner, model.runtime, runner_kwargs, model.workers,
                                    on_failure=on_worker_failure)
+        try:
+            for slot, path in lora_adapters:
+                runner.load_lora(slot, path)
+        except BaseException:
+            runner.close()
+            raise
     scheduler_config = SchedulerConfig(
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
         split_fuse_token_num=cfg.split_fuse_token_num, preempt_mode=cfg.preempt_mode,
