@@ -49,12 +49,9 @@ class LoraControl:
     def _unload(self, name: str) -> None:
         # On the engine thread, after every request submitted before the call reached the core.
         info = self._lora.resolve(name)
-        scheduler = self._core.scheduler
-        users = sum(1 for seq in (*scheduler.waiting, *scheduler.running, *scheduler.swapped)
-                    if seq.lora_slot == info.slot)
-        if users:
-            raise ValueError(f"lora_name: adapter {name!r} is used by {users} queued or running "
-                             "sequences")
+        if info.slot in self._core.lora_slots_in_use():
+            raise ValueError(f"lora_name: adapter {name!r} is used by queued or running "
+                             "requests")
         self._lora.remove(name)
         self._core.runner.clear_lora(info.slot)
 

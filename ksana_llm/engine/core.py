@@ -165,6 +165,11 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
         return (self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
                 or bool(self._captures_in_flight))
 
+    def lora_slots_in_use(self) -> set[int]:
+        """The LoRA adapter slots of every queued, running or swapped-out sequence."""
+        s = self.scheduler
+        return set(_lora_slots(s.waiting, s.running, s.swapped))
+
     def stats(self) -> CoreStats:
         s, bm = self.scheduler, self.block_manager
         return CoreStats(len(s.waiting), len(s.running), len(s.swapped), bm.usage,
