@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -23,9 +24,9 @@ _TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab
                           r"(?:\.[^.]+)?\.weight$")
 
 # Config fields that change what the adapter computes, with the value we implement.
-_REQUIRED_VALUES: Mapping[str, Any] = {
+_REQUIRED_VALUES: Mapping[str, Any] = MappingProxyType({
     "use_dora": False, "fan_in_fan_out": False, "lora_bias": False,
-}
+})
 # PEFT's other LoRA variants and options that change the forward pass or the base model
 # (activated LoRA, Arrow routing, block-diagonal LoRA, KaSA, layer replication, QA-LoRA,
 # Megatron layers, MonteCLoRA, VeLoRA, LoRA on raw parameters, trainable token rows): refused
