@@ -209,8 +209,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         type=_lora_module,
                         help="PEFT LoRA adapters to serve, each under its name")
     parser.add_argument("--max-loras", type=int, default=None,
-                        help="adapter slots on the device (default: the number of "
-                             "--lora-modules)")
+                        help="adapter slots on the device: the most adapters in one step; "
+                             "more adapters take turns (default: the number of --lora-modules, "
+                             "at most 4)")
     parser.add_argument("--max-lora-rank", type=int, default=None,
                         help="the largest adapter rank a slot holds (default: 16)")
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",

@@ -19,6 +19,10 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
 # A server's part in prefill/decode disaggregation (`serve --kv-role`, YAML connector.group_role).
 KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 
+# LoRA slots when max_loras is not set and lora_modules are: each slot costs device memory, and
+# (under CUDA graphs) its low-rank products in every decode step.
+DEFAULT_MAX_LORAS = 4
+
 
 class EngineConfig(BaseModel):
     """Validated, immutable engine settings. Invalid values raise a ValueError naming the field."""
@@ -106,8 +110,10 @@ class EngineConfig(BaseModel):
                     "picks one by name (Request.lora; the OpenAI `model` field)")
     max_loras: int | None = Field(
         None, ge=1, le=64,
-        description="adapter slots kept on the device, all usable in one batch; default: the "
-                    "number of lora_modules (more leaves room for Engine.load_lora_adapter)")
+        description="adapter slots on the device: the most distinct adapters in one step. Any "
+                    "number of adapters may be loaded (each held in host memory); one whose "
+                    "requests arrive while every slot is used waits for a free slot. Default: "
+                    f"the number of lora_modules, at most {DEFAULT_MAX_LORAS}")
     max_lora_rank: int = Field(16, ge=1, le=1024, description="the largest adapter rank a slot "
                                                             "holds")
 
@@ -125,12 +131,9 @@ class EngineConfig(BaseModel):
             if not name or name != name.strip():
                 raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, without "
                                  "surrounding spaces")
-        if self.max_loras is not None and len(self.lora_modules) > self.max_loras:
-            raise ValueError(f"lora_modules: {len(self.lora_modules)} adapters do not fit "
-                             f"max_loras ({self.max_loras})")
         return self
 
     @property
     def num_lora_slots(self) -> int:
         """Adapter slots the engine allocates (0: LoRA off)."""
-        return self.max_loras or len(self.lora_modules)
+        return self.max_loras or min(len(self.lora_modules), DEFAULT_MAX_LORAS)

@@ -255,8 +255,10 @@ def test_graph_decode_with_lora_adapters_equals_eager_decode(tmp_path, device):
     module = Model.from_pretrained(tmp_path / "base", device=device, dtype="float32",
                                    progress=False).module
     driver = GraphDriver(module, torch.device(device), max_graph_batch=4, max_loras=3,
-                         max_lora_rank=4, lora_adapters=[(1, str(tmp_path / "a")),
-                                                         (3, str(tmp_path / "b"))])
+                         max_lora_rank=4, lora_adapters=[(7, str(tmp_path / "a")),
+                                                         (8, str(tmp_path / "b"))])
+    driver.runner.lora.activate(1, 7)  # adapter ids 7 and 8 into slots 1 and 3
+    driver.runner.lora.activate(3, 8)
     torch.manual_seed(3)
     seqs = [Sequence(f"s{i}", torch.randint(3, 256, (n,)).tolist(), GenerationConfig())
             for i, n in enumerate((5, 11, 7))]

@@ -135,9 +135,37 @@ def test_beam_search_and_samples_keep_the_adapter(tiny):
     assert [s.token_ids for s in out.sequences] != [s.token_ids for s in base_out.sequences]
 
 
+@pytest.mark.parametrize("case", ["one-slot", "two-slots-async", "preempt-swap",
+                                  "preempt-recompute"])
+def test_more_adapters_than_slots_take_turns_and_match_peft(tiny, case):
+    """Three adapters and base requests, all submitted at once, on fewer slots than adapters:
+    an adapter waits for a slot its requests' predecessors free, and every request still gets
+    PEFT's tokens, also with the GPU's step loop and when sequences are preempted (swapped out
+    with their adapter's slot kept, or freed and readmitted into whichever slot is free). A
+    second wave needs an adapter that was moved out of its slot back in."""
+    folder, base, adapters = tiny
+    settings = {"one-slot": dict(max_loras=1),
+                "two-slots-async": dict(max_loras=2, async_scheduling=True,
+                                        overlap_output_processing=True),
+                "preempt-swap": dict(max_loras=2, num_device_blocks=24, preempt_mode=0),
+                "preempt-recompute": dict(max_loras=2, num_device_blocks=24, preempt_mode=1),
+                }[case]
+    modules = {name: str(folder / name) for name in adapters}
+    jobs = [(prompt, lora) for prompt in PROMPTS for lora in (*adapters, None)]
+    references = {None: base, **adapters}
+    with make_engine(folder / "base", lora_modules=modules, **settings) as engine:
+        got = [submit_all(engine, jobs) for _ in range(2)]
+        stats = engine.stats()
+    expected = [expected_tokens(references[lora], prompt) for prompt, lora in jobs]
+    assert got == [expected, expected]
+    assert stats.max_loras == settings["max_loras"]
+    assert stats.num_lora_slot_loads > len(adapters)  # an adapter came back for the second wave
+    assert (stats.num_preemptions > 0) == case.startswith("preempt")
+
+
 def test_load_and_unload_while_serving(tiny):
-    """Adapters loaded and unloaded at run time; a name reloaded with another adapter serves
-    the new one (no stale prefix-cache blocks)."""
+    """Adapters loaded and unloaded at run time, more of them than the engine's one slot; a
+    name reloaded with another adapter serves the new one (no stale prefix-cache blocks)."""
     folder, base, adapters = tiny
     prompt = PROMPTS[0]
     with make_engine(folder / "base", max_loras=1) as engine:
@@ -149,9 +177,12 @@ def test_load_and_unload_while_serving(tiny):
             == expected_tokens(adapters["all"], prompt)
         with pytest.raises(ValueError, match="already loaded"):
             engine.load_lora_adapter("x", str(folder / "patterns"))
-        with pytest.raises(ValueError, match="slots"):
-            engine.load_lora_adapter("y", str(folder / "patterns"))
-        # In use: a long request holds the slot.
+        engine.load_lora_adapter("y", str(folder / "qv-rslora"))  # a second adapter, one slot
+        assert engine.lora_adapters == {"x": str(folder / "all"), "y": str(folder / "qv-rslora")}
+        assert engine.generate_outputs([prompt], use_tqdm=False, lora="y")[0].token_ids \
+            == expected_tokens(adapters["qv-rslora"], prompt)
+        engine.unload_lora_adapter("y")
+        # In use: a long request holds the adapter.
         long_request = engine.submit(kt.Request(prompt, {"max_new_tokens": 400}, lora="x"))
         with pytest.raises(ValueError, match="used by"):
             engine.unload_lora_adapter("x")
@@ -217,8 +248,8 @@ def test_bad_adapters_are_clear_errors(tiny, tmp_path):
             engine.submit(kt.Request(PROMPTS[0], lora=3))
         with pytest.raises(ValueError, match="export_kv does not work with a LoRA adapter"):
             engine.submit(kt.Request(PROMPTS[0], lora="bad", export_kv=True))
-    with pytest.raises(ValueError, match="lora_modules"):
-        kt.EngineConfig(lora_modules={"a": "x", "b": "y"}, max_loras=1)
+    assert kt.EngineConfig(lora_modules={"a": "x", "b": "y"}, max_loras=1).num_lora_slots == 1
+    assert kt.EngineConfig(lora_modules={str(i): "x" for i in range(6)}).num_lora_slots == 4
     with make_engine(folder / "base") as engine, pytest.raises(ValueError, match="no LoRA slots"):
         engine.load_lora_adapter("a", str(good))
 
@@ -226,13 +257,13 @@ def test_bad_adapters_are_clear_errors(tiny, tmp_path):
 def test_tensor_parallel_adapters_match_peft(tiny):
     """Two gloo ranks: column-parallel projections split B's rows, row-parallel ones A's
     columns; tokens and logits equal PEFT's, for an adapter loaded at start-up and one loaded
-    while serving."""
+    while serving, which take turns in the one slot on both ranks."""
     folder, base, adapters = tiny
     model = Model.from_pretrained(folder / "base", device="cpu", dtype="float32", progress=False,
                                   tensor_parallel_size=2)
     config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
     with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
-                   lora_modules={"all": str(folder / "all")}, max_loras=2) as engine:
+                   lora_modules={"all": str(folder / "all")}, max_loras=1) as engine:
         engine.load_lora_adapter("patterns", str(folder / "patterns"))
         jobs = [(PROMPTS[0], None), (PROMPTS[0], "all"), (PROMPTS[2], "patterns")]
         got = submit_all(engine, jobs)

@@ -667,3 +667,60 @@ def test_admission_reserves_the_width_of_a_multi_sequence_request():
     assert plan(step(sched)) == [("a", 4)]  # 1 running + 4 reserved > 4
     sched.finish(a)
     assert plan(step(sched)) == [("b", 4)]
+
+
+# ---- LoRA slots -------------------------------------------------------------------------------
+def lora_seq(request_id: str, lora_id: int, tokens: int = 4) -> Sequence:
+    seq = make_seq(request_id, tokens)
+    seq.lora_id = lora_id
+    return seq
+
+
+def test_more_adapters_than_slots_wait_while_the_others_run():
+    """Two slots, three adapters: the third adapter's request waits (the base request and a
+    request of a resident adapter behind it go ahead), then takes the slot the first adapter
+    to go idle frees; a slot is reloaded only when its adapter changes, least recently used
+    first."""
+    sched = make_scheduler(max_step_tokens=100, max_loras=2)
+    a, b, c, d, e = (lora_seq("a", 1), lora_seq("b", 2), lora_seq("c", 3), lora_seq("d", 0),
+                     lora_seq("e", 1))
+    for seq in (a, b, c, d, e):
+        sched.add(seq)
+    out = step(sched)
+    assert plan(out) == [("a", 4), ("b", 4), ("d", 4), ("e", 4)]
+    assert out.lora_loads == [(1, 1), (2, 2)]
+    assert [s.lora_slot for s in (a, b, d, e)] == [1, 2, 0, 1]
+    assert ids(sched.waiting) == ["c"]
+
+    out = step(sched)  # every slot still held
+    assert plan(out) == [("a", 1), ("b", 1), ("d", 1), ("e", 1)] and out.lora_loads == []
+    sched.finish(b)
+    out = step(sched)
+    assert plan(out) == [("a", 1), ("d", 1), ("e", 1), ("c", 4)]
+    assert out.lora_loads == [(2, 3)] and c.lora_slot == 2
+
+    for seq in (a, e, c):
+        sched.finish(seq)
+    f, g = lora_seq("f", 4), lora_seq("g", 3)
+    sched.add(f)
+    sched.add(g)
+    out = step(sched)
+    # Adapter 1 (slot 1) went idle before adapter 3 (slot 2): f's adapter replaces it; g's
+    # adapter is still resident.
+    assert plan(out) == [("d", 1), ("f", 4), ("g", 4)]
+    assert out.lora_loads == [(1, 4)] and (f.lora_slot, g.lora_slot) == (1, 2)
+    assert sched.num_lora_loads == 4
+
+
+def test_lora_residency_keeps_held_adapters():
+    from ksana_llm.engine.lora_residency import LoraResidency
+
+    slots = LoraResidency(2)
+    assert (slots.place(10, set()), slots.place(11, set())) == (1, 2)
+    assert slots.place(12, {10, 11}) is None  # both held: nothing moves
+    assert slots.place(12, {11}) == 1 and slots.resident == {1: 12, 2: 11}
+    assert slots.place(13, {12}) == 2
+    # Both slots were refilled before a step ran: only each slot's last load is copied.
+    assert slots.take_loads() == [(1, 12), (2, 13)] and slots.take_loads() == []
+    assert slots.forget(12) == 1 and slots.resident == {2: 13}
+    assert slots.place(14, {13}) == 1 and slots.slot_of(14) == 1

@@ -1,9 +1,13 @@
 """LoRA adapters over HTTP on a real server process (SmolLM2), driven by the official `openai`
 client: `--lora-modules` serves each adapter under its name (`model`), /v1/models lists them, and
 with `--allow-runtime-lora-updating` adapters load and unload while the server runs. Every
-adapter's output equals PEFT's on the same weights and adapter files."""
+adapter's output equals PEFT's on the same weights and adapter files. The server has one slot
+(`--max-loras 1`) for its three adapters, so they take turns in it."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import httpx
 import openai
@@ -39,7 +43,7 @@ def server(adapters, default_model_dir):
     folder, _ = adapters
     proc = ServerProcess(["--num-device-blocks", "128", "--max-model-len", "256",
                           "--lora-modules", f"sql={folder / 'sql'}", f"tone={folder / 'tone'}",
-                          "--max-loras", "4", "--allow-runtime-lora-updating"])
+                          "--max-loras", "1", "--allow-runtime-lora-updating"])
     yield proc
     proc.stop()
 
@@ -138,7 +142,9 @@ def test_load_and_unload_over_http(server, client, adapters, default_model):
 
 
 def test_metrics_name_the_adapters_in_use(server):
-    """vLLM's `lora_requests_info` gauge: the slots, and the adapters of running requests."""
+    """vLLM's `lora_requests_info` gauge: the slots, and the adapters of running and waiting
+    requests. With the one slot held by a running `tone` request, a `sql` request waits, and
+    runs once `tone`'s request is gone."""
     from prometheus_client.parser import text_string_to_metric_families
 
     def info() -> dict[str, str]:
@@ -147,13 +153,24 @@ def test_metrics_name_the_adapters_in_use(server):
                      if f.name == "ksana_llm:lora_requests_info"]
         return family.samples[0].labels
 
-    assert (info()["max_lora"], info()["running_lora_adapters"]) == ("4", "")
+    assert (info()["max_lora"], info()["running_lora_adapters"]) == ("1", "")
     body = {"model": "tone", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
             "stream": True}
+    waiting_sql: list[httpx.Response] = []
+    sql = threading.Thread(target=lambda: waiting_sql.append(httpx.post(
+        server.base_url + "/completions", json={"model": "sql", "prompt": PROMPT,
+                                                "max_tokens": 4}, timeout=120)))
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-        next(line for line in r.iter_lines() if line.startswith("data:"))  # it runs
+        lines = r.iter_lines()  # kept: a dropped iterator closes the connection (an abort)
+        next(line for line in lines if line.startswith("data:"))  # it runs
+        sql.start()
+        deadline = time.monotonic() + 30
+        while info()["waiting_lora_adapters"] != "sql" and time.monotonic() < deadline:
+            time.sleep(0.05)
         running = info()
-    assert (running["running_lora_adapters"], running["waiting_lora_adapters"]) == ("tone", "")
+    assert (running["running_lora_adapters"], running["waiting_lora_adapters"]) == ("tone", "sql")
+    sql.join(timeout=120)  # the closed stream aborted `tone`: `sql` takes the slot
+    assert waiting_sql and waiting_sql[0].status_code == 200, waiting_sql
 
 
 def test_router_sends_adapter_requests_to_a_decode_server_whole(server, client):

@@ -32,7 +32,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                lora_adapters: list[tuple[int, str]] = ()) -> EngineCore:
     """The core; its `max_model_len` is the context a request may use (the model's, bounded by
     `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank.
-    `lora_adapters`: (slot, folder) of the LoRA adapters every rank loads as it starts."""
+    `lora_adapters`: (adapter id, folder) of the LoRA adapters every rank registers as it
+    starts."""
     draft_layers = draft_layers_for(model.module, cfg.num_speculative_tokens)
     cache_dtype = cache_dtype_for(cfg.kv_cache_dtype, model.dtype)
     per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
@@ -66,7 +67,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
                          kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
                          max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,
-                         # A parallel run loads them below, where every rank's refusal is heard.
+                         # A parallel run registers them below, where every rank's refusal
+                         # is heard.
                          lora_adapters=list(lora_adapters) if model.runtime is None else [],
                          lora_weight_map=lora_weight_map(model) if cfg.num_lora_slots else None)
     runner = ModelRunner(model.module, device=model.device, dtype=model.dtype, **runner_kwargs)
@@ -76,15 +78,15 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         runner = DistributedRunner(runner, model.runtime, runner_kwargs, model.workers,
                                    on_failure=on_worker_failure)
         try:
-            for slot, path in lora_adapters:
-                runner.load_lora(slot, path)
+            for lora_id, path in lora_adapters:
+                runner.register_lora(lora_id, path)
         except BaseException:
             runner.close()
             raise
     scheduler_config = SchedulerConfig(
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
         split_fuse_token_num=cfg.split_fuse_token_num, preempt_mode=cfg.preempt_mode,
-        policy=cfg.scheduler_policy,
+        policy=cfg.scheduler_policy, max_loras=cfg.num_lora_slots,
         # Admission control happens in submit(); requests it admits to start at once sit in
         # the core's waiting list until the next step, so the core's bound leaves them room.
         max_queue_size=cfg.max_queue_size + cfg.max_num_seqs)

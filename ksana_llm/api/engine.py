@@ -80,7 +80,7 @@ class Engine(LoraControl):
         self._lora = LoraRegistry(self.config.num_lora_slots)
         adapters = startup_adapters(self._lora, self.config.lora_modules)
         self._core = build_core(model, self.config, self.tokenizer, self._on_worker_failure,
-                                lora_adapters=[(info.slot, info.path) for info in adapters])
+                                lora_adapters=[(info.lora_id, info.path) for info in adapters])
         for info in adapters:
             self._lora.commit(info)
         self.max_model_len = self._core.max_model_len
@@ -314,7 +314,7 @@ class Engine(LoraControl):
     def stats(self) -> EngineStats:
         return self._stats.snapshot(
             self._core.stats(), num_inbox=len(self._inbox), max_loras=self._lora.num_slots,
-            lora_names={info.slot: info.name for info in self._lora.adapters()})
+            lora_names=self._lora.names())
 
     @property
     def is_running(self) -> bool:

@@ -1,7 +1,8 @@
 """`Engine`'s LoRA adapter management: loading and unloading adapters while it serves.
 
-Slots are written on the engine thread between steps (`Engine._on_engine_thread`), so a step
-never sees half an adapter; under tensor parallelism every rank loads its slices in the same gap.
+Adapters are registered on the engine thread between steps (`Engine._on_engine_thread`); under
+tensor parallelism every rank reads its slices in the same gap. The scheduler moves them into
+device slots as steps need them (engine.lora_residency).
 """
 
 from __future__ import annotations
@@ -28,19 +29,21 @@ class LoraControl:
         return {info.name: info.path for info in self._lora.adapters()}
 
     def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load the PEFT adapter in folder `path` into a free slot; requests may then name it
-        (`Request(lora=name)`). Raises ValueError for a taken name, no free slot (max_loras), or
-        an adapter this engine cannot apply (rank above max_lora_rank, unsupported modules)."""
+        """Load the PEFT adapter in folder `path` (into host memory; a device slot when a step
+        needs it); requests may then name it (`Request(lora=name)`). Raises ValueError for a
+        taken name, an engine without slots (max_loras), or an adapter this engine cannot
+        apply (rank above max_lora_rank, unsupported modules)."""
         info = self._lora.reserve(name, path)
         try:
-            self._on_engine_thread(lambda: self._core.runner.load_lora(info.slot, info.path))
+            self._on_engine_thread(lambda: self._core.runner.register_lora(info.lora_id,
+                                                                           info.path))
         except BaseException:
             self._lora.cancel(info)
             raise
         self._lora.commit(info)
 
     def unload_lora_adapter(self, name: str) -> None:
-        """Free adapter `name`'s slot. Raises ValueError when no adapter has that name, or while
+        """Forget adapter `name` (and free its slot). Raises ValueError when no adapter has that name, or while
         requests using it (submitted before this call) are still queued or running: abort them
         or wait for them first."""
         self._lora.resolve(name)  # an unknown name fails here, on the caller's thread
@@ -49,16 +52,14 @@ class LoraControl:
     def _unload(self, name: str) -> None:
         # On the engine thread, after every request submitted before the call reached the core.
         info = self._lora.resolve(name)
-        if info.slot in self._core.lora_slots_in_use():
+        if info.lora_id in self._core.lora_ids_in_use():
             raise ValueError(f"lora_name: adapter {name!r} is used by queued or running "
                              "requests")
         self._lora.remove(name)
-        self._core.runner.clear_lora(info.slot)
+        self._core.forget_lora(info.lora_id)
+        self._core.runner.unregister_lora(info.lora_id)
 
     def _lora_still_loaded(self, seq: Sequence) -> bool:
-        """Whether the adapter a new sequence resolved is still in its slot (it may have been
+        """Whether the adapter a new sequence resolved is still registered (it may have been
         unloaded between the caller's lookup and the engine thread's pick-up)."""
-        if not seq.lora_slot:
-            return True
-        return any(info.slot == seq.lora_slot and info.cache_salt == seq.cache_salt
-                   for info in self._lora.adapters())
+        return not seq.lora_id or self._lora.is_registered(seq.lora_id)

@@ -1,9 +1,11 @@
-"""Which LoRA adapter lives in which of an engine's slots, by name; thread-safe.
+"""The LoRA adapters an engine serves, by name; thread-safe.
 
 Names resolve on callers' threads (a request naming an unknown adapter is a ValueError before it
-reaches the engine); slots are written on the engine thread (`Engine.load_lora_adapter`). Each
-load gets its own prefix-cache salt, so KV computed under an adapter is never served to a request
-of another adapter, nor of a later adapter loaded under the same name.
+reaches the engine); adapters are registered on the engine thread (`Engine.load_lora_adapter`).
+Any number may be registered: each is held in host memory, and the scheduler copies it into one
+of the `max_loras` device slots when a step needs it (see engine.lora_residency). Each
+registration gets its own id and prefix-cache salt, so KV computed under an adapter is never
+served to a request of another adapter, nor of a later adapter registered under the same name.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 class LoraAdapterInfo:
     name: str
     path: str
-    slot: int  # 1..max_loras
+    lora_id: int  # >= 1, never reused by the engine
     cache_salt: int
 
 
@@ -27,8 +29,8 @@ class LoraRegistry:
         self.num_slots = num_slots
         self._lock = threading.Lock()
         self._loaded: dict[str, LoraAdapterInfo] = {}
-        self._reserved: dict[str, int] = {}  # name -> slot, while its load runs
-        self._loads = itertools.count(1)
+        self._reserved: set[str] = set()  # names whose registration runs
+        self._ids = itertools.count(1)
 
     def resolve(self, name: str) -> LoraAdapterInfo:
         with self._lock:
@@ -40,11 +42,17 @@ class LoraRegistry:
         return info
 
     def adapters(self) -> list[LoraAdapterInfo]:
+        """The registered adapters, oldest first."""
         with self._lock:
-            return sorted(self._loaded.values(), key=lambda info: info.slot)
+            return sorted(self._loaded.values(), key=lambda info: info.lora_id)
+
+    def names(self) -> dict[int, str]:
+        """Adapter id -> name."""
+        with self._lock:
+            return {info.lora_id: info.name for info in self._loaded.values()}
 
     def reserve(self, name: str, path: str) -> LoraAdapterInfo:
-        """Claim a free slot for adapter `name` (not resolvable until `commit`)."""
+        """Claim `name` for the adapter in `path` (not resolvable until `commit`)."""
         if not isinstance(name, str) or not name or name != name.strip():
             raise ValueError(f"lora_name must be a non-empty name without surrounding spaces, "
                              f"got {name!r}")
@@ -53,23 +61,19 @@ class LoraRegistry:
         with self._lock:
             if name in self._loaded or name in self._reserved:
                 raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
-            used = {info.slot for info in self._loaded.values()} | set(self._reserved.values())
-            free = [slot for slot in range(1, self.num_slots + 1) if slot not in used]
-            if not free:
-                raise ValueError(f"all {self.num_slots} LoRA slots (max_loras) are taken; "
-                                 "unload an adapter first")
-            self._reserved[name] = free[0]
-            return LoraAdapterInfo(name, str(path), free[0],
-                                   hash(("lora", name, str(path), next(self._loads))))
+            self._reserved.add(name)
+            lora_id = next(self._ids)
+            return LoraAdapterInfo(name, str(path), lora_id, hash(("lora", name, str(path),
+                                                                   lora_id)))
 
     def commit(self, info: LoraAdapterInfo) -> None:
         with self._lock:
-            self._reserved.pop(info.name, None)
+            self._reserved.discard(info.name)
             self._loaded[info.name] = info
 
     def cancel(self, info: LoraAdapterInfo) -> None:
         with self._lock:
-            self._reserved.pop(info.name, None)
+            self._reserved.discard(info.name)
 
     def remove(self, name: str) -> LoraAdapterInfo:
         with self._lock:
@@ -78,9 +82,13 @@ class LoraRegistry:
             raise ValueError(f"lora: no LoRA adapter named {name!r} is loaded")
         return info
 
+    def is_registered(self, lora_id: int) -> bool:
+        with self._lock:
+            return any(info.lora_id == lora_id for info in self._loaded.values())
+
 
 def startup_adapters(registry: LoraRegistry, modules: Mapping[str, str]
                      ) -> list[LoraAdapterInfo]:
-    """Slots for the adapters named in the engine's config, in order (loaded by the runner as
+    """Ids for the adapters named in the engine's config, in order (registered by the runner as
     it is built, then committed by the caller)."""
     return [registry.reserve(name, path) for name, path in modules.items()]

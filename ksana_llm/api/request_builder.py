@@ -123,7 +123,7 @@ class RequestBuilder:
         if not isinstance(name, str):
             raise ValueError(f"lora must be an adapter name (a string), got {type(name).__name__}")
         info = self.lora.resolve(name)
-        seq.lora_slot, seq.cache_salt = info.slot, info.cache_salt
+        seq.lora_id, seq.cache_salt = info.lora_id, info.cache_salt
 
     def _kv_transfer(self, request: Request, seq: Sequence) -> None:
         """Check `export_kv` / `imported_kv` and set them on the sequence."""
@@ -131,7 +131,7 @@ class RequestBuilder:
             "imported_kv" if request.imported_kv is not None else None)
         if wanted is None:
             return
-        if seq.lora_slot:
+        if seq.lora_id:
             # The transferred KV does not say which adapter computed it.
             raise ValueError(f"{wanted} does not work with a LoRA adapter (lora)")
         if self.kv_layout is None:

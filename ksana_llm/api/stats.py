@@ -44,10 +44,12 @@ class EngineStats:
     # imported from (exported to) another engine.
     num_imported_kv_tokens: int = 0
     num_exported_kv_tokens: int = 0
-    # LoRA: the adapter slots, and the names of the adapters running and waiting requests use.
+    # LoRA: the adapter slots, the names of the adapters running and waiting requests use, and
+    # how many times an adapter was copied into a slot (more adapters than slots take turns).
     max_loras: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    num_lora_slot_loads: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -87,7 +89,7 @@ class StatsTracker:
 
     def snapshot(self, core: CoreStats, num_inbox: int = 0, *, max_loras: int = 0,
                  lora_names: dict[int, str] | None = None) -> EngineStats:
-        """`lora_names`: adapter slot -> name, for the adapters in use."""
+        """`lora_names`: adapter id -> name, for the adapters in use."""
         now = time.monotonic()
         with self._lock:
             events = [(t, n) for t, n in self._token_events if t >= now - self.window_s]
@@ -113,10 +115,11 @@ class StatsTracker:
             mean_latency_s=sum(latencies) / len(latencies) if latencies else None,
             ttft_p50_s=_percentile(ttfts, 50), ttft_p90_s=_percentile(ttfts, 90),
             ttft_p99_s=_percentile(ttfts, 99), max_loras=max_loras,
-            running_lora_adapters=_names(core.running_lora_slots, lora_names),
-            waiting_lora_adapters=_names(core.waiting_lora_slots, lora_names))
+            running_lora_adapters=_names(core.running_lora_ids, lora_names),
+            waiting_lora_adapters=_names(core.waiting_lora_ids, lora_names),
+            num_lora_slot_loads=core.num_lora_loads)
 
 
-def _names(slots: tuple[int, ...], names: dict[int, str] | None) -> tuple[str, ...]:
-    # (A slot just unloaded while a stats call ran has no name: left out.)
-    return tuple(sorted(names[slot] for slot in slots if names and slot in names))
+def _names(lora_ids: tuple[int, ...], names: dict[int, str] | None) -> tuple[str, ...]:
+    # (An adapter just unloaded while a stats call ran has no name: left out.)
+    return tuple(sorted(names[i] for i in lora_ids if names and i in names))

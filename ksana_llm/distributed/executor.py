@@ -18,7 +18,7 @@ import torch
 
 from ksana_llm.distributed.runtime import (Runtime, broadcast_message, gather_messages,
                                            shutdown_runtime)
-from ksana_llm.distributed.worker import DRAFT, LORA, RUNNER, STEP, STOP, lora_slot_error
+from ksana_llm.distributed.worker import DRAFT, LORA, RUNNER, STEP, STOP, lora_error
 from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
 
@@ -71,28 +71,29 @@ class DistributedRunner:
         """Speculative decoding's draft layer runs on every rank too (it is split like the rest)."""
         return self._everywhere(DRAFT, draft, self.local.propose)
 
-    def load_lora(self, slot: int, path: str) -> None:
+    def register_lora(self, lora_id: int, path: str) -> None:
         """Every rank reads the adapter and keeps its slices. Rank 0 checks its own part first;
         a worker that refuses its part (a module only another pipeline stage has, a folder
-        missing on its node) says why, and the slot is cleared on every rank: a ValueError, and
-        no rank serves a slot the others lack."""
-        self.local.load_lora(slot, path)
-        errors = [e for e in self._lora_everywhere(slot, path) if e is not None]
+        missing on its node) says why, and the adapter is unregistered on every rank: a
+        ValueError, and no rank holds an adapter the others lack. Steps then copy it into
+        slots on every rank alike (`StepInput.lora_loads`)."""
+        self.local.register_lora(lora_id, path)
+        errors = [e for e in self._lora_everywhere(lora_id, path) if e is not None]
         if errors:
-            self._lora_everywhere(slot, None)
+            self._lora_everywhere(lora_id, None)
             raise ValueError(errors[0])
 
-    def clear_lora(self, slot: int) -> None:
-        self._lora_everywhere(slot, None)
+    def unregister_lora(self, lora_id: int) -> None:
+        self._lora_everywhere(lora_id, None)
 
-    def _lora_everywhere(self, slot: int, path: str | None) -> list[str | None]:
-        """The LORA message to the workers (rank 0 clears its own slot for path None); each
-        rank's refusal or None."""
+    def _lora_everywhere(self, lora_id: int, path: str | None) -> list[str | None]:
+        """The LORA message to the workers (rank 0 unregisters its own copy for path None);
+        each rank's refusal or None."""
         def here(_: object) -> list[str | None]:
-            mine = lora_slot_error(self.local, slot, None) if path is None else None
+            mine = lora_error(self.local, lora_id, None) if path is None else None
             return gather_messages(mine, self.runtime)
 
-        return self._everywhere(LORA, (slot, path), here)
+        return self._everywhere(LORA, (lora_id, path), here)
 
     def _everywhere(self, kind: str, payload: Any, run: Callable[[Any], Any]) -> Any:
         if self.failure is not None:

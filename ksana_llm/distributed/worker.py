@@ -20,8 +20,9 @@ from ksana_llm.runner.model_runner import ModelRunner
 logger = logging.getLogger("ksana_llm.worker")
 
 # Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput), ("draft",
-# DraftInput: speculative decoding) and ("lora", (slot, folder or None to clear): every rank
-# answers with its refusal or None, see `lora_slot_error`) as the engine runs, then ("stop", None).
+# DraftInput: speculative decoding) and ("lora", (adapter id, folder to register or None to
+# unregister): every rank answers with its refusal or None, see `lora_error`) as the engine runs,
+# then ("stop", None).
 RUNNER, STEP, DRAFT, LORA, STOP = "runner", "step", "draft", "lora", "stop"
 
 
@@ -38,19 +39,20 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
         elif kind == DRAFT and runner is not None:
             runner.propose(payload)
         elif kind == LORA and runner is not None:
-            gather_messages(lora_slot_error(runner, *payload), runtime)
+            gather_messages(lora_error(runner, *payload), runtime)
         else:
             raise RuntimeError(f"worker got an unexpected message {kind!r}")
 
 
-def lora_slot_error(runner: ModelRunner, slot: int, path: str | None) -> str | None:
-    """Load (or with path None clear) a LoRA slot; the refusal's message, or None. A refusal
-    is an answer, not a failure: the rank's slot is left as it was and it keeps serving."""
+def lora_error(runner: ModelRunner, lora_id: int, path: str | None) -> str | None:
+    """Register the LoRA adapter in `path` as `lora_id` (or with path None unregister it); the
+    refusal's message, or None. A refusal is an answer, not a failure: the rank keeps what it
+    had and keeps serving."""
     try:
         if path is None:
-            runner.clear_lora(slot)
+            runner.unregister_lora(lora_id)
         else:
-            runner.load_lora(slot, path)
+            runner.register_lora(lora_id, path)
     except ValueError as exc:
         return str(exc)
     return None

@@ -69,14 +69,14 @@ class CoreStats:
     # Prefill/decode disaggregation: prompt tokens whose KV came from (went to) another engine.
     num_imported_kv_tokens: int = 0
     num_exported_kv_tokens: int = 0
-    # LoRA: the adapter slots of running sequences, and of waiting or swapped-out ones.
-    running_lora_slots: tuple[int, ...] = ()
-    waiting_lora_slots: tuple[int, ...] = ()
+    # LoRA: the adapters (ids) of running sequences, and of waiting or swapped-out ones.
+    running_lora_ids: tuple[int, ...] = ()
+    waiting_lora_ids: tuple[int, ...] = ()
+    num_lora_loads: int = 0  # adapters copied into a device slot so far
 
 
-def _lora_slots(*queues: list[Sequence]) -> tuple[int, ...]:
-    return tuple(sorted({seq.lora_slot for queue in queues for seq in list(queue)
-                         if seq.lora_slot}))
+def _lora_ids(*queues: list[Sequence]) -> tuple[int, ...]:
+    return tuple(sorted({seq.lora_id for queue in queues for seq in list(queue) if seq.lora_id}))
 
 
 class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps, KvExportSteps):
@@ -165,10 +165,15 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
         return (self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
                 or bool(self._captures_in_flight))
 
-    def lora_slots_in_use(self) -> set[int]:
-        """The LoRA adapter slots of every queued, running or swapped-out sequence."""
+    def lora_ids_in_use(self) -> set[int]:
+        """The LoRA adapters of every queued, running or swapped-out sequence."""
         s = self.scheduler
-        return set(_lora_slots(s.waiting, s.running, s.swapped))
+        return set(_lora_ids(s.waiting, s.running, s.swapped))
+
+    def forget_lora(self, lora_id: int) -> None:
+        """Adapter `lora_id` is unregistered (no sequence uses it): its slot is free again."""
+        if self.scheduler.lora is not None:
+            self.scheduler.lora.forget(lora_id)
 
     def stats(self) -> CoreStats:
         s, bm = self.scheduler, self.block_manager
@@ -177,7 +182,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
                          bm.prefix_queries, bm.prefix_hits, bm.peak_used_blocks,
                          self.num_draft_tokens, self.num_accepted_draft_tokens,
                          s.num_imported_kv_tokens, self.num_exported_kv_tokens,
-                         _lora_slots(s.running), _lora_slots(s.waiting, s.swapped))
+                         _lora_ids(s.running), _lora_ids(s.waiting, s.swapped), s.num_lora_loads)
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:
@@ -214,7 +219,7 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
         result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in,
                                                plan.copy_blocks,
                                                self._pending_inputs(plan.scheduled),
-                                               plan.kv_imports))
+                                               plan.kv_imports, plan.lora_loads))
         for item in plan.scheduled:
             # Drafts count once verified (`_verify`).
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens

@@ -113,8 +113,10 @@ class Sequence:
     imported_kv: Any = None
     kv_imported: bool = False  # its KV started from an import (kept after `imported_kv` is dropped)
     export_kv: bool = False  # copy the prompt's KV out when it finishes (single-sequence requests)
-    # LoRA: the adapter slot its tokens use (0 = the base model), and what its prefix-cache
+    # LoRA: its adapter (an engine-wide id, 0 = the base model); the device slot its tokens use
+    # while admitted (set by the scheduler, see engine.lora_residency); and what its prefix-cache
     # chain starts from, so KV computed under one adapter is never served to another.
+    lora_id: int = 0
     lora_slot: int = 0
     cache_salt: int | None = None
 
@@ -175,7 +177,8 @@ class Sequence:
             group=self.group, index=index, cumulative_logprob=self.cumulative_logprob,
             matcher=self.matcher.fork() if self.matcher is not None else None,
             embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens,
-            kv_imported=self.kv_imported, lora_slot=self.lora_slot, cache_salt=self.cache_salt)
+            kv_imported=self.kv_imported, lora_id=self.lora_id, lora_slot=self.lora_slot,
+            cache_salt=self.cache_salt)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ksana_llm.engine.kv_cache import BlockManager, PrefixMatch
+from ksana_llm.engine.lora_residency import LoraResidency
 from ksana_llm.engine.request import Sequence, SequenceStatus
 
 
@@ -44,6 +45,7 @@ class SchedulerConfig:
     preempt_mode: Literal[0, 1] = 0  # 0 = swap, 1 = recompute
     policy: Literal["fifo", "priority"] = "fifo"
     max_queue_size: int = 1000
+    max_loras: int = 0  # LoRA adapter slots: the most distinct adapters running at once
 
 
 @dataclass(slots=True)  # built per sequence per step: not frozen, which costs more to build
@@ -66,6 +68,8 @@ class SchedulerOutput:
     # Admitted sequences whose first positions come from another engine's KV (their block
     # tables now, and the KV to write there before the forward).
     kv_imports: list[tuple[list[int], Any]] = field(default_factory=list)
+    # (slot, adapter id): LoRA adapters to copy into their device slots before the forward.
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -88,6 +92,8 @@ class Scheduler:
         self._admissions = 0  # FIFO tie-breaker that survives preemption
         self.num_preemptions = 0
         self.num_imported_kv_tokens = 0  # prompt tokens whose KV another engine computed
+        self.lora = LoraResidency(config.max_loras) if config.max_loras else None
+        self.num_lora_loads = 0  # adapters copied into a device slot
 
     # ---- queue management ----------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[float, ...]:
@@ -171,6 +177,9 @@ class Scheduler:
                 self.running.remove(idle[-1])
                 self._preempt(idle[-1], out, recompute=True)
         out.copy_blocks = self.block_manager.take_copies()
+        if self.lora is not None:
+            out.lora_loads = self.lora.take_loads()
+            self.num_lora_loads += len(out.lora_loads)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -236,10 +245,18 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and (
-                len(self.running) + self.waiting[0].num_reserved_slots <= self.config.max_num_seqs
+        held: set[int] | None = None  # adapters that keep their slots (see `_place_adapter`)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and (
+                len(self.running) + self.waiting[i].num_reserved_slots <= self.config.max_num_seqs
                 or not self.running):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if seq.lora_id:
+                if held is None:
+                    held = self._held_adapters()
+                if not self._place_adapter(seq, held):
+                    i += 1  # every slot is held: it waits, and those behind it may go
+                    continue
             # Forward-only, prompt-logprob and embedding sequences get no prefix-cache hits.
             prefix = bm.match_prefix(seq)
             imported = seq.imported_kv
@@ -258,7 +275,7 @@ class Scheduler:
                     break
                 start = prefix.num_tokens
             seq.imported_kv = None  # written now, or not needed; a recompute computes it all
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.num_computed_tokens = start
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
@@ -266,8 +283,25 @@ class Scheduler:
                     bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
+            if seq.lora_id:
+                held.add(seq.lora_id)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+
+    def _held_adapters(self) -> set[int]:
+        """The adapters of running and swapped-out sequences: their slots must stay."""
+        held = {s.lora_id for queue in (self.running, self.swapped) for s in queue if s.lora_id}
+        self.lora.touch(held)
+        return held
+
+    def _place_adapter(self, seq: Sequence, held: set[int]) -> bool:
+        """Give `seq` its adapter's slot (loading the adapter there if needed); False when every
+        slot holds an adapter in `held`. An engine without slots never sees an adapter id."""
+        slot = self.lora.place(seq.lora_id, held) if self.lora is not None else None
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, recompute: bool = False) -> None:
         self.num_preemptions += 1

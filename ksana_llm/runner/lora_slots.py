@@ -1,11 +1,16 @@
-"""An engine's resident LoRA adapters: `max_loras` slots of stacked A/B weights per projection,
-and the per-step token mask that picks each token's slot (see ksana_llm.layers.lora).
+"""An engine's LoRA adapters: every registered adapter in host memory, `max_loras` device slots
+of stacked A/B weights per projection, and the per-step token mask that picks each token's slot
+(see ksana_llm.layers.lora).
 
-Slot 0 means "no adapter"; adapters live in slots 1..max_loras. A projection gets its stacks the
-first time an adapter targets it, so a model whose adapters touch only q/v pays nothing for the
-MLP. Under tensor parallelism every rank loads the adapter from its folder and keeps the slices
-its shard of the projection needs: column-parallel layers split B's rows like their weight's,
-row-parallel layers split A's columns (their partial deltas join the layer's all-reduce).
+Registering an adapter reads its folder once, checks every module against the model and keeps,
+in host memory, the slices this rank's shards need, already in the model's dtype (pinned on
+CUDA). Activating it copies those into a device slot (the scheduler decides when and where, see
+engine.lora_residency). Slot 0 means "no adapter"; adapters run in slots 1..max_loras.
+
+A projection gets its stacks the first time an adapter targets it, so a model whose adapters
+touch only q/v pays nothing for the MLP. Under tensor parallelism every rank reads the adapter
+from its folder: column-parallel layers split B's rows like their weight's, row-parallel layers
+split A's columns (their partial deltas join the layer's all-reduce).
 """
 
 from __future__ import annotations
@@ -92,6 +97,18 @@ def lora_device_bytes(model: nn.Module, *, num_slots: int, max_rank: int, dtype:
     return stacks + 2 * max_step_tokens * widest * element
 
 
+@dataclass(frozen=True)
+class _SlotWrite:
+    """One part of one projection of a registered adapter, as this rank writes it into a slot:
+    A's rows and the columns [column, column + width) of the transposed B's rows."""
+
+    projection: _Projection
+    part: int
+    a: torch.Tensor  # [rank, local in_features]
+    b_t: torch.Tensor  # [rank, width]
+    column: int
+
+
 class LoraSlots:
     def __init__(self, model: nn.Module, *, num_slots: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype,
@@ -108,29 +125,53 @@ class LoraSlots:
         # modules, which the map renames as it renames their weights.
         self.name_map = name_map
         self.weights: dict[str, LoraWeights] = {}  # projection name -> its stacks
-        self.paths: dict[int, str] = {}  # slot -> adapter folder
+        self.registered: dict[int, list[_SlotWrite]] = {}  # adapter id -> its host copy
+        self.resident: dict[int, int] = {}  # slot -> adapter id
 
-    # ---- loading ---------------------------------------------------------------------------
-    def load(self, slot: int, path: str) -> None:
-        """Read the adapter in `path` into `slot` (1..num_slots), replacing what was there."""
-        self._check_slot(slot)
+    # ---- registering and activating ------------------------------------------------------------
+    def register(self, lora_id: int, path: str) -> None:
+        """Read and check the adapter in `path`, and keep it as adapter `lora_id` (replacing
+        what had that id). A bad adapter is a ValueError and changes nothing."""
         adapter = load_lora_adapter(path)
         if adapter.max_rank > self.max_rank:
             raise ValueError(f"LoRA adapter {path!r} has rank {adapter.max_rank}, more than "
                              f"max_lora_rank ({self.max_rank})")
-        placements = self._placements(adapter)
-        self.clear(slot)
-        for projection, index, weights in placements:
-            self._write(projection, index, slot, weights.a, weights.b)
-        self.paths[slot] = adapter.path
+        writes = [write for projection, index, weights in self._placements(adapter)
+                  for write in self._slot_writes(projection, index, weights.a, weights.b)]
+        self.registered[lora_id] = writes
 
+    def unregister(self, lora_id: int) -> None:
+        """Forget adapter `lora_id`; a slot holding it is cleared."""
+        self.registered.pop(lora_id, None)
+        for slot, resident in list(self.resident.items()):
+            if resident == lora_id:
+                self.clear(slot)
+
+    @torch.inference_mode()  # the stacks may be inference tensors (made during a step)
+    def activate(self, slot: int, lora_id: int) -> None:
+        """Copy registered adapter `lora_id` into `slot` (1..num_slots), replacing what was
+        there. On CUDA the copies are queued on the stream, after the steps already queued."""
+        writes = self.registered.get(lora_id)
+        if writes is None:
+            raise ValueError(f"LoRA adapter id {lora_id} is not registered")
+        self.clear(slot)
+        for write in writes:
+            stacks = self._stacks(write.projection)
+            first = (slot - 1) * stacks.block + write.part * self.max_rank
+            rows = slice(first, first + write.a.shape[0])  # this part's rank rows of the slot
+            stacks.a[rows].copy_(write.a, non_blocking=True)
+            stacks.b_t[rows, write.column:write.column + write.b_t.shape[1]].copy_(
+                write.b_t, non_blocking=True)
+        self.resident[slot] = lora_id
+
+    @torch.inference_mode()
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
         for stacks in self.weights.values():
             rows = slice((slot - 1) * stacks.block, slot * stacks.block)
             stacks.a[rows].zero_()
             stacks.b_t[rows].zero_()
-        self.paths.pop(slot, None)
+        self.resident.pop(slot, None)
 
     def _check_slot(self, slot: int) -> None:
         if not 1 <= slot <= self.num_slots:
@@ -138,7 +179,7 @@ class LoraSlots:
 
     def _placements(self, adapter: LoraAdapter) -> list[tuple[_Projection, int, object]]:
         """Where each of the adapter's modules goes; every module is checked before anything
-        is written, so a bad adapter leaves the slot as it was."""
+        is kept, so a bad adapter changes nothing."""
         out = []
         taken: dict[tuple[str, int], str] = {}  # (projection, part) -> the module filling it
         for checkpoint_module, weights in adapter.modules.items():
@@ -212,29 +253,28 @@ class LoraSlots:
             self.weights[projection.name] = stacks
         return stacks
 
-    def _write(self, projection: _Projection, index: int, slot: int,
-               a: torch.Tensor, b: torch.Tensor) -> None:
-        if index == WHOLE:  # every part: the same A, its own rows of B
+    def _slot_writes(self, projection: _Projection, index: int, a: torch.Tensor,
+                     b: torch.Tensor) -> list[_SlotWrite]:
+        """What this rank writes for one adapter module: a fused projection's parts (the same A,
+        each its own rows of B) cut to this rank's shards, in host memory."""
+        if index == WHOLE:
             linear = projection.module
-            for part, rows in enumerate(b.split(linear.full_sizes, dim=0)):
-                self._write(projection, part, slot, a, rows)
-            return
-        stacks = self._stacks(projection)
+            return [write for part, rows in enumerate(b.split(linear.full_sizes, dim=0))
+                    for write in self._slot_writes(projection, part, a, rows)]
         linear = projection.module
-        rank = a.shape[0]
-        first = (slot - 1) * stacks.block + index * self.max_rank
-        rows = slice(first, first + rank)  # this part's rank rows of the slot's block
         if isinstance(linear, MergedLinear):
             first_out, size = linear.shards[index]
-            offset = linear.offsets[index]
-            stacks.a[rows] = a.to(self.device, self.dtype)
-            stacks.b_t[rows, offset:offset + size] = b[first_out:first_out + size].t().to(
-                self.device, self.dtype)
+            a_rows, b_t, column = a, b[first_out:first_out + size].t(), linear.offsets[index]
         else:
             local_in = linear.weight.shape[1]
-            stacks.a[rows] = a[:, linear.in_start:linear.in_start + local_in].to(
-                self.device, self.dtype)
-            stacks.b_t[rows] = b.t().to(self.device, self.dtype)
+            a_rows = a[:, linear.in_start:linear.in_start + local_in]
+            b_t, column = b.t(), 0
+        return [_SlotWrite(projection, index, self._host(a_rows), self._host(b_t), column)]
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy in the slots' dtype; pinned on CUDA so activation copies run async."""
+        host = tensor.to(dtype=self.dtype, device="cpu", copy=True).contiguous()
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     # ---- one step ----------------------------------------------------------------------------
     def batch(self, slice_slots: list[int], token_slice: torch.Tensor) -> LoraBatch | None:

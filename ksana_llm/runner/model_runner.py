@@ -62,6 +62,8 @@ class StepInput:
     pending: PendingInputs | None = None
     # KV received from another engine, written into these block tables before the forward.
     kv_imports: list[tuple[list[int], TransferredKv]] = field(default_factory=list)
+    # (slot, adapter id): registered LoRA adapters to copy into device slots before the forward.
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -150,16 +152,17 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         self.kv_scales = tuple(float(s) for s in kv_scales or ())
         self.block_size = block_size
         self.sliding_window = model.sliding_window
-        # LoRA: `max_loras` adapter slots; `lora_adapters` are (slot, folder) loaded now;
-        # `lora_weight_map`: the model's weight-name map file, which renames adapters' modules.
+        # LoRA: `max_loras` adapter slots; `lora_adapters` are (adapter id, folder) registered
+        # now; `lora_weight_map`: the model's weight-name map file, which renames adapters'
+        # modules.
         self.lora: LoraSlots | None = None
         if max_loras:
             self.lora = LoraSlots(model, num_slots=max_loras, max_rank=max_lora_rank,
                                   device=device, dtype=dtype,
                                   name_map=load_weight_map(lora_weight_map)
                                   if lora_weight_map else None)
-            for slot, path in lora_adapters:
-                self.lora.load(slot, path)
+            for lora_id, path in lora_adapters:
+                self.lora.register(lora_id, path)
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
         self._first_rows: list[int] = []  # set by build(): each slice's first row
         self._embedding_overrides: EmbeddingOverrides | None = None  # set by build()
@@ -198,15 +201,16 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         logger.info("CUDA graphs: %s", self.cuda_graph_status)
 
     # ---- LoRA adapters ---------------------------------------------------------------------------
-    def load_lora(self, slot: int, path: str) -> None:
-        """Read the adapter in folder `path` into slot `slot` (between steps)."""
+    def register_lora(self, lora_id: int, path: str) -> None:
+        """Read and check the adapter in folder `path`, and keep it in host memory as adapter
+        `lora_id`; steps copy it into a device slot when they need it (`StepInput.lora_loads`)."""
         if self.lora is None:
             raise ValueError("this engine has no LoRA slots: set max_loras (or lora_modules)")
-        self.lora.load(slot, path)
+        self.lora.register(lora_id, path)
 
-    def clear_lora(self, slot: int) -> None:
+    def unregister_lora(self, lora_id: int) -> None:
         if self.lora is not None:
-            self.lora.clear(slot)
+            self.lora.unregister(lora_id)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def setup_cuda_graphs(self, max_batch_size: int, *, capture: bool = True) -> None:
@@ -431,6 +435,8 @@ class ModelRunner(MtpDrafting, KvTransferSteps):
         self._copy_blocks(step.swap_in, to_host=False)
         self._copy_device_blocks(step.copy_blocks)
         self._import_kv(step.kv_imports)
+        for slot, lora_id in step.lora_loads:
+            self.lora.activate(slot, lora_id)
         if not step.slices:
             return StepResult([], None)
         self.last_hidden = None  # (a step whose drafting had nothing to do left it)
