@@ -12,10 +12,14 @@ Rows
     ours, LoRA on, base    the same requests on an engine with adapters loaded, none used
     ours, 1 adapter        every request on adapter 0
     ours, N adapters       request i on adapter i % N: every step mixes N adapters
+    ours, N on S slots     the same on an engine with S < N slots (`--slots`): adapters take
+                           turns, each copied into a slot when its requests get one
     PEFT generate, ...     the peer: PEFT's model, `generate` over the whole batch (left-padded),
                            one adapter, then N adapters through PEFT's mixed-batch `adapter_names`
 Each row prints output tokens/s and its ratio to ours without LoRA; the PEFT rows also the ratio
-of ours to them, and how many of ours' greedy tokens equal PEFT's for the same requests.
+of ours to them, and how many of ours' greedy tokens equal PEFT's for the same requests (the
+turn-taking row: its tokens against PEFT's mixed batch, and how many times an adapter was copied
+into a slot over all its runs).
 
 Run
     python benchmarks/lora.py                       # CPU, fp32, SmolLM2-135M-Instruct
@@ -132,6 +136,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=None,
+                        help="slots of the turn-taking row (default: half the adapters)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per row; the best "
                                                                "counts")
@@ -170,6 +176,12 @@ def main() -> None:
             rows.append({"run": "ours, 1 adapter", "seconds": seconds})
             seconds, mixed_tokens = _ours(engine, prompts, mixed, args.output_len, r)
             rows.append({"run": f"ours, {n} adapters", "seconds": seconds})
+        slots = args.slots or max(1, n // 2)
+        with kt.Engine(model, lora_modules=modules, max_lora_rank=args.rank, max_loras=slots,
+                       **settings) as engine:
+            seconds, turns_tokens = _ours(engine, prompts, mixed, args.output_len, r)
+            rows.append({"run": f"ours, {n} adapters, {slots} slots", "seconds": seconds,
+                         "slot_loads": engine.stats().num_lora_slot_loads})
         seconds, peft_one = _peft(peft, prompts, [names[0]] * len(prompts), args.output_len,
                                   model.device, r)
         rows.append({"run": "PEFT generate, 1 adapter", "seconds": seconds,
@@ -177,23 +189,27 @@ def main() -> None:
         seconds, peft_mixed = _peft(peft, prompts, mixed, args.output_len, model.device, r)
         rows.append({"run": f"PEFT generate, {n} adapters", "seconds": seconds,
                      "ours_same_tokens": _agreement(mixed_tokens, peft_mixed)})
+        rows[4]["same_tokens_as_peft"] = _agreement(turns_tokens, peft_mixed)
 
     baseline = total_tokens / rows[0]["seconds"]
     ours_by_peer = {"PEFT generate, 1 adapter": rows[2], f"PEFT generate, {n} adapters": rows[3]}
+    # (rows[4], the turn-taking engine, counts its adapters' copies into slots over all runs.)
     print(f"{len(prompts)} requests, prompts {args.min_len}-{args.max_len} tokens, "
           f"{args.output_len} new tokens each; {n} adapters of rank {args.rank}; "
           f"{model.device}, {model.dtype}")
-    print(f"{'run':<28}{'tok/s':>9}{'vs no LoRA':>12}{'ours vs it':>12}{'same tokens':>13}")
+    print(f"{'run':<30}{'tok/s':>9}{'vs no LoRA':>12}{'ours vs it':>12}{'same tokens':>13}")
     for row in rows:
         row["output_tokens_per_s"] = total_tokens / row["seconds"]
         row["vs_no_lora"] = row["output_tokens_per_s"] / baseline
         ours = ours_by_peer.get(row["run"])
         if ours is not None:
             row["ours_speedup"] = ours["seconds"] and row["seconds"] / ours["seconds"]
-        same = row.get("ours_same_tokens", row.get("same_tokens_as_no_lora"))
-        print(f"{row['run']:<28}{row['output_tokens_per_s']:>9.1f}{row['vs_no_lora']:>11.2f}x"
+        same = row.get("ours_same_tokens", row.get("same_tokens_as_no_lora",
+                                                   row.get("same_tokens_as_peft")))
+        print(f"{row['run']:<30}{row['output_tokens_per_s']:>9.1f}{row['vs_no_lora']:>11.2f}x"
               + (f"{row['ours_speedup']:>11.2f}x" if "ours_speedup" in row else " " * 12)
-              + (f"{same:>12.0%}" if same is not None else ""))
+              + (f"{same:>12.0%}" if same is not None else "")
+              + (f"   ({row['slot_loads']} slot loads)" if "slot_loads" in row else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

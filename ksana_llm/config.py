@@ -116,6 +116,13 @@ class EngineConfig(BaseModel):
                     f"the number of lora_modules, at most {DEFAULT_MAX_LORAS}")
     max_lora_rank: int = Field(16, ge=1, le=1024, description="the largest adapter rank a slot "
                                                             "holds")
+    lora_max_wait_steps: int | None = Field(
+        64, ge=0,
+        description="steps a request may wait for a LoRA slot while newer requests of the "
+                    "adapters holding every slot go ahead; after that those adapters take no "
+                    "newer requests until a slot frees for it. 0: adapters take turns in "
+                    "arrival order; None: never (vLLM's way: throughput first, but a busy "
+                    "adapter may hold its slot for ever)")
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

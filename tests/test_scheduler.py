@@ -724,3 +724,38 @@ def test_lora_residency_keeps_held_adapters():
     assert slots.take_loads() == [(1, 12), (2, 13)] and slots.take_loads() == []
     assert slots.forget(12) == 1 and slots.resident == {2: 13}
     assert slots.place(14, {13}) == 1 and slots.slot_of(14) == 1
+
+
+@pytest.mark.parametrize("max_wait", [0, 2, None])
+def test_a_request_waiting_too_long_for_a_slot_drains_the_adapters_holding_them(max_wait):
+    """One slot held by adapter 1, whose newer requests keep coming: the adapter-2 request
+    lets them go ahead for `lora_max_wait_steps` steps, then adapter 1 takes no newer requests
+    (base requests still go) until its slot frees for adapter 2. None: never (vLLM)."""
+    sched = make_scheduler(max_step_tokens=100, max_loras=1, lora_max_wait_steps=max_wait)
+    a, b = lora_seq("a", 1), lora_seq("b", 2)
+    sched.add(a)
+    sched.add(b)
+    newer = []
+    admitted_newer = []
+    for k in range(4):  # a newer adapter-1 request and a base request arrive each step
+        newer.extend([lora_seq(f"n{k}", 1), lora_seq(f"base{k}", 0)])
+        sched.add(newer[-2])
+        sched.add(newer[-1])
+        out = step(sched)
+        admitted = {item.seq.request_id for item in out.scheduled if item.num_new_tokens == 4}
+        assert f"base{k}" in admitted and "b" not in admitted
+        admitted_newer.append(f"n{k}" in admitted)
+    # b's k-th wait (k = 1, 2, ...) drains adapter 1 once k > max_wait.
+    assert admitted_newer == {0: [False] * 4, 2: [True, True, False, False],
+                              None: [True] * 4}[max_wait]
+    assert b.num_lora_waits == 4
+    for seq in list(sched.running):
+        sched.finish(seq)
+    out = step(sched)
+    admitted = [item.seq.request_id for item in out.scheduled]
+    if max_wait is None:
+        assert admitted == ["b"]  # nothing newer was held back
+    else:
+        # b takes the slot; adapter 1's held-back requests wait for it in turn.
+        assert admitted == ["b"] and out.lora_loads == [(1, 2)]
+        assert ids(sched.waiting) == [f"n{k}" for k in range(4) if not admitted_newer[k]]

@@ -118,6 +118,7 @@ class Sequence:
     # chain starts from, so KV computed under one adapter is never served to another.
     lora_id: int = 0
     lora_slot: int = 0
+    num_lora_waits: int = 0  # steps it was passed over because every slot was held
     cache_salt: int | None = None
 
     @property

@@ -46,6 +46,9 @@ class SchedulerConfig:
     policy: Literal["fifo", "priority"] = "fifo"
     max_queue_size: int = 1000
     max_loras: int = 0  # LoRA adapter slots: the most distinct adapters running at once
+    # Steps a request may wait for a LoRA slot while newer requests of the adapters holding the
+    # slots go ahead; then those adapters drain (see `_schedule_waiting`). None: never drain.
+    lora_max_wait_steps: int | None = 64
 
 
 @dataclass(slots=True)  # built per sequence per step: not frozen, which costs more to build
@@ -246,6 +249,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         held: set[int] | None = None  # adapters that keep their slots (see `_place_adapter`)
+        # Adapters that take no newer requests this step, so that their slots free up for a
+        # request that waited too long for one (vLLM never drains: an adapter whose requests
+        # keep arriving can then hold its slot forever; SGLang drains at once, which makes
+        # adapters take turns request by request).
+        draining: set[int] = set()
         i = 0
         while i < len(self.waiting) and budget > 0 and (
                 len(self.running) + self.waiting[i].num_reserved_slots <= self.config.max_num_seqs
@@ -254,8 +262,17 @@ class Scheduler:
             if seq.lora_id:
                 if held is None:
                     held = self._held_adapters()
+                if seq.lora_id in draining:
+                    i += 1
+                    continue
                 if not self._place_adapter(seq, held):
-                    i += 1  # every slot is held: it waits, and those behind it may go
+                    # Every slot is held: it waits, and those behind it may go, unless it has
+                    # waited too long.
+                    seq.num_lora_waits += 1
+                    limit = self.config.lora_max_wait_steps
+                    if limit is not None and seq.num_lora_waits > limit:
+                        draining |= held
+                    i += 1
                     continue
             # Forward-only, prompt-logprob and embedding sequences get no prefix-cache hits.
             prefix = bm.match_prefix(seq)

@@ -23,7 +23,7 @@ from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import forward_results, map_engine_error
 from ksana_llm.server.openai_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                               EmbeddingRequest, EmbeddingResponse, EmbeddingUsage)
-from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, parse_body
+from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
 from ksana_llm.server.params import prompt_token_lists
 from ksana_llm.server.state import ServerState, server_state
 

@@ -41,7 +41,7 @@ from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import forward_results, map_engine_error
 from ksana_llm.server.logprobs import _finite
-from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST
+from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST
 from ksana_llm.server.params import check_token_ids, prompt_token_lists
 from ksana_llm.server.state import server_state
 

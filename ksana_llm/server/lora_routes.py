@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ksana_llm.api.engine import EngineDeadError
 from ksana_llm.server.errors import APIError, bad_request, engine_unavailable
-from ksana_llm.server.openai_routes import parse_body
+from ksana_llm.server.submission import parse_body
 from ksana_llm.server.state import server_state
 
 router = APIRouter()

@@ -16,7 +16,7 @@ from ksana_llm.server.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from ksana_llm.server.openai_routes import parse_body
+from ksana_llm.server.submission import parse_body
 from ksana_llm.server.params import check_token_ids
 from ksana_llm.server.state import server_state
 

@@ -31,7 +31,7 @@ from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_N, MAX_STOP
-from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, _AbortOnCloseStreamingResponse
+from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse
 from ksana_llm.server.params import (
     check_logprobs_cap,
     check_token_ids,
@@ -296,7 +296,7 @@ async def generate(request: Request) -> Response:
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],
                                state.request_observer if state.metrics is not None else None)
     if req.stream:
-        response = _AbortOnCloseStreamingResponse(
+        response = AbortOnCloseStreamingResponse(
             _nul_stream(choices, ids, sc.logprobs, every_event=bool(sc.stop_strings)), choices)
         response.headers["content-type"] = STREAM_MEDIA_TYPE
         return response

@@ -11,20 +11,16 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
-from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.server import kv_transfer
-from ksana_llm.server.chat import check_template_kwargs, render_chat
-from ksana_llm.server.chat_output import ChatDelta, ChoiceOutputParser
-from ksana_llm.server.errors import APIError, bad_request, from_validation_error
-from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
+from ksana_llm.server.chat_output import ChatDelta
+from ksana_llm.server.chat_run import start_chat
+from ksana_llm.server.errors import APIError, bad_request
+from ksana_llm.server.generation import ChoiceSet
 from ksana_llm.server.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -44,135 +40,23 @@ from ksana_llm.server.openai_protocol import (
     CompletionResponse,
     DeltaMessage,
     Usage,
-    _SamplingRequest,
 )
-from ksana_llm.server.params import (
-    beam_search_fields,
-    check_logprobs_cap,
-    check_token_ids,
-    choice_seeds,
-    engine_samples_n,
-    generation_config,
-    prompt_token_lists,
-    resolve_max_tokens,
+from ksana_llm.server.params import check_logprobs_cap, prompt_token_lists, resolve_max_tokens
+from ksana_llm.server.state import server_state
+from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
+from ksana_llm.server.submission import (
+    CLIENT_CLOSED_REQUEST,
+    AbortOnCloseStreamingResponse,
+    check_common,
+    constraint,
+    kv_response,
+    parse_body,
+    plan_jobs,
+    request_fields,
+    wait_for_choices,
 )
-from ksana_llm.server.state import ServerState, server_state
-from ksana_llm.server.structured_params import (
-    StructuredRequest,
-    compile_spec,
-    from_response_format,
-    from_vllm_extras,
-    single,
-)
-from ksana_llm.server.tools import plan_tools
 
 router = APIRouter()
-
-RequestModel = TypeVar("RequestModel", bound=BaseModel)
-
-# Status for a client that left before its answer (nginx's convention; nobody reads it).
-CLIENT_CLOSED_REQUEST = 499
-
-# Constraints that make the whole output JSON: such an output has no thinking block.
-_JSON_KINDS = ("json_object", "json_schema")
-
-
-async def parse_body(request: Request, model: type[RequestModel]) -> RequestModel:
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc
-
-
-def _check_common(req: _SamplingRequest, state: ServerState) -> None:
-    state.check_model(req.model)
-    unsupported = req.unsupported_params()
-    if unsupported:
-        raise bad_request(f"Unsupported parameter(s): {', '.join(unsupported)}.",
-                          param=unsupported[0], code="unsupported_parameter")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-    check_logprobs_cap(req.prompt_logprobs, state.max_logprobs, "prompt_logprobs")
-    if req.prompt_logprobs is not None and req.stream:
-        raise bad_request("prompt_logprobs are not available when streaming.", param="prompt_logprobs")
-    if req.best_of is not None:
-        if req.best_of < req.n:
-            raise bad_request(f"`best_of` ({req.best_of}) must be at least `n` ({req.n}).",
-                              param="best_of")
-        if req.stream and req.best_of > req.n:
-            raise bad_request("`best_of` cannot be used with streaming.", param="best_of")
-    state.check_alive()
-
-
-async def _constraint(state: ServerState, found: list[StructuredRequest | None]) -> tuple[Any, str | None]:
-    """The compiled spec of the request's one output constraint (None, None without one)."""
-    request = single(found)
-    if request is None:
-        return None, None
-    return await compile_spec(state, request), request.kind
-
-
-@dataclass
-class Jobs:
-    """Engine requests for a list of prompts, and which prompt each request answers."""
-
-    items: list[tuple[list[int], GenerationConfig]]
-    prompt_of: list[int]  # request index -> prompt index
-
-
-def _plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerState, *,
-               max_tokens: Callable[[list[int]], int], logprobs: int | None,
-               extra: dict[str, Any]) -> Jobs:
-    """The engine requests behind `n` choices per prompt.
-
-    Beam search, best_of and plain `n > 1` run as one engine request returning `n` sequences,
-    which share the prompt's KV blocks (sequence i of a seeded request samples with seed + i).
-    An engine without parallel sampling gets `n` requests with seeds seed + i instead.
-    """
-    beam = beam_search_fields(req)
-    fields = dict(extra)
-    per_request = 1
-    if beam is not None:
-        fields.update(beam)
-        per_request = req.n
-    elif req.best_of is not None and req.best_of > 1:
-        if req.temperature == 0:
-            raise bad_request("`best_of` > 1 needs sampling (temperature > 0): greedy choices "
-                              "are all the same.", param="best_of")
-        fields["best_of"] = req.best_of
-        per_request = req.n
-    elif req.n > 1 and engine_samples_n():
-        per_request = req.n
-    if per_request > 1:
-        seeds: list[int | None] = [req.seed]
-    else:
-        seeds = choice_seeds(req.seed, req.n)
-    items, prompt_of = [], []
-    for p, ids in enumerate(prompts):
-        budget = max_tokens(ids)
-        for seed in seeds:
-            items.append((ids, generation_config(req, max_tokens=budget, logprobs=logprobs,
-                                                 seed=seed, limits=state.limits,
-                                                 num_return_sequences=per_request, extra=fields)))
-            prompt_of.append(p)
-    return Jobs(items, prompt_of)
-
-
-class _AbortOnCloseStreamingResponse(StreamingResponse):
-    """Aborts the choices however the response ends: finished, client gone, or never started."""
-
-    def __init__(self, content: AsyncIterator[str], choices: ChoiceSet) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._choices = choices
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._choices.abort_unfinished()
-
 
 def _sse(payload: BaseModel | dict) -> str:
     body = payload.model_dump_json(exclude_none=True) if isinstance(payload, BaseModel) else json.dumps(payload)
@@ -195,57 +79,18 @@ def _usage(prompt_tokens: int, choices: ChoiceSet) -> Usage:
                  total_tokens=prompt_tokens + completion)
 
 
-# The refusal's code, which tells a router to send the request to a decode server whole.
-LORA_NOT_TRANSFERABLE = "lora_kv_not_transferable"
-
-
-async def _request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
-                          ) -> dict[str, Any]:
-    """Engine `Request` fields for the request's LoRA adapter (its `model`) and its
-    `kv_transfer_params` (see server.kv_transfer)."""
-    lora = state.check_model(req.model)
-    fields: dict[str, Any] = {} if lora is None else {"lora": lora}
-    if req.kv_transfer_params is None:
-        return fields
-    if lora is not None:
-        # The transferred KV does not say which adapter computed it; a router that sees this
-        # refusal sends the request to a decode server whole.
-        raise bad_request("kv_transfer_params cannot be used with a LoRA adapter.",
-                          param="kv_transfer_params", code=LORA_NOT_TRANSFERABLE)
-    return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
-                                            num_sequences=sum(config.num_sequences
-                                                            for _, config in jobs.items),
-                                            stream=req.stream)
-
-
-def _kv_response(state: ServerState, choices: ChoiceSet) -> dict[str, Any] | None:
-    if len(choices.handles) != 1:
-        return None
-    return kv_transfer.response_params(state.kv_transfer, choices.handles[0].output)
-
-
-async def _wait(choices: ChoiceSet, request: Request, state: ServerState) -> bool:
-    """Wait for every choice; False (and counted) if the client left first."""
-    try:
-        await choices.wait(request)
-    except ClientDisconnected:
-        state.count_failure("aborted")
-        return False
-    return True
-
-
 # ---- completions ---------------------------------------------------------------------------------
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, CompletionRequest)
-    _check_common(req, state)
+    check_common(req, state)
     check_logprobs_cap(req.logprobs, state.max_logprobs, "logprobs")
     prompts = prompt_token_lists(req.prompt, state.tokenizer, state.limits)
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}.", param="n")
-    spec, _ = await _constraint(state, [from_response_format(req.response_format),
+    spec, _ = await constraint(state, [from_response_format(req.response_format),
                                         *from_vllm_extras(req)])
     extra: dict[str, Any] = {}
     if spec is not None:
@@ -255,13 +100,13 @@ async def create_completion(request: Request) -> Response:
     prompt_lp = req.logprobs if echo_logprobs else req.prompt_logprobs
     if prompt_lp is not None:
         extra["prompt_logprobs"] = prompt_lp
-    jobs = _plan_jobs(req, prompts, state, logprobs=req.logprobs, extra=extra,
+    jobs = plan_jobs(req, prompts, state, logprobs=req.logprobs, extra=extra,
                       max_tokens=lambda ids: resolve_max_tokens(req.max_tokens, len(ids),
                                                                 state.limits, "prompt"))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
-                               await _request_fields(req, state, jobs))
+                               await request_fields(req, state, jobs))
     prompt_tokens = sum(len(p) for p in prompts)
     echo_texts = ([state.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
                   if req.echo else None)
@@ -310,9 +155,9 @@ async def create_completion(request: Request) -> Response:
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                          usage=_usage(prompt_tokens, choices))
 
-        return _AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
+        return AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
 
-    if not await _wait(choices, request, state):
+    if not await wait_for_choices(choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     result = []
     for i, out in enumerate(choices.results()):
@@ -336,7 +181,7 @@ async def create_completion(request: Request) -> Response:
                              if req.prompt_logprobs is not None else None)))
     response = CompletionResponse(id=request_id, created=created, model=model, choices=result,
                                   usage=_usage(prompt_tokens, choices),
-                                  kv_transfer_params=_kv_response(state, choices))
+                                  kv_transfer_params=kv_response(state, choices))
     return JSONResponse(response.model_dump())
 
 
@@ -346,56 +191,9 @@ async def create_completion(request: Request) -> Response:
 async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, ChatCompletionRequest)
-    if req.chat_template is not None:
-        raise bad_request("A chat template cannot be sent with the request; the server uses its own "
-                          "(set at start-up with --chat-template).", param="chat_template",
-                          code="unsupported_parameter")
-    _check_common(req, state)
-    if req.top_logprobs and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
-    check_logprobs_cap(req.top_logprobs, state.max_logprobs, "top_logprobs")
-    if req.max_tokens is not None and req.max_completion_tokens is not None \
-            and req.max_tokens != req.max_completion_tokens:
-        raise bad_request("Give max_completion_tokens or max_tokens, not both with different values.",
-                          param="max_completion_tokens")
-    tools = plan_tools(req.tools, req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
-                       auto_enabled=state.enable_auto_tool_choice, parser=state.tool_parser)
-    template_kwargs = check_template_kwargs(req.chat_template_kwargs)
-    prompt = render_chat(state.tokenizer, req.messages, state.chat_template,
-                         add_generation_prompt=req.add_generation_prompt,
-                         continue_final_message=req.continue_final_message,
-                         tools=tools.tools, template_kwargs=template_kwargs)
-    # The template already holds the special tokens (BOS etc.): do not add them twice.
-    ids = list(state.tokenizer.encode(prompt, add_special_tokens=False))
-    check_token_ids(ids, state.limits.vocab_size, "messages")
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages")
-    spec, kind = await _constraint(state, [from_response_format(req.response_format),
-                                           *from_vllm_extras(req), tools.constraint])
-    extra: dict[str, Any] = {}
-    if spec is not None:
-        extra["structured_output"] = spec
-    if req.prompt_logprobs is not None:
-        extra["prompt_logprobs"] = req.prompt_logprobs
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    jobs = _plan_jobs(req, [ids], state, logprobs=logprobs, extra=extra,
-                      max_tokens=lambda _: max_tokens)
-    # Reasoning is parsed unless the request turned thinking off, or constrained the whole
-    # output to JSON (which leaves no room for a thinking block).
-    reasoning = state.reasoning_parser
-    if template_kwargs.get("enable_thinking") is False or kind in _JSON_KINDS:
-        reasoning = None
-
-    def output_parser() -> ChoiceOutputParser:
-        return ChoiceOutputParser(reasoning.stream() if reasoning is not None else None,
-                                  tools.stream())
-
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
-                               state.request_observer if state.metrics is not None else None,
-                               await _request_fields(req, state, jobs))
-    created = int(time.time())
-    model = state.response_model(req.model)
+    run = await start_chat(req, state, f"chatcmpl-{uuid.uuid4().hex}")
+    request_id, ids, choices, output_parser = run.request_id, run.ids, run.choices, run.output_parser
+    created, model = run.created, run.model
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -426,9 +224,9 @@ async def create_chat_completion(request: Request) -> Response:
                 yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                           usage=_usage(len(ids), choices))
 
-        return _AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
+        return AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
 
-    if not await _wait(choices, request, state):
+    if not await wait_for_choices(choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     result = []
     for i, out in enumerate(choices.results()):
@@ -444,6 +242,6 @@ async def create_chat_completion(request: Request) -> Response:
                                           state.token_texts)
     response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=result,
                                       usage=_usage(len(ids), choices), prompt_logprobs=prompt_lps,
-                                      kv_transfer_params=_kv_response(state, choices))
+                                      kv_transfer_params=kv_response(state, choices))
     return JSONResponse(response.model_dump())
 

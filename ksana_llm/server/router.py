@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
 from ksana_llm.server.generation import finished_before_client_left
-from ksana_llm.server.openai_routes import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
+from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
                                         BodyLimitMiddleware)
 

@@ -1,0 +1,91 @@
+"""A chat request from validation to submitted choices, shared by `/v1/chat/completions` and
+`/v1/responses` (which differ only in how they shape the answer).
+
+Everything that can be a 400 happens here, before anything is submitted: the template renders,
+the prompt fits, tools and output constraints compile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ksana_llm.server.chat import check_template_kwargs, render_chat
+from ksana_llm.server.chat_output import ChoiceOutputParser
+from ksana_llm.server.errors import bad_request
+from ksana_llm.server.generation import ChoiceSet
+from ksana_llm.server.openai_protocol import ChatCompletionRequest
+from ksana_llm.server.params import check_logprobs_cap, check_token_ids, resolve_max_tokens
+from ksana_llm.server.state import ServerState
+from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
+from ksana_llm.server.submission import check_common, constraint, plan_jobs, request_fields
+from ksana_llm.server.tools import plan_tools
+
+# Constraints that make the whole output JSON: such an output has no thinking block.
+_JSON_KINDS = ("json_object", "json_schema")
+
+
+@dataclass
+class ChatRun:
+    """A submitted chat request: its prompt, its choices, and how to read their text."""
+
+    request_id: str
+    ids: list[int]  # the rendered prompt's tokens
+    choices: ChoiceSet
+    output_parser: Callable[[], ChoiceOutputParser]  # a fresh one per choice
+    model: str  # the name the response gives
+    created: int
+
+
+async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id: str) -> ChatRun:
+    if req.chat_template is not None:
+        raise bad_request("A chat template cannot be sent with the request; the server uses its own "
+                          "(set at start-up with --chat-template).", param="chat_template",
+                          code="unsupported_parameter")
+    check_common(req, state)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
+    check_logprobs_cap(req.top_logprobs, state.max_logprobs, "top_logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("Give max_completion_tokens or max_tokens, not both with different values.",
+                          param="max_completion_tokens")
+    tools = plan_tools(req.tools, req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                       auto_enabled=state.enable_auto_tool_choice, parser=state.tool_parser)
+    template_kwargs = check_template_kwargs(req.chat_template_kwargs)
+    prompt = render_chat(state.tokenizer, req.messages, state.chat_template,
+                         add_generation_prompt=req.add_generation_prompt,
+                         continue_final_message=req.continue_final_message,
+                         tools=tools.tools, template_kwargs=template_kwargs)
+    # The template already holds the special tokens (BOS etc.): do not add them twice.
+    ids = list(state.tokenizer.encode(prompt, add_special_tokens=False))
+    check_token_ids(ids, state.limits.vocab_size, "messages")
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages")
+    spec, kind = await constraint(state, [from_response_format(req.response_format),
+                                          *from_vllm_extras(req), tools.constraint])
+    extra: dict[str, Any] = {}
+    if spec is not None:
+        extra["structured_output"] = spec
+    if req.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = req.prompt_logprobs
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    jobs = plan_jobs(req, [ids], state, logprobs=logprobs, extra=extra,
+                     max_tokens=lambda _: max_tokens)
+    # Reasoning is parsed unless the request turned thinking off, or constrained the whole
+    # output to JSON (which leaves no room for a thinking block).
+    reasoning = state.reasoning_parser
+    if template_kwargs.get("enable_thinking") is False or kind in _JSON_KINDS:
+        reasoning = None
+
+    def output_parser() -> ChoiceOutputParser:
+        return ChoiceOutputParser(reasoning.stream() if reasoning is not None else None,
+                                  tools.stream())
+
+    choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
+                               state.request_observer if state.metrics is not None else None,
+                               await request_fields(req, state, jobs))
+    return ChatRun(request_id, ids, choices, output_parser, state.response_model(req.model),
+                   int(time.time()))

@@ -1,0 +1,172 @@
+"""What the generating routes share between parsing a request and shaping its answer: body
+parsing, the common checks, compiling an output constraint, planning the engine requests behind
+`n` choices, the LoRA / KV-transfer request fields, and waiting for (or streaming) the choices
+with the request aborted however the response ends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.server import kv_transfer
+from ksana_llm.server.errors import bad_request, from_validation_error
+from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
+from ksana_llm.server.openai_protocol import _SamplingRequest
+from ksana_llm.server.params import (
+    beam_search_fields,
+    check_logprobs_cap,
+    choice_seeds,
+    engine_samples_n,
+    generation_config,
+)
+from ksana_llm.server.state import ServerState
+from ksana_llm.server.structured_params import StructuredRequest, compile_spec, single
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+# Status for a client that left before its answer (nginx's convention; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+
+async def parse_body(request: Request, model: type[RequestModel]) -> RequestModel:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def check_common(req: _SamplingRequest, state: ServerState) -> None:
+    state.check_model(req.model)
+    unsupported = req.unsupported_params()
+    if unsupported:
+        raise bad_request(f"Unsupported parameter(s): {', '.join(unsupported)}.",
+                          param=unsupported[0], code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
+    check_logprobs_cap(req.prompt_logprobs, state.max_logprobs, "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when streaming.", param="prompt_logprobs")
+    if req.best_of is not None:
+        if req.best_of < req.n:
+            raise bad_request(f"`best_of` ({req.best_of}) must be at least `n` ({req.n}).",
+                              param="best_of")
+        if req.stream and req.best_of > req.n:
+            raise bad_request("`best_of` cannot be used with streaming.", param="best_of")
+    state.check_alive()
+
+
+async def constraint(state: ServerState, found: list[StructuredRequest | None]) -> tuple[Any, str | None]:
+    """The compiled spec of the request's one output constraint (None, None without one)."""
+    request = single(found)
+    if request is None:
+        return None, None
+    return await compile_spec(state, request), request.kind
+
+
+@dataclass
+class Jobs:
+    """Engine requests for a list of prompts, and which prompt each request answers."""
+
+    items: list[tuple[list[int], GenerationConfig]]
+    prompt_of: list[int]  # request index -> prompt index
+
+
+def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerState, *,
+               max_tokens: Callable[[list[int]], int], logprobs: int | None,
+               extra: dict[str, Any]) -> Jobs:
+    """The engine requests behind `n` choices per prompt.
+
+    Beam search, best_of and plain `n > 1` run as one engine request returning `n` sequences,
+    which share the prompt's KV blocks (sequence i of a seeded request samples with seed + i).
+    An engine without parallel sampling gets `n` requests with seeds seed + i instead.
+    """
+    beam = beam_search_fields(req)
+    fields = dict(extra)
+    per_request = 1
+    if beam is not None:
+        fields.update(beam)
+        per_request = req.n
+    elif req.best_of is not None and req.best_of > 1:
+        if req.temperature == 0:
+            raise bad_request("`best_of` > 1 needs sampling (temperature > 0): greedy choices "
+                              "are all the same.", param="best_of")
+        fields["best_of"] = req.best_of
+        per_request = req.n
+    elif req.n > 1 and engine_samples_n():
+        per_request = req.n
+    if per_request > 1:
+        seeds: list[int | None] = [req.seed]
+    else:
+        seeds = choice_seeds(req.seed, req.n)
+    items, prompt_of = [], []
+    for p, ids in enumerate(prompts):
+        budget = max_tokens(ids)
+        for seed in seeds:
+            items.append((ids, generation_config(req, max_tokens=budget, logprobs=logprobs,
+                                                 seed=seed, limits=state.limits,
+                                                 num_return_sequences=per_request, extra=fields)))
+            prompt_of.append(p)
+    return Jobs(items, prompt_of)
+
+
+class AbortOnCloseStreamingResponse(StreamingResponse):
+    """Aborts the choices however the response ends: finished, client gone, or never started."""
+
+    def __init__(self, content: AsyncIterator[str], choices: ChoiceSet) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._choices = choices
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._choices.abort_unfinished()
+
+
+# The refusal's code, which tells a router to send the request to a decode server whole.
+LORA_NOT_TRANSFERABLE = "lora_kv_not_transferable"
+
+
+async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
+                          ) -> dict[str, Any]:
+    """Engine `Request` fields for the request's LoRA adapter (its `model`) and its
+    `kv_transfer_params` (see server.kv_transfer)."""
+    lora = state.check_model(req.model)
+    fields: dict[str, Any] = {} if lora is None else {"lora": lora}
+    if req.kv_transfer_params is None:
+        return fields
+    if lora is not None:
+        # The transferred KV does not say which adapter computed it; a router that sees this
+        # refusal sends the request to a decode server whole.
+        raise bad_request("kv_transfer_params cannot be used with a LoRA adapter.",
+                          param="kv_transfer_params", code=LORA_NOT_TRANSFERABLE)
+    return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
+                                            num_sequences=sum(config.num_sequences
+                                                            for _, config in jobs.items),
+                                            stream=req.stream)
+
+
+def kv_response(state: ServerState, choices: ChoiceSet) -> dict[str, Any] | None:
+    if len(choices.handles) != 1:
+        return None
+    return kv_transfer.response_params(state.kv_transfer, choices.handles[0].output)
+
+
+async def wait_for_choices(choices: ChoiceSet, request: Request, state: ServerState) -> bool:
+    """Wait for every choice; False (and counted) if the client left first."""
+    try:
+        await choices.wait(request)
+    except ClientDisconnected:
+        state.count_failure("aborted")
+        return False
+    return True
+
+
