@@ -163,6 +163,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
+    parser.add_argument("--max-stored-responses", type=int, default=None,
+                        help="/v1/responses answers kept (store=true) for GET /v1/responses/ID "
+                             "and previous_response_id; least recently used dropped first "
+                             "(default: 1024; 0: none)")
     # Prefill/decode disaggregation (see README "Prefill/decode disaggregation").
     parser.add_argument("--kv-role", default=None, choices=KV_ROLES,
                         help="take part in disaggregated serving: keep prompts' KV for decode "

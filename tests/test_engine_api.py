@@ -206,6 +206,22 @@ def test_prompt_longer_than_context(engine, model):
     assert engine.is_running
 
 
+def test_outputs_count_the_prompt_tokens_the_prefix_cache_served(model):
+    """A second request with the first one's prompt (and more) reuses its full 16-token blocks;
+    beam search (ranked outputs) reports it too."""
+    ids = model.tokenizer.encode(PROMPT * 3)
+    with kt.Engine(model, num_device_blocks=64) as engine:
+        first = engine.generate_outputs([ids], kt.GenerationConfig(max_new_tokens=2),
+                                        use_tqdm=False)[0]
+        again = engine.generate_outputs([ids + [42]], kt.GenerationConfig(max_new_tokens=2),
+                                        use_tqdm=False)[0]
+        beams = engine.generate_outputs([ids], kt.GenerationConfig(
+            max_new_tokens=2, num_beams=2, num_return_sequences=2), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == len(ids) // 16 * 16 > 0
+    assert beams.num_cached_tokens > 0
+
+
 def test_stats_report_queue_kv_and_latency(engine):
     engine.generate([PROMPT, "Hello"], use_tqdm=False)
     stats = engine.stats()

@@ -145,6 +145,7 @@ class RequestOutput:
     # The prompt's KV, for a request submitted with `export_kv=True` (a TransferredKv; hand it
     # to another engine as `Request(imported_kv=...)`).
     exported_kv: TransferredKv | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def sequences(self) -> list[SequenceOutput]:
@@ -271,6 +272,8 @@ class RequestHandle:
             out.prompt_logprobs = step.prompt_logprobs
         if step.first_scheduled_time is not None and out.metrics.first_scheduled_time is None:
             out.metrics.first_scheduled_time = step.first_scheduled_time
+        if step.num_cached_tokens is not None:
+            out.num_cached_tokens = step.num_cached_tokens
         if step.new_token_ids and out.metrics.first_token_time is None:
             out.metrics.first_token_time = now
         if step.finished:

@@ -139,7 +139,8 @@ class BeamSearchSteps:
             out = StepOutput(group.request_id, list(hyp.token_ids), text, rank == len(best) - 1,
                              reason, stop_reason,
                              list(hyp.logprobs or []), first_scheduled_time=first.first_scheduled_time,
-                             index=rank, cumulative_logprob=hyp.sum_logprob, score=hyp.score)
+                             index=rank, cumulative_logprob=hyp.sum_logprob, score=hyp.score,
+                             num_cached_tokens=first.num_cached_tokens)
             self._attach_prompt_logprobs(group, out)
             outputs.append(out)
         return outputs

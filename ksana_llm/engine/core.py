@@ -381,7 +381,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
                 entries: list[dict[str, Any]], finished: bool = False) -> StepOutput:
         out = StepOutput(seq.request_id, tokens, delta, finished, seq.finish_reason,
                          seq.stop_reason, entries, first_scheduled_time=seq.first_scheduled_time,
-                         index=seq.index, cumulative_logprob=self._cumulative(seq))
+                         index=seq.index, cumulative_logprob=self._cumulative(seq),
+                         num_cached_tokens=seq.num_cached_tokens)
         self._attach_prompt_logprobs(seq.group, out)
         if finished:
             out.exported_kv = seq.group.exported_kv
@@ -443,7 +444,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
                              rank == len(best) - 1, seq.finish_reason, seq.stop_reason,
                              list(seq.logprobs) if config.logprobs is not None else [],
                              first_scheduled_time=seq.first_scheduled_time, index=rank,
-                             cumulative_logprob=seq.cumulative_logprob)
+                             cumulative_logprob=seq.cumulative_logprob,
+                             num_cached_tokens=seq.num_cached_tokens)
             self._attach_prompt_logprobs(group, out)
             outputs.append(out)
         return outputs

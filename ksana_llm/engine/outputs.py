@@ -46,6 +46,8 @@ class StepOutput:
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     # Set on the last output of a request that exports its KV (a runner.kv_transfer.TransferredKv).
     exported_kv: Any = None
+    # Prompt tokens whose KV came from the prefix cache (set once its prompt was scheduled).
+    num_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddlewar
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
+from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
@@ -95,13 +96,16 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
               mount_extensions: bool = True, parsing: OutputParsing | None = None,
               kv_role: str | None = None, kv_transfer_ttl_s: float | None = None,
               kv_prefill_urls: list[str] | None = None,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
     ("prefill", "decode", "both"): the server's part in disaggregated serving (`server.kv_transfer`);
     `kv_prefill_urls`: the prefill servers a decode server may fetch KV from (None: any).
     `allow_runtime_lora_updating` mounts /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    `max_stored_responses`: how many `/v1/responses` answers are kept for retrieval and
+    `previous_response_id` (least recently used dropped first; 0 keeps none).
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -124,7 +128,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         enable_auto_tool_choice=parsing.enable_auto_tool_choice,
         reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
                           if parsing.reasoning_parser is not None else None),
-        max_logprobs=parsing.max_logprobs, kv_transfer=transfer)
+        max_logprobs=parsing.max_logprobs, kv_transfer=transfer,
+        responses=ResponseStore(max_stored_responses))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -140,8 +145,10 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     from ksana_llm.server.embeddings import router as embeddings_router
     from ksana_llm.server.misc_routes import router as misc_router
     from ksana_llm.server.openai_routes import router as openai_router
+    from ksana_llm.server.responses import router as responses_router
 
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(misc_router)
     app.include_router(embeddings_router)
     if allow_runtime_lora_updating:
@@ -271,7 +278,10 @@ def run_server(args: argparse.Namespace) -> int:
                     kv_role=kv_role, kv_transfer_ttl_s=kv_ttl,
                     kv_prefill_urls=getattr(args, "kv_prefill_url", None),
                     allow_runtime_lora_updating=bool(getattr(args, "allow_runtime_lora_updating",
-                                                             False)))
+                                                             False)),
+                    max_stored_responses=DEFAULT_MAX_STORED_RESPONSES
+                    if getattr(args, "max_stored_responses", None) is None
+                    else args.max_stored_responses)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

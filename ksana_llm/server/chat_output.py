@@ -47,6 +47,10 @@ class ChoiceOutputParser:
     def num_tool_calls(self) -> int:
         return len(self._ids)
 
+    def call_id(self, index: int) -> str:
+        """The id of tool call `index` (known once its name was parsed)."""
+        return self._ids[index]
+
     def _route(self, reasoning: str, content: str, last: bool) -> ChatDelta:
         out = ChatDelta(reasoning=reasoning)
         if self._tools is None:

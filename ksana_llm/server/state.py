@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -14,6 +14,7 @@ from ksana_llm.server.logprobs import TokenTexts
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import ReasoningParser
+from ksana_llm.server.responses_store import ResponseStore
 from ksana_llm.server.tool_parsers import ToolParser
 
 
@@ -31,6 +32,7 @@ class ServerState:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
 
     def grammar_compiler(self) -> Any:
         """The engine's GrammarCompiler: a spec compiled here to check it (off the event loop)

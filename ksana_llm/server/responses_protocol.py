@@ -1,0 +1,291 @@
+"""The OpenAI Responses API's request, and its translation to and from the chat route's terms.
+
+A Responses request is a chat request in other clothes: `input` items become chat messages (an
+`instructions` string goes first, as a system message), flat function tools become chat tools,
+`text.format` becomes `response_format`. The answer goes the other way: the chat output parser's
+reasoning, text and tool calls become `reasoning`, `message` and `function_call` output items.
+Errors name the Responses parameter (`input.2.content`, `tools.0.name`, `text.format`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ksana_llm.server.errors import APIError, bad_request
+from ksana_llm.server.openai_protocol import MAX_LOGPROBS, ChatMessage, ChatResponseMessage, _Request
+
+# `include` values: the one that changes the answer, and those accepted with nothing to add
+# (this server keeps no encrypted reasoning, files, images or hosted tools).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_IGNORED_INCLUDES = frozenset({"reasoning.encrypted_content"})
+_INPUT_ROLES = ("user", "system", "developer", "assistant")
+_FUNCTION_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: Any = None  # a string, or a list of items; checked by `input_messages`
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include: list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # function tools; checked by `chat_tools`
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
+    reasoning: dict[str, Any] | None = None  # echoed; thinking follows the chat template
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # Accepted and ignored: they do not change what is generated.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    # Refused when set (see `unsupported_params`).
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    context_management: Any = None
+    # vLLM extras (sampling parameters the chat route also takes).
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+
+    def unsupported_params(self) -> list[str]:
+        found = [name for name in ("background", "conversation", "prompt", "max_tool_calls",
+                                   "context_management") if getattr(self, name)]
+        unknown = sorted(set(self.include or ()) - _IGNORED_INCLUDES - {LOGPROBS_INCLUDE})
+        if unknown:
+            found.append("include")
+        return found
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+
+
+def _parts_text(content: Any, role: str, param: str) -> str:
+    """An input message's content: a string, or a list of text parts joined as they are."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise bad_request("Message content must be a string or a non-empty list of parts.",
+                          param=param)
+    kind = "output_text" if role == "assistant" else "input_text"
+    texts = []
+    for j, part in enumerate(content):
+        part_type = part.get("type") if isinstance(part, dict) else None
+        if part_type == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        if part_type != kind or not isinstance(part.get("text"), str):
+            raise bad_request(f"Content part {part_type or type(part).__name__!r} is not supported"
+                              f" here; {role} content takes {kind!r} parts.", param=f"{param}.{j}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"`{key}` must be a string.", param=f"{param}.{key}")
+    return value
+
+
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                              for p in parts):
+        raise bad_request("A reasoning item's content must be a list of text parts.",
+                          param=f"{param}.content")
+    return "".join(p["text"] for p in parts)
+
+
+def input_messages(value: Any, param: str = "input") -> list[ChatMessage]:
+    """Input items -> chat messages. A function call joins the assistant message before it (the
+    chat form of one turn that wrote text and called tools); a reasoning item rides on the next
+    assistant message (templates that show earlier thinking read it)."""
+    if isinstance(value, str):
+        return [ChatMessage(role="user", content=value)]
+    if not isinstance(value, list) or not value:
+        raise bad_request("`input` must be a string or a non-empty list of items.", param=param)
+    messages: list[ChatMessage] = []
+    reasoning: str | None = None
+    for i, item in enumerate(value):
+        where = f"{param}.{i}"
+        if not isinstance(item, dict):
+            raise bad_request("An input item must be an object.", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _INPUT_ROLES:
+                raise bad_request(f"`role` must be one of {', '.join(_INPUT_ROLES)}.",
+                                  param=f"{where}.role")
+            text = _parts_text(item.get("content"), role, f"{where}.content")
+            message = ChatMessage(role=role, content=text)
+            if role == "assistant":
+                message.reasoning_content, reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where),
+                                 "arguments": _string(item, "arguments", where)}}
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and reasoning is None:
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call],
+                                            reasoning_content=reasoning))
+                reasoning = None
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _parts_text(output, "tool",
+                                                                       f"{where}.output")
+            messages.append(ChatMessage(role="tool", content=text,
+                                        tool_call_id=_string(item, "call_id", where)))
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item, where)
+        else:
+            raise bad_request(f"Input items of type {kind!r} are not supported (message, "
+                              "function_call, function_call_output and reasoning are).",
+                              param=f"{where}.type")
+    if not messages:
+        raise bad_request("`input` holds no message.", param=param)
+    return messages
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Flat Responses function tools -> chat tools (`{"type": "function", "function": {...}}`)."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"Tools of type {kind!r} are not supported; only 'function' tools.",
+                              param=f"tools.{i}.type")
+        unknown = sorted(set(tool) - _FUNCTION_TOOL_KEYS)
+        if unknown:
+            raise bad_request(f"Unknown field(s) in a function tool: {', '.join(unknown)}.",
+                              param=f"tools.{i}")
+        out.append({"type": "function",
+                    "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("name"), str) and set(choice) == {"type", "name"}:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("`tool_choice` must be 'none', 'auto', 'required' or "
+                      "{'type': 'function', 'name': ...}.", param="tool_choice")
+
+
+def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` -> the chat route's `response_format`."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("`text.format` must be an object.", param="text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise bad_request("`text.format.type` must be 'text', 'json_object' or 'json_schema'.",
+                      param="text.format.type")
+
+
+# Chat parameter -> the Responses parameter it came from, for error messages.
+_PARAM_PREFIXES = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                   ("response_format.json_schema", "text.format"),
+                   ("response_format", "text.format"))
+
+
+def responses_error(exc: APIError) -> APIError:
+    """A chat-route error renamed to the Responses parameters."""
+    param = exc.param
+    if param is None:
+        return exc
+    for chat, ours in _PARAM_PREFIXES:
+        if param == chat or param.startswith(chat + "."):
+            param = ours + param[len(chat):]
+            break
+    if param.startswith("tools.") and ".function" in param:
+        param = param.replace(".function", "", 1)
+    if param == exc.param:
+        return exc
+    message = exc.message.replace(f"`{exc.param}`", f"`{param}`")
+    return APIError(exc.status, message, type=exc.type, param=param, code=exc.code,
+                    headers=exc.headers)
+
+
+# ---- output items ---------------------------------------------------------------------------------
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reasoning_item(text: str, status: str = "completed", id_: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": id_ or item_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if text else [],
+            "status": status}
+
+
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def message_item(text: str | None, status: str = "completed", id_: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [text_part(text, logprobs)]
+    return {"type": "message", "id": id_ or item_id("msg"), "role": "assistant",
+            "status": status, "content": content}
+
+
+def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed",
+                       id_: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": id_ or item_id("fc"), "call_id": call_id,
+            "name": name, "arguments": arguments, "status": status}
+
+
+def output_items(message: ChatResponseMessage, status: str,
+                 logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """One choice's parsed message as output items: reasoning, then text, then calls."""
+    items = []
+    if message.reasoning_content:
+        items.append(reasoning_item(message.reasoning_content, status))
+    if message.content is not None:
+        items.append(message_item(message.content, status, logprobs=logprobs))
+    for call in message.tool_calls or []:
+        items.append(function_call_item(call.id, call.function.name, call.function.arguments))
+    return items
+
+
+def response_logprobs(chat_entries: Any) -> list[dict[str, Any]]:
+    """The chat route's logprob entries as output_text logprobs."""
+    if chat_entries is None:
+        return []
+    return [{"token": e.token, "bytes": e.bytes or [], "logprob": e.logprob,
+             "top_logprobs": [{"token": t.token, "bytes": t.bytes or [], "logprob": t.logprob}
+                              for t in e.top_logprobs]}
+            for e in chat_entries.content]

@@ -1,0 +1,108 @@
+"""How one choice's text becomes Responses output items, streamed and not, without a model:
+reasoning (a `--reasoning-parser`), text and tool calls (a `--tool-call-parser`) fed in pieces
+give reasoning, message and function_call items whose events the `openai` SDK's own stream
+accumulator takes, and which equal the non-streamed items built from the whole text. Also the
+translation of input items to chat messages and of chat errors to Responses parameters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import omit
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+
+from ksana_llm.server.chat_output import ChoiceOutputParser
+from ksana_llm.server.errors import APIError, bad_request
+from ksana_llm.server.reasoning_parsers import get_reasoning_parser
+from ksana_llm.server.responses import _Events, _OutputEvents
+from ksana_llm.server.responses_protocol import input_messages, output_items, responses_error
+from ksana_llm.server.tool_parsers import get_tool_parser
+
+PIECES = ["<think>Check the", " weather.</think>Let me look.",
+          '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>']
+
+
+def make_parser() -> ChoiceOutputParser:
+    return ChoiceOutputParser(get_reasoning_parser("deepseek_r1").stream(),
+                              get_tool_parser("hermes").stream())
+
+
+def _without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+def test_streamed_items_are_accepted_by_the_sdk_and_equal_the_whole_answer():
+    parser = make_parser()
+    events = _Events()
+    items = _OutputEvents(events, parser)
+    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
+                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "status": "in_progress"}
+    chunks = [events("response.created", response=response)]
+    for piece in PIECES:
+        chunks.extend(items.add(parser.feed(piece), []))
+    chunks.extend(items.add(parser.finish(), []))
+    chunks.extend(items.close("completed"))
+    chunks.append(events("response.completed",
+                         response={**response, "status": "completed", "output": items.output}))
+    payloads = [json.loads(chunk.split("data: ", 1)[1]) for chunk in chunks]
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    assert [c.split("\n", 1)[0] for c in chunks] == [f"event: {p['type']}" for p in payloads]
+
+    state = ResponseStreamState(input_tools=[], text_format=omit)
+    handled = [event for payload in payloads
+               for event in state.handle_event(construct_type(type_=ResponseStreamEvent,
+                                                              value=payload))]
+    assert handled[-1].type == "response.completed"
+    final = handled[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "Let me look."
+    assert final.output[0].content[0].text == "Check the weather."
+    assert json.loads(final.output[2].arguments) == {"city": "Paris"}
+    assert final.output[2].call_id == parser.call_id(0)
+
+    whole = make_parser()
+    message = whole.message([whole.feed("".join(PIECES)), whole.finish()])
+    assert _without_ids(items.output) == _without_ids(output_items(message, "completed", None))
+
+
+def test_input_items_become_chat_messages():
+    messages = input_messages([
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                                         {"type": "input_text", "text": "!"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Calling.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "one"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "two"},
+    ])
+    assert [(m.role, m.content) for m in messages] == [
+        ("developer", "Be brief."), ("user", "Hi!"), ("assistant", "Calling."),
+        ("tool", "one"), ("tool", "two")]
+    assistant = messages[2]
+    assert assistant.reasoning_content == "think"
+    assert [c["id"] for c in assistant.tool_calls] == ["call_1", "call_2"]
+    assert [m.tool_call_id for m in messages[3:]] == ["call_1", "call_2"]
+    # A call with no text before it is an assistant turn of its own.
+    (call_only,) = input_messages([{"type": "function_call", "call_id": "c", "name": "f",
+                                    "arguments": "{}"}])
+    assert (call_only.role, call_only.content, len(call_only.tool_calls)) == ("assistant", None, 1)
+
+
+@pytest.mark.parametrize("chat_param, ours", [
+    ("messages", "input"), ("messages.3.content", "input.3.content"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("tools.2.function.parameters", "tools.2.parameters"), ("tool_choice", "tool_choice"),
+])
+def test_chat_errors_name_the_responses_parameter(chat_param, ours):
+    renamed = responses_error(bad_request(f"`{chat_param}` is wrong.", param=chat_param))
+    assert isinstance(renamed, APIError) and renamed.status == 400
+    assert renamed.param == ours and renamed.message == f"`{ours}` is wrong."

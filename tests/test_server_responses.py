@@ -1,0 +1,248 @@
+"""OpenAI's Responses API on a real server process (SmolLM2), driven by the official `openai`
+client (`client.responses.create / stream / retrieve / delete`): texts equal transformers' greedy
+replies to the same conversation, conversations continue through `previous_response_id`, the
+streamed events are the ones the SDK's accumulator accepts, and what the chat route also does
+(logprobs, JSON schemas, tools) answers as the chat route answers the same messages."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.server_process import ServerProcess
+
+QUESTION = "What is the capital of France?"
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    proc = ServerProcess(["--num-device-blocks", "256", "--max-model-len", "2048",
+                          "--max-stored-responses", "4"])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+def hf_reply(hf_model, tokenizer, messages: list[dict], max_new_tokens: int,
+             tools: list[dict] | None = None) -> tuple[str, int, int]:
+    """transformers' greedy reply to `messages` under the model's chat template: (text, prompt
+    tokens, generated tokens)."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             tools=tools)
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, len(ids):].tolist()
+    return tokenizer.decode(new, skip_special_tokens=True), len(ids), len(new)
+
+
+def test_a_reply_equals_transformers(client, model_name, hf_default_model, default_model):
+    r = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                max_output_tokens=24)
+    text, prompt_tokens, new_tokens = hf_reply(
+        hf_default_model, default_model.tokenizer, [{"role": "user", "content": QUESTION}], 24)
+    assert (r.object, r.status, r.model, r.error) == ("response", "completed", model_name, None)
+    assert r.id.startswith("resp_") and "Paris" in text
+    assert r.output_text == text
+    (item,) = r.output
+    assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
+    assert item.id.startswith("msg_") and item.content[0].type == "output_text"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (prompt_tokens, new_tokens)
+    assert r.usage.total_tokens == prompt_tokens + new_tokens
+    # Input items with text parts are the same conversation.
+    parts = client.responses.create(model=model_name, temperature=0, max_output_tokens=24, input=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    assert parts.output_text == text
+    # The same prompt again: its full 16-token blocks come from the prefix cache.
+    cached = parts.usage.input_tokens_details.cached_tokens
+    assert cached == prompt_tokens // 16 * 16 > 0
+
+
+def test_instructions_and_previous_response_continue_a_conversation(
+        client, model_name, hf_default_model, default_model):
+    """`instructions` is the system message; `previous_response_id` puts the earlier input and
+    output first (not the earlier instructions). Stored answers can be read back and deleted."""
+    tokenizer = default_model.tokenizer
+    first = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                    max_output_tokens=24, instructions="You are a geography tutor.")
+    conversation = [{"role": "system", "content": "You are a geography tutor."},
+                    {"role": "user", "content": QUESTION}]
+    assert first.output_text == hf_reply(hf_default_model, tokenizer, conversation, 24)[0]
+    second = client.responses.create(model=model_name, input="And of Germany?", temperature=0,
+                                     max_output_tokens=24, previous_response_id=first.id,
+                                     instructions="Answer in one sentence.")
+    expected = hf_reply(hf_default_model, tokenizer, [
+        {"role": "system", "content": "Answer in one sentence."},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And of Germany?"}], 24)[0]
+    assert second.output_text == expected and second.previous_response_id == first.id
+    assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=model_name, input="x", previous_response_id=first.id)
+    assert missing.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model=model_name, input=QUESTION, store=False,
+                                       max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_the_most_recent(client, model_name):
+    """--max-stored-responses 4: the fifth answer pushes out the least recently used."""
+    ids = [client.responses.create(model=model_name, input=f"Count to {i}.",
+                                   max_output_tokens=2).id for i in range(5)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+
+
+def test_streamed_events(client, model_name):
+    """The SDK's stream helper accepts the events (it checks every item's identity) and ends with
+    the non-streamed answer; deltas add up to the text; sequence numbers count from 0. An answer
+    cut by max_output_tokens ends with `response.incomplete`."""
+    done = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                   max_output_tokens=40)
+    with client.responses.stream(model=model_name, input=QUESTION, temperature=0,
+                                 max_output_tokens=40) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output_text == done.output_text and final.status == done.status == "completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == done.output_text and len(deltas) > 1
+    assert final.usage.output_tokens == done.usage.output_tokens
+
+    cut = list(client.responses.create(model=model_name, input=QUESTION, max_output_tokens=3,
+                                       temperature=0, stream=True))
+    last = cut[-1]
+    assert last.type == "response.incomplete" and last.response.status == "incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.output[0].status == "incomplete"
+    same = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=3,
+                                   temperature=0)
+    assert (same.status, same.output_text) == ("incomplete", last.response.output_text)
+
+
+def test_logprobs_equal_the_chat_routes(client, model_name):
+    r = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                max_output_tokens=8, include=["message.output_text.logprobs"],
+                                top_logprobs=2)
+    chat = client.chat.completions.create(model=model_name, temperature=0, max_tokens=8,
+                                          messages=[{"role": "user", "content": QUESTION}],
+                                          logprobs=True, top_logprobs=2)
+    ours = r.output[0].content[0].logprobs
+    theirs = chat.choices[0].logprobs.content
+    assert [e.token for e in ours] == [e.token for e in theirs]
+    assert [e.logprob for e in ours] == pytest.approx([e.logprob for e in theirs], abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in ours)
+    streamed = list(client.responses.create(
+        model=model_name, input=QUESTION, temperature=0, max_output_tokens=8, stream=True,
+        include=["message.output_text.logprobs"], top_logprobs=2))
+    # Deltas carry their tokens' logprobs; the done event has them all (the end-of-turn token
+    # adds no text, so no delta carries it).
+    delta_logprobs = [lp for e in streamed if e.type == "response.output_text.delta"
+                      for lp in e.logprobs]
+    (text_done,) = [e for e in streamed if e.type == "response.output_text.done"]
+    assert [lp.token for lp in text_done.logprobs] == [e.token for e in ours]
+    assert [lp.token for lp in delta_logprobs] == [e.token for e in ours][:len(delta_logprobs)]
+    assert len(delta_logprobs) >= len(ours) - 1
+
+
+def test_json_schema_output(client, model_name):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    r = client.responses.create(model=model_name, input="Name the capital of France as JSON.",
+                                temperature=0, max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "capital",
+                                                 "schema": schema, "strict": True}})
+    assert set(json.loads(r.output_text)) == {"city"}
+
+
+def test_function_calls_and_their_outputs(client, model_name):
+    """A named tool_choice gives one function_call item whose arguments fit the schema; its
+    output sent back (function_call_output, continuing the response) is answered as the chat
+    route answers the same messages."""
+    r = client.responses.create(model=model_name, input="What is the weather in Paris?",
+                                tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"},
+                                temperature=0, max_output_tokens=40)
+    (call,) = r.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    follow = client.responses.create(
+        model=model_name, previous_response_id=r.id, tools=TOOLS, tool_choice="none",
+        temperature=0, max_output_tokens=24,
+        input=[{"type": "function_call_output", "call_id": call.call_id,
+                "output": "22 C and sunny"}])
+    chat = client.chat.completions.create(
+        model=model_name, temperature=0, max_tokens=24, tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in TOOLS[0].items()
+                                                 if k != "type"}}],
+        messages=[{"role": "user", "content": "What is the weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": call.call_id, "type": "function",
+                       "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": "22 C and sunny"}])
+    assert follow.output_text == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": []}, 400, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     400, "input.0.content.0"),
+    ({"input": [{"type": "web_search_call"}]}, 400, "input.0.type"),
+    ({"input": [{"role": "critic", "content": "x"}]}, 400, "input.0.role"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
+     "input.0.call_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name"}], "tool_choice": "none"},
+     400, "tools.0.name"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "other"}},
+     400, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, 400,
+     "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
+    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
+    ({"input": "x", "temperature": 3}, 400, "temperature"),
+    ({"input": "x", "surprise": 1}, 400, "surprise"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+    ({"input": "x", "model": "no-such-model"}, 404, "model"),
+])
+def test_bad_requests_name_the_parameter(server, body, status, param):
+    response = httpx.post(server.base_url + "/responses", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_unknown_ids_are_404(server):
+    for method in ("GET", "DELETE"):
+        response = httpx.request(method, server.base_url + "/responses/resp_nope")
+        assert response.status_code == 404 and response.json()["error"]["code"] == \
+            "response_not_found"
