@@ -219,9 +219,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=None,
                         help="the largest adapter rank a slot holds (default: 16)")
     parser.add_argument("--lora-max-wait-steps", type=int, default=None,
-                        help="steps a request may wait for a LoRA slot before the adapters "
-                             "holding the slots stop taking newer requests (default: 64; 0: "
-                             "adapters take turns in arrival order)")
+                        help="steps a request may wait for a LoRA slot before the held "
+                             "adapter with the fewest requests stops taking newer ones "
+                             "(default: 64; 0: at once)")
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="mount /v1/load_lora_adapter and /v1/unload_lora_adapter (clients "
                              "then name folders the server reads)")

@@ -119,10 +119,10 @@ class EngineConfig(BaseModel):
     lora_max_wait_steps: int | None = Field(
         64, ge=0,
         description="steps a request may wait for a LoRA slot while newer requests of the "
-                    "adapters holding every slot go ahead; after that those adapters take no "
-                    "newer requests until a slot frees for it. 0: adapters take turns in "
-                    "arrival order; None: never (vLLM's way: throughput first, but a busy "
-                    "adapter may hold its slot for ever)")
+                    "adapters holding every slot go ahead; after that the held adapter with "
+                    "the fewest requests takes no newer ones until its slot frees for it. 0: "
+                    "at once; None: never (vLLM's way: throughput first, but a busy adapter "
+                    "may hold its slot for ever)")
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

@@ -759,3 +759,44 @@ def test_a_request_waiting_too_long_for_a_slot_drains_the_adapters_holding_them(
         # b takes the slot; adapter 1's held-back requests wait for it in turn.
         assert admitted == ["b"] and out.lora_loads == [(1, 2)]
         assert ids(sched.waiting) == [f"n{k}" for k in range(4) if not admitted_newer[k]]
+
+
+def test_draining_holds_back_only_the_adapter_that_frees_first():
+    """Two slots held by adapter 1 (two requests) and adapter 2 (one): a waiting adapter-3
+    request that waited too long drains adapter 2 alone; newer adapter-1 requests still go."""
+    sched = make_scheduler(max_step_tokens=100, max_loras=2, lora_max_wait_steps=0)
+    a1, a2, b = lora_seq("a1", 1), lora_seq("a2", 1), lora_seq("b", 2)
+    for seq in (a1, a2, b):
+        sched.add(seq)
+    step(sched)
+    c = lora_seq("c", 3)
+    sched.add(c)
+    newer = [lora_seq("a3", 1), lora_seq("b2", 2)]
+    for seq in newer:
+        sched.add(seq)
+    out = step(sched)
+    assert [item.seq.request_id for item in out.scheduled if item.num_new_tokens == 4] == ["a3"]
+    assert ids(sched.waiting) == ["c", "b2"] and c.lora_drain_target == 2
+    sched.finish(b)
+    out = step(sched)
+    # Adapter 2's slot is free: c takes it; b2 (adapter 2, now out of a slot) waits.
+    assert out.lora_loads == [(2, 3)] and c.lora_slot == 2 and ids(sched.waiting) == ["b2"]
+    assert (c.num_lora_waits, c.lora_drain_target) == (0, 0)
+
+
+def test_an_adapter_moves_only_for_a_request_that_gets_its_blocks():
+    """The pool is full: the adapter-2 request cannot start, so adapter 1 stays in the slot
+    (no copy is made for a request that waits anyway)."""
+    sched = make_scheduler(num_blocks=2, max_step_tokens=100, max_loras=1)
+    a = lora_seq("a", 1)
+    sched.add(a)
+    step(sched)
+    sched.finish(a)
+    hog = make_seq("hog", 7)  # both blocks, with room for its next token
+    sched.add(hog)
+    step(sched)
+    sched.add(lora_seq("b", 2))
+    out = step(sched)
+    assert plan(out) == [("hog", 1)]
+    assert out.lora_loads == [] and sched.lora.resident == {1: 1}
+    assert ids(sched.waiting) == ["b"]

@@ -212,6 +212,19 @@ def test_function_calls_and_their_outputs(client, model_name):
     assert follow.output_text == chat.choices[0].message.content
 
 
+def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
+    """Nulls the SDK's typed params carry (a tool's `strict`, `description`), fields of
+    OpenAI's hosted features (`defer_loading`), `store: null`, and a continuation with no new
+    input."""
+    tool = {**TOOLS[0], "strict": None, "description": None, "defer_loading": False}
+    first = client.responses.create(model=model_name, input=QUESTION, tools=[tool],
+                                    tool_choice="none", max_output_tokens=4, store=None)
+    assert first.status in ("completed", "incomplete")
+    follow = client.responses.create(model=model_name, previous_response_id=first.id,
+                                     max_output_tokens=4)
+    assert follow.previous_response_id == first.id and follow.output
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"input": []}, 400, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

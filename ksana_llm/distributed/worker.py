@@ -53,8 +53,9 @@ def lora_error(runner: ModelRunner, lora_id: int, path: str | None) -> str | Non
             runner.unregister_lora(lora_id)
         else:
             runner.register_lora(lora_id, path)
-    except ValueError as exc:
-        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure here (a file unreadable on this node,
+        # pinned memory) is this adapter's, not the worker's: rank 0 unregisters it everywhere
+        return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     return None
 
 

@@ -16,7 +16,7 @@ under it; one preempted for recompute gives it up and is placed again when readm
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 
 class LoraResidency:
@@ -37,14 +37,19 @@ class LoraResidency:
         return dict(self._adapter_in)
 
     def touch(self, lora_ids: Iterable[int]) -> None:
-        """These adapters are in use now (they rank last for eviction)."""
+        """These adapters were in use until now (they rank last for eviction): the scheduler
+        says so when a sequence stops holding its adapter."""
         self._tick += 1
         for lora_id in lora_ids:
             slot = self._slot_of.get(lora_id)
             if slot is not None:
                 self._last_used[slot] = self._tick
 
-    def place(self, lora_id: int, held: set[int]) -> int | None:
+    def can_place(self, lora_id: int, held: Collection[int]) -> bool:
+        """Whether `place` would give adapter `lora_id` a slot."""
+        return lora_id in self._slot_of or self._free_slot(held) is not None
+
+    def place(self, lora_id: int, held: Collection[int]) -> int | None:
         """The slot adapter `lora_id` runs in, loading it there if it is not resident; None
         when every slot holds an adapter in `held` (the adapters of running or swapped-out
         sequences, which must stay)."""
@@ -63,7 +68,7 @@ class LoraResidency:
         self.touch((lora_id,))
         return slot
 
-    def _free_slot(self, held: set[int]) -> int | None:
+    def _free_slot(self, held: Collection[int]) -> int | None:
         empty = [s for s in range(1, self.num_slots + 1) if s not in self._adapter_in]
         if empty:
             return empty[0]

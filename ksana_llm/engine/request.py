@@ -119,6 +119,7 @@ class Sequence:
     lora_id: int = 0
     lora_slot: int = 0
     num_lora_waits: int = 0  # steps it was passed over because every slot was held
+    lora_drain_target: int = 0  # the held adapter it waits to drain (see Scheduler)
     cache_salt: int | None = None
 
     @property

@@ -146,6 +146,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
+        self._release_adapter(seq)
         self.block_manager.free(seq)
         self.block_manager.free_host(seq)
 
@@ -248,11 +249,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        held: set[int] | None = None  # adapters that keep their slots (see `_place_adapter`)
-        # Adapters that take no newer requests this step, so that their slots free up for a
-        # request that waited too long for one (vLLM never drains: an adapter whose requests
-        # keep arriving can then hold its slot forever; SGLang drains at once, which makes
-        # adapters take turns request by request).
+        held: dict[int, int] | None = None  # adapter -> its running and swapped-out sequences
+        # Adapters that take no newer requests this step, so that a slot frees up for a request
+        # that waited too long for one (see `_adapter_admissible`).
         draining: set[int] = set()
         i = 0
         while i < len(self.waiting) and budget > 0 and (
@@ -262,17 +261,8 @@ class Scheduler:
             if seq.lora_id:
                 if held is None:
                     held = self._held_adapters()
-                if seq.lora_id in draining:
-                    i += 1
-                    continue
-                if not self._place_adapter(seq, held):
-                    # Every slot is held: it waits, and those behind it may go, unless it has
-                    # waited too long.
-                    seq.num_lora_waits += 1
-                    limit = self.config.lora_max_wait_steps
-                    if limit is not None and seq.num_lora_waits > limit:
-                        draining |= held
-                    i += 1
+                if not self._adapter_admissible(seq, held, draining):
+                    i += 1  # it waits for a slot, and those behind it may go
                     continue
             # Forward-only, prompt-logprob and embedding sequences get no prefix-cache hits.
             prefix = bm.match_prefix(seq)
@@ -301,24 +291,52 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
             if seq.lora_id:
-                held.add(seq.lora_id)
+                # Placed only now that it has its blocks: a request that cannot start yet
+                # moves no adapter out of its slot.
+                seq.lora_slot = self.lora.place(seq.lora_id, held)
+                seq.num_lora_waits, seq.lora_drain_target = 0, 0
+                held[seq.lora_id] = held.get(seq.lora_id, 0) + 1
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-    def _held_adapters(self) -> set[int]:
-        """The adapters of running and swapped-out sequences: their slots must stay."""
-        held = {s.lora_id for queue in (self.running, self.swapped) for s in queue if s.lora_id}
-        self.lora.touch(held)
+    def _held_adapters(self) -> dict[int, int]:
+        """Adapter -> how many running and swapped-out sequences use it: their slots stay."""
+        held: dict[int, int] = {}
+        for queue in (self.running, self.swapped):
+            for s in queue:
+                if s.lora_id:
+                    held[s.lora_id] = held.get(s.lora_id, 0) + 1
         return held
 
-    def _place_adapter(self, seq: Sequence, held: set[int]) -> bool:
-        """Give `seq` its adapter's slot (loading the adapter there if needed); False when every
-        slot holds an adapter in `held`. An engine without slots never sees an adapter id."""
-        slot = self.lora.place(seq.lora_id, held) if self.lora is not None else None
-        if slot is None:
+    def _adapter_admissible(self, seq: Sequence, held: dict[int, int], draining: set[int]
+                            ) -> bool:
+        """Whether `seq`'s adapter has (or can take) a slot, and takes new requests.
+
+        A request whose adapter finds every slot held lets those behind it go ahead (vLLM's
+        rule, which keeps batches full), but only for `lora_max_wait_steps` steps: then one
+        held adapter, the one with the fewest requests (the first to drain), takes no newer
+        requests until its slot frees for this one. vLLM never drains, so an adapter whose
+        requests keep coming can hold its slot for ever; draining every held adapter at once
+        (SGLang's fix) stalls all of them for one request.
+        """
+        if self.lora is None:  # (a registry without slots refuses adapter requests earlier)
             return False
-        seq.lora_slot = slot
-        return True
+        if seq.lora_id in draining:
+            return False
+        if self.lora.can_place(seq.lora_id, held):
+            return True
+        seq.num_lora_waits += 1
+        limit = self.config.lora_max_wait_steps
+        if limit is not None and seq.num_lora_waits > limit:
+            if seq.lora_drain_target not in held:  # (0, or an adapter that drained meanwhile)
+                seq.lora_drain_target = min(held, key=lambda a: (held[a], self.lora.slot_of(a)))
+            draining.add(seq.lora_drain_target)
+        return False
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        """`seq` stops holding its adapter's slot: the slot's last use is now (for eviction)."""
+        if seq.lora_id and self.lora is not None:
+            self.lora.touch((seq.lora_id,))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, recompute: bool = False) -> None:
         self.num_preemptions += 1
@@ -332,6 +350,7 @@ class Scheduler:
                 self._insert(self.swapped, seq)
                 return
         # Recompute (or the host pool is full): drop the KV, keep the tokens.
+        self._release_adapter(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.kv_imported = False  # all computed here from now on

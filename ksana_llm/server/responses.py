@@ -16,6 +16,7 @@ over, as in OpenAI's API).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,6 @@ from ksana_llm.server.responses_protocol import (
     input_messages,
     item_id,
     message_item,
-    output_items,
     reasoning_item,
     response_logprobs,
     responses_error,
@@ -53,6 +53,7 @@ from ksana_llm.server.submission import (
 )
 
 router = APIRouter()
+logger = logging.getLogger("ksana_llm.server")
 
 
 def not_found(response_id: str, param: str | None = None) -> APIError:
@@ -74,9 +75,11 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
     if unsupported:
         raise bad_request(f"Unsupported parameter(s): {', '.join(unsupported)}.",
                           param=unsupported[0], code="unsupported_parameter")
-    input_messages(req.input)  # the new items alone: errors name their own index
-    new_items = ([{"type": "message", "role": "user", "content": req.input}]
-                 if isinstance(req.input, str) else list(req.input))
+    new_items: list[dict[str, Any]] = []
+    if req.input is not None or req.previous_response_id is None:
+        input_messages(req.input)  # the new items alone: errors name their own index
+        new_items = ([{"type": "message", "role": "user", "content": req.input}]
+                     if isinstance(req.input, str) else list(req.input))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = state.responses.get(req.previous_response_id)
@@ -98,7 +101,30 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
 
 
 def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+    """"length": cut by max_output_tokens; "abort": stopped before its end (the engine shut
+    down, or the request was aborted)."""
+    return {"length": "incomplete", "abort": "failed"}.get(finish_reason or "", "completed")
+
+
+def _failed(plan: _Plan, run: ChatRun, output: list[dict[str, Any]], code: str,
+            message: str) -> dict[str, Any]:
+    body = _response(plan, run, "failed", output, None)
+    body["error"] = {"code": code, "message": message}
+    return body
+
+
+def _answer(state: ServerState, plan: _Plan, run: ChatRun, status: str,
+            items: _OutputEvents) -> dict[str, Any]:
+    """The finished response (stored when asked; a failed one never is)."""
+    if status == "failed":
+        return _failed(plan, run, items.output, "server_error",
+                       "The request was aborted before it finished.")
+    output_tokens = len(run.choices.results()[0].token_ids)
+    body = _response(plan, run, status, items.output,
+                     _usage(state, run, output_tokens, items.reasoning))
+    if plan.req.store is not False:
+        state.responses.put(body["id"], StoredResponse(body, plan.items + body["output"]))
+    return body
 
 
 def _response(plan: _Plan, run: ChatRun, status: str, output: list[dict[str, Any]],
@@ -133,11 +159,6 @@ def _usage(state: ServerState, run: ChatRun, output_tokens: int, reasoning: str)
             "total_tokens": len(run.ids) + output_tokens}
 
 
-def _store(state: ServerState, plan: _Plan, body: dict[str, Any]) -> None:
-    if plan.req.store:
-        state.responses.put(body["id"], StoredResponse(body, plan.items + body["output"]))
-
-
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     state = server_state(request)
@@ -153,14 +174,15 @@ async def create_response(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     out = run.choices.results()[0]
     parser = run.output_parser()
-    message = parser.message([parser.feed(out.text), parser.finish()])
+    items = _OutputEvents(_Events(), parser)
+    for _ in items.add(parser.feed(out.text), _logprobs(state, plan, out.logprobs)):
+        pass
+    for _ in items.add(parser.finish(), []):
+        pass
     status = _status(out.finish_reason)
-    logprobs = (response_logprobs(chat_logprobs(out.logprobs, state.token_texts))
-                if out.logprobs is not None else None)
-    body = _response(plan, run, status, output_items(message, status, logprobs),
-                     _usage(state, run, len(out.token_ids), message.reasoning_content or ""))
-    _store(state, plan, body)
-    return JSONResponse(body)
+    for _ in items.finish(status):
+        pass
+    return JSONResponse(_answer(state, plan, run, status, items))
 
 
 @router.get("/v1/responses/{response_id}")
@@ -198,16 +220,23 @@ class _OpenItem:
     index: int  # its output_index
     id: str
     text: str = ""  # reasoning or message text, or a call's arguments
+    call_index: int = -1  # a function call's index in the parser's calls
     call_id: str = ""
     name: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _OutputEvents:
-    """Parsed deltas of the one choice -> output items and their events, opened as their first
-    text arrives and closed when another kind starts (or the response ends). Every token's
-    logprobs go with the message text (as in the non-streamed answer): those that come before
-    any text wait for the next text delta."""
+    """Parsed deltas of the one choice -> output items and their events, in the order the text
+    gives them: an item opens with its first text and closes when another starts (or the
+    answer ends). The non-streamed answer is built by the same code from the whole text in one
+    delta, so both agree, but for text after a tool call: a parser hands one delta's text over
+    in one piece, so in one piece that text joins the message before the calls, as in the chat
+    route's message.
+
+    Logprobs go with the message text: those of tokens before any text wait for the next text
+    delta (end-of-turn tokens join the message when it closes). Whitespace a tool parser leaves
+    between or after calls opens no message."""
 
     def __init__(self, events: _Events, parser: ChoiceOutputParser) -> None:
         self.ev = events
@@ -216,8 +245,12 @@ class _OutputEvents:
         self.open: _OpenItem | None = None
         self.pending_logprobs: list[dict[str, Any]] = []
         self.message: _OpenItem | None = None
+        self._after_call = False  # the last item started is a function call
+        self._held_space = ""
 
     def add(self, delta: ChatDelta, logprobs: list[dict[str, Any]]) -> Iterator[str]:
+        """Events for one parsed delta. Its parts are taken in the order the text can have
+        them: reasoning, the rest of the call already open, text, then new calls."""
         self.pending_logprobs.extend(logprobs)
         if delta.reasoning:
             if self.open is None or self.open.kind != "reasoning":
@@ -225,28 +258,53 @@ class _OutputEvents:
             self.open.text += delta.reasoning
             yield self.ev("response.reasoning_text.delta", item_id=self.open.id,
                           output_index=self.open.index, content_index=0, delta=delta.reasoning)
+        calls = list(delta.tool_calls)
+        while calls and calls[0].name is None and self._open_call(calls[0].index):
+            yield from self._arguments(calls.pop(0).arguments)
         if delta.content:
-            if self.open is None or self.open.kind != "message":
-                yield from self.start_message()
-            lp, self.pending_logprobs = self.pending_logprobs, []
-            self.open.text += delta.content
-            self.open.logprobs.extend(lp)
-            yield self.ev("response.output_text.delta", item_id=self.open.id,
-                          output_index=self.open.index, content_index=0, delta=delta.content,
-                          logprobs=lp)
-        for call in delta.tool_calls:
+            yield from self._text(delta.content)
+        for call in calls:
             if call.name is not None:
-                yield from self._start(_OpenItem("function_call", len(self.output),
-                                                 item_id("fc"), call_id=self.parser.call_id(
-                                                     call.index), name=call.name))
-            if call.arguments and self.open is not None and self.open.kind == "function_call":
-                self.open.text += call.arguments
-                yield self.ev("response.function_call_arguments.delta", item_id=self.open.id,
-                              output_index=self.open.index, delta=call.arguments)
+                yield from self._start(_OpenItem(
+                    "function_call", len(self.output), item_id("fc"), call_index=call.index,
+                    call_id=self.parser.call_id(call.index), name=call.name))
+                self._after_call, self._held_space = True, ""
+            if self._open_call(call.index):
+                yield from self._arguments(call.arguments)
+
+    def _open_call(self, index: int) -> bool:
+        return self.open is not None and self.open.kind == "function_call" \
+            and self.open.call_index == index
+
+    def _arguments(self, text: str) -> Iterator[str]:
+        if text:
+            self.open.text += text
+            yield self.ev("response.function_call_arguments.delta", item_id=self.open.id,
+                          output_index=self.open.index, delta=text)
+
+    def _text(self, text: str) -> Iterator[str]:
+        if self._after_call:
+            self._held_space += text
+            if not self._held_space.strip():
+                return
+            text, self._held_space, self._after_call = self._held_space, "", False
+        if self.open is None or self.open.kind != "message":
+            yield from self.start_message()
+        lp, self.pending_logprobs = self.pending_logprobs, []
+        self.open.text += text
+        self.open.logprobs.extend(lp)
+        yield self.ev("response.output_text.delta", item_id=self.open.id,
+                      output_index=self.open.index, content_index=0, delta=text, logprobs=lp)
 
     def start_message(self) -> Iterator[str]:
         yield from self._start(_OpenItem("message", len(self.output), item_id("msg")))
         self.message = self.open
+
+    def finish(self, status: str) -> Iterator[str]:
+        """Close the answer: an answer that said nothing is one empty message."""
+        if not self.output:
+            yield from self.start_message()
+        yield from self.close(status)
 
     def _start(self, item: _OpenItem) -> Iterator[str]:
         yield from self.close("completed")
@@ -306,6 +364,18 @@ class _OutputEvents:
                        for item in self.output if item.get("type") == "reasoning")
 
 
+def _logprobs(state: ServerState, plan: _Plan, entries: list[dict[str, Any]] | None
+              ) -> list[dict[str, Any]]:
+    if not entries or not plan.req.wants_logprobs:
+        return []
+    return response_logprobs(chat_logprobs(entries, state.token_texts))
+
+
+def _final_event(status: str) -> str:
+    return {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+        status, "response.failed")
+
+
 async def _stream(state: ServerState, plan: _Plan, run: ChatRun) -> AsyncIterator[str]:
     ev = _Events()
     snapshot = _response(plan, run, "in_progress", [], None)
@@ -317,31 +387,26 @@ async def _stream(state: ServerState, plan: _Plan, run: ChatRun) -> AsyncIterato
     try:
         async for event in run.choices.events():
             delta = parser.feed(event.text) if event.text else ChatDelta()
-            if event.finish_reason is not None:
-                tail = parser.finish()
-                delta = ChatDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
-                                  delta.tool_calls + tail.tool_calls)
-                finish_reason = event.finish_reason
-            entries = event.logprobs or []
-            logprobs = (response_logprobs(chat_logprobs(entries, state.token_texts))
-                        if entries and plan.req.wants_logprobs else [])
-            for chunk in items.add(delta, logprobs):
+            for chunk in items.add(delta, _logprobs(state, plan, event.logprobs)):
                 yield chunk
-    except APIError as exc:
-        yield ev("error", code=exc.code, message=exc.message, param=exc.param)
-        failed = _response(plan, run, "failed", items.output, None)
-        failed["error"] = {"code": exc.code or "server_error", "message": exc.message}
-        yield ev("response.failed", response=failed)
+            if event.finish_reason is not None:
+                finish_reason = event.finish_reason
+                for chunk in items.add(parser.finish(), []):
+                    yield chunk
+    except Exception as exc:  # noqa: BLE001 - the 200 is out: the failure becomes events
+        error = exc if isinstance(exc, APIError) else None
+        if error is None:
+            logger.exception("a streamed response failed")
+        code = "rate_limit_exceeded" if error is not None and error.status == 429 \
+            else "server_error"
+        message = error.message if error is not None else "The server failed while answering."
+        yield ev("error", code=code, message=message, param=error.param if error else None)
+        for chunk in items.close("incomplete"):
+            yield chunk
+        yield ev("response.failed", response=_failed(plan, run, items.output, code, message))
         return
     status = _status(finish_reason)
-    if not items.output:  # nothing was said: an empty message, as the non-streamed answer
-        for chunk in items.start_message():
-            yield chunk
-    for chunk in items.close(status):
+    for chunk in items.finish(status):
         yield chunk
-    output_tokens = len(run.choices.results()[0].token_ids)
-    body = _response(plan, run, status, items.output,
-                     _usage(state, run, output_tokens, items.reasoning))
-    _store(state, plan, body)
-    yield ev("response.completed" if status == "completed" else "response.incomplete",
-             response=body)
+    body = _answer(state, plan, run, status, items)
+    yield ev(_final_event(status), response=body)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ksana_llm.server.errors import APIError, bad_request
-from ksana_llm.server.openai_protocol import MAX_LOGPROBS, ChatMessage, ChatResponseMessage, _Request
+from ksana_llm.server.openai_protocol import MAX_LOGPROBS, ChatMessage, _Request
 
 # `include` values: the one that changes the answer, and those accepted with nothing to add
 # (this server keeps no encrypted reasoning, files, images or hosted tools).
@@ -23,25 +23,28 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _IGNORED_INCLUDES = frozenset({"reasoning.encrypted_content"})
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _FUNCTION_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+# Function-tool fields of OpenAI's hosted features, accepted and dropped.
+_IGNORED_TOOL_KEYS = frozenset({"defer_loading", "allowed_callers", "output_schema"})
 
 
 class ResponsesRequest(_Request):
     model: str | None = None
     input: Any = None  # a string, or a list of items; checked by `input_messages`
+    # (may be left out when previous_response_id continues a conversation)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include: list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     tools: list[Any] | None = None  # function tools; checked by `chat_tools`
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
     reasoning: dict[str, Any] | None = None  # echoed; thinking follows the chat template
-    store: bool = True
+    store: bool | None = True  # None (the SDK's null): true, as OpenAI
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -51,12 +54,17 @@ class ResponsesRequest(_Request):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
+    prompt_cache_options: Any = None
     # Refused when set (see `unsupported_params`).
     background: bool | None = None
+    background_options: Any = None
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
     context_management: Any = None
+    access_programs: Any = None
+    image: Any = None
+    moderation: Any = None
     # vLLM extras (sampling parameters the chat route also takes).
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     top_k: int | None = Field(None, ge=-1)
@@ -65,8 +73,9 @@ class ResponsesRequest(_Request):
     stop: str | list[str] | None = None
 
     def unsupported_params(self) -> list[str]:
-        found = [name for name in ("background", "conversation", "prompt", "max_tool_calls",
-                                   "context_management") if getattr(self, name)]
+        found = [name for name in ("background", "background_options", "conversation", "prompt",
+                                   "max_tool_calls", "context_management", "access_programs",
+                                   "image", "moderation") if getattr(self, name)]
         unknown = sorted(set(self.include or ()) - _IGNORED_INCLUDES - {LOGPROBS_INCLUDE})
         if unknown:
             found.append("include")
@@ -137,7 +146,8 @@ def input_messages(value: Any, param: str = "input") -> list[ChatMessage]:
             text = _parts_text(item.get("content"), role, f"{where}.content")
             message = ChatMessage(role=role, content=text)
             if role == "assistant":
-                message.reasoning_content, reasoning = reasoning, None
+                message.reasoning_content = reasoning
+            reasoning = None  # reasoning belongs to the assistant turn right after it
             messages.append(message)
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
@@ -156,8 +166,9 @@ def input_messages(value: Any, param: str = "input") -> list[ChatMessage]:
                                                                        f"{where}.output")
             messages.append(ChatMessage(role="tool", content=text,
                                         tool_call_id=_string(item, "call_id", where)))
+            reasoning = None
         elif kind == "reasoning":
-            reasoning = _reasoning_text(item, where)
+            reasoning = _reasoning_text(item, where) or None
         else:
             raise bad_request(f"Input items of type {kind!r} are not supported (message, "
                               "function_call, function_call_output and reasoning are).",
@@ -177,12 +188,14 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
         if kind != "function":
             raise bad_request(f"Tools of type {kind!r} are not supported; only 'function' tools.",
                               param=f"tools.{i}.type")
-        unknown = sorted(set(tool) - _FUNCTION_TOOL_KEYS)
+        # The SDK sends null for the fields it has no value for.
+        given = {k: v for k, v in tool.items() if v is not None and k not in _IGNORED_TOOL_KEYS}
+        unknown = sorted(set(given) - _FUNCTION_TOOL_KEYS)
         if unknown:
             raise bad_request(f"Unknown field(s) in a function tool: {', '.join(unknown)}.",
                               param=f"tools.{i}")
         out.append({"type": "function",
-                    "function": {k: v for k, v in tool.items() if k != "type"}})
+                    "function": {k: v for k, v in given.items() if k != "type"}})
     return out
 
 
@@ -215,7 +228,9 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                       param="text.format.type")
 
 
-# Chat parameter -> the Responses parameter it came from, for error messages.
+# Chat parameter -> the Responses parameter it came from, for error messages. (A chat message's
+# index is not an input item's: instructions, earlier turns and merged calls shift it, so
+# `messages.3.content` names the whole `input`.)
 _PARAM_PREFIXES = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
                    ("response_format.json_schema", "text.format"),
                    ("response_format", "text.format"))
@@ -228,7 +243,7 @@ def responses_error(exc: APIError) -> APIError:
         return exc
     for chat, ours in _PARAM_PREFIXES:
         if param == chat or param.startswith(chat + "."):
-            param = ours + param[len(chat):]
+            param = ours if chat == "messages" else ours + param[len(chat):]
             break
     if param.startswith("tools.") and ".function" in param:
         param = param.replace(".function", "", 1)
@@ -266,19 +281,6 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str = "c
                        id_: str | None = None) -> dict[str, Any]:
     return {"type": "function_call", "id": id_ or item_id("fc"), "call_id": call_id,
             "name": name, "arguments": arguments, "status": status}
-
-
-def output_items(message: ChatResponseMessage, status: str,
-                 logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """One choice's parsed message as output items: reasoning, then text, then calls."""
-    items = []
-    if message.reasoning_content:
-        items.append(reasoning_item(message.reasoning_content, status))
-    if message.content is not None:
-        items.append(message_item(message.content, status, logprobs=logprobs))
-    for call in message.tool_calls or []:
-        items.append(function_call_item(call.id, call.function.name, call.function.arguments))
-    return items
 
 
 def response_logprobs(chat_entries: Any) -> list[dict[str, Any]]:
