@@ -146,10 +146,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ---- responses ------------------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class PromptLogprob(BaseModel):

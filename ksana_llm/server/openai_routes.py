@@ -39,6 +39,7 @@ from ksana_llm.server.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     Usage,
 )
 from ksana_llm.server.params import check_logprobs_cap, prompt_token_lists, resolve_max_tokens
@@ -73,10 +74,16 @@ async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[Bas
     yield "data: [DONE]\n\n"
 
 
-def _usage(prompt_tokens: int, choices: ChoiceSet) -> Usage:
+def _usage(prompt_tokens: int, choices: ChoiceSet, prompt_of: list[int] | None = None) -> Usage:
+    """Token counts. `prompt_of` maps requests to prompts (default: all one prompt); a prompt
+    sent several times (n > 1) counts its cached tokens once, as its tokens."""
     completion = sum(len(r.token_ids) for r in choices.results())
+    prompt_of = prompt_of or [0] * len(choices.handles)
+    first_request = {p: r for r, p in reversed(list(enumerate(prompt_of)))}
+    cached = sum(choices.handles[r].output.num_cached_tokens for r in first_request.values())
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                 total_tokens=prompt_tokens + completion)
+                 total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -153,7 +160,7 @@ async def create_completion(request: Request) -> Response:
                                      finish_reason=ev.finish_reason, stop_reason=ev.stop_reason)])
             if include_usage:
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                         usage=_usage(prompt_tokens, choices))
+                                         usage=_usage(prompt_tokens, choices, jobs.prompt_of))
 
         return AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
 
@@ -180,7 +187,7 @@ async def create_completion(request: Request) -> Response:
             prompt_logprobs=(vllm_prompt_logprobs(entries, prompts[p], state.token_texts)
                              if req.prompt_logprobs is not None else None)))
     response = CompletionResponse(id=request_id, created=created, model=model, choices=result,
-                                  usage=_usage(prompt_tokens, choices),
+                                  usage=_usage(prompt_tokens, choices, jobs.prompt_of),
                                   kv_transfer_params=kv_response(state, choices))
     return JSONResponse(response.model_dump())
 
