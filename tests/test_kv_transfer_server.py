@@ -288,3 +288,37 @@ def test_native_and_tokenizer_routes_go_straight_to_a_decode_server(router, deco
     bad = httpx.post(router.url + "/generate", json={"sampling_config": {}}, timeout=60)
     assert bad.status_code == 400 == httpx.post(decode.url + "/generate",
                                                 json={"sampling_config": {}}).status_code
+
+
+def test_responses_continue_on_the_decode_server_that_stored_them(prefill, decode, local_engine):
+    """Two decode servers, taken in turn: a continuation (`previous_response_id`), a stored
+    response's GET and DELETE, and a streamed response's continuation all reach the server
+    that holds the conversation (the other one answers 404 for it)."""
+    proc = ServerProcess(["--decode", decode.url, "--decode", prefill.url], command="router")
+    try:
+        routed = openai.OpenAI(base_url=proc.base_url, api_key="unused", max_retries=0,
+                               timeout=60)
+        first = routed.responses.create(model="SmolLM2-135M-Instruct", input=QUESTION[0]["content"],
+                                        temperature=0, max_output_tokens=16)
+        chain = [first]
+        for _ in range(3):  # round robin would send every other one elsewhere
+            chain.append(routed.responses.create(
+                model="SmolLM2-135M-Instruct", input="Say it again.", temperature=0,
+                max_output_tokens=8, previous_response_id=chain[-1].id))
+        assert all(r.status in ("completed", "incomplete") for r in chain)
+        homes = [server for server in (decode, prefill)
+                 if httpx.get(f"{server.base_url}/responses/{first.id}").status_code == 200]
+        assert len(homes) == 1  # stored on one server only
+        assert routed.responses.retrieve(chain[-1].id).id == chain[-1].id
+        streamed = list(routed.responses.create(
+            model="SmolLM2-135M-Instruct", input="Once more.", temperature=0, max_output_tokens=4,
+            previous_response_id=chain[-1].id, stream=True))
+        after = routed.responses.create(model="SmolLM2-135M-Instruct", input="Thanks.",
+                                        max_output_tokens=2,
+                                        previous_response_id=streamed[-1].response.id)
+        assert after.previous_response_id == streamed[-1].response.id
+        routed.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            routed.responses.retrieve(first.id)
+    finally:
+        proc.stop()

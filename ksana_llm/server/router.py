@@ -11,7 +11,10 @@ For each `/v1/completions` or `/v1/chat/completions` request the router
 Servers are taken in turn (round robin). Requests the split cannot help go straight to a
 decode server, which then computes the prompt itself: several prompts in one completions
 request, prompt log-probs (the decode server does not compute the imported rows), and KsanaLLM's
-native `/generate` and `/forward` (and `/tokenize`, `/detokenize`, `/v1/embeddings`). So does every request when
+native `/generate` and `/forward` (and `/tokenize`, `/detokenize`, `/v1/embeddings`), and
+`/v1/responses`, which keep their conversations on the decode server that answered: the router
+remembers which one, sends a `previous_response_id` continuation there, and looks stored
+responses up there (or, for one it does not know, on each decode server). So does every request when
 the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
 lost. A prefill server's 400 about the request itself is the client's answer.
 """
@@ -23,6 +26,8 @@ import asyncio
 import itertools
 import json
 import logging
+import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -45,6 +50,11 @@ logger = logging.getLogger("ksana_llm.router")
 
 # Routes sent straight to a decode server.
 _DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings")
+
+# Response ids whose decode server the router remembers (the oldest are forgotten first).
+MAX_REMEMBERED_RESPONSES = 65536
+# The first id in a streamed response is the response's own (in `response.created`).
+_RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9A-Za-z]+)"')
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens.
 _PROMPT_FIELDS = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls",
@@ -85,6 +95,8 @@ class Router:
     # `model` names the prefill servers answered are LoRA adapters, whose KV does not transfer:
     # their requests go to a decode server whole, without asking a prefill server again.
     _adapters: set[str] = field(default_factory=set)
+    # /v1/responses id -> the decode server that stored it.
+    _response_servers: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self._prefill = itertools.cycle(self.config.prefill_urls)
@@ -148,20 +160,79 @@ class Router:
     async def decode(self, path: str, content: bytes, content_type: str | None, *,
                      stream: bool) -> Response:
         """A request to the next decode server, its answer passed on (`stream`: as it comes)."""
-        url = next(self._decode) + path
-        headers = {**self.headers, **({"Content-Type": content_type} if content_type else {})}
-        request = self.client.build_request("POST", url, content=content, headers=headers)
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
+        response = await self._send(next(self._decode), path, content, content_type)
         if stream and response.status_code == 200:
             return _RelayedStream(response)
+        return _passed_on(response, await _read(response))
+
+    async def _send(self, server: str, path: str, content: bytes, content_type: str | None,
+                    method: str = "POST") -> httpx.Response:
+        url = server + path
+        headers = {**self.headers, **({"Content-Type": content_type} if content_type else {})}
+        request = self.client.build_request(method, url, content=content, headers=headers)
         try:
-            content = await response.aread()
-        finally:
-            await response.aclose()
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
+
+    # ---- /v1/responses: conversations stay where they were stored -----------------------------
+    async def respond(self, body: dict[str, Any]) -> Response:
+        """A Responses request to the decode server holding its `previous_response_id` (else
+        the next one); the answer's id is remembered with the server."""
+        previous = body.get("previous_response_id")
+        server = self._response_servers.get(previous) if isinstance(previous, str) else None
+        server = server or next(self._decode)
+        self.stats.num_direct += 1
+        response = await self._send(server, "/v1/responses", json.dumps(body).encode(),
+                                    "application/json")
+        if body.get("stream") and response.status_code == 200:
+            return _RelayedStream(response, self._remember_streamed(response, server))
+        content = await _read(response)
+        if response.status_code == 200:
+            match = _RESPONSE_ID.search(content)
+            if match:
+                self._remember(match[1].decode(), server)
         return _passed_on(response, content)
+
+    async def _remember_streamed(self, response: httpx.Response, server: str
+                                 ) -> AsyncIterator[bytes]:
+        seen: bytes | None = b""
+        async for chunk in response.aiter_bytes():
+            if seen is not None:
+                seen += chunk
+                match = _RESPONSE_ID.search(seen)
+                if match:
+                    self._remember(match[1].decode(), server)
+                if match or len(seen) > 2**16:
+                    seen = None
+            yield chunk
+
+    def _remember(self, response_id: str, server: str) -> None:
+        self._response_servers[response_id] = server
+        self._response_servers.move_to_end(response_id)
+        while len(self._response_servers) > MAX_REMEMBERED_RESPONSES:
+            self._response_servers.popitem(last=False)
+
+    async def stored_response(self, method: str, response_id: str) -> Response:
+        """GET or DELETE a stored response on the server that holds it (one the router does
+        not know: each decode server in turn, until one has it)."""
+        known = self._response_servers.get(response_id)
+        path = f"/v1/responses/{response_id}"
+        for server in [known] if known else self.config.decode_urls:
+            response = await self._send(server, path, b"", None, method=method)
+            content = await _read(response)
+            if response.status_code != 404:
+                if method == "DELETE" and response.status_code == 200:
+                    self._response_servers.pop(response_id, None)
+                return _passed_on(response, content)
+        return _passed_on(response, content)
+
+
+async def _read(response: httpx.Response) -> bytes:
+    try:
+        return await response.aread()
+    finally:
+        await response.aclose()
 
 
 # Upstream headers a client may act on, passed on with the server's answer.
@@ -201,8 +272,9 @@ class _RelayedStream(StreamingResponse):
     """The decode server's stream, passed on; however it ends (done, or the client left), the
     connection to the decode server is closed, which aborts the request there."""
 
-    def __init__(self, upstream: httpx.Response) -> None:
-        super().__init__(upstream.aiter_bytes(), status_code=200,
+    def __init__(self, upstream: httpx.Response,
+                 content: AsyncIterator[bytes] | None = None) -> None:
+        super().__init__(content or upstream.aiter_bytes(), status_code=200,
                          media_type=upstream.headers.get("content-type"),
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._upstream = upstream
@@ -283,6 +355,15 @@ def build_router_app(config: RouterConfig, *,
 
     for path in _DIRECT_PATHS:
         app.add_api_route(path, direct, methods=["POST"])
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _unless_client_leaves(request, request.app.state.router.respond(
+            await _json_body(request)))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, request: Request) -> Response:
+        return await request.app.state.router.stored_response(request.method, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
