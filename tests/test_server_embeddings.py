@@ -23,11 +23,6 @@ def server(default_model_dir):
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
 def _reference(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         hidden = hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1]

@@ -48,11 +48,6 @@ def server(adapters, default_model_dir):
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
 def greedy_text(model: torch.nn.Module, tokenizer, ids: list[int]) -> str:
     tokens = greedy_trace(hf_reference(model), ids, NUM_TOKENS)[0][len(ids):]
     return tokenizer.decode(tokens, skip_special_tokens=True)
