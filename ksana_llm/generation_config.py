@@ -64,6 +64,10 @@ class GenerationConfig:
     `SequenceBiasLogitsProcessor` with one-token sequences). `prompt_logprobs` = k returns, for
     every prompt token after the first, its log-prob and the k most likely alternatives.
     `structured_output` constrains the output to a JSON schema, regex or grammar (xgrammar).
+    `bad_words_ids` (transformers' name) lists token sequences never generated: a one-token
+    sequence is never sampled, a longer one's last token is not once the sequence (prompt and
+    output) ends with the rest. `allowed_token_ids` (vLLM's) restricts every sampled token to
+    those ids.
     """
 
     max_new_tokens: int = 128
@@ -92,12 +96,19 @@ class GenerationConfig:
     logit_bias: dict[int, float] = field(default_factory=dict)
     prompt_logprobs: int | None = None  # None: none; k >= 0: prompt token + k top alternatives
     structured_output: StructuredOutputSpec | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words_ids, (list, tuple)):
+            self.bad_words_ids = [list(w) if isinstance(w, (list, tuple)) else w
+                                  for w in self.bad_words_ids]
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):
@@ -176,6 +187,16 @@ class GenerationConfig:
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             _fail("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         self._validate_logit_bias()
+        if not isinstance(self.bad_words_ids, list) or not all(
+                isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w)
+                for w in self.bad_words_ids):
+            _fail("bad_words_ids", self.bad_words_ids,
+                  "a list of non-empty lists of non-negative token ids")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            _fail("allowed_token_ids", self.allowed_token_ids,
+                  "None or a non-empty list of non-negative token ids")
         if self.structured_output is not None and not isinstance(self.structured_output,
                                                                  StructuredOutputSpec):
             _fail("structured_output", self.structured_output, "None or a StructuredOutputSpec")

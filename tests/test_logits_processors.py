@@ -1,4 +1,5 @@
-"""no_repeat_ngram_size, logit_bias, min_new_tokens and the penalties against transformers.
+"""no_repeat_ngram_size, logit_bias, min_new_tokens, the penalties, bad words and allowed token
+ids against transformers (allowed token ids as its SuppressTokensLogitsProcessor of the rest).
 
 Unit tests compare the batched sampler with transformers' own logits processors row by row; the
 end-to-end test runs the real default model through the engine (all settings in one batch) and
@@ -10,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                          NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                          SequenceBiasLogitsProcessor)
+                          NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                          RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                          SuppressTokensLogitsProcessor)
 
 import ksana_llm as kt
 from ksana_llm.generation_config import GenerationConfig
@@ -54,6 +56,12 @@ def _hf_processors(config: GenerationConfig, prompt_len: int,
                    eos: tuple[int, ...]) -> LogitsProcessorList:
     """What transformers' generate builds for `config`, in its order (+ the OpenAI penalties)."""
     procs = LogitsProcessorList()
+    if config.allowed_token_ids is not None:
+        vocab = max(VOCAB, max(config.allowed_token_ids) + 1, 49152)
+        procs.append(SuppressTokensLogitsProcessor(
+            [t for t in range(vocab) if t not in set(config.allowed_token_ids)]))
+    if config.bad_words_ids:
+        procs.append(NoBadWordsLogitsProcessor(config.bad_words_ids))
     if config.logit_bias:
         procs.append(SequenceBiasLogitsProcessor({(t,): float(b) for t, b in config.logit_bias.items()}))
     if config.repetition_penalty != 1.0:
@@ -107,6 +115,24 @@ def test_logit_bias_matches_hf_sequence_bias():
     assert ours[0, 3] == pytest.approx(float(logits[0, 3]) + 5.0)
     assert torch.equal(ours[1], logits[1])
     assert int(ours[2].argmax()) == VOCAB - 1
+
+
+def test_bad_words_and_allowed_ids_match_hf_per_row():
+    rows = [
+        # [7] always; [5, 6] only after 5 (the history ends with 5 here); [1, 2, 3] after 1, 2.
+        _row(GenerationConfig(bad_words_ids=[[7], [5, 6], [1, 2, 3]]), [9, 1, 2], [4, 5]),
+        _row(GenerationConfig(bad_words_ids=[[1, 2, 3], [4, 8]]), [1, 2], [3, 1, 2]),
+        _row(GenerationConfig(bad_words_ids=[[2, 3, 4, 5]]), [3], []),  # history too short
+        _row(GenerationConfig(), [5], []),
+        _row(GenerationConfig(allowed_token_ids=[3, 11, 12]), [1], [2]),
+        _row(GenerationConfig(allowed_token_ids=[4], bad_words_ids=[[4]]), [1], []),
+    ]
+    ours = _check_rows(_logits(len(rows), seed=5), rows)
+    assert torch.isinf(ours[0, [7, 6]]).all() and torch.isinf(ours[0]).sum() == 2
+    assert torch.isinf(ours[1, 3]) and torch.isinf(ours[1]).sum() == 1
+    assert not torch.isinf(ours[2]).any() and not torch.isinf(ours[3]).any()
+    assert torch.isfinite(ours[4]).nonzero().flatten().tolist() == [3, 11, 12]
+    assert torch.isinf(ours[5]).all()
 
 
 def test_all_processors_together_in_transformers_order():
@@ -192,6 +218,12 @@ def test_greedy_with_processors_matches_transformers(default_model, hf_model, ru
         configs["logit_bias"] = GenerationConfig(max_new_tokens=MAX_NEW, logit_bias={
             plain[0][0]: -100.0, plain[1][0]: -100.0, 578: 3.0})
         configs["min_new_tokens"] = GenerationConfig(max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW)
+        # Bad words: each prompt's first two greedy tokens as a word, and its third alone.
+        configs["bad_words"] = GenerationConfig(max_new_tokens=MAX_NEW, bad_words_ids=[
+            plain[0][:2], plain[1][:2], [plain[0][2]], [plain[1][2]]])
+        # Allowed ids: the greedy answers' tokens from the third on (and EOS).
+        configs["allowed_token_ids"] = GenerationConfig(max_new_tokens=MAX_NEW, allowed_token_ids=sorted(
+            {*plain[0][2:], *plain[1][2:], *eos}))
         jobs = [(name, ids) for name in configs for ids in prompts]
         jobs[-1] = ("min_new_tokens", tok.encode(chat))
         outs = engine.generate_outputs([ids for _, ids in jobs], [configs[n] for n, _ in jobs],

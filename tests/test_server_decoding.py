@@ -2,7 +2,8 @@
 structured output (JSON schema, regex), tool calls (named, required, auto + hermes parser),
 reasoning parsers (qwen3, deepseek_r1), the vLLM / KsanaLLM decoding parameters (n, best_of,
 beam search, logit_bias, prompt logprobs, echo + logprobs, no_repeat_ngram_size) against the
-Python API, and the 400s of invalid combinations.
+Python API, vLLM's bad_words / allowed_token_ids / truncate_prompt_tokens against transformers,
+and the 400s of invalid combinations.
 
 Two servers: a real `ksana-llm serve` process with `--enable-auto-tool-choice --tool-call-parser
 hermes --reasoning-parser qwen3 --max-logprobs 8` and a chat template that shows the tools and
@@ -464,6 +465,14 @@ BAD = [
      "tools.1.function.name"),
     ("reserved_template_kwarg", "/v1/chat/completions",
      {"messages": QUESTION, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("allowed_token_ids_out_of_vocab", "/v1/completions",
+     {"prompt": "x", "allowed_token_ids": [1, 10**7]}, "allowed_token_ids"),
+    ("allowed_token_ids_empty", "/v1/completions", {"prompt": "x", "allowed_token_ids": []},
+     "allowed_token_ids"),
+    ("bad_words_empty_word", "/v1/chat/completions", {"messages": QUESTION, "bad_words": [" "]},
+     "bad_words.0"),
+    ("truncate_prompt_tokens_zero", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens"),
     ("generate_bad_regex", "/generate", {"prompt": "x", "structured_output_regex": "[", "stream": False},
      "structured_output_regex"),
     ("generate_beam_sampling", "/generate",
@@ -477,6 +486,44 @@ def test_400(server, route, body, param):
     assert r.status_code == 400, r.text
     error = _error(r)
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_token_restrictions_match_transformers(client, model, hf_default_model, default_model):
+    """`bad_words` (each word as written and after a space, vLLM's rule), `allowed_token_ids`
+    and `truncate_prompt_tokens` give transformers' greedy tokens under its own processors
+    (`bad_words_ids`, `suppress_tokens` of every other id) on the truncated prompt."""
+    import torch
+
+    tok = default_model.tokenizer
+    ids = tok.encode(PROMPT)
+
+    def hf_greedy(prompt_ids: list[int], **kwargs) -> list[int]:
+        with torch.no_grad():
+            out = hf_default_model.generate(torch.tensor([prompt_ids]), max_new_tokens=8,
+                                            do_sample=False, attention_mask=torch.ones(
+                                                1, len(prompt_ids), dtype=torch.long), **kwargs)
+        return out[0, len(prompt_ids):].tolist()
+
+    plain = hf_greedy(ids)
+    word = tok.decode(plain[:1]).strip()  # the name greedy gives the cat
+    banned = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"bad_words": [word]}).choices[0].text
+    assert word not in text
+    assert text == tok.decode(hf_greedy(ids, bad_words_ids=banned), skip_special_tokens=True)
+
+    allowed = sorted({*plain[2:], *tok.encode(" Tom and Jerry", add_special_tokens=False)})
+    text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"allowed_token_ids": allowed}).choices[0].text
+    others = [t for t in range(hf_default_model.config.vocab_size) if t not in set(allowed)]
+    expected = hf_greedy(ids, suppress_tokens=others)
+    assert set(expected) <= set(allowed) and expected != plain
+    assert text == tok.decode(expected, skip_special_tokens=True)
+
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 5})
+    assert reply.usage.prompt_tokens == 5
+    assert reply.choices[0].text == tok.decode(hf_greedy(ids[-5:]), skip_special_tokens=True)
 
 
 def test_400_server_settings(server, client, model, r1_app):

@@ -161,9 +161,12 @@ class RequestBuilder:
     def _check_config(self, config: GenerationConfig) -> None:
         """What GenerationConfig cannot check alone: limits of this model and engine."""
         vocab = self.model.vocab_size
-        bad = [t for t in config.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
+        for name, ids in (("logit_bias", list(config.logit_bias)),
+                          ("bad_words_ids", [t for w in config.bad_words_ids for t in w]),
+                          ("allowed_token_ids", config.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
         if config.num_sequences > self.max_num_seqs:
             what = "num_beams" if config.use_beam_search else (
                 "best_of" if config.best_of else "num_return_sequences")

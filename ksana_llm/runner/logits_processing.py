@@ -1,6 +1,8 @@
 """The logits processors every row goes through before warping and sampling, in `transformers`'
-order: logit bias, min_new_tokens stop suppression, repetition penalty, no-repeat n-grams, then
-OpenAI presence/frequency penalties. Batched over rows with per-row parameter tensors.
+order: allowed token ids (vLLM's), logit bias, min_new_tokens stop suppression and bad words,
+repetition penalty, no-repeat n-grams, then OpenAI presence/frequency penalties (the bans set
+-inf, which the penalties keep, so their place among them does not matter). Batched over rows
+with per-row parameter tensors.
 
 The penalties and n-gram bans read the rows' token ids from the sampler's `TokenHistories` (kept
 on the device) when given, else from the rows' token lists (beam search, which reorders histories
@@ -75,7 +77,18 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     out = padded_out[:, :vocab_size]
     out.copy_(logits)
 
-    # 0. Logit bias (first, as HF's SequenceBiasLogitsProcessor). Ids past the logits never win.
+    # 0. Allowed token ids: everything else is -inf.
+    allowed = [i for i, row in enumerate(rows) if row.config.allowed_token_ids is not None]
+    if allowed:
+        pairs = [(k, t) for k, i in enumerate(allowed) for t in rows[i].config.allowed_token_ids
+                 if t < vocab_size]
+        keep = torch.zeros((len(allowed), vocab_size), dtype=torch.bool, device=device)
+        keep[to_device([k for k, _ in pairs], torch.int64, device),
+             to_device([t for _, t in pairs], torch.int64, device)] = True
+        index = to_device(allowed, torch.int64, device)
+        out.index_copy_(0, index, out.index_select(0, index).masked_fill_(~keep, float("-inf")))
+
+    # 0b. Logit bias (as HF's SequenceBiasLogitsProcessor). Ids past the logits never win.
     bias = [(i, token, value) for i, row in enumerate(rows)
             for token, value in row.config.logit_bias.items() if token < vocab_size]
     if bias:
@@ -86,6 +99,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
 
     # 1. min_new_tokens: stop tokens are -inf until enough tokens have been produced. HF runs
     # this after the repetition penalty; the penalties keep -inf at -inf, so the order is moot.
+    # One-token bad words are -inf always.
     sup_rows: list[int] = []
     sup_tokens: list[int] = []
     for i, row in enumerate(rows):
@@ -94,6 +108,10 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
                 if 0 <= token < vocab_size:
                     sup_rows.append(i)
                     sup_tokens.append(token)
+        for word in row.config.bad_words_ids:
+            if len(word) == 1 and word[0] < vocab_size:
+                sup_rows.append(i)
+                sup_tokens.append(word[0])
     if sup_rows:
         out[to_device(sup_rows, torch.int64, device), to_device(sup_tokens, torch.int64, device)] = (
             float("-inf"))
@@ -126,6 +144,18 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
             tokens = _right_padded(lists, vocab_size, device)
         _ban_repeated_ngrams(padded_out, tokens, lengths, members, size)
 
+    # 2c. Bad words of several tokens: the last one is -inf where the history ends with the rest.
+    worded = [i for i, row in enumerate(rows) if any(len(w) > 1 for w in row.config.bad_words_ids)]
+    if worded:
+        if histories is not None:
+            tokens, lengths = histories.history(histories.slots([rows[i] for i in worded]))
+        else:
+            lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in worded]
+            lengths = [len(t) for t in lists]
+            tokens = _right_padded(lists, vocab_size, device)
+        _ban_bad_words(padded_out, tokens, lengths, worded,
+                       [rows[i].config.bad_words_ids for i in worded])
+
     # 3. Presence / frequency penalties (OpenAI): output tokens only, additive, count-based:
     # logit - (presence * (count > 0) + frequency * count), for the ids the row produced.
     pf = [i for i, row in enumerate(rows)
@@ -146,6 +176,37 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
         padded_out.scatter_(1, ids, padded_out.gather(1, ids) - delta)
     return out
+
+
+def _ban_bad_words(padded_out: torch.Tensor, tokens: torch.Tensor, lengths: list[int],
+                   members: list[int], words: list[list[list[int]]]) -> None:
+    """-inf (in place, rows `members` of `padded_out`, whose last column is spare) for the last
+    token of each bad word of two or more tokens whose other tokens end the row's history, as
+    HF's NoBadWordsLogitsProcessor. `tokens` [len(members), W] holds each member's history,
+    right-padded; `lengths` their lengths. One comparison for every (row, word) at once."""
+    vocab_size, device = padded_out.shape[1] - 1, padded_out.device
+    pairs = [(k, w) for k, row_words in enumerate(words) for w in row_words
+             if len(w) > 1 and lengths[k] >= len(w) - 1]
+    if not pairs:
+        return
+    width = max(len(w) - 1 for _, w in pairs)
+    # The word's prefix is right-aligned against the history's end; shorter prefixes are padded
+    # on the left with positions that always match.
+    positions, expected, used = [], [], []
+    for k, w in pairs:
+        pad = width - (len(w) - 1)
+        start = lengths[k] - (len(w) - 1)
+        positions.append([0] * pad + list(range(start, lengths[k])))
+        expected.append([0] * pad + w[:-1])
+        used.append([False] * pad + [True] * (len(w) - 1))
+    history = tokens.index_select(0, to_device([k for k, _ in pairs], torch.int64, device))
+    seen = history.gather(1, to_device(positions, torch.int64, device))
+    match = ((seen == to_device(expected, torch.int64, device))
+             | ~to_device(used, torch.bool, device)).all(dim=1)
+    last = to_device([min(w[-1], vocab_size) for _, w in pairs], torch.int64, device)
+    banned = torch.where(match, last, vocab_size)
+    rows_t = to_device([members[k] for k, _ in pairs], torch.int64, device)
+    padded_out.index_put_((rows_t, banned), padded_out.new_full((), float("-inf")))
 
 
 def _ban_repeated_ngrams(padded_out: torch.Tensor, tokens: torch.Tensor, lengths: list[int],

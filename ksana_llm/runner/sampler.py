@@ -95,7 +95,8 @@ class SamplingRow:
         self.uses_token_history = (config.repetition_penalty != 1.0
                                    or config.presence_penalty != 0.0
                                    or config.frequency_penalty != 0.0
-                                   or config.no_repeat_ngram_size > 0)
+                                   or config.no_repeat_ngram_size > 0
+                                   or any(len(w) > 1 for w in config.bad_words_ids))
 
     @property
     def suppresses_stop(self) -> bool:
@@ -108,7 +109,8 @@ class SamplingRow:
         config = self.config
         return (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
                 or config.frequency_penalty != 0.0 or config.no_repeat_ngram_size > 0
-                or bool(config.logit_bias))
+                or bool(config.logit_bias) or bool(config.bad_words_ids)
+                or config.allowed_token_ids is not None)
 
     @property
     def wants_logprob(self) -> bool:

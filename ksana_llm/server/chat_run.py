@@ -17,7 +17,12 @@ from ksana_llm.server.chat_output import ChoiceOutputParser
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import ChoiceSet
 from ksana_llm.server.openai_protocol import ChatCompletionRequest
-from ksana_llm.server.params import check_logprobs_cap, check_token_ids, resolve_max_tokens
+from ksana_llm.server.params import (
+    check_logprobs_cap,
+    check_token_ids,
+    resolve_max_tokens,
+    truncate_prompt,
+)
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
 from ksana_llm.server.submission import check_common, constraint, plan_jobs, request_fields
@@ -60,7 +65,8 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
                          continue_final_message=req.continue_final_message,
                          tools=tools.tools, template_kwargs=template_kwargs)
     # The template already holds the special tokens (BOS etc.): do not add them twice.
-    ids = list(state.tokenizer.encode(prompt, add_special_tokens=False))
+    ids = truncate_prompt(list(state.tokenizer.encode(prompt, add_special_tokens=False)),
+                          req.truncate_prompt_tokens)
     check_token_ids(ids, state.limits.vocab_size, "messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages")

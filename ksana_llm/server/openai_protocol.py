@@ -22,6 +22,7 @@ MAX_CHOICES = 64  # prompts x n in one request
 MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs (the engine's own limit)
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_BAD_WORDS = 128
 
 
 class _Request(BaseModel):
@@ -76,6 +77,11 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # vLLM's token restrictions: words never generated, the only ids that may be, and a prompt
+    # cut to its last N tokens.
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
     # Prefill/decode disaggregation (vLLM's name); checked by server.kv_transfer.
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -42,7 +42,12 @@ from ksana_llm.server.openai_protocol import (
     PromptTokensDetails,
     Usage,
 )
-from ksana_llm.server.params import check_logprobs_cap, prompt_token_lists, resolve_max_tokens
+from ksana_llm.server.params import (
+    check_logprobs_cap,
+    prompt_token_lists,
+    resolve_max_tokens,
+    truncate_prompt,
+)
 from ksana_llm.server.state import server_state
 from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
 from ksana_llm.server.submission import (
@@ -94,7 +99,8 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_common(req, state)
     check_logprobs_cap(req.logprobs, state.max_logprobs, "logprobs")
-    prompts = prompt_token_lists(req.prompt, state.tokenizer, state.limits)
+    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens)
+               for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}.", param="n")
     spec, _ = await constraint(state, [from_response_format(req.response_format),

@@ -38,6 +38,25 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
                           param=param, code="invalid_token_id")
 
 
+def bad_words_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """vLLM's `bad_words` as token sequences: each word as it is written and, when that is a
+    different word token, with a leading space (the word in the middle of a text)."""
+    sequences: list[list[int]] = []
+    for i, word in enumerate(words):
+        if not word.strip():
+            raise bad_request("A bad word must not be empty.", param=f"bad_words.{i}")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
 def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
                        field: str = "prompt") -> list[list[int]]:
     """The completions `prompt` (or embeddings `input`: `field`) in any of its four shapes -> one

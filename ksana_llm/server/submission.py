@@ -20,8 +20,10 @@ from ksana_llm.server.errors import bad_request, from_validation_error
 from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
 from ksana_llm.server.openai_protocol import _SamplingRequest
 from ksana_llm.server.params import (
+    bad_words_ids,
     beam_search_fields,
     check_logprobs_cap,
+    check_token_ids,
     choice_seeds,
     engine_samples_n,
     generation_config,
@@ -89,6 +91,11 @@ def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerStat
     """
     beam = beam_search_fields(req)
     fields = dict(extra)
+    if req.bad_words:
+        fields["bad_words_ids"] = bad_words_ids(req.bad_words, state.tokenizer)
+    if req.allowed_token_ids is not None:
+        check_token_ids(req.allowed_token_ids, state.limits.vocab_size, "allowed_token_ids")
+        fields["allowed_token_ids"] = list(req.allowed_token_ids)
     per_request = 1
     if beam is not None:
         fields.update(beam)
