@@ -9,8 +9,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES
+from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES, SPECULATIVE_METHODS
 
+_SPECULATIVE_METHOD_HELP = ("where drafts come from: mtp = the model's MTP layer (DeepSeek V3/R1 "
+                            "with MTP weights); ngram = the sequence's own history (prompt "
+                            "lookup, any model)")
 _KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / fp8_e4m3 (= fp8) "
                         "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
 
@@ -28,8 +31,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="speculative decoding: tokens the MTP layer drafts per step "
-                             "(DeepSeek V3/R1 with MTP weights; 0 = off)")
+                        help="speculative decoding: tokens drafted per step (0 = off)")
+    parser.add_argument("--speculative-method", default="mtp", choices=SPECULATIVE_METHODS,
+                        help=_SPECULATIVE_METHOD_HELP)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help=_KV_CACHE_DTYPE_HELP)
 
@@ -50,6 +54,7 @@ def _engine(args: argparse.Namespace):
     return Engine(args.model, device=args.device, dtype=args.dtype,
                   generation_config=_generation_config(args),
                   num_speculative_tokens=args.num_speculative_tokens,
+                  speculative_method=args.speculative_method,
                   kv_cache_dtype=args.kv_cache_dtype)
 
 
@@ -204,8 +209,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         default=None,
                         help="detokenize and deliver a step's outputs during the next step")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="speculative decoding: tokens the MTP layer drafts per step "
-                             "(DeepSeek V3/R1 with MTP weights; 0 = off)")
+                        help="speculative decoding: tokens drafted per step (0 = off)")
+    parser.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                        help=_SPECULATIVE_METHOD_HELP)
+    parser.add_argument("--prompt-lookup-min", type=int, default=None,
+                        help="ngram method: the shortest run of last tokens looked up (default 1)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=None,
+                        help="ngram method: the longest run of last tokens looked up (default 4)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                         help=_KV_CACHE_DTYPE_HELP)
     # LoRA adapters (vLLM's flags); a request picks one with its `model` field.

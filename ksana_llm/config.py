@@ -16,6 +16,10 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
 
+# Where speculative decoding's drafts come from: the model's MTP layer, or the sequence itself.
+SpeculativeMethod = Literal["mtp", "ngram"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+
 # A server's part in prefill/decode disaggregation (`serve --kv-role`, YAML connector.group_role).
 KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 
@@ -97,11 +101,20 @@ class EngineConfig(BaseModel):
 
     num_speculative_tokens: int = Field(
         0, ge=0, le=8,
-        description="speculative decoding: tokens the model's MTP layer drafts per sequence and "
-                    "step, verified by the main model in the next step (DeepSeek V3/R1 "
-                    "checkpoints with MTP weights; KsanaLLM mtp_step_num). Greedy outputs are "
+        description="speculative decoding: tokens drafted per sequence and step, verified by "
+                    "the main model in the next step (KsanaLLM mtp_step_num). Greedy outputs are "
                     "unchanged and sampled ones keep their distribution. 0 = off. Turns "
-                    "async_scheduling off; needs pipeline_parallel_size 1")
+                    "async_scheduling off")
+    speculative_method: SpeculativeMethod = Field(
+        "mtp", description="where drafts come from: 'mtp' = the model's MTP layer (DeepSeek "
+                           "V3/R1 checkpoints with MTP weights; needs pipeline_parallel_size 1); "
+                           "'ngram' = the sequence's own prompt and output (prompt lookup, any "
+                           "model)")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram method: the shortest run of last "
+                                                        "tokens looked up")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram method: the longest run of last "
+                                                        "tokens looked up (the longest found "
+                                                        "wins)")
 
     # LoRA adapters (vLLM's --lora-modules, --max-loras, --max-lora-rank)
     lora_modules: dict[str, str] = Field(
@@ -131,7 +144,11 @@ class EngineConfig(BaseModel):
         if self.num_speculative_tokens and self.async_scheduling:
             raise ValueError("num_speculative_tokens does not work with async_scheduling=True "
                              "(a step's inputs depend on how many drafts the last one accepted)")
-        if self.num_speculative_tokens and self.pipeline_parallel_size > 1:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.num_speculative_tokens and self.speculative_method == "mtp" \
+                and self.pipeline_parallel_size > 1:
             raise ValueError("num_speculative_tokens needs pipeline_parallel_size 1 (the MTP "
                              "layer sits on the last stage, the logits on the first)")
         for name in self.lora_modules:

@@ -14,6 +14,7 @@ from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner
 from ksana_llm.engine.core import EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
+from ksana_llm.engine.ngram_proposer import NgramProposer
 from ksana_llm.engine.scheduler import SchedulerConfig
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
@@ -34,7 +35,9 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank.
     `lora_adapters`: (adapter id, folder) of the LoRA adapters every rank registers as it
     starts."""
-    draft_layers = draft_layers_for(model.module, cfg.num_speculative_tokens)
+    # The MTP method drafts with the model's own layers, which need a KV cache of their own.
+    mtp_tokens = cfg.num_speculative_tokens if cfg.speculative_method == "mtp" else 0
+    draft_layers = draft_layers_for(model.module, mtp_tokens)
     cache_dtype = cache_dtype_for(cfg.kv_cache_dtype, model.dtype)
     per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
     # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
@@ -64,7 +67,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          attention_backend=cfg.attention_backend,
                          max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
                          cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
-                         or cfg.max_num_seqs, num_speculative_tokens=cfg.num_speculative_tokens,
+                         or cfg.max_num_seqs, num_speculative_tokens=mtp_tokens,
                          kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
                          max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,
                          # A parallel run registers them below, where every rank's refusal
@@ -100,7 +103,10 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                       max_model_len=max_model_len, sampler=Sampler(cfg.seed),
                       overlap_outputs=overlap,
                       async_scheduling=resolve_async_scheduling(cfg, model),
-                      num_speculative_tokens=cfg.num_speculative_tokens)
+                      num_speculative_tokens=cfg.num_speculative_tokens,
+                      ngram=NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                      if cfg.num_speculative_tokens and cfg.speculative_method == "ngram"
+                      else None)
 
 
 def kv_scales(model: Model, cache_dtype: torch.dtype, cfg: EngineConfig) -> list[float] | None:

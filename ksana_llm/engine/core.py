@@ -30,6 +30,7 @@ from ksana_llm.engine.capture_steps import CaptureSteps
 from ksana_llm.engine.detokenizer import IncrementalDetokenizer
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.kv_export_steps import KvExportSteps
+from ksana_llm.engine.ngram_proposer import NgramProposer
 from ksana_llm.engine.outputs import (
     CaptureRead,
     DeferredOutput,
@@ -83,7 +84,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  scheduler_config: SchedulerConfig, tokenizer: Any, *, max_model_len: int,
                  sampler: Sampler | None = None, overlap_outputs: bool = False,
-                 async_scheduling: bool = False, num_speculative_tokens: int = 0) -> None:
+                 async_scheduling: bool = False, num_speculative_tokens: int = 0,
+                 ngram: NgramProposer | None = None) -> None:
         if num_speculative_tokens and async_scheduling:
             raise ValueError("num_speculative_tokens does not work with async_scheduling (a "
                              "step's inputs depend on how many drafts the last one accepted)")
@@ -107,9 +109,11 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
         # Steps planned and their forward launched before the previous step's tokens were read
         # back (a structured-output step then still waits for them before it samples).
         self.num_steps_ahead = 0
-        # Speculative decoding: drafts per sequence and step (0 = off; the runner must have
-        # draft layers), and how many were verified / accepted.
+        # Speculative decoding: drafts per sequence and step (0 = off), from the runner's draft
+        # (MTP) layers or, with `ngram`, from the sequence itself; how many were verified /
+        # accepted.
         self.num_speculative_tokens = num_speculative_tokens
+        self.ngram = ngram
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
         self._init_exports()

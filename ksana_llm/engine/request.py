@@ -120,6 +120,8 @@ class Sequence:
     lora_slot: int = 0
     num_lora_waits: int = 0  # steps it was passed over because every slot was held
     lora_drain_target: int = 0  # the held adapter it waits to drain (see Scheduler)
+    # Speculative decoding with the "ngram" method: its n-gram index (engine.ngram_proposer).
+    ngram_index: Any = None
     cache_salt: int | None = None
 
     @property

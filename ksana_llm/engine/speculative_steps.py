@@ -1,4 +1,5 @@
-"""The engine core's speculative decoding steps (`num_speculative_tokens` > 0, DeepSeek MTP).
+"""The engine core's speculative decoding steps (`num_speculative_tokens` > 0): drafts from
+DeepSeek's MTP layer, or from the sequence itself (the "ngram" method, `engine.ngram_proposer`).
 
 A decoding sequence that holds drafts (`Sequence.draft_token_ids`) is scheduled with them: its
 slice computes its last token and the drafts in one forward, and the main model's logits at those
@@ -8,7 +9,8 @@ replaced by the main model's own choice, and when all stand a bonus token follow
 (greedy), or drawn from the same distribution (sampling).
 
 After every step the draft layer runs over the rows whose next token is now known (prompt chunks
-too, so its KV cache keeps up) and drafts for each sequence that may draft (`_drafts_allowed`).
+too, so its KV cache keeps up) and drafts for each sequence that may draft (`_drafts_allowed`);
+the ngram method instead looks each such sequence's last tokens up in its own history.
 Those steps read their results at once: speculative decoding turns async scheduling off.
 
 A mixin of `EngineCore`: it works on the core's `runner`, `sampler`, `block_manager`,
@@ -21,6 +23,7 @@ import time
 
 import torch
 
+from ksana_llm.engine.ngram_proposer import NgramIndex
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
 from ksana_llm.engine.scheduler import ScheduledSequence
@@ -93,6 +96,23 @@ class SpeculativeSteps:
                 self.block_manager.cache_full_blocks(seq)
         return outputs, accepted
 
+    def _propose_from_history(self, scheduled: list[ScheduledSequence],
+                              slices: list[SeqSlice]) -> None:
+        """The ngram method: each sequence that sampled this step and may draft looks its last
+        tokens up in its prompt and output."""
+        for item, piece in zip(scheduled, slices):
+            seq = item.seq
+            seq.draft_token_ids = []
+            if not piece.sample or seq.status is SequenceStatus.FINISHED \
+                    or not self._drafts_allowed(seq):
+                continue
+            wanted = min(self.num_speculative_tokens, seq.max_num_tokens - seq.num_tokens - 1)
+            if wanted <= 0:
+                continue
+            if seq.ngram_index is None:
+                seq.ngram_index = NgramIndex()
+            seq.draft_token_ids = self.ngram.propose(seq.token_ids, seq.ngram_index, wanted)
+
     @staticmethod
     def _draft_logprobs(verdict: list[list[float]], top_k: int | None
                         ) -> list[tuple[float | None, list[tuple[int, float]] | None]]:
@@ -113,6 +133,9 @@ class SpeculativeSteps:
                  accepted: dict[Sequence, int]) -> None:
         """Run the draft layer over this step's rows whose next token is known, and give each
         sequence that may draft its next drafts."""
+        if self.ngram is not None:
+            self._propose_from_history(scheduled, slices)
+            return
         draft_slices: list[SeqSlice] = []
         sources: list[int] = []
         num_drafts: list[int] = []

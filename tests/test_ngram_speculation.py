@@ -1,0 +1,129 @@
+"""Speculative decoding with drafts from the sequence itself (`speculative_method="ngram"`).
+
+The proposer is checked against a plain scan of the history; the engine, on the real default
+model, against transformers' greedy tokens, with fewer forward steps than without drafts on text
+that repeats its prompt. (Verification itself, greedy and sampled, is the MTP method's and is
+tested in tests/test_speculative_decoding.py.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ksana_llm as kt
+from ksana_llm.engine.ngram_proposer import NgramIndex, NgramProposer
+
+COPY_PROMPTS = [
+    "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the "
+    "river bank.",
+    "Copy the list: apples, bananas, cherries, dates, elderberries, figs, grapes.",
+]
+
+
+def scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The proposal by brute force: the longest n whose last-n tokens occur earlier, its
+    latest such occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == suffix:
+                return tokens[end:end + k]
+    return []
+
+
+def test_proposals_equal_a_plain_scan_as_the_sequence_grows():
+    rng = random.Random(0)
+    proposer = NgramProposer(min_n=1, max_n=3)
+    for trial in range(20):
+        tokens = [rng.randrange(6) for _ in range(5)]
+        index = NgramIndex()  # grown step by step, as the engine grows it
+        for _ in range(40):
+            assert proposer.propose(tokens, index, 4) == scan(tokens, 4, 1, 3), (trial, tokens)
+            tokens.append(rng.randrange(6))
+
+
+def test_longest_and_latest_match_wins():
+    proposer = NgramProposer(min_n=1, max_n=3)
+    # "1 2 3" occurred before; "3" alone occurred later (followed by 9): the 3-gram wins.
+    assert proposer.propose([1, 2, 3, 7, 7, 3, 9, 5, 1, 2, 3], NgramIndex(), 2) == [7, 7]
+    # The latest occurrence of "4 5": followed by 8, not 6.
+    assert proposer.propose([4, 5, 6, 4, 5, 8, 0, 4, 5], NgramIndex(), 1) == [8]
+    assert proposer.propose([1, 2, 3], NgramIndex(), 3) == []  # nothing repeats
+    assert NgramProposer(min_n=2, max_n=2).propose([5, 1, 5], NgramIndex(), 1) == []
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramProposer(min_n=3, max_n=2)
+
+
+def _steps(engine: kt.Engine) -> list[int]:
+    """Counts the engine's forward steps (wraps the core's step)."""
+    count = [0]
+    step = engine._core.step
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return step(*args, **kwargs)
+
+    engine._core.step = counting
+    return count
+
+
+@pytest.mark.parametrize("num_drafts", [2, 5])
+def test_greedy_tokens_equal_transformers_in_fewer_steps(default_model, hf_default_model,
+                                                          num_drafts):
+    tok = default_model.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                       add_generation_prompt=True, tokenize=False)
+               for p in COPY_PROMPTS]
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    config = kt.GenerationConfig(max_new_tokens=40)
+    expected = []
+    for prompt in ids:
+        with torch.no_grad():
+            out = hf_default_model.generate(torch.tensor([prompt]), max_new_tokens=40,
+                                            do_sample=False,
+                                            attention_mask=torch.ones(1, len(prompt)))
+        expected.append(out[0, len(prompt):].tolist())
+    counts = {}
+    for method in ("none", "ngram"):
+        settings = dict(speculative_method="ngram", num_speculative_tokens=num_drafts) \
+            if method == "ngram" else {}
+        with kt.Engine(default_model, num_device_blocks=256, **settings) as engine:
+            steps = _steps(engine)
+            got = [engine.generate_outputs([p], config, use_tqdm=False)[0].token_ids
+                   for p in ids]
+            counts[method] = steps[0]
+            stats = engine.stats()
+        assert got == expected, method
+    assert stats.num_accepted_draft_tokens > 0 and stats.draft_acceptance_rate > 0.3
+    assert counts["ngram"] < 0.75 * counts["none"], counts
+
+
+def test_batches_mix_drafting_and_sampled_requests(default_model):
+    """Sampled requests, penalties (no drafts) and stop tokens among accepted drafts share the
+    steps of drafting ones; every request ends as its settings say."""
+    tok = default_model.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": COPY_PROMPTS[1]}],
+                                     add_generation_prompt=True, tokenize=False)
+    configs = [kt.GenerationConfig(max_new_tokens=24),
+               kt.GenerationConfig(max_new_tokens=24, do_sample=True, temperature=0.7, seed=3),
+               kt.GenerationConfig(max_new_tokens=24, repetition_penalty=1.3),
+               kt.GenerationConfig(max_new_tokens=5, ignore_eos=True)]
+    with kt.Engine(default_model, num_device_blocks=256, speculative_method="ngram",
+                   num_speculative_tokens=4) as engine:
+        outs = engine.generate_outputs([prompt] * len(configs), configs, use_tqdm=False)
+        alone = engine.generate_outputs([prompt], [configs[1]], use_tqdm=False)[0]
+    assert all(0 < len(o.token_ids) <= c.max_new_tokens for o, c in zip(outs, configs))
+    assert len(outs[3].token_ids) == 5
+    # A seeded sample is the same in a busy batch as alone (drafts do not change its stream).
+    assert outs[1].token_ids == alone.token_ids
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        kt.EngineConfig(speculative_method="ngram", num_speculative_tokens=2,
+                        prompt_lookup_min=5, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="speculative_method"):
+        kt.EngineConfig(speculative_method="eagle", num_speculative_tokens=2)
