@@ -127,3 +127,25 @@ def test_bad_settings_name_the_field():
                         prompt_lookup_min=5, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="speculative_method"):
         kt.EngineConfig(speculative_method="eagle", num_speculative_tokens=2)
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_parallel_engines_draft_from_history(tmp_path, parallel):
+    """Over two gloo ranks (tensor or pipeline parallel) the drafted steps give transformers'
+    greedy tokens: a tiny random model falls into loops, which prompt lookup predicts."""
+    from tests.family_harness import greedy_trace, hf_reference
+    from tests.tiny_models import build_tiny_model
+
+    hf = build_tiny_model("yi-gqa4-bias", tmp_path / "tiny")
+    prompts = [[1, 5, 9, 33, 17, 5, 9, 33, 17, 5], [1, 77, 12, 250, 31, 77, 12]]
+    expected = [greedy_trace(hf_reference(hf), p, 24)[0][len(p):] for p in prompts]
+    model = kt.Model.from_pretrained(tmp_path / "tiny", device="cpu", dtype="float32",
+                                     progress=False, **parallel)
+    config = kt.GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
+                   speculative_method="ngram", num_speculative_tokens=3) as engine:
+        got = [o.token_ids for o in engine.generate_outputs(prompts, use_tqdm=False)]
+        stats = engine.stats()
+    assert got == expected
+    assert stats.num_accepted_draft_tokens > 0
