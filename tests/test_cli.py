@@ -71,6 +71,23 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     assert parse(["generate", "hi", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
 
 
+def test_speculative_flags_reach_the_engine_config():
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    config = configs_from_args(parse(["serve"]))[0]
+    assert (config.num_speculative_tokens, config.speculative_method) == (0, "mtp")
+    config = configs_from_args(parse(["serve", "--num-speculative-tokens", "3",
+                                      "--speculative-method", "ngram", "--prompt-lookup-min",
+                                      "2", "--prompt-lookup-max", "5"]))[0]
+    assert (config.num_speculative_tokens, config.speculative_method, config.prompt_lookup_min,
+            config.prompt_lookup_max) == (3, "ngram", 2, 5)
+    assert parse(["generate", "hi", "--speculative-method", "ngram"]).speculative_method == "ngram"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--speculative-method", "eagle"])
+
+
 def test_lora_flags_reach_the_engine_config(tmp_path, capsys):
     from ksana_llm.cli import build_parser
     from ksana_llm.server.app import configs_from_args
