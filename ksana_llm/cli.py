@@ -130,6 +130,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from ksana_llm.server.batch_runner import run_batch
+
+    return run_batch(args)
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     from ksana_llm.server.router import run_router
 
@@ -272,6 +278,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    batch = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI requests (OpenAI's "
+                                             "batch format) in one process")
+    batch.add_argument("-i", "--input-file", required=True,
+                       help="JSONL: {custom_id, method, url, body} a line")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="JSONL: {id, custom_id, response, error} a line, in input order")
+    batch.add_argument("--max-concurrency", type=int, default=None,
+                       help="requests in flight at once (default: --max-queue-size)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_serve_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
     calibrate = sub.add_parser(
         "calibrate-kv-scales", help="measure per-layer scales for an fp8_e4m3 KV cache and "
                                     "write kv_cache_scales.json")

@@ -1,0 +1,69 @@
+"""`ksana-llm run-batch` as a real subprocess on the default model: an OpenAI batch file with
+chat, completions, embeddings and Responses requests, and lines that are not requests. Answers
+equal the Python API's (whose greedy tokens equal transformers', tests/test_engine_greedy_parity.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+import ksana_llm as kt
+
+QUESTION = "What is the capital of France?"
+PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
+
+
+def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
+    chat = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+            "max_tokens": 16}
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": PROMPT, "temperature": 0, "max_tokens": 8}},
+        {"custom_id": "embedding", "method": "POST", "url": "/v1/embeddings",
+         "body": {"input": PROMPT}},
+        {"custom_id": "response", "method": "POST", "url": "/v1/responses",
+         "body": {"input": QUESTION, "temperature": 0, "max_output_tokens": 16}},
+        {"custom_id": "bad-param", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": PROMPT, "temperature": -1}},
+        {"custom_id": "streamed", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": PROMPT, "stream": True}},
+        {"custom_id": "elsewhere", "method": "POST", "url": "/v1/images", "body": {}},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join([json.dumps(line) for line in lines] + ["{not json"]) + "\n")
+    target = tmp_path / "out.jsonl"
+    done = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "run-batch", "-i", str(source),
+                           "-o", str(target), "--device", "cpu", "--num-device-blocks", "256",
+                           "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outputs = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [o["custom_id"] for o in outputs] == [line["custom_id"] for line in lines] + [None]
+    by_id = {o["custom_id"]: o for o in outputs}
+
+    tok = local_engine.tokenizer
+    rendered = tok.apply_chat_template(chat["messages"], add_generation_prompt=True,
+                                       tokenize=False)
+    expected = local_engine.generate_outputs(rendered, kt.GenerationConfig(max_new_tokens=16),
+                                             use_tqdm=False)[0].text
+    answer = by_id["chat"]["response"]
+    assert answer["status_code"] == 200 and answer["request_id"].startswith("chatcmpl-")
+    assert answer["body"]["choices"][0]["message"]["content"] == expected
+    response = by_id["response"]["response"]["body"]
+    assert response["output"][0]["content"][0]["text"] == expected  # the same conversation
+    completion = by_id["completion"]["response"]["body"]["choices"][0]["text"]
+    assert completion == local_engine.generate_outputs(
+        PROMPT, kt.GenerationConfig(max_new_tokens=8), use_tqdm=False)[0].text
+    vector = torch.tensor(by_id["embedding"]["response"]["body"]["data"][0]["embedding"])
+    torch.testing.assert_close(vector, local_engine.embed(PROMPT)[0], atol=1e-5, rtol=1e-4)
+
+    refused = by_id["bad-param"]
+    assert refused["response"]["status_code"] == 400 and refused["error"] is None
+    assert refused["response"]["body"]["error"]["param"] == "temperature"
+    for custom_id, code in (("streamed", "invalid_request"), ("elsewhere", "invalid_url"),
+                            (None, "invalid_json")):
+        assert by_id[custom_id]["response"] is None
+        assert by_id[custom_id]["error"]["code"] == code
