@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output-file", required=True,
                        help="JSONL: {id, custom_id, response, error} a line, in input order")
     batch.add_argument("--max-concurrency", type=int, default=None,
-                       help="requests in flight at once (default: --max-queue-size)")
+                       help="requests in flight at once (default: --max-num-seqs)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_serve_args(batch)
     batch.set_defaults(func=cmd_run_batch)

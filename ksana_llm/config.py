@@ -19,6 +19,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
 # Where speculative decoding's drafts come from: the model's MTP layer, or the sequence itself.
 SpeculativeMethod = Literal["mtp", "ngram"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+# The longest n-gram the ngram method looks up: each size costs an index entry per token.
+MAX_PROMPT_LOOKUP = 16
 
 # A server's part in prefill/decode disaggregation (`serve --kv-role`, YAML connector.group_role).
 KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
@@ -110,9 +112,9 @@ class EngineConfig(BaseModel):
                            "V3/R1 checkpoints with MTP weights; needs pipeline_parallel_size 1); "
                            "'ngram' = the sequence's own prompt and output (prompt lookup, any "
                            "model)")
-    prompt_lookup_min: int = Field(1, ge=1, description="ngram method: the shortest run of last "
+    prompt_lookup_min: int = Field(1, ge=1, le=MAX_PROMPT_LOOKUP, description="ngram method: the shortest run of last "
                                                         "tokens looked up")
-    prompt_lookup_max: int = Field(4, ge=1, description="ngram method: the longest run of last "
+    prompt_lookup_max: int = Field(4, ge=1, le=MAX_PROMPT_LOOKUP, description="ngram method: the longest run of last "
                                                         "tokens looked up (the longest found "
                                                         "wins)")
 

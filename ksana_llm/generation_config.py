@@ -104,6 +104,8 @@ class GenerationConfig:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.bad_words_ids is None:
+            self.bad_words_ids = []
         if isinstance(self.bad_words_ids, (list, tuple)):
             self.bad_words_ids = [list(w) if isinstance(w, (list, tuple)) else w
                                   for w in self.bad_words_ids]
@@ -197,6 +199,10 @@ class GenerationConfig:
                 or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             _fail("allowed_token_ids", self.allowed_token_ids,
                   "None or a non-empty list of non-negative token ids")
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= {
+                w[0] for w in self.bad_words_ids if len(w) == 1}:
+            _fail("allowed_token_ids", self.allowed_token_ids,
+                  "ids not all banned by bad_words_ids (nothing could be generated)")
         if self.structured_output is not None and not isinstance(self.structured_output,
                                                                  StructuredOutputSpec):
             _fail("structured_output", self.structured_output, "None or a StructuredOutputSpec")

@@ -61,7 +61,8 @@ def _hf_processors(config: GenerationConfig, prompt_len: int,
         procs.append(SuppressTokensLogitsProcessor(
             [t for t in range(vocab) if t not in set(config.allowed_token_ids)]))
     if config.bad_words_ids:
-        procs.append(NoBadWordsLogitsProcessor(config.bad_words_ids))
+        procs.append(NoBadWordsLogitsProcessor(config.bad_words_ids,
+                                               eos_token_id=list(eos) or None))
     if config.logit_bias:
         procs.append(SequenceBiasLogitsProcessor({(t,): float(b) for t, b in config.logit_bias.items()}))
     if config.repetition_penalty != 1.0:
@@ -125,14 +126,20 @@ def test_bad_words_and_allowed_ids_match_hf_per_row():
         _row(GenerationConfig(bad_words_ids=[[2, 3, 4, 5]]), [3], []),  # history too short
         _row(GenerationConfig(), [5], []),
         _row(GenerationConfig(allowed_token_ids=[3, 11, 12]), [1], [2]),
-        _row(GenerationConfig(allowed_token_ids=[4], bad_words_ids=[[4]]), [1], []),
+        _row(GenerationConfig(allowed_token_ids=[4, 9], bad_words_ids=[[4]]), [1], []),
     ]
     ours = _check_rows(_logits(len(rows), seed=5), rows)
     assert torch.isinf(ours[0, [7, 6]]).all() and torch.isinf(ours[0]).sum() == 2
     assert torch.isinf(ours[1, 3]) and torch.isinf(ours[1]).sum() == 1
     assert not torch.isinf(ours[2]).any() and not torch.isinf(ours[3]).any()
     assert torch.isfinite(ours[4]).nonzero().flatten().tolist() == [3, 11, 12]
-    assert torch.isinf(ours[5]).all()
+    assert torch.isfinite(ours[5]).nonzero().flatten().tolist() == [9]
+    # As transformers, an end-of-sequence token in bad_words_ids bans nothing.
+    eos_row = _row(GenerationConfig(bad_words_ids=[[2], [3]]), [1], [], eos=(2,))
+    banned = _check_rows(_logits(1, seed=6), [eos_row])
+    assert torch.isinf(banned[0]).nonzero().flatten().tolist() == [3]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        GenerationConfig(allowed_token_ids=[4], bad_words_ids=[[4]])
 
 
 def test_all_processors_together_in_transformers_order():

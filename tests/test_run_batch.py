@@ -32,9 +32,14 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
         {"custom_id": "streamed", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": PROMPT, "stream": True}},
         {"custom_id": "elsewhere", "method": "POST", "url": "/v1/images", "body": {}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/completions", "body": {}},
+        # A raw line separator inside a string is still one JSON line.
+        {"custom_id": "separator", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "one\u2028two", "max_tokens": 1}},
     ]
     source = tmp_path / "in.jsonl"
-    source.write_text("\n".join([json.dumps(line) for line in lines] + ["{not json"]) + "\n")
+    source.write_text("\n".join([json.dumps(line, ensure_ascii=False) for line in lines]
+                                + ["{not json"]) + "\n", encoding="utf-8")
     target = tmp_path / "out.jsonl"
     done = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "run-batch", "-i", str(source),
                            "-o", str(target), "--device", "cpu", "--num-device-blocks", "256",
@@ -42,7 +47,9 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
     assert done.returncode == 0, done.stderr[-2000:]
     outputs = [json.loads(line) for line in target.read_text().splitlines()]
     assert [o["custom_id"] for o in outputs] == [line["custom_id"] for line in lines] + [None]
-    by_id = {o["custom_id"]: o for o in outputs}
+    assert outputs[7]["error"]["code"] == "duplicate_custom_id"
+    by_id = {o["custom_id"]: o for o in outputs[:7] + outputs[8:]}
+    assert by_id["separator"]["response"]["status_code"] == 200
 
     tok = local_engine.tokenizer
     rendered = tok.apply_chat_template(chat["messages"], add_generation_prompt=True,

@@ -506,7 +506,11 @@ def test_token_restrictions_match_transformers(client, model, hf_default_model, 
 
     plain = hf_greedy(ids)
     word = tok.decode(plain[:1]).strip()  # the name greedy gives the cat
-    banned = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    # vLLM's rule: the word as written, and after a space when that is as many tokens but
+    # another first token.
+    plain_ids, spaced = (tok.encode(w, add_special_tokens=False) for w in (word, " " + word))
+    banned = [plain_ids] + ([spaced] if len(spaced) == len(plain_ids)
+                            and spaced[0] != plain_ids[0] else [])
     text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
                                      extra_body={"bad_words": [word]}).choices[0].text
     assert word not in text
@@ -524,6 +528,9 @@ def test_token_restrictions_match_transformers(client, model, hf_default_model, 
                                       extra_body={"truncate_prompt_tokens": 5})
     assert reply.usage.prompt_tokens == 5
     assert reply.choices[0].text == tok.decode(hf_greedy(ids[-5:]), skip_special_tokens=True)
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)  # -1: the context, which holds it all
 
 
 def test_400_server_settings(server, client, model, r1_app):

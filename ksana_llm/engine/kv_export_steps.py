@@ -36,7 +36,7 @@ class KvExportSteps:
                 or seq.finish_reason is None or seq.finish_reason is FinishReason.ABORT \
                 or not seq.block_table or seq.num_computed_tokens == 0:
             return
-        if self.num_speculative_tokens:
+        if self.num_speculative_tokens and self.ngram is None:  # the MTP layer reads it next
             table = list(seq.block_table)
             self.block_manager.retain(table)
             self._held_exports[seq] = table

@@ -80,11 +80,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     # 0. Allowed token ids: everything else is -inf.
     allowed = [i for i, row in enumerate(rows) if row.config.allowed_token_ids is not None]
     if allowed:
-        pairs = [(k, t) for k, i in enumerate(allowed) for t in rows[i].config.allowed_token_ids
-                 if t < vocab_size]
-        keep = torch.zeros((len(allowed), vocab_size), dtype=torch.bool, device=device)
-        keep[to_device([k for k, _ in pairs], torch.int64, device),
-             to_device([t for _, t in pairs], torch.int64, device)] = True
+        keep = torch.stack([_allowed_mask(rows[i], vocab_size, device) for i in allowed])
         index = to_device(allowed, torch.int64, device)
         out.index_copy_(0, index, out.index_select(0, index).masked_fill_(~keep, float("-inf")))
 
@@ -109,7 +105,8 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
                     sup_rows.append(i)
                     sup_tokens.append(token)
         for word in row.config.bad_words_ids:
-            if len(word) == 1 and word[0] < vocab_size:
+            # As transformers, a bad word that is the end-of-sequence token bans nothing.
+            if len(word) == 1 and word[0] < vocab_size and word[0] not in row.eos_token_ids:
                 sup_rows.append(i)
                 sup_tokens.append(word[0])
     if sup_rows:
@@ -176,6 +173,17 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
         padded_out.scatter_(1, ids, padded_out.gather(1, ids) - delta)
     return out
+
+
+def _allowed_mask(row: SamplingRow, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The row's allowed ids as a [vocab] bool mask on `device`, built once per row."""
+    mask = row.allowed_mask
+    if mask is None or mask.shape[0] != vocab_size or mask.device != device:
+        ids = [t for t in row.config.allowed_token_ids if t < vocab_size]
+        mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        mask[to_device(ids, torch.int64, device)] = True
+        row.allowed_mask = mask
+    return mask
 
 
 def _ban_bad_words(padded_out: torch.Tensor, tokens: torch.Tensor, lengths: list[int],

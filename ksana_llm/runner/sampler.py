@@ -89,6 +89,8 @@ class SamplingRow:
     # Whether its processors read the token ids the sampler keeps on the device (repetition,
     # presence and frequency penalties, n-gram bans: see `runner.token_history`).
     uses_token_history: bool = field(init=False)
+    # allowed_token_ids as a device mask, built at the row's first step (logits_processing).
+    allowed_mask: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         config = self.config

@@ -4,13 +4,15 @@ process and without a port (vLLM's `run-batch`, OpenAI's Batch API file format).
 Input: JSONL, one request a line:
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 with `url` one of /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses. Output:
-one line per input line, in input order:
+one line per input line, in input order (written as answers come, so a long batch's finished
+lines are on disk while the rest run):
     {"id": "batch_req_...", "custom_id": "r1",
      "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
 A request a route refuses keeps its status code and OpenAI error body, as the server would send
 them; a line that is not a request at all (bad JSON, another URL or method, `stream: true`) gets
-`"response": null` and an `error` saying why. Requests go in together (up to
-`--max-concurrency` at a time), so they batch as a server's would.
+`"response": null` and an `error` saying why (so does a repeated `custom_id`). Requests go in
+together (up to `--max-concurrency` at a time, default `--max-num-seqs`), so they batch as a
+server's would; a full queue (429) is retried after its Retry-After.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +33,9 @@ def _line_error(custom_id: Any, code: str, message: str) -> dict[str, Any]:
             "error": {"code": code, "message": message}}
 
 
-def parse_line(line: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(the request, None) or (None, the output line saying why it is not one)."""
+def parse_line(line: str, seen: set[str]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the request, None) or (None, the output line saying why it is not one). `seen`: the
+    custom ids of the lines before (each must be unique, as OpenAI requires)."""
     try:
         request = json.loads(line)
     except ValueError as exc:
@@ -41,6 +45,10 @@ def parse_line(line: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return None, _line_error(custom_id, "invalid_request", "`custom_id` must be a string.")
+    if custom_id in seen:
+        return None, _line_error(custom_id, "duplicate_custom_id",
+                                 "`custom_id` repeats an earlier line's.")
+    seen.add(custom_id)
     if request.get("method", "POST") != "POST":
         return None, _line_error(custom_id, "invalid_request", "`method` must be POST.")
     if request.get("url") not in BATCH_URLS:
@@ -55,29 +63,34 @@ def parse_line(line: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]
     return request, None
 
 
+# A full queue (429) is retried after the server's Retry-After; a batch is not in a hurry.
+MAX_QUEUE_FULL_RETRIES = 1000
+
+
 async def run_requests(app: Any, lines: list[str], max_concurrency: int,
-                       progress: Any = None) -> list[dict[str, Any]]:
-    """Every line's output line, in order, from the routes of `app` (served in process)."""
+                       write: Callable[[dict[str, Any]], None],
+                       progress: Any = None) -> None:
+    """Answer every line through the routes of `app` (served in process); `write` gets each
+    line's output, in input order, as soon as it and every line before it are done."""
     import httpx
 
     gate = asyncio.Semaphore(max_concurrency)
-    transport = httpx.ASGITransport(app=app)
+    # A route that fails with an exception answers 500 (its handler), not a crashed batch.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    done: dict[int, dict[str, Any]] = {}
+    next_to_write = 0
+    seen: set[str] = set()
+    parsed = [parse_line(line, seen) for line in lines]
     async with httpx.AsyncClient(transport=transport, base_url="http://batch",
                                  timeout=None) as client:
 
-        async def one(line: str) -> dict[str, Any]:
-            try:
-                return await answer(line)
-            finally:
-                if progress is not None:
-                    progress.update(1)
-
-        async def answer(line: str) -> dict[str, Any]:
-            request, refused = parse_line(line)
-            if refused is not None:
-                return refused
+        async def answer(request: dict[str, Any]) -> dict[str, Any]:
             async with gate:
-                response = await client.post(request["url"], json=request["body"])
+                for _ in range(MAX_QUEUE_FULL_RETRIES):
+                    response = await client.post(request["url"], json=request["body"])
+                    if response.status_code != 429:
+                        break
+                    await asyncio.sleep(float(response.headers.get("retry-after", 1)))
             try:
                 body = response.json()
             except ValueError:
@@ -88,12 +101,29 @@ async def run_requests(app: Any, lines: list[str], max_concurrency: int,
                                  "body": body},
                     "error": None}
 
-        return list(await asyncio.gather(*(one(line) for line in lines)))
+        async def one(index: int) -> None:
+            nonlocal next_to_write
+            request, output = parsed[index]
+            if request is not None:
+                try:
+                    output = await answer(request)
+                except Exception as exc:  # noqa: BLE001 - this line's failure, not the batch's
+                    output = _line_error(request["custom_id"], "internal_error",
+                                         f"{type(exc).__name__}: {exc}")
+            done[index] = output
+            while next_to_write in done:
+                write(done.pop(next_to_write))
+                next_to_write += 1
+            if progress is not None:
+                progress.update(1)
+
+        await asyncio.gather(*(one(i) for i in range(len(lines))))
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    """The `run-batch` command: read, answer, write; 0 once every line has its output line
-    (requests the routes refused included: their errors are in the file)."""
+    """The `run-batch` command: read, answer, write as answers come. 0 once every line has its
+    output line (requests the routes refused included: their errors are in the file); 1 when
+    the engine died on the way (the rest of the lines then say so)."""
     from tqdm import tqdm
 
     from ksana_llm.api.engine import Engine
@@ -101,23 +131,32 @@ def run_batch(args: argparse.Namespace) -> int:
                                       output_parsing_from_args)
     from ksana_llm.server.chat import load_chat_template
 
-    source = Path(args.input_file)
-    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    # JSON lines end at "\n" only: str.splitlines would also cut at U+2028 inside a string.
+    text = Path(args.input_file).read_text(encoding="utf-8")
+    lines = [line for line in text.split("\n") if line.strip()]
     parsing = output_parsing_from_args(args)
     parsing.check()
     config, _ = configs_from_args(args)
     chat_template = load_chat_template(args.chat_template)
-    engine = Engine(config.model, config=config)
-    try:
-        app = build_app(engine, served_model_name=args.served_model_name
-                        or default_served_model_name(config.model),
-                        chat_template=chat_template, parsing=parsing, mount_extensions=False)
-        concurrency = args.max_concurrency or config.max_queue_size
-        with tqdm(total=len(lines), desc="requests", unit="req", disable=args.no_progress) as bar:
-            outputs = asyncio.run(run_requests(app, lines, concurrency, bar))
-    finally:
-        engine.shutdown()
-    with open(args.output_file, "w", encoding="utf-8") as out:
-        for output in outputs:
-            out.write(json.dumps(output, ensure_ascii=False) + "\n")
-    return 0
+    with open(args.output_file, "w", encoding="utf-8") as out:  # a bad path fails before loading
+        engine = Engine(config.model, config=config)
+        try:
+            app = build_app(engine, served_model_name=args.served_model_name
+                            or default_served_model_name(config.model),
+                            chat_template=chat_template, parsing=parsing,
+                            mount_extensions=False)
+
+            def write(output: dict[str, Any]) -> None:
+                out.write(json.dumps(output, ensure_ascii=False) + "\n")
+                out.flush()
+
+            concurrency = args.max_concurrency or config.max_num_seqs
+            with tqdm(total=len(lines), desc="requests", unit="req",
+                      disable=args.no_progress) as bar:
+                asyncio.run(run_requests(app, lines, concurrency, write, bar))
+            died = not engine.is_running
+        finally:
+            engine.shutdown()
+    return 1 if died else 0

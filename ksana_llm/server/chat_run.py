@@ -66,7 +66,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
                          tools=tools.tools, template_kwargs=template_kwargs)
     # The template already holds the special tokens (BOS etc.): do not add them twice.
     ids = truncate_prompt(list(state.tokenizer.encode(prompt, add_special_tokens=False)),
-                          req.truncate_prompt_tokens)
+                          req.truncate_prompt_tokens, state.limits.max_model_len)
     check_token_ids(ids, state.limits.vocab_size, "messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages")

@@ -80,8 +80,8 @@ class _SamplingRequest(_Request):
     # vLLM's token restrictions: words never generated, the only ids that may be, and a prompt
     # cut to its last N tokens.
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
-    allowed_token_ids: list[int] | None = Field(None, min_length=1)
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=2**18)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
     # Prefill/decode disaggregation (vLLM's name); checked by server.kv_transfer.
     kv_transfer_params: dict[str, Any] | None = None
 

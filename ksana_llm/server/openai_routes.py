@@ -99,7 +99,7 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_common(req, state)
     check_logprobs_cap(req.logprobs, state.max_logprobs, "logprobs")
-    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens)
+    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
                for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}.", param="n")

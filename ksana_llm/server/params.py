@@ -39,21 +39,26 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def bad_words_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
-    """vLLM's `bad_words` as token sequences: each word as it is written and, when that is a
-    different word token, with a leading space (the word in the middle of a text)."""
+    """vLLM's `bad_words` as token sequences: each word as written and, with a leading space
+    (the word inside a text), when that is as many tokens starting with another one (vLLM's
+    rule: a space that only adds a token of its own is no other word)."""
     sequences: list[list[int]] = []
     for i, word in enumerate(words):
         if not word.strip():
             raise bad_request("A bad word must not be empty.", param=f"bad_words.{i}")
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in sequences:
-                sequences.append(ids)
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(plain)
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            sequences.append(spaced)
     return sequences
 
 
-def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens."""
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the
+    model's context holds)."""
+    if keep == -1:
+        keep = max_model_len
     return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 

@@ -91,7 +91,7 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
         messages.insert(0, ChatMessage(role="system", content=req.instructions))
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
-        temperature=req.temperature, top_p=req.top_p, stream=req.stream,
+        temperature=req.temperature, top_p=req.top_p, stream=bool(req.stream),
         tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, response_format=chat_response_format(req.text),
         logprobs=req.wants_logprobs, top_logprobs=req.top_logprobs if req.wants_logprobs else None,
@@ -138,7 +138,7 @@ def _response(plan: _Plan, run: ChatRun, status: str, output: list[dict[str, Any
         "model": run.model, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "reasoning": req.reasoning,
-        "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
+        "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": req.text or {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p,
