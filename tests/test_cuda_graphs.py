@@ -301,6 +301,13 @@ def test_profile_step_is_the_largest_step():
     assert max(b for s in slices for b in s.block_table) == num_blocks - 1
     step, num_blocks = profile_step(4, 16, 16)  # more rows than tokens: one token each
     assert [s.num_tokens for s in step.slices] == [1, 1, 1, 1] and num_blocks == 2
+    # Speculative decoding: decode rows carry their drafts, and every one of their rows counts.
+    step, num_blocks = profile_step(2048, 256, 16, num_draft_tokens=3)
+    assert len(step.slices) == 256 and sum(s.num_tokens for s in step.slices) == 2048
+    assert all((s.num_tokens, s.num_draft_tokens) == (4, 3) for s in step.slices[1:])
+    assert step.slices[0].num_tokens == 2048 - 255 * 4 and num_blocks == -(-1028 // 16) + 1
+    step, _ = profile_step(64, 256, 16, num_draft_tokens=3)  # the budget bounds the rows
+    assert [s.num_tokens for s in step.slices] == [4] * 16
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -313,6 +320,10 @@ def test_profile_step_runs_through_runner_and_sampler(tmp_path, backend):
                               block_size=4, max_step_tokens=48, max_num_seqs=6,
                               attention_backend=backend)
     assert tokens.shape == (6,) and 0 <= int(tokens.min()) and int(tokens.max()) < 256
+    drafted = run_profile_step(module, device=device, dtype=torch.float32, block_size=4,
+                               max_step_tokens=48, max_num_seqs=6, attention_backend=backend,
+                               num_draft_tokens=2)
+    assert drafted.shape == (1 + 5 * 3,)  # the prefill row and every decode row's 1 + 2
     if device.type == "cuda":  # the whole profiled plan, on a real device
         per_block = kv_bytes_per_block(module, 4, torch.float32)
         profile = profile_memory(module, device=device, dtype=torch.float32, block_size=4,

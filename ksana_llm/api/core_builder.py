@@ -47,6 +47,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,
         attention_backend=cfg.attention_backend, ratio=cfg.block_device_memory_ratio,
         reserved_ratio=cfg.reserved_device_memory_ratio, num_draft_layers=draft_layers,
+        num_draft_tokens=cfg.num_speculative_tokens,
         later_device_bytes=lora_device_bytes(model.module, num_slots=cfg.num_lora_slots,
                                              max_rank=cfg.max_lora_rank, dtype=model.dtype,
                                              max_step_tokens=cfg.max_step_tokens))

@@ -87,38 +87,45 @@ def kv_blocks_from_profile(profile: MemoryProfile, bytes_per_block: int, *, rati
     return blocks
 
 
-def profile_step(num_tokens: int, num_seqs: int, block_size: int) -> tuple[StepInput, int]:
-    """The largest step the scheduler can build, on a cache of its own: one prefill chunk of
-    `num_tokens - (num_seqs - 1)` tokens and `num_seqs - 1` one-token rows, every row sampled
-    (so the LM head and the sampler see `num_seqs` rows). Returns (step, blocks it needs)."""
-    num_seqs = max(1, min(num_seqs, num_tokens))
-    prefill = num_tokens - (num_seqs - 1)
+def profile_step(num_tokens: int, num_seqs: int, block_size: int, num_draft_tokens: int = 0
+                 ) -> tuple[StepInput, int]:
+    """The largest step the scheduler can build, on a cache of its own: one prefill chunk and
+    `num_seqs - 1` decode rows, each a token and its `num_draft_tokens` drafts (speculative
+    decoding: every such row gets logits), filling `num_tokens`; every row sampled (so the LM
+    head and the sampler see them all). Returns (step, blocks it needs)."""
+    width = 1 + num_draft_tokens
+    num_seqs = max(1, min(num_seqs, (num_tokens - 1) // width + 1))
+    prefill = num_tokens - (num_seqs - 1) * width
     prefill_blocks = -(-prefill // block_size)
+    spare = list(range(prefill_blocks, prefill_blocks + -(-width // block_size)))
     slices = [SeqSlice([0] * prefill, 0, list(range(prefill_blocks)), sample=True)]
-    # The one-token rows all write one spare block: values are irrelevant, only memory is.
-    slices += [SeqSlice([0], 0, [prefill_blocks], sample=True) for _ in range(num_seqs - 1)]
-    return StepInput(slices, [], []), prefill_blocks + 1
+    # The decode rows all write the same spare blocks: values are irrelevant, only memory is.
+    slices += [SeqSlice([0] * width, 0, spare, sample=True, num_draft_tokens=num_draft_tokens)
+               for _ in range(num_seqs - 1)]
+    return StepInput(slices, [], []), prefill_blocks + len(spare)
 
 
 def run_profile_step(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
                      block_size: int, max_step_tokens: int, max_num_seqs: int,
-                     attention_backend: str, kv_cache_dtype: str = "auto") -> torch.Tensor:
-    """Run the profiling step once (no graphs, own tiny cache) and sample its logits with top-k,
-    top-p and log-probs on; returns the sampled token ids. Works on any device."""
-    step, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size)
+                     attention_backend: str, kv_cache_dtype: str = "auto",
+                     num_draft_tokens: int = 0) -> torch.Tensor:
+    """Run the profiling step once (no graphs, own tiny cache) and sample every logits row with
+    top-k, top-p and log-probs on; returns the sampled token ids. Works on any device."""
+    step, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size, num_draft_tokens)
     runner = ModelRunner(model, device=device, dtype=dtype, num_blocks=num_blocks,
                          block_size=block_size, attention_backend=attention_backend,
                          cuda_graphs=False, kv_cache_dtype=kv_cache_dtype)
     result = runner.execute(step)
     config = GenerationConfig(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, logprobs=5)
     rows = [SamplingRow(config=config, prompt_token_ids=[0], output_token_ids=[])
-            for _ in result.sampled]
+            for _ in range(result.logits.shape[0])]
     return Sampler(seed=0).sample(result.logits, rows).token_ids
 
 
 def profile_memory(model: nn.Module, *, device: torch.device, dtype: torch.dtype,
                    block_size: int, max_step_tokens: int, max_num_seqs: int,
-                   attention_backend: str, kv_cache_dtype: str = "auto") -> MemoryProfile:
+                   attention_backend: str, kv_cache_dtype: str = "auto",
+                   num_draft_tokens: int = 0) -> MemoryProfile:
     """Device memory in use at the peak of the largest step (CUDA only)."""
     torch.cuda.synchronize(device)
     gc.collect()
@@ -128,14 +135,15 @@ def profile_memory(model: nn.Module, *, device: torch.device, dtype: torch.dtype
     # The CUDA context, other processes, NCCL buffers: in use, but not through torch's allocator.
     outside_torch = total - free - torch.cuda.memory_reserved(device)
     before = torch.cuda.memory_allocated(device)
-    _, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size)
+    _, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size, num_draft_tokens)
     # The profile's own cache has the engine's storage type: an FP8 cache's reads widen the
     # gathered entries, and those copies belong to the step's peak.
     cache_bytes = num_blocks * kv_bytes_per_block(model, block_size,
                                                   cache_dtype_for(kv_cache_dtype, dtype))
     run_profile_step(model, device=device, dtype=dtype, block_size=block_size,
                      max_step_tokens=max_step_tokens, max_num_seqs=max_num_seqs,
-                     attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype)
+                     attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
+                     num_draft_tokens=num_draft_tokens)
     torch.cuda.synchronize(device)
     # Reserved, not allocated: the allocator keeps the step's segments cached for the next one.
     peak = torch.cuda.max_memory_reserved(device) - cache_bytes
@@ -149,13 +157,15 @@ def plan_device_blocks(model: nn.Module, *, device: torch.device, dtype: torch.d
                        block_size: int, max_step_tokens: int, max_num_seqs: int,
                        attention_backend: str, ratio: float | None,
                        reserved_ratio: float, num_draft_layers: int = 0,
-                       kv_cache_dtype: str = "auto", later_device_bytes: int = 0) -> int:
+                       kv_cache_dtype: str = "auto", later_device_bytes: int = 0,
+                       num_draft_tokens: int = 0) -> int:
     """KV blocks for this model on this device: profiled on CUDA, a share of RAM on the CPU
     (`plan_num_blocks`, unchanged). Parallel runs are not profiled (a forward on rank 0 alone
     would wait for the other ranks in its collectives): they keep `plan_num_blocks`.
     `kv_cache_dtype`: the cache's storage (`EngineConfig.kv_cache_dtype`).
     `later_device_bytes`: CUDA memory the engine takes after the KV cache (LoRA slots), which
-    the cache leaves free."""
+    the cache leaves free. `num_draft_tokens`: speculative decoding's drafts per decode row,
+    whose rows get logits too."""
     per_block = kv_bytes_per_block(model, block_size, cache_dtype_for(kv_cache_dtype, dtype),
                                    num_draft_layers)
     parallel = torch.distributed.is_available() and torch.distributed.is_initialized() \
@@ -169,7 +179,7 @@ def plan_device_blocks(model: nn.Module, *, device: torch.device, dtype: torch.d
     profile = profile_memory(model, device=device, dtype=dtype, block_size=block_size,
                              kv_cache_dtype=kv_cache_dtype,
                              max_step_tokens=max_step_tokens, max_num_seqs=max_num_seqs,
-                             attention_backend=backend)
+                             attention_backend=backend, num_draft_tokens=num_draft_tokens)
     blocks = blocks_leaving_room(kv_blocks_from_profile(profile, per_block, ratio=ratio,
                                                 reserved_ratio=reserved_ratio),
                          per_block, later_device_bytes)
