@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import ksana_llm as kt
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file, or with -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ksana_llm as kt  # noqa: E402
+from benchmarks.engine_steps import count_steps  # noqa: E402
 
 PARAGRAPHS = [
     "The city council met on Tuesday to discuss the new park. Residents asked for more trees, "
@@ -80,14 +85,7 @@ def run_engine(model: kt.Model, prompts: list[list[int]], k: int, batch: int, ne
                    **settings) as engine:
         engine.generate_outputs([prompts[0]], use_tqdm=False)  # warm-up
         base = engine.stats()
-        core, counter = engine._core, {"steps": 0}  # a benchmark-only peek at the core
-        original = core.step
-
-        def counting_step(*step_args, **step_kwargs):
-            counter["steps"] += 1
-            return original(*step_args, **step_kwargs)
-
-        core.step = counting_step
+        counter = count_steps(engine)
         _sync(model.device)
         start = time.perf_counter()
         outputs = []

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` helpers
 
 import ksana_llm as kt  # noqa: E402
+from benchmarks.engine_steps import count_steps  # noqa: E402
 from ksana_llm import GenerationConfig, Model  # noqa: E402
 from tests.deepseek_checkpoint import (  # noqa: E402
     deepseek_config,
@@ -73,14 +74,7 @@ def run_engine(model: Model, prompts: list[list[int]], k: int, new_tokens: int
         engine.generate_outputs([prompts[0]])  # warm-up
         base = engine.stats()
         # Count the engine thread's steps (a benchmark-only peek at the core).
-        core, counter = engine._core, {"steps": 0}
-        original = core.step
-
-        def counting_step(*step_args, **step_kwargs):
-            counter["steps"] += 1
-            return original(*step_args, **step_kwargs)
-
-        core.step = counting_step
+        counter = count_steps(engine)
         start = time.perf_counter()
         outputs = engine.generate_outputs(prompts)
         seconds = time.perf_counter() - start

@@ -133,23 +133,13 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     # 2b. No repeated n-grams (HF, over prompt and output).
     for size in sorted({row.config.no_repeat_ngram_size for row in rows} - {0}):
         members = [i for i, row in enumerate(rows) if row.config.no_repeat_ngram_size == size]
-        if histories is not None:
-            tokens, lengths = histories.history(histories.slots([rows[i] for i in members]))
-        else:
-            lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in members]
-            lengths = [len(t) for t in lists]
-            tokens = _right_padded(lists, vocab_size, device)
+        tokens, lengths = _token_histories(rows, members, histories, vocab_size, device)
         _ban_repeated_ngrams(padded_out, tokens, lengths, members, size)
 
     # 2c. Bad words of several tokens: the last one is -inf where the history ends with the rest.
     worded = [i for i, row in enumerate(rows) if any(len(w) > 1 for w in row.config.bad_words_ids)]
     if worded:
-        if histories is not None:
-            tokens, lengths = histories.history(histories.slots([rows[i] for i in worded]))
-        else:
-            lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in worded]
-            lengths = [len(t) for t in lists]
-            tokens = _right_padded(lists, vocab_size, device)
+        tokens, lengths = _token_histories(rows, worded, histories, vocab_size, device)
         _ban_bad_words(padded_out, tokens, lengths, worded,
                        [rows[i].config.bad_words_ids for i in worded])
 
@@ -173,6 +163,17 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
         padded_out.scatter_(1, ids, padded_out.gather(1, ids) - delta)
     return out
+
+
+def _token_histories(rows: list[SamplingRow], members: list[int],
+                     histories: TokenHistories | None, vocab_size: int, device: torch.device
+                     ) -> tuple[torch.Tensor, list[int]]:
+    """Rows `members`' prompt + output ids, [len(members), W] right-padded, and their lengths:
+    from the sampler's device table when given, else from the rows' token lists."""
+    if histories is not None:
+        return histories.history(histories.slots([rows[i] for i in members]))
+    lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in members]
+    return _right_padded(lists, vocab_size, device), [len(t) for t in lists]
 
 
 def _allowed_mask(row: SamplingRow, vocab_size: int, device: torch.device) -> torch.Tensor:
