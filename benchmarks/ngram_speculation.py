@@ -7,6 +7,8 @@ One run, the same requests for each row:
     HF generate         transformers' `generate`, one request at a time (the peer)
     k = 0               our engine without drafts
     ngram k = 2, 4, 6   our engine drafting k tokens per step from each sequence's history
+    k = 6, off>=4       the largest k with speculative_disable_by_batch_size=4 (drafting
+                        pauses in steps of 4 sequences or more: large batches run as k = 0)
 at batch 1 (requests one after another) and at batch 8 (all at once). It prints output tokens/s,
 engine steps, drafts accepted / verified, and the speed-up over k = 0 and over HF; every engine
 row must give transformers' tokens (checked).
@@ -76,11 +78,13 @@ def hf_greedy(hf, prompts: list[list[int]], new_tokens: int, device: torch.devic
     return time.perf_counter() - start, outputs
 
 
-def run_engine(model: kt.Model, prompts: list[list[int]], k: int, batch: int, new_tokens: int
+def run_engine(model: kt.Model, prompts: list[list[int]], k: int, batch: int, new_tokens: int,
+               disable_by_batch_size: int | None = None
                ) -> tuple[float, list[list[int]], int, int, int]:
     """(seconds, tokens, steps, drafts verified, drafts accepted)."""
     config = kt.GenerationConfig(max_new_tokens=new_tokens)
-    settings = dict(speculative_method="ngram", num_speculative_tokens=k) if k else {}
+    settings = dict(speculative_method="ngram", num_speculative_tokens=k,
+                    speculative_disable_by_batch_size=disable_by_batch_size) if k else {}
     with kt.Engine(model, generation_config=config, num_device_blocks=1024,
                    **settings) as engine:
         engine.generate_outputs([prompts[0]], use_tqdm=False)  # warm-up
@@ -108,6 +112,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--disable-by-batch-size", type=int, default=4,
+                        help="the extra row's speculative_disable_by_batch_size (0: no row)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
 
@@ -123,20 +129,26 @@ def main() -> None:
     for batch in args.batch_sizes:
         print(f"\nbatch {batch}: {len(prompts)} requests, {total} output tokens in all "
               f"({model.device}, {model.dtype})")
-        print(f"{'':14}{'tok/s':>9}{'steps':>7}{'accepted':>14}{'vs k=0':>8}{'vs HF':>8}")
-        print(f"{'HF generate':14}{total / hf_seconds:9.1f}{'':>7}{'':>14}{'':>8}{1.0:8.2f}")
+        print(f"{'':16}{'tok/s':>9}{'steps':>7}{'accepted':>14}{'vs k=0':>8}{'vs HF':>8}")
+        print(f"{'HF generate':16}{total / hf_seconds:9.1f}{'':>7}{'':>14}{'':>8}{1.0:8.2f}")
         baseline = None
-        for k in (0, *args.drafts):
-            seconds, tokens, steps, drafts, accepted = run_engine(model, prompts, k, batch,
-                                                                  args.new_tokens)
+        rows = [(k, None) for k in (0, *args.drafts)]
+        if args.disable_by_batch_size:
+            rows.append((max(args.drafts), args.disable_by_batch_size))
+        for k, disable_by in rows:
+            seconds, tokens, steps, drafts, accepted = run_engine(
+                model, prompts, k, batch, args.new_tokens, disable_by)
             if tokens != expected:
                 raise SystemExit(f"k={k}: tokens differ from transformers' greedy output")
             baseline = baseline or seconds
             rate = f"{accepted}/{drafts}" if drafts else "-"
             name = f"ngram k = {k}" if k else "k = 0"
-            print(f"{name:14}{total / seconds:9.1f}{steps:7d}{rate:>14}"
+            if disable_by:
+                name = f"k = {k}, off>={disable_by}"
+            print(f"{name:16}{total / seconds:9.1f}{steps:7d}{rate:>14}"
                   f"{baseline / seconds:8.2f}{hf_seconds / seconds:8.2f}")
             results.append({"device": str(model.device), "batch": batch, "k": k,
+                            "disable_by_batch_size": disable_by,
                             "tokens_per_s": total / seconds, "steps": steps, "drafts": drafts,
                             "accepted": accepted, "speedup_vs_k0": baseline / seconds,
                             "speedup_vs_hf": hf_seconds / seconds})

@@ -218,6 +218,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: tokens drafted per step (0 = off)")
     parser.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                         help=_SPECULATIVE_METHOD_HELP)
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                        help="speculative decoding pauses in steps of this many sequences or "
+                             "more (default: never)")
     parser.add_argument("--prompt-lookup-min", type=int, default=None,
                         help="ngram method: the shortest run of last tokens looked up (default 1)")
     parser.add_argument("--prompt-lookup-max", type=int, default=None,

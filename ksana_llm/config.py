@@ -112,6 +112,11 @@ class EngineConfig(BaseModel):
                            "V3/R1 checkpoints with MTP weights; needs pipeline_parallel_size 1); "
                            "'ngram' = the sequence's own prompt and output (prompt lookup, any "
                            "model)")
+    speculative_disable_by_batch_size: int | None = Field(
+        None, ge=2,
+        description="speculative decoding pauses while a step runs at least this many sequences "
+                    "(vLLM's speculative_disable_by_batch_size): at large batches the device is "
+                    "busy anyway and verifying drafts costs more than it saves. None = never")
     prompt_lookup_min: int = Field(1, ge=1, le=MAX_PROMPT_LOOKUP, description="ngram method: the shortest run of last "
                                                         "tokens looked up")
     prompt_lookup_max: int = Field(4, ge=1, le=MAX_PROMPT_LOOKUP, description="ngram method: the longest run of last "

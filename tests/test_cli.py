@@ -80,9 +80,11 @@ def test_speculative_flags_reach_the_engine_config():
     assert (config.num_speculative_tokens, config.speculative_method) == (0, "mtp")
     config = configs_from_args(parse(["serve", "--num-speculative-tokens", "3",
                                       "--speculative-method", "ngram", "--prompt-lookup-min",
-                                      "2", "--prompt-lookup-max", "5"]))[0]
+                                      "2", "--prompt-lookup-max", "5",
+                                      "--speculative-disable-by-batch-size", "6"]))[0]
     assert (config.num_speculative_tokens, config.speculative_method, config.prompt_lookup_min,
-            config.prompt_lookup_max) == (3, "ngram", 2, 5)
+            config.prompt_lookup_max, config.speculative_disable_by_batch_size) \
+        == (3, "ngram", 2, 5, 6)
     assert parse(["generate", "hi", "--speculative-method", "ngram"]).speculative_method == "ngram"
     with pytest.raises(SystemExit):
         parse(["serve", "--speculative-method", "eagle"])

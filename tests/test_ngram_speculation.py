@@ -121,7 +121,30 @@ def test_batches_mix_drafting_and_sampled_requests(default_model):
     assert outs[1].token_ids == alone.token_ids
 
 
+def test_large_batches_pause_drafting(default_model):
+    """With speculative_disable_by_batch_size=3, a batch of three never drafts (and gives the
+    tokens of an engine without speculation), while the same engine drafts for two."""
+    tok = default_model.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                       add_generation_prompt=True, tokenize=False)
+               for p in COPY_PROMPTS + [COPY_PROMPTS[0].replace("fox", "cat")]]
+    # ignore_eos: the three end together, so the batch never shrinks below three.
+    config = kt.GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    with kt.Engine(default_model, num_device_blocks=256) as engine:
+        plain = [o.token_ids for o in engine.generate_outputs(prompts, config, use_tqdm=False)]
+    with kt.Engine(default_model, num_device_blocks=256, speculative_method="ngram",
+                   num_speculative_tokens=4, speculative_disable_by_batch_size=3) as engine:
+        got = [o.token_ids for o in engine.generate_outputs(prompts, config, use_tqdm=False)]
+        assert engine.stats().num_draft_tokens == 0
+        assert got == plain
+        engine.generate_outputs(prompts[:2], config, use_tqdm=False)
+        assert engine.stats().num_accepted_draft_tokens > 0
+
+
 def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        kt.EngineConfig(speculative_method="ngram", num_speculative_tokens=2,
+                        speculative_disable_by_batch_size=1)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         kt.EngineConfig(speculative_method="ngram", num_speculative_tokens=2,
                         prompt_lookup_min=5, prompt_lookup_max=2)

@@ -109,6 +109,32 @@ def test_greedy_tokens_equal_transformers(setup, num_drafts, overlap):
     assert stats.draft_acceptance_rate == stats.num_accepted_draft_tokens / stats.num_draft_tokens
 
 
+def test_large_batches_pause_drafting(setup):
+    """speculative_disable_by_batch_size=3: while three sequences run nobody drafts, yet the
+    draft layer keeps its KV cache up, so once two are done the third's drafts are again
+    transformers' MTP drafts over its whole sequence; every token is transformers'."""
+    config = EngineConfig(device="cpu", dtype="float32", block_token_num=4, num_device_blocks=64,
+                          num_speculative_tokens=2, speculative_disable_by_batch_size=3)
+    core = build_core(setup.model, config, setup.model.tokenizer, lambda message: None)
+    seqs = [Sequence(str(i), list(p), GenerationConfig(max_new_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(setup.prompts, (12, 12, 20)))]
+    for seq in seqs:
+        core.add(seq)
+    checked = 0
+    while core.has_work():
+        core.step()
+        if len(core.scheduler.running) >= 3:
+            assert not any(seq.draft_token_ids for seq in seqs)
+        elif seqs[2].draft_token_ids:
+            assert seqs[2].draft_token_ids == hf_drafts(setup.hf, setup.layer, setup.embed,
+                                                        setup.head, seqs[2].token_ids,
+                                                        len(seqs[2].draft_token_ids))
+            checked += 1
+    assert [s.output_token_ids for s in seqs] == [e[:n] for e, n in
+                                                  zip(setup.expected, (12, 12, 20))]
+    assert checked >= 2 and core.num_accepted_draft_tokens > 0
+
+
 @pytest.mark.parametrize("preempt_mode", [0, 1])
 def test_greedy_tokens_survive_preemption(setup, preempt_mode):
     """A KV pool too small for every sequence at once: sequences are swapped out or recomputed

@@ -49,6 +49,8 @@ class SchedulerConfig:
     # Steps a request may wait for a LoRA slot while newer requests of the adapters holding the
     # slots go ahead; then those adapters drain (see `_schedule_waiting`). None: never drain.
     lora_max_wait_steps: int | None = 64
+    # Speculative decoding: steps running at least this many sequences carry no drafts.
+    speculative_disable_by_batch_size: int | None = None
 
 
 @dataclass(slots=True)  # built per sequence per step: not frozen, which costs more to build
@@ -212,11 +214,19 @@ class Scheduler:
             budget = self._add_drafts(out, budget)
         return budget
 
+    def speculation_paused(self, batch_size: int) -> bool:
+        """Whether a step of batch_size sequences goes without drafts."""
+        limit = self.config.speculative_disable_by_batch_size
+        return limit is not None and batch_size >= limit
+
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
         """Speculative decoding: once every running sequence has its tokens and blocks, decodes
         take their drafts along as far as the budget and the free blocks go. Drafts never
         preempt anyone, and wait while anything is preempted or swapped out (they would hold
-        back the blocks a swap-in, and then new admissions, need)."""
+        back the blocks a swap-in, and then new admissions, need), and in steps of
+        `speculative_disable_by_batch_size` sequences or more."""
+        if self.speculation_paused(len(out.scheduled)):
+            return budget
         for item in out.scheduled:
             seq = item.seq
             if budget <= 0:

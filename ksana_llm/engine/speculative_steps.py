@@ -14,7 +14,8 @@ the ngram method instead looks each such sequence's last tokens up in its own hi
 Those steps read their results at once: speculative decoding turns async scheduling off.
 
 A mixin of `EngineCore`: it works on the core's `runner`, `sampler`, `block_manager`,
-`num_speculative_tokens` and draft counters, and its `_sampling_row` and `_append`.
+`scheduler`, `num_speculative_tokens` and draft counters, and its `_sampling_row` and
+`_append`.
 """
 
 from __future__ import annotations
@@ -133,8 +134,15 @@ class SpeculativeSteps:
                  accepted: dict[Sequence, int]) -> None:
         """Run the draft layer over this step's rows whose next token is known, and give each
         sequence that may draft its next drafts."""
+        # A batch as large as `speculative_disable_by_batch_size` drafts nothing for its next
+        # step (whose scheduler makes the exact call, on that step's batch).
+        paused = self.scheduler.speculation_paused(len(self.scheduler.running))
         if self.ngram is not None:
-            self._propose_from_history(scheduled, slices)
+            if paused:
+                for item in scheduled:
+                    item.seq.draft_token_ids = []
+            else:
+                self._propose_from_history(scheduled, slices)
             return
         draft_slices: list[SeqSlice] = []
         sources: list[int] = []
@@ -158,7 +166,7 @@ class SpeculativeSteps:
             if num_rows <= 0:
                 continue
             wanted = 0
-            if piece.sample and seq.status is not SequenceStatus.FINISHED \
+            if piece.sample and not paused and seq.status is not SequenceStatus.FINISHED \
                     and self._drafts_allowed(seq):
                 # Chained drafts write the draft layer's KV at positions num_tokens - 1 on: only
                 # into blocks the sequence holds already (allocating here would take blocks the
