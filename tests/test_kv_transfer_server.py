@@ -310,6 +310,9 @@ def test_responses_continue_on_the_decode_server_that_stored_them(prefill, decod
                  if httpx.get(f"{server.base_url}/responses/{first.id}").status_code == 200]
         assert len(homes) == 1  # stored on one server only
         assert routed.responses.retrieve(chain[-1].id).id == chain[-1].id
+        items = routed.responses.input_items.list(chain[-1].id, order="asc", limit=100).data
+        assert len(items) == 2 * len(chain) - 1  # each turn's input and output, then its own
+        assert items[0].content[0].text == QUESTION[0]["content"]
         streamed = list(routed.responses.create(
             model="SmolLM2-135M-Instruct", input="Once more.", temperature=0, max_output_tokens=4,
             previous_response_id=chain[-1].id, stream=True))

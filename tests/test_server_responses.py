@@ -98,6 +98,42 @@ def test_instructions_and_previous_response_continue_a_conversation(
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_list_the_conversation(client, server, model_name):
+    """`GET /v1/responses/{id}/input_items` (the SDK's `responses.input_items.list`): the items a
+    response answered (the earlier turns' inputs and outputs, then its own input), with ids, in
+    either order, paged by the SDK's cursor (`after`) and by `before`."""
+    first = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=4)
+    second = client.responses.create(
+        model=model_name, previous_response_id=first.id, max_output_tokens=4,
+        input=[{"role": "user", "content": "And of Germany?"},
+               {"type": "message", "role": "user", "id": "msg_mine",
+                "content": [{"type": "input_text", "text": "Briefly."}]}])
+    items = client.responses.input_items.list(second.id, order="asc", limit=100).data
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"),
+                                                  ("message", "user"), ("message", "user")]
+    assert [i.content[0].text for i in items] == [QUESTION, first.output_text, "And of Germany?",
+                                                  "Briefly."]
+    assert items[1].id == first.output[0].id and items[3].id == "msg_mine"
+    assert len({i.id for i in items}) == 4
+    newest_first = client.responses.input_items.list(second.id).data  # default: desc, 20
+    assert [i.id for i in newest_first] == [i.id for i in reversed(items)]
+    # The SDK follows `after` from page to page.
+    assert [i.id for i in client.responses.input_items.list(second.id, order="asc", limit=1)] \
+        == [i.id for i in items]
+    url = f"{server.base_url}/responses/{second.id}/input_items"
+    page = httpx.get(url, params={"order": "asc", "limit": 2, "before": items[3].id}).json()
+    assert [i["id"] for i in page["data"]] == [items[1].id, items[2].id] and page["has_more"]
+    assert (page["first_id"], page["last_id"]) == (items[1].id, items[2].id)
+    page = httpx.get(url, params={"order": "desc", "after": items[2].id}).json()
+    assert [i["id"] for i in page["data"]] == [items[1].id, items[0].id]
+    assert not page["has_more"]
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+                          ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        response = httpx.get(url, params=params)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert httpx.get(f"{server.base_url}/responses/resp_nope/input_items").status_code == 404
+
+
 def test_the_store_keeps_the_most_recent(client, model_name):
     """--max-stored-responses 4: the fifth answer pushes out the least recently used."""
     ids = [client.responses.create(model=model_name, input=f"Count to {i}.",

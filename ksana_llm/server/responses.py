@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
+`GET /v1/responses/{id}/input_items`.
 
 A response runs through the chat route's preparation (`chat_run.start_chat`: template, tools,
 output constraints, LoRA adapter by `model`), with the Responses request translated by
@@ -35,6 +36,7 @@ from ksana_llm.server.responses_protocol import (
     chat_tool_choice,
     chat_tools,
     function_call_item,
+    input_item_resources,
     input_messages,
     item_id,
     message_item,
@@ -43,7 +45,7 @@ from ksana_llm.server.responses_protocol import (
     responses_error,
     text_part,
 )
-from ksana_llm.server.responses_store import StoredResponse
+from ksana_llm.server.responses_store import StoredResponse, item_page
 from ksana_llm.server.state import ServerState, server_state
 from ksana_llm.server.submission import (
     CLIENT_CLOSED_REQUEST,
@@ -78,8 +80,7 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
     new_items: list[dict[str, Any]] = []
     if req.input is not None or req.previous_response_id is None:
         input_messages(req.input)  # the new items alone: errors name their own index
-        new_items = ([{"type": "message", "role": "user", "content": req.input}]
-                     if isinstance(req.input, str) else list(req.input))
+        new_items = input_item_resources(req.input)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = state.responses.get(req.previous_response_id)
@@ -123,7 +124,7 @@ def _answer(state: ServerState, plan: _Plan, run: ChatRun, status: str,
     body = _response(plan, run, status, items.output,
                      _usage(state, run, output_tokens, items.reasoning))
     if plan.req.store is not False:
-        state.responses.put(body["id"], StoredResponse(body, plan.items + body["output"]))
+        state.responses.put(body["id"], StoredResponse(body, plan.items))
     return body
 
 
@@ -191,6 +192,27 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
     if stored is None:
         raise not_found(response_id)
     return JSONResponse(stored.body)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, limit: int = 20,
+                           order: str = "desc", after: str | None = None,
+                           before: str | None = None) -> Response:
+    """The items a stored response answered (the whole conversation before it, then its own
+    input), paged as OpenAI pages lists."""
+    if not 1 <= limit <= 100:
+        raise bad_request("`limit` must be between 1 and 100.", param="limit")
+    if order not in ("asc", "desc"):
+        raise bad_request("`order` must be 'asc' or 'desc'.", param="order")
+    stored = server_state(request).responses.get(response_id)
+    if stored is None:
+        raise not_found(response_id)
+    try:
+        return JSONResponse(item_page(stored.inputs, limit=limit, order=order, after=after,
+                                      before=before))
+    except LookupError as exc:
+        raise bad_request(f"No input item with id '{after if exc.args[0] == 'after' else before}'"
+                          " in this response.", param=exc.args[0]) from None
 
 
 @router.delete("/v1/responses/{response_id}")

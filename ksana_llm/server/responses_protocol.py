@@ -260,6 +260,30 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                     "reasoning": "rs"}
+
+
+def input_item_resources(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's (validated) `input` as the items OpenAI lists back: each with an `id` and
+    a `type`, message text as content parts. Copies; the request is left as it was."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    resources = []
+    for item in value:
+        item = {"type": "message", **item}
+        if not isinstance(item.get("id"), str) or not item["id"]:
+            item["id"] = item_id(_ITEM_ID_PREFIXES[item["type"]])
+        if item["type"] == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item.get("content"), str):
+                text = item["content"]
+                item["content"] = [text_part(text) if item.get("role") == "assistant"
+                                   else {"type": "input_text", "text": text}]
+        resources.append(item)
+    return resources
+
+
 def reasoning_item(text: str, status: str = "completed", id_: str | None = None) -> dict[str, Any]:
     return {"type": "reasoning", "id": id_ or item_id("rs"), "summary": [],
             "content": [{"type": "reasoning_text", "text": text}] if text else [],

@@ -1,4 +1,5 @@
-"""Stored responses (`store: true`), for `GET /v1/responses/{id}` and `previous_response_id`.
+"""Stored responses (`store: true`), for `GET /v1/responses/{id}` (and its `input_items`) and
+`previous_response_id`.
 
 In memory and bounded: past `max_entries` the least recently used response is dropped, so a
 server that answers forever does not grow forever (a dropped id is a 404, as an unknown one).
@@ -16,7 +17,41 @@ DEFAULT_MAX_STORED_RESPONSES = 1024
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict[str, Any]  # the response object as it was returned
-    items: list[dict[str, Any]]  # the conversation: every input item, then the output items
+    # The items it answered, each with its `id`: the conversation before it (every input and
+    # output item of its previous_response_id's chain), then its own new input.
+    inputs: list[dict[str, Any]]
+
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        """The conversation so far: its input items, then its output items."""
+        return self.inputs + self.body["output"]
+
+
+def item_page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None = None,
+              before: str | None = None) -> dict[str, Any]:
+    """One page of `items` as OpenAI lists them: `order` "desc" lists the last item first;
+    `after` / `before` are item ids the page starts after / ends before, in that order.
+    An unknown cursor id is a LookupError naming the parameter."""
+    ordered = items[::-1] if order == "desc" else list(items)
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    for param, cursor in (("after", after), ("before", before)):
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise LookupError(param)
+        if param == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    if before is not None and after is None:
+        # A page that ends before the cursor: the items nearest to it.
+        page, has_more = ordered[max(start, end - limit):end], end - start > limit
+    else:
+        page, has_more = ordered[start:min(end, start + limit)], end - start > limit
+    return {"object": "list", "data": page, "has_more": has_more,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}
 
 
 class ResponseStore:

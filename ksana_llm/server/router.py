@@ -213,11 +213,13 @@ class Router:
         while len(self._response_servers) > MAX_REMEMBERED_RESPONSES:
             self._response_servers.popitem(last=False)
 
-    async def stored_response(self, method: str, response_id: str) -> Response:
-        """GET or DELETE a stored response on the server that holds it (one the router does
-        not know: each decode server in turn, until one has it)."""
+    async def stored_response(self, method: str, response_id: str, suffix: str = "",
+                              query: str = "") -> Response:
+        """GET or DELETE a stored response (or, with `suffix` "/input_items", GET its input
+        items) on the server that holds it (one the router does not know: each decode server
+        in turn, until one has it)."""
         known = self._response_servers.get(response_id)
-        path = f"/v1/responses/{response_id}"
+        path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
         for server in [known] if known else self.config.decode_urls:
             response = await self._send(server, path, b"", None, method=method)
             content = await _read(response)
@@ -364,6 +366,11 @@ def build_router_app(config: RouterConfig, *,
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, request: Request) -> Response:
         return await request.app.state.router.stored_response(request.method, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request) -> Response:
+        return await request.app.state.router.stored_response(
+            "GET", response_id, "/input_items", request.url.query)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
