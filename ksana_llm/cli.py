@@ -194,6 +194,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-token-num", type=int, default=None, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-step-tokens", type=int, default=None, help="token budget per step")
+    parser.add_argument("--scheduling-policy", dest="scheduler_policy", default=None,
+                        type=_scheduling_policy, choices=("fifo", "priority"),
+                        help="fifo (vLLM's 'fcfs' too) or priority: requests' `priority` field "
+                             "(lower first) orders admission and preemption")
     parser.add_argument("--max-queue-size", type=int, default=None,
                         help="waiting requests before 429")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -244,6 +248,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="mount /v1/load_lora_adapter and /v1/unload_lora_adapter (clients "
                              "then name folders the server reads)")
+
+
+def _scheduling_policy(value: str) -> str:
+    return "fifo" if value == "fcfs" else value
 
 
 def _lora_module(value: str) -> tuple[str, str]:

@@ -234,6 +234,8 @@ BAD_REQUESTS = [
     ("image_content", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0", None),
+    ("priority_without_priority_policy", "/v1/chat/completions", {"messages": QUESTION, "priority": 1},
+     "priority", None),
     ("stream_options_without_stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options", None),
 ]

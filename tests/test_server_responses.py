@@ -272,6 +272,7 @@ def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
     ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": "x", "temperature": 3}, 400, "temperature"),
     ({"input": "x", "surprise": 1}, 400, "surprise"),
+    ({"input": "x", "priority": -1}, 400, "priority"),  # a FIFO server
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"input": "x", "model": "no-such-model"}, 404, "model"),
 ])

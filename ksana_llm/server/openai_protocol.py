@@ -84,6 +84,8 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
     # Prefill/decode disaggregation (vLLM's name); checked by server.kv_transfer.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: lower runs first; needs a server started with --scheduling-policy priority.
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
 
     def unsupported_params(self) -> list[str]:
         return []

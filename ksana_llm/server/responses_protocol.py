@@ -71,6 +71,7 @@ class ResponsesRequest(_Request):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
 
     def unsupported_params(self) -> list[str]:
         found = [name for name in ("background", "background_options", "conversation", "prompt",

@@ -1,0 +1,67 @@
+"""Request priority over HTTP (vLLM's `priority` field with `--scheduling-policy priority`), on a
+real server process driven by the official `openai` client: requests queued behind a running
+one start lowest `priority` first, whatever order they arrived in, on the completions, chat and
+Responses routes alike. (A FIFO server refusing `priority` is in test_server_openai.py and
+test_server_responses.py.)"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    # One sequence at a time: whoever the scheduler admits next runs (and finishes) next.
+    proc = ServerProcess(["--num-device-blocks", "128", "--max-model-len", "512",
+                          "--max-num-seqs", "1", "--scheduling-policy", "priority"])
+    yield proc
+    proc.stop()
+
+
+def _num_waiting(server: ServerProcess) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(re.search(r"^ksana_llm:num_requests_waiting\S* (\S+)$", text, re.M)[1])
+
+
+def test_queued_requests_start_lowest_priority_first(client, server, model_name):
+    blocker = client.completions.create(model=model_name, prompt="Count from one:",
+                                        max_tokens=400, stream=True,
+                                        extra_body={"ignore_eos": True})
+    next(iter(blocker))  # it runs: the next requests queue behind it
+    finished: list[str] = []
+    calls = {
+        "completion, priority 5": lambda: client.completions.create(
+            model=model_name, prompt="Hello", max_tokens=2, extra_body={"priority": 5}),
+        "chat, priority 0": lambda: client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2),
+        "responses, priority -5": lambda: client.responses.create(
+            model=model_name, input="Hi", max_output_tokens=2, extra_body={"priority": -5}),
+        "chat, priority -1": lambda: client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hey"}], max_tokens=2,
+            extra_body={"priority": -1}),
+    }
+
+    def run(name: str) -> None:
+        calls[name]()
+        finished.append(name)
+
+    threads = []
+    for name in calls:  # arrival order: the dict's
+        threads.append(threading.Thread(target=run, args=(name,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while _num_waiting(server) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert _num_waiting(server) == len(calls)  # all queued while the blocker still runs
+    blocker.close()  # the client leaves: the blocker is aborted and the queue drains
+    for thread in threads:
+        thread.join(timeout=60)
+    assert finished == ["responses, priority -5", "chat, priority -1", "chat, priority 0",
+                        "completion, priority 5"]
