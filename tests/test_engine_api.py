@@ -222,6 +222,26 @@ def test_outputs_count_the_prompt_tokens_the_prefix_cache_served(model):
     assert beams.num_cached_tokens > 0
 
 
+def test_cache_salt_keeps_prefix_cache_entries_apart(model):
+    """Only requests with the same `cache_salt` share cached blocks (unsalted ones share among
+    themselves); the salt changes nothing else."""
+    ids = model.tokenizer.encode(PROMPT * 3)
+    full = len(ids) // 16 * 16
+    config = kt.GenerationConfig(max_new_tokens=3)
+    with kt.Engine(model, num_device_blocks=64) as engine:
+        def run(salt):
+            output = engine.submit(kt.Request(ids, config, cache_salt=salt)).result(timeout=60)
+            return output.num_cached_tokens, output.token_ids
+
+        runs = [run(salt) for salt in ("tenant-a", None, "tenant-b", "tenant-a", None)]
+        assert [cached for cached, _ in runs] == [0, 0, 0, full, full]
+        assert all(tokens == runs[0][1] for _, tokens in runs)
+        for bad in ("", 7):
+            with pytest.raises(ValueError, match="cache_salt"):
+                engine.submit(kt.Request(ids, config, cache_salt=bad))
+        assert engine.generate_outputs([ids], config, use_tqdm=False)[0].token_ids == runs[0][1]
+
+
 def test_stats_report_queue_kv_and_latency(engine):
     engine.generate([PROMPT, "Hello"], use_tqdm=False)
     stats = engine.stats()

@@ -97,6 +97,24 @@ def test_chat_greedy_matches_python_api(client, model_name, local_engine):
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // 16 * 16 > 0
 
 
+def test_cache_salt_isolates_the_prefix_cache(client, model_name):
+    """vLLM's `cache_salt`: a request sees cached prompt blocks only of requests with its salt;
+    the Responses route takes it too."""
+    messages = [{"role": "user", "content": "Salted: " + "tell me about the sea. " * 12}]
+
+    def cached(**extra):
+        reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1,
+                                               extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens
+
+    first, prompt_tokens = cached(cache_salt="tenant-a")
+    assert (first, cached(cache_salt="tenant-b")[0], cached()[0]) == (0, 0, 0)
+    assert cached(cache_salt="tenant-a")[0] == prompt_tokens // 16 * 16 > 0
+    response = client.responses.create(model=model_name, input=messages[0]["content"],
+                                       max_output_tokens=1, extra_body={"cache_salt": "tenant-c"})
+    assert response.usage.input_tokens_details.cached_tokens == 0
+
+
 def test_completions_sync_stream_and_prompt_shapes(client, model_name, local_engine):
     ids = local_engine.tokenizer.encode(PROMPT)
     expected = local_engine.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=8),
@@ -234,6 +252,7 @@ BAD_REQUESTS = [
     ("image_content", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0", None),
+    ("empty_cache_salt", "/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt", None),
     ("priority_without_priority_policy", "/v1/chat/completions", {"messages": QUESTION, "priority": 1},
      "priority", None),
     ("stream_options_without_stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},

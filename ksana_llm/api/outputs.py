@@ -39,6 +39,10 @@ class Request:
     rest (at least the last prompt token, whose logits it samples from).
 
     `lora`: the name of a loaded LoRA adapter to generate with (None: the base model).
+
+    `cache_salt` (vLLM's): a secret string that keys this request's prefix-cache entries, so
+    only requests with the same salt share cached KV (nobody else can time a cache hit to learn
+    whether a prompt was seen). Use a long random string per tenant.
     """
 
     prompt: Prompt
@@ -51,6 +55,7 @@ class Request:
     export_kv: bool = False
     imported_kv: TransferredKv | None = None
     lora: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -106,6 +106,7 @@ class RequestBuilder:
         eos = () if config.ignore_eos else self.model.eos_token_ids
         seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
         self._use_lora(seq, request.lora)
+        self._salt(seq, request.cache_salt)
         if embeddings is not None:
             seq.embeddings = (tuple(embeddings[0]), embeddings[1])
         if config.prompt_logprobs is not None:
@@ -124,6 +125,15 @@ class RequestBuilder:
             raise ValueError(f"lora must be an adapter name (a string), got {type(name).__name__}")
         info = self.lora.resolve(name)
         seq.lora_id, seq.cache_salt = info.lora_id, info.cache_salt
+
+    @staticmethod
+    def _salt(seq: Sequence, cache_salt: str | None) -> None:
+        """Fold the request's own salt into its prefix-cache chain (after the adapter's)."""
+        if cache_salt is None:
+            return
+        if not isinstance(cache_salt, str) or not cache_salt:
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        seq.cache_salt = hash((seq.cache_salt, "cache_salt", cache_salt))
 
     def _kv_transfer(self, request: Request, seq: Sequence) -> None:
         """Check `export_kv` / `imported_kv` and set them on the sequence."""

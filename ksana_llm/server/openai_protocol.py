@@ -86,6 +86,8 @@ class _SamplingRequest(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: lower runs first; needs a server started with --scheduling-policy priority.
     priority: int = Field(0, ge=-(2**63), lt=2**63)
+    # vLLM's: only requests with the same salt share prefix-cache entries.
+    cache_salt: str | None = Field(None, min_length=1)
 
     def unsupported_params(self) -> list[str]:
         return []

@@ -97,7 +97,8 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
         parallel_tool_calls=req.parallel_tool_calls, response_format=chat_response_format(req.text),
         logprobs=req.wants_logprobs, top_logprobs=req.top_logprobs if req.wants_logprobs else None,
         seed=req.seed, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty, stop=req.stop, priority=req.priority)
+        repetition_penalty=req.repetition_penalty, stop=req.stop, priority=req.priority,
+        cache_salt=req.cache_salt)
     return _Plan(req, history + new_items, chat)
 
 

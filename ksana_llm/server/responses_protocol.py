@@ -72,6 +72,7 @@ class ResponsesRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
     priority: int = Field(0, ge=-(2**63), lt=2**63)
+    cache_salt: str | None = Field(None, min_length=1)
 
     def unsupported_params(self) -> list[str]:
         found = [name for name in ("background", "background_options", "conversation", "prompt",

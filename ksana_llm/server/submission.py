@@ -147,10 +147,12 @@ LORA_NOT_TRANSFERABLE = "lora_kv_not_transferable"
 
 async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
                           ) -> dict[str, Any]:
-    """Engine `Request` fields for the request's LoRA adapter (its `model`), its `priority`
-    and its `kv_transfer_params` (see server.kv_transfer)."""
+    """Engine `Request` fields for the request's LoRA adapter (its `model`), its `priority`,
+    `cache_salt` and `kv_transfer_params` (see server.kv_transfer)."""
     lora = state.check_model(req.model)
     fields: dict[str, Any] = {} if lora is None else {"lora": lora}
+    if req.cache_salt is not None:
+        fields["cache_salt"] = req.cache_salt
     if req.priority:
         # As vLLM: a priority the FIFO scheduler would silently ignore is an error.
         if state.engine.config.scheduler_policy != "priority":
