@@ -13,6 +13,7 @@ import openai
 import pytest
 
 import ksana_llm as kt
+from ksana_llm.server.logprobs import TokenTexts
 from tests.server_process import ServerProcess
 
 KV_ARGS = ["--num-device-blocks", "256"]
@@ -113,6 +114,40 @@ def test_cache_salt_isolates_the_prefix_cache(client, model_name):
     response = client.responses.create(model=model_name, input=messages[0]["content"],
                                        max_output_tokens=1, extra_body={"cache_salt": "tenant-c"})
     assert response.usage.input_tokens_details.cached_tokens == 0
+
+
+def test_logprob_tokens_as_token_ids(client, model_name, default_model):
+    """vLLM's `return_tokens_as_token_ids`: every logprob token (chosen and top, completions and
+    chat, streamed too) is "token_id:<id>", with the same log-probs as the plain names; the ids
+    decode to the text."""
+    tokenizer = default_model.tokenizer
+
+    def ids(tokens: list[str]) -> list[int]:
+        assert all(t.startswith("token_id:") for t in tokens), tokens
+        return [int(t.split(":", 1)[1]) for t in tokens]
+
+    kwargs = dict(model=model_name, prompt="The capital of France is", max_tokens=6,
+                  temperature=0, logprobs=2)
+    plain = client.completions.create(**kwargs).choices[0]
+    named = client.completions.create(**kwargs, extra_body={
+        "return_tokens_as_token_ids": True}).choices[0]
+    assert named.text == plain.text and tokenizer.decode(ids(named.logprobs.tokens)) == plain.text
+    assert named.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    names = TokenTexts(tokenizer)  # how the server names tokens without the flag
+    for top_named, top_plain in zip(named.logprobs.top_logprobs, plain.logprobs.top_logprobs):
+        assert {names.text(i): lp for i, lp in zip(ids(list(top_named)), top_named.values())} \
+            == top_plain
+    chat = dict(model=model_name, messages=QUESTION, max_tokens=8, temperature=0, logprobs=True,
+                top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    reply = client.chat.completions.create(**chat).choices[0]
+    entries = reply.logprobs.content
+    assert tokenizer.decode(ids([e.token for e in entries]), skip_special_tokens=True) \
+        == reply.message.content
+    assert all(e.bytes == list(e.token.encode()) for e in entries)
+    assert all(ids([t.token for t in e.top_logprobs]) for e in entries)
+    streamed = [e for c in client.chat.completions.create(**chat, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
 
 
 def test_completions_sync_stream_and_prompt_shapes(client, model_name, local_engine):

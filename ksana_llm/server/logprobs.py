@@ -61,12 +61,24 @@ class TokenTexts:
         return self.get(token_id)[0]
 
 
+class TokenIdTexts:
+    """vLLM's `return_tokens_as_token_ids`: each token named "token_id:<id>" (its bytes those of
+    that name), so a client can tell apart tokens whose text is not valid UTF-8 on its own."""
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        name = self.text(token_id)
+        return name, name.encode("ascii")
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 def _finite(value: float) -> float:
     # JSON has no -inf; OpenAI clients expect a number, so clamp like other servers do.
     return value if math.isfinite(value) else -9999.0
 
 
-def completion_logprobs(entries: list[dict[str, Any]], texts: TokenTexts,
+def completion_logprobs(entries: list[dict[str, Any]], texts: TokenTexts | TokenIdTexts,
                         start_offset: int = 0) -> CompletionLogprobs:
     """`start_offset`: characters of text already returned before these tokens (echo, streaming)."""
     out = CompletionLogprobs()
@@ -81,7 +93,7 @@ def completion_logprobs(entries: list[dict[str, Any]], texts: TokenTexts,
     return out
 
 
-def chat_logprobs(entries: list[dict[str, Any]], texts: TokenTexts) -> ChatLogprobs:
+def chat_logprobs(entries: list[dict[str, Any]], texts: TokenTexts | TokenIdTexts) -> ChatLogprobs:
     content = []
     for entry in entries:
         token, raw = texts.get(entry["token_id"])
@@ -106,7 +118,7 @@ def prompt_logprobs_entries(output: Any) -> list[dict[str, Any] | None]:
 
 
 def completion_prompt_logprobs(entries: list[dict[str, Any] | None] | None, prompt_ids: list[int],
-                               texts: TokenTexts) -> CompletionLogprobs:
+                               texts: TokenTexts | TokenIdTexts) -> CompletionLogprobs:
     """echo + logprobs: the prompt tokens in the completions format (the first one null)."""
     out = CompletionLogprobs()
     offset = 0
@@ -127,7 +139,7 @@ def completion_prompt_logprobs(entries: list[dict[str, Any] | None] | None, prom
 
 
 def vllm_prompt_logprobs(entries: list[dict[str, Any] | None], prompt_ids: list[int],
-                         texts: TokenTexts) -> list[dict[str, PromptLogprob] | None]:
+                         texts: TokenTexts | TokenIdTexts) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: logprob,
     rank (1 = most likely), decoded_token} for the actual token and the top alternatives."""
     out: list[dict[str, PromptLogprob] | None] = []

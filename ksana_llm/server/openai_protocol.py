@@ -86,6 +86,8 @@ class _SamplingRequest(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: lower runs first; needs a server started with --scheduling-policy priority.
     priority: int = Field(0, ge=-(2**63), lt=2**63)
+    # vLLM's: logprob tokens as "token_id:<id>" strings.
+    return_tokens_as_token_ids: bool = False
     # vLLM's: only requests with the same salt share prefix-cache entries.
     cache_salt: str | None = Field(None, min_length=1)
 

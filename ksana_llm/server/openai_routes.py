@@ -117,6 +117,7 @@ async def create_completion(request: Request) -> Response:
                       max_tokens=lambda ids: resolve_max_tokens(req.max_tokens, len(ids),
                                                                 state.limits, "prompt"))
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    texts = state.logprob_texts(req)
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
                                await request_fields(req, state, jobs))
@@ -148,7 +149,7 @@ async def create_completion(request: Request) -> Response:
                     lp = None
                     if echo_logprobs:
                         lp = completion_prompt_logprobs(prompt_entries(r), prompts[jobs.prompt_of[r]],
-                                                        state.token_texts)
+                                                        texts)
                         offsets[ev.index] = sum(len(t) for t in lp.tokens)
                     else:
                         offsets[ev.index] = len(text)
@@ -156,7 +157,7 @@ async def create_completion(request: Request) -> Response:
                         CompletionChoice(index=ev.index, text=text, logprobs=lp)])
                 logprobs = None
                 if ev.logprobs is not None:
-                    logprobs = completion_logprobs(ev.logprobs, state.token_texts, offsets[ev.index])
+                    logprobs = completion_logprobs(ev.logprobs, texts, offsets[ev.index])
                     offsets[ev.index] += sum(len(t) for t in logprobs.tokens)
                     logprobs = logprobs if logprobs.tokens else None
                 if not ev.text and ev.finish_reason is None and logprobs is None:
@@ -180,17 +181,17 @@ async def create_completion(request: Request) -> Response:
         logprobs = None
         if out.logprobs is not None:
             if echo_logprobs:
-                logprobs = completion_prompt_logprobs(entries, prompts[p], state.token_texts)
+                logprobs = completion_prompt_logprobs(entries, prompts[p], texts)
                 offset = sum(len(t) for t in logprobs.tokens)
-                generated = completion_logprobs(out.logprobs, state.token_texts, offset)
+                generated = completion_logprobs(out.logprobs, texts, offset)
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(logprobs, name).extend(getattr(generated, name))
             else:
-                logprobs = completion_logprobs(out.logprobs, state.token_texts, len(prefix))
+                logprobs = completion_logprobs(out.logprobs, texts, len(prefix))
         result.append(CompletionChoice(
             index=i, text=prefix + out.text, logprobs=logprobs, finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
-            prompt_logprobs=(vllm_prompt_logprobs(entries, prompts[p], state.token_texts)
+            prompt_logprobs=(vllm_prompt_logprobs(entries, prompts[p], texts)
                              if req.prompt_logprobs is not None else None)))
     response = CompletionResponse(id=request_id, created=created, model=model, choices=result,
                                   usage=_usage(prompt_tokens, choices, jobs.prompt_of),
@@ -207,6 +208,7 @@ async def create_chat_completion(request: Request) -> Response:
     run = await start_chat(req, state, f"chatcmpl-{uuid.uuid4().hex}")
     request_id, ids, choices, output_parser = run.request_id, run.ids, run.choices, run.output_parser
     created, model = run.created, run.model
+    texts = state.logprob_texts(req)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -227,7 +229,7 @@ async def create_chat_completion(request: Request) -> Response:
                     delta = ChatDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
                                       delta.tool_calls + tail.tool_calls)
                     finish_reason = parser.finish_reason(ev.finish_reason)
-                logprobs = chat_logprobs(ev.logprobs, state.token_texts) if ev.logprobs else None
+                logprobs = chat_logprobs(ev.logprobs, texts) if ev.logprobs else None
                 if not delta and finish_reason is None and logprobs is None:
                     continue
                 message = parser.delta_message(delta) if delta else DeltaMessage()
@@ -245,14 +247,14 @@ async def create_chat_completion(request: Request) -> Response:
     for i, out in enumerate(choices.results()):
         parser = output_parser()
         message = parser.message([parser.feed(out.text), parser.finish()])
-        logprobs = chat_logprobs(out.logprobs, state.token_texts) if out.logprobs is not None else None
+        logprobs = chat_logprobs(out.logprobs, texts) if out.logprobs is not None else None
         result.append(ChatChoice(index=i, message=message, logprobs=logprobs,
                                  finish_reason=parser.finish_reason(out.finish_reason),
                                  stop_reason=out.stop_reason))
     prompt_lps = None
     if req.prompt_logprobs is not None:
         prompt_lps = vllm_prompt_logprobs(prompt_logprobs_entries(choices.handles[0].output), ids,
-                                          state.token_texts)
+                                          texts)
     response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=result,
                                       usage=_usage(len(ids), choices), prompt_logprobs=prompt_lps,
                                       kv_transfer_params=kv_response(state, choices))

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from ksana_llm.api.engine import Engine
 from ksana_llm.server.errors import engine_unavailable, model_not_found
-from ksana_llm.server.logprobs import TokenTexts
+from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import ReasoningParser
@@ -61,6 +61,12 @@ class ServerState:
     def count_failure(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.count_failure(reason)
+
+    def logprob_texts(self, req: Any) -> TokenTexts | TokenIdTexts:
+        """How a request's logprob entries name tokens: their text, or "token_id:<id>" when it
+        asks for `return_tokens_as_token_ids`."""
+        return TokenIdTexts() if getattr(req, "return_tokens_as_token_ids", False) \
+            else self.token_texts
 
     @property
     def tokenizer(self) -> Any:
