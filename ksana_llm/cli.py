@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -174,6 +175,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
+    parser.add_argument("--generation-config", default="auto", metavar="SOURCE",
+                        help="sampling defaults for requests that leave them out: 'auto' (the "
+                             "model's generation_config.json), 'vllm' (none: OpenAI's), or a "
+                             "folder holding a generation_config.json")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+                        metavar="JSON", help="defaults on top, e.g. '{\"temperature\": 0.5}' "
+                                             "(transformers' key names)")
     parser.add_argument("--max-stored-responses", type=int, default=None,
                         help="/v1/responses answers kept (store=true) for GET /v1/responses/ID "
                              "and previous_response_id; least recently used dropped first "
@@ -248,6 +256,16 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="mount /v1/load_lora_adapter and /v1/unload_lora_adapter (clients "
                              "then name folders the server reads)")
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed
 
 
 def _scheduling_policy(value: str) -> str:

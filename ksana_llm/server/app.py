@@ -34,6 +34,7 @@ from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
@@ -97,7 +98,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
               kv_role: str | None = None, kv_transfer_ttl_s: float | None = None,
               kv_prefill_urls: list[str] | None = None,
               allow_runtime_lora_updating: bool = False,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+              sampling_defaults: SamplingDefaults | None = None) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
@@ -106,6 +108,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     `allow_runtime_lora_updating` mounts /v1/load_lora_adapter and /v1/unload_lora_adapter.
     `max_stored_responses`: how many `/v1/responses` answers are kept for retrieval and
     `previous_response_id` (least recently used dropped first; 0 keeps none).
+    `sampling_defaults`: what requests that leave sampling parameters out get (`serve` reads
+    them from the model's generation_config.json; None: OpenAI's defaults).
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -129,7 +133,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
                           if parsing.reasoning_parser is not None else None),
         max_logprobs=parsing.max_logprobs, kv_transfer=transfer,
-        responses=ResponseStore(max_stored_responses))
+        responses=ResponseStore(max_stored_responses),
+        sampling_defaults=sampling_defaults or SamplingDefaults())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -259,6 +264,16 @@ def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
                          else args.max_logprobs)
 
 
+def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> SamplingDefaults:
+    """--generation-config / --override-generation-config, read for the loaded model."""
+    defaults = load_sampling_defaults(getattr(args, "generation_config", None) or "auto",
+                                      model_dir, getattr(args, "override_generation_config", None))
+    if defaults.summary():
+        logger.warning("Requests that leave them out get the model's sampling defaults "
+                       "(--generation-config vllm: none): %s", defaults.summary())
+    return defaults
+
+
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -272,6 +287,11 @@ def run_server(args: argparse.Namespace) -> int:
         return run_worker_node(worker_spec(config), node)  # no HTTP here: the master serves
     chat_template = load_chat_template(args.chat_template)
     engine = Engine(config.model, config=config)
+    try:
+        defaults = sampling_defaults_from_args(args, engine.model.path)
+    except ValueError:
+        engine.shutdown()
+        raise
     app = build_app(engine, served_model_name=args.served_model_name
                     or default_served_model_name(config.model),
                     api_key=args.api_key, chat_template=chat_template,
@@ -282,7 +302,8 @@ def run_server(args: argparse.Namespace) -> int:
                                                              False)),
                     max_stored_responses=DEFAULT_MAX_STORED_RESPONSES
                     if getattr(args, "max_stored_responses", None) is None
-                    else args.max_stored_responses)
+                    else args.max_stored_responses,
+                    sampling_defaults=defaults)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

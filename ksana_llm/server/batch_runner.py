@@ -128,7 +128,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
     from ksana_llm.api.engine import Engine
     from ksana_llm.server.app import (build_app, configs_from_args, default_served_model_name,
-                                      output_parsing_from_args)
+                                      output_parsing_from_args, sampling_defaults_from_args)
     from ksana_llm.server.chat import load_chat_template
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -146,7 +146,8 @@ def run_batch(args: argparse.Namespace) -> int:
             app = build_app(engine, served_model_name=args.served_model_name
                             or default_served_model_name(config.model),
                             chat_template=chat_template, parsing=parsing,
-                            mount_extensions=False)
+                            mount_extensions=False,
+                            sampling_defaults=sampling_defaults_from_args(args, engine.model.path))
 
             def write(output: dict[str, Any]) -> None:
                 out.write(json.dumps(output, ensure_ascii=False) + "\n")

@@ -69,7 +69,8 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
                           req.truncate_prompt_tokens, state.limits.max_model_len)
     check_token_ids(ids, state.limits.vocab_size, "messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages")
+    max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages",
+                                    state.sampling_defaults.max_tokens)
     spec, kind = await constraint(state, [from_response_format(req.response_format),
                                           *from_vllm_extras(req), tools.constraint])
     extra: dict[str, Any] = {}

@@ -114,8 +114,9 @@ async def create_completion(request: Request) -> Response:
     if prompt_lp is not None:
         extra["prompt_logprobs"] = prompt_lp
     jobs = plan_jobs(req, prompts, state, logprobs=req.logprobs, extra=extra,
-                      max_tokens=lambda ids: resolve_max_tokens(req.max_tokens, len(ids),
-                                                                state.limits, "prompt"))
+                      max_tokens=lambda ids: resolve_max_tokens(
+                          req.max_tokens, len(ids), state.limits, "prompt",
+                          state.sampling_defaults.max_tokens))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     texts = state.logprob_texts(req)
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,

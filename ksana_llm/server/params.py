@@ -97,9 +97,10 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits,
-                       prompt_param: str) -> int:
-    """The completion budget: as asked when it fits the context, else 400; by default the rest of
-    the context (the engine stops at EOS long before, for an instruct model)."""
+                       prompt_param: str, default: int | None = None) -> int:
+    """The completion budget: as asked when it fits the context, else 400; by default `default`
+    (the model's max_new_tokens, see server.sampling_defaults) as far as the context allows, or
+    the rest of the context (the engine stops at EOS long before, for an instruct model)."""
     room = limits.max_model_len - prompt_len
     if requested is None:
         if room < 1:
@@ -107,7 +108,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ModelLimi
                 f"This model's maximum context length is {limits.max_model_len} tokens. However, "
                 f"your {prompt_param} resulted in {prompt_len} tokens. Please reduce the length of "
                 f"the {prompt_param}.", param=prompt_param, code="context_length_exceeded")
-        return room
+        return room if default is None else min(room, default)
     if requested > room:
         raise bad_request(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, you "

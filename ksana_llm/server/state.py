@@ -15,6 +15,7 @@ from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import ReasoningParser
 from ksana_llm.server.responses_store import ResponseStore
+from ksana_llm.server.sampling_defaults import SamplingDefaults
 from ksana_llm.server.tool_parsers import ToolParser
 
 
@@ -33,6 +34,8 @@ class ServerState:
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
+    # --generation-config: what a request that leaves a sampling parameter out gets
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def grammar_compiler(self) -> Any:
         """The engine's GrammarCompiler: a spec compiled here to check it (off the event loop)

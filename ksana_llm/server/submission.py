@@ -93,6 +93,8 @@ def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerStat
     An engine without parallel sampling gets `n` requests with seeds seed + i instead.
     """
     beam = beam_search_fields(req)
+    if beam is None:
+        req = state.sampling_defaults.fill(req)  # the model's defaults for what it left out
     fields = dict(extra)
     if req.bad_words:
         fields["bad_words_ids"] = bad_words_ids(req.bad_words, state.tokenizer)
