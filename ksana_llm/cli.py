@@ -201,7 +201,26 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-device-blocks", type=int, default=None, help="KV cache blocks")
     parser.add_argument("--block-token-num", type=int, default=None, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
-    parser.add_argument("--max-step-tokens", type=int, default=None, help="token budget per step")
+    parser.add_argument("--max-step-tokens", "--max-num-batched-tokens", type=int, default=None,
+                        dest="max_step_tokens", help="token budget per step")
+    parser.add_argument("--split-fuse-token-num", type=int, default=None,
+                        help="most prompt tokens of one sequence per step (0: the budget only)")
+    parser.add_argument("--gpu-memory-utilization", "--block-device-memory-ratio", type=float,
+                        default=None, dest="block_device_memory_ratio",
+                        help="CUDA: share of device memory for weights, activations and KV "
+                             "blocks (default 0.9); CPU: share of free RAM for KV blocks (0.1)")
+    parser.add_argument("--reserved-device-memory-ratio", type=float, default=None,
+                        help="share of device memory kept free of KV blocks (default 0.01)")
+    parser.add_argument("--block-host-memory-factor", type=float, default=None,
+                        help="host swap pool, as a multiple of the device blocks (default 1)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="reuse the KV of shared prompt prefixes (default on)")
+    parser.add_argument("--preemption-mode", dest="preempt_mode", default=None,
+                        type=_preemption_mode, choices=(0, 1), metavar="{swap,recompute}",
+                        help="what a sequence pushed out of the KV cache does (default swap)")
+    parser.add_argument("--waiting-timeout-ms", type=int, default=None,
+                        help="a request never scheduled within this many ms fails (default: "
+                             "no limit)")
     parser.add_argument("--scheduling-policy", dest="scheduler_policy", default=None,
                         type=_scheduling_policy, choices=("fifo", "priority"),
                         help="fifo (vLLM's 'fcfs' too) or priority: requests' `priority` field "
@@ -220,6 +239,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     # The GPU step loop (defaults: on for CUDA; see README "Configuration").
     parser.add_argument("--enable-cuda-graphs", action=argparse.BooleanOptionalAction,
                         default=None, help="replay CUDA graphs for decode steps")
+    parser.add_argument("--enforce-eager", dest="enable_cuda_graphs", action="store_const",
+                        const=False, help="no CUDA graphs (vLLM's flag; = --no-enable-cuda-graphs)")
+    parser.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+                        help="largest decode batch replayed from a graph (default: max-num-seqs)")
+    parser.add_argument("--attention-backend", default=None, choices=("auto", "torch", "triton"),
+                        help="auto: Triton kernels on CUDA, torch SDPA otherwise")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="launch each step before the previous step's tokens are read back")
@@ -266,6 +291,13 @@ def _json_object(value: str) -> dict:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return parsed
+
+
+def _preemption_mode(value: str) -> int:
+    modes = {"swap": 0, "recompute": 1, "0": 0, "1": 1}
+    if value not in modes:
+        raise argparse.ArgumentTypeError(f"expected swap or recompute, got {value!r}")
+    return modes[value]
 
 
 def _scheduling_policy(value: str) -> str:

@@ -71,6 +71,38 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     assert parse(["generate", "hi", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
 
 
+def test_scheduling_and_memory_flags_reach_the_engine_config():
+    """Every EngineConfig scheduling / memory field has a flag (vLLM's names as aliases); the
+    defaults are the EngineConfig's own."""
+    import ksana_llm as kt
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    names = ("max_step_tokens", "split_fuse_token_num", "block_device_memory_ratio",
+             "reserved_device_memory_ratio", "block_host_memory_factor", "enable_prefix_caching",
+             "preempt_mode", "waiting_timeout_ms", "enable_cuda_graphs",
+             "cuda_graph_max_batch_size", "attention_backend", "scheduler_policy")
+    defaults = kt.EngineConfig()
+    config = configs_from_args(parse(["serve"]))[0]
+    assert [getattr(config, n) for n in names] == [getattr(defaults, n) for n in names]
+    config = configs_from_args(parse([
+        "serve", "--max-num-batched-tokens", "4096", "--split-fuse-token-num", "256",
+        "--gpu-memory-utilization", "0.8", "--reserved-device-memory-ratio", "0.02",
+        "--block-host-memory-factor", "2", "--no-enable-prefix-caching", "--preemption-mode",
+        "recompute", "--waiting-timeout-ms", "500", "--enforce-eager",
+        "--cuda-graph-max-batch-size", "32", "--attention-backend", "torch",
+        "--scheduling-policy", "fcfs"]))[0]
+    assert [getattr(config, n) for n in names] == [4096, 256, 0.8, 0.02, 2.0, False, 1, 500,
+                                                   False, 32, "torch", "fifo"]
+    assert parse(["serve", "--block-device-memory-ratio", "0.5"]).block_device_memory_ratio == 0.5
+    for bad in (["--preemption-mode", "later"], ["--attention-backend", "cuda"]):
+        with pytest.raises(SystemExit):
+            parse(["serve", *bad])
+    with pytest.raises(ValueError, match="block_device_memory_ratio"):
+        configs_from_args(parse(["serve", "--gpu-memory-utilization", "1.5"]))
+
+
 def test_speculative_flags_reach_the_engine_config():
     from ksana_llm.cli import build_parser
     from ksana_llm.server.app import configs_from_args

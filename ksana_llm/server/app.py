@@ -217,7 +217,11 @@ def default_served_model_name(model: str | None) -> str:
 
 # CLI flag -> EngineConfig field, applied only when given (so a YAML file keeps the rest).
 ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_num_seqs",
-                "max_step_tokens", "scheduler_policy", "max_queue_size", "max_model_len", "seed",
+                "max_step_tokens", "split_fuse_token_num", "block_device_memory_ratio",
+                "reserved_device_memory_ratio", "block_host_memory_factor",
+                "enable_prefix_caching", "preempt_mode", "waiting_timeout_ms",
+                "cuda_graph_max_batch_size", "attention_backend", "scheduler_policy",
+                "max_queue_size", "max_model_len", "seed",
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_cuda_graphs",
                 "async_scheduling", "overlap_output_processing", "num_speculative_tokens",
                 "speculative_method", "speculative_disable_by_batch_size", "prompt_lookup_min",
