@@ -134,6 +134,32 @@ def test_input_items_list_the_conversation(client, server, model_name):
     assert httpx.get(f"{server.base_url}/responses/resp_nope/input_items").status_code == 404
 
 
+def test_truncation_auto_drops_the_oldest_turns(client, model_name, hf_default_model,
+                                                default_model):
+    """A conversation longer than the context (2,048 tokens here) is a 400 by default; with
+    `truncation: "auto"` its oldest turn goes (whole), and the answer is transformers' answer
+    to what is left; `instructions` stay. The stored conversation keeps every item."""
+    long_a = "The river flows through the quiet valley at dawn. " * 110
+    long_b = "Mountains rise above the old town near the sea. " * 110
+    conversation = [{"role": "user", "content": long_a}, {"role": "assistant", "content": "Noted."},
+                    {"role": "user", "content": long_b}, {"role": "assistant", "content": "Noted."},
+                    {"role": "user", "content": QUESTION}]
+    kwargs = dict(model=model_name, input=conversation, temperature=0, max_output_tokens=12,
+                  instructions="Answer briefly.")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**kwargs)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    response = client.responses.create(**kwargs, truncation="auto")
+    text, prompt_tokens, _ = hf_reply(hf_default_model, default_model.tokenizer,
+                                      [{"role": "system", "content": "Answer briefly."},
+                                       *conversation[2:]], 12)
+    assert response.output_text == text and response.truncation == "auto"
+    assert response.usage.input_tokens == prompt_tokens
+    assert len(client.responses.input_items.list(response.id, limit=100).data) == 5
+    with pytest.raises(openai.BadRequestError):  # the last turn alone does not fit
+        client.responses.create(model=model_name, input=long_a * 3, truncation="auto")
+
+
 def test_the_store_keeps_the_most_recent(client, model_name):
     """--max-stored-responses 4: the fifth answer pushes out the least recently used."""
     ids = [client.responses.create(model=model_name, input=f"Count to {i}.",

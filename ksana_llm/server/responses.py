@@ -87,10 +87,15 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
         if stored is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         history = stored.items
-    messages = input_messages(history + new_items)
+    return _Plan(req, history + new_items, _chat_request(req, history + new_items))
+
+
+def _chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat form of a Responses request over the conversation `items`."""
+    messages = input_messages(items)
     if req.instructions:
         messages.insert(0, ChatMessage(role="system", content=req.instructions))
-    chat = ChatCompletionRequest(
+    return ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, stream=bool(req.stream),
         tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
@@ -99,7 +104,33 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
         seed=req.seed, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, stop=req.stop, priority=req.priority,
         cache_salt=req.cache_salt)
-    return _Plan(req, history + new_items, chat)
+
+
+def _without_oldest_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`truncation: "auto"`: the conversation from its second user message on (None when it
+    has none): an earlier turn goes whole, so no tool output loses its call."""
+    for i in range(1, len(items)):
+        item = items[i]
+        if item.get("type", "message") == "message" and item.get("role") == "user":
+            return items[i:]
+    return None
+
+
+async def _start(plan: _Plan, state: ServerState) -> ChatRun:
+    """Submit the plan's chat request; with `truncation: "auto"`, a conversation longer than
+    the context loses its oldest turns until it fits (OpenAI's rule: items go from the
+    beginning; `instructions` stay). The stored conversation keeps every item."""
+    chat, items = plan.chat, plan.items
+    while True:
+        try:
+            return await start_chat(chat, state, item_id("resp"))
+        except APIError as exc:
+            shorter = _without_oldest_turn(items) if plan.req.truncation == "auto" \
+                and exc.code == "context_length_exceeded" else None
+            if shorter is None:
+                raise responses_error(exc) from exc
+            items = shorter
+            chat = _chat_request(plan.req, items)
 
 
 def _status(finish_reason: str | None) -> str:
@@ -166,10 +197,7 @@ async def create_response(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, ResponsesRequest)
     plan = _plan(req, state)
-    try:
-        run = await start_chat(plan.chat, state, item_id("resp"))
-    except APIError as exc:
-        raise responses_error(exc) from exc
+    run = await _start(plan, state)
     if req.stream:
         return AbortOnCloseStreamingResponse(_stream(state, plan, run), run.choices)
     if not await wait_for_choices(run.choices, request, state):
