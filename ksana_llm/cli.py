@@ -59,9 +59,9 @@ def _engine(args: argparse.Namespace):
                   kv_cache_dtype=args.kv_cache_dtype)
 
 
-def _render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def _render_chat(engine, messages: list[dict[str, str]]) -> str | list[int]:
+    if getattr(engine.tokenizer, "chat_template", None):
+        return engine.render_chat(messages)  # token ids: the template holds the special tokens
     # No template: plain transcript, so base models still answer something sensible.
     lines = [f"{m['role']}: {m['content']}" for m in messages]
     return "\n".join(lines) + "\nassistant:"
@@ -71,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with _engine(args) as engine:
         prompt = args.prompt
         if args.chat:
-            prompt = _render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+            prompt = _render_chat(engine, [{"role": "user", "content": prompt}])
         for delta in engine.generate(prompt, stream=True):
             sys.stdout.write(delta)
             sys.stdout.flush()
@@ -99,7 +99,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": user})
             sys.stdout.write("assistant> ")
             answer = []
-            for delta in engine.generate(_render_chat(engine.tokenizer, messages), stream=True):
+            for delta in engine.generate(_render_chat(engine, messages), stream=True):
                 answer.append(delta)
                 sys.stdout.write(delta)
                 sys.stdout.flush()

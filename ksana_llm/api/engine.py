@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ksana_llm.api.chat import ChatMixin
 from ksana_llm.api.core_builder import build_core
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
@@ -45,7 +46,7 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
 
 
-class Engine(LoraControl):
+class Engine(LoraControl, ChatMixin):
     """Continuous-batching generation over one model.
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);

@@ -1,0 +1,87 @@
+"""`Engine.chat`: conversations in, answers out (vLLM's `LLM.chat`).
+
+A conversation is a list of OpenAI-style message dicts (`{"role": ..., "content": ...}`, plus
+whatever the model's chat template reads: `tool_calls`, `reasoning_content`, ...). It is
+rendered with the model's chat template (or one given) by transformers' `apply_chat_template`,
+then generated like any prompt, so every engine feature (batching, prefix caching, LoRA,
+structured output) applies. Bad input is a ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ksana_llm.api.outputs import RequestOutput
+from ksana_llm.generation_config import GenerationConfig
+
+Conversation = list[dict[str, Any]]
+
+
+class ChatMixin:
+    """Mixed into `Engine`, which provides `tokenizer` and `generate_outputs`."""
+
+    tokenizer: Any
+
+    def generate_outputs(self, prompts: Any, generation_config: Any = None, *,
+                         use_tqdm: bool = True, lora: str | None = None
+                         ) -> list[RequestOutput]:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def render_chat(self, messages: Conversation, *, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt token ids of one conversation under the chat template (the model's, or
+        `chat_template` text). `continue_final_message`: the last (assistant) message is left
+        open for the model to go on with, instead of a new assistant turn starting."""
+        _check_conversation(messages)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        if continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message needs a final assistant message")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat_template: this model has no chat template; pass one")
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools,
+                **dict(chat_template_kwargs or {}))
+        except TemplateError as exc:
+            raise ValueError(f"messages: the chat template rejected them ({exc})") from exc
+        # The template holds the special tokens (BOS etc.) already.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             generation_config: GenerationConfig | list[GenerationConfig] | None = None, *,
+             use_tqdm: bool = True, lora: str | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Answer one conversation or a list of them (batched), in input order: a list of
+        outputs either way (as vLLM's `LLM.chat`). `generation_config`: one for all, or one
+        per conversation; `lora`: the adapter every conversation uses."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations: Sequence[Conversation] = [list(messages)]
+        else:
+            conversations = messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError("messages: give a conversation (a list of message dicts) or a "
+                             "non-empty list of conversations")
+        prompts = [self.render_chat(c, chat_template=chat_template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
+        return self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
+
+
+def _check_conversation(messages: Any) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: a conversation is a non-empty list of message dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}]: a message is a dict with a string 'role'")
