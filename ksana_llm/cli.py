@@ -175,6 +175,17 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="name every logprob token token_id:<id> (as each request may ask)")
+    parser.add_argument("--allowed-origins", type=_json_strings, default=None, metavar="JSON",
+                        help='browser origins allowed to call (CORS), e.g. \'["https://a.b"]\' '
+                             '(default: any, as vLLM)')
+    parser.add_argument("--allowed-methods", type=_json_strings, default=None, metavar="JSON",
+                        help="CORS methods (default: any)")
+    parser.add_argument("--allowed-headers", type=_json_strings, default=None, metavar="JSON",
+                        help="CORS request headers (default: any)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send cookies / credentials")
     parser.add_argument("--generation-config", default="auto", metavar="SOURCE",
                         help="sampling defaults for requests that leave them out: 'auto' (the "
                              "model's generation_config.json), 'vllm' (none: OpenAI's), or a "
@@ -298,6 +309,16 @@ def _preemption_mode(value: str) -> int:
     if value not in modes:
         raise argparse.ArgumentTypeError(f"expected swap or recompute, got {value!r}")
     return modes[value]
+
+
+def _json_strings(value: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError("expected a JSON list of strings")
+    return parsed
 
 
 def _scheduling_policy(value: str) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 import ksana_llm
 from ksana_llm.api.engine import Engine
@@ -70,13 +71,14 @@ def _mount_extensions(app: FastAPI, engine: Engine, state: ServerState) -> None:
 
 @dataclass(frozen=True)
 class OutputParsing:
-    """How chat outputs are read: `--tool-call-parser`, `--enable-auto-tool-choice`,
-    `--reasoning-parser` and the `--max-logprobs` cap."""
+    """How outputs are read and shown: `--tool-call-parser`, `--enable-auto-tool-choice`,
+    `--reasoning-parser`, the `--max-logprobs` cap and `--return-tokens-as-token-ids`."""
 
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     max_logprobs: int = MAX_LOGPROBS
+    return_tokens_as_token_ids: bool = False  # every request's logprob tokens as token_id:<id>
 
     def check(self) -> None:
         """ValueError for a bad combination or an unknown parser (listing the known names);
@@ -92,6 +94,17 @@ class OutputParsing:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+    """Cross-origin access for browser clients (vLLM's --allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials; its defaults: any origin, no credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               mount_extensions: bool = True, parsing: OutputParsing | None = None,
@@ -99,7 +112,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
               kv_prefill_urls: list[str] | None = None,
               allow_runtime_lora_updating: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-              sampling_defaults: SamplingDefaults | None = None) -> FastAPI:
+              sampling_defaults: SamplingDefaults | None = None,
+              cors: CorsSettings | None = None) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
@@ -109,7 +123,8 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     `max_stored_responses`: how many `/v1/responses` answers are kept for retrieval and
     `previous_response_id` (least recently used dropped first; 0 keeps none).
     `sampling_defaults`: what requests that leave sampling parameters out get (`serve` reads
-    them from the model's generation_config.json; None: OpenAI's defaults).
+    them from the model's generation_config.json; None: OpenAI's defaults). `cors`: which
+    browser origins may call (None: no CORS headers; `serve` allows any origin, as vLLM).
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -133,6 +148,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
         reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
                           if parsing.reasoning_parser is not None else None),
         max_logprobs=parsing.max_logprobs, kv_transfer=transfer,
+        return_tokens_as_token_ids=parsing.return_tokens_as_token_ids,
         responses=ResponseStore(max_stored_responses),
         sampling_defaults=sampling_defaults or SamplingDefaults())
 
@@ -171,6 +187,12 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if cors is not None:
+        # Outermost: a browser's preflight (OPTIONS, never carrying the key) is answered here.
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
     return app
 
 
@@ -265,7 +287,18 @@ def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
                          enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
                          reasoning_parser=getattr(args, "reasoning_parser", None),
                          max_logprobs=MAX_LOGPROBS if getattr(args, "max_logprobs", None) is None
-                         else args.max_logprobs)
+                         else args.max_logprobs,
+                         return_tokens_as_token_ids=bool(
+                             getattr(args, "return_tokens_as_token_ids", False)))
+
+
+def cors_from_args(args: argparse.Namespace) -> CorsSettings:
+    defaults = CorsSettings()
+    return CorsSettings(
+        allowed_origins=tuple(getattr(args, "allowed_origins", None) or defaults.allowed_origins),
+        allowed_methods=tuple(getattr(args, "allowed_methods", None) or defaults.allowed_methods),
+        allowed_headers=tuple(getattr(args, "allowed_headers", None) or defaults.allowed_headers),
+        allow_credentials=bool(getattr(args, "allow_credentials", False)))
 
 
 def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> SamplingDefaults:
@@ -307,7 +340,7 @@ def run_server(args: argparse.Namespace) -> int:
                     max_stored_responses=DEFAULT_MAX_STORED_RESPONSES
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,
-                    sampling_defaults=defaults)
+                    sampling_defaults=defaults, cors=cors_from_args(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

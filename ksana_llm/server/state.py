@@ -32,6 +32,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
     # --generation-config: what a request that leaves a sampling parameter out gets
@@ -67,9 +68,10 @@ class ServerState:
 
     def logprob_texts(self, req: Any) -> TokenTexts | TokenIdTexts:
         """How a request's logprob entries name tokens: their text, or "token_id:<id>" when it
-        asks for `return_tokens_as_token_ids`."""
-        return TokenIdTexts() if getattr(req, "return_tokens_as_token_ids", False) \
-            else self.token_texts
+        (or the server's --return-tokens-as-token-ids) asks for `return_tokens_as_token_ids`."""
+        by_id = self.return_tokens_as_token_ids or getattr(req, "return_tokens_as_token_ids",
+                                                           False)
+        return TokenIdTexts() if by_id else self.token_texts
 
     @property
     def tokenizer(self) -> Any:

@@ -1,0 +1,53 @@
+"""Server-wide flags on a real server process: CORS for browser clients (vLLM's
+--allowed-origins / --allowed-methods / --allowed-headers, answered before the API key is
+checked, since a browser's preflight never carries it) and --return-tokens-as-token-ids."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+
+APP = "https://app.example"
+KEY = "secret-key"
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    proc = ServerProcess(["--num-device-blocks", "64", "--max-model-len", "256",
+                          "--api-key", KEY, "--allowed-origins", f'["{APP}"]',
+                          "--allowed-methods", '["GET", "POST"]',
+                          "--return-tokens-as-token-ids"])
+    yield proc
+    proc.stop()
+
+
+def _preflight(server: ServerProcess, origin: str) -> httpx.Response:
+    return httpx.options(server.base_url + "/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_browsers_of_allowed_origins_may_call(server):
+    allowed = _preflight(server, APP)
+    assert allowed.status_code == 200  # no key needed for the preflight
+    assert allowed.headers["access-control-allow-origin"] == APP
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    refused = _preflight(server, "https://elsewhere.example")
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    call = httpx.get(server.base_url + "/models", headers={
+        "Origin": APP, "Authorization": f"Bearer {KEY}"})
+    assert call.status_code == 200 and call.headers["access-control-allow-origin"] == APP
+    # The key is still required of the call itself.
+    assert httpx.get(server.base_url + "/models", headers={"Origin": APP}).status_code == 401
+
+
+def test_every_logprob_token_is_named_by_id(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    choice = client.completions.create(model=model, prompt="The capital of France is",
+                                       max_tokens=4, temperature=0, logprobs=1).choices[0]
+    assert all(t.startswith("token_id:") for t in choice.logprobs.tokens)
+    assert all(k.startswith("token_id:") for top in choice.logprobs.top_logprobs for k in top)
