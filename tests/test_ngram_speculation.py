@@ -45,6 +45,17 @@ def test_proposals_equal_a_plain_scan_as_the_sequence_grows():
             tokens.append(rng.randrange(6))
 
 
+def test_reference_lookups_follow_the_prediction_in_order():
+    proposer = NgramProposer(min_n=1, max_n=2)
+    reference = proposer.index_reference([7, 1, 2, 7, 3, 4, 7, 5])
+    # "7" occurs three times: the first at or after the cursor (0) wins, then reading goes on.
+    assert proposer.propose_from_reference([9, 7], reference, 2) == [1, 2]
+    assert proposer.propose_from_reference([9, 7, 1, 2, 7], reference, 2) == [3, 4]
+    assert proposer.propose_from_reference([2, 7], reference, 2) == [3, 4]  # "2 7": longest
+    assert proposer.propose_from_reference([0, 5], reference, 3) == []  # nothing after it
+    assert proposer.propose_from_reference([0, 8], reference, 3) == []  # not in it
+
+
 def test_longest_and_latest_match_wins():
     proposer = NgramProposer(min_n=1, max_n=3)
     # "1 2 3" occurred before; "3" alone occurred later (followed by 9): the 3-gram wins.
@@ -119,6 +130,37 @@ def test_batches_mix_drafting_and_sampled_requests(default_model):
     assert len(outs[3].token_ids) == 5
     # A seeded sample is the same in a busy batch as alone (drafts do not change its stream).
     assert outs[1].token_ids == alone.token_ids
+
+
+def test_a_predicted_output_drafts_its_own_tokens(default_model, hf_default_model):
+    """OpenAI's Predicted Outputs: with the expected answer as `prediction`, a text that does
+    not copy its prompt is drafted from the prediction (most drafts accepted, far fewer
+    steps); a wrong prediction costs steps, never tokens: both give transformers' tokens."""
+    tok = default_model.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about "
+                                       "the sea."}], add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    with torch.no_grad():
+        out = hf_default_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
+                                        attention_mask=torch.ones(1, len(ids)))
+    expected = out[0, len(ids):].tolist()
+    config = kt.GenerationConfig(max_new_tokens=48)
+    runs = {}
+    with kt.Engine(default_model, num_device_blocks=256, speculative_method="ngram",
+                   num_speculative_tokens=4) as engine:
+        for name, prediction in (("none", None), ("right", tok.decode(expected)),
+                                 ("wrong", "Roses are red, violets are blue. " * 3)):
+            before = engine.stats()
+            steps = _steps(engine)
+            output = engine.submit(kt.Request(ids, config, prediction=prediction)).result(60)
+            after = engine.stats()
+            runs[name] = (output.token_ids, steps[0],
+                          after.num_accepted_draft_tokens - before.num_accepted_draft_tokens)
+        with pytest.raises(ValueError, match="prediction"):
+            engine.submit(kt.Request(ids, config, prediction=[10**9]))
+    assert all(tokens == expected for tokens, _, _ in runs.values())
+    assert runs["right"][1] < 0.5 * runs["none"][1], runs
+    assert runs["right"][2] > 0.7 * len(expected) > runs["none"][2]
 
 
 def test_large_batches_pause_drafting(default_model):

@@ -109,11 +109,50 @@ def test_cache_salt_isolates_the_prefix_cache(client, model_name):
         return reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens
 
     first, prompt_tokens = cached(cache_salt="tenant-a")
-    assert (first, cached(cache_salt="tenant-b")[0], cached()[0]) == (0, 0, 0)
-    assert cached(cache_salt="tenant-a")[0] == prompt_tokens // 16 * 16 > 0
+    full = prompt_tokens // 16 * 16
+    assert (first, cached(cache_salt="tenant-b")[0]) == (0, 0)
+    # Unsalted: at most the chat template's opening, which other tests' requests cached.
+    assert cached()[0] < full
+    assert cached(cache_salt="tenant-a")[0] == full > 0
+    assert cached()[0] == full  # unsalted requests share among themselves
     response = client.responses.create(model=model_name, input=messages[0]["content"],
                                        max_output_tokens=1, extra_body={"cache_salt": "tenant-c"})
     assert response.usage.input_tokens_details.cached_tokens == 0
+
+
+def test_predicted_outputs(client, model_name, default_model):
+    """OpenAI's `prediction` never changes the answer (here the server drafts nothing; see
+    test_ngram_speculation.py for drafting from it); usage says how many prediction tokens
+    the answer used, streamed too."""
+    tokenizer = default_model.tokenizer
+    kwargs = dict(model=model_name, messages=QUESTION, temperature=0, max_tokens=16)
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    answer = tokenizer.encode(plain, add_special_tokens=False)
+    for prediction, accepted in ((plain, len(answer)), ("Berlin is in Germany.", None),
+                                 ([{"type": "text", "text": plain[:10]},
+                                   {"type": "text", "text": plain[10:]}], len(answer))):
+        reply = client.chat.completions.create(
+            **kwargs, prediction={"type": "content", "content": prediction})
+        assert reply.choices[0].message.content == plain
+        details = reply.usage.completion_tokens_details
+        predicted = len(tokenizer.encode(prediction if isinstance(prediction, str) else plain,
+                                         add_special_tokens=False))
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens \
+            == predicted
+        if accepted is not None:
+            assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) \
+                == (accepted, 0)
+        else:
+            assert details.rejected_prediction_tokens > 0
+    chunks = list(client.chat.completions.create(
+        **kwargs, prediction={"type": "content", "content": plain}, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == len(answer)
+    for bad, param in (({"type": "text", "content": "x"}, "prediction"),
+                       ({"type": "content", "content": 7}, "prediction.content")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**kwargs, prediction=bad)
+        assert refused.value.body["param"] == param
 
 
 def test_logprob_tokens_as_token_ids(client, model_name, default_model):

@@ -43,6 +43,10 @@ class Request:
     `cache_salt` (vLLM's): a secret string that keys this request's prefix-cache entries, so
     only requests with the same salt share cached KV (nobody else can time a cache hit to learn
     whether a prompt was seen). Use a long random string per tenant.
+
+    `prediction` (OpenAI's Predicted Outputs): text (or token ids) the output is expected to
+    be much like, e.g. the file an edit rewrites. With the "ngram" speculative method, drafts
+    are looked up there first; the output itself is what it would be without it.
     """
 
     prompt: Prompt
@@ -56,6 +60,7 @@ class Request:
     imported_kv: TransferredKv | None = None
     lora: str | None = None
     cache_salt: str | None = None
+    prediction: str | list[int] | None = None
 
 
 @dataclass

@@ -107,6 +107,7 @@ class RequestBuilder:
         seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
         self._use_lora(seq, request.lora)
         self._salt(seq, request.cache_salt)
+        seq.prediction = self._prediction(request.prediction)
         if embeddings is not None:
             seq.embeddings = (tuple(embeddings[0]), embeddings[1])
         if config.prompt_logprobs is not None:
@@ -125,6 +126,25 @@ class RequestBuilder:
             raise ValueError(f"lora must be an adapter name (a string), got {type(name).__name__}")
         info = self.lora.resolve(name)
         seq.lora_id, seq.cache_salt = info.lora_id, info.cache_salt
+
+    def _prediction(self, prediction: str | list[int] | None) -> list[int] | None:
+        """The predicted output's token ids (text without special tokens); None for none."""
+        if prediction is None:
+            return None
+        if isinstance(prediction, str):
+            if self.tokenizer is None:
+                raise ValueError("prediction: text needs a tokenizer; give token ids")
+            ids = list(self.tokenizer.encode(prediction, add_special_tokens=False))
+        elif isinstance(prediction, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                  for t in prediction):
+            ids = list(prediction)
+        else:
+            raise ValueError("prediction must be a string or a list of token ids")
+        bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise ValueError(f"prediction token ids must be in [0, {self.model.vocab_size}); "
+                             f"got {bad[:5]}")
+        return ids or None
 
     @staticmethod
     def _salt(seq: Sequence, cache_salt: str | None) -> None:

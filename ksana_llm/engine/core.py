@@ -424,7 +424,8 @@ class EngineCore(SamplingSteps, CaptureSteps, BeamSearchSteps, SpeculativeSteps,
         self.scheduler.finish(seq)
         if seq.sampling_row is not None:
             self.sampler.release(seq.sampling_row)
-        seq.ngram_index = None  # (speculative decoding's n-gram index, not needed any more)
+        # (speculative decoding's n-gram indexes, not needed any more)
+        seq.ngram_index = seq.prediction_index = None
 
     def _release(self, seq: Sequence) -> bool:
         """Free the finished `seq`; whether it was its request's last live sequence."""

@@ -120,8 +120,11 @@ class Sequence:
     lora_slot: int = 0
     num_lora_waits: int = 0  # steps it was passed over because every slot was held
     lora_drain_target: int = 0  # the held adapter it waits to drain (see Scheduler)
-    # Speculative decoding with the "ngram" method: its n-gram index (engine.ngram_proposer).
+    # Speculative decoding with the "ngram" method: its n-gram index (engine.ngram_proposer),
+    # and a predicted output (OpenAI's Predicted Outputs) drafts are looked up in first.
     ngram_index: Any = None
+    prediction: list[int] | None = None
+    prediction_index: Any = None
     cache_salt: int | None = None
 
     @property
@@ -182,7 +185,7 @@ class Sequence:
             matcher=self.matcher.fork() if self.matcher is not None else None,
             embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens,
             kv_imported=self.kv_imported, lora_id=self.lora_id, lora_slot=self.lora_slot,
-            cache_salt=self.cache_salt)
+            cache_salt=self.cache_salt, prediction=self.prediction)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -100,7 +100,7 @@ class SpeculativeSteps:
     def _propose_from_history(self, scheduled: list[ScheduledSequence],
                               slices: list[SeqSlice]) -> None:
         """The ngram method: each sequence that sampled this step and may draft looks its last
-        tokens up in its prompt and output."""
+        tokens up in its predicted output, if it has one, then in its prompt and output."""
         for item, piece in zip(scheduled, slices):
             seq = item.seq
             seq.draft_token_ids = []
@@ -110,9 +110,17 @@ class SpeculativeSteps:
             wanted = min(self.num_speculative_tokens, seq.max_num_tokens - seq.num_tokens - 1)
             if wanted <= 0:
                 continue
+            tokens = seq.token_ids
+            if seq.prediction:
+                if seq.prediction_index is None:
+                    seq.prediction_index = self.ngram.index_reference(seq.prediction)
+                seq.draft_token_ids = self.ngram.propose_from_reference(
+                    tokens, seq.prediction_index, wanted)
+                if seq.draft_token_ids:
+                    continue
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex()
-            seq.draft_token_ids = self.ngram.propose(seq.token_ids, seq.ngram_index, wanted)
+            seq.draft_token_ids = self.ngram.propose(tokens, seq.ngram_index, wanted)
 
     @staticmethod
     def _draft_logprobs(verdict: list[list[float]], top_k: int | None

@@ -20,6 +20,7 @@ from ksana_llm.server.openai_protocol import ChatCompletionRequest
 from ksana_llm.server.params import (
     check_logprobs_cap,
     check_token_ids,
+    prediction_token_ids,
     resolve_max_tokens,
     truncate_prompt,
 )
@@ -42,6 +43,7 @@ class ChatRun:
     output_parser: Callable[[], ChoiceOutputParser]  # a fresh one per choice
     model: str  # the name the response gives
     created: int
+    prediction: list[int] | None = None  # Predicted Outputs' token ids, for the usage
 
 
 async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id: str) -> ChatRun:
@@ -91,8 +93,14 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
         return ChoiceOutputParser(reasoning.stream() if reasoning is not None else None,
                                   tools.stream())
 
+    prediction = prediction_token_ids(req.prediction, state.tokenizer)
+    if prediction is not None:
+        check_token_ids(prediction, state.limits.vocab_size, "prediction.content")
+    fields = await request_fields(req, state, jobs)
+    if prediction is not None:
+        fields["prediction"] = prediction
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
-                               await request_fields(req, state, jobs))
+                               fields)
     return ChatRun(request_id, ids, choices, output_parser, state.response_model(req.model),
-                   int(time.time()))
+                   int(time.time()), prediction)

@@ -138,6 +138,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: Any = None
     audio: Any = None
     modalities: Any = None
+    # OpenAI's Predicted Outputs: {"type": "content", "content": str | [text parts]}; checked by
+    # params.prediction_token_ids.
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
@@ -145,7 +147,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def unsupported_params(self) -> list[str]:
         found = super().unsupported_params()
         # functions / function_call: OpenAI's deprecated spelling of tools / tool_choice.
-        for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
+        for name in ("functions", "function_call", "audio", "reasoning_effort",
                      "web_search_options"):
             if getattr(self, name):
                 found.append(name)
@@ -162,11 +164,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
+class CompletionTokensDetails(BaseModel):
+    # Predicted Outputs: prediction tokens that appear in the completion (in order), and the rest
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class PromptLogprob(BaseModel):

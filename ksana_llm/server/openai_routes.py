@@ -38,12 +38,14 @@ from ksana_llm.server.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     PromptTokensDetails,
     Usage,
 )
 from ksana_llm.server.params import (
     check_logprobs_cap,
+    prediction_usage,
     prompt_token_lists,
     resolve_max_tokens,
     truncate_prompt,
@@ -79,16 +81,25 @@ async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[Bas
     yield "data: [DONE]\n\n"
 
 
-def _usage(prompt_tokens: int, choices: ChoiceSet, prompt_of: list[int] | None = None) -> Usage:
+def _usage(prompt_tokens: int, choices: ChoiceSet, prompt_of: list[int] | None = None,
+           prediction: list[int] | None = None) -> Usage:
     """Token counts. `prompt_of` maps requests to prompts (default: all one prompt); a prompt
-    sent several times (n > 1) counts its cached tokens once, as its tokens."""
-    completion = sum(len(r.token_ids) for r in choices.results())
+    sent several times (n > 1) counts its cached tokens once, as its tokens. With a
+    `prediction` (Predicted Outputs), how much of it the choices used."""
+    results = choices.results()
+    completion = sum(len(r.token_ids) for r in results)
     prompt_of = prompt_of or [0] * len(choices.handles)
     first_request = {p: r for r, p in reversed(list(enumerate(prompt_of)))}
     cached = sum(choices.handles[r].output.num_cached_tokens for r in first_request.values())
+    details = None
+    if prediction is not None:
+        accepted, rejected = prediction_usage(prediction, [r.token_ids for r in results])
+        details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                          rejected_prediction_tokens=rejected)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                  total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                 completion_tokens_details=details)
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -238,7 +249,8 @@ async def create_chat_completion(request: Request) -> Response:
                                              finish_reason=finish_reason))
             if include_usage:
                 yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=_usage(len(ids), choices))
+                                          usage=_usage(len(ids), choices,
+                                                       prediction=run.prediction))
 
         return AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
 
@@ -257,7 +269,8 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_lps = vllm_prompt_logprobs(prompt_logprobs_entries(choices.handles[0].output), ids,
                                           texts)
     response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=result,
-                                      usage=_usage(len(ids), choices), prompt_logprobs=prompt_lps,
+                                      usage=_usage(len(ids), choices, prediction=run.prediction),
+                                      prompt_logprobs=prompt_lps,
                                       kv_transfer_params=kv_response(state, choices))
     return JSONResponse(response.model_dump())
 

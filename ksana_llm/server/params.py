@@ -54,6 +54,37 @@ def bad_words_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
     return sequences
 
 
+def prediction_token_ids(prediction: Any, tokenizer: Any) -> list[int] | None:
+    """OpenAI's Predicted Outputs, `{"type": "content", "content": text or text parts}`, as
+    token ids (None: no prediction)."""
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict) or prediction.get("type") != "content":
+        raise bad_request("`prediction` must be {\"type\": \"content\", \"content\": ...}.",
+                          param="prediction")
+    content = prediction.get("content")
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad_request("`prediction.content` must be a string or a list of text parts.",
+                          param="prediction.content")
+    return list(tokenizer.encode(content, add_special_tokens=False)) or None
+
+
+def prediction_usage(prediction: list[int], outputs: list[list[int]]) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens over the choices: those that appear, in order, in
+    a choice's tokens (the longest matching blocks, as difflib finds them), and the rest."""
+    from difflib import SequenceMatcher
+
+    accepted = 0
+    for tokens in outputs:
+        matcher = SequenceMatcher(None, prediction, tokens, autojunk=False)
+        accepted += sum(block.size for block in matcher.get_matching_blocks())
+    return accepted, len(prediction) * len(outputs) - accepted
+
+
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the
     model's context holds)."""
