@@ -294,11 +294,15 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "then name folders the server reads)")
 
 
-def _json_object(value: str) -> dict:
+def _json(value: str) -> object:
     try:
-        parsed = json.loads(value)
+        return json.loads(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+
+
+def _json_object(value: str) -> dict:
+    parsed = _json(value)
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return parsed
@@ -312,10 +316,7 @@ def _preemption_mode(value: str) -> int:
 
 
 def _json_strings(value: str) -> list[str]:
-    try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    parsed = _json(value)
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise argparse.ArgumentTypeError("expected a JSON list of strings")
     return parsed
