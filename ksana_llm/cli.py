@@ -177,15 +177,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "ask for (default: 20)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name every logprob token token_id:<id> (as each request may ask)")
-    parser.add_argument("--allowed-origins", type=_json_strings, default=None, metavar="JSON",
-                        help='browser origins allowed to call (CORS), e.g. \'["https://a.b"]\' '
-                             '(default: any, as vLLM)')
-    parser.add_argument("--allowed-methods", type=_json_strings, default=None, metavar="JSON",
-                        help="CORS methods (default: any)")
-    parser.add_argument("--allowed-headers", type=_json_strings, default=None, metavar="JSON",
-                        help="CORS request headers (default: any)")
-    parser.add_argument("--allow-credentials", action="store_true",
-                        help="CORS: let browsers send cookies / credentials")
+    _add_cors_args(parser)
     parser.add_argument("--generation-config", default="auto", metavar="SOURCE",
                         help="sampling defaults for requests that leave them out: 'auto' (the "
                              "model's generation_config.json), 'vllm' (none: OpenAI's), or a "
@@ -333,6 +325,18 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _add_cors_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allowed-origins", type=_json_strings, default=None, metavar="JSON",
+                        help='browser origins allowed to call (CORS), e.g. \'["https://a.b"]\' '
+                             '(default: any, as vLLM)')
+    parser.add_argument("--allowed-methods", type=_json_strings, default=None, metavar="JSON",
+                        help="CORS methods (default: any)")
+    parser.add_argument("--allowed-headers", type=_json_strings, default=None, metavar="JSON",
+                        help="CORS request headers (default: any)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send cookies / credentials")
+
+
 def _add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", action="append", default=[], metavar="URL",
                         help="a prefill server (serve --kv-role prefill); repeat for several")
@@ -344,6 +348,7 @@ def _add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="required of clients, and sent to the servers (which share it)")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"])
+    _add_cors_args(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -246,6 +246,14 @@ def test_router_passes_client_errors_through(router):
     _error(httpx.post(router.base_url + "/completions", json=[1, 2]), 400)
 
 
+def test_router_answers_browser_preflights(router):
+    """CORS as on the servers (any origin by default, as vLLM)."""
+    r = httpx.options(router.base_url + "/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
 def test_client_leaving_a_routed_stream_aborts_it_on_the_decode_server(router, decode):
     body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
 

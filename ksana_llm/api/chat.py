@@ -12,21 +12,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ksana_llm.api.generate_calls import GenerateCalls
 from ksana_llm.api.outputs import RequestOutput
 from ksana_llm.generation_config import GenerationConfig
 
 Conversation = list[dict[str, Any]]
 
 
-class ChatMixin:
-    """Mixed into `Engine`, which provides `tokenizer` and `generate_outputs`."""
+class ChatMixin(GenerateCalls):
+    """Mixed into `Engine`, which provides `tokenizer`; conversations run through
+    `generate_outputs`."""
 
     tokenizer: Any
-
-    def generate_outputs(self, prompts: Any, generation_config: Any = None, *,
-                         use_tqdm: bool = True, lora: str | None = None
-                         ) -> list[RequestOutput]:  # pragma: no cover - Engine's
-        raise NotImplementedError
 
     def render_chat(self, messages: Conversation, *, chat_template: str | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,

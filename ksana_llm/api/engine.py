@@ -10,8 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -24,8 +23,7 @@ from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardT
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle,
-                                   RequestOutput)
+from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle)
 from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
@@ -213,103 +211,6 @@ class Engine(LoraControl, ChatMixin):
         with self._wake:
             self._aborts.append(request_id)
             self._wake.notify()
-
-    # ---- generation -------------------------------------------------------------------------------
-    def generate_outputs(self, prompts: Prompt | list[Prompt],
-                         generation_config: GenerationConfig | list[GenerationConfig] | None = None,
-                         *, use_tqdm: bool = True, lora: str | None = None) -> list[RequestOutput]:
-        """Run many prompts to completion (submitted as the queue allows), in input order;
-        `lora` names the LoRA adapter every prompt uses (None: the base model)."""
-        batch = self._as_batch(prompts)
-        configs = generation_config if isinstance(generation_config, list) else [generation_config] * len(batch)
-        if len(configs) != len(batch):
-            raise ValueError("generation_config: give one config, or one per prompt")
-        # Validate (and preprocess) everything before running anything.
-        prepared = [self._requests.sequence(Request(p, c, lora=lora), self.generation_config)
-                    for p, c in zip(batch, configs)]
-        handles: list[RequestHandle] = []
-        progress = None
-        if use_tqdm and len(prepared) > 1:
-            from tqdm import tqdm
-
-            progress = tqdm(total=len(prepared), desc="Generating", unit="req")
-        pending = deque(prepared)
-        try:
-            while pending:
-                try:
-                    seq, plugin_info = pending[0]
-                    handles.append(self._enqueue(seq, None, None, plugin_info))
-                    pending.popleft()
-                except QueueFullError:
-                    self._wait_one(handles, progress)
-            return [self._finish_one(h, progress) for h in handles]
-        finally:
-            if progress is not None:
-                progress.close()
-
-    def _wait_one(self, handles: list[RequestHandle], progress: Any) -> None:
-        for h in handles:
-            if not h.finished:
-                self._finish_one(h, progress)
-                return
-
-    @staticmethod
-    def _finish_one(handle: RequestHandle, progress: Any) -> RequestOutput:
-        counted = handle.end_read  # each request ticks the progress bar once
-        out = handle.result()
-        if progress is not None and not counted:
-            progress.update(1)
-        return out
-
-    @staticmethod
-    def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts:
-            return list(prompts)
-        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of those")
-
-    def generate(self, prompts: Prompt | list[Prompt], generation_config: GenerationConfig | None = None,
-                 *, stream: bool = False, use_tqdm: bool = True, lora: str | None = None
-                 ) -> str | list[str] | Iterator[str]:
-        """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas.
-        `lora`: the LoRA adapter to use (None: the base model)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
-                                              and all(isinstance(t, int) for t in prompts))
-        if stream:
-            if not single:
-                raise ValueError("stream=True takes a single prompt")
-            return iter(self.submit(Request(prompts, generation_config, lora=lora)))
-        outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
-        return outputs[0].text if single else [o.text for o in outputs]
-
-    async def generate_async(self, prompt: Prompt | Request,
-                             generation_config: GenerationConfig | None = None) -> str:
-        return (await self.generate_output_async(prompt, generation_config)).text
-
-    async def generate_output_async(self, prompt: Prompt | Request,
-                                    generation_config: GenerationConfig | None = None) -> RequestOutput:
-        request = prompt if isinstance(prompt, Request) else Request(prompt, generation_config)
-        handle = self.submit(request, loop=asyncio.get_running_loop())
-        try:
-            return await handle.aresult()
-        except asyncio.CancelledError:
-            self.abort(handle.id)
-            raise
-
-    async def stream_async(self, prompt: Prompt | Request,
-                           generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
-        request = prompt if isinstance(prompt, Request) else Request(prompt, generation_config)
-        handle = self.submit(request, loop=asyncio.get_running_loop())
-        finished = False
-        try:
-            async for delta in handle.astream():
-                yield delta
-            finished = True
-        finally:
-            if not finished:  # the consumer stopped early or was cancelled: free the blocks
-                self.abort(handle.id)
 
     # ---- introspection and lifecycle --------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 
 import ksana_llm
 from ksana_llm.api.engine import Engine
@@ -30,7 +29,8 @@ from ksana_llm.server.chat import load_chat_template
 from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
-                                        BodyLimitMiddleware)
+                                        BodyLimitMiddleware, CorsSettings, add_cors,
+                                        cors_from_args)
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
@@ -92,17 +92,6 @@ class OutputParsing:
             get_reasoning_parser(self.reasoning_parser)
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
-
-
-@dataclass(frozen=True)
-class CorsSettings:
-    """Cross-origin access for browser clients (vLLM's --allowed-origins, --allowed-methods,
-    --allowed-headers, --allow-credentials; its defaults: any origin, no credentials)."""
-
-    allowed_origins: tuple[str, ...] = ("*",)
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
 
 
 def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
@@ -188,11 +177,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     if cors is not None:
-        # Outermost: a browser's preflight (OPTIONS, never carrying the key) is answered here.
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
-                           allow_methods=list(cors.allowed_methods),
-                           allow_headers=list(cors.allowed_headers),
-                           allow_credentials=cors.allow_credentials)
+        add_cors(app, cors)  # outermost
     return app
 
 
@@ -291,14 +276,6 @@ def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
                          return_tokens_as_token_ids=bool(
                              getattr(args, "return_tokens_as_token_ids", False)))
 
-
-def cors_from_args(args: argparse.Namespace) -> CorsSettings:
-    defaults = CorsSettings()
-    return CorsSettings(
-        allowed_origins=tuple(getattr(args, "allowed_origins", None) or defaults.allowed_origins),
-        allowed_methods=tuple(getattr(args, "allowed_methods", None) or defaults.allowed_methods),
-        allowed_headers=tuple(getattr(args, "allowed_headers", None) or defaults.allowed_headers),
-        allow_credentials=bool(getattr(args, "allow_credentials", False)))
 
 
 def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> SamplingDefaults:

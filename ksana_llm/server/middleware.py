@@ -1,4 +1,4 @@
-"""Pure ASGI middlewares: API-key check and request-body size limit.
+"""Pure ASGI middlewares: API-key check and request-body size limit; and CORS for browsers.
 
 They run before routing, so they guard every route (including ones other modules mount) and an
 unauthenticated or oversized request never gets its body buffered or parsed.
@@ -6,8 +6,13 @@ unauthenticated or oversized request never gets its body buffered or parsed.
 
 from __future__ import annotations
 
+import argparse
 import hmac
 from collections.abc import Collection
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -94,3 +99,32 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+@dataclass(frozen=True)
+class CorsSettings:
+    """Cross-origin access for browser clients (vLLM's --allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials; its defaults: any origin, no credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+def cors_from_args(args: argparse.Namespace) -> CorsSettings:
+    defaults = CorsSettings()
+    return CorsSettings(
+        allowed_origins=tuple(getattr(args, "allowed_origins", None) or defaults.allowed_origins),
+        allowed_methods=tuple(getattr(args, "allowed_methods", None) or defaults.allowed_methods),
+        allowed_headers=tuple(getattr(args, "allowed_headers", None) or defaults.allowed_headers),
+        allow_credentials=bool(getattr(args, "allow_credentials", False)))
+
+
+def add_cors(app: FastAPI, cors: CorsSettings) -> None:
+    """Add last, so it is outermost: a browser's preflight (OPTIONS, which never carries the API
+    key) is answered before the key is checked."""
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                       allow_methods=list(cors.allowed_methods),
+                       allow_headers=list(cors.allowed_headers),
+                       allow_credentials=cors.allow_credentials)

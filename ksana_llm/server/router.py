@@ -44,7 +44,8 @@ from ksana_llm.server.errors import bad_request, engine_unavailable, install_err
 from ksana_llm.server.generation import finished_before_client_left
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
-                                        BodyLimitMiddleware)
+                                        BodyLimitMiddleware, CorsSettings, add_cors,
+                                        cors_from_args)
 
 logger = logging.getLogger("ksana_llm.router")
 
@@ -325,8 +326,8 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def build_router_app(config: RouterConfig, *,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     cors: CorsSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with httpx.AsyncClient(timeout=config.timeout_s) as client:
@@ -407,12 +408,15 @@ def build_router_app(config: RouterConfig, *,
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if cors is not None:
+        add_cors(app, cors)  # outermost
     return app
 
 
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    app = build_router_app(RouterConfig(args.prefill, args.decode, api_key=args.api_key))
+    app = build_router_app(RouterConfig(args.prefill, args.decode, api_key=args.api_key),
+                           cors=cors_from_args(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
