@@ -29,9 +29,11 @@ KV_ARGS = ["--num-device-blocks", "256"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
-# SmolLM2's own template, plus what Qwen3's does with tools and enable_thinking=False, so that
-# the tests can see both reach the template.
+# SmolLM2's own template, plus what Qwen3's does with tools and enable_thinking=False, and a
+# line for reasoning_effort (as gpt-oss's template writes one), so that the tests can see each
+# reach the template.
 TEMPLATE = (
+    "{% if reasoning_effort is defined %}{{ 'Reasoning: ' + reasoning_effort + '\n' }}{% endif %}"
     "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | map(attribute='function') "
     "| map(attribute='name') | join(', ')) + '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -287,6 +289,25 @@ def test_auto_tool_choice_with_hermes_parser(client, model):
 
 
 # ---- reasoning -------------------------------------------------------------------------------------
+
+def test_reasoning_effort_reaches_the_template(client, model, server):
+    """`reasoning_effort` (chat) and `reasoning.effort` (Responses) are handed to the chat
+    template, as vLLM hands them; a value OpenAI does not define is a 400."""
+    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1)
+    high = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1,
+                                          reasoning_effort="high")
+    line = len(client_tokens(client, "Reasoning: high\n"))
+    assert high.usage.prompt_tokens == plain.usage.prompt_tokens + line
+    response = client.responses.create(model=model, input=QUESTION[0]["content"],
+                                       max_output_tokens=1, reasoning={"effort": "high"})
+    assert response.usage.input_tokens == high.usage.prompt_tokens
+    for route, body, param in (
+            ("/chat/completions", {"messages": QUESTION, "reasoning_effort": "extreme"},
+             "reasoning_effort"),
+            ("/responses", {"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort")):
+        response = httpx.post(server.base_url + route, json=body, timeout=30)
+        assert response.status_code == 400 and _error(response)["param"] == param
+
 
 def test_reasoning_qwen3(client, model):
     regex = r"<think>[a-z ]{5,20}</think>[A-Z][A-Za-z ,.]{5,20}"

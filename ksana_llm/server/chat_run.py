@@ -62,6 +62,8 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     tools = plan_tools(req.tools, req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                        auto_enabled=state.enable_auto_tool_choice, parser=state.tool_parser)
     template_kwargs = check_template_kwargs(req.chat_template_kwargs)
+    if req.reasoning_effort is not None:
+        template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     prompt = render_chat(state.tokenizer, req.messages, state.chat_template,
                          add_generation_prompt=req.add_generation_prompt,
                          continue_final_message=req.continue_final_message,

@@ -141,13 +141,15 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's Predicted Outputs: {"type": "content", "content": str | [text parts]}; checked by
     # params.prediction_token_ids.
     prediction: Any = None
-    reasoning_effort: Any = None
+    # Handed to the chat template as `reasoning_effort` (as vLLM does): templates that read it
+    # (gpt-oss's, ...) act on it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     web_search_options: Any = None
 
     def unsupported_params(self) -> list[str]:
         found = super().unsupported_params()
         # functions / function_call: OpenAI's deprecated spelling of tools / tool_choice.
-        for name in ("functions", "function_call", "audio", "reasoning_effort",
+        for name in ("functions", "function_call", "audio",
                      "web_search_options"):
             if getattr(self, name):
                 found.append(name)

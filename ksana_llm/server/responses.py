@@ -103,7 +103,7 @@ def _chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCom
         logprobs=req.wants_logprobs, top_logprobs=req.top_logprobs if req.wants_logprobs else None,
         seed=req.seed, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, stop=req.stop, priority=req.priority,
-        cache_salt=req.cache_salt)
+        cache_salt=req.cache_salt, reasoning_effort=req.reasoning_effort)
 
 
 def _without_oldest_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -21,6 +21,7 @@ from ksana_llm.server.openai_protocol import MAX_LOGPROBS, ChatMessage, _Request
 # (this server keeps no encrypted reasoning, files, images or hosted tools).
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _IGNORED_INCLUDES = frozenset({"reasoning.encrypted_content"})
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _FUNCTION_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 # Function-tool fields of OpenAI's hosted features, accepted and dropped.
@@ -43,7 +44,8 @@ class ResponsesRequest(_Request):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
-    reasoning: dict[str, Any] | None = None  # echoed; thinking follows the chat template
+    # echoed; `effort` goes to the chat template as `reasoning_effort` (as the chat route's)
+    reasoning: dict[str, Any] | None = None
     store: bool | None = True  # None (the SDK's null): true, as OpenAI
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -73,6 +75,14 @@ class ResponsesRequest(_Request):
     stop: str | list[str] | None = None
     priority: int = Field(0, ge=-(2**63), lt=2**63)
     cache_salt: str | None = Field(None, min_length=1)
+
+    @property
+    def reasoning_effort(self) -> str | None:
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise bad_request(f"`reasoning.effort` must be one of {', '.join(REASONING_EFFORTS)}.",
+                              param="reasoning.effort")
+        return effort
 
     def unsupported_params(self) -> list[str]:
         found = [name for name in ("background", "background_options", "conversation", "prompt",
