@@ -275,6 +275,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="adapter slots on the device: the most adapters in one step; "
                              "more adapters take turns (default: the number of --lora-modules, "
                              "at most 4)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept in host memory (least recently used dropped and "
+                             "read again from their folder; default: all)")
     parser.add_argument("--max-lora-rank", type=int, default=None,
                         help="the largest adapter rank a slot holds (default: 16)")
     parser.add_argument("--lora-max-wait-steps", type=int, default=None,

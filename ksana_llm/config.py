@@ -134,6 +134,11 @@ class EngineConfig(BaseModel):
                     "number of adapters may be loaded (each held in host memory); one whose "
                     "requests arrive while every slot is used waits for a free slot. Default: "
                     f"the number of lora_modules, at most {DEFAULT_MAX_LORAS}")
+    max_cpu_loras: int | None = Field(
+        None, ge=1,
+        description="host copies of adapters kept (vLLM's max_cpu_loras): past it the least "
+                    "recently used copy is dropped, and read again from its folder when its "
+                    "adapter next takes a slot (so the folder must stay in place). None: all")
     max_lora_rank: int = Field(16, ge=1, le=1024, description="the largest adapter rank a slot "
                                                             "holds")
     lora_max_wait_steps: int | None = Field(

@@ -132,10 +132,11 @@ def test_lora_flags_reach_the_engine_config(tmp_path, capsys):
     assert config.lora_max_wait_steps == 64
     args = parse(["serve", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "3",
                   "--max-lora-rank", "64", "--allow-runtime-lora-updating",
-                  "--lora-max-wait-steps", "0"])
+                  "--lora-max-wait-steps", "0", "--max-cpu-loras", "5"])
     config = configs_from_args(args)[0]
     assert config.lora_modules == {"sql": "/a/sql", "chat": "/a/chat"}
-    assert (config.num_lora_slots, config.max_lora_rank, config.lora_max_wait_steps) == (3, 64, 0)
+    assert (config.num_lora_slots, config.max_lora_rank, config.lora_max_wait_steps,
+            config.max_cpu_loras) == (3, 64, 0, 5)
     assert args.allow_runtime_lora_updating
     with pytest.raises(ValueError, match="each adapter once"):
         configs_from_args(parse(["serve", "--lora-modules", "a=/x", "a=/y"]))

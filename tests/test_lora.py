@@ -163,6 +163,25 @@ def test_more_adapters_than_slots_take_turns_and_match_peft(tiny, case):
     assert (stats.num_preemptions > 0) == case.startswith("preempt")
 
 
+def test_host_copies_capped_by_max_cpu_loras(tiny):
+    """max_cpu_loras=1 with three adapters on one slot: at most one host copy is kept, an
+    adapter whose copy was dropped is read again from its folder when it next takes the slot,
+    and every request still gets PEFT's tokens."""
+    folder, base, adapters = tiny
+    modules = {name: str(folder / name) for name in adapters}
+    jobs = [(prompt, lora) for prompt in PROMPTS[:2] for lora in (*adapters, None)]
+    references = {None: base, **adapters}
+    with make_engine(folder / "base", lora_modules=modules, max_loras=1,
+                     max_cpu_loras=1) as engine:
+        got = submit_all(engine, jobs)
+        slots = engine._core.runner.lora
+        assert len(slots.registered) == 1 and len(slots.paths) == len(adapters)
+        assert slots.num_host_reloads >= len(adapters) - 1
+    assert got == [expected_tokens(references[lora], prompt) for prompt, lora in jobs]
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        kt.EngineConfig(max_cpu_loras=0)
+
+
 def test_load_and_unload_while_serving(tiny):
     """Adapters loaded and unloaded at run time, more of them than the engine's one slot; a
     name reloaded with another adapter serves the new one (no stale prefix-cache blocks)."""

@@ -71,6 +71,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          or cfg.max_num_seqs, num_speculative_tokens=mtp_tokens,
                          kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
                          max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,
+                         max_cpu_loras=cfg.max_cpu_loras,
                          # A parallel run registers them below, where every rank's refusal
                          # is heard.
                          lora_adapters=list(lora_adapters) if model.runtime is None else [],

@@ -1,11 +1,13 @@
-"""An engine's LoRA adapters: every registered adapter in host memory, `max_loras` device slots
-of stacked A/B weights per projection, and the per-step token mask that picks each token's slot
+"""An engine's LoRA adapters: registered adapters in host memory, `max_loras` device slots of
+stacked A/B weights per projection, and the per-step token mask that picks each token's slot
 (see ksana_llm.layers.lora).
 
-Registering an adapter reads its folder once, checks every module against the model and keeps,
-in host memory, the slices this rank's shards need, already in the model's dtype (pinned on
-CUDA). Activating it copies those into a device slot (the scheduler decides when and where, see
+Registering an adapter reads its folder, checks every module against the model and keeps, in
+host memory, the slices this rank's shards need, already in the model's dtype (pinned on CUDA).
+Activating it copies those into a device slot (the scheduler decides when and where, see
 engine.lora_residency). Slot 0 means "no adapter"; adapters run in slots 1..max_loras.
+With `max_cpu_loras` (vLLM's), at most that many host copies are kept, least recently used
+dropped first; activating an adapter whose copy was dropped reads its folder again.
 
 A projection gets its stacks the first time an adapter targets it, so a model whose adapters
 touch only q/v pays nothing for the MLP. Under tensor parallelism every rank reads the adapter
@@ -16,6 +18,7 @@ split A's columns (their partial deltas join the layer's all-reduce).
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -112,9 +115,11 @@ class _SlotWrite:
 class LoraSlots:
     def __init__(self, model: nn.Module, *, num_slots: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype,
-                 name_map: WeightMap | None = None) -> None:
+                 name_map: WeightMap | None = None, max_host_copies: int | None = None) -> None:
         if num_slots < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if max_host_copies is not None and max_host_copies < 1:
+            raise ValueError(f"max_cpu_loras must be at least 1, got {max_host_copies}")
         self.model = model
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -125,24 +130,41 @@ class LoraSlots:
         # modules, which the map renames as it renames their weights.
         self.name_map = name_map
         self.weights: dict[str, LoraWeights] = {}  # projection name -> its stacks
-        self.registered: dict[int, list[_SlotWrite]] = {}  # adapter id -> its host copy
+        self.paths: dict[int, str] = {}  # adapter id -> its folder, for every registered one
+        # adapter id -> its host copy, least recently used first (at most max_host_copies)
+        self.registered: OrderedDict[int, list[_SlotWrite]] = OrderedDict()
+        self.max_host_copies = max_host_copies
+        self.num_host_reloads = 0  # host copies read again after being dropped
         self.resident: dict[int, int] = {}  # slot -> adapter id
 
     # ---- registering and activating ------------------------------------------------------------
     def register(self, lora_id: int, path: str) -> None:
         """Read and check the adapter in `path`, and keep it as adapter `lora_id` (replacing
         what had that id). A bad adapter is a ValueError and changes nothing."""
+        writes = self._read(path)
+        self.paths[lora_id] = path
+        self._keep(lora_id, writes)
+
+    def _read(self, path: str) -> list[_SlotWrite]:
         adapter = load_lora_adapter(path)
         if adapter.max_rank > self.max_rank:
             raise ValueError(f"LoRA adapter {path!r} has rank {adapter.max_rank}, more than "
                              f"max_lora_rank ({self.max_rank})")
-        writes = [write for projection, index, weights in self._placements(adapter)
-                  for write in self._slot_writes(projection, index, weights.a, weights.b)]
+        return [write for projection, index, weights in self._placements(adapter)
+                for write in self._slot_writes(projection, index, weights.a, weights.b)]
+
+    def _keep(self, lora_id: int, writes: list[_SlotWrite]) -> None:
+        """Hold `writes` as the adapter's host copy, dropping the least recently used copies
+        past max_host_copies."""
         self.registered[lora_id] = writes
+        self.registered.move_to_end(lora_id)
+        while self.max_host_copies is not None and len(self.registered) > self.max_host_copies:
+            self.registered.popitem(last=False)
 
     def unregister(self, lora_id: int) -> None:
         """Forget adapter `lora_id`; a slot holding it is cleared."""
         self.registered.pop(lora_id, None)
+        self.paths.pop(lora_id, None)
         for slot, resident in list(self.resident.items()):
             if resident == lora_id:
                 self.clear(slot)
@@ -151,9 +173,13 @@ class LoraSlots:
     def activate(self, slot: int, lora_id: int) -> None:
         """Copy registered adapter `lora_id` into `slot` (1..num_slots), replacing what was
         there. On CUDA the copies are queued on the stream, after the steps already queued."""
-        writes = self.registered.get(lora_id)
-        if writes is None:
+        if lora_id not in self.paths:
             raise ValueError(f"LoRA adapter id {lora_id} is not registered")
+        writes = self.registered.get(lora_id)
+        if writes is None:  # dropped under max_cpu_loras: read the folder again
+            writes = self._read(self.paths[lora_id])
+            self.num_host_reloads += 1
+        self._keep(lora_id, writes)
         self.clear(slot)
         for write in writes:
             stacks = self._stacks(write.projection)

@@ -128,7 +128,7 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto",
                  kv_scales: Sequence[float] | None = None, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_adapters: Sequence[tuple[int, str]] = (),
-                 lora_weight_map: str | None = None) -> None:
+                 lora_weight_map: str | None = None, max_cpu_loras: int | None = None) -> None:
         self.model = model
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
@@ -147,13 +147,14 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
         self.sliding_window = model.sliding_window
         # LoRA: `max_loras` adapter slots; `lora_adapters` are (adapter id, folder) registered
         # now; `lora_weight_map`: the model's weight-name map file, which renames adapters'
-        # modules.
+        # modules; `max_cpu_loras`: host copies kept (None: all).
         self.lora: LoraSlots | None = None
         if max_loras:
             self.lora = LoraSlots(model, num_slots=max_loras, max_rank=max_lora_rank,
                                   device=device, dtype=dtype,
                                   name_map=load_weight_map(lora_weight_map)
-                                  if lora_weight_map else None)
+                                  if lora_weight_map else None,
+                                  max_host_copies=max_cpu_loras)
             for lora_id, path in lora_adapters:
                 self.lora.register(lora_id, path)
         self._capture_rows: dict[int, list[int]] = {}  # set by build()

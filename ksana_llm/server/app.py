@@ -232,8 +232,8 @@ ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_cuda_graphs",
                 "async_scheduling", "overlap_output_processing", "num_speculative_tokens",
                 "speculative_method", "speculative_disable_by_batch_size", "prompt_lookup_min",
-                "prompt_lookup_max", "kv_cache_dtype", "lora_modules", "max_loras", "max_lora_rank",
-                "lora_max_wait_steps")
+                "prompt_lookup_max", "kv_cache_dtype", "lora_modules", "max_loras",
+                "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps")
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
