@@ -17,7 +17,7 @@ from openai.types.responses import ResponseStreamEvent
 from ksana_llm.server.chat_output import ChoiceOutputParser
 from ksana_llm.server.errors import APIError, bad_request
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
-from ksana_llm.server.responses import _Events, _OutputEvents
+from ksana_llm.server.responses_events import OutputItems, SseEvents
 from ksana_llm.server.responses_protocol import input_messages, responses_error
 from ksana_llm.server.tool_parsers import get_tool_parser
 
@@ -40,8 +40,8 @@ def stream_events(pieces: list[str], reasoning: bool = True
     the finish): every event's payload, between a created and a completed event, and the
     items."""
     parser = make_parser(reasoning)
-    events = _Events()
-    items = _OutputEvents(events, parser)
+    events = SseEvents()
+    items = OutputItems(events, parser)
     response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
                 "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
                 "status": "in_progress"}
