@@ -3,9 +3,9 @@
 
 A response runs through the chat route's preparation (`chat_run.start_chat`: template, tools,
 output constraints, LoRA adapter by `model`), with the Responses request translated by
-`responses_protocol`. Output is one choice, read into items: `reasoning` (with a
-`--reasoning-parser`), `message` (text, with logprobs when `include` asks), `function_call`s
-(tools). Streaming sends OpenAI's typed events (`event: <type>` + `data:`, numbered by
+`responses_protocol`. Output is one choice, read into items (`responses_events`): `reasoning`
+(with a `--reasoning-parser`), `message` (text, with logprobs when `include` asks),
+`function_call`s (tools). Streaming sends OpenAI's typed events (`event: <type>` + `data:`, numbered by
 `sequence_number`, no `[DONE]`), ending with `response.completed` or `response.incomplete`.
 
 `store: true` (the default) keeps the response and its conversation in a bounded in-memory store

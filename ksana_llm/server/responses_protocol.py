@@ -57,12 +57,13 @@ class ResponsesRequest(_Request):
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
     prompt_cache_options: Any = None
+    # A cap on calls to OpenAI's built-in (hosted) tools, of which this server runs none.
+    max_tool_calls: int | None = Field(None, ge=0)
     # Refused when set (see `unsupported_params`).
     background: bool | None = None
     background_options: Any = None
     conversation: Any = None
     prompt: Any = None
-    max_tool_calls: int | None = None
     context_management: Any = None
     access_programs: Any = None
     image: Any = None
@@ -86,8 +87,8 @@ class ResponsesRequest(_Request):
 
     def unsupported_params(self) -> list[str]:
         found = [name for name in ("background", "background_options", "conversation", "prompt",
-                                   "max_tool_calls", "context_management", "access_programs",
-                                   "image", "moderation") if getattr(self, name)]
+                                   "context_management", "access_programs", "image",
+                                   "moderation") if getattr(self, name)]
         unknown = sorted(set(self.include or ()) - _IGNORED_INCLUDES - {LOGPROBS_INCLUDE})
         if unknown:
             found.append("include")
