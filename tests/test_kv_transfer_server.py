@@ -318,6 +318,16 @@ def test_responses_continue_on_the_decode_server_that_stored_them(prefill, decod
                  if httpx.get(f"{server.base_url}/responses/{first.id}").status_code == 200]
         assert len(homes) == 1  # stored on one server only
         assert routed.responses.retrieve(chain[-1].id).id == chain[-1].id
+        background = routed.responses.create(model="SmolLM2-135M-Instruct", input="Hi.",
+                                             max_output_tokens=4, background=True)
+        for _ in range(600):
+            polled = routed.responses.retrieve(background.id)
+            if polled.status != "in_progress":
+                break
+            time.sleep(0.1)
+        assert polled.status in ("completed", "incomplete") and polled.output_text
+        with pytest.raises(openai.BadRequestError):  # relayed: a finished one cannot be cancelled
+            routed.responses.cancel(background.id)
         items = routed.responses.input_items.list(chain[-1].id, order="asc", limit=100).data
         assert len(items) == 2 * len(chain) - 1  # each turn's input and output, then its own
         assert items[0].content[0].text == QUESTION[0]["content"]

@@ -160,6 +160,54 @@ def test_truncation_auto_drops_the_oldest_turns(client, model_name, hf_default_m
         client.responses.create(model=model_name, input=long_a * 3, truncation="auto")
 
 
+def _poll(client, response_id: str, timeout: float = 60):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
+
+
+def test_background_responses_are_polled_and_cancelled(client, server, model_name):
+    """`background: true` answers at once (in progress) and runs on; GET polls it to the same
+    answer as a plain request; POST /cancel stops a running one (stored as cancelled, its
+    sequence freed); refused: not stored, streamed, or continued while running."""
+    plain = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                    max_output_tokens=16)
+    started = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                      max_output_tokens=16, background=True)
+    assert started.status == "in_progress" and started.background and not started.output
+    done = _poll(client, started.id)
+    assert (done.status, done.output_text) == (plain.status, plain.output_text)
+    assert done.usage.output_tokens == plain.usage.output_tokens
+
+    long = client.responses.create(model=model_name, input="Count from one to one thousand.",
+                                   max_output_tokens=1500, background=True)
+    with pytest.raises(openai.BadRequestError) as running:
+        client.responses.create(model=model_name, input="x", previous_response_id=long.id)
+    assert running.value.body["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert cancelled.usage.output_tokens < 1500
+    assert _running(httpx.get(server.url + "/metrics").text) == 0
+    with pytest.raises(openai.BadRequestError):  # finished: nothing to cancel
+        client.responses.cancel(done.id)
+    for extra, param in (({"store": False}, "background"), ({"stream": True}, "stream")):
+        response = httpx.post(server.base_url + "/responses",
+                              json={"input": "x", "background": True, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def _running(metrics: str) -> float:
+    import re
+
+    return float(re.search(r"^ksana_llm:num_requests_running\S* (\S+)$", metrics, re.M)[1])
+
+
 def test_the_store_keeps_the_most_recent(client, model_name):
     """--max-stored-responses 4: the fifth answer pushes out the least recently used."""
     ids = [client.responses.create(model=model_name, input=f"Count to {i}.",
@@ -294,7 +342,8 @@ def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, 400,
      "text.format.schema"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
-    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "background": True, "store": False}, 400, "background"),
+    ({"input": "x", "conversation": "conv_1"}, 400, "conversation"),
     ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": "x", "temperature": 3}, 400, "temperature"),
     ({"input": "x", "surprise": 1}, 400, "surprise"),

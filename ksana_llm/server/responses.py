@@ -1,5 +1,5 @@
 """OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
-`GET /v1/responses/{id}/input_items`.
+`GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel` (background responses).
 
 A response runs through the chat route's preparation (`chat_run.start_chat`: template, tools,
 output constraints, LoRA adapter by `model`), with the Responses request translated by
@@ -16,6 +16,7 @@ over, as in OpenAI's API).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ksana_llm.server.chat_output import ChatDelta
+from ksana_llm.api.outputs import RequestError
 from ksana_llm.server.chat_run import ChatRun, start_chat
 from ksana_llm.server.errors import APIError, bad_request
 from ksana_llm.server.logprobs import chat_logprobs
@@ -42,7 +44,7 @@ from ksana_llm.server.responses_protocol import (
     responses_error,
 )
 from ksana_llm.server.responses_store import StoredResponse, item_page
-from ksana_llm.server.state import ServerState, server_state
+from ksana_llm.server.state import BackgroundResponse, ServerState, server_state
 from ksana_llm.server.submission import (
     CLIENT_CLOSED_REQUEST,
     AbortOnCloseStreamingResponse,
@@ -82,6 +84,9 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
         stored = state.responses.get(req.previous_response_id)
         if stored is None:
             raise not_found(req.previous_response_id, "previous_response_id")
+        if req.previous_response_id in state.background_responses:
+            raise bad_request("The previous response is still in progress.",
+                              param="previous_response_id")
         history = stored.items
     return _Plan(req, history + new_items, _chat_request(req, history + new_items))
 
@@ -172,7 +177,7 @@ def _response(plan: _Plan, run: ChatRun, status: str, output: list[dict[str, Any
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p,
         "top_logprobs": req.top_logprobs, "truncation": req.truncation or "disabled",
-        "usage": usage, "user": req.user, "metadata": req.metadata or {}, "background": False,
+        "usage": usage, "user": req.user, "metadata": req.metadata or {}, "background": bool(req.background),
     }
 
 
@@ -193,11 +198,27 @@ async def create_response(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, ResponsesRequest)
     plan = _plan(req, state)
+    if req.background:
+        if req.store is False:
+            raise bad_request("A background response must be stored (store: true).",
+                              param="background")
+        if req.stream:
+            raise bad_request("Streaming a background response is not supported; poll "
+                              "GET /v1/responses/{id}.", param="stream")
     run = await _start(plan, state)
+    if req.background:
+        return JSONResponse(_start_background(state, plan, run))
     if req.stream:
         return AbortOnCloseStreamingResponse(_stream(state, plan, run), run.choices)
     if not await wait_for_choices(run.choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(_complete(state, plan, run))
+
+
+def _output_items(state: ServerState, plan: _Plan, run: ChatRun,
+                  status: str | None = None) -> tuple[OutputItems, str]:
+    """The finished choice read into output items, and the response's status (`status` when
+    given, else from how the choice ended)."""
     out = run.choices.results()[0]
     parser = run.output_parser()
     items = OutputItems(SseEvents(), parser)
@@ -205,10 +226,56 @@ async def create_response(request: Request) -> Response:
         pass
     for _ in items.add(parser.finish(), []):
         pass
-    status = _status(out.finish_reason)
-    for _ in items.finish(status):
+    status = status or _status(out.finish_reason)
+    # A cancelled response's items are "incomplete" (items have no "cancelled" status).
+    for _ in items.finish("incomplete" if status == "cancelled" else status):
         pass
-    return JSONResponse(_answer(state, plan, run, status, items))
+    return items, status
+
+
+def _complete(state: ServerState, plan: _Plan, run: ChatRun) -> dict[str, Any]:
+    items, status = _output_items(state, plan, run)
+    return _answer(state, plan, run, status, items)
+
+
+# ---- background responses (`background: true`) ----------------------------------------------------
+
+def _start_background(state: ServerState, plan: _Plan, run: ChatRun) -> dict[str, Any]:
+    """Store the response as in progress and answer at once; a task waits for the choice and
+    stores the finished response (`GET /v1/responses/{id}` polls it)."""
+    body = _response(plan, run, "in_progress", [], None)
+    state.responses.put(body["id"], StoredResponse(body, plan.items))
+    task = asyncio.create_task(_finish_background(state, plan, run))
+    state.background_responses[run.request_id] = BackgroundResponse(run, task)
+    return body
+
+
+async def _finish_background(state: ServerState, plan: _Plan, run: ChatRun) -> None:
+    entry_id = run.request_id
+    try:
+        failure = None
+        try:
+            await asyncio.gather(*(h.aresult() for h in run.choices.handles))
+        except RequestError as exc:
+            failure = str(exc)
+        entry = state.background_responses.get(entry_id)
+        cancelled = entry is not None and entry.cancelled
+        if failure is not None and not cancelled:
+            body = _failed(plan, run, [], "server_error", failure)
+        else:
+            items, status = _output_items(state, plan, run, "cancelled" if cancelled else None)
+            if status == "failed":
+                body = _failed(plan, run, items.output, "server_error",
+                               "The request was aborted before it finished.")
+            else:
+                output_tokens = len(run.choices.results()[0].token_ids)
+                body = _response(plan, run, status, items.output,
+                                 _usage(state, run, output_tokens, items.reasoning))
+        state.responses.put(entry_id, StoredResponse(body, plan.items))
+    except Exception:  # noqa: BLE001 - a background task has no caller to raise to
+        logger.exception("background response %s failed", entry_id)
+    finally:
+        state.background_responses.pop(entry_id, None)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -238,6 +305,25 @@ async def list_input_items(response_id: str, request: Request, limit: int = 20,
     except LookupError as exc:
         raise bad_request(f"No input item with id '{after if exc.args[0] == 'after' else before}'"
                           " in this response.", param=exc.args[0]) from None
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    """Stop a background response that is still running; it is stored as "cancelled", with
+    what it had written."""
+    state = server_state(request)
+    stored = state.responses.get(response_id)
+    entry = state.background_responses.get(response_id)
+    if entry is None:
+        if stored is None:
+            raise not_found(response_id)
+        raise bad_request("Only a background response that is still in progress can be "
+                          "cancelled.", param=None)
+    entry.cancelled = True
+    entry.run.choices.abort_unfinished()
+    await asyncio.shield(entry.task)
+    stored = state.responses.get(response_id)
+    return JSONResponse(stored.body if stored is not None else {})
 
 
 @router.delete("/v1/responses/{response_id}")

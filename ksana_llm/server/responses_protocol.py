@@ -59,8 +59,9 @@ class ResponsesRequest(_Request):
     prompt_cache_options: Any = None
     # A cap on calls to OpenAI's built-in (hosted) tools, of which this server runs none.
     max_tool_calls: int | None = Field(None, ge=0)
-    # Refused when set (see `unsupported_params`).
+    # Answer at once and run on (GET /v1/responses/{id} polls, POST .../cancel stops it).
     background: bool | None = None
+    # Refused when set (see `unsupported_params`).
     background_options: Any = None
     conversation: Any = None
     prompt: Any = None
@@ -86,7 +87,7 @@ class ResponsesRequest(_Request):
         return effort
 
     def unsupported_params(self) -> list[str]:
-        found = [name for name in ("background", "background_options", "conversation", "prompt",
+        found = [name for name in ("background_options", "conversation", "prompt",
                                    "context_management", "access_programs", "image",
                                    "moderation") if getattr(self, name)]
         unknown = sorted(set(self.include or ()) - _IGNORED_INCLUDES - {LOGPROBS_INCLUDE})

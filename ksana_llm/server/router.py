@@ -216,9 +216,9 @@ class Router:
 
     async def stored_response(self, method: str, response_id: str, suffix: str = "",
                               query: str = "") -> Response:
-        """GET or DELETE a stored response (or, with `suffix` "/input_items", GET its input
-        items) on the server that holds it (one the router does not know: each decode server
-        in turn, until one has it)."""
+        """GET or DELETE a stored response (or, with `suffix`, GET its "/input_items" or POST
+        its "/cancel") on the server that holds it (one the router does not know: each decode
+        server in turn, until one has it)."""
         known = self._response_servers.get(response_id)
         path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
         for server in [known] if known else self.config.decode_urls:
@@ -367,6 +367,10 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, request: Request) -> Response:
         return await request.app.state.router.stored_response(request.method, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        return await request.app.state.router.stored_response("POST", response_id, "/cancel")
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, request: Request) -> Response:

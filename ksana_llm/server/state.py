@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,15 @@ from ksana_llm.server.tool_parsers import ToolParser
 
 
 @dataclass
+class BackgroundResponse:
+    """A `/v1/responses` request with `background: true` that is still running."""
+
+    run: Any  # its server.chat_run.ChatRun
+    task: asyncio.Task  # waits for it, then stores the finished response
+    cancelled: bool = False  # POST /v1/responses/{id}/cancel asked to stop it
+
+
+@dataclass
 class ServerState:
     engine: Engine
     served_model_name: str
@@ -35,6 +45,7 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
+    background_responses: dict[str, BackgroundResponse] = field(default_factory=dict)
     # --generation-config: what a request that leaves a sampling parameter out gets
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
