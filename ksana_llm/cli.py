@@ -148,8 +148,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="KsanaLLM YAML config; the flags below override it")
     parser.add_argument("--model", default=None,
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` (default: the model folder's name)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the name clients pass as `model` (default: the model folder's "
+                             "name); more names are aliases, the first is the one reported")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),

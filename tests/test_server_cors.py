@@ -1,6 +1,7 @@
 """Server-wide flags on a real server process: CORS for browser clients (vLLM's
 --allowed-origins / --allowed-methods / --allowed-headers, answered before the API key is
-checked, since a browser's preflight never carries it) and --return-tokens-as-token-ids."""
+checked, since a browser's preflight never carries it), --return-tokens-as-token-ids, and
+several --served-model-name aliases."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def server(default_model_dir):
     proc = ServerProcess(["--num-device-blocks", "64", "--max-model-len", "256",
                           "--api-key", KEY, "--allowed-origins", f'["{APP}"]',
                           "--allowed-methods", '["GET", "POST"]',
-                          "--return-tokens-as-token-ids"])
+                          "--return-tokens-as-token-ids",
+                          "--served-model-name", "smol", "smol-latest"])
     yield proc
     proc.stop()
 
@@ -51,3 +53,15 @@ def test_every_logprob_token_is_named_by_id(server):
                                        max_tokens=4, temperature=0, logprobs=1).choices[0]
     assert all(t.startswith("token_id:") for t in choice.logprobs.tokens)
     assert all(k.startswith("token_id:") for top in choice.logprobs.top_logprobs for k in top)
+
+
+def test_every_served_name_is_the_model(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["smol", "smol-latest"]
+    answers = [client.completions.create(model=name, prompt="The capital of France is",
+                                         max_tokens=4, temperature=0) for name in
+               ("smol", "smol-latest")]
+    assert answers[0].choices[0].text == answers[1].choices[0].text
+    assert [a.model for a in answers] == ["smol", "smol-latest"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)

@@ -11,7 +11,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +94,8 @@ class OutputParsing:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
 
 
-def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = None,
+def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
+              api_key: str | None = None,
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               mount_extensions: bool = True, parsing: OutputParsing | None = None,
               kv_role: str | None = None, kv_transfer_ttl_s: float | None = None,
@@ -105,6 +106,7 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
               cors: CorsSettings | None = None) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
+    `served_model_name`: the name requests give as `model` (several: aliases of the first).
     `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
     ("prefill", "decode", "both"): the server's part in disaggregated serving (`server.kv_transfer`);
     `kv_prefill_urls`: the prefill servers a decode server may fetch KV from (None: any).
@@ -124,11 +126,17 @@ def build_app(engine: Engine, *, served_model_name: str, api_key: str | None = N
     if engine.tokenizer is None:
         raise ValueError("the OpenAI server needs a tokenizer; this model folder has none")
     transfer = _kv_transfer(engine, kv_role, kv_transfer_ttl_s, api_key, kv_prefill_urls)
-    if served_model_name in engine.lora_adapters:
-        raise ValueError(f"LoRA adapter name {served_model_name!r} is the served model's name")
+    names = (served_model_name,) if isinstance(served_model_name, str) \
+        else tuple(served_model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("served_model_name: give one or more non-empty names")
+    for name in names:
+        if name in engine.lora_adapters:
+            raise ValueError(f"LoRA adapter name {name!r} is a served model name")
 
     state = ServerState(
-        engine=engine, served_model_name=served_model_name, chat_template=chat_template,
+        engine=engine, served_model_name=names[0], model_aliases=names[1:],
+        chat_template=chat_template,
         limits=ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model.vocab_size),
         token_texts=TokenTexts(engine.tokenizer),
         tool_parser=(get_tool_parser(parsing.tool_call_parser)

@@ -40,7 +40,7 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
     state = server_state(request)
     req = await parse_body(request, LoadLoraAdapterRequest)
     state.check_alive()
-    if req.lora_name == state.served_model_name:
+    if req.lora_name in (state.served_model_name, *state.model_aliases):
         raise bad_request(f"The adapter name {req.lora_name!r} is the served model's.",
                           param="lora_name")
     try:

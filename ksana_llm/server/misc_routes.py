@@ -59,7 +59,8 @@ async def version() -> JSONResponse:
 async def list_models(request: Request) -> JSONResponse:
     state = server_state(request)
     base = state.served_model_name
-    cards = [ModelCard(id=base, root=base, max_model_len=state.limits.max_model_len)]
+    cards = [ModelCard(id=name, root=base, max_model_len=state.limits.max_model_len)
+             for name in (base, *state.model_aliases)]
     cards += [ModelCard(id=name, root=path, parent=base, max_model_len=state.limits.max_model_len)
               for name, path in state.engine.lora_adapters.items()]
     return JSONResponse(ModelList(data=cards).model_dump())

@@ -45,6 +45,7 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
+    model_aliases: tuple[str, ...] = ()  # more names for the served model (--served-model-name)
     background_responses: dict[str, BackgroundResponse] = field(default_factory=dict)
     # --generation-config: what a request that leaves a sampling parameter out gets
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -92,7 +93,7 @@ class ServerState:
         """The LoRA adapter a request's `model` names, or None for the base model. An omitted
         model means the one being served (as vLLM does); a name that is neither the served
         model nor a loaded adapter is a 404."""
-        if name is None or name == self.served_model_name:
+        if name is None or name == self.served_model_name or name in self.model_aliases:
             return None
         if name in self.engine.lora_adapters:
             return name
