@@ -26,14 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file, or with -m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ksana_llm as kt  # noqa: E402
 from benchmarks.engine_steps import count_steps  # noqa: E402
-from benchmarks.ngram_speculation import hf_greedy  # noqa: E402
+from benchmarks.ngram_speculation import _sync, hf_greedy  # noqa: E402
 
 TASKS = ["Write a short poem about the sea.", "Tell me a short story about a brave mouse.",
          "Describe a sunrise over the mountains.", "Write a limerick about a cat who cooks.",
@@ -56,8 +55,7 @@ def run(model: kt.Model, prompts: list[list[int]], predictions: list | None, k: 
             request = kt.Request(prompt, config,
                                  prediction=predictions[i] if predictions else None)
             tokens.append(engine.submit(request).result(timeout=600).token_ids)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
+        _sync(model.device)
         seconds = time.perf_counter() - start
         stats = engine.stats()
     return (seconds, tokens, counter["steps"], stats.num_draft_tokens - base.num_draft_tokens,

@@ -150,15 +150,20 @@ def _failed(plan: _Plan, run: ChatRun, output: list[dict[str, Any]], code: str,
 def _answer(state: ServerState, plan: _Plan, run: ChatRun, status: str,
             items: OutputItems) -> dict[str, Any]:
     """The finished response (stored when asked; a failed one never is)."""
+    body = _finished_body(state, plan, run, status, items)
+    if status != "failed" and plan.req.store is not False:
+        state.responses.put(body["id"], StoredResponse(body, plan.items))
+    return body
+
+
+def _finished_body(state: ServerState, plan: _Plan, run: ChatRun, status: str,
+                   items: OutputItems) -> dict[str, Any]:
     if status == "failed":
         return _failed(plan, run, items.output, "server_error",
                        "The request was aborted before it finished.")
     output_tokens = len(run.choices.results()[0].token_ids)
-    body = _response(plan, run, status, items.output,
+    return _response(plan, run, status, items.output,
                      _usage(state, run, output_tokens, items.reasoning))
-    if plan.req.store is not False:
-        state.responses.put(body["id"], StoredResponse(body, plan.items))
-    return body
 
 
 def _response(plan: _Plan, run: ChatRun, status: str, output: list[dict[str, Any]],
@@ -264,13 +269,7 @@ async def _finish_background(state: ServerState, plan: _Plan, run: ChatRun) -> N
             body = _failed(plan, run, [], "server_error", failure)
         else:
             items, status = _output_items(state, plan, run, "cancelled" if cancelled else None)
-            if status == "failed":
-                body = _failed(plan, run, items.output, "server_error",
-                               "The request was aborted before it finished.")
-            else:
-                output_tokens = len(run.choices.results()[0].token_ids)
-                body = _response(plan, run, status, items.output,
-                                 _usage(state, run, output_tokens, items.reasoning))
+            body = _finished_body(state, plan, run, status, items)  # stored even if failed
         state.responses.put(entry_id, StoredResponse(body, plan.items))
     except Exception:  # noqa: BLE001 - a background task has no caller to raise to
         logger.exception("background response %s failed", entry_id)
