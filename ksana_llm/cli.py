@@ -10,11 +10,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES, SPECULATIVE_METHODS
+from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES, SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS
 
 _SPECULATIVE_METHOD_HELP = ("where drafts come from: mtp = the model's MTP layer (DeepSeek V3/R1 "
                             "with MTP weights); ngram = the sequence's own history (prompt "
                             "lookup, any model)")
+_QUANTIZATION_HELP = ("fp8: keep the projections' weights as FP8 with per-row scales (half the "
+                      "memory of 16-bit weights); FP8 checkpoints load as FP8 without it")
 _KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / fp8_e4m3 (= fp8) "
                         "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
 
@@ -24,6 +26,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
+                        help=_QUANTIZATION_HELP)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=None,
                         help="sample with this temperature (default: greedy)")
@@ -56,7 +60,7 @@ def _engine(args: argparse.Namespace):
                   generation_config=_generation_config(args),
                   num_speculative_tokens=args.num_speculative_tokens,
                   speculative_method=args.speculative_method,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def _render_chat(engine, messages: list[dict[str, str]]) -> str | list[int]:
@@ -268,6 +272,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="ngram method: the longest run of last tokens looked up (default 4)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                         help=_KV_CACHE_DTYPE_HELP)
+    parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
+                        help=_QUANTIZATION_HELP)
     # LoRA adapters (vLLM's flags); a request picks one with its `model` field.
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         type=_lora_module,

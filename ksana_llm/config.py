@@ -15,6 +15,10 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 # KV cache storage (kernels.kv_quant.FP8_KV_DTYPES): "auto" = the model's dtype; "fp8" = E4M3.
 KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
+# Weight quantization at load (loader.fp8_weights.WEIGHT_QUANTIZATIONS): "fp8" = the projections'
+# weights as FP8 with per-row scales. An FP8 checkpoint stays FP8 without it.
+WeightQuantization = Literal["fp8"]
+WEIGHT_QUANTIZATIONS: tuple[str, ...] = get_args(WeightQuantization)
 
 # Where speculative decoding's drafts come from: the model's MTP layer, or the sequence itself.
 SpeculativeMethod = Literal["mtp", "ngram"]
@@ -38,6 +42,12 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="HF folder or .gguf file; None -> default model")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     dtype: DType = Field("auto", description="'auto' = float32 on CPU, bfloat16 on CUDA")
+    quantization: WeightQuantization | None = Field(
+        None, description="'fp8': keep the projections' weights as FP8 (E4M3, one scale per "
+                          "row), quantized as they load: half the memory of 16-bit weights "
+                          "(KsanaLLM quantization_config.weight.quant_method fp8_e4m3, vLLM "
+                          "--quantization fp8). FP8 checkpoints (quant_method 'fp8') load as "
+                          "FP8 either way")
 
     # KV cache (KsanaLLM block_manager.*)
     block_token_num: int = Field(16, ge=1, le=1024, description="tokens per KV block")

@@ -115,6 +115,14 @@ def _kv_role(value: str) -> str | None:
     return value
 
 
+def _weight_quant_method(value: str) -> str | None:
+    methods = {"auto": None, "fp8_e4m3": "fp8", "fp8": "fp8"}
+    if value not in methods:
+        raise ValueError("setting.quantization_config.weight.quant_method must be auto or "
+                         f"fp8_e4m3, got {value!r}")
+    return methods[value]
+
+
 _BS = "setting.batch_scheduler."
 _BM = "setting.block_manager."
 _SCHEMA: Mapping[str, _Key] = MappingProxyType({
@@ -147,6 +155,9 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     "setting.connector.task_expire_sec": _Key("float", server="kv_transfer_ttl_s"),
     # auto, fp8_e5m2 or fp8_e4m3 (KsanaLLM's values; vLLM's "fp8" is accepted too).
     "setting.quantization_config.kv_cache.dtype": _Key("str", field="kv_cache_dtype"),
+    # auto (the checkpoint's weights as they are) or fp8_e4m3 (online FP8 weights).
+    "setting.quantization_config.weight.quant_method": _Key("str", field="quantization",
+                                                            convert=_weight_quant_method),
 })
 
 # KsanaLLM keys (and whole sections) that exist upstream but mean nothing here yet: they get a more
@@ -165,8 +176,8 @@ _UNSUPPORTED: frozenset[str] = frozenset({
     _BS + "attention_dp_lb_config",
     _BM + "dynamic_reusable_memory_ratio", _BM + "enable_block_checksum",
     "setting.attn_backend", "setting.kernel_config",
-    # Weight quantization (GPTQ / AWQ / FP8 weights); only the KV cache's dtype is read.
-    "setting.quantization_config.gptq_backend", "setting.quantization_config.weight",
+    # GPTQ / AWQ kernels: those checkpoints are not supported.
+    "setting.quantization_config.gptq_backend",
     "setting.profiler", "setting.endpoint_type", "setting.tokenization",
     # The connector's transport and cluster keys: our servers talk HTTP, a router routes.
     *("setting.connector." + key for key in (

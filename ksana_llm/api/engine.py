@@ -72,7 +72,8 @@ class Engine(LoraControl, ChatMixin):
             model = Model.from_pretrained(
                 model if model is not None else self.config.model, device=self.config.device,
                 dtype=self.config.dtype, tensor_parallel_size=self.config.tensor_parallel_size,
-                pipeline_parallel_size=self.config.pipeline_parallel_size)
+                pipeline_parallel_size=self.config.pipeline_parallel_size,
+                quantization=self.config.quantization)
         self.model = model
         self.tokenizer = tokenizer or model.tokenizer
         self.generation_config = generation_config or GenerationConfig()

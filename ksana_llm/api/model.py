@@ -16,7 +16,7 @@ from ksana_llm.api.plugin import Plugin, load_plugin
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
-from ksana_llm.models.factory import check_parallel_sizes, load_model_module
+from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -126,19 +126,22 @@ class Model:
     def from_pretrained(cls, path: str | os.PathLike | None = None, *, device: str | None = "auto",
                         dtype: str | torch.dtype | None = "auto", tensor_parallel_size: int = 1,
                         pipeline_parallel_size: int = 1, progress: bool = True,
-                        plugin: bool | str | os.PathLike = True) -> Model:
+                        plugin: bool | str | os.PathLike = True,
+                        quantization: str | None = None) -> Model:
         """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct.
 
         Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
         package has one (see `ksana_llm.loader.weight_map`). `plugin`: True loads the folder's
         `ksana_plugin.py` if there is one, False never runs plugin code, a path loads that file
-        (see `ksana_llm.api.plugin`).
+        (see `ksana_llm.api.plugin`). `quantization` "fp8" keeps the projections' weights as FP8
+        (per-row scales, quantized as they load); an FP8 checkpoint loads as FP8 without it.
 
         `tensor_parallel_size` > 1 (0: every visible GPU) or `pipeline_parallel_size` > 1 starts
         one worker process per extra rank; this process is rank 0. With KsanaLLM's multi-node
         variables set (WORLD_SIZE > 1, NODE_RANK 0, MASTER_HOST, MASTER_PORT) the nodes are the
         pipeline stages and the other nodes' ranks join from their own `ksana-llm serve`.
         """
+        check_quantization(quantization)
         if not isinstance(plugin, (bool, str, os.PathLike)):
             raise ValueError(f"plugin must be True, False or the path of a ksana_plugin.py, got {plugin!r}")
         torch_device = resolve_device(device)
@@ -153,13 +156,14 @@ class Model:
         if tp_size * pp_size > 1 or node is not None:
             check_parallel_sizes(model_dir, hf_config, tp_size, pp_size)
             spec = LaunchSpec(str(model_dir), str(torch_dtype).removeprefix("torch."),
-                              torch_device.type, tp_size, pp_size)
+                              torch_device.type, tp_size, pp_size, quantization=quantization)
             runtime, workers = start_master(spec, node)
             torch_device = runtime.device
         try:
             module, _ = load_model_module(model_dir, device=torch_device, dtype=torch_dtype,
                                           parallel=None if runtime is None else runtime.ctx,
-                                          progress=progress, hf_config=hf_config)
+                                          progress=progress, hf_config=hf_config,
+                                          quantization=quantization)
         except BaseException:
             stop_workers(workers)
             if runtime is not None:

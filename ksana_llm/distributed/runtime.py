@@ -33,6 +33,7 @@ class LaunchSpec:
     master_host: str = "127.0.0.1"
     master_port: int = 0
     timeout_s: float = 300.0
+    quantization: str | None = None  # EngineConfig.quantization
 
     @property
     def world_size(self) -> int:

@@ -66,7 +66,8 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
     runtime = init_runtime(spec, rank)
     try:
         module, dtype = load_model_module(spec.model_dir, device=runtime.device, dtype=spec.dtype,
-                                          parallel=runtime.ctx, progress=False)
+                                          parallel=runtime.ctx, progress=False,
+                                          quantization=spec.quantization)
         serve_steps(runtime, module, dtype)
     except Exception:
         logger.exception("worker rank %d failed", rank)

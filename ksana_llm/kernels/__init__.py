@@ -8,6 +8,7 @@
                             *, sliding_window=None, alibi_slopes=None, out=None)
                                                                            prefill_attention.py
     rms_norm(x, weight, eps, residual=None)                                rmsnorm.py
+    fp8_linear(x, weight, scale, group_size, bias=None)                    fp8_matmul.py
     apply_rotary_(q, k, cos, sin)                                          rotary.py
     reference.*: the torch definitions of all of the above
 
@@ -28,6 +29,7 @@ import torch
 if TYPE_CHECKING:  # the names __getattr__ serves, for type checkers and IDEs
     from ksana_llm.kernels.decode_attention import (  # noqa: F401
         choose_num_splits, paged_decode_attention)
+    from ksana_llm.kernels.fp8_matmul import fp8_linear  # noqa: F401
     from ksana_llm.kernels.kv_store import store_kv  # noqa: F401
     from ksana_llm.kernels.prefill_attention import paged_prefill_attention  # noqa: F401
     from ksana_llm.kernels.rmsnorm import rms_norm  # noqa: F401
@@ -40,6 +42,7 @@ _LAZY = {
     "choose_num_splits": "decode_attention",
     "paged_prefill_attention": "prefill_attention",
     "rms_norm": "rmsnorm",
+    "fp8_linear": "fp8_matmul",
     "apply_rotary_": "rotary",
 }
 

@@ -8,7 +8,9 @@ import os
 import torch
 from torch import nn
 
+from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE
 from ksana_llm.layers.lora import LoraBatch
+from ksana_llm.loader.fp8_weights import Fp8Weight, quantize_fp8_rows
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -67,7 +69,93 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class MergedLinear(nn.Module):
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x times an FP8 weight. On a GPU, batches of up to 64 rows (decode steps) take the Triton
+    kernel, which reads the weight's bytes once; larger ones, and the CPU, dequantize the weight
+    to x's dtype and run the dense matmul (the torch reference)."""
+    if x.is_cuda and x.numel() <= 64 * x.shape[-1]:
+        from ksana_llm.kernels import triton_available
+
+        if triton_available():
+            from ksana_llm.kernels.fp8_matmul import fp8_linear, kernel_block_k
+
+            if kernel_block_k(group_size, scale.shape[1] == 1) is not None:
+                return fp8_linear(x, weight, scale, group_size, bias)
+    from ksana_llm.kernels.reference import fp8_linear_ref
+
+    return fp8_linear_ref(x, weight, scale, group_size, bias)
+
+
+class Fp8Storage(nn.Module):
+    """What a projection needs to keep its weight as FP8 (see `loader.fp8_weights`): the weight
+    parameter turns FP8 when the first FP8 tensor arrives, with a `weight_scale` buffer of
+    [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
+    full-precision tensors per row as they arrive; `fp8_capable` False (a weight other code reads
+    as a dense matrix, MLA's absorbed `kv_b_proj`) takes FP8 tensors dequantized."""
+
+    weight: nn.Parameter
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight_scale: torch.Tensor | None
+        self.register_buffer("weight_scale", None, persistent=False)
+        self.weight_group_size = 0
+        self.fp8_capable = True
+        self.quantize_on_load = False
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def incoming(self, tensor: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
+        """A checkpoint tensor in the form this module stores: FP8 (switching storage on the
+        first one) or dense."""
+        if not self.fp8_capable:
+            return tensor.dequantize() if isinstance(tensor, Fp8Weight) else tensor
+        if isinstance(tensor, torch.Tensor) and self.quantize_on_load:
+            tensor = quantize_fp8_rows(tensor)
+        if isinstance(tensor, Fp8Weight):
+            self._store_fp8(tensor.scale.shape[1], tensor.group_size)
+        elif self.is_fp8:
+            raise ValueError("a full-precision part for a projection whose other parts are FP8")
+        return tensor
+
+    def _store_fp8(self, num_groups: int, group_size: int) -> None:
+        if self.is_fp8:
+            if (num_groups, group_size) != (self.weight_scale.shape[1], self.weight_group_size):
+                raise ValueError("the parts of a fused projection have different FP8 scale "
+                                 f"blocks ({num_groups} x {group_size} vs "
+                                 f"{self.weight_scale.shape[1]} x {self.weight_group_size})")
+            return
+        rows, device = self.weight.shape[0], self.weight.device
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_WEIGHT_DTYPE,
+                                               device=device), requires_grad=False)
+        # A buffer, not a parameter: the checkpoint's `weight_scale_inv` arrives inside the
+        # weight's Fp8Weight, so the loader expects no tensor of this name.
+        self.register_buffer("weight_scale", torch.ones(rows, num_groups, device=device),
+                             persistent=False)
+        self.weight_group_size = group_size
+
+    def copy_rows(self, offset: int, tensor: torch.Tensor | Fp8Weight) -> None:
+        """Fill rows [offset, offset + rows) of the weight (and its scales)."""
+        rows = tensor.shape[0]
+        if isinstance(tensor, Fp8Weight):
+            self.weight.data[offset:offset + rows].copy_(tensor.data)
+            self.weight_scale[offset:offset + rows].copy_(tensor.scale)
+        else:
+            self.weight.data[offset:offset + rows].copy_(tensor)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None,
+                packed: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias)
+        if packed is not None and x.dim() == 2:
+            return packed_linear(x, packed, bias)
+        return nn.functional.linear(x, self.weight, bias)
+
+
+class MergedLinear(Fp8Storage):
     """One matmul for several projections stacked along the output dim (QKV, gate/up).
 
     Checkpoints store the parts separately; `load_shard` copies part `index` into its rows. Under
@@ -96,16 +184,19 @@ class MergedLinear(nn.Module):
         self._packed = prepack_cpu_weight(self.weight)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        if self._packed is not None and x.dim() == 2:
-            y = packed_linear(x, self._packed, self.bias)
-        else:
-            y = nn.functional.linear(x, self.weight, self.bias)
+        y = self.project(x, self.bias, self._packed)
         return y if lora is None else lora.add_delta(self.lora_name, x, y)
 
-    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor, index: int) -> None:
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor | Fp8Weight, index: int
+                   ) -> None:
         if tensor.shape[0] != self.full_sizes[index]:
             raise ValueError(f"shard {index} has {tensor.shape[0]} rows, "
                              f"expected {self.full_sizes[index]}")
         first, size = self.shards[index]
         offset = self.offsets[index]
-        param.data[offset:offset + size].copy_(tensor[first:first + size])
+        if param is not self.weight:  # the bias
+            param.data[offset:offset + size].copy_(tensor[first:first + size])
+            return
+        local = tensor.rows(first, size) if isinstance(tensor, Fp8Weight) \
+            else tensor[first:first + size]
+        self.copy_rows(offset, self.incoming(local))

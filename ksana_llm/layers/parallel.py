@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext, balanced_split
-from ksana_llm.layers.linear import packed_linear, prepack_cpu_weight
+from ksana_llm.layers.linear import Fp8Storage, prepack_cpu_weight
 from ksana_llm.layers.lora import LoraBatch
+from ksana_llm.loader.fp8_weights import Fp8Weight, dense
 
 SINGLE = ParallelContext()
 
@@ -63,8 +64,10 @@ def check_heads_divisible(num_heads: int, ctx: ParallelContext) -> None:
                          f"{num_heads} attention heads")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Fp8Storage):
     """y = sum over ranks of x_r @ W_r^T, + bias: the input features are split."""
+
+    takes_fp8_weights = True  # the weight loader hands it FP8 checkpoint weights as they are
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  ctx: ParallelContext = SINGLE, reduce_output: bool = True) -> None:
@@ -88,10 +91,7 @@ class RowParallelLinear(nn.Module):
         ctx = self.ctx
         # Under TP rank 0 adds the bias to its partial sum, so the sum has it once.
         bias_now = self.bias if ctx.tp_rank == 0 else None
-        if self._packed is not None and x.dim() == 2:
-            y = packed_linear(x, self._packed, bias_now)
-        else:
-            y = F.linear(x, self.weight, bias_now)
+        y = self.project(x, bias_now, self._packed)
         if lora is not None:
             # This rank's input columns through A (a column slice of it), then the whole B: B is
             # linear, so the ranks' partial deltas sum to the full one in the same all-reduce.
@@ -101,17 +101,19 @@ class RowParallelLinear(nn.Module):
     def expected_checkpoint_keys(self) -> list[str]:
         return ["weight"] if self.bias is None else ["weight", "bias"]
 
-    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | Fp8Weight) -> list[str]:
         if name == "bias" and self.bias is not None:
-            self.bias.data.copy_(tensor)
+            self.bias.data.copy_(dense(tensor))
             return ["bias"]
         if name != "weight":
             raise ValueError(f"unexpected checkpoint tensor {name!r} for a row-parallel linear")
-        local = tensor[:, self.in_start:self.in_start + self.weight.shape[1]]
-        if local.shape != self.weight.shape:
+        local_in = self.weight.shape[1]
+        if tensor.shape != (self.weight.shape[0], self.in_features):
             raise ValueError(f"weight: shape {tuple(tensor.shape)} does not fit "
                              f"{tuple(self.weight.shape)} on TP rank {self.ctx.tp_rank}")
-        self.weight.data.copy_(local)
+        local = tensor.columns(self.in_start, local_in) if isinstance(tensor, Fp8Weight) \
+            else tensor[:, self.in_start:self.in_start + local_in]
+        self.copy_rows(0, self.incoming(local))
         return ["weight"]
 
 

@@ -54,13 +54,6 @@ def _check_config(config: Any) -> None:
         value = getattr(config, field, supported)
         if value != supported:
             raise ValueError(f"{field}={value!r} is not supported (DeepSeek-V3 uses {supported!r})")
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        # The hub's DeepSeek-V3 / R1 are fp8 with per-block scales (`weight_scale_inv`); the
-        # loader has no dequantization yet, so say so before reading 700 GB.
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"quantization_config ({method}) is not supported yet; convert the "
-                         "checkpoint to bfloat16 first")
     first_dense = getattr(config, "first_k_dense_replace", 0) or 0
     if first_dense < 0:
         raise ValueError(f"first_k_dense_replace must be >= 0, got {first_dense}")

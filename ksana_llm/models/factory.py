@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext
+from ksana_llm.layers.linear import Fp8Storage
 from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
 from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
+from ksana_llm.loader.fp8_weights import (WEIGHT_QUANTIZATIONS, Fp8CheckpointFormat,
+                                          pair_fp8_tensors)
 from ksana_llm.models.llama import LlamaForCausalLM
 from ksana_llm.models.registry import model_class_for
 
@@ -65,12 +68,31 @@ def check_parallel_sizes(model_dir: str | Path, hf_config: Any, tp_size: int, pp
         raise ValueError(f"pipeline_parallel_size {pp_size} is more than the model's {layers} layers")
 
 
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {', '.join(WEIGHT_QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+
+
+def quantize_projections_on_load(module: nn.Module) -> int:
+    """Online FP8: every projection that can keep FP8 weights quantizes them per row as they
+    load (embeddings, norms, the LM head, MoE experts and routers stay as they are); how many."""
+    projections = [m for m in module.modules() if isinstance(m, Fp8Storage) and m.fp8_capable]
+    for projection in projections:
+        projection.quantize_on_load = True
+    return len(projections)
+
+
 def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | str,
                       parallel: ParallelContext | None = None, progress: bool = True,
-                      hf_config: Any = None) -> tuple[nn.Module, torch.dtype]:
-    """(module with its weights loaded, in eval mode; its dtype)."""
+                      hf_config: Any = None, quantization: str | None = None
+                      ) -> tuple[nn.Module, torch.dtype]:
+    """(module with its weights loaded, in eval mode; its dtype). An FP8 checkpoint's projections
+    stay FP8; `quantization` "fp8" makes a full-precision checkpoint's projections FP8."""
+    check_quantization(quantization)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
+    fp8_format = Fp8CheckpointFormat.from_hf_config(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     weight_map_path = find_weight_map(model_dir, model_type)
     # Validate the map before building anything: a broken map should fail in milliseconds.
@@ -80,7 +102,13 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     with torch.device("meta"):
         module = build_module(model_cls, hf_config, parallel)
     module = module.to(torch_dtype).to_empty(device=device)
+    if quantization == "fp8" and fp8_format is None:
+        logger.info("quantizing %d projections to FP8 (per-row scales) as they load",
+                    quantize_projections_on_load(module))
     weights = iterate_weights(model_dir, progress=progress)
+    if fp8_format is not None:
+        # Paired before the weight map renames anything, so a map needs no scale entries.
+        weights = pair_fp8_tensors(weights, fp8_format)
     if weight_map is not None:
         logger.info("renaming checkpoint tensors with %s", weight_map_path)
         weights = weight_map.apply(weights)

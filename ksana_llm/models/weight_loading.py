@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.linear import MergedLinear
+from ksana_llm.loader.fp8_weights import Fp8Weight, dense
 
 
 def _custom_loaders(model: nn.Module) -> dict[str, nn.Module]:
@@ -51,14 +52,19 @@ def expected_keys(model: nn.Module) -> set[str]:
     return keys
 
 
-def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor,
+def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight,
                  fused_parts: Mapping[str, tuple[str, int]],
                  loaders: Mapping[str, nn.Module] | None = None) -> list[str]:
-    """Put one checkpoint tensor where it belongs in `model`; the keys it filled."""
+    """Put one checkpoint tensor where it belongs in `model`; the keys it filled. An FP8 weight
+    (`Fp8Weight`) goes as it is to the projections, which keep it FP8, and dequantized anywhere
+    else."""
     loaders = _custom_loaders(model) if loaders is None else loaders
     prefix = _owner(name, loaders)
     if prefix is not None:
-        filled = loaders[prefix].load_checkpoint_tensor(name[len(prefix) + 1:], tensor)
+        loader = loaders[prefix]
+        if not getattr(loader, "takes_fp8_weights", False):
+            tensor = dense(tensor)
+        filled = loader.load_checkpoint_tensor(name[len(prefix) + 1:], tensor)
         return [f"{prefix}.{key}" for key in filled]
     target, part = name, None
     for ckpt_part, (fused, index) in fused_parts.items():
@@ -79,10 +85,13 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor,
         if tensor.shape[0] != sum(owner.full_sizes):
             raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(owner.full_sizes)} "
                              f"(parts {owner.full_sizes})")
-        for index, piece in enumerate(tensor.split(owner.full_sizes, dim=0)):
+        pieces = tensor.split_rows(owner.full_sizes) if isinstance(tensor, Fp8Weight) \
+            else tensor.split(owner.full_sizes, dim=0)
+        for index, piece in enumerate(pieces):
             owner.load_shard(param, piece, index)
         return [f"{target}#{i}" for i in range(len(owner.full_sizes))]
     if part is None:
+        tensor = dense(tensor)
         if tensor.shape != param.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(tensor)

@@ -231,7 +231,7 @@ def default_served_model_name(model: str | None) -> str:
 
 
 # CLI flag -> EngineConfig field, applied only when given (so a YAML file keeps the rest).
-ENGINE_FLAGS = ("device", "dtype", "num_device_blocks", "block_token_num", "max_num_seqs",
+ENGINE_FLAGS = ("device", "dtype", "quantization", "num_device_blocks", "block_token_num", "max_num_seqs",
                 "max_step_tokens", "split_fuse_token_num", "block_device_memory_ratio",
                 "reserved_device_memory_ratio", "block_host_memory_factor",
                 "enable_prefix_caching", "preempt_mode", "waiting_timeout_ms",
@@ -361,4 +361,4 @@ def worker_spec(config: Any) -> Any:
     dtype = resolve_dtype(config.dtype, device)
     return LaunchSpec(str(resolve_model_dir(config.model)), str(dtype).removeprefix("torch."),
                       device.type, tp_size=config.tensor_parallel_size,
-                      pp_size=config.pipeline_parallel_size)
+                      pp_size=config.pipeline_parallel_size, quantization=config.quantization)

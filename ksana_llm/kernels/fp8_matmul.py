@@ -1,0 +1,103 @@
+"""y = x @ (FP8 weight * scales)^T + bias in one launch: the weight is read as one byte per
+number and widened in registers, so a decode step reads half the bytes of a 16-bit weight.
+
+The weight is [N, K] float8_e4m3fn with float32 scales [N, ceil(K / group_size)] (see
+`kernels.weight_quant`); x is [M, K] in fp16 / bf16 / fp32 and y comes out in x's dtype.
+With one scale per row the scale is applied to the accumulated dot (exact); with group scales
+each K tile lies in one group (BLOCK_K divides group_size), so the tile is scaled once before
+its dot. Group sizes that no 16-wide tile divides go through the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
+from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    X, W, S, Bias, Out,
+    M, N, K, num_groups,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    GROUP: tl.constexpr, PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if not PER_ROW:
+            group_scale = tl.load(S + cols * stride_sn + k0 // GROUP, mask=col_ok, other=0.0)
+            w = w * group_scale[:, None]
+        acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision=PRECISION)
+    if PER_ROW:
+        row_scale = tl.load(S + cols * stride_sn, mask=col_ok, other=0.0)
+        acc = acc * row_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def kernel_block_k(group_size: int, per_row: bool) -> int | None:
+    """The K tile: 64 (or 32, 16) dividing the group, so each tile has one scale; None when no
+    16-wide tile divides it."""
+    if per_row:
+        return 64
+    for block in (64, 32, 16):
+        if group_size % block == 0:
+            return block
+    return None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the FP8 weight [N, K] (scales [N, groups]) -> [..., N] in x's dtype."""
+    if weight.dtype != FP8_WEIGHT_DTYPE or weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D {FP8_WEIGHT_DTYPE} tensor, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's {k} columns")
+    per_row = scale.shape[1] == 1
+    block_k = kernel_block_k(group_size, per_row)
+    if block_k is None:
+        raise ValueError(f"group_size {group_size}: the kernel needs a multiple of 16")
+    check_same_device(x=x, weight=weight, scale=scale, bias=bias)
+    check_last_dim_contiguous("weight", weight)
+    x2 = x.reshape(-1, k)
+    check_last_dim_contiguous("x", x2)
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        # Decode batches are a few rows: a 16-row tile wastes the least of each weight tile read.
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+        scale = scale.to(torch.float32).contiguous()
+        _fp8_linear_kernel[grid](
+            x2, weight, scale, bias if bias is not None else scale, out,
+            m, n, k, scale.shape[1],
+            x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+            GROUP=group_size, PER_ROW=per_row, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+            PRECISION=dot_precision(x.dtype),
+        )
+    return out.view(*x.shape[:-1], n)

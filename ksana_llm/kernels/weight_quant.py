@@ -1,0 +1,53 @@
+"""FP8 weights as numbers: quantizing a weight to FP8 values with float32 scales, and back
+(torch only, no triton; the loader, the layers and the Triton FP8 matmul share these).
+
+A weight is `data * scale`: `data` in float8_e4m3fn, each scale covering a tile of it (a
+checkpoint's [128, 128] blocks, or one row of `group_size` columns in memory). A tile's largest
+magnitude maps to E4M3's largest finite value, 448.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_WEIGHT_DTYPE).max  # 448
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, group_size: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 values times their group scales (computed in float32, then cast once to `dtype`)."""
+    rows, cols = data.shape
+    weight = data.to(torch.float32)
+    if scale.shape[1] == 1:
+        return (weight * scale).to(dtype)
+    full, rest = divmod(cols, group_size)
+    # Scales broadcast over a view of the weight: never a second weight-sized tensor of scales.
+    head = weight[:, :full * group_size].view(rows, full, group_size)
+    head.mul_(scale[:, :full, None])
+    if rest:
+        weight[:, full * group_size:].mul_(scale[:, full:])
+    return weight.to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values, `weight_scale_inv`) of a 2-D weight in a checkpoint's layout: one scale per
+    [block_rows, block_cols] tile (tiles at the edges may be smaller), or with `block_size` None
+    one for the whole tensor. Each tile's largest magnitude maps to FP8's 448."""
+    rows, cols = weight.shape
+    block_rows, block_cols = block_size if block_size is not None else (rows, cols)
+    w = weight.detach().to(torch.float32)
+    grid_rows, grid_cols = math.ceil(rows / block_rows), math.ceil(cols / block_cols)
+    padded = torch.zeros(grid_rows * block_rows, grid_cols * block_cols, dtype=torch.float32,
+                         device=w.device)
+    padded[:rows, :cols] = w
+    tiles = padded.view(grid_rows, block_rows, grid_cols, block_cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    # An all-zero tile keeps scale 1 (its values quantize to zeros either way).
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    data = quantized.view(padded.shape)[:rows, :cols].to(FP8_WEIGHT_DTYPE)
+    return data.contiguous(), scale

@@ -1,0 +1,187 @@
+"""FP8 weights: the checkpoint format, how its tensors pair up, and quantizing weights to it.
+
+An FP8 checkpoint (`quantization_config.quant_method: "fp8"`: DeepSeek V3/R1, Qwen3-*-FP8, and
+what transformers' `FineGrainedFP8Config` writes) stores each quantized linear weight as
+`<name>.weight` in float8_e4m3fn plus `<name>.weight_scale_inv`, float32 scales that *multiply*
+the FP8 values back (the name says "inverse" of the scale the weight was divided by):
+- one scale per `weight_block_size` tile ([128, 128] in the released models), shape
+  [ceil(rows / 128), ceil(cols / 128)];
+- or, without a block size, one scale for the whole tensor (vLLM's per-tensor checkpoints call
+  it `weight_scale`; a per-row [rows] / [rows, 1] one is read too).
+Static activation scales (`input_scale`) are dropped: the engine multiplies FP8 weights with
+activations in the model's dtype (W8A16), which is more exact than quantizing activations too.
+
+In memory a quantized weight is an `Fp8Weight`: the FP8 values and one scale per row and input
+group (the row scales of a block are the block's scale repeated), so a tensor-parallel rank can
+take any rows and group-aligned columns of it. Modules that keep FP8 weights (the projections:
+`MergedLinear`, `RowParallelLinear`) take it as it is; everything else gets it dequantized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8, quantize_fp8
+
+# Checkpoint suffixes of a weight's scale (both multiply the FP8 values back).
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+# What the engine can do with weights: keep a checkpoint's FP8 weights (None), or quantize a
+# full-precision checkpoint's projections to FP8 as they load ("fp8"; KsanaLLM's
+# `quantization_config.weight.quant_method: fp8_e4m3`, vLLM's `--quantization fp8`).
+WEIGHT_QUANTIZATIONS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A [rows, cols] weight as FP8 values and float32 scales, `scale[r, g]` multiplying
+    `data[r, g * group_size:(g + 1) * group_size]` (the last group may be shorter)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    group_size: int
+
+    def __post_init__(self) -> None:
+        rows, cols = self.data.shape
+        if self.scale.shape != (rows, math.ceil(cols / self.group_size)):
+            raise ValueError(f"FP8 weight scales: shape {tuple(self.scale.shape)} does not cover "
+                             f"a [{rows}, {cols}] weight in groups of {self.group_size}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def rows(self, start: int, count: int) -> Fp8Weight:
+        return Fp8Weight(self.data[start:start + count], self.scale[start:start + count],
+                         self.group_size)
+
+    def split_rows(self, sizes: list[int]) -> list[Fp8Weight]:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.rows(start, size) for start, size in zip(starts, sizes)]
+
+    def columns(self, start: int, count: int) -> Fp8Weight:
+        """Input columns [start, start + count): whole groups only, unless one scale covers the
+        row (per-row or per-tensor scales hold for any columns)."""
+        cols = self.data.shape[1]
+        if self.scale.shape[1] == 1:
+            return Fp8Weight(self.data[:, start:start + count], self.scale, max(count, 1))
+        end = start + count
+        if start % self.group_size or (end % self.group_size and end != cols):
+            raise ValueError(f"columns [{start}, {end}) of an FP8 weight split its scale blocks "
+                             f"of {self.group_size} columns: choose a tensor_parallel_size that "
+                             "splits the input at block boundaries")
+        first = start // self.group_size
+        return Fp8Weight(self.data[:, start:end],
+                         self.scale[:, first:math.ceil(end / self.group_size)], self.group_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(self.data, self.scale, self.group_size, dtype)
+
+    def to(self, device: torch.device | str) -> Fp8Weight:
+        return Fp8Weight(self.data.to(device), self.scale.to(device), self.group_size)
+
+
+def quantize_fp8_rows(weight: torch.Tensor) -> Fp8Weight:
+    """A weight quantized with one scale per output row (online quantization: per-row scales
+    follow each output channel's range, so they lose less than one scale per tensor)."""
+    data, scale = quantize_fp8(weight, (1, weight.shape[1]))
+    return Fp8Weight(data, scale, weight.shape[1])
+
+
+def fp8_weight_from_checkpoint(data: torch.Tensor, scale: torch.Tensor,
+                               block_size: tuple[int, int] | None, name: str) -> Fp8Weight:
+    """A checkpoint's FP8 weight and its scale tensor as an `Fp8Weight` (block rows expanded
+    to per-row scales)."""
+    if data.dim() != 2:
+        raise ValueError(f"{name}: FP8 weights must be 2-D, got shape {tuple(data.shape)}")
+    rows, cols = data.shape
+    scale = scale.to(torch.float32)
+    if scale.numel() == 1:  # per tensor
+        return Fp8Weight(data, scale.reshape(1, 1).expand(rows, 1).contiguous(), cols)
+    if scale.dim() == 1 or (scale.dim() == 2 and scale.shape[1] == 1 and block_size is None):
+        if scale.shape[0] != rows:
+            raise ValueError(f"{name}: {scale.shape[0]} per-row scales for {rows} rows")
+        return Fp8Weight(data, scale.reshape(rows, 1).contiguous(), cols)
+    if block_size is None:
+        raise ValueError(f"{name}: scales of shape {tuple(scale.shape)} need "
+                         "quantization_config.weight_block_size")
+    block_rows, block_cols = block_size
+    expected = (math.ceil(rows / block_rows), math.ceil(cols / block_cols))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{name}: scales of shape {tuple(scale.shape)}, expected {expected} "
+                         f"for a [{rows}, {cols}] weight in {block_rows}x{block_cols} blocks")
+    per_row = scale.repeat_interleave(block_rows, dim=0)[:rows].contiguous()
+    return Fp8Weight(data, per_row, block_cols)
+
+
+@dataclass(frozen=True)
+class Fp8CheckpointFormat:
+    """What `quantization_config` says of an FP8 checkpoint."""
+
+    block_size: tuple[int, int] | None
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> Fp8CheckpointFormat | None:
+        """The format of an FP8 checkpoint; None for a full-precision one. Another quantization
+        method is refused by name: its tensors would not load."""
+        quantization = getattr(hf_config, "quantization_config", None)
+        if quantization is None:
+            return None
+        if not isinstance(quantization, dict):
+            quantization = quantization.to_dict() if hasattr(quantization, "to_dict") \
+                else vars(quantization)
+        method = quantization.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"quantization_config.quant_method {method!r} is not supported: "
+                             "ksana-llm loads full-precision checkpoints and FP8 ones "
+                             "(quant_method 'fp8'); dequantize the checkpoint first")
+        fmt = quantization.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3)")
+        block = quantization.get("weight_block_size")
+        if block is not None:
+            if len(block) != 2 or any(int(b) < 1 for b in block):
+                raise ValueError("quantization_config.weight_block_size must be two positive "
+                                 f"integers, got {block!r}")
+            block = (int(block[0]), int(block[1]))
+        return cls(block)
+
+
+def pair_fp8_tensors(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8CheckpointFormat
+                     ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """The checkpoint's tensors with each FP8 weight and its scale joined into one `Fp8Weight`
+    (under the weight's name); activation scales dropped; everything else as it is. Either half
+    of a pair may come first, so the earlier one waits (sorted shards put them side by side)."""
+    waiting_data: dict[str, torch.Tensor] = {}
+    waiting_scale: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        base, _, leaf = name.rpartition(".")
+        if leaf in ("input_scale", "activation_scale"):
+            continue
+        if leaf in SCALE_SUFFIXES:
+            if base in waiting_data:
+                yield f"{base}.weight", fp8_weight_from_checkpoint(
+                    waiting_data.pop(base), tensor, fmt.block_size, f"{base}.weight")
+            else:
+                waiting_scale[base] = tensor
+        elif leaf == "weight" and tensor.dtype == FP8_WEIGHT_DTYPE:
+            if base in waiting_scale:
+                yield name, fp8_weight_from_checkpoint(tensor, waiting_scale.pop(base),
+                                                       fmt.block_size, name)
+            else:
+                waiting_data[base] = tensor
+        else:
+            yield name, tensor
+    if waiting_data:
+        raise ValueError(f"FP8 weights without a weight_scale_inv: {sorted(waiting_data)[:5]}")
+    if waiting_scale:
+        raise ValueError(f"weight scales without an FP8 weight: {sorted(waiting_scale)[:5]}")
+
+
+def dense(tensor: torch.Tensor | Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A checkpoint tensor as plain values, for a module that keeps no FP8 weights."""
+    return tensor.dequantize(dtype) if isinstance(tensor, Fp8Weight) else tensor
