@@ -22,7 +22,7 @@ from ksana_llm.kernels.weight_quant import quantize_fp8
 # The projections transformers' FP8 loader replaces with FP8Linear: every nn.Linear inside the
 # decoder layers (attention, MLP, MLA, per-expert MLPs), not the router gate, embeddings, norms
 # or the LM head.
-QUANTIZED = re.compile(r"model\.layers\.\d+\..*(?:_proj|\.w[123])\.weight$")
+QUANTIZED = re.compile(r"model\.layers\.\d+\..*(?:_proj|_proj_with_mqa|\.w[123])\.weight$")
 
 
 def write_fp8_checkpoint(source: Path, target: Path,

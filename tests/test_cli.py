@@ -69,6 +69,9 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     assert engine_config(parse(["serve", "--kv-cache-dtype", "fp8_e5m2"])).kv_cache_dtype == \
         "fp8_e5m2"
     assert parse(["generate", "hi", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert engine_config(parse(["serve"])).quantization is None
+    assert engine_config(parse(["serve", "--quantization", "fp8"])).quantization == "fp8"
+    assert parse(["generate", "hi", "-q", "fp8"]).quantization == "fp8"
 
 
 def test_scheduling_and_memory_flags_reach_the_engine_config():

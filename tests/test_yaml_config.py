@@ -58,7 +58,7 @@ def test_example_documents_every_accepted_key():
                  "enable_auto_prefix_cache", "preempt_mode", "block_token_num",
                  "reserved_device_memory_ratio", "block_device_memory_ratio",
                  "block_host_memory_factor", "model_dir", "group_role", "task_expire_sec",
-                 "dtype"):
+                 "dtype", "quant_method"):
         assert f"{leaf}:" in text, leaf
 
 
@@ -203,13 +203,24 @@ def test_connector_role_reaches_the_server_settings():
 
 
 def test_kv_cache_dtype_key():
-    """KsanaLLM's quantization_config.kv_cache.dtype; its weight-quantization keys are named as
-    unsupported, and a CLI flag wins."""
+    """KsanaLLM's quantization_config.kv_cache.dtype, and a CLI flag wins."""
     key = {"setting": {"quantization_config": {"kv_cache": {"dtype": "fp8_e5m2"}}}}
     assert parse_engine_config(key)[0].kv_cache_dtype == "fp8_e5m2"
     assert parse_engine_config(key, {"kv_cache_dtype": "fp8_e4m3"})[0].kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="setting.quantization_config.kv_cache.dtype: Input"):
         parse_engine_config({"setting": {"quantization_config": {"kv_cache": {"dtype": "int8"}}}})
-    with pytest.raises(ValueError, match="setting.quantization_config.weight: a KsanaLLM key"):
-        parse_engine_config({"setting": {"quantization_config": {
-            "weight": {"quant_method": "fp8_e4m3"}}}})
+
+
+def test_weight_quant_method_key():
+    """KsanaLLM's quantization_config.weight.quant_method: fp8_e4m3 = online FP8 weights, auto =
+    the checkpoint's weights as they are; GPTQ's backend key is named as unsupported."""
+    def weight(method: str) -> dict:
+        return {"setting": {"quantization_config": {"weight": {"quant_method": method}}}}
+
+    assert parse_engine_config(weight("fp8_e4m3"))[0].quantization == "fp8"
+    assert parse_engine_config(weight("auto"))[0].quantization is None
+    assert parse_engine_config(weight("auto"), {"quantization": "fp8"})[0].quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization_config.weight.quant_method must be auto"):
+        parse_engine_config(weight("int4"))
+    with pytest.raises(ValueError, match="setting.quantization_config.gptq_backend: a KsanaLLM"):
+        parse_engine_config({"setting": {"quantization_config": {"gptq_backend": "marlin"}}})

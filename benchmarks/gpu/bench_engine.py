@@ -56,7 +56,7 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
     sys.path.insert(0, str(REPO))
 
 import ksana_llm as kt  # noqa: E402
-from ksana_llm.config import KV_CACHE_DTYPES  # noqa: E402
+from ksana_llm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS  # noqa: E402
 from benchmarks.offline_throughput import (ThroughputResult, Workload,  # noqa: E402
                                            allowed_token_ids, batch1_prompt, build_workload,
                                            guarded, hf_batch1, ours_batch1, pad_token_id,
@@ -390,6 +390,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
                         + config.num_hidden_layers * 12 * config.hidden_size ** 2)
     root = temp_root(params_bytes)
     report: dict[str, Any] = {"model": spec.name, "kv_cache_dtype": args.kv_cache_dtype,
+                              # ours with FP8 projection weights; HF generate_batch in bf16
+                              "quantization": args.quantization,
                               # ours with random adapters, round robin over the requests; HF
                               # generate_batch runs the base model
                               "lora": {"adapters": args.lora_adapters, "rank": args.lora_rank}
@@ -406,7 +408,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
         timings["build_and_save_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         model = kt.Model.from_pretrained(folder, device=str(device),
-                                         dtype=str(dtype).removeprefix("torch."), progress=False)
+                                         dtype=str(dtype).removeprefix("torch."), progress=False,
+                                         quantization=args.quantization)
         timings["load_ours_s"] = time.perf_counter() - t0
         allowed = allowed_token_ids(None, config.vocab_size)
         workload = build_workload(args.num_requests, args.min_len, args.max_len, args.seed, allowed)
@@ -522,6 +525,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="our engine's KV cache storage (HF keeps its own dtype)")
+    p.add_argument("--quantization", default=None, choices=WEIGHT_QUANTIZATIONS,
+                   help="our engine's weights: fp8 = the projections as FP8 (per-row scales)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
@@ -582,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         suffix = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
         suffix += f"-lora{args.lora_adapters}" if args.lora_adapters else ""
+        suffix += f"-w{args.quantization}" if args.quantization else ""
         path = args.out / f"engine_{name}{suffix}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path} ({report['total_s']} s)", flush=True)

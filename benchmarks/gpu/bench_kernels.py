@@ -90,13 +90,16 @@ def stage_env(out_dir: Path) -> int:
 
 
 def stage_tests(out_dir: Path) -> int:
-    """tests/test_kernels.py natively on the GPU (no interpreter): fp32, fp16 and bf16; and the
-    sampler's device token histories (tests/test_token_history.py) on the GPU."""
+    """tests/test_kernels.py natively on the GPU (no interpreter): fp32, fp16 and bf16; the
+    FP8-weight matmul's tests; and the sampler's device token histories
+    (tests/test_token_history.py) on the GPU."""
     junit = out_dir / "kernel_tests.xml"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels.py",
+                           "tests/test_fp8_weights.py::test_fp8_matmul_kernel_matches_reference",
+                           "tests/test_fp8_weights.py::test_fp8_matmul_kernel_refuses_bad_inputs",
                            "tests/test_token_history.py", "-q",
                            "-p", "no:cacheprovider", f"--junitxml={junit}"],
                           cwd=REPO, env=env, capture_output=True, text=True, check=False)

@@ -9,7 +9,8 @@
 # generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks); spec
 # (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
 # Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
-# random rank-16 LoRA adapters, round robin) only when named.
+# random rank-16 LoRA adapters, round robin) and engine-qwen3-fp8w / engine-llama8b-fp8w (the
+# workloads with FP8 projection weights, online quantization) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -46,7 +47,8 @@ fi
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
 declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
-                  [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300)
+                  [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
+                  [engine-llama8b-fp8w]=330)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -79,6 +81,11 @@ for stage in "${STAGES[@]}"; do
         # the same with an FP8 (E4M3) KV cache: twice the tokens in the same memory
         engine-qwen3-fp8) run_stage engine-qwen3-fp8 "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --kv-cache-dtype fp8_e4m3 --out "$RESULTS" ;;
+        # the same with FP8 weights (W8A16: the Triton FP8 matmul for decode batches)
+        engine-qwen3-fp8w) run_stage engine-qwen3-fp8w "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models qwen3-0.6b --quantization fp8 --out "$RESULTS" ;;
+        engine-llama8b-fp8w) run_stage engine-llama8b-fp8w "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models llama-3-8b --quantization fp8 --out "$RESULTS" ;;
         # the same through 4 LoRA adapters (HF generate_batch runs the base model)
         engine-qwen3-lora) run_stage engine-qwen3-lora "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --lora-adapters 4 --out "$RESULTS" ;;
@@ -93,7 +100,8 @@ for stage in "${STAGES[@]}"; do
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
-                "engine-qwen3-fp8 engine-qwen3-lora engine-llama8b decode prefill spec)" >&2; exit 2 ;;
+                "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-llama8b engine-llama8b-fp8w"\
+                " decode prefill spec)" >&2; exit 2 ;;
     esac
 done
 

@@ -8,7 +8,7 @@ import os
 import torch
 from torch import nn
 
-from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE
+from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.fp8_weights import Fp8Weight, quantize_fp8_rows
 
@@ -92,7 +92,8 @@ class Fp8Storage(nn.Module):
     parameter turns FP8 when the first FP8 tensor arrives, with a `weight_scale` buffer of
     [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
     full-precision tensors per row as they arrive; `fp8_capable` False (a weight other code reads
-    as a dense matrix, MLA's absorbed `kv_b_proj`) takes FP8 tensors dequantized."""
+    as a dense matrix, MLA's absorbed `kv_b_proj`) takes FP8 tensors dequantized. Weights stay
+    as they load: a module built for bf16 whose checkpoint is FP8 never holds the bf16 copy."""
 
     weight: nn.Parameter
 
@@ -103,6 +104,8 @@ class Fp8Storage(nn.Module):
         self.weight_group_size = 0
         self.fp8_capable = True
         self.quantize_on_load = False
+        self._has_dense_rows = False
+        self._dense_dtype = torch.float32
 
     @property
     def is_fp8(self) -> bool:
@@ -110,25 +113,25 @@ class Fp8Storage(nn.Module):
 
     def incoming(self, tensor: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
         """A checkpoint tensor in the form this module stores: FP8 (switching storage on the
-        first one) or dense."""
-        if not self.fp8_capable:
-            return tensor.dequantize() if isinstance(tensor, Fp8Weight) else tensor
-        if isinstance(tensor, torch.Tensor) and self.quantize_on_load:
+        first one) or dense. A fused projection whose parts disagree (one part FP8, another
+        not, or other scale blocks) keeps every part dense rather than mixing them."""
+        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.fp8_capable:
             tensor = quantize_fp8_rows(tensor)
         if isinstance(tensor, Fp8Weight):
-            self._store_fp8(tensor.scale.shape[1], tensor.group_size)
-        elif self.is_fp8:
-            raise ValueError("a full-precision part for a projection whose other parts are FP8")
+            if self.fp8_capable and not self._has_dense_rows and self._store_fp8(tensor):
+                return tensor
+            tensor = tensor.dequantize()
+        self._store_dense()
         return tensor
 
-    def _store_fp8(self, num_groups: int, group_size: int) -> None:
+    def _store_fp8(self, tensor: Fp8Weight) -> bool:
+        """Switch the weight to FP8 storage for `tensor`'s scale layout; False when the weight
+        already holds FP8 rows of another layout."""
+        num_groups, group_size = tensor.scale.shape[1], tensor.group_size
         if self.is_fp8:
-            if (num_groups, group_size) != (self.weight_scale.shape[1], self.weight_group_size):
-                raise ValueError("the parts of a fused projection have different FP8 scale "
-                                 f"blocks ({num_groups} x {group_size} vs "
-                                 f"{self.weight_scale.shape[1]} x {self.weight_group_size})")
-            return
+            return (num_groups, group_size) == (self.weight_scale.shape[1], self.weight_group_size)
         rows, device = self.weight.shape[0], self.weight.device
+        self._dense_dtype = self.weight.dtype
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_WEIGHT_DTYPE,
                                                device=device), requires_grad=False)
         # A buffer, not a parameter: the checkpoint's `weight_scale_inv` arrives inside the
@@ -136,6 +139,17 @@ class Fp8Storage(nn.Module):
         self.register_buffer("weight_scale", torch.ones(rows, num_groups, device=device),
                              persistent=False)
         self.weight_group_size = group_size
+        return True
+
+    def _store_dense(self) -> None:
+        """Dense rows are coming: rows already stored as FP8 are dequantized first."""
+        self._has_dense_rows = True
+        if self.is_fp8:
+            dense_weight = dequantize_fp8(self.weight.data, self.weight_scale,
+                                          self.weight_group_size, self._dense_dtype)
+            self.weight = nn.Parameter(dense_weight, requires_grad=False)
+            self.weight_scale = None
+            self.weight_group_size = 0
 
     def copy_rows(self, offset: int, tensor: torch.Tensor | Fp8Weight) -> None:
         """Fill rows [offset, offset + rows) of the weight (and its scales)."""
