@@ -24,60 +24,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 import time
-
-import numpy as np
-import torch
+from pathlib import Path
 
 import ksana_llm as kt
+
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file, or with -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.accuracy import (TEXT, device_sync, perplexity_hf,  # noqa: E402
+                                 perplexity_ours, random_prompts)
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.runner.model_runner import kv_bytes_per_block
 
 CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
-
-TEXT = (
-    "The river rises in the hills to the north and flows south through farmland for nearly two "
-    "hundred miles before it reaches the sea. For centuries it carried grain, timber and wool to "
-    "the coast, and the towns along its banks grew rich on the trade. When the railway arrived, "
-    "the barges slowly disappeared, and many of the old warehouses were turned into homes, "
-    "shops and small museums. Today the river is known mostly for its quiet towpaths, its "
-    "birds, and the long summer evenings when families walk beside the water and children feed "
-    "the ducks. Local historians still argue about where the first bridge stood, but everyone "
-    "agrees that without the river the region would look very different."
-)
-
-
-def _workload(tokenizer, vocab: int, args: argparse.Namespace) -> list[list[int]]:
-    rng = np.random.default_rng(args.seed)
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    allowed = np.array([t for t in range(vocab) if t not in special])
-    lengths = rng.integers(args.min_len, args.max_len + 1, args.num_requests)
-    return [rng.choice(allowed, int(n)).tolist() for n in lengths]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _perplexity_ours(engine: kt.Engine, ids: list[int]) -> float:
-    out = engine.forward(ids, [kt.ForwardTarget("logits", [[0, len(ids) - 2]],
-                                                token_logprobs=True)])
-    logprobs = out.targets[0].token_logprobs  # log p(ids[i + 1] | ids[:i + 1])
-    return math.exp(-float(logprobs.mean()))
-
-
-def _perplexity_hf(model: kt.Model, ids: list[int]) -> float:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).to(model.device).eval()
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids], device=model.device)).logits[0, :-1].float()
-    logprobs = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:], device=model.device)[:, None])
-    del hf
-    return math.exp(-float(logprobs.mean()))
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,7 +58,8 @@ def main() -> None:
 
     model = kt.Model.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                      progress=False)
-    prompts = _workload(model.tokenizer, model.vocab_size, args)
+    prompts = random_prompts(model.tokenizer, model.vocab_size, args.num_requests, args.min_len,
+                             args.max_len, args.seed)
     text_ids = model.tokenizer.encode(TEXT)
     config = kt.GenerationConfig(max_new_tokens=args.output_len, ignore_eos=True, temperature=0)
     budget = int(args.kv_cache_mib * 2**20)
@@ -111,13 +73,13 @@ def main() -> None:
                        block_token_num=args.block_token_num, generation_config=config) as engine:
             engine.generate_outputs([prompts[0][:8]], use_tqdm=False)  # warm-up
             before = engine.stats().num_preemptions
-            _sync(model.device)
+            device_sync(model.device)
             start = time.perf_counter()
             outputs = engine.generate_outputs(prompts, use_tqdm=False)
-            _sync(model.device)
+            device_sync(model.device)
             wall = time.perf_counter() - start
             preemptions = engine.stats().num_preemptions - before
-            perplexity = _perplexity_ours(engine, text_ids)
+            perplexity = perplexity_ours(engine, text_ids)
         tokens = [o.token_ids for o in outputs]
         if baseline_tokens is None:
             baseline_tokens = tokens
@@ -128,7 +90,7 @@ def main() -> None:
             "preemptions": preemptions, "perplexity": perplexity,
             "tokens_equal_auto": same / sum(map(len, baseline_tokens)),
         }
-    hf_perplexity = _perplexity_hf(model, text_ids)
+    hf_perplexity = perplexity_hf(model, text_ids)
 
     base = results["auto"]
     print(f"\nKV budget {args.kv_cache_mib:g} MiB, {args.num_requests} requests, prompts "

@@ -32,6 +32,7 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ksana_llm as kt  # noqa: E402
+from benchmarks.accuracy import device_sync as _sync  # noqa: E402
 from benchmarks.engine_steps import count_steps  # noqa: E402
 
 PARAGRAPHS = [
@@ -56,11 +57,6 @@ def workload(tokenizer, count: int) -> list[list[int]]:
                                              add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def hf_greedy(hf, prompts: list[list[int]], new_tokens: int, device: torch.device

@@ -32,7 +32,8 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file
 
 import ksana_llm as kt  # noqa: E402
 from benchmarks.engine_steps import count_steps  # noqa: E402
-from benchmarks.ngram_speculation import _sync, hf_greedy  # noqa: E402
+from benchmarks.accuracy import device_sync as _sync  # noqa: E402
+from benchmarks.ngram_speculation import hf_greedy  # noqa: E402
 
 TASKS = ["Write a short poem about the sea.", "Tell me a short story about a brave mouse.",
          "Describe a sunrise over the mountains.", "Write a limerick about a cat who cooks.",

@@ -16,11 +16,29 @@ FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_WEIGHT_DTYPE).max  # 448
 
 
+# E4M3 value / E4M3_AS_HALF_FACTOR is what `e4m3_as_half` returns.
+E4M3_AS_HALF_FACTOR = 256.0
+
+
+def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes moved into float16's fields (sign to bit 15; exponent and mantissa, 7 bits, to
+    bits 13..7): float16 numbers exactly 1/256 of the E4M3 values, subnormals included (both
+    formats scale theirs the same way). Three integer passes instead of torch's E4M3 widening,
+    which is about 6x slower than E5M2's on a CPU. E4M3's NaN bytes come out finite (480):
+    quantized weights never hold NaN."""
+    bits = data.view(torch.uint8).to(torch.int16)
+    return ((bits & 0x80) << 8 | (bits & 0x7F) << 7).view(torch.float16)
+
+
 def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, group_size: int,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 values times their group scales (computed in float32, then cast once to `dtype`)."""
     rows, cols = data.shape
-    weight = data.to(torch.float32)
+    if data.device.type == "cpu" and data.dtype == FP8_WEIGHT_DTYPE:
+        weight = e4m3_as_half(data).to(torch.float32)
+        scale = scale * E4M3_AS_HALF_FACTOR
+    else:
+        weight = data.to(torch.float32)
     if scale.shape[1] == 1:
         return (weight * scale).to(dtype)
     full, rest = divmod(cols, group_size)

@@ -1,0 +1,155 @@
+"""FP8 weights: what `quantization="fp8"` saves (weight memory) and costs (accuracy, and on a
+CPU, speed), against the model's own dtype and against transformers, in one run.
+
+For the model's dtype ("auto") and for FP8 projection weights ("fp8"; per-row scales, quantized
+as they load) the script reports:
+- weight memory: the projections' bytes and the whole model's (parameters and buffers);
+- accuracy: perplexity of a fixed English text (one prefill through `/forward`) and how many of
+  the throughput run's greedy tokens equal the model-dtype engine's; transformers' perplexity on
+  the full-precision weights is the peer;
+- speed: output tokens/s of `--num-requests` requests submitted at once (random-id prompts of
+  [--min-len, --max-len] tokens, `--output-len` new tokens, EOS ignored), and batch-1 decode
+  ms/token (one prompt, `--b1-new-tokens` tokens), with transformers' `generate` at batch 1 as
+  the peer.
+On a CPU the FP8 projections are dequantized to the compute dtype at every matmul (there is no
+FP8 CPU matmul), so FP8 is a memory saving that costs time there; on a GPU decode batches take
+the Triton W8A16 kernel, which reads half the bytes of a 16-bit weight
+(`benchmarks/gpu/run.sh engine-qwen3-fp8w` measures it).
+
+Run
+    python benchmarks/fp8_weights.py                   # CPU, fp32, SmolLM2-135M-Instruct
+    python benchmarks/fp8_weights.py --device cuda --dtype bfloat16 --model /models/Qwen3-8B
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import ksana_llm as kt
+from ksana_llm.layers.linear import Fp8Storage
+
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file, or with -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.accuracy import (TEXT, device_sync, perplexity_hf,  # noqa: E402
+                                 perplexity_ours, random_prompts)
+from benchmarks.ngram_speculation import hf_greedy  # noqa: E402
+
+WEIGHTS = ("auto", "fp8")
+
+
+def weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(the projections' weight + scale bytes, every parameter's and buffer's bytes)."""
+    def size(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    projections = sum(size(m.weight) + size(m.weight_scale) for m in module.modules()
+                      if isinstance(m, Fp8Storage))
+    total = sum(size(t) for t in (*module.parameters(), *module.buffers()))
+    return projections, total
+
+
+def batch1_ms_per_token(engine: kt.Engine, prompt: list[int], new_tokens: int,
+                        device: torch.device) -> float:
+    """Decode time per token at batch 1: the whole request minus a 1-token request's time
+    (its prefill), over the tokens after the first."""
+    def timed(n: int) -> float:
+        config = kt.GenerationConfig(max_new_tokens=n, ignore_eos=True, temperature=0)
+        device_sync(device)
+        start = time.perf_counter()
+        engine.generate_outputs([prompt], config, use_tqdm=False)
+        device_sync(device)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    return (timed(new_tokens) - timed(1)) / (new_tokens - 1) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--b1-prompt-len", type=int, default=32)
+    p.add_argument("--b1-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+
+    results: dict[str, dict] = {}
+    baseline_tokens: list[list[int]] | None = None
+    for weights in WEIGHTS:
+        model = kt.Model.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                         progress=False,
+                                         quantization=None if weights == "auto" else weights)
+        prompts = random_prompts(model.tokenizer, model.vocab_size, args.num_requests,
+                                 args.min_len, args.max_len, args.seed)
+        b1_prompt = random_prompts(model.tokenizer, model.vocab_size, 1, args.b1_prompt_len,
+                                   args.b1_prompt_len, args.seed + 1)[0]
+        projections, total = weight_bytes(model.module)
+        config = kt.GenerationConfig(max_new_tokens=args.output_len, ignore_eos=True,
+                                     temperature=0)
+        with kt.Engine(model, generation_config=config) as engine:
+            engine.generate_outputs([prompts[0][:8]], use_tqdm=False)  # warm-up
+            device_sync(model.device)
+            start = time.perf_counter()
+            outputs = engine.generate_outputs(prompts, use_tqdm=False)
+            device_sync(model.device)
+            wall = time.perf_counter() - start
+            b1 = batch1_ms_per_token(engine, b1_prompt, args.b1_new_tokens, model.device)
+            perplexity = perplexity_ours(engine, model.tokenizer.encode(TEXT))
+        tokens = [o.token_ids for o in outputs]
+        if baseline_tokens is None:
+            baseline_tokens = tokens
+        same = sum(a == b for out, ref in zip(tokens, baseline_tokens) for a, b in zip(out, ref))
+        results[weights] = {
+            "projection_mib": projections / 2**20, "model_mib": total / 2**20,
+            "wall_s": wall, "output_tok_s": sum(map(len, tokens)) / wall,
+            "batch1_ms_per_token": b1, "perplexity": perplexity,
+            "tokens_equal_auto": same / sum(map(len, baseline_tokens)),
+        }
+        if weights == "auto":
+            hf_ppl = perplexity_hf(model, model.tokenizer.encode(TEXT))
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype) \
+                .to(model.device).eval()
+            hf_greedy(hf, [b1_prompt], 2, model.device)  # warm-up
+            hf_full = hf_greedy(hf, [b1_prompt], args.b1_new_tokens, model.device)[0]
+            hf_one = hf_greedy(hf, [b1_prompt], 1, model.device)[0]
+            hf_b1 = (hf_full - hf_one) / (args.b1_new_tokens - 1) * 1e3
+            del hf
+        del model
+
+    base = results["auto"]
+    print(f"\n{args.num_requests} requests, prompts [{args.min_len}, {args.max_len}], "
+          f"{args.output_len} output tokens; batch 1: {args.b1_prompt_len}-token prompt, "
+          f"{args.b1_new_tokens} tokens; {args.model or 'SmolLM2-135M-Instruct'} {args.dtype} "
+          f"on {args.device}\n")
+    print("| weights | projections MiB | model MiB | output tok/s | vs auto | batch-1 ms/tok | "
+          "perplexity | tokens = auto's |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['projection_mib']:.1f} | {r['model_mib']:.1f} | "
+              f"{r['output_tok_s']:.1f} | {r['output_tok_s'] / base['output_tok_s']:.2f}x | "
+              f"{r['batch1_ms_per_token']:.1f} | {r['perplexity']:.3f} | "
+              f"{100 * r['tokens_equal_auto']:.0f}% |")
+    print(f"| transformers (peer, {args.dtype}) | - | - | - | - | {hf_b1:.1f} | {hf_ppl:.3f} | - |")
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "results": results, "hf_perplexity": hf_ppl,
+                       "hf_batch1_ms_per_token": hf_b1}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
