@@ -239,17 +239,24 @@ def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):
     check_family(module, folder, hf_reference(hf_fp8_model(folder, (8, 8))), vocab=VOCAB)
 
 
-def test_fp8_checkpoint_under_tensor_parallelism(tmp_path):
+@pytest.mark.parametrize("source", ["checkpoint", "online"])
+def test_fp8_under_tensor_parallelism(tmp_path, source):
     """Two gloo ranks, each holding its rows / block-aligned columns of the FP8 weights: the
-    same greedy tokens and logits as transformers."""
-    build_tiny_model("llama2", tmp_path / "full")
-    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
-    reference = hf_reference(hf_fp8_model(folder, (16, 16)))
+    same greedy tokens and logits as transformers reading the FP8 checkpoint, or (online
+    quantization, row scales taken over whole rows) as transformers with fake-quantized rows."""
+    hf = build_tiny_model("llama2", tmp_path / "full")
+    if source == "checkpoint":
+        folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
+        reference = hf_reference(hf_fp8_model(folder, (16, 16)))
+    else:
+        folder = tmp_path / "full"
+        reference = hf_reference(fake_quantized(hf))
     torch.manual_seed(1)
     prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
     expected = [greedy_trace(reference, p, 12)[0][len(p):] for p in prompts]
     model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
-                                  tensor_parallel_size=2)
+                                  tensor_parallel_size=2,
+                                  quantization="fp8" if source == "online" else None)
     assert model.module.model.layers[0].mlp.down_proj.weight.dtype == FP8
     assert model.module.model.layers[0].mlp.down_proj.weight.shape == (64, 64)  # 128 / 2
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
@@ -277,12 +284,17 @@ def fake_quantize_rows(weight: torch.Tensor) -> torch.Tensor:
     return (weight / scale).clamp(-448.0, 448.0).to(FP8).float() * scale
 
 
-def test_online_fp8_matches_per_row_fake_quantized_transformers(tmp_path):
-    hf = build_tiny_model("llama2", tmp_path)
+def fake_quantized(hf: torch.nn.Module) -> torch.nn.Module:
+    """`hf` with every decoder projection's weight replaced by its per-row FP8 values."""
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if QUANTIZED.match(name):
                 param.copy_(fake_quantize_rows(param))
+    return hf
+
+
+def test_online_fp8_matches_per_row_fake_quantized_transformers(tmp_path):
+    hf = fake_quantized(build_tiny_model("llama2", tmp_path))
     reference = memoized(hf_reference(hf))
     model = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
                                   quantization="fp8")
@@ -350,3 +362,26 @@ def test_fp8_matmul_kernel_refuses_bad_inputs():
         fp8_linear(x[:, :16], fp8.data, fp8.scale, fp8.group_size)
     with pytest.raises(ValueError, match="group_size 24"):
         fp8_linear(x, fp8.data, torch.ones(16, 2, device=DEVICE), 24)
+
+
+def test_fp8_deepseek_mtp_layer_drafts_keep_greedy_tokens(tmp_path):
+    """DeepSeek's released MTP layer is FP8 too: it loads (projections FP8, `eh_proj`
+    dequantized), drafts that get accepted, and speculative decoding leaves the greedy tokens
+    unchanged."""
+    from tests.test_speculative_decoding import NUM_TOKENS, Setup
+
+    setup = Setup(tmp_path)
+    folder = write_fp8_checkpoint(setup.folder, tmp_path / "fp8", (8, 8))
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    mtp_params = {name: p.dtype for name, p in model.module.named_parameters()
+                  if name.startswith("mtp.")}
+    assert FP8 in mtp_params.values() and torch.float32 in mtp_params.values()
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = {}
+    for drafts in (0, 2):
+        with kt.Engine(model, generation_config=config, block_token_num=4,
+                       num_device_blocks=128, num_speculative_tokens=drafts) as engine:
+            outputs[drafts] = [o.token_ids for o in engine.generate_outputs(setup.prompts)]
+            stats = engine.stats()
+    assert outputs[2] == outputs[0]
+    assert 0 < stats.num_accepted_draft_tokens

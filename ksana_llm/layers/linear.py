@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ksana_llm.kernels.reference import fp8_linear_ref
 from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.fp8_weights import Fp8Weight, quantize_fp8_rows
@@ -69,22 +71,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """x times an FP8 weight. On a GPU, batches of up to 64 rows (decode steps) take the Triton
-    kernel, which reads the weight's bytes once; larger ones, and the CPU, dequantize the weight
-    to x's dtype and run the dense matmul (the torch reference)."""
-    if x.is_cuda and x.numel() <= 64 * x.shape[-1]:
-        from ksana_llm.kernels import triton_available
+def fp8_kernel_for(group_size: int, per_row: bool) -> Callable[..., torch.Tensor] | None:
+    """The Triton FP8 matmul when it can run here (triton on a CUDA machine, a group size its
+    tiles divide), else None."""
+    from ksana_llm.kernels import triton_available
 
-        if triton_available():
-            from ksana_llm.kernels.fp8_matmul import fp8_linear, kernel_block_k
+    if not torch.cuda.is_available() or not triton_available():
+        return None
+    from ksana_llm.kernels.fp8_matmul import fp8_linear, kernel_block_k
 
-            if kernel_block_k(group_size, scale.shape[1] == 1) is not None:
-                return fp8_linear(x, weight, scale, group_size, bias)
-    from ksana_llm.kernels.reference import fp8_linear_ref
-
-    return fp8_linear_ref(x, weight, scale, group_size, bias)
+    return fp8_linear if kernel_block_k(group_size, per_row) is not None else None
 
 
 class Fp8Storage(nn.Module):
@@ -106,6 +102,8 @@ class Fp8Storage(nn.Module):
         self.quantize_on_load = False
         self._has_dense_rows = False
         self._dense_dtype = torch.float32
+        # The Triton FP8 matmul, False where it cannot run, None until the first GPU matmul.
+        self._fp8_kernel: Callable[..., torch.Tensor] | bool | None = None
 
     @property
     def is_fp8(self) -> bool:
@@ -141,6 +139,19 @@ class Fp8Storage(nn.Module):
         self.weight_group_size = group_size
         return True
 
+    def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x times the FP8 weight. On a GPU, batches of up to 64 rows (decode steps) take the
+        Triton kernel, which reads the weight's bytes once; larger ones, and the CPU, dequantize
+        the weight to x's dtype and run the dense matmul (the torch reference)."""
+        if x.is_cuda and x.numel() <= 64 * x.shape[-1]:
+            if self._fp8_kernel is None:  # decided once: the check costs more than a launch
+                self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
+                                                  self.weight_scale.shape[1] == 1) or False
+            if self._fp8_kernel:
+                return self._fp8_kernel(x, self.weight, self.weight_scale,
+                                        self.weight_group_size, bias)
+        return fp8_linear_ref(x, self.weight, self.weight_scale, self.weight_group_size, bias)
+
     def _store_dense(self) -> None:
         """Dense rows are coming: rows already stored as FP8 are dequantized first."""
         self._has_dense_rows = True
@@ -163,7 +174,7 @@ class Fp8Storage(nn.Module):
     def project(self, x: torch.Tensor, bias: torch.Tensor | None,
                 packed: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is not None:
-            return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias)
+            return self._fp8_matmul(x, bias)
         if packed is not None and x.dim() == 2:
             return packed_linear(x, packed, bias)
         return nn.functional.linear(x, self.weight, bias)

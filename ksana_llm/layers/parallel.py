@@ -23,7 +23,7 @@ from torch import nn
 from ksana_llm.distributed.context import ParallelContext, balanced_split
 from ksana_llm.layers.linear import Fp8Storage, prepack_cpu_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.fp8_weights import Fp8Weight, dense
+from ksana_llm.loader.fp8_weights import Fp8Weight, dense, quantize_fp8_rows
 
 SINGLE = ParallelContext()
 
@@ -111,6 +111,10 @@ class RowParallelLinear(Fp8Storage):
         if tensor.shape != (self.weight.shape[0], self.in_features):
             raise ValueError(f"weight: shape {tuple(tensor.shape)} does not fit "
                              f"{tuple(self.weight.shape)} on TP rank {self.ctx.tp_rank}")
+        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.fp8_capable:
+            # Whole rows, then this rank's columns: every rank has the scales a single rank
+            # would, so the numbers do not depend on the split.
+            tensor = quantize_fp8_rows(tensor)
         local = tensor.columns(self.in_start, local_in) if isinstance(tensor, Fp8Weight) \
             else tensor[:, self.in_start:self.in_start + local_in]
         self.copy_rows(0, self.incoming(local))
