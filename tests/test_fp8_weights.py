@@ -7,11 +7,12 @@
 - The checkpoint stream: weights and scales pair in either order, activation scales are dropped,
   a half without its pair is a ValueError naming it.
 - End to end against transformers, which reads the same FP8 checkpoint on its own (its CPU path
-  dequantizes it): tiny Llama with block and per-tensor scales, tiny DeepSeek-V3 (MLA + MoE,
-  experts dequantized) -- logits at prefill / decode / a prefix hit and 32 greedy Engine tokens;
-  the projections stay FP8 in memory. Tensor parallelism over gloo gives the same tokens.
+  dequantizes it): tiny Llama with block and per-tensor scales, DeepSeek-V3 (MLA + MoE, and its
+  MTP layer drafting), Qwen3-MoE and Mixtral -- logits at prefill / decode / a prefix hit and 32
+  greedy Engine tokens; projections and experts stay FP8 in memory. Tensor parallelism over gloo
+  gives the same tokens.
 - Online quantization (`quantization="fp8"`): logits equal transformers' with every projection
-  fake-quantized per row by the formula written out here.
+  and expert fake-quantized per row by the formula written out here.
 - The Triton W8A16 matmul against its torch reference (interpreter on CPU; natively, with bf16,
   on a GPU).
 """
@@ -221,44 +222,90 @@ def test_fp8_llama_checkpoint_matches_transformers(tmp_path, block):
     check_family(module, folder, hf_reference(hf), vocab=256)
 
 
+def assert_experts_fp8(module: torch.nn.Module) -> int:
+    """Every MoE expert stack holds FP8 values with one scale per row and group; how many."""
+    from ksana_llm.layers.moe import FusedExperts
+
+    stacks = [m for m in module.modules() if isinstance(m, FusedExperts)]
+    for experts in stacks:
+        assert experts.w13.dtype == FP8 and experts.w2.dtype == FP8
+        assert experts.w13_scale.shape[:2] == experts.w13.shape[:2]
+        assert experts.w2_scale.shape[:2] == experts.w2.shape[:2]
+    return len(stacks)
+
+
 def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):
-    """DeepSeek V3 / R1 ship as FP8: MLA's projections and the shared experts stay FP8, the
-    routed experts and MLA's absorbed kv_b_proj load dequantized."""
-    from transformers import DeepseekV3ForCausalLM
+    """DeepSeek V3 / R1 ship as FP8: MLA's projections, the shared and the routed experts stay
+    FP8; MLA's absorbed kv_b_proj loads dequantized."""
+    from tests.deepseek_checkpoint import VOCAB
 
-    from tests.deepseek_checkpoint import VOCAB, deepseek_config, randomize
-
-    torch.manual_seed(0)
-    full = DeepseekV3ForCausalLM(deepseek_config(num_nextn_predict_layers=0)).eval()
-    randomize(full)
-    full.save_pretrained(tmp_path / "full")
+    deepseek_full(tmp_path / "full")
     # 8x8 blocks: transformers' CPU dequantization needs blocks that divide every dimension.
     folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (8, 8))
     module = load_ours(folder)
     assert_projections_fp8(module)
+    assert assert_experts_fp8(module) == 2
     check_family(module, folder, hf_reference(hf_fp8_model(folder, (8, 8))), vocab=VOCAB)
 
 
-@pytest.mark.parametrize("source", ["checkpoint", "online"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fp8_moe_checkpoint_matches_transformers(tmp_path, family):
+    """Qwen3-MoE (`experts.N.{gate,up,down}_proj`) and Mixtral (`experts.N.w1/w3/w2`) FP8
+    checkpoints: the experts stay FP8 and the model gives transformers' logits and tokens."""
+    from tests.test_family_moe import FAMILIES, _randomize
+
+    torch.manual_seed(0)
+    full = FAMILIES[family]().eval()
+    _randomize(full)
+    full.save_pretrained(tmp_path / "full")
+    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
+    module = load_ours(folder)
+    assert assert_experts_fp8(module) == 2
+    check_family(module, folder, hf_reference(hf_fp8_model(folder, (16, 16))), vocab=256)
+
+
+def deepseek_full(folder: Path) -> torch.nn.Module:
+    from transformers import DeepseekV3ForCausalLM
+
+    from tests.deepseek_checkpoint import deepseek_config, randomize
+
+    torch.manual_seed(0)
+    full = DeepseekV3ForCausalLM(deepseek_config(num_nextn_predict_layers=0)).eval()
+    randomize(full)
+    full.save_pretrained(folder)
+    return full
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "online", "deepseek-checkpoint"])
 def test_fp8_under_tensor_parallelism(tmp_path, source):
-    """Two gloo ranks, each holding its rows / block-aligned columns of the FP8 weights: the
-    same greedy tokens and logits as transformers reading the FP8 checkpoint, or (online
-    quantization, row scales taken over whole rows) as transformers with fake-quantized rows."""
-    hf = build_tiny_model("llama2", tmp_path / "full")
-    if source == "checkpoint":
-        folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
-        reference = hf_reference(hf_fp8_model(folder, (16, 16)))
+    """Two gloo ranks, each holding its rows / block-aligned columns of the FP8 weights (MLA
+    heads and expert columns split for DeepSeek): the same greedy tokens and logits as
+    transformers reading the FP8 checkpoint, or (online quantization, row scales taken over
+    whole rows) as transformers with fake-quantized rows."""
+    if source == "deepseek-checkpoint":
+        deepseek_full(tmp_path / "full")
+        folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (8, 8))
+        reference = hf_reference(hf_fp8_model(folder, (8, 8)))
     else:
-        folder = tmp_path / "full"
-        reference = hf_reference(fake_quantized(hf))
+        hf = build_tiny_model("llama2", tmp_path / "full")
+        if source == "checkpoint":
+            folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
+            reference = hf_reference(hf_fp8_model(folder, (16, 16)))
+        else:
+            folder = tmp_path / "full"
+            reference = hf_reference(fake_quantized(hf))
     torch.manual_seed(1)
     prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
     expected = [greedy_trace(reference, p, 12)[0][len(p):] for p in prompts]
     model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
                                   tensor_parallel_size=2,
                                   quantization="fp8" if source == "online" else None)
-    assert model.module.model.layers[0].mlp.down_proj.weight.dtype == FP8
-    assert model.module.model.layers[0].mlp.down_proj.weight.shape == (64, 64)  # 128 / 2
+    down = model.module.model.layers[0].mlp.down_proj.weight
+    assert down.dtype == FP8
+    assert down.shape == ((64, 48) if source.startswith("deepseek") else (64, 64))  # 1/2 each
+    if source.startswith("deepseek"):
+        assert model.module.model.layers[1].mlp.experts.w2.shape == (8, 64, 16)
+        assert assert_experts_fp8(model.module) == 2
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     with kt.Engine(model, generation_config=config, block_token_num=4,
                    num_device_blocks=96) as engine:
@@ -291,6 +338,25 @@ def fake_quantized(hf: torch.nn.Module) -> torch.nn.Module:
             if QUANTIZED.match(name):
                 param.copy_(fake_quantize_rows(param))
     return hf
+
+
+def test_online_fp8_quantizes_moe_experts_too(tmp_path):
+    from tests.test_family_moe import FAMILIES, _randomize
+
+    torch.manual_seed(0)
+    hf = FAMILIES["qwen3_moe"]().eval()
+    _randomize(hf)
+    hf.save_pretrained(tmp_path)
+    with torch.no_grad():  # transformers 5 keeps the experts stacked: [E, rows, cols]
+        for name, param in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                param.copy_(torch.stack([fake_quantize_rows(w) for w in param]))
+    fake_quantized(hf)
+    model = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                  quantization="fp8")
+    assert assert_experts_fp8(model.module) == 2
+    check_prefill_and_decode(model.module, memoized(hf_reference(hf)), vocab=256,
+                             chunks=[16, 16, 8])
 
 
 def test_online_fp8_matches_per_row_fake_quantized_transformers(tmp_path):

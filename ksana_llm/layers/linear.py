@@ -83,6 +83,17 @@ def fp8_kernel_for(group_size: int, per_row: bool) -> Callable[..., torch.Tensor
     return fp8_linear if kernel_block_k(group_size, per_row) is not None else None
 
 
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None,
+               kernel: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    """x times an FP8 weight. On a GPU, batches of up to 64 rows (decode steps) take `kernel`
+    (see `fp8_kernel_for`), which reads the weight's bytes once; larger ones, and the CPU,
+    dequantize the weight to x's dtype and run the dense matmul (the torch reference)."""
+    if kernel is not None and x.is_cuda and x.numel() <= 64 * x.shape[-1]:
+        return kernel(x, weight, scale, group_size, bias)
+    return fp8_linear_ref(x, weight, scale, group_size, bias)
+
+
 class Fp8Storage(nn.Module):
     """What a projection needs to keep its weight as FP8 (see `loader.fp8_weights`): the weight
     parameter turns FP8 when the first FP8 tensor arrives, with a `weight_scale` buffer of
@@ -140,17 +151,11 @@ class Fp8Storage(nn.Module):
         return True
 
     def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x times the FP8 weight. On a GPU, batches of up to 64 rows (decode steps) take the
-        Triton kernel, which reads the weight's bytes once; larger ones, and the CPU, dequantize
-        the weight to x's dtype and run the dense matmul (the torch reference)."""
-        if x.is_cuda and x.numel() <= 64 * x.shape[-1]:
-            if self._fp8_kernel is None:  # decided once: the check costs more than a launch
-                self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
-                                                  self.weight_scale.shape[1] == 1) or False
-            if self._fp8_kernel:
-                return self._fp8_kernel(x, self.weight, self.weight_scale,
-                                        self.weight_group_size, bias)
-        return fp8_linear_ref(x, self.weight, self.weight_scale, self.weight_group_size, bias)
+        if self._fp8_kernel is None and x.is_cuda:  # decided once: the check costs more than a launch
+            self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
+                                              self.weight_scale.shape[1] == 1) or False
+        return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias,
+                          self._fp8_kernel or None)
 
     def _store_dense(self) -> None:
         """Dense rows are coming: rows already stored as FP8 are dequantized first."""

@@ -15,6 +15,7 @@ DeepSeek) and the stacked tensors transformers 5 keeps in memory
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,9 @@ from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.layers.linear import MergedLinear
+from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
+from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
+from ksana_llm.loader.fp8_weights import Fp8Weight, dense, quantize_fp8_rows
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
 
 
@@ -133,7 +136,15 @@ class FusedExperts(nn.Module):
 
     Under tensor parallelism every rank keeps every expert, each with a slice of its
     intermediate columns; the output is then a partial sum that the enclosing `SparseMoeBlock`
-    all-reduces once."""
+    all-reduces once.
+
+    FP8 experts (an FP8 checkpoint's, or `quantize_on_load` for online quantization) stay FP8:
+    `w13` / `w2` hold the FP8 values and `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups]
+    their float32 row-and-group scales (see `loader.fp8_weights`); each active expert's matmul
+    takes its FP8 weight as the projections do. Experts whose checkpoint tensors disagree (some
+    FP8, some not, or other scale blocks) are all kept dense."""
+
+    takes_fp8_weights = True  # the weight loader hands it FP8 checkpoint weights as they are
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str = "silu", *, parallel: ParallelContext = SINGLE) -> None:
@@ -147,6 +158,16 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
         self.act = get_gated_activation(hidden_act)
+        self.w13_scale: torch.Tensor | None
+        self.w2_scale: torch.Tensor | None
+        self.register_buffer("w13_scale", None, persistent=False)
+        self.register_buffer("w2_scale", None, persistent=False)
+        self.group_sizes = {"w13": 0, "w2": 0}
+        self.fp8_capable = True
+        self.quantize_on_load = False
+        self._has_dense = {"w13": False, "w2": False}
+        self._dense_dtype = torch.float32
+        self._fp8_kernels: dict[str, Callable[..., torch.Tensor] | bool] = {}
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H]; returns sum_k weight[t, k] * expert[experts[t, k]](x[t]) as [T, H]."""
@@ -161,8 +182,8 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            hidden = self.act(F.linear(x_sorted[rows], self.w13[expert]))
-            out_sorted[rows] = F.linear(hidden, self.w2[expert])
+            hidden = self.act(self._expert_matmul(x_sorted[rows], "w13", expert))
+            out_sorted[rows] = self._expert_matmul(hidden, "w2", expert)
             start += count
         # As transformers' default (grouped_mm) path: weight in float32 (the router's dtype),
         # restore (token, k) order, sum the k contributions in float32, cast once at the end.
@@ -170,48 +191,115 @@ class FusedExperts(nn.Module):
         unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
+    def _expert_matmul(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        weight, scale = getattr(self, name), getattr(self, f"{name}_scale")
+        if scale is None:
+            return F.linear(x, weight[expert])
+        group = self.group_sizes[name]
+        if name not in self._fp8_kernels and x.is_cuda:  # decided once per weight
+            self._fp8_kernels[name] = fp8_kernel_for(group, scale.shape[2] == 1) or False
+        return fp8_matmul(x, weight[expert], scale[expert], group, None,
+                          self._fp8_kernels.get(name) or None)
+
     # ---- checkpoint loading (see models/weight_loading.py) -------------------------------------
     def expected_checkpoint_keys(self) -> list[str]:
         return [f"{e}.{part}" for e in range(self.num_experts) for part in ("gate", "up", "down")]
 
-    def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor) -> list[str]:
+    def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor | Fp8Weight
+                               ) -> list[str]:
         """One per-expert tensor (`3.w1.weight`, `3.down_proj.weight`, ...) or a stacked one
         (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`); returns the keys it filled."""
-        experts = range(self.num_experts)
-        full, first, size = self.full_intermediate_size, self.shard_start, self.intermediate_size
-        if local_name == "gate_up_proj":  # [E, 2I, H]: this rank's rows of each half
-            gate, up = tensor[:, first:first + size], tensor[:, full + first:full + first + size]
-            if tensor.shape[1] != 2 * full:
-                gate = tensor  # wrong width: let the shape check below name it
-            _copy_checked(self.w13.data, torch.cat([gate, up], dim=1) if gate is not tensor
-                          else tensor, "experts.gate_up_proj")
-            return [f"{e}.{part}" for e in experts for part in ("gate", "up")]
-        if local_name == "down_proj":  # [E, H, I]: this rank's columns
-            _copy_checked(self.w2.data, tensor[..., first:first + size] if tensor.shape[-1] == full
-                          else tensor, "experts.down_proj")
-            return [f"{e}.down" for e in experts]
+        full = self.full_intermediate_size
+        if local_name in ("gate_up_proj", "down_proj"):  # stacked: expert by expert
+            stacked = dense(tensor)
+            if stacked.shape[0] != self.num_experts:
+                raise ValueError(f"experts.{local_name}: shape {tuple(stacked.shape)}, expected "
+                                 f"{self.num_experts} experts")
+            keys = []
+            for expert, weights in enumerate(stacked):
+                if local_name == "down_proj":
+                    keys += self._load_expert(expert, "down", weights, f"experts.{local_name}")
+                else:
+                    if weights.shape[0] != 2 * full:
+                        raise ValueError(f"experts.{local_name}: shape {tuple(stacked.shape)}, "
+                                         f"expected {2 * full} gate and up rows per expert")
+                    keys += self._load_expert(expert, "gate", weights[:full], local_name)
+                    keys += self._load_expert(expert, "up", weights[full:], local_name)
+            return keys
         match = _PER_EXPERT.fullmatch(local_name)
         if match is None:
             raise ValueError(f"unexpected expert tensor {local_name!r}")
         expert, kind = int(match.group(1)), match.group(2)
         if expert >= self.num_experts:
             raise ValueError(f"expert tensor {local_name!r}: only {self.num_experts} experts")
-        if kind in ("w2", "down_proj"):
-            if tensor.shape[-1] == full:
-                tensor = tensor[:, first:first + size]
-            _copy_checked(self.w2.data[expert], tensor, local_name)
-            return [f"{expert}.down"]
-        part = _PART[kind]
-        if tensor.shape[0] == full:
-            tensor = tensor[first:first + size]
-        _copy_checked(self.w13.data[expert, part * size:(part + 1) * size], tensor, local_name)
-        return [f"{expert}.{('gate', 'up')[part]}"]
+        part = "down" if kind in ("w2", "down_proj") else ("gate", "up")[_PART[kind]]
+        return self._load_expert(expert, part, tensor, local_name)
 
+    def _load_expert(self, expert: int, part: str, tensor: torch.Tensor | Fp8Weight,
+                     name: str) -> list[str]:
+        """Expert `expert`'s `part` (gate / up: [I, H]; down: [H, I]), full or this rank's
+        slice, into w13 / w2."""
+        first, size = self.shard_start, self.intermediate_size
+        full = self.full_intermediate_size
+        if part == "down":
+            if tensor.shape[-1] == full and size != full:  # this rank's input columns
+                tensor = tensor.columns(first, size) if isinstance(tensor, Fp8Weight) \
+                    else tensor[:, first:first + size]
+            target, rows = "w2", slice(0, self.w2.shape[1])
+        else:
+            if tensor.shape[0] == full and size != full:  # this rank's rows
+                tensor = tensor.rows(first, size) if isinstance(tensor, Fp8Weight) \
+                    else tensor[first:first + size]
+            index = 0 if part == "gate" else 1
+            target, rows = "w13", slice(index * size, (index + 1) * size)
+        param = getattr(self, target)
+        expected = (rows.stop - rows.start, param.shape[2])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {expected}")
+        tensor = self._incoming(target, tensor)
+        if isinstance(tensor, Fp8Weight):
+            getattr(self, target).data[expert, rows].copy_(tensor.data)
+            getattr(self, f"{target}_scale")[expert, rows].copy_(tensor.scale)
+        else:
+            getattr(self, target).data[expert, rows].copy_(tensor)
+        return [f"{expert}.{part}"]
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"{name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)
+    def _incoming(self, target: str, tensor: torch.Tensor | Fp8Weight
+                  ) -> torch.Tensor | Fp8Weight:
+        """`tensor` in the form `target` stores: FP8 (switching storage on the first one), or
+        dense, dequantizing every FP8 expert already stored when the tensors disagree."""
+        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.fp8_capable:
+            tensor = quantize_fp8_rows(tensor)
+        scale = getattr(self, f"{target}_scale")
+        if isinstance(tensor, Fp8Weight) and self.fp8_capable and not self._has_dense[target]:
+            layout = (tensor.scale.shape[1], tensor.group_size)
+            if scale is None:
+                self._store_fp8(target, *layout)
+                return tensor
+            if layout == (scale.shape[2], self.group_sizes[target]):
+                return tensor
+        if isinstance(tensor, Fp8Weight):
+            tensor = tensor.dequantize()
+        self._has_dense[target] = True
+        if scale is not None:  # rows stored as FP8 so far become dense
+            weight = getattr(self, target).data
+            dense_weight = torch.stack([
+                dequantize_fp8(weight[e], scale[e], self.group_sizes[target], self._dense_dtype)
+                for e in range(self.num_experts)])
+            setattr(self, target, nn.Parameter(dense_weight, requires_grad=False))
+            setattr(self, f"{target}_scale", None)
+        return tensor
+
+    def _store_fp8(self, target: str, num_groups: int, group_size: int) -> None:
+        param = getattr(self, target)
+        self._dense_dtype = param.dtype
+        setattr(self, target, nn.Parameter(
+            torch.empty(param.shape, dtype=FP8_WEIGHT_DTYPE, device=param.device),
+            requires_grad=False))
+        self.register_buffer(f"{target}_scale", torch.ones(*param.shape[:2], num_groups,
+                                                           device=param.device),
+                             persistent=False)
+        self.group_sizes[target] = group_size
 
 
 class GatedMLP(nn.Module):

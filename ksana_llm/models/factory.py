@@ -14,6 +14,7 @@ from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.linear import Fp8Storage
+from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
 from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
 from ksana_llm.loader.fp8_weights import (WEIGHT_QUANTIZATIONS, Fp8CheckpointFormat,
@@ -75,9 +76,11 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def quantize_projections_on_load(module: nn.Module) -> int:
-    """Online FP8: every projection that can keep FP8 weights quantizes them per row as they
-    load (embeddings, norms, the LM head, MoE experts and routers stay as they are); how many."""
-    projections = [m for m in module.modules() if isinstance(m, Fp8Storage) and m.fp8_capable]
+    """Online FP8: every projection and MoE expert stack that can keep FP8 weights quantizes
+    them per row as they load (embeddings, norms, the LM head and routers stay as they are);
+    how many modules."""
+    projections = [m for m in module.modules()
+                   if isinstance(m, (Fp8Storage, FusedExperts)) and m.fp8_capable]
     for projection in projections:
         projection.quantize_on_load = True
     return len(projections)
