@@ -51,3 +51,46 @@ def write_fp8_checkpoint(source: Path, target: Path,
         config["quantization_config"]["weight_block_size"] = list(block_size)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
+
+
+def write_compressed_tensors_fp8(source: Path, target: Path, strategy: str,
+                                 block_size: tuple[int, int] = (16, 16)) -> Path:
+    """`source` quantized by the compressed-tensors library itself, as llm-compressor saves it:
+    FP8 weights of every decoder Linear with per-`strategy` ("tensor", "channel" or "block")
+    scales in `weight_scale`, the LM head left out; the config's `quantization_config` written
+    by its compressor. Weight-only: the FP8 preset's static activation scales would make
+    transformers quantize activations too, which ksana-llm does not (it drops `input_scale`)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
+                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    preset = {"tensor": "FP8", "channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}[strategy]
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme.input_activations = None
+    if strategy == "block":
+        scheme.weights.block_structure = list(block_size)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
+                                                        ignore=["lm_head"]))
+    with torch.no_grad():
+        for module in model.modules():
+            if not hasattr(module, "weight_scale"):
+                continue
+            weight = module.weight.float()
+            if strategy == "tensor":
+                low, high = weight.amin().reshape(1), weight.amax().reshape(1)
+            elif strategy == "channel":
+                low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+            else:
+                tiles = weight.reshape(weight.shape[0] // block_size[0], block_size[0],
+                                       weight.shape[1] // block_size[1], block_size[1])
+                low, high = tiles.amin((1, 3)), tiles.amax((1, 3))
+            scale, _ = calculate_qparams(low, high, module.quantization_scheme.weights)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, None)
+    compressor.compress_model(model)
+    model.save_pretrained(target)
+    compressor.update_config(str(target))
+    return target

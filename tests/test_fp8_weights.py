@@ -41,7 +41,8 @@ from ksana_llm.loader.fp8_weights import (Fp8CheckpointFormat, Fp8Weight,  # noq
                                           quantize_fp8_rows)
 from tests.family_harness import (check_family, check_prefill_and_decode,  # noqa: E402
                                   greedy_trace, hf_reference, load_ours, memoized)
-from tests.fp8_checkpoint import QUANTIZED, write_fp8_checkpoint  # noqa: E402
+from tests.fp8_checkpoint import (QUANTIZED, write_compressed_tensors_fp8,  # noqa: E402
+                                  write_fp8_checkpoint)
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -148,6 +149,11 @@ def test_quantization_configs_other_than_fp8_are_refused_by_name(tmp_path):
         quantization_config = {"quant_method": "gptq", "bits": 4}
     with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
         Fp8CheckpointFormat.from_hf_config(Config())
+    Config.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "config_groups": {"group_0": {"weights": {
+                                      "num_bits": 4, "type": "int", "strategy": "group"}}}}
+    with pytest.raises(ValueError, match="format 'pack-quantized' with 4-bit int weights"):
+        Fp8CheckpointFormat.from_hf_config(Config())
     Config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128]}
     with pytest.raises(ValueError, match="weight_block_size must be two positive integers"):
         Fp8CheckpointFormat.from_hf_config(Config())
@@ -232,6 +238,23 @@ def assert_experts_fp8(module: torch.nn.Module) -> int:
         assert experts.w13_scale.shape[:2] == experts.w13.shape[:2]
         assert experts.w2_scale.shape[:2] == experts.w2.shape[:2]
     return len(stacks)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strategy):
+    """llm-compressor's FP8 checkpoints (`quant_method: compressed-tensors`, float-quantized),
+    written by the compressed-tensors library: per-tensor, per-channel and 16x16 block
+    scales."""
+    build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    folder = write_compressed_tensors_fp8(tmp_path / "full", tmp_path / "ct", strategy)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    module = load_ours(folder)
+    assert_projections_fp8(module)
+    scale = module.model.layers[0].self_attn.o_proj.weight_scale
+    assert scale.shape == {"tensor": (64, 1), "channel": (64, 1), "block": (64, 8)}[strategy]
+    check_family(module, folder, hf_reference(reference), vocab=256)
 
 
 def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):

@@ -1,7 +1,8 @@
 """FP8 weights: the checkpoint format, how its tensors pair up, and quantizing weights to it.
 
 An FP8 checkpoint (`quantization_config.quant_method: "fp8"`: DeepSeek V3/R1, Qwen3-*-FP8, and
-what transformers' `FineGrainedFP8Config` writes) stores each quantized linear weight as
+what transformers' `FineGrainedFP8Config` writes; or llm-compressor's `"compressed-tensors"` in
+its "float-quantized" format, with the scales in `weight_scale`) stores each quantized linear weight as
 `<name>.weight` in float8_e4m3fn plus `<name>.weight_scale_inv`, float32 scales that *multiply*
 the FP8 values back (the name says "inverse" of the scale the weight was divided by):
 - one scale per `weight_block_size` tile ([128, 128] in the released models), shape
@@ -135,20 +136,51 @@ class Fp8CheckpointFormat:
             quantization = quantization.to_dict() if hasattr(quantization, "to_dict") \
                 else vars(quantization)
         method = quantization.get("quant_method")
+        if method == "compressed-tensors":
+            return cls._from_compressed_tensors(quantization)
         if method != "fp8":
             raise ValueError(f"quantization_config.quant_method {method!r} is not supported: "
                              "ksana-llm loads full-precision checkpoints and FP8 ones "
-                             "(quant_method 'fp8'); dequantize the checkpoint first")
+                             "(quant_method 'fp8', or 'compressed-tensors' in its "
+                             "float-quantized format); dequantize the checkpoint first")
         fmt = quantization.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3)")
-        block = quantization.get("weight_block_size")
-        if block is not None:
-            if len(block) != 2 or any(int(b) < 1 for b in block):
-                raise ValueError("quantization_config.weight_block_size must be two positive "
-                                 f"integers, got {block!r}")
-            block = (int(block[0]), int(block[1]))
-        return cls(block)
+        return cls(_block_size(quantization.get("weight_block_size"),
+                               "quantization_config.weight_block_size"))
+
+    @classmethod
+    def _from_compressed_tensors(cls, quantization: dict) -> Fp8CheckpointFormat:
+        """llm-compressor's checkpoints (vLLM's `compressed-tensors` method): FP8 weights
+        ("float-quantized") with per-tensor, per-channel or block scales in `weight_scale`."""
+        blocks: set[tuple[int, int] | None] = set()
+        for name, group in (quantization.get("config_groups") or {}).items():
+            where = f"quantization_config.config_groups.{name}"
+            fmt = group.get("format") or quantization.get("format")
+            weights = group.get("weights") or {}
+            if fmt not in ("float-quantized", "naive-quantized") \
+                    or weights.get("type") != "float" or weights.get("num_bits") != 8:
+                raise ValueError(f"{where}: compressed-tensors format {fmt!r} with "
+                                 f"{weights.get('num_bits')}-bit {weights.get('type')} weights "
+                                 "is not supported: only FP8 weights (float-quantized) are")
+            strategy = weights.get("strategy")
+            if strategy not in ("tensor", "channel", "block") or not weights.get("symmetric", True):
+                raise ValueError(f"{where}.weights: strategy {strategy!r} is not supported "
+                                 "(FP8 weights take tensor, channel or block scales)")
+            blocks.add(_block_size(weights.get("block_structure"), f"{where}.weights."
+                                   "block_structure") if strategy == "block" else None)
+        if len(blocks) > 1:
+            raise ValueError("quantization_config.config_groups: groups with different FP8 "
+                             f"block sizes ({sorted(map(str, blocks))}) are not supported")
+        return cls(blocks.pop() if blocks else None)
+
+
+def _block_size(block: Any, where: str) -> tuple[int, int] | None:
+    if block is None:
+        return None
+    if len(block) != 2 or any(int(b) < 1 for b in block):
+        raise ValueError(f"{where} must be two positive integers, got {block!r}")
+    return int(block[0]), int(block[1])
 
 
 def pair_fp8_tensors(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8CheckpointFormat
@@ -160,7 +192,9 @@ def pair_fp8_tensors(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Checkp
     waiting_scale: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         base, _, leaf = name.rpartition(".")
-        if leaf in ("input_scale", "activation_scale"):
+        # Activation scales (we do not quantize activations) and compressed-tensors' KV cache
+        # scales (ours come from kv_cache_scales.json) have no place here.
+        if leaf in ("input_scale", "activation_scale", "k_scale", "v_scale", "q_scale"):
             continue
         if leaf in SCALE_SUFFIXES:
             if base in waiting_data:
