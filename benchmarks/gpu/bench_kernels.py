@@ -4,6 +4,7 @@
     python -m benchmarks.gpu.bench_kernels tests   --out DIR  # tests/test_kernels.py natively
     python -m benchmarks.gpu.bench_kernels decode  --out DIR  # paged decode attention, GB/s
     python -m benchmarks.gpu.bench_kernels prefill --out DIR  # paged prefill, TFLOP/s
+    python -m benchmarks.gpu.bench_kernels fp8-matmul --out DIR  # FP8-weight matmul vs bf16
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block 16). Each
 benchmark times its peer in the same run — the torch backend's method (gather the paged K/V, then
@@ -316,8 +317,67 @@ def stage_prefill(out_dir: Path) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# FP8-weight matmul
+# --------------------------------------------------------------------------------------------
+
+# (name, N, K): Llama-3-8B's projections (QKV, gate+up, down) and Qwen3-0.6B's gate+up.
+FP8_MATMUL_SHAPES = [("llama8b-qkv", 6144, 4096), ("llama8b-gate-up", 28672, 4096),
+                     ("llama8b-down", 4096, 14336), ("qwen3-0.6b-gate-up", 6144, 1024)]
+FP8_MATMUL_ROWS = (1, 8, 32, 64, 128, 256)
+
+
+def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> dict[str, Any]:
+    """The Triton FP8 matmul (128-column block scales, or per-row scales) against bf16 cuBLAS
+    on the same shape and against the dequantize-then-matmul path the engine takes for larger
+    batches. GB/s counts the weight bytes each reads once."""
+    from ksana_llm.kernels.fp8_matmul import fp8_linear
+    from ksana_llm.kernels.reference import fp8_linear_ref
+    from ksana_llm.kernels.weight_quant import quantize_fp8
+
+    weight = torch.randn(n, k, device="cuda") * 0.02
+    if layout == "block128":
+        data, block_scale = quantize_fp8(weight, (128, 128))
+        scale = block_scale.repeat_interleave(128, 0)[:n].contiguous()
+        group = 128
+    else:
+        data, scale = quantize_fp8(weight, (1, k))
+        group = k
+    dense = weight.to(torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    kernel = time_ms(lambda: fp8_linear(x, data, scale, group))
+    cublas = time_ms(lambda: F.linear(x, dense))
+    dequant = time_ms(lambda: fp8_linear_ref(x, data, scale, group))
+    err = (fp8_linear(x, data, scale, group).float()
+           - fp8_linear_ref(x.float(), data, scale, group)).abs().max().item()
+    return {"shape": name, "n": n, "k": k, "rows": rows, "scales": layout, "triton": kernel,
+            "bf16_cublas": cublas, "dequant_then_matmul": dequant,
+            "triton_weight_gbps": n * k / kernel["ms"] / 1e6,
+            "cublas_weight_gbps": 2 * n * k / cublas["ms"] / 1e6,
+            "speedup_vs_bf16": cublas["ms"] / kernel["ms"],
+            "speedup_vs_dequant": dequant["ms"] / kernel["ms"], "max_abs_err": err}
+
+
+def stage_fp8_matmul(out_dir: Path) -> int:
+    require_cuda()
+    rows_out = []
+    for layout in ("block128", "per-row"):
+        for name, n, k in FP8_MATMUL_SHAPES:
+            for rows in FP8_MATMUL_ROWS:
+                row = bench_fp8_matmul_case(name, n, k, rows, layout)
+                rows_out.append(row)
+                print(f"fp8 {name:18s} {layout:8s} m={rows:3d} triton "
+                      f"{row['triton']['ms'] * 1e3:8.1f} us {row['triton_weight_gbps']:6.0f} GB/s"
+                      f" | bf16 {row['bf16_cublas']['ms'] * 1e3:8.1f} us x"
+                      f"{row['speedup_vs_bf16']:.2f} | dequant x{row['speedup_vs_dequant']:.2f}"
+                      f" | err {row['max_abs_err']:.1e}")
+    write_json(out_dir, "fp8_matmul", {"device": torch.cuda.get_device_name(0),
+                                        "results": rows_out})
+    return 0
+
+
 STAGES = {"env": stage_env, "tests": stage_tests, "decode": stage_decode,
-          "prefill": stage_prefill}
+          "prefill": stage_prefill, "fp8-matmul": stage_fp8_matmul}
 
 
 def main(argv: list[str] | None = None) -> int:

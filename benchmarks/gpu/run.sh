@@ -10,7 +10,8 @@
 # (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
 # Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
 # random rank-16 LoRA adapters, round robin) and engine-qwen3-fp8w / engine-llama8b-fp8w (the
-# workloads with FP8 projection weights, online quantization) only when named.
+# workloads with FP8 projection weights, online quantization) and fp8-matmul (the FP8-weight
+# matmul against bf16 cuBLAS) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -48,7 +49,7 @@ fi
 declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
-                  [engine-llama8b-fp8w]=330)
+                  [engine-llama8b-fp8w]=330 [fp8-matmul]=150)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -94,6 +95,9 @@ for stage in "${STAGES[@]}"; do
                             --models llama-3-8b --out "$RESULTS" ;;
         # paged decode attention at the Qwen3-0.6B shape: batch 256 x ~600 tokens, and 4 x 8k
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
+        # the FP8-weight matmul (Llama-3-8B / Qwen3 shapes, 1-256 rows) vs bf16 cuBLAS
+        fp8-matmul) run_stage fp8-matmul "$PYTHON" -m benchmarks.gpu.bench_kernels fp8-matmul \
+                        --out "$RESULTS" ;;
         # paged prefill attention: fresh prompts and chunks after a cached prefix
         prefill) run_stage prefill "$PYTHON" -m benchmarks.gpu.bench_kernels prefill --out "$RESULTS" ;;
         # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
@@ -101,7 +105,7 @@ for stage in "${STAGES[@]}"; do
                      --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-llama8b engine-llama8b-fp8w"\
-                " decode prefill spec)" >&2; exit 2 ;;
+                " decode prefill fp8-matmul spec)" >&2; exit 2 ;;
     esac
 done
 
