@@ -158,7 +158,7 @@ class Fp8Storage(nn.Module):
         return True
 
     def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._fp8_kernel is None and x.is_cuda:  # decided once: the check costs more than a launch
+        if self._fp8_kernel is None and x.is_cuda:  # decided once: checking costs a launch's time
             self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
                                               self.weight_scale.shape[1] == 1) or False
         return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias,

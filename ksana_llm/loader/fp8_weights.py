@@ -2,9 +2,9 @@
 
 An FP8 checkpoint (`quantization_config.quant_method: "fp8"`: DeepSeek V3/R1, Qwen3-*-FP8, and
 what transformers' `FineGrainedFP8Config` writes; or llm-compressor's `"compressed-tensors"` in
-its "float-quantized" format, with the scales in `weight_scale`) stores each quantized linear weight as
-`<name>.weight` in float8_e4m3fn plus `<name>.weight_scale_inv`, float32 scales that *multiply*
-the FP8 values back (the name says "inverse" of the scale the weight was divided by):
+its "float-quantized" format, with the scales in `weight_scale`) stores each quantized linear
+weight as `<name>.weight` in float8_e4m3fn plus `<name>.weight_scale_inv`, float32 scales that
+*multiply* the FP8 values back (the name says "inverse" of the scale the weight was divided by):
 - one scale per `weight_block_size` tile ([128, 128] in the released models), shape
   [ceil(rows / 128), ceil(cols / 128)];
 - or, without a block size, one scale for the whole tensor (vLLM's per-tensor checkpoints call
