@@ -36,12 +36,12 @@ from ksana_llm.generation_config import GenerationConfig  # noqa: E402
 from ksana_llm.kernels.reference import fp8_linear_ref  # noqa: E402
 from ksana_llm.kernels.weight_quant import FP8_MAX, quantize_fp8  # noqa: E402
 from ksana_llm.layers.linear import MergedLinear  # noqa: E402
-from ksana_llm.loader.fp8_weights import (Fp8CheckpointFormat, Fp8Weight,  # noqa: E402
-                                          fp8_weight_from_checkpoint, pair_fp8_tensors,
+from ksana_llm.loader.fp8_weights import (QuantizedCheckpoint, Fp8Weight,  # noqa: E402
+                                          fp8_weight_from_checkpoint, paired_weights,
                                           quantize_fp8_rows)
 from tests.family_harness import (check_family, check_prefill_and_decode,  # noqa: E402
                                   greedy_trace, hf_reference, load_ours, memoized)
-from tests.fp8_checkpoint import (QUANTIZED, write_compressed_tensors_fp8,  # noqa: E402
+from tests.quantized_checkpoints import (QUANTIZED, write_compressed_tensors,  # noqa: E402
                                   write_fp8_checkpoint)
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
@@ -130,33 +130,38 @@ def test_checkpoint_block_scales_expand_to_rows():
 
 def test_checkpoint_pairs_weights_with_scales_in_any_order():
     data, scale = quantize_fp8(torch.randn(16, 16), (16, 16))
-    fmt = Fp8CheckpointFormat((16, 16))
+    fmt = QuantizedCheckpoint((16, 16))
     stream = [("a.weight", data), ("a.weight_scale_inv", scale),
               ("b.weight_scale_inv", scale), ("b.input_scale", torch.tensor(1.0)),
               ("b.weight", data), ("norm.weight", torch.ones(16))]
-    paired = dict(pair_fp8_tensors(stream, fmt))
+    paired = dict(paired_weights(stream, fmt))
     assert list(paired) == ["a.weight", "b.weight", "norm.weight"]
     assert isinstance(paired["a.weight"], Fp8Weight) and isinstance(paired["b.weight"], Fp8Weight)
     assert isinstance(paired["norm.weight"], torch.Tensor)
     with pytest.raises(ValueError, match=r"FP8 weights without a weight_scale_inv: \['c'\]"):
-        list(pair_fp8_tensors([("c.weight", data)], fmt))
+        list(paired_weights([("c.weight", data)], fmt))
     with pytest.raises(ValueError, match=r"weight scales without an FP8 weight: \['d'\]"):
-        list(pair_fp8_tensors([("d.weight_scale_inv", scale)], fmt))
+        list(paired_weights([("d.weight_scale_inv", scale)], fmt))
 
 
 def test_quantization_configs_other_than_fp8_are_refused_by_name(tmp_path):
     class Config:
         quantization_config = {"quant_method": "gptq", "bits": 4}
     with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
-        Fp8CheckpointFormat.from_hf_config(Config())
+        QuantizedCheckpoint.from_hf_config(Config())
     Config.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                                   "config_groups": {"group_0": {"weights": {
                                       "num_bits": 4, "type": "int", "strategy": "group"}}}}
-    with pytest.raises(ValueError, match="format 'pack-quantized' with 4-bit int weights"):
-        Fp8CheckpointFormat.from_hf_config(Config())
+    with pytest.raises(ValueError, match="int4 with strategy 'group' and actorder 'group'"):
+        Config.quantization_config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+        QuantizedCheckpoint.from_hf_config(Config())
+    Config.quantization_config["config_groups"]["group_0"]["weights"].update(
+        num_bits=8, actorder=None)
+    with pytest.raises(ValueError, match="format 'pack-quantized' with 8-bit int weights"):
+        QuantizedCheckpoint.from_hf_config(Config())
     Config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128]}
     with pytest.raises(ValueError, match="weight_block_size must be two positive integers"):
-        Fp8CheckpointFormat.from_hf_config(Config())
+        QuantizedCheckpoint.from_hf_config(Config())
     build_tiny_model("llama2", tmp_path)
     config = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text(
@@ -246,7 +251,8 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strate
     written by the compressed-tensors library: per-tensor, per-channel and 16x16 block
     scales."""
     build_tiny_model("yi-gqa4-bias", tmp_path / "full")
-    folder = write_compressed_tensors_fp8(tmp_path / "full", tmp_path / "ct", strategy)
+    folder = tmp_path / "ct"
+    write_compressed_tensors(tmp_path / "full", folder, strategy)
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -255,6 +261,55 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strate
     scale = module.model.layers[0].self_attn.o_proj.weight_scale
     assert scale.shape == {"tensor": (64, 1), "channel": (64, 1), "block": (64, 8)}[strategy]
     check_family(module, folder, hf_reference(reference), vocab=256)
+
+
+@pytest.mark.parametrize("strategy", ["int4", "int4-asym", "int4-channel"])
+def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strategy):
+    """llm-compressor's W4A16 checkpoints (`pack-quantized`: eight 4-bit codes per int32,
+    group or channel scales, zero points when asymmetric), written by the compressed-tensors
+    library, held as FP8 with the same numbers: logits and greedy tokens equal transformers'
+    reading the checkpoint through the library -- or, for zero points, which transformers'
+    loader cannot read, transformers' model holding the numbers the library says the
+    checkpoint holds."""
+    from transformers import AutoModelForCausalLM
+
+    full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    folder = tmp_path / "ct"
+    held = write_compressed_tensors(tmp_path / "full", folder, strategy)
+    if strategy == "int4-asym":
+        with torch.no_grad():
+            for name, values in held.items():
+                full.get_parameter(name).copy_(values)
+        reference = full
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    module = load_ours(folder)
+    assert_projections_fp8(module)
+    scale = module.model.layers[0].self_attn.o_proj.weight_scale
+    assert scale.shape == ((64, 1) if strategy == "int4-channel" else (64, 4))  # 128 / 32
+    check_family(module, folder, hf_reference(reference), vocab=256)
+
+
+def test_int4_codes_unpack_as_the_library_packs_them():
+    """Every 4-bit value at every position of a word, and zero points packed along the rows,
+    come back as compressed-tensors' own pack_to_int32 put them in."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from ksana_llm.loader.fp8_weights import int4_as_fp8, unpack_int4
+
+    torch.manual_seed(6)
+    values = torch.randint(-8, 8, (5, 37), dtype=torch.int8)  # 37: the last word half full
+    packed = pack_to_int32(values, 4)
+    assert torch.equal(unpack_int4(packed, 37), values)
+    zero = torch.randint(-8, 8, (5, 2), dtype=torch.int8)
+    scale = torch.rand(5, 2)
+    weight = int4_as_fp8({"weight_packed": packed, "weight_scale": scale,
+                          "weight_shape": torch.tensor([5, 37]),
+                          "weight_zero_point": pack_to_int32(zero, 4, packed_dim=0)}, "w")
+    expected = (values.float() - zero.float().repeat_interleave(19, 1)[:, :37]) \
+        * scale.repeat_interleave(19, 1)[:, :37]
+    assert weight.group_size == 19
+    torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
 
 
 def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):

@@ -120,13 +120,17 @@ def fp8_weight_from_checkpoint(data: torch.Tensor, scale: torch.Tensor,
 
 
 @dataclass(frozen=True)
-class Fp8CheckpointFormat:
-    """What `quantization_config` says of an FP8 checkpoint."""
+class QuantizedCheckpoint:
+    """What `quantization_config` says of a quantized checkpoint: FP8 weights (with
+    `block_size` scale tiles, or per tensor / channel), or int4 weights packed in int32
+    (`int4`, compressed-tensors' pack-quantized; `symmetric` False: with zero points)."""
 
     block_size: tuple[int, int] | None
+    int4: bool = False
+    symmetric: bool = True
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> Fp8CheckpointFormat | None:
+    def from_hf_config(cls, hf_config: Any) -> QuantizedCheckpoint | None:
         """The format of an FP8 checkpoint; None for a full-precision one. Another quantization
         method is refused by name: its tensors would not load."""
         quantization = getattr(hf_config, "quantization_config", None)
@@ -140,9 +144,10 @@ class Fp8CheckpointFormat:
             return cls._from_compressed_tensors(quantization)
         if method != "fp8":
             raise ValueError(f"quantization_config.quant_method {method!r} is not supported: "
-                             "ksana-llm loads full-precision checkpoints and FP8 ones "
-                             "(quant_method 'fp8', or 'compressed-tensors' in its "
-                             "float-quantized format); dequantize the checkpoint first")
+                             "ksana-llm loads full-precision checkpoints, FP8 ones "
+                             "(quant_method 'fp8', or 'compressed-tensors' float-quantized) "
+                             "and int4 ones in compressed-tensors' pack-quantized format; "
+                             "dequantize the checkpoint first")
         fmt = quantization.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3)")
@@ -150,29 +155,40 @@ class Fp8CheckpointFormat:
                                "quantization_config.weight_block_size"))
 
     @classmethod
-    def _from_compressed_tensors(cls, quantization: dict) -> Fp8CheckpointFormat:
+    def _from_compressed_tensors(cls, quantization: dict) -> QuantizedCheckpoint:
         """llm-compressor's checkpoints (vLLM's `compressed-tensors` method): FP8 weights
-        ("float-quantized") with per-tensor, per-channel or block scales in `weight_scale`."""
-        blocks: set[tuple[int, int] | None] = set()
+        ("float-quantized", per-tensor, per-channel or block scales in `weight_scale`), or int4
+        weights ("pack-quantized": `weight_packed`, group or channel `weight_scale`, and
+        `weight_zero_point` when asymmetric)."""
+        kinds: set[QuantizedCheckpoint] = set()
         for name, group in (quantization.get("config_groups") or {}).items():
             where = f"quantization_config.config_groups.{name}"
             fmt = group.get("format") or quantization.get("format")
             weights = group.get("weights") or {}
-            if fmt not in ("float-quantized", "naive-quantized") \
-                    or weights.get("type") != "float" or weights.get("num_bits") != 8:
+            kind, bits, strategy = weights.get("type"), weights.get("num_bits"), \
+                weights.get("strategy")
+            if fmt in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8:
+                if strategy not in ("tensor", "channel", "block") \
+                        or not weights.get("symmetric", True):
+                    raise ValueError(f"{where}.weights: strategy {strategy!r} is not supported "
+                                     "(FP8 weights take tensor, channel or block scales)")
+                kinds.add(cls(_block_size(weights.get("block_structure"),
+                                          f"{where}.weights.block_structure")
+                              if strategy == "block" else None))
+            elif fmt == "pack-quantized" and kind == "int" and bits == 4:
+                if strategy not in ("group", "channel") or weights.get("actorder"):
+                    raise ValueError(f"{where}.weights: int4 with strategy {strategy!r} and "
+                                     f"actorder {weights.get('actorder')!r} is not supported "
+                                     "(group or channel scales, no activation order)")
+                kinds.add(cls(None, int4=True, symmetric=bool(weights.get("symmetric", True))))
+            else:
                 raise ValueError(f"{where}: compressed-tensors format {fmt!r} with "
-                                 f"{weights.get('num_bits')}-bit {weights.get('type')} weights "
-                                 "is not supported: only FP8 weights (float-quantized) are")
-            strategy = weights.get("strategy")
-            if strategy not in ("tensor", "channel", "block") or not weights.get("symmetric", True):
-                raise ValueError(f"{where}.weights: strategy {strategy!r} is not supported "
-                                 "(FP8 weights take tensor, channel or block scales)")
-            blocks.add(_block_size(weights.get("block_structure"), f"{where}.weights."
-                                   "block_structure") if strategy == "block" else None)
-        if len(blocks) > 1:
-            raise ValueError("quantization_config.config_groups: groups with different FP8 "
-                             f"block sizes ({sorted(map(str, blocks))}) are not supported")
-        return cls(blocks.pop() if blocks else None)
+                                 f"{bits}-bit {kind} weights is not supported: FP8 weights "
+                                 "(float-quantized) and int4 weights (pack-quantized) are")
+        if len(kinds) > 1:
+            raise ValueError("quantization_config.config_groups: groups of different weight "
+                             f"formats ({sorted(map(str, kinds))}) are not supported")
+        return kinds.pop() if kinds else cls(None)
 
 
 def _block_size(block: Any, where: str) -> tuple[int, int] | None:
@@ -183,11 +199,18 @@ def _block_size(block: Any, where: str) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def pair_fp8_tensors(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8CheckpointFormat
-                     ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
-    """The checkpoint's tensors with each FP8 weight and its scale joined into one `Fp8Weight`
-    (under the weight's name); activation scales dropped; everything else as it is. Either half
-    of a pair may come first, so the earlier one waits (sorted shards put them side by side)."""
+def paired_weights(weights: Iterable[tuple[str, torch.Tensor]], fmt: QuantizedCheckpoint
+                   ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """The checkpoint's tensors with each quantized weight's parts joined into one `Fp8Weight`
+    under the weight's name (`<name>.weight`); see `_paired_fp8` and `_paired_int4`."""
+    return _paired_int4(weights, fmt) if fmt.int4 else _paired_fp8(weights, fmt)
+
+
+def _paired_fp8(weights: Iterable[tuple[str, torch.Tensor]], fmt: QuantizedCheckpoint
+                ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """Each FP8 weight and its scale joined; activation scales dropped; everything else as it
+    is. Either half of a pair may come first, so the earlier one waits (sorted shards put them
+    side by side)."""
     waiting_data: dict[str, torch.Tensor] = {}
     waiting_scale: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
@@ -214,6 +237,75 @@ def pair_fp8_tensors(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Checkp
         raise ValueError(f"FP8 weights without a weight_scale_inv: {sorted(waiting_data)[:5]}")
     if waiting_scale:
         raise ValueError(f"weight scales without an FP8 weight: {sorted(waiting_scale)[:5]}")
+
+
+# compressed-tensors' names for the parts of a packed int4 weight.
+INT4_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+def _paired_int4(weights: Iterable[tuple[str, torch.Tensor]], fmt: QuantizedCheckpoint
+                 ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """Each packed int4 weight's parts joined, as soon as all have come, into an `Fp8Weight`
+    holding the same numbers (see `int4_as_fp8`); everything else as it is."""
+    needed = {"weight_packed", "weight_scale", "weight_shape"}
+    if not fmt.symmetric:
+        needed.add("weight_zero_point")
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        base, _, leaf = name.rpartition(".")
+        if leaf not in INT4_PARTS:
+            if leaf == "weight_g_idx":
+                raise ValueError(f"{name}: int4 weights with activation order (g_idx) are not "
+                                 "supported")
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(base, {})
+        parts[leaf] = tensor
+        if needed <= parts.keys():
+            del waiting[base]
+            yield f"{base}.weight", int4_as_fp8(parts, f"{base}.weight")
+    if waiting:
+        incomplete = {base: sorted(parts) for base, parts in list(waiting.items())[:5]}
+        raise ValueError(f"int4 weights missing parts (have {incomplete}; each needs "
+                         f"{sorted(needed)})")
+
+
+def unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """int8 values in [-8, 7] from int32 words holding eight 4-bit values each, the first in the
+    lowest bits, stored with +8 (compressed-tensors' `pack_to_int32` layout): [rows, count]."""
+    rows = packed.shape[0]
+    # flat first: a [n, 1] view counts as contiguous with any stride, which a byte view refuses
+    nibbles = packed.contiguous().reshape(-1).view(torch.uint8).view(rows, -1)  # little-endian
+    values = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(rows, -1)[:, :count]
+    return values.to(torch.int8) - 8
+
+
+def int4_as_fp8(parts: dict[str, torch.Tensor], name: str) -> Fp8Weight:
+    """A packed int4 weight as an `Fp8Weight` with the same numbers: the codes minus their zero
+    points are integers in [-15, 15], which E4M3 holds exactly, and the group scales become the
+    FP8 group scales. One byte per weight in memory instead of half a byte, but every FP8 path
+    (tensor parallel slicing, MoE experts, the Triton matmul) serves it unchanged."""
+    rows, cols = (int(v) for v in parts["weight_shape"].tolist())
+    scale = parts["weight_scale"].to(torch.float32)
+    if scale.dim() != 2 or scale.shape[0] != rows:
+        raise ValueError(f"{name}: int4 scales of shape {tuple(scale.shape)} for a "
+                         f"[{rows}, {cols}] weight")
+    groups = scale.shape[1]
+    group_size = math.ceil(cols / groups)
+    if math.ceil(cols / group_size) != groups:
+        raise ValueError(f"{name}: {groups} scale groups do not divide {cols} columns")
+    values = unpack_int4(parts["weight_packed"], cols).to(torch.int16)
+    if values.shape != (rows, cols):
+        raise ValueError(f"{name}: packed int4 weight of shape "
+                         f"{tuple(parts['weight_packed'].shape)} does not hold [{rows}, {cols}]")
+    zero = parts.get("weight_zero_point")
+    if zero is not None:  # packed along the rows: [ceil(rows / 8), groups] words
+        zero = unpack_int4(zero.t(), rows).t().to(torch.int16)
+        if zero.shape != (rows, groups):
+            raise ValueError(f"{name}: int4 zero points of shape {tuple(zero.shape)}, "
+                             f"expected ({rows}, {groups})")
+        values = values - zero.repeat_interleave(group_size, dim=1)[:, :cols]
+    return Fp8Weight(values.to(FP8_WEIGHT_DTYPE), scale.contiguous(), group_size)
 
 
 def dense(tensor: torch.Tensor | Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""FP8 checkpoints in the hub's layout (DeepSeek V3 / Qwen3-FP8 / transformers' FineGrainedFP8),
-written from a full-precision folder, for tests that load them with ksana-llm and transformers.
+"""Quantized checkpoints written from a full-precision folder, for tests that load them with
+ksana-llm and transformers: FP8 in the hub's layout (DeepSeek V3 / Qwen3-FP8 / transformers'
+FineGrainedFP8), and llm-compressor's compressed-tensors formats (FP8, int4).
 
 transformers only quantizes on a GPU, so the tests write the checkpoint themselves (with
 `kernels.weight_quant.quantize_fp8`, which is also what online quantization uses); transformers
@@ -53,44 +54,73 @@ def write_fp8_checkpoint(source: Path, target: Path,
     return target
 
 
-def write_compressed_tensors_fp8(source: Path, target: Path, strategy: str,
-                                 block_size: tuple[int, int] = (16, 16)) -> Path:
-    """`source` quantized by the compressed-tensors library itself, as llm-compressor saves it:
-    FP8 weights of every decoder Linear with per-`strategy` ("tensor", "channel" or "block")
-    scales in `weight_scale`, the LM head left out; the config's `quantization_config` written
-    by its compressor. Weight-only: the FP8 preset's static activation scales would make
-    transformers quantize activations too, which ksana-llm does not (it drops `input_scale`)."""
+# compressed-tensors presets by the strategy the tests name them after.
+COMPRESSED_TENSORS_PRESETS = {"tensor": "FP8", "channel": "FP8_DYNAMIC", "block": "FP8_BLOCK",
+                              "int4": "W4A16", "int4-asym": "W4A16_ASYM",
+                              "int4-channel": "W4A16"}
+
+
+def write_compressed_tensors(source: Path, target: Path, strategy: str,
+                             block_size: tuple[int, int] = (16, 16),
+                             group_size: int = 32) -> dict[str, torch.Tensor]:
+    """`source` quantized by the compressed-tensors library itself, as llm-compressor saves it,
+    every decoder Linear but the LM head: FP8 weights with per-`strategy` ("tensor", "channel"
+    or "block") scales in `weight_scale`, or int4 weights packed in int32 ("int4": symmetric,
+    groups of `group_size` columns; "int4-asym": with zero points; "int4-channel": one scale per
+    row), scales computed from each tile's range by the library's own `calculate_qparams`; the
+    config's `quantization_config` written by its compressor. Weight-only: the FP8 preset's
+    static activation scales would make transformers quantize activations too, which ksana-llm
+    does not (it drops `input_scale`).
+
+    Returns the numbers the checkpoint holds, as the library computes them (its
+    `fake_quantize` with the same scales and zero points), by weight name: the reference
+    where transformers cannot read the checkpoint (asymmetric int4: its loader expects the
+    zero points unpacked)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
                                                  preset_name_to_scheme)
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    preset = {"tensor": "FP8", "channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}[strategy]
-    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme = preset_name_to_scheme(COMPRESSED_TENSORS_PRESETS[strategy], ["Linear"])
     scheme.input_activations = None
     if strategy == "block":
         scheme.weights.block_structure = list(block_size)
+    elif strategy == "int4-channel":
+        scheme.weights.strategy, scheme.weights.group_size = "channel", None
+    elif strategy.startswith("int4"):
+        scheme.weights.group_size = group_size
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
                                                         ignore=["lm_head"]))
+    held: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for module in model.modules():
+        for module_name, module in model.named_modules():
             if not hasattr(module, "weight_scale"):
                 continue
             weight = module.weight.float()
+            rows, cols = weight.shape
             if strategy == "tensor":
                 low, high = weight.amin().reshape(1), weight.amax().reshape(1)
-            elif strategy == "channel":
+            elif strategy in ("channel", "int4-channel"):
                 low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-            else:
-                tiles = weight.reshape(weight.shape[0] // block_size[0], block_size[0],
-                                       weight.shape[1] // block_size[1], block_size[1])
+            elif strategy == "block":
+                tiles = weight.reshape(rows // block_size[0], block_size[0],
+                                       cols // block_size[1], block_size[1])
                 low, high = tiles.amin((1, 3)), tiles.amax((1, 3))
-            scale, _ = calculate_qparams(low, high, module.quantization_scheme.weights)
+            else:
+                groups = weight.reshape(rows, cols // group_size, group_size)
+                low, high = groups.amin(-1), groups.amax(-1)
+            scale, zero = calculate_qparams(low, high, module.quantization_scheme.weights)
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            zero_point = getattr(module, "weight_zero_point", None)
+            if zero_point is not None:
+                zero_point.copy_(zero.reshape(zero_point.shape))
+            held[f"{module_name}.weight"] = fake_quantize(
+                weight, module.weight_scale, zero_point, module.quantization_scheme.weights)
     compressor = ModelCompressor.from_pretrained_model(model, None)
     compressor.compress_model(model)
     model.save_pretrained(target)
     compressor.update_config(str(target))
-    return target
+    return held
