@@ -1,4 +1,5 @@
-"""FP8 weights: checkpoints in the hub's FP8 format and online FP8 quantization.
+"""FP8 weights: checkpoints in the hub's FP8 format, llm-compressor's FP8 and int4 checkpoints
+(held as FP8), and online FP8 quantization.
 
 - The numbers: quantizing to E4M3 with block / per-tensor / per-row scales stays within E4M3's
   rounding; a checkpoint's block scales expand to rows exactly as an independent per-block

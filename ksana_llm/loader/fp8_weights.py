@@ -9,13 +9,16 @@ weight as `<name>.weight` in float8_e4m3fn plus `<name>.weight_scale_inv`, float
   [ceil(rows / 128), ceil(cols / 128)];
 - or, without a block size, one scale for the whole tensor (vLLM's per-tensor checkpoints call
   it `weight_scale`; a per-row [rows] / [rows, 1] one is read too).
+llm-compressor's int4 checkpoints (compressed-tensors, "pack-quantized") load through the same
+record: their codes minus zero points are integers E4M3 holds exactly (see `int4_as_fp8`).
 Static activation scales (`input_scale`) are dropped: the engine multiplies FP8 weights with
 activations in the model's dtype (W8A16), which is more exact than quantizing activations too.
 
 In memory a quantized weight is an `Fp8Weight`: the FP8 values and one scale per row and input
 group (the row scales of a block are the block's scale repeated), so a tensor-parallel rank can
-take any rows and group-aligned columns of it. Modules that keep FP8 weights (the projections:
-`MergedLinear`, `RowParallelLinear`) take it as it is; everything else gets it dequantized.
+take any rows and group-aligned columns of it. Modules that keep FP8 weights (the projections,
+`MergedLinear` and `RowParallelLinear`, and the MoE experts, `FusedExperts`) take it as it is;
+everything else gets it dequantized.
 """
 
 from __future__ import annotations
