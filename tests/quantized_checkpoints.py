@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ksana_llm.kernels.weight_quant import quantize_fp8
+from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, quantize_fp8
 
 # The projections transformers' FP8 loader replaces with FP8Linear: every nn.Linear inside the
 # decoder layers (attention, MLP, MLA, per-expert MLPs), not the router gate, embeddings, norms
@@ -124,3 +124,84 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
     model.save_pretrained(target)
     compressor.update_config(str(target))
     return held
+
+
+# ---- references and checks the FP8 tests share ------------------------------------------
+
+def block_dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+                     ) -> torch.Tensor:
+    """Each [block] tile of the FP8 values times its own scale, tile by tile (the format's
+    definition, written independently of the code under test)."""
+    out = data.float().clone()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] *= scale[i, j]
+    return out
+
+
+def hf_fp8_model(folder: Path, block: tuple[int, int] | None) -> torch.nn.Module:
+    """transformers' own reading of the FP8 checkpoint (on CPU it dequantizes the weights),
+    checked to hold the dequantized values rather than, say, the raw FP8 numbers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    data, scale = tensors[name], tensors[name.replace("weight", "weight_scale_inv")]
+    expected = block_dequantize(data, scale.reshape(1, 1) if block is None else scale,
+                                block or tuple(data.shape))
+    torch.testing.assert_close(model.get_parameter(name), expected, atol=0, rtol=0)
+    return model
+
+
+def assert_projections_fp8(module: torch.nn.Module) -> None:
+    projections = [name for name, p in module.named_parameters()
+                   if QUANTIZED.match(name.replace("qkv_proj", "q_proj")
+                                      .replace("gate_up_proj", "gate_proj")
+                                      .replace("qkv_a_proj", "q_a_proj"))]
+    assert projections
+    for name in projections:
+        if "kv_b_proj" in name:  # MLA multiplies by views of it: kept dense
+            assert module.get_parameter(name).dtype == torch.float32, name
+        else:
+            assert module.get_parameter(name).dtype == FP8_WEIGHT_DTYPE, name
+
+
+def assert_experts_fp8(module: torch.nn.Module) -> int:
+    """Every MoE expert stack holds FP8 values with one scale per row and group; how many."""
+    from ksana_llm.layers.moe import FusedExperts
+
+    stacks = [m for m in module.modules() if isinstance(m, FusedExperts)]
+    for experts in stacks:
+        assert experts.w13.dtype == FP8_WEIGHT_DTYPE and experts.w2.dtype == FP8_WEIGHT_DTYPE
+        assert experts.w13_scale.shape[:2] == experts.w13.shape[:2]
+        assert experts.w2_scale.shape[:2] == experts.w2.shape[:2]
+    return len(stacks)
+
+
+def deepseek_full(folder: Path) -> torch.nn.Module:
+    from transformers import DeepseekV3ForCausalLM
+
+    from tests.deepseek_checkpoint import deepseek_config, randomize
+
+    torch.manual_seed(0)
+    full = DeepseekV3ForCausalLM(deepseek_config(num_nextn_predict_layers=0)).eval()
+    randomize(full)
+    full.save_pretrained(folder)
+    return full
+
+
+def fake_quantize_rows(weight: torch.Tensor) -> torch.Tensor:
+    """Per-row E4M3 with the row's largest magnitude at 448, back to float32."""
+    scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (weight / scale).clamp(-448.0, 448.0).to(FP8_WEIGHT_DTYPE).float() * scale
+
+
+def fake_quantized(hf: torch.nn.Module) -> torch.nn.Module:
+    """`hf` with every decoder projection's weight replaced by its per-row FP8 values."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if QUANTIZED.match(name):
+                param.copy_(fake_quantize_rows(param))
+    return hf

@@ -1,0 +1,71 @@
+"""The Triton FP8-weight matmul (W8A16) against its torch reference: block, per-row and
+per-tensor scales, ragged shapes, bias; in the interpreter on CPU (fp32, fp16), natively with
+bf16 too on a GPU (benchmarks/gpu/run.sh tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ksana_llm.kernels.reference import fp8_linear_ref  # noqa: E402
+from ksana_llm.kernels.weight_quant import quantize_fp8  # noqa: E402
+from ksana_llm.loader.fp8_weights import (fp8_weight_from_checkpoint,  # noqa: E402
+                                          quantize_fp8_rows)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 4e-2)}
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows, n, k, layout", [
+    (1, 64, 128, (16, 16)),    # one decode row, group scales
+    (5, 70, 96, (32, 32)),     # N not a tile multiple
+    (17, 48, 80, (16, 32)),    # K ends inside a group
+    (33, 40, 64, "row"),       # per-row scales (online quantization)
+    (3, 32, 48, None),         # one scale per tensor
+])
+def test_fp8_matmul_kernel_matches_reference(dtype, rows, n, k, layout):
+    from ksana_llm.kernels import fp8_linear
+
+    torch.manual_seed(4)
+    weight = torch.randn(n, k)
+    if layout == "row":
+        fp8 = quantize_fp8_rows(weight)
+    else:
+        data, scale = quantize_fp8(weight, layout)
+        fp8 = fp8_weight_from_checkpoint(data, scale, layout, "w")
+    fp8 = fp8.to(DEVICE)
+    x = torch.randn(rows, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    for b in (None, bias):
+        out = fp8_linear(x, fp8.data, fp8.scale, fp8.group_size, b)
+        expected = fp8_linear_ref(x.float(), fp8.data, fp8.scale, fp8.group_size,
+                                  None if b is None else b.float())
+        assert out.dtype == dtype and out.shape == (rows, n)
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(out.float(), expected, atol=atol * k ** 0.5, rtol=rtol)
+    batched = fp8_linear(x.view(1, rows, k), fp8.data, fp8.scale, fp8.group_size)
+    assert batched.shape == (1, rows, n)
+
+
+def test_fp8_matmul_kernel_refuses_bad_inputs():
+    from ksana_llm.kernels import fp8_linear
+
+    fp8 = quantize_fp8_rows(torch.randn(16, 32)).to(DEVICE)
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="weight: expected a 2-D"):
+        fp8_linear(x, fp8.data.float(), fp8.scale, fp8.group_size)
+    with pytest.raises(ValueError, match="does not match the weight's 32 columns"):
+        fp8_linear(x[:, :16], fp8.data, fp8.scale, fp8.group_size)
+    with pytest.raises(ValueError, match="group_size 24"):
+        fp8_linear(x, fp8.data, torch.ones(16, 2, device=DEVICE), 24)

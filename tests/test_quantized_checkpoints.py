@@ -1,0 +1,199 @@
+"""Quantized checkpoints end to end against transformers, which reads the same files on its own
+(on a CPU it dequantizes them): hub-format FP8 (tiny Llama with block and per-tensor scales,
+DeepSeek-V3 with MLA, MoE and its MTP layer drafting, Qwen3-MoE, Mixtral) and llm-compressor's
+compressed-tensors FP8 and int4 -- logits at prefill / decode / a prefix hit and 32 greedy
+Engine tokens, with projections and experts FP8 in memory; and over two gloo ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ksana_llm as kt
+from ksana_llm.api.model import Model
+from ksana_llm.generation_config import GenerationConfig
+from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours
+from tests.quantized_checkpoints import (assert_experts_fp8, assert_projections_fp8,
+                                         deepseek_full, fake_quantized, hf_fp8_model,
+                                         write_compressed_tensors, write_fp8_checkpoint)
+from tests.tiny_models import build_tiny_model
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("block", [(16, 16), None], ids=["block16", "per-tensor"])
+def test_fp8_llama_checkpoint_matches_transformers(tmp_path, block):
+    build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", block)
+    hf = hf_fp8_model(folder, block)
+    module = load_ours(folder)
+    assert_projections_fp8(module)
+    check_family(module, folder, hf_reference(hf), vocab=256)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strategy):
+    """llm-compressor's FP8 checkpoints (`quant_method: compressed-tensors`, float-quantized),
+    written by the compressed-tensors library: per-tensor, per-channel and 16x16 block
+    scales."""
+    build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    folder = tmp_path / "ct"
+    write_compressed_tensors(tmp_path / "full", folder, strategy)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    module = load_ours(folder)
+    assert_projections_fp8(module)
+    scale = module.model.layers[0].self_attn.o_proj.weight_scale
+    assert scale.shape == {"tensor": (64, 1), "channel": (64, 1), "block": (64, 8)}[strategy]
+    check_family(module, folder, hf_reference(reference), vocab=256)
+
+
+@pytest.mark.parametrize("strategy", ["int4", "int4-asym", "int4-channel"])
+def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strategy):
+    """llm-compressor's W4A16 checkpoints (`pack-quantized`: eight 4-bit codes per int32,
+    group or channel scales, zero points when asymmetric), written by the compressed-tensors
+    library, held as FP8 with the same numbers: logits and greedy tokens equal transformers'
+    reading the checkpoint through the library -- or, for zero points, which transformers'
+    loader cannot read, transformers' model holding the numbers the library says the
+    checkpoint holds."""
+    from transformers import AutoModelForCausalLM
+
+    full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    folder = tmp_path / "ct"
+    held = write_compressed_tensors(tmp_path / "full", folder, strategy)
+    if strategy == "int4-asym":
+        with torch.no_grad():
+            for name, values in held.items():
+                full.get_parameter(name).copy_(values)
+        reference = full
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    module = load_ours(folder)
+    assert_projections_fp8(module)
+    scale = module.model.layers[0].self_attn.o_proj.weight_scale
+    assert scale.shape == ((64, 1) if strategy == "int4-channel" else (64, 4))  # 128 / 32
+    check_family(module, folder, hf_reference(reference), vocab=256)
+
+
+def test_int4_codes_unpack_as_the_library_packs_them():
+    """Every 4-bit value at every position of a word, and zero points packed along the rows,
+    come back as compressed-tensors' own pack_to_int32 put them in."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from ksana_llm.loader.fp8_weights import int4_as_fp8, unpack_int4
+
+    torch.manual_seed(6)
+    values = torch.randint(-8, 8, (5, 37), dtype=torch.int8)  # 37: the last word half full
+    packed = pack_to_int32(values, 4)
+    assert torch.equal(unpack_int4(packed, 37), values)
+    zero = torch.randint(-8, 8, (5, 2), dtype=torch.int8)
+    scale = torch.rand(5, 2)
+    weight = int4_as_fp8({"weight_packed": packed, "weight_scale": scale,
+                          "weight_shape": torch.tensor([5, 37]),
+                          "weight_zero_point": pack_to_int32(zero, 4, packed_dim=0)}, "w")
+    expected = (values.float() - zero.float().repeat_interleave(19, 1)[:, :37]) \
+        * scale.repeat_interleave(19, 1)[:, :37]
+    assert weight.group_size == 19
+    torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
+
+
+def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):
+    """DeepSeek V3 / R1 ship as FP8: MLA's projections, the shared and the routed experts stay
+    FP8; MLA's absorbed kv_b_proj loads dequantized."""
+    from tests.deepseek_checkpoint import VOCAB
+
+    deepseek_full(tmp_path / "full")
+    # 8x8 blocks: transformers' CPU dequantization needs blocks that divide every dimension.
+    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (8, 8))
+    module = load_ours(folder)
+    assert_projections_fp8(module)
+    assert assert_experts_fp8(module) == 2
+    check_family(module, folder, hf_reference(hf_fp8_model(folder, (8, 8))), vocab=VOCAB)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fp8_moe_checkpoint_matches_transformers(tmp_path, family):
+    """Qwen3-MoE (`experts.N.{gate,up,down}_proj`) and Mixtral (`experts.N.w1/w3/w2`) FP8
+    checkpoints: the experts stay FP8 and the model gives transformers' logits and tokens."""
+    from tests.test_family_moe import FAMILIES, _randomize
+
+    torch.manual_seed(0)
+    full = FAMILIES[family]().eval()
+    _randomize(full)
+    full.save_pretrained(tmp_path / "full")
+    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
+    module = load_ours(folder)
+    assert assert_experts_fp8(module) == 2
+    check_family(module, folder, hf_reference(hf_fp8_model(folder, (16, 16))), vocab=256)
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "online", "deepseek-checkpoint"])
+def test_fp8_under_tensor_parallelism(tmp_path, source):
+    """Two gloo ranks, each holding its rows / block-aligned columns of the FP8 weights (MLA
+    heads and expert columns split for DeepSeek): the same greedy tokens and logits as
+    transformers reading the FP8 checkpoint, or (online quantization, row scales taken over
+    whole rows) as transformers with fake-quantized rows."""
+    if source == "deepseek-checkpoint":
+        deepseek_full(tmp_path / "full")
+        folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (8, 8))
+        reference = hf_reference(hf_fp8_model(folder, (8, 8)))
+    else:
+        hf = build_tiny_model("llama2", tmp_path / "full")
+        if source == "checkpoint":
+            folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
+            reference = hf_reference(hf_fp8_model(folder, (16, 16)))
+        else:
+            folder = tmp_path / "full"
+            reference = hf_reference(fake_quantized(hf))
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
+    expected = [greedy_trace(reference, p, 12)[0][len(p):] for p in prompts]
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=2,
+                                  quantization="fp8" if source == "online" else None)
+    down = model.module.model.layers[0].mlp.down_proj.weight
+    assert down.dtype == FP8
+    assert down.shape == ((64, 48) if source.startswith("deepseek") else (64, 64))  # 1/2 each
+    if source.startswith("deepseek"):
+        assert model.module.model.layers[1].mlp.experts.w2.shape == (8, 64, 16)
+        assert assert_experts_fp8(model.module) == 2
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4,
+                   num_device_blocks=96) as engine:
+        outputs = engine.generate_outputs(prompts)
+        logits = engine.forward(prompts[1], [{"target_name": "logits"}]).targets[0].tensor
+    assert [o.token_ids for o in outputs] == expected
+    torch.testing.assert_close(logits, reference(prompts[1]), atol=2e-4, rtol=1e-4)
+
+
+def test_tensor_parallel_split_inside_a_block_is_refused(tmp_path):
+    build_tiny_model("llama2", tmp_path / "full")  # o_proj / down_proj inputs 64 / 128
+    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (48, 48))
+    with pytest.raises(ValueError, match="split its scale blocks of 48 columns"):
+        Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                              tensor_parallel_size=2)
+
+
+def test_fp8_deepseek_mtp_layer_drafts_keep_greedy_tokens(tmp_path):
+    """DeepSeek's released MTP layer is FP8 too: it loads (projections FP8, `eh_proj`
+    dequantized), drafts that get accepted, and speculative decoding leaves the greedy tokens
+    unchanged."""
+    from tests.test_speculative_decoding import NUM_TOKENS, Setup
+
+    setup = Setup(tmp_path)
+    folder = write_fp8_checkpoint(setup.folder, tmp_path / "fp8", (8, 8))
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    mtp_params = {name: p.dtype for name, p in model.module.named_parameters()
+                  if name.startswith("mtp.")}
+    assert FP8 in mtp_params.values() and torch.float32 in mtp_params.values()
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = {}
+    for drafts in (0, 2):
+        with kt.Engine(model, generation_config=config, block_token_num=4,
+                       num_device_blocks=128, num_speculative_tokens=drafts) as engine:
+            outputs[drafts] = [o.token_ids for o in engine.generate_outputs(setup.prompts)]
+            stats = engine.stats()
+    assert outputs[2] == outputs[0]
+    assert 0 < stats.num_accepted_draft_tokens
