@@ -3,7 +3,7 @@ ksana-llm and transformers: FP8 in the hub's layout (DeepSeek V3 / Qwen3-FP8 / t
 FineGrainedFP8), and llm-compressor's compressed-tensors formats (FP8, int4).
 
 transformers only quantizes on a GPU, so the tests write the checkpoint themselves (with
-`kernels.weight_quant.quantize_fp8`, which is also what online quantization uses); transformers
+`loader.weight_quant.quantize_fp8`, which is also what online quantization uses); transformers
 reads it back on its own (its dequantizing CPU path), which is the independent check of the
 format.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, quantize_fp8
+from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, quantize_fp8
 
 # The projections transformers' FP8 loader replaces with FP8Linear: every nn.Linear inside the
 # decoder layers (attention, MLP, MLA, per-expert MLPs), not the router gate, embeddings, norms

@@ -15,7 +15,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ksana_llm.kernels.reference import fp8_linear_ref  # noqa: E402
-from ksana_llm.kernels.weight_quant import quantize_fp8  # noqa: E402
+from ksana_llm.loader.weight_quant import quantize_fp8  # noqa: E402
 from ksana_llm.loader.fp8_weights import (fp8_weight_from_checkpoint,  # noqa: E402
                                           quantize_fp8_rows)
 

@@ -23,7 +23,7 @@ import torch
 import ksana_llm as kt
 from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.kernels.weight_quant import FP8_MAX, quantize_fp8
+from ksana_llm.loader.weight_quant import FP8_MAX, quantize_fp8
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.loader.fp8_weights import (Fp8Weight, QuantizedCheckpoint,
                                           fp8_weight_from_checkpoint, paired_weights,
@@ -64,7 +64,7 @@ def test_cpu_widening_is_exact_for_every_e4m3_value():
     """The CPU dequantization moves E4M3 bytes into float16 fields (torch's own E4M3 widening is
     ~6x slower there): every finite E4M3 value, subnormals and both zeros included, comes out
     exactly as torch's cast."""
-    from ksana_llm.kernels.weight_quant import E4M3_AS_HALF_FACTOR, dequantize_fp8, e4m3_as_half
+    from ksana_llm.loader.weight_quant import E4M3_AS_HALF_FACTOR, dequantize_fp8, e4m3_as_half
 
     every = torch.arange(256, dtype=torch.uint8).view(FP8)
     exact = every.float()

@@ -332,7 +332,7 @@ def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> 
     batches. GB/s counts the weight bytes each reads once."""
     from ksana_llm.kernels.fp8_matmul import fp8_linear
     from ksana_llm.kernels.reference import fp8_linear_ref
-    from ksana_llm.kernels.weight_quant import quantize_fp8
+    from ksana_llm.loader.weight_quant import quantize_fp8
 
     weight = torch.randn(n, k, device="cuda") * 0.02
     if layout == "block128":

@@ -2,7 +2,7 @@
 number and widened in registers, so a decode step reads half the bytes of a 16-bit weight.
 
 The weight is [N, K] float8_e4m3fn with float32 scales [N, ceil(K / group_size)] (see
-`kernels.weight_quant`); x is [M, K] in fp16 / bf16 / fp32 and y comes out in x's dtype.
+`loader.weight_quant`); x is [M, K] in fp16 / bf16 / fp32 and y comes out in x's dtype.
 With one scale per row the scale is applied to the accumulated dot (exact); with group scales
 each K tile lies in one group (BLOCK_K divides group_size), so the tile is scaled once before
 its dot. Group sizes that no 16-wide tile divides go through the torch reference.
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
-from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE
+from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ksana_llm.kernels.reference import fp8_linear_ref
-from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
+from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.fp8_weights import Fp8Weight, quantize_fp8_rows
 

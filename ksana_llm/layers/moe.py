@@ -24,7 +24,7 @@ from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
+from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
 from ksana_llm.loader.fp8_weights import Fp8Weight, dense, quantize_fp8_rows
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ksana_llm.kernels.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8, quantize_fp8
+from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8, quantize_fp8
 
 # Checkpoint suffixes of a weight's scale (both multiply the FP8 values back).
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
