@@ -16,8 +16,13 @@ FP8 CPU matmul), so FP8 is a memory saving that costs time there; on a GPU decod
 the Triton W8A16 kernel, which reads half the bytes of a 16-bit weight
 (`benchmarks/gpu/run.sh engine-qwen3-fp8w` measures it).
 
+With `--checkpoints`, the model is also written as quantized checkpoints -- FP8 in the hub's
+layout (64x64 block scales) and llm-compressor's int4 W4A16 (groups of 64, written by the
+compressed-tensors library) -- and each is read by our engine and by transformers: weight
+memory and both perplexities (they should agree: the same numbers, read twice).
+
 Run
-    python benchmarks/fp8_weights.py                   # CPU, fp32, SmolLM2-135M-Instruct
+    python benchmarks/fp8_weights.py [--checkpoints]   # CPU, fp32, SmolLM2-135M-Instruct
     python benchmarks/fp8_weights.py --device cuda --dtype bfloat16 --model /models/Qwen3-8B
 """
 
@@ -71,6 +76,36 @@ def batch1_ms_per_token(engine: kt.Engine, prompt: list[int], new_tokens: int,
     return (timed(new_tokens) - timed(1)) / (new_tokens - 1) * 1e3
 
 
+def checkpoint_accuracy(source: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """Perplexity of the model written as quantized checkpoints, ours and transformers'."""
+    import shutil
+    import tempfile
+
+    from tests.quantized_checkpoints import write_compressed_tensors, write_fp8_checkpoint
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as root:
+        folders = {"fp8 checkpoint (64x64 blocks)": Path(root) / "fp8",
+                   "int4 W4A16 checkpoint (groups of 64)": Path(root) / "int4"}
+        write_fp8_checkpoint(source, folders["fp8 checkpoint (64x64 blocks)"], (64, 64))
+        int4 = folders["int4 W4A16 checkpoint (groups of 64)"]
+        write_compressed_tensors(source, int4, "int4", group_size=64)
+        for item in source.iterdir():  # the tokenizer's files
+            if item.is_file() and not (int4 / item.name).exists():
+                shutil.copy(item, int4 / item.name)
+        for name, folder in folders.items():
+            model = kt.Model.from_pretrained(folder, device=args.device, dtype=args.dtype,
+                                             progress=False)
+            ids = model.tokenizer.encode(TEXT)
+            with kt.Engine(model) as engine:
+                ours = perplexity_ours(engine, ids)
+            projections, total = weight_bytes(model.module)
+            results[name] = {"projection_mib": projections / 2**20, "model_mib": total / 2**20,
+                             "perplexity": ours, "hf_perplexity": perplexity_hf(model, ids)}
+            del model
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -83,6 +118,9 @@ def main() -> None:
     p.add_argument("--b1-prompt-len", type=int, default=32)
     p.add_argument("--b1-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoints", action="store_true",
+                   help="also write FP8 and int4 checkpoints of the model and compare our "
+                        "perplexity on them with transformers'")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
 
@@ -129,7 +167,9 @@ def main() -> None:
             hf_one = hf_greedy(hf, [b1_prompt], 1, model.device)[0]
             hf_b1 = (hf_full - hf_one) / (args.b1_new_tokens - 1) * 1e3
             del hf
+        source = model.path
         del model
+    checkpoints = checkpoint_accuracy(source, args) if args.checkpoints else {}
 
     base = results["auto"]
     print(f"\n{args.num_requests} requests, prompts [{args.min_len}, {args.max_len}], "
@@ -145,10 +185,18 @@ def main() -> None:
               f"{r['batch1_ms_per_token']:.1f} | {r['perplexity']:.3f} | "
               f"{100 * r['tokens_equal_auto']:.0f}% |")
     print(f"| transformers (peer, {args.dtype}) | - | - | - | - | {hf_b1:.1f} | {hf_ppl:.3f} | - |")
+    if checkpoints:
+        print("\n| checkpoint | projections MiB | model MiB | perplexity (ours) | "
+              "perplexity (transformers) |")
+        print("|---|---|---|---|---|")
+        for name, r in checkpoints.items():
+            print(f"| {name} | {r['projection_mib']:.1f} | {r['model_mib']:.1f} | "
+                  f"{r['perplexity']:.3f} | {r['hf_perplexity']:.3f} |")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "results": results, "hf_perplexity": hf_ppl,
-                       "hf_batch1_ms_per_token": hf_b1}, f, indent=2)
+                       "hf_batch1_ms_per_token": hf_b1, "checkpoints": checkpoints}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":
