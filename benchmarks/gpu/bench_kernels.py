@@ -42,6 +42,11 @@ def write_json(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
+def write_results(out_dir: Path, name: str, rows: list[dict[str, Any]]) -> Path:
+    """A benchmark stage's rows, with the device they ran on."""
+    return write_json(out_dir, name, {"device": torch.cuda.get_device_name(0), "results": rows})
+
+
 def require_cuda() -> None:
     if not torch.cuda.is_available():
         sys.exit("this stage needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -240,8 +245,7 @@ def stage_decode(out_dir: Path) -> int:
                   f"triton {kernel['ms'] * 1e3:8.1f} us {row['triton_gbps']:7.0f} GB/s | "
                   f"torch {peer['ms'] * 1e3:8.1f} us {row['torch_gbps']:7.0f} GB/s | "
                   f"x{row['speedup_vs_torch']:.2f} | err {row['max_abs_err_vs_reference']:.2e}")
-    write_json(out_dir, "decode_attention", {"device": torch.cuda.get_device_name(0),
-                                              "results": rows})
+    write_results(out_dir, "decode_attention", rows)
     return 0
 
 
@@ -311,8 +315,7 @@ def stage_prefill(out_dir: Path) -> int:
               f"{row['triton_tflops']:6.1f} TFLOP/s | torch {row['torch']['ms'] * 1e3:8.1f} us "
               f"{row['torch_tflops']:6.1f} TFLOP/s | x{row['speedup_vs_torch']:.2f} | "
               f"err {row['max_abs_err_vs_torch']:.2e}")
-    write_json(out_dir, "prefill_attention", {"device": torch.cuda.get_device_name(0),
-                                               "results": rows})
+    write_results(out_dir, "prefill_attention", rows)
     return 0
 
 
@@ -370,8 +373,7 @@ def stage_fp8_matmul(out_dir: Path) -> int:
                       f" | bf16 {row['bf16_cublas']['ms'] * 1e3:8.1f} us x"
                       f"{row['speedup_vs_bf16']:.2f} | dequant x{row['speedup_vs_dequant']:.2f}"
                       f" | err {row['max_abs_err']:.1e}")
-    write_json(out_dir, "fp8_matmul", {"device": torch.cuda.get_device_name(0),
-                                        "results": rows_out})
+    write_results(out_dir, "fp8_matmul", rows_out)
     return 0
 
 
