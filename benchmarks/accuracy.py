@@ -49,8 +49,15 @@ def perplexity_hf(model: kt.Model, ids: list[int]) -> float:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).to(model.device).eval()
+    try:
+        return perplexity_of(hf, ids, model.device)
+    finally:
+        del hf
+
+
+def perplexity_of(hf: torch.nn.Module, ids: list[int], device: torch.device) -> float:
+    """A transformers model's perplexity on `ids` (one forward over the whole text)."""
     with torch.no_grad():
-        logits = hf(torch.tensor([ids], device=model.device)).logits[0, :-1].float()
-    logprobs = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:], device=model.device)[:, None])
-    del hf
+        logits = hf(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    logprobs = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])
     return math.exp(-float(logprobs.mean()))

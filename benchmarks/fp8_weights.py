@@ -17,9 +17,12 @@ the Triton W8A16 kernel, which reads half the bytes of a 16-bit weight
 (`benchmarks/gpu/run.sh engine-qwen3-fp8w` measures it).
 
 With `--checkpoints`, the model is also written as quantized checkpoints -- FP8 in the hub's
-layout (64x64 block scales) and llm-compressor's int4 W4A16 (groups of 64, written by the
-compressed-tensors library) -- and each is read by our engine and by transformers: weight
-memory and both perplexities (they should agree: the same numbers, read twice).
+layout (64x64 block scales), llm-compressor's int4 W4A16 (groups of 64, written by the
+compressed-tensors library), GPTQ int4 by AutoGPTQ (groups of 64, in order and in activation
+order) and AWQ int4 packed by AutoAWQ -- and each is read by our engine and by transformers
+(for GPTQ / AWQ, which it cannot read on a CPU: transformers holding the writing library's own
+dequantization): weight memory and both perplexities (they should agree: the same numbers,
+read twice).
 
 Run
     python benchmarks/fp8_weights.py [--checkpoints]   # CPU, fp32, SmolLM2-135M-Instruct
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -43,7 +47,7 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.accuracy import (TEXT, device_sync, perplexity_hf,  # noqa: E402
-                                 perplexity_ours, random_prompts)
+                                 perplexity_of, perplexity_ours, random_prompts)
 from benchmarks.ngram_speculation import hf_greedy  # noqa: E402
 
 WEIGHTS = ("auto", "fp8")
@@ -77,8 +81,7 @@ def batch1_ms_per_token(engine: kt.Engine, prompt: list[int], new_tokens: int,
 
 
 def checkpoint_accuracy(source: Path, args: argparse.Namespace) -> dict[str, dict]:
-    """Perplexity of the model written as quantized checkpoints, ours and transformers'."""
-    import shutil
+    """Perplexity of the model written as quantized checkpoints, ours and the peer's."""
     import tempfile
 
     from tests.quantized_checkpoints import write_compressed_tensors, write_fp8_checkpoint
@@ -94,16 +97,61 @@ def checkpoint_accuracy(source: Path, args: argparse.Namespace) -> dict[str, dic
             if item.is_file() and not (int4 / item.name).exists():
                 shutil.copy(item, int4 / item.name)
         for name, folder in folders.items():
-            model = kt.Model.from_pretrained(folder, device=args.device, dtype=args.dtype,
-                                             progress=False)
-            ids = model.tokenizer.encode(TEXT)
-            with kt.Engine(model) as engine:
-                ours = perplexity_ours(engine, ids)
-            projections, total = weight_bytes(model.module)
-            results[name] = {"projection_mib": projections / 2**20, "model_mib": total / 2**20,
-                             "perplexity": ours, "hf_perplexity": perplexity_hf(model, ids)}
-            del model
+            results[name] = _read_twice(folder, args, None)
+        results.update(packed_checkpoint_accuracy(source, Path(root), args))
     return results
+
+
+def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespace
+                               ) -> dict[str, dict]:
+    """GPTQ checkpoints written by AutoGPTQ (its GPTQ algorithm, calibrated on
+    benchmarks/sample_prompts.csv; groups of 64, in order and in activation order) and an AWQ
+    one packed by AutoAWQ (round-to-nearest groups of 64). transformers cannot read them on a
+    CPU, so the peer is transformers' model holding the library's own dequantization."""
+    import csv
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.gptq_awq_checkpoints import hold, write_awq, write_gptq
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    with open(Path(__file__).with_name("sample_prompts.csv"), encoding="utf-8") as f:
+        calibration = [tokenizer.encode(row[0]) for row in list(csv.reader(f))[1:]]
+    writers = {
+        "GPTQ int4 (AutoGPTQ, groups of 64)": lambda hf, folder: write_gptq(
+            hf, source, folder, group_size=64, calibration=calibration),
+        "GPTQ int4 activation order (AutoGPTQ, groups of 64)": lambda hf, folder: write_gptq(
+            hf, source, folder, group_size=64, sym=False, desc_act=True,
+            calibration=calibration),
+        "AWQ int4 (AutoAWQ packing, groups of 64)": lambda hf, folder: write_awq(
+            hf, source, folder, group_size=64),
+    }
+    results: dict[str, dict] = {}
+    for index, (name, write) in enumerate(writers.items()):
+        hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        folder = root / f"packed{index}"
+        peer = hold(hf, write(hf, folder))
+        for item in source.iterdir():  # the tokenizer's files
+            if item.is_file() and not (folder / item.name).exists():
+                shutil.copy(item, folder / item.name)
+        results[name] = _read_twice(folder, args, peer)
+        del hf, peer
+    return results
+
+
+def _read_twice(folder: Path, args: argparse.Namespace, peer: torch.nn.Module | None) -> dict:
+    """Weight memory and perplexity of a checkpoint read by our engine, and the peer's
+    perplexity (transformers reading the folder, or the given model)."""
+    model = kt.Model.from_pretrained(folder, device=args.device, dtype=args.dtype,
+                                     progress=False)
+    ids = model.tokenizer.encode(TEXT)
+    with kt.Engine(model) as engine:
+        ours = perplexity_ours(engine, ids)
+    projections, total = weight_bytes(model.module)
+    theirs = perplexity_hf(model, ids) if peer is None \
+        else perplexity_of(peer.to(model.device), ids, model.device)
+    return {"projection_mib": projections / 2**20, "model_mib": total / 2**20,
+            "perplexity": ours, "hf_perplexity": theirs}
 
 
 def main() -> None:

@@ -125,6 +125,8 @@ def _weight_quant_method(value: str) -> str | None:
 
 _BS = "setting.batch_scheduler."
 _BM = "setting.block_manager."
+_GPTQ_BACKEND = "setting.quantization_config.gptq_backend"
+GPTQ_BACKENDS = ("cutlass", "marlin")
 _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     "setting.global.tensor_para_size": _Key("int", field="tensor_parallel_size",
                                             server="tensor_para_size"),
@@ -158,6 +160,9 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     # auto (the checkpoint's weights as they are) or fp8_e4m3 (online FP8 weights).
     "setting.quantization_config.weight.quant_method": _Key("str", field="quantization",
                                                             convert=_weight_quant_method),
+    # KsanaLLM's GPTQ / AWQ kernel (cutlass or marlin): checked, and changes nothing here, where
+    # every 4-bit GPTQ / AWQ weight is held as FP8 and runs the one W8A16 path.
+    _GPTQ_BACKEND: _Key("str"),
 })
 
 # KsanaLLM keys (and whole sections) that exist upstream but mean nothing here yet: they get a more
@@ -176,8 +181,6 @@ _UNSUPPORTED: frozenset[str] = frozenset({
     _BS + "attention_dp_lb_config",
     _BM + "dynamic_reusable_memory_ratio", _BM + "enable_block_checksum",
     "setting.attn_backend", "setting.kernel_config",
-    # GPTQ / AWQ kernels: those checkpoints are not supported.
-    "setting.quantization_config.gptq_backend",
     "setting.profiler", "setting.endpoint_type", "setting.tokenization",
     # The connector's transport and cluster keys: our servers talk HTTP, a router routes.
     *("setting.connector." + key for key in (
@@ -300,6 +303,9 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
             fields[spec.field] = spec.convert(value) if spec.convert else value
             sources[spec.field] = dotted
 
+    if leaves.get(_GPTQ_BACKEND, GPTQ_BACKENDS[0]) not in GPTQ_BACKENDS:
+        raise ValueError(f"{_GPTQ_BACKEND} must be {' or '.join(GPTQ_BACKENDS)}, got "
+                         f"{leaves[_GPTQ_BACKEND]!r}")
     if _BS + "enable_speculative_decoding" in leaves:
         enabled = _check_type(_BS + "enable_speculative_decoding", "bool",
                               leaves[_BS + "enable_speculative_decoding"])

@@ -28,6 +28,7 @@ from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.loader.fp8_weights import (Fp8Weight, QuantizedCheckpoint,
                                           fp8_weight_from_checkpoint, paired_weights,
                                           quantize_fp8_rows)
+from ksana_llm.loader.quantized import checkpoint_quantization
 from tests.family_harness import (check_prefill_and_decode, greedy_trace, hf_reference,
                                   memoized)
 from tests.quantized_checkpoints import (assert_experts_fp8, assert_projections_fp8,
@@ -123,28 +124,28 @@ def test_checkpoint_pairs_weights_with_scales_in_any_order():
 
 def test_quantization_configs_other_than_fp8_are_refused_by_name(tmp_path):
     class Config:
-        quantization_config = {"quant_method": "gptq", "bits": 4}
-    with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
-        QuantizedCheckpoint.from_hf_config(Config())
+        quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
+        checkpoint_quantization(Config())
     Config.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                                   "config_groups": {"group_0": {"weights": {
                                       "num_bits": 4, "type": "int", "strategy": "group"}}}}
     with pytest.raises(ValueError, match="int4 with strategy 'group' and actorder 'group'"):
         Config.quantization_config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
-        QuantizedCheckpoint.from_hf_config(Config())
+        checkpoint_quantization(Config())
     Config.quantization_config["config_groups"]["group_0"]["weights"].update(
         num_bits=8, actorder=None)
     with pytest.raises(ValueError, match="format 'pack-quantized' with 8-bit int weights"):
-        QuantizedCheckpoint.from_hf_config(Config())
+        checkpoint_quantization(Config())
     Config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128]}
     with pytest.raises(ValueError, match="weight_block_size must be two positive integers"):
-        QuantizedCheckpoint.from_hf_config(Config())
+        checkpoint_quantization(Config())
     build_tiny_model("llama2", tmp_path)
     config = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text(
-        config.replace('"architectures"', '"quantization_config": {"quant_method": "awq"},\n'
+        config.replace('"architectures"', '"quantization_config": {"quant_method": "hqq"},\n'
                        '  "architectures"'))
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+    with pytest.raises(ValueError, match="quant_method 'hqq' is not supported"):
         Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False)
     with pytest.raises(ValueError, match="quantization must be None or one of fp8"):
         Model.from_pretrained(tmp_path, device="cpu", quantization="int4")

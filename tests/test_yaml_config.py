@@ -213,7 +213,7 @@ def test_kv_cache_dtype_key():
 
 def test_weight_quant_method_key():
     """KsanaLLM's quantization_config.weight.quant_method: fp8_e4m3 = online FP8 weights, auto =
-    the checkpoint's weights as they are; GPTQ's backend key is named as unsupported."""
+    the checkpoint's weights as they are; GPTQ's backend key takes KsanaLLM's two values."""
     def weight(method: str) -> dict:
         return {"setting": {"quantization_config": {"weight": {"quant_method": method}}}}
 
@@ -222,5 +222,10 @@ def test_weight_quant_method_key():
     assert parse_engine_config(weight("auto"), {"quantization": "fp8"})[0].quantization == "fp8"
     with pytest.raises(ValueError, match="quantization_config.weight.quant_method must be auto"):
         parse_engine_config(weight("int4"))
-    with pytest.raises(ValueError, match="setting.quantization_config.gptq_backend: a KsanaLLM"):
-        parse_engine_config({"setting": {"quantization_config": {"gptq_backend": "marlin"}}})
+    def backend(name: str) -> dict:
+        return {"setting": {"quantization_config": {"gptq_backend": name}}}
+
+    for name in ("cutlass", "marlin"):
+        assert parse_engine_config(backend(name))[0] == parse_engine_config({})[0]
+    with pytest.raises(ValueError, match="gptq_backend must be cutlass or marlin, got 'exllama'"):
+        parse_engine_config(backend("exllama"))

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8, quantize_fp8
+from ksana_llm.loader.weight_quant import (FP8_WEIGHT_DTYPE, dequantize_fp8, quantize_fp8,
+                                           unpack_words)
 
 # Checkpoint suffixes of a weight's scale (both multiply the FP8 values back).
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
@@ -133,24 +134,18 @@ class QuantizedCheckpoint:
     symmetric: bool = True
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> QuantizedCheckpoint | None:
-        """The format of an FP8 checkpoint; None for a full-precision one. Another quantization
-        method is refused by name: its tensors would not load."""
-        quantization = getattr(hf_config, "quantization_config", None)
-        if quantization is None:
-            return None
-        if not isinstance(quantization, dict):
-            quantization = quantization.to_dict() if hasattr(quantization, "to_dict") \
-                else vars(quantization)
+    def from_quantization(cls, quantization: dict[str, Any]) -> QuantizedCheckpoint:
+        """The format of an FP8 or compressed-tensors checkpoint from its `quantization_config`.
+        Another quantization method is refused by name: its tensors would not load."""
         method = quantization.get("quant_method")
         if method == "compressed-tensors":
             return cls._from_compressed_tensors(quantization)
         if method != "fp8":
             raise ValueError(f"quantization_config.quant_method {method!r} is not supported: "
                              "ksana-llm loads full-precision checkpoints, FP8 ones "
-                             "(quant_method 'fp8', or 'compressed-tensors' float-quantized) "
-                             "and int4 ones in compressed-tensors' pack-quantized format; "
-                             "dequantize the checkpoint first")
+                             "(quant_method 'fp8', or 'compressed-tensors' float-quantized), "
+                             "int4 ones in compressed-tensors' pack-quantized format, and "
+                             "GPTQ and AWQ ones; dequantize the checkpoint first")
         fmt = quantization.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3)")
@@ -276,11 +271,7 @@ def _paired_int4(weights: Iterable[tuple[str, torch.Tensor]], fmt: QuantizedChec
 def unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
     """int8 values in [-8, 7] from int32 words holding eight 4-bit values each, the first in the
     lowest bits, stored with +8 (compressed-tensors' `pack_to_int32` layout): [rows, count]."""
-    rows = packed.shape[0]
-    # flat first: a [n, 1] view counts as contiguous with any stride, which a byte view refuses
-    nibbles = packed.contiguous().reshape(-1).view(torch.uint8).view(rows, -1)  # little-endian
-    values = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(rows, -1)[:, :count]
-    return values.to(torch.int8) - 8
+    return unpack_words(packed, 4)[:, :count].to(torch.int8) - 8
 
 
 def int4_as_fp8(parts: dict[str, torch.Tensor], name: str) -> Fp8Weight:

@@ -50,6 +50,20 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, group_size: int,
     return weight.to(dtype)
 
 
+def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The `bits`-bit fields (4 or 8) of int32 words, the first in the lowest bits, as uint8:
+    [rows, words] -> [rows, words * 32 / bits]. The way GPTQ, AWQ and compressed-tensors all
+    pack integer weights (each then orders its fields its own way)."""
+    if bits not in (4, 8):
+        raise ValueError(f"unpacking {bits}-bit fields is not supported (4 or 8)")
+    rows = words.shape[0]
+    # Flat first: a [n, 1] view counts as contiguous with any stride, which a byte view refuses.
+    octets = words.contiguous().reshape(-1).view(torch.uint8).view(rows, -1)  # little-endian
+    if bits == 8:
+        return octets
+    return torch.stack((octets & 0xF, octets >> 4), dim=-1).view(rows, -1)
+
+
 def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 values, `weight_scale_inv`) of a 2-D weight in a checkpoint's layout: one scale per

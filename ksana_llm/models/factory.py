@@ -17,8 +17,8 @@ from ksana_llm.layers.linear import Fp8Storage
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
 from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
-from ksana_llm.loader.fp8_weights import (WEIGHT_QUANTIZATIONS, QuantizedCheckpoint,
-                                          paired_weights)
+from ksana_llm.loader.fp8_weights import WEIGHT_QUANTIZATIONS
+from ksana_llm.loader.quantized import checkpoint_quantization, paired_quantized
 from ksana_llm.models.llama import LlamaForCausalLM
 from ksana_llm.models.registry import model_class_for
 
@@ -95,7 +95,7 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     check_quantization(quantization)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
-    checkpoint_format = QuantizedCheckpoint.from_hf_config(hf_config)
+    checkpoint_format = checkpoint_quantization(hf_config, model_dir)
     model_type = getattr(hf_config, "model_type", None)
     weight_map_path = find_weight_map(model_dir, model_type)
     # Validate the map before building anything: a broken map should fail in milliseconds.
@@ -111,7 +111,7 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     weights = iterate_weights(model_dir, progress=progress)
     if checkpoint_format is not None:
         # Paired before the weight map renames anything, so a map needs no scale entries.
-        weights = paired_weights(weights, checkpoint_format)
+        weights = paired_quantized(weights, checkpoint_format)
     if weight_map is not None:
         logger.info("renaming checkpoint tensors with %s", weight_map_path)
         weights = weight_map.apply(weights)

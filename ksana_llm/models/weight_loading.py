@@ -52,6 +52,14 @@ def expected_keys(model: nn.Module) -> set[str]:
     return keys
 
 
+def _spare_zero_bias(name: str, tensor: torch.Tensor | Fp8Weight) -> bool:
+    """An all-zero bias, which may come for a projection that has none: AutoGPTQ's older
+    checkpoints store one for every quantized projection, bias-free ones included (adding zeros
+    is a no-op, so it needs no place)."""
+    return (name == "bias" or name.endswith(".bias")) and isinstance(tensor, torch.Tensor) \
+        and not tensor.any()
+
+
 def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight,
                  fused_parts: Mapping[str, tuple[str, int]],
                  loaders: Mapping[str, nn.Module] | None = None) -> list[str]:
@@ -62,9 +70,12 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight,
     prefix = _owner(name, loaders)
     if prefix is not None:
         loader = loaders[prefix]
+        local = name[len(prefix) + 1:]
+        if _spare_zero_bias(local, tensor) and local not in loader.expected_checkpoint_keys():
+            return []
         if not getattr(loader, "takes_fp8_weights", False):
             tensor = dense(tensor)
-        filled = loader.load_checkpoint_tensor(name[len(prefix) + 1:], tensor)
+        filled = loader.load_checkpoint_tensor(local, tensor)
         return [f"{prefix}.{key}" for key in filled]
     target, part = name, None
     for ckpt_part, (fused, index) in fused_parts.items():
@@ -74,6 +85,8 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight,
     try:
         param = model.get_parameter(target)
     except AttributeError:
+        if _spare_zero_bias(name, tensor):
+            return []
         raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}") from None
     # No dtype conversion here: `copy_` converts, after a tensor-parallel shard is sliced, so a
     # rank never converts (or, through safetensors' memory map, reads) more than its slice.

@@ -1,0 +1,209 @@
+"""GPTQ and AWQ checkpoints: integer codes packed in int32 words, with group scales and zero
+points (the Qwen "-GPTQ-Int4" / "-GPTQ-Int8" / "-AWQ" models, what AutoGPTQ, GPTQModel and AutoAWQ
+write).
+
+The two pack the same numbers differently. For a linear layer with `in` inputs and `out`
+outputs, `bits`-bit codes, groups of `group_size` inputs:
+- GPTQ (`quant_method: "gptq"`): `qweight` [in * bits / 32, out], codes packed along the
+  inputs (word k holds inputs k * 32/bits ..., the first in the lowest bits); `qzeros`
+  [groups, out * bits / 32] packed along the outputs; `scales` [groups, out]; `g_idx` [in], the
+  group of each input (not `i // group_size` when the checkpoint was quantized in activation
+  order, `desc_act`). The original format ("gptq", checkpoint_format v1) stores each zero point
+  minus one, and readers add the one back: weight = scale * (code - (stored zero + 1));
+  "gptq_v2" stores it as it is.
+- AWQ (`quant_method: "awq"`, version "gemm"): `qweight` [in, out * bits / 32] and `qzeros`
+  [groups, out * bits / 32], both packed along the outputs in the interleaved order
+  0, 2, 4, 6, 1, 3, 5, 7 (the word's n-th nibble holds output `AWQ_PACK_ORDER[n]`); `scales`
+  [groups, out]; groups always `i // group_size`; weight = scale * (code - zero).
+
+A 4-bit weight in group order becomes an `Fp8Weight` holding exactly its numbers: code minus
+zero point is an integer in [-16, 15], which E4M3 holds exactly, and the group scales become the
+FP8 group scales, so every FP8 path (tensor parallel slicing, MoE experts, the Triton W8A16
+matmul) serves it. 8-bit codes (up to 255 apart from their zero point) and activation-order
+groups do not fit that record: those weights load dequantized to the model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ksana_llm.loader.fp8_weights import Fp8Weight
+from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, unpack_words
+
+
+# The n-th 4-bit field of an AWQ word holds output column AWQ_PACK_ORDER[n] of its 8.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Files older GPTQ / AWQ checkpoints keep their settings in, beside a config.json without
+# `quantization_config` (AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json).
+SIDE_CONFIG_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+@dataclass(frozen=True)
+class PackedIntFormat:
+    """What a GPTQ / AWQ `quantization_config` says of the checkpoint's tensors."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # -1: one group spans every input (one scale per output)
+    desc_act: bool = False  # GPTQ activation order: `g_idx` decides each input's group
+    zero_offset: int = 0  # added to every stored zero point (1 for GPTQ's v1 format)
+
+    @classmethod
+    def from_quantization(cls, quantization: dict[str, Any]) -> PackedIntFormat:
+        method = quantization.get("quant_method")
+        bits = int(quantization.get("bits", quantization.get("w_bit", 4)))
+        group_size = int(quantization.get("group_size", quantization.get("q_group_size", -1)))
+        where = "quantization_config"
+        if group_size == 0 or group_size < -1:
+            raise ValueError(f"{where}.group_size must be positive or -1, got {group_size}")
+        if method == "gptq":
+            if bits not in (4, 8):
+                raise ValueError(f"{where}.bits {bits} is not supported for GPTQ (4 or 8)")
+            fmt = "marlin" if quantization.get("is_marlin_format") \
+                else str(quantization.get("checkpoint_format", "gptq")).lower()
+            if fmt not in ("gptq", "gptq_v2"):
+                raise ValueError(f"{where}.checkpoint_format {fmt!r} is not supported "
+                                 "(GPTQ's 'gptq' and 'gptq_v2' layouts are; re-save a Marlin "
+                                 "checkpoint in the GPTQ layout)")
+            if quantization.get("dynamic"):
+                raise ValueError(f"{where}.dynamic (per-module GPTQ settings) is not supported")
+            return cls("gptq", bits, group_size, bool(quantization.get("desc_act", False)),
+                       zero_offset=1 if fmt == "gptq" else 0)
+        if method == "awq":
+            version = str(quantization.get("version", "gemm")).lower()
+            if version != "gemm" or bits != 4:
+                raise ValueError(f"{where}: AWQ version {version!r} with {bits}-bit weights is "
+                                 "not supported (4-bit 'gemm' checkpoints are)")
+            if not quantization.get("zero_point", True):
+                raise ValueError(f"{where}.zero_point false (AWQ without zero points) is not "
+                                 "supported")
+            return cls("awq", bits, group_size)
+        raise ValueError(f"{where}.quant_method {method!r} is not a GPTQ or AWQ method")
+
+    @property
+    def exact_in_fp8(self) -> bool:
+        """4-bit codes minus their zero points are integers E4M3 holds exactly."""
+        return self.bits == 4
+
+
+def side_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """The GPTQ / AWQ settings of a checkpoint that keeps them beside config.json (older
+    AutoGPTQ and AutoAWQ checkpoints), with the method they imply; None without such a file."""
+    for filename, method in SIDE_CONFIG_FILES.items():
+        path = Path(model_dir) / filename
+        if path.is_file():
+            settings = json.loads(path.read_text())
+            return {"quant_method": method, **settings}
+    return None
+
+
+# Checkpoint names of a packed weight's parts; `g_idx` only in GPTQ checkpoints.
+PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def paired_packed_ints(weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedIntFormat
+                       ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """The checkpoint's tensors with each packed weight's parts joined, as soon as all have
+    come, into one weight under `<name>.weight` (see `packed_int_weight`); everything else as it
+    is. `g_idx` is awaited only in activation order: otherwise it must be the plain grouping,
+    and one that comes after its weight is only checked."""
+    needed = {"qweight", "qzeros", "scales"}
+    if fmt.desc_act:
+        needed.add("g_idx")
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        base, _, leaf = name.rpartition(".")
+        if leaf not in PACKED_PARTS:
+            yield name, tensor
+            continue
+        if leaf == "g_idx" and not fmt.desc_act and base not in waiting:
+            _check_plain_groups(tensor, fmt, name)  # its weight has gone already
+            continue
+        parts = waiting.setdefault(base, {})
+        parts[leaf] = tensor
+        if needed <= parts.keys():
+            del waiting[base]
+            yield f"{base}.weight", packed_int_weight(parts, fmt, f"{base}.weight")
+    if waiting:
+        incomplete = {base: sorted(parts) for base, parts in list(waiting.items())[:5]}
+        raise ValueError(f"{fmt.method.upper()} weights missing parts (have {incomplete}; each "
+                         f"needs {sorted(needed)})")
+
+
+def packed_int_weight(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str
+                      ) -> torch.Tensor | Fp8Weight:
+    """One GPTQ / AWQ weight as [out, in] numbers: an `Fp8Weight` holding them exactly (4-bit
+    codes, groups in order), else float32 values (8-bit codes, activation order)."""
+    codes, zeros = _gptq_codes(parts, fmt) if fmt.method == "gptq" else _awq_codes(parts, fmt)
+    out_features, in_features = codes.shape
+    scales = parts["scales"].to(torch.float32)
+    groups = scales.shape[0]
+    group_size = in_features if fmt.group_size == -1 else fmt.group_size
+    if scales.shape != (-(-in_features // group_size), out_features) \
+            or zeros.shape != scales.shape:
+        raise ValueError(f"{name}: scales {tuple(scales.shape)} and zero points "
+                         f"{tuple(zeros.shape)} do not cover a [{out_features}, {in_features}] "
+                         f"weight in groups of {group_size} inputs")
+    group_of_input = _plain_groups(in_features, group_size)
+    g_idx = parts.get("g_idx")
+    if g_idx is not None:
+        if g_idx.shape != (in_features,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            raise ValueError(f"{name}: g_idx of shape {tuple(g_idx.shape)} does not give each "
+                             f"of {in_features} inputs one of {groups} groups")
+        if not fmt.desc_act:
+            _check_plain_groups(g_idx, fmt, name)
+        group_of_input = g_idx.to(torch.long)
+    in_order = torch.equal(group_of_input, _plain_groups(in_features, group_size))
+    zeros = zeros.to(torch.int16) + fmt.zero_offset
+    if fmt.exact_in_fp8 and in_order:
+        values = codes.to(torch.int16) - zeros.t().repeat_interleave(group_size, dim=1)[
+            :, :in_features]
+        return Fp8Weight(values.to(FP8_WEIGHT_DTYPE), scales.t().contiguous(), group_size)
+    # Activation order or 8-bit codes: each input's own group, in float32 (exact: an fp16
+    # scale times an integer below 512).
+    values = codes.to(torch.float32) - zeros.t()[:, group_of_input].to(torch.float32)
+    return values * scales.t()[:, group_of_input]
+
+
+def _gptq_codes(parts: dict[str, torch.Tensor], fmt: PackedIntFormat
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    # qweight packs along the inputs: its transpose's words unpack to [out, in] directly.
+    codes = unpack_words(parts["qweight"].t(), fmt.bits)
+    zeros = unpack_words(parts["qzeros"], fmt.bits)[:, :codes.shape[0]]
+    return codes, zeros
+
+
+def _awq_codes(parts: dict[str, torch.Tensor], fmt: PackedIntFormat
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = _awq_columns(unpack_words(parts["qweight"], fmt.bits))  # [in, out]
+    zeros = _awq_columns(unpack_words(parts["qzeros"], fmt.bits))  # [groups, out]
+    return codes.t(), zeros
+
+
+def _awq_columns(fields: torch.Tensor) -> torch.Tensor:
+    """Fields in AWQ's interleaved packing order back in column order."""
+    rows, cols = fields.shape
+    per_word = len(AWQ_PACK_ORDER)
+    if cols % per_word:
+        raise ValueError(f"AWQ packing: {cols} columns are not whole words of {per_word}")
+    # Field n of a word holds column AWQ_PACK_ORDER[n]: scatter each field to its column.
+    columns = torch.empty_like(fields).view(rows, -1, per_word)
+    columns[:, :, list(AWQ_PACK_ORDER)] = fields.view(rows, -1, per_word)
+    return columns.view(rows, cols)
+
+
+def _plain_groups(in_features: int, group_size: int) -> torch.Tensor:
+    return torch.arange(in_features) // group_size
+
+
+def _check_plain_groups(g_idx: torch.Tensor, fmt: PackedIntFormat, name: str) -> None:
+    group_size = g_idx.numel() if fmt.group_size == -1 else fmt.group_size
+    if not torch.equal(g_idx.to(torch.long), _plain_groups(g_idx.numel(), group_size)):
+        raise ValueError(f"{name}: g_idx puts inputs out of group order, but "
+                         "quantization_config.desc_act is false")

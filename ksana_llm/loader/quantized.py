@@ -1,0 +1,57 @@
+"""Which quantized format a checkpoint holds, and its tensors paired up for loading: FP8 and
+compressed-tensors checkpoints (`fp8_weights`), GPTQ and AWQ ones (`gptq_awq`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ksana_llm.loader.fp8_weights import Fp8Weight, QuantizedCheckpoint, paired_weights
+from ksana_llm.loader.gptq_awq import PackedIntFormat, paired_packed_ints, side_config
+
+logger = logging.getLogger(__name__)
+
+CheckpointQuantization = QuantizedCheckpoint | PackedIntFormat
+
+
+def quantization_settings(hf_config: Any, model_dir: str | Path | None = None
+                          ) -> dict[str, Any] | None:
+    """The checkpoint's `quantization_config` as a dict: from config.json, or from the file
+    older GPTQ / AWQ checkpoints keep it in; None for a full-precision checkpoint."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization is None:
+        return side_config(model_dir) if model_dir is not None else None
+    if isinstance(quantization, dict):
+        return quantization
+    return quantization.to_dict() if hasattr(quantization, "to_dict") else vars(quantization)
+
+
+def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
+                            ) -> CheckpointQuantization | None:
+    """The format of a quantized checkpoint; None for a full-precision one. A method ksana-llm
+    cannot load is refused by name (`ValueError`)."""
+    quantization = quantization_settings(hf_config, model_dir)
+    if quantization is None:
+        return None
+    if quantization.get("quant_method") in ("gptq", "awq"):
+        fmt = PackedIntFormat.from_quantization(quantization)
+        if not fmt.exact_in_fp8:
+            logger.info("%d-bit %s weights load dequantized to the model's dtype (only 4-bit "
+                        "codes are held as FP8)", fmt.bits, fmt.method.upper())
+        elif fmt.desc_act:
+            logger.info("GPTQ weights in activation order (desc_act): those whose g_idx takes "
+                        "inputs out of group order load dequantized to the model's dtype")
+        return fmt
+    return QuantizedCheckpoint.from_quantization(quantization)
+
+
+def paired_quantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: CheckpointQuantization
+                     ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """The checkpoint's tensors with each quantized weight's parts joined into one weight."""
+    if isinstance(fmt, PackedIntFormat):
+        return paired_packed_ints(weights, fmt)
+    return paired_weights(weights, fmt)

@@ -1,0 +1,243 @@
+"""GPTQ and AWQ checkpoints, written by AutoGPTQ and AutoAWQ, against transformers holding the
+weights those libraries dequantize from the same files: logits at prefill (whole and chunked),
+16 decode steps and a prefix hit in a mixed batch, 32 greedy Engine tokens, and over two gloo
+ranks. 4-bit weights in group order are FP8 in memory; 8-bit and activation-order ones dense.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ksana_llm as kt
+from ksana_llm.api.model import Model
+from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.loader import load_hf_config
+from ksana_llm.loader.fp8_weights import Fp8Weight
+from ksana_llm.loader.gptq_awq import PackedIntFormat, packed_int_weight, paired_packed_ints
+from ksana_llm.loader.quantized import checkpoint_quantization
+from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours
+from tests.gptq_awq_checkpoints import (gptq_dequantized, hold, library_modules, write_awq,
+                                        write_gptq)
+from tests.quantized_checkpoints import assert_projections_fp8
+from tests.tiny_models import build_tiny_model
+
+FP8 = torch.float8_e4m3fn
+
+GPTQ_CASES = {  # name: write_gptq settings
+    "int4-g32-sym": dict(bits=4, group_size=32, sym=True),
+    "int4-g32-asym": dict(bits=4, group_size=32, sym=False),
+    "int4-channel": dict(bits=4, group_size=-1, sym=True),
+    "int4-act-order": dict(bits=4, group_size=32, sym=False, desc_act=True),
+    "int8-g32": dict(bits=8, group_size=32, sym=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GPTQ_CASES))
+def test_gptq_checkpoint_matches_the_library(tmp_path, case):
+    """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points): 4-bit in group
+    order held as FP8 with the same numbers (group and per-channel scales, symmetric and
+    asymmetric); activation order and 8-bit codes loaded dequantized."""
+    settings = GPTQ_CASES[case]
+    hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    held = write_gptq(hf, tmp_path / "full", tmp_path / "gptq", **settings)
+    module = load_ours(tmp_path / "gptq")
+    o_proj = module.model.layers[0].self_attn.o_proj
+    if settings["bits"] == 4 and not settings.get("desc_act"):
+        assert_projections_fp8(module)
+        assert o_proj.weight_scale.shape == ((64, 1) if settings["group_size"] == -1
+                                             else (64, 4))  # 128 inputs / 32
+    else:
+        assert o_proj.weight.dtype == torch.float32
+    check_family(module, tmp_path / "gptq", hf_reference(hold(hf, held)), vocab=256)
+
+
+def test_awq_checkpoint_matches_the_library(tmp_path):
+    """AutoAWQ's GEMM packing (interleaved order, zero points): FP8 with the same numbers."""
+    hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    held = write_awq(hf, tmp_path / "full", tmp_path / "awq")
+    module = load_ours(tmp_path / "awq")
+    assert_projections_fp8(module)
+    check_family(module, tmp_path / "awq", hf_reference(hold(hf, held)), vocab=256)
+
+
+def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path):
+    """AutoAWQ's quant_config.json (w_bit / q_group_size / "GEMM") read when config.json has no
+    quantization_config; AutoGPTQ's all-zero biases of bias-free projections (Llama) skipped."""
+    hf = build_tiny_model("llama2", tmp_path / "full")
+    held = write_awq(hf, tmp_path / "full", tmp_path / "awq", side_file=True)
+    assert "quantization_config" not in json.loads((tmp_path / "awq/config.json").read_text())
+    assert checkpoint_quantization(load_hf_config(tmp_path / "awq"),
+                                   tmp_path / "awq") == PackedIntFormat("awq", 4, 32)
+    module = load_ours(tmp_path / "awq")
+    assert_projections_fp8(module)
+    prompt = torch.randint(3, 256, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = greedy_trace(hf_reference(hold(hf, held)), prompt, 12)[0][len(prompt):]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    with kt.Engine(Model.from_pretrained(tmp_path / "awq", device="cpu", dtype="float32",
+                                         progress=False),
+                   generation_config=config, block_token_num=4, num_device_blocks=64) as engine:
+        assert engine.generate_outputs([prompt])[0].token_ids == expected
+
+    hf = build_tiny_model("llama2", tmp_path / "full2")
+    held = write_gptq(hf, tmp_path / "full2", tmp_path / "gptq", zero_bias=True)
+    # a bias that is not zero still has no place
+    with pytest.raises(ValueError, match="unexpected checkpoint tensor .bias. for a row-parallel"):
+        load_ours(_with_tensor(tmp_path / "gptq", "model.layers.0.mlp.down_proj.bias",
+                               torch.ones(64, dtype=torch.float16), tmp_path / "bad"))
+    check_family(load_ours(tmp_path / "gptq"), tmp_path / "gptq",
+                 hf_reference(hold(hf, held)), vocab=256)
+
+
+def _with_tensor(folder, name, value, target):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(folder, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    tensors[name] = value
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+@pytest.mark.parametrize("method", ["gptq-int4", "gptq-act-order", "awq"])
+def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
+    """Two gloo ranks, each with its rows / group-aligned input columns of the FP8-held
+    weights (or slices of the dequantized ones): transformers' greedy tokens and logits."""
+    hf = build_tiny_model("llama2", tmp_path / "full")
+    if method == "awq":
+        held = write_awq(hf, tmp_path / "full", tmp_path / "q")
+    else:
+        held = write_gptq(hf, tmp_path / "full", tmp_path / "q", sym=False,
+                          desc_act=method == "gptq-act-order")
+    reference = hf_reference(hold(hf, held))
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 30, 17)]
+    expected = [greedy_trace(reference, p, 12)[0][len(p):] for p in prompts]
+    model = Model.from_pretrained(tmp_path / "q", device="cpu", dtype="float32",
+                                  progress=False, tensor_parallel_size=2)
+    down = model.module.model.layers[0].mlp.down_proj.weight
+    assert down.shape == (64, 64)  # half of the 128 inputs each
+    assert down.dtype == (torch.float32 if method == "gptq-act-order" else FP8)
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4,
+                   num_device_blocks=96) as engine:
+        outputs = engine.generate_outputs(prompts)
+        logits = engine.forward(prompts[1], [{"target_name": "logits"}]).targets[0].tensor
+    assert [o.token_ids for o in outputs] == expected
+    torch.testing.assert_close(logits, reference(prompts[1]), atol=2e-4, rtol=1e-4)
+
+
+def _library_gptq_parts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                        g_idx: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """AutoGPTQ's packing of the given integer codes [out, in] and zero points [groups, out]
+    (the weight is built so that its `pack` rounds back to exactly these codes)."""
+    (qlinear,) = library_modules("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
+    out_features, in_features = codes.shape
+    group_size = in_features // scales.shape[0]
+    layer = qlinear.QuantLinear(bits, group_size, in_features, out_features, False,
+                                weight_dtype=torch.float32)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    gathered_scales, gathered_zeros = scales[g_idx].t(), zeros[g_idx].t()
+    linear.weight.data = (codes.float() - gathered_zeros) * gathered_scales
+    layer.pack(linear, scales.t(), zeros.t().float(), g_idx)
+    return {"qweight": layer.qweight, "qzeros": layer.qzeros, "scales": layer.scales,
+            "g_idx": layer.g_idx}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_codes_unpack_as_the_library_packs_them(bits):
+    """Every code value at every position of a word, every zero point including 0 (which v1
+    stores as -1 and so spills into its neighbours' bits, as in released asymmetric checkpoints:
+    the reading must follow the library, not the intent), activation-order groups: our numbers
+    are AutoGPTQ's dequantization of its own packing, exactly."""
+    (qlinear,) = library_modules("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
+    generator = torch.Generator().manual_seed(bits)
+    top = 2 ** bits
+    # 32 outputs: AutoGPTQ packs zero points in whole words of 32 bits' worth of outputs
+    codes = torch.randint(0, top, (32, 64), generator=generator)
+    zeros = torch.randint(0, top, (4, 32), generator=generator)
+    zeros[0, :3] = 0
+    scales = torch.rand(4, 32, generator=generator).half().float() + 0.5
+    for g_idx in (torch.arange(64, dtype=torch.int32) // 16,
+                  torch.randperm(64, generator=generator).to(torch.int32) // 16):
+        parts = _library_gptq_parts(codes, zeros, scales, g_idx, bits)
+        expected = gptq_dequantized(qlinear.QuantLinear, parts, bits, 16)
+        fmt = PackedIntFormat("gptq", bits, 16, desc_act=True, zero_offset=1)
+        ours = packed_int_weight(parts, fmt, "w")
+        if isinstance(ours, Fp8Weight):  # 4-bit in group order
+            ours = ours.dequantize()
+        torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+
+
+def test_awq_codes_unpack_as_the_library_packs_them():
+    """Every 4-bit code at every one of the 8 interleaved positions, every zero point: our
+    numbers are AutoAWQ's `dequantize_gemm` of its own `from_linear` packing, exactly."""
+    gemm, packing = library_modules("awq", "modules.linear.gemm", "utils.packing_utils")
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (32, 64), generator=generator)  # [out, in]
+    zeros = torch.randint(0, 16, (2, 32), generator=generator)  # [groups, out]
+    scales = torch.rand(2, 32, generator=generator).half() + 0.5
+    linear = torch.nn.Linear(64, 32, bias=False)
+    linear.weight.data = (codes.float() - zeros.float().repeat_interleave(32, 0).t()) \
+        * scales.float().repeat_interleave(32, 0).t()
+    packed = gemm.WQLinear_GEMM.from_linear(linear, 4, 32, scales=scales, zeros=zeros.float())
+    expected = packing.dequantize_gemm(packed.qweight, packed.qzeros, packed.scales.float(), 4,
+                                       32).t()
+    ours = packed_int_weight({"qweight": packed.qweight, "qzeros": packed.qzeros,
+                              "scales": packed.scales}, PackedIntFormat("awq", 4, 32), "w")
+    assert ours.data.dtype == FP8
+    torch.testing.assert_close(ours.dequantize(), expected, atol=0, rtol=0)
+    torch.testing.assert_close(ours.dequantize(), linear.weight.data, atol=0, rtol=0)
+
+
+def test_gptq_v2_zero_points_are_stored_as_they_are():
+    """checkpoint_format "gptq_v2" keeps zero points without v1's minus one: the same weight
+    with its zero points stored one higher reads the same."""
+    (qlinear,) = library_modules("auto_gptq", "nn_modules.qlinear.qlinear_cuda")
+    codes = torch.randint(0, 16, (32, 32), generator=torch.Generator().manual_seed(4))
+    zeros = torch.full((1, 32), 5)
+    parts = _library_gptq_parts(codes, zeros, torch.ones(1, 32),
+                                torch.zeros(32, dtype=torch.int32), 4)
+    v1 = packed_int_weight(parts, PackedIntFormat("gptq", 4, -1, zero_offset=1), "w")
+    v2_parts = dict(parts, qzeros=_library_gptq_parts(codes, zeros + 1, torch.ones(1, 32),
+                                                      torch.zeros(32, dtype=torch.int32),
+                                                      4)["qzeros"])
+    v2 = packed_int_weight(v2_parts, PackedIntFormat.from_quantization(
+        {"quant_method": "gptq", "bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"}),
+        "w")
+    torch.testing.assert_close(v2.dequantize(), v1.dequantize(), atol=0, rtol=0)
+    torch.testing.assert_close(v1.dequantize(), (codes - 5).float(), atol=0, rtol=0)
+
+
+def test_gptq_awq_settings_and_parts_are_checked():
+    bad = [({"bits": 3}, "bits 3 is not supported for GPTQ"),
+           ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
+           ({"is_marlin_format": True}, "checkpoint_format 'marlin' is not supported"),
+           ({"dynamic": {"-:.*": {}}}, "dynamic"),
+           ({"group_size": 0}, "group_size must be positive or -1")]
+    for extra, message in bad:
+        with pytest.raises(ValueError, match=message):
+            PackedIntFormat.from_quantization({"quant_method": "gptq", "bits": 4, **extra})
+    with pytest.raises(ValueError, match="AWQ version 'gemv'"):
+        PackedIntFormat.from_quantization({"quant_method": "awq", "version": "gemv"})
+    with pytest.raises(ValueError, match="zero_point false"):
+        PackedIntFormat.from_quantization({"quant_method": "awq", "zero_point": False})
+
+    fmt = PackedIntFormat("gptq", 4, 16, zero_offset=1)
+    parts = _library_gptq_parts(torch.zeros(32, 32, dtype=torch.long), torch.zeros(2, 32),
+                                torch.ones(2, 32), torch.arange(32, dtype=torch.int32) // 16, 4)
+    stream = [("a.qweight", parts["qweight"]), ("a.qzeros", parts["qzeros"]),
+              ("a.scales", parts["scales"]), ("a.g_idx", parts["g_idx"]),
+              ("norm.weight", torch.ones(32))]
+    assert [name for name, _ in paired_packed_ints(stream, fmt)] == ["a.weight", "norm.weight"]
+    with pytest.raises(ValueError, match=r"GPTQ weights missing parts \(have \{'a': \['qweight'"):
+        list(paired_packed_ints(stream[:1], fmt))
+    shuffled = torch.randperm(32, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    with pytest.raises(ValueError, match="g_idx puts inputs out of group order, but "
+                                         "quantization_config.desc_act is false"):
+        list(paired_packed_ints([("a.g_idx", shuffled // 16)] + stream[:3], fmt))
+    with pytest.raises(ValueError, match="do not cover a \\[32, 32\\] weight in groups of 8"):
+        packed_int_weight(parts, PackedIntFormat("gptq", 4, 8, zero_offset=1), "w")
