@@ -108,36 +108,80 @@ def write_gptq(model: torch.nn.Module, source: Path, target: Path, *, bits: int 
     all-zero `bias`, as older AutoGPTQ versions wrote; `calibration`: the prompts whose
     inputs GPTQ fits the codes to (default: random ids). Returns each projection's weight as
     AutoGPTQ dequantizes the checkpoint, by weight name (fp32)."""
-    gptq, qlinear = library_modules("auto_gptq", "quantization.gptq",
-                                    "nn_modules.qlinear.qlinear_cuda")
     names = projection_names(model)
     inputs = _calibration_inputs(model, names, vocab, calibration)
     replaced: dict[str, dict[str, torch.Tensor]] = {}
     held: dict[str, torch.Tensor] = {}
     for name in names:
         linear = model.get_submodule(name)
-        quantizer = gptq.GPTQ(linear)
-        quantizer.quantizer.configure(bits, perchannel=True, sym=sym)
-        quantizer.add_batch(inputs[name][None], None)
-        # fasterquant only times itself with torch.cuda.synchronize: no CUDA here.
-        with mock.patch("torch.cuda.synchronize"):
-            scale, zero, g_idx = quantizer.fasterquant(group_size=group_size, actorder=desc_act)
-        packed = qlinear.QuantLinear(bits, group_size, linear.in_features, linear.out_features,
-                                     linear.bias is not None, weight_dtype=torch.float16)
-        packed.pack(linear.half(), scale, zero, g_idx)
-        linear.float()
-        parts = {"qweight": packed.qweight, "qzeros": packed.qzeros, "scales": packed.scales,
-                 "g_idx": packed.g_idx}
-        if linear.bias is not None:
-            parts["bias"] = linear.bias.detach().half()
-        elif zero_bias:
+        parts, held[f"{name}.weight"] = gptq_layer(linear, inputs[name], bits=bits,
+                                                   group_size=group_size, desc_act=desc_act,
+                                                   sym=sym)
+        if linear.bias is None and zero_bias:
             parts["bias"] = torch.zeros(linear.out_features, dtype=torch.float16)
         replaced[name] = parts
-        held[f"{name}.weight"] = gptq_dequantized(qlinear.QuantLinear, parts, bits, group_size)
-    settings = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
-                "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
-    _write(source, target, replaced, "quantization_config", settings)
+    _write(source, target, replaced, "quantization_config",
+           gptq_settings(bits, group_size, desc_act, sym))
     return held
+
+
+def write_gptq_from_files(source: Path, target: Path, *, group_size: int = 16
+                          ) -> dict[str, torch.Tensor]:
+    """Every decoder projection of the checkpoint in `source` (the per-expert tensors of an MoE
+    model included, which transformers' model holds fused) quantized by AutoGPTQ to 4 bits,
+    fitted to random inputs; the library's dequantization by weight name."""
+    replaced: dict[str, dict[str, torch.Tensor]] = {}
+    held: dict[str, torch.Tensor] = {}
+    generator = torch.Generator().manual_seed(0)
+    for name, weight in load_file(str(source / "model.safetensors")).items():
+        if not QUANTIZED.match(name) or weight.dim() != 2:
+            continue
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight.data = weight.float().clone()
+        inputs = torch.randn(64, weight.shape[1], generator=generator)
+        replaced[name.removesuffix(".weight")], held[name] = gptq_layer(
+            linear, inputs, bits=4, group_size=group_size, desc_act=False, sym=True)
+    _write(source, target, replaced, "quantization_config",
+           gptq_settings(4, group_size, False, True))
+    return held
+
+
+def write_held(source: Path, target: Path, held: dict[str, torch.Tensor]) -> Path:
+    """A full-precision copy of `source` holding the given weights: what transformers loads as
+    the reference where its model stores them differently (fused MoE experts)."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    tensors.update({name: value.contiguous() for name, value in held.items()})
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def gptq_settings(bits: int, group_size: int, desc_act: bool, sym: bool) -> dict:
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+            "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
+
+
+def gptq_layer(linear: torch.nn.Linear, inputs: torch.Tensor, *, bits: int, group_size: int,
+               desc_act: bool, sym: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One layer through AutoGPTQ: GPTQ fitted to `inputs` [n, in], packed as a checkpoint
+    stores it (fp16 scales); (its parts, bias included, and the library's dequantization)."""
+    gptq, qlinear = library_modules("auto_gptq", "quantization.gptq",
+                                    "nn_modules.qlinear.qlinear_cuda")
+    quantizer = gptq.GPTQ(linear)
+    quantizer.quantizer.configure(bits, perchannel=True, sym=sym)
+    quantizer.add_batch(inputs[None], None)
+    # fasterquant only times itself with torch.cuda.synchronize: no CUDA here.
+    with mock.patch("torch.cuda.synchronize"):
+        scale, zero, g_idx = quantizer.fasterquant(group_size=group_size, actorder=desc_act)
+    packed = qlinear.QuantLinear(bits, group_size, linear.in_features, linear.out_features,
+                                 linear.bias is not None, weight_dtype=torch.float16)
+    packed.pack(linear.half(), scale, zero, g_idx)
+    linear.float()
+    parts = {"qweight": packed.qweight, "qzeros": packed.qzeros, "scales": packed.scales,
+             "g_idx": packed.g_idx}
+    if linear.bias is not None:
+        parts["bias"] = linear.bias.detach().half()
+    return parts, gptq_dequantized(qlinear.QuantLinear, parts, bits, group_size)
 
 
 def gptq_dequantized(quant_linear: type, parts: dict[str, torch.Tensor], bits: int,

@@ -20,7 +20,7 @@ from ksana_llm.loader.gptq_awq import PackedIntFormat, packed_int_weight, paired
 from ksana_llm.loader.quantized import checkpoint_quantization
 from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours
 from tests.gptq_awq_checkpoints import (gptq_dequantized, hold, library_modules, write_awq,
-                                        write_gptq)
+                                        write_gptq, write_gptq_from_files, write_held)
 from tests.quantized_checkpoints import assert_projections_fp8
 from tests.tiny_models import build_tiny_model
 
@@ -89,6 +89,29 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
                                torch.ones(64, dtype=torch.float16), tmp_path / "bad"))
     check_family(load_ours(tmp_path / "gptq"), tmp_path / "gptq",
                  hf_reference(hold(hf, held)), vocab=256)
+
+
+def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
+    """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts stay FP8
+    and the model gives the logits and tokens of transformers reading a full-precision copy
+    that holds AutoGPTQ's dequantization. (The tiny Mixtral's 48-wide experts do not fit
+    AutoGPTQ's packing, which needs outputs in multiples of 32.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tests.quantized_checkpoints import assert_experts_fp8
+    from tests.test_family_moe import FAMILIES, _randomize
+
+    torch.manual_seed(0)
+    full = FAMILIES["qwen3_moe"]().eval()
+    _randomize(full)
+    full.save_pretrained(tmp_path / "full")
+    held = write_gptq_from_files(tmp_path / "full", tmp_path / "gptq")
+    assert any(".experts.7." in name for name in held)
+    reference = AutoModelForCausalLM.from_pretrained(
+        write_held(tmp_path / "full", tmp_path / "held", held), dtype=torch.float32).eval()
+    module = load_ours(tmp_path / "gptq")
+    assert assert_experts_fp8(module) == 2
+    check_family(module, tmp_path / "gptq", hf_reference(reference), vocab=256)
 
 
 def _with_tensor(folder, name, value, target):
