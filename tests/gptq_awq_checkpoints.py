@@ -33,7 +33,7 @@ from unittest import mock
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.quantized_checkpoints import QUANTIZED
+from tests.quantized_checkpoints import QUANTIZED, copy_all_but_weights
 
 
 def library_modules(package: str, *modules: str) -> list[types.ModuleType]:
@@ -72,10 +72,7 @@ def _calibration_inputs(model: torch.nn.Module, names: list[str], vocab: int,
 
 def _write(source: Path, target: Path, replaced: dict[str, dict[str, torch.Tensor]],
            config_key: str | None, settings: dict, side_file: str | None = None) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    for item in source.iterdir():
-        if item.suffix != ".safetensors" and item.name != "config.json":
-            shutil.copy(item, target / item.name)
+    copy_all_but_weights(source, target)
     tensors = load_file(str(source / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():

@@ -26,14 +26,20 @@ from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, quantize_fp8
 QUANTIZED = re.compile(r"model\.layers\.\d+\..*(?:_proj|_proj_with_mqa|\.w[123])\.weight$")
 
 
-def write_fp8_checkpoint(source: Path, target: Path,
-                         block_size: tuple[int, int] | None = (16, 16)) -> Path:
-    """`target` = `source` with every decoder projection stored as FP8 + `weight_scale_inv`
-    (one scale per block, or per tensor with `block_size` None) and the config saying so."""
+def copy_all_but_weights(source: Path, target: Path) -> None:
+    """`source`'s files into `target` but its safetensors and config.json (which a writer of a
+    quantized checkpoint writes anew): the tokenizer's and generation config's files."""
     target.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         if item.suffix != ".safetensors" and item.name != "config.json":
             shutil.copy(item, target / item.name)
+
+
+def write_fp8_checkpoint(source: Path, target: Path,
+                         block_size: tuple[int, int] | None = (16, 16)) -> Path:
+    """`target` = `source` with every decoder projection stored as FP8 + `weight_scale_inv`
+    (one scale per block, or per tensor with `block_size` None) and the config saying so."""
+    copy_all_but_weights(source, target)
     tensors = load_file(str(source / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -153,6 +159,23 @@ def hf_fp8_model(folder: Path, block: tuple[int, int] | None) -> torch.nn.Module
                                 block or tuple(data.shape))
     torch.testing.assert_close(model.get_parameter(name), expected, atol=0, rtol=0)
     return model
+
+
+def check_engine_matches(model, reference, prompts: list[list[int]]) -> None:
+    """12 greedy tokens per prompt through the `Engine` (e.g. over two gloo ranks) equal the
+    reference's, and so do the second prompt's logits."""
+    import ksana_llm as kt
+    from ksana_llm.generation_config import GenerationConfig
+    from tests.family_harness import greedy_trace
+
+    expected = [greedy_trace(reference, p, 12)[0][len(p):] for p in prompts]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4,
+                   num_device_blocks=96) as engine:
+        outputs = engine.generate_outputs(prompts)
+        logits = engine.forward(prompts[1], [{"target_name": "logits"}]).targets[0].tensor
+    assert [o.token_ids for o in outputs] == expected
+    torch.testing.assert_close(logits, reference(prompts[1]), atol=2e-4, rtol=1e-4)
 
 
 def assert_projections_fp8(module: torch.nn.Module) -> None:

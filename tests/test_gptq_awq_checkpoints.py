@@ -21,7 +21,7 @@ from ksana_llm.loader.quantized import checkpoint_quantization
 from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours
 from tests.gptq_awq_checkpoints import (gptq_dequantized, hold, library_modules, write_awq,
                                         write_gptq, write_gptq_from_files, write_held)
-from tests.quantized_checkpoints import assert_projections_fp8
+from tests.quantized_checkpoints import assert_projections_fp8, check_engine_matches
 from tests.tiny_models import build_tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -138,19 +138,12 @@ def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
     reference = hf_reference(hold(hf, held))
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (9, 30, 17)]
-    expected = [greedy_trace(reference, p, 12)[0][len(p):] for p in prompts]
     model = Model.from_pretrained(tmp_path / "q", device="cpu", dtype="float32",
                                   progress=False, tensor_parallel_size=2)
     down = model.module.model.layers[0].mlp.down_proj.weight
     assert down.shape == (64, 64)  # half of the 128 inputs each
     assert down.dtype == (torch.float32 if method == "gptq-act-order" else FP8)
-    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    with kt.Engine(model, generation_config=config, block_token_num=4,
-                   num_device_blocks=96) as engine:
-        outputs = engine.generate_outputs(prompts)
-        logits = engine.forward(prompts[1], [{"target_name": "logits"}]).targets[0].tensor
-    assert [o.token_ids for o in outputs] == expected
-    torch.testing.assert_close(logits, reference(prompts[1]), atol=2e-4, rtol=1e-4)
+    check_engine_matches(model, reference, prompts)
 
 
 def _library_gptq_parts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
