@@ -41,7 +41,7 @@ from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, unpack_words
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Files older GPTQ / AWQ checkpoints keep their settings in, beside a config.json without
 # `quantization_config` (AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json).
-SIDE_CONFIG_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+SIDE_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class PackedIntFormat:
 def side_config(model_dir: str | Path) -> dict[str, Any] | None:
     """The GPTQ / AWQ settings of a checkpoint that keeps them beside config.json (older
     AutoGPTQ and AutoAWQ checkpoints), with the method they imply; None without such a file."""
-    for filename, method in SIDE_CONFIG_FILES.items():
+    for filename, method in SIDE_CONFIG_FILES:
         path = Path(model_dir) / filename
         if path.is_file():
             settings = json.loads(path.read_text())
