@@ -148,7 +148,8 @@ class EngineConfig(BaseModel):
         None, ge=1,
         description="host copies of adapters kept (vLLM's max_cpu_loras): past it the least "
                     "recently used copy is dropped, and read again from its folder when its "
-                    "adapter next takes a slot (so the folder must stay in place). None: all")
+                    "adapter next takes a slot (if the folder is gone by then, that adapter's "
+                    "requests fail and the others go on). At least max_loras. None: all")
     max_lora_rank: int = Field(16, ge=1, le=1024, description="the largest adapter rank a slot "
                                                             "holds")
     lora_max_wait_steps: int | None = Field(
@@ -173,6 +174,10 @@ class EngineConfig(BaseModel):
                 and self.pipeline_parallel_size > 1:
             raise ValueError("num_speculative_tokens needs pipeline_parallel_size 1 (the MTP "
                              "layer sits on the last stage, the logits on the first)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.num_lora_slots:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= the LoRA slots "
+                             f"({self.num_lora_slots}, max_loras): a step may copy that many "
+                             "adapters into slots, each from its host copy")
         for name in self.lora_modules:
             if not name or name != name.strip():
                 raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty, without "

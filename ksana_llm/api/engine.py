@@ -342,6 +342,10 @@ class Engine(LoraControl, ChatMixin):
                 f"request {out.request_id} waited over {self.config.waiting_timeout_ms} ms "
                 "(waiting_timeout_ms) without being scheduled"), batch)
             return
+        if out.finished and out.error is not None:
+            del self._handles[out.request_id]
+            handle.fail(ValueError(out.error), batch)
+            return
         handle.deliver(out, now, self._postprocess(handle) if out.finished else None, batch)
         if out.finished:
             del self._handles[out.request_id]

@@ -86,6 +86,20 @@ class DistributedRunner:
     def unregister_lora(self, lora_id: int) -> None:
         self._lora_everywhere(lora_id, None)
 
+    def prepare_lora(self, lora_id: int) -> None:
+        """Every rank reads adapter `lora_id` again if max_cpu_loras dropped its host copy (the
+        ranks keep and drop copies in the same order, so rank 0's says for all). A rank that
+        cannot is a ValueError, with rank 0's copy dropped again so the ranks stay alike."""
+        slots = self.local.lora
+        if slots is None or slots.has_host_copy(lora_id):
+            return
+        slots.host_copy(lora_id)  # rank 0 first: a ValueError here changes nothing anywhere
+        errors = [e for e in self._lora_everywhere(lora_id, slots.paths[lora_id])
+                  if e is not None]
+        if errors:
+            slots.drop_host_copy(lora_id)
+            raise ValueError(errors[0])
+
     def _lora_everywhere(self, lora_id: int, path: str | None) -> list[str | None]:
         """The LORA message to the workers (rank 0 unregisters its own copy for path None);
         each rank's refusal or None."""

@@ -45,7 +45,8 @@ from ksana_llm.engine.request import (
     SequenceStatus,
 )
 from ksana_llm.engine.sampling_steps import SamplingSteps
-from ksana_llm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from ksana_llm.engine.scheduler import (ScheduledSequence, Scheduler, SchedulerConfig,
+                                        SchedulerOutput)
 from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
 from ksana_llm.runner.sampler import Sampler, make_generator
@@ -221,6 +222,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         delay outputs by a step there, which is why they are meant for CUDA.
         """
         plan = self.scheduler.schedule()
+        unserved = self._drop_unloadable_adapters(plan)
         slices = [self._slice(item) for item in plan.scheduled]
         result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in,
                                                plan.copy_blocks,
@@ -236,7 +238,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         verifying = [i for i in range(len(sampled)) if slices[result.sampled[i]].num_draft_tokens]
         others = [i for i, s in enumerate(sampled)
                   if s.group.beam is None and not slices[result.sampled[i]].num_draft_tokens]
-        outputs: list[StepOutput] = []
+        outputs: list[StepOutput] = unserved
         if self._in_flight is not None and any(sampled[i].matcher is not None for i in others):
             # A grammar advances on the host with each token, and masks the next sample: read
             # the step in flight back first (this step's forward is queued meanwhile). A
@@ -279,6 +281,31 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
             self._finish_exports(outputs)
         if self._deferred and self._in_flight is None and not self.scheduler.has_work():
             outputs.extend(self._drain_deferred())  # no next step to overlap with
+        return outputs
+
+    def _drop_unloadable_adapters(self, plan: SchedulerOutput) -> list[StepOutput]:
+        """Before the step runs: each LoRA adapter the plan copies into a slot must have its host
+        copy (read again from its folder if max_cpu_loras dropped it). An adapter whose folder
+        can no longer be read leaves the plan with its slot and its newly admitted requests,
+        which fail naming it; the rest of the step runs."""
+        failed: dict[int, str] = {}
+        for _, lora_id in plan.lora_loads:
+            try:
+                self.runner.prepare_lora(lora_id)
+            except ValueError as exc:
+                failed[lora_id] = f"lora: {exc}"
+        if not failed:
+            return []
+        plan.lora_loads = [load for load in plan.lora_loads if load[1] not in failed]
+        for lora_id in failed:
+            self.scheduler.lora.forget(lora_id)  # its slot is empty: another load may take it
+        dropped = [item for item in plan.scheduled if item.seq.lora_id in failed]
+        plan.scheduled = [item for item in plan.scheduled if item.seq.lora_id not in failed]
+        outputs: list[StepOutput] = []
+        for item in dropped:
+            if item.seq.group.request_id in self.groups:  # (a request's sequences come once)
+                outputs.extend(self._abort_group(item.seq.group, None,
+                                                 error=failed[item.seq.lora_id]))
         return outputs
 
     def _drain_deferred(self) -> list[StepOutput]:

@@ -143,8 +143,10 @@ class OutputSteps:
             outputs.append(out)
         return outputs
 
-    def _abort_group(self, group: SequenceGroup, stop_reason: str | None) -> list[StepOutput]:
-        """Finish every live sequence of the request with finish_reason "abort"."""
+    def _abort_group(self, group: SequenceGroup, stop_reason: str | None,
+                     error: str | None = None) -> list[StepOutput]:
+        """Finish every live sequence of the request with finish_reason "abort" (and `error`:
+        why it could not be served)."""
         del self.groups[group.request_id]
         outputs = []
         live = list(group.seqs)
@@ -156,11 +158,13 @@ class OutputSteps:
         if group.config.ranks_sequences or not live:
             first = live[0] if live else None
             return [StepOutput(group.request_id, [], "", True, FinishReason.ABORT, stop_reason,
-                               first_scheduled_time=first.first_scheduled_time if first else None)]
+                               first_scheduled_time=first.first_scheduled_time if first else None,
+                               error=error)]
         for k, seq in enumerate(live):
             flushed = seq.detokenizer.flush() if seq.detokenizer is not None else ""
             outputs.append(StepOutput(seq.request_id, [], flushed, k == len(live) - 1,
                                       FinishReason.ABORT, stop_reason,
                                       first_scheduled_time=seq.first_scheduled_time,
-                                      index=seq.index, cumulative_logprob=self._cumulative(seq)))
+                                      index=seq.index, cumulative_logprob=self._cumulative(seq),
+                                      error=error))
         return outputs

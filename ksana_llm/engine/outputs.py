@@ -48,6 +48,9 @@ class StepOutput:
     exported_kv: Any = None
     # Prompt tokens whose KV came from the prefix cache (set once its prompt was scheduled).
     num_cached_tokens: int | None = None
+    # Set on the outputs of a request the engine could not serve (finish_reason "abort"): why.
+    # The request fails with it as a ValueError; the engine goes on with the others.
+    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -161,6 +161,30 @@ class LoraSlots:
         while self.max_host_copies is not None and len(self.registered) > self.max_host_copies:
             self.registered.popitem(last=False)
 
+    def host_copy(self, lora_id: int) -> list[_SlotWrite]:
+        """Registered adapter `lora_id`'s host copy (now the most recently used), read again
+        from its folder if max_cpu_loras dropped it. A folder that can no longer be read is a
+        ValueError naming it, and changes nothing."""
+        if lora_id not in self.paths:
+            raise ValueError(f"LoRA adapter id {lora_id} is not registered")
+        writes = self.registered.get(lora_id)
+        if writes is None:
+            path = self.paths[lora_id]
+            try:
+                writes = self._read(path)
+            except Exception as exc:  # noqa: BLE001 - any failure to read it is this adapter's
+                raise ValueError(f"LoRA adapter {path!r} could not be read again from its folder "
+                                 f"(max_cpu_loras had dropped its host copy): {exc}") from exc
+            self.num_host_reloads += 1
+        self._keep(lora_id, writes)
+        return writes
+
+    def has_host_copy(self, lora_id: int) -> bool:
+        return lora_id in self.registered
+
+    def drop_host_copy(self, lora_id: int) -> None:
+        self.registered.pop(lora_id, None)
+
     def unregister(self, lora_id: int) -> None:
         """Forget adapter `lora_id`; a slot holding it is cleared."""
         self.registered.pop(lora_id, None)
@@ -173,13 +197,7 @@ class LoraSlots:
     def activate(self, slot: int, lora_id: int) -> None:
         """Copy registered adapter `lora_id` into `slot` (1..num_slots), replacing what was
         there. On CUDA the copies are queued on the stream, after the steps already queued."""
-        if lora_id not in self.paths:
-            raise ValueError(f"LoRA adapter id {lora_id} is not registered")
-        writes = self.registered.get(lora_id)
-        if writes is None:  # dropped under max_cpu_loras: read the folder again
-            writes = self._read(self.paths[lora_id])
-            self.num_host_reloads += 1
-        self._keep(lora_id, writes)
+        writes = self.host_copy(lora_id)
         self.clear(slot)
         for write in writes:
             stacks = self._stacks(write.projection)

@@ -206,6 +206,13 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
         if self.lora is not None:
             self.lora.unregister(lora_id)
 
+    def prepare_lora(self, lora_id: int) -> None:
+        """Make sure a step can copy adapter `lora_id` into a slot: its host copy is read again
+        if max_cpu_loras dropped it. A ValueError if its folder can no longer be read (then only
+        that adapter's requests fail, not the step)."""
+        if self.lora is not None:
+            self.lora.host_copy(lora_id)
+
     # ---- CUDA graphs -----------------------------------------------------------------------------
     def setup_cuda_graphs(self, max_batch_size: int, *, capture: bool = True) -> None:
         """Static decode buffers for up to `max_batch_size` sequences, and (capture=True) one

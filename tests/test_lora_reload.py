@@ -1,0 +1,74 @@
+"""An adapter whose host copy max_cpu_loras dropped is read again from its folder when it next
+takes a slot; if the folder is gone by then, only that adapter's requests fail (caused by a
+ValueError naming it), in the same steps as other requests that get PEFT's tokens, and the engine goes
+on serving -- that adapter too, once its folder is back."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import ksana_llm as kt
+from ksana_llm.api.outputs import RequestError
+from ksana_llm.api.model import Model
+from ksana_llm.generation_config import GenerationConfig
+from tests.test_lora import NUM_TOKENS, PROMPTS, expected_tokens, tiny  # noqa: F401 - fixture
+
+
+@pytest.mark.parametrize("setup", ["sync", "async", "tp2"])
+def test_adapter_folder_gone_fails_only_its_requests(tiny, tmp_path, setup):  # noqa: F811
+    """Also with the GPU's step loop (async scheduling, overlapped outputs), and over two gloo
+    ranks (every rank reads the adapter again, or none keeps it)."""
+    folder, base, adapters = tiny
+    modules = {}
+    for name in ("all", "qv-rslora"):  # copies the test may take away
+        shutil.copytree(folder / name, tmp_path / name)
+        modules[name] = str(tmp_path / name)
+    loop = dict(async_scheduling=True, overlap_output_processing=True) \
+        if setup == "async" else {}
+    model = Model.from_pretrained(folder / "base", device="cpu", dtype="float32",
+                                  progress=False, tensor_parallel_size=2 if setup == "tp2" else 1)
+    with kt.Engine(model, generation_config=GenerationConfig(max_new_tokens=NUM_TOKENS,
+                                                             ignore_eos=True),
+                   block_token_num=4, num_device_blocks=128, lora_modules=modules, max_loras=1,
+                   max_cpu_loras=1, **loop) as engine:
+        def tokens(lora: str | None, prompt: list[int] = PROMPTS[0]) -> list[int]:
+            return engine.submit(kt.Request(prompt, lora=lora)).result().token_ids
+
+        assert tokens("all") == expected_tokens(adapters["all"], PROMPTS[0])
+        assert tokens("qv-rslora") == expected_tokens(adapters["qv-rslora"], PROMPTS[0])
+        runner = engine._core.runner
+        slots = runner.local.lora if setup == "tp2" else runner.lora
+        ids = {path: lora_id for lora_id, path in slots.paths.items()}
+        assert not slots.has_host_copy(ids[modules["all"]])  # dropped for "qv-rslora"'s
+        assert slots.has_host_copy(ids[modules["qv-rslora"]])
+        shutil.rmtree(tmp_path / "all")
+
+        # All at once: the two "all" requests wait for the slot "qv-rslora" holds, then fail
+        # when it is theirs; the others run in the same steps.
+        jobs = [(PROMPTS[1], "qv-rslora"), (PROMPTS[0], "all"), (PROMPTS[2], None),
+                (PROMPTS[1], "all")]
+        handles = [engine.submit(kt.Request(prompt, lora=lora)) for prompt, lora in jobs]
+        for (prompt, lora), handle in zip(jobs, handles):
+            if lora == "all":
+                with pytest.raises(RequestError, match=f"could not be read again.*{tmp_path}/all"
+                                   ) as failure:
+                    handle.result()
+                assert isinstance(failure.value.__cause__, ValueError)  # HTTP: a 400
+            else:
+                reference = base if lora is None else adapters[lora]
+                assert handle.result().token_ids == expected_tokens(reference, prompt)
+        assert not engine.failure
+        assert engine.stats().num_running == 0
+
+        shutil.copytree(folder / "all", tmp_path / "all")  # back: served again
+        assert tokens("all", PROMPTS[2]) == expected_tokens(adapters["all"], PROMPTS[2])
+        assert tokens(None, PROMPTS[1]) == expected_tokens(base, PROMPTS[1])
+
+
+def test_max_cpu_loras_must_hold_every_slot():
+    """A step may copy max_loras adapters into slots, each from its host copy."""
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= the LoRA slots \(2"):
+        kt.EngineConfig(max_loras=2, max_cpu_loras=1)
+    assert kt.EngineConfig(max_loras=2, max_cpu_loras=2).max_cpu_loras == 2
