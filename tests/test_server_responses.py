@@ -174,7 +174,7 @@ def _poll(client, response_id: str, timeout: float = 60):
 def test_background_responses_are_polled_and_cancelled(client, server, model_name):
     """`background: true` answers at once (in progress) and runs on; GET polls it to the same
     answer as a plain request; POST /cancel stops a running one (stored as cancelled, its
-    sequence freed); refused: not stored, streamed, or continued while running."""
+    sequence freed); refused: not stored, or continued while running."""
     plain = client.responses.create(model=model_name, input=QUESTION, temperature=0,
                                     max_output_tokens=16)
     started = client.responses.create(model=model_name, input=QUESTION, temperature=0,
@@ -196,10 +196,54 @@ def test_background_responses_are_polled_and_cancelled(client, server, model_nam
     assert _running(httpx.get(server.url + "/metrics").text) == 0
     with pytest.raises(openai.BadRequestError):  # finished: nothing to cancel
         client.responses.cancel(done.id)
-    for extra, param in (({"store": False}, "background"), ({"stream": True}, "stream")):
-        response = httpx.post(server.base_url + "/responses",
-                              json={"input": "x", "background": True, **extra})
-        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    response = httpx.post(server.base_url + "/responses",
+                          json={"input": "x", "background": True, "store": False})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "background"
+
+
+def test_background_streams_resume_and_outlive_their_reader(client, server, model_name):
+    """`background: true, stream: true` (OpenAI's resumable streaming): the events of a plain
+    stream, ending in a plain request's answer; `GET ?stream=true&starting_after=N` gives the
+    events after N, live while the response runs and replayed once it has ended; a reader that
+    goes away does not stop it, POST /cancel does; a response created without `stream` cannot
+    be streamed."""
+    plain = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                    max_output_tokens=40)
+    events = list(client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                          max_output_tokens=40, background=True, stream=True))
+    assert events[0].type == "response.created" and events[0].response.background
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == plain.output_text
+    response_id = events[0].response.id
+    assert client.responses.retrieve(response_id).output_text == plain.output_text
+    replayed = list(client.responses.retrieve(response_id, stream=True, starting_after=5))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in events[6:]]
+    with pytest.raises(openai.BadRequestError) as not_streamed:
+        list(client.responses.retrieve(plain.id, stream=True))
+    assert not_streamed.value.body["param"] == "stream"
+
+    question = "Count from one to fifty, one number a line."
+    reference = client.responses.create(model=model_name, input=question, temperature=0,
+                                        max_output_tokens=120)
+    stream = client.responses.create(model=model_name, input=question, temperature=0,
+                                     max_output_tokens=120, background=True, stream=True)
+    reader = iter(stream)
+    first = [next(reader) for _ in range(3)]
+    stream.close()  # the reader goes away; the response runs on
+    rest = list(client.responses.retrieve(first[0].response.id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in first + rest] == list(range(3 + len(rest)))
+    assert rest[-1].response.output_text == reference.output_text
+    assert rest[-1].response.status == reference.status
+
+    long = client.responses.create(model=model_name, input="Count from one to one thousand.",
+                                   max_output_tokens=1500, background=True, stream=True)
+    started = next(iter(long))
+    cancelled = client.responses.cancel(started.response.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 1500
+    tail = list(long)  # the POST's own stream ends too, with the cancelled response
+    assert tail[-1].type == "response.incomplete" and tail[-1].response.status == "cancelled"
+    assert _running(httpx.get(server.url + "/metrics").text) == 0
 
 
 def _running(metrics: str) -> float:

@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ksana_llm.server.chat_output import ChatDelta
 from ksana_llm.api.outputs import RequestError
 from ksana_llm.server.chat_run import ChatRun, start_chat
 from ksana_llm.server.errors import APIError, bad_request
+from ksana_llm.server.event_log import EventLog
 from ksana_llm.server.logprobs import chat_logprobs
 from ksana_llm.server.openai_protocol import ChatCompletionRequest, ChatMessage
 from ksana_llm.server.responses_events import OutputItems, SseEvents
@@ -203,14 +204,13 @@ async def create_response(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, ResponsesRequest)
     plan = _plan(req, state)
-    if req.background:
-        if req.store is False:
-            raise bad_request("A background response must be stored (store: true).",
-                              param="background")
-        if req.stream:
-            raise bad_request("Streaming a background response is not supported; poll "
-                              "GET /v1/responses/{id}.", param="stream")
+    if req.background and req.store is False:
+        raise bad_request("A background response must be stored (store: true).",
+                          param="background")
     run = await _start(plan, state)
+    if req.background and req.stream:
+        return StreamingResponse(_start_background_stream(state, plan, run).follow(),
+                                 media_type="text/event-stream")
     if req.background:
         return JSONResponse(_start_background(state, plan, run))
     if req.stream:
@@ -277,12 +277,61 @@ async def _finish_background(state: ServerState, plan: _Plan, run: ChatRun) -> N
         state.background_responses.pop(entry_id, None)
 
 
+def _start_background_stream(state: ServerState, plan: _Plan, run: ChatRun) -> EventLog:
+    """Store the response as in progress and stream it into an event log that outlives any
+    reader: the POST that asked follows it, and `GET ...?stream=true&starting_after=N` may
+    resume it; a reader going away does not stop the run (POST /cancel does). When it ends, the
+    finished response is stored with its events."""
+    body = _response(plan, run, "in_progress", [], None)
+    state.responses.put(body["id"], StoredResponse(body, plan.items))
+    log = EventLog()
+
+    async def produce() -> None:
+        final: dict[str, Any] = {}
+        try:
+            async for event in _stream(state, plan, run, cancelled=lambda: entry.cancelled,
+                                       finished=final.update):
+                log.append(event)
+            if final:  # stored with its events (a failed one too: GET shows why)
+                state.responses.put(run.request_id, StoredResponse(final, plan.items,
+                                                                   tuple(log.events)))
+        except Exception:  # noqa: BLE001 - a background task has no caller to raise to
+            logger.exception("background response %s failed", run.request_id)
+        finally:
+            log.close()
+            state.background_responses.pop(run.request_id, None)
+
+    # (The task first runs after this returns, so `entry` is there for it.)
+    entry = BackgroundResponse(run, asyncio.create_task(produce()), events=log)
+    state.background_responses[run.request_id] = entry
+    return log
+
+
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> Response:
-    stored = server_state(request).responses.get(response_id)
+async def retrieve_response(response_id: str, request: Request, stream: bool = False,
+                            starting_after: int | None = None) -> Response:
+    """The stored response; with `stream=true` (a background response created with `stream:
+    true`) its events after `starting_after`, live while it runs."""
+    state = server_state(request)
+    stored = state.responses.get(response_id)
     if stored is None:
         raise not_found(response_id)
-    return JSONResponse(stored.body)
+    if not stream:
+        return JSONResponse(stored.body)
+    if starting_after is not None and starting_after < -1:
+        raise bad_request("`starting_after` must be a sequence number (>= 0).",
+                          param="starting_after")
+    running = state.background_responses.get(response_id)
+    log = running.events if running is not None else None
+    if log is None:
+        if not stored.events:
+            raise bad_request("Only a background response created with stream: true can be "
+                              "streamed; GET it without stream.", param="stream")
+        log = EventLog()
+        for event in stored.events:
+            log.append(event)
+        log.close()
+    return StreamingResponse(log.follow(starting_after), media_type="text/event-stream")
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -342,11 +391,17 @@ def _logprobs(state: ServerState, plan: _Plan, entries: list[dict[str, Any]] | N
 
 
 def _final_event(status: str) -> str:
-    return {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-        status, "response.failed")
+    # (OpenAI names no event for a cancelled response: it ends like one cut short.)
+    return {"completed": "response.completed", "incomplete": "response.incomplete",
+            "cancelled": "response.incomplete"}.get(status, "response.failed")
 
 
-async def _stream(state: ServerState, plan: _Plan, run: ChatRun) -> AsyncIterator[str]:
+async def _stream(state: ServerState, plan: _Plan, run: ChatRun,
+                  cancelled: Callable[[], bool] = lambda: False,
+                  finished: Callable[[dict[str, Any]], None] | None = None
+                  ) -> AsyncIterator[str]:
+    """The response's events. `cancelled()` says whether POST /cancel stopped it (a background
+    response: it then ends as "cancelled"); `finished` receives the final response object."""
     ev = SseEvents()
     snapshot = _response(plan, run, "in_progress", [], None)
     yield ev("response.created", response=snapshot)
@@ -373,10 +428,16 @@ async def _stream(state: ServerState, plan: _Plan, run: ChatRun) -> AsyncIterato
         yield ev("error", code=code, message=message, param=error.param if error else None)
         for chunk in items.close("incomplete"):
             yield chunk
-        yield ev("response.failed", response=_failed(plan, run, items.output, code, message))
+        failed = _failed(plan, run, items.output, code, message)
+        if finished is not None:
+            finished(failed)
+        yield ev("response.failed", response=failed)
         return
-    status = _status(finish_reason)
-    for chunk in items.finish(status):
+    status = "cancelled" if cancelled() else _status(finish_reason)
+    # A cancelled response's items are "incomplete" (items have no "cancelled" status).
+    for chunk in items.finish("incomplete" if status == "cancelled" else status):
         yield chunk
     body = _answer(state, plan, run, status, items)
+    if finished is not None:
+        finished(body)
     yield ev(_final_event(status), response=body)

@@ -20,6 +20,9 @@ class StoredResponse:
     # The items it answered, each with its `id`: the conversation before it (every input and
     # output item of its previous_response_id's chain), then its own new input.
     inputs: list[dict[str, Any]]
+    # A background response created with `stream: true`: its server-sent events, which
+    # `GET /v1/responses/{id}?stream=true` replays (empty otherwise: it cannot be streamed).
+    events: tuple[str, ...] = ()
 
     @property
     def items(self) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from fastapi import Request
 
 from ksana_llm.api.engine import Engine
 from ksana_llm.server.errors import engine_unavailable, model_not_found
+from ksana_llm.server.event_log import EventLog
 from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
@@ -27,6 +28,7 @@ class BackgroundResponse:
     run: Any  # its server.chat_run.ChatRun
     task: asyncio.Task  # waits for it, then stores the finished response
     cancelled: bool = False  # POST /v1/responses/{id}/cancel asked to stop it
+    events: EventLog | None = None  # its events so far, when it was created with stream: true
 
 
 @dataclass
