@@ -246,6 +246,27 @@ def test_background_streams_resume_and_outlive_their_reader(client, server, mode
     assert _running(httpx.get(server.url + "/metrics").text) == 0
 
 
+def test_running_background_responses_outlive_the_store_and_stop_when_deleted(
+        client, server, model_name):
+    """A running background response pushed out of the store (--max-stored-responses 4) is
+    still there to GET and to stream until it ends; DELETE stops a running one for good (it is
+    not stored when it ends)."""
+    long = client.responses.create(model=model_name, input="Count from one to one thousand.",
+                                   max_output_tokens=1500, background=True, stream=True)
+    response_id = next(iter(long)).response.id
+    for i in range(4):
+        client.responses.create(model=model_name, input=f"Say {i}.", max_output_tokens=2)
+    assert client.responses.retrieve(response_id).status == "in_progress"
+    resumed = client.responses.retrieve(response_id, stream=True, starting_after=0)
+    assert next(iter(resumed)).sequence_number == 1
+    resumed.close()
+    assert httpx.delete(f"{server.base_url}/responses/{response_id}").json()["deleted"]
+    list(long)  # its stream ends
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response_id)
+    assert _running(httpx.get(server.url + "/metrics").text) == 0
+
+
 def _running(metrics: str) -> float:
     import re
 

@@ -18,7 +18,8 @@ import torch
 
 from ksana_llm.distributed.runtime import (Runtime, broadcast_message, gather_messages,
                                            shutdown_runtime)
-from ksana_llm.distributed.worker import DRAFT, LORA, RUNNER, STEP, STOP, lora_error
+from ksana_llm.distributed.worker import (DRAFT, LORA, LORA_READY, RUNNER, STEP, STOP,
+                                         lora_error)
 from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
 
@@ -87,17 +88,15 @@ class DistributedRunner:
         self._lora_everywhere(lora_id, None)
 
     def prepare_lora(self, lora_id: int) -> None:
-        """Every rank reads adapter `lora_id` again if max_cpu_loras dropped its host copy (the
-        ranks keep and drop copies in the same order, so rank 0's says for all). A rank that
-        cannot is a ValueError, with rank 0's copy dropped again so the ranks stay alike."""
-        slots = self.local.lora
-        if slots is None or slots.has_host_copy(lora_id):
-            return
-        slots.host_copy(lora_id)  # rank 0 first: a ValueError here changes nothing anywhere
-        errors = [e for e in self._lora_everywhere(lora_id, slots.paths[lora_id])
-                  if e is not None]
+        """Every rank makes sure it has adapter `lora_id`'s host copy for the next step (read
+        again if max_cpu_loras dropped it; each rank answers for its own copies). A rank that
+        cannot is a ValueError: the step leaves the adapter out on every rank."""
+        def here(_: object) -> list[str | None]:
+            return gather_messages(lora_error(self.local, lora_id, None, ready=True),
+                                   self.runtime)
+
+        errors = [e for e in self._everywhere(LORA_READY, lora_id, here) if e is not None]
         if errors:
-            slots.drop_host_copy(lora_id)
             raise ValueError(errors[0])
 
     def _lora_everywhere(self, lora_id: int, path: str | None) -> list[str | None]:

@@ -20,10 +20,12 @@ from ksana_llm.runner.model_runner import ModelRunner
 logger = logging.getLogger("ksana_llm.worker")
 
 # Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput), ("draft",
-# DraftInput: speculative decoding) and ("lora", (adapter id, folder to register or None to
-# unregister): every rank answers with its refusal or None, see `lora_error`) as the engine runs,
-# then ("stop", None).
-RUNNER, STEP, DRAFT, LORA, STOP = "runner", "step", "draft", "lora", "stop"
+# DraftInput: speculative decoding), ("lora", (adapter id, folder to register or None to
+# unregister)) and ("lora_ready", adapter id: have its host copy for the next step) as the
+# engine runs, both answered by every rank with its refusal or None (see `lora_error`), then
+# ("stop", None).
+RUNNER, STEP, DRAFT, LORA, LORA_READY, STOP = \
+    "runner", "step", "draft", "lora", "lora_ready", "stop"
 
 
 def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -40,16 +42,22 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
             runner.propose(payload)
         elif kind == LORA and runner is not None:
             gather_messages(lora_error(runner, *payload), runtime)
+        elif kind == LORA_READY and runner is not None:
+            gather_messages(lora_error(runner, payload, None, ready=True), runtime)
         else:
             raise RuntimeError(f"worker got an unexpected message {kind!r}")
 
 
-def lora_error(runner: ModelRunner, lora_id: int, path: str | None) -> str | None:
-    """Register the LoRA adapter in `path` as `lora_id` (or with path None unregister it); the
-    refusal's message, or None. A refusal is an answer, not a failure: the rank keeps what it
-    had and keeps serving."""
+def lora_error(runner: ModelRunner, lora_id: int, path: str | None, *,
+               ready: bool = False) -> str | None:
+    """Register the LoRA adapter in `path` as `lora_id` (with path None unregister it; with
+    `ready`, have its host copy for the next step: `ModelRunner.prepare_lora`); the refusal's
+    message, or None. A refusal is an answer, not a failure: the rank keeps what it had and
+    keeps serving."""
     try:
-        if path is None:
+        if ready:
+            runner.prepare_lora(lora_id)
+        elif path is None:
             runner.unregister_lora(lora_id)
         else:
             runner.register_lora(lora_id, path)

@@ -243,7 +243,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
             # A grammar advances on the host with each token, and masks the next sample: read
             # the step in flight back first (this step's forward is queued meanwhile). A
             # sequence that stopped there is not sampled.
-            outputs = self._drain_deferred()
+            outputs.extend(self._drain_deferred())
             outputs.extend(self._resolve_in_flight())
             others = [i for i in others if sampled[i].status is not SequenceStatus.FINISHED]
         launched = self._launch_samples([sampled[i] for i in others], result.logits,
@@ -286,8 +286,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
     def _drop_unloadable_adapters(self, plan: SchedulerOutput) -> list[StepOutput]:
         """Before the step runs: each LoRA adapter the plan copies into a slot must have its host
         copy (read again from its folder if max_cpu_loras dropped it). An adapter whose folder
-        can no longer be read leaves the plan with its slot and its newly admitted requests,
-        which fail naming it; the rest of the step runs."""
+        can no longer be read leaves the plan with its slot and its newly admitted requests;
+        they and its waiting requests fail naming it, and the rest of the step runs."""
         failed: dict[int, str] = {}
         for _, lora_id in plan.lora_loads:
             try:
@@ -297,15 +297,17 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         if not failed:
             return []
         plan.lora_loads = [load for load in plan.lora_loads if load[1] not in failed]
+        self.scheduler.num_lora_loads -= len(failed)  # loads that did not happen
         for lora_id in failed:
             self.scheduler.lora.forget(lora_id)  # its slot is empty: another load may take it
-        dropped = [item for item in plan.scheduled if item.seq.lora_id in failed]
+        dropped = [item.seq for item in plan.scheduled if item.seq.lora_id in failed]
         plan.scheduled = [item for item in plan.scheduled if item.seq.lora_id not in failed]
+        # Its waiting requests would fail the same way, each reading the folder again.
+        dropped += [seq for seq in self.scheduler.waiting if seq.lora_id in failed]
         outputs: list[StepOutput] = []
-        for item in dropped:
-            if item.seq.group.request_id in self.groups:  # (a request's sequences come once)
-                outputs.extend(self._abort_group(item.seq.group, None,
-                                                 error=failed[item.seq.lora_id]))
+        for seq in dropped:
+            if seq.group.request_id in self.groups:  # (a request's sequences come once)
+                outputs.extend(self._abort_group(seq.group, None, error=failed[seq.lora_id]))
         return outputs
 
     def _drain_deferred(self) -> list[StepOutput]:

@@ -182,9 +182,6 @@ class LoraSlots:
     def has_host_copy(self, lora_id: int) -> bool:
         return lora_id in self.registered
 
-    def drop_host_copy(self, lora_id: int) -> None:
-        self.registered.pop(lora_id, None)
-
     def unregister(self, lora_id: int) -> None:
         """Forget adapter `lora_id`; a slot holding it is cleared."""
         self.registered.pop(lora_id, None)

@@ -17,6 +17,7 @@ over, as in OpenAI's API).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -251,7 +252,7 @@ def _start_background(state: ServerState, plan: _Plan, run: ChatRun) -> dict[str
     body = _response(plan, run, "in_progress", [], None)
     state.responses.put(body["id"], StoredResponse(body, plan.items))
     task = asyncio.create_task(_finish_background(state, plan, run))
-    state.background_responses[run.request_id] = BackgroundResponse(run, task)
+    state.background_responses[run.request_id] = BackgroundResponse(run, task, body)
     return body
 
 
@@ -270,7 +271,8 @@ async def _finish_background(state: ServerState, plan: _Plan, run: ChatRun) -> N
         else:
             items, status = _output_items(state, plan, run, "cancelled" if cancelled else None)
             body = _finished_body(state, plan, run, status, items)  # stored even if failed
-        state.responses.put(entry_id, StoredResponse(body, plan.items))
+        if entry is None or not entry.deleted:
+            state.responses.put(entry_id, StoredResponse(body, plan.items))
     except Exception:  # noqa: BLE001 - a background task has no caller to raise to
         logger.exception("background response %s failed", entry_id)
     finally:
@@ -289,20 +291,28 @@ def _start_background_stream(state: ServerState, plan: _Plan, run: ChatRun) -> E
     async def produce() -> None:
         final: dict[str, Any] = {}
         try:
-            async for event in _stream(state, plan, run, cancelled=lambda: entry.cancelled,
-                                       finished=final.update):
-                log.append(event)
-            if final:  # stored with its events (a failed one too: GET shows why)
-                state.responses.put(run.request_id, StoredResponse(final, plan.items,
-                                                                   tuple(log.events)))
+            async with contextlib.aclosing(_stream(state, plan, run,
+                                                   cancelled=lambda: entry.cancelled,
+                                                   finished=final.update)) as events:
+                async for event in events:
+                    log.append(event)
         except Exception:  # noqa: BLE001 - a background task has no caller to raise to
             logger.exception("background response %s failed", run.request_id)
+            final = _failed(plan, run, [], "server_error", "The server failed while answering.")
+            ev = SseEvents()
+            ev.sequence_number = len(log.events)
+            log.append(ev("response.failed", response=final))
         finally:
             log.close()
             state.background_responses.pop(run.request_id, None)
+        if entry.deleted:  # (`_answer` stores a finished response as it ends)
+            state.responses.delete(run.request_id)
+        elif final:  # stored with its events (a failed one too)
+            state.responses.put(run.request_id, StoredResponse(final, plan.items,
+                                                               tuple(log.events)))
 
     # (The task first runs after this returns, so `entry` is there for it.)
-    entry = BackgroundResponse(run, asyncio.create_task(produce()), events=log)
+    entry = BackgroundResponse(run, asyncio.create_task(produce()), body, events=log)
     state.background_responses[run.request_id] = entry
     return log
 
@@ -314,14 +324,14 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
     true`) its events after `starting_after`, live while it runs."""
     state = server_state(request)
     stored = state.responses.get(response_id)
-    if stored is None:
+    running = state.background_responses.get(response_id)  # (kept even if the store drops it)
+    if stored is None and (running is None or running.deleted):
         raise not_found(response_id)
     if not stream:
-        return JSONResponse(stored.body)
-    if starting_after is not None and starting_after < -1:
+        return JSONResponse(stored.body if stored is not None else running.body)
+    if starting_after is not None and starting_after < 0:
         raise bad_request("`starting_after` must be a sequence number (>= 0).",
                           param="starting_after")
-    running = state.background_responses.get(response_id)
     log = running.events if running is not None else None
     if log is None:
         if not stored.events:
@@ -376,8 +386,16 @@ async def cancel_response(response_id: str, request: Request) -> Response:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
-    if not server_state(request).responses.delete(response_id):
+    """Forget a stored response; one still running in the background stops, and is not
+    stored when it ends."""
+    state = server_state(request)
+    running = state.background_responses.get(response_id)
+    if running is not None and not running.deleted:
+        running.deleted = True
+        running.run.choices.abort_unfinished()
+    elif not state.responses.get(response_id):
         raise not_found(response_id)
+    state.responses.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 

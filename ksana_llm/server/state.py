@@ -27,7 +27,9 @@ class BackgroundResponse:
 
     run: Any  # its server.chat_run.ChatRun
     task: asyncio.Task  # waits for it, then stores the finished response
+    body: dict[str, Any]  # the response as it is while in progress
     cancelled: bool = False  # POST /v1/responses/{id}/cancel asked to stop it
+    deleted: bool = False  # DELETE /v1/responses/{id}: stopped, and not stored when it ends
     events: EventLog | None = None  # its events so far, when it was created with stream: true
 
 
