@@ -1,5 +1,6 @@
 """OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
-`GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel` (background responses).
+`GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel` (background responses);
+the response objects and events themselves are made in `responses_answers`.
 
 A response runs through the chat route's preparation (`chat_run.start_chat`: template, tools,
 output constraints, LoRA adapter by `model`), with the Responses request translated by
@@ -19,21 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ksana_llm.server.chat_output import ChatDelta
 from ksana_llm.api.outputs import RequestError
 from ksana_llm.server.chat_run import ChatRun, start_chat
 from ksana_llm.server.errors import APIError, bad_request
 from ksana_llm.server.event_log import EventLog
-from ksana_llm.server.logprobs import chat_logprobs
 from ksana_llm.server.openai_protocol import ChatCompletionRequest, ChatMessage
-from ksana_llm.server.responses_events import OutputItems, SseEvents
+from ksana_llm.server.responses_answers import (ResponsePlan, answer, failed_body,
+                                                finished_body, output_items, response_body,
+                                                stream_events)
+from ksana_llm.server.responses_events import SseEvents
 from ksana_llm.server.responses_protocol import (
     ResponsesRequest,
     chat_response_format,
@@ -42,7 +42,6 @@ from ksana_llm.server.responses_protocol import (
     input_item_resources,
     input_messages,
     item_id,
-    response_logprobs,
     responses_error,
 )
 from ksana_llm.server.responses_store import StoredResponse, item_page
@@ -63,16 +62,7 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
                     param=param, code="response_not_found")
 
 
-@dataclass
-class _Plan:
-    """A validated request: its conversation items (for the store) and its chat form."""
-
-    req: ResponsesRequest
-    items: list[dict[str, Any]]
-    chat: ChatCompletionRequest
-
-
-def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
+def _plan(req: ResponsesRequest, state: ServerState) -> ResponsePlan:
     unsupported = req.unsupported_params()
     if unsupported:
         raise bad_request(f"Unsupported parameter(s): {', '.join(unsupported)}.",
@@ -90,7 +80,7 @@ def _plan(req: ResponsesRequest, state: ServerState) -> _Plan:
             raise bad_request("The previous response is still in progress.",
                               param="previous_response_id")
         history = stored.items
-    return _Plan(req, history + new_items, _chat_request(req, history + new_items))
+    return ResponsePlan(req, history + new_items, _chat_request(req, history + new_items))
 
 
 def _chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -119,7 +109,7 @@ def _without_oldest_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]] | 
     return None
 
 
-async def _start(plan: _Plan, state: ServerState) -> ChatRun:
+async def _start(plan: ResponsePlan, state: ServerState) -> ChatRun:
     """Submit the plan's chat request; with `truncation: "auto"`, a conversation longer than
     the context loses its oldest turns until it fits (OpenAI's rule: items go from the
     beginning; `instructions` stay). The stored conversation keeps every item."""
@@ -134,70 +124,6 @@ async def _start(plan: _Plan, state: ServerState) -> ChatRun:
                 raise responses_error(exc) from exc
             items = shorter
             chat = _chat_request(plan.req, items)
-
-
-def _status(finish_reason: str | None) -> str:
-    """"length": cut by max_output_tokens; "abort": stopped before its end (the engine shut
-    down, or the request was aborted)."""
-    return {"length": "incomplete", "abort": "failed"}.get(finish_reason or "", "completed")
-
-
-def _failed(plan: _Plan, run: ChatRun, output: list[dict[str, Any]], code: str,
-            message: str) -> dict[str, Any]:
-    body = _response(plan, run, "failed", output, None)
-    body["error"] = {"code": code, "message": message}
-    return body
-
-
-def _answer(state: ServerState, plan: _Plan, run: ChatRun, status: str,
-            items: OutputItems) -> dict[str, Any]:
-    """The finished response (stored when asked; a failed one never is)."""
-    body = _finished_body(state, plan, run, status, items)
-    if status != "failed" and plan.req.store is not False:
-        state.responses.put(body["id"], StoredResponse(body, plan.items))
-    return body
-
-
-def _finished_body(state: ServerState, plan: _Plan, run: ChatRun, status: str,
-                   items: OutputItems) -> dict[str, Any]:
-    if status == "failed":
-        return _failed(plan, run, items.output, "server_error",
-                       "The request was aborted before it finished.")
-    output_tokens = len(run.choices.results()[0].token_ids)
-    return _response(plan, run, status, items.output,
-                     _usage(state, run, output_tokens, items.reasoning))
-
-
-def _response(plan: _Plan, run: ChatRun, status: str, output: list[dict[str, Any]],
-              usage: dict[str, Any] | None) -> dict[str, Any]:
-    req = plan.req
-    return {
-        "id": run.request_id, "object": "response", "created_at": run.created, "status": status,
-        "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "model": run.model, "output": output,
-        "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id, "reasoning": req.reasoning,
-        "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": req.text or {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_logprobs": req.top_logprobs, "truncation": req.truncation or "disabled",
-        "usage": usage, "user": req.user, "metadata": req.metadata or {}, "background": bool(req.background),
-    }
-
-
-def _usage(state: ServerState, run: ChatRun, output_tokens: int, reasoning: str) -> dict[str, Any]:
-    # Reasoning tokens: the reasoning text's tokens (the parser splits text, not tokens).
-    reasoning_tokens = (len(state.tokenizer.encode(reasoning, add_special_tokens=False))
-                        if reasoning else 0)
-    cached = run.choices.handles[0].output.num_cached_tokens
-    return {"input_tokens": len(run.ids),
-            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
-            "total_tokens": len(run.ids) + output_tokens}
 
 
 @router.post("/v1/responses")
@@ -215,48 +141,30 @@ async def create_response(request: Request) -> Response:
     if req.background:
         return JSONResponse(_start_background(state, plan, run))
     if req.stream:
-        return AbortOnCloseStreamingResponse(_stream(state, plan, run), run.choices)
+        return AbortOnCloseStreamingResponse(stream_events(state, plan, run), run.choices)
     if not await wait_for_choices(run.choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(_complete(state, plan, run))
 
 
-def _output_items(state: ServerState, plan: _Plan, run: ChatRun,
-                  status: str | None = None) -> tuple[OutputItems, str]:
-    """The finished choice read into output items, and the response's status (`status` when
-    given, else from how the choice ended)."""
-    out = run.choices.results()[0]
-    parser = run.output_parser()
-    items = OutputItems(SseEvents(), parser)
-    for _ in items.add(parser.feed(out.text), _logprobs(state, plan, out.logprobs)):
-        pass
-    for _ in items.add(parser.finish(), []):
-        pass
-    status = status or _status(out.finish_reason)
-    # A cancelled response's items are "incomplete" (items have no "cancelled" status).
-    for _ in items.finish("incomplete" if status == "cancelled" else status):
-        pass
-    return items, status
-
-
-def _complete(state: ServerState, plan: _Plan, run: ChatRun) -> dict[str, Any]:
-    items, status = _output_items(state, plan, run)
-    return _answer(state, plan, run, status, items)
+def _complete(state: ServerState, plan: ResponsePlan, run: ChatRun) -> dict[str, Any]:
+    items, status = output_items(state, plan, run)
+    return answer(state, plan, run, status, items)
 
 
 # ---- background responses (`background: true`) ----------------------------------------------------
 
-def _start_background(state: ServerState, plan: _Plan, run: ChatRun) -> dict[str, Any]:
+def _start_background(state: ServerState, plan: ResponsePlan, run: ChatRun) -> dict[str, Any]:
     """Store the response as in progress and answer at once; a task waits for the choice and
     stores the finished response (`GET /v1/responses/{id}` polls it)."""
-    body = _response(plan, run, "in_progress", [], None)
+    body = response_body(plan, run, "in_progress", [], None)
     state.responses.put(body["id"], StoredResponse(body, plan.items))
     task = asyncio.create_task(_finish_background(state, plan, run))
     state.background_responses[run.request_id] = BackgroundResponse(run, task, body)
     return body
 
 
-async def _finish_background(state: ServerState, plan: _Plan, run: ChatRun) -> None:
+async def _finish_background(state: ServerState, plan: ResponsePlan, run: ChatRun) -> None:
     entry_id = run.request_id
     try:
         failure = None
@@ -267,10 +175,10 @@ async def _finish_background(state: ServerState, plan: _Plan, run: ChatRun) -> N
         entry = state.background_responses.get(entry_id)
         cancelled = entry is not None and entry.cancelled
         if failure is not None and not cancelled:
-            body = _failed(plan, run, [], "server_error", failure)
+            body = failed_body(plan, run, [], "server_error", failure)
         else:
-            items, status = _output_items(state, plan, run, "cancelled" if cancelled else None)
-            body = _finished_body(state, plan, run, status, items)  # stored even if failed
+            items, status = output_items(state, plan, run, "cancelled" if cancelled else None)
+            body = finished_body(state, plan, run, status, items)  # stored even if failed
         if entry is None or not entry.deleted:
             state.responses.put(entry_id, StoredResponse(body, plan.items))
     except Exception:  # noqa: BLE001 - a background task has no caller to raise to
@@ -279,33 +187,34 @@ async def _finish_background(state: ServerState, plan: _Plan, run: ChatRun) -> N
         state.background_responses.pop(entry_id, None)
 
 
-def _start_background_stream(state: ServerState, plan: _Plan, run: ChatRun) -> EventLog:
+def _start_background_stream(state: ServerState, plan: ResponsePlan, run: ChatRun) -> EventLog:
     """Store the response as in progress and stream it into an event log that outlives any
     reader: the POST that asked follows it, and `GET ...?stream=true&starting_after=N` may
     resume it; a reader going away does not stop the run (POST /cancel does). When it ends, the
     finished response is stored with its events."""
-    body = _response(plan, run, "in_progress", [], None)
+    body = response_body(plan, run, "in_progress", [], None)
     state.responses.put(body["id"], StoredResponse(body, plan.items))
     log = EventLog()
 
     async def produce() -> None:
         final: dict[str, Any] = {}
         try:
-            async with contextlib.aclosing(_stream(state, plan, run,
-                                                   cancelled=lambda: entry.cancelled,
-                                                   finished=final.update)) as events:
+            events = stream_events(state, plan, run, cancelled=lambda: entry.cancelled,
+                                   finished=final.update)
+            async with contextlib.aclosing(events):
                 async for event in events:
                     log.append(event)
         except Exception:  # noqa: BLE001 - a background task has no caller to raise to
             logger.exception("background response %s failed", run.request_id)
-            final = _failed(plan, run, [], "server_error", "The server failed while answering.")
+            final = failed_body(plan, run, [], "server_error",
+                                "The server failed while answering.")
             ev = SseEvents()
             ev.sequence_number = len(log.events)
             log.append(ev("response.failed", response=final))
         finally:
             log.close()
             state.background_responses.pop(run.request_id, None)
-        if entry.deleted:  # (`_answer` stores a finished response as it ends)
+        if entry.deleted:  # (`answer` stores a finished response as it ends)
             state.responses.delete(run.request_id)
         elif final:  # stored with its events (a failed one too)
             state.responses.put(run.request_id, StoredResponse(final, plan.items,
@@ -399,63 +308,3 @@ async def delete_response(response_id: str, request: Request) -> Response:
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-# ---- streaming -------------------------------------------------------------------------------------
-
-def _logprobs(state: ServerState, plan: _Plan, entries: list[dict[str, Any]] | None
-              ) -> list[dict[str, Any]]:
-    if not entries or not plan.req.wants_logprobs:
-        return []
-    return response_logprobs(chat_logprobs(entries, state.token_texts))
-
-
-def _final_event(status: str) -> str:
-    # (OpenAI names no event for a cancelled response: it ends like one cut short.)
-    return {"completed": "response.completed", "incomplete": "response.incomplete",
-            "cancelled": "response.incomplete"}.get(status, "response.failed")
-
-
-async def _stream(state: ServerState, plan: _Plan, run: ChatRun,
-                  cancelled: Callable[[], bool] = lambda: False,
-                  finished: Callable[[dict[str, Any]], None] | None = None
-                  ) -> AsyncIterator[str]:
-    """The response's events. `cancelled()` says whether POST /cancel stopped it (a background
-    response: it then ends as "cancelled"); `finished` receives the final response object."""
-    ev = SseEvents()
-    snapshot = _response(plan, run, "in_progress", [], None)
-    yield ev("response.created", response=snapshot)
-    yield ev("response.in_progress", response=snapshot)
-    parser = run.output_parser()
-    items = OutputItems(ev, parser)
-    finish_reason = None
-    try:
-        async for event in run.choices.events():
-            delta = parser.feed(event.text) if event.text else ChatDelta()
-            for chunk in items.add(delta, _logprobs(state, plan, event.logprobs)):
-                yield chunk
-            if event.finish_reason is not None:
-                finish_reason = event.finish_reason
-                for chunk in items.add(parser.finish(), []):
-                    yield chunk
-    except Exception as exc:  # noqa: BLE001 - the 200 is out: the failure becomes events
-        error = exc if isinstance(exc, APIError) else None
-        if error is None:
-            logger.exception("a streamed response failed")
-        code = "rate_limit_exceeded" if error is not None and error.status == 429 \
-            else "server_error"
-        message = error.message if error is not None else "The server failed while answering."
-        yield ev("error", code=code, message=message, param=error.param if error else None)
-        for chunk in items.close("incomplete"):
-            yield chunk
-        failed = _failed(plan, run, items.output, code, message)
-        if finished is not None:
-            finished(failed)
-        yield ev("response.failed", response=failed)
-        return
-    status = "cancelled" if cancelled() else _status(finish_reason)
-    # A cancelled response's items are "incomplete" (items have no "cancelled" status).
-    for chunk in items.finish("incomplete" if status == "cancelled" else status):
-        yield chunk
-    body = _answer(state, plan, run, status, items)
-    if finished is not None:
-        finished(body)
-    yield ev(_final_event(status), response=body)
