@@ -63,7 +63,7 @@ def write_fp8_checkpoint(source: Path, target: Path,
 # compressed-tensors presets by the strategy the tests name them after.
 COMPRESSED_TENSORS_PRESETS = {"tensor": "FP8", "channel": "FP8_DYNAMIC", "block": "FP8_BLOCK",
                               "int4": "W4A16", "int4-asym": "W4A16_ASYM",
-                              "int4-channel": "W4A16"}
+                              "int4-channel": "W4A16", "int4-actorder": "W4A16"}
 
 
 def write_compressed_tensors(source: Path, target: Path, strategy: str,
@@ -72,7 +72,8 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
     """`source` quantized by the compressed-tensors library itself, as llm-compressor saves it,
     every decoder Linear but the LM head: FP8 weights with per-`strategy` ("tensor", "channel"
     or "block") scales in `weight_scale`, or int4 weights packed in int32 ("int4": symmetric,
-    groups of `group_size` columns; "int4-asym": with zero points; "int4-channel": one scale per
+    groups of `group_size` columns; "int4-asym": with zero points; "int4-actorder": as "int4",
+    the config saying GPTQ ran in "static" activation order; "int4-channel": one scale per
     row), scales computed from each tile's range by the library's own `calculate_qparams`; the
     config's `quantization_config` written by its compressor. Weight-only: the FP8 preset's
     static activation scales would make transformers quantize activations too, which ksana-llm
@@ -98,6 +99,8 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
         scheme.weights.strategy, scheme.weights.group_size = "channel", None
     elif strategy.startswith("int4"):
         scheme.weights.group_size = group_size
+        if strategy == "int4-actorder":  # GPTQ's "static" order: the plain format on disk
+            scheme.weights.actorder = "static"
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
                                                         ignore=["lm_head"]))
     held: dict[str, torch.Tensor] = {}

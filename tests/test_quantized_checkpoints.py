@@ -50,7 +50,7 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strate
     check_family(module, folder, hf_reference(reference), vocab=256)
 
 
-@pytest.mark.parametrize("strategy", ["int4", "int4-asym", "int4-channel"])
+@pytest.mark.parametrize("strategy", ["int4", "int4-asym", "int4-channel", "int4-actorder"])
 def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strategy):
     """llm-compressor's W4A16 checkpoints (`pack-quantized`: eight 4-bit codes per int32,
     group or channel scales, zero points when asymmetric), written by the compressed-tensors

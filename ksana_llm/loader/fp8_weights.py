@@ -174,10 +174,14 @@ class QuantizedCheckpoint:
                                           f"{where}.weights.block_structure")
                               if strategy == "block" else None))
             elif fmt == "pack-quantized" and kind == "int" and bits == 4:
-                if strategy not in ("group", "channel") or weights.get("actorder"):
+                # actorder "weight" (alias "static") only changed how GPTQ calibrated: the
+                # format is the plain one. "group" (alias "dynamic") stores a g_idx.
+                if strategy not in ("group", "channel") \
+                        or weights.get("actorder") not in (None, "weight", "static"):
                     raise ValueError(f"{where}.weights: int4 with strategy {strategy!r} and "
                                      f"actorder {weights.get('actorder')!r} is not supported "
-                                     "(group or channel scales, no activation order)")
+                                     "(group or channel scales; activation order 'weight' / "
+                                     "'static' or none)")
                 kinds.add(cls(None, int4=True, symmetric=bool(weights.get("symmetric", True))))
             else:
                 raise ValueError(f"{where}: compressed-tensors format {fmt!r} with "
