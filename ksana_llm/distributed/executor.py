@@ -91,6 +91,10 @@ class DistributedRunner:
         """Every rank makes sure it has adapter `lora_id`'s host copy for the next step (read
         again if max_cpu_loras dropped it; each rank answers for its own copies). A rank that
         cannot is a ValueError: the step leaves the adapter out on every rank."""
+        slots = self.local.lora
+        if slots is None or slots.max_host_copies is None:
+            return  # every copy is kept: nothing to read again, no round trip to the workers
+
         def here(_: object) -> list[str | None]:
             return gather_messages(lora_error(self.local, lora_id, None, ready=True),
                                    self.runtime)
