@@ -17,12 +17,13 @@ the Triton W8A16 kernel, which reads half the bytes of a 16-bit weight
 (`benchmarks/gpu/run.sh engine-qwen3-fp8w` measures it).
 
 With `--checkpoints`, the model is also written as quantized checkpoints -- FP8 in the hub's
-layout (64x64 block scales), llm-compressor's int4 W4A16 (groups of 64, written by the
-compressed-tensors library), GPTQ int4 by AutoGPTQ (groups of 64, in order and in activation
-order) and AWQ int4 packed by AutoAWQ -- and each is read by our engine and by transformers
-(for GPTQ / AWQ, which it cannot read on a CPU: transformers holding the writing library's own
-dequantization): weight memory and both perplexities (they should agree: the same numbers,
-read twice).
+layout (64x64 block scales), llm-compressor's int4 W4A16, int8 W8A16 (groups of 64) and int8
+W8A8 (per-row scales; its activation quantization not done), written by the
+compressed-tensors library, GPTQ int4 and int8 by AutoGPTQ (groups of 64, in order, and int4
+in activation order) and AWQ int4 packed by AutoAWQ -- and each is read by our engine and by
+transformers (for those it cannot read on a CPU: transformers holding the writing library's
+own dequantization): weight memory and both perplexities (they should agree: the same
+numbers, read twice).
 
 Run
     python benchmarks/fp8_weights.py [--checkpoints]   # CPU, fp32, SmolLM2-135M-Instruct
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 import ksana_llm as kt
-from ksana_llm.layers.linear import Fp8Storage
+from ksana_llm.layers.linear import QuantizedStorage
 
 if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file, or with -m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -59,7 +60,7 @@ def weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
         return 0 if t is None else t.numel() * t.element_size()
 
     projections = sum(size(m.weight) + size(m.weight_scale) for m in module.modules()
-                      if isinstance(m, Fp8Storage))
+                      if isinstance(m, QuantizedStorage))
     total = sum(size(t) for t in (*module.parameters(), *module.buffers()))
     return projections, total
 
@@ -86,20 +87,34 @@ def checkpoint_accuracy(source: Path, args: argparse.Namespace) -> dict[str, dic
 
     from tests.quantized_checkpoints import write_compressed_tensors, write_fp8_checkpoint
 
+    from transformers import AutoModelForCausalLM
+
+    from tests.gptq_awq_checkpoints import hold
+
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as root:
-        folders = {"fp8 checkpoint (64x64 blocks)": Path(root) / "fp8",
-                   "int4 W4A16 checkpoint (groups of 64)": Path(root) / "int4"}
-        write_fp8_checkpoint(source, folders["fp8 checkpoint (64x64 blocks)"], (64, 64))
-        int4 = folders["int4 W4A16 checkpoint (groups of 64)"]
-        write_compressed_tensors(source, int4, "int4", group_size=64)
-        for item in source.iterdir():  # the tokenizer's files
-            if item.is_file() and not (int4 / item.name).exists():
-                shutil.copy(item, int4 / item.name)
-        for name, folder in folders.items():
-            results[name] = _read_twice(folder, args, None)
+        fp8 = Path(root) / "fp8"
+        write_fp8_checkpoint(source, fp8, (64, 64))
+        results["fp8 checkpoint (64x64 blocks)"] = _read_twice(fp8, args, None)
+        compressed = {  # transformers reads int4 W4A16 itself, not the int8 formats on a CPU
+            "int4 W4A16 checkpoint (groups of 64)": ("int4", False),
+            "int8 W8A16 checkpoint (groups of 64)": ("int8", True),
+            "int8 W8A8 checkpoint (per row; activations not quantized)": ("w8a8", True)}
+        for name, (strategy, peer_holds) in compressed.items():
+            folder = Path(root) / strategy
+            held = write_compressed_tensors(source, folder, strategy, group_size=64)
+            _copy_tokenizer(source, folder)
+            peer = hold(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(),
+                        held) if peer_holds else None
+            results[name] = _read_twice(folder, args, peer)
         results.update(packed_checkpoint_accuracy(source, Path(root), args))
     return results
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> None:
+    for item in source.iterdir():
+        if item.is_file() and not (folder / item.name).exists():
+            shutil.copy(item, folder / item.name)
 
 
 def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespace
@@ -123,6 +138,8 @@ def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespac
         "GPTQ int4 activation order (AutoGPTQ, groups of 64)": lambda hf, folder: write_gptq(
             hf, source, folder, group_size=64, sym=False, desc_act=True,
             calibration=calibration),
+        "GPTQ int8 (AutoGPTQ, groups of 64)": lambda hf, folder: write_gptq(
+            hf, source, folder, bits=8, group_size=64, calibration=calibration),
         "AWQ int4 (AutoAWQ packing, groups of 64)": lambda hf, folder: write_awq(
             hf, source, folder, group_size=64),
     }
@@ -131,9 +148,7 @@ def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespac
         hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         folder = root / f"packed{index}"
         peer = hold(hf, write(hf, folder))
-        for item in source.iterdir():  # the tokenizer's files
-            if item.is_file() and not (folder / item.name).exists():
-                shutil.copy(item, folder / item.name)
+        _copy_tokenizer(source, folder)
         results[name] = _read_twice(folder, args, peer)
         del hf, peer
     return results
@@ -167,7 +182,7 @@ def main() -> None:
     p.add_argument("--b1-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", action="store_true",
-                   help="also write FP8 and int4 checkpoints of the model and compare our "
+                   help="also write FP8, int4 and int8 checkpoints of the model and compare our "
                         "perplexity on them with transformers'")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()

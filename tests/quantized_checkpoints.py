@@ -63,7 +63,8 @@ def write_fp8_checkpoint(source: Path, target: Path,
 # compressed-tensors presets by the strategy the tests name them after.
 COMPRESSED_TENSORS_PRESETS = {"tensor": "FP8", "channel": "FP8_DYNAMIC", "block": "FP8_BLOCK",
                               "int4": "W4A16", "int4-asym": "W4A16_ASYM",
-                              "int4-channel": "W4A16", "int4-actorder": "W4A16"}
+                              "int4-channel": "W4A16", "int4-actorder": "W4A16",
+                              "int8": "W8A16", "int8-asym": "W8A16", "w8a8": "W8A8"}
 
 
 def write_compressed_tensors(source: Path, target: Path, strategy: str,
@@ -71,13 +72,15 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
                              group_size: int = 32) -> dict[str, torch.Tensor]:
     """`source` quantized by the compressed-tensors library itself, as llm-compressor saves it,
     every decoder Linear but the LM head: FP8 weights with per-`strategy` ("tensor", "channel"
-    or "block") scales in `weight_scale`, or int4 weights packed in int32 ("int4": symmetric,
-    groups of `group_size` columns; "int4-asym": with zero points; "int4-actorder": as "int4",
-    the config saying GPTQ ran in "static" activation order; "int4-channel": one scale per
-    row), scales computed from each tile's range by the library's own `calculate_qparams`; the
-    config's `quantization_config` written by its compressor. Weight-only: the FP8 preset's
-    static activation scales would make transformers quantize activations too, which ksana-llm
-    does not (it drops `input_scale`).
+    or "block") scales in `weight_scale`, or int4 / int8 weights packed in int32 ("int4" /
+    "int8": symmetric, groups of `group_size` columns; "-asym": with zero points;
+    "int4-actorder": as "int4", the config saying GPTQ ran in "static" activation order;
+    "int4-channel": one scale per row), or "w8a8": int8 weights unpacked ("int-quantized"),
+    one scale per row, with the preset's dynamic per-token int8 activations in the config;
+    scales computed from each tile's range by the library's own `calculate_qparams`; the
+    config's `quantization_config` written by its compressor. Otherwise weight-only: the FP8
+    preset's static activation scales would make transformers quantize activations too, which
+    ksana-llm does not (it drops `input_scale`).
 
     Returns the numbers the checkpoint holds, as the library computes them (its
     `fake_quantize` with the same scales and zero points), by weight name: the reference
@@ -92,13 +95,15 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     scheme = preset_name_to_scheme(COMPRESSED_TENSORS_PRESETS[strategy], ["Linear"])
-    scheme.input_activations = None
+    if strategy != "w8a8":
+        scheme.input_activations = None
     if strategy == "block":
         scheme.weights.block_structure = list(block_size)
     elif strategy == "int4-channel":
         scheme.weights.strategy, scheme.weights.group_size = "channel", None
-    elif strategy.startswith("int4"):
+    elif strategy.startswith("int"):
         scheme.weights.group_size = group_size
+        scheme.weights.symmetric = not strategy.endswith("-asym")
         if strategy == "int4-actorder":  # GPTQ's "static" order: the plain format on disk
             scheme.weights.actorder = "static"
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
@@ -112,7 +117,7 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
             rows, cols = weight.shape
             if strategy == "tensor":
                 low, high = weight.amin().reshape(1), weight.amax().reshape(1)
-            elif strategy in ("channel", "int4-channel"):
+            elif strategy in ("channel", "int4-channel", "w8a8"):
                 low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
             elif strategy == "block":
                 tiles = weight.reshape(rows // block_size[0], block_size[0],
@@ -181,7 +186,9 @@ def check_engine_matches(model, reference, prompts: list[list[int]]) -> None:
     torch.testing.assert_close(logits, reference(prompts[1]), atol=2e-4, rtol=1e-4)
 
 
-def assert_projections_fp8(module: torch.nn.Module) -> None:
+def assert_projections_quantized(module: torch.nn.Module, dtype: torch.dtype = FP8_WEIGHT_DTYPE
+                                 ) -> None:
+    """Every quantized projection holds `dtype` values (MLA's kv_b_proj: dense)."""
     projections = [name for name, p in module.named_parameters()
                    if QUANTIZED.match(name.replace("qkv_proj", "q_proj")
                                       .replace("gate_up_proj", "gate_proj")
@@ -191,16 +198,18 @@ def assert_projections_fp8(module: torch.nn.Module) -> None:
         if "kv_b_proj" in name:  # MLA multiplies by views of it: kept dense
             assert module.get_parameter(name).dtype == torch.float32, name
         else:
-            assert module.get_parameter(name).dtype == FP8_WEIGHT_DTYPE, name
+            assert module.get_parameter(name).dtype == dtype, name
 
 
-def assert_experts_fp8(module: torch.nn.Module) -> int:
-    """Every MoE expert stack holds FP8 values with one scale per row and group; how many."""
+def assert_experts_quantized(module: torch.nn.Module, dtype: torch.dtype = FP8_WEIGHT_DTYPE
+                             ) -> int:
+    """Every MoE expert stack holds `dtype` values with one scale per row and group; how
+    many."""
     from ksana_llm.layers.moe import FusedExperts
 
     stacks = [m for m in module.modules() if isinstance(m, FusedExperts)]
     for experts in stacks:
-        assert experts.w13.dtype == FP8_WEIGHT_DTYPE and experts.w2.dtype == FP8_WEIGHT_DTYPE
+        assert experts.w13.dtype == dtype and experts.w2.dtype == dtype
         assert experts.w13_scale.shape[:2] == experts.w13.shape[:2]
         assert experts.w2_scale.shape[:2] == experts.w2.shape[:2]
     return len(stacks)

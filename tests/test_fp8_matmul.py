@@ -1,6 +1,7 @@
-"""The Triton FP8-weight matmul (W8A16) against its torch reference: block, per-row and
-per-tensor scales, ragged shapes, bias; in the interpreter on CPU (fp32, fp16), natively with
-bf16 too on a GPU (benchmarks/gpu/run.sh tests).
+"""The Triton 8-bit-weight matmul (W8A16) against its torch reference: FP8 weights with block,
+per-row and per-tensor scales, int8 codes (integer checkpoints) with group scales, ragged
+shapes, bias; in the interpreter on CPU (fp32, fp16), natively with bf16 too on a GPU
+(benchmarks/gpu/run.sh tests).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ if not ON_GPU:
 
 from ksana_llm.kernels.reference import fp8_linear_ref  # noqa: E402
 from ksana_llm.loader.weight_quant import quantize_fp8  # noqa: E402
-from ksana_llm.loader.fp8_weights import (fp8_weight_from_checkpoint,  # noqa: E402
-                                          quantize_fp8_rows)
+from ksana_llm.loader.fp8_weights import (QuantizedWeight,  # noqa: E402
+                                          quantize_fp8_rows, quantized_weight_from_checkpoint)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -33,6 +34,8 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16:
     (17, 48, 80, (16, 32)),    # K ends inside a group
     (33, 40, 64, "row"),       # per-row scales (online quantization)
     (3, 32, 48, None),         # one scale per tensor
+    (6, 40, 96, "int8-g32"),   # int8 codes in groups of 32 (GPTQ / AWQ / compressed-tensors)
+    (18, 24, 72, "int8-g48"),  # K ends inside a group; codes across int8's whole range
 ])
 def test_fp8_matmul_kernel_matches_reference(dtype, rows, n, k, layout):
     from ksana_llm.kernels import fp8_linear
@@ -41,9 +44,13 @@ def test_fp8_matmul_kernel_matches_reference(dtype, rows, n, k, layout):
     weight = torch.randn(n, k)
     if layout == "row":
         fp8 = quantize_fp8_rows(weight)
+    elif isinstance(layout, str):  # int8 codes: the whole range, group scales
+        group = int(layout.removeprefix("int8-g"))
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        fp8 = QuantizedWeight(codes, torch.rand(n, -(-k // group)) / 64, group)
     else:
         data, scale = quantize_fp8(weight, layout)
-        fp8 = fp8_weight_from_checkpoint(data, scale, layout, "w")
+        fp8 = quantized_weight_from_checkpoint(data, scale, layout, "w")
     fp8 = fp8.to(DEVICE)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     bias = torch.randn(n, device=DEVICE).to(dtype)

@@ -25,13 +25,13 @@ from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.loader.weight_quant import FP8_MAX, quantize_fp8
 from ksana_llm.layers.linear import MergedLinear
-from ksana_llm.loader.fp8_weights import (Fp8Weight, QuantizedCheckpoint,
-                                          fp8_weight_from_checkpoint, paired_weights,
+from ksana_llm.loader.fp8_weights import (QuantizedWeight, QuantizedCheckpoint,
+                                          quantized_weight_from_checkpoint, paired_weights,
                                           quantize_fp8_rows)
 from ksana_llm.loader.quantized import checkpoint_quantization
 from tests.family_harness import (check_prefill_and_decode, greedy_trace, hf_reference,
                                   memoized)
-from tests.quantized_checkpoints import (assert_experts_fp8, assert_projections_fp8,
+from tests.quantized_checkpoints import (assert_experts_quantized, assert_projections_quantized,
                                          block_dequantize, fake_quantize_rows, fake_quantized)
 from tests.tiny_models import build_tiny_model
 
@@ -65,7 +65,7 @@ def test_cpu_widening_is_exact_for_every_e4m3_value():
     """The CPU dequantization moves E4M3 bytes into float16 fields (torch's own E4M3 widening is
     ~6x slower there): every finite E4M3 value, subnormals and both zeros included, comes out
     exactly as torch's cast."""
-    from ksana_llm.loader.weight_quant import E4M3_AS_HALF_FACTOR, dequantize_fp8, e4m3_as_half
+    from ksana_llm.loader.weight_quant import E4M3_AS_HALF_FACTOR, dequantize_weight, e4m3_as_half
 
     every = torch.arange(256, dtype=torch.uint8).view(FP8)
     exact = every.float()
@@ -76,14 +76,14 @@ def test_cpu_widening_is_exact_for_every_e4m3_value():
     assert torch.equal(widened[finite].signbit(), exact[finite].signbit())  # -0.0 stays -0.0
     data = every[finite].reshape(2, 127)
     scale = torch.tensor([[0.5], [3.0]])
-    assert torch.equal(dequantize_fp8(data, scale, 127), data.float() * scale)
+    assert torch.equal(dequantize_weight(data, scale, 127), data.float() * scale)
 
 
 def test_checkpoint_block_scales_expand_to_rows():
     torch.manual_seed(1)
     weight = torch.randn(40, 56)  # 40 = 2.5 blocks of 16 rows, 56 = 3.5 blocks of 16 columns
     data, scale = quantize_fp8(weight, (16, 16))
-    fp8 = fp8_weight_from_checkpoint(data, scale, (16, 16), "w")
+    fp8 = quantized_weight_from_checkpoint(data, scale, (16, 16), "w")
     assert fp8.scale.shape == (40, 4) and fp8.group_size == 16
     expected = block_dequantize(data, scale, (16, 16))
     torch.testing.assert_close(fp8.dequantize(), expected, atol=0, rtol=0)
@@ -96,14 +96,14 @@ def test_checkpoint_block_scales_expand_to_rows():
     with pytest.raises(ValueError, match="split its scale blocks of 16 columns"):
         fp8.columns(8, 16)
     with pytest.raises(ValueError, match=r"expected \(3, 4\)"):
-        fp8_weight_from_checkpoint(data, scale[:2], (16, 16), "w")
+        quantized_weight_from_checkpoint(data, scale[:2], (16, 16), "w")
     # One scale per tensor (vLLM's `weight_scale`) or per row: any columns.
-    per_tensor = fp8_weight_from_checkpoint(data, torch.tensor(0.5), None, "w")
+    per_tensor = quantized_weight_from_checkpoint(data, torch.tensor(0.5), None, "w")
     torch.testing.assert_close(per_tensor.columns(3, 7).dequantize(), data[:, 3:10].float() / 2)
-    per_row = fp8_weight_from_checkpoint(data, torch.arange(40.0).reshape(40, 1), None, "w")
+    per_row = quantized_weight_from_checkpoint(data, torch.arange(40.0).reshape(40, 1), None, "w")
     torch.testing.assert_close(per_row.dequantize(), data.float() * torch.arange(40.0)[:, None])
     with pytest.raises(ValueError, match="need quantization_config.weight_block_size"):
-        fp8_weight_from_checkpoint(data, scale, None, "w")
+        quantized_weight_from_checkpoint(data, scale, None, "w")
 
 
 def test_checkpoint_pairs_weights_with_scales_in_any_order():
@@ -114,11 +114,13 @@ def test_checkpoint_pairs_weights_with_scales_in_any_order():
               ("b.weight", data), ("norm.weight", torch.ones(16))]
     paired = dict(paired_weights(stream, fmt))
     assert list(paired) == ["a.weight", "b.weight", "norm.weight"]
-    assert isinstance(paired["a.weight"], Fp8Weight) and isinstance(paired["b.weight"], Fp8Weight)
+    assert isinstance(paired["a.weight"], QuantizedWeight)
+    assert isinstance(paired["b.weight"], QuantizedWeight)
     assert isinstance(paired["norm.weight"], torch.Tensor)
-    with pytest.raises(ValueError, match=r"FP8 weights without a weight_scale_inv: \['c'\]"):
+    with pytest.raises(ValueError, match=r"quantized weights without a weight_scale_inv / "
+                                         r"weight_scale: \['c'\]"):
         list(paired_weights([("c.weight", data)], fmt))
-    with pytest.raises(ValueError, match=r"weight scales without an FP8 weight: \['d'\]"):
+    with pytest.raises(ValueError, match=r"weight scales without a quantized weight: \['d'\]"):
         list(paired_weights([("d.weight_scale_inv", scale)], fmt))
 
 
@@ -134,8 +136,14 @@ def test_quantization_configs_other_than_fp8_are_refused_by_name(tmp_path):
         Config.quantization_config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
         checkpoint_quantization(Config())
     Config.quantization_config["config_groups"]["group_0"]["weights"].update(
-        num_bits=8, actorder=None)
-    with pytest.raises(ValueError, match="format 'pack-quantized' with 8-bit int weights"):
+        num_bits=2, actorder=None)
+    with pytest.raises(ValueError, match="format 'pack-quantized' with 2-bit int weights"):
+        checkpoint_quantization(Config())
+    Config.quantization_config = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                  "config_groups": {"group_0": {"weights": {
+                                      "num_bits": 8, "type": "int", "strategy": "channel",
+                                      "symmetric": False}}}}
+    with pytest.raises(ValueError, match="int8 with strategy 'channel' and symmetric False"):
         checkpoint_quantization(Config())
     Config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128]}
     with pytest.raises(ValueError, match="weight_block_size must be two positive integers"):
@@ -161,13 +169,43 @@ def test_fused_projection_with_mixed_parts_stays_dense():
         layer = MergedLinear(16, [8, 24])
         for index, tensor in order:
             layer.load_shard(layer.weight, tensor, index)
-        assert layer.weight.dtype == torch.float32 and not layer.is_fp8
+        assert layer.weight.dtype == torch.float32 and not layer.is_quantized
         torch.testing.assert_close(layer.weight[:8], dense_part, atol=0, rtol=0)
         torch.testing.assert_close(layer.weight[8:], fp8_part.dequantize(), atol=0, rtol=0)
     both = MergedLinear(16, [8, 24])
     both.load_shard(both.weight, quantize_fp8_rows(dense_part), 0)
     both.load_shard(both.weight, fp8_part, 1)
     assert both.weight.dtype == FP8 and both.weight_scale.shape == (32, 1)
+    # FP8 values and int8 codes in one fused weight: both dequantized, not reinterpreted
+    codes = QuantizedWeight(torch.randint(-128, 128, (8, 16), dtype=torch.int8),
+                            torch.rand(8, 1), 16)
+    for order in ([(0, codes), (1, fp8_part)], [(1, fp8_part), (0, codes)]):
+        mixed = MergedLinear(16, [8, 24])
+        for index, tensor in order:
+            mixed.load_shard(mixed.weight, tensor, index)
+        assert mixed.weight.dtype == torch.float32 and not mixed.is_quantized
+        torch.testing.assert_close(mixed.weight[:8], codes.dequantize(), atol=0, rtol=0)
+        torch.testing.assert_close(mixed.weight[8:], fp8_part.dequantize(), atol=0, rtol=0)
+
+
+
+def test_experts_with_fp8_and_int8_weights_stay_dense():
+    """MoE experts whose checkpoint mixes FP8 values and int8 codes (or quantized and dense
+    experts): every expert of that stack dequantized, in either order, numbers unchanged."""
+    from ksana_llm.layers.moe import FusedExperts
+
+    torch.manual_seed(3)
+    codes = QuantizedWeight(torch.randint(-128, 128, (16, 8), dtype=torch.int8),
+                            torch.rand(16, 1), 8)
+    fp8 = quantize_fp8_rows(torch.randn(16, 8))
+    for first, second in ((codes, fp8), (fp8, codes)):
+        experts = FusedExperts(2, 8, 16)
+        experts.load_checkpoint_tensor("0.gate_proj.weight", first)
+        assert experts.w13.dtype == first.data.dtype  # quantized until they disagree
+        experts.load_checkpoint_tensor("1.gate_proj.weight", second)
+        assert experts.w13.dtype == torch.float32 and experts.w13_scale is None
+        torch.testing.assert_close(experts.w13[0, :16], first.dequantize(), atol=0, rtol=0)
+        torch.testing.assert_close(experts.w13[1, :16], second.dequantize(), atol=0, rtol=0)
 
 
 # ---- online quantization -----------------------------------------------------------------
@@ -187,7 +225,7 @@ def test_online_fp8_quantizes_moe_experts_too(tmp_path):
     fake_quantized(hf)
     model = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
                                   quantization="fp8")
-    assert assert_experts_fp8(model.module) == 2
+    assert assert_experts_quantized(model.module) == 2
     check_prefill_and_decode(model.module, memoized(hf_reference(hf)), vocab=256,
                              chunks=[16, 16, 8])
 
@@ -197,7 +235,7 @@ def test_online_fp8_matches_per_row_fake_quantized_transformers(tmp_path):
     reference = memoized(hf_reference(hf))
     model = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
                                   quantization="fp8")
-    assert_projections_fp8(model.module)
+    assert_projections_quantized(model.module)
     assert model.module.model.embed_tokens.weight.dtype == torch.float32
     assert model.module.lm_head.weight.dtype == torch.float32
     for chunks in ([40], [16, 16, 8]):

@@ -1,7 +1,8 @@
 """GPTQ and AWQ checkpoints, written by AutoGPTQ and AutoAWQ, against transformers holding the
 weights those libraries dequantize from the same files: logits at prefill (whole and chunked),
 16 decode steps and a prefix hit in a mixed batch, 32 greedy Engine tokens, and over two gloo
-ranks. 4-bit weights in group order are FP8 in memory; 8-bit and activation-order ones dense.
+ranks. Weights in group order are int8 codes in memory (4-bit, and symmetric 8-bit);
+asymmetric 8-bit and activation-order ones dense.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ import ksana_llm as kt
 from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.loader import load_hf_config
-from ksana_llm.loader.fp8_weights import Fp8Weight
+from ksana_llm.loader.fp8_weights import QuantizedWeight
 from ksana_llm.loader.gptq_awq import PackedIntFormat, packed_int_weight, paired_packed_ints
 from ksana_llm.loader.quantized import checkpoint_quantization
 from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours
 from tests.gptq_awq_checkpoints import (gptq_dequantized, hold, library_modules, write_awq,
                                         write_gptq, write_gptq_from_files, write_held)
-from tests.quantized_checkpoints import assert_projections_fp8, check_engine_matches
+from tests.quantized_checkpoints import assert_projections_quantized, check_engine_matches
 from tests.tiny_models import build_tiny_model
 
-FP8 = torch.float8_e4m3fn
+INT8 = torch.int8
 
 GPTQ_CASES = {  # name: write_gptq settings
     "int4-g32-sym": dict(bits=4, group_size=32, sym=True),
@@ -32,21 +33,23 @@ GPTQ_CASES = {  # name: write_gptq settings
     "int4-channel": dict(bits=4, group_size=-1, sym=True),
     "int4-act-order": dict(bits=4, group_size=32, sym=False, desc_act=True),
     "int8-g32": dict(bits=8, group_size=32, sym=True),
+    "int8-g32-asym": dict(bits=8, group_size=32, sym=False),
 }
 
 
 @pytest.mark.parametrize("case", sorted(GPTQ_CASES))
 def test_gptq_checkpoint_matches_the_library(tmp_path, case):
-    """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points): 4-bit in group
-    order held as FP8 with the same numbers (group and per-channel scales, symmetric and
-    asymmetric); activation order and 8-bit codes loaded dequantized."""
+    """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points): in group order
+    held as int8 codes with the same numbers (4-bit with group and per-channel scales,
+    symmetric and asymmetric; symmetric 8-bit); activation order and asymmetric 8-bit codes
+    (up to 255 from their zero point) loaded dequantized."""
     settings = GPTQ_CASES[case]
     hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     held = write_gptq(hf, tmp_path / "full", tmp_path / "gptq", **settings)
     module = load_ours(tmp_path / "gptq")
     o_proj = module.model.layers[0].self_attn.o_proj
-    if settings["bits"] == 4 and not settings.get("desc_act"):
-        assert_projections_fp8(module)
+    if (settings["bits"] == 4 or settings["sym"]) and not settings.get("desc_act"):
+        assert_projections_quantized(module, INT8)
         assert o_proj.weight_scale.shape == ((64, 1) if settings["group_size"] == -1
                                              else (64, 4))  # 128 inputs / 32
     else:
@@ -55,11 +58,11 @@ def test_gptq_checkpoint_matches_the_library(tmp_path, case):
 
 
 def test_awq_checkpoint_matches_the_library(tmp_path):
-    """AutoAWQ's GEMM packing (interleaved order, zero points): FP8 with the same numbers."""
+    """AutoAWQ's GEMM packing (interleaved order, zero points): int8 with the same numbers."""
     hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     held = write_awq(hf, tmp_path / "full", tmp_path / "awq")
     module = load_ours(tmp_path / "awq")
-    assert_projections_fp8(module)
+    assert_projections_quantized(module, INT8)
     check_family(module, tmp_path / "awq", hf_reference(hold(hf, held)), vocab=256)
 
 
@@ -72,7 +75,7 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
     assert checkpoint_quantization(load_hf_config(tmp_path / "awq"),
                                    tmp_path / "awq") == PackedIntFormat("awq", 4, 32)
     module = load_ours(tmp_path / "awq")
-    assert_projections_fp8(module)
+    assert_projections_quantized(module, INT8)
     prompt = torch.randint(3, 256, (21,), generator=torch.Generator().manual_seed(2)).tolist()
     expected = greedy_trace(hf_reference(hold(hf, held)), prompt, 12)[0][len(prompt):]
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
@@ -92,13 +95,13 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
 
 
 def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
-    """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts stay FP8
+    """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts stay int8
     and the model gives the logits and tokens of transformers reading a full-precision copy
     that holds AutoGPTQ's dequantization. (The tiny Mixtral's 48-wide experts do not fit
     AutoGPTQ's packing, which needs outputs in multiples of 32.)"""
     from transformers import AutoModelForCausalLM
 
-    from tests.quantized_checkpoints import assert_experts_fp8
+    from tests.quantized_checkpoints import assert_experts_quantized
     from tests.test_family_moe import FAMILIES, _randomize
 
     torch.manual_seed(0)
@@ -110,7 +113,7 @@ def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(
         write_held(tmp_path / "full", tmp_path / "held", held), dtype=torch.float32).eval()
     module = load_ours(tmp_path / "gptq")
-    assert assert_experts_fp8(module) == 2
+    assert assert_experts_quantized(module, INT8) == 2
     check_family(module, tmp_path / "gptq", hf_reference(reference), vocab=256)
 
 
@@ -125,13 +128,15 @@ def _with_tensor(folder, name, value, target):
     return target
 
 
-@pytest.mark.parametrize("method", ["gptq-int4", "gptq-act-order", "awq"])
+@pytest.mark.parametrize("method", ["gptq-int4", "gptq-int8", "gptq-act-order", "awq"])
 def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
-    """Two gloo ranks, each with its rows / group-aligned input columns of the FP8-held
+    """Two gloo ranks, each with its rows / group-aligned input columns of the int8-held
     weights (or slices of the dequantized ones): transformers' greedy tokens and logits."""
     hf = build_tiny_model("llama2", tmp_path / "full")
     if method == "awq":
         held = write_awq(hf, tmp_path / "full", tmp_path / "q")
+    elif method == "gptq-int8":
+        held = write_gptq(hf, tmp_path / "full", tmp_path / "q", bits=8, sym=True)
     else:
         held = write_gptq(hf, tmp_path / "full", tmp_path / "q", sym=False,
                           desc_act=method == "gptq-act-order")
@@ -142,7 +147,7 @@ def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
                                   progress=False, tensor_parallel_size=2)
     down = model.module.model.layers[0].mlp.down_proj.weight
     assert down.shape == (64, 64)  # half of the 128 inputs each
-    assert down.dtype == (torch.float32 if method == "gptq-act-order" else FP8)
+    assert down.dtype == (torch.float32 if method == "gptq-act-order" else INT8)
     check_engine_matches(model, reference, prompts)
 
 
@@ -183,7 +188,7 @@ def test_gptq_codes_unpack_as_the_library_packs_them(bits):
         expected = gptq_dequantized(qlinear.QuantLinear, parts, bits, 16)
         fmt = PackedIntFormat("gptq", bits, 16, desc_act=True, zero_offset=1)
         ours = packed_int_weight(parts, fmt, "w")
-        if isinstance(ours, Fp8Weight):  # 4-bit in group order
+        if isinstance(ours, QuantizedWeight):  # in group order, codes fitting int8
             ours = ours.dequantize()
         torch.testing.assert_close(ours, expected, atol=0, rtol=0)
 
@@ -204,7 +209,7 @@ def test_awq_codes_unpack_as_the_library_packs_them():
                                        32).t()
     ours = packed_int_weight({"qweight": packed.qweight, "qzeros": packed.qzeros,
                               "scales": packed.scales}, PackedIntFormat("awq", 4, 32), "w")
-    assert ours.data.dtype == FP8
+    assert ours.data.dtype == INT8
     torch.testing.assert_close(ours.dequantize(), expected, atol=0, rtol=0)
     torch.testing.assert_close(ours.dequantize(), linear.weight.data, atol=0, rtol=0)
 

@@ -14,12 +14,13 @@ import ksana_llm as kt
 from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from tests.family_harness import check_family, hf_reference, load_ours
-from tests.quantized_checkpoints import (assert_experts_fp8, assert_projections_fp8,
+from tests.quantized_checkpoints import (assert_experts_quantized, assert_projections_quantized,
                                          check_engine_matches, deepseek_full, fake_quantized, hf_fp8_model,
                                          write_compressed_tensors, write_fp8_checkpoint)
 from tests.tiny_models import build_tiny_model
 
 FP8 = torch.float8_e4m3fn
+INT8 = torch.int8
 
 
 @pytest.mark.parametrize("block", [(16, 16), None], ids=["block16", "per-tensor"])
@@ -28,7 +29,7 @@ def test_fp8_llama_checkpoint_matches_transformers(tmp_path, block):
     folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", block)
     hf = hf_fp8_model(folder, block)
     module = load_ours(folder)
-    assert_projections_fp8(module)
+    assert_projections_quantized(module)
     check_family(module, folder, hf_reference(hf), vocab=256)
 
 
@@ -44,7 +45,7 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strate
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     module = load_ours(folder)
-    assert_projections_fp8(module)
+    assert_projections_quantized(module)
     scale = module.model.layers[0].self_attn.o_proj.weight_scale
     assert scale.shape == {"tensor": (64, 1), "channel": (64, 1), "block": (64, 8)}[strategy]
     check_family(module, folder, hf_reference(reference), vocab=256)
@@ -54,10 +55,10 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strate
 def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strategy):
     """llm-compressor's W4A16 checkpoints (`pack-quantized`: eight 4-bit codes per int32,
     group or channel scales, zero points when asymmetric), written by the compressed-tensors
-    library, held as FP8 with the same numbers: logits and greedy tokens equal transformers'
-    reading the checkpoint through the library -- or, for zero points, which transformers'
-    loader cannot read, transformers' model holding the numbers the library says the
-    checkpoint holds."""
+    library, held as int8 codes with the same numbers: logits and greedy tokens equal
+    transformers' reading the checkpoint through the library -- or, for zero points, which
+    transformers' loader cannot read, transformers' model holding the numbers the library says
+    the checkpoint holds."""
     from transformers import AutoModelForCausalLM
 
     full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
@@ -71,32 +72,71 @@ def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strat
     else:
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     module = load_ours(folder)
-    assert_projections_fp8(module)
+    assert_projections_quantized(module, INT8)
     scale = module.model.layers[0].self_attn.o_proj.weight_scale
     assert scale.shape == ((64, 1) if strategy == "int4-channel" else (64, 4))  # 128 / 32
     check_family(module, folder, hf_reference(reference), vocab=256)
 
 
-def test_int4_codes_unpack_as_the_library_packs_them():
-    """Every 4-bit value at every position of a word, and zero points packed along the rows,
-    come back as compressed-tensors' own pack_to_int32 put them in."""
+@pytest.mark.parametrize("strategy", ["int8", "int8-asym", "w8a8"])
+def test_compressed_tensors_int8_checkpoint_matches_the_library(tmp_path, strategy):
+    """llm-compressor's int8 checkpoints, written by the compressed-tensors library: W8A16
+    (`pack-quantized`, four 8-bit codes per int32, group scales; with zero points) and W8A8
+    (`int-quantized`: an int8 `weight`, one scale per row; its dynamic int8 activations not
+    done, the weights multiplying activations in the model's dtype). transformers cannot read
+    either on a CPU, so the reference is transformers' model holding the numbers the library
+    says the checkpoint holds. Symmetric codes stay int8 in memory; asymmetric ones, up to 255
+    from their zero point, load dequantized."""
+    full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    folder = tmp_path / "ct"
+    held = write_compressed_tensors(tmp_path / "full", folder, strategy)
+    with torch.no_grad():
+        for name, values in held.items():
+            full.get_parameter(name).copy_(values)
+    module = load_ours(folder)
+    o_proj = module.model.layers[0].self_attn.o_proj
+    if strategy == "int8-asym":
+        assert o_proj.weight.dtype == torch.float32
+    else:
+        assert_projections_quantized(module, INT8)
+        assert o_proj.weight_scale.shape == ((64, 1) if strategy == "w8a8" else (64, 4))
+    check_family(module, folder, hf_reference(full), vocab=256)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_int_codes_unpack_as_the_library_packs_them(bits):
+    """Every 4- / 8-bit value at every position of a word, and zero points packed along the
+    rows, come back as compressed-tensors' own pack_to_int32 put them in; symmetric codes are
+    held as int8, codes too far from their zero point (8-bit) dequantized."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from ksana_llm.loader.fp8_weights import int4_as_fp8, unpack_int4
+    from ksana_llm.loader.fp8_weights import QuantizedWeight, packed_int_weight, unpack_ints
 
     torch.manual_seed(6)
-    values = torch.randint(-8, 8, (5, 37), dtype=torch.int8)  # 37: the last word half full
-    packed = pack_to_int32(values, 4)
-    assert torch.equal(unpack_int4(packed, 37), values)
-    zero = torch.randint(-8, 8, (5, 2), dtype=torch.int8)
+    low, high = -(1 << (bits - 1)), 1 << (bits - 1)
+    values = torch.randint(low, high, (5, 37), dtype=torch.int8)  # 37: the last word partial
+    values[0, :2] = torch.tensor([low, high - 1])
+    packed = pack_to_int32(values, bits)
+    assert torch.equal(unpack_ints(packed, bits, 37), values.to(torch.int16))
+    zero = torch.randint(low, high, (5, 2), dtype=torch.int8)
     scale = torch.rand(5, 2)
-    weight = int4_as_fp8({"weight_packed": packed, "weight_scale": scale,
-                          "weight_shape": torch.tensor([5, 37]),
-                          "weight_zero_point": pack_to_int32(zero, 4, packed_dim=0)}, "w")
+    parts = {"weight_packed": packed, "weight_scale": scale,
+             "weight_shape": torch.tensor([5, 37])}
+    symmetric = packed_int_weight(parts, bits, "w")
+    assert isinstance(symmetric, QuantizedWeight) and symmetric.data.dtype == INT8
+    torch.testing.assert_close(symmetric.dequantize(),
+                               values.float() * scale.repeat_interleave(19, 1)[:, :37])
+    weight = packed_int_weight({**parts, "weight_zero_point": pack_to_int32(zero, bits,
+                                                                             packed_dim=0)},
+                               bits, "w")
     expected = (values.float() - zero.float().repeat_interleave(19, 1)[:, :37]) \
         * scale.repeat_interleave(19, 1)[:, :37]
-    assert weight.group_size == 19
-    torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
+    if bits == 4:
+        assert weight.group_size == 19
+        weight = weight.dequantize()
+    else:  # differences up to 255: not int8
+        assert isinstance(weight, torch.Tensor)
+    torch.testing.assert_close(weight, expected, atol=0, rtol=0)
 
 
 def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):
@@ -108,8 +148,8 @@ def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):
     # 8x8 blocks: transformers' CPU dequantization needs blocks that divide every dimension.
     folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (8, 8))
     module = load_ours(folder)
-    assert_projections_fp8(module)
-    assert assert_experts_fp8(module) == 2
+    assert_projections_quantized(module)
+    assert assert_experts_quantized(module) == 2
     check_family(module, folder, hf_reference(hf_fp8_model(folder, (8, 8))), vocab=VOCAB)
 
 
@@ -125,7 +165,7 @@ def test_fp8_moe_checkpoint_matches_transformers(tmp_path, family):
     full.save_pretrained(tmp_path / "full")
     folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
     module = load_ours(folder)
-    assert assert_experts_fp8(module) == 2
+    assert assert_experts_quantized(module) == 2
     check_family(module, folder, hf_reference(hf_fp8_model(folder, (16, 16))), vocab=256)
 
 
@@ -157,7 +197,7 @@ def test_fp8_under_tensor_parallelism(tmp_path, source):
     assert down.shape == ((64, 48) if source.startswith("deepseek") else (64, 64))  # 1/2 each
     if source.startswith("deepseek"):
         assert model.module.model.layers[1].mlp.experts.w2.shape == (8, 64, 16)
-        assert assert_experts_fp8(model.module) == 2
+        assert assert_experts_quantized(model.module) == 2
     check_engine_matches(model, reference, prompts)
 
 

@@ -30,7 +30,7 @@ import torch
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                 torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+                 torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
                  torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _OPTION_NAMES = ("num_warps", "num_stages")
 
@@ -211,14 +211,17 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     launches += rec
     with recording(fp8_matmul, "_fp8_linear_kernel") as rec:
         # A decode batch and a larger one through FP8 weights with 128x128 block scales (FP8
-        # checkpoints) and with per-row scales (online quantization).
+        # checkpoints) and with per-row scales (online quantization), and through int8 codes
+        # in groups of 128 (GPTQ / AWQ / compressed-tensors integer checkpoints).
         hidden = heads * head_dim
         weight = torch.empty(hidden, hidden, dtype=torch.float8_e4m3fn)
+        codes = torch.empty(hidden, hidden, dtype=torch.int8)
         for rows in (4, 48):
             x = torch.empty(rows, hidden, dtype=dtype)
             fp8_matmul.fp8_linear(x, weight, torch.empty(hidden, hidden // 128), 128)
             fp8_matmul.fp8_linear(x, weight, torch.empty(hidden, 1), hidden,
                                   torch.empty(hidden, dtype=dtype))
+            fp8_matmul.fp8_linear(x, codes, torch.empty(hidden, hidden // 128), 128)
     launches += rec
     return launches
 

@@ -1,7 +1,9 @@
-"""y = x @ (FP8 weight * scales)^T + bias in one launch: the weight is read as one byte per
-number and widened in registers, so a decode step reads half the bytes of a 16-bit weight.
+"""y = x @ (8-bit weight * scales)^T + bias in one launch (W8A16): the weight is read as one
+byte per number and widened in registers, so a decode step reads half the bytes of a 16-bit
+weight.
 
-The weight is [N, K] float8_e4m3fn with float32 scales [N, ceil(K / group_size)] (see
+The weight is [N, K] float8_e4m3fn (FP8 checkpoints, online quantization) or int8 (integer
+checkpoints' codes minus zero points) with float32 scales [N, ceil(K / group_size)] (see
 `loader.weight_quant`); x is [M, K] in fp16 / bf16 / fp32 and y comes out in x's dtype.
 With one scale per row the scale is applied to the accumulated dot (exact); with group scales
 each K tile lies in one group (BLOCK_K divides group_size), so the tile is scaled once before
@@ -15,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
-from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE
+from ksana_llm.loader.weight_quant import QUANTIZED_WEIGHT_DTYPES
 
 
 @triton.jit
@@ -68,9 +70,10 @@ def kernel_block_k(group_size: int, per_row: bool) -> int | None:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] times the FP8 weight [N, K] (scales [N, groups]) -> [..., N] in x's dtype."""
-    if weight.dtype != FP8_WEIGHT_DTYPE or weight.dim() != 2:
-        raise ValueError(f"weight: expected a 2-D {FP8_WEIGHT_DTYPE} tensor, "
+    """x [..., K] times the 8-bit weight [N, K] (scales [N, groups]) -> [..., N] in x's
+    dtype."""
+    if weight.dtype not in QUANTIZED_WEIGHT_DTYPES or weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D tensor of {QUANTIZED_WEIGHT_DTYPES}, "
                          f"got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
     if x.shape[-1] != k:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ksana_llm.kernels.kv_quant import from_cache, to_cache
-from ksana_llm.loader.weight_quant import dequantize_fp8
+from ksana_llm.loader.weight_quant import dequantize_weight
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -131,4 +131,5 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 weight dequantized to x's dtype (`loader.weight_quant`), then a plain linear."""
-    return torch.nn.functional.linear(x, dequantize_fp8(weight, scale, group_size, x.dtype), bias)
+    return torch.nn.functional.linear(x, dequantize_weight(weight, scale, group_size, x.dtype),
+                                      bias)

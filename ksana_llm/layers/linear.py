@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from ksana_llm.kernels.reference import fp8_linear_ref
-from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
+from ksana_llm.loader.weight_quant import dequantize_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.fp8_weights import Fp8Weight, quantize_fp8_rows
+from ksana_llm.loader.fp8_weights import QuantizedWeight, quantize_fp8_rows
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -101,13 +101,15 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     return fp8_linear_ref(x, weight, scale, group_size, bias)
 
 
-class Fp8Storage(nn.Module):
-    """What a projection needs to keep its weight as FP8 (see `loader.fp8_weights`): the weight
-    parameter turns FP8 when the first FP8 tensor arrives, with a `weight_scale` buffer of
+class QuantizedStorage(nn.Module):
+    """What a projection needs to keep its weight at one byte per number (see
+    `loader.fp8_weights`): the weight parameter turns FP8 (or int8, an integer checkpoint's
+    codes) when the first `QuantizedWeight` arrives, with a `weight_scale` buffer of
     [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
-    full-precision tensors per row as they arrive; `fp8_capable` False (a weight other code reads
-    as a dense matrix, MLA's absorbed `kv_b_proj`) takes FP8 tensors dequantized. Weights stay
-    as they load: a module built for bf16 whose checkpoint is FP8 never holds the bf16 copy."""
+    full-precision tensors to FP8 per row as they arrive; `quantized_capable` False (a weight
+    other code reads as a dense matrix, MLA's absorbed `kv_b_proj`) takes quantized tensors
+    dequantized. Weights stay as they load: a module built for bf16 whose checkpoint is
+    quantized never holds the bf16 copy."""
 
     weight: nn.Parameter
 
@@ -116,7 +118,7 @@ class Fp8Storage(nn.Module):
         self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None, persistent=False)
         self.weight_group_size = 0
-        self.fp8_capable = True
+        self.quantized_capable = True
         self.quantize_on_load = False
         self._has_dense_rows = False
         self._dense_dtype = torch.float32
@@ -124,37 +126,39 @@ class Fp8Storage(nn.Module):
         self._fp8_kernel: Callable[..., torch.Tensor] | bool | None = None
 
     @property
-    def is_fp8(self) -> bool:
+    def is_quantized(self) -> bool:
         return self.weight_scale is not None
 
-    def incoming(self, tensor: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
+    def incoming(self, tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
         """A checkpoint tensor in the form this module stores: FP8 (switching storage on the
         first one) or dense. A fused projection whose parts disagree (one part FP8, another
         not, or other scale blocks) keeps every part dense rather than mixing them."""
-        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.fp8_capable:
+        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             tensor = quantize_fp8_rows(tensor)
-        if isinstance(tensor, Fp8Weight):
-            if self.fp8_capable and not self._has_dense_rows and self._store_fp8(tensor):
+        if isinstance(tensor, QuantizedWeight):
+            if self.quantized_capable and not self._has_dense_rows \
+                    and self._store_quantized(tensor):
                 return tensor
             tensor = tensor.dequantize()
         self._store_dense()
         return tensor
 
-    def _store_fp8(self, tensor: Fp8Weight) -> bool:
-        """Switch the weight to FP8 storage for `tensor`'s scale layout; False when the weight
-        already holds FP8 rows of another layout."""
-        num_groups, group_size = tensor.scale.shape[1], tensor.group_size
-        if self.is_fp8:
-            return (num_groups, group_size) == (self.weight_scale.shape[1], self.weight_group_size)
+    def _store_quantized(self, tensor: QuantizedWeight) -> bool:
+        """Switch the weight to 8-bit storage (FP8 or int8, as `tensor` holds) for `tensor`'s
+        scale layout; False when the weight already holds rows of another kind or layout."""
+        layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size)
+        if self.is_quantized:
+            return layout == (self.weight.dtype, self.weight_scale.shape[1],
+                              self.weight_group_size)
         rows, device = self.weight.shape[0], self.weight.device
         self._dense_dtype = self.weight.dtype
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_WEIGHT_DTYPE,
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=tensor.data.dtype,
                                                device=device), requires_grad=False)
         # A buffer, not a parameter: the checkpoint's `weight_scale_inv` arrives inside the
-        # weight's Fp8Weight, so the loader expects no tensor of this name.
-        self.register_buffer("weight_scale", torch.ones(rows, num_groups, device=device),
+        # weight's QuantizedWeight, so the loader expects no tensor of this name.
+        self.register_buffer("weight_scale", torch.ones(rows, layout[1], device=device),
                              persistent=False)
-        self.weight_group_size = group_size
+        self.weight_group_size = tensor.group_size
         return True
 
     def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -167,17 +171,17 @@ class Fp8Storage(nn.Module):
     def _store_dense(self) -> None:
         """Dense rows are coming: rows already stored as FP8 are dequantized first."""
         self._has_dense_rows = True
-        if self.is_fp8:
-            dense_weight = dequantize_fp8(self.weight.data, self.weight_scale,
+        if self.is_quantized:
+            dense_weight = dequantize_weight(self.weight.data, self.weight_scale,
                                           self.weight_group_size, self._dense_dtype)
             self.weight = nn.Parameter(dense_weight, requires_grad=False)
             self.weight_scale = None
             self.weight_group_size = 0
 
-    def copy_rows(self, offset: int, tensor: torch.Tensor | Fp8Weight) -> None:
+    def copy_rows(self, offset: int, tensor: torch.Tensor | QuantizedWeight) -> None:
         """Fill rows [offset, offset + rows) of the weight (and its scales)."""
         rows = tensor.shape[0]
-        if isinstance(tensor, Fp8Weight):
+        if isinstance(tensor, QuantizedWeight):
             self.weight.data[offset:offset + rows].copy_(tensor.data)
             self.weight_scale[offset:offset + rows].copy_(tensor.scale)
         else:
@@ -192,7 +196,7 @@ class Fp8Storage(nn.Module):
         return nn.functional.linear(x, self.weight, bias)
 
 
-class MergedLinear(Fp8Storage):
+class MergedLinear(QuantizedStorage):
     """One matmul for several projections stacked along the output dim (QKV, gate/up).
 
     Checkpoints store the parts separately; `load_shard` copies part `index` into its rows. Under
@@ -224,7 +228,7 @@ class MergedLinear(Fp8Storage):
         y = self.project(x, self.bias, self._packed)
         return y if lora is None else lora.add_delta(self.lora_name, x, y)
 
-    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor | Fp8Weight, index: int
+    def load_shard(self, param: nn.Parameter, tensor: torch.Tensor | QuantizedWeight, index: int
                    ) -> None:
         if tensor.shape[0] != self.full_sizes[index]:
             raise ValueError(f"shard {index} has {tensor.shape[0]} rows, "
@@ -234,6 +238,6 @@ class MergedLinear(Fp8Storage):
         if param is not self.weight:  # the bias
             param.data[offset:offset + size].copy_(tensor[first:first + size])
             return
-        local = tensor.rows(first, size) if isinstance(tensor, Fp8Weight) \
+        local = tensor.rows(first, size) if isinstance(tensor, QuantizedWeight) \
             else tensor[first:first + size]
         self.copy_rows(offset, self.incoming(local))

@@ -148,7 +148,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = heads_of(d.kv_lora_rank, d.qk_nope_head_dim + d.v_head_dim)
         # Decode multiplies by views of this weight (W_UK, W_UV): it must stay a dense matrix.
-        self.kv_b_proj.fp8_capable = False
+        self.kv_b_proj.quantized_capable = False
         self.o_proj = RowParallelLinear(full.num_heads * d.v_head_dim, hidden, bias=bias,
                                         ctx=parallel)
         _, scaling = rope_settings(config)

@@ -24,9 +24,9 @@ from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, dequantize_fp8
+from ksana_llm.loader.weight_quant import dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
-from ksana_llm.loader.fp8_weights import Fp8Weight, dense, quantize_fp8_rows
+from ksana_llm.loader.fp8_weights import QuantizedWeight, dense, quantize_fp8_rows
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
 
 
@@ -138,13 +138,15 @@ class FusedExperts(nn.Module):
     intermediate columns; the output is then a partial sum that the enclosing `SparseMoeBlock`
     all-reduces once.
 
-    FP8 experts (an FP8 checkpoint's, or `quantize_on_load` for online quantization) stay FP8:
-    `w13` / `w2` hold the FP8 values and `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups]
-    their float32 row-and-group scales (see `loader.fp8_weights`); each active expert's matmul
-    takes its FP8 weight as the projections do. Experts whose checkpoint tensors disagree (some
-    FP8, some not, or other scale blocks) are all kept dense."""
+    Quantized experts (an FP8 checkpoint's, `quantize_on_load` for online quantization, or an
+    integer checkpoint's int8 codes) stay so: `w13` / `w2` hold the 8-bit values and
+    `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
+    (see `loader.fp8_weights`); each active expert's matmul takes its 8-bit weight as the
+    projections do. Experts whose checkpoint tensors disagree (some quantized, some not, FP8
+    and int8, or other scale blocks) are all kept dense."""
 
-    takes_fp8_weights = True  # the weight loader hands it FP8 checkpoint weights as they are
+    # The weight loader hands it quantized checkpoint weights as they are.
+    takes_quantized_weights = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str = "silu", *, parallel: ParallelContext = SINGLE) -> None:
@@ -163,7 +165,7 @@ class FusedExperts(nn.Module):
         self.register_buffer("w13_scale", None, persistent=False)
         self.register_buffer("w2_scale", None, persistent=False)
         self.group_sizes = {"w13": 0, "w2": 0}
-        self.fp8_capable = True
+        self.quantized_capable = True
         self.quantize_on_load = False
         self._has_dense = {"w13": False, "w2": False}
         self._dense_dtype = torch.float32
@@ -205,7 +207,7 @@ class FusedExperts(nn.Module):
     def expected_checkpoint_keys(self) -> list[str]:
         return [f"{e}.{part}" for e in range(self.num_experts) for part in ("gate", "up", "down")]
 
-    def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor | Fp8Weight
+    def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor | QuantizedWeight
                                ) -> list[str]:
         """One per-expert tensor (`3.w1.weight`, `3.down_proj.weight`, ...) or a stacked one
         (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`); returns the keys it filled."""
@@ -235,7 +237,7 @@ class FusedExperts(nn.Module):
         part = "down" if kind in ("w2", "down_proj") else ("gate", "up")[_PART[kind]]
         return self._load_expert(expert, part, tensor, local_name)
 
-    def _load_expert(self, expert: int, part: str, tensor: torch.Tensor | Fp8Weight,
+    def _load_expert(self, expert: int, part: str, tensor: torch.Tensor | QuantizedWeight,
                      name: str) -> list[str]:
         """Expert `expert`'s `part` (gate / up: [I, H]; down: [H, I]), full or this rank's
         slice, into w13 / w2."""
@@ -243,12 +245,12 @@ class FusedExperts(nn.Module):
         full = self.full_intermediate_size
         if part == "down":
             if tensor.shape[-1] == full and size != full:  # this rank's input columns
-                tensor = tensor.columns(first, size) if isinstance(tensor, Fp8Weight) \
+                tensor = tensor.columns(first, size) if isinstance(tensor, QuantizedWeight) \
                     else tensor[:, first:first + size]
             target, rows = "w2", slice(0, self.w2.shape[1])
         else:
             if tensor.shape[0] == full and size != full:  # this rank's rows
-                tensor = tensor.rows(first, size) if isinstance(tensor, Fp8Weight) \
+                tensor = tensor.rows(first, size) if isinstance(tensor, QuantizedWeight) \
                     else tensor[first:first + size]
             index = 0 if part == "gate" else 1
             target, rows = "w13", slice(index * size, (index + 1) * size)
@@ -257,44 +259,47 @@ class FusedExperts(nn.Module):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {expected}")
         tensor = self._incoming(target, tensor)
-        if isinstance(tensor, Fp8Weight):
+        if isinstance(tensor, QuantizedWeight):
             getattr(self, target).data[expert, rows].copy_(tensor.data)
             getattr(self, f"{target}_scale")[expert, rows].copy_(tensor.scale)
         else:
             getattr(self, target).data[expert, rows].copy_(tensor)
         return [f"{expert}.{part}"]
 
-    def _incoming(self, target: str, tensor: torch.Tensor | Fp8Weight
-                  ) -> torch.Tensor | Fp8Weight:
-        """`tensor` in the form `target` stores: FP8 (switching storage on the first one), or
-        dense, dequantizing every FP8 expert already stored when the tensors disagree."""
-        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.fp8_capable:
+    def _incoming(self, target: str, tensor: torch.Tensor | QuantizedWeight
+                  ) -> torch.Tensor | QuantizedWeight:
+        """`tensor` in the form `target` stores: 8-bit (switching storage on the first one), or
+        dense, dequantizing every quantized expert already stored when the tensors disagree
+        (FP8 and int8 ones, or other scale layouts)."""
+        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             tensor = quantize_fp8_rows(tensor)
         scale = getattr(self, f"{target}_scale")
-        if isinstance(tensor, Fp8Weight) and self.fp8_capable and not self._has_dense[target]:
-            layout = (tensor.scale.shape[1], tensor.group_size)
+        if isinstance(tensor, QuantizedWeight) and self.quantized_capable \
+                and not self._has_dense[target]:
+            layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size)
             if scale is None:
-                self._store_fp8(target, *layout)
+                self._store_quantized(target, *layout)
                 return tensor
-            if layout == (scale.shape[2], self.group_sizes[target]):
+            if layout == (getattr(self, target).dtype, scale.shape[2], self.group_sizes[target]):
                 return tensor
-        if isinstance(tensor, Fp8Weight):
+        if isinstance(tensor, QuantizedWeight):
             tensor = tensor.dequantize()
         self._has_dense[target] = True
-        if scale is not None:  # rows stored as FP8 so far become dense
+        if scale is not None:  # rows stored quantized so far become dense
             weight = getattr(self, target).data
             dense_weight = torch.stack([
-                dequantize_fp8(weight[e], scale[e], self.group_sizes[target], self._dense_dtype)
+                dequantize_weight(weight[e], scale[e], self.group_sizes[target], self._dense_dtype)
                 for e in range(self.num_experts)])
             setattr(self, target, nn.Parameter(dense_weight, requires_grad=False))
             setattr(self, f"{target}_scale", None)
         return tensor
 
-    def _store_fp8(self, target: str, num_groups: int, group_size: int) -> None:
+    def _store_quantized(self, target: str, dtype: torch.dtype, num_groups: int,
+                         group_size: int) -> None:
         param = getattr(self, target)
         self._dense_dtype = param.dtype
         setattr(self, target, nn.Parameter(
-            torch.empty(param.shape, dtype=FP8_WEIGHT_DTYPE, device=param.device),
+            torch.empty(param.shape, dtype=dtype, device=param.device),
             requires_grad=False))
         self.register_buffer(f"{target}_scale", torch.ones(*param.shape[:2], num_groups,
                                                            device=param.device),

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext, balanced_split
-from ksana_llm.layers.linear import Fp8Storage, prepack_cpu_weight
+from ksana_llm.layers.linear import QuantizedStorage, prepack_cpu_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.fp8_weights import Fp8Weight, dense, quantize_fp8_rows
+from ksana_llm.loader.fp8_weights import QuantizedWeight, dense, quantize_fp8_rows
 
 SINGLE = ParallelContext()
 
@@ -64,10 +64,10 @@ def check_heads_divisible(num_heads: int, ctx: ParallelContext) -> None:
                          f"{num_heads} attention heads")
 
 
-class RowParallelLinear(Fp8Storage):
+class RowParallelLinear(QuantizedStorage):
     """y = sum over ranks of x_r @ W_r^T, + bias: the input features are split."""
 
-    takes_fp8_weights = True  # the weight loader hands it FP8 checkpoint weights as they are
+    takes_quantized_weights = True  # the weight loader hands it quantized weights as they are
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  ctx: ParallelContext = SINGLE, reduce_output: bool = True) -> None:
@@ -101,7 +101,8 @@ class RowParallelLinear(Fp8Storage):
     def expected_checkpoint_keys(self) -> list[str]:
         return ["weight"] if self.bias is None else ["weight", "bias"]
 
-    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | Fp8Weight) -> list[str]:
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight
+                               ) -> list[str]:
         if name == "bias" and self.bias is not None:
             self.bias.data.copy_(dense(tensor))
             return ["bias"]
@@ -111,11 +112,11 @@ class RowParallelLinear(Fp8Storage):
         if tensor.shape != (self.weight.shape[0], self.in_features):
             raise ValueError(f"weight: shape {tuple(tensor.shape)} does not fit "
                              f"{tuple(self.weight.shape)} on TP rank {self.ctx.tp_rank}")
-        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.fp8_capable:
+        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             # Whole rows, then this rank's columns: every rank has the scales a single rank
             # would, so the numbers do not depend on the split.
             tensor = quantize_fp8_rows(tensor)
-        local = tensor.columns(self.in_start, local_in) if isinstance(tensor, Fp8Weight) \
+        local = tensor.columns(self.in_start, local_in) if isinstance(tensor, QuantizedWeight) \
             else tensor[:, self.in_start:self.in_start + local_in]
         self.copy_rows(0, self.incoming(local))
         return ["weight"]

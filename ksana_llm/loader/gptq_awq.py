@@ -16,11 +16,12 @@ outputs, `bits`-bit codes, groups of `group_size` inputs:
   0, 2, 4, 6, 1, 3, 5, 7 (the word's n-th nibble holds output `AWQ_PACK_ORDER[n]`); `scales`
   [groups, out]; groups always `i // group_size`; weight = scale * (code - zero).
 
-A 4-bit weight in group order becomes an `Fp8Weight` holding exactly its numbers: code minus
-zero point is an integer in [-16, 15], which E4M3 holds exactly, and the group scales become the
-FP8 group scales, so every FP8 path (tensor parallel slicing, MoE experts, the Triton W8A16
-matmul) serves it. 8-bit codes (up to 255 apart from their zero point) and activation-order
-groups do not fit that record: those weights load dequantized to the model's dtype.
+A weight in group order becomes a `QuantizedWeight` holding exactly its numbers: codes minus
+zero points as int8 (4-bit ones lie in [-16, 15]; symmetric 8-bit ones, zero point 128, in
+[-128, 127]) with the group scales, so every quantized path (tensor parallel slicing, MoE
+experts, the Triton W8A16 matmul) serves it at one byte per weight. Asymmetric 8-bit codes (up
+to 255 from their zero point) and activation-order groups do not fit that record: those weights
+load dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ksana_llm.loader.fp8_weights import Fp8Weight
-from ksana_llm.loader.weight_quant import FP8_WEIGHT_DTYPE, unpack_words
+from ksana_llm.loader.fp8_weights import QuantizedWeight, integer_weight
+from ksana_llm.loader.weight_quant import unpack_words
 
 
 # The n-th 4-bit field of an AWQ word holds output column AWQ_PACK_ORDER[n] of its 8.
@@ -86,11 +87,6 @@ class PackedIntFormat:
             return cls("awq", bits, group_size)
         raise ValueError(f"{where}.quant_method {method!r} is not a GPTQ or AWQ method")
 
-    @property
-    def exact_in_fp8(self) -> bool:
-        """4-bit codes minus their zero points are integers E4M3 holds exactly."""
-        return self.bits == 4
-
 
 def side_config(model_dir: str | Path) -> dict[str, Any] | None:
     """The GPTQ / AWQ settings of a checkpoint that keeps them beside config.json (older
@@ -108,7 +104,7 @@ PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def paired_packed_ints(weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedIntFormat
-                       ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The checkpoint's tensors with each packed weight's parts joined, as soon as all have
     come, into one weight under `<name>.weight` (see `packed_int_weight`); everything else as it
     is. `g_idx` is awaited only in activation order: otherwise it must be the plain grouping,
@@ -137,9 +133,10 @@ def paired_packed_ints(weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedI
 
 
 def packed_int_weight(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str
-                      ) -> torch.Tensor | Fp8Weight:
-    """One GPTQ / AWQ weight as [out, in] numbers: an `Fp8Weight` holding them exactly (4-bit
-    codes, groups in order), else float32 values (8-bit codes, activation order)."""
+                      ) -> torch.Tensor | QuantizedWeight:
+    """One GPTQ / AWQ weight as [out, in] numbers: held exactly as int8 codes minus zero points
+    with group scales when its groups are in order and the codes fit (`integer_weight`), else
+    float32 values (activation order)."""
     codes, zeros = _gptq_codes(parts, fmt) if fmt.method == "gptq" else _awq_codes(parts, fmt)
     out_features, in_features = codes.shape
     scales = parts["scales"].to(torch.float32)
@@ -161,12 +158,12 @@ def packed_int_weight(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name
         group_of_input = g_idx.to(torch.long)
     in_order = torch.equal(group_of_input, _plain_groups(in_features, group_size))
     zeros = zeros.to(torch.int16) + fmt.zero_offset
-    if fmt.exact_in_fp8 and in_order:
+    if in_order:
         values = codes.to(torch.int16) - zeros.t().repeat_interleave(group_size, dim=1)[
             :, :in_features]
-        return Fp8Weight(values.to(FP8_WEIGHT_DTYPE), scales.t().contiguous(), group_size)
-    # Activation order or 8-bit codes: each input's own group, in float32 (exact: an fp16
-    # scale times an integer below 512).
+        return integer_weight(values, scales.t(), group_size)
+    # Activation order: each input's own group, in float32 (exact: an fp16 scale times an
+    # integer below 512).
     values = codes.to(torch.float32) - zeros.t()[:, group_of_input].to(torch.float32)
     return values * scales.t()[:, group_of_input]
 

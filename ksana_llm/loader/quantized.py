@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ksana_llm.loader.fp8_weights import Fp8Weight, QuantizedCheckpoint, paired_weights
+from ksana_llm.loader.fp8_weights import QuantizedWeight, QuantizedCheckpoint, paired_weights
 from ksana_llm.loader.gptq_awq import PackedIntFormat, paired_packed_ints, side_config
 
 logger = logging.getLogger(__name__)
@@ -39,10 +39,7 @@ def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
         return None
     if quantization.get("quant_method") in ("gptq", "awq"):
         fmt = PackedIntFormat.from_quantization(quantization)
-        if not fmt.exact_in_fp8:
-            logger.info("%d-bit %s weights load dequantized to the model's dtype (only 4-bit "
-                        "codes are held as FP8)", fmt.bits, fmt.method.upper())
-        elif fmt.desc_act:
+        if fmt.desc_act:
             logger.info("GPTQ weights in activation order (desc_act): those whose g_idx takes "
                         "inputs out of group order load dequantized to the model's dtype")
         return fmt
@@ -50,7 +47,7 @@ def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
 
 
 def paired_quantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: CheckpointQuantization
-                     ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The checkpoint's tensors with each quantized weight's parts joined into one weight."""
     if isinstance(fmt, PackedIntFormat):
         return paired_packed_ints(weights, fmt)

@@ -1,9 +1,11 @@
-"""FP8 weights as numbers: quantizing a weight to FP8 values with float32 scales, and back
-(torch only, no triton; the loader, the layers and the Triton FP8 matmul share these).
+"""Quantized weights as numbers: quantizing a weight to FP8 values with float32 scales, and back
+(torch only, no triton; the loader, the layers and the Triton W8A16 matmul share these).
 
-A weight is `data * scale`: `data` in float8_e4m3fn, each scale covering a tile of it (a
-checkpoint's [128, 128] blocks, or one row of `group_size` columns in memory). A tile's largest
-magnitude maps to E4M3's largest finite value, 448.
+A weight is `data * scale`: `data` one byte per number, each scale covering a tile of it (a
+checkpoint's [128, 128] blocks, or one row of `group_size` columns in memory). `data` is
+float8_e4m3fn for FP8 checkpoints and online quantization (a tile's largest magnitude maps to
+E4M3's largest finite value, 448), or int8 for integer checkpoints (GPTQ, AWQ,
+compressed-tensors int4 / int8), whose codes minus zero points it holds exactly.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import torch
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_WEIGHT_DTYPE).max  # 448
+INT_WEIGHT_DTYPE = torch.int8
+# What a quantized weight's `data` may be: FP8 values or integer codes (see the module's doc).
+QUANTIZED_WEIGHT_DTYPES = (FP8_WEIGHT_DTYPE, INT_WEIGHT_DTYPE)
 
 
 # E4M3 value / E4M3_AS_HALF_FACTOR is what `e4m3_as_half` returns.
@@ -30,9 +35,10 @@ def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
     return ((bits & 0x80) << 8 | (bits & 0x7F) << 7).view(torch.float16)
 
 
-def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, group_size: int,
+def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 values times their group scales (computed in float32, then cast once to `dtype`)."""
+    """8-bit values (FP8 or int8) times their group scales (computed in float32, then cast
+    once to `dtype`)."""
     rows, cols = data.shape
     if data.device.type == "cpu" and data.dtype == FP8_WEIGHT_DTYPE:
         weight = e4m3_as_half(data).to(torch.float32)

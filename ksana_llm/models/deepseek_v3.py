@@ -130,7 +130,7 @@ class _LoadIfPresent(nn.Module):
     target is held outside the module tree meanwhile, so its own custom loaders (MoE experts)
     are not required when it is absent."""
 
-    takes_fp8_weights = True  # passed on to place_tensor, which knows where FP8 may go
+    takes_quantized_weights = True  # passed on to place_tensor, which knows where FP8 may go
 
     def __init__(self, target: nn.Module, fused_parts: Mapping[str, tuple[str, int]]) -> None:
         super().__init__()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.layers.linear import Fp8Storage
+from ksana_llm.layers.linear import QuantizedStorage
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
 from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
@@ -80,7 +80,7 @@ def quantize_projections_on_load(module: nn.Module) -> int:
     them per row as they load (embeddings, norms, the LM head and routers stay as they are);
     how many modules."""
     projections = [m for m in module.modules()
-                   if isinstance(m, (Fp8Storage, FusedExperts)) and m.fp8_capable]
+                   if isinstance(m, (QuantizedStorage, FusedExperts)) and m.quantized_capable]
     for projection in projections:
         projection.quantize_on_load = True
     return len(projections)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.linear import MergedLinear
-from ksana_llm.loader.fp8_weights import Fp8Weight, dense
+from ksana_llm.loader.fp8_weights import QuantizedWeight, dense
 
 
 def _custom_loaders(model: nn.Module) -> dict[str, nn.Module]:
@@ -52,7 +52,7 @@ def expected_keys(model: nn.Module) -> set[str]:
     return keys
 
 
-def _spare_zero_bias(name: str, tensor: torch.Tensor | Fp8Weight) -> bool:
+def _spare_zero_bias(name: str, tensor: torch.Tensor | QuantizedWeight) -> bool:
     """An all-zero bias, which may come for a projection that has none: AutoGPTQ's older
     checkpoints store one for every quantized projection, bias-free ones included (adding zeros
     is a no-op, so it needs no place)."""
@@ -60,12 +60,12 @@ def _spare_zero_bias(name: str, tensor: torch.Tensor | Fp8Weight) -> bool:
         and not tensor.any()
 
 
-def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight,
+def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | QuantizedWeight,
                  fused_parts: Mapping[str, tuple[str, int]],
                  loaders: Mapping[str, nn.Module] | None = None) -> list[str]:
-    """Put one checkpoint tensor where it belongs in `model`; the keys it filled. An FP8 weight
-    (`Fp8Weight`) goes as it is to the projections, which keep it FP8, and dequantized anywhere
-    else."""
+    """Put one checkpoint tensor where it belongs in `model`; the keys it filled. A quantized
+    weight (`QuantizedWeight`) goes as it is to the projections, which keep it quantized, and
+    dequantized anywhere else."""
     loaders = _custom_loaders(model) if loaders is None else loaders
     prefix = _owner(name, loaders)
     if prefix is not None:
@@ -73,7 +73,7 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight,
         local = name[len(prefix) + 1:]
         if _spare_zero_bias(local, tensor) and local not in loader.expected_checkpoint_keys():
             return []
-        if not getattr(loader, "takes_fp8_weights", False):
+        if not getattr(loader, "takes_quantized_weights", False):
             tensor = dense(tensor)
         filled = loader.load_checkpoint_tensor(local, tensor)
         return [f"{prefix}.{key}" for key in filled]
@@ -98,7 +98,7 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight,
         if tensor.shape[0] != sum(owner.full_sizes):
             raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(owner.full_sizes)} "
                              f"(parts {owner.full_sizes})")
-        pieces = tensor.split_rows(owner.full_sizes) if isinstance(tensor, Fp8Weight) \
+        pieces = tensor.split_rows(owner.full_sizes) if isinstance(tensor, QuantizedWeight) \
             else tensor.split(owner.full_sizes, dim=0)
         for index, piece in enumerate(pieces):
             owner.load_shard(param, piece, index)
