@@ -270,6 +270,7 @@ def test_waiting_timeout_fails_only_the_expired_request(model):
         with pytest.raises(kt.api.outputs.RequestError) as info:
             waiting.result(timeout=60)
         assert isinstance(info.value.__cause__, kt.QueueTimeoutError)
+        assert "waited over 300 ms (waiting_timeout_ms)" in str(info.value.__cause__)
         assert len(running.result(timeout=60).token_ids) == 40
         assert engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
         assert engine.stats().num_free_kv_blocks == 64

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 import ksana_llm as kt
 from ksana_llm.api.outputs import RequestError
@@ -72,3 +73,44 @@ def test_max_cpu_loras_must_hold_every_slot():
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= the LoRA slots \(2"):
         kt.EngineConfig(max_loras=2, max_cpu_loras=1)
     assert kt.EngineConfig(max_loras=2, max_cpu_loras=2).max_cpu_loras == 2
+
+
+def test_failed_adapter_requests_end_in_a_step_that_reads_a_grammar_row_back(
+        default_model, default_model_dir, tmp_path):
+    """Async scheduling with structured output: while a grammar request runs, every step reads
+    the step in flight back before sampling (its grammar masks the next token). The step that
+    finds an adapter unreadable is such a step; the failed requests' outputs made before that
+    read-back still reach them (they fail, not hang), and the grammar request gets the tokens it
+    gets alone."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.lora_adapters import write_adapter_files
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    for seed, name in enumerate(("gone", "kept")):
+        write_adapter_files(hf, tmp_path / name, seed=seed, targets=["q_proj", "v_proj"], rank=4)
+    del hf
+    prompt = default_model.tokenizer.encode("Count to ten:")
+    # Digits are single tokens: 24 steps of grammar, never done before max_new_tokens.
+    digits = GenerationConfig(max_new_tokens=24, ignore_eos=True,
+                              structured_output={"kind": "regex", "value": "[0-9]{200}"})
+    with kt.Engine(default_model, generation_config=GenerationConfig(max_new_tokens=4,
+                                                                     ignore_eos=True),
+                   block_token_num=16, num_device_blocks=64, max_loras=1, max_cpu_loras=1,
+                   lora_modules={name: str(tmp_path / name) for name in ("gone", "kept")},
+                   async_scheduling=True, overlap_output_processing=True) as engine:
+        alone = engine.submit(kt.Request(prompt, digits)).result(timeout=120).token_ids
+        assert len(alone) == 24
+        for name in ("gone", "kept"):  # "gone"'s host copy is dropped for "kept"'s
+            engine.submit(kt.Request(prompt, lora=name)).result(timeout=120)
+        shutil.rmtree(tmp_path / "gone")
+        # "gone" waits for the slot "kept" holds (4 steps), then fails while digits run on.
+        kept, grammar, gone = (engine.submit(kt.Request(prompt, config, lora=lora))
+                               for config, lora in ((None, "kept"), (digits, None),
+                                                    (None, "gone")))
+        with pytest.raises(RequestError, match="could not be read again"):
+            gone.result(timeout=120)
+        assert not grammar.output.finished  # it failed in a step that read a grammar row back
+        assert grammar.result(timeout=120).token_ids == alone
+        assert len(kept.result(timeout=120).token_ids) == 4
+        assert not engine.failure

@@ -28,10 +28,9 @@ from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
-from ksana_llm.engine.core import TIMEOUT_STOP_REASON
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import Sequence
-from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
+from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.kv_transfer import KvLayout
 
@@ -336,15 +335,9 @@ class Engine(LoraControl, ChatMixin):
         handle = self._handles.get(out.request_id)
         if handle is None:
             return
-        if out.finished and out.stop_reason == TIMEOUT_STOP_REASON and not out.new_token_ids:
-            del self._handles[out.request_id]
-            handle.fail(QueueTimeoutError(
-                f"request {out.request_id} waited over {self.config.waiting_timeout_ms} ms "
-                "(waiting_timeout_ms) without being scheduled"), batch)
-            return
         if out.finished and out.error is not None:
             del self._handles[out.request_id]
-            handle.fail(ValueError(out.error), batch)
+            handle.fail(out.error, batch)
             return
         handle.deliver(out, now, self._postprocess(handle) if out.finished else None, batch)
         if out.finished:

@@ -45,8 +45,8 @@ from ksana_llm.engine.request import (
     SequenceStatus,
 )
 from ksana_llm.engine.sampling_steps import SamplingSteps
-from ksana_llm.engine.scheduler import (ScheduledSequence, Scheduler, SchedulerConfig,
-                                        SchedulerOutput)
+from ksana_llm.engine.scheduler import (QueueTimeoutError, ScheduledSequence, Scheduler,
+                                        SchedulerConfig, SchedulerOutput)
 from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
 from ksana_llm.runner.sampler import Sampler, make_generator
@@ -197,7 +197,10 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         than `timeout_s` without ever being scheduled."""
         outputs = []
         for seq in self.scheduler.expire_waiting(time.monotonic() - timeout_s):
-            outputs.extend(self._abort_group(seq.group, TIMEOUT_STOP_REASON))
+            error = QueueTimeoutError(
+                f"request {seq.request_id} waited over {timeout_s * 1e3:g} ms "
+                "(waiting_timeout_ms) without being scheduled")
+            outputs.extend(self._abort_group(seq.group, TIMEOUT_STOP_REASON, error=error))
         return outputs
 
     def step(self, early: Callable[[list[StepOutput]], None] | None = None) -> list[StepOutput]:
@@ -288,12 +291,12 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         copy (read again from its folder if max_cpu_loras dropped it). An adapter whose folder
         can no longer be read leaves the plan with its slot and its newly admitted requests;
         they and its waiting requests fail naming it, and the rest of the step runs."""
-        failed: dict[int, str] = {}
+        failed: dict[int, ValueError] = {}
         for _, lora_id in plan.lora_loads:
             try:
                 self.runner.prepare_lora(lora_id)
             except ValueError as exc:
-                failed[lora_id] = f"lora: {exc}"
+                failed[lora_id] = ValueError(f"lora: {exc}")
         if not failed:
             return []
         plan.lora_loads = [load for load in plan.lora_loads if load[1] not in failed]

@@ -144,9 +144,9 @@ class OutputSteps:
         return outputs
 
     def _abort_group(self, group: SequenceGroup, stop_reason: str | None,
-                     error: str | None = None) -> list[StepOutput]:
+                     error: Exception | None = None) -> list[StepOutput]:
         """Finish every live sequence of the request with finish_reason "abort" (and `error`:
-        why it could not be served)."""
+        why it could not be served, which the request fails with)."""
         del self.groups[group.request_id]
         outputs = []
         live = list(group.seqs)

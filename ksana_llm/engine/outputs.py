@@ -48,9 +48,10 @@ class StepOutput:
     exported_kv: Any = None
     # Prompt tokens whose KV came from the prefix cache (set once its prompt was scheduled).
     num_cached_tokens: int | None = None
-    # Set on the outputs of a request the engine could not serve (finish_reason "abort"): why.
-    # The request fails with it as a ValueError; the engine goes on with the others.
-    error: str | None = None
+    # Set on the outputs of a request the engine could not serve (finish_reason "abort"): why,
+    # as the exception the request fails with (a QueueTimeoutError for a queue timeout, a
+    # ValueError for an adapter that cannot be read); the engine goes on with the others.
+    error: Exception | None = None
 
 
 @dataclass(slots=True)
