@@ -330,9 +330,10 @@ FP8_MATMUL_ROWS = (1, 8, 32, 64, 128, 256)
 
 
 def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> dict[str, Any]:
-    """The Triton FP8 matmul (128-column block scales, or per-row scales) against bf16 cuBLAS
-    on the same shape and against the dequantize-then-matmul path the engine takes for larger
-    batches. GB/s counts the weight bytes each reads once."""
+    """The Triton 8-bit matmul (FP8 with 128-column block scales or per-row scales; int8 codes
+    with 128-column group scales, as GPTQ / AWQ / compressed-tensors checkpoints load) against
+    bf16 cuBLAS on the same shape and against the dequantize-then-matmul path the engine takes
+    for larger batches. GB/s counts the weight bytes each reads once."""
     from ksana_llm.kernels.fp8_matmul import fp8_linear
     from ksana_llm.kernels.reference import fp8_linear_ref
     from ksana_llm.loader.weight_quant import quantize_fp8
@@ -341,6 +342,10 @@ def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> 
     if layout == "block128":
         data, block_scale = quantize_fp8(weight, (128, 128))
         scale = block_scale.repeat_interleave(128, 0)[:n].contiguous()
+        group = 128
+    elif layout == "int8-g128":  # 4-bit codes minus zero points, as a GPTQ int4 weight holds
+        data = torch.randint(-8, 8, (n, k), device="cuda", dtype=torch.int8)
+        scale = torch.rand(n, k // 128, device="cuda") * 0.005
         group = 128
     else:
         data, scale = quantize_fp8(weight, (1, k))
@@ -363,12 +368,12 @@ def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> 
 def stage_fp8_matmul(out_dir: Path) -> int:
     require_cuda()
     rows_out = []
-    for layout in ("block128", "per-row"):
+    for layout in ("block128", "per-row", "int8-g128"):
         for name, n, k in FP8_MATMUL_SHAPES:
             for rows in FP8_MATMUL_ROWS:
                 row = bench_fp8_matmul_case(name, n, k, rows, layout)
                 rows_out.append(row)
-                print(f"fp8 {name:18s} {layout:8s} m={rows:3d} triton "
+                print(f"w8 {name:18s} {layout:9s} m={rows:3d} triton "
                       f"{row['triton']['ms'] * 1e3:8.1f} us {row['triton_weight_gbps']:6.0f} GB/s"
                       f" | bf16 {row['bf16_cublas']['ms'] * 1e3:8.1f} us x"
                       f"{row['speedup_vs_bf16']:.2f} | dequant x{row['speedup_vs_dequant']:.2f}"
