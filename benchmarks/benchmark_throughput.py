@@ -19,26 +19,34 @@ input, output and total token throughput; latency; and with `--stream` TTFT, ITL
 chunks carrying new tokens, over all requests) and TPOT = (latency - TTFT) / (output tokens - 1),
 each as mean, median and the `--percentiles`. `--output_csv` writes one row per request.
 
-The parsing and statistics are pure functions (`SSEDecoder`, `NulChunkDecoder`, `summarize`,
-`percentile`, `arrival_offsets`, ...) so they are unit-tested without a server.
+The parsing (`benchmarks/stream_decoding.py`) and the statistics and files
+(`benchmarks/client_results.py`) are pure functions, unit-tested without a server.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import math
 import random
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.client_results import (RequestResult, arrival_offsets,  # noqa: E402
+                                       format_summary, read_prompts, summarize,
+                                       write_output_csv, write_perf_csv)
+from benchmarks.stream_decoding import (NulChunkDecoder, SSEDecoder,  # noqa: E402
+                                        ksana_chunk_state, openai_chunk_text)
 
 DONE = "[DONE]"
 
@@ -70,254 +78,6 @@ class BenchConfig:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-
-# ---- per-request record ------------------------------------------------------------------------
-
-@dataclass
-class RequestResult:
-    """What one request did. Times are `time.perf_counter()` seconds."""
-
-    index: int
-    prompt: str
-    start: float = 0.0
-    end: float = 0.0
-    output: str = ""
-    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with new tokens
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def latency(self) -> float:
-        return self.end - self.start
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.start if self.chunk_times else None
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or not self.output_tokens or self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-
-# ---- stream decoders (pure) --------------------------------------------------------------------
-
-class SSEDecoder:
-    """Incremental Server-Sent-Events decoder: bytes in, complete event `data` payloads out.
-
-    Network reads split events anywhere, so partial lines are buffered. Multi-line `data:` fields
-    of one event are joined with a newline, as the SSE spec says; comments and other fields are
-    ignored.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._data: list[str] = []
-
-    def feed(self, chunk: bytes) -> list[str]:
-        self._buffer += chunk
-        events: list[str] = []
-        while True:
-            newline = self._buffer.find(b"\n")
-            if newline < 0:
-                return events
-            line = self._buffer[:newline].rstrip(b"\r").decode("utf-8")
-            self._buffer = self._buffer[newline + 1:]
-            if not line:
-                if self._data:
-                    events.append("\n".join(self._data))
-                    self._data = []
-            elif line.startswith("data:"):
-                self._data.append(line[5:].removeprefix(" "))
-
-    def flush(self) -> list[str]:
-        """Events left when the stream closed without a final blank line."""
-        events = self.feed(b"\n\n") if (self._buffer or self._data) else []
-        self._buffer = b""
-        return events
-
-
-class NulChunkDecoder:
-    """KsanaLLM's native stream: JSON objects each followed by a NUL byte."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
-        self._buffer += chunk
-        *complete, self._buffer = self._buffer.split(b"\0")
-        return [json.loads(piece) for piece in complete if piece.strip()]
-
-    def flush(self) -> list[dict[str, Any]]:
-        rest, self._buffer = self._buffer, b""
-        return [json.loads(rest)] if rest.strip() else []
-
-
-def openai_chunk_text(event: dict[str, Any]) -> str:
-    """Text carried by one OpenAI stream chunk (completions `text` or chat `delta.content`)."""
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if "text" in choice:
-        return choice.get("text") or ""
-    return (choice.get("delta") or {}).get("content") or ""
-
-
-def first_sequence(value: Any) -> Any:
-    """KsanaLLM returns one entry per sequence (`texts`, `output_token_ids`): take the first."""
-    if isinstance(value, list) and value and isinstance(value[0], (list, str)):
-        return value[0]
-    return value
-
-
-def ksana_chunk_state(chunk: dict[str, Any]) -> tuple[str, int, int | None]:
-    """(text so far, output tokens so far, input tokens or None) of a cumulative /generate chunk."""
-    text = first_sequence(chunk.get("texts") or [""])
-    tokens = first_sequence(chunk.get("output_token_ids") or [])
-    inputs = chunk.get("input_token_ids")
-    return (text if isinstance(text, str) else "", len(tokens) if isinstance(tokens, list) else 0,
-            len(inputs) if isinstance(inputs, list) else None)
-
-
-# ---- statistics (pure) -------------------------------------------------------------------------
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-def _fmt_p(p: float) -> str:
-    return f"{p:g}"
-
-
-def _spread(name: str, values: Sequence[float], percentiles: Iterable[float]) -> dict[str, float]:
-    row = {f"Avg {name}": mean(values), f"Median {name}": percentile(values, 50)}
-    row.update({f"P{_fmt_p(p)} {name}": percentile(values, p) for p in percentiles})
-    return row
-
-
-def summarize(results: Sequence[RequestResult], duration: float, *, request_rate: float,
-              concurrency: int | None, percentiles: Sequence[float], stream: bool
-              ) -> dict[str, float]:
-    """The perf row: KsanaLLM's columns first (same names), then our additions.
-
-    Failed requests are counted but left out of every other figure. Token throughputs use the
-    whole run's wall time, so they are what a user of the server would see.
-    """
-    ok = [r for r in results if r.ok]
-    # A count the server did not report stays unknown (NaN average), rather than reading as 0.
-    known_in = [r.input_tokens for r in ok if r.input_tokens is not None]
-    known_out = [r.output_tokens for r in ok if r.output_tokens is not None]
-    in_tokens, out_tokens = sum(known_in), sum(known_out)
-    latencies = [r.latency for r in ok]
-    per_second = (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
-    row: dict[str, float] = {
-        "Request rate": request_rate,
-        "Concurrency": float(concurrency) if concurrency else math.inf,
-        "Total latency": duration,
-        "Request throughput": per_second(len(ok)),
-        "Avg latency": mean(latencies),
-        "Avg input chars": mean([len(r.prompt) for r in ok]),
-        "Avg output chars": mean([len(r.output) for r in ok]),
-        "Avg input tokens": mean(known_in),
-        "Avg output tokens": mean(known_out),
-        "Token throughput": per_second(in_tokens + out_tokens),
-    }
-    row.update({f"P{_fmt_p(p)} latency": percentile(latencies, p) for p in percentiles})
-    if stream:
-        row.update(_spread("TTFT", [r.ttft for r in ok if r.ttft is not None], percentiles))
-        row.update(_spread("ITL", [gap for r in ok for gap in r.itls], percentiles))
-        row.update(_spread("TPOT", [r.tpot for r in ok if r.tpot is not None], percentiles))
-    row.update({
-        "Input token throughput": per_second(in_tokens),
-        "Output token throughput": per_second(out_tokens),
-        "Median latency": percentile(latencies, 50),
-        "Successful requests": float(len(ok)),
-        "Failed requests": float(len(results) - len(ok)),
-    })
-    return row
-
-
-def arrival_offsets(n: int, rate: float, rng: random.Random) -> list[float]:
-    """Start times (seconds from t0) of n requests: a Poisson process of `rate` req/s, or all at
-    0 when the rate is infinite. Exponential gaps are what a Poisson process has."""
-    if n <= 0:
-        return []
-    if math.isinf(rate):
-        return [0.0] * n
-    offsets, t = [], 0.0
-    for _ in range(n):
-        offsets.append(t)
-        t += rng.expovariate(rate)
-    return offsets
-
-
-# ---- input and output files --------------------------------------------------------------------
-
-def read_prompts(path: str | Path, col_idx: int = 0, prompt_num: int = 0) -> list[str]:
-    """Prompts from column `col_idx` of a CSV with a header row. `prompt_num` 0 = all; more than
-    the file holds cycles through it, so a small file can drive a long run."""
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.reader(f))[1:]
-    prompts = []
-    for line, row in enumerate(rows, start=2):
-        if col_idx >= len(row):
-            raise ValueError(f"{path}:{line}: no column {col_idx} (the row has {len(row)})")
-        if row[col_idx].strip():
-            prompts.append(row[col_idx])
-    if not prompts:
-        raise ValueError(f"{path}: no prompts in column {col_idx}")
-    if prompt_num > 0:
-        prompts = [prompts[i % len(prompts)] for i in range(prompt_num)]
-    return prompts
-
-
-OUTPUT_COLUMNS = ("index", "output", "prompt", "input_tokens", "output_tokens", "latency_s",
-                  "ttft_s", "error")
-
-
-def write_output_csv(path: str | Path, results: Sequence[RequestResult]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(OUTPUT_COLUMNS)
-        for r in sorted(results, key=lambda r: r.index):
-            writer.writerow([r.index, r.output, r.prompt, r.input_tokens, r.output_tokens,
-                             f"{r.latency:.5f}", "" if r.ttft is None else f"{r.ttft:.5f}",
-                             r.error or ""])
-
-
-def write_perf_csv(path: str | Path, row: dict[str, float]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(row.keys())
-        writer.writerow([f"{v:.5f}" for v in row.values()])
-
-
-def format_summary(row: dict[str, float]) -> str:
-    width = max(len(k) for k in row)
-    return "\n".join(f"{k:<{width}} : {v:.5f}" for k, v in row.items())
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -582,10 +342,7 @@ def random_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int
 
     from ksana_llm.loader import resolve_model_dir
 
-    try:  # run as `python benchmarks/benchmark_throughput.py`: its folder is on sys.path
-        from offline_throughput import allowed_token_ids, build_workload
-    except ImportError:  # imported as benchmarks.benchmark_throughput
-        from benchmarks.offline_throughput import allowed_token_ids, build_workload
+    from benchmarks.offline_throughput import allowed_token_ids, build_workload
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.tokenizer))
     allowed = allowed_token_ids(tokenizer, len(tokenizer))

@@ -12,10 +12,12 @@ import random
 import httpx
 import pytest
 
-from benchmarks.benchmark_throughput import (
-    BenchConfig, NulChunkDecoder, RequestResult, SSEDecoder, arrival_offsets, build_parser,
-    build_request, config_from_args, ksana_chunk_state, main, openai_chunk_text, percentile,
-    read_prompts, run_benchmark, summarize, write_perf_csv)
+from benchmarks.benchmark_throughput import (BenchConfig, build_parser, build_request,
+                                             config_from_args, main, run_benchmark)
+from benchmarks.client_results import (RequestResult, arrival_offsets, percentile, read_prompts,
+                                       summarize, write_perf_csv)
+from benchmarks.stream_decoding import (NulChunkDecoder, SSEDecoder, ksana_chunk_state,
+                                        openai_chunk_text)
 
 
 # ---- decoders ------------------------------------------------------------------------------------
