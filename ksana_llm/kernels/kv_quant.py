@@ -18,6 +18,8 @@ from types import MappingProxyType
 
 import torch
 
+from ksana_llm.loader.weight_quant import E4M3_AS_HALF_FACTOR, e4m3_as_half
+
 # User-facing names -> storage types. "fp8" is vLLM's name for E4M3.
 FP8_KV_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     "fp8": torch.float8_e4m3fn,
@@ -60,6 +62,12 @@ def from_cache(entries: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
     """Cache entries as `dtype` values (a plain cast unless they are FP8)."""
     if not is_fp8(entries.dtype):
         return entries.to(dtype)
+    if entries.dtype == torch.float8_e4m3fn and entries.device.type == "cpu":
+        # torch widens E4M3 ~6x slower than E5M2 on a CPU; its bytes moved into float16's
+        # fields are the same values / 256, exactly (entries are clamped, never NaN), and one
+        # multiply by a power of two times the scale rounds as `value * scale` does.
+        values = e4m3_as_half(entries).to(dtype)  # a new tensor: safe to scale in place
+        return values.mul_(scale * E4M3_AS_HALF_FACTOR)
     values = entries.to(dtype)  # a new tensor (the types differ): safe to scale in place
     return values.mul_(scale) if scale != 1.0 else values
 

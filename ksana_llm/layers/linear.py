@@ -173,7 +173,7 @@ class QuantizedStorage(nn.Module):
         self._has_dense_rows = True
         if self.is_quantized:
             dense_weight = dequantize_weight(self.weight.data, self.weight_scale,
-                                          self.weight_group_size, self._dense_dtype)
+                                             self.weight_group_size, self._dense_dtype)
             self.weight = nn.Parameter(dense_weight, requires_grad=False)
             self.weight_scale = None
             self.weight_group_size = 0

@@ -74,7 +74,7 @@ class QuantizedWeight:
 
     def rows(self, start: int, count: int) -> QuantizedWeight:
         return QuantizedWeight(self.data[start:start + count], self.scale[start:start + count],
-                         self.group_size)
+                               self.group_size)
 
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -88,12 +88,13 @@ class QuantizedWeight:
             return QuantizedWeight(self.data[:, start:start + count], self.scale, max(count, 1))
         end = start + count
         if start % self.group_size or (end % self.group_size and end != cols):
-            raise ValueError(f"columns [{start}, {end}) of an FP8 weight split its scale blocks "
-                             f"of {self.group_size} columns: choose a tensor_parallel_size that "
+            raise ValueError(f"columns [{start}, {end}) of a quantized weight split its scale "
+                             f"blocks of {self.group_size} columns: choose a tensor_parallel_size that "
                              "splits the input at block boundaries")
         first = start // self.group_size
         return QuantizedWeight(self.data[:, start:end],
-                         self.scale[:, first:math.ceil(end / self.group_size)], self.group_size)
+                               self.scale[:, first:math.ceil(end / self.group_size)],
+                               self.group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_weight(self.data, self.scale, self.group_size, dtype)
@@ -216,6 +217,9 @@ class QuantizedCheckpoint:
                                      "'weight' / 'static' or none)")
                 kinds.add(cls(None, packed_bits=bits,
                               symmetric=bool(weights.get("symmetric", True))))
+                if bits == 8 and not weights.get("symmetric", True):
+                    logger.info("%s: asymmetric int8 weights whose codes lie over 127 from their "
+                                "zero point (int8's range) load dequantized", where)
             elif fmt == "int-quantized" and kind == "int" and bits == 8:
                 if strategy not in ("tensor", "channel", "group") \
                         or not weights.get("symmetric", True):

@@ -36,7 +36,7 @@ def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """8-bit values (FP8 or int8) times their group scales (computed in float32, then cast
     once to `dtype`)."""
     rows, cols = data.shape
