@@ -189,6 +189,37 @@ def test_fused_projection_with_mixed_parts_stays_dense():
 
 
 
+def test_activation_order_weights_gather_their_input():
+    """A weight stored in activation order (columns sorted by group, `input_order` the input
+    each takes) multiplies x as the weight in input order does; fused parts with the same order
+    stay int8 with it, parts with different orders load dense; a slice of its inputs (a
+    row-parallel rank's) comes dense."""
+    torch.manual_seed(5)
+    codes = torch.randint(-8, 8, (2, 6, 16), dtype=torch.int8)
+    scales = torch.rand(2, 6, 2)
+    order, other = torch.randperm(16), torch.randperm(16)
+    parts = [QuantizedWeight(codes[i], scales[i], 8, order) for i in range(2)]
+    dense = torch.cat([p.dequantize() for p in parts])
+    grouped = QuantizedWeight(codes[0], scales[0], 8).dequantize()
+    torch.testing.assert_close(dense[:6][:, order], grouped, atol=0, rtol=0)
+    x = torch.randn(3, 16)
+    layer = MergedLinear(16, [6, 6])
+    for index, part in enumerate(parts):
+        layer.load_shard(layer.weight, part, index)
+    assert layer.weight.dtype == torch.int8 and torch.equal(layer.input_order, order)
+    torch.testing.assert_close(layer(x), x @ dense.t())
+    mixed = MergedLinear(16, [6, 6])
+    mixed.load_shard(mixed.weight, parts[0], 0)
+    mixed.load_shard(mixed.weight, QuantizedWeight(codes[1], scales[1], 8, other), 1)
+    assert mixed.weight.dtype == torch.float32 and mixed.input_order is None
+    torch.testing.assert_close(mixed.weight[:6], dense[:6], atol=0, rtol=0)
+    torch.testing.assert_close(mixed.weight[6:],
+                               QuantizedWeight(codes[1], scales[1], 8, other).dequantize(),
+                               atol=0, rtol=0)
+    assert parts[0].columns(0, 16) is parts[0]
+    torch.testing.assert_close(parts[0].columns(8, 8), dense[:6, 8:], atol=0, rtol=0)
+
+
 def test_experts_with_fp8_and_int8_weights_stay_dense():
     """MoE experts whose checkpoint mixes FP8 values and int8 codes (or quantized and dense
     experts): every expert of that stack dequantized, in either order, numbers unchanged."""

@@ -1,8 +1,8 @@
 """GPTQ and AWQ checkpoints, written by AutoGPTQ and AutoAWQ, against transformers holding the
 weights those libraries dequantize from the same files: logits at prefill (whole and chunked),
 16 decode steps and a prefix hit in a mixed batch, 32 greedy Engine tokens, and over two gloo
-ranks. Weights in group order are int8 codes in memory (4-bit, and symmetric 8-bit);
-asymmetric 8-bit and activation-order ones dense.
+ranks. Weights are int8 codes in memory (4-bit, and symmetric 8-bit; in activation order with
+their input order); asymmetric 8-bit ones dense.
 """
 
 from __future__ import annotations
@@ -39,17 +39,24 @@ GPTQ_CASES = {  # name: write_gptq settings
 
 @pytest.mark.parametrize("case", sorted(GPTQ_CASES))
 def test_gptq_checkpoint_matches_the_library(tmp_path, case):
-    """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points): in group order
-    held as int8 codes with the same numbers (4-bit with group and per-channel scales,
-    symmetric and asymmetric; symmetric 8-bit); activation order and asymmetric 8-bit codes
-    (up to 255 from their zero point) loaded dequantized."""
+    """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points): held as int8
+    codes with the same numbers (4-bit with group and per-channel scales, symmetric and
+    asymmetric, in activation order: columns sorted by group, the projection gathering its
+    input in that order; symmetric 8-bit); asymmetric 8-bit codes (up to 255 from their zero
+    point) loaded dequantized."""
     settings = GPTQ_CASES[case]
     hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     held = write_gptq(hf, tmp_path / "full", tmp_path / "gptq", **settings)
     module = load_ours(tmp_path / "gptq")
     o_proj = module.model.layers[0].self_attn.o_proj
-    if (settings["bits"] == 4 or settings["sym"]) and not settings.get("desc_act"):
+    if settings["bits"] == 4 or settings["sym"]:
         assert_projections_quantized(module, INT8)
+        # activation order: every projection gathers its input (q/k/v and gate/up, fused,
+        # share theirs: GPTQ ordered them by the same input statistics)
+        ordered = [m.input_order is not None for m in module.modules()
+                   if getattr(m, "weight_scale", None) is not None]
+        assert ordered and all(ordered) == bool(settings.get("desc_act")) \
+            and any(ordered) == bool(settings.get("desc_act"))
         assert o_proj.weight_scale.shape == ((64, 1) if settings["group_size"] == -1
                                              else (64, 4))  # 128 inputs / 32
     else:
@@ -131,7 +138,9 @@ def _with_tensor(folder, name, value, target):
 @pytest.mark.parametrize("method", ["gptq-int4", "gptq-int8", "gptq-act-order", "awq"])
 def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
     """Two gloo ranks, each with its rows / group-aligned input columns of the int8-held
-    weights (or slices of the dequantized ones): transformers' greedy tokens and logits."""
+    weights (in activation order a rank's input columns are no whole groups: the row-parallel
+    projections take slices of the dequantized weights): transformers' greedy tokens and
+    logits."""
     hf = build_tiny_model("llama2", tmp_path / "full")
     if method == "awq":
         held = write_awq(hf, tmp_path / "full", tmp_path / "q")
@@ -148,6 +157,9 @@ def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
     down = model.module.model.layers[0].mlp.down_proj.weight
     assert down.shape == (64, 64)  # half of the 128 inputs each
     assert down.dtype == (torch.float32 if method == "gptq-act-order" else INT8)
+    qkv = model.module.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == INT8  # rows split: whole groups, any order
+    assert (qkv.input_order is not None) == (method == "gptq-act-order")
     check_engine_matches(model, reference, prompts)
 
 

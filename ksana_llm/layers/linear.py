@@ -12,7 +12,7 @@ from torch import nn
 from ksana_llm.kernels.reference import fp8_linear_ref
 from ksana_llm.loader.weight_quant import dequantize_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.fp8_weights import QuantizedWeight, quantize_fp8_rows
+from ksana_llm.loader.fp8_weights import QuantizedWeight, in_input_order, quantize_fp8_rows
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -117,6 +117,9 @@ class QuantizedStorage(nn.Module):
         super().__init__()
         self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None, persistent=False)
+        # GPTQ's activation order: the weight's columns take the inputs in this order.
+        self.input_order: torch.Tensor | None
+        self.register_buffer("input_order", None, persistent=False)
         self.weight_group_size = 0
         self.quantized_capable = True
         self.quantize_on_load = False
@@ -130,9 +133,10 @@ class QuantizedStorage(nn.Module):
         return self.weight_scale is not None
 
     def incoming(self, tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
-        """A checkpoint tensor in the form this module stores: FP8 (switching storage on the
-        first one) or dense. A fused projection whose parts disagree (one part FP8, another
-        not, or other scale blocks) keeps every part dense rather than mixing them."""
+        """A checkpoint tensor in the form this module stores: 8-bit (switching storage on the
+        first one) or dense. A fused projection whose parts disagree (one part quantized,
+        another not; FP8 and int8; other scale blocks or input orders) keeps every part dense
+        rather than mixing them."""
         if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             tensor = quantize_fp8_rows(tensor)
         if isinstance(tensor, QuantizedWeight):
@@ -149,7 +153,8 @@ class QuantizedStorage(nn.Module):
         layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size)
         if self.is_quantized:
             return layout == (self.weight.dtype, self.weight_scale.shape[1],
-                              self.weight_group_size)
+                              self.weight_group_size) \
+                and _same_order(tensor.input_order, self.input_order)
         rows, device = self.weight.shape[0], self.weight.device
         self._dense_dtype = self.weight.dtype
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=tensor.data.dtype,
@@ -158,6 +163,8 @@ class QuantizedStorage(nn.Module):
         # weight's QuantizedWeight, so the loader expects no tensor of this name.
         self.register_buffer("weight_scale", torch.ones(rows, layout[1], device=device),
                              persistent=False)
+        if tensor.input_order is not None:
+            self.register_buffer("input_order", tensor.input_order.to(device), persistent=False)
         self.weight_group_size = tensor.group_size
         return True
 
@@ -169,13 +176,15 @@ class QuantizedStorage(nn.Module):
                           self._fp8_kernel or None)
 
     def _store_dense(self) -> None:
-        """Dense rows are coming: rows already stored as FP8 are dequantized first."""
+        """Dense rows are coming: rows already stored quantized are dequantized first."""
         self._has_dense_rows = True
         if self.is_quantized:
-            dense_weight = dequantize_weight(self.weight.data, self.weight_scale,
-                                             self.weight_group_size, self._dense_dtype)
+            dense_weight = in_input_order(
+                dequantize_weight(self.weight.data, self.weight_scale, self.weight_group_size,
+                                  self._dense_dtype), self.input_order)
             self.weight = nn.Parameter(dense_weight, requires_grad=False)
             self.weight_scale = None
+            self.input_order = None
             self.weight_group_size = 0
 
     def copy_rows(self, offset: int, tensor: torch.Tensor | QuantizedWeight) -> None:
@@ -190,10 +199,18 @@ class QuantizedStorage(nn.Module):
     def project(self, x: torch.Tensor, bias: torch.Tensor | None,
                 packed: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is not None:
+            if self.input_order is not None:
+                x = x.index_select(-1, self.input_order)
             return self._fp8_matmul(x, bias)
         if packed is not None and x.dim() == 2:
             return packed_linear(x, packed, bias)
         return nn.functional.linear(x, self.weight, bias)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
 
 
 class MergedLinear(QuantizedStorage):

@@ -274,8 +274,9 @@ class FusedExperts(nn.Module):
         if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             tensor = quantize_fp8_rows(tensor)
         scale = getattr(self, f"{target}_scale")
+        # Activation-order experts (each its own input order) are kept dense.
         if isinstance(tensor, QuantizedWeight) and self.quantized_capable \
-                and not self._has_dense[target]:
+                and not self._has_dense[target] and tensor.input_order is None:
             layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size)
             if scale is None:
                 self._store_quantized(target, *layout)

@@ -16,12 +16,13 @@ outputs, `bits`-bit codes, groups of `group_size` inputs:
   0, 2, 4, 6, 1, 3, 5, 7 (the word's n-th nibble holds output `AWQ_PACK_ORDER[n]`); `scales`
   [groups, out]; groups always `i // group_size`; weight = scale * (code - zero).
 
-A weight in group order becomes a `QuantizedWeight` holding exactly its numbers: codes minus
-zero points as int8 (4-bit ones lie in [-16, 15]; symmetric 8-bit ones, zero point 128, in
-[-128, 127]) with the group scales, so every quantized path (tensor parallel slicing, MoE
-experts, the Triton W8A16 matmul) serves it at one byte per weight. Asymmetric 8-bit codes (up
-to 255 from their zero point) and activation-order groups do not fit that record: those weights
-load dequantized to the model's dtype.
+A weight becomes a `QuantizedWeight` holding exactly its numbers: codes minus zero points as
+int8 (4-bit ones lie in [-16, 15]; symmetric 8-bit ones, zero point 128, in [-128, 127]) with
+the group scales, so every quantized path (tensor parallel slicing, MoE experts, the Triton
+W8A16 matmul) serves it at one byte per weight. In activation order the columns are stored
+sorted by group, with the order of the inputs they take (`input_order`): a projection then
+gathers its input in that order before the matmul. Asymmetric 8-bit codes (up to 255 from their
+zero point) do not fit int8: those weights load dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ksana_llm.loader.fp8_weights import QuantizedWeight, integer_weight
+from ksana_llm.loader.fp8_weights import QuantizedWeight, in_input_order, integer_weight
 from ksana_llm.loader.weight_quant import unpack_words
 
 
@@ -135,8 +136,8 @@ def paired_packed_ints(weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedI
 def packed_int_weight(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str
                       ) -> torch.Tensor | QuantizedWeight:
     """One GPTQ / AWQ weight as [out, in] numbers: held exactly as int8 codes minus zero points
-    with group scales when its groups are in order and the codes fit (`integer_weight`), else
-    float32 values (activation order)."""
+    with group scales when the codes fit (`integer_weight`; in activation order, columns sorted
+    by group with their `input_order`), else float32 values."""
     codes, zeros = _gptq_codes(parts, fmt) if fmt.method == "gptq" else _awq_codes(parts, fmt)
     out_features, in_features = codes.shape
     scales = parts["scales"].to(torch.float32)
@@ -156,16 +157,20 @@ def packed_int_weight(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name
         if not fmt.desc_act:
             _check_plain_groups(g_idx, fmt, name)
         group_of_input = g_idx.to(torch.long)
-    in_order = torch.equal(group_of_input, _plain_groups(in_features, group_size))
     zeros = zeros.to(torch.int16) + fmt.zero_offset
-    if in_order:
-        values = codes.to(torch.int16) - zeros.t().repeat_interleave(group_size, dim=1)[
-            :, :in_features]
-        return integer_weight(values, scales.t(), group_size)
-    # Activation order: each input's own group, in float32 (exact: an fp16 scale times an
-    # integer below 512).
-    values = codes.to(torch.float32) - zeros.t()[:, group_of_input].to(torch.float32)
-    return values * scales.t()[:, group_of_input]
+    input_order = None
+    if not torch.equal(group_of_input, _plain_groups(in_features, group_size)):
+        # Activation order: the inputs sorted by group make whole groups again.
+        input_order = torch.argsort(group_of_input, stable=True)
+        group_of_input = group_of_input[input_order]
+        codes = codes[:, input_order]
+        if not torch.equal(group_of_input, _plain_groups(in_features, group_size)):
+            # Groups of other sizes than group_size: each input's own scale, in float32
+            # (exact: an fp16 scale times an integer below 512), columns in input order.
+            values = codes.to(torch.float32) - zeros.t()[:, group_of_input].to(torch.float32)
+            return in_input_order(values * scales.t()[:, group_of_input], input_order)
+    values = codes.to(torch.int16) - zeros.t()[:, group_of_input]
+    return integer_weight(values, scales.t(), group_size, input_order)
 
 
 def _gptq_codes(parts: dict[str, torch.Tensor], fmt: PackedIntFormat
