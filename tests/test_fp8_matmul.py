@@ -17,8 +17,8 @@ if not ON_GPU:
 
 from ksana_llm.kernels.reference import fp8_linear_ref  # noqa: E402
 from ksana_llm.loader.weight_quant import quantize_fp8  # noqa: E402
-from ksana_llm.loader.fp8_weights import (QuantizedWeight,  # noqa: E402
-                                          quantize_fp8_rows, quantized_weight_from_checkpoint)
+from ksana_llm.loader.fp8_weights import quantized_weight_from_checkpoint  # noqa: E402
+from ksana_llm.loader.quantized_weight import QuantizedWeight, quantize_fp8_rows  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 

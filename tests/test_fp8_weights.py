@@ -25,9 +25,9 @@ from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.loader.weight_quant import FP8_MAX, quantize_fp8
 from ksana_llm.layers.linear import MergedLinear
-from ksana_llm.loader.fp8_weights import (QuantizedWeight, QuantizedCheckpoint,
-                                          quantized_weight_from_checkpoint, paired_weights,
-                                          quantize_fp8_rows)
+from ksana_llm.loader.fp8_weights import (QuantizedCheckpoint, paired_weights,
+                                          quantized_weight_from_checkpoint)
+from ksana_llm.loader.quantized_weight import QuantizedWeight, quantize_fp8_rows
 from ksana_llm.loader.quantized import checkpoint_quantization
 from tests.family_harness import (check_prefill_and_decode, greedy_trace, hf_reference,
                                   memoized)

@@ -16,7 +16,7 @@ import ksana_llm as kt
 from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.loader import load_hf_config
-from ksana_llm.loader.fp8_weights import QuantizedWeight
+from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.loader.gptq_awq import PackedIntFormat, packed_int_weight, paired_packed_ints
 from ksana_llm.loader.quantized import checkpoint_quantization
 from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours

@@ -15,8 +15,9 @@ from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from tests.family_harness import check_family, hf_reference, load_ours
 from tests.quantized_checkpoints import (assert_experts_quantized, assert_projections_quantized,
-                                         check_engine_matches, deepseek_full, fake_quantized, hf_fp8_model,
-                                         write_compressed_tensors, write_fp8_checkpoint)
+                                         check_engine_matches, deepseek_full, fake_quantized,
+                                         hf_fp8_model, write_compressed_tensors,
+                                         write_fp8_checkpoint)
 from tests.tiny_models import build_tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -110,7 +111,8 @@ def test_packed_int_codes_unpack_as_the_library_packs_them(bits):
     held as int8, codes too far from their zero point (8-bit) dequantized."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from ksana_llm.loader.fp8_weights import QuantizedWeight, packed_int_weight, unpack_ints
+    from ksana_llm.loader.fp8_weights import packed_int_weight, unpack_ints
+    from ksana_llm.loader.quantized_weight import QuantizedWeight
 
     torch.manual_seed(6)
     low, high = -(1 << (bits - 1)), 1 << (bits - 1)

@@ -12,7 +12,8 @@ from torch import nn
 from ksana_llm.kernels.reference import fp8_linear_ref
 from ksana_llm.loader.weight_quant import dequantize_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.fp8_weights import QuantizedWeight, in_input_order, quantize_fp8_rows
+from ksana_llm.loader.quantized_weight import (QuantizedWeight, in_input_order,
+                                               quantize_fp8_rows)
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -103,7 +104,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
 
 class QuantizedStorage(nn.Module):
     """What a projection needs to keep its weight at one byte per number (see
-    `loader.fp8_weights`): the weight parameter turns FP8 (or int8, an integer checkpoint's
+    `loader.quantized_weight`): the weight parameter turns FP8 (or int8, an integer checkpoint's
     codes) when the first `QuantizedWeight` arrives, with a `weight_scale` buffer of
     [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
     full-precision tensors to FP8 per row as they arrive; `quantized_capable` False (a weight

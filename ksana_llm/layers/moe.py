@@ -26,7 +26,7 @@ from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
-from ksana_llm.loader.fp8_weights import QuantizedWeight, dense, quantize_fp8_rows
+from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_fp8_rows
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
 
 
@@ -141,7 +141,7 @@ class FusedExperts(nn.Module):
     Quantized experts (an FP8 checkpoint's, `quantize_on_load` for online quantization, or an
     integer checkpoint's int8 codes) stay so: `w13` / `w2` hold the 8-bit values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
-    (see `loader.fp8_weights`); each active expert's matmul takes its 8-bit weight as the
+    (see `loader.quantized_weight`); each active expert's matmul takes its 8-bit weight as the
     projections do. Experts whose checkpoint tensors disagree (some quantized, some not, FP8
     and int8, or other scale blocks) are all kept dense."""
 

@@ -23,7 +23,7 @@ from torch import nn
 from ksana_llm.distributed.context import ParallelContext, balanced_split
 from ksana_llm.layers.linear import QuantizedStorage, prepack_cpu_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.fp8_weights import QuantizedWeight, dense, quantize_fp8_rows
+from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_fp8_rows
 
 SINGLE = ParallelContext()
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from ksana_llm.loader.fp8_weights import QuantizedWeight, in_input_order, integer_weight
+from ksana_llm.loader.quantized_weight import (QuantizedWeight, in_input_order,
+                                               integer_weight)
 from ksana_llm.loader.weight_quant import unpack_words
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ksana_llm.loader.fp8_weights import QuantizedWeight, QuantizedCheckpoint, paired_weights
+from ksana_llm.loader.fp8_weights import QuantizedCheckpoint, paired_weights
+from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.loader.gptq_awq import PackedIntFormat, paired_packed_ints, side_config
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.linear import MergedLinear
-from ksana_llm.loader.fp8_weights import QuantizedWeight, dense
+from ksana_llm.loader.quantized_weight import QuantizedWeight, dense
 
 
 def _custom_loaders(model: nn.Module) -> dict[str, nn.Module]:
