@@ -64,7 +64,8 @@ def write_fp8_checkpoint(source: Path, target: Path,
 COMPRESSED_TENSORS_PRESETS = {"tensor": "FP8", "channel": "FP8_DYNAMIC", "block": "FP8_BLOCK",
                               "int4": "W4A16", "int4-asym": "W4A16_ASYM",
                               "int4-channel": "W4A16", "int4-actorder": "W4A16",
-                              "int8": "W8A16", "int8-asym": "W8A16", "w8a8": "W8A8"}
+                              "int8": "W8A16", "int8-asym": "W8A16", "w8a8": "W8A8",
+                              "w8a8-group": "W8A8"}
 
 
 def write_compressed_tensors(source: Path, target: Path, strategy: str,
@@ -76,7 +77,8 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
     "int8": symmetric, groups of `group_size` columns; "-asym": with zero points;
     "int4-actorder": as "int4", the config saying GPTQ ran in "static" activation order;
     "int4-channel": one scale per row), or "w8a8": int8 weights unpacked ("int-quantized"),
-    one scale per row, with the preset's dynamic per-token int8 activations in the config;
+    one scale per row ("w8a8-group": per group), with the preset's dynamic per-token int8
+    activations in the config;
     scales computed from each tile's range by the library's own `calculate_qparams`; the
     config's `quantization_config` written by its compressor. Otherwise weight-only: the FP8
     preset's static activation scales would make transformers quantize activations too, which
@@ -95,12 +97,14 @@ def write_compressed_tensors(source: Path, target: Path, strategy: str,
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     scheme = preset_name_to_scheme(COMPRESSED_TENSORS_PRESETS[strategy], ["Linear"])
-    if strategy != "w8a8":
+    if not strategy.startswith("w8a8"):
         scheme.input_activations = None
     if strategy == "block":
         scheme.weights.block_structure = list(block_size)
     elif strategy == "int4-channel":
         scheme.weights.strategy, scheme.weights.group_size = "channel", None
+    elif strategy == "w8a8-group":
+        scheme.weights.strategy, scheme.weights.group_size = "group", group_size
     elif strategy.startswith("int"):
         scheme.weights.group_size = group_size
         scheme.weights.symmetric = not strategy.endswith("-asym")

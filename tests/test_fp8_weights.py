@@ -145,6 +145,11 @@ def test_quantization_configs_other_than_fp8_are_refused_by_name(tmp_path):
                                       "symmetric": False}}}}
     with pytest.raises(ValueError, match="int8 with strategy 'channel' and symmetric False"):
         checkpoint_quantization(Config())
+    Config.quantization_config["config_groups"]["group_0"]["weights"].update(
+        symmetric=True, strategy="group", group_size=None)
+    with pytest.raises(ValueError, match="group_size must be a positive integer with strategy "
+                                         "'group', got None"):
+        checkpoint_quantization(Config())
     Config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128]}
     with pytest.raises(ValueError, match="weight_block_size must be two positive integers"):
         checkpoint_quantization(Config())

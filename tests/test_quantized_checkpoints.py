@@ -79,11 +79,11 @@ def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strat
     check_family(module, folder, hf_reference(reference), vocab=256)
 
 
-@pytest.mark.parametrize("strategy", ["int8", "int8-asym", "w8a8"])
+@pytest.mark.parametrize("strategy", ["int8", "int8-asym", "w8a8", "w8a8-group"])
 def test_compressed_tensors_int8_checkpoint_matches_the_library(tmp_path, strategy):
     """llm-compressor's int8 checkpoints, written by the compressed-tensors library: W8A16
     (`pack-quantized`, four 8-bit codes per int32, group scales; with zero points) and W8A8
-    (`int-quantized`: an int8 `weight`, one scale per row; its dynamic int8 activations not
+    (`int-quantized`: an int8 `weight`, one scale per row or group; its dynamic activations not
     done, the weights multiplying activations in the model's dtype). transformers cannot read
     either on a CPU, so the reference is transformers' model holding the numbers the library
     says the checkpoint holds. Symmetric codes stay int8 in memory; asymmetric ones, up to 255

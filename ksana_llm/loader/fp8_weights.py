@@ -149,7 +149,10 @@ class QuantizedCheckpoint:
                                      f"symmetric {weights.get('symmetric')!r} is not supported "
                                      "(symmetric, with tensor, channel or group scales)")
                 group_size = weights.get("group_size")
-                kinds.add(cls((1, int(group_size)) if strategy == "group" else None))
+                if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+                    raise ValueError(f"{where}.weights.group_size must be a positive integer "
+                                     f"with strategy 'group', got {group_size!r}")
+                kinds.add(cls((1, group_size) if strategy == "group" else None))
             else:
                 raise ValueError(f"{where}: compressed-tensors format {fmt!r} with "
                                  f"{bits}-bit {kind} weights is not supported: FP8 weights "
