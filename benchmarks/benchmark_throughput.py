@@ -342,7 +342,7 @@ def random_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int
 
     from ksana_llm.loader import resolve_model_dir
 
-    from benchmarks.offline_throughput import allowed_token_ids, build_workload
+    from benchmarks.workload import allowed_token_ids, build_workload
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.tokenizer))
     allowed = allowed_token_ids(tokenizer, len(tokenizer))

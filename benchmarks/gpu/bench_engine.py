@@ -10,7 +10,7 @@ are token ids.
 
 Workload (DESIGN.md §6, nano-vllm's): 256 requests, input and output lengths uniform in
 [100, 1024], seed 0, random token ids, EOS ignored (every request produces exactly its length);
-the workload code is `benchmarks/offline_throughput.py`'s, shared with the CPU benchmark. Output
+the workload code is `benchmarks/workload.py`'s, shared with the CPU benchmark. Output
 tokens/s = all output tokens / wall time from submitting the first request to the last result.
 
 Per model, in one process:
@@ -57,10 +57,10 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
 
 import ksana_llm as kt  # noqa: E402
 from ksana_llm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS  # noqa: E402
-from benchmarks.offline_throughput import (ThroughputResult, Workload,  # noqa: E402
-                                           allowed_token_ids, batch1_prompt, build_workload,
-                                           guarded, hf_batch1, ours_batch1, pad_token_id,
-                                           run_ours)
+from benchmarks.hf_peers import hf_batch1, pad_token_id  # noqa: E402
+from benchmarks.offline_throughput import guarded, ours_batch1, run_ours  # noqa: E402
+from benchmarks.workload import (ThroughputResult, Workload, allowed_token_ids,  # noqa: E402
+                                 batch1_prompt, build_workload)
 
 # An engine switch on the command line: auto = the engine's default for the device.
 SWITCH = MappingProxyType({"auto": None, "on": True, "off": False})
@@ -271,7 +271,7 @@ def run_ours_engine(model: kt.Model, workload: Workload, args: argparse.Namespac
 # ---- HF generate_batch, time-capped -------------------------------------------------------------
 def cb_configs(model: Any, workload: Workload, page_size: int, max_batch_tokens: int
                ) -> tuple[Any, Any, Any]:
-    """offline_throughput.cb_configs for any transformers 5: the KV page size is the
+    """hf_peers.cb_configs for any transformers 5: the KV page size is the
     `ContinuousBatchingConfig` field `page_size` from 5.18 on, `block_size` before (the GPU
     image has 5.17)."""
     import dataclasses
@@ -306,7 +306,7 @@ def in_flight_tokens(manager: Any, pending: set[str]) -> int | None:
 
 def run_hf_capped(model: Any, workload: Workload, page_size: int, max_batch_tokens: int,
                   cap_s: float) -> dict[str, Any]:
-    """offline_throughput.py's continuous-batching session, stopped at `cap_s` if not done.
+    """hf_peers.py's continuous-batching session, stopped at `cap_s` if not done.
     HF's own warm-up (`warmup=True`: CUDA-graph capture at the largest sizes) runs before the
     clock starts, as our engine's start-up does."""
     gen, cb, hints = cb_configs(model, workload, page_size, max_batch_tokens)
@@ -355,7 +355,7 @@ def run_hf_capped(model: Any, workload: Workload, page_size: int, max_batch_toke
 
 
 class GenerateOnDevice:
-    """The HF model, for offline_throughput's HF generate helpers, which build their input
+    """The HF model, for hf_peers's HF generate helpers, which build their input
     tensors on the CPU: moves them to the model's device first."""
 
     def __init__(self, model: Any) -> None:
