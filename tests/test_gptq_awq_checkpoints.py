@@ -34,6 +34,7 @@ GPTQ_CASES = {  # name: write_gptq settings
     "int4-act-order": dict(bits=4, group_size=32, sym=False, desc_act=True),
     "int8-g32": dict(bits=8, group_size=32, sym=True),
     "int8-g32-asym": dict(bits=8, group_size=32, sym=False),
+    "int8-act-order": dict(bits=8, group_size=32, sym=True, desc_act=True),
 }
 
 
