@@ -236,8 +236,16 @@ def test_background_streams_resume_and_outlive_their_reader(client, server, mode
     assert rest[-1].response.output_text == reference.output_text
     assert rest[-1].response.status == reference.status
 
-    long = client.responses.create(model=model_name, input="Count from one to one thousand.",
-                                   max_output_tokens=1500, background=True, stream=True)
+    # A JSON schema of 300 numbers at least: the grammar keeps EOS out until then, so the
+    # response is still running after the four short ones (a sampled "count to a thousand"
+    # may stop after a dozen tokens).
+    numbers = {"type": "object", "required": ["n"], "additionalProperties": False,
+               "properties": {"n": {"type": "array", "items": {"type": "integer"},
+                                    "minItems": 300}}}
+    long = client.responses.create(
+        model=model_name, input="List three hundred numbers.", max_output_tokens=1500,
+        background=True, stream=True,
+        text={"format": {"type": "json_schema", "name": "numbers", "schema": numbers}})
     started = next(iter(long))
     cancelled = client.responses.cancel(started.response.id)
     assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 1500
@@ -251,8 +259,16 @@ def test_running_background_responses_outlive_the_store_and_stop_when_deleted(
     """A running background response pushed out of the store (--max-stored-responses 4) is
     still there to GET and to stream until it ends; DELETE stops a running one for good (it is
     not stored when it ends)."""
-    long = client.responses.create(model=model_name, input="Count from one to one thousand.",
-                                   max_output_tokens=1500, background=True, stream=True)
+    # A JSON schema of 300 numbers at least: the grammar keeps EOS out until then, so the
+    # response is still running after the four short ones (a sampled "count to a thousand"
+    # may stop after a dozen tokens).
+    numbers = {"type": "object", "required": ["n"], "additionalProperties": False,
+               "properties": {"n": {"type": "array", "items": {"type": "integer"},
+                                    "minItems": 300}}}
+    long = client.responses.create(
+        model=model_name, input="List three hundred numbers.", max_output_tokens=1500,
+        background=True, stream=True,
+        text={"format": {"type": "json_schema", "name": "numbers", "schema": numbers}})
     response_id = next(iter(long)).response.id
     for i in range(4):
         client.responses.create(model=model_name, input=f"Say {i}.", max_output_tokens=2)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -198,6 +199,22 @@ class Engine(LoraControl, ChatMixin):
             self._handles[seq.request_id] = handle
             self._wake.notify()
         return handle
+
+    def _enqueue_many(self, pending: deque[tuple[Sequence, Any]]) -> list[RequestHandle]:
+        """Enqueue (sequence, plugin info) pairs from the front of `pending`, popping each,
+        until the queue is full; the handles. All under one hold of the lock, so the engine
+        thread sees them together: which requests share the first steps does not depend on how
+        the two threads interleave."""
+        handles: list[RequestHandle] = []
+        with self._wake:
+            while pending:
+                seq, plugin_info = pending[0]
+                try:
+                    handles.append(self._enqueue(seq, None, None, plugin_info))
+                except QueueFullError:
+                    break
+                pending.popleft()
+        return handles
 
     def _num_queued(self) -> int:
         """Requests that would wait if one more came now: those not yet running, less the free

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ksana_llm.api.outputs import Prompt, Request, RequestHandle, RequestOutput
-from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
 
 
@@ -56,11 +55,8 @@ class GenerateCalls:
         pending = deque(prepared)
         try:
             while pending:
-                try:
-                    seq, plugin_info = pending[0]
-                    handles.append(self._enqueue(seq, None, None, plugin_info))
-                    pending.popleft()
-                except QueueFullError:
+                handles += self._enqueue_many(pending)
+                if pending:  # the queue is full: wait for one to finish
                     self._wait_one(handles, progress)
             return [self._finish_one(h, progress) for h in handles]
         finally:
