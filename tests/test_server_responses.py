@@ -236,16 +236,7 @@ def test_background_streams_resume_and_outlive_their_reader(client, server, mode
     assert rest[-1].response.output_text == reference.output_text
     assert rest[-1].response.status == reference.status
 
-    # A JSON schema of 300 numbers at least: the grammar keeps EOS out until then, so the
-    # response is still running after the four short ones (a sampled "count to a thousand"
-    # may stop after a dozen tokens).
-    numbers = {"type": "object", "required": ["n"], "additionalProperties": False,
-               "properties": {"n": {"type": "array", "items": {"type": "integer"},
-                                    "minItems": 300}}}
-    long = client.responses.create(
-        model=model_name, input="List three hundred numbers.", max_output_tokens=1500,
-        background=True, stream=True,
-        text={"format": {"type": "json_schema", "name": "numbers", "schema": numbers}})
+    long = _long_background_stream(client, model_name)
     started = next(iter(long))
     cancelled = client.responses.cancel(started.response.id)
     assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 1500
@@ -259,16 +250,7 @@ def test_running_background_responses_outlive_the_store_and_stop_when_deleted(
     """A running background response pushed out of the store (--max-stored-responses 4) is
     still there to GET and to stream until it ends; DELETE stops a running one for good (it is
     not stored when it ends)."""
-    # A JSON schema of 300 numbers at least: the grammar keeps EOS out until then, so the
-    # response is still running after the four short ones (a sampled "count to a thousand"
-    # may stop after a dozen tokens).
-    numbers = {"type": "object", "required": ["n"], "additionalProperties": False,
-               "properties": {"n": {"type": "array", "items": {"type": "integer"},
-                                    "minItems": 300}}}
-    long = client.responses.create(
-        model=model_name, input="List three hundred numbers.", max_output_tokens=1500,
-        background=True, stream=True,
-        text={"format": {"type": "json_schema", "name": "numbers", "schema": numbers}})
+    long = _long_background_stream(client, model_name)
     response_id = next(iter(long)).response.id
     for i in range(4):
         client.responses.create(model=model_name, input=f"Say {i}.", max_output_tokens=2)
@@ -443,3 +425,16 @@ def test_unknown_ids_are_404(server):
         response = httpx.request(method, server.base_url + "/responses/resp_nope")
         assert response.status_code == 404 and response.json()["error"]["code"] == \
             "response_not_found"
+
+
+def _long_background_stream(client, model_name):
+    """A streamed background response that runs for hundreds of tokens: a JSON schema of 300
+    numbers at least keeps EOS out until then (a sampled "count to a thousand" may stop after
+    a dozen tokens)."""
+    numbers = {"type": "object", "required": ["n"], "additionalProperties": False,
+               "properties": {"n": {"type": "array", "items": {"type": "integer"},
+                                    "minItems": 300}}}
+    return client.responses.create(
+        model=model_name, input="List three hundred numbers.", max_output_tokens=1500,
+        background=True, stream=True,
+        text={"format": {"type": "json_schema", "name": "numbers", "schema": numbers}})
