@@ -1,6 +1,6 @@
-"""The Triton 8-bit-weight matmul (W8A16) against its torch reference: FP8 weights with block,
-per-row and per-tensor scales, int8 codes (integer checkpoints) with group scales, ragged
-shapes, bias; in the interpreter on CPU (fp32, fp16), natively with bf16 too on a GPU
+"""The Triton quantized-weight matmul (W8A16, W4A16) against its torch reference: FP8 weights
+with block, per-row and per-tensor scales, int8 codes (integer checkpoints) with group scales,
+packed 4-bit codes with zero points in groups and per row, ragged shapes, bias; in the interpreter on CPU (fp32, fp16), natively with bf16 too on a GPU
 (benchmarks/gpu/run.sh tests).
 """
 
@@ -18,7 +18,8 @@ if not ON_GPU:
 from ksana_llm.kernels.reference import fp8_linear_ref  # noqa: E402
 from ksana_llm.loader.weight_quant import quantize_fp8  # noqa: E402
 from ksana_llm.loader.fp8_weights import quantized_weight_from_checkpoint  # noqa: E402
-from ksana_llm.loader.quantized_weight import QuantizedWeight, quantize_fp8_rows  # noqa: E402
+from ksana_llm.loader.quantized_weight import (QuantizedWeight, int4_weight,  # noqa: E402
+                                               quantize_fp8_rows)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -36,6 +37,9 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16:
     (3, 32, 48, None),         # one scale per tensor
     (6, 40, 96, "int8-g32"),   # int8 codes in groups of 32 (GPTQ / AWQ / compressed-tensors)
     (18, 24, 72, "int8-g48"),  # K ends inside a group; codes across int8's whole range
+    (1, 40, 128, "int4-g32"),  # packed 4-bit codes, a decode row (AWQ / GPTQ int4)
+    (7, 72, 160, "int4-g64"),  # K ends inside a group, N not a tile multiple
+    (20, 24, 96, "int4-row"),  # one zero point and scale per row (group_size -1)
 ])
 def test_fp8_matmul_kernel_matches_reference(dtype, rows, n, k, layout):
     from ksana_llm.kernels import fp8_linear
@@ -44,6 +48,12 @@ def test_fp8_matmul_kernel_matches_reference(dtype, rows, n, k, layout):
     weight = torch.randn(n, k)
     if layout == "row":
         fp8 = quantize_fp8_rows(weight)
+    elif isinstance(layout, str) and layout.startswith("int4"):  # codes 0..15, zeros 0..16
+        group = k if layout == "int4-row" else int(layout.removeprefix("int4-g"))
+        groups = -(-k // group)
+        fp8 = int4_weight(torch.randint(0, 16, (n, k)), torch.randint(0, 17, (n, groups)),
+                          torch.rand(n, groups) / 8, group)
+        assert fp8.packed
     elif isinstance(layout, str):  # int8 codes: the whole range, group scales
         group = int(layout.removeprefix("int8-g"))
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
@@ -55,13 +65,14 @@ def test_fp8_matmul_kernel_matches_reference(dtype, rows, n, k, layout):
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     bias = torch.randn(n, device=DEVICE).to(dtype)
     for b in (None, bias):
-        out = fp8_linear(x, fp8.data, fp8.scale, fp8.group_size, b)
+        out = fp8_linear(x, fp8.data, fp8.scale, fp8.group_size, b, fp8.zero_point)
         expected = fp8_linear_ref(x.float(), fp8.data, fp8.scale, fp8.group_size,
-                                  None if b is None else b.float())
+                                  None if b is None else b.float(), fp8.zero_point)
         assert out.dtype == dtype and out.shape == (rows, n)
         atol, rtol = TOL[dtype]
         torch.testing.assert_close(out.float(), expected, atol=atol * k ** 0.5, rtol=rtol)
-    batched = fp8_linear(x.view(1, rows, k), fp8.data, fp8.scale, fp8.group_size)
+    batched = fp8_linear(x.view(1, rows, k), fp8.data, fp8.scale, fp8.group_size,
+                         zero_point=fp8.zero_point)
     assert batched.shape == (1, rows, n)
 
 
@@ -76,3 +87,9 @@ def test_fp8_matmul_kernel_refuses_bad_inputs():
         fp8_linear(x[:, :16], fp8.data, fp8.scale, fp8.group_size)
     with pytest.raises(ValueError, match="group_size 24"):
         fp8_linear(x, fp8.data, torch.ones(16, 2, device=DEVICE), 24)
+    int4 = int4_weight(torch.randint(0, 16, (16, 32)), torch.full((16, 2), 8),
+                       torch.ones(16, 2), 16).to(DEVICE)
+    with pytest.raises(ValueError, match="zero_point"):
+        fp8_linear(x, int4.data, int4.scale, int4.group_size)
+    with pytest.raises(ValueError, match="group_size 16: the kernel needs a multiple of 32"):
+        fp8_linear(x, int4.data, int4.scale, int4.group_size, zero_point=int4.zero_point)

@@ -19,6 +19,7 @@ from ksana_llm.loader import load_hf_config
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.loader.gptq_awq import PackedIntFormat, packed_int_weight, paired_packed_ints
 from ksana_llm.loader.quantized import checkpoint_quantization
+from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE
 from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours
 from tests.gptq_awq_checkpoints import (gptq_dequantized, hold, library_modules, write_awq,
                                         write_gptq, write_gptq_from_files, write_held)
@@ -26,6 +27,7 @@ from tests.quantized_checkpoints import assert_projections_quantized, check_engi
 from tests.tiny_models import build_tiny_model
 
 INT8 = torch.int8
+INT4 = PACKED_INT4_DTYPE  # two 4-bit codes a byte
 
 GPTQ_CASES = {  # name: write_gptq settings
     "int4-g32-sym": dict(bits=4, group_size=32, sym=True),
@@ -40,18 +42,19 @@ GPTQ_CASES = {  # name: write_gptq settings
 
 @pytest.mark.parametrize("case", sorted(GPTQ_CASES))
 def test_gptq_checkpoint_matches_the_library(tmp_path, case):
-    """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points): held as int8
-    codes with the same numbers (4-bit with group and per-channel scales, symmetric and
-    asymmetric, in activation order: columns sorted by group, the projection gathering its
-    input in that order; symmetric 8-bit); asymmetric 8-bit codes (up to 255 from their zero
-    point) loaded dequantized."""
+    """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points) held with the
+    same numbers: 4-bit codes packed two a byte with their zero points (group and per-channel
+    scales, symmetric and asymmetric, in activation order: columns sorted by group, the
+    projection gathering its input in that order), symmetric 8-bit as int8 codes; asymmetric
+    8-bit codes (up to 255 from their zero point) loaded dequantized."""
     settings = GPTQ_CASES[case]
     hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     held = write_gptq(hf, tmp_path / "full", tmp_path / "gptq", **settings)
     module = load_ours(tmp_path / "gptq")
     o_proj = module.model.layers[0].self_attn.o_proj
     if settings["bits"] == 4 or settings["sym"]:
-        assert_projections_quantized(module, INT8)
+        assert_projections_quantized(module, INT4 if settings["bits"] == 4 else INT8)
+        assert (o_proj.weight_zero_point is not None) == (settings["bits"] == 4)
         # activation order: every projection gathers its input (q/k/v and gate/up, fused,
         # share theirs: GPTQ ordered them by the same input statistics)
         ordered = [m.input_order is not None for m in module.modules()
@@ -66,11 +69,12 @@ def test_gptq_checkpoint_matches_the_library(tmp_path, case):
 
 
 def test_awq_checkpoint_matches_the_library(tmp_path):
-    """AutoAWQ's GEMM packing (interleaved order, zero points): int8 with the same numbers."""
+    """AutoAWQ's GEMM packing (interleaved order, zero points): packed 4-bit codes with the
+    same numbers."""
     hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     held = write_awq(hf, tmp_path / "full", tmp_path / "awq")
     module = load_ours(tmp_path / "awq")
-    assert_projections_quantized(module, INT8)
+    assert_projections_quantized(module, INT4)
     check_family(module, tmp_path / "awq", hf_reference(hold(hf, held)), vocab=256)
 
 
@@ -83,7 +87,7 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
     assert checkpoint_quantization(load_hf_config(tmp_path / "awq"),
                                    tmp_path / "awq") == PackedIntFormat("awq", 4, 32)
     module = load_ours(tmp_path / "awq")
-    assert_projections_quantized(module, INT8)
+    assert_projections_quantized(module, INT4)
     prompt = torch.randint(3, 256, (21,), generator=torch.Generator().manual_seed(2)).tolist()
     expected = greedy_trace(hf_reference(hold(hf, held)), prompt, 12)[0][len(prompt):]
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
@@ -103,8 +107,8 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
 
 
 def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
-    """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts stay int8
-    and the model gives the logits and tokens of transformers reading a full-precision copy
+    """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts hold int8
+    codes minus zero points (the per-expert matmul has no packed 4-bit path) and the model gives the logits and tokens of transformers reading a full-precision copy
     that holds AutoGPTQ's dequantization. (The tiny Mixtral's 48-wide experts do not fit
     AutoGPTQ's packing, which needs outputs in multiples of 32.)"""
     from transformers import AutoModelForCausalLM
@@ -138,8 +142,8 @@ def _with_tensor(folder, name, value, target):
 
 @pytest.mark.parametrize("method", ["gptq-int4", "gptq-int8", "gptq-act-order", "awq"])
 def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
-    """Two gloo ranks, each with its rows / group-aligned input columns of the int8-held
-    weights (in activation order a rank's input columns are no whole groups: the row-parallel
+    """Two gloo ranks, each with its rows / group-aligned input columns of the weights held
+    packed (4-bit) or as int8 (in activation order a rank's input columns are no whole groups: the row-parallel
     projections take slices of the dequantized weights): transformers' greedy tokens and
     logits."""
     hf = build_tiny_model("llama2", tmp_path / "full")
@@ -155,11 +159,12 @@ def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
                for n in (9, 30, 17)]
     model = Model.from_pretrained(tmp_path / "q", device="cpu", dtype="float32",
                                   progress=False, tensor_parallel_size=2)
-    down = model.module.model.layers[0].mlp.down_proj.weight
-    assert down.shape == (64, 64)  # half of the 128 inputs each
-    assert down.dtype == (torch.float32 if method == "gptq-act-order" else INT8)
+    held_as = INT8 if method == "gptq-int8" else INT4
+    down = model.module.model.layers[0].mlp.down_proj
+    assert down.local_in_features == 64  # half of the 128 inputs each
+    assert down.weight.dtype == (torch.float32 if method == "gptq-act-order" else held_as)
     qkv = model.module.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == INT8  # rows split: whole groups, any order
+    assert qkv.weight.dtype == held_as  # rows split: whole groups, any order
     assert (qkv.input_order is not None) == (method == "gptq-act-order")
     check_engine_matches(model, reference, prompts)
 
@@ -222,9 +227,12 @@ def test_awq_codes_unpack_as_the_library_packs_them():
                                        32).t()
     ours = packed_int_weight({"qweight": packed.qweight, "qzeros": packed.qzeros,
                               "scales": packed.scales}, PackedIntFormat("awq", 4, 32), "w")
-    assert ours.data.dtype == INT8
+    assert ours.data.dtype == INT4 and ours.data.shape == (32, 32)  # two codes a byte
     torch.testing.assert_close(ours.dequantize(), expected, atol=0, rtol=0)
     torch.testing.assert_close(ours.dequantize(), linear.weight.data, atol=0, rtol=0)
+    # the int8 form (MoE experts) holds the same numbers
+    assert ours.unpacked().data.dtype == INT8
+    torch.testing.assert_close(ours.unpacked().dequantize(), expected, atol=0, rtol=0)
 
 
 def test_gptq_v2_zero_points_are_stored_as_they_are():

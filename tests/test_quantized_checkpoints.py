@@ -22,6 +22,7 @@ from tests.tiny_models import build_tiny_model
 
 FP8 = torch.float8_e4m3fn
 INT8 = torch.int8
+INT4 = torch.uint8  # packed: two 4-bit codes a byte
 
 
 @pytest.mark.parametrize("block", [(16, 16), None], ids=["block16", "per-tensor"])
@@ -56,7 +57,7 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strate
 def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strategy):
     """llm-compressor's W4A16 checkpoints (`pack-quantized`: eight 4-bit codes per int32,
     group or channel scales, zero points when asymmetric), written by the compressed-tensors
-    library, held as int8 codes with the same numbers: logits and greedy tokens equal
+    library, held packed two codes a byte with their zero points, the same numbers: logits and greedy tokens equal
     transformers' reading the checkpoint through the library -- or, for zero points, which
     transformers' loader cannot read, transformers' model holding the numbers the library says
     the checkpoint holds."""
@@ -73,7 +74,7 @@ def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strat
     else:
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     module = load_ours(folder)
-    assert_projections_quantized(module, INT8)
+    assert_projections_quantized(module, INT4)
     scale = module.model.layers[0].self_attn.o_proj.weight_scale
     assert scale.shape == ((64, 1) if strategy == "int4-channel" else (64, 4))  # 128 / 32
     check_family(module, folder, hf_reference(reference), vocab=256)

@@ -149,10 +149,11 @@ CONFIGS = (
 def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
     """What the unit test compiles (each compile costs ~1 s of CPU): every variant at the Qwen3
     fp16 shape, plus the fp32 attention kernels (their dots take the "ieee" path) with every
-    option on, plus the kernels that touch an FP8 cache, plus the FP8-weight matmul in bf16."""
+    option on, plus the kernels that touch an FP8 cache, plus the quantized-weight matmuls in
+    bf16."""
     if config.name == "qwen3-0.6b-fp16":
         return True
-    if launch.kernel.__name__ == "_fp8_linear_kernel":
+    if launch.kernel.__name__ in ("_fp8_linear_kernel", "_int4_linear_kernel"):
         return config.name == "llama3-8b-bf16"
     if config.kv_dtype is not None:  # the kernels that read or write the cache
         return launch.kernel.__name__ in ("_store_kv_kernel", "_decode_kernel",
@@ -164,7 +165,8 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     """Every kernel variant the engine can launch (decode with one and several splits, with and
     without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
     several sequences; norm with and without residual; rotary on views of a fused QKV; the
-    FP8-weight matmul with block and per-row scales) at one model shape. The tensors are empty CPU
+    quantized-weight matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes)
+    at one model shape. The tensors are empty CPU
     tensors: nothing runs."""
     from ksana_llm.kernels import (decode_attention, fp8_matmul, kv_store, prefill_attention,
                                    rmsnorm, rotary)
@@ -209,19 +211,25 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         cos = torch.empty(8, head_dim // 2, dtype=dtype)
         rotary.apply_rotary_(q, k, cos, cos)
     launches += rec
-    with recording(fp8_matmul, "_fp8_linear_kernel") as rec:
+    with recording(fp8_matmul, "_fp8_linear_kernel", "_int4_linear_kernel") as rec:
         # A decode batch and a larger one through FP8 weights with 128x128 block scales (FP8
-        # checkpoints) and with per-row scales (online quantization), and through int8 codes
-        # in groups of 128 (GPTQ / AWQ / compressed-tensors integer checkpoints).
+        # checkpoints) and with per-row scales (online quantization), through int8 codes in
+        # groups of 128 (GPTQ / AWQ / compressed-tensors integer checkpoints), and through
+        # packed 4-bit codes with zero points, in groups of 128 and per row.
         hidden = heads * head_dim
         weight = torch.empty(hidden, hidden, dtype=torch.float8_e4m3fn)
         codes = torch.empty(hidden, hidden, dtype=torch.int8)
+        packed = torch.empty(hidden, hidden // 2, dtype=torch.uint8)
         for rows in (4, 48):
             x = torch.empty(rows, hidden, dtype=dtype)
             fp8_matmul.fp8_linear(x, weight, torch.empty(hidden, hidden // 128), 128)
             fp8_matmul.fp8_linear(x, weight, torch.empty(hidden, 1), hidden,
                                   torch.empty(hidden, dtype=dtype))
             fp8_matmul.fp8_linear(x, codes, torch.empty(hidden, hidden // 128), 128)
+            for groups in (hidden // 128, 1):
+                fp8_matmul.fp8_linear(x, packed, torch.empty(hidden, groups),
+                                      hidden // groups,
+                                      zero_point=torch.empty(hidden, groups, dtype=torch.int8))
     launches += rec
     return launches
 

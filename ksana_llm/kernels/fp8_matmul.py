@@ -8,6 +8,11 @@ checkpoints' codes minus zero points) with float32 scales [N, ceil(K / group_siz
 With one scale per row the scale is applied to the accumulated dot (exact); with group scales
 each K tile lies in one group (BLOCK_K divides group_size), so the tile is scaled once before
 its dot. Group sizes that no 16-wide tile divides go through the torch reference.
+
+Packed 4-bit codes (W4A16; uint8 [N, K / 2], two codes a byte, the even column's in the low
+nibble, int8 zero points beside the scales) take their own kernel: each byte tile is split into
+the even and the odd columns' codes, each minus its zero point, and each half meets x's even or
+odd columns in its own dot, so a decode step reads a quarter of a 16-bit weight's bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
-from ksana_llm.loader.weight_quant import QUANTIZED_WEIGHT_DTYPES
+from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, QUANTIZED_WEIGHT_DTYPES
 
 
 @triton.jit
@@ -57,32 +62,84 @@ def _fp8_linear_kernel(
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def kernel_block_k(group_size: int, per_row: bool) -> int | None:
+@triton.jit
+def _int4_linear_kernel(
+    X, W, S, Z, Bias, Out,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
+    GROUP: tl.constexpr, PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs = tl.arange(0, BLOCK_K // 2)  # byte j of a tile holds columns 2j and 2j + 1
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = X + rows[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        even = k0 + 2 * pairs
+        pair_ok = even < K  # K is even: a byte is whole or absent
+        x_mask = row_ok[:, None] & pair_ok[None, :]
+        x_even = tl.load(x_rows + even[None, :], mask=x_mask, other=0.0)
+        x_odd = tl.load(x_rows + even[None, :] + 1, mask=x_mask, other=0.0)
+        codes = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + (k0 // 2 + pairs)[None, :],
+                        mask=col_ok[:, None] & pair_ok[None, :], other=0)
+        group = 0 if PER_ROW else k0 // GROUP
+        zero = tl.load(Z + cols * stride_zn + group, mask=col_ok, other=0).to(tl.float32)
+        w_even = (codes & 0xF).to(tl.float32) - zero[:, None]
+        w_odd = (codes >> 4).to(tl.float32) - zero[:, None]
+        if not PER_ROW:
+            group_scale = tl.load(S + cols * stride_sn + group, mask=col_ok, other=0.0)
+            w_even = w_even * group_scale[:, None]
+            w_odd = w_odd * group_scale[:, None]
+        acc += tl.dot(x_even, tl.trans(w_even.to(X.dtype.element_ty)), input_precision=PRECISION)
+        acc += tl.dot(x_odd, tl.trans(w_odd.to(X.dtype.element_ty)), input_precision=PRECISION)
+    if PER_ROW:
+        row_scale = tl.load(S + cols * stride_sn, mask=col_ok, other=0.0)
+        acc = acc * row_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def kernel_block_k(group_size: int, per_row: bool, packed: bool = False) -> int | None:
     """The K tile: 64 (or 32, 16) dividing the group, so each tile has one scale; None when no
-    16-wide tile divides it."""
+    16-wide tile divides it. Packed 4-bit tiles are at least 32 wide (two dots of half the tile,
+    each at least 16 deep)."""
     if per_row:
         return 64
-    for block in (64, 32, 16):
+    for block in (64, 32) if packed else (64, 32, 16):
         if group_size % block == 0:
             return block
     return None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] times the 8-bit weight [N, K] (scales [N, groups]) -> [..., N] in x's
-    dtype."""
-    if weight.dtype not in QUANTIZED_WEIGHT_DTYPES or weight.dim() != 2:
-        raise ValueError(f"weight: expected a 2-D tensor of {QUANTIZED_WEIGHT_DTYPES}, "
-                         f"got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
+               bias: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [..., K] times the quantized weight [N, K] (scales [N, groups]) -> [..., N] in x's
+    dtype: 8-bit values, or packed 4-bit codes (uint8 [N, K / 2]) with `zero_point`
+    [N, groups]."""
+    packed = weight.dtype == PACKED_INT4_DTYPE
+    if not (packed or weight.dtype in QUANTIZED_WEIGHT_DTYPES) or weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D tensor of {QUANTIZED_WEIGHT_DTYPES} or packed "
+                         f"4-bit codes (uint8), got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape[0], weight.shape[1] * (2 if packed else 1)
     if x.shape[-1] != k:
         raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's {k} columns")
+    if packed and (zero_point is None or zero_point.shape != scale.shape):
+        raise ValueError("zero_point: packed 4-bit codes need one zero point per scale")
     per_row = scale.shape[1] == 1
-    block_k = kernel_block_k(group_size, per_row)
+    block_k = kernel_block_k(group_size, per_row, packed)
     if block_k is None:
-        raise ValueError(f"group_size {group_size}: the kernel needs a multiple of 16")
-    check_same_device(x=x, weight=weight, scale=scale, bias=bias)
+        raise ValueError(f"group_size {group_size}: the kernel needs a multiple of "
+                         f"{32 if packed else 16}")
+    check_same_device(x=x, weight=weight, scale=scale, bias=bias, zero_point=zero_point)
     check_last_dim_contiguous("weight", weight)
     x2 = x.reshape(-1, k)
     check_last_dim_contiguous("x", x2)
@@ -96,13 +153,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
         block_n = 32 if m <= 16 else 64
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         scale = scale.to(torch.float32).contiguous()
-        _fp8_linear_kernel[grid](
-            x2, weight, scale, bias if bias is not None else scale, out,
-            m, n, k, scale.shape[1],
-            x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-            # per row, GROUP is unused: one value, so one compiled kernel for every K
-            GROUP=1 if per_row else group_size, PER_ROW=per_row, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            PRECISION=dot_precision(x.dtype),
-        )
+        # per row, GROUP is unused: one value, so one compiled kernel for every K
+        tiles = dict(GROUP=1 if per_row else group_size, PER_ROW=per_row,
+                     HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                     BLOCK_K=block_k, PRECISION=dot_precision(x.dtype))
+        bias_arg = bias if bias is not None else scale
+        if packed:
+            zero_point = zero_point.contiguous()
+            _int4_linear_kernel[grid](
+                x2, weight, scale, zero_point, bias_arg, out, m, n, k,
+                x2.stride(0), weight.stride(0), scale.stride(0), zero_point.stride(0),
+                out.stride(0), **tiles)
+        else:
+            _fp8_linear_kernel[grid](
+                x2, weight, scale, bias_arg, out, m, n, k, scale.shape[1],
+                x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), **tiles)
     return out.view(*x.shape[:-1], n)

@@ -129,7 +129,9 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The FP8 weight dequantized to x's dtype (`loader.weight_quant`), then a plain linear."""
-    return torch.nn.functional.linear(x, dequantize_weight(weight, scale, group_size, x.dtype),
-                                      bias)
+                   bias: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The quantized weight (8-bit, or packed 4-bit codes with their zero points) dequantized
+    to x's dtype (`loader.weight_quant`), then a plain linear."""
+    return torch.nn.functional.linear(
+        x, dequantize_weight(weight, scale, group_size, x.dtype, zero_point), bias)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ksana_llm.kernels.reference import fp8_linear_ref
-from ksana_llm.loader.weight_quant import dequantize_weight
+from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.quantized_weight import (QuantizedWeight, in_input_order,
                                                quantize_fp8_rows)
@@ -78,35 +78,38 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 FP8_KERNEL_MAX_ROWS = 256
 
 
-def fp8_kernel_for(group_size: int, per_row: bool) -> Callable[..., torch.Tensor] | None:
-    """The Triton FP8 matmul when it can run here (triton on a CUDA machine, a group size its
-    tiles divide), else None."""
+def fp8_kernel_for(group_size: int, per_row: bool, packed: bool = False
+                   ) -> Callable[..., torch.Tensor] | None:
+    """The Triton quantized-weight matmul when it can run here (triton on a CUDA machine, a
+    group size its tiles divide), else None."""
     from ksana_llm.kernels import triton_available
 
     if not torch.cuda.is_available() or not triton_available():
         return None
     from ksana_llm.kernels.fp8_matmul import fp8_linear, kernel_block_k
 
-    return fp8_linear if kernel_block_k(group_size, per_row) is not None else None
+    return fp8_linear if kernel_block_k(group_size, per_row, packed) is not None else None
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
                bias: torch.Tensor | None,
-               kernel: Callable[..., torch.Tensor] | None) -> torch.Tensor:
-    """x times an FP8 weight. On a GPU, batches of up to FP8_KERNEL_MAX_ROWS rows (decode steps)
+               kernel: Callable[..., torch.Tensor] | None,
+               zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """x times a quantized weight (8-bit, or packed 4-bit codes with their `zero_point`s). On a GPU, batches of up to FP8_KERNEL_MAX_ROWS rows (decode steps)
     take `kernel` (see `fp8_kernel_for`), which reads the FP8 bytes once per 64 rows; larger ones
     (prefill chunks), and the CPU, dequantize the weight to x's dtype and run the dense matmul
     (the torch reference), whose extra passes over the weight the many rows amortize."""
     if kernel is not None and x.is_cuda and x.numel() <= FP8_KERNEL_MAX_ROWS * x.shape[-1]:
-        return kernel(x, weight, scale, group_size, bias)
-    return fp8_linear_ref(x, weight, scale, group_size, bias)
+        return kernel(x, weight, scale, group_size, bias, zero_point)
+    return fp8_linear_ref(x, weight, scale, group_size, bias, zero_point)
 
 
 class QuantizedStorage(nn.Module):
     """What a projection needs to keep its weight at one byte per number (see
-    `loader.quantized_weight`): the weight parameter turns FP8 (or int8, an integer checkpoint's
-    codes) when the first `QuantizedWeight` arrives, with a `weight_scale` buffer of
-    [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
+    `loader.quantized_weight`), or half a byte (4-bit checkpoints): the weight parameter turns
+    FP8 (or int8, an integer checkpoint's codes, or uint8 [rows, cols / 2], packed 4-bit codes,
+    with a `weight_zero_point` buffer) when the first `QuantizedWeight` arrives, with a
+    `weight_scale` buffer of [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
     full-precision tensors to FP8 per row as they arrive; `quantized_capable` False (a weight
     other code reads as a dense matrix, MLA's absorbed `kv_b_proj`) takes quantized tensors
     dequantized. Weights stay as they load: a module built for bf16 whose checkpoint is
@@ -118,6 +121,8 @@ class QuantizedStorage(nn.Module):
         super().__init__()
         self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None, persistent=False)
+        self.weight_zero_point: torch.Tensor | None  # packed 4-bit codes' [rows, groups]
+        self.register_buffer("weight_zero_point", None, persistent=False)
         # GPTQ's activation order: the weight's columns take the inputs in this order.
         self.input_order: torch.Tensor | None
         self.register_buffer("input_order", None, persistent=False)
@@ -132,6 +137,12 @@ class QuantizedStorage(nn.Module):
     @property
     def is_quantized(self) -> bool:
         return self.weight_scale is not None
+
+    @property
+    def local_in_features(self) -> int:
+        """The weight's input columns on this rank (a packed weight stores two a byte)."""
+        columns = self.weight.shape[1]
+        return 2 * columns if self.weight.dtype == PACKED_INT4_DTYPE else columns
 
     def incoming(self, tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
         """A checkpoint tensor in the form this module stores: 8-bit (switching storage on the
@@ -149,16 +160,22 @@ class QuantizedStorage(nn.Module):
         return tensor
 
     def _store_quantized(self, tensor: QuantizedWeight) -> bool:
-        """Switch the weight to 8-bit storage (FP8 or int8, as `tensor` holds) for `tensor`'s
-        scale layout; False when the weight already holds rows of another kind or layout."""
+        """Switch the weight to quantized storage (FP8, int8 or packed 4-bit, as `tensor`
+        holds) for `tensor`'s scale layout; False when the weight already holds rows of another
+        kind or layout."""
         layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size)
         if self.is_quantized:
             return layout == (self.weight.dtype, self.weight_scale.shape[1],
                               self.weight_group_size) \
                 and _same_order(tensor.input_order, self.input_order)
-        rows, device = self.weight.shape[0], self.weight.device
+        (rows, columns), device = self.weight.shape, self.weight.device
         self._dense_dtype = self.weight.dtype
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=tensor.data.dtype,
+        if tensor.packed:
+            columns //= 2  # even: a packed part's columns are the module's
+            self.register_buffer("weight_zero_point",
+                                 torch.zeros(rows, layout[1], dtype=tensor.zero_point.dtype,
+                                             device=device), persistent=False)
+        self.weight = nn.Parameter(torch.empty(rows, columns, dtype=tensor.data.dtype,
                                                device=device), requires_grad=False)
         # A buffer, not a parameter: the checkpoint's `weight_scale_inv` arrives inside the
         # weight's QuantizedWeight, so the loader expects no tensor of this name.
@@ -172,9 +189,10 @@ class QuantizedStorage(nn.Module):
     def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._fp8_kernel is None and x.is_cuda:  # decided once: checking costs a launch's time
             self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
-                                              self.weight_scale.shape[1] == 1) or False
+                                              self.weight_scale.shape[1] == 1,
+                                              self.weight_zero_point is not None) or False
         return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias,
-                          self._fp8_kernel or None)
+                          self._fp8_kernel or None, self.weight_zero_point)
 
     def _store_dense(self) -> None:
         """Dense rows are coming: rows already stored quantized are dequantized first."""
@@ -182,9 +200,10 @@ class QuantizedStorage(nn.Module):
         if self.is_quantized:
             dense_weight = in_input_order(
                 dequantize_weight(self.weight.data, self.weight_scale, self.weight_group_size,
-                                  self._dense_dtype), self.input_order)
+                                  self._dense_dtype, self.weight_zero_point), self.input_order)
             self.weight = nn.Parameter(dense_weight, requires_grad=False)
             self.weight_scale = None
+            self.weight_zero_point = None
             self.input_order = None
             self.weight_group_size = 0
 
@@ -194,6 +213,8 @@ class QuantizedStorage(nn.Module):
         if isinstance(tensor, QuantizedWeight):
             self.weight.data[offset:offset + rows].copy_(tensor.data)
             self.weight_scale[offset:offset + rows].copy_(tensor.scale)
+            if tensor.zero_point is not None:
+                self.weight_zero_point[offset:offset + rows].copy_(tensor.zero_point)
         else:
             self.weight.data[offset:offset + rows].copy_(tensor)
 

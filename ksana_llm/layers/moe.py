@@ -139,7 +139,7 @@ class FusedExperts(nn.Module):
     all-reduces once.
 
     Quantized experts (an FP8 checkpoint's, `quantize_on_load` for online quantization, or an
-    integer checkpoint's int8 codes) stay so: `w13` / `w2` hold the 8-bit values and
+    integer checkpoint's codes, 4-bit ones widened to int8) stay so: `w13` / `w2` hold the 8-bit values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
     (see `loader.quantized_weight`); each active expert's matmul takes its 8-bit weight as the
     projections do. Experts whose checkpoint tensors disagree (some quantized, some not, FP8
@@ -273,6 +273,10 @@ class FusedExperts(nn.Module):
         (FP8 and int8 ones, or other scale layouts)."""
         if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             tensor = quantize_fp8_rows(tensor)
+        if isinstance(tensor, QuantizedWeight):
+            # Experts keep 4-bit codes at one byte, as int8 codes minus zero points: the
+            # per-expert matmul has no packed path yet.
+            tensor = tensor.unpacked()
         scale = getattr(self, f"{target}_scale")
         # Activation-order experts (each its own input order) are kept dense.
         if isinstance(tensor, QuantizedWeight) and self.quantized_capable \

@@ -108,7 +108,7 @@ class RowParallelLinear(QuantizedStorage):
             return ["bias"]
         if name != "weight":
             raise ValueError(f"unexpected checkpoint tensor {name!r} for a row-parallel linear")
-        local_in = self.weight.shape[1]
+        local_in = self.local_in_features
         if tensor.shape != (self.weight.shape[0], self.in_features):
             raise ValueError(f"weight: shape {tuple(tensor.shape)} does not fit "
                              f"{tuple(self.weight.shape)} on TP rank {self.ctx.tp_rank}")

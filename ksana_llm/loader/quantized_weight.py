@@ -1,7 +1,7 @@
 """A quantized weight in memory (`QuantizedWeight`): one byte per number (float8_e4m3fn, or
-int8 codes minus zero points) and one float32 scale per row and input group (the row scales of
-a checkpoint's block are the block's scale repeated), so a tensor-parallel rank can take any
-rows and group-aligned columns of it. The checkpoint formats (`fp8_weights`, `gptq_awq`) make
+int8 codes minus zero points) or half a byte (4-bit codes, with their zero points), and one
+float32 scale per row and input group (the row scales of a checkpoint's block are the block's
+scale repeated), so a tensor-parallel rank can take any rows and group-aligned columns of it. The checkpoint formats (`fp8_weights`, `gptq_awq`) make
 them; the modules that keep quantized weights (the projections, `MergedLinear` and
 `RowParallelLinear`, and the MoE experts, `FusedExperts`) take them as they are, everything
 else gets them dequantized (`dense`).
@@ -14,17 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, QUANTIZED_WEIGHT_DTYPES,
-                                           dequantize_weight, quantize_fp8)
+from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
+                                           QUANTIZED_WEIGHT_DTYPES, dequantize_weight,
+                                           pack_nibbles, quantize_fp8, split_nibbles)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A [rows, cols] weight as 8-bit values (FP8, or int8 integer codes) and float32 scales,
-    `scale[r, g]` multiplying `data[r, g * group_size:(g + 1) * group_size]` (the last group
-    may be shorter).
+    """A [rows, cols] weight as 8-bit values (FP8, or int8 integer codes) or packed 4-bit codes,
+    and float32 scales, `scale[r, g]` multiplying `data[r, g * group_size:(g + 1) * group_size]`
+    (the last group may be shorter).
 
-    `input_order` (GPTQ's activation order): column j of `data` belongs to input
+    Packed (`data` uint8 [rows, cols / 2], two codes 0..15 a byte, the even column's in the low
+    nibble): `zero_point[r, g]` (int8, the shape of `scale`) is subtracted from the group's
+    codes before the scale multiplies them. 8-bit data has no zero points (an int8 weight holds
+    its codes minus them).
+
+    `input_order` (GPTQ's activation order): column j of the weight belongs to input
     `input_order[j]`, so the weight multiplies `x[..., input_order]`; the columns are stored in
     the order that puts each scale group together."""
 
@@ -32,23 +38,47 @@ class QuantizedWeight:
     scale: torch.Tensor
     group_size: int
     input_order: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.data.dtype not in QUANTIZED_WEIGHT_DTYPES:
+        if self.data.dtype not in QUANTIZED_WEIGHT_DTYPES + (PACKED_INT4_DTYPE,):
             raise ValueError(f"quantized weight values: {self.data.dtype}, expected one of "
-                             f"{QUANTIZED_WEIGHT_DTYPES}")
-        rows, cols = self.data.shape
-        if self.scale.shape != (rows, math.ceil(cols / self.group_size)):
+                             f"{QUANTIZED_WEIGHT_DTYPES} or packed 4-bit codes (uint8)")
+        rows, cols = self.shape
+        groups = math.ceil(cols / self.group_size)
+        if self.scale.shape != (rows, groups):
             raise ValueError(f"quantized weight scales: shape {tuple(self.scale.shape)} does "
                              f"not cover a [{rows}, {cols}] weight in groups of {self.group_size}")
+        if self.packed:
+            if self.zero_point is None or self.zero_point.shape != self.scale.shape:
+                raise ValueError("packed 4-bit codes need one zero point per scale, got "
+                                 f"{None if self.zero_point is None else tuple(self.zero_point.shape)}")
+            if groups > 1 and self.group_size % 2:
+                raise ValueError(f"packed 4-bit groups of {self.group_size} columns split bytes")
+        elif self.zero_point is not None:
+            raise ValueError("zero points belong to packed 4-bit codes only: 8-bit integer "
+                             "data holds its codes minus their zero points")
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes a byte (see the class doc)."""
+        return self.data.dtype == PACKED_INT4_DTYPE
 
     @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        rows, stored = self.data.shape
+        return torch.Size((rows, 2 * stored if self.packed else stored))
+
+    def _like(self, data: torch.Tensor, scale: torch.Tensor, group_size: int,
+              zero_point: torch.Tensor | None, input_order: torch.Tensor | None = None
+              ) -> QuantizedWeight:
+        return QuantizedWeight(data, scale, group_size, input_order,
+                               zero_point if self.packed else None)
 
     def rows(self, start: int, count: int) -> QuantizedWeight:
-        return QuantizedWeight(self.data[start:start + count], self.scale[start:start + count],
-                               self.group_size, self.input_order)
+        zero = None if self.zero_point is None else self.zero_point[start:start + count]
+        return self._like(self.data[start:start + count], self.scale[start:start + count],
+                          self.group_size, zero, self.input_order)
 
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -56,32 +86,50 @@ class QuantizedWeight:
 
     def columns(self, start: int, count: int) -> QuantizedWeight | torch.Tensor:
         """Input columns [start, start + count): whole groups only, unless one scale covers the
-        row (per-row or per-tensor scales hold for any columns). In activation order a part of
-        the inputs is no set of whole groups: it comes dequantized (float32)."""
-        cols = self.data.shape[1]
+        row (per-row or per-tensor scales hold for any columns; packed codes then any even
+        ones, else they come as int8). In activation order a part of the inputs is no set of
+        whole groups: it comes dequantized (float32)."""
+        cols = self.shape[1]
         if self.input_order is not None:
             return self if (start, count) == (0, cols) \
                 else self.dequantize()[:, start:start + count]
         if self.scale.shape[1] == 1:
-            return QuantizedWeight(self.data[:, start:start + count], self.scale, max(count, 1))
+            if self.packed and (start % 2 or count % 2):
+                return self.unpacked().columns(start, count)
+            per_byte = 2 if self.packed else 1
+            return self._like(self.data[:, start // per_byte:(start + count) // per_byte],
+                              self.scale, max(count, 1), self.zero_point)
         end = start + count
         if start % self.group_size or (end % self.group_size and end != cols):
             raise ValueError(f"columns [{start}, {end}) of a quantized weight split its scale "
                              f"blocks of {self.group_size} columns: choose a "
                              "tensor_parallel_size that splits the input at block boundaries")
-        first = start // self.group_size
-        return QuantizedWeight(self.data[:, start:end],
-                               self.scale[:, first:math.ceil(end / self.group_size)],
-                               self.group_size)
+        groups = slice(start // self.group_size, math.ceil(end / self.group_size))
+        per_byte = 2 if self.packed else 1
+        return self._like(self.data[:, start // per_byte:end // per_byte], self.scale[:, groups],
+                          self.group_size,
+                          None if self.zero_point is None else self.zero_point[:, groups])
+
+    def unpacked(self) -> QuantizedWeight:
+        """The same numbers as 8-bit integers (codes minus zero points, which lie in
+        [-128, 127] for 4-bit codes), for code that takes 8-bit data only; 8-bit data as it is."""
+        if not self.packed:
+            return self
+        values = split_nibbles(self.data).to(torch.int16)
+        zeros = self.zero_point.to(torch.int16).repeat_interleave(self.group_size, dim=1)
+        values = values - zeros[:, :values.shape[1]]
+        return QuantizedWeight(values.to(INT_WEIGHT_DTYPE), self.scale, self.group_size,
+                               self.input_order)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [rows, cols] weight, columns in input order."""
-        return in_input_order(dequantize_weight(self.data, self.scale, self.group_size, dtype),
-                              self.input_order)
+        return in_input_order(dequantize_weight(self.data, self.scale, self.group_size, dtype,
+                                                self.zero_point), self.input_order)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(self.data.to(device), self.scale.to(device), self.group_size,
-                               None if self.input_order is None else self.input_order.to(device))
+                               None if self.input_order is None else self.input_order.to(device),
+                               None if self.zero_point is None else self.zero_point.to(device))
 
 
 def quantize_fp8_rows(weight: torch.Tensor) -> QuantizedWeight:
@@ -101,6 +149,22 @@ def integer_weight(values: torch.Tensor, scale: torch.Tensor, group_size: int,
         return QuantizedWeight(values.to(INT_WEIGHT_DTYPE), scale.contiguous(), group_size,
                                input_order)
     return in_input_order(dequantize_weight(values, scale, group_size), input_order)
+
+
+def int4_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tensor,
+                group_size: int, input_order: torch.Tensor | None = None
+                ) -> QuantizedWeight | torch.Tensor:
+    """4-bit codes ([rows, cols] in 0..15, columns in `input_order` when given) with their
+    [rows, groups] zero points and float32 scales, held packed two a byte; as int8 codes minus
+    zero points where packing would split a byte (an odd number of columns, odd groups)."""
+    cols = codes.shape[1]
+    zeros_fit = zero_point.numel() == 0 \
+        or (int(zero_point.min()) >= -128 and int(zero_point.max()) <= 127)
+    if not cols % 2 and (scale.shape[1] == 1 or not group_size % 2) and zeros_fit:
+        return QuantizedWeight(pack_nibbles(codes), scale.contiguous(), group_size, input_order,
+                               zero_point.to(INT_WEIGHT_DTYPE).contiguous())
+    zeros = zero_point.to(torch.int16).repeat_interleave(group_size, dim=1)[:, :cols]
+    return integer_weight(codes.to(torch.int16) - zeros, scale, group_size, input_order)
 
 
 def in_input_order(weight: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:

@@ -5,12 +5,15 @@ A weight is `data * scale`: `data` one byte per number, each scale covering a ti
 checkpoint's [128, 128] blocks, or one row of `group_size` columns in memory). `data` is
 float8_e4m3fn for FP8 checkpoints and online quantization (a tile's largest magnitude maps to
 E4M3's largest finite value, 448), or int8 for integer checkpoints (GPTQ, AWQ,
-compressed-tensors int4 / int8), whose codes minus zero points it holds exactly.
+compressed-tensors int8), whose codes minus zero points it holds exactly. 4-bit checkpoints keep
+half a byte per number: `data` is uint8 holding two 4-bit codes (0..15), and a weight is
+`(codes - zero_point) * scale` with one int8 zero point per scale.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +22,9 @@ FP8_MAX = torch.finfo(FP8_WEIGHT_DTYPE).max  # 448
 INT_WEIGHT_DTYPE = torch.int8
 # What a quantized weight's `data` may be: FP8 values or integer codes (see the module's doc).
 QUANTIZED_WEIGHT_DTYPES = (FP8_WEIGHT_DTYPE, INT_WEIGHT_DTYPE)
+# Two 4-bit codes per byte, the even column's in the low nibble (the order of the checkpoints'
+# int32 words, read byte by byte).
+PACKED_INT4_DTYPE = torch.uint8
 
 
 # E4M3 value / E4M3_AS_HALF_FACTOR is what `e4m3_as_half` returns.
@@ -36,24 +42,56 @@ def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """8-bit values (FP8 or int8) times their group scales (computed in float32, then cast
-    once to `dtype`)."""
-    rows, cols = data.shape
-    if data.device.type == "cpu" and data.dtype == FP8_WEIGHT_DTYPE:
+                      dtype: torch.dtype = torch.float32,
+                      zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """8-bit values (FP8 or int8), or packed 4-bit codes minus their `zero_point`s, times their
+    group scales (computed in float32, then cast once to `dtype`)."""
+    if data.dtype == PACKED_INT4_DTYPE:
+        if zero_point is None:
+            raise ValueError("packed 4-bit codes need their zero points")
+        weight = split_nibbles(data).to(torch.float32)
+        _per_group(weight, zero_point.to(torch.float32), group_size, torch.Tensor.sub_)
+    elif data.device.type == "cpu" and data.dtype == FP8_WEIGHT_DTYPE:
         weight = e4m3_as_half(data).to(torch.float32)
         scale = scale * E4M3_AS_HALF_FACTOR
     else:
         weight = data.to(torch.float32)
-    if scale.shape[1] == 1:
-        return (weight * scale).to(dtype)
-    full, rest = divmod(cols, group_size)
-    # Scales broadcast over a view of the weight: never a second weight-sized tensor of scales.
-    head = weight[:, :full * group_size].view(rows, full, group_size)
-    head.mul_(scale[:, :full, None])
-    if rest:
-        weight[:, full * group_size:].mul_(scale[:, full:])
+    _per_group(weight, scale, group_size, torch.Tensor.mul_)
     return weight.to(dtype)
+
+
+def _per_group(weight: torch.Tensor, per_group: torch.Tensor, group_size: int,
+               operation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """`operation` (an in-place op) of each [row, group] value onto its group of the weight's
+    columns. The values broadcast over a view of the weight: never a second weight-sized
+    tensor."""
+    rows, cols = weight.shape
+    if per_group.shape[1] == 1:
+        operation(weight, per_group)
+        return
+    full, rest = divmod(cols, group_size)
+    operation(weight[:, :full * group_size].view(rows, full, group_size),
+              per_group[:, :full, None])
+    if rest:
+        operation(weight[:, full * group_size:], per_group[:, full:])
+
+
+def split_nibbles(octets: torch.Tensor) -> torch.Tensor:
+    """Bytes of two 4-bit fields, the first in the low nibble, as one uint8 per field:
+    [rows, n] -> [rows, 2n]."""
+    octets = octets.view(torch.uint8)
+    rows, count = octets.shape
+    return torch.stack((octets & 0xF, octets >> 4), dim=-1).view(rows, 2 * count)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (0..15, an even number of columns) two per byte, the even column's in the
+    low nibble: [rows, 2n] -> uint8 [rows, n]."""
+    if codes.shape[1] % 2:
+        raise ValueError(f"packing 4-bit codes needs an even number of columns, got "
+                         f"{codes.shape[1]}")
+    pairs = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
+    return (pairs[..., 0] | pairs[..., 1] << 4).contiguous()
 
 
 def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -65,9 +103,7 @@ def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     rows = words.shape[0]
     # Flat first: a [n, 1] view counts as contiguous with any stride, which a byte view refuses.
     octets = words.contiguous().reshape(-1).view(torch.uint8).view(rows, -1)  # little-endian
-    if bits == 8:
-        return octets
-    return torch.stack((octets & 0xF, octets >> 4), dim=-1).view(rows, -1)
+    return octets if bits == 8 else split_nibbles(octets)
 
 
 def quantize_fp8(weight: torch.Tensor, block_size: tuple[int, int] | None = None

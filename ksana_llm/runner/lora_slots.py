@@ -94,7 +94,8 @@ def lora_device_bytes(model: nn.Module, *, num_slots: int, max_rank: int, dtype:
     stacks = widest = 0
     for projection in projections.values():
         rows = num_slots * projection.num_parts * max_rank
-        out_features, in_features = projection.module.weight.shape
+        out_features, in_features = (projection.module.weight.shape[0],
+                                     projection.module.local_in_features)
         stacks += rows * (in_features + out_features) * element
         widest = max(widest, rows)
     return stacks + 2 * max_step_tokens * widest * element
@@ -265,7 +266,7 @@ class LoraSlots:
                       a: torch.Tensor, b: torch.Tensor) -> None:
         linear = projection.module
         if isinstance(linear, MergedLinear):
-            in_features = linear.weight.shape[1]
+            in_features = linear.local_in_features
             out_features = sum(linear.full_sizes) if index == WHOLE else linear.full_sizes[index]
         else:
             in_features, out_features = linear.in_features, linear.weight.shape[0]
@@ -288,7 +289,7 @@ class LoraSlots:
             block = projection.num_parts * self.max_rank
             zeros = dict(device=self.device, dtype=self.dtype)
             stacks = LoraWeights(
-                torch.zeros(self.num_slots * block, linear.weight.shape[1], **zeros),
+                torch.zeros(self.num_slots * block, linear.local_in_features, **zeros),
                 torch.zeros(self.num_slots * block, linear.weight.shape[0], **zeros),
                 self.num_slots)
             self.weights[projection.name] = stacks
@@ -307,7 +308,7 @@ class LoraSlots:
             first_out, size = linear.shards[index]
             a_rows, b_t, column = a, b[first_out:first_out + size].t(), linear.offsets[index]
         else:
-            local_in = linear.weight.shape[1]
+            local_in = linear.local_in_features
             a_rows = a[:, linear.in_start:linear.in_start + local_in]
             b_t, column = b.t(), 0
         return [_SlotWrite(projection, index, self._host(a_rows), self._host(b_t), column)]
