@@ -55,12 +55,13 @@ WEIGHTS = ("auto", "fp8")
 
 
 def weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
-    """(the projections' weight + scale bytes, every parameter's and buffer's bytes)."""
+    """(the projections' weight + scale (+ zero point) bytes, every parameter's and buffer's
+    bytes)."""
     def size(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
-    projections = sum(size(m.weight) + size(m.weight_scale) for m in module.modules()
-                      if isinstance(m, QuantizedStorage))
+    projections = sum(size(m.weight) + size(m.weight_scale) + size(m.weight_zero_point)
+                      for m in module.modules() if isinstance(m, QuantizedStorage))
     total = sum(size(t) for t in (*module.parameters(), *module.buffers()))
     return projections, total
 
@@ -155,18 +156,21 @@ def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespac
 
 
 def _read_twice(folder: Path, args: argparse.Namespace, peer: torch.nn.Module | None) -> dict:
-    """Weight memory and perplexity of a checkpoint read by our engine, and the peer's
-    perplexity (transformers reading the folder, or the given model)."""
+    """Weight memory, perplexity and batch-1 decode ms/token of a checkpoint read by our
+    engine, and the peer's perplexity (transformers reading the folder, or the given model)."""
     model = kt.Model.from_pretrained(folder, device=args.device, dtype=args.dtype,
                                      progress=False)
     ids = model.tokenizer.encode(TEXT)
+    b1_prompt = random_prompts(model.tokenizer, model.vocab_size, 1, args.b1_prompt_len,
+                               args.b1_prompt_len, args.seed + 1)[0]
     with kt.Engine(model) as engine:
         ours = perplexity_ours(engine, ids)
+        b1 = batch1_ms_per_token(engine, b1_prompt, args.b1_new_tokens, model.device)
     projections, total = weight_bytes(model.module)
     theirs = perplexity_hf(model, ids) if peer is None \
         else perplexity_of(peer.to(model.device), ids, model.device)
     return {"projection_mib": projections / 2**20, "model_mib": total / 2**20,
-            "perplexity": ours, "hf_perplexity": theirs}
+            "perplexity": ours, "hf_perplexity": theirs, "batch1_ms_per_token": b1}
 
 
 def main() -> None:
@@ -249,12 +253,13 @@ def main() -> None:
               f"{100 * r['tokens_equal_auto']:.0f}% |")
     print(f"| transformers (peer, {args.dtype}) | - | - | - | - | {hf_b1:.1f} | {hf_ppl:.3f} | - |")
     if checkpoints:
-        print("\n| checkpoint | projections MiB | model MiB | perplexity (ours) | "
-              "perplexity (transformers) |")
-        print("|---|---|---|---|---|")
+        print("\n| checkpoint | projections MiB | model MiB | batch-1 ms/tok | "
+              "perplexity (ours) | perplexity (transformers) |")
+        print("|---|---|---|---|---|---|")
         for name, r in checkpoints.items():
             print(f"| {name} | {r['projection_mib']:.1f} | {r['model_mib']:.1f} | "
-                  f"{r['perplexity']:.3f} | {r['hf_perplexity']:.3f} |")
+                  f"{r['batch1_ms_per_token']:.1f} | {r['perplexity']:.3f} | "
+                  f"{r['hf_perplexity']:.3f} |")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "results": results, "hf_perplexity": hf_ppl,

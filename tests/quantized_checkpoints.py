@@ -216,6 +216,12 @@ def assert_experts_quantized(module: torch.nn.Module, dtype: torch.dtype = FP8_W
         assert experts.w13.dtype == dtype and experts.w2.dtype == dtype
         assert experts.w13_scale.shape[:2] == experts.w13.shape[:2]
         assert experts.w2_scale.shape[:2] == experts.w2.shape[:2]
+        packed = dtype == torch.uint8  # two 4-bit codes a byte, zero points beside the scales
+        for name in ("w13", "w2"):
+            zero = getattr(experts, f"{name}_zero_point")
+            assert (zero is not None) == packed
+            if packed:
+                assert zero.shape == getattr(experts, f"{name}_scale").shape
     return len(stacks)
 
 

@@ -107,8 +107,8 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
 
 
 def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
-    """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts hold int8
-    codes minus zero points (the per-expert matmul has no packed 4-bit path) and the model gives the logits and tokens of transformers reading a full-precision copy
+    """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts hold their
+    4-bit codes packed two a byte with zero points, and the model gives the logits and tokens of transformers reading a full-precision copy
     that holds AutoGPTQ's dequantization. (The tiny Mixtral's 48-wide experts do not fit
     AutoGPTQ's packing, which needs outputs in multiples of 32.)"""
     from transformers import AutoModelForCausalLM
@@ -125,7 +125,7 @@ def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(
         write_held(tmp_path / "full", tmp_path / "held", held), dtype=torch.float32).eval()
     module = load_ours(tmp_path / "gptq")
-    assert assert_experts_quantized(module, INT8) == 2
+    assert assert_experts_quantized(module, INT4) == 2
     check_family(module, tmp_path / "gptq", hf_reference(reference), vocab=256)
 
 

@@ -330,8 +330,9 @@ FP8_MATMUL_ROWS = (1, 8, 32, 64, 128, 256)
 
 
 def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> dict[str, Any]:
-    """The Triton 8-bit matmul (FP8 with 128-column block scales or per-row scales; int8 codes
-    with 128-column group scales, as GPTQ / AWQ / compressed-tensors checkpoints load) against
+    """The Triton quantized-weight matmul (FP8 with 128-column block scales or per-row scales;
+    int8 codes with 128-column group scales, as GPTQ int8 / compressed-tensors int8 checkpoints
+    load; packed 4-bit codes with zero points, as GPTQ int4 / AWQ / W4A16 ones load) against
     bf16 cuBLAS on the same shape and against the dequantize-then-matmul path the engine takes
     for larger batches. GB/s counts the weight bytes each reads once."""
     from ksana_llm.kernels.fp8_matmul import fp8_linear
@@ -343,23 +344,31 @@ def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> 
         data, block_scale = quantize_fp8(weight, (128, 128))
         scale = block_scale.repeat_interleave(128, 0)[:n].contiguous()
         group = 128
-    elif layout == "int8-g128":  # 4-bit codes minus zero points, as a GPTQ int4 weight holds
-        data = torch.randint(-8, 8, (n, k), device="cuda", dtype=torch.int8)
+    elif layout == "int8-g128":  # symmetric 8-bit codes, as a GPTQ int8 weight holds
+        data = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8)
+        scale = torch.rand(n, k // 128, device="cuda") * 0.0003
+        group = 128
+    elif layout == "int4-g128":  # packed 4-bit codes with zero points (GPTQ int4, AWQ)
+        data = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8)
         scale = torch.rand(n, k // 128, device="cuda") * 0.005
+        zero_point = torch.randint(0, 16, (n, k // 128), device="cuda", dtype=torch.int8)
         group = 128
     else:
         data, scale = quantize_fp8(weight, (1, k))
         group = k
+    if layout != "int4-g128":
+        zero_point = None
     dense = weight.to(torch.bfloat16)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    kernel = time_ms(lambda: fp8_linear(x, data, scale, group))
+    kernel = time_ms(lambda: fp8_linear(x, data, scale, group, None, zero_point))
     cublas = time_ms(lambda: F.linear(x, dense))
-    dequant = time_ms(lambda: fp8_linear_ref(x, data, scale, group))
-    err = (fp8_linear(x, data, scale, group).float()
-           - fp8_linear_ref(x.float(), data, scale, group)).abs().max().item()
+    dequant = time_ms(lambda: fp8_linear_ref(x, data, scale, group, None, zero_point))
+    err = (fp8_linear(x, data, scale, group, None, zero_point).float()
+           - fp8_linear_ref(x.float(), data, scale, group, None, zero_point)).abs().max().item()
+    weight_bytes = data.numel() * data.element_size()
     return {"shape": name, "n": n, "k": k, "rows": rows, "scales": layout, "triton": kernel,
             "bf16_cublas": cublas, "dequant_then_matmul": dequant,
-            "triton_weight_gbps": n * k / kernel["ms"] / 1e6,
+            "triton_weight_gbps": weight_bytes / kernel["ms"] / 1e6,
             "cublas_weight_gbps": 2 * n * k / cublas["ms"] / 1e6,
             "speedup_vs_bf16": cublas["ms"] / kernel["ms"],
             "speedup_vs_dequant": dequant["ms"] / kernel["ms"], "max_abs_err": err}
@@ -368,7 +377,7 @@ def bench_fp8_matmul_case(name: str, n: int, k: int, rows: int, layout: str) -> 
 def stage_fp8_matmul(out_dir: Path) -> int:
     require_cuda()
     rows_out = []
-    for layout in ("block128", "per-row", "int8-g128"):
+    for layout in ("block128", "per-row", "int8-g128", "int4-g128"):
         for name, n, k in FP8_MATMUL_SHAPES:
             for rows in FP8_MATMUL_ROWS:
                 row = bench_fp8_matmul_case(name, n, k, rows, layout)

@@ -11,7 +11,7 @@
 # Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
 # random rank-16 LoRA adapters, round robin) and engine-qwen3-fp8w / engine-llama8b-fp8w (the
 # workloads with FP8 projection weights, online quantization) and fp8-matmul (the 8-bit-weight
-# matmul, FP8 and int8 codes, against bf16 cuBLAS) only when named.
+# matmul, FP8, int8 codes and packed 4-bit codes, against bf16 cuBLAS) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -49,7 +49,7 @@ fi
 declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
-                  [engine-llama8b-fp8w]=330 [fp8-matmul]=210)
+                  [engine-llama8b-fp8w]=330 [fp8-matmul]=270)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected

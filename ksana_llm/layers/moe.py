@@ -24,7 +24,8 @@ from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.loader.weight_quant import dequantize_weight
+from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
+                                           dequantize_weight)
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
 from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_fp8_rows
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
@@ -139,7 +140,8 @@ class FusedExperts(nn.Module):
     all-reduces once.
 
     Quantized experts (an FP8 checkpoint's, `quantize_on_load` for online quantization, or an
-    integer checkpoint's codes, 4-bit ones widened to int8) stay so: `w13` / `w2` hold the 8-bit values and
+    integer checkpoint's codes: int8, or 4-bit packed two a byte with `w13_zero_point` /
+    `w2_zero_point` beside the scales) stay so: `w13` / `w2` hold the 8-bit values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
     (see `loader.quantized_weight`); each active expert's matmul takes its 8-bit weight as the
     projections do. Experts whose checkpoint tensors disagree (some quantized, some not, FP8
@@ -152,6 +154,7 @@ class FusedExperts(nn.Module):
                  hidden_act: str = "silu", *, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
         self.shard_start, intermediate_size = parallel.tp_split(intermediate_size)
         self.intermediate_size = intermediate_size
@@ -164,6 +167,11 @@ class FusedExperts(nn.Module):
         self.w2_scale: torch.Tensor | None
         self.register_buffer("w13_scale", None, persistent=False)
         self.register_buffer("w2_scale", None, persistent=False)
+        # packed 4-bit codes' zero points, [E, rows, groups] like the scales
+        self.w13_zero_point: torch.Tensor | None
+        self.w2_zero_point: torch.Tensor | None
+        self.register_buffer("w13_zero_point", None, persistent=False)
+        self.register_buffer("w2_zero_point", None, persistent=False)
         self.group_sizes = {"w13": 0, "w2": 0}
         self.quantized_capable = True
         self.quantize_on_load = False
@@ -198,10 +206,13 @@ class FusedExperts(nn.Module):
         if scale is None:
             return F.linear(x, weight[expert])
         group = self.group_sizes[name]
+        zero = getattr(self, f"{name}_zero_point")
         if name not in self._fp8_kernels and x.is_cuda:  # decided once per weight
-            self._fp8_kernels[name] = fp8_kernel_for(group, scale.shape[2] == 1) or False
+            self._fp8_kernels[name] = fp8_kernel_for(group, scale.shape[2] == 1,
+                                                     zero is not None) or False
         return fp8_matmul(x, weight[expert], scale[expert], group, None,
-                          self._fp8_kernels.get(name) or None)
+                          self._fp8_kernels.get(name) or None,
+                          None if zero is None else zero[expert])
 
     # ---- checkpoint loading (see models/weight_loading.py) -------------------------------------
     def expected_checkpoint_keys(self) -> list[str]:
@@ -254,14 +265,16 @@ class FusedExperts(nn.Module):
                     else tensor[first:first + size]
             index = 0 if part == "gate" else 1
             target, rows = "w13", slice(index * size, (index + 1) * size)
-        param = getattr(self, target)
-        expected = (rows.stop - rows.start, param.shape[2])
+        inputs = self.hidden_size if target == "w13" else self.intermediate_size
+        expected = (rows.stop - rows.start, inputs)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {expected}")
         tensor = self._incoming(target, tensor)
         if isinstance(tensor, QuantizedWeight):
             getattr(self, target).data[expert, rows].copy_(tensor.data)
             getattr(self, f"{target}_scale")[expert, rows].copy_(tensor.scale)
+            if tensor.zero_point is not None:
+                getattr(self, f"{target}_zero_point")[expert, rows].copy_(tensor.zero_point)
         else:
             getattr(self, target).data[expert, rows].copy_(tensor)
         return [f"{expert}.{part}"]
@@ -273,10 +286,6 @@ class FusedExperts(nn.Module):
         (FP8 and int8 ones, or other scale layouts)."""
         if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             tensor = quantize_fp8_rows(tensor)
-        if isinstance(tensor, QuantizedWeight):
-            # Experts keep 4-bit codes at one byte, as int8 codes minus zero points: the
-            # per-expert matmul has no packed path yet.
-            tensor = tensor.unpacked()
         scale = getattr(self, f"{target}_scale")
         # Activation-order experts (each its own input order) are kept dense.
         if isinstance(tensor, QuantizedWeight) and self.quantized_capable \
@@ -292,21 +301,30 @@ class FusedExperts(nn.Module):
         self._has_dense[target] = True
         if scale is not None:  # rows stored quantized so far become dense
             weight = getattr(self, target).data
+            zero = getattr(self, f"{target}_zero_point")
             dense_weight = torch.stack([
-                dequantize_weight(weight[e], scale[e], self.group_sizes[target], self._dense_dtype)
+                dequantize_weight(weight[e], scale[e], self.group_sizes[target], self._dense_dtype,
+                                  None if zero is None else zero[e])
                 for e in range(self.num_experts)])
             setattr(self, target, nn.Parameter(dense_weight, requires_grad=False))
             setattr(self, f"{target}_scale", None)
+            setattr(self, f"{target}_zero_point", None)
         return tensor
 
     def _store_quantized(self, target: str, dtype: torch.dtype, num_groups: int,
                          group_size: int) -> None:
         param = getattr(self, target)
         self._dense_dtype = param.dtype
+        experts, rows, columns = param.shape
+        if dtype == PACKED_INT4_DTYPE:  # two codes a byte, a zero point per scale
+            columns //= 2
+            self.register_buffer(f"{target}_zero_point",
+                                 torch.zeros(experts, rows, num_groups, dtype=INT_WEIGHT_DTYPE,
+                                             device=param.device), persistent=False)
         setattr(self, target, nn.Parameter(
-            torch.empty(param.shape, dtype=dtype, device=param.device),
+            torch.empty(experts, rows, columns, dtype=dtype, device=param.device),
             requires_grad=False))
-        self.register_buffer(f"{target}_scale", torch.ones(*param.shape[:2], num_groups,
+        self.register_buffer(f"{target}_scale", torch.ones(experts, rows, num_groups,
                                                            device=param.device),
                              persistent=False)
         self.group_sizes[target] = group_size

@@ -19,8 +19,8 @@ outputs, `bits`-bit codes, groups of `group_size` inputs:
 A weight becomes a `QuantizedWeight` holding exactly its numbers: 4-bit codes packed two a
 byte with their zero points and group scales (`int4_weight`), 8-bit codes minus zero points as
 int8 (symmetric ones, zero point 128, lie in [-128, 127]) with the group scales, so every
-quantized path (tensor parallel slicing, the Triton W4A16 / W8A16 matmul) serves it at half a
-byte or one byte per weight (MoE experts at one byte). In activation order the columns are stored
+quantized path (tensor parallel slicing, MoE experts, the Triton W4A16 / W8A16 matmul) serves
+it at half a byte or one byte per weight. In activation order the columns are stored
 sorted by group, with the order of the inputs they take (`input_order`): a projection then
 gathers its input in that order before the matmul. Asymmetric 8-bit codes (up to 255 from their
 zero point) do not fit int8: those weights load dequantized to the model's dtype.

@@ -158,8 +158,9 @@ def int4_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tens
     [rows, groups] zero points and float32 scales, held packed two a byte; as int8 codes minus
     zero points where packing would split a byte (an odd number of columns, odd groups)."""
     cols = codes.shape[1]
+    # codes (0..15) minus zero points must fit int8, as the dequantization subtracts them there
     zeros_fit = zero_point.numel() == 0 \
-        or (int(zero_point.min()) >= -128 and int(zero_point.max()) <= 127)
+        or (int(zero_point.min()) >= 15 - 127 and int(zero_point.max()) <= 127)
     if not cols % 2 and (scale.shape[1] == 1 or not group_size % 2) and zeros_fit:
         return QuantizedWeight(pack_nibbles(codes), scale.contiguous(), group_size, input_order,
                                zero_point.to(INT_WEIGHT_DTYPE).contiguous())

