@@ -289,20 +289,8 @@ def test_online_fp8_matches_per_row_fake_quantized_transformers(tmp_path):
 def test_lora_adapter_on_fp8_base_matches_peft(tmp_path):
     """A LoRA adapter over FP8 projections: the base's FP8 matmul plus the adapter's full-precision
     delta equal PEFT's adapter on transformers' fake-quantized base, mixed with base requests."""
-    from tests.lora_adapters import ALL_TARGETS, make_adapter
+    from tests.lora_adapters import check_adapter_matches_peft
 
     # The checkpoint stays full precision; the reference base is its fake-quantized copy.
     hf = fake_quantized(build_tiny_model("llama2", tmp_path / "base"))
-    peft = make_adapter(hf, tmp_path / "adapter", seed=1, targets=ALL_TARGETS, rank=4)
-    torch.manual_seed(5)
-    prompt = torch.randint(3, 256, (14,)).tolist()
-    expected = {lora: greedy_trace(hf_reference(model), prompt, 12)[0][len(prompt):]
-                for lora, model in ((None, hf), ("sql", peft))}
-    assert expected["sql"] != expected[None]
-    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    with kt.Engine(str(tmp_path / "base"), generation_config=config, device="cpu",
-                   dtype="float32", quantization="fp8", block_token_num=4, num_device_blocks=64,
-                   lora_modules={"sql": str(tmp_path / "adapter")}) as engine:
-        handles = {lora: engine.submit(kt.Request(prompt, lora=lora)) for lora in expected}
-        got = {lora: handle.result().token_ids for lora, handle in handles.items()}
-    assert got == expected
+    check_adapter_matches_peft(hf, tmp_path / "base", tmp_path / "adapter", quantization="fp8")

@@ -12,13 +12,11 @@ import pytest
 import torch
 
 import ksana_llm as kt
-from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.parallel import RowParallelLinear
 from ksana_llm.loader.quantized_weight import QuantizedWeight, int4_weight
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, pack_nibbles, split_nibbles
-from tests.family_harness import greedy_trace, hf_reference
 from tests.tiny_models import build_tiny_model
 
 INT8 = torch.int8
@@ -175,22 +173,12 @@ def test_lora_adapter_on_packed_awq_base_matches_peft(tmp_path):
     projections' real input width (two codes a byte), and the tokens equal PEFT's adapter on
     transformers holding AutoAWQ's dequantization, mixed with base requests."""
     from tests.gptq_awq_checkpoints import hold, write_awq
-    from tests.lora_adapters import ALL_TARGETS, make_adapter
+    from tests.lora_adapters import check_adapter_matches_peft
+
+    def holds_packed(model: kt.Model) -> None:
+        o_proj = model.module.model.layers[0].self_attn.o_proj
+        assert o_proj.weight.dtype == PACKED_INT4_DTYPE
 
     hf = build_tiny_model("llama2", tmp_path / "full")
     base = hold(hf, write_awq(hf, tmp_path / "full", tmp_path / "awq"))
-    peft = make_adapter(base, tmp_path / "adapter", seed=1, targets=ALL_TARGETS, rank=4)
-    torch.manual_seed(5)
-    prompt = torch.randint(3, 256, (14,)).tolist()
-    expected = {lora: greedy_trace(hf_reference(model), prompt, 12)[0][len(prompt):]
-                for lora, model in ((None, base), ("sql", peft))}
-    assert expected["sql"] != expected[None]
-    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    with kt.Engine(str(tmp_path / "awq"), generation_config=config, device="cpu",
-                   dtype="float32", block_token_num=4, num_device_blocks=64,
-                   lora_modules={"sql": str(tmp_path / "adapter")}) as engine:
-        o_proj = engine.model.module.model.layers[0].self_attn.o_proj
-        assert o_proj.weight.dtype == PACKED_INT4_DTYPE
-        handles = {lora: engine.submit(kt.Request(prompt, lora=lora)) for lora in expected}
-        got = {lora: handle.result().token_ids for lora, handle in handles.items()}
-    assert got == expected
+    check_adapter_matches_peft(base, tmp_path / "awq", tmp_path / "adapter", holds_packed)

@@ -26,6 +26,20 @@ from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, QUANTIZED_WEIGHT_DT
 
 
 @triton.jit
+def _store_tile(acc, S, Bias, Out, rows, cols, row_ok, col_ok, stride_sn, stride_om,
+                PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Both kernels' last step: the row scale (per-row scales), the bias, the store in Out's
+    dtype."""
+    if PER_ROW:
+        row_scale = tl.load(S + cols * stride_sn, mask=col_ok, other=0.0)
+        acc = acc * row_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _fp8_linear_kernel(
     X, W, S, Bias, Out,
     M, N, K, num_groups,
@@ -34,10 +48,8 @@ def _fp8_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
@@ -53,13 +65,8 @@ def _fp8_linear_kernel(
             group_scale = tl.load(S + cols * stride_sn + k0 // GROUP, mask=col_ok, other=0.0)
             w = w * group_scale[:, None]
         acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision=PRECISION)
-    if PER_ROW:
-        row_scale = tl.load(S + cols * stride_sn, mask=col_ok, other=0.0)
-        acc = acc * row_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(acc, S, Bias, Out, rows, cols, row_ok, col_ok, stride_sn, stride_om,
+                PER_ROW, HAS_BIAS)
 
 
 @triton.jit
@@ -71,10 +78,8 @@ def _int4_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     pairs = tl.arange(0, BLOCK_K // 2)  # byte j of a tile holds columns 2j and 2j + 1
     row_ok = rows < M
     col_ok = cols < N
@@ -98,13 +103,8 @@ def _int4_linear_kernel(
             w_odd = w_odd * group_scale[:, None]
         acc += tl.dot(x_even, tl.trans(w_even.to(X.dtype.element_ty)), input_precision=PRECISION)
         acc += tl.dot(x_odd, tl.trans(w_odd.to(X.dtype.element_ty)), input_precision=PRECISION)
-    if PER_ROW:
-        row_scale = tl.load(S + cols * stride_sn, mask=col_ok, other=0.0)
-        acc = acc * row_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(acc, S, Bias, Out, rows, cols, row_ok, col_ok, stride_sn, stride_om,
+                PER_ROW, HAS_BIAS)
 
 
 def kernel_block_k(group_size: int, per_row: bool, packed: bool = False) -> int | None:

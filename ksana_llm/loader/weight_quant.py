@@ -50,33 +50,19 @@ def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
         if zero_point is None:
             raise ValueError("packed 4-bit codes need their zero points")
         # Codes 0..15 minus their zero points fit int8 (`int4_weight` packs only zero points
-        # that keep them so): subtracted at one byte a number, before the widening multiply.
+        # that keep them so): subtracted at one byte a number, before widening.
         values = split_nibbles(data).view(torch.int8)
         _per_group(values, zero_point.to(torch.int8), group_size, torch.Tensor.sub_)
-    elif data.dtype == FP8_WEIGHT_DTYPE:
-        if data.device.type == "cpu":
-            values, scale = e4m3_as_half(data), scale * E4M3_AS_HALF_FACTOR
-        else:  # torch does not promote FP8 in arithmetic
-            values = data.to(torch.float32)
+        weight = values.to(torch.float32)
+    elif data.device.type == "cpu" and data.dtype == FP8_WEIGHT_DTYPE:
+        weight = e4m3_as_half(data).to(torch.float32)
+        scale = scale * E4M3_AS_HALF_FACTOR
     else:
-        values = data
-    return _scaled(values, scale, group_size).to(dtype)
-
-
-def _scaled(values: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """float32 values * their group scales, widening integer or float16 values in the same
-    pass as the multiply (one pass over the weight, not two)."""
-    rows, cols = values.shape
-    out = torch.empty(rows, cols, dtype=torch.float32, device=values.device)
-    if scale.shape[1] == 1:
-        return torch.mul(values, scale, out=out)
-    full, rest = divmod(cols, group_size)
-    head = slice(0, full * group_size)
-    torch.mul(values[:, head].view(rows, full, group_size), scale[:, :full, None],
-              out=out[:, head].view(rows, full, group_size))
-    if rest:
-        torch.mul(values[:, head.stop:], scale[:, full:], out=out[:, head.stop:])
-    return out
+        # Widen, then scale in place: on a CPU this measured faster than one multiply that
+        # widens as it goes (torch's mixed-dtype path is not vectorised).
+        weight = data.to(torch.float32)
+    _per_group(weight, scale, group_size, torch.Tensor.mul_)
+    return weight.to(dtype)
 
 
 def _per_group(weight: torch.Tensor, per_group: torch.Tensor, group_size: int,
