@@ -1,10 +1,10 @@
 """GPU stages of benchmarks/gpu/run.sh, one sub-command each, each writing its own JSON.
 
     python -m benchmarks.gpu.bench_kernels env     --out DIR  # device, library versions
-    python -m benchmarks.gpu.bench_kernels tests   --out DIR  # tests/test_kernels.py natively
+    python -m benchmarks.gpu.bench_kernels tests   --out DIR  # the kernel tests natively
     python -m benchmarks.gpu.bench_kernels decode  --out DIR  # paged decode attention, GB/s
     python -m benchmarks.gpu.bench_kernels prefill --out DIR  # paged prefill, TFLOP/s
-    python -m benchmarks.gpu.bench_kernels fp8-matmul --out DIR  # FP8-weight matmul vs bf16
+    python -m benchmarks.gpu.bench_kernels fp8-matmul --out DIR  # quantized-weight matmuls vs bf16
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block 16). Each
 benchmark times its peer in the same run — the torch backend's method (gather the paged K/V, then
@@ -96,15 +96,15 @@ def stage_env(out_dir: Path) -> int:
 
 
 def stage_tests(out_dir: Path) -> int:
-    """tests/test_kernels.py natively on the GPU (no interpreter): fp32, fp16 and bf16; the
-    FP8-weight matmul's tests; and the sampler's device token histories
-    (tests/test_token_history.py) on the GPU."""
+    """tests/test_kernels.py and tests/test_kernels_prefill.py natively on the GPU (no
+    interpreter): fp32, fp16 and bf16; the FP8-weight matmul's tests; and the sampler's device
+    token histories (tests/test_token_history.py) on the GPU."""
     junit = out_dir / "kernel_tests.xml"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels.py",
-                           "tests/test_fp8_matmul.py",
+                           "tests/test_kernels_prefill.py", "tests/test_fp8_matmul.py",
                            "tests/test_token_history.py", "-q",
                            "-p", "no:cacheprovider", f"--junitxml={junit}"],
                           cwd=REPO, env=env, capture_output=True, text=True, check=False)

@@ -69,7 +69,7 @@ for stage in "${STAGES[@]}"; do
     case "$stage" in
         # device, driver and library versions
         env)     run_stage env     "$PYTHON" -m benchmarks.gpu.bench_kernels env --out "$RESULTS" ;;
-        # tests/test_kernels.py natively on the GPU (fp32, fp16, bf16)
+        # tests/test_kernels*.py natively on the GPU (fp32, fp16, bf16)
         tests)   run_stage tests   "$PYTHON" -m benchmarks.gpu.bench_kernels tests --out "$RESULTS" ;;
         # decode graphs captured and replayed for real, logits and KV cache vs the eager path
         graph-tests) run_stage graph-tests "$PYTHON" -m pytest tests/test_cuda_graphs.py -q \
