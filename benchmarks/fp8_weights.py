@@ -22,8 +22,8 @@ W8A8 (per-row scales; its activation quantization not done), written by the
 compressed-tensors library, GPTQ int4 and int8 by AutoGPTQ (groups of 64, in order, and int4
 in activation order) and AWQ int4 packed by AutoAWQ -- and each is read by our engine and by
 transformers (for those it cannot read on a CPU: transformers holding the writing library's
-own dequantization): weight memory and both perplexities (they should agree: the same
-numbers, read twice).
+own dequantization): weight memory, batch-1 decode ms/token (ours) and both perplexities
+(they should agree: the same numbers, read twice).
 
 Run
     python benchmarks/fp8_weights.py [--checkpoints]   # CPU, fp32, SmolLM2-135M-Instruct
