@@ -1,6 +1,7 @@
 """The Triton quantized-weight matmul (W8A16, W4A16) against its torch reference: FP8 weights
 with block, per-row and per-tensor scales, int8 codes (integer checkpoints) with group scales,
-packed 4-bit codes with zero points in groups and per row, ragged shapes, bias; in the interpreter on CPU (fp32, fp16), natively with bf16 too on a GPU
+asymmetric int8 codes with zero points, packed 4-bit codes with zero points in groups and per
+row, ragged shapes, bias; in the interpreter on CPU (fp32, fp16), natively with bf16 too on a GPU
 (benchmarks/gpu/run.sh tests).
 """
 
@@ -19,7 +20,7 @@ from ksana_llm.kernels.reference import fp8_linear_ref  # noqa: E402
 from ksana_llm.loader.weight_quant import quantize_fp8  # noqa: E402
 from ksana_llm.loader.fp8_weights import quantized_weight_from_checkpoint  # noqa: E402
 from ksana_llm.loader.quantized_weight import (QuantizedWeight, int4_weight,  # noqa: E402
-                                               quantize_fp8_rows)
+                                               int8_weight, quantize_fp8_rows)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
@@ -37,6 +38,8 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16:
     (3, 32, 48, None),         # one scale per tensor
     (6, 40, 96, "int8-g32"),   # int8 codes in groups of 32 (GPTQ / AWQ / compressed-tensors)
     (18, 24, 72, "int8-g48"),  # K ends inside a group; codes across int8's whole range
+    (5, 40, 96, "int8-asym-g32"),  # asymmetric 8-bit: codes - 128 with zero points - 128
+    (9, 24, 80, "int8-asym-row"),  # ... one zero point per row
     (1, 40, 128, "int4-g32"),  # packed 4-bit codes, a decode row (AWQ / GPTQ int4)
     (7, 72, 160, "int4-g64"),  # K ends inside a group, N not a tile multiple
     (20, 24, 96, "int4-row"),  # one zero point and scale per row (group_size -1)
@@ -54,6 +57,12 @@ def test_fp8_matmul_kernel_matches_reference(dtype, rows, n, k, layout):
         fp8 = int4_weight(torch.randint(0, 16, (n, k)), torch.randint(0, 17, (n, groups)),
                           torch.rand(n, groups) / 8, group)
         assert fp8.packed
+    elif isinstance(layout, str) and layout.startswith("int8-asym"):  # codes 0..255, zeros 0..256
+        group = k if layout == "int8-asym-row" else int(layout.removeprefix("int8-asym-g"))
+        groups = -(-k // group)
+        fp8 = int8_weight(torch.randint(0, 256, (n, k)), torch.randint(0, 257, (n, groups)),
+                          torch.rand(n, groups) / 256, group)
+        assert fp8.zero_point is not None and fp8.zero_point.dtype == torch.int16
     elif isinstance(layout, str):  # int8 codes: the whole range, group scales
         group = int(layout.removeprefix("int8-g"))
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
@@ -91,5 +100,8 @@ def test_fp8_matmul_kernel_refuses_bad_inputs():
                        torch.ones(16, 2), 16).to(DEVICE)
     with pytest.raises(ValueError, match="zero_point"):
         fp8_linear(x, int4.data, int4.scale, int4.group_size)
+    with pytest.raises(ValueError, match="zero_point"):  # FP8 values have no zero points
+        fp8_linear(x, fp8.data, fp8.scale, fp8.group_size,
+                   zero_point=torch.zeros_like(fp8.scale, dtype=torch.int16))
     with pytest.raises(ValueError, match="group_size 16: the kernel needs a multiple of 32"):
         fp8_linear(x, int4.data, int4.scale, int4.group_size, zero_point=int4.zero_point)

@@ -45,26 +45,25 @@ def test_gptq_checkpoint_matches_the_library(tmp_path, case):
     """AutoGPTQ's checkpoints (its GPTQ algorithm, its packing, v1 zero points) held with the
     same numbers: 4-bit codes packed two a byte with their zero points (group and per-channel
     scales, symmetric and asymmetric, in activation order: columns sorted by group, the
-    projection gathering its input in that order), symmetric 8-bit as int8 codes; asymmetric
-    8-bit codes (up to 255 from their zero point) loaded dequantized."""
+    projection gathering its input in that order), 8-bit as int8 codes: symmetric ones minus
+    their zero point, asymmetric ones (up to 255 from their zero point) minus 128 with their
+    zero points beside them."""
     settings = GPTQ_CASES[case]
     hf = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     held = write_gptq(hf, tmp_path / "full", tmp_path / "gptq", **settings)
     module = load_ours(tmp_path / "gptq")
     o_proj = module.model.layers[0].self_attn.o_proj
-    if settings["bits"] == 4 or settings["sym"]:
-        assert_projections_quantized(module, INT4 if settings["bits"] == 4 else INT8)
-        assert (o_proj.weight_zero_point is not None) == (settings["bits"] == 4)
-        # activation order: every projection gathers its input (q/k/v and gate/up, fused,
-        # share theirs: GPTQ ordered them by the same input statistics)
-        ordered = [m.input_order is not None for m in module.modules()
-                   if getattr(m, "weight_scale", None) is not None]
-        assert ordered and all(ordered) == bool(settings.get("desc_act")) \
-            and any(ordered) == bool(settings.get("desc_act"))
-        assert o_proj.weight_scale.shape == ((64, 1) if settings["group_size"] == -1
-                                             else (64, 4))  # 128 inputs / 32
-    else:
-        assert o_proj.weight.dtype == torch.float32
+    assert_projections_quantized(module, INT4 if settings["bits"] == 4 else INT8)
+    assert (o_proj.weight_zero_point is not None) == (settings["bits"] == 4
+                                                      or not settings["sym"])
+    # activation order: every projection gathers its input (q/k/v and gate/up, fused,
+    # share theirs: GPTQ ordered them by the same input statistics)
+    ordered = [m.input_order is not None for m in module.modules()
+               if getattr(m, "weight_scale", None) is not None]
+    assert ordered and all(ordered) == bool(settings.get("desc_act")) \
+        and any(ordered) == bool(settings.get("desc_act"))
+    assert o_proj.weight_scale.shape == ((64, 1) if settings["group_size"] == -1
+                                         else (64, 4))  # 128 inputs / 32
     check_family(module, tmp_path / "gptq", hf_reference(hold(hf, held)), vocab=256)
 
 

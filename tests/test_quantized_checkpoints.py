@@ -87,8 +87,9 @@ def test_compressed_tensors_int8_checkpoint_matches_the_library(tmp_path, strate
     (`int-quantized`: an int8 `weight`, one scale per row or group; its dynamic activations not
     done, the weights multiplying activations in the model's dtype). transformers cannot read
     either on a CPU, so the reference is transformers' model holding the numbers the library
-    says the checkpoint holds. Symmetric codes stay int8 in memory; asymmetric ones, up to 255
-    from their zero point, load dequantized."""
+    says the checkpoint holds. The codes stay int8 in memory: symmetric ones minus their zero
+    point, asymmetric ones (up to 255 from their zero point) minus 128 with their zero points
+    beside them."""
     full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     folder = tmp_path / "ct"
     held = write_compressed_tensors(tmp_path / "full", folder, strategy)
@@ -97,19 +98,18 @@ def test_compressed_tensors_int8_checkpoint_matches_the_library(tmp_path, strate
             full.get_parameter(name).copy_(values)
     module = load_ours(folder)
     o_proj = module.model.layers[0].self_attn.o_proj
-    if strategy == "int8-asym":
-        assert o_proj.weight.dtype == torch.float32
-    else:
-        assert_projections_quantized(module, INT8)
-        assert o_proj.weight_scale.shape == ((64, 1) if strategy == "w8a8" else (64, 4))
+    assert_projections_quantized(module, INT8)
+    assert (o_proj.weight_zero_point is not None) == (strategy == "int8-asym")
+    assert o_proj.weight_scale.shape == ((64, 1) if strategy == "w8a8" else (64, 4))
     check_family(module, folder, hf_reference(full), vocab=256)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_packed_int_codes_unpack_as_the_library_packs_them(bits):
     """Every 4- / 8-bit value at every position of a word, and zero points packed along the
-    rows, come back as compressed-tensors' own pack_to_int32 put them in; symmetric codes are
-    held as int8, codes too far from their zero point (8-bit) dequantized."""
+    rows, come back as compressed-tensors' own pack_to_int32 put them in; held as int8 (37
+    columns in groups of 19 cannot pack two a byte), 8-bit codes too far from their zero points
+    with the zero points beside them."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from ksana_llm.loader.fp8_weights import packed_int_weight, unpack_ints
@@ -134,12 +134,10 @@ def test_packed_int_codes_unpack_as_the_library_packs_them(bits):
                                bits, "w")
     expected = (values.float() - zero.float().repeat_interleave(19, 1)[:, :37]) \
         * scale.repeat_interleave(19, 1)[:, :37]
-    if bits == 4:
-        assert weight.group_size == 19
-        weight = weight.dequantize()
-    else:  # differences up to 255: not int8
-        assert isinstance(weight, torch.Tensor)
-    torch.testing.assert_close(weight, expected, atol=0, rtol=0)
+    # odd groups: int8 either way; 8-bit differences up to 255 keep their zero points
+    assert weight.group_size == 19 and weight.data.dtype == INT8
+    assert (weight.zero_point is not None) == (bits == 8)
+    torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
 
 
 def test_fp8_deepseek_checkpoint_matches_transformers(tmp_path):

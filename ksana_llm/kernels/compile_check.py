@@ -30,7 +30,8 @@ import torch
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                 torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+                 torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+                 torch.uint8: "u8",
                  torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _OPTION_NAMES = ("num_warps", "num_stages")
 
@@ -226,6 +227,9 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
             fp8_matmul.fp8_linear(x, weight, torch.empty(hidden, 1), hidden,
                                   torch.empty(hidden, dtype=dtype))
             fp8_matmul.fp8_linear(x, codes, torch.empty(hidden, hidden // 128), 128)
+            fp8_matmul.fp8_linear(x, codes, torch.empty(hidden, hidden // 128), 128,  # asymmetric
+                                  zero_point=torch.empty(hidden, hidden // 128,
+                                                         dtype=torch.int16))
             for groups in (hidden // 128, 1):
                 fp8_matmul.fp8_linear(x, packed, torch.empty(hidden, groups),
                                       hidden // groups,

@@ -9,7 +9,8 @@ With one scale per row the scale is applied to the accumulated dot (exact); with
 each K tile lies in one group (BLOCK_K divides group_size), so the tile is scaled once before
 its dot. Group sizes that no 16-wide tile divides go through the torch reference.
 
-Packed 4-bit codes (W4A16; uint8 [N, K / 2], two codes a byte, the even column's in the low
+Asymmetric int8 codes come with int8-range zero points (int16), one per scale, subtracted from
+the widened tile before its scale. Packed 4-bit codes (W4A16; uint8 [N, K / 2], two codes a byte, the even column's in the low
 nibble, int8 zero points beside the scales) take their own kernel: each byte tile is split into
 the even and the odd columns' codes, each minus its zero point, and each half meets x's even or
 odd columns in its own dot, so a decode step reads a quarter of a 16-bit weight's bytes.
@@ -41,10 +42,10 @@ def _store_tile(acc, S, Bias, Out, rows, cols, row_ok, col_ok, stride_sn, stride
 
 @triton.jit
 def _fp8_linear_kernel(
-    X, W, S, Bias, Out,
-    M, N, K, num_groups,
-    stride_xm, stride_wn, stride_sn, stride_om,
-    GROUP: tl.constexpr, PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    X, W, S, Z, Bias, Out,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
+    GROUP: tl.constexpr, PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -61,6 +62,10 @@ def _fp8_linear_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_ZERO:  # asymmetric int8 codes: the zero point of the tile's group (or row)
+            zero = tl.load(Z + cols * stride_zn + (0 if PER_ROW else k0 // GROUP), mask=col_ok,
+                           other=0).to(tl.float32)
+            w = w - zero[:, None]
         if not PER_ROW:
             group_scale = tl.load(S + cols * stride_sn + k0 // GROUP, mask=col_ok, other=0.0)
             w = w * group_scale[:, None]
@@ -123,8 +128,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
                bias: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
                ) -> torch.Tensor:
     """x [..., K] times the quantized weight [N, K] (scales [N, groups]) -> [..., N] in x's
-    dtype: 8-bit values, or packed 4-bit codes (uint8 [N, K / 2]) with `zero_point`
-    [N, groups]."""
+    dtype: 8-bit values (int8 codes with an optional `zero_point` [N, groups]: asymmetric
+    checkpoints), or packed 4-bit codes (uint8 [N, K / 2]) with their `zero_point`s."""
     packed = weight.dtype == PACKED_INT4_DTYPE
     if not (packed or weight.dtype in QUANTIZED_WEIGHT_DTYPES) or weight.dim() != 2:
         raise ValueError(f"weight: expected a 2-D tensor of {QUANTIZED_WEIGHT_DTYPES} or packed "
@@ -132,8 +137,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     n, k = weight.shape[0], weight.shape[1] * (2 if packed else 1)
     if x.shape[-1] != k:
         raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's {k} columns")
-    if packed and (zero_point is None or zero_point.shape != scale.shape):
-        raise ValueError("zero_point: packed 4-bit codes need one zero point per scale")
+    if (packed and zero_point is None) or (zero_point is not None and (
+            zero_point.shape != scale.shape or weight.dtype == QUANTIZED_WEIGHT_DTYPES[0])):
+        raise ValueError("zero_point: packed 4-bit codes need one zero point per scale, and "
+                         "zero points come one per scale")
     per_row = scale.shape[1] == 1
     block_k = kernel_block_k(group_size, per_row, packed)
     if block_k is None:
@@ -158,14 +165,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
                      HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                      BLOCK_K=block_k, PRECISION=dot_precision(x.dtype))
         bias_arg = bias if bias is not None else scale
+        zero_arg = zero_point.contiguous() if zero_point is not None else scale
         if packed:
-            zero_point = zero_point.contiguous()
             _int4_linear_kernel[grid](
-                x2, weight, scale, zero_point, bias_arg, out, m, n, k,
-                x2.stride(0), weight.stride(0), scale.stride(0), zero_point.stride(0),
+                x2, weight, scale, zero_arg, bias_arg, out, m, n, k,
+                x2.stride(0), weight.stride(0), scale.stride(0), zero_arg.stride(0),
                 out.stride(0), **tiles)
         else:
             _fp8_linear_kernel[grid](
-                x2, weight, scale, bias_arg, out, m, n, k, scale.shape[1],
-                x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), **tiles)
+                x2, weight, scale, zero_arg, bias_arg, out, m, n, k,
+                x2.stride(0), weight.stride(0), scale.stride(0), zero_arg.stride(0),
+                out.stride(0), HAS_ZERO=zero_point is not None, **tiles)
     return out.view(*x.shape[:-1], n)

@@ -95,7 +95,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
                bias: torch.Tensor | None,
                kernel: Callable[..., torch.Tensor] | None,
                zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """x times a quantized weight (8-bit, or packed 4-bit codes with their `zero_point`s). On a GPU, batches of up to FP8_KERNEL_MAX_ROWS rows (decode steps)
+    """x times a quantized weight (8-bit, or packed 4-bit codes; with their `zero_point`s where
+    the codes have them). On a GPU, batches of up to FP8_KERNEL_MAX_ROWS rows (decode steps)
     take `kernel` (see `fp8_kernel_for`), which reads the FP8 bytes once per 64 rows; larger ones
     (prefill chunks), and the CPU, dequantize the weight to x's dtype and run the dense matmul
     (the torch reference), whose extra passes over the weight the many rows amortize."""
@@ -107,8 +108,9 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
 class QuantizedStorage(nn.Module):
     """What a projection needs to keep its weight at one byte per number (see
     `loader.quantized_weight`), or half a byte (4-bit checkpoints): the weight parameter turns
-    FP8 (or int8, an integer checkpoint's codes, or uint8 [rows, cols / 2], packed 4-bit codes,
-    with a `weight_zero_point` buffer) when the first `QuantizedWeight` arrives, with a
+    FP8 (or int8, an integer checkpoint's codes, or uint8 [rows, cols / 2], packed 4-bit codes;
+    with a `weight_zero_point` buffer where the codes have zero points) when the first
+    `QuantizedWeight` arrives, with a
     `weight_scale` buffer of [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
     full-precision tensors to FP8 per row as they arrive; `quantized_capable` False (a weight
     other code reads as a dense matrix, MLA's absorbed `kv_b_proj`) takes quantized tensors
@@ -121,7 +123,7 @@ class QuantizedStorage(nn.Module):
         super().__init__()
         self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None, persistent=False)
-        self.weight_zero_point: torch.Tensor | None  # packed 4-bit codes' [rows, groups]
+        self.weight_zero_point: torch.Tensor | None  # [rows, groups]: see QuantizedWeight
         self.register_buffer("weight_zero_point", None, persistent=False)
         # GPTQ's activation order: the weight's columns take the inputs in this order.
         self.input_order: torch.Tensor | None
@@ -163,18 +165,22 @@ class QuantizedStorage(nn.Module):
         """Switch the weight to quantized storage (FP8, int8 or packed 4-bit, as `tensor`
         holds) for `tensor`'s scale layout; False when the weight already holds rows of another
         kind or layout."""
-        layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size)
+        zero_dtype = None if tensor.zero_point is None else tensor.zero_point.dtype
+        layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size, zero_dtype)
         if self.is_quantized:
+            stored_zero = self.weight_zero_point
             return layout == (self.weight.dtype, self.weight_scale.shape[1],
-                              self.weight_group_size) \
+                              self.weight_group_size,
+                              None if stored_zero is None else stored_zero.dtype) \
                 and _same_order(tensor.input_order, self.input_order)
         (rows, columns), device = self.weight.shape, self.weight.device
         self._dense_dtype = self.weight.dtype
         if tensor.packed:
             columns //= 2  # even: a packed part's columns are the module's
+        if zero_dtype is not None:
             self.register_buffer("weight_zero_point",
-                                 torch.zeros(rows, layout[1], dtype=tensor.zero_point.dtype,
-                                             device=device), persistent=False)
+                                 torch.zeros(rows, layout[1], dtype=zero_dtype, device=device),
+                                 persistent=False)
         self.weight = nn.Parameter(torch.empty(rows, columns, dtype=tensor.data.dtype,
                                                device=device), requires_grad=False)
         # A buffer, not a parameter: the checkpoint's `weight_scale_inv` arrives inside the
@@ -190,7 +196,7 @@ class QuantizedStorage(nn.Module):
         if self._fp8_kernel is None and x.is_cuda:  # decided once: checking costs a launch's time
             self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
                                               self.weight_scale.shape[1] == 1,
-                                              self.weight_zero_point is not None) or False
+                                              self.weight.dtype == PACKED_INT4_DTYPE) or False
         return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias,
                           self._fp8_kernel or None, self.weight_zero_point)
 

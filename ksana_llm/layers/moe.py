@@ -24,8 +24,7 @@ from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
-                                           dequantize_weight)
+from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
 from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_fp8_rows
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
@@ -140,8 +139,8 @@ class FusedExperts(nn.Module):
     all-reduces once.
 
     Quantized experts (an FP8 checkpoint's, `quantize_on_load` for online quantization, or an
-    integer checkpoint's codes: int8, or 4-bit packed two a byte with `w13_zero_point` /
-    `w2_zero_point` beside the scales) stay so: `w13` / `w2` hold the 8-bit values and
+    integer checkpoint's codes: int8, or 4-bit packed two a byte; with `w13_zero_point` /
+    `w2_zero_point` beside the scales where the codes have zero points) stay so: `w13` / `w2` hold the 8-bit values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
     (see `loader.quantized_weight`); each active expert's matmul takes its 8-bit weight as the
     projections do. Experts whose checkpoint tensors disagree (some quantized, some not, FP8
@@ -209,7 +208,7 @@ class FusedExperts(nn.Module):
         zero = getattr(self, f"{name}_zero_point")
         if name not in self._fp8_kernels and x.is_cuda:  # decided once per weight
             self._fp8_kernels[name] = fp8_kernel_for(group, scale.shape[2] == 1,
-                                                     zero is not None) or False
+                                                     weight.dtype == PACKED_INT4_DTYPE) or False
         return fp8_matmul(x, weight[expert], scale[expert], group, None,
                           self._fp8_kernels.get(name) or None,
                           None if zero is None else zero[expert])
@@ -290,11 +289,14 @@ class FusedExperts(nn.Module):
         # Activation-order experts (each its own input order) are kept dense.
         if isinstance(tensor, QuantizedWeight) and self.quantized_capable \
                 and not self._has_dense[target] and tensor.input_order is None:
-            layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size)
+            zero_dtype = None if tensor.zero_point is None else tensor.zero_point.dtype
+            layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size, zero_dtype)
             if scale is None:
                 self._store_quantized(target, *layout)
                 return tensor
-            if layout == (getattr(self, target).dtype, scale.shape[2], self.group_sizes[target]):
+            stored_zero = getattr(self, f"{target}_zero_point")
+            if layout == (getattr(self, target).dtype, scale.shape[2], self.group_sizes[target],
+                          None if stored_zero is None else stored_zero.dtype):
                 return tensor
         if isinstance(tensor, QuantizedWeight):
             tensor = tensor.dequantize()
@@ -312,14 +314,15 @@ class FusedExperts(nn.Module):
         return tensor
 
     def _store_quantized(self, target: str, dtype: torch.dtype, num_groups: int,
-                         group_size: int) -> None:
+                         group_size: int, zero_dtype: torch.dtype | None) -> None:
         param = getattr(self, target)
         self._dense_dtype = param.dtype
         experts, rows, columns = param.shape
-        if dtype == PACKED_INT4_DTYPE:  # two codes a byte, a zero point per scale
+        if dtype == PACKED_INT4_DTYPE:  # two codes a byte
             columns //= 2
+        if zero_dtype is not None:
             self.register_buffer(f"{target}_zero_point",
-                                 torch.zeros(experts, rows, num_groups, dtype=INT_WEIGHT_DTYPE,
+                                 torch.zeros(experts, rows, num_groups, dtype=zero_dtype,
                                              device=param.device), persistent=False)
         setattr(self, target, nn.Parameter(
             torch.empty(experts, rows, columns, dtype=dtype, device=param.device),

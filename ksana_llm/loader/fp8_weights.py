@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ksana_llm.loader.quantized_weight import QuantizedWeight, int4_weight, integer_weight
+from ksana_llm.loader.quantized_weight import QuantizedWeight, int4_weight, int8_weight
 from ksana_llm.loader.weight_quant import QUANTIZED_WEIGHT_DTYPES, unpack_words
 
 logger = logging.getLogger(__name__)
@@ -259,10 +259,9 @@ def unpack_ints(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 def packed_int_weight(parts: dict[str, torch.Tensor], bits: int, name: str
                       ) -> QuantizedWeight | torch.Tensor:
-    """A packed int4 / int8 weight with the same numbers and the group scales: int4 as 4-bit
-    codes (the stored 0..15) with their zero points (`int4_weight`; 8, the middle, for
-    symmetric ones), int8 as the codes minus their zero points when they fit
-    (`integer_weight`)."""
+    """A packed int4 / int8 weight with the same numbers and the group scales: the stored codes
+    (0..15 / 0..255) with their zero points (the middle, 8 / 128, for symmetric ones), held by
+    `int4_weight` / `int8_weight`."""
     rows, cols = (int(v) for v in parts["weight_shape"].tolist())
     scale = parts["weight_scale"].to(torch.float32)
     if scale.dim() != 2 or scale.shape[0] != rows:
@@ -282,11 +281,7 @@ def packed_int_weight(parts: dict[str, torch.Tensor], bits: int, name: str
         if zero.shape != (rows, groups):
             raise ValueError(f"{name}: int{bits} zero points of shape {tuple(zero.shape)}, "
                              f"expected ({rows}, {groups})")
-    if bits == 4:
-        middle = 1 << (bits - 1)  # unpack_ints took it off the stored codes and zero points
-        zero = torch.full_like(scale, middle, dtype=torch.int16) if zero is None \
-            else zero + middle
-        return int4_weight(values + middle, zero, scale, group_size)
-    if zero is not None:
-        values = values - zero.repeat_interleave(group_size, dim=1)[:, :cols]
-    return integer_weight(values, scale, group_size)
+    middle = 1 << (bits - 1)  # unpack_ints took it off the stored codes and zero points
+    zero = torch.full_like(scale, middle, dtype=torch.int16) if zero is None else zero + middle
+    make = int4_weight if bits == 4 else int8_weight
+    return make(values + middle, zero, scale, group_size)

@@ -17,13 +17,13 @@ outputs, `bits`-bit codes, groups of `group_size` inputs:
   [groups, out]; groups always `i // group_size`; weight = scale * (code - zero).
 
 A weight becomes a `QuantizedWeight` holding exactly its numbers: 4-bit codes packed two a
-byte with their zero points and group scales (`int4_weight`), 8-bit codes minus zero points as
-int8 (symmetric ones, zero point 128, lie in [-128, 127]) with the group scales, so every
-quantized path (tensor parallel slicing, MoE experts, the Triton W4A16 / W8A16 matmul) serves
-it at half a byte or one byte per weight. In activation order the columns are stored
+byte with their zero points and group scales (`int4_weight`), 8-bit codes as int8
+(`int8_weight`: symmetric ones minus their zero point 128; asymmetric ones, up to 255 from
+their zero points, minus 128 with their zero points minus 128 beside them), so every quantized
+path (tensor parallel slicing, MoE experts, the Triton W4A16 / W8A16 matmul) serves it at half
+a byte or one byte per weight. In activation order the columns are stored
 sorted by group, with the order of the inputs they take (`input_order`): a projection then
-gathers its input in that order before the matmul. Asymmetric 8-bit codes (up to 255 from their
-zero point) do not fit int8: those weights load dequantized to the model's dtype.
+gathers its input in that order before the matmul.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ksana_llm.loader.quantized_weight import (QuantizedWeight, in_input_order, int4_weight,
-                                               integer_weight)
+                                               int8_weight)
 from ksana_llm.loader.weight_quant import unpack_words
 
 
@@ -137,10 +137,10 @@ def paired_packed_ints(weights: Iterable[tuple[str, torch.Tensor]], fmt: PackedI
 
 def packed_int_weight(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name: str
                       ) -> torch.Tensor | QuantizedWeight:
-    """One GPTQ / AWQ weight as [out, in] numbers: held exactly as packed 4-bit codes with their
-    zero points (`int4_weight`) or int8 codes minus zero points when they fit
-    (`integer_weight`), with group scales (in activation order, columns sorted by group with
-    their `input_order`), else float32 values."""
+    """One GPTQ / AWQ weight as [out, in] numbers: held exactly as packed 4-bit codes
+    (`int4_weight`) or int8 codes (`int8_weight`) with group scales and zero points (in
+    activation order, columns sorted by group with their `input_order`); float32 values where
+    activation order makes groups of other sizes."""
     codes, zeros = _gptq_codes(parts, fmt) if fmt.method == "gptq" else _awq_codes(parts, fmt)
     out_features, in_features = codes.shape
     scales = parts["scales"].to(torch.float32)
@@ -172,10 +172,8 @@ def packed_int_weight(parts: dict[str, torch.Tensor], fmt: PackedIntFormat, name
             # (exact: an fp16 scale times an integer below 512), columns in input order.
             values = codes.to(torch.float32) - zeros.t()[:, group_of_input].to(torch.float32)
             return in_input_order(values * scales.t()[:, group_of_input], input_order)
-    if fmt.bits == 4:
-        return int4_weight(codes, zeros.t(), scales.t(), group_size, input_order)
-    values = codes.to(torch.int16) - zeros.t()[:, group_of_input]
-    return integer_weight(values, scales.t(), group_size, input_order)
+    make = int4_weight if fmt.bits == 4 else int8_weight
+    return make(codes, zeros.t(), scales.t(), group_size, input_order)
 
 
 def _gptq_codes(parts: dict[str, torch.Tensor], fmt: PackedIntFormat

@@ -25,10 +25,12 @@ class QuantizedWeight:
     and float32 scales, `scale[r, g]` multiplying `data[r, g * group_size:(g + 1) * group_size]`
     (the last group may be shorter).
 
-    Packed (`data` uint8 [rows, cols / 2], two codes 0..15 a byte, the even column's in the low
-    nibble): `zero_point[r, g]` (int8, the shape of `scale`) is subtracted from the group's
-    codes before the scale multiplies them. 8-bit data has no zero points (an int8 weight holds
-    its codes minus them).
+    `zero_point[r, g]` (the shape of `scale`), where present, is subtracted from the group's
+    codes before the scale multiplies them. Packed 4-bit codes (`data` uint8 [rows, cols / 2],
+    two codes 0..15 a byte, the even column's in the low nibble) always have them (int8); int8
+    data has them only for asymmetric 8-bit checkpoints (codes 0..255 held minus 128, zero
+    points minus 128 as int16: a GPTQ v1 zero point may read 256) -- otherwise int8 data holds
+    its codes minus their zero points already.
 
     `input_order` (GPTQ's activation order): column j of the weight belongs to input
     `input_order[j]`, so the weight multiplies `x[..., input_order]`; the columns are stored in
@@ -55,9 +57,11 @@ class QuantizedWeight:
                                  f"{None if self.zero_point is None else tuple(self.zero_point.shape)}")
             if groups > 1 and self.group_size % 2:
                 raise ValueError(f"packed 4-bit groups of {self.group_size} columns split bytes")
-        elif self.zero_point is not None:
-            raise ValueError("zero points belong to packed 4-bit codes only: 8-bit integer "
-                             "data holds its codes minus their zero points")
+        elif self.zero_point is not None and (self.data.dtype != INT_WEIGHT_DTYPE
+                                              or self.zero_point.shape != self.scale.shape):
+            raise ValueError("zero points belong to integer codes, one per scale: got "
+                             f"{tuple(self.zero_point.shape)} for {self.data.dtype} data with "
+                             f"scales {tuple(self.scale.shape)}")
 
     @property
     def packed(self) -> bool:
@@ -69,16 +73,10 @@ class QuantizedWeight:
         rows, stored = self.data.shape
         return torch.Size((rows, 2 * stored if self.packed else stored))
 
-    def _like(self, data: torch.Tensor, scale: torch.Tensor, group_size: int,
-              zero_point: torch.Tensor | None, input_order: torch.Tensor | None = None
-              ) -> QuantizedWeight:
-        return QuantizedWeight(data, scale, group_size, input_order,
-                               zero_point if self.packed else None)
-
     def rows(self, start: int, count: int) -> QuantizedWeight:
         zero = None if self.zero_point is None else self.zero_point[start:start + count]
-        return self._like(self.data[start:start + count], self.scale[start:start + count],
-                          self.group_size, zero, self.input_order)
+        return QuantizedWeight(self.data[start:start + count], self.scale[start:start + count],
+                               self.group_size, self.input_order, zero)
 
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -97,8 +95,8 @@ class QuantizedWeight:
             if self.packed and (start % 2 or count % 2):
                 return self.unpacked().columns(start, count)
             per_byte = 2 if self.packed else 1
-            return self._like(self.data[:, start // per_byte:(start + count) // per_byte],
-                              self.scale, max(count, 1), self.zero_point)
+            return QuantizedWeight(self.data[:, start // per_byte:(start + count) // per_byte],
+                                   self.scale, max(count, 1), zero_point=self.zero_point)
         end = start + count
         if start % self.group_size or (end % self.group_size and end != cols):
             raise ValueError(f"columns [{start}, {end}) of a quantized weight split its scale "
@@ -106,9 +104,10 @@ class QuantizedWeight:
                              "tensor_parallel_size that splits the input at block boundaries")
         groups = slice(start // self.group_size, math.ceil(end / self.group_size))
         per_byte = 2 if self.packed else 1
-        return self._like(self.data[:, start // per_byte:end // per_byte], self.scale[:, groups],
-                          self.group_size,
-                          None if self.zero_point is None else self.zero_point[:, groups])
+        return QuantizedWeight(self.data[:, start // per_byte:end // per_byte],
+                               self.scale[:, groups], self.group_size,
+                               zero_point=None if self.zero_point is None
+                               else self.zero_point[:, groups])
 
     def unpacked(self) -> QuantizedWeight:
         """The same numbers as 8-bit integers (codes minus zero points, which lie in
@@ -139,24 +138,29 @@ def quantize_fp8_rows(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(data, scale, weight.shape[1])
 
 
-def integer_weight(values: torch.Tensor, scale: torch.Tensor, group_size: int,
-                   input_order: torch.Tensor | None = None) -> QuantizedWeight | torch.Tensor:
-    """Integer codes minus their zero points ([rows, cols], columns in `input_order` when
-    given) with float32 group scales ([rows, groups]): held exactly as int8 when every value
-    fits (4-bit codes always do, and symmetric 8-bit ones), else dequantized to float32
-    (asymmetric 8-bit codes lie up to 255 from their zero point)."""
+def int8_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tensor,
+                group_size: int, input_order: torch.Tensor | None = None) -> QuantizedWeight:
+    """8-bit codes ([rows, cols] in 0..255, columns in `input_order` when given) with their
+    [rows, groups] zero points and float32 scales: as int8 codes minus their zero points where
+    those fit (symmetric checkpoints, zero point 128), else (asymmetric ones: codes up to 255
+    from their zero point) as the codes minus 128 with their zero points minus 128 beside
+    them."""
+    zeros = zero_point.to(torch.int16).repeat_interleave(group_size, dim=1)[:, :codes.shape[1]]
+    values = codes.to(torch.int16) - zeros
     if values.numel() == 0 or (int(values.min()) >= -128 and int(values.max()) <= 127):
         return QuantizedWeight(values.to(INT_WEIGHT_DTYPE), scale.contiguous(), group_size,
                                input_order)
-    return in_input_order(dequantize_weight(values, scale, group_size), input_order)
+    return QuantizedWeight((codes.to(torch.int16) - 128).to(INT_WEIGHT_DTYPE),
+                           scale.contiguous(), group_size, input_order,
+                           (zero_point.to(torch.int16) - 128).contiguous())
 
 
 def int4_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tensor,
-                group_size: int, input_order: torch.Tensor | None = None
-                ) -> QuantizedWeight | torch.Tensor:
+                group_size: int, input_order: torch.Tensor | None = None) -> QuantizedWeight:
     """4-bit codes ([rows, cols] in 0..15, columns in `input_order` when given) with their
-    [rows, groups] zero points and float32 scales, held packed two a byte; as int8 codes minus
-    zero points where packing would split a byte (an odd number of columns, odd groups)."""
+    [rows, groups] zero points and float32 scales, held packed two a byte; as int8 codes
+    (`int8_weight`) where packing would split a byte (an odd number of columns, odd groups) or
+    the zero points lie too far from the codes to subtract them at one byte."""
     cols = codes.shape[1]
     # codes (0..15) minus zero points must fit int8, as the dequantization subtracts them there
     zeros_fit = zero_point.numel() == 0 \
@@ -164,8 +168,7 @@ def int4_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tens
     if not cols % 2 and (scale.shape[1] == 1 or not group_size % 2) and zeros_fit:
         return QuantizedWeight(pack_nibbles(codes), scale.contiguous(), group_size, input_order,
                                zero_point.to(INT_WEIGHT_DTYPE).contiguous())
-    zeros = zero_point.to(torch.int16).repeat_interleave(group_size, dim=1)[:, :cols]
-    return integer_weight(codes.to(torch.int16) - zeros, scale, group_size, input_order)
+    return int8_weight(codes, zero_point, scale, group_size, input_order)
 
 
 def in_input_order(weight: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:

@@ -5,9 +5,10 @@ A weight is `data * scale`: `data` one byte per number, each scale covering a ti
 checkpoint's [128, 128] blocks, or one row of `group_size` columns in memory). `data` is
 float8_e4m3fn for FP8 checkpoints and online quantization (a tile's largest magnitude maps to
 E4M3's largest finite value, 448), or int8 for integer checkpoints (GPTQ, AWQ,
-compressed-tensors int8), whose codes minus zero points it holds exactly. 4-bit checkpoints keep
-half a byte per number: `data` is uint8 holding two 4-bit codes (0..15), and a weight is
-`(codes - zero_point) * scale` with one int8 zero point per scale.
+compressed-tensors int8), whose codes minus zero points it holds exactly (asymmetric ones, whose
+codes lie up to 255 from their zero point: the codes and zero points both minus 128, a weight
+being `(codes - zero_point) * scale`). 4-bit checkpoints keep half a byte per number: `data` is
+uint8 holding two 4-bit codes (0..15), with one int8 zero point per scale.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
 def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
                       dtype: torch.dtype = torch.float32,
                       zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """8-bit values (FP8 or int8), or packed 4-bit codes minus their `zero_point`s, times their
-    group scales (computed in float32, then cast once to `dtype`)."""
+    """8-bit values (FP8 or int8) or packed 4-bit codes, minus their `zero_point`s where given
+    (packed codes always; asymmetric int8 codes), times their group scales (computed in float32,
+    then cast once to `dtype`)."""
     if data.dtype == PACKED_INT4_DTYPE:
         if zero_point is None:
             raise ValueError("packed 4-bit codes need their zero points")
@@ -61,6 +63,8 @@ def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
         # Widen, then scale in place: on a CPU this measured faster than one multiply that
         # widens as it goes (torch's mixed-dtype path is not vectorised).
         weight = data.to(torch.float32)
+        if zero_point is not None:  # asymmetric 8-bit codes: up to 255 from their zero point
+            _per_group(weight, zero_point.to(torch.float32), group_size, torch.Tensor.sub_)
     _per_group(weight, scale, group_size, torch.Tensor.mul_)
     return weight.to(dtype)
 

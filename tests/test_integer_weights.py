@@ -1,6 +1,8 @@
-"""4-bit integer weights held packed, two codes a byte (`loader.quantized_weight.int4_weight`):
-the numbers each view of the record gives (formula written out here), the projections and
-MoE experts that store them, and a LoRA adapter over a packed AWQ base against PEFT. The
+"""Integer weights with zero points: 4-bit codes held packed, two a byte
+(`loader.quantized_weight.int4_weight`), and asymmetric 8-bit codes held as int8 beside their
+zero points (`int8_weight`): the numbers each view of the record gives (formula written out
+here), the projections and MoE experts that store them, and a LoRA adapter over a packed AWQ
+base against PEFT. The
 checkpoint formats that make them (GPTQ, AWQ, compressed-tensors int4) are proven against their
 libraries in tests/test_gptq_awq_checkpoints.py and tests/test_quantized_checkpoints.py; the
 Triton W4A16 matmul in tests/test_fp8_matmul.py.
@@ -15,7 +17,7 @@ import ksana_llm as kt
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.parallel import RowParallelLinear
-from ksana_llm.loader.quantized_weight import QuantizedWeight, int4_weight
+from ksana_llm.loader.quantized_weight import QuantizedWeight, int4_weight, int8_weight
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, pack_nibbles, split_nibbles
 from tests.tiny_models import build_tiny_model
 
@@ -97,9 +99,12 @@ def test_what_packing_cannot_hold_comes_as_int8_or_is_refused():
     packed = pack_nibbles(torch.zeros(2, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match="need one zero point per scale"):
         QuantizedWeight(packed, torch.ones(2, 1), 8)
-    with pytest.raises(ValueError, match="zero points belong to packed 4-bit codes"):
-        QuantizedWeight(torch.zeros(2, 8, dtype=INT8), torch.ones(2, 1), 8,
+    with pytest.raises(ValueError, match="zero points belong to integer codes, one per scale"):
+        QuantizedWeight(torch.zeros(2, 8, dtype=torch.float8_e4m3fn), torch.ones(2, 1), 8,
                         zero_point=torch.zeros(2, 1, dtype=INT8))
+    with pytest.raises(ValueError, match="zero points belong to integer codes, one per scale"):
+        QuantizedWeight(torch.zeros(2, 8, dtype=INT8), torch.ones(2, 1), 8,
+                        zero_point=torch.zeros(2, 2, dtype=INT8))
 
 
 def test_projections_store_packed_codes_and_multiply_by_them():
@@ -165,6 +170,40 @@ def test_moe_experts_hold_packed_codes_and_multiply_by_them():
     torch.testing.assert_close(mixed.w13[0, :inter], dequantized(*parts[(0, "gate")], 32),
                                atol=0, rtol=0)
     torch.testing.assert_close(mixed.w13[1, :inter], dequantized(codes, zeros, scales, 32),
+                               atol=0, rtol=0)
+
+
+def test_asymmetric_int8_codes_keep_their_zero_points():
+    """8-bit codes up to 255 from their zero points (0..256: GPTQ v1 reads a stored 255 as 256)
+    are held as codes - 128 (int8) with zero points - 128 (int16): slices and the projections
+    that store them give scale * (code - zero); a symmetric part fused with them (no zero
+    points) makes the projection dense, both parts' numbers kept."""
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (16, 64), generator=generator)
+    zeros = torch.randint(0, 257, (16, 2), generator=generator)
+    zeros[0, 0], codes[0, :2] = 256, torch.tensor([0, 255])
+    scales = torch.rand(16, 2, generator=generator) + 0.1
+    weight = int8_weight(codes, zeros, scales, 32)
+    expected = dequantized(codes, zeros, scales, 32)
+    assert weight.data.dtype == INT8 and weight.zero_point.dtype == torch.int16
+    torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
+    torch.testing.assert_close(weight.columns(32, 32).dequantize(), expected[:, 32:],
+                               atol=0, rtol=0)
+    torch.testing.assert_close(weight.rows(4, 8).dequantize(), expected[4:12], atol=0, rtol=0)
+    symmetric = int8_weight(torch.randint(0, 256, (8, 64), generator=generator),
+                            torch.full((8, 2), 128), scales[:8], 32)
+    assert symmetric.zero_point is None  # the codes minus 128 are the numbers
+
+    x = torch.randn(3, 64)
+    layer = MergedLinear(64, [16])
+    layer.load_shard(layer.weight, weight, 0)
+    assert layer.weight.dtype == INT8 and layer.weight_zero_point.dtype == torch.int16
+    torch.testing.assert_close(layer(x), x @ expected.t(), atol=1e-4, rtol=1e-5)
+    mixed = MergedLinear(64, [16, 8])
+    mixed.load_shard(mixed.weight, weight, 0)
+    mixed.load_shard(mixed.weight, symmetric, 1)
+    assert mixed.weight.dtype == torch.float32 and mixed.weight_zero_point is None
+    torch.testing.assert_close(mixed.weight, torch.cat([expected, symmetric.dequantize()]),
                                atol=0, rtol=0)
 
 
