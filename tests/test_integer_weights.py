@@ -97,8 +97,20 @@ def test_what_packing_cannot_hold_comes_as_int8_or_is_refused():
     torch.testing.assert_close(odd.dequantize(), dequantized(codes, zeros, scales, 19),
                                atol=0, rtol=0)
     packed = pack_nibbles(torch.zeros(2, 8, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="need one zero point per scale"):
+    with pytest.raises(ValueError, match="need one int8 zero point per scale"):
         QuantizedWeight(packed, torch.ones(2, 1), 8)
+    with pytest.raises(ValueError, match=r"zero points must lie in \(-112, 127\)"):
+        QuantizedWeight(packed, torch.ones(2, 1), 8,
+                        zero_point=torch.tensor([[-120], [3]], dtype=INT8))
+    far = int4_weight(torch.full((2, 8), 15), torch.tensor([[-120], [3]]), torch.ones(2, 1), 8)
+    assert far.data.dtype == INT8  # held as int8 codes instead, the same numbers
+    torch.testing.assert_close(far.dequantize(), torch.tensor([[135.0] * 8, [12.0] * 8]),
+                               atol=0, rtol=0)
+    narrow = int4_weight(torch.zeros(2, 64, dtype=torch.long), torch.full((2, 1), 8),
+                         torch.ones(2, 1), 64)
+    wide_layer = MergedLinear(66, [2])
+    with pytest.raises(ValueError, match="shard 0 has 64 columns, expected 66"):
+        wide_layer.load_shard(wide_layer.weight, narrow, 0)
     with pytest.raises(ValueError, match="zero points belong to integer codes, one per scale"):
         QuantizedWeight(torch.zeros(2, 8, dtype=torch.float8_e4m3fn), torch.ones(2, 1), 8,
                         zero_point=torch.zeros(2, 1, dtype=INT8))
@@ -193,6 +205,18 @@ def test_asymmetric_int8_codes_keep_their_zero_points():
     symmetric = int8_weight(torch.randint(0, 256, (8, 64), generator=generator),
                             torch.full((8, 2), 128), scales[:8], 32)
     assert symmetric.zero_point is None  # the codes minus 128 are the numbers
+    # an asymmetric weight whose differences happen to fit int8 keeps the asymmetric form, so
+    # the experts of one stack (or parts of one projection) never mix forms and go dense
+    fits = int8_weight(torch.randint(100, 156, (16, 64), generator=generator),
+                       torch.randint(120, 136, (16, 2), generator=generator), scales, 32)
+    assert fits.zero_point is not None
+    experts = FusedExperts(2, 64, 16)
+    experts.load_checkpoint_tensor("0.gate_proj.weight", weight)
+    experts.load_checkpoint_tensor("1.gate_proj.weight", fits)
+    assert experts.w13.dtype == INT8 and experts.w13_zero_point.dtype == torch.int16
+    torch.testing.assert_close(
+        (experts.w13[1, :16].float() - experts.w13_zero_point[1, :16].float().repeat_interleave(
+            32, 1)) * scales.repeat_interleave(32, 1), fits.dequantize(), atol=0, rtol=0)
 
     x = torch.randn(3, 64)
     layer = MergedLinear(64, [16])

@@ -108,8 +108,8 @@ def test_compressed_tensors_int8_checkpoint_matches_the_library(tmp_path, strate
 def test_packed_int_codes_unpack_as_the_library_packs_them(bits):
     """Every 4- / 8-bit value at every position of a word, and zero points packed along the
     rows, come back as compressed-tensors' own pack_to_int32 put them in; held as int8 (37
-    columns in groups of 19 cannot pack two a byte), 8-bit codes too far from their zero points
-    with the zero points beside them."""
+    columns in groups of 19 cannot pack two a byte): symmetric codes minus their zero point,
+    asymmetric ones with their zero points beside them."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from ksana_llm.loader.fp8_weights import packed_int_weight, unpack_ints
@@ -134,9 +134,9 @@ def test_packed_int_codes_unpack_as_the_library_packs_them(bits):
                                bits, "w")
     expected = (values.float() - zero.float().repeat_interleave(19, 1)[:, :37]) \
         * scale.repeat_interleave(19, 1)[:, :37]
-    # odd groups: int8 either way; 8-bit differences up to 255 keep their zero points
+    # odd groups: int8 either way, the zero points (one per group) kept beside the codes
     assert weight.group_size == 19 and weight.data.dtype == INT8
-    assert (weight.zero_point is not None) == (bits == 8)
+    assert weight.zero_point is not None
     torch.testing.assert_close(weight.dequantize(), expected, atol=0, rtol=0)
 
 

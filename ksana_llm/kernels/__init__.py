@@ -8,7 +8,7 @@
                             *, sliding_window=None, alibi_slopes=None, out=None)
                                                                            prefill_attention.py
     rms_norm(x, weight, eps, residual=None)                                rmsnorm.py
-    fp8_linear(x, weight, scale, group_size, bias=None)                    fp8_matmul.py
+    fp8_linear(x, weight, scale, group_size, bias=None, zero_point=None)   fp8_matmul.py
     apply_rotary_(q, k, cos, sin)                                          rotary.py
     reference.*: the torch definitions of all of the above
 

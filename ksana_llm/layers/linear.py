@@ -283,6 +283,9 @@ class MergedLinear(QuantizedStorage):
         if param is not self.weight:  # the bias
             param.data[offset:offset + size].copy_(tensor[first:first + size])
             return
+        if tensor.shape[1] != self.local_in_features:
+            raise ValueError(f"shard {index} has {tensor.shape[1]} columns, expected "
+                             f"{self.local_in_features}")
         local = tensor.rows(first, size) if isinstance(tensor, QuantizedWeight) \
             else tensor[first:first + size]
         self.copy_rows(offset, self.incoming(local))

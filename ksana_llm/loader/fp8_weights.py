@@ -139,9 +139,6 @@ class QuantizedCheckpoint:
                                      "'weight' / 'static' or none)")
                 kinds.add(cls(None, packed_bits=bits,
                               symmetric=bool(weights.get("symmetric", True))))
-                if bits == 8 and not weights.get("symmetric", True):
-                    logger.info("%s: asymmetric int8 weights whose codes lie over 127 from their "
-                                "zero point (int8's range) load dequantized", where)
             elif fmt == "int-quantized" and kind == "int" and bits == 8:
                 if strategy not in ("tensor", "channel", "group") \
                         or not weights.get("symmetric", True):

@@ -41,12 +41,9 @@ def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
     if quantization.get("quant_method") in ("gptq", "awq"):
         fmt = PackedIntFormat.from_quantization(quantization)
         if fmt.desc_act:
-            logger.info("GPTQ weights in activation order (desc_act): held as int8 with the "
+            logger.info("GPTQ weights in activation order (desc_act): held quantized with the "
                         "order their inputs are gathered in; a tensor-parallel rank's slice of "
                         "the inputs and MoE experts load dequantized to the model's dtype")
-        if fmt.bits == 8 and not quantization.get("sym", True):
-            logger.info("asymmetric 8-bit GPTQ: weights whose codes lie over 127 from their "
-                        "zero point (int8's range) load dequantized to the model's dtype")
         return fmt
     return QuantizedCheckpoint.from_quantization(quantization)
 

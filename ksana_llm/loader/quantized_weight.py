@@ -19,6 +19,11 @@ from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
                                            pack_nibbles, quantize_fp8, split_nibbles)
 
 
+# Packed codes (0..15) minus their zero points must fit int8: the dequantization subtracts them
+# at one byte.
+PACKED_ZERO_RANGE = (15 - 127, 127)
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A [rows, cols] weight as 8-bit values (FP8, or int8 integer codes) or packed 4-bit codes,
@@ -52,9 +57,14 @@ class QuantizedWeight:
             raise ValueError(f"quantized weight scales: shape {tuple(self.scale.shape)} does "
                              f"not cover a [{rows}, {cols}] weight in groups of {self.group_size}")
         if self.packed:
-            if self.zero_point is None or self.zero_point.shape != self.scale.shape:
-                raise ValueError("packed 4-bit codes need one zero point per scale, got "
-                                 f"{None if self.zero_point is None else tuple(self.zero_point.shape)}")
+            zero = self.zero_point
+            if zero is None or zero.shape != self.scale.shape or zero.dtype != INT_WEIGHT_DTYPE:
+                raise ValueError("packed 4-bit codes need one int8 zero point per scale, got "
+                                 f"{None if zero is None else (tuple(zero.shape), zero.dtype)}")
+            if zero.numel() and (int(zero.min()) < PACKED_ZERO_RANGE[0]
+                                 or int(zero.max()) > PACKED_ZERO_RANGE[1]):
+                raise ValueError(f"packed 4-bit zero points must lie in {PACKED_ZERO_RANGE} "
+                                 "(codes minus zero points are taken at one byte)")
             if groups > 1 and self.group_size % 2:
                 raise ValueError(f"packed 4-bit groups of {self.group_size} columns split bytes")
         elif self.zero_point is not None and (self.data.dtype != INT_WEIGHT_DTYPE
@@ -141,15 +151,19 @@ def quantize_fp8_rows(weight: torch.Tensor) -> QuantizedWeight:
 def int8_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tensor,
                 group_size: int, input_order: torch.Tensor | None = None) -> QuantizedWeight:
     """8-bit codes ([rows, cols] in 0..255, columns in `input_order` when given) with their
-    [rows, groups] zero points and float32 scales: as int8 codes minus their zero points where
-    those fit (symmetric checkpoints, zero point 128), else (asymmetric ones: codes up to 255
-    from their zero point) as the codes minus 128 with their zero points minus 128 beside
-    them."""
-    zeros = zero_point.to(torch.int16).repeat_interleave(group_size, dim=1)[:, :codes.shape[1]]
-    values = codes.to(torch.int16) - zeros
-    if values.numel() == 0 or (int(values.min()) >= -128 and int(values.max()) <= 127):
-        return QuantizedWeight(values.to(INT_WEIGHT_DTYPE), scale.contiguous(), group_size,
-                               input_order)
+    [rows, groups] zero points and float32 scales: as int8 codes minus their zero point where
+    one zero point serves the whole weight (symmetric checkpoints: 128) and the differences fit,
+    else (asymmetric ones: codes up to 255 from their zero points) as the codes minus 128 with
+    their zero points minus 128 beside them. The choice follows the checkpoint's kind, not
+    whether one weight's differences happen to fit, so every weight of a fused projection or an
+    expert stack takes the same form (two forms in one would make it dense)."""
+    shared_zero = zero_point.numel() == 0 or bool((zero_point == zero_point.flatten()[0]).all())
+    if shared_zero:
+        zero = int(zero_point.flatten()[0]) if zero_point.numel() else 0
+        values = codes.to(torch.int16) - zero
+        if values.numel() == 0 or (int(values.min()) >= -128 and int(values.max()) <= 127):
+            return QuantizedWeight(values.to(INT_WEIGHT_DTYPE), scale.contiguous(), group_size,
+                                   input_order)
     return QuantizedWeight((codes.to(torch.int16) - 128).to(INT_WEIGHT_DTYPE),
                            scale.contiguous(), group_size, input_order,
                            (zero_point.to(torch.int16) - 128).contiguous())
@@ -162,9 +176,8 @@ def int4_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tens
     (`int8_weight`) where packing would split a byte (an odd number of columns, odd groups) or
     the zero points lie too far from the codes to subtract them at one byte."""
     cols = codes.shape[1]
-    # codes (0..15) minus zero points must fit int8, as the dequantization subtracts them there
-    zeros_fit = zero_point.numel() == 0 \
-        or (int(zero_point.min()) >= 15 - 127 and int(zero_point.max()) <= 127)
+    zeros_fit = zero_point.numel() == 0 or (int(zero_point.min()) >= PACKED_ZERO_RANGE[0]
+                                            and int(zero_point.max()) <= PACKED_ZERO_RANGE[1])
     if not cols % 2 and (scale.shape[1] == 1 or not group_size % 2) and zeros_fit:
         return QuantizedWeight(pack_nibbles(codes), scale.contiguous(), group_size, input_order,
                                zero_point.to(INT_WEIGHT_DTYPE).contiguous())
