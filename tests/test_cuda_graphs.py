@@ -379,6 +379,20 @@ def test_gpu_benchmark_lora_stage_smoke(tmp_path):
     assert not report["errors"]
 
 
+def test_gpu_benchmark_int4_stage_smoke(tmp_path):
+    """run.sh's engine-qwen3-int4w stage: ours on the checkpoint rewritten as W4A16 (the writer
+    itself is checked against compressed-tensors in tests/test_int4_checkpoint_writer.py)."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", "qwen3-0.6b", "--int4-weights",
+                              "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_qwen3-0.6b-wint4.json").read_text())
+    assert report["quantization"].startswith("int4 checkpoint (W4A16")
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+    assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
+    assert not report["errors"]
+
+
 def test_gpu_parity_smoke_mode_runs_on_cpu(tmp_path):
     """`benchmarks/gpu/parity.py --smoke`: CPU serial engine against the device-default engine
     (here the Triton interpreter with async scheduling and overlapped outputs), three rounds."""

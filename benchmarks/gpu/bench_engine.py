@@ -57,6 +57,7 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
 
 import ksana_llm as kt  # noqa: E402
 from ksana_llm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS  # noqa: E402
+from benchmarks.gpu.int4_checkpoint import rewrite_as_w4a16  # noqa: E402
 from benchmarks.hf_peers import hf_batch1, pad_token_id  # noqa: E402
 from benchmarks.offline_throughput import guarded, ours_batch1, run_ours  # noqa: E402
 from benchmarks.workload import (ThroughputResult, Workload, allowed_token_ids,  # noqa: E402
@@ -391,7 +392,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     root = temp_root(params_bytes)
     report: dict[str, Any] = {"model": spec.name, "kv_cache_dtype": args.kv_cache_dtype,
                               # ours with FP8 projection weights; HF generate_batch in bf16
-                              "quantization": args.quantization,
+                              "quantization": "int4 checkpoint (W4A16, groups of 128)"
+                              if args.int4_weights else args.quantization,
                               # ours with random adapters, round robin over the requests; HF
                               # generate_batch runs the base model
                               "lora": {"adapters": args.lora_adapters, "rank": args.lora_rank}
@@ -403,6 +405,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     try:
         t0 = time.perf_counter()
         hf_model, folder = build_checkpoint(spec, device, dtype, args.smoke, root)
+        if args.int4_weights:  # ours reads 4-bit weights (W4A16); HF keeps the 16-bit model
+            rewrite_as_w4a16(folder, 32 if args.smoke else 128, str(device))
         args.lora_modules = write_lora_adapters(hf_model, root, args.lora_adapters,
                                                 args.lora_rank) if args.lora_adapters else {}
         timings["build_and_save_s"] = time.perf_counter() - t0
@@ -527,6 +531,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="our engine's KV cache storage (HF keeps its own dtype)")
     p.add_argument("--quantization", default=None, choices=WEIGHT_QUANTIZATIONS,
                    help="our engine's weights: fp8 = the projections as FP8 (per-row scales)")
+    p.add_argument("--int4-weights", action="store_true",
+                   help="our engine reads the checkpoint rewritten as llm-compressor W4A16 "
+                        "(symmetric int4, groups of 128; held packed, the Triton W4A16 matmul)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
@@ -588,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
         suffix += f"-lora{args.lora_adapters}" if args.lora_adapters else ""
         suffix += f"-w{args.quantization}" if args.quantization else ""
+        suffix += "-wint4" if args.int4_weights else ""
         path = args.out / f"engine_{name}{suffix}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path} ({report['total_s']} s)", flush=True)

@@ -10,7 +10,9 @@
 # (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
 # Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
 # random rank-16 LoRA adapters, round robin) and engine-qwen3-fp8w / engine-llama8b-fp8w (the
-# workloads with FP8 projection weights, online quantization) and fp8-matmul (the 8-bit-weight
+# workloads with FP8 projection weights, online quantization) and engine-qwen3-int4w /
+# engine-llama8b-int4w (the workloads on the checkpoint rewritten as W4A16: 4-bit weights held
+# packed) and fp8-matmul (the quantized-weight
 # matmul, FP8, int8 codes and packed 4-bit codes, against bf16 cuBLAS) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
@@ -49,7 +51,8 @@ fi
 declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
-                  [engine-llama8b-fp8w]=330 [fp8-matmul]=270)
+                  [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
+                  [fp8-matmul]=270)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -87,6 +90,11 @@ for stage in "${STAGES[@]}"; do
                             --models qwen3-0.6b --quantization fp8 --out "$RESULTS" ;;
         engine-llama8b-fp8w) run_stage engine-llama8b-fp8w "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models llama-3-8b --quantization fp8 --out "$RESULTS" ;;
+        # the same on 4-bit weights (W4A16 checkpoint, held packed: the Triton W4A16 matmul)
+        engine-qwen3-int4w) run_stage engine-qwen3-int4w "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models qwen3-0.6b --int4-weights --out "$RESULTS" ;;
+        engine-llama8b-int4w) run_stage engine-llama8b-int4w "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models llama-3-8b --int4-weights --out "$RESULTS" ;;
         # the same through 4 LoRA adapters (HF generate_batch runs the base model)
         engine-qwen3-lora) run_stage engine-qwen3-lora "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --lora-adapters 4 --out "$RESULTS" ;;
@@ -104,7 +112,8 @@ for stage in "${STAGES[@]}"; do
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
-                "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-llama8b engine-llama8b-fp8w"\
+                "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-llama8b"\
+                " engine-llama8b-fp8w engine-llama8b-int4w"\
                 " decode prefill fp8-matmul spec)" >&2; exit 2 ;;
     esac
 done
