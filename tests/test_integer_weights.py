@@ -185,6 +185,46 @@ def test_moe_experts_hold_packed_codes_and_multiply_by_them():
                                atol=0, rtol=0)
 
 
+def test_moe_experts_in_activation_order_gather_their_input():
+    """GPTQ's activation order in MoE experts: each expert keeps its packed codes with its own
+    input order (gate and up share one) and routes tokens as the dense experts in input order
+    do; an expert whose gate and up disagree makes the stack dense, numbers unchanged."""
+    from ksana_llm.layers.moe import Routing
+
+    hidden, inter = 64, 32
+    generator = torch.Generator().manual_seed(30)
+    orders = {(e, target): torch.randperm(size, generator=generator)
+              for e in range(2) for target, size in (("w13", hidden), ("w2", inter))}
+    experts, reference = FusedExperts(2, hidden, inter), FusedExperts(2, hidden, inter)
+    for e in range(2):
+        for i, (part, shape, target) in enumerate((("gate", (inter, hidden), "w13"),
+                                                   ("up", (inter, hidden), "w13"),
+                                                   ("down", (hidden, inter), "w2"))):
+            weight = int4_weight(*random_int4(*shape, group=32, seed=40 + 3 * e + i), 32,
+                                 orders[(e, target)])
+            experts.load_checkpoint_tensor(f"{e}.{part}_proj.weight", weight)
+            reference.load_checkpoint_tensor(f"{e}.{part}_proj.weight", weight.dequantize())
+    assert experts.w13.dtype == PACKED_INT4_DTYPE and experts.w2.dtype == PACKED_INT4_DTYPE
+    assert torch.equal(experts.w13_input_order[1], orders[(1, "w13")])
+    assert torch.equal(experts.w2_input_order[0], orders[(0, "w2")])
+    torch.manual_seed(2)
+    x = torch.randn(5, hidden)
+    routing = Routing(weights=torch.rand(5, 2),
+                      experts=torch.tensor([[0, 1], [1, 0], [1, 1], [0, 0], [1, 0]]))
+    expected = reference(x, routing)  # ~1e3 in magnitude: fp32 sums in another order differ
+    torch.testing.assert_close(experts(x, routing), expected, rtol=1e-4,
+                               atol=1e-5 * float(expected.abs().max()))
+
+    gate = int4_weight(*random_int4(inter, hidden, 32, seed=50), 32, orders[(0, "w13")])
+    up = int4_weight(*random_int4(inter, hidden, 32, seed=51), 32, orders[(1, "w13")])
+    mixed = FusedExperts(2, hidden, inter)
+    mixed.load_checkpoint_tensor("0.gate_proj.weight", gate)
+    mixed.load_checkpoint_tensor("0.up_proj.weight", up)
+    assert mixed.w13.dtype == torch.float32 and mixed.w13_input_order is None
+    torch.testing.assert_close(mixed.w13[0], torch.cat([gate.dequantize(), up.dequantize()]),
+                               atol=0, rtol=0)
+
+
 def test_asymmetric_int8_codes_keep_their_zero_points():
     """8-bit codes up to 255 from their zero points (0..256: GPTQ v1 reads a stored 255 as 256)
     are held as codes - 128 (int8) with zero points - 128 (int16): slices and the projections

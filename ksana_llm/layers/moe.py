@@ -26,7 +26,8 @@ from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
-from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_fp8_rows
+from ksana_llm.loader.quantized_weight import (QuantizedWeight, dense, in_input_order,
+                                               quantize_fp8_rows)
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
 
 
@@ -171,6 +172,13 @@ class FusedExperts(nn.Module):
         self.w2_zero_point: torch.Tensor | None
         self.register_buffer("w13_zero_point", None, persistent=False)
         self.register_buffer("w2_zero_point", None, persistent=False)
+        # GPTQ's activation order, [E, inputs]: expert e's columns take x[..., order[e]] (gate
+        # and up share one: GPTQ derives it from their common input)
+        self.w13_input_order: torch.Tensor | None
+        self.w2_input_order: torch.Tensor | None
+        self.register_buffer("w13_input_order", None, persistent=False)
+        self.register_buffer("w2_input_order", None, persistent=False)
+        self._ordered: dict[str, set[int]] = {"w13": set(), "w2": set()}  # experts with theirs
         self.group_sizes = {"w13": 0, "w2": 0}
         self.quantized_capable = True
         self.quantize_on_load = False
@@ -206,6 +214,9 @@ class FusedExperts(nn.Module):
             return F.linear(x, weight[expert])
         group = self.group_sizes[name]
         zero = getattr(self, f"{name}_zero_point")
+        input_order = getattr(self, f"{name}_input_order")
+        if input_order is not None:
+            x = x.index_select(-1, input_order[expert])
         if name not in self._fp8_kernels and x.is_cuda:  # decided once per weight
             self._fp8_kernels[name] = fp8_kernel_for(group, scale.shape[2] == 1,
                                                      weight.dtype == PACKED_INT4_DTYPE) or False
@@ -268,7 +279,7 @@ class FusedExperts(nn.Module):
         expected = (rows.stop - rows.start, inputs)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {expected}")
-        tensor = self._incoming(target, tensor)
+        tensor = self._incoming(target, tensor, expert)
         if isinstance(tensor, QuantizedWeight):
             getattr(self, target).data[expert, rows].copy_(tensor.data)
             getattr(self, f"{target}_scale")[expert, rows].copy_(tensor.scale)
@@ -278,25 +289,29 @@ class FusedExperts(nn.Module):
             getattr(self, target).data[expert, rows].copy_(tensor)
         return [f"{expert}.{part}"]
 
-    def _incoming(self, target: str, tensor: torch.Tensor | QuantizedWeight
+    def _incoming(self, target: str, tensor: torch.Tensor | QuantizedWeight, expert: int
                   ) -> torch.Tensor | QuantizedWeight:
-        """`tensor` in the form `target` stores: 8-bit (switching storage on the first one), or
-        dense, dequantizing every quantized expert already stored when the tensors disagree
-        (FP8 and int8 ones, or other scale layouts)."""
+        """`tensor` in the form `target` stores: quantized (switching storage on the first
+        one), or dense, dequantizing every quantized expert already stored when the tensors
+        disagree (FP8 and int8 ones, other scale layouts, with and without zero points or
+        activation order, or an expert's gate and up in different input orders)."""
         if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
             tensor = quantize_fp8_rows(tensor)
         scale = getattr(self, f"{target}_scale")
-        # Activation-order experts (each its own input order) are kept dense.
         if isinstance(tensor, QuantizedWeight) and self.quantized_capable \
-                and not self._has_dense[target] and tensor.input_order is None:
+                and not self._has_dense[target]:
             zero_dtype = None if tensor.zero_point is None else tensor.zero_point.dtype
-            layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size, zero_dtype)
+            layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size, zero_dtype,
+                      tensor.input_order is not None)
             if scale is None:
                 self._store_quantized(target, *layout)
-                return tensor
+                scale = getattr(self, f"{target}_scale")
             stored_zero = getattr(self, f"{target}_zero_point")
+            stored_order = getattr(self, f"{target}_input_order")
             if layout == (getattr(self, target).dtype, scale.shape[2], self.group_sizes[target],
-                          None if stored_zero is None else stored_zero.dtype):
+                          None if stored_zero is None else stored_zero.dtype,
+                          stored_order is not None) \
+                    and self._same_input_order(target, expert, tensor.input_order):
                 return tensor
         if isinstance(tensor, QuantizedWeight):
             tensor = tensor.dequantize()
@@ -304,20 +319,37 @@ class FusedExperts(nn.Module):
         if scale is not None:  # rows stored quantized so far become dense
             weight = getattr(self, target).data
             zero = getattr(self, f"{target}_zero_point")
-            dense_weight = torch.stack([
+            order = getattr(self, f"{target}_input_order")
+            dense_weight = torch.stack([in_input_order(
                 dequantize_weight(weight[e], scale[e], self.group_sizes[target], self._dense_dtype,
-                                  None if zero is None else zero[e])
-                for e in range(self.num_experts)])
+                                  None if zero is None else zero[e]),
+                None if order is None else order[e]) for e in range(self.num_experts)])
             setattr(self, target, nn.Parameter(dense_weight, requires_grad=False))
-            setattr(self, f"{target}_scale", None)
-            setattr(self, f"{target}_zero_point", None)
+            for buffer in ("scale", "zero_point", "input_order"):
+                setattr(self, f"{target}_{buffer}", None)
         return tensor
 
+    def _same_input_order(self, target: str, expert: int, order: torch.Tensor | None) -> bool:
+        """Whether `order` agrees with what expert `expert` of `target` already takes (its
+        gate's, when the up arrives), recording it for the expert's first part."""
+        if order is None:
+            return True
+        stored = getattr(self, f"{target}_input_order")
+        if expert in self._ordered[target]:
+            return bool(torch.equal(stored[expert].cpu(), order.cpu()))
+        stored[expert].copy_(order)
+        self._ordered[target].add(expert)
+        return True
+
     def _store_quantized(self, target: str, dtype: torch.dtype, num_groups: int,
-                         group_size: int, zero_dtype: torch.dtype | None) -> None:
+                         group_size: int, zero_dtype: torch.dtype | None, ordered: bool) -> None:
         param = getattr(self, target)
         self._dense_dtype = param.dtype
         experts, rows, columns = param.shape
+        if ordered:  # each expert's order set as its first part loads
+            self.register_buffer(f"{target}_input_order",
+                                 torch.arange(columns, device=param.device).repeat(experts, 1),
+                                 persistent=False)
         if dtype == PACKED_INT4_DTYPE:  # two codes a byte
             columns //= 2
         if zero_dtype is not None:
