@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import re
 import shutil
 import sys
 import types
@@ -122,24 +123,31 @@ def write_gptq(model: torch.nn.Module, source: Path, target: Path, *, bits: int 
     return held
 
 
-def write_gptq_from_files(source: Path, target: Path, *, group_size: int = 16
-                          ) -> dict[str, torch.Tensor]:
+def write_gptq_from_files(source: Path, target: Path, *, group_size: int = 16,
+                          desc_act: bool = False) -> dict[str, torch.Tensor]:
     """Every decoder projection of the checkpoint in `source` (the per-expert tensors of an MoE
     model included, which transformers' model holds fused) quantized by AutoGPTQ to 4 bits,
-    fitted to random inputs; the library's dequantization by weight name."""
+    fitted to random inputs -- the same inputs for projections that share one (q / k / v, gate /
+    up), as in a real model, so that in activation order (`desc_act`) they share their order;
+    the library's dequantization by weight name."""
     replaced: dict[str, dict[str, torch.Tensor]] = {}
     held: dict[str, torch.Tensor] = {}
     generator = torch.Generator().manual_seed(0)
+    shared_inputs: dict[str, torch.Tensor] = {}
     for name, weight in load_file(str(source / "model.safetensors")).items():
         if not QUANTIZED.match(name) or weight.dim() != 2:
             continue
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight.data = weight.float().clone()
-        inputs = torch.randn(64, weight.shape[1], generator=generator)
+        reader = re.sub(r"\.(k_proj|v_proj)\.", ".q_proj.",
+                        name.replace(".up_proj.", ".gate_proj."))
+        if reader not in shared_inputs:
+            shared_inputs[reader] = torch.randn(64, weight.shape[1], generator=generator)
         replaced[name.removesuffix(".weight")], held[name] = gptq_layer(
-            linear, inputs, bits=4, group_size=group_size, desc_act=False, sym=True)
+            linear, shared_inputs[reader], bits=4, group_size=group_size, desc_act=desc_act,
+            sym=True)
     _write(source, target, replaced, "quantization_config",
-           gptq_settings(4, group_size, False, True))
+           gptq_settings(4, group_size, desc_act, True))
     return held
 
 

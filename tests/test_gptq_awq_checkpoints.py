@@ -105,11 +105,14 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
                  hf_reference(hold(hf, held)), vocab=256)
 
 
-def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
+@pytest.mark.parametrize("desc_act", [False, True], ids=["group-order", "act-order"])
+def test_gptq_moe_checkpoint_matches_the_library(tmp_path, desc_act):
     """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts hold their
-    4-bit codes packed two a byte with zero points, and the model gives the logits and tokens of transformers reading a full-precision copy
-    that holds AutoGPTQ's dequantization. (The tiny Mixtral's 48-wide experts do not fit
-    AutoGPTQ's packing, which needs outputs in multiples of 32.)"""
+    4-bit codes packed two a byte with zero points (in activation order each expert with its
+    input order, gate and up sharing one), and the model gives the logits and tokens of
+    transformers reading a full-precision copy that holds AutoGPTQ's dequantization. (The tiny
+    Mixtral's 48-wide experts do not fit AutoGPTQ's packing, which needs outputs in multiples
+    of 32.)"""
     from transformers import AutoModelForCausalLM
 
     from tests.quantized_checkpoints import assert_experts_quantized
@@ -119,12 +122,17 @@ def test_gptq_moe_checkpoint_matches_the_library(tmp_path):
     full = FAMILIES["qwen3_moe"]().eval()
     _randomize(full)
     full.save_pretrained(tmp_path / "full")
-    held = write_gptq_from_files(tmp_path / "full", tmp_path / "gptq")
+    held = write_gptq_from_files(tmp_path / "full", tmp_path / "gptq", desc_act=desc_act)
     assert any(".experts.7." in name for name in held)
     reference = AutoModelForCausalLM.from_pretrained(
         write_held(tmp_path / "full", tmp_path / "held", held), dtype=torch.float32).eval()
     module = load_ours(tmp_path / "gptq")
     assert assert_experts_quantized(module, INT4) == 2
+    experts = module.model.layers[0].mlp.experts
+    assert (experts.w13_input_order is not None) == desc_act
+    assert (experts.w2_input_order is not None) == desc_act
+    if desc_act:  # the orders are real permutations, not the plain one
+        assert not torch.equal(experts.w13_input_order[3], torch.arange(experts.hidden_size))
     check_family(module, tmp_path / "gptq", hf_reference(reference), vocab=256)
 
 

@@ -43,7 +43,7 @@ def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
         if fmt.desc_act:
             logger.info("GPTQ weights in activation order (desc_act): held quantized with the "
                         "order their inputs are gathered in; a tensor-parallel rank's slice of "
-                        "the inputs and MoE experts load dequantized to the model's dtype")
+                        "the inputs loads dequantized to the model's dtype")
         return fmt
     return QuantizedCheckpoint.from_quantization(quantization)
 
