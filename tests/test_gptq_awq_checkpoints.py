@@ -150,9 +150,9 @@ def _with_tensor(folder, name, value, target):
 @pytest.mark.parametrize("method", ["gptq-int4", "gptq-int8", "gptq-act-order", "awq"])
 def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
     """Two gloo ranks, each with its rows / group-aligned input columns of the weights held
-    packed (4-bit) or as int8 (in activation order a rank's input columns are no whole groups: the row-parallel
-    projections take slices of the dequantized weights): transformers' greedy tokens and
-    logits."""
+    packed (4-bit) or as int8 (in activation order a rank's input columns are no whole groups:
+    the row-parallel projections take slices of the dequantized weights): transformers' greedy
+    tokens and logits."""
     hf = build_tiny_model("llama2", tmp_path / "full")
     if method == "awq":
         held = write_awq(hf, tmp_path / "full", tmp_path / "q")

@@ -57,10 +57,10 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strate
 def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strategy):
     """llm-compressor's W4A16 checkpoints (`pack-quantized`: eight 4-bit codes per int32,
     group or channel scales, zero points when asymmetric), written by the compressed-tensors
-    library, held packed two codes a byte with their zero points, the same numbers: logits and greedy tokens equal
-    transformers' reading the checkpoint through the library -- or, for zero points, which
-    transformers' loader cannot read, transformers' model holding the numbers the library says
-    the checkpoint holds."""
+    library, held packed two codes a byte with their zero points, the same numbers: logits and
+    greedy tokens equal transformers' reading the checkpoint through the library -- or, for
+    zero points, which transformers' loader cannot read, transformers' model holding the
+    numbers the library says the checkpoint holds."""
     from transformers import AutoModelForCausalLM
 
     full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")

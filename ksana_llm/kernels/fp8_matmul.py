@@ -10,10 +10,11 @@ each K tile lies in one group (BLOCK_K divides group_size), so the tile is scale
 its dot. Group sizes that no 16-wide tile divides go through the torch reference.
 
 Asymmetric int8 codes come with int8-range zero points (int16), one per scale, subtracted from
-the widened tile before its scale. Packed 4-bit codes (W4A16; uint8 [N, K / 2], two codes a byte, the even column's in the low
-nibble, int8 zero points beside the scales) take their own kernel: each byte tile is split into
-the even and the odd columns' codes, each minus its zero point, and each half meets x's even or
-odd columns in its own dot, so a decode step reads a quarter of a 16-bit weight's bytes.
+the widened tile before its scale. Packed 4-bit codes (W4A16; uint8 [N, K / 2], two codes a
+byte, the even column's in the low nibble, int8 zero points beside the scales) take their own
+kernel: each byte tile is split into the even and the odd columns' codes, each minus its zero
+point, and each half meets x's even or odd columns in its own dot, so a decode step reads a
+quarter of a 16-bit weight's bytes.
 """
 
 from __future__ import annotations

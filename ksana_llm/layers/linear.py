@@ -110,9 +110,9 @@ class QuantizedStorage(nn.Module):
     `loader.quantized_weight`), or half a byte (4-bit checkpoints): the weight parameter turns
     FP8 (or int8, an integer checkpoint's codes, or uint8 [rows, cols / 2], packed 4-bit codes;
     with a `weight_zero_point` buffer where the codes have zero points) when the first
-    `QuantizedWeight` arrives, with a
-    `weight_scale` buffer of [rows, groups] float32 scales beside it. `quantize_on_load` (online quantization) quantizes
-    full-precision tensors to FP8 per row as they arrive; `quantized_capable` False (a weight
+    `QuantizedWeight` arrives, with a `weight_scale` buffer of [rows, groups] float32 scales
+    beside it. `quantize_on_load` (online quantization) quantizes full-precision tensors to FP8
+    per row as they arrive; `quantized_capable` False (a weight
     other code reads as a dense matrix, MLA's absorbed `kv_b_proj`) takes quantized tensors
     dequantized. Weights stay as they load: a module built for bf16 whose checkpoint is
     quantized never holds the bf16 copy."""

@@ -141,11 +141,12 @@ class FusedExperts(nn.Module):
 
     Quantized experts (an FP8 checkpoint's, `quantize_on_load` for online quantization, or an
     integer checkpoint's codes: int8, or 4-bit packed two a byte; with `w13_zero_point` /
-    `w2_zero_point` beside the scales where the codes have zero points) stay so: `w13` / `w2` hold the 8-bit values and
+    `w2_zero_point` beside the scales where the codes have zero points, and per-expert input
+    orders in GPTQ's activation order) stay so: `w13` / `w2` hold the quantized values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
-    (see `loader.quantized_weight`); each active expert's matmul takes its 8-bit weight as the
-    projections do. Experts whose checkpoint tensors disagree (some quantized, some not, FP8
-    and int8, or other scale blocks) are all kept dense."""
+    (see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
+    the projections do. Experts whose checkpoint tensors disagree (some quantized, some not,
+    FP8 and int8, or other scale blocks) are all kept dense."""
 
     # The weight loader hands it quantized checkpoint weights as they are.
     takes_quantized_weights = True

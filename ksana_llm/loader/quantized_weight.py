@@ -1,10 +1,10 @@
 """A quantized weight in memory (`QuantizedWeight`): one byte per number (float8_e4m3fn, or
 int8 codes minus zero points) or half a byte (4-bit codes, with their zero points), and one
 float32 scale per row and input group (the row scales of a checkpoint's block are the block's
-scale repeated), so a tensor-parallel rank can take any rows and group-aligned columns of it. The checkpoint formats (`fp8_weights`, `gptq_awq`) make
-them; the modules that keep quantized weights (the projections, `MergedLinear` and
-`RowParallelLinear`, and the MoE experts, `FusedExperts`) take them as they are, everything
-else gets them dequantized (`dense`).
+scale repeated), so a tensor-parallel rank can take any rows and group-aligned columns of it.
+The checkpoint formats (`fp8_weights`, `gptq_awq`) make them; the modules that keep quantized
+weights (the projections, `MergedLinear` and `RowParallelLinear`, and the MoE experts,
+`FusedExperts`) take them as they are, everything else gets them dequantized (`dense`).
 """
 
 from __future__ import annotations
