@@ -12,8 +12,8 @@ from torch import nn
 from ksana_llm.kernels.reference import fp8_linear_ref
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.quantized_weight import (QuantizedWeight, in_input_order,
-                                               quantize_fp8_rows)
+from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight,
+                                               in_input_order, quantize_fp8_rows)
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -165,27 +165,24 @@ class QuantizedStorage(nn.Module):
         """Switch the weight to quantized storage (FP8, int8 or packed 4-bit, as `tensor`
         holds) for `tensor`'s scale layout; False when the weight already holds rows of another
         kind or layout."""
-        zero_dtype = None if tensor.zero_point is None else tensor.zero_point.dtype
-        layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size, zero_dtype)
+        layout = tensor.layout
         if self.is_quantized:
-            stored_zero = self.weight_zero_point
-            return layout == (self.weight.dtype, self.weight_scale.shape[1],
-                              self.weight_group_size,
-                              None if stored_zero is None else stored_zero.dtype) \
-                and _same_order(tensor.input_order, self.input_order)
+            stored = QuantizedLayout.of(self.weight, self.weight_scale.shape[1],
+                                        self.weight_group_size, self.weight_zero_point)
+            return layout == stored and _same_order(tensor.input_order, self.input_order)
         (rows, columns), device = self.weight.shape, self.weight.device
         self._dense_dtype = self.weight.dtype
         if tensor.packed:
             columns //= 2  # even: a packed part's columns are the module's
-        if zero_dtype is not None:
+        if layout.zero_dtype is not None:
             self.register_buffer("weight_zero_point",
-                                 torch.zeros(rows, layout[1], dtype=zero_dtype, device=device),
-                                 persistent=False)
+                                 torch.zeros(rows, layout.groups, dtype=layout.zero_dtype,
+                                             device=device), persistent=False)
         self.weight = nn.Parameter(torch.empty(rows, columns, dtype=tensor.data.dtype,
                                                device=device), requires_grad=False)
         # A buffer, not a parameter: the checkpoint's `weight_scale_inv` arrives inside the
         # weight's QuantizedWeight, so the loader expects no tensor of this name.
-        self.register_buffer("weight_scale", torch.ones(rows, layout[1], device=device),
+        self.register_buffer("weight_scale", torch.ones(rows, layout.groups, device=device),
                              persistent=False)
         if tensor.input_order is not None:
             self.register_buffer("input_order", tensor.input_order.to(device), persistent=False)

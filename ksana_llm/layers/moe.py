@@ -26,8 +26,8 @@ from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
-from ksana_llm.loader.quantized_weight import (QuantizedWeight, dense, in_input_order,
-                                               quantize_fp8_rows)
+from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight, dense,
+                                               in_input_order, quantize_fp8_rows)
 from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
 
 
@@ -168,7 +168,7 @@ class FusedExperts(nn.Module):
         self.w2_scale: torch.Tensor | None
         self.register_buffer("w13_scale", None, persistent=False)
         self.register_buffer("w2_scale", None, persistent=False)
-        # packed 4-bit codes' zero points, [E, rows, groups] like the scales
+        # zero points of packed 4-bit / asymmetric int8 codes, [E, rows, groups] like the scales
         self.w13_zero_point: torch.Tensor | None
         self.w2_zero_point: torch.Tensor | None
         self.register_buffer("w13_zero_point", None, persistent=False)
@@ -301,17 +301,15 @@ class FusedExperts(nn.Module):
         scale = getattr(self, f"{target}_scale")
         if isinstance(tensor, QuantizedWeight) and self.quantized_capable \
                 and not self._has_dense[target]:
-            zero_dtype = None if tensor.zero_point is None else tensor.zero_point.dtype
-            layout = (tensor.data.dtype, tensor.scale.shape[1], tensor.group_size, zero_dtype,
-                      tensor.input_order is not None)
+            ordered = tensor.input_order is not None
             if scale is None:
-                self._store_quantized(target, *layout)
+                self._store_quantized(target, tensor.layout, ordered)
                 scale = getattr(self, f"{target}_scale")
-            stored_zero = getattr(self, f"{target}_zero_point")
-            stored_order = getattr(self, f"{target}_input_order")
-            if layout == (getattr(self, target).dtype, scale.shape[2], self.group_sizes[target],
-                          None if stored_zero is None else stored_zero.dtype,
-                          stored_order is not None) \
+            stored = QuantizedLayout.of(getattr(self, target), scale.shape[2],
+                                        self.group_sizes[target],
+                                        getattr(self, f"{target}_zero_point"))
+            stored_ordered = getattr(self, f"{target}_input_order") is not None
+            if (tensor.layout, ordered) == (stored, stored_ordered) \
                     and self._same_input_order(target, expert, tensor.input_order):
                 return tensor
         if isinstance(tensor, QuantizedWeight):
@@ -342,8 +340,7 @@ class FusedExperts(nn.Module):
         self._ordered[target].add(expert)
         return True
 
-    def _store_quantized(self, target: str, dtype: torch.dtype, num_groups: int,
-                         group_size: int, zero_dtype: torch.dtype | None, ordered: bool) -> None:
+    def _store_quantized(self, target: str, layout: QuantizedLayout, ordered: bool) -> None:
         param = getattr(self, target)
         self._dense_dtype = param.dtype
         experts, rows, columns = param.shape
@@ -351,19 +348,20 @@ class FusedExperts(nn.Module):
             self.register_buffer(f"{target}_input_order",
                                  torch.arange(columns, device=param.device).repeat(experts, 1),
                                  persistent=False)
-        if dtype == PACKED_INT4_DTYPE:  # two codes a byte
+        if layout.dtype == PACKED_INT4_DTYPE:  # two codes a byte
             columns //= 2
-        if zero_dtype is not None:
+        if layout.zero_dtype is not None:
             self.register_buffer(f"{target}_zero_point",
-                                 torch.zeros(experts, rows, num_groups, dtype=zero_dtype,
-                                             device=param.device), persistent=False)
+                                 torch.zeros(experts, rows, layout.groups,
+                                             dtype=layout.zero_dtype, device=param.device),
+                                 persistent=False)
         setattr(self, target, nn.Parameter(
-            torch.empty(experts, rows, columns, dtype=dtype, device=param.device),
+            torch.empty(experts, rows, columns, dtype=layout.dtype, device=param.device),
             requires_grad=False))
-        self.register_buffer(f"{target}_scale", torch.ones(experts, rows, num_groups,
+        self.register_buffer(f"{target}_scale", torch.ones(experts, rows, layout.groups,
                                                            device=param.device),
                              persistent=False)
-        self.group_sizes[target] = group_size
+        self.group_sizes[target] = layout.group_size
 
 
 class GatedMLP(nn.Module):

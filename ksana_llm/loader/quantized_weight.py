@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,23 @@ from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
 # Packed codes (0..15) minus their zero points must fit int8: the dequantization subtracts them
 # at one byte.
 PACKED_ZERO_RANGE = (15 - 127, 127)
+
+
+class QuantizedLayout(NamedTuple):
+    """What the rows stored in one quantized weight (a fused projection's parts, an expert
+    stack's experts) must share: the values' dtype, the scale groups per row, the group size
+    and the zero points' dtype (None without them)."""
+
+    dtype: torch.dtype
+    groups: int
+    group_size: int
+    zero_dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, data: torch.Tensor, groups: int, group_size: int,
+           zero_point: torch.Tensor | None) -> QuantizedLayout:
+        return cls(data.dtype, groups, group_size,
+                   None if zero_point is None else zero_point.dtype)
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,11 @@ class QuantizedWeight:
             raise ValueError("zero points belong to integer codes, one per scale: got "
                              f"{tuple(self.zero_point.shape)} for {self.data.dtype} data with "
                              f"scales {tuple(self.scale.shape)}")
+
+    @property
+    def layout(self) -> QuantizedLayout:
+        return QuantizedLayout.of(self.data, self.scale.shape[1], self.group_size,
+                                  self.zero_point)
 
     @property
     def packed(self) -> bool:
