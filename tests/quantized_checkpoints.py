@@ -250,3 +250,28 @@ def fake_quantized(hf: torch.nn.Module) -> torch.nn.Module:
             if QUANTIZED.match(name):
                 param.copy_(fake_quantize_rows(param))
     return hf
+
+
+def with_library_activation_quantization(hf: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """`hf` with every decoder projection's input quantized as the checkpoint in `folder` says
+    (its config's `input_activations`: W8A8's dynamic int8 per token) by compressed-tensors'
+    own functions, as the library's forward does where transformers runs these checkpoints."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    config = QuantizationConfig.model_validate(
+        json.loads((folder / "config.json").read_text())["quantization_config"])
+    (scheme,) = config.config_groups.values()
+    args = scheme.input_activations
+
+    def quantize_input(module: torch.nn.Module, inputs: tuple[torch.Tensor]
+                       ) -> tuple[torch.Tensor]:
+        (x,) = inputs
+        scale, zero_point = compute_dynamic_scales_and_zp(x, args, module)
+        return (fake_quantize(x, scale, zero_point, args),)
+
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and QUANTIZED.match(f"{name}.weight"):
+            module.register_forward_pre_hook(quantize_input)
+    return hf

@@ -13,11 +13,12 @@ import torch
 import ksana_llm as kt
 from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
-from tests.family_harness import check_family, hf_reference, load_ours
+from ksana_llm.layers.linear import QuantizedStorage
+from tests.family_harness import ATOL, check_family, hf_reference, load_ours
 from tests.quantized_checkpoints import (assert_experts_quantized, assert_projections_quantized,
                                          check_engine_matches, deepseek_full, fake_quantized,
-                                         hf_fp8_model, write_compressed_tensors,
-                                         write_fp8_checkpoint)
+                                         hf_fp8_model, with_library_activation_quantization,
+                                         write_compressed_tensors, write_fp8_checkpoint)
 from tests.tiny_models import build_tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -84,12 +85,12 @@ def test_compressed_tensors_int4_checkpoint_matches_transformers(tmp_path, strat
 def test_compressed_tensors_int8_checkpoint_matches_the_library(tmp_path, strategy):
     """llm-compressor's int8 checkpoints, written by the compressed-tensors library: W8A16
     (`pack-quantized`, four 8-bit codes per int32, group scales; with zero points) and W8A8
-    (`int-quantized`: an int8 `weight`, one scale per row or group; its dynamic activations not
-    done, the weights multiplying activations in the model's dtype). transformers cannot read
-    either on a CPU, so the reference is transformers' model holding the numbers the library
-    says the checkpoint holds. The codes stay int8 in memory: symmetric ones minus their zero
-    point, asymmetric ones (up to 255 from their zero point) minus 128 with their zero points
-    beside them."""
+    (`int-quantized`: an int8 `weight`, one scale per row or group, and each projection's input
+    quantized to int8 per token on the fly). transformers cannot read either on a CPU, so the
+    reference is transformers' model holding the numbers the library says the checkpoint holds
+    (and, for W8A8, quantizing each projection's input with the library's own functions). The
+    codes stay int8 in memory: symmetric ones minus their zero point, asymmetric ones (up to 255
+    from their zero point) minus 128 with their zero points beside them."""
     full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
     folder = tmp_path / "ct"
     held = write_compressed_tensors(tmp_path / "full", folder, strategy)
@@ -101,7 +102,17 @@ def test_compressed_tensors_int8_checkpoint_matches_the_library(tmp_path, strate
     assert_projections_quantized(module, INT8)
     assert (o_proj.weight_zero_point is not None) == (strategy == "int8-asym")
     assert o_proj.weight_scale.shape == ((64, 1) if strategy == "w8a8" else (64, 4))
-    check_family(module, folder, hf_reference(full), vocab=256)
+    w8a8 = strategy.startswith("w8a8")
+    assert all(m.int8_activations == w8a8 for m in module.modules()
+               if isinstance(m, QuantizedStorage))
+    reference = hf_reference(full)
+    if w8a8:
+        prompt = list(range(3, 40))
+        weights_only = reference(prompt)
+        reference = hf_reference(with_library_activation_quantization(full, folder))
+        # the activations' quantization shows in the logits: a test that tells them apart
+        assert (reference(prompt) - weights_only).abs().max() > 4 * ATOL
+    check_family(module, folder, reference, vocab=256)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -11,6 +11,8 @@ from torch import nn
 
 from ksana_llm.kernels.reference import fp8_linear_ref
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
+from ksana_llm.layers.int8_activations import (dequantize_tokens, int8_codes_matmul,
+                                               int8_matmul_runs, quantize_tokens)
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight,
                                                in_input_order, quantize_fp8_rows)
@@ -105,6 +107,22 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     return fp8_linear_ref(x, weight, scale, group_size, bias, zero_point)
 
 
+def int8_activation_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                           group_size: int, bias: torch.Tensor | None,
+                           kernel: Callable[..., torch.Tensor] | None,
+                           zero_point: torch.Tensor | None = None,
+                           absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """x quantized to int8 per token (a W8A8 checkpoint's activations; `absmax`, each token's
+    largest magnitude, when x is a slice of it: see `layers.int8_activations`) times a quantized
+    weight: as int8 codes times int8 codes where `int8_matmul_runs`, else dequantized into
+    `fp8_matmul` (the same numbers)."""
+    codes, token_scale = quantize_tokens(x, absmax)
+    if int8_matmul_runs(x, weight, scale, zero_point):
+        return int8_codes_matmul(codes, token_scale, weight, scale, bias, x.dtype)
+    return fp8_matmul(dequantize_tokens(codes, token_scale, x.dtype), weight, scale, group_size,
+                      bias, kernel, zero_point)
+
+
 class QuantizedStorage(nn.Module):
     """What a projection needs to keep its weight at one byte per number (see
     `loader.quantized_weight`), or half a byte (4-bit checkpoints): the weight parameter turns
@@ -112,7 +130,8 @@ class QuantizedStorage(nn.Module):
     with a `weight_zero_point` buffer where the codes have zero points) when the first
     `QuantizedWeight` arrives, with a `weight_scale` buffer of [rows, groups] float32 scales
     beside it. `quantize_on_load` (online quantization) quantizes full-precision tensors to FP8
-    per row as they arrive; `quantized_capable` False (a weight
+    per row as they arrive; `int8_activations` (W8A8 checkpoints) quantizes the input to int8
+    per token before the matmul, as the checkpoint does; `quantized_capable` False (a weight
     other code reads as a dense matrix, MLA's absorbed `kv_b_proj`) takes quantized tensors
     dequantized. Weights stay as they load: a module built for bf16 whose checkpoint is
     quantized never holds the bf16 copy."""
@@ -129,6 +148,7 @@ class QuantizedStorage(nn.Module):
         self.input_order: torch.Tensor | None
         self.register_buffer("input_order", None, persistent=False)
         self.weight_group_size = 0
+        self.int8_activations = False
         self.quantized_capable = True
         self.quantize_on_load = False
         self._has_dense_rows = False
@@ -168,7 +188,8 @@ class QuantizedStorage(nn.Module):
         layout = tensor.layout
         if self.is_quantized:
             stored = QuantizedLayout.of(self.weight, self.weight_scale.shape[1],
-                                        self.weight_group_size, self.weight_zero_point)
+                                        self.weight_group_size, self.weight_zero_point,
+                                        self.int8_activations)
             return layout == stored and _same_order(tensor.input_order, self.input_order)
         (rows, columns), device = self.weight.shape, self.weight.device
         self._dense_dtype = self.weight.dtype
@@ -187,15 +208,22 @@ class QuantizedStorage(nn.Module):
         if tensor.input_order is not None:
             self.register_buffer("input_order", tensor.input_order.to(device), persistent=False)
         self.weight_group_size = tensor.group_size
+        self.int8_activations = tensor.int8_activations
         return True
 
-    def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _quantized_matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+                          token_absmax: torch.Tensor | None) -> torch.Tensor:
         if self._fp8_kernel is None and x.is_cuda:  # decided once: checking costs a launch's time
             self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
                                               self.weight_scale.shape[1] == 1,
                                               self.weight.dtype == PACKED_INT4_DTYPE) or False
+        kernel = self._fp8_kernel or None
+        if self.int8_activations:
+            return int8_activation_matmul(x, self.weight, self.weight_scale,
+                                          self.weight_group_size, bias, kernel,
+                                          self.weight_zero_point, token_absmax)
         return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias,
-                          self._fp8_kernel or None, self.weight_zero_point)
+                          kernel, self.weight_zero_point)
 
     def _store_dense(self) -> None:
         """Dense rows are coming: rows already stored quantized are dequantized first."""
@@ -209,6 +237,10 @@ class QuantizedStorage(nn.Module):
             self.weight_zero_point = None
             self.input_order = None
             self.weight_group_size = 0
+            if self.int8_activations:
+                logger.info("a projection's parts do not share one quantized layout: it is "
+                            "held dense, its activations no longer quantized to int8")
+            self.int8_activations = False
 
     def copy_rows(self, offset: int, tensor: torch.Tensor | QuantizedWeight) -> None:
         """Fill rows [offset, offset + rows) of the weight (and its scales)."""
@@ -222,11 +254,15 @@ class QuantizedStorage(nn.Module):
             self.weight.data[offset:offset + rows].copy_(tensor)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None,
-                packed: torch.Tensor | None) -> torch.Tensor:
+                packed: torch.Tensor | None, token_absmax: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x times the weight, + bias. `token_absmax`: each token's largest magnitude over the
+        whole input when x is this rank's slice of it (int8 activations under tensor
+        parallelism)."""
         if self.weight_scale is not None:
             if self.input_order is not None:
                 x = x.index_select(-1, self.input_order)
-            return self._fp8_matmul(x, bias)
+            return self._quantized_matmul(x, bias, token_absmax)
         if packed is not None and x.dim() == 2:
             return packed_linear(x, packed, bias)
         return nn.functional.linear(x, self.weight, bias)

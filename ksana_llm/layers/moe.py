@@ -14,6 +14,7 @@ DeepSeek) and the stacked tensors transformers 5 keeps in memory
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -25,10 +26,12 @@ from torch import nn
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
-from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, fp8_matmul
+from ksana_llm.layers.linear import (MergedLinear, fp8_kernel_for, fp8_matmul,
+                                     int8_activation_matmul)
 from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight, dense,
                                                in_input_order, quantize_fp8_rows)
-from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, tp_all_reduce
+from ksana_llm.layers.parallel import (SINGLE, RowParallelLinear, tp_all_reduce,
+                                       token_absmax_over_ranks)
 
 
 class Routing(NamedTuple):
@@ -145,8 +148,10 @@ class FusedExperts(nn.Module):
     orders in GPTQ's activation order) stay so: `w13` / `w2` hold the quantized values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
     (see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
-    the projections do. Experts whose checkpoint tensors disagree (some quantized, some not,
-    FP8 and int8, or other scale blocks) are all kept dense."""
+    the projections do, W8A8 checkpoints' experts quantizing their inputs to int8 per token as
+    the projections do (under tensor parallelism a token's scale for `w2` comes from its whole
+    intermediate row, over every rank's slice). Experts whose checkpoint tensors disagree (some
+    quantized, some not, FP8 and int8, or other scale blocks) are all kept dense."""
 
     # The weight loader hands it quantized checkpoint weights as they are.
     takes_quantized_weights = True
@@ -154,6 +159,7 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str = "silu", *, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
+        self.parallel = parallel
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
@@ -181,6 +187,7 @@ class FusedExperts(nn.Module):
         self.register_buffer("w2_input_order", None, persistent=False)
         self._ordered: dict[str, set[int]] = {"w13": set(), "w2": set()}  # experts with theirs
         self.group_sizes = {"w13": 0, "w2": 0}
+        self.int8_activations = {"w13": False, "w2": False}  # see QuantizedWeight
         self.quantized_capable = True
         self.quantize_on_load = False
         self._has_dense = {"w13": False, "w2": False}
@@ -195,21 +202,29 @@ class FusedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         x_sorted = x.index_select(0, order // top_k)
         out_sorted = torch.empty_like(x_sorted)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            hidden = self.act(self._expert_matmul(x_sorted[rows], "w13", expert))
-            out_sorted[rows] = self._expert_matmul(hidden, "w2", expert)
-            start += count
+        ends = list(itertools.accumulate(counts))
+        active = [(e, slice(end - n, end)) for e, (n, end) in enumerate(zip(counts, ends)) if n]
+        if self.int8_activations["w2"] and self.parallel.tp_size > 1:
+            # Every hidden row first: each rank holds a slice of it, and the int8 scales need
+            # the whole row's largest magnitude (one all-reduce for all of them).
+            hidden = x_sorted.new_empty(x_sorted.shape[0], self.intermediate_size)
+            for expert, rows in active:
+                hidden[rows] = self.act(self._expert_matmul(x_sorted[rows], "w13", expert))
+            absmax = token_absmax_over_ranks(hidden, self.parallel)
+            for expert, rows in active:
+                out_sorted[rows] = self._expert_matmul(hidden[rows], "w2", expert, absmax[rows])
+        else:
+            for expert, rows in active:
+                hidden_rows = self.act(self._expert_matmul(x_sorted[rows], "w13", expert))
+                out_sorted[rows] = self._expert_matmul(hidden_rows, "w2", expert)
         # As transformers' default (grouped_mm) path: weight in float32 (the router's dtype),
         # restore (token, k) order, sum the k contributions in float32, cast once at the end.
         weighted = out_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
-    def _expert_matmul(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+    def _expert_matmul(self, x: torch.Tensor, name: str, expert: int,
+                       token_absmax: torch.Tensor | None = None) -> torch.Tensor:
         weight, scale = getattr(self, name), getattr(self, f"{name}_scale")
         if scale is None:
             return F.linear(x, weight[expert])
@@ -221,9 +236,12 @@ class FusedExperts(nn.Module):
         if name not in self._fp8_kernels and x.is_cuda:  # decided once per weight
             self._fp8_kernels[name] = fp8_kernel_for(group, scale.shape[2] == 1,
                                                      weight.dtype == PACKED_INT4_DTYPE) or False
-        return fp8_matmul(x, weight[expert], scale[expert], group, None,
-                          self._fp8_kernels.get(name) or None,
-                          None if zero is None else zero[expert])
+        kernel = self._fp8_kernels.get(name) or None
+        zero = None if zero is None else zero[expert]
+        if self.int8_activations[name]:
+            return int8_activation_matmul(x, weight[expert], scale[expert], group, None, kernel,
+                                          zero, token_absmax)
+        return fp8_matmul(x, weight[expert], scale[expert], group, None, kernel, zero)
 
     # ---- checkpoint loading (see models/weight_loading.py) -------------------------------------
     def expected_checkpoint_keys(self) -> list[str]:
@@ -307,7 +325,8 @@ class FusedExperts(nn.Module):
                 scale = getattr(self, f"{target}_scale")
             stored = QuantizedLayout.of(getattr(self, target), scale.shape[2],
                                         self.group_sizes[target],
-                                        getattr(self, f"{target}_zero_point"))
+                                        getattr(self, f"{target}_zero_point"),
+                                        self.int8_activations[target])
             stored_ordered = getattr(self, f"{target}_input_order") is not None
             if (tensor.layout, ordered) == (stored, stored_ordered) \
                     and self._same_input_order(target, expert, tensor.input_order):
@@ -326,6 +345,7 @@ class FusedExperts(nn.Module):
             setattr(self, target, nn.Parameter(dense_weight, requires_grad=False))
             for buffer in ("scale", "zero_point", "input_order"):
                 setattr(self, f"{target}_{buffer}", None)
+            self.int8_activations[target] = False
         return tensor
 
     def _same_input_order(self, target: str, expert: int, order: torch.Tensor | None) -> bool:
@@ -362,6 +382,7 @@ class FusedExperts(nn.Module):
                                                            device=param.device),
                              persistent=False)
         self.group_sizes[target] = layout.group_size
+        self.int8_activations[target] = layout.int8_activations
 
 
 class GatedMLP(nn.Module):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext, balanced_split
+from ksana_llm.layers.int8_activations import token_absmax
 from ksana_llm.layers.linear import QuantizedStorage, prepack_cpu_weight
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_fp8_rows
@@ -32,6 +33,20 @@ def tp_all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     if ctx.tp_size > 1:
         dist.all_reduce(x, group=ctx.tp_group)
     return x
+
+
+def tp_all_reduce_max(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The elementwise maximum over the ranks, in place."""
+    if ctx.tp_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=ctx.tp_group)
+    return x
+
+
+def token_absmax_over_ranks(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor | None:
+    """Each token's largest magnitude over every rank's slice of its features (what int8
+    activations are scaled by, so that a split input quantizes as the whole one does); None on
+    one rank, where the slice is the whole."""
+    return tp_all_reduce_max(token_absmax(x), ctx) if ctx.tp_size > 1 else None
 
 
 def tp_all_gather_rows(x: torch.Tensor, ctx: ParallelContext, total: int) -> torch.Tensor:
@@ -91,7 +106,8 @@ class RowParallelLinear(QuantizedStorage):
         ctx = self.ctx
         # Under TP rank 0 adds the bias to its partial sum, so the sum has it once.
         bias_now = self.bias if ctx.tp_rank == 0 else None
-        y = self.project(x, bias_now, self._packed)
+        absmax = token_absmax_over_ranks(x, ctx) if self.int8_activations else None
+        y = self.project(x, bias_now, self._packed, absmax)
         if lora is not None:
             # This rank's input columns through A (a column slice of it), then the whole B: B is
             # linear, so the ranks' partial deltas sum to the full one in the same all-reduce.

@@ -13,9 +13,11 @@ weight as `<name>.weight` in float8_e4m3fn plus `<name>.weight_scale_inv`, float
 llm-compressor's integer checkpoints load through the same record with int8 values: W4A16 /
 W8A16 ("pack-quantized": 4- or 8-bit codes packed in int32 `weight_packed`, see
 `packed_int_weight`) and W8A8 ("int-quantized": int8 `weight` beside `weight_scale`).
-Activation quantization is not done: static activation scales (`input_scale`) are dropped and
-dynamic ones ignored, the engine multiplying the weights with activations in the model's dtype
-(W8A16), which is more exact than quantizing activations too.
+W8A8's dynamic per-token int8 activations (the presets') are done as the checkpoint asks (the
+weights carry `int8_activations`; see `layers.int8_activations`). Other activation schemes are
+not: static activation scales (`input_scale`) are dropped and FP8 ones ignored, the engine
+multiplying the weights with activations in the model's dtype (more exact, not what the
+checkpoint was evaluated with), which it logs.
 
 Each checkpoint weight becomes a `QuantizedWeight` (see `loader.quantized_weight`).
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -75,11 +77,13 @@ class QuantizedCheckpoint:
     """What `quantization_config` says of a quantized checkpoint: one byte per weight (FP8, or
     compressed-tensors' int8 "int-quantized"), with `block_size` scale tiles or per tensor /
     channel; or integer codes packed in int32 words (`packed_bits` 4 or 8, compressed-tensors'
-    "pack-quantized"; `symmetric` False: with zero points)."""
+    "pack-quantized"; `symmetric` False: with zero points). `int8_activations`: the weights'
+    inputs are quantized to int8 per token (W8A8)."""
 
     block_size: tuple[int, int] | None
     packed_bits: int = 0  # 0: the values are stored one per byte, not packed
     symmetric: bool = True
+    int8_activations: bool = False
 
     @classmethod
     def from_quantization(cls, quantization: dict[str, Any]) -> QuantizedCheckpoint:
@@ -107,8 +111,9 @@ class QuantizedCheckpoint:
         ("float-quantized", per-tensor, per-channel or block scales in `weight_scale`); int4 /
         int8 weights ("pack-quantized": `weight_packed`, group or channel `weight_scale`, and
         `weight_zero_point` when asymmetric); or symmetric int8 weights ("int-quantized", the
-        W8A8 presets: an int8 `weight`, tensor, channel or group scales). Their activation
-        quantization, static or dynamic, is not done (see the module's doc)."""
+        W8A8 presets: an int8 `weight`, tensor, channel or group scales, with their dynamic
+        per-token int8 activations). Other activation quantization is not done (see the
+        module's doc)."""
         kinds: set[QuantizedCheckpoint] = set()
         for name, group in (quantization.get("config_groups") or {}).items():
             where = f"quantization_config.config_groups.{name}"
@@ -116,10 +121,12 @@ class QuantizedCheckpoint:
             weights = group.get("weights") or {}
             kind, bits, strategy = weights.get("type"), weights.get("num_bits"), \
                 weights.get("strategy")
-            if group.get("input_activations"):
-                logger.info("%s: activations stay in the model's dtype (ksana-llm does not "
-                            "quantize them; the weights load as the checkpoint holds them)",
-                            where)
+            int8_activations = fmt == "int-quantized" \
+                and _dynamic_int8_per_token(group.get("input_activations"))
+            if group.get("input_activations") and not int8_activations:
+                logger.info("%s: activations stay in the model's dtype (ksana-llm quantizes "
+                            "them only as dynamic symmetric int8 per token, W8A8's; the "
+                            "weights load as the checkpoint holds them)", where)
             if fmt in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8:
                 if strategy not in ("tensor", "channel", "block") \
                         or not weights.get("symmetric", True):
@@ -149,7 +156,8 @@ class QuantizedCheckpoint:
                 if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
                     raise ValueError(f"{where}.weights.group_size must be a positive integer "
                                      f"with strategy 'group', got {group_size!r}")
-                kinds.add(cls((1, group_size) if strategy == "group" else None))
+                kinds.add(cls((1, group_size) if strategy == "group" else None,
+                              int8_activations=int8_activations))
             else:
                 raise ValueError(f"{where}: compressed-tensors format {fmt!r} with "
                                  f"{bits}-bit {kind} weights is not supported: FP8 weights "
@@ -159,6 +167,14 @@ class QuantizedCheckpoint:
             raise ValueError("quantization_config.config_groups: groups of different weight "
                              f"formats ({sorted(map(str, kinds))}) are not supported")
         return kinds.pop() if kinds else cls(None)
+
+
+def _dynamic_int8_per_token(activations: dict | None) -> bool:
+    """Whether compressed-tensors' `input_activations` are W8A8's: int8, symmetric, scaled per
+    token on the fly."""
+    return bool(activations) and activations.get("type") == "int" \
+        and activations.get("num_bits") == 8 and activations.get("symmetric", True) is True \
+        and activations.get("dynamic") is True and activations.get("strategy") == "token"
 
 
 def _block_size(block: Any, where: str) -> tuple[int, int] | None:
@@ -186,20 +202,21 @@ def _paired_bytes(weights: Iterable[tuple[str, torch.Tensor]], fmt: QuantizedChe
     waiting_scale: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         base, _, leaf = name.rpartition(".")
-        # Activation scales (we do not quantize activations) and compressed-tensors' KV cache
-        # scales (ours come from kv_cache_scales.json) have no place here.
+        # Static activation scales (activations are quantized only dynamically) and
+        # compressed-tensors' KV cache scales (ours come from kv_cache_scales.json) have no
+        # place here.
         if leaf in ACTIVATION_QUANTIZATION_PARTS:
             continue
         if leaf in SCALE_SUFFIXES:
             if base in waiting_data:
-                yield f"{base}.weight", quantized_weight_from_checkpoint(
-                    waiting_data.pop(base), tensor, fmt.block_size, f"{base}.weight")
+                yield f"{base}.weight", _with_activations(quantized_weight_from_checkpoint(
+                    waiting_data.pop(base), tensor, fmt.block_size, f"{base}.weight"), fmt)
             else:
                 waiting_scale[base] = tensor
         elif leaf == "weight" and tensor.dtype in QUANTIZED_WEIGHT_DTYPES:
             if base in waiting_scale:
-                yield name, quantized_weight_from_checkpoint(
-                    tensor, waiting_scale.pop(base), fmt.block_size, name)
+                yield name, _with_activations(quantized_weight_from_checkpoint(
+                    tensor, waiting_scale.pop(base), fmt.block_size, name), fmt)
             else:
                 waiting_data[base] = tensor
         else:
@@ -211,7 +228,12 @@ def _paired_bytes(weights: Iterable[tuple[str, torch.Tensor]], fmt: QuantizedChe
         raise ValueError(f"weight scales without a quantized weight: {sorted(waiting_scale)[:5]}")
 
 
-# Checkpoint leaves of activation (and KV cache) quantization, which the engine does not do.
+def _with_activations(weight: QuantizedWeight, fmt: QuantizedCheckpoint) -> QuantizedWeight:
+    return replace(weight, int8_activations=True) if fmt.int8_activations else weight
+
+
+# Checkpoint leaves of activation (and KV cache) quantization: dynamic int8 activations need
+# none, static scales and KV-cache scales are not used.
 ACTIVATION_QUANTIZATION_PARTS = ("input_scale", "input_zero_point", "activation_scale",
                                  "k_scale", "v_scale", "q_scale")
 # compressed-tensors' names for the parts of a packed integer weight.

@@ -10,7 +10,7 @@ weights (the projections, `MergedLinear` and `RowParallelLinear`, and the MoE ex
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -27,19 +27,21 @@ PACKED_ZERO_RANGE = (15 - 127, 127)
 
 class QuantizedLayout(NamedTuple):
     """What the rows stored in one quantized weight (a fused projection's parts, an expert
-    stack's experts) must share: the values' dtype, the scale groups per row, the group size
-    and the zero points' dtype (None without them)."""
+    stack's experts) must share: the values' dtype, the scale groups per row, the group size,
+    the zero points' dtype (None without them) and whether the input is quantized to int8 (see
+    `QuantizedWeight.int8_activations`)."""
 
     dtype: torch.dtype
     groups: int
     group_size: int
     zero_dtype: torch.dtype | None
+    int8_activations: bool = False
 
     @classmethod
     def of(cls, data: torch.Tensor, groups: int, group_size: int,
-           zero_point: torch.Tensor | None) -> QuantizedLayout:
+           zero_point: torch.Tensor | None, int8_activations: bool = False) -> QuantizedLayout:
         return cls(data.dtype, groups, group_size,
-                   None if zero_point is None else zero_point.dtype)
+                   None if zero_point is None else zero_point.dtype, int8_activations)
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,18 @@ class QuantizedWeight:
 
     `input_order` (GPTQ's activation order): column j of the weight belongs to input
     `input_order[j]`, so the weight multiplies `x[..., input_order]`; the columns are stored in
-    the order that puts each scale group together."""
+    the order that puts each scale group together.
+
+    `int8_activations` (W8A8 checkpoints): the checkpoint quantizes the weight's input to int8,
+    one scale per token, before the matmul (see `layers.int8_activations`); a module holding the
+    weight does the same."""
 
     data: torch.Tensor
     scale: torch.Tensor
     group_size: int
     input_order: torch.Tensor | None = None
     zero_point: torch.Tensor | None = None
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.data.dtype not in QUANTIZED_WEIGHT_DTYPES + (PACKED_INT4_DTYPE,):
@@ -94,7 +101,7 @@ class QuantizedWeight:
     @property
     def layout(self) -> QuantizedLayout:
         return QuantizedLayout.of(self.data, self.scale.shape[1], self.group_size,
-                                  self.zero_point)
+                                  self.zero_point, self.int8_activations)
 
     @property
     def packed(self) -> bool:
@@ -108,8 +115,8 @@ class QuantizedWeight:
 
     def rows(self, start: int, count: int) -> QuantizedWeight:
         zero = None if self.zero_point is None else self.zero_point[start:start + count]
-        return QuantizedWeight(self.data[start:start + count], self.scale[start:start + count],
-                               self.group_size, self.input_order, zero)
+        return replace(self, data=self.data[start:start + count],
+                       scale=self.scale[start:start + count], zero_point=zero)
 
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -128,8 +135,8 @@ class QuantizedWeight:
             if self.packed and (start % 2 or count % 2):
                 return self.unpacked().columns(start, count)
             per_byte = 2 if self.packed else 1
-            return QuantizedWeight(self.data[:, start // per_byte:(start + count) // per_byte],
-                                   self.scale, max(count, 1), zero_point=self.zero_point)
+            return replace(self, data=self.data[:, start // per_byte:(start + count) // per_byte],
+                           group_size=max(count, 1))
         end = start + count
         if start % self.group_size or (end % self.group_size and end != cols):
             raise ValueError(f"columns [{start}, {end}) of a quantized weight split its scale "
@@ -137,10 +144,9 @@ class QuantizedWeight:
                              "tensor_parallel_size that splits the input at block boundaries")
         groups = slice(start // self.group_size, math.ceil(end / self.group_size))
         per_byte = 2 if self.packed else 1
-        return QuantizedWeight(self.data[:, start // per_byte:end // per_byte],
-                               self.scale[:, groups], self.group_size,
-                               zero_point=None if self.zero_point is None
-                               else self.zero_point[:, groups])
+        return replace(self, data=self.data[:, start // per_byte:end // per_byte],
+                       scale=self.scale[:, groups],
+                       zero_point=None if self.zero_point is None else self.zero_point[:, groups])
 
     def unpacked(self) -> QuantizedWeight:
         """The same numbers as 8-bit integers (codes minus zero points, which lie in
@@ -150,8 +156,7 @@ class QuantizedWeight:
         values = split_nibbles(self.data).to(torch.int16)
         zeros = self.zero_point.to(torch.int16).repeat_interleave(self.group_size, dim=1)
         values = values - zeros[:, :values.shape[1]]
-        return QuantizedWeight(values.to(INT_WEIGHT_DTYPE), self.scale, self.group_size,
-                               self.input_order)
+        return replace(self, data=values.to(INT_WEIGHT_DTYPE), zero_point=None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [rows, cols] weight, columns in input order."""
@@ -159,9 +164,10 @@ class QuantizedWeight:
                                                 self.zero_point), self.input_order)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        return QuantizedWeight(self.data.to(device), self.scale.to(device), self.group_size,
-                               None if self.input_order is None else self.input_order.to(device),
-                               None if self.zero_point is None else self.zero_point.to(device))
+        return replace(self, data=self.data.to(device), scale=self.scale.to(device),
+                       input_order=None if self.input_order is None
+                       else self.input_order.to(device),
+                       zero_point=None if self.zero_point is None else self.zero_point.to(device))
 
 
 def quantize_fp8_rows(weight: torch.Tensor) -> QuantizedWeight:
