@@ -275,3 +275,43 @@ def with_library_activation_quantization(hf: torch.nn.Module, folder: Path) -> t
         if isinstance(module, torch.nn.Linear) and QUANTIZED.match(f"{name}.weight"):
             module.register_forward_pre_hook(quantize_input)
     return hf
+
+
+# llm-compressor's W8A8 preset as its compressor writes it into config.json.
+W8A8_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized",
+    "quantization_status": "compressed", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "format": "int-quantized",
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                    "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                              "strategy": "token", "dynamic": True}}}}
+
+
+def write_w8a8_by_rows(source: Path, target: Path) -> Path:
+    """`target` = `source` with every decoder projection (MoE experts' too, which transformers
+    5 does not keep as Linear modules for the library to quantize) as W8A8 writes it: an int8
+    `weight` and one float32 `weight_scale` per row, computed by compressed-tensors'
+    `calculate_qparams` / `quantize`, and the preset's config."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = QuantizationArgs.model_validate(
+        W8A8_QUANTIZATION_CONFIG["config_groups"]["group_0"]["weights"])
+    copy_all_but_weights(source, target)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if QUANTIZED.match(name) and tensor.dim() == 2:
+            scale, zero_point = calculate_qparams(tensor.amin(1, keepdim=True),
+                                                  tensor.amax(1, keepdim=True), args)
+            out[name] = quantize(tensor, scale, zero_point, args, dtype=torch.int8)
+            out[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            out[name] = tensor.contiguous()
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = W8A8_QUANTIZATION_CONFIG
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target

@@ -18,7 +18,8 @@ from tests.family_harness import ATOL, check_family, hf_reference, load_ours
 from tests.quantized_checkpoints import (assert_experts_quantized, assert_projections_quantized,
                                          check_engine_matches, deepseek_full, fake_quantized,
                                          hf_fp8_model, with_library_activation_quantization,
-                                         write_compressed_tensors, write_fp8_checkpoint)
+                                         write_compressed_tensors, write_fp8_checkpoint,
+                                         write_w8a8_by_rows)
 from tests.tiny_models import build_tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -211,6 +212,54 @@ def test_fp8_under_tensor_parallelism(tmp_path, source):
         assert model.module.model.layers[1].mlp.experts.w2.shape == (8, 64, 16)
         assert assert_experts_quantized(model.module) == 2
     check_engine_matches(model, reference, prompts)
+
+
+def test_w8a8_under_tensor_parallelism(tmp_path):
+    """Two gloo ranks holding a W8A8 checkpoint written by the library: a row-parallel rank
+    sees a slice of each token's input, and scales it by the whole token's largest magnitude
+    (one all-reduce), so the greedy tokens and logits are the library reference's."""
+    full = build_tiny_model("llama2", tmp_path / "full")
+    folder = tmp_path / "w8a8"
+    held = write_compressed_tensors(tmp_path / "full", folder, "w8a8")
+    with torch.no_grad():
+        for name, values in held.items():
+            full.get_parameter(name).copy_(values)
+    reference = hf_reference(with_library_activation_quantization(full, folder))
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=2)
+    down = model.module.model.layers[0].mlp.down_proj
+    assert down.weight.dtype == INT8 and down.weight.shape == (64, 64)  # half the inputs
+    assert down.int8_activations
+    check_engine_matches(model, reference, prompts)
+
+
+def test_w8a8_moe_under_tensor_parallelism(tmp_path):
+    """A Qwen3-MoE W8A8 checkpoint over two gloo ranks: each rank holds half of every expert's
+    intermediate columns, and the experts' down inputs are scaled by each token's whole hidden
+    row over both ranks, so the tokens and logits are those of one rank holding everything."""
+    from tests.test_family_moe import FAMILIES, _randomize
+
+    torch.manual_seed(0)
+    full = FAMILIES["qwen3_moe"]().eval()
+    _randomize(full)
+    full.save_pretrained(tmp_path / "full")
+    folder = write_w8a8_by_rows(tmp_path / "full", tmp_path / "w8a8")
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
+    single = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    assert assert_experts_quantized(single.module, INT8) == 2
+    with kt.Engine(single, block_token_num=4, num_device_blocks=96) as one_rank:
+        def reference(ids: list[int]) -> torch.Tensor:
+            return one_rank.forward(ids, [{"target_name": "logits"}]).targets[0].tensor
+
+        model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                      tensor_parallel_size=2)
+        experts = model.module.model.layers[0].mlp.experts
+        assert experts.w2.dtype == INT8 and experts.int8_activations["w2"]
+        assert experts.w2.shape[2] * 2 == single.module.model.layers[0].mlp.experts.w2.shape[2]
+        check_engine_matches(model, reference, prompts)
 
 
 def test_tensor_parallel_split_inside_a_block_is_refused(tmp_path):
