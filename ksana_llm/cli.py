@@ -16,7 +16,9 @@ _SPECULATIVE_METHOD_HELP = ("where drafts come from: mtp = the model's MTP layer
                             "with MTP weights); ngram = the sequence's own history (prompt "
                             "lookup, any model)")
 _QUANTIZATION_HELP = ("fp8: keep the projections' weights as FP8 with per-row scales (half the "
-                      "memory of 16-bit weights); FP8 checkpoints load as FP8 without it")
+                      "memory of 16-bit weights); w8a8_int8: as int8 with per-row scales, "
+                      "their inputs quantized to int8 per token (int8 matmuls on a CPU); "
+                      "quantized checkpoints load as they are without it")
 _KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / fp8_e4m3 (= fp8) "
                         "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
 

@@ -16,8 +16,9 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
 # Weight quantization at load (loader.fp8_weights.WEIGHT_QUANTIZATIONS): "fp8" = the projections'
-# weights as FP8 with per-row scales. An FP8 checkpoint stays FP8 without it.
-WeightQuantization = Literal["fp8"]
+# weights as FP8 with per-row scales; "w8a8_int8" = as int8 with per-row scales, their inputs
+# quantized to int8 per token. A quantized checkpoint stays as it is without it.
+WeightQuantization = Literal["fp8", "w8a8_int8"]
 WEIGHT_QUANTIZATIONS: tuple[str, ...] = get_args(WeightQuantization)
 
 # Where speculative decoding's drafts come from: the model's MTP layer, or the sequence itself.

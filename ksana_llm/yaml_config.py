@@ -116,10 +116,10 @@ def _kv_role(value: str) -> str | None:
 
 
 def _weight_quant_method(value: str) -> str | None:
-    methods = {"auto": None, "fp8_e4m3": "fp8", "fp8": "fp8"}
+    methods = {"auto": None, "fp8_e4m3": "fp8", "fp8": "fp8", "w8a8_int8": "w8a8_int8"}
     if value not in methods:
-        raise ValueError("setting.quantization_config.weight.quant_method must be auto or "
-                         f"fp8_e4m3, got {value!r}")
+        raise ValueError("setting.quantization_config.weight.quant_method must be auto, "
+                         f"fp8_e4m3 or w8a8_int8, got {value!r}")
     return methods[value]
 
 

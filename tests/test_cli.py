@@ -72,6 +72,7 @@ def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     assert engine_config(parse(["serve"])).quantization is None
     assert engine_config(parse(["serve", "--quantization", "fp8"])).quantization == "fp8"
     assert parse(["generate", "hi", "-q", "fp8"]).quantization == "fp8"
+    assert parse(["generate", "hi", "-q", "w8a8_int8"]).quantization == "w8a8_int8"
 
 
 def test_scheduling_and_memory_flags_reach_the_engine_config():

@@ -214,10 +214,37 @@ def test_fp8_under_tensor_parallelism(tmp_path, source):
     check_engine_matches(model, reference, prompts)
 
 
-def test_w8a8_under_tensor_parallelism(tmp_path):
-    """Two gloo ranks holding a W8A8 checkpoint written by the library: a row-parallel rank
-    sees a slice of each token's input, and scales it by the whole token's largest magnitude
-    (one all-reduce), so the greedy tokens and logits are the library reference's."""
+def test_online_w8a8_is_the_librarys_w8a8(tmp_path):
+    """`quantization="w8a8_int8"` on a full-precision checkpoint holds the int8 codes and row
+    scales the library's W8A8 preset writes (rounding to nearest), and quantizes the inputs as
+    that checkpoint asks: the library reference's logits and greedy tokens. Embeddings, the LM
+    head and norms stay as they are."""
+    full = build_tiny_model("yi-gqa4-bias", tmp_path / "full")
+    written = load_ours(tmp_path / "full")  # before the library's numbers replace full's
+    held = write_compressed_tensors(tmp_path / "full", tmp_path / "w8a8", "w8a8")
+    checkpoint = load_ours(tmp_path / "w8a8")
+    online = Model.from_pretrained(tmp_path / "full", device="cpu", dtype="float32",
+                                   progress=False, quantization="w8a8_int8").module
+    for name, tensor in checkpoint.named_parameters():
+        assert torch.equal(online.get_parameter(name), tensor), name
+    for name, tensor in checkpoint.named_buffers():
+        if name.endswith("weight_scale"):
+            torch.testing.assert_close(online.get_buffer(name), tensor, atol=0, rtol=1e-6)
+    assert online.lm_head.weight.dtype == torch.float32
+    assert torch.equal(online.model.embed_tokens.weight, written.model.embed_tokens.weight)
+    with torch.no_grad():
+        for name, values in held.items():
+            full.get_parameter(name).copy_(values)
+    reference = hf_reference(with_library_activation_quantization(full, tmp_path / "w8a8"))
+    check_family(online, tmp_path / "full", reference, vocab=256)
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "online"])
+def test_w8a8_under_tensor_parallelism(tmp_path, source):
+    """Two gloo ranks holding a W8A8 checkpoint written by the library (or quantizing the
+    full-precision one as it loads): a row-parallel rank sees a slice of each token's input,
+    and scales it by the whole token's largest magnitude (one all-reduce), so the greedy
+    tokens and logits are the library reference's."""
     full = build_tiny_model("llama2", tmp_path / "full")
     folder = tmp_path / "w8a8"
     held = write_compressed_tensors(tmp_path / "full", folder, "w8a8")
@@ -227,18 +254,22 @@ def test_w8a8_under_tensor_parallelism(tmp_path):
     reference = hf_reference(with_library_activation_quantization(full, folder))
     torch.manual_seed(1)
     prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
-    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
-                                  tensor_parallel_size=2)
+    online = source == "online"
+    model = Model.from_pretrained(tmp_path / "full" if online else folder, device="cpu",
+                                  dtype="float32", progress=False, tensor_parallel_size=2,
+                                  quantization="w8a8_int8" if online else None)
     down = model.module.model.layers[0].mlp.down_proj
     assert down.weight.dtype == INT8 and down.weight.shape == (64, 64)  # half the inputs
     assert down.int8_activations
     check_engine_matches(model, reference, prompts)
 
 
-def test_w8a8_moe_under_tensor_parallelism(tmp_path):
-    """A Qwen3-MoE W8A8 checkpoint over two gloo ranks: each rank holds half of every expert's
-    intermediate columns, and the experts' down inputs are scaled by each token's whole hidden
-    row over both ranks, so the tokens and logits are those of one rank holding everything."""
+@pytest.mark.parametrize("source", ["checkpoint", "online"])
+def test_w8a8_moe_under_tensor_parallelism(tmp_path, source):
+    """A Qwen3-MoE W8A8 checkpoint (or the full-precision one quantized as it loads) over two
+    gloo ranks: each rank holds half of every expert's intermediate columns, and the experts'
+    down inputs are scaled by each token's whole hidden row over both ranks, so the tokens and
+    logits are those of one rank holding the checkpoint."""
     from tests.test_family_moe import FAMILIES, _randomize
 
     torch.manual_seed(0)
@@ -254,8 +285,10 @@ def test_w8a8_moe_under_tensor_parallelism(tmp_path):
         def reference(ids: list[int]) -> torch.Tensor:
             return one_rank.forward(ids, [{"target_name": "logits"}]).targets[0].tensor
 
-        model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
-                                      tensor_parallel_size=2)
+        online = source == "online"
+        model = Model.from_pretrained(tmp_path / "full" if online else folder, device="cpu",
+                                      dtype="float32", progress=False, tensor_parallel_size=2,
+                                      quantization="w8a8_int8" if online else None)
         experts = model.module.model.layers[0].mlp.experts
         assert experts.w2.dtype == INT8 and experts.int8_activations["w2"]
         assert experts.w2.shape[2] * 2 == single.module.model.layers[0].mlp.experts.w2.shape[2]

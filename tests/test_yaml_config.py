@@ -218,6 +218,7 @@ def test_weight_quant_method_key():
         return {"setting": {"quantization_config": {"weight": {"quant_method": method}}}}
 
     assert parse_engine_config(weight("fp8_e4m3"))[0].quantization == "fp8"
+    assert parse_engine_config(weight("w8a8_int8"))[0].quantization == "w8a8_int8"
     assert parse_engine_config(weight("auto"))[0].quantization is None
     assert parse_engine_config(weight("auto"), {"quantization": "fp8"})[0].quantization == "fp8"
     with pytest.raises(ValueError, match="quantization_config.weight.quant_method must be auto"):

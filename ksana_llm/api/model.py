@@ -134,7 +134,8 @@ class Model:
         package has one (see `ksana_llm.loader.weight_map`). `plugin`: True loads the folder's
         `ksana_plugin.py` if there is one, False never runs plugin code, a path loads that file
         (see `ksana_llm.api.plugin`). `quantization` "fp8" keeps the projections' weights as FP8
-        (per-row scales, quantized as they load); an FP8 checkpoint loads as FP8 without it.
+        (per-row scales, quantized as they load), "w8a8_int8" as int8 with their inputs
+        quantized to int8 per token; a quantized checkpoint loads as it is without it.
 
         `tensor_parallel_size` > 1 (0: every visible GPU) or `pipeline_parallel_size` > 1 starts
         one worker process per extra rank; this process is rank 0. With KsanaLLM's multi-node

@@ -3,19 +3,17 @@ checkpoints ask for (int8 weights whose `input_activations` are {int, 8 bits, sy
 dynamic, strategy "token"}), so a projection multiplies the same numbers the checkpoint was
 calibrated and evaluated with.
 
-The numbers are compressed-tensors' own: a token's scale is its largest magnitude over 127.5
-(int8's 255 steps halved), and its codes are round(x / scale) clamped to [-128, 127]. They are
-computed in float32 whatever the model's dtype (the library divides in the model's dtype).
+The numbers are compressed-tensors' own (`loader.weight_quant.quantize_int8_rows`, which
+quantizes W8A8's weights too): a token's scale is its largest magnitude over 127.5 (int8's 255
+steps halved), and its codes are round(x / scale) clamped to [-128, 127]. They are computed in
+float32 whatever the model's dtype (the library divides in the model's dtype).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ksana_llm.loader.weight_quant import INT_WEIGHT_DTYPE
-
-# A token's largest magnitude maps to this many steps: (127 - (-128)) / 2.
-INT8_ACTIVATION_HALF_RANGE = 127.5
+from ksana_llm.loader.weight_quant import INT_WEIGHT_DTYPE, quantize_int8_rows
 
 
 def token_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -28,13 +26,8 @@ def token_absmax(x: torch.Tensor) -> torch.Tensor:
 def quantize_tokens(x: torch.Tensor, absmax: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """x's int8 codes (x's shape) and float32 scales ([..., 1]), from `absmax` when given (see
-    `token_absmax`). An all-zero token keeps a positive scale; its codes are zero either way."""
-    if absmax is None:
-        absmax = token_absmax(x)
-    scale = absmax / INT8_ACTIVATION_HALF_RANGE
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(x.float() / scale).clamp_(-128, 127).to(INT_WEIGHT_DTYPE)
-    return codes, scale
+    `token_absmax`)."""
+    return quantize_int8_rows(x, absmax)
 
 
 def dequantize_tokens(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype

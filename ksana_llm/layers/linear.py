@@ -15,7 +15,7 @@ from ksana_llm.layers.int8_activations import (dequantize_tokens, int8_codes_mat
                                                int8_matmul_runs, quantize_tokens)
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight,
-                                               in_input_order, quantize_fp8_rows)
+                                               in_input_order, quantize_on_load)
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -129,8 +129,8 @@ class QuantizedStorage(nn.Module):
     FP8 (or int8, an integer checkpoint's codes, or uint8 [rows, cols / 2], packed 4-bit codes;
     with a `weight_zero_point` buffer where the codes have zero points) when the first
     `QuantizedWeight` arrives, with a `weight_scale` buffer of [rows, groups] float32 scales
-    beside it. `quantize_on_load` (online quantization) quantizes full-precision tensors to FP8
-    per row as they arrive; `int8_activations` (W8A8 checkpoints) quantizes the input to int8
+    beside it. `online_quantization` ("fp8", "w8a8_int8") quantizes full-precision tensors per
+    row as they arrive (`loader.quantized_weight.quantize_on_load`); `int8_activations` (W8A8 checkpoints) quantizes the input to int8
     per token before the matmul, as the checkpoint does; `quantized_capable` False (a weight
     other code reads as a dense matrix, MLA's absorbed `kv_b_proj`) takes quantized tensors
     dequantized. Weights stay as they load: a module built for bf16 whose checkpoint is
@@ -150,7 +150,8 @@ class QuantizedStorage(nn.Module):
         self.weight_group_size = 0
         self.int8_activations = False
         self.quantized_capable = True
-        self.quantize_on_load = False
+        # "fp8" / "w8a8_int8": full-precision tensors quantized per row as they load
+        self.online_quantization: str | None = None
         self._has_dense_rows = False
         self._dense_dtype = torch.float32
         # The Triton FP8 matmul, False where it cannot run, None until the first GPU matmul.
@@ -171,8 +172,9 @@ class QuantizedStorage(nn.Module):
         first one) or dense. A fused projection whose parts disagree (one part quantized,
         another not; FP8 and int8; other scale blocks or input orders) keeps every part dense
         rather than mixing them."""
-        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
-            tensor = quantize_fp8_rows(tensor)
+        if isinstance(tensor, torch.Tensor) and self.online_quantization \
+                and self.quantized_capable:
+            tensor = quantize_on_load(tensor, self.online_quantization)
         if isinstance(tensor, QuantizedWeight):
             if self.quantized_capable and not self._has_dense_rows \
                     and self._store_quantized(tensor):

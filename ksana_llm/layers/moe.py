@@ -29,7 +29,7 @@ from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.linear import (MergedLinear, fp8_kernel_for, fp8_matmul,
                                      int8_activation_matmul)
 from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight, dense,
-                                               in_input_order, quantize_fp8_rows)
+                                               in_input_order, quantize_on_load)
 from ksana_llm.layers.parallel import (SINGLE, RowParallelLinear, tp_all_reduce,
                                        token_absmax_over_ranks)
 
@@ -142,7 +142,7 @@ class FusedExperts(nn.Module):
     intermediate columns; the output is then a partial sum that the enclosing `SparseMoeBlock`
     all-reduces once.
 
-    Quantized experts (an FP8 checkpoint's, `quantize_on_load` for online quantization, or an
+    Quantized experts (an FP8 checkpoint's, `online_quantization` for online quantization, or an
     integer checkpoint's codes: int8, or 4-bit packed two a byte; with `w13_zero_point` /
     `w2_zero_point` beside the scales where the codes have zero points, and per-expert input
     orders in GPTQ's activation order) stay so: `w13` / `w2` hold the quantized values and
@@ -189,7 +189,8 @@ class FusedExperts(nn.Module):
         self.group_sizes = {"w13": 0, "w2": 0}
         self.int8_activations = {"w13": False, "w2": False}  # see QuantizedWeight
         self.quantized_capable = True
-        self.quantize_on_load = False
+        # "fp8" / "w8a8_int8": full-precision tensors quantized per row as they load
+        self.online_quantization: str | None = None
         self._has_dense = {"w13": False, "w2": False}
         self._dense_dtype = torch.float32
         self._fp8_kernels: dict[str, Callable[..., torch.Tensor] | bool] = {}
@@ -281,6 +282,10 @@ class FusedExperts(nn.Module):
                      name: str) -> list[str]:
         """Expert `expert`'s `part` (gate / up: [I, H]; down: [H, I]), full or this rank's
         slice, into w13 / w2."""
+        if isinstance(tensor, torch.Tensor) and self.online_quantization \
+                and self.quantized_capable:
+            # Whole rows, then this rank's slice: every rank has the scales one rank would.
+            tensor = quantize_on_load(tensor, self.online_quantization)
         first, size = self.shard_start, self.intermediate_size
         full = self.full_intermediate_size
         if part == "down":
@@ -314,8 +319,6 @@ class FusedExperts(nn.Module):
         one), or dense, dequantizing every quantized expert already stored when the tensors
         disagree (FP8 and int8 ones, other scale layouts, with and without zero points or
         activation order, or an expert's gate and up in different input orders)."""
-        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
-            tensor = quantize_fp8_rows(tensor)
         scale = getattr(self, f"{target}_scale")
         if isinstance(tensor, QuantizedWeight) and self.quantized_capable \
                 and not self._has_dense[target]:

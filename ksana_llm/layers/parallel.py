@@ -24,7 +24,7 @@ from ksana_llm.distributed.context import ParallelContext, balanced_split
 from ksana_llm.layers.int8_activations import token_absmax
 from ksana_llm.layers.linear import QuantizedStorage, prepack_cpu_weight
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_fp8_rows
+from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_on_load
 
 SINGLE = ParallelContext()
 
@@ -128,10 +128,11 @@ class RowParallelLinear(QuantizedStorage):
         if tensor.shape != (self.weight.shape[0], self.in_features):
             raise ValueError(f"weight: shape {tuple(tensor.shape)} does not fit "
                              f"{tuple(self.weight.shape)} on TP rank {self.ctx.tp_rank}")
-        if isinstance(tensor, torch.Tensor) and self.quantize_on_load and self.quantized_capable:
+        if isinstance(tensor, torch.Tensor) and self.online_quantization \
+                and self.quantized_capable:
             # Whole rows, then this rank's columns: every rank has the scales a single rank
             # would, so the numbers do not depend on the split.
-            tensor = quantize_fp8_rows(tensor)
+            tensor = quantize_on_load(tensor, self.online_quantization)
         local = tensor.columns(self.in_start, local_in) if isinstance(tensor, QuantizedWeight) \
             else tensor[:, self.in_start:self.in_start + local_in]
         self.copy_rows(0, self.incoming(local))

@@ -39,10 +39,12 @@ logger = logging.getLogger(__name__)
 
 # Checkpoint suffixes of a weight's scale (both multiply the FP8 values back).
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
-# What the engine can do with weights: keep a checkpoint's FP8 weights (None), or quantize a
-# full-precision checkpoint's projections to FP8 as they load ("fp8"; KsanaLLM's
-# `quantization_config.weight.quant_method: fp8_e4m3`, vLLM's `--quantization fp8`).
-WEIGHT_QUANTIZATIONS = ("fp8",)
+# What the engine can do with weights: keep a checkpoint's (None), or quantize a
+# full-precision checkpoint's projections per row as they load: to FP8 ("fp8"; KsanaLLM's
+# `quantization_config.weight.quant_method: fp8_e4m3`, vLLM's `--quantization fp8`), or to int8
+# with their inputs int8 per token ("w8a8_int8", SGLang's name for int8 W8A8; the numbers
+# llm-compressor's W8A8 preset writes when it rounds to nearest).
+WEIGHT_QUANTIZATIONS = ("fp8", "w8a8_int8")
 
 
 def quantized_weight_from_checkpoint(data: torch.Tensor, scale: torch.Tensor,

@@ -17,7 +17,8 @@ import torch
 
 from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
                                            QUANTIZED_WEIGHT_DTYPES, dequantize_weight,
-                                           pack_nibbles, quantize_fp8, split_nibbles)
+                                           pack_nibbles, quantize_fp8, quantize_int8_rows,
+                                           split_nibbles)
 
 
 # Packed codes (0..15) minus their zero points must fit int8: the dequantization subtracts them
@@ -175,6 +176,24 @@ def quantize_fp8_rows(weight: torch.Tensor) -> QuantizedWeight:
     follow each output channel's range, so they lose less than one scale per tensor)."""
     data, scale = quantize_fp8(weight, (1, weight.shape[1]))
     return QuantizedWeight(data, scale, weight.shape[1])
+
+
+def quantize_w8a8_rows(weight: torch.Tensor) -> QuantizedWeight:
+    """A weight as int8 codes with one scale per row, its input quantized to int8 per token
+    too (online W8A8: the numbers llm-compressor's W8A8 preset writes when it rounds to nearest,
+    without GPTQ or SmoothQuant)."""
+    codes, scale = quantize_int8_rows(weight)
+    return QuantizedWeight(codes, scale, weight.shape[1], int8_activations=True)
+
+
+def quantize_on_load(weight: torch.Tensor, method: str) -> QuantizedWeight:
+    """A full-precision weight quantized per row by an online method (see
+    `fp8_weights.WEIGHT_QUANTIZATIONS`)."""
+    if method == "fp8":
+        return quantize_fp8_rows(weight)
+    if method == "w8a8_int8":
+        return quantize_w8a8_rows(weight)
+    raise ValueError(f"unknown online weight quantization {method!r}")
 
 
 def int8_weight(codes: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tensor,

@@ -28,6 +28,25 @@ QUANTIZED_WEIGHT_DTYPES = (FP8_WEIGHT_DTYPE, INT_WEIGHT_DTYPE)
 PACKED_INT4_DTYPE = torch.uint8
 
 
+# Symmetric int8 as compressed-tensors computes it (W8A8's weights and activations): a row's
+# largest magnitude maps to this many steps, (127 - (-128)) / 2, and codes clamp to [-128, 127].
+INT8_HALF_RANGE = 127.5
+
+
+def quantize_int8_rows(values: torch.Tensor, absmax: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes (`values`' shape) and float32 scales ([..., 1]) of each row (the last dim):
+    scale = the row's largest magnitude (`absmax` when given) / 127.5, codes = round(value /
+    scale) clamped, computed in float32. An all-zero row keeps scale 1 (its codes are zero
+    either way)."""
+    if absmax is None:
+        absmax = values.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = absmax / INT8_HALF_RANGE
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(values.float() / scale).clamp_(-128, 127).to(INT_WEIGHT_DTYPE)
+    return codes, scale
+
+
 # E4M3 value / E4M3_AS_HALF_FACTOR is what `e4m3_as_half` returns.
 E4M3_AS_HALF_FACTOR = 256.0
 

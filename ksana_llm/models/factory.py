@@ -75,14 +75,14 @@ def check_quantization(quantization: str | None) -> None:
                          f"got {quantization!r}")
 
 
-def quantize_projections_on_load(module: nn.Module) -> int:
-    """Online FP8: every projection and MoE expert stack that can keep FP8 weights quantizes
-    them per row as they load (embeddings, norms, the LM head and routers stay as they are);
-    how many modules."""
+def quantize_projections_on_load(module: nn.Module, method: str) -> int:
+    """Online quantization ("fp8", "w8a8_int8"): every projection and MoE expert stack that can
+    keep quantized weights quantizes them per row as they load (embeddings, norms, the LM head
+    and routers stay as they are); how many modules."""
     projections = [m for m in module.modules()
                    if isinstance(m, (QuantizedStorage, FusedExperts)) and m.quantized_capable]
     for projection in projections:
-        projection.quantize_on_load = True
+        projection.online_quantization = method
     return len(projections)
 
 
@@ -91,7 +91,8 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
                       hf_config: Any = None, quantization: str | None = None
                       ) -> tuple[nn.Module, torch.dtype]:
     """(module with its weights loaded, in eval mode; its dtype). An FP8 checkpoint's projections
-    stay FP8; `quantization` "fp8" makes a full-precision checkpoint's projections FP8."""
+    stay FP8; `quantization` "fp8" makes a full-precision checkpoint's projections FP8,
+    "w8a8_int8" int8 with their inputs quantized to int8 per token."""
     check_quantization(quantization)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
@@ -105,9 +106,12 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     with torch.device("meta"):
         module = build_module(model_cls, hf_config, parallel)
     module = module.to(torch_dtype).to_empty(device=device)
-    if quantization == "fp8" and checkpoint_format is None:
-        logger.info("quantizing %d projections to FP8 (per-row scales) as they load",
-                    quantize_projections_on_load(module))
+    if quantization is not None and checkpoint_format is None:
+        logger.info("quantizing %d projections to %s (per-row scales) as they load",
+                    quantize_projections_on_load(module, quantization),
+                    "FP8" if quantization == "fp8" else "int8, their inputs int8 per token")
+    elif quantization is not None:
+        logger.info("quantization %r ignored: the checkpoint is quantized already", quantization)
     weights = iterate_weights(model_dir, progress=progress)
     if checkpoint_format is not None:
         # Paired before the weight map renames anything, so a map needs no scale entries.
