@@ -1,8 +1,10 @@
-"""FP8 weights: what `quantization="fp8"` saves (weight memory) and costs (accuracy, and on a
-CPU, speed), against the model's own dtype and against transformers, in one run.
+"""Quantized weights: what `quantization="fp8"` and `"w8a8_int8"` save (weight memory) and cost
+or gain (accuracy, and on a CPU, speed), against the model's own dtype and against
+transformers, in one run.
 
-For the model's dtype ("auto") and for FP8 projection weights ("fp8"; per-row scales, quantized
-as they load) the script reports:
+For the model's dtype ("auto"), FP8 projection weights ("fp8"; per-row scales, quantized as they
+load) and int8 ones with int8 activations ("w8a8_int8"; per-row weight scales, each projection's
+input quantized per token) the script reports:
 - weight memory: the projections' bytes and the whole model's (parameters and buffers);
 - accuracy: perplexity of a fixed English text (one prefill through `/forward`) and how many of
   the throughput run's greedy tokens equal the model-dtype engine's; transformers' perplexity on
@@ -14,15 +16,17 @@ as they load) the script reports:
 On a CPU the FP8 projections are dequantized to the compute dtype at every matmul (there is no
 FP8 CPU matmul), so FP8 is a memory saving that costs time there; on a GPU decode batches take
 the Triton W8A16 kernel, which reads half the bytes of a 16-bit weight
-(`benchmarks/gpu/run.sh engine-qwen3-fp8w` measures it).
+(`benchmarks/gpu/run.sh engine-qwen3-fp8w` measures it). W8A8 multiplies int8 codes by int8
+codes on a CPU (`torch._int_mm`), a byte per weight read and no dequantization.
 
 With `--checkpoints`, the model is also written as quantized checkpoints -- FP8 in the hub's
 layout (64x64 block scales), llm-compressor's int4 W4A16, int8 W8A16 (groups of 64) and int8
-W8A8 (per-row scales; its activation quantization not done), written by the
+W8A8 (per-row scales, int8 activations per token), written by the
 compressed-tensors library, GPTQ int4 and int8 by AutoGPTQ (groups of 64, in order, and int4
 in activation order) and AWQ int4 packed by AutoAWQ -- and each is read by our engine and by
 transformers (for those it cannot read on a CPU: transformers holding the writing library's
-own dequantization): weight memory, batch-1 decode ms/token (ours) and both perplexities
+own dequantization, and for W8A8 quantizing each projection's input with the library's own
+functions): weight memory, batch-1 decode ms/token (ours) and both perplexities
 (they should agree: the same numbers, read twice).
 
 Run
@@ -51,7 +55,7 @@ from benchmarks.accuracy import (TEXT, device_sync, perplexity_hf,  # noqa: E402
                                  perplexity_of, perplexity_ours, random_prompts)
 from benchmarks.ngram_speculation import hf_greedy  # noqa: E402
 
-WEIGHTS = ("auto", "fp8")
+WEIGHTS = ("auto", "fp8", "w8a8_int8")
 
 
 def weight_bytes(module: torch.nn.Module) -> tuple[int, int]:
@@ -86,7 +90,8 @@ def checkpoint_accuracy(source: Path, args: argparse.Namespace) -> dict[str, dic
     """Perplexity of the model written as quantized checkpoints, ours and the peer's."""
     import tempfile
 
-    from tests.quantized_checkpoints import write_compressed_tensors, write_fp8_checkpoint
+    from tests.quantized_checkpoints import (with_library_activation_quantization,
+                                             write_compressed_tensors, write_fp8_checkpoint)
 
     from transformers import AutoModelForCausalLM
 
@@ -100,13 +105,15 @@ def checkpoint_accuracy(source: Path, args: argparse.Namespace) -> dict[str, dic
         compressed = {  # transformers reads int4 W4A16 itself, not the int8 formats on a CPU
             "int4 W4A16 checkpoint (groups of 64)": ("int4", False),
             "int8 W8A16 checkpoint (groups of 64)": ("int8", True),
-            "int8 W8A8 checkpoint (per row; activations not quantized)": ("w8a8", True)}
+            "int8 W8A8 checkpoint (per row; int8 activations per token)": ("w8a8", True)}
         for name, (strategy, peer_holds) in compressed.items():
             folder = Path(root) / strategy
             held = write_compressed_tensors(source, folder, strategy, group_size=64)
             _copy_tokenizer(source, folder)
             peer = hold(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(),
                         held) if peer_holds else None
+            if strategy == "w8a8":
+                peer = with_library_activation_quantization(peer, folder)
             results[name] = _read_twice(folder, args, peer)
         results.update(packed_checkpoint_accuracy(source, Path(root), args))
     return results
