@@ -33,6 +33,7 @@ from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.runner.cpu_threads import openmp_pool_releaser
 from ksana_llm.runner.kv_transfer import KvLayout
 
 logger = logging.getLogger("ksana_llm.engine")
@@ -102,6 +103,11 @@ class Engine(LoraControl, ChatMixin):
         self._wake = threading.Condition()
         self._stopping = False
         self._dead: BaseException | None = None
+        # The model was loaded on this thread, steps run on the engine's: this thread's OpenMP
+        # workers would compete with the step's for the cores (see runner.cpu_threads). Freed
+        # here, and again whenever a caller's thread submits (it may have run torch since).
+        self._release_openmp_pool = openmp_pool_releaser()
+        self._release_openmp_pool()
         self._thread = threading.Thread(target=self._loop, name="ksana-llm-engine", daemon=True)
         self._thread.start()
 
@@ -183,6 +189,8 @@ class Engine(LoraControl, ChatMixin):
 
     def _enqueue(self, seq: Sequence, callback: Any, loop: asyncio.AbstractEventLoop | None,
                  plugin_info: Any) -> RequestHandle:
+        if threading.current_thread() is not self._thread:
+            self._release_openmp_pool()
         handle = RequestHandle(seq.request_id, seq.prompt_token_ids, seq.config,
                                callback=callback, loop=loop)
         handle.plugin_info = plugin_info
