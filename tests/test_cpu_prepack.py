@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 
 def _packed_count(model: kt.Model) -> int:
     module = model.module
-    packed = sum(1 for m in module.modules() if getattr(m, "_packed", None) is not None)
+    packed = sum(1 for m in module.modules() if getattr(m, "packed_weight", None) is not None)
     return packed + (module._lm_head_packed is not None)
 
 
@@ -62,3 +62,61 @@ def test_a_bad_switch_value_names_the_variable(tiny, monkeypatch):
     monkeypatch.setenv(linear.PREPACK_ENV_VAR, "yes")
     with pytest.raises(ValueError, match="KSANA_LLM_CPU_PREPACK"):
         kt.Model.from_pretrained(tiny[0], device="cpu", dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("prepacked_wins", [True, False], ids=["prepacked", "dense"])
+def test_few_row_batches_take_the_matmul_measured_faster(tiny, monkeypatch, prepacked_wins):
+    """Where F.linear multiplies a row faster than the prepacked copies (measured at load),
+    decode batches of up to FEW_ROWS rows use it and larger ones the copies; either way the
+    greedy tokens are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from ksana_llm.models import llama
+
+    folder, ids, _ = tiny
+    monkeypatch.setenv(linear.PREPACK_ENV_VAR, "1")
+    monkeypatch.setattr(llama, "prepacked_wins_few_rows", lambda weights, packed: prepacked_wins)
+    packed_rows: list[int] = []
+
+    def counting(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+        packed_rows.append(x.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    monkeypatch.setattr(linear, "packed_linear", counting)
+    monkeypatch.setattr(llama, "packed_linear", counting)
+    model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    min_rows = 1 if prepacked_wins else linear.FEW_ROWS + 1
+    assert {m.packed_min_rows for m in model.module.modules()
+            if getattr(m, "packed_weight", None) is not None} == {min_rows}
+    config = kt.GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, num_device_blocks=16) as engine:
+        tokens = engine.generate_outputs([ids], use_tqdm=False)[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                               min_new_tokens=6)[0, len(ids):].tolist()
+    assert tokens == expected
+    assert max(packed_rows) == len(ids)  # the prefill takes the copies either way
+    assert (min(packed_rows) == 1) == prepacked_wins  # decode steps: one row
+
+
+@pytest.mark.parametrize("slower", ["dense", "prepacked"])
+def test_the_few_row_measurement_picks_the_faster_way(monkeypatch, slower):
+    """The load-time measurement times both ways over the weights and picks the faster: made
+    unmistakable here by slowing one of them down."""
+    import time
+
+    weights = [torch.randn(96, 64), torch.randn(64, 96)]
+    packed = [linear.prepack_cpu_weight(w) for w in weights]
+
+    def slowed(multiply):
+        def slow(*args, **kwargs):
+            time.sleep(0.002)
+            return multiply(*args, **kwargs)
+        return slow
+
+    if slower == "dense":
+        monkeypatch.setattr(linear.nn.functional, "linear", slowed(torch.nn.functional.linear))
+    else:
+        monkeypatch.setattr(linear, "packed_linear", slowed(linear.packed_linear))
+    assert linear.prepacked_wins_few_rows(weights, packed, repeats=2) == (slower == "dense")

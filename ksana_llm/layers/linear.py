@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -72,6 +73,35 @@ def prepack_fits(num_bytes: int) -> bool:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
                   ) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# Decode batches of up to this many rows may do better with F.linear (see
+# `prepacked_wins_few_rows`); from twice as many the prepacked copies won on every CPU measured.
+FEW_ROWS = 2
+
+
+def prepacked_wins_few_rows(weights: list[torch.Tensor], packed: list[torch.Tensor],
+                            repeats: int = 3) -> bool:
+    """Whether the prepacked copies multiply a single row faster than `F.linear` (MKL) does,
+    over all of `weights` in turn as a decode step reads them (from memory, not cache): the
+    best of `repeats` passes each way. Measured on SmolLM2's projections: on a 2-core AMD EPYC
+    (AVX2) VM the prepacked copies won from one row up (1.05-1.8x); on a 2-core Xeon VM
+    `F.linear` won up to 2 rows (20.1 against 24.3 ms a pass at one row, 21.3 against 26.1 at
+    two) and lost from 4 (36.2 against 27.2). So this is measured on the machine at hand."""
+    def best_pass(multiply: Callable[[torch.Tensor, int], torch.Tensor]) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for index, weight in enumerate(weights):
+                multiply(rows[weight.shape[1]], index)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    rows = {weight.shape[1]: torch.randn(1, weight.shape[1]) for weight in weights}
+    with torch.no_grad():
+        dense_time = best_pass(lambda x, i: nn.functional.linear(x, weights[i]))
+        packed_time = best_pass(lambda x, i: packed_linear(x, packed[i], None))
+    return packed_time <= dense_time
 
 
 # Up to here the Triton kernel reads fewer bytes than dequantize-then-matmul: it reads the FP8
@@ -154,12 +184,19 @@ class QuantizedStorage(nn.Module):
         self.online_quantization: str | None = None
         self._has_dense_rows = False
         self._dense_dtype = torch.float32
+        # oneDNN's copy of a CPU float32 weight (see prepack), used from this many rows up.
+        self.packed_weight: torch.Tensor | None = None
+        self.packed_min_rows = 1
         # The Triton FP8 matmul, False where it cannot run, None until the first GPU matmul.
         self._fp8_kernel: Callable[..., torch.Tensor] | bool | None = None
 
     @property
     def is_quantized(self) -> bool:
         return self.weight_scale is not None
+
+    def prepack(self) -> None:
+        """Called once the weights are loaded (CPU float32 only: see prepack_cpu_weight)."""
+        self.packed_weight = prepack_cpu_weight(self.weight)
 
     @property
     def local_in_features(self) -> int:
@@ -256,8 +293,7 @@ class QuantizedStorage(nn.Module):
             self.weight.data[offset:offset + rows].copy_(tensor)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None,
-                packed: torch.Tensor | None, token_absmax: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                token_absmax: torch.Tensor | None = None) -> torch.Tensor:
         """x times the weight, + bias. `token_absmax`: each token's largest magnitude over the
         whole input when x is this rank's slice of it (int8 activations under tensor
         parallelism)."""
@@ -265,7 +301,8 @@ class QuantizedStorage(nn.Module):
             if self.input_order is not None:
                 x = x.index_select(-1, self.input_order)
             return self._quantized_matmul(x, bias, token_absmax)
-        if packed is not None and x.dim() == 2:
+        packed = self.packed_weight
+        if packed is not None and x.dim() == 2 and x.shape[0] >= self.packed_min_rows:
             return packed_linear(x, packed, bias)
         return nn.functional.linear(x, self.weight, bias)
 
@@ -297,15 +334,10 @@ class MergedLinear(QuantizedStorage):
         total = sum(self.out_sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
-        self._packed: torch.Tensor | None = None  # see prepack()
         self.lora_name = ""  # its name in the model, under which an engine keeps its adapters
 
-    def prepack(self) -> None:
-        """Called once the weights are loaded (CPU float32 only: see prepack_cpu_weight)."""
-        self._packed = prepack_cpu_weight(self.weight)
-
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        y = self.project(x, self.bias, self._packed)
+        y = self.project(x, self.bias)
         return y if lora is None else lora.add_delta(self.lora_name, x, y)
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor | QuantizedWeight, index: int

@@ -22,7 +22,7 @@ from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext, balanced_split
 from ksana_llm.layers.int8_activations import token_absmax
-from ksana_llm.layers.linear import QuantizedStorage, prepack_cpu_weight
+from ksana_llm.layers.linear import QuantizedStorage
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.loader.quantized_weight import QuantizedWeight, dense, quantize_on_load
 
@@ -95,19 +95,14 @@ class RowParallelLinear(QuantizedStorage):
         self.in_start, local_in = ctx.tp_split(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self._packed: torch.Tensor | None = None  # see prepack()
         self.lora_name = ""  # its name in the model, under which an engine keeps its adapters
-
-    def prepack(self) -> None:
-        """Called once the weights are loaded (CPU float32 only: see prepack_cpu_weight)."""
-        self._packed = prepack_cpu_weight(self.weight)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         ctx = self.ctx
         # Under TP rank 0 adds the bias to its partial sum, so the sum has it once.
         bias_now = self.bias if ctx.tp_rank == 0 else None
         absmax = token_absmax_over_ranks(x, ctx) if self.int8_activations else None
-        y = self.project(x, bias_now, self._packed, absmax)
+        y = self.project(x, bias_now, absmax)
         if lora is not None:
             # This rank's input columns through A (a column slice of it), then the whole B: B is
             # linear, so the ranks' partial deltas sum to the full one in the same all-reduce.

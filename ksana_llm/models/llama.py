@@ -6,6 +6,7 @@ into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the parts
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -17,7 +18,8 @@ from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec, paged_attention
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.lora import LoraBatch
-from ksana_llm.layers.linear import MergedLinear, packed_linear, prepack_cpu_weight, prepack_fits
+from ksana_llm.layers.linear import (FEW_ROWS, MergedLinear, packed_linear, prepack_cpu_weight,
+                                     prepack_fits, prepacked_wins_few_rows)
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear,
                                        VocabParallelEmbedding, check_heads_divisible, kv_head_shard,
@@ -25,6 +27,8 @@ from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear
 from ksana_llm.layers.pipeline import PipelineGap, recv_hidden, send_hidden
 from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
 from ksana_llm.models.weight_loading import load_checkpoint
+
+logger = logging.getLogger("ksana_llm.model")
 
 EmbeddingOverrides = tuple[torch.Tensor, torch.Tensor]  # rows of the batch, their embeddings
 
@@ -258,6 +262,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings and self.parallel.is_first_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.parallel)
         self._lm_head_packed: torch.Tensor | None = None  # see prepare_for_inference
+        self._lm_head_packed_min_rows = 1
 
     # ---- building blocks (overridden by families) ---------------------------------------------
     def uses_rope(self, config: Any) -> bool:
@@ -312,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.parallel.is_first_stage:
             return None
         packed = self._lm_head_packed
-        if packed is not None:
+        if packed is not None and hidden.shape[0] >= self._lm_head_packed_min_rows:
             logits = packed_linear(hidden, packed, None)
         else:
             logits = nn.functional.linear(hidden, self._lm_head_weight())
@@ -324,6 +329,7 @@ class LlamaForCausalLM(nn.Module):
         1.05-2x faster matmuls, the largest part of a CPU step) -- when a second copy of those
         weights fits in memory (`layers.linear.prepack_fits`)."""
         self._lm_head_packed = None
+        self._lm_head_packed_min_rows = 1
         packers = [m for m in self.modules() if hasattr(m, "prepack")]
         weights = [m.weight for m in packers]
         if self.parallel.is_first_stage:
@@ -336,6 +342,14 @@ class LlamaForCausalLM(nn.Module):
             module.prepack()
         if self.parallel.is_first_stage:
             self._lm_head_packed = prepack_cpu_weight(self._lm_head_weight())
+        packed = [m for m in packers if m.packed_weight is not None]
+        if packed and not prepacked_wins_few_rows([m.weight for m in packed],
+                                                  [m.packed_weight for m in packed]):
+            logger.info("F.linear multiplies up to %d rows faster than the prepacked weights "
+                        "on this CPU: decode batches that small use it", FEW_ROWS)
+            for module in packed:
+                module.packed_min_rows = FEW_ROWS + 1
+            self._lm_head_packed_min_rows = FEW_ROWS + 1
 
     # ---- weights -------------------------------------------------------------------------------
     def skip_checkpoint_tensor(self, name: str) -> bool:
