@@ -24,9 +24,10 @@ logger = logging.getLogger("ksana_llm.model")
 def prepack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a float32 CPU weight, or None where it does not apply.
 
-    Measured on the 2-core AVX2 CI machine with SmolLM2's shapes: 1.05-1.8x faster than
-    `F.linear` (MKL) from 1 to 1,024 rows, and 1.2-2x for the 49152-row LM head. The price is a
-    second copy of the weight, which is why only CPU float32 weights get one.
+    Measured on a 2-core AMD EPYC (AVX2) VM with SmolLM2's shapes: 1.05-1.8x faster than
+    `F.linear` (MKL) from 1 to 1,024 rows, and 1.2-2x for the 49152-row LM head; on a 2-core
+    Xeon VM 1.3-2x faster from 4 rows, but slower at 1-2 (see `prepacked_wins_few_rows`). The
+    price is a second copy of the weight, which is why only CPU float32 weights get one.
     """
     if weight.device.type != "cpu" or weight.dtype != torch.float32 \
             or not torch.backends.mkldnn.is_available():

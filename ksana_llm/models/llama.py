@@ -327,7 +327,8 @@ class LlamaForCausalLM(nn.Module):
         """Called once the weights are loaded. On CPU in float32, every projection and the LM
         head get oneDNN's prepacked copy of their weight (see `layers.linear.prepack_cpu_weight`:
         1.05-2x faster matmuls, the largest part of a CPU step) -- when a second copy of those
-        weights fits in memory (`layers.linear.prepack_fits`)."""
+        weights fits in memory (`layers.linear.prepack_fits`). Decode batches of a row or two
+        keep `F.linear` where it is measured faster here (`prepacked_wins_few_rows`)."""
         self._lm_head_packed = None
         self._lm_head_packed_min_rows = 1
         packers = [m for m in self.modules() if hasattr(m, "prepack")]
