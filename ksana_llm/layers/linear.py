@@ -161,10 +161,10 @@ class QuantizedStorage(nn.Module):
     with a `weight_zero_point` buffer where the codes have zero points) when the first
     `QuantizedWeight` arrives, with a `weight_scale` buffer of [rows, groups] float32 scales
     beside it. `online_quantization` ("fp8", "w8a8_int8") quantizes full-precision tensors per
-    row as they arrive (`loader.quantized_weight.quantize_on_load`); `int8_activations` (W8A8 checkpoints) quantizes the input to int8
-    per token before the matmul, as the checkpoint does; `quantized_capable` False (a weight
-    other code reads as a dense matrix, MLA's absorbed `kv_b_proj`) takes quantized tensors
-    dequantized. Weights stay as they load: a module built for bf16 whose checkpoint is
+    row as they arrive (`loader.quantized_weight.quantize_on_load`); `int8_activations` (W8A8)
+    quantizes the input to int8 per token before the matmul, as the checkpoint does;
+    `quantized_capable` False (a weight other code reads as a dense matrix, MLA's absorbed
+    `kv_b_proj`) takes quantized tensors dequantized. Weights stay as they load: a module built for bf16 whose checkpoint is
     quantized never holds the bf16 copy."""
 
     weight: nn.Parameter

@@ -148,9 +148,9 @@ class FusedExperts(nn.Module):
     orders in GPTQ's activation order) stay so: `w13` / `w2` hold the quantized values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
     (see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
-    the projections do, W8A8 checkpoints' experts quantizing their inputs to int8 per token as
-    the projections do (under tensor parallelism a token's scale for `w2` comes from its whole
-    intermediate row, over every rank's slice). Experts whose checkpoint tensors disagree (some
+    the projections do -- W8A8 experts quantizing their inputs to int8 per token first (under
+    tensor parallelism a token's scale for `w2` comes from its whole intermediate row, over
+    every rank's slice). Experts whose checkpoint tensors disagree (some
     quantized, some not, FP8 and int8, or other scale blocks) are all kept dense."""
 
     # The weight loader hands it quantized checkpoint weights as they are.
