@@ -108,4 +108,6 @@ def test_engine_embed_equals_the_server(client, local_engine, hf_default_model):
     # One running, one waiting: submitting four makes embed wait for room (QueueFullError).
     with kt.Engine(local_engine.model, num_device_blocks=64, max_queue_size=1,
                    max_num_seqs=1) as small:
-        torch.testing.assert_close(small.embed(TEXTS), vectors, atol=1e-6, rtol=0)
+        # Alone, a text of one or two tokens may take F.linear where batched it took the
+        # prepacked weights (see layers.linear.prepacked_wins_few_rows): last-bit differences.
+        torch.testing.assert_close(small.embed(TEXTS), vectors, atol=1e-5, rtol=0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -81,28 +80,28 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 FEW_ROWS = 2
 
 
-def prepacked_wins_few_rows(weights: list[torch.Tensor], packed: list[torch.Tensor],
-                            repeats: int = 3) -> bool:
-    """Whether the prepacked copies multiply a single row faster than `F.linear` (MKL) does,
-    over all of `weights` in turn as a decode step reads them (from memory, not cache): the
-    best of `repeats` passes each way. Measured on SmolLM2's projections: on a 2-core AMD EPYC
-    (AVX2) VM the prepacked copies won from one row up (1.05-1.8x); on a 2-core Xeon VM
-    `F.linear` won up to 2 rows (20.1 against 24.3 ms a pass at one row, 21.3 against 26.1 at
-    two) and lost from 4 (36.2 against 27.2). So this is measured on the machine at hand."""
-    def best_pass(multiply: Callable[[torch.Tensor, int], torch.Tensor]) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for index, weight in enumerate(weights):
-                multiply(rows[weight.shape[1]], index)
-            best = min(best, time.perf_counter() - start)
-        return best
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's `vendor_id` ("GenuineIntel", "AuthenticAMD", ...), "" where there is
+    none."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        return ""
+    return ""
 
-    rows = {weight.shape[1]: torch.randn(1, weight.shape[1]) for weight in weights}
-    with torch.no_grad():
-        dense_time = best_pass(lambda x, i: nn.functional.linear(x, weights[i]))
-        packed_time = best_pass(lambda x, i: packed_linear(x, packed[i], None))
-    return packed_time <= dense_time
+
+def prepacked_wins_few_rows() -> bool:
+    """Whether the prepacked copies multiply one or two rows faster than `F.linear` (MKL) on
+    this CPU. Measured over all of SmolLM2's weights (read from memory, as a decode step reads
+    them): on a 2-core AMD EPYC (AVX2) VM the prepacked copies won from one row up (1.05-1.8x);
+    on a 2-core Intel Xeon VM `F.linear` won up to 2 rows (20.1 against 24.3 ms a pass at one
+    row, 21.3 against 26.1 at two) and lost from 4 (36.2 against 27.2). A rule by vendor, not a
+    timing at load: a timing can come out either way on a noisy machine, and a model should
+    compute the same numbers every time it loads on one."""
+    return cpu_vendor() != "GenuineIntel"
 
 
 # Up to here the Triton kernel reads fewer bytes than dequantize-then-matmul: it reads the FP8

@@ -328,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
         head get oneDNN's prepacked copy of their weight (see `layers.linear.prepack_cpu_weight`:
         1.05-2x faster matmuls, the largest part of a CPU step) -- when a second copy of those
         weights fits in memory (`layers.linear.prepack_fits`). Decode batches of a row or two
-        keep `F.linear` where it is measured faster here (`prepacked_wins_few_rows`)."""
+        keep `F.linear` on CPUs where it was measured faster (`prepacked_wins_few_rows`)."""
         self._lm_head_packed = None
         self._lm_head_packed_min_rows = 1
         packers = [m for m in self.modules() if hasattr(m, "prepack")]
@@ -344,8 +344,7 @@ class LlamaForCausalLM(nn.Module):
         if self.parallel.is_first_stage:
             self._lm_head_packed = prepack_cpu_weight(self._lm_head_weight())
         packed = [m for m in packers if m.packed_weight is not None]
-        if packed and not prepacked_wins_few_rows([m.weight for m in packed],
-                                                  [m.packed_weight for m in packed]):
+        if packed and not prepacked_wins_few_rows():
             logger.info("F.linear multiplies up to %d rows faster than the prepacked weights "
                         "on this CPU: decode batches that small use it", FEW_ROWS)
             for module in packed:
