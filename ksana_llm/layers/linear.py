@@ -153,6 +153,20 @@ def int8_activation_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
                       bias, kernel, zero_point)
 
 
+def quantized_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     group_size: int, bias: torch.Tensor | None,
+                     kernel: Callable[..., torch.Tensor] | None,
+                     zero_point: torch.Tensor | None, int8_activations: bool,
+                     token_absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """x times a quantized weight, its input quantized to int8 first where the weight asks
+    (`int8_activation_matmul`), else as it is (`fp8_matmul`): what the projections and the MoE
+    experts both do."""
+    if int8_activations:
+        return int8_activation_matmul(x, weight, scale, group_size, bias, kernel, zero_point,
+                                      token_absmax)
+    return fp8_matmul(x, weight, scale, group_size, bias, kernel, zero_point)
+
+
 class QuantizedStorage(nn.Module):
     """What a projection needs to keep its weight at one byte per number (see
     `loader.quantized_weight`), or half a byte (4-bit checkpoints): the weight parameter turns
@@ -256,13 +270,9 @@ class QuantizedStorage(nn.Module):
             self._fp8_kernel = fp8_kernel_for(self.weight_group_size,
                                               self.weight_scale.shape[1] == 1,
                                               self.weight.dtype == PACKED_INT4_DTYPE) or False
-        kernel = self._fp8_kernel or None
-        if self.int8_activations:
-            return int8_activation_matmul(x, self.weight, self.weight_scale,
-                                          self.weight_group_size, bias, kernel,
-                                          self.weight_zero_point, token_absmax)
-        return fp8_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias,
-                          kernel, self.weight_zero_point)
+        return quantized_matmul(x, self.weight, self.weight_scale, self.weight_group_size, bias,
+                                self._fp8_kernel or None, self.weight_zero_point,
+                                self.int8_activations, token_absmax)
 
     def _store_dense(self) -> None:
         """Dense rows are coming: rows already stored quantized are dequantized first."""

@@ -26,8 +26,7 @@ from torch import nn
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
-from ksana_llm.layers.linear import (MergedLinear, fp8_kernel_for, fp8_matmul,
-                                     int8_activation_matmul)
+from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, quantized_matmul
 from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight, dense,
                                                in_input_order, quantize_on_load)
 from ksana_llm.layers.parallel import (SINGLE, RowParallelLinear, tp_all_reduce,
@@ -237,12 +236,10 @@ class FusedExperts(nn.Module):
         if name not in self._fp8_kernels and x.is_cuda:  # decided once per weight
             self._fp8_kernels[name] = fp8_kernel_for(group, scale.shape[2] == 1,
                                                      weight.dtype == PACKED_INT4_DTYPE) or False
-        kernel = self._fp8_kernels.get(name) or None
-        zero = None if zero is None else zero[expert]
-        if self.int8_activations[name]:
-            return int8_activation_matmul(x, weight[expert], scale[expert], group, None, kernel,
-                                          zero, token_absmax)
-        return fp8_matmul(x, weight[expert], scale[expert], group, None, kernel, zero)
+        return quantized_matmul(x, weight[expert], scale[expert], group, None,
+                                self._fp8_kernels.get(name) or None,
+                                None if zero is None else zero[expert],
+                                self.int8_activations[name], token_absmax)
 
     # ---- checkpoint loading (see models/weight_loading.py) -------------------------------------
     def expected_checkpoint_keys(self) -> list[str]:
