@@ -97,11 +97,14 @@ def greedy_trace(reference: Reference, prompt: list[int], steps: int
 class PagedDriver:
     """Feeds sequences through ModelRunner by hand, so a test controls every chunk."""
 
+    attention_backend = "auto"  # the torch backend on CPU
+
     def __init__(self, module: torch.nn.Module, block_size: int = 4, num_blocks: int = 128,
                  dtype: torch.dtype = torch.float32) -> None:
         self.bm = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(module, device=torch.device("cpu"), dtype=dtype,
-                                  num_blocks=num_blocks, block_size=block_size)
+                                  num_blocks=num_blocks, block_size=block_size,
+                                  attention_backend=self.attention_backend)
 
     def new_seq(self, tokens: list[int], name: str = "s") -> Sequence:
         return Sequence(name, list(tokens), GenerationConfig())
@@ -123,6 +126,12 @@ class PagedDriver:
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
         return result.logits
+
+
+class TritonDriver(PagedDriver):
+    """The same, through the Triton kernels (in their interpreter on CPU)."""
+
+    attention_backend = "triton"
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float) -> None:
@@ -176,7 +185,7 @@ def check_prefix_hit_mixed_batch(module: torch.nn.Module, reference: Reference, 
 
 
 def check_engine_greedy(folder: Path, reference: Reference, *, vocab: int, num_tokens: int = 32,
-                        seed: int = 3) -> None:
+                        seed: int = 3, attention_backend: str = "auto") -> None:
     """32 greedy tokens through the real Engine equal the reference's, for a prompt prefilled in
     chunks and for a second prompt that hits the first one's cached prefix."""
     torch.manual_seed(seed)
@@ -187,7 +196,7 @@ def check_engine_greedy(folder: Path, reference: Reference, *, vocab: int, num_t
     config = GenerationConfig(max_new_tokens=num_tokens, ignore_eos=True)
     model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
     with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
-                   split_fuse_token_num=16) as engine:
+                   split_fuse_token_num=16, attention_backend=attention_backend) as engine:
         first = engine.generate_outputs([prompts[0]])[0]
         second = engine.generate_outputs([prompts[1]])[0]
         assert engine.stats().prefix_cache_hit_rate > 0, "the second prompt should hit the cache"

@@ -16,19 +16,10 @@ import pytest  # noqa: E402
 import ksana_llm as kt  # noqa: E402
 from ksana_llm.api.model import Model  # noqa: E402
 from ksana_llm.generation_config import GenerationConfig  # noqa: E402
-from ksana_llm.runner.model_runner import ModelRunner, resolve_attention_backend  # noqa: E402
-from tests.family_harness import (PagedDriver, check_prefill_and_decode,  # noqa: E402
+from ksana_llm.runner.model_runner import resolve_attention_backend  # noqa: E402
+from tests.family_harness import (TritonDriver, check_prefill_and_decode,  # noqa: E402
                                   check_prefix_hit_mixed_batch, greedy_trace, hf_reference)
 from tests.tiny_models import build_tiny_model  # noqa: E402
-
-
-class TritonDriver(PagedDriver):
-    def __init__(self, module: torch.nn.Module, block_size: int = 4, num_blocks: int = 128,
-                 dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(module, block_size, num_blocks, dtype)
-        self.runner = ModelRunner(module, device=torch.device("cpu"), dtype=dtype,
-                                  num_blocks=num_blocks, block_size=block_size,
-                                  attention_backend="triton")
 
 
 @pytest.fixture(scope="module", params=["yi-gqa4-bias", "mistral-sliding"])

@@ -27,7 +27,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from ksana_llm.layers.attention import KVCacheSpec
 from ksana_llm.layers.mla import MultiLatentAttention
-from ksana_llm.layers.moe import GroupedTopKRouter, SparseMoeBlock
+from ksana_llm.layers.moe import SparseMoeBlock
+from ksana_llm.layers.moe_routers import GroupedTopKRouter
 from ksana_llm.models.deepseek_v3 import DeepseekV3MtpLayer
 from ksana_llm.models.llama import LlamaMLP
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice

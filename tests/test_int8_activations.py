@@ -12,7 +12,8 @@ import torch
 from ksana_llm.layers.int8_activations import (dequantize_tokens, int8_codes_matmul,
                                                quantize_tokens, token_absmax)
 from ksana_llm.layers.linear import MergedLinear
-from ksana_llm.layers.moe import FusedExperts, Routing
+from ksana_llm.layers.moe import FusedExperts
+from ksana_llm.layers.moe_routers import Routing
 from ksana_llm.layers.parallel import RowParallelLinear
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 

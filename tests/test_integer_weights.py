@@ -153,7 +153,7 @@ def test_moe_experts_hold_packed_codes_and_multiply_by_them():
     """Experts keep packed codes with their zero points (uint8 [E, rows, cols / 2]) and route
     tokens through them as through the dense experts; an expert given int8 codes after a packed
     one makes the stack dense with both experts' numbers."""
-    from ksana_llm.layers.moe import Routing
+    from ksana_llm.layers.moe_routers import Routing
 
     hidden, inter = 64, 32
     parts = {(e, part): random_int4(*shape, group=32, seed=20 + 3 * e + i)
@@ -189,7 +189,7 @@ def test_moe_experts_in_activation_order_gather_their_input():
     """GPTQ's activation order in MoE experts: each expert keeps its packed codes with its own
     input order (gate and up share one) and routes tokens as the dense experts in input order
     do; an expert whose gate and up disagree makes the stack dense, numbers unchanged."""
-    from ksana_llm.layers.moe import Routing
+    from ksana_llm.layers.moe_routers import Routing
 
     hidden, inter = 64, 32
     generator = torch.Generator().manual_seed(30)

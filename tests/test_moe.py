@@ -16,12 +16,10 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from ksana_llm.layers.moe_routers import GroupedTopKRouter, Routing, SoftmaxTopKRouter
 from ksana_llm.layers.moe import (
     FusedExperts,
     GatedMLP,
-    GroupedTopKRouter,
-    Routing,
-    SoftmaxTopKRouter,
     SparseMoeBlock,
 )
 from ksana_llm.models.llama import LlamaForCausalLM

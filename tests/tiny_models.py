@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
@@ -24,7 +25,14 @@ TINY_CONFIGS = {
                                            "num_key_value_heads": 2, "head_dim": 16},
                                         attention_bias=True, tie_word_embeddings=False),
     "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False),
+    # 8 experts, top 2, q/k norms (tests/test_family_moe.py holds the MoE families' own checks)
+    "qwen3-moe": lambda: Qwen3MoeConfig(**{**COMMON, "intermediate_size": 96}, head_dim=32,
+                                        moe_intermediate_size=32, num_experts=8,
+                                        num_experts_per_tok=2, norm_topk_prob=True,
+                                        tie_word_embeddings=False),
 }
+MODEL_CLASSES = {LlamaConfig: LlamaForCausalLM, MistralConfig: MistralForCausalLM,
+                 Qwen3MoeConfig: Qwen3MoeForCausalLM}
 
 
 def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True,
@@ -32,8 +40,7 @@ def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True
     """Create, save and return the HF reference model (fp32, eval mode)."""
     torch.manual_seed(seed)
     config = TINY_CONFIGS[name]()
-    cls = MistralForCausalLM if isinstance(config, MistralConfig) else LlamaForCausalLM
-    model = cls(config).eval()
+    model = MODEL_CLASSES[type(config)](config).eval()
     # Random init leaves biases at 0; give them values so a dropped bias would be noticed.
     with torch.no_grad():
         for param_name, param in model.named_parameters():

@@ -5,6 +5,7 @@
     python -m benchmarks.gpu.bench_kernels decode  --out DIR  # paged decode attention, GB/s
     python -m benchmarks.gpu.bench_kernels prefill --out DIR  # paged prefill, TFLOP/s
     python -m benchmarks.gpu.bench_kernels fp8-matmul --out DIR  # quantized-weight matmuls vs bf16
+    python -m benchmarks.gpu.bench_kernels moe     --out DIR  # grouped MoE experts vs per-expert
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block 16). Each
 benchmark times its peer in the same run — the torch backend's method (gather the paged K/V, then
@@ -97,7 +98,8 @@ def stage_env(out_dir: Path) -> int:
 
 def stage_tests(out_dir: Path) -> int:
     """tests/test_kernels.py and tests/test_kernels_prefill.py natively on the GPU (no
-    interpreter): fp32, fp16 and bf16; the FP8-weight matmul's tests; and the sampler's device
+    interpreter): fp32, fp16 and bf16; the FP8-weight matmul's and the grouped MoE matmul's
+    tests; and the sampler's device
     token histories (tests/test_token_history.py) on the GPU."""
     junit = out_dir / "kernel_tests.xml"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +107,7 @@ def stage_tests(out_dir: Path) -> int:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels.py",
                            "tests/test_kernels_prefill.py", "tests/test_fp8_matmul.py",
+                           "tests/test_kernels_moe.py",
                            "tests/test_token_history.py", "-q",
                            "-p", "no:cacheprovider", f"--junitxml={junit}"],
                           cwd=REPO, env=env, capture_output=True, text=True, check=False)
@@ -391,8 +394,73 @@ def stage_fp8_matmul(out_dir: Path) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# MoE experts
+# --------------------------------------------------------------------------------------------
+
+# (name, experts, top k, hidden, expert intermediate): Qwen3-30B-A3B's and Mixtral-8x7B's layers.
+MOE_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768), ("mixtral-8x7b", 8, 2, 4096, 14336)]
+MOE_TOKENS = (1, 8, 32, 128, 512, 2048)
+
+
+def bench_moe_case(name: str, experts: int, top_k: int, hidden: int, inter: int,
+                   tokens: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16
+                   ) -> dict[str, Any]:
+    """One MoE layer's experts (bf16 unless told): the grouped Triton path (kernels/fused_moe.py, two
+    launches, no host sync: graph-capturable) against the per-expert torch path (a cuBLAS
+    matmul pair per active expert after reading the counts back). GB/s counts the active
+    experts' weight bytes, each read once."""
+    from ksana_llm.layers.moe import FusedExperts
+    from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
+
+    torch.manual_seed(0)
+    layer = FusedExperts(experts, hidden, inter).to(device, dtype)
+    router = SoftmaxTopKRouter(hidden, experts, top_k, renormalize=True).to(device)
+    with torch.no_grad():
+        for weight in (layer.w13, layer.w2, router.weight):
+            weight.normal_(0, 0.02)
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        routing = router(x.float())
+
+        def run(grouped: bool) -> torch.Tensor:
+            layer.use_triton = grouped
+            return layer(x, routing)
+
+        timed = {"grouped": time_ms(lambda: run(True)), "per_expert": time_ms(lambda: run(False))}
+        err = (run(True).float() - run(False).float()).abs().max().item()
+    active = routing.experts.unique().numel()
+    weight_bytes = active * 3 * hidden * inter * layer.w13.element_size()
+    best = {path: min(v for v in (t["ms"], t.get("ms_graph")) if v is not None)
+            for path, t in timed.items()}
+    return {"shape": name, "tokens": tokens, "experts": experts, "top_k": top_k,
+            "active_experts": active, **timed,
+            "grouped_weight_gbps": weight_bytes / best["grouped"] / 1e6,
+            "speedup_vs_per_expert": best["per_expert"] / best["grouped"], "max_abs_err": err}
+
+
+def stage_moe(out_dir: Path) -> int:
+    require_cuda()
+    rows_out = []
+    for name, experts, top_k, hidden, inter in MOE_SHAPES:
+        for tokens in MOE_TOKENS:
+            row = bench_moe_case(name, experts, top_k, hidden, inter, tokens)
+            rows_out.append(row)
+            grouped, per_expert = row["grouped"], row["per_expert"]
+            print(f"moe {name:14s} T={tokens:5d} active {row['active_experts']:3d} grouped "
+                  f"{grouped['ms'] * 1e3:8.1f} us (graph {_us(grouped.get('ms_graph'))}) "
+                  f"{row['grouped_weight_gbps']:6.0f} GB/s | per-expert "
+                  f"{per_expert['ms'] * 1e3:8.1f} us (graph {_us(per_expert.get('ms_graph'))}) "
+                  f"| x{row['speedup_vs_per_expert']:.2f} | err {row['max_abs_err']:.1e}")
+    write_results(out_dir, "moe", rows_out)
+    return 0
+
+
+def _us(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms * 1e3:.1f} us"
+
+
 STAGES = {"env": stage_env, "tests": stage_tests, "decode": stage_decode,
-          "prefill": stage_prefill, "fp8-matmul": stage_fp8_matmul}
+          "prefill": stage_prefill, "fp8-matmul": stage_fp8_matmul, "moe": stage_moe}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@
 # workloads with FP8 projection weights, online quantization) and engine-qwen3-int4w /
 # engine-llama8b-int4w (the workloads on the checkpoint rewritten as W4A16: 4-bit weights held
 # packed) and fp8-matmul (the quantized-weight
-# matmul, FP8, int8 codes and packed 4-bit codes, against bf16 cuBLAS) only when named.
+# matmul, FP8, int8 codes and packed 4-bit codes, against bf16 cuBLAS) and moe (MoE layers'
+# experts, grouped Triton launches vs one cuBLAS pair per expert) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -52,7 +53,7 @@ declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qw
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
-                  [fp8-matmul]=270)
+                  [fp8-matmul]=270 [moe]=150)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -106,6 +107,8 @@ for stage in "${STAGES[@]}"; do
         # the FP8-weight matmul (Llama-3-8B / Qwen3 shapes, 1-256 rows) vs bf16 cuBLAS
         fp8-matmul) run_stage fp8-matmul "$PYTHON" -m benchmarks.gpu.bench_kernels fp8-matmul \
                         --out "$RESULTS" ;;
+        # MoE experts (Qwen3-30B-A3B / Mixtral layers, 1-2048 tokens): grouped vs per-expert
+        moe)     run_stage moe     "$PYTHON" -m benchmarks.gpu.bench_kernels moe --out "$RESULTS" ;;
         # paged prefill attention: fresh prompts and chunks after a cached prefix
         prefill) run_stage prefill "$PYTHON" -m benchmarks.gpu.bench_kernels prefill --out "$RESULTS" ;;
         # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
@@ -114,7 +117,7 @@ for stage in "${STAGES[@]}"; do
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\
-                " decode prefill fp8-matmul spec)" >&2; exit 2 ;;
+                " decode prefill fp8-matmul moe spec)" >&2; exit 2 ;;
     esac
 done
 

@@ -10,6 +10,8 @@
     rms_norm(x, weight, eps, residual=None)                                rmsnorm.py
     fp8_linear(x, weight, scale, group_size, bias=None, zero_point=None)   fp8_matmul.py
     apply_rotary_(q, k, cos, sin)                                          rotary.py
+    align_to_experts(experts, num_experts, block_m), expert_block_size(assignments, experts),
+    expert_matmul(a, weight, blocks, rows_per_input)                       fused_moe.py
     reference.*: the torch definitions of all of the above
 
 Importing this package never imports triton: the engine core imports layers that import this
@@ -30,6 +32,8 @@ if TYPE_CHECKING:  # the names __getattr__ serves, for type checkers and IDEs
     from ksana_llm.kernels.decode_attention import (  # noqa: F401
         choose_num_splits, paged_decode_attention)
     from ksana_llm.kernels.fp8_matmul import fp8_linear  # noqa: F401
+    from ksana_llm.kernels.fused_moe import (  # noqa: F401
+        align_to_experts, expert_block_size, expert_matmul)
     from ksana_llm.kernels.kv_store import store_kv  # noqa: F401
     from ksana_llm.kernels.prefill_attention import paged_prefill_attention  # noqa: F401
     from ksana_llm.kernels.rmsnorm import rms_norm  # noqa: F401
@@ -44,6 +48,9 @@ _LAZY = {
     "rms_norm": "rmsnorm",
     "fp8_linear": "fp8_matmul",
     "apply_rotary_": "rotary",
+    "align_to_experts": "fused_moe",
+    "expert_block_size": "fused_moe",
+    "expert_matmul": "fused_moe",
 }
 
 __all__ = ["triton_available", "interpreter_mode", *_LAZY]

@@ -156,6 +156,8 @@ def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
         return True
     if launch.kernel.__name__ in ("_fp8_linear_kernel", "_int4_linear_kernel"):
         return config.name == "llama3-8b-bf16"
+    if launch.kernel.__name__ == "_expert_matmul_kernel":  # every dtype: fp32 has its own tiles
+        return config.name in ("llama3-8b-bf16", "gqa4-hd96-fp32")
     if config.kv_dtype is not None:  # the kernels that read or write the cache
         return launch.kernel.__name__ in ("_store_kv_kernel", "_decode_kernel",
                                           "_prefill_kernel")
@@ -166,11 +168,11 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     """Every kernel variant the engine can launch (decode with one and several splits, with and
     without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
     several sequences; norm with and without residual; rotary on views of a fused QKV; the
-    quantized-weight matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes)
-    at one model shape. The tensors are empty CPU
-    tensors: nothing runs."""
-    from ksana_llm.kernels import (decode_attention, fp8_matmul, kv_store, prefill_attention,
-                                   rmsnorm, rotary)
+    quantized-weight matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes;
+    the grouped MoE matmuls of a decode step and of a prefill) at one model shape. The tensors
+    are empty CPU tensors: nothing runs."""
+    from ksana_llm.kernels import (decode_attention, fp8_matmul, fused_moe, kv_store,
+                                   prefill_attention, rmsnorm, rotary)
 
     dtype, head_dim, heads, kv_heads = config.dtype, config.head_dim, config.heads, config.kv_heads
     k_cache = torch.empty(64, config.block_size, kv_heads, head_dim,
@@ -234,6 +236,20 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
                 fp8_matmul.fp8_linear(x, packed, torch.empty(hidden, groups),
                                       hidden // groups,
                                       zero_point=torch.empty(hidden, groups, dtype=torch.int8))
+    launches += rec
+    with recording(fused_moe, "_expert_matmul_kernel") as rec:
+        # 64 experts of a quarter of the hidden size each, top 8 (Qwen3-MoE's proportions):
+        # a decode batch (16-row blocks) and a prefill (64-row blocks), gate/up then down.
+        hidden, experts, top_k = heads * head_dim, 64, 8
+        inter = hidden // 4
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+        w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+        for tokens in (4, 1024):
+            routing = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+            blocks = fused_moe.align_to_experts(
+                routing, experts, fused_moe.expert_block_size(tokens * top_k, experts))
+            fused_moe.expert_matmul(torch.empty(tokens, hidden, dtype=dtype), w13, blocks, top_k)
+            fused_moe.expert_matmul(torch.empty(tokens * top_k, inter, dtype=dtype), w2, blocks, 1)
     launches += rec
     return launches
 

@@ -135,3 +135,12 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, g
     to x's dtype (`loader.weight_quant`), then a plain linear."""
     return torch.nn.functional.linear(
         x, dequantize_weight(weight, scale, group_size, x.dtype, zero_point), bias)
+
+
+def expert_matmul_ref(a: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor,
+                      rows_per_input: int) -> torch.Tensor:
+    """Assignment i of `experts` [T, K] (expert ids, flattened) gets a[i // rows_per_input] @
+    weight[expert]^T, in float32, rounded to a's dtype."""
+    flat = experts.reshape(-1).long()
+    rows = a[torch.arange(flat.numel(), device=a.device) // rows_per_input].float()
+    return torch.bmm(weight[flat].float(), rows.unsqueeze(-1)).squeeze(-1).to(a.dtype)

@@ -1,8 +1,9 @@
-"""Mixture-of-experts: routers, stacked expert weights, and the MoE block that joins them.
+"""Mixture-of-experts: stacked expert weights, and the MoE block that joins them to a router.
 
 A block is `router -> experts (+ optional shared expert)`; each part is a constructor argument, so
-a family picks its own router (softmax top-k for Mixtral / Qwen MoE, group-limited sigmoid for
-DeepSeek-V3) and its own shared-expert arrangement without a new block class.
+a family picks its own router (`layers.moe_routers`: softmax top-k for Mixtral / Qwen MoE,
+group-limited sigmoid for DeepSeek-V3) and its own shared-expert arrangement without a new block
+class.
 
 Experts are stored stacked, `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`, so the
 forward runs one matmul pair per *active* expert over the tokens sorted by expert, never a loop
@@ -17,13 +18,13 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
+from ksana_llm.layers.moe_routers import Routing
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, quantized_matmul
@@ -31,102 +32,6 @@ from ksana_llm.loader.quantized_weight import (QuantizedLayout, QuantizedWeight,
                                                in_input_order, quantize_on_load)
 from ksana_llm.layers.parallel import (SINGLE, RowParallelLinear, tp_all_reduce,
                                        token_absmax_over_ranks)
-
-
-class Routing(NamedTuple):
-    """Each token's chosen experts and their combine weights (float32, like transformers)."""
-    weights: torch.Tensor  # [T, K] float32
-    experts: torch.Tensor  # [T, K] int64
-
-
-class SoftmaxTopKRouter(nn.Module):
-    """Softmax over all experts (in float32), keep the top k, optionally renormalise them to sum 1.
-
-    Mixtral always renormalises; Qwen2-MoE / Qwen3-MoE follow `norm_topk_prob`. transformers'
-    Qwen routers round the weights to the activation dtype before the combine
-    (`weights_in_input_dtype=True`); Mixtral keeps them in float32.
-    """
-
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, renormalize: bool,
-                 weights_in_input_dtype: bool = False) -> None:
-        super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
-        self.top_k = top_k
-        self.renormalize = renormalize
-        self.weights_in_input_dtype = weights_in_input_dtype
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.weights_in_input_dtype:
-            weights = weights.to(x.dtype).float()
-        return Routing(weights, experts)
-
-
-class GroupedTopKRouter(nn.Module):
-    """DeepSeek-V3's group-limited routing (`topk_method="noaux_tc"`).
-
-    Sigmoid scores; `e_score_correction_bias` is added for *selection only*. Experts form `n_group`
-    groups, each scored by the sum of its top-2 biased scores; only the best `topk_group` groups
-    stay eligible, and the top k experts among them are picked. Their weights are the unbiased
-    scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
-
-    Like transformers (`_keep_in_fp32_modules_strict`), the router weight and the bias stay in
-    float32 whatever dtype the model is cast to: near-tied scores must pick the same experts in
-    bf16 serving as in the fp32 reference.
-    """
-
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, n_group: int,
-                 topk_group: int, renormalize: bool, routed_scaling_factor: float = 1.0) -> None:
-        super().__init__()
-        if n_group < 1 or num_experts % n_group:
-            raise ValueError(f"n_group must divide n_routed_experts ({num_experts}), got {n_group}")
-        if num_experts // n_group < 2:
-            raise ValueError("each expert group needs at least 2 experts (groups are scored by "
-                             f"their top-2), got n_routed_experts={num_experts}, n_group={n_group}")
-        if not 0 < topk_group <= n_group:
-            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
-        if not 0 < top_k <= topk_group * (num_experts // n_group):
-            raise ValueError(f"num_experts_per_tok={top_k} exceeds the experts of topk_group "
-                             f"groups ({topk_group * (num_experts // n_group)})")
-        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
-        self.renormalize = renormalize
-        self.routed_scaling_factor = float(routed_scaling_factor)
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
-                                   requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
-                                                    requires_grad=False)
-
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        super()._apply(fn, recurse)
-        # Model.from_pretrained casts the whole model to the serving dtype; undo it here (see
-        # the class docstring). Device moves and to_empty still apply.
-        for param in (self.weight, self.e_score_correction_bias):
-            if param.dtype != torch.float32:
-                param.data = param.data.float()
-        return self
-
-    def forward(self, x: torch.Tensor) -> Routing:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        biased = scores + self.e_score_correction_bias
-        num_tokens, num_experts = biased.shape
-        grouped = biased.view(num_tokens, self.n_group, num_experts // self.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
-        group_mask.scatter_(1, best_groups, True)
-        eligible = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
-        experts = biased.masked_fill(~eligible, float("-inf")).topk(self.top_k, dim=-1,
-                                                                    sorted=False).indices
-        weights = scores.gather(1, experts)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return Routing(weights * self.routed_scaling_factor, experts)
 
 
 # Per-expert checkpoint names: Mixtral's w1/w3/w2 and the gate/up/down_proj of Qwen / DeepSeek.
@@ -193,9 +98,20 @@ class FusedExperts(nn.Module):
         self._has_dense = {"w13": False, "w2": False}
         self._dense_dtype = torch.float32
         self._fp8_kernels: dict[str, Callable[..., torch.Tensor] | bool] = {}
+        # Set by the runner with the Triton backend: dense experts then run as two grouped
+        # launches (kernels/fused_moe.py) with no host sync, so decode steps can be captured.
+        self.use_triton = False
+
+    @property
+    def syncs_with_host(self) -> bool:
+        """Whether the forward reads routing back to the host (then no CUDA graphs): the
+        per-expert torch path does; the grouped Triton path of dense experts does not."""
+        return not (self.use_triton and self.w13_scale is None and self.w2_scale is None)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H]; returns sum_k weight[t, k] * expert[experts[t, k]](x[t]) as [T, H]."""
+        if not self.syncs_with_host:
+            return self._grouped_forward(x, routing)
         num_tokens, top_k = routing.experts.shape
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, k) assignments grouped by expert
@@ -222,6 +138,21 @@ class FusedExperts(nn.Module):
         weighted = out_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
         return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+    def _grouped_forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The same sum with every expert in one launch per stack: rows stay in (token, k)
+        order, and each expert's output is rounded to x's dtype before the float32 combine, as
+        in the per-expert path."""
+        from ksana_llm.kernels import align_to_experts, expert_block_size, expert_matmul
+
+        num_tokens, top_k = routing.experts.shape
+        if num_tokens == 0:
+            return x.new_zeros(0, self.hidden_size)
+        block_m = expert_block_size(num_tokens * top_k, self.num_experts)
+        blocks = align_to_experts(routing.experts, self.num_experts, block_m)
+        hidden = self.act(expert_matmul(x.contiguous(), self.w13, blocks, top_k))
+        out = expert_matmul(hidden, self.w2, blocks, 1).view(num_tokens, top_k, -1)
+        return (out * routing.weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
     def _expert_matmul(self, x: torch.Tensor, name: str, expert: int,
                        token_absmax: torch.Tensor | None = None) -> torch.Tensor:

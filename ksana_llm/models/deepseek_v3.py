@@ -30,12 +30,8 @@ from torch import nn
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec
 from ksana_llm.layers.mla import MLADims, MultiLatentAttention
-from ksana_llm.layers.moe import (
-    FusedExperts,
-    GatedMLP,
-    GroupedTopKRouter,
-    SparseMoeBlock,
-)
+from ksana_llm.layers.moe import FusedExperts, GatedMLP, SparseMoeBlock
+from ksana_llm.layers.moe_routers import GroupedTopKRouter
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.parallel import SINGLE
 from ksana_llm.layers.rotary import rope_settings

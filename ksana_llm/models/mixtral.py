@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ksana_llm.layers.moe import FusedExperts, SoftmaxTopKRouter, SparseMoeBlock
+from ksana_llm.layers.moe import FusedExperts, SparseMoeBlock
+from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
 from ksana_llm.models.llama import LlamaForCausalLM
 
 

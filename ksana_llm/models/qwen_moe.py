@@ -17,12 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from ksana_llm.layers.moe import (
-    FusedExperts,
-    GatedMLP,
-    SoftmaxTopKRouter,
-    SparseMoeBlock,
-)
+from ksana_llm.layers.moe import FusedExperts, GatedMLP, SparseMoeBlock
+from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.parallel import SINGLE
 from ksana_llm.models.llama import LlamaAttention, LlamaMLP

@@ -69,8 +69,9 @@ def unsupported_reason(model: nn.Module, device: torch.device, attention_backend
     """Why decode steps of this model cannot be captured here, or None when they can.
 
     A model opts out with `supports_cuda_graphs = False` (host syncs in its forward). Without the
-    attribute, models with fused MoE experts are out: they size their grouped matmuls from expert
-    counts read back to the host, which a graph cannot do.
+    attribute, a model is out when one of its modules says it `syncs_with_host`: MoE experts on
+    their per-expert torch path size their matmuls from expert counts read back to the host,
+    which a graph cannot do (dense experts on the Triton backend do not).
     """
     if device.type != "cuda":
         return f"device is {device.type}: CUDA graphs need a CUDA device"
@@ -79,9 +80,7 @@ def unsupported_reason(model: nn.Module, device: torch.device, attention_backend
                 "(its decode launch has static shapes)")
     supported = getattr(model, "supports_cuda_graphs", None)
     if supported is None:
-        from ksana_llm.layers.moe import FusedExperts
-
-        supported = not any(isinstance(m, FusedExperts) for m in model.modules())
+        supported = not any(getattr(m, "syncs_with_host", False) for m in model.modules())
     if not supported:
         return f"{type(model).__name__} syncs with the host in its forward (no CUDA graphs)"
     if torch.distributed.is_available() and torch.distributed.is_initialized() \

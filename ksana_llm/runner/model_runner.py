@@ -133,7 +133,8 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
         if self.attention_backend == "triton":
-            # The rest of the Triton path: fused RMSNorm (+ residual) and in-place RoPE.
+            # The rest of the Triton path: fused RMSNorm (+ residual), in-place RoPE, and MoE
+            # experts grouped into one launch per weight stack.
             for module in model.modules():
                 if hasattr(module, "use_triton"):
                     module.use_triton = True

@@ -1,0 +1,146 @@
+"""Mixture-of-experts matmuls with one launch per weight stack, and no host sync.
+
+The torch path (`layers.moe.FusedExperts`) reads each expert's token count back to the host and
+launches one matmul pair per active expert: a decode step of a 128-expert model makes hundreds
+of launches per layer, and cannot be captured in a CUDA graph. Here routing is turned into
+fixed-size index tensors on the device, and one launch covers every expert:
+
+- `align_to_experts(experts, num_experts, block_m)`: the (token, k) assignments grouped by
+  expert, each expert's run padded to a multiple of `block_m`, so every block of `block_m` rows
+  belongs to one expert. The buffers are sized for the worst case (each of the
+  min(assignments, experts) active experts wasting block_m - 1 rows), so their shapes depend on
+  the batch's size only: a captured graph replays them for any routing. Blocks past the used
+  ones are marked -1.
+- `expert_matmul(a, weight, blocks, rows_per_input)`: out[i] = a[i // rows_per_input] @
+  weight[expert of i]^T for every assignment i, one program per (block, column tile); a program
+  whose block is unused returns at once. With `rows_per_input = top_k` the tokens' hidden states
+  feed the gate/up stack directly (no gathered copy); with 1, the per-assignment activations
+  feed the down stack.
+
+Dense 16/32-bit weights only (quantized experts keep the torch path). Tile sizes follow the
+rows per expert; not tuned on a GPU yet.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
+
+
+class ExpertBlocks(NamedTuple):
+    """Routing as `expert_matmul` reads it (see the module docstring)."""
+    assignment_ids: torch.Tensor  # [capacity] int32: t * top_k + k, padding = num_assignments
+    block_experts: torch.Tensor  # [capacity // block_m] int32: a block's expert, -1 = unused
+    block_m: int
+    num_assignments: int
+
+
+def expert_block_size(num_assignments: int, num_experts: int) -> int:
+    """Rows per block: about the rows an expert gets on average (a decode step's few, a
+    prefill's many), at least 16 (tl.dot's floor) and at most 64."""
+    per_expert = num_assignments / max(num_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def expert_block_capacity(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Rows that hold any routing of `num_assignments` over `num_experts` in blocks of
+    `block_m`: each active expert pads its run by at most block_m - 1."""
+    bound = num_assignments + min(num_assignments, num_experts) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def align_to_experts(experts: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Group the assignments in `experts` [T, K] (expert ids) by expert, in blocks of `block_m`
+    rows; torch ops with no host sync (scatter_add rather than bincount, which reads its
+    input's maximum back)."""
+    if experts.dim() != 2:
+        raise ValueError(f"experts: expected [tokens, top_k], got {tuple(experts.shape)}")
+    if block_m < 1:
+        raise ValueError(f"block_m must be >= 1, got {block_m}")
+    device = experts.device
+    flat = experts.reshape(-1).long()
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
+    first_unpadded = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)  # assignments by expert, in token order within one
+    by_expert = flat[order]
+    rank = torch.arange(n, device=device) - first_unpadded[by_expert]  # place in its expert's run
+    slot = padded_ends[by_expert] - padded[by_expert] + rank
+    capacity = expert_block_capacity(n, num_experts, block_m)
+    ids = torch.full((capacity,), n, dtype=torch.int32, device=device)
+    ids[slot] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    owner = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_experts = torch.where(owner < num_experts, owner, -1).to(torch.int32)
+    return ExpertBlocks(ids, block_experts, block_m, n)
+
+
+@triton.jit
+def _expert_matmul_kernel(
+    A, W, Out, Ids, BlockExperts,
+    num_assignments, N, K,
+    stride_am, stride_we, stride_wn, stride_om,
+    ROWS_PER_INPUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(BlockExperts + block)
+    if expert < 0:  # past the blocks this routing uses
+        return
+    ids = tl.load(Ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = ids < num_assignments  # padding rows of the expert's last block
+    a_rows = (ids // ROWS_PER_INPUT).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = W + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        a = tl.load(A + a_rows[:, None] * stride_am + k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    tl.store(Out + ids[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
+                  rows_per_input: int) -> torch.Tensor:
+    """a [R, K] times each assignment's expert of `weight` [E, N, K] -> [assignments, N] in a's
+    dtype: row i is a[i // rows_per_input] @ weight[expert(i)]^T (see the module docstring)."""
+    if weight.dim() != 3 or a.dim() != 2 or a.shape[1] != weight.shape[2]:
+        raise ValueError(f"a [rows, K] and weight [experts, N, K] expected, got "
+                         f"{tuple(a.shape)} and {tuple(weight.shape)}")
+    if a.dtype != weight.dtype or not a.dtype.is_floating_point:
+        raise ValueError(f"a and weight: one floating dtype expected, got {a.dtype} and "
+                         f"{weight.dtype}")
+    if a.shape[0] * rows_per_input != blocks.num_assignments:
+        raise ValueError(f"a: {a.shape[0]} rows x {rows_per_input} per row != "
+                         f"{blocks.num_assignments} assignments")
+    check_same_device(a=a, weight=weight, ids=blocks.assignment_ids)
+    check_last_dim_contiguous("a", a)
+    check_last_dim_contiguous("weight", weight)
+    n, k = weight.shape[1], weight.shape[2]
+    out = torch.empty(blocks.num_assignments, n, dtype=a.dtype, device=a.device)
+    num_blocks = blocks.block_experts.numel()
+    if num_blocks:
+        block_n = 64 if blocks.block_m <= 32 else 128
+        grid = (num_blocks, triton.cdiv(n, block_n))
+        _expert_matmul_kernel[grid](
+            a, weight, out, blocks.assignment_ids, blocks.block_experts,
+            blocks.num_assignments, n, k,
+            a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+            ROWS_PER_INPUT=rows_per_input, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
+            BLOCK_K=32 if a.dtype == torch.float32 else 64, PRECISION=dot_precision(a.dtype))
+    return out

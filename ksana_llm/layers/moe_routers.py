@@ -1,0 +1,110 @@
+"""MoE routers: from a token's hidden state to its k experts and their combine weights.
+
+`SoftmaxTopKRouter` (Mixtral, Qwen MoE) and `GroupedTopKRouter` (DeepSeek-V3's group-limited
+sigmoid routing) both return a `Routing`, which `layers.moe.FusedExperts` consumes. Neither
+reads anything back to the host, so a decode step that routes can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Routing(NamedTuple):
+    """Each token's chosen experts and their combine weights (float32, like transformers)."""
+    weights: torch.Tensor  # [T, K] float32
+    experts: torch.Tensor  # [T, K] int64
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Softmax over all experts (in float32), keep the top k, optionally renormalise them to sum 1.
+
+    Mixtral always renormalises; Qwen2-MoE / Qwen3-MoE follow `norm_topk_prob`. transformers'
+    Qwen routers round the weights to the activation dtype before the combine
+    (`weights_in_input_dtype=True`); Mixtral keeps them in float32.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, renormalize: bool,
+                 weights_in_input_dtype: bool = False) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_input_dtype = weights_in_input_dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_input_dtype:
+            weights = weights.to(x.dtype).float()
+        return Routing(weights, experts)
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-V3's group-limited routing (`topk_method="noaux_tc"`).
+
+    Sigmoid scores; `e_score_correction_bias` is added for *selection only*. Experts form `n_group`
+    groups, each scored by the sum of its top-2 biased scores; only the best `topk_group` groups
+    stay eligible, and the top k experts among them are picked. Their weights are the unbiased
+    scores, optionally renormalised (`norm_topk_prob`), times `routed_scaling_factor`.
+
+    Like transformers (`_keep_in_fp32_modules_strict`), the router weight and the bias stay in
+    float32 whatever dtype the model is cast to: near-tied scores must pick the same experts in
+    bf16 serving as in the fp32 reference.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, n_group: int,
+                 topk_group: int, renormalize: bool, routed_scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        if n_group < 1 or num_experts % n_group:
+            raise ValueError(f"n_group must divide n_routed_experts ({num_experts}), got {n_group}")
+        if num_experts // n_group < 2:
+            raise ValueError("each expert group needs at least 2 experts (groups are scored by "
+                             f"their top-2), got n_routed_experts={num_experts}, n_group={n_group}")
+        if not 0 < topk_group <= n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+        if not 0 < top_k <= topk_group * (num_experts // n_group):
+            raise ValueError(f"num_experts_per_tok={top_k} exceeds the experts of topk_group "
+                             f"groups ({topk_group * (num_experts // n_group)})")
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.renormalize = renormalize
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        # Model.from_pretrained casts the whole model to the serving dtype; undo it here (see
+        # the class docstring). Device moves and to_empty still apply.
+        for param in (self.weight, self.e_score_correction_bias):
+            if param.dtype != torch.float32:
+                param.data = param.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        biased = scores + self.e_score_correction_bias
+        num_tokens, num_experts = biased.shape
+        grouped = biased.view(num_tokens, self.n_group, num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+        group_mask.scatter_(1, best_groups, True)
+        eligible = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        experts = biased.masked_fill(~eligible, float("-inf")).topk(self.top_k, dim=-1,
+                                                                    sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(weights * self.routed_scaling_factor, experts)
