@@ -387,6 +387,18 @@ def test_gpu_benchmark_lora_stage_smoke(tmp_path):
     assert not report["errors"]
 
 
+def test_gpu_benchmark_moe_stage_smoke(tmp_path):
+    """run.sh's engine-qwen3moe stage: the workload on a Qwen3-MoE (tiny on CPU), its own file."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", "qwen3-30b-a3b-12l",
+                              "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_qwen3-30b-a3b-12l.json").read_text())
+    assert report["shape"]["num_experts"] == 8
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+    assert report["ratio_vs_hf_generate_batch"] > 0 and not report["errors"]
+
+
 def test_gpu_benchmark_int4_stage_smoke(tmp_path):
     """run.sh's engine-qwen3-int4w stage: ours on the checkpoint rewritten as W4A16 (the writer
     itself is checked against compressed-tensors in tests/test_int4_checkpoint_writer.py)."""

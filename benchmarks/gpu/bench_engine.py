@@ -3,10 +3,10 @@
     python -m benchmarks.gpu.bench_engine --models qwen3-0.6b --out DIR   # one model
     python -m benchmarks.gpu.bench_engine --smoke --out DIR               # tiny shapes on CPU
 
-Models: random-init Hugging Face models with the real shapes of Qwen3-0.6B and Llama-3-8B
-(DESIGN.md §6), built on the device in bf16, saved as safetensors into a temp folder (in /dev/shm
-when it has room) and loaded by `Model.from_pretrained` like any checkpoint. No tokenizer: prompts
-are token ids.
+Models (benchmarks/gpu/engine_models.py): random-init Hugging Face models with the real shapes
+of Qwen3-0.6B and Llama-3-8B (DESIGN.md §6), and 12 of Qwen3-30B-A3B's layers (MoE), built on
+the device in bf16, saved as safetensors into a temp folder (in /dev/shm when it has room) and
+loaded by `Model.from_pretrained` like any checkpoint. No tokenizer: prompts are token ids.
 
 Workload (DESIGN.md §6, nano-vllm's): 256 requests, input and output lengths uniform in
 [100, 1024], seed 0, random token ids, EOS ignored (every request produces exactly its length);
@@ -42,9 +42,8 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -57,6 +56,8 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
 
 import ksana_llm as kt  # noqa: E402
 from ksana_llm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS  # noqa: E402
+from benchmarks.gpu.engine_models import (SPECS, ModelSpec, build_checkpoint,  # noqa: E402
+                                          hf_config, model_shape, temp_root)
 from benchmarks.gpu.int4_checkpoint import rewrite_as_w4a16  # noqa: E402
 from benchmarks.gpu.hf_peer import run_hf  # noqa: E402
 from benchmarks.offline_throughput import guarded, ours_batch1, run_ours  # noqa: E402
@@ -65,78 +66,6 @@ from benchmarks.workload import (ThroughputResult, Workload, allowed_token_ids, 
 
 # An engine switch on the command line: auto = the engine's default for the device.
 SWITCH = MappingProxyType({"auto": None, "on": True, "off": False})
-
-# ---- models ---------------------------------------------------------------------------------------
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-                  rope_theta=1000000.0)
-LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                  max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  bos_token_id=128000, eos_token_id=128001, rope_theta=500000.0)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    family: str  # "qwen3" | "llama"
-    shape: dict[str, Any]
-    hf_time_cap_s: float  # HF generate_batch stops here if not done
-    off_throughput: bool  # run the workload with graphs off too
-    targets: dict[str, float] = field(default_factory=dict)
-
-
-SPECS = {
-    "qwen3-0.6b": ModelSpec("qwen3-0.6b", "qwen3", QWEN3_0_6B, 60.0, True,
-                            {"tokens_per_s_min": 20000.0, "ratio_vs_hf_min": 20.0,
-                             "batch1_ms_per_token_max": 2.0}),
-    "llama-3-8b": ModelSpec("llama-3-8b", "llama", LLAMA_3_8B, 30.0, False,
-                            {"batch1_ms_per_token_max": 5.5}),
-}
-
-
-def hf_config(spec: ModelSpec, smoke: bool) -> Any:
-    from transformers import LlamaConfig, Qwen3Config
-
-    shape = dict(TINY if smoke else spec.shape)
-    theta = shape.pop("rope_theta", 10000.0)
-    cls = Qwen3Config if spec.family == "qwen3" else LlamaConfig
-    config = cls(**shape)
-    # transformers 5 keeps the RoPE base in rope_parameters (4.x: rope_theta).
-    if getattr(config, "rope_parameters", None) is not None:
-        config.rope_parameters = {**config.rope_parameters, "rope_theta": theta}
-    else:
-        config.rope_theta = theta
-    return config
-
-
-def build_checkpoint(spec: ModelSpec, device: torch.device, dtype: torch.dtype, smoke: bool,
-                     root: Path) -> tuple[Any, Path]:
-    """(HF model on the device, in eval mode, with random weights; the folder it was saved to)."""
-    from transformers import AutoModelForCausalLM
-
-    config = hf_config(spec, smoke)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
-    folder = root / spec.name
-    model.save_pretrained(folder)
-    return model, folder
-
-
-def temp_root(need_bytes: int) -> Path:
-    """/dev/shm when it has room (checkpoint I/O at memory speed), else the default temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * need_bytes:
-        return Path(tempfile.mkdtemp(prefix="ksana-bench-", dir=shm))
-    return Path(tempfile.mkdtemp(prefix="ksana-bench-"))
-
 
 # ---- helpers --------------------------------------------------------------------------------------
 def sync(device: torch.device) -> None:
@@ -275,8 +204,10 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     errors: dict[str, str] = {}
     timings: dict[str, float] = {}
     config = hf_config(spec, args.smoke)
-    params_bytes = 2 * (config.vocab_size * config.hidden_size * 2
-                        + config.num_hidden_layers * 12 * config.hidden_size ** 2)
+    experts_per_layer = getattr(config, "num_experts", 0) * 3 * config.hidden_size \
+        * getattr(config, "moe_intermediate_size", 0)
+    params_bytes = 2 * (config.vocab_size * config.hidden_size * 2 + config.num_hidden_layers
+                        * (12 * config.hidden_size ** 2 + experts_per_layer))
     root = temp_root(params_bytes)
     report: dict[str, Any] = {"model": spec.name, "kv_cache_dtype": args.kv_cache_dtype,
                               # ours with FP8 projection weights; HF generate_batch in bf16
@@ -286,7 +217,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
                               # generate_batch runs the base model
                               "lora": {"adapters": args.lora_adapters, "rank": args.lora_rank}
                               if args.lora_adapters else None,
-                              "shape": spec.shape if not args.smoke else TINY,
+                              "shape": model_shape(spec, args.smoke),
                               "device": torch.cuda.get_device_name(device)
                               if device.type == "cuda" else "cpu",
                               "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke}

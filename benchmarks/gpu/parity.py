@@ -41,7 +41,7 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
     sys.path.insert(0, str(REPO))
 
 import ksana_llm as kt  # noqa: E402
-from benchmarks.gpu.bench_engine import TINY  # noqa: E402  (the GPU benchmark's smoke shape)
+from benchmarks.gpu.engine_models import TINY  # noqa: E402  (the GPU benchmark's smoke shape)
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

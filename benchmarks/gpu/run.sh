@@ -14,7 +14,8 @@
 # engine-llama8b-int4w (the workloads on the checkpoint rewritten as W4A16: 4-bit weights held
 # packed) and fp8-matmul (the quantized-weight
 # matmul, FP8, int8 codes and packed 4-bit codes, against bf16 cuBLAS) and moe (MoE layers'
-# experts, grouped Triton launches vs one cuBLAS pair per expert) only when named.
+# experts, grouped Triton launches vs one cuBLAS pair per expert) and engine-qwen3moe (the
+# workload on 12 of Qwen3-30B-A3B's layers: MoE decode in CUDA graphs) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -53,7 +54,7 @@ declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qw
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
-                  [fp8-matmul]=270 [moe]=150)
+                  [fp8-matmul]=270 [moe]=150 [engine-qwen3moe]=420)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -99,6 +100,9 @@ for stage in "${STAGES[@]}"; do
         # the same through 4 LoRA adapters (HF generate_batch runs the base model)
         engine-qwen3-lora) run_stage engine-qwen3-lora "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --lora-adapters 4 --out "$RESULTS" ;;
+        # an MoE model: Qwen3-30B-A3B's layers (12 of 48), grouped Triton experts, graphs on/off
+        engine-qwen3moe) run_stage engine-qwen3moe "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models qwen3-30b-a3b-12l --out "$RESULTS" ;;
         # the same at the Llama-3-8B shape
         engine-llama8b) run_stage engine-llama8b "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models llama-3-8b --out "$RESULTS" ;;
@@ -115,7 +119,8 @@ for stage in "${STAGES[@]}"; do
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
-                "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-llama8b"\
+                "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-qwen3moe"\
+                " engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\
                 " decode prefill fp8-matmul moe spec)" >&2; exit 2 ;;
     esac
