@@ -1,6 +1,7 @@
 """The grouped MoE matmul (kernels/fused_moe.py) against its torch reference, and `FusedExperts`'
 Triton path against its per-expert torch path: routings uniform, skewed onto one expert and of
-one token; block sizes 16-64; ragged N and K; in the interpreter on CPU (fp32, fp16), natively
+one token; block sizes 16-64; ragged N and K; dense and 8-bit experts (FP8 block / per-row
+scales, int8 codes in groups, with zero points); in the interpreter on CPU (fp32, fp16), natively
 with bf16 too on a GPU (benchmarks/gpu/run.sh tests). Also: the routing tensors' shapes depend
 on the batch's size alone, and nothing in the Triton path reads a device value back to the host
 (what lets a decode step with MoE layers be captured in a CUDA graph).
@@ -19,6 +20,8 @@ from ksana_llm.kernels.fused_moe import expert_block_capacity
 from ksana_llm.kernels.reference import expert_matmul_ref
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.moe_routers import Routing, SoftmaxTopKRouter
+from ksana_llm.loader.quantized_weight import int8_weight, quantize_fp8_rows
+from ksana_llm.loader.weight_quant import quantize_fp8
 
 
 def routing_of(kind: str, tokens: int, top_k: int, experts: int, seed: int = 0) -> torch.Tensor:
@@ -114,14 +117,65 @@ def test_expert_matmul_matches_reference(dtype, kind, tokens, top_k, experts, n,
                  expert_matmul_ref(per_assignment, weight, routing, 1), dtype)
 
 
+def quantized_stack(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, int,
+                                                                torch.Tensor | None]:
+    """(values, scales [E, N, groups], group size, zero points) of a dense [E, N, K] stack, as
+    `FusedExperts` holds them: FP8 with 32x32 block scales (FP8 checkpoints' layout, expanded
+    per row), FP8 per row (online quantization), int8 codes in groups of 32, asymmetric int8
+    codes with zero points (GPTQ / compressed-tensors integer checkpoints)."""
+    experts, n, k = weight.shape
+    if layout == "fp8-block32":
+        pairs = [quantize_fp8(w, (32, 32)) for w in weight]
+        scales = torch.stack([s.repeat_interleave(32, 0)[:n] for _, s in pairs])
+        return torch.stack([d for d, _ in pairs]), scales, 32, None
+    if layout == "fp8-per-row":
+        rows = [quantize_fp8_rows(w) for w in weight]
+        return torch.stack([r.data for r in rows]), torch.stack([r.scale for r in rows]), k, None
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(-128, 128, (experts, n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(experts, n, k // 32, generator=gen) * 0.01 + 0.001
+    if layout == "int8-g32":
+        return codes, scales, 32, None
+    zeros = torch.randint(-20, 20, scales.shape, generator=gen, dtype=torch.int16)
+    return codes, scales, 32, zeros  # "int8-g32-zero"
+
+
+QUANTIZED_LAYOUTS = ["fp8-block32", "fp8-per-row", "int8-g32", "int8-g32-zero"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("layout", QUANTIZED_LAYOUTS)
+@pytest.mark.parametrize("tokens,top_k,experts", [(3, 2, 8), (40, 2, 4)])
+def test_expert_matmul_on_8bit_experts_matches_reference(dtype, layout, tokens, top_k, experts):
+    gen = torch.Generator().manual_seed(tokens)
+    n, k = 80, 96
+    values, scales, group, zeros = quantized_stack(
+        torch.randn(experts, n, k, generator=gen) / k ** 0.5, layout)
+    values, scales = values.to(DEVICE), scales.to(DEVICE)
+    zeros = zeros.to(DEVICE) if zeros is not None else None
+    routing = routing_of("spread", tokens, top_k, experts).to(DEVICE)
+    blocks = align_to_experts(routing, experts, expert_block_size(tokens * top_k, experts))
+    x = torch.randn(tokens, k, generator=gen).to(DEVICE, dtype)
+    assert_close(expert_matmul(x, values, blocks, top_k, scales, group, zeros),
+                 expert_matmul_ref(x, values, routing, top_k, scales, group, zeros), dtype)
+
+
 def test_expert_matmul_rejects_mismatched_inputs():
     routing = routing_of("spread", 4, 2, 4)
     blocks = align_to_experts(routing, 4, 16)
     weight = torch.randn(4, 32, 16)
     with pytest.raises(ValueError, match=r"weight \[experts, N, K\]"):
         expert_matmul(torch.randn(4, 8), weight, blocks, 2)
-    with pytest.raises(ValueError, match="one floating dtype"):
+    with pytest.raises(ValueError, match="a's dtype"):
         expert_matmul(torch.randn(4, 16, dtype=torch.float16), weight, blocks, 2)
+    with pytest.raises(ValueError, match="a's dtype"):  # 8-bit values without their scales
+        expert_matmul(torch.randn(4, 16), weight.to(torch.int8), blocks, 2)
+    with pytest.raises(ValueError, match=r"scale: expected \[experts, N, groups\]"):
+        expert_matmul(torch.randn(4, 16), weight.to(torch.int8), blocks, 2,
+                      torch.ones(4, 16, 1), 16)
+    with pytest.raises(ValueError, match="group_size 24"):
+        expert_matmul(torch.randn(4, 48), torch.zeros(4, 32, 48, dtype=torch.int8), blocks, 2,
+                      torch.ones(4, 32, 2), 24)
     with pytest.raises(ValueError, match="assignments"):
         expert_matmul(torch.randn(3, 16), weight, blocks, 2)
     with pytest.raises(ValueError, match="experts"):
@@ -175,11 +229,61 @@ def test_fused_experts_triton_path_reads_nothing_back():
         experts(x, routing)
 
 
-def test_quantized_experts_keep_the_per_expert_path():
+@pytest.mark.parametrize("method", ["fp8", "int8-zero"])
+def test_8bit_experts_take_the_grouped_path_too(method):
+    """Experts loaded as FP8 (online quantization, per-row scales) or as asymmetric int8 codes
+    in groups (an integer checkpoint's) run grouped with no host read, computing what their
+    per-expert path computes."""
+    hidden, inter, num = 64, 32, 4
+    gen = torch.Generator().manual_seed(5)
+    experts = FusedExperts(num, hidden, inter)
+    if method == "fp8":
+        experts.online_quantization = "fp8"
+    for e in range(num):
+        for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                            ("down", (hidden, inter))):
+            weight = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+            if method == "int8-zero":
+                codes = torch.randint(0, 256, shape, generator=gen)
+                zero = torch.randint(100, 156, (shape[0], shape[1] // 32), generator=gen)
+                weight = int8_weight(codes, zero, torch.rand(zero.shape, generator=gen) * 0.01,
+                                     32)
+            experts.load_checkpoint_tensor(f"{e}.{part}_proj.weight", weight)
+    experts = experts.to(DEVICE)
+    assert experts.w13.dtype in (torch.float8_e4m3fn, torch.int8)
+    assert (experts.w2_zero_point is not None) == (method == "int8-zero")
+    x = torch.randn(9, hidden, generator=gen).to(DEVICE)
+    routing = Routing(torch.rand(9, 2, generator=gen).to(DEVICE),
+                      routing_of("spread", 9, 2, num).to(DEVICE))
+    with torch.no_grad():
+        expected = experts(x, routing)
+        experts.use_triton = True
+        assert not experts.syncs_with_host
+        with HostReadGuard():
+            actual = experts(x, routing)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_the_grouped_matmul_cannot_take_keep_the_per_expert_path():
     experts = make_experts(4, 32, 16, torch.float32)
     experts.use_triton = True
-    experts.w13_scale = torch.ones(4, 32, 1, device=DEVICE)  # as an FP8 / int8 load leaves it
-    assert experts.syncs_with_host
+    assert not experts.syncs_with_host
+    packed = FusedExperts(4, 32, 16)  # packed 4-bit codes
+    packed.w13 = torch.nn.Parameter(torch.zeros(4, 32, 16, dtype=torch.uint8), requires_grad=False)
+    packed.w13_scale = torch.ones(4, 32, 1)
+    packed.use_triton = True
+    assert packed.syncs_with_host
+    ordered = make_experts(4, 32, 16, torch.float32)  # GPTQ's activation order
+    ordered.w13 = torch.nn.Parameter(ordered.w13.to(torch.int8), requires_grad=False)
+    ordered.w13_scale = torch.ones(4, 32, 1)
+    ordered.group_sizes["w13"] = 32
+    ordered.use_triton = True
+    assert not ordered.syncs_with_host
+    ordered.w13_input_order = torch.arange(32).repeat(4, 1)
+    assert ordered.syncs_with_host
+    ordered.w13_input_order = None
+    ordered.int8_activations["w13"] = True  # W8A8
+    assert ordered.syncs_with_host
 
 
 def test_moe_benchmark_case_runs_here(monkeypatch):
@@ -198,6 +302,9 @@ def test_moe_benchmark_case_runs_here(monkeypatch):
 
         monkeypatch.setattr(bench_kernels, "time_ms", wall_ms)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    row = bench_kernels.bench_moe_case("tiny", 8, 2, 32, 16, 5, device=DEVICE, dtype=dtype)
-    assert 2 <= row["active_experts"] <= 8 and row["speedup_vs_per_expert"] > 0
-    assert row["max_abs_err"] < 0.02  # both paths round each expert's output alike
+    for quantization in (None, "fp8"):
+        row = bench_kernels.bench_moe_case("tiny", 8, 2, 32, 16, 5, device=DEVICE, dtype=dtype,
+                                           quantization=quantization)
+        assert 2 <= row["active_experts"] <= 8 and row["speedup_vs_per_expert"] > 0
+        assert row["weights"] == (quantization or str(dtype).removeprefix("torch."))
+        assert row["max_abs_err"] < 0.02  # both paths round each expert's output alike

@@ -54,7 +54,7 @@ declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qw
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
-                  [fp8-matmul]=270 [moe]=150 [engine-qwen3moe]=420)
+                  [fp8-matmul]=270 [moe]=240 [engine-qwen3moe]=420)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected

@@ -169,7 +169,8 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
     several sequences; norm with and without residual; rotary on views of a fused QKV; the
     quantized-weight matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes;
-    the grouped MoE matmuls of a decode step and of a prefill) at one model shape. The tensors
+    the grouped MoE matmuls of a decode step and of a prefill, dense and 8-bit) at one model
+    shape. The tensors
     are empty CPU tensors: nothing runs."""
     from ksana_llm.kernels import (decode_attention, fp8_matmul, fused_moe, kv_store,
                                    prefill_attention, rmsnorm, rotary)
@@ -244,12 +245,24 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         inter = hidden // 4
         w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
         w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+        fp8 = torch.empty(experts, hidden, inter, dtype=torch.float8_e4m3fn)
+        codes = torch.empty(experts, hidden, inter, dtype=torch.int8)
         for tokens in (4, 1024):
             routing = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
             blocks = fused_moe.align_to_experts(
                 routing, experts, fused_moe.expert_block_size(tokens * top_k, experts))
             fused_moe.expert_matmul(torch.empty(tokens, hidden, dtype=dtype), w13, blocks, top_k)
-            fused_moe.expert_matmul(torch.empty(tokens * top_k, inter, dtype=dtype), w2, blocks, 1)
+            down_input = torch.empty(tokens * top_k, inter, dtype=dtype)
+            fused_moe.expert_matmul(down_input, w2, blocks, 1)
+            # 8-bit experts: FP8 with 128-column block scales and per row, int8 codes in
+            # groups of 128 with zero points
+            fused_moe.expert_matmul(down_input, fp8, blocks, 1,
+                                    torch.empty(experts, hidden, inter // 128), 128)
+            fused_moe.expert_matmul(down_input, fp8, blocks, 1, torch.empty(experts, hidden, 1),
+                                    inter)
+            groups = torch.empty(experts, hidden, inter // 128)
+            fused_moe.expert_matmul(down_input, codes, blocks, 1, groups, 128,
+                                    torch.empty(groups.shape, dtype=torch.int16))
     launches += rec
     return launches
 

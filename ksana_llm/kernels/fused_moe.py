@@ -17,8 +17,11 @@ fixed-size index tensors on the device, and one launch covers every expert:
   feed the gate/up stack directly (no gathered copy); with 1, the per-assignment activations
   feed the down stack.
 
-Dense 16/32-bit weights only (quantized experts keep the torch path). Tile sizes follow the
-rows per expert; not tuned on a GPU yet.
+Weights are dense (the activations' dtype), or 8-bit (FP8 E4M3, or int8 codes with optional
+zero points) with float32 scales [E, N, groups] as `FusedExperts` keeps them: widened in
+registers as in `fp8_matmul` (group scales on each K tile before its dot, a per-row scale on the
+accumulated dot), so a decode step reads one byte per weight. Packed 4-bit experts keep the
+torch path. Tile sizes follow the rows per expert; not tuned on a GPU yet.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import triton
 import triton.language as tl
 
 from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
+from ksana_llm.kernels.fp8_matmul import kernel_block_k
+from ksana_llm.loader.weight_quant import QUANTIZED_WEIGHT_DTYPES
 
 
 class ExpertBlocks(NamedTuple):
@@ -85,10 +90,11 @@ def align_to_experts(experts: torch.Tensor, num_experts: int, block_m: int) -> E
 
 @triton.jit
 def _expert_matmul_kernel(
-    A, W, Out, Ids, BlockExperts,
+    A, W, S, Z, Out, Ids, BlockExperts,
     num_assignments, N, K,
-    stride_am, stride_we, stride_wn, stride_om,
-    ROWS_PER_INPUT: tl.constexpr,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
+    ROWS_PER_INPUT: tl.constexpr, QUANTIZED: tl.constexpr, GROUP: tl.constexpr,
+    PER_ROW: tl.constexpr, HAS_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -96,13 +102,15 @@ def _expert_matmul_kernel(
     expert = tl.load(BlockExperts + block)
     if expert < 0:  # past the blocks this routing uses
         return
+    expert = expert.to(tl.int64)
     ids = tl.load(Ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = ids < num_assignments  # padding rows of the expert's last block
     a_rows = (ids // ROWS_PER_INPUT).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    w_rows = W + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    w_rows = W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    scales = S + expert * stride_se + cols * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
@@ -110,37 +118,81 @@ def _expert_matmul_kernel(
         a = tl.load(A + a_rows[:, None] * stride_am + k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANTIZED:  # 8-bit values widened in registers; this K tile lies in one group
+            w = w.to(tl.float32)
+            if HAS_ZERO:
+                zero = tl.load(Z + expert * stride_ze + cols * stride_zn
+                               + (0 if PER_ROW else k0 // GROUP), mask=col_ok, other=0)
+                w = w - zero.to(tl.float32)[:, None]
+            if not PER_ROW:
+                w = w * tl.load(scales + k0 // GROUP, mask=col_ok, other=0.0)[:, None]
+            w = w.to(A.dtype.element_ty)
         acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    if QUANTIZED and PER_ROW:
+        acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
     tl.store(Out + ids[:, None].to(tl.int64) * stride_om + cols[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def grouped_block_k(weight_dtype: torch.dtype, group_size: int, per_row: bool) -> int | None:
+    """The K tile `expert_matmul` takes for these weights, None when it cannot take them
+    (packed 4-bit codes; group sizes no 16-wide tile divides)."""
+    if weight_dtype in QUANTIZED_WEIGHT_DTYPES:
+        return kernel_block_k(group_size, per_row)
+    if weight_dtype.is_floating_point:
+        return 32 if weight_dtype == torch.float32 else 64
+    return None
+
+
 def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
-                  rows_per_input: int) -> torch.Tensor:
+                  rows_per_input: int, scale: torch.Tensor | None = None, group_size: int = 0,
+                  zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """a [R, K] times each assignment's expert of `weight` [E, N, K] -> [assignments, N] in a's
-    dtype: row i is a[i // rows_per_input] @ weight[expert(i)]^T (see the module docstring)."""
+    dtype: row i is a[i // rows_per_input] @ weight[expert(i)]^T (see the module docstring).
+    8-bit weights come with float32 `scale`s [E, N, groups] in groups of `group_size` columns
+    and, for asymmetric int8 codes, `zero_point`s shaped like the scales."""
     if weight.dim() != 3 or a.dim() != 2 or a.shape[1] != weight.shape[2]:
         raise ValueError(f"a [rows, K] and weight [experts, N, K] expected, got "
                          f"{tuple(a.shape)} and {tuple(weight.shape)}")
-    if a.dtype != weight.dtype or not a.dtype.is_floating_point:
-        raise ValueError(f"a and weight: one floating dtype expected, got {a.dtype} and "
-                         f"{weight.dtype}")
+    if not a.dtype.is_floating_point:
+        raise ValueError(f"a: a floating dtype expected, got {a.dtype}")
+    quantized = scale is not None
+    if quantized != (weight.dtype in QUANTIZED_WEIGHT_DTYPES) or (
+            not quantized and weight.dtype != a.dtype):
+        raise ValueError(f"weight: {weight.dtype} needs a's dtype {a.dtype} (dense) or 8-bit "
+                         f"values {QUANTIZED_WEIGHT_DTYPES} with their scales")
+    if quantized and (scale.dim() != 3 or scale.shape[:2] != weight.shape[:2] or (
+            zero_point is not None and zero_point.shape != scale.shape)):
+        raise ValueError(f"scale: expected [experts, N, groups] for weight "
+                         f"{tuple(weight.shape)} (zero points alike), got {tuple(scale.shape)}")
+    per_row = quantized and scale.shape[2] == 1
+    block_k = grouped_block_k(weight.dtype, group_size, per_row)
+    if block_k is None:
+        raise ValueError(f"group_size {group_size}: the kernel needs a multiple of 16")
     if a.shape[0] * rows_per_input != blocks.num_assignments:
         raise ValueError(f"a: {a.shape[0]} rows x {rows_per_input} per row != "
                          f"{blocks.num_assignments} assignments")
-    check_same_device(a=a, weight=weight, ids=blocks.assignment_ids)
+    check_same_device(a=a, weight=weight, ids=blocks.assignment_ids, scale=scale,
+                      zero_point=zero_point)
     check_last_dim_contiguous("a", a)
     check_last_dim_contiguous("weight", weight)
     n, k = weight.shape[1], weight.shape[2]
     out = torch.empty(blocks.num_assignments, n, dtype=a.dtype, device=a.device)
     num_blocks = blocks.block_experts.numel()
     if num_blocks:
+        scale_arg = scale.float().contiguous() if quantized else out  # unread when dense
+        zero_arg = zero_point.contiguous() if zero_point is not None else scale_arg
         block_n = 64 if blocks.block_m <= 32 else 128
         grid = (num_blocks, triton.cdiv(n, block_n))
         _expert_matmul_kernel[grid](
-            a, weight, out, blocks.assignment_ids, blocks.block_experts,
+            a, weight, scale_arg, zero_arg, out, blocks.assignment_ids, blocks.block_experts,
             blocks.num_assignments, n, k,
-            a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-            ROWS_PER_INPUT=rows_per_input, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
-            BLOCK_K=32 if a.dtype == torch.float32 else 64, PRECISION=dot_precision(a.dtype))
+            a.stride(0), weight.stride(0), weight.stride(1),
+            scale_arg.stride(0), scale_arg.stride(1), zero_arg.stride(0), zero_arg.stride(1),
+            out.stride(0),
+            ROWS_PER_INPUT=rows_per_input, QUANTIZED=quantized,
+            # one value when unused, so one compiled kernel serves every K
+            GROUP=group_size if quantized and not per_row else 1, PER_ROW=per_row,
+            HAS_ZERO=zero_point is not None, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, PRECISION=dot_precision(a.dtype))
     return out

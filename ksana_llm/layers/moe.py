@@ -98,15 +98,28 @@ class FusedExperts(nn.Module):
         self._has_dense = {"w13": False, "w2": False}
         self._dense_dtype = torch.float32
         self._fp8_kernels: dict[str, Callable[..., torch.Tensor] | bool] = {}
-        # Set by the runner with the Triton backend: dense experts then run as two grouped
-        # launches (kernels/fused_moe.py) with no host sync, so decode steps can be captured.
+        # Set by the runner with the Triton backend: experts then run as two grouped launches
+        # (kernels/fused_moe.py) with no host sync, so decode steps can be captured.
         self.use_triton = False
 
     @property
     def syncs_with_host(self) -> bool:
         """Whether the forward reads routing back to the host (then no CUDA graphs): the
-        per-expert torch path does; the grouped Triton path of dense experts does not."""
-        return not (self.use_triton and self.w13_scale is None and self.w2_scale is None)
+        per-expert torch path does; the grouped Triton path does not (see `_grouped_takes`)."""
+        return not (self.use_triton and self._grouped_takes("w13") and self._grouped_takes("w2"))
+
+    def _grouped_takes(self, name: str) -> bool:
+        """Whether the grouped matmul takes this stack: dense, or 8-bit values in groups its
+        tiles divide -- not packed 4-bit codes, GPTQ's input order or int8 activations."""
+        scale = getattr(self, f"{name}_scale")
+        if scale is None:
+            return True
+        if getattr(self, f"{name}_input_order") is not None or self.int8_activations[name]:
+            return False
+        from ksana_llm.kernels.fused_moe import grouped_block_k  # use_triton: triton is here
+
+        return grouped_block_k(getattr(self, name).dtype, self.group_sizes[name],
+                               scale.shape[2] == 1) is not None
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H]; returns sum_k weight[t, k] * expert[experts[t, k]](x[t]) as [T, H]."""
@@ -150,8 +163,14 @@ class FusedExperts(nn.Module):
             return x.new_zeros(0, self.hidden_size)
         block_m = expert_block_size(num_tokens * top_k, self.num_experts)
         blocks = align_to_experts(routing.experts, self.num_experts, block_m)
-        hidden = self.act(expert_matmul(x.contiguous(), self.w13, blocks, top_k))
-        out = expert_matmul(hidden, self.w2, blocks, 1).view(num_tokens, top_k, -1)
+
+        def stack(a: torch.Tensor, name: str, rows_per_input: int) -> torch.Tensor:
+            return expert_matmul(a, getattr(self, name), blocks, rows_per_input,
+                                 getattr(self, f"{name}_scale"), self.group_sizes[name],
+                                 getattr(self, f"{name}_zero_point"))
+
+        hidden = self.act(stack(x.contiguous(), "w13", top_k))
+        out = stack(hidden, "w2", 1).view(num_tokens, top_k, -1)
         return (out * routing.weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
     def _expert_matmul(self, x: torch.Tensor, name: str, expert: int,
