@@ -139,12 +139,13 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float)
 
 
 def check_prefill_and_decode(module: torch.nn.Module, reference: Reference, *, vocab: int,
-                             chunks: list[int] = (40,), seed: int = 1, atol: float = ATOL) -> None:
+                             chunks: list[int] = (40,), seed: int = 1, atol: float = ATOL,
+                             driver_class: type[PagedDriver] = PagedDriver) -> None:
     """Prefill a 40-token prompt in `chunks`, then 16 decode steps; logits equal the reference's."""
     torch.manual_seed(seed)
     prompt = torch.randint(3, vocab, (sum(chunks),)).tolist()
     ids, ref = greedy_trace(reference, prompt, NUM_DECODE)
-    driver = PagedDriver(module)
+    driver = driver_class(module)
     seq = driver.new_seq(prompt)
     for n in chunks:
         logits = driver.step([(seq, n)])
@@ -156,14 +157,15 @@ def check_prefill_and_decode(module: torch.nn.Module, reference: Reference, *, v
 
 
 def check_prefix_hit_mixed_batch(module: torch.nn.Module, reference: Reference, *, vocab: int,
-                                 seed: int = 2, atol: float = ATOL) -> None:
+                                 seed: int = 2, atol: float = ATOL,
+                                 driver_class: type[PagedDriver] = PagedDriver) -> None:
     """One decode, one prefix-cache-hit prefill and one chunked prefill in one batch, then all
     three decode together at different context lengths."""
     torch.manual_seed(seed)
     shared = torch.randint(3, vocab, (24,)).tolist()
     prompts = [shared + torch.randint(3, vocab, (n,)).tolist() for n in (5, 13, 30)]
     traces = [greedy_trace(reference, p, 6) for p in prompts]
-    driver = PagedDriver(module)
+    driver = driver_class(module)
     first = driver.new_seq(prompts[0], "a")
     driver.step([(first, len(prompts[0]))])
     seqs = [first] + [driver.new_seq(p, f"s{i}") for i, p in enumerate(prompts[1:])]
@@ -202,6 +204,16 @@ def check_engine_greedy(folder: Path, reference: Reference, *, vocab: int, num_t
         assert engine.stats().prefix_cache_hit_rate > 0, "the second prompt should hit the cache"
     assert first.token_ids == expected[0], "chunked prefill: greedy tokens differ"
     assert second.token_ids == expected[1], "prefix-cache hit: greedy tokens differ"
+
+
+def check_triton_backend(module: torch.nn.Module, folder: Path, reference: Reference, *,
+                         vocab: int, atol: float = ATOL) -> None:
+    """The Triton path (its kernels in the interpreter on CPU: attention, and MoE experts
+    grouped): logits over a chunked prefill and decode, and greedy tokens through the Engine.
+    Run it last on a module: the runner leaves the module's layers on their Triton path."""
+    check_prefill_and_decode(module, reference, vocab=vocab, chunks=[16, 16, 8], atol=atol,
+                             driver_class=TritonDriver)
+    check_engine_greedy(folder, reference, vocab=vocab, attention_backend="triton")
 
 
 def check_other_format(first: torch.nn.Module, folder: Path, reference: Reference, *,

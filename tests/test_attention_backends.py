@@ -30,11 +30,11 @@ def tiny(request, tmp_path_factory):
     return hf, ours
 
 
-def test_triton_backend_logits_match_transformers(tiny, monkeypatch):
+def test_triton_backend_logits_match_transformers(tiny):
     hf, ours = tiny
-    monkeypatch.setattr("tests.family_harness.PagedDriver", TritonDriver)
-    check_prefill_and_decode(ours, hf_reference(hf), vocab=256, chunks=[16, 16, 8])
-    check_prefix_hit_mixed_batch(ours, hf_reference(hf), vocab=256)
+    check_prefill_and_decode(ours, hf_reference(hf), vocab=256, chunks=[16, 16, 8],
+                             driver_class=TritonDriver)
+    check_prefix_hit_mixed_batch(ours, hf_reference(hf), vocab=256, driver_class=TritonDriver)
 
 
 def test_triton_backend_builds_kernel_metadata_only(tiny):

@@ -29,10 +29,8 @@ from ksana_llm.models.llama import LlamaMLP
 from tests.family_harness import (
     PagedDriver,
     Reference,
-    TritonDriver,
-    check_engine_greedy,
     check_family,
-    check_prefill_and_decode,
+    check_triton_backend,
     greedy_trace,
     hf_reference,
     load_ours,
@@ -152,17 +150,14 @@ def test_family_matches_transformers(family, fmt):
     check_family(ours, family.folders[fmt], family.reference, vocab=VOCAB)
 
 
-def test_triton_backend_matches_transformers(family, monkeypatch):
+def test_triton_backend_matches_transformers(family):
     """The Triton path, attention kernels and the grouped expert matmuls (kernels/fused_moe.py,
     no host sync): transformers' logits over a chunked prefill and 16 decode steps, and its
     greedy tokens through the Engine (chunked prefill, prefix-cache hit)."""
     ours = load_ours(family.folders["safetensors"])
-    monkeypatch.setattr("tests.family_harness.PagedDriver", TritonDriver)
-    check_prefill_and_decode(ours, family.reference, vocab=VOCAB, chunks=[16, 16, 8])
+    check_triton_backend(ours, family.folders["safetensors"], family.reference, vocab=VOCAB)
     experts = [m for m in ours.modules() if isinstance(m, FusedExperts)]
     assert experts and not any(e.syncs_with_host for e in experts)
-    check_engine_greedy(family.folders["safetensors"], family.reference, vocab=VOCAB,
-                        attention_backend="triton")
 
 
 def test_stacked_layout_loads_the_same_weights(family):

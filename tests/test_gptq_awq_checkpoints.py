@@ -20,7 +20,8 @@ from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.loader.gptq_awq import PackedIntFormat, packed_int_weight, paired_packed_ints
 from ksana_llm.loader.quantized import checkpoint_quantization
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE
-from tests.family_harness import check_family, greedy_trace, hf_reference, load_ours
+from tests.family_harness import (check_family, check_triton_backend, greedy_trace, hf_reference,
+                                  load_ours)
 from tests.gptq_awq_checkpoints import (gptq_dequantized, hold, library_modules, write_awq,
                                         write_gptq, write_gptq_from_files, write_held)
 from tests.quantized_checkpoints import assert_projections_quantized, check_engine_matches
@@ -105,14 +106,16 @@ def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path)
                  hf_reference(hold(hf, held)), vocab=256)
 
 
-@pytest.mark.parametrize("desc_act", [False, True], ids=["group-order", "act-order"])
-def test_gptq_moe_checkpoint_matches_the_library(tmp_path, desc_act):
+@pytest.mark.parametrize("desc_act,group_size", [(False, 16), (True, 16), (True, 32)],
+                         ids=["group-order", "act-order", "act-order-g32"])
+def test_gptq_moe_checkpoint_matches_the_library(tmp_path, desc_act, group_size):
     """A Qwen3-MoE GPTQ checkpoint (every expert's projections packed): the experts hold their
     4-bit codes packed two a byte with zero points (in activation order each expert with its
     input order, gate and up sharing one), and the model gives the logits and tokens of
     transformers reading a full-precision copy that holds AutoGPTQ's dequantization. (The tiny
     Mixtral's 48-wide experts do not fit AutoGPTQ's packing, which needs outputs in multiples
-    of 32.)"""
+    of 32.) In groups of 32 the Triton backend's grouped experts read the packed codes too
+    (its 4-bit tiles are 32 columns wide: groups of 16 keep the per-expert path)."""
     from transformers import AutoModelForCausalLM
 
     from tests.quantized_checkpoints import assert_experts_quantized
@@ -122,7 +125,8 @@ def test_gptq_moe_checkpoint_matches_the_library(tmp_path, desc_act):
     full = FAMILIES["qwen3_moe"]().eval()
     _randomize(full)
     full.save_pretrained(tmp_path / "full")
-    held = write_gptq_from_files(tmp_path / "full", tmp_path / "gptq", desc_act=desc_act)
+    held = write_gptq_from_files(tmp_path / "full", tmp_path / "gptq", desc_act=desc_act,
+                                 group_size=group_size)
     assert any(".experts.7." in name for name in held)
     reference = AutoModelForCausalLM.from_pretrained(
         write_held(tmp_path / "full", tmp_path / "held", held), dtype=torch.float32).eval()
@@ -130,10 +134,14 @@ def test_gptq_moe_checkpoint_matches_the_library(tmp_path, desc_act):
     assert assert_experts_quantized(module, INT4) == 2
     experts = module.model.layers[0].mlp.experts
     assert (experts.w13_input_order is not None) == desc_act
-    assert (experts.w2_input_order is not None) == desc_act
+    # w2's 32 inputs in one group of 32: activation order changes nothing there (none kept)
+    assert (experts.w2_input_order is not None) == (desc_act and group_size < 32)
     if desc_act:  # the orders are real permutations, not the plain one
         assert not torch.equal(experts.w13_input_order[3], torch.arange(experts.hidden_size))
     check_family(module, tmp_path / "gptq", hf_reference(reference), vocab=256)
+    if group_size == 32:  # grouped Triton experts: packed codes, each expert in its own order
+        check_triton_backend(module, tmp_path / "gptq", hf_reference(reference), vocab=256)
+        assert not experts.syncs_with_host
 
 
 def _with_tensor(folder, name, value, target):

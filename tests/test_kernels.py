@@ -325,5 +325,5 @@ def test_kernels_compile_for_hopper():
     names = {c["kernel"] for c in compiled}
     assert names == {"_store_kv_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel",
                      "_rms_norm_kernel", "_rotary_kernel", "_fp8_linear_kernel",
-                     "_int4_linear_kernel", "_expert_matmul_kernel"}
+                     "_int4_linear_kernel", "_expert_matmul_kernel", "_expert_int4_matmul_kernel"}
     assert all(c["sm"] == 90 for c in compiled)

@@ -1,7 +1,8 @@
 """The grouped MoE matmul (kernels/fused_moe.py) against its torch reference, and `FusedExperts`'
 Triton path against its per-expert torch path: routings uniform, skewed onto one expert and of
-one token; block sizes 16-64; ragged N and K; dense and 8-bit experts (FP8 block / per-row
-scales, int8 codes in groups, with zero points); in the interpreter on CPU (fp32, fp16), natively
+one token; block sizes 16-64; ragged N and K; dense and quantized experts (FP8 block / per-row
+scales, int8 codes in groups, with zero points, packed 4-bit codes, GPTQ's activation order,
+W8A8); in the interpreter on CPU (fp32, fp16), natively
 with bf16 too on a GPU (benchmarks/gpu/run.sh tests). Also: the routing tensors' shapes depend
 on the batch's size alone, and nothing in the Triton path reads a device value back to the host
 (what lets a decode step with MoE layers be captured in a CUDA graph).
@@ -20,7 +21,7 @@ from ksana_llm.kernels.fused_moe import expert_block_capacity
 from ksana_llm.kernels.reference import expert_matmul_ref
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.moe_routers import Routing, SoftmaxTopKRouter
-from ksana_llm.loader.quantized_weight import int8_weight, quantize_fp8_rows
+from ksana_llm.loader.quantized_weight import int4_weight, int8_weight, quantize_fp8_rows
 from ksana_llm.loader.weight_quant import quantize_fp8
 
 
@@ -136,28 +137,46 @@ def quantized_stack(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, to
     scales = torch.rand(experts, n, k // 32, generator=gen) * 0.01 + 0.001
     if layout == "int8-g32":
         return codes, scales, 32, None
-    zeros = torch.randint(-20, 20, scales.shape, generator=gen, dtype=torch.int16)
-    return codes, scales, 32, zeros  # "int8-g32-zero"
+    if layout == "int8-g32-zero":
+        zeros = torch.randint(-20, 20, scales.shape, generator=gen, dtype=torch.int16)
+        return codes, scales, 32, zeros
+    # packed 4-bit codes with zero points, in groups of 32 or one group per row
+    nibbles = torch.randint(0, 16, (experts, n, k), generator=gen, dtype=torch.uint8)
+    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    group = 32 if layout == "int4-g32" else k
+    scales = torch.rand(experts, n, k // group, generator=gen) * 0.05 + 0.01
+    zeros = torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.int8)
+    return packed, scales, group, zeros
 
 
-QUANTIZED_LAYOUTS = ["fp8-block32", "fp8-per-row", "int8-g32", "int8-g32-zero"]
+QUANTIZED_LAYOUTS = ["fp8-block32", "fp8-per-row", "int8-g32", "int8-g32-zero", "int4-g32",
+                     "int4-per-row"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("layout", QUANTIZED_LAYOUTS)
-@pytest.mark.parametrize("tokens,top_k,experts", [(3, 2, 8), (40, 2, 4)])
-def test_expert_matmul_on_8bit_experts_matches_reference(dtype, layout, tokens, top_k, experts):
+@pytest.mark.parametrize("tokens,top_k,experts,ordered", [(3, 2, 8, False), (40, 2, 4, False),
+                                                           (7, 2, 4, True)])
+def test_expert_matmul_on_quantized_experts_matches_reference(dtype, layout, tokens, top_k,
+                                                              experts, ordered):
+    """8-bit and packed 4-bit experts; `ordered`: each expert in its own activation order."""
     gen = torch.Generator().manual_seed(tokens)
     n, k = 80, 96
     values, scales, group, zeros = quantized_stack(
         torch.randn(experts, n, k, generator=gen) / k ** 0.5, layout)
     values, scales = values.to(DEVICE), scales.to(DEVICE)
     zeros = zeros.to(DEVICE) if zeros is not None else None
+    order = torch.stack([torch.randperm(k, generator=gen) for _ in range(experts)]).to(DEVICE) \
+        if ordered else None
     routing = routing_of("spread", tokens, top_k, experts).to(DEVICE)
     blocks = align_to_experts(routing, experts, expert_block_size(tokens * top_k, experts))
     x = torch.randn(tokens, k, generator=gen).to(DEVICE, dtype)
-    assert_close(expert_matmul(x, values, blocks, top_k, scales, group, zeros),
-                 expert_matmul_ref(x, values, routing, top_k, scales, group, zeros), dtype)
+    actual = expert_matmul(x, values, blocks, top_k, scales, group, zeros, order)
+    assert_close(actual, expert_matmul_ref(x, values, routing, top_k, scales, group, zeros, order),
+                 dtype)
+    if ordered:  # the order matters: without it the numbers differ
+        unordered = expert_matmul_ref(x, values, routing, top_k, scales, group, zeros)
+        assert (actual.float() - unordered.float()).abs().max() > 0.1
 
 
 def test_expert_matmul_rejects_mismatched_inputs():
@@ -176,6 +195,11 @@ def test_expert_matmul_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="group_size 24"):
         expert_matmul(torch.randn(4, 48), torch.zeros(4, 32, 48, dtype=torch.int8), blocks, 2,
                       torch.ones(4, 32, 2), 24)
+    packed = torch.zeros(4, 32, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="zero_point: packed"):
+        expert_matmul(torch.randn(4, 16), packed, blocks, 2, torch.ones(4, 32, 1), 16)
+    with pytest.raises(ValueError, match="input_order"):
+        expert_matmul(torch.randn(4, 16), weight, blocks, 2, input_order=torch.zeros(4, 8))
     with pytest.raises(ValueError, match="assignments"):
         expert_matmul(torch.randn(3, 16), weight, blocks, 2)
     with pytest.raises(ValueError, match="experts"):
@@ -229,61 +253,65 @@ def test_fused_experts_triton_path_reads_nothing_back():
         experts(x, routing)
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8-zero"])
-def test_8bit_experts_take_the_grouped_path_too(method):
-    """Experts loaded as FP8 (online quantization, per-row scales) or as asymmetric int8 codes
-    in groups (an integer checkpoint's) run grouped with no host read, computing what their
-    per-expert path computes."""
-    hidden, inter, num = 64, 32, 4
-    gen = torch.Generator().manual_seed(5)
+def load_experts(method: str, num: int, hidden: int, inter: int, seed: int = 5) -> FusedExperts:
+    """Experts loaded as a checkpoint's per-expert tensors: "fp8" / "w8a8_int8" (online
+    quantization: FP8 per row; int8 per row with int8 activations), "int8-zero" (asymmetric
+    int8 codes in groups of 32, an integer checkpoint's), "int4" / "int4-act-order" (packed
+    4-bit codes in groups of 32, GPTQ's, the latter in activation order: gate and up of an
+    expert share one order, as GPTQ derives it from their common input)."""
+    gen = torch.Generator().manual_seed(seed)
     experts = FusedExperts(num, hidden, inter)
-    if method == "fp8":
-        experts.online_quantization = "fp8"
+    if method in ("fp8", "w8a8_int8"):
+        experts.online_quantization = method
     for e in range(num):
+        orders = {size: torch.randperm(size, generator=gen) for size in (hidden, inter)}
         for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)),
                             ("down", (hidden, inter))):
             weight = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+            groups = (shape[0], shape[1] // 32)
             if method == "int8-zero":
-                codes = torch.randint(0, 256, shape, generator=gen)
-                zero = torch.randint(100, 156, (shape[0], shape[1] // 32), generator=gen)
-                weight = int8_weight(codes, zero, torch.rand(zero.shape, generator=gen) * 0.01,
-                                     32)
+                weight = int8_weight(torch.randint(0, 256, shape, generator=gen),
+                                     torch.randint(100, 156, groups, generator=gen),
+                                     torch.rand(groups, generator=gen) * 0.01, 32)
+            elif method.startswith("int4"):
+                weight = int4_weight(torch.randint(0, 16, shape, generator=gen),
+                                     torch.randint(0, 17, groups, generator=gen),
+                                     torch.rand(groups, generator=gen) * 0.05, 32,
+                                     orders[shape[1]] if method == "int4-act-order" else None)
             experts.load_checkpoint_tensor(f"{e}.{part}_proj.weight", weight)
-    experts = experts.to(DEVICE)
-    assert experts.w13.dtype in (torch.float8_e4m3fn, torch.int8)
-    assert (experts.w2_zero_point is not None) == (method == "int8-zero")
-    x = torch.randn(9, hidden, generator=gen).to(DEVICE)
+    return experts.to(DEVICE)
+
+
+@pytest.mark.parametrize("method", ["fp8", "w8a8_int8", "int8-zero", "int4", "int4-act-order"])
+def test_quantized_experts_take_the_grouped_path_too(method):
+    """Quantized experts as each kind of checkpoint or online quantization loads them run
+    grouped with no host read, computing what their per-expert path computes."""
+    experts = load_experts(method, 4, 64, 32)
+    expected_dtype = {"fp8": torch.float8_e4m3fn, "int4": torch.uint8,
+                      "int4-act-order": torch.uint8}.get(method, torch.int8)
+    assert experts.w13.dtype == expected_dtype == experts.w2.dtype
+    assert (experts.w13_input_order is not None) == (method == "int4-act-order")
+    assert experts.int8_activations["w13"] == (method == "w8a8_int8")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 64, generator=gen).to(DEVICE)
     routing = Routing(torch.rand(9, 2, generator=gen).to(DEVICE),
-                      routing_of("spread", 9, 2, num).to(DEVICE))
+                      routing_of("spread", 9, 2, 4).to(DEVICE))
     with torch.no_grad():
         expected = experts(x, routing)
         experts.use_triton = True
         assert not experts.syncs_with_host
         with HostReadGuard():
             actual = experts(x, routing)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, atol=2e-5 * scale, rtol=1e-4)
 
 
-def test_experts_the_grouped_matmul_cannot_take_keep_the_per_expert_path():
-    experts = make_experts(4, 32, 16, torch.float32)
+def test_experts_in_groups_the_tiles_do_not_divide_keep_the_per_expert_path():
+    experts = load_experts("int8-zero", 2, 64, 32)
     experts.use_triton = True
     assert not experts.syncs_with_host
-    packed = FusedExperts(4, 32, 16)  # packed 4-bit codes
-    packed.w13 = torch.nn.Parameter(torch.zeros(4, 32, 16, dtype=torch.uint8), requires_grad=False)
-    packed.w13_scale = torch.ones(4, 32, 1)
-    packed.use_triton = True
-    assert packed.syncs_with_host
-    ordered = make_experts(4, 32, 16, torch.float32)  # GPTQ's activation order
-    ordered.w13 = torch.nn.Parameter(ordered.w13.to(torch.int8), requires_grad=False)
-    ordered.w13_scale = torch.ones(4, 32, 1)
-    ordered.group_sizes["w13"] = 32
-    ordered.use_triton = True
-    assert not ordered.syncs_with_host
-    ordered.w13_input_order = torch.arange(32).repeat(4, 1)
-    assert ordered.syncs_with_host
-    ordered.w13_input_order = None
-    ordered.int8_activations["w13"] = True  # W8A8
-    assert ordered.syncs_with_host
+    experts.group_sizes["w13"] = 24  # no 16-wide tile lies in one such group (w13: 2 groups)
+    assert experts.syncs_with_host
 
 
 def test_moe_benchmark_case_runs_here(monkeypatch):

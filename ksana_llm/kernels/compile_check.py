@@ -156,7 +156,8 @@ def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
         return True
     if launch.kernel.__name__ in ("_fp8_linear_kernel", "_int4_linear_kernel"):
         return config.name == "llama3-8b-bf16"
-    if launch.kernel.__name__ == "_expert_matmul_kernel":  # every dtype: fp32 has its own tiles
+    if launch.kernel.__name__ in ("_expert_matmul_kernel", "_expert_int4_matmul_kernel"):
+        # every dtype: fp32 has its own tiles
         return config.name in ("llama3-8b-bf16", "gqa4-hd96-fp32")
     if config.kv_dtype is not None:  # the kernels that read or write the cache
         return launch.kernel.__name__ in ("_store_kv_kernel", "_decode_kernel",
@@ -169,8 +170,8 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
     several sequences; norm with and without residual; rotary on views of a fused QKV; the
     quantized-weight matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes;
-    the grouped MoE matmuls of a decode step and of a prefill, dense and 8-bit) at one model
-    shape. The tensors
+    the grouped MoE matmuls of a decode step and of a prefill, dense, 8-bit and packed 4-bit) at
+    one model shape. The tensors
     are empty CPU tensors: nothing runs."""
     from ksana_llm.kernels import (decode_attention, fp8_matmul, fused_moe, kv_store,
                                    prefill_attention, rmsnorm, rotary)
@@ -238,7 +239,7 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
                                       hidden // groups,
                                       zero_point=torch.empty(hidden, groups, dtype=torch.int8))
     launches += rec
-    with recording(fused_moe, "_expert_matmul_kernel") as rec:
+    with recording(fused_moe, "_expert_matmul_kernel", "_expert_int4_matmul_kernel") as rec:
         # 64 experts of a quarter of the hidden size each, top 8 (Qwen3-MoE's proportions):
         # a decode batch (16-row blocks) and a prefill (64-row blocks), gate/up then down.
         hidden, experts, top_k = heads * head_dim, 64, 8
@@ -263,6 +264,11 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
             groups = torch.empty(experts, hidden, inter // 128)
             fused_moe.expert_matmul(down_input, codes, blocks, 1, groups, 128,
                                     torch.empty(groups.shape, dtype=torch.int16))
+            # packed 4-bit codes in groups of 128, in activation order (GPTQ) and not
+            packed = torch.empty(experts, hidden, inter // 2, dtype=torch.uint8)
+            for order in (None, torch.empty(experts, inter, dtype=torch.int64)):
+                fused_moe.expert_matmul(down_input, packed, blocks, 1, groups, 128,
+                                        torch.empty(groups.shape, dtype=torch.int8), order)
     launches += rec
     return launches
 

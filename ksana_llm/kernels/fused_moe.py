@@ -17,11 +17,13 @@ fixed-size index tensors on the device, and one launch covers every expert:
   feed the gate/up stack directly (no gathered copy); with 1, the per-assignment activations
   feed the down stack.
 
-Weights are dense (the activations' dtype), or 8-bit (FP8 E4M3, or int8 codes with optional
-zero points) with float32 scales [E, N, groups] as `FusedExperts` keeps them: widened in
-registers as in `fp8_matmul` (group scales on each K tile before its dot, a per-row scale on the
-accumulated dot), so a decode step reads one byte per weight. Packed 4-bit experts keep the
-torch path. Tile sizes follow the rows per expert; not tuned on a GPU yet.
+Weights are dense (the activations' dtype), 8-bit (FP8 E4M3, or int8 codes with optional zero
+points) or packed 4-bit codes (uint8 [E, N, K / 2] with their zero points), with float32 scales
+[E, N, groups] as `FusedExperts` keeps them: widened in registers as in `fp8_matmul` (group
+scales on each K tile before its dot, a per-row scale on the accumulated dot), so a decode step
+reads one byte, or half a byte, per weight. Experts in GPTQ's activation order gather their
+input columns in their own order (`input_order` [E, K]) as they load them. Tile sizes follow the
+rows per expert; not tuned on a GPU yet.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import triton.language as tl
 
 from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
 from ksana_llm.kernels.fp8_matmul import kernel_block_k
-from ksana_llm.loader.weight_quant import QUANTIZED_WEIGHT_DTYPES
+from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, QUANTIZED_WEIGHT_DTYPES
 
 
 class ExpertBlocks(NamedTuple):
@@ -89,34 +91,58 @@ def align_to_experts(experts: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 @triton.jit
+def _load_inputs(A, a_rows, row_ok, k, k_ok, stride_am, order, ORDERED: tl.constexpr):
+    """Rows `a_rows` of A at columns k, or at the columns `order` puts there (activation order)."""
+    if ORDERED:
+        k = tl.load(order + k, mask=k_ok, other=0)
+    return tl.load(A + a_rows[:, None] * stride_am + k[None, :],
+                   mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _block_rows(Ids, BlockExperts, ROWS_PER_INPUT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's block: its expert (-1: unused), assignment ids and A rows."""
+    block = tl.program_id(0)
+    expert = tl.load(BlockExperts + block).to(tl.int64)
+    ids = tl.load(Ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, ids, (ids // ROWS_PER_INPUT).to(tl.int64)
+
+
+@triton.jit
+def _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, PER_ROW: tl.constexpr):
+    """Both kernels' last step: the per-row scale (where the weight has one), the store."""
+    if PER_ROW:
+        acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
+    tl.store(Out + ids[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _expert_matmul_kernel(
-    A, W, S, Z, Out, Ids, BlockExperts,
+    A, W, S, Z, Order, Out, Ids, BlockExperts,
     num_assignments, N, K,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_om,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_oe,
+    stride_om,
     ROWS_PER_INPUT: tl.constexpr, QUANTIZED: tl.constexpr, GROUP: tl.constexpr,
-    PER_ROW: tl.constexpr, HAS_ZERO: tl.constexpr,
+    PER_ROW: tl.constexpr, HAS_ZERO: tl.constexpr, ORDERED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(BlockExperts + block)
+    expert, ids, a_rows = _block_rows(Ids, BlockExperts, ROWS_PER_INPUT, BLOCK_M)
     if expert < 0:  # past the blocks this routing uses
         return
-    expert = expert.to(tl.int64)
-    ids = tl.load(Ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = ids < num_assignments  # padding rows of the expert's last block
-    a_rows = (ids // ROWS_PER_INPUT).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_rows = W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     scales = S + expert * stride_se + cols * stride_sn
+    order = Order + expert * stride_oe
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
-        a = tl.load(A + a_rows[:, None] * stride_am + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = _load_inputs(A, a_rows, row_ok, k, k_ok, stride_am, order, ORDERED)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if QUANTIZED:  # 8-bit values widened in registers; this K tile lies in one group
             w = w.to(tl.float32)
@@ -128,17 +154,59 @@ def _expert_matmul_kernel(
                 w = w * tl.load(scales + k0 // GROUP, mask=col_ok, other=0.0)[:, None]
             w = w.to(A.dtype.element_ty)
         acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
-    if QUANTIZED and PER_ROW:
-        acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
-    tl.store(Out + ids[:, None].to(tl.int64) * stride_om + cols[None, :],
-             acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, QUANTIZED and PER_ROW)
+
+
+@triton.jit
+def _expert_int4_matmul_kernel(
+    A, W, S, Z, Order, Out, Ids, BlockExperts,
+    num_assignments, N, K,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_oe,
+    stride_om,
+    ROWS_PER_INPUT: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr,
+    ORDERED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Packed 4-bit codes, as `fp8_matmul._int4_linear_kernel` reads them: each byte tile split
+    into the even and the odd columns' codes, each meeting its own input columns in a dot."""
+    expert, ids, a_rows = _block_rows(Ids, BlockExperts, ROWS_PER_INPUT, BLOCK_M)
+    if expert < 0:
+        return
+    row_ok = ids < num_assignments
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    pairs = tl.arange(0, BLOCK_K // 2)  # byte j of a tile holds columns 2j and 2j + 1
+    w_rows = W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    scales = S + expert * stride_se + cols * stride_sn
+    zeros = Z + expert * stride_ze + cols * stride_zn
+    order = Order + expert * stride_oe
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        even = k0 + 2 * pairs
+        pair_ok = even < K  # K is even: a byte is whole or absent
+        x_even = _load_inputs(A, a_rows, row_ok, even, pair_ok, stride_am, order, ORDERED)
+        x_odd = _load_inputs(A, a_rows, row_ok, even + 1, pair_ok, stride_am, order, ORDERED)
+        codes = tl.load(w_rows + (k0 // 2 + pairs)[None, :],
+                        mask=col_ok[:, None] & pair_ok[None, :], other=0)
+        group = 0 if PER_ROW else k0 // GROUP
+        zero = tl.load(zeros + group, mask=col_ok, other=0).to(tl.float32)
+        w_even = (codes & 0xF).to(tl.float32) - zero[:, None]
+        w_odd = (codes >> 4).to(tl.float32) - zero[:, None]
+        if not PER_ROW:
+            group_scale = tl.load(scales + group, mask=col_ok, other=0.0)
+            w_even = w_even * group_scale[:, None]
+            w_odd = w_odd * group_scale[:, None]
+        acc += tl.dot(x_even, tl.trans(w_even.to(A.dtype.element_ty)), input_precision=PRECISION)
+        acc += tl.dot(x_odd, tl.trans(w_odd.to(A.dtype.element_ty)), input_precision=PRECISION)
+    _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, PER_ROW)
 
 
 def grouped_block_k(weight_dtype: torch.dtype, group_size: int, per_row: bool) -> int | None:
     """The K tile `expert_matmul` takes for these weights, None when it cannot take them
-    (packed 4-bit codes; group sizes no 16-wide tile divides)."""
-    if weight_dtype in QUANTIZED_WEIGHT_DTYPES:
-        return kernel_block_k(group_size, per_row)
+    (group sizes no 16-wide tile divides; 32 for packed 4-bit codes)."""
+    if weight_dtype in QUANTIZED_WEIGHT_DTYPES or weight_dtype == PACKED_INT4_DTYPE:
+        return kernel_block_k(group_size, per_row, weight_dtype == PACKED_INT4_DTYPE)
     if weight_dtype.is_floating_point:
         return 32 if weight_dtype == torch.float32 else 64
     return None
@@ -146,53 +214,70 @@ def grouped_block_k(weight_dtype: torch.dtype, group_size: int, per_row: bool) -
 
 def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
                   rows_per_input: int, scale: torch.Tensor | None = None, group_size: int = 0,
-                  zero_point: torch.Tensor | None = None) -> torch.Tensor:
+                  zero_point: torch.Tensor | None = None,
+                  input_order: torch.Tensor | None = None) -> torch.Tensor:
     """a [R, K] times each assignment's expert of `weight` [E, N, K] -> [assignments, N] in a's
     dtype: row i is a[i // rows_per_input] @ weight[expert(i)]^T (see the module docstring).
-    8-bit weights come with float32 `scale`s [E, N, groups] in groups of `group_size` columns
-    and, for asymmetric int8 codes, `zero_point`s shaped like the scales."""
-    if weight.dim() != 3 or a.dim() != 2 or a.shape[1] != weight.shape[2]:
-        raise ValueError(f"a [rows, K] and weight [experts, N, K] expected, got "
-                         f"{tuple(a.shape)} and {tuple(weight.shape)}")
+    Quantized weights (8-bit values, or packed 4-bit codes [E, N, K / 2]) come with float32
+    `scale`s [E, N, groups] in groups of `group_size` columns and, for packed and asymmetric
+    int8 codes, `zero_point`s shaped like the scales; `input_order` [E, K]: expert e's column j
+    multiplies a[:, input_order[e, j]]."""
+    packed = weight.dtype == PACKED_INT4_DTYPE
+    k = weight.shape[-1] * (2 if packed else 1)
+    if weight.dim() != 3 or a.dim() != 2 or a.shape[1] != k:
+        raise ValueError(f"a [rows, K] and weight [experts, N, K] (K / 2 bytes packed) expected, "
+                         f"got {tuple(a.shape)} and {tuple(weight.shape)}")
     if not a.dtype.is_floating_point:
         raise ValueError(f"a: a floating dtype expected, got {a.dtype}")
     quantized = scale is not None
-    if quantized != (weight.dtype in QUANTIZED_WEIGHT_DTYPES) or (
+    if quantized != (packed or weight.dtype in QUANTIZED_WEIGHT_DTYPES) or (
             not quantized and weight.dtype != a.dtype):
         raise ValueError(f"weight: {weight.dtype} needs a's dtype {a.dtype} (dense) or 8-bit "
-                         f"values {QUANTIZED_WEIGHT_DTYPES} with their scales")
+                         f"values {QUANTIZED_WEIGHT_DTYPES} / packed 4-bit codes with their "
+                         "scales")
     if quantized and (scale.dim() != 3 or scale.shape[:2] != weight.shape[:2] or (
             zero_point is not None and zero_point.shape != scale.shape)):
         raise ValueError(f"scale: expected [experts, N, groups] for weight "
                          f"{tuple(weight.shape)} (zero points alike), got {tuple(scale.shape)}")
+    if packed and zero_point is None:
+        raise ValueError("zero_point: packed 4-bit codes need one zero point per scale")
+    if input_order is not None and input_order.shape != (weight.shape[0], k):
+        raise ValueError(f"input_order: expected [experts, K] = {(weight.shape[0], k)}, got "
+                         f"{tuple(input_order.shape)}")
     per_row = quantized and scale.shape[2] == 1
     block_k = grouped_block_k(weight.dtype, group_size, per_row)
     if block_k is None:
-        raise ValueError(f"group_size {group_size}: the kernel needs a multiple of 16")
+        raise ValueError(f"group_size {group_size}: the kernel needs a multiple of "
+                         f"{32 if packed else 16}")
     if a.shape[0] * rows_per_input != blocks.num_assignments:
         raise ValueError(f"a: {a.shape[0]} rows x {rows_per_input} per row != "
                          f"{blocks.num_assignments} assignments")
     check_same_device(a=a, weight=weight, ids=blocks.assignment_ids, scale=scale,
-                      zero_point=zero_point)
+                      zero_point=zero_point, input_order=input_order)
     check_last_dim_contiguous("a", a)
     check_last_dim_contiguous("weight", weight)
-    n, k = weight.shape[1], weight.shape[2]
+    n = weight.shape[1]
     out = torch.empty(blocks.num_assignments, n, dtype=a.dtype, device=a.device)
     num_blocks = blocks.block_experts.numel()
     if num_blocks:
         scale_arg = scale.float().contiguous() if quantized else out  # unread when dense
         zero_arg = zero_point.contiguous() if zero_point is not None else scale_arg
+        order_arg = input_order.contiguous() if input_order is not None else blocks.assignment_ids
         block_n = 64 if blocks.block_m <= 32 else 128
         grid = (num_blocks, triton.cdiv(n, block_n))
-        _expert_matmul_kernel[grid](
-            a, weight, scale_arg, zero_arg, out, blocks.assignment_ids, blocks.block_experts,
-            blocks.num_assignments, n, k,
-            a.stride(0), weight.stride(0), weight.stride(1),
-            scale_arg.stride(0), scale_arg.stride(1), zero_arg.stride(0), zero_arg.stride(1),
-            out.stride(0),
-            ROWS_PER_INPUT=rows_per_input, QUANTIZED=quantized,
-            # one value when unused, so one compiled kernel serves every K
-            GROUP=group_size if quantized and not per_row else 1, PER_ROW=per_row,
-            HAS_ZERO=zero_point is not None, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, PRECISION=dot_precision(a.dtype))
+        args = (a, weight, scale_arg, zero_arg, order_arg, out, blocks.assignment_ids,
+                blocks.block_experts, blocks.num_assignments, n, k,
+                a.stride(0), weight.stride(0), weight.stride(1),
+                scale_arg.stride(0), scale_arg.stride(1), zero_arg.stride(0), zero_arg.stride(1),
+                order_arg.stride(0), out.stride(0))
+        # GROUP: one value when unused, so one compiled kernel serves every K
+        tiles = dict(ROWS_PER_INPUT=rows_per_input,
+                     GROUP=group_size if quantized and not per_row else 1, PER_ROW=per_row,
+                     ORDERED=input_order is not None, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
+                     BLOCK_K=block_k, PRECISION=dot_precision(a.dtype))
+        if packed:
+            _expert_int4_matmul_kernel[grid](*args, **tiles)
+        else:
+            _expert_matmul_kernel[grid](*args, QUANTIZED=quantized,
+                                        HAS_ZERO=zero_point is not None, **tiles)
     return out

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
+from ksana_llm.layers.int8_activations import dequantize_tokens, quantize_tokens
 from ksana_llm.layers.moe_routers import Routing
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
@@ -109,13 +110,11 @@ class FusedExperts(nn.Module):
         return not (self.use_triton and self._grouped_takes("w13") and self._grouped_takes("w2"))
 
     def _grouped_takes(self, name: str) -> bool:
-        """Whether the grouped matmul takes this stack: dense, or 8-bit values in groups its
-        tiles divide -- not packed 4-bit codes, GPTQ's input order or int8 activations."""
+        """Whether the grouped matmul takes this stack: dense, or quantized in groups its tiles
+        divide (every checkpoint's so far: 32, 64, 128, or per row)."""
         scale = getattr(self, f"{name}_scale")
         if scale is None:
             return True
-        if getattr(self, f"{name}_input_order") is not None or self.int8_activations[name]:
-            return False
         from ksana_llm.kernels.fused_moe import grouped_block_k  # use_triton: triton is here
 
         return grouped_block_k(getattr(self, name).dtype, self.group_sizes[name],
@@ -165,9 +164,17 @@ class FusedExperts(nn.Module):
         blocks = align_to_experts(routing.experts, self.num_experts, block_m)
 
         def stack(a: torch.Tensor, name: str, rows_per_input: int) -> torch.Tensor:
+            if self.int8_activations[name]:
+                # W8A8: the numbers the per-expert path multiplies (on a GPU it, too, takes the
+                # int8 codes back to the activations' dtype); a token's scale does not depend
+                # on its expert. Under tensor parallelism w2's rows are slices of each
+                # assignment's hidden row: the scales come from the whole row.
+                absmax = token_absmax_over_ranks(a, self.parallel) if name == "w2" else None
+                a = dequantize_tokens(*quantize_tokens(a, absmax), a.dtype)
             return expert_matmul(a, getattr(self, name), blocks, rows_per_input,
                                  getattr(self, f"{name}_scale"), self.group_sizes[name],
-                                 getattr(self, f"{name}_zero_point"))
+                                 getattr(self, f"{name}_zero_point"),
+                                 getattr(self, f"{name}_input_order"))
 
         hidden = self.act(stack(x.contiguous(), "w13", top_k))
         out = stack(hidden, "w2", 1).view(num_tokens, top_k, -1)
