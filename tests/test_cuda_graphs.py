@@ -115,7 +115,10 @@ def test_graphs_are_skipped_with_the_reason(tmp_path):
     assert "syncs with the host" in unsupported_reason(moe, cuda, "triton")  # per-expert path
     moe.experts.use_triton = True  # the runner's Triton backend: grouped, no host reads
     assert unsupported_reason(moe, cuda, "triton") is None
-    moe.experts.w2_scale = torch.ones(4, 8, 1)  # quantized experts keep the per-expert path
+    # quantized experts in groups no kernel tile divides keep the per-expert path
+    moe.experts.w13 = torch.nn.Parameter(torch.zeros(4, 32, 8, dtype=torch.int8),
+                                         requires_grad=False)
+    moe.experts.w13_scale, moe.experts.group_sizes["w13"] = torch.ones(4, 32, 2), 24
     assert "syncs with the host" in unsupported_reason(moe, cuda, "triton")
     moe.supports_cuda_graphs = True  # a model may vouch for itself
     assert unsupported_reason(moe, cuda, "triton") is None
@@ -137,10 +140,12 @@ def test_graphs_are_skipped_with_the_reason(tmp_path):
 # applies them, so a graph step without them would differ).
 # The MoE case: its experts take the grouped Triton matmuls, whose routing buffers are sized by
 # the bucket, so padding rows route somewhere too and must not disturb the real rows.
+# DeepSeek-V3: MLA's latent cache through the same kernels (its store skips padding rows too).
 CASES = [("cpu", "yi-gqa4-bias", "auto"), ("cpu", "yi-gqa4-bias", "fp8_e4m3"),
-         ("cpu", "qwen3-moe", "auto")] + (
+         ("cpu", "qwen3-moe", "auto"), ("cpu", "deepseek-v3", "auto")] + (
     [("cuda", "yi-gqa4-bias", "auto"), ("cuda", "mistral-sliding", "auto"),
-     ("cuda", "yi-gqa4-bias", "fp8_e4m3"), ("cuda", "qwen3-moe", "auto")]
+     ("cuda", "yi-gqa4-bias", "fp8_e4m3"), ("cuda", "qwen3-moe", "auto"),
+     ("cuda", "deepseek-v3", "auto")]
     if torch.cuda.is_available() else [])
 FP8_SCALES = (0.002, 0.003)
 

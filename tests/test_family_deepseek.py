@@ -27,7 +27,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from ksana_llm.layers.attention import KVCacheSpec
 from ksana_llm.layers.mla import MultiLatentAttention
-from ksana_llm.layers.moe import SparseMoeBlock
+from ksana_llm.layers.moe import FusedExperts, SparseMoeBlock
 from ksana_llm.layers.moe_routers import GroupedTopKRouter
 from ksana_llm.models.deepseek_v3 import DeepseekV3MtpLayer
 from ksana_llm.models.llama import LlamaMLP
@@ -40,7 +40,8 @@ from tests.deepseek_checkpoint import (
     mtp_checkpoint_tensors,
     randomize,
 )
-from tests.family_harness import Reference, check_family, hf_reference, load_ours
+from tests.family_harness import (Reference, check_family, check_triton_backend, hf_reference,
+                                  load_ours)
 
 
 
@@ -81,6 +82,16 @@ def family(tmp_path_factory) -> Family:
 def test_family_matches_transformers(family, fmt):
     ours = load_ours(family.folders[fmt])
     check_family(ours, family.folders[fmt], family.reference, vocab=VOCAB)
+
+
+def test_triton_backend_matches_transformers(family):
+    """MLA on the Triton attention kernels (the latent as the one KV "head", values a view of
+    it; decode heads in blocks) with grouped MoE experts: transformers' logits over a chunked
+    prefill and decode, and its greedy tokens through the Engine."""
+    ours = load_ours(family.folders["safetensors"])
+    check_triton_backend(ours, family.folders["safetensors"], family.reference, vocab=VOCAB)
+    experts = [m for m in ours.modules() if isinstance(m, FusedExperts)]
+    assert experts and not any(e.syncs_with_host for e in experts)
 
 
 def test_checkpoint_and_model_layout(family):

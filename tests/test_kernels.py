@@ -146,6 +146,30 @@ def test_decode_matches_reference(device, dtype, block_size, group, head_dim):
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("heads", [16, 20, 40])
+def test_decode_latent_cache_with_head_blocks(device, dtype, heads):
+    """MLA's layout: one latent "head" shared by every query head, values a view of the keys'
+    leading columns (no V cache of its own). Groups wider than MAX_HEAD_BLOCK split into head
+    blocks (20 heads: a full block and a partial one); long enough to split the context too."""
+    from ksana_llm.kernels.decode_attention import MAX_HEAD_BLOCK, head_blocks
+
+    latent, rope_dim = 32, 16
+    batch = make_paged_batch([1, 40, 300], block_size=16, kv_heads=1,
+                             head_dim=latent + rope_dim, dtype=dtype, device=device)
+    values = batch.k_cache[..., :latent]  # a strided view: each row is latent + rope_dim long
+    assert values.stride(1) == latent + rope_dim
+    q = random_q(3, heads, latent + rope_dim, dtype, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    args = (q, batch.k_cache, values, batch.block_tables, lens, 0.1)
+    expected = ref.paged_decode_attention_ref(*args)
+    assert head_blocks(heads) == -(-heads // MAX_HEAD_BLOCK)
+    for num_splits in (None, 3):
+        out = kernels.paged_decode_attention(*args, num_splits=num_splits)
+        assert out.shape == (3, heads, latent)
+        assert_close(out, expected, dtype)
+
+
 @pytest.mark.parametrize("window, alibi", WINDOW_ALIBI)
 def test_decode_window_and_alibi(device, window, alibi):
     heads, kv_heads, head_dim = 4, 2, 32

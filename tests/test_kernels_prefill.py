@@ -63,6 +63,20 @@ def test_prefill_matches_reference(device, dtype, block_size, group, head_dim):
     assert_close(out, ref.paged_prefill_attention_ref(*args), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_prefill_over_a_latent_cache(device, dtype):
+    """MLA's absorbed prefill: every query head on one latent "head", values a strided view of
+    the keys' leading columns."""
+    latent, rope_dim = 32, 16
+    batch, q, starts, lens = prefill_inputs(PREFILL_SEQS, block_size=16, kv_heads=1, heads=20,
+                                            head_dim=latent + rope_dim, dtype=dtype,
+                                            device=device)
+    args = (q, batch.k_cache, batch.k_cache[..., :latent], batch.block_tables, starts, lens, 0.1)
+    out = kernels.paged_prefill_attention(*args)
+    assert out.shape == (q.shape[0], 20, latent)
+    assert_close(out, ref.paged_prefill_attention_ref(*args), dtype)
+
+
 @pytest.mark.parametrize("window, alibi", WINDOW_ALIBI)
 def test_prefill_window_and_alibi(device, window, alibi):
     heads = 4

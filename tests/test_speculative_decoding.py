@@ -109,6 +109,21 @@ def test_greedy_tokens_equal_transformers(setup, num_drafts, overlap):
     assert stats.draft_acceptance_rate == stats.num_accepted_draft_tokens / stats.num_draft_tokens
 
 
+def test_greedy_tokens_equal_transformers_on_the_triton_backend(setup):
+    """Drafting and verification with MLA on the Triton attention kernels and the MoE experts
+    grouped (in the interpreter on CPU): transformers' tokens. A model of its own: the runner
+    leaves a model's layers on their Triton path."""
+    model = Model.from_pretrained(setup.folder, device="cpu", dtype="float32", progress=False)
+    config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
+                   num_speculative_tokens=2, split_fuse_token_num=8,
+                   attention_backend="triton") as engine:
+        outputs = engine.generate_outputs(setup.prompts)
+        stats = engine.stats()
+    assert [o.token_ids for o in outputs] == setup.expected
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+
+
 def test_large_batches_pause_drafting(setup):
     """speculative_disable_by_batch_size=3: while three sequences run nobody drafts, yet the
     draft layer keeps its KV cache up, so once two are done the third's drafts are again

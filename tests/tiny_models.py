@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+from tests.deepseek_checkpoint import deepseek_config
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
@@ -30,9 +32,11 @@ TINY_CONFIGS = {
                                         moe_intermediate_size=32, num_experts=8,
                                         num_experts_per_tok=2, norm_topk_prob=True,
                                         tie_word_embeddings=False),
+    # MLA + grouped-topk MoE (tests/test_family_deepseek.py holds the family's own checks)
+    "deepseek-v3": lambda: deepseek_config(max_position_embeddings=512),
 }
 MODEL_CLASSES = {LlamaConfig: LlamaForCausalLM, MistralConfig: MistralForCausalLM,
-                 Qwen3MoeConfig: Qwen3MoeForCausalLM}
+                 Qwen3MoeConfig: Qwen3MoeForCausalLM, DeepseekV3Config: DeepseekV3ForCausalLM}
 
 
 def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True,

@@ -132,6 +132,9 @@ class ShapeConfig:
     kv_heads: int
     block_size: int
     kv_dtype: torch.dtype | None = None  # the KV cache's storage type; None = dtype
+    # MLA: V is a view of K's first `latent_values` columns (the latent), and only the attention
+    # kernels and the store run on this cache shape
+    latent_values: int | None = None
 
 
 CONFIGS = (
@@ -144,6 +147,10 @@ CONFIGS = (
     ShapeConfig("qwen3-0.6b-bf16-kv-fp8e4m3", torch.bfloat16, 128, 16, 8, 16,
                 torch.float8_e4m3fn),
     ShapeConfig("llama3-8b-fp16-kv-fp8e5m2", torch.float16, 128, 32, 8, 32, torch.float8_e5m2),
+    # DeepSeek-V3's MLA: latent 512 + rope 64 per token, 16 query heads a rank at TP 8 (one head
+    # block) and 128 at TP 1 (eight), all on the one latent "head"
+    ShapeConfig("deepseek-v3-mla-tp8-bf16", torch.bfloat16, 576, 16, 1, 64, latent_values=512),
+    ShapeConfig("deepseek-v3-mla-tp1-bf16", torch.bfloat16, 576, 128, 1, 64, latent_values=512),
 )
 
 
@@ -159,6 +166,8 @@ def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
     if launch.kernel.__name__ in ("_expert_matmul_kernel", "_expert_int4_matmul_kernel"):
         # every dtype: fp32 has its own tiles
         return config.name in ("llama3-8b-bf16", "gqa4-hd96-fp32")
+    if config.latent_values is not None:  # MLA's caches: the attention kernels and the store
+        return config.name == "deepseek-v3-mla-tp1-bf16"
     if config.kv_dtype is not None:  # the kernels that read or write the cache
         return launch.kernel.__name__ in ("_store_kv_kernel", "_decode_kernel",
                                           "_prefill_kernel")
@@ -179,14 +188,19 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     dtype, head_dim, heads, kv_heads = config.dtype, config.head_dim, config.heads, config.kv_heads
     k_cache = torch.empty(64, config.block_size, kv_heads, head_dim,
                           dtype=config.kv_dtype or dtype)
-    v_cache = torch.empty_like(k_cache)
+    v_cache = torch.empty_like(k_cache) if config.latent_values is None \
+        else k_cache[..., :config.latent_values]
     tables = torch.zeros(4, 16, dtype=torch.int32)
     lens = torch.ones(4, dtype=torch.int32)
     slopes = torch.ones(heads)
     launches: list[Launch] = []
     with recording(kv_store, "_store_kv_kernel") as rec:
         kv = torch.empty(8, kv_heads, head_dim, dtype=dtype)
-        kv_store.store_kv(kv, kv, k_cache, v_cache, torch.zeros(8, dtype=torch.int64))
+        if config.latent_values is None:
+            kv_store.store_kv(kv, kv, k_cache, v_cache, torch.zeros(8, dtype=torch.int64))
+        else:  # MLA stores the latent alone (its V cache is empty)
+            kv_store.store_kv(kv, kv[..., :0], k_cache, k_cache[..., :0],
+                              torch.zeros(8, dtype=torch.int64))
     launches += rec
     with recording(decode_attention, "_decode_kernel", "_reduce_kernel") as rec:
         q = torch.empty(4, heads, head_dim, dtype=dtype)
@@ -204,6 +218,8 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
             q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
             lens, 0.1, sliding_window=64, alibi_slopes=slopes)
     launches += rec
+    if config.latent_values is not None:
+        return launches
     with recording(rmsnorm, "_rms_norm_kernel") as rec:
         x = torch.empty(8, heads * head_dim, dtype=dtype)
         rmsnorm.rms_norm(x, torch.empty(x.shape[1], dtype=dtype), 1e-6)

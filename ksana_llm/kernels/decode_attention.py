@@ -1,9 +1,11 @@
 """Paged decode attention (one query token per sequence), flash-decoding style.
 
-Grid: (sequence, KV head, split). A program takes all query heads that share its KV head (GQA),
-so each K/V tile is read from memory once for the whole group, and walks its split of the context
-in tiles of BLOCK_N tokens gathered through the block table (any page size works: the tile is
-independent of it). With one split the program writes the final output; otherwise it writes a
+Grid: (sequence, KV head x head block, split). A program takes the query heads that share its
+KV head (GQA), up to MAX_HEAD_BLOCK of them, so each K/V tile is read from memory once per block
+of heads (once for the whole group unless it is wider, as MLA's single latent "head" shared by
+every query head is), and walks its split of the context in tiles of BLOCK_N tokens gathered
+through the block table (any page size works: the tile is independent of it). V may be a view of
+K's leading columns (MLA's latent: values are the keys' first dims), read through its strides. With one split the program writes the final output; otherwise it writes a
 partial (normalised output, log-sum-exp) and `_reduce_kernel` merges the splits.
 
 The number of splits is picked on the host from the block-table width (an upper bound on the
@@ -27,6 +29,9 @@ _INTERPRETER_SMS = 132
 # A split shorter than this costs more in the reduce step and partial writes than it gains.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# Query heads one program takes: a wider group (MLA: every head on one latent) is split into
+# blocks of this many, so the query tile stays within registers for 576-wide heads.
+MAX_HEAD_BLOCK = 16
 
 _LOG2E = 1.4426950408889634
 
@@ -42,7 +47,7 @@ def _decode_kernel(
     stride_ob, stride_oh,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -50,7 +55,8 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
 
     ctx = tl.load(Context_lens + b)
@@ -62,7 +68,7 @@ def _decode_kernel(
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, ctx)
 
-    g = tl.arange(0, BLOCK_G)
+    g = head_block * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < GROUP
     heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
@@ -154,12 +160,18 @@ def _num_sms(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
+def head_blocks(group: int) -> int:
+    """Programs per KV head: its query heads in blocks of at most MAX_HEAD_BLOCK."""
+    return -(-group // MAX_HEAD_BLOCK)
+
+
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
                       *, min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS
                       ) -> int:
     """Splits per (sequence, KV head) so that the launch fills the GPU (~2 programs per SM)
     without making splits shorter than `min_split_tokens`. A batch that already fills the GPU
-    gets 1 (no reduce pass)."""
+    gets 1 (no reduce pass). `num_kv_heads` counts programs per sequence: KV heads times their
+    head blocks (`head_blocks`)."""
     programs = batch_size * num_kv_heads
     if programs >= num_sms or max_context <= min_split_tokens:
         return 1
@@ -226,8 +238,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_context = block_tables.shape[1] * block_size
     if window:
         max_context = min(max_context, window)
+    group = num_heads // num_kv_heads
+    blocks_per_head = head_blocks(group)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads * blocks_per_head, max_context,
+                                       _num_sms(q.device))
     per_split = max(1, -(-max_context // num_splits))  # ceil
     split_len = -(-per_split // block_n) * block_n  # whole tiles: only a split's last is ragged
     single = num_splits == 1
@@ -240,8 +255,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse = torch.empty(batch, num_heads, num_splits, device=q.device, dtype=torch.float32)
         mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                        mid_lse.stride(0), mid_lse.stride(1))
-    group = num_heads // num_kv_heads
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_kernel[(batch, num_kv_heads * blocks_per_head, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         slopes if slopes is not None else q, out, mid_o, mid_lse,
         scale * kv_scale * _LOG2E, kv_scale, window, split_len,
@@ -251,7 +265,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *mid_strides,
-        GROUP=group, BLOCK_G=dot_tile(group),
+        GROUP=group, BLOCK_G=dot_tile(min(group, MAX_HEAD_BLOCK)), HEAD_BLOCKS=blocks_per_head,
         HEAD_DIM=head_dim, BLOCK_D=dot_tile(head_dim),
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n,

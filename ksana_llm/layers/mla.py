@@ -240,15 +240,44 @@ class MultiLatentAttention(nn.Module):
         return self._unabsorb(o.reshape(num_chunks * n, d.num_heads, d.kv_lora_rank))
 
     # ---- forward ----------------------------------------------------------------------------
+    def _kernel_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                          meta: AttentionMetadata, kv_scale: float) -> torch.Tensor:
+        """The Triton backend: absorbed attention for every row, decodes in one launch and
+        prefill chunks in another, straight over the paged latents -- the latent is the one KV
+        "head" every query head shares, and the values are a view of its first r columns (no
+        copy). Long prefill chunks stay absorbed here (the torch backend expands them)."""
+        from ksana_llm import kernels  # imports triton: only when this backend was chosen
+
+        d, batch, nd = self.dims, meta.kernel_batch, meta.num_decodes
+        q = self._absorb(q_nope, q_pe)  # [T, H, r + dr]
+        values = cache[..., :d.kv_lora_rank]
+        o_lat = q.new_empty(q.shape[0], d.num_heads, d.kv_lora_rank)
+        if nd:
+            kernels.paged_decode_attention(
+                q[:nd], cache, values, batch.decode_block_tables, batch.decode_context_lens,
+                self.scale, kv_scale=kv_scale, out=o_lat[:nd])
+        if q.shape[0] > nd:
+            kernels.paged_prefill_attention(
+                q[nd:], cache, values, batch.prefill_block_tables, batch.prefill_query_start_loc,
+                batch.prefill_seq_lens, self.scale, kv_scale=kv_scale, out=o_lat[nd:])
+        return self._unabsorb(o_lat)
+
     def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        if meta.kernel_batch is not None:
-            raise ValueError("MLA runs on the torch attention backend only (attention_backend='torch')")
         d = self.dims
         num_tokens = hidden.shape[0]
         q_nope, q_pe, entries = self._project(hidden, rope)
         cache = kv_cache[0]  # [blocks, block_size, 1, latent_dim]: one latent "head" per token
         kv_scale = meta.kv_scale(self.layer_idx)
+        if meta.kernel_batch is not None:
+            from ksana_llm import kernels
+
+            # The store kernel skips padding rows' slots (-1: CUDA-graph buckets); the V cache
+            # is the spec's empty one (values are read from the latent itself).
+            kernels.store_kv(entries.unsqueeze(1), entries[:, None, :0], cache, kv_cache[1],
+                             meta.slot_mapping, kv_scale=kv_scale)
+            out = self._kernel_attention(q_nope, q_pe, cache, meta, kv_scale)
+            return self.o_proj(out.reshape(num_tokens, -1))
         store_kv(cache, meta.slot_index(cache.shape[1]), entries.unsqueeze(1), kv_scale)
         cached = {"dtype": entries.dtype, "kv_scale": kv_scale}
 

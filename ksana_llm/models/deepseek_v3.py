@@ -152,7 +152,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     `deepseek_moe_block`); pipeline parallelism splits the layers, and the last stage keeps the
     MTP layers. The MTP layers' own embedding and head are not split."""
 
-    attention_backends = ("torch",)  # MLA reads its latent cache itself (no Triton kernel yet)
+    # MLA over the paged latents: the torch backend's gathers, or the Triton attention kernels
+    # with the latent as the one KV "head" (MultiLatentAttention._kernel_attention).
+    attention_backends = ("torch", "triton")
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         _check_config(config)
