@@ -392,14 +392,16 @@ def test_gpu_benchmark_lora_stage_smoke(tmp_path):
     assert not report["errors"]
 
 
-def test_gpu_benchmark_moe_stage_smoke(tmp_path):
-    """run.sh's engine-qwen3moe stage: the workload on a Qwen3-MoE (tiny on CPU), its own file."""
+@pytest.mark.parametrize("name,experts_key", [("qwen3-30b-a3b-12l", "num_experts"),
+                                               ("deepseek-v2-lite-8l", "n_routed_experts")])
+def test_gpu_benchmark_moe_stages_smoke(tmp_path, name, experts_key):
+    """run.sh's engine-qwen3moe and engine-deepseek stages: the workload on a Qwen3-MoE and on
+    a DeepSeek-V3 (MLA; tiny on CPU), each its own file."""
     from benchmarks.gpu import bench_engine
 
-    assert bench_engine.main(["--smoke", "--models", "qwen3-30b-a3b-12l",
-                              "--out", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "engine_qwen3-30b-a3b-12l.json").read_text())
-    assert report["shape"]["num_experts"] == 8
+    assert bench_engine.main(["--smoke", "--models", name, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / f"engine_{name}.json").read_text())
+    assert report["shape"][experts_key] == 8
     assert report["throughput"]["ksana_llm"]["exact_lengths"]
     assert report["ratio_vs_hf_generate_batch"] > 0 and not report["errors"]
 

@@ -204,7 +204,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     errors: dict[str, str] = {}
     timings: dict[str, float] = {}
     config = hf_config(spec, args.smoke)
-    experts_per_layer = getattr(config, "num_experts", 0) * 3 * config.hidden_size \
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", 0)
+    experts_per_layer = num_experts * 3 * config.hidden_size \
         * getattr(config, "moe_intermediate_size", 0)
     params_bytes = 2 * (config.vocab_size * config.hidden_size * 2 + config.num_hidden_layers
                         * (12 * config.hidden_size ** 2 + experts_per_layer))
@@ -372,6 +373,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-time-cap", type=float, default=None,
                    help="seconds before HF generate_batch is stopped (default: per model)")
     p.add_argument("--hf-page-size", type=int, default=256)
+    p.add_argument("--hf-static-batch", type=int, default=64,
+                   help="HF generate's batch size where continuous batching cannot run the "
+                        "model (MLA)")
     p.add_argument("--lora-adapters", type=int, default=0,
                    help="serve the workload through this many random LoRA adapters (round robin; "
                         "batch-1 on the first); HF runs the base model")

@@ -1,7 +1,8 @@
 """HF `generate_batch` (transformers' continuous batching) as the GPU benchmark's peer: the
 reference workload through its manager with per-request output lengths, stopped at a time cap
 if not done (its tokens/s then measured over that window, and the JSON says so), and HF
-`generate` at batch 1 on the model's device. Used by `bench_engine.py`.
+`generate` at batch 1 on the model's device. Used by `bench_engine.py`. MLA models, which
+transformers' continuous batching cannot run, get HF `generate` in static batches instead.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.hf_peers import hf_batch1, pad_token_id
+from benchmarks.hf_peers import hf_batch1, hf_generate_batch, pad_token_id
 from benchmarks.offline_throughput import guarded
 from benchmarks.workload import Workload
 
@@ -116,12 +117,48 @@ class GenerateOnDevice:
                                       for k, v in kwargs.items()})
 
 
+def run_hf_static_capped(model: Any, workload: Workload, batch_size: int, pad_id: int,
+                         cap_s: float) -> dict[str, Any]:
+    """HF `generate` in static left-padded batches of `batch_size` (each run to its longest
+    output), in workload order, stopped after the batch that passes `cap_s`: for models
+    transformers' continuous batching cannot run (its paged cache has no MLA layout). Its
+    tokens/s counts each finished request's own length over the batches run."""
+    model = GenerateOnDevice(model)
+    hf_generate_batch(model, [p[:8] for p in workload.prompts[:2]], 2, pad_id)  # warm-up
+    useful = finished = 0
+    start = time.perf_counter()
+    for lo in range(0, len(workload.prompts), batch_size):
+        lens = workload.output_lens[lo:lo + batch_size]
+        hf_generate_batch(model, workload.prompts[lo:lo + batch_size], max(lens), pad_id)
+        useful, finished = useful + sum(lens), finished + len(lens)
+        if time.perf_counter() - start > cap_s:
+            break
+    wall = time.perf_counter() - start
+    out = {"complete": finished == len(workload.prompts), "wall_s": round(wall, 3),
+           "requests_finished": finished, "requests": len(workload.prompts),
+           "output_tokens_counted": useful, "output_tokens_per_s": round(useful / wall, 1),
+           "exact_lengths": True,
+           "notes": f"HF generate, static batches of {batch_size} (continuous batching cannot "
+                    "run this model)"}
+    if not out["complete"]:
+        out["extrapolated"] = (f"stopped after the batch that passed the {cap_s:.0f} s cap: "
+                               f"{finished}/{len(workload.prompts)} requests")
+    return out
+
+
 def run_hf(hf_model: Any, workload: Workload, b1_prompt: list[int], args: argparse.Namespace,
            cap_s: float, errors: dict[str, str]) -> dict[str, Any]:
     pad_id = pad_token_id(hf_model, None)
-    out = {"throughput": guarded(
-        "HF generate_batch workload", errors,
-        lambda: run_hf_capped(hf_model, workload, args.hf_page_size, args.max_step_tokens, cap_s))}
+    if getattr(hf_model.config, "kv_lora_rank", None):  # MLA: no paged cache in transformers
+        out = {"throughput": guarded(
+            "HF generate (static batches) workload", errors,
+            lambda: run_hf_static_capped(hf_model, workload, args.hf_static_batch, pad_id,
+                                         cap_s))}
+    else:
+        out = {"throughput": guarded(
+            "HF generate_batch workload", errors,
+            lambda: run_hf_capped(hf_model, workload, args.hf_page_size, args.max_step_tokens,
+                                  cap_s))}
     b1 = guarded("HF generate batch-1", errors,
                  lambda: hf_batch1(GenerateOnDevice(hf_model), b1_prompt, args.b1_new_tokens,
                                    pad_id, 1))

@@ -15,7 +15,8 @@
 # packed) and fp8-matmul (the quantized-weight
 # matmul, FP8, int8 codes and packed 4-bit codes, against bf16 cuBLAS) and moe (MoE layers'
 # experts, grouped Triton launches vs one cuBLAS pair per expert) and engine-qwen3moe (the
-# workload on 12 of Qwen3-30B-A3B's layers: MoE decode in CUDA graphs) only when named.
+# workload on 12 of Qwen3-30B-A3B's layers: MoE decode in CUDA graphs) and engine-deepseek (on
+# DeepSeek-V2-Lite's dimensions, 8 layers: MLA and MoE) only when named.
 # Each stage writes its own JSON into $OUT when set (the device runner), else
 # benchmarks/gpu/results/; the engine summary table is printed last. A failing stage is
 # reported and the next one still runs; the script exits non-zero if any stage failed.
@@ -54,7 +55,8 @@ declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qw
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
-                  [fp8-matmul]=270 [moe]=240 [engine-qwen3moe]=420)
+                  [fp8-matmul]=270 [moe]=240 [engine-qwen3moe]=420
+                  [engine-deepseek]=420)
 
 failed=()
 run_stage() {  # run_stage NAME CMD...: one section of output per stage, failures collected
@@ -103,6 +105,9 @@ for stage in "${STAGES[@]}"; do
         # an MoE model: Qwen3-30B-A3B's layers (12 of 48), grouped Triton experts, graphs on/off
         engine-qwen3moe) run_stage engine-qwen3moe "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-30b-a3b-12l --out "$RESULTS" ;;
+        # MLA + MoE: DeepSeek-V2-Lite's dimensions (8 of 27 layers) on the V3 architecture
+        engine-deepseek) run_stage engine-deepseek "$PYTHON" -m benchmarks.gpu.bench_engine \
+                            --models deepseek-v2-lite-8l --out "$RESULTS" ;;
         # the same at the Llama-3-8B shape
         engine-llama8b) run_stage engine-llama8b "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models llama-3-8b --out "$RESULTS" ;;
@@ -120,7 +125,7 @@ for stage in "${STAGES[@]}"; do
                      --json-out "$RESULTS/spec.json" ;;
         *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-qwen3moe"\
-                " engine-llama8b"\
+                " engine-deepseek engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\
                 " decode prefill fp8-matmul moe spec)" >&2; exit 2 ;;
     esac
