@@ -7,7 +7,8 @@ class.
 
 Experts are stored stacked, `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`, so the
 forward runs one matmul pair per *active* expert over the tokens sorted by expert, never a loop
-over tokens. `FusedExperts` loads both the per-expert tensors of hub checkpoints
+over tokens -- or, on the Triton backend, every expert in one launch per stack
+(`kernels/fused_moe.py`), with nothing read back to the host, so CUDA graphs can capture it. `FusedExperts` loads both the per-expert tensors of hub checkpoints
 (`experts.N.{w1,w3,w2}.weight` in Mixtral, `experts.N.{gate,up,down}_proj.weight` in Qwen /
 DeepSeek) and the stacked tensors transformers 5 keeps in memory
 (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`).
