@@ -259,7 +259,9 @@ def test_cache_holds_more_tokens(default_model):
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
 def test_mla_and_speculative_decoding_with_fp8_latents(tmp_path, kv_dtype):
     """DeepSeek: the compressed latents (and the MTP layer's) in an FP8 cache (E4M3 with
-    per-layer scales); drafting on and off."""
+    per-layer scales); drafting on and off; on the Triton backend too (its store and attention
+    kernels over FP8 latents; a model of its own, as the runner leaves its layers on the
+    Triton path)."""
     torch.manual_seed(0)
     hf = DeepseekV3ForCausalLM(deepseek_config()).eval()
     randomize(hf)
@@ -275,13 +277,17 @@ def test_mla_and_speculative_decoding_with_fp8_latents(tmp_path, kv_dtype):
     assert expected != [hf_greedy(hf, p, None) for p in prompts]
     model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
     config = kt.GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
-    for drafts in (0, 2):
+    for drafts, backend in ((0, "torch"), (2, "torch"), (2, "triton")):
+        if backend == "triton":
+            model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32",
+                                             progress=False)
         with kt.Engine(model, kv_cache_dtype=kv_dtype, num_device_blocks=64, block_token_num=4,
-                       num_speculative_tokens=drafts, generation_config=config) as engine:
+                       num_speculative_tokens=drafts, generation_config=config,
+                       attention_backend=backend) as engine:
             outputs = engine.generate_outputs(prompts, use_tqdm=False)
             assert engine.kv_layout.dtype == KV_DTYPES[kv_dtype]
             assert (engine.stats().num_draft_tokens > 0) == (drafts > 0)
-        assert [o.token_ids for o in outputs] == expected, f"{drafts} drafts"
+        assert [o.token_ids for o in outputs] == expected, f"{drafts} drafts, {backend}"
 
 
 def test_scales_file(tmp_path, tiny):
