@@ -100,12 +100,19 @@ def _load_inputs(A, a_rows, row_ok, k, k_ok, stride_am, order, ORDERED: tl.const
 
 
 @triton.jit
-def _block_rows(Ids, BlockExperts, ROWS_PER_INPUT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's block: its expert (-1: unused), assignment ids and A rows."""
+def _program_tile(Ids, BlockExperts, W, S, num_assignments, N,
+                  stride_we, stride_wn, stride_se, stride_sn,
+                  ROWS_PER_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: its block's expert (-1: unused, nothing else then matters), the
+    block's assignment ids with their A rows and validity (padding rows of the expert's last
+    block are not), and the column tile with its weight rows and scales."""
     block = tl.program_id(0)
     expert = tl.load(BlockExperts + block).to(tl.int64)
     ids = tl.load(Ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    return expert, ids, (ids // ROWS_PER_INPUT).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (expert, ids, (ids // ROWS_PER_INPUT).to(tl.int64), ids < num_assignments, cols,
+            cols < N, W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn,
+            S + expert * stride_se + cols * stride_sn)
 
 
 @triton.jit
@@ -128,15 +135,12 @@ def _expert_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    expert, ids, a_rows = _block_rows(Ids, BlockExperts, ROWS_PER_INPUT, BLOCK_M)
+    expert, ids, a_rows, row_ok, cols, col_ok, w_rows, scales = _program_tile(
+        Ids, BlockExperts, W, S, num_assignments, N, stride_we, stride_wn, stride_se, stride_sn,
+        ROWS_PER_INPUT, BLOCK_M, BLOCK_N)
     if expert < 0:  # past the blocks this routing uses
         return
-    row_ok = ids < num_assignments  # padding rows of the expert's last block
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    w_rows = W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    scales = S + expert * stride_se + cols * stride_sn
     order = Order + expert * stride_oe
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -170,15 +174,12 @@ def _expert_int4_matmul_kernel(
 ):
     """Packed 4-bit codes, as `fp8_matmul._int4_linear_kernel` reads them: each byte tile split
     into the even and the odd columns' codes, each meeting its own input columns in a dot."""
-    expert, ids, a_rows = _block_rows(Ids, BlockExperts, ROWS_PER_INPUT, BLOCK_M)
+    expert, ids, a_rows, row_ok, cols, col_ok, w_rows, scales = _program_tile(
+        Ids, BlockExperts, W, S, num_assignments, N, stride_we, stride_wn, stride_se, stride_sn,
+        ROWS_PER_INPUT, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    row_ok = ids < num_assignments
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     pairs = tl.arange(0, BLOCK_K // 2)  # byte j of a tile holds columns 2j and 2j + 1
-    w_rows = W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    scales = S + expert * stride_se + cols * stride_sn
     zeros = Z + expert * stride_ze + cols * stride_zn
     order = Order + expert * stride_oe
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
