@@ -20,6 +20,10 @@ Decodes attend in one call per group; so do short chunks of one length over cach
 (`AttentionMetadata.chunk_batches`: speculative decoding's verify slices), whose (row, head)
 pairs act as the query positions of one latent "head", as a decode's heads do.
 
+On the Triton backend both forms give way to the absorbed one through the paged attention
+kernels, the latent serving as the one KV head every query head shares and the values as a view
+of its first r columns (`_kernel_attention`).
+
 Under tensor parallelism each rank keeps num_heads / tp heads: its rows of the query projection
 (`q_b_proj` or `q_proj`) and of `kv_b_proj`, and its columns of `o_proj` (whose partial outputs
 are summed). The down-projections and their norms are small and replicated, so every rank
@@ -240,14 +244,20 @@ class MultiLatentAttention(nn.Module):
         return self._unabsorb(o.reshape(num_chunks * n, d.num_heads, d.kv_lora_rank))
 
     # ---- forward ----------------------------------------------------------------------------
-    def _kernel_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                          meta: AttentionMetadata, kv_scale: float) -> torch.Tensor:
-        """The Triton backend: absorbed attention for every row, decodes in one launch and
-        prefill chunks in another, straight over the paged latents -- the latent is the one KV
-        "head" every query head shares, and the values are a view of its first r columns (no
-        copy). Long prefill chunks stay absorbed here (the torch backend expands them)."""
+    def _kernel_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                          entries: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                          kv_scale: float) -> torch.Tensor:
+        """The Triton backend: the store kernel writes the step's latents (skipping padding
+        rows' slot -1 in CUDA-graph buckets; the spec's V cache is empty), then absorbed
+        attention for every row, decodes in one launch and prefill chunks in another, straight
+        over the paged latents -- the latent is the one KV "head" every query head shares, and
+        the values are a view of its first r columns (no copy). Long prefill chunks stay
+        absorbed here (the torch backend expands them). Returns [T, H, dv]."""
         from ksana_llm import kernels  # imports triton: only when this backend was chosen
 
+        cache = kv_cache[0]
+        kernels.store_kv(entries.unsqueeze(1), entries[:, None, :0], cache, kv_cache[1],
+                         meta.slot_mapping, kv_scale=kv_scale)
         d, batch, nd = self.dims, meta.kernel_batch, meta.num_decodes
         q = self._absorb(q_nope, q_pe)  # [T, H, r + dr]
         values = cache[..., :d.kv_lora_rank]
@@ -270,13 +280,7 @@ class MultiLatentAttention(nn.Module):
         cache = kv_cache[0]  # [blocks, block_size, 1, latent_dim]: one latent "head" per token
         kv_scale = meta.kv_scale(self.layer_idx)
         if meta.kernel_batch is not None:
-            from ksana_llm import kernels
-
-            # The store kernel skips padding rows' slots (-1: CUDA-graph buckets); the V cache
-            # is the spec's empty one (values are read from the latent itself).
-            kernels.store_kv(entries.unsqueeze(1), entries[:, None, :0], cache, kv_cache[1],
-                             meta.slot_mapping, kv_scale=kv_scale)
-            out = self._kernel_attention(q_nope, q_pe, cache, meta, kv_scale)
+            out = self._kernel_attention(q_nope, q_pe, entries, kv_cache, meta, kv_scale)
             return self.o_proj(out.reshape(num_tokens, -1))
         store_kv(cache, meta.slot_index(cache.shape[1]), entries.unsqueeze(1), kv_scale)
         cached = {"dtype": entries.dtype, "kv_scale": kv_scale}
