@@ -13,12 +13,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Compare against transformers on the plain matmul path: prepacked oneDNN weights (on by default
-# when they fit in half the memory available at load, so on or off from run to run as other
-# tests' processes come and go) move SmolLM2's logits by ~1e-4, enough to flip beam search's
-# near-ties. tests/test_cpu_prepack.py sets the switch itself to test the packed path.
-os.environ.setdefault("KSANA_LLM_CPU_PREPACK", "0")
-
 # Two cores on CI: let torch use both, and keep results deterministic across runs.
 torch.manual_seed(0)
 
