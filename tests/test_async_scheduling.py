@@ -31,6 +31,7 @@ from ksana_llm.generation_config import GenerationConfig  # noqa: E402
 from ksana_llm.runner.model_runner import (ModelRunner, PendingInputs, SeqSlice,  # noqa: E402
                                            StepInput)
 from tests.tiny_models import build_tiny_model  # noqa: E402
+from tests.tolerances import LOGIT_ATOL  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
@@ -255,4 +256,4 @@ def test_beams_ending_in_their_first_step_keep_their_prompt_logprobs(default_mod
         assert len(ahead.prompt_logprobs) == len(sync.prompt_logprobs) == len(sync.prompt_token_ids)
         for a, b in zip(ahead.prompt_logprobs[1:], sync.prompt_logprobs[1:]):
             assert a["token_id"] == b["token_id"]
-            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=LOGIT_ATOL)

@@ -62,6 +62,33 @@ def test_engine_greedy_tokens_equal_on_both_backends(tmp_path):
     assert [o.token_ids for o in outputs] == expected
 
 
+def test_engines_sharing_a_model_keep_their_own_kernels(tmp_path, monkeypatch):
+    """One loaded model behind a Triton engine and a torch engine at once: the fused kernels
+    (RMSNorm + residual, in-place RoPE) run in the Triton engine's steps only, before and after
+    the torch engine's, and both give transformers' greedy tokens."""
+    from ksana_llm import kernels
+
+    hf = build_tiny_model("llama2", tmp_path)
+    prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = greedy_trace(hf_reference(hf), prompt, 8)[0][len(prompt):]
+    calls: list[str] = []
+    for name in ("rms_norm", "apply_rotary_"):
+        def counted(*args, _real=getattr(kernels, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(kernels, name, counted)
+    config = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    model = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False)
+    with kt.Engine(model, generation_config=config, block_token_num=8, num_device_blocks=32,
+                   attention_backend="triton") as fused, \
+            kt.Engine(model, generation_config=config, block_token_num=8, num_device_blocks=32,
+                      attention_backend="torch") as plain:
+        for engine, uses_kernels in ((fused, True), (plain, False), (fused, True)):
+            calls.clear()
+            assert engine.generate_outputs([prompt])[0].token_ids == expected
+            assert sorted(set(calls)) == (["apply_rotary_", "rms_norm"] if uses_kernels else [])
+
+
 def test_backend_choice_is_validated(tmp_path):
     build_tiny_model("llama2", tmp_path)
     module = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False).module

@@ -10,6 +10,7 @@ import time
 import pytest
 
 import ksana_llm as kt
+from tests.tolerances import LOGIT_ATOL
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
@@ -313,10 +314,10 @@ def test_prompt_logprobs_match_transformers(model):
     for p in range(1, len(ids)):
         entry, row = entries[p], expected[p - 1]
         assert entry["token_id"] == ids[p]
-        assert entry["logprob"] == pytest.approx(float(row[ids[p]]), abs=1e-4)
+        assert entry["logprob"] == pytest.approx(float(row[ids[p]]), abs=LOGIT_ATOL)
         top_v, top_i = row.topk(3)
         assert list(entry["top_logprobs"]) == top_i.tolist()
-        assert list(entry["top_logprobs"].values()) == pytest.approx(top_v.tolist(), abs=1e-4)
+        assert list(entry["top_logprobs"].values()) == pytest.approx(top_v.tolist(), abs=LOGIT_ATOL)
     assert len(out.sequences) == 2
 
 

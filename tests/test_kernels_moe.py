@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from ksana_llm.kernels import align_to_experts, expert_block_size, expert_matmul
 from ksana_llm.kernels.fused_moe import expert_block_capacity
 from ksana_llm.kernels.reference import expert_matmul_ref
+from ksana_llm.layers.fused_kernels import use_fused_kernels
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.moe_routers import Routing, SoftmaxTopKRouter
 from ksana_llm.loader.quantized_weight import int4_weight, int8_weight, quantize_fp8_rows
@@ -226,29 +227,26 @@ def test_fused_experts_triton_path_equals_per_expert_path(dtype, tokens):
         router.weight.normal_(0, 0.5)
         x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
         routing = router(x)
-        assert experts.syncs_with_host
+        assert experts.syncs_with_host(False) and not experts.syncs_with_host(True)
         expected = experts(x, routing)
-        experts.use_triton = True
-        assert not experts.syncs_with_host
-        actual = experts(x, routing)
+        with use_fused_kernels(True):
+            actual = experts(x, routing)
     assert actual.dtype == dtype
     assert_close(actual, expected, dtype)
     if tokens == 33:  # a skewed routing too: every token through the same two experts
         skewed = Routing(routing.weights, routing_of("skewed", tokens, 2, 8).to(DEVICE))
-        experts.use_triton = False
         expected = experts(x, skewed)
-        experts.use_triton = True
-        assert_close(experts(x, skewed), expected, dtype)
+        with torch.no_grad(), use_fused_kernels(True):
+            assert_close(experts(x, skewed), expected, dtype)
 
 
 def test_fused_experts_triton_path_reads_nothing_back():
     experts = make_experts(8, 32, 16, torch.float32)
     x = torch.randn(5, 32, device=DEVICE)
     routing = Routing(torch.rand(5, 2, device=DEVICE), routing_of("spread", 5, 2, 8).to(DEVICE))
-    experts.use_triton = True
-    with torch.no_grad(), HostReadGuard():
+    with torch.no_grad(), HostReadGuard(), use_fused_kernels(True):
         experts(x, routing)
-    experts.use_triton = False  # the per-expert path reads its expert counts back
+    # the per-expert path (outside the fused-kernel context) reads its expert counts back
     with pytest.raises(RuntimeError, match="host read"), torch.no_grad(), HostReadGuard():
         experts(x, routing)
 
@@ -298,9 +296,8 @@ def test_quantized_experts_take_the_grouped_path_too(method):
                       routing_of("spread", 9, 2, 4).to(DEVICE))
     with torch.no_grad():
         expected = experts(x, routing)
-        experts.use_triton = True
-        assert not experts.syncs_with_host
-        with HostReadGuard():
+        assert not experts.syncs_with_host(True)
+        with HostReadGuard(), use_fused_kernels(True):
             actual = experts(x, routing)
     scale = expected.abs().max().item()
     torch.testing.assert_close(actual, expected, atol=2e-5 * scale, rtol=1e-4)
@@ -308,10 +305,9 @@ def test_quantized_experts_take_the_grouped_path_too(method):
 
 def test_experts_in_groups_the_tiles_do_not_divide_keep_the_per_expert_path():
     experts = load_experts("int8-zero", 2, 64, 32)
-    experts.use_triton = True
-    assert not experts.syncs_with_host
+    assert not experts.syncs_with_host(True)
     experts.group_sizes["w13"] = 24  # no 16-wide tile lies in one such group (w13: 2 groups)
-    assert experts.syncs_with_host
+    assert experts.syncs_with_host(True)
 
 
 def test_moe_benchmark_case_runs_here(monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.runner.kv_transfer import TransferredKv
+from tests.tolerances import LOGIT_ATOL
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it ran to the river and"
 GREEDY = kt.GenerationConfig(max_new_tokens=16, temperature=0)
@@ -94,7 +95,8 @@ def test_seeded_samples_from_imported_kv_equal_a_local_prefill(prefill_engine, d
     remote = decode_engine.submit(kt.Request(ids, generation_config=config, imported_kv=kv)).result()
     assert [s.token_ids for s in remote.sequences] == [s.token_ids for s in local.sequences]
     for a, b in zip(remote.logprobs, local.logprobs):
-        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"],
+                                                                             abs=LOGIT_ATOL)
 
 
 def test_kv_transfer_errors(prefill_engine, decode_engine):

@@ -22,6 +22,7 @@ import torch
 import ksana_llm as kt
 from ksana_llm.runner.kv_transfer import TransferredKv
 from tests.server_process import ServerProcess, free_port
+from tests.tolerances import LOGIT_ATOL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
@@ -104,7 +105,7 @@ def test_completion_through_router_with_logprobs(client, local_engine):
     choice = got.choices[0]
     assert choice.text == want.text
     assert choice.logprobs.token_logprobs == pytest.approx(
-        [e["logprob"] for e in want.logprobs], abs=1e-4)
+        [e["logprob"] for e in want.logprobs], abs=LOGIT_ATOL)
     # Several prompts in one request: the decode server computes them (no split).
     two = client.completions.create(model=None, prompt=[PROMPT, "The capital of France is"],
                                     max_tokens=6, temperature=0)

@@ -183,7 +183,7 @@ def test_fp8_moe_checkpoint_matches_transformers(tmp_path, family):
     check_family(module, folder, reference, vocab=256)
     if family == "qwen3_moe":  # the grouped Triton experts widen the FP8 bytes in registers
         check_triton_backend(module, folder, reference, vocab=256)
-        assert not module.model.layers[0].mlp.experts.syncs_with_host
+        assert not module.model.layers[0].mlp.experts.syncs_with_host(True)
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "online", "deepseek-checkpoint"])

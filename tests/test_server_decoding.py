@@ -24,6 +24,7 @@ import pytest
 
 import ksana_llm as kt
 from tests.server_process import ServerProcess
+from tests.tolerances import LOGIT_ATOL
 
 KV_ARGS = ["--num-device-blocks", "256"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -438,8 +439,10 @@ def test_prompt_logprobs_and_echo(server, client, model, local_engine):
     lp = out.choices[0].logprobs
     assert out.choices[0].text == PROMPT + expected.text
     assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:len(ids)] == pytest.approx([e["logprob"] for e in expected.prompt_logprobs[1:]])
-    assert lp.token_logprobs[len(ids):] == pytest.approx([e["logprob"] for e in expected.logprobs])
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([e["logprob"] for e in expected.prompt_logprobs[1:]],
+                                                    abs=LOGIT_ATOL)
+    assert lp.token_logprobs[len(ids):] == pytest.approx([e["logprob"] for e in expected.logprobs],
+                                                           abs=LOGIT_ATOL)
     assert "".join(lp.tokens) == out.choices[0].text
     # vLLM's prompt_logprobs on chat and completions.
     r = httpx.post(server.base_url + "/completions", timeout=60, json={
@@ -447,7 +450,7 @@ def test_prompt_logprobs_and_echo(server, client, model, local_engine):
     plp = r["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
     for token, entry, ref in zip(ids[1:], plp[1:], expected.prompt_logprobs[1:]):
-        assert entry[str(token)]["logprob"] == pytest.approx(ref["logprob"])
+        assert entry[str(token)]["logprob"] == pytest.approx(ref["logprob"], abs=LOGIT_ATOL)
     chat = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
         "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.server_process import ServerProcess
+from tests.tolerances import EMBEDDING_ATOL
 
 TEXTS = ["The capital of France is Paris.", "def add(a, b):\n    return a + b\n",
          "人工智能正在改变世界。", "A"]
@@ -96,7 +97,8 @@ def test_engine_embed_equals_the_server(client, local_engine, hf_default_model):
     assert vectors.shape == (len(TEXTS), local_engine.model.hf_config.hidden_size)
     served = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS)
     for vector, item in zip(vectors, served.data):
-        torch.testing.assert_close(vector, torch.tensor(item.embedding), atol=1e-6, rtol=0)
+        torch.testing.assert_close(vector, torch.tensor(item.embedding), atol=EMBEDDING_ATOL,
+                                   rtol=0)
     ids = local_engine.tokenizer.encode(TEXTS[0])
     torch.testing.assert_close(local_engine.embed(ids)[0], _reference(hf_default_model, ids),
                                atol=2e-5, rtol=1e-4)

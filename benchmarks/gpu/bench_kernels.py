@@ -411,6 +411,7 @@ def bench_moe_case(name: str, experts: int, top_k: int, hidden: int, inter: int,
     (kernels/fused_moe.py, two launches, no host sync: graph-capturable) against the per-expert
     torch path (a matmul pair per active expert after reading the counts back). GB/s counts the
     active experts' weight bytes, each read once."""
+    from ksana_llm.layers.fused_kernels import use_fused_kernels
     from ksana_llm.layers.moe import FusedExperts
     from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
 
@@ -429,8 +430,8 @@ def bench_moe_case(name: str, experts: int, top_k: int, hidden: int, inter: int,
         routing = router(x.float())
 
         def run(grouped: bool) -> torch.Tensor:
-            layer.use_triton = grouped
-            return layer(x, routing)
+            with use_fused_kernels(grouped):
+                return layer(x, routing)
 
         timed = {"grouped": time_ms(lambda: run(True)), "per_expert": time_ms(lambda: run(False))}
         err = (run(True).float() - run(False).float()).abs().max().item()

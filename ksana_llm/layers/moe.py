@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
+from ksana_llm.layers.fused_kernels import fused_kernels_on
 from ksana_llm.layers.int8_activations import dequantize_tokens, quantize_tokens
 from ksana_llm.layers.moe_routers import Routing
 from ksana_llm.distributed.context import ParallelContext
@@ -100,15 +101,13 @@ class FusedExperts(nn.Module):
         self._has_dense = {"w13": False, "w2": False}
         self._dense_dtype = torch.float32
         self._fp8_kernels: dict[str, Callable[..., torch.Tensor] | bool] = {}
-        # Set by the runner with the Triton backend: experts then run as two grouped launches
-        # (kernels/fused_moe.py) with no host sync, so decode steps can be captured.
-        self.use_triton = False
 
-    @property
-    def syncs_with_host(self) -> bool:
-        """Whether the forward reads routing back to the host (then no CUDA graphs): the
-        per-expert torch path does; the grouped Triton path does not (see `_grouped_takes`)."""
-        return not (self.use_triton and self._grouped_takes("w13") and self._grouped_takes("w2"))
+    def syncs_with_host(self, fused_kernels: bool) -> bool:
+        """Whether the forward reads routing back to the host (then no CUDA graphs), with or
+        without the fused kernels (`layers.fused_kernels`, the Triton backend): the per-expert
+        torch path does; the grouped Triton path, two launches with no host read, does not
+        (see `_grouped_takes`)."""
+        return not (fused_kernels and self._grouped_takes("w13") and self._grouped_takes("w2"))
 
     def _grouped_takes(self, name: str) -> bool:
         """Whether the grouped matmul takes this stack: dense, or quantized in groups its tiles
@@ -116,14 +115,14 @@ class FusedExperts(nn.Module):
         scale = getattr(self, f"{name}_scale")
         if scale is None:
             return True
-        from ksana_llm.kernels.fused_moe import grouped_block_k  # use_triton: triton is here
+        from ksana_llm.kernels.fused_moe import grouped_block_k  # fused kernels: triton is here
 
         return grouped_block_k(getattr(self, name).dtype, self.group_sizes[name],
                                scale.shape[2] == 1) is not None
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H]; returns sum_k weight[t, k] * expert[experts[t, k]](x[t]) as [T, H]."""
-        if not self.syncs_with_host:
+        if not self.syncs_with_host(fused_kernels_on()):
             return self._grouped_forward(x, routing)
         num_tokens, top_k = routing.experts.shape
         flat = routing.experts.reshape(-1)

@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ksana_llm.layers.fused_kernels import fused_kernels_on
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        # Set by the runner with the Triton backend: one fused kernel (add + norm) instead of the
-        # half-dozen elementwise launches below, which dominate small-batch GPU decode.
-        self.use_triton = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like transformers, then cast back before the weight multiply.
@@ -24,7 +23,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if self.use_triton:
+        if fused_kernels_on():
+            # One fused kernel (add + norm) instead of the half-dozen elementwise launches
+            # below, which dominate small-batch GPU decode.
             from ksana_llm import kernels
 
             return kernels.rms_norm(x, self.weight, self.eps, residual)

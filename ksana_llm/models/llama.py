@@ -16,6 +16,7 @@ from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec, paged_attention
+from ksana_llm.layers.fused_kernels import fused_kernels_on
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.lora import LoraBatch
 from ksana_llm.layers.linear import (FEW_ROWS, MergedLinear, packed_linear, prepack_cpu_weight,
@@ -100,7 +101,6 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
         self.qk_norm = qk_norm
-        self.use_triton = False  # set by the runner with the Triton backend: fused in-place RoPE
         self.layer_idx = layer_idx  # picks this layer's FP8 cache scale from the metadata
         # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
         # would come out of `to_empty` uninitialised. Moved to the device on first use.
@@ -122,7 +122,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         slopes = self._slopes_on(q.device)
-        if slopes is None and self.use_triton:
+        if slopes is None and fused_kernels_on():  # in-place RoPE
             from ksana_llm import kernels
 
             kernels.apply_rotary_(q, k, *rope)  # q, k are views of this step's fresh QKV output

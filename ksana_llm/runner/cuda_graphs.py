@@ -80,7 +80,9 @@ def unsupported_reason(model: nn.Module, device: torch.device, attention_backend
                 "(its decode launch has static shapes)")
     supported = getattr(model, "supports_cuda_graphs", None)
     if supported is None:
-        supported = not any(getattr(m, "syncs_with_host", False) for m in model.modules())
+        # The backend is Triton here, so the step runs with the fused kernels.
+        supported = not any(m.syncs_with_host(True) for m in model.modules()
+                            if hasattr(m, "syncs_with_host"))
     if not supported:
         return f"{type(model).__name__} syncs with the host in its forward (no CUDA graphs)"
     if torch.distributed.is_available() and torch.distributed.is_initialized() \

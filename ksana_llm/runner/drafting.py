@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.attention import AttentionMetadata
+from ksana_llm.layers.fused_kernels import use_fused_kernels
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.slices import SeqSlice
 
@@ -63,6 +64,10 @@ class MtpDrafting:
     def propose(self, draft: DraftInput) -> torch.Tensor:
         """[len(num_drafts), max(num_drafts)] int64 draft ids on the device, one row per sampled
         slice in slice order (-1 past a row's own count)."""
+        with use_fused_kernels(self.fused_kernels):
+            return self._propose(draft)
+
+    def _propose(self, draft: DraftInput) -> torch.Tensor:
         if self.last_hidden is None:
             raise RuntimeError("propose() needs the hidden states of a step run just before")
         main_hidden, main_first = self.last_hidden, self.last_first_rows

@@ -14,6 +14,7 @@ from torch import nn
 
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.weight_map import load_weight_map
+from ksana_llm.layers.fused_kernels import use_fused_kernels
 from ksana_llm.layers.attention import (AttentionMetadata, KVCache, KVCacheSpec,
                                         allocate_kv_cache, block_runs, copy_cache_blocks)
 from ksana_llm.runner.batch_building import BatchBuilding, EmbeddingOverrides
@@ -132,12 +133,10 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
         self.model = model
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
-        if self.attention_backend == "triton":
-            # The rest of the Triton path: fused RMSNorm (+ residual), in-place RoPE, and MoE
-            # experts grouped into one launch per weight stack.
-            for module in model.modules():
-                if hasattr(module, "use_triton"):
-                    module.use_triton = True
+        # The rest of the Triton path: fused RMSNorm (+ residual), in-place RoPE, and MoE experts
+        # grouped into one launch per weight stack -- for this runner's forwards only (engines
+        # may share a model), so set around each step (`layers.fused_kernels`).
+        self.fused_kernels = self.attention_backend == "triton"
         self.device = device
         self.dtype = dtype
         self.cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
@@ -235,8 +234,9 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
                               capture=capture, lora_weights=lora_weights)
         try:
             # Captured on the model's GPU whatever this thread's current device is.
-            with torch.inference_mode(), torch.cuda.device(self.device) \
-                    if self.device.type == "cuda" else contextlib.nullcontext():
+            with torch.inference_mode(), use_fused_kernels(self.fused_kernels), \
+                    torch.cuda.device(self.device) if self.device.type == "cuda" \
+                    else contextlib.nullcontext():
                 graphs.capture_all()
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
             logger.warning("CUDA graph capture failed; decode steps run eagerly: %s", exc)
@@ -304,6 +304,10 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
+        with use_fused_kernels(self.fused_kernels):
+            return self._execute(step)
+
+    def _execute(self, step: StepInput) -> StepResult:
         self._copy_blocks(step.swap_out, to_host=True)
         self._copy_blocks(step.swap_in, to_host=False)
         self._copy_device_blocks(step.copy_blocks)
