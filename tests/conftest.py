@@ -55,7 +55,8 @@ def client(server):
     """The official `openai` client on the module's `server` fixture (a ServerProcess)."""
     import openai
 
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    # 120 s: a request may wait behind a batch of 20 schema-constrained ones on a 2-core CPU.
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

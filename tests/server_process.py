@@ -72,3 +72,12 @@ class ServerProcess:
                 self.proc.wait(5)
         self._log.close()
         os.unlink(self._log.name)
+
+
+def openai_error(response: httpx.Response) -> dict:
+    """The `error` object of an OpenAI-style error body, checked: exactly its four fields, and a
+    message."""
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]

@@ -17,7 +17,7 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, openai_error
 from tests.tolerances import LOGIT_ATOL
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and "
@@ -232,12 +232,6 @@ def _post(server, body, *, use_msgpack=False, timeout=120):
     return r, (r.json() if r.status_code == 200 else None)
 
 
-def _error(r: httpx.Response) -> dict:
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
-
-
 @pytest.mark.parametrize("use_msgpack", [False, True], ids=["json", "msgpack"])
 def test_server_forward_matches_python_api(server, engine, ids, hf, use_msgpack):
     body = {"requests": [{"input_tokens": ids, "request_target": _http_targets()},
@@ -308,16 +302,16 @@ def test_server_ppl_last_position_is_null(server, ids):
 def test_server_400(server, body, param, use_msgpack):
     r, _ = _post(server, body, use_msgpack=use_msgpack)
     assert r.status_code == 400, r.text
-    error = _error(r)
+    error = openai_error(r)
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
 def test_server_malformed_bodies(server):
     r = httpx.post(server.url + "/forward", content=b"{nope", timeout=30)
-    assert r.status_code == 400 and _error(r)["code"] == "invalid_body"
+    assert r.status_code == 400 and openai_error(r)["code"] == "invalid_body"
     r = httpx.post(server.url + "/forward", content=b"\xc1\xc1",
                    headers={"Content-Type": "application/x-msgpack"}, timeout=30)
-    assert r.status_code == 400 and _error(r)["code"] == "invalid_body"
+    assert r.status_code == 400 and openai_error(r)["code"] == "invalid_body"
     r = httpx.post(server.url + "/forward", json=[1, 2], timeout=30)
     assert r.status_code == 400
 
@@ -364,10 +358,10 @@ def test_server_429_503_in_process(model):
             assert set(statuses) == {200, 429}, statuses
             for r in responses:
                 if r.status_code == 429:
-                    assert _error(r)["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+                    assert openai_error(r)["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
             engine.shutdown()
             r = await http.post("/forward", json=body)
-            assert r.status_code == 503 and _error(r)["type"] == "service_unavailable"
+            assert r.status_code == 503 and openai_error(r)["type"] == "service_unavailable"
 
     try:
         asyncio.run(main())

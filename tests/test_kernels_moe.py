@@ -316,7 +316,7 @@ def test_moe_benchmark_case_runs_here(monkeypatch):
     fp16 (the interpreter computes bf16 wrongly: numpy has no bfloat16)."""
     import time
 
-    from benchmarks.gpu import bench_kernels
+    from benchmarks.gpu import bench_moe
 
     if DEVICE == "cpu":
         def wall_ms(fn):
@@ -324,11 +324,11 @@ def test_moe_benchmark_case_runs_here(monkeypatch):
             fn()
             return {"ms": (time.perf_counter() - start) * 1e3, "ms_graph": None}
 
-        monkeypatch.setattr(bench_kernels, "time_ms", wall_ms)
+        monkeypatch.setattr(bench_moe, "time_ms", wall_ms)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     for quantization in (None, "fp8"):
-        row = bench_kernels.bench_moe_case("tiny", 8, 2, 32, 16, 5, device=DEVICE, dtype=dtype,
-                                           quantization=quantization)
+        row = bench_moe.bench_moe_case("tiny", 8, 2, 32, 16, 5, device=DEVICE, dtype=dtype,
+                                       quantization=quantization)
         assert 2 <= row["active_experts"] <= 8 and row["speedup_vs_per_expert"] > 0
         assert row["weights"] == (quantization or str(dtype).removeprefix("torch."))
         assert row["max_abs_err"] < 0.02  # both paths round each expert's output alike

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import ksana_llm as kt
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, openai_error
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
@@ -44,13 +44,6 @@ def _chunks(response: httpx.Response) -> list[dict]:
     *chunks, tail = response.content.split(b"\0")
     assert tail == b"", "the stream must end with a NUL byte"
     return [json.loads(c) for c in chunks]
-
-
-def _error(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    return body["error"]
 
 
 # ---- results -----------------------------------------------------------------------------------------
@@ -167,14 +160,14 @@ def test_400(server, body, param, code):
     for stream in (False, True):
         r = _post(server, {**body, "stream": stream})
         assert r.status_code == 400, r.text
-        error = _error(r)
+        error = openai_error(r)
         assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
 
 
 def test_400_names_every_bad_key(server):
     r = _post(server, {"prompt": "x", "sampling_config": {"foo": 1, "decoder_no_repeat_ngram_size": 2,
                                                           "bar": 3}})
-    message = _error(r)["message"]
+    message = openai_error(r)["message"]
     assert all(k in message for k in ("sampling_config.foo", "sampling_config.bar",
                                       "sampling_config.decoder_no_repeat_ngram_size")), message
     # Their "off" values are accepted.
@@ -182,7 +175,7 @@ def test_400_names_every_bad_key(server):
         "num_beams": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0, "max_new_tokens": 1}})
     assert r.status_code == 200, r.text
     r = httpx.post(server.url + "/generate", content=b"{not json", timeout=30)
-    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+    assert r.status_code == 400 and openai_error(r)["code"] == "invalid_json"
 
 
 def test_disconnect_aborts_requests(server):
@@ -229,7 +222,7 @@ def test_401_429_503_in_process(default_model):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as http:
             r = await http.post("/generate", json=body)
-            assert r.status_code == 401 and _error(r)["code"] == "invalid_api_key"
+            assert r.status_code == 401 and openai_error(r)["code"] == "invalid_api_key"
             responses = await asyncio.gather(*(http.post("/generate", json=body, headers=auth)
                                                for _ in range(6)))
             statuses = [r.status_code for r in responses]
@@ -237,14 +230,14 @@ def test_401_429_503_in_process(default_model):
             for r in responses:
                 if r.status_code == 429:
                     assert int(r.headers["Retry-After"]) >= 1
-                    error = _error(r)
+                    error = openai_error(r)
                     assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
                 else:
                     assert len(r.json()["output_token_ids"][0]) == 16
             engine.shutdown()
             for stream in (False, True):
                 r = await http.post("/generate", json={**body, "stream": stream}, headers=auth)
-                assert r.status_code == 503 and _error(r)["type"] == "service_unavailable"
+                assert r.status_code == 503 and openai_error(r)["type"] == "service_unavailable"
 
     try:
         asyncio.run(main())

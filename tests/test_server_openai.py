@@ -14,7 +14,7 @@ import pytest
 
 import ksana_llm as kt
 from ksana_llm.server.logprobs import TokenTexts
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, openai_error
 
 KV_ARGS = ["--num-device-blocks", "256"]
 MAX_BODY = 64 * 1024
@@ -28,13 +28,6 @@ def server(default_model_dir):
     proc = ServerProcess([*KV_ARGS, "--max-body-bytes", str(MAX_BODY)])
     yield proc
     proc.stop()
-
-
-def _error(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    return body["error"]
 
 
 # ---- small routes ----------------------------------------------------------------------------------
@@ -61,7 +54,7 @@ def test_tokenize_detokenize(server, local_engine):
     r = httpx.post(server.url + "/tokenize", json={"messages": QUESTION})
     assert r.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
     r = httpx.post(server.url + "/detokenize", json={"tokens": [10**6]})
-    assert r.status_code == 400 and _error(r)["param"] == "tokens"
+    assert r.status_code == 400 and openai_error(r)["param"] == "tokens"
 
 
 # ---- generation --------------------------------------------------------------------------------
@@ -341,7 +334,7 @@ def test_400_invalid_input(server, route, body, param, code):
         if isinstance(body, bytes) else {"json": body}
     r = httpx.post(server.url + route, timeout=30, **kwargs)
     assert r.status_code == 400, r.text
-    error = _error(r)
+    error = openai_error(r)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param and error["code"] == code, error
 
@@ -356,7 +349,7 @@ def test_400_with_openai_client(client, model_name):
 def test_404_unknown_model(server, client):
     r = httpx.post(server.base_url + "/completions", json={"model": "gpt-17", "prompt": "x"})
     assert r.status_code == 404
-    assert _error(r) == {"message": "The model `gpt-17` does not exist.", "type": "invalid_request_error",
+    assert openai_error(r) == {"message": "The model `gpt-17` does not exist.", "type": "invalid_request_error",
                          "param": "model", "code": "model_not_found"}
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-17", messages=QUESTION)
@@ -366,7 +359,7 @@ def test_413_body_too_large(server):
     big = {"prompt": "x" * (MAX_BODY + 10)}
     r = httpx.post(server.base_url + "/completions", json=big)
     assert r.status_code == 413
-    assert _error(r)["code"] == "request_too_large"
+    assert openai_error(r)["code"] == "request_too_large"
 
     def chunked():  # no Content-Length: the size must be counted as it arrives
         payload = json.dumps(big).encode()
@@ -375,7 +368,7 @@ def test_413_body_too_large(server):
 
     r = httpx.post(server.base_url + "/completions", content=chunked(),
                    headers={"content-type": "application/json"})
-    assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
+    assert r.status_code == 413 and openai_error(r)["code"] == "request_too_large"
 
 
 def test_401_api_key(default_model_dir):
@@ -387,7 +380,7 @@ def test_401_api_key(default_model_dir):
                                  ("POST", "/tokenize"), ("GET", "/version")):
                 r = httpx.request(method, proc.url + path, headers=headers, json={"prompt": "x"})
                 assert r.status_code == 401, (path, headers)
-                assert _error(r) == {"message": "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                assert openai_error(r) == {"message": "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                      "type": "authentication_error", "param": None,
                                      "code": "invalid_api_key"}
         with pytest.raises(openai.AuthenticationError):
@@ -415,7 +408,7 @@ def test_429_queue_full_with_retry_after(default_model_dir):
         for r in responses:
             if r.status_code == 429:
                 assert int(r.headers["Retry-After"]) >= 1
-                error = _error(r)
+                error = openai_error(r)
                 assert (error["type"], error["code"], error["param"]) == ("rate_limit_error", "queue_full", None)
             else:
                 assert r.json()["usage"]["completion_tokens"] == 24
@@ -485,7 +478,7 @@ def test_503_when_engine_dead(default_model):
             assert (await http.get("/health")).status_code == 503
             r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 503
-            assert _error(r)["type"] == "service_unavailable"
+            assert openai_error(r)["type"] == "service_unavailable"
 
     asyncio.run(main())
 
@@ -503,7 +496,7 @@ def test_503_when_waiting_timeout_expires(default_model):
             first = asyncio.create_task(http.post("/v1/completions", json=long))
             await asyncio.sleep(0.2)  # the first request holds the only sequence slot
             late = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-            assert late.status_code == 503 and "waiting_timeout_ms" in _error(late)["message"]
+            assert late.status_code == 503 and "waiting_timeout_ms" in openai_error(late)["message"]
             assert (await first).status_code == 200
 
     try:
