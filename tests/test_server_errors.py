@@ -1,0 +1,219 @@
+"""The OpenAI-compatible server's errors, as a real subprocess driven by `httpx` and the
+official `openai` client: one test per 400 class with its exact param and code, 404, 413, 401
+(API key), 429 with Retry-After for a full queue; and, with the app in-process, 503 once the
+engine is dead or a request waited too long."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+import ksana_llm as kt
+from tests.server_process import ServerProcess, openai_error
+
+KV_ARGS = ["--num-device-blocks", "256"]
+MAX_BODY = 64 * 1024
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    proc = ServerProcess([*KV_ARGS, "--max-body-bytes", str(MAX_BODY)])
+    yield proc
+    proc.stop()
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    # (id, route, body (dict, or raw bytes), param, code)
+    ("malformed_json", "/v1/completions", b'{"prompt": "x",', None, "invalid_json"),
+    ("not_an_object", "/v1/completions", b"[1, 2]", None, None),
+    ("wrong_type", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", None),
+    ("wrong_type_bool", "/v1/chat/completions", {"messages": QUESTION, "stream": "yes"}, "stream", None),
+    ("out_of_range_temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", None),
+    ("out_of_range_top_p", "/v1/chat/completions", {"messages": QUESTION, "top_p": 1.5}, "top_p", None),
+    ("out_of_range_n", "/v1/completions", {"prompt": "x", "n": 0}, "n", None),
+    ("max_tokens_zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
+    ("min_over_max", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens", None),
+    ("empty_prompt", "/v1/completions", {"prompt": ""}, "prompt", "empty_prompt"),
+    ("empty_prompt_list", "/v1/completions", {"prompt": []}, "prompt", None),
+    ("empty_prompt_in_list", "/v1/completions", {"prompt": ["ok", ""]}, "prompt", "empty_prompt"),
+    ("missing_prompt", "/v1/completions", {"max_tokens": 3}, "prompt", None),
+    ("empty_messages", "/v1/chat/completions", {"messages": []}, "messages", None),
+    ("bad_token_id", "/v1/completions", {"prompt": [1, 49152]}, "prompt", "invalid_token_id"),
+    ("negative_token_id", "/v1/completions", {"prompt": [-1]}, "prompt", "invalid_token_id"),
+    ("bad_stop_token_id", "/v1/completions", {"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids",
+     "invalid_token_id"),
+    ("over_context", "/v1/completions", {"prompt": "x", "max_tokens": 5000}, "prompt",
+     "context_length_exceeded"),
+    ("over_context_stream", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 5000, "stream": True},
+     "messages", "context_length_exceeded"),
+    ("logit_bias_out_of_vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"49152": 5}}, "logit_bias",
+     "invalid_token_id"),
+    ("logit_bias_out_of_range", "/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias", None),
+    ("best_of_below_n", "/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of", None),
+    ("best_of_streamed", "/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of", None),
+    ("unsupported_suffix", "/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix", "unsupported_parameter"),
+    ("malformed_tool", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]},
+     "tools.0.function", None),
+    ("json_schema_without_schema", "/v1/chat/completions",
+     {"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", None),
+    ("top_logprobs_over_cap", "/v1/chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", None),
+    ("unsupported_functions", "/v1/chat/completions", {"messages": QUESTION, "functions": [{"name": "f"}]},
+     "functions", "unsupported_parameter"),
+    ("unknown_field", "/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ("request_chat_template", "/v1/chat/completions", {"messages": QUESTION, "chat_template": "{{ 7*7 }}"},
+     "chat_template", "unsupported_parameter"),
+    ("image_content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0", None),
+    ("empty_cache_salt", "/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt", None),
+    ("priority_without_priority_policy", "/v1/chat/completions", {"messages": QUESTION, "priority": 1},
+     "priority", None),
+    ("stream_options_without_stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options", None),
+]
+
+
+@pytest.mark.parametrize("route,body,param,code", [b[1:] for b in BAD_REQUESTS],
+                         ids=[b[0] for b in BAD_REQUESTS])
+def test_400_invalid_input(server, route, body, param, code):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + route, timeout=30, **kwargs)
+    assert r.status_code == 400, r.text
+    error = openai_error(r)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] == code, error
+
+
+def test_400_with_openai_client(client, model_name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=5000)
+    assert info.value.status_code == 400 and info.value.code == "context_length_exceeded"
+    assert "maximum context length is 4096 tokens" in info.value.message
+
+
+def test_404_unknown_model(server, client):
+    r = httpx.post(server.base_url + "/completions", json={"model": "gpt-17", "prompt": "x"})
+    assert r.status_code == 404
+    assert openai_error(r) == {"message": "The model `gpt-17` does not exist.", "type": "invalid_request_error",
+                         "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=QUESTION)
+
+
+def test_413_body_too_large(server):
+    big = {"prompt": "x" * (MAX_BODY + 10)}
+    r = httpx.post(server.base_url + "/completions", json=big)
+    assert r.status_code == 413
+    assert openai_error(r)["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the size must be counted as it arrives
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 8192):
+            yield payload[i:i + 8192]
+
+    r = httpx.post(server.base_url + "/completions", content=chunked(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and openai_error(r)["code"] == "request_too_large"
+
+
+def test_401_api_key(default_model_dir):
+    proc = ServerProcess([*KV_ARGS, "--api-key", "s3cret"])
+    try:
+        assert httpx.get(proc.url + "/health").status_code == 200  # open for probes
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                 ("POST", "/tokenize"), ("GET", "/version")):
+                r = httpx.request(method, proc.url + path, headers=headers, json={"prompt": "x"})
+                assert r.status_code == 401, (path, headers)
+                assert openai_error(r) == {"message": "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                                     "type": "authentication_error", "param": None,
+                                     "code": "invalid_api_key"}
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=proc.base_url, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=proc.base_url, api_key="s3cret", max_retries=0)
+        name = good.models.list().data[0].id
+        out = good.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+    finally:
+        proc.stop()
+
+
+def test_429_queue_full_with_retry_after(default_model_dir):
+    proc = ServerProcess([*KV_ARGS, "--max-num-seqs", "1", "--max-queue-size", "1"])
+    try:
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=proc.base_url, timeout=120) as http:
+                body = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}
+                return await asyncio.gather(*(http.post("/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(flood())
+        statuses = sorted(r.status_code for r in responses)
+        # One request runs, one waits (queue of 1), the other six are refused; none is lost.
+        assert statuses == [200] * 2 + [429] * 6, statuses
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                error = openai_error(r)
+                assert (error["type"], error["code"], error["param"]) == ("rate_limit_error", "queue_full", None)
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 24
+        # Serial requests are never throttled.
+        for _ in range(2):
+            assert httpx.post(proc.base_url + "/completions", timeout=60,
+                              json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        proc.stop()
+
+
+# ---- the app in-process: engine death --------------------------------------------------------------
+
+def test_503_when_engine_dead(default_model):
+    from ksana_llm.server.app import build_app
+
+    engine = kt.Engine(default_model, num_device_blocks=16)
+    app = build_app(engine, served_model_name="m", mount_extensions=False)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200
+            engine.shutdown()
+            assert (await http.get("/health")).status_code == 503
+            r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503
+            assert openai_error(r)["type"] == "service_unavailable"
+
+    asyncio.run(main())
+
+
+def test_503_when_waiting_timeout_expires(default_model):
+    from ksana_llm.server.app import build_app
+
+    engine = kt.Engine(default_model, num_device_blocks=64, max_num_seqs=1, waiting_timeout_ms=300)
+    app = build_app(engine, served_model_name="m", mount_extensions=False)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            long = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+            first = asyncio.create_task(http.post("/v1/completions", json=long))
+            await asyncio.sleep(0.2)  # the first request holds the only sequence slot
+            late = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert late.status_code == 503 and "waiting_timeout_ms" in openai_error(late)["message"]
+            assert (await first).status_code == 200
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
