@@ -1,0 +1,118 @@
+"""The GPU benchmark scripts (benchmarks/gpu/bench_engine.py's stages, parity.py) in `--smoke`
+mode on CPU: tiny shapes, the same code paths and JSON reports as on the H200, so a GPU session
+spends its minutes measuring, not debugging."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
+    """`benchmarks/gpu/bench_engine.py --smoke`: the whole GPU benchmark with tiny shapes on the
+    CPU, both models, ours against HF generate_batch, graphs on and off."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--out", str(tmp_path)]) == 0
+    for name in ("qwen3-0.6b", "llama-3-8b"):
+        report = json.loads((tmp_path / f"engine_{name}.json").read_text())
+        ours = report["throughput"]["ksana_llm"]
+        assert ours["exact_lengths"] and ours["output_tokens"] == report["workload"]["output_tokens"]
+        assert report["throughput"]["hf_generate_batch"]["output_tokens_per_s"] > 0
+        assert report["ratio_vs_hf_generate_batch"] > 0
+        assert report["cuda_graphs"]["on"]["status"].startswith("off: device is cpu")
+        assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
+        assert report["batch1"]["graphs_off"]["ms_per_token"] > 0
+
+
+def test_gpu_benchmark_fp8_stage_smoke(tmp_path):
+    """run.sh's engine-qwen3-fp8 stage: the same workload with an E4M3 KV cache, its own file."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", "qwen3-0.6b", "--kv-cache-dtype",
+                              "fp8_e4m3", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_qwen3-0.6b-kv-fp8_e4m3.json").read_text())
+    assert report["kv_cache_dtype"] == "fp8_e4m3"
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+
+
+def test_gpu_benchmark_lora_stage_smoke(tmp_path):
+    """run.sh's engine-qwen3-lora stage: the workload through random adapters, its own file."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", "qwen3-0.6b", "--lora-adapters", "2",
+                              "--lora-rank", "4", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_qwen3-0.6b-lora2.json").read_text())
+    assert report["lora"] == {"adapters": 2, "rank": 4}
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+    assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
+    assert not report["errors"]
+
+
+@pytest.mark.parametrize("name,experts_key", [("qwen3-30b-a3b-12l", "num_experts"),
+                                               ("deepseek-v2-lite-8l", "n_routed_experts")])
+def test_gpu_benchmark_moe_stages_smoke(tmp_path, name, experts_key):
+    """run.sh's engine-qwen3moe and engine-deepseek stages: the workload on a Qwen3-MoE and on
+    a DeepSeek-V3 (MLA; tiny on CPU), each its own file."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", name, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / f"engine_{name}.json").read_text())
+    assert report["shape"][experts_key] == 8
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+    assert report["ratio_vs_hf_generate_batch"] > 0 and not report["errors"]
+
+
+def test_gpu_benchmark_int4_stage_smoke(tmp_path):
+    """run.sh's engine-qwen3-int4w stage: ours on the checkpoint rewritten as W4A16 (the writer
+    itself is checked against compressed-tensors in tests/test_int4_checkpoint_writer.py)."""
+    from benchmarks.gpu import bench_engine
+
+    assert bench_engine.main(["--smoke", "--models", "qwen3-0.6b", "--int4-weights",
+                              "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_qwen3-0.6b-wint4.json").read_text())
+    assert report["quantization"].startswith("int4 checkpoint (W4A16")
+    assert report["throughput"]["ksana_llm"]["exact_lengths"]
+    assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
+    assert not report["errors"]
+
+
+def test_gpu_parity_smoke_mode_runs_on_cpu(tmp_path):
+    """`benchmarks/gpu/parity.py --smoke`: CPU serial engine against the device-default engine
+    (here the Triton interpreter with async scheduling and overlapped outputs), three rounds."""
+    from benchmarks.gpu import parity
+
+    assert parity.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "parity.json").read_text())
+    assert report["ok"] and report["tokens_compared"] == report["tokens"] == 3 * 8 * 8
+    assert report["device"]["attention_backend"] == "triton"
+    assert report["device"]["async_scheduling"] and report["device"]["steps_ahead"] > 0
+    assert report["device"]["prefix_cache_hits"] > 0  # the second round reused the first's KV
+
+
+def test_gpu_parity_allows_a_difference_only_at_a_near_tie():
+    from types import SimpleNamespace
+
+    from benchmarks.gpu.parity import compare
+
+    def output(ids: list[int], tops: list[dict[int, float]]) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=ids, logprobs=[
+            {"token_id": t, "logprob": top.get(t, -9.0), "top_logprobs": top}
+            for t, top in zip(ids, tops)])
+
+    tied = [{5: -0.1, 6: -2.0}, {7: -0.6931, 8: -0.6935}, {9: -0.2, 1: -1.9}]
+    cpu = output([5, 7, 9], tied)
+    assert compare(cpu, output([5, 7, 9], tied), tie=1e-3)["ok"]
+    at_tie = compare(cpu, output([5, 8, 3], tied), tie=1e-3)
+    assert at_tie["ok"] and at_tie["compared"] == 1 and at_tie["first_difference"] == 1
+    assert not compare(cpu, output([5, 8, 3], tied), tie=1e-4)["ok"]  # not a tie at 1e-4
+    assert not compare(cpu, output([6, 7, 9], tied), tie=1e-3)["ok"]  # no tie at token 0
+    assert not compare(cpu, output([5, 7], tied), tie=1e-3)["ok"]  # a token missing
