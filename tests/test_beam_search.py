@@ -105,11 +105,10 @@ def _hf_score(hf_model, prompt: list[int], tokens: list[int], config: kt.Generat
     return total / len(tokens) ** config.length_penalty
 
 
-def _assert_same(out: kt.RequestOutput, expected, hf_model, prompt: list[int],
-                 config: kt.GenerationConfig) -> None:
+def _assert_beams_or_ties(out: kt.RequestOutput, sequences: list[list[int]], scores: list[float],
+                          hf_model, prompt: list[int], config: kt.GenerationConfig) -> None:
     """transformers' beams with its scores, rank by rank. Where a beam differs, the two were a
     tie: transformers itself scores ours within TIE of its own (so a wrong beam cannot pass)."""
-    sequences, scores = expected
     assert len(out.sequences) == len(sequences)
     # The rescoring the tie check relies on gives generate's own score for its best beam.
     assert _hf_score(hf_model, prompt, sequences[0], config) == pytest.approx(scores[0], abs=2e-4)
@@ -119,6 +118,11 @@ def _assert_same(out: kt.RequestOutput, expected, hf_model, prompt: list[int],
         if s.token_ids != reference:
             assert _hf_score(hf_model, prompt, s.token_ids, config) == pytest.approx(
                 scores[rank], abs=TIE), (rank, s.token_ids, reference)
+
+
+def _assert_same(out: kt.RequestOutput, expected, hf_model, prompt: list[int],
+                 config: kt.GenerationConfig) -> None:
+    _assert_beams_or_ties(out, *expected, hf_model, prompt, config)
     assert out.token_ids == out.sequences[0].token_ids and out.text == out.sequences[0].text
     for s in out.sequences:
         assert s.finish_reason == ("stop" if len(s.token_ids) < MAX_NEW else "length") or (
@@ -261,9 +265,7 @@ def test_beam_search_with_stop_strings_matches_transformers(default_model, hf_mo
     with kt.Engine(default_model, num_device_blocks=64) as engine:
         ours, kept = engine.generate_outputs(
             [ids, ids], [config, config.replace(include_stop_str_in_output=True)], use_tqdm=False)
-    assert [s.token_ids for s in ours.sequences] == expected
-    assert [s.score for s in ours.sequences] == pytest.approx(out.sequences_scores.tolist(),
-                                                              abs=2e-4)
+    _assert_beams_or_ties(ours, expected, out.sequences_scores.tolist(), hf_model, ids, config)
     stopped = [s for s in ours.sequences if s.finish_reason == "stop"]
     assert stopped, "no beam ended on a stop string: the test would not bite"
     for s, with_stop in zip(ours.sequences, kept.sequences):
