@@ -170,6 +170,50 @@ def test_decode_latent_cache_with_head_blocks(device, dtype, heads):
         assert_close(out, expected, dtype)
 
 
+def test_head_dim_tiles_cover_the_head_and_split_only_where_it_saves_work():
+    """The attention kernels read a head as a power-of-two tile plus a tail tile (summing their
+    products with the keys) where that is smaller than one padded tile."""
+    from ksana_llm.kernels._common import MIN_DOT_DIM, dot_tile, head_dim_tiles
+
+    def pow2(n: int) -> bool:
+        return n & (n - 1) == 0
+
+    for head_dim in range(1, 1200):
+        main, tail = head_dim_tiles(head_dim)
+        assert main + tail >= head_dim and main + tail <= dot_tile(head_dim)
+        assert pow2(main) and main >= MIN_DOT_DIM
+        assert tail == 0 or (pow2(tail) and MIN_DOT_DIM <= tail < main and main < head_dim)
+        if tail == 0:
+            assert main == dot_tile(head_dim)
+    assert head_dim_tiles(576) == (512, 64)  # MLA's latent + rope: not one 1024-wide tile
+    assert head_dim_tiles(128) == (128, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_attention_at_mla_dims(device, dtype):
+    """DeepSeek V3's own latent (512) and rope (64) widths, read as a 512 tile plus a 64 tail:
+    decode (with a split context) and absorbed prefill over the same paged latents."""
+    latent, rope_dim, heads = 512, 64, 16
+    batch = make_paged_batch([1, 70], block_size=64, kv_heads=1, head_dim=latent + rope_dim,
+                             dtype=dtype, device=device)
+    values = batch.k_cache[..., :latent]
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    q = random_q(2, heads, latent + rope_dim, dtype, device)
+    args = (q, batch.k_cache, values, batch.block_tables, lens, 0.05)
+    for num_splits in (None, 2):
+        out = kernels.paged_decode_attention(*args, num_splits=num_splits)
+        assert out.shape == (2, heads, latent)
+        assert_close(out, ref.paged_decode_attention_ref(*args), dtype)
+
+    q_lens = torch.tensor([1, 37], dtype=torch.int32, device=device)  # 33 cached for the second
+    starts = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
+    qp = random_q(int(q_lens.sum()), heads, latent + rope_dim, dtype, device, seed=5)
+    prefill_args = (qp, batch.k_cache, values, batch.block_tables, starts, lens, 0.05)
+    out = kernels.paged_prefill_attention(*prefill_args)
+    assert out.shape == (qp.shape[0], heads, latent)
+    assert_close(out, ref.paged_prefill_attention_ref(*prefill_args), dtype)
+
+
 @pytest.mark.parametrize("window, alibi", WINDOW_ALIBI)
 def test_decode_window_and_alibi(device, window, alibi):
     heads, kv_heads, head_dim = 4, 2, 32

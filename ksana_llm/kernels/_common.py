@@ -20,6 +20,24 @@ def dot_tile(n: int) -> int:
     return max(MIN_DOT_DIM, next_pow2(n))
 
 
+def head_dim_tiles(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DT): the tiles a head of `head_dim` is read in by the attention kernels.
+
+    A power-of-two head is one tile and no tail (BLOCK_DT = 0). Otherwise, when it saves work,
+    the head is a power-of-two main tile plus a tail tile, whose products with the keys are
+    summed: MLA's 576 = 512 + 64, not one 1024-wide tile (1.8x the QK work, and registers and
+    shared memory to match); 96 = 64 + 32, 80 = 64 + 16. Where a split saves nothing (112 =
+    64 + 64), the head is one padded tile."""
+    padded = dot_tile(head_dim)
+    main = 1 << (int(head_dim).bit_length() - 1)  # the largest power of two <= head_dim
+    if main == head_dim or main < MIN_DOT_DIM:
+        return padded, 0
+    tail = dot_tile(head_dim - main)
+    if main + tail >= padded:
+        return padded, 0
+    return main, tail
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs would silently drop to TF32 on tensor cores; keep them exact ("ieee") so fp32
     results match the fp32 reference. 16-bit inputs use the tensor cores as they are."""

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_window,
-                                       dot_precision, dot_tile, next_pow2)
+                                       dot_precision, dot_tile, head_dim_tiles, next_pow2)
 
 # Assumed SM count when running in the interpreter on CPU (an H100/H200 has 132), so the split
 # choice made in CPU tests is the one a Hopper GPU would make.
@@ -48,7 +48,7 @@ def _decode_kernel(
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
@@ -78,6 +78,11 @@ def _decode_kernel(
 
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if BLOCK_DT > 0:  # the head's dims past BLOCK_D (`head_dim_tiles`)
+        dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        dt_mask = dt < HEAD_DIM
+        q_tail = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dt[None, :],
+                         mask=g_mask[:, None] & dt_mask[None, :], other=0.0)
     if USE_ALIBI:
         slopes = tl.load(Alibi + heads, mask=g_mask, other=0.0) * 1.4426950408889634
 
@@ -98,7 +103,12 @@ def _decode_kernel(
                     + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
         # An FP8 cache's entries widen to q's type; the K scale is folded into scale_log2.
         k = k.to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], log2
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        if BLOCK_DT > 0:
+            k_tail = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
+                             + dt[:, None], mask=dt_mask[:, None] & kv_mask[None, :], other=0.0)
+            s += tl.dot(q_tail, k_tail.to(q.dtype), input_precision=DOT_PRECISION)
+        s = s * scale_log2  # log2 domain
         if USE_ALIBI:
             s += slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]
         s = tl.where(kv_mask[None, :], s, float("-inf"))
@@ -235,6 +245,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     block_n, num_warps, num_stages = _decode_config(head_dim, q.dtype)
+    block_d, block_dt = head_dim_tiles(head_dim)
     max_context = block_tables.shape[1] * block_size
     if window:
         max_context = min(max_context, window)
@@ -266,7 +277,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1),
         *mid_strides,
         GROUP=group, BLOCK_G=dot_tile(min(group, MAX_HEAD_BLOCK)), HEAD_BLOCKS=blocks_per_head,
-        HEAD_DIM=head_dim, BLOCK_D=dot_tile(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DT=block_dt,
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, SINGLE_SPLIT=single,

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_window,
-                                       dot_precision, dot_tile)
+                                       dot_precision, dot_tile, head_dim_tiles)
 
 _LOG2E = 1.4426950408889634
 
@@ -48,7 +48,7 @@ def _prefill_kernel(
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -76,6 +76,11 @@ def _prefill_kernel(
     dv_mask = dv < HEAD_DIM_V
     q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if BLOCK_DT > 0:  # the head's dims past BLOCK_D (`head_dim_tiles`)
+        dt = BLOCK_D + tl.arange(0, BLOCK_DT)
+        dt_mask = dt < HEAD_DIM
+        q_tail = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + dt[None, :],
+                         mask=m_mask[:, None] & dt_mask[None, :], other=0.0)
     if USE_ALIBI:
         slope = tl.load(Alibi + head) * 1.4426950408889634
 
@@ -100,7 +105,12 @@ def _prefill_kernel(
                     + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
         # An FP8 cache's entries widen to q's type; the K scale is folded into scale_log2.
         k = k.to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if BLOCK_DT > 0:
+            k_tail = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
+                             + dt[:, None], mask=dt_mask[:, None] & kv_mask[None, :], other=0.0)
+            s += tl.dot(q_tail, k_tail.to(q.dtype), input_precision=DOT_PRECISION)
+        s = s * scale_log2  # log2 domain
         rel = pos[None, :] - q_pos[:, None]  # key pos - query pos
         if USE_ALIBI:
             s += slope * rel.to(tl.float32)
@@ -186,6 +196,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
 
     block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, q.dtype)
+    block_d, block_dt = head_dim_tiles(head_dim)
     # sum_b ceil(q_len_b / BLOCK_M) <= T // BLOCK_M + B: every block of every sequence has a slot.
     grid = (num_tokens // block_m + batch, num_heads)
     _prefill_kernel[grid](
@@ -198,7 +209,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=dot_tile(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DT=block_dt,
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         USE_WINDOW=bool(window), USE_ALIBI=slopes is not None,
