@@ -294,6 +294,14 @@ def test_server_ppl_last_position_is_null(server, ids):
     ({"requests": [{"input_tokens": [1], "request_target": [{"target_name": "logits", "x": 1}]}]},
      "requests.0.request_target.0.x"),
     ({"requests": []}, "requests"),
+    # 2 x 200 rows of full-vocabulary logits: 19.7M numbers, past MAX_FORWARD_VALUES (16.8M)
+    ({"requests": [{"input_tokens": [1] * 200, "request_target": [{"target_name": "logits"}]}] * 2},
+     "requests.1.request_target"),
+    ({"requests": [{"input_tokens": [1], "request_target": [
+        {"target_name": "logits", "input_top_logprobs_num": 21}]}]},  # --max-logprobs 20
+     "requests.0.request_target.0.input_top_logprobs_num"),
+    ({"requests": [{"prompt": "hi " * 9000, "request_target": [
+        {"target_name": "logits", "slice_pos": [[-1, -1]]}]}]}, "requests.0.prompt"),
     ({"requests": [{"input_tokens": [1], "input_refit_embedding": {},
                     "request_target": [{"target_name": "logits"}]}]},
      "requests.0.input_refit_embedding"),
@@ -304,6 +312,8 @@ def test_server_400(server, body, param, use_msgpack):
     assert r.status_code == 400, r.text
     error = openai_error(r)
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+    if param == "requests.1.request_target":
+        assert error["code"] == "forward_too_large"
 
 
 def test_server_malformed_bodies(server):
@@ -314,6 +324,14 @@ def test_server_malformed_bodies(server):
     assert r.status_code == 400 and openai_error(r)["code"] == "invalid_body"
     r = httpx.post(server.url + "/forward", json=[1, 2], timeout=30)
     assert r.status_code == 400
+    # Nested past the JSON decoder's recursion limit: a 400, and the connection still serves.
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(2):
+            r = client.post("/forward", content=b'{"requests": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+            assert r.status_code == 400 and openai_error(r)["code"] == "invalid_body"
+        r, _ = _post(server, {"requests": [{"input_tokens": [1, 2], "request_target": [
+            {"target_name": "logits", "slice_pos": [[-1, -1]]}]}]})
+        assert r.status_code == 200
 
 
 def _aborted_count(server) -> float:

@@ -178,6 +178,19 @@ def test_400_names_every_bad_key(server):
     assert r.status_code == 400 and openai_error(r)["code"] == "invalid_json"
 
 
+def test_deeply_nested_json_is_a_400_and_the_connection_still_serves(server, greedy16):
+    """Nesting past the JSON decoder's recursion limit used to escape as a 500 (RecursionError)
+    that also reset the client's keep-alive connection."""
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for _ in range(2):
+            r = client.post("/generate", content=b'{"prompt": "hi", "model_name": '
+                            + b"[" * 5000 + b"]" * 5000 + b"}")
+            assert r.status_code == 400 and openai_error(r)["code"] == "invalid_json", r.text
+        r = client.post("/generate", json={"prompt": PROMPT, "stream": False,
+                                           "sampling_config": {"max_new_tokens": 16}})
+        assert r.status_code == 200 and r.json()["output_token_ids"] == [greedy16.token_ids]
+
+
 def test_disconnect_aborts_requests(server):
     body = {"prompt": PROMPT, "sampling_config": {"max_new_tokens": 3000, "ignore_eos": True,
                                                   "num_return_sequences": 2}}

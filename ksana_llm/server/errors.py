@@ -128,7 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # Details go to the log, not to the client (they may hold paths or prompts).
         logger.exception("unhandled error while serving a request")
+        state = getattr(request.app.state, "server", None)
+        if state is not None:
+            state.count_failure("other")
         return JSONResponse(error_body("Internal server error.", "internal_error"), status_code=500)

@@ -36,17 +36,23 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ksana_llm.api.engine import EngineDeadError
+from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
 from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import forward_results, map_engine_error
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST
-from ksana_llm.server.params import check_token_ids, prompt_token_lists
+from ksana_llm.server.params import check_logprobs_cap, check_token_ids, prompt_token_lists
 from ksana_llm.server.state import server_state
 
 MSGPACK = "application/x-msgpack"
 MAX_FORWARD_REQUESTS = 256  # prompts per body
+# Numbers one response may carry (rows x width, all targets of all prompts): 2**24 float32 is
+# 64 MB of tensors, ~90 MB of base64, and ~370 MB at the serving peak (the tensors, their bytes,
+# base64 and the serialised body side by side). Without it a 40 KB body asking for every
+# position's logits could take the server's whole memory.
+MAX_FORWARD_VALUES = 1 << 24
 _UNSUPPORTED_TARGETS = ("transformer", "lm_head")
 
 
@@ -79,7 +85,8 @@ def _decode(raw: bytes, is_msgpack: bool) -> Any:
         if is_msgpack:
             return msgpack.unpackb(raw, raw=False, strict_map_key=True)
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, msgpack.UnpackException) as exc:
+    # RecursionError: arrays nested past the JSON decoder's recursion limit
+    except (ValueError, UnicodeDecodeError, RecursionError, msgpack.UnpackException) as exc:
         kind = "msgpack" if is_msgpack else "JSON"
         raise bad_request(f"Malformed {kind} body: {exc}", code="invalid_body") from exc
 
@@ -133,22 +140,62 @@ def _prompt_ids(i: int, req: ForwardRequestBody, state: Any) -> list[int]:
     return list(req.input_tokens)
 
 
+def _target_values(target: TargetBody, rows: int, vocab: int, hidden: int) -> int:
+    """How many numbers the target returns: its tensor, its top log-probs ([id, logprob] pairs)
+    and its next-token log-probs."""
+    if target.target_name == "layernorm":
+        return rows * hidden
+    width = len(target.token_id) if target.token_reduce_mode == "GATHER_TOKEN_ID" else vocab
+    return rows * (width + 2 * target.input_top_logprobs_num + int(target.token_logprobs))
+
+
+def _engine_target(t: TargetBody) -> ForwardTarget:
+    return ForwardTarget(t.target_name, slice_pos=t.slice_pos or None,
+                         token_id=t.token_id or None, token_reduce_mode=t.token_reduce_mode,
+                         input_top_logprobs_num=t.input_top_logprobs_num,
+                         token_logprobs=t.token_logprobs)
+
+
+def _count_values(req: ForwardRequestBody, targets: list[ForwardTarget], ids: list[int],
+                  engine: Any) -> int:
+    """Numbers the request's targets return; ValueError (as the engine's) for a bad target."""
+    config = engine.model.hf_config
+    vocab, hidden = int(config.vocab_size), int(config.hidden_size)
+    total = 0
+    for j, (body_target, target) in enumerate(zip(req.request_target, targets)):
+        _, positions = resolve_target(j, target, len(ids), vocab)
+        total += _target_values(body_target, len(positions), vocab, hidden)
+    return total
+
+
 def _submit_all(engine: Any, body: ForwardBody, state: Any,
                 loop: asyncio.AbstractEventLoop) -> list[ForwardHandle]:
     """Validate every request first, then submit them all or none."""
     jobs = []
+    values = 0
     for i, req in enumerate(body.requests):
         ids = _prompt_ids(i, req, state)
         for j, t in enumerate(req.request_target):
+            check_logprobs_cap(t.input_top_logprobs_num, state.max_logprobs,
+                               f"requests.{i}.request_target.{j}.input_top_logprobs_num")
             if t.target_name in _UNSUPPORTED_TARGETS:
                 raise bad_request(f"target_name {t.target_name!r} is not supported yet "
                                   "(supported: logits, layernorm).",
                                   param=f"requests.{i}.request_target.{j}.target_name",
                                   code="unsupported_parameter")
-        targets = [ForwardTarget(t.target_name, slice_pos=t.slice_pos or None,
-                                 token_id=t.token_id or None, token_reduce_mode=t.token_reduce_mode,
-                                 input_top_logprobs_num=t.input_top_logprobs_num,
-                                 token_logprobs=t.token_logprobs) for t in req.request_target]
+        targets = [_engine_target(t) for t in req.request_target]
+        try:
+            values += _count_values(req, targets, ids, engine)
+        except ValueError as exc:
+            message, param = _targets_param(i, str(exc))
+            raise bad_request(message, param=param) from exc
+        if values > MAX_FORWARD_VALUES:
+            raise bad_request(
+                f"The response would hold over {MAX_FORWARD_VALUES} numbers (rows x width "
+                f"over every target; the logits are {state.limits.vocab_size} wide). Ask for "
+                "fewer positions (`slice_pos`), GATHER_TOKEN_ID, top log-probs or "
+                "`token_logprobs`, or split the request.",
+                param=f"requests.{i}.request_target", code="forward_too_large")
         jobs.append((ids, targets))
     handles: list[ForwardHandle] = []
     base = f"fwd-{uuid.uuid4().hex}"
@@ -160,7 +207,8 @@ def _submit_all(engine: Any, body: ForwardBody, state: Any,
             except ValueError as exc:
                 message, param = _targets_param(i, str(exc))
                 if param is None and str(exc).startswith("prompt"):
-                    param = f"requests.{i}.input_tokens"
+                    given = "prompt" if body.requests[i].prompt is not None else "input_tokens"
+                    param = f"requests.{i}.{given}"
                 raise bad_request(message, param=param) from exc
     except (QueueFullError, EngineDeadError) as exc:
         for h in handles:

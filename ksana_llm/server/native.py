@@ -137,7 +137,7 @@ async def parse_generate_request(request: Request) -> GenerateRequest:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting
         raise bad_request(f"Malformed JSON body: {exc}", code="invalid_json") from exc
     _check_keys(body)
     # Defaults for the keys that mean "off" are dropped before the model sees them.
