@@ -60,6 +60,10 @@ class GenerationConfig:
       hypothesis' summed log-prob by its generated length ** length_penalty; `early_stopping`
       True / False / "never"): the best `num_return_sequences` hypotheses, best first.
 
+    `min_new_tokens` holds back EOS and `stop_token_ids` (transformers) and, as in vLLM, stop
+    strings: one that ends within the first `min_new_tokens` tokens' text does not stop the
+    output (beam search keeps transformers' stop-string rule).
+
     `logit_bias` adds to the logits of token ids (OpenAI semantics, like transformers'
     `SequenceBiasLogitsProcessor` with one-token sequences). `prompt_logprobs` = k returns, for
     every prompt token after the first, its log-prob and the k most likely alternatives.

@@ -281,6 +281,26 @@ def test_chinese_stop_string_split_across_byte_tokens(tok, include: bool) -> Non
     assert all(REPLACEMENT_CHAR not in u.delta for u in updates)
 
 
+@pytest.mark.parametrize("text, stop, min_tokens", [
+    ("1, 2, 3, 4, 5, 6", ",", 4),  # two commas in the first 4 tokens' text
+    ("Hello world. Goodbye world.", "d. Goodb", 3),  # starts before the boundary, ends after
+    ("Hello world. Goodbye world.", "world", 99),  # never: the output stays short of min_tokens
+])
+def test_stop_strings_wait_for_min_tokens(tok, text: str, stop: str, min_tokens: int) -> None:
+    """vLLM's min_tokens: only a stop string that ends in the text of token min_tokens + 1 or
+    later stops the output."""
+    ids = encode(tok, text)
+    det = IncrementalDetokenizer(tok, encode(tok, "Q:"), stop=[stop], min_tokens=min_tokens)
+    updates, flushed = stream(det, ids)
+    full, before = decode(tok, ids), decode(tok, ids[:min_tokens])
+    assert full.startswith(before) and 0 <= full.find(stop) < len(before)  # starts in it
+    end = full.find(stop, max(0, len(before) - len(stop) + 1))
+    if end < 0:
+        assert det.stop_str is None and joined(updates) + flushed == full
+    else:
+        assert_stopped(det, updates, flushed, stop, full[:end])
+
+
 def test_earliest_stop_string_wins(tok) -> None:
     stops = ["world", "Hello", "absent"]
     det, updates, flushed, full = run_with_stop(tok, "Say Hello to the world", stops)

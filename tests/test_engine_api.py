@@ -69,6 +69,22 @@ def test_stop_string_truncates(engine):
     assert cut.stop_reason == stop
 
 
+def test_stop_strings_wait_for_min_new_tokens(engine):
+    """vLLM's min_tokens: a stop string that ends within the first min_new_tokens tokens' text
+    does not stop the output; the first one ending after it does."""
+    full = engine.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=30, ignore_eos=True),
+                                   use_tqdm=False)[0]
+    min_tokens, stop = 8, " "
+    before = engine.tokenizer.decode(full.token_ids[:min_tokens])
+    assert full.text.startswith(before) and stop in before.lstrip()  # would stop there otherwise
+    expected = full.text[:full.text.index(stop, len(before))]
+    cut = engine.generate_outputs(PROMPT, kt.GenerationConfig(
+        max_new_tokens=30, ignore_eos=True, min_new_tokens=min_tokens, stop=[stop]),
+        use_tqdm=False)[0]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (expected, "stop", stop)
+    assert len(cut.token_ids) > min_tokens
+
+
 def test_min_new_tokens_suppresses_eos(engine, model):
     # An answer this model ends quickly; min_new_tokens forbids EOS until then.
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],

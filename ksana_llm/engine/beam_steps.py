@@ -131,7 +131,7 @@ class BeamSearchSteps:
         best = group.beam.results(group.config.num_return_sequences)
         outputs = []
         for rank, hyp in enumerate(best):
-            detok = self._detokenizer(first)
+            detok = self._detokenizer(first, stop_after_min_tokens=False)
             text = detok.update(hyp.token_ids).delta + detok.flush()
             reason = FinishReason.STOP if hyp.finish_reason == "stop" else FinishReason.LENGTH
             stop_reason = (hyp.stop_string if hyp.stop_string is not None else hyp.token_ids[-1]

@@ -153,11 +153,15 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         seq.detokenizer = self._detokenizer(seq)
         self.groups[seq.request_id] = group
 
-    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+    def _detokenizer(self, seq: Sequence, *, stop_after_min_tokens: bool = True
+                     ) -> IncrementalDetokenizer:
+        """`stop_after_min_tokens`: stop strings wait for min_new_tokens (vLLM's rule); beam
+        search's text does not, as its stop checks follow transformers (`StopStringCheck`)."""
         c = seq.config
         return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                       skip_special_tokens=c.skip_special_tokens, stop=c.stop,
-                                      include_stop_str_in_output=c.include_stop_str_in_output)
+                                      include_stop_str_in_output=c.include_stop_str_in_output,
+                                      min_tokens=c.min_new_tokens if stop_after_min_tokens else 0)
 
     def abort(self, request_id: str) -> list[StepOutput]:
         """Finish the request now (finish_reason "abort"), freeing every block it holds."""

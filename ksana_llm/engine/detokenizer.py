@@ -226,17 +226,19 @@ class _StopStringMatcher:
         self._held = ""  # suffix of _lookback that has not been returned yet
         self.stop_str: str | None = None
 
-    def feed(self, text: str) -> str:
-        """Add safe text; return the part of it (plus held text) that is final."""
+    def feed(self, text: str, *, match: bool = True) -> str:
+        """Add safe text; return the part of it (plus held text) that is final. With `match`
+        False (output still short of min_tokens) no stop string may end in this text, though
+        one may start in it and end in later text (vLLM's min_tokens)."""
         if self.stop_str is not None or not text:
             return ""
         if not self._stops:
             return text
         window = self._lookback + text
         emit_from = len(self._lookback) - len(self._held)
-        match = self._first_match(window)
-        if match is not None:
-            return self._stop_at(window, emit_from, *match)
+        found = self._first_match(window, len(self._lookback)) if match else None
+        if found is not None:
+            return self._stop_at(window, emit_from, *found)
         pending = window[emit_from:]
         hold = self._holdback_len(pending)
         self._held = pending[len(pending) - hold :] if hold else ""
@@ -248,18 +250,18 @@ class _StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, window: str) -> tuple[str, int] | None:
+    def _first_match(self, window: str, new_from: int) -> tuple[str, int] | None:
         """The stop string completed first in ``window`` and its start index.
 
         "First" means the smallest end index (ties: the longest match). This is
         what a character-by-character stream would find, so the result does not
-        depend on how the text happens to be split into tokens. Matches lying
-        entirely in the look-back are impossible: they would have stopped an
-        earlier call.
+        depend on how the text happens to be split into tokens. Only matches that
+        end in the new text (from ``new_from``) count: one lying entirely in the
+        look-back either stopped an earlier call or ended before min_tokens.
         """
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
-            start = window.find(stop)
+            start = window.find(stop, max(0, new_from - len(stop) + 1))
             if start < 0:
                 continue
             key = (start + len(stop), start, stop)
@@ -301,6 +303,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         """
         Args:
@@ -313,6 +316,9 @@ class IncrementalDetokenizer:
             stop: Stop strings; the output ends at the first one completed.
             include_stop_str_in_output: Keep the matched stop string at the end
                 of the output instead of cutting before it.
+            min_tokens: Stop strings only end the output once it holds more than
+                this many tokens; one that ends in earlier text is ignored (vLLM's
+                min_tokens).
 
         Raises:
             ValueError: If a stop string is empty.
@@ -320,6 +326,8 @@ class IncrementalDetokenizer:
         """
         self._decoder = _IncrementalDecoder(tokenizer, prompt_token_ids, skip_special_tokens)
         self._matcher = _StopStringMatcher(stop, include_stop_str_in_output)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._pieces: list[str] = []
         self._flushed = False
 
@@ -353,7 +361,9 @@ class IncrementalDetokenizer:
             raise RuntimeError("update() called after flush(); the request has finished")
         if self._matcher.stop_str is not None:
             return DetokenizerUpdate("", self._matcher.stop_str)
-        delta = self._matcher.feed(self._decoder.append(new_token_ids))
+        self._num_tokens += len(new_token_ids)
+        delta = self._matcher.feed(self._decoder.append(new_token_ids),
+                                   match=self._num_tokens > self._min_tokens)
         self._record(delta)
         return DetokenizerUpdate(delta, self._matcher.stop_str)
 
@@ -372,7 +382,8 @@ class IncrementalDetokenizer:
         self._flushed = True
         if self._matcher.stop_str is not None:
             return ""
-        text = self._matcher.feed(self._decoder.finish())
+        text = self._matcher.feed(self._decoder.finish(),
+                                  match=self._num_tokens > self._min_tokens)
         text += self._matcher.finish()
         self._record(text)
         return text
