@@ -90,7 +90,8 @@ def test_min_new_tokens_suppresses_eos(engine, model):
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
                                                  add_generation_prompt=True, tokenize=False)
     free = engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=64), use_tqdm=False)[0]
-    assert free.finish_reason == "stop"
+    assert free.finish_reason == "stop" and free.token_ids[-1] in model.eos_token_ids
+    assert free.stop_reason is None  # the model's own end, as in vLLM
     forced = engine.generate_outputs(
         prompt, kt.GenerationConfig(max_new_tokens=64, min_new_tokens=len(free.token_ids) + 5),
         use_tqdm=False)[0]

@@ -37,6 +37,15 @@ BAD_REQUESTS = [
     ("wrong_type", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", None),
     ("wrong_type_bool", "/v1/chat/completions", {"messages": QUESTION, "stream": "yes"}, "stream", None),
     ("out_of_range_temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", None),
+    ("infinite_temperature", "/v1/completions", b'{"prompt": "x", "temperature": Infinity}',
+     "temperature", None),
+    ("overflowing_temperature", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', "temperature", None),
+    ("stop_wrong_type", "/v1/completions", {"prompt": "x", "stop": 5}, "stop", None),
+    ("stop_list_of_ints", "/v1/chat/completions", {"messages": QUESTION, "stop": [1, 2]}, "stop",
+     None),
+    ("early_stopping_wrong_type", "/v1/completions", {"prompt": "x", "early_stopping": "x"},
+     "early_stopping", None),
     ("out_of_range_top_p", "/v1/chat/completions", {"messages": QUESTION, "top_p": 1.5}, "top_p", None),
     ("out_of_range_n", "/v1/completions", {"prompt": "x", "n": 0}, "n", None),
     ("max_tokens_zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
@@ -217,3 +226,30 @@ def test_503_when_waiting_timeout_expires(default_model):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_cancelled_waits_leave_no_unretrieved_exception(caplog):
+    """A client that leaves a non-streamed request cancels the gather of its choices; asyncio
+    used to log that gather's CancelledError as "exception was never retrieved" each time."""
+    import asyncio
+    import gc
+
+    from ksana_llm.server.generation import _cancel
+
+    async def leave() -> None:
+        loop = asyncio.get_running_loop()
+        pending = [loop.create_future() for _ in range(2)]
+
+        async def wait(future):
+            return await future
+
+        results = asyncio.gather(*(wait(f) for f in pending))
+        await asyncio.sleep(0)
+        _cancel(results)
+        await asyncio.sleep(0.05)
+        assert results.done()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(leave())
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

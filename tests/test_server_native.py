@@ -178,6 +178,13 @@ def test_400_names_every_bad_key(server):
     assert r.status_code == 400 and openai_error(r)["code"] == "invalid_json"
 
 
+def test_infinite_temperature_is_a_400(server):
+    for raw in (b"Infinity", b"1e400"):
+        r = httpx.post(server.url + "/generate", timeout=60,
+                       content=b'{"prompt": "x", "sampling_config": {"temperature": ' + raw + b"}}")
+        assert r.status_code == 400 and openai_error(r)["param"] == "sampling_config.temperature"
+
+
 def test_deeply_nested_json_is_a_400_and_the_connection_still_serves(server, greedy16):
     """Nesting past the JSON decoder's recursion limit used to escape as a 500 (RecursionError)
     that also reset the client's keep-alive connection."""

@@ -354,3 +354,27 @@ def test_metrics_parse_and_add_up(server, client, model_name):
         u.completion_tokens - 1 for u in usages)
     assert _total(after, "ksana_llm:num_requests_running") == 0
     assert _total(after, "ksana_llm:num_kv_blocks") == 256
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats(client, model_name, route):
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries its choice's token
+    counts so far, which end at the counts the final usage chunk sums."""
+    create, kwargs = ((client.chat.completions.create, {"messages": QUESTION}) if route == "chat"
+                      else (client.completions.create, {"prompt": "The sea is"}))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(create(model=model_name, max_tokens=12, n=2, temperature=0.8, seed=3,
+                         stream=True, stream_options=options, **kwargs))
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens > 0
+    so_far = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        assert c.usage is not None and c.usage.prompt_tokens == final.prompt_tokens
+        index = c.choices[0].index
+        assert c.usage.completion_tokens >= so_far[index]
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        so_far[index] = c.usage.completion_tokens
+    assert sum(so_far.values()) == final.completion_tokens
+    plain = list(create(model=model_name, max_tokens=4, stream=True,
+                        stream_options={"include_usage": True}, **kwargs))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None

@@ -142,7 +142,8 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_reason: str | int | None = None  # the stop string or token that ended it
+    # the stop string or stop token (stop_token_ids) that ended it; None at EOS, as in vLLM
+    stop_reason: str | int | None = None
     logprobs: list[dict[str, Any]] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     prompt_logprobs: list[dict[str, Any] | None] | None = None

@@ -134,8 +134,11 @@ class BeamSearchSteps:
             detok = self._detokenizer(first, stop_after_min_tokens=False)
             text = detok.update(hyp.token_ids).delta + detok.flush()
             reason = FinishReason.STOP if hyp.finish_reason == "stop" else FinishReason.LENGTH
-            stop_reason = (hyp.stop_string if hyp.stop_string is not None else hyp.token_ids[-1]
-                           ) if reason is FinishReason.STOP else None
+            stop_reason = None  # an EOS ending, or a length one
+            if reason is FinishReason.STOP:
+                last = hyp.token_ids[-1]
+                stop_reason = hyp.stop_string if hyp.stop_string is not None else (
+                    last if last in first.config.stop_token_ids else None)
             out = StepOutput(group.request_id, list(hyp.token_ids), text, rank == len(best) - 1,
                              reason, stop_reason,
                              list(hyp.logprobs or []), first_scheduled_time=first.first_scheduled_time,

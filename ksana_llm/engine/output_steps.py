@@ -46,7 +46,8 @@ class OutputSteps:
         if update is not None and update.stop_str is not None:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, update.stop_str
         elif not config.ignore_eos and token in seq.eos_token_ids:
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+            # The model's own end: no stop_reason, as in vLLM (a stop token or string has one).
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
         elif token in config.stop_token_ids or grammar_ended:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif num_output >= config.max_new_tokens \

@@ -85,15 +85,34 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request(f"Malformed JSON body: {first.get('msg', '')}", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = _field_path(first)
     param = ".".join(loc) or None
     if first.get("type") == "model_type" and not loc:
         return bad_request("The request body must be a JSON object.")
     if first.get("type") == "extra_forbidden":
         return bad_request(f"Unknown parameter `{param}`.", param=param, code="unknown_parameter")
-    message = first.get("msg", "invalid value")
+    # A union field fails once per member, each error tagged with the member's type: say what
+    # every member wanted ("a valid string or a valid list"), under the field's own name.
+    messages = [e.get("msg", "invalid value") for e in errors if _field_path(e) == loc]
+    message = " or ".join(dict.fromkeys(messages))
     return bad_request(f"Invalid value for `{param}`: {message}." if param else f"{message}.",
                        param=param)
+
+
+# Union-member tags pydantic puts in an error's location: "str", "list[str]", "bool",
+# "literal['never']", "function-after[...]", or a model's class name (request fields are
+# snake_case, so a capitalised entry is a tag).
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and bool(part) and (
+        part in _TYPE_TAGS or "[" in part or "-" in part or part[0].isupper())
+
+
+def _field_path(error: Any) -> list[str]:
+    """The error's location as the client's field path: no "body" prefix, no union tags."""
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
 
 
 # Failure reasons as the metrics module labels them.

@@ -52,10 +52,17 @@ async def forward_results(engine: Engine, handles: list[ForwardHandle],
     except RequestError as exc:
         raise map_engine_error(exc) from exc
     finally:
-        results.cancel()
+        _cancel(results)
         for handle in handles:
             if not handle.finished:
                 engine.abort(handle.id)
+
+
+def _cancel(results: asyncio.Future[Any]) -> None:
+    """Cancel a gather and consume its outcome: a cancelled gather ends holding a
+    CancelledError as its exception, which asyncio logs as never retrieved unless read."""
+    results.cancel()
+    results.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 class ClientDisconnected(Exception):
@@ -90,6 +97,7 @@ class ChoiceEvent:
     logprobs: list[dict[str, Any]] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_tokens: int = 0  # tokens this event adds to the choice
 
 
 def map_engine_error(exc: BaseException) -> APIError:
@@ -165,7 +173,7 @@ class ChoiceSet:
         except RequestError as exc:
             raise map_engine_error(exc) from exc
         finally:
-            results.cancel()
+            _cancel(results)
             self.abort_unfinished()
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
@@ -187,7 +195,8 @@ class ChoiceSet:
                     if delta.finish_reason is not None:
                         open_choices.discard(delta.index)
                     queue.put_nowait(ChoiceEvent(first + delta.index, delta.text, delta.logprobs,
-                                                 delta.finish_reason, delta.stop_reason))
+                                                 delta.finish_reason, delta.stop_reason,
+                                                 len(delta.token_ids)))
                 # The request ended: a sequence that never said so (an abort) ends with it.
                 reason = handle.output.finish_reason or "abort"
                 for index in sorted(open_choices):

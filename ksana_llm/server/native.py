@@ -69,7 +69,7 @@ _ENGINE_TO_NATIVE = MappingProxyType({
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SamplingConfig(_Strict):

@@ -26,8 +26,9 @@ MAX_BAD_WORDS = 128
 
 
 class _Request(BaseModel):
-    # Strict: "5" is not an int and 1 is not a bool, as in the OpenAI API.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Strict: "5" is not an int and 1 is not a bool, as in the OpenAI API. No float may be
+    # infinite or NaN (Infinity, or 1e400, is no temperature).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):

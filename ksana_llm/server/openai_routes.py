@@ -102,6 +102,16 @@ def _usage(prompt_tokens: int, choices: ChoiceSet, prompt_of: list[int] | None =
                  completion_tokens_details=details)
 
 
+def _running_usage(req: Any, prompt_tokens: int, completion_tokens: int) -> Usage | None:
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk carries
+    its choice's counts so far."""
+    options = req.stream_options
+    if not (options and options.include_usage and options.continuous_usage_stats):
+        return None
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
 # ---- completions ---------------------------------------------------------------------------------
 
 @router.post("/v1/completions")
@@ -152,8 +162,11 @@ async def create_completion(request: Request) -> Response:
         async def chunks() -> AsyncIterator[BaseModel]:
             offsets = [0] * choices.num_choices  # characters sent per choice, for text_offset
             echoed = [echo_texts is None] * choices.num_choices
+            generated = [0] * choices.num_choices
             async for ev in choices.events():
                 r = request_of[ev.index]
+                generated[ev.index] += ev.num_tokens
+                usage = _running_usage(req, len(prompts[jobs.prompt_of[r]]), generated[ev.index])
                 if not echoed[ev.index]:
                     # The prompt goes first, once its logprobs (computed at prefill) are known.
                     echoed[ev.index] = True
@@ -166,7 +179,7 @@ async def create_completion(request: Request) -> Response:
                     else:
                         offsets[ev.index] = len(text)
                     yield CompletionResponse(id=request_id, created=created, model=model, choices=[
-                        CompletionChoice(index=ev.index, text=text, logprobs=lp)])
+                        CompletionChoice(index=ev.index, text=text, logprobs=lp)], usage=usage)
                 logprobs = None
                 if ev.logprobs is not None:
                     logprobs = completion_logprobs(ev.logprobs, texts, offsets[ev.index])
@@ -176,7 +189,8 @@ async def create_completion(request: Request) -> Response:
                     continue
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[
                     CompletionChoice(index=ev.index, text=ev.text, logprobs=logprobs,
-                                     finish_reason=ev.finish_reason, stop_reason=ev.stop_reason)])
+                                     finish_reason=ev.finish_reason, stop_reason=ev.stop_reason)],
+                    usage=usage)
             if include_usage:
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                          usage=_usage(prompt_tokens, choices, jobs.prompt_of))
@@ -225,14 +239,17 @@ async def create_chat_completion(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(choice: ChatStreamChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
+        def chunk(choice: ChatStreamChoice, generated: int = 0) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                                       usage=_running_usage(req, len(ids), generated))
 
         async def chunks() -> AsyncIterator[BaseModel]:
             parsers = [output_parser() for _ in range(choices.num_choices)]
+            generated = [0] * choices.num_choices
             for i in range(choices.num_choices):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             async for ev in choices.events():
+                generated[ev.index] += ev.num_tokens
                 parser = parsers[ev.index]
                 delta = parser.feed(ev.text) if ev.text else ChatDelta()
                 finish_reason = None
@@ -246,7 +263,7 @@ async def create_chat_completion(request: Request) -> Response:
                     continue
                 message = parser.delta_message(delta) if delta else DeltaMessage()
                 yield chunk(ChatStreamChoice(index=ev.index, delta=message, logprobs=logprobs,
-                                             finish_reason=finish_reason))
+                                             finish_reason=finish_reason), generated[ev.index])
             if include_usage:
                 yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                           usage=_usage(len(ids), choices,
