@@ -152,6 +152,8 @@ def test_logprobs(server, greedy16):
     ({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "messages",
      "unsupported_parameter"),
     ({"prompt": "x", "sampling_config": {"topp": 0}}, "sampling_config.topp", None),
+    ({"prompt": "x", "structured_output_regex": "[ab]+", "sampling_config": {"num_beams": 2}},
+     "structured_output_regex", None),
     ({"prompt": "x", "sampling_config": {"temperature": -1}}, "sampling_config.temperature", None),
     ({"prompt": "x", "sampling_config": {"logprobs": 50}}, "sampling_config.logprobs", None),
     ({"prompt": 5}, "prompt", None),

@@ -76,7 +76,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages",
                                     state.sampling_defaults.max_tokens)
     spec, kind = await constraint(state, [from_response_format(req.response_format),
-                                          *from_vllm_extras(req), tools.constraint])
+                                          *from_vllm_extras(req), tools.constraint], req)
     extra: dict[str, Any] = {}
     if spec is not None:
         extra["structured_output"] = spec

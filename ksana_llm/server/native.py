@@ -41,7 +41,8 @@ from ksana_llm.server.params import (
     resolve_max_tokens,
 )
 from ksana_llm.server.state import ServerState, server_state
-from ksana_llm.server.structured_params import StructuredRequest, compile_spec, single
+from ksana_llm.server.structured_params import (StructuredRequest, compile_spec,
+                                                refuse_with_beam_search, single)
 
 NUL = b"\0"
 STREAM_MEDIA_TYPE = "application/octet-stream"
@@ -291,6 +292,7 @@ async def generate(request: Request) -> Response:
     ids = prompt_ids(req, state)
     sc = req.sampling_config
     constraint = _structured(req)
+    refuse_with_beam_search(constraint, sc.num_beams > 1)
     spec = await compile_spec(state, constraint) if constraint is not None else None
     configs = generation_configs(sc, len(ids), state, spec)
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],

@@ -125,7 +125,7 @@ async def create_completion(request: Request) -> Response:
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}.", param="n")
     spec, _ = await constraint(state, [from_response_format(req.response_format),
-                                        *from_vllm_extras(req)])
+                                        *from_vllm_extras(req)], req)
     extra: dict[str, Any] = {}
     if spec is not None:
         extra["structured_output"] = spec

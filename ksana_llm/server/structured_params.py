@@ -141,6 +141,15 @@ def from_vllm_extras(req: Any) -> list[StructuredRequest]:
     return found
 
 
+def refuse_with_beam_search(request: StructuredRequest | None, beam_search: bool) -> None:
+    """Beam search keeps several hypotheses per step; the engine constrains sampled sequences
+    only. A 400 naming the parameter the client set (not the engine's field)."""
+    if request is not None and beam_search:
+        raise bad_request(f"`{request.param}` cannot be combined with beam search: output "
+                          "constraints apply to sampled or greedy sequences only.",
+                          param=request.param)
+
+
 def single(requests: list[StructuredRequest | None]) -> StructuredRequest | None:
     """The one constraint of a request; 400 naming both when two parameters each set one."""
     present = [r for r in requests if r is not None]

@@ -29,7 +29,8 @@ from ksana_llm.server.params import (
     generation_config,
 )
 from ksana_llm.server.state import ServerState
-from ksana_llm.server.structured_params import StructuredRequest, compile_spec, single
+from ksana_llm.server.structured_params import (StructuredRequest, compile_spec,
+                                                refuse_with_beam_search, single)
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
@@ -67,9 +68,11 @@ def check_common(req: _SamplingRequest, state: ServerState) -> None:
     state.check_alive()
 
 
-async def constraint(state: ServerState, found: list[StructuredRequest | None]) -> tuple[Any, str | None]:
+async def constraint(state: ServerState, found: list[StructuredRequest | None],
+                     req: _SamplingRequest) -> tuple[Any, str | None]:
     """The compiled spec of the request's one output constraint (None, None without one)."""
     request = single(found)
+    refuse_with_beam_search(request, beam_search_fields(req) is not None)
     if request is None:
         return None, None
     return await compile_spec(state, request), request.kind
