@@ -37,6 +37,16 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def tail_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask, kv_mask,
+                DOT_PRECISION: tl.constexpr):
+    """Scores of a head's tail dims (`head_dim_tiles`): q_tail [rows, BLOCK_DT] against the
+    keys' dims `dt` at the tile's cache slots, [rows, BLOCK_N], to add to the main tile's."""
+    k_tail = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
+                     + dt[:, None], mask=dt_mask[:, None] & kv_mask[None, :], other=0.0)
+    return tl.dot(q_tail, k_tail.to(q_tail.dtype), input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, Block_tables, Context_lens, Alibi, Out, Mid_o, Mid_lse,
     scale_log2, v_scale, window, split_len,
@@ -105,9 +115,8 @@ def _decode_kernel(
         k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         if BLOCK_DT > 0:
-            k_tail = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
-                             + dt[:, None], mask=dt_mask[:, None] & kv_mask[None, :], other=0.0)
-            s += tl.dot(q_tail, k_tail.to(q.dtype), input_precision=DOT_PRECISION)
+            s += tail_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
+                             kv_mask, DOT_PRECISION)
         s = s * scale_log2  # log2 domain
         if USE_ALIBI:
             s += slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]

@@ -17,6 +17,7 @@ import triton.language as tl
 from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_window,
                                        dot_precision, dot_tile, head_dim_tiles)
+from ksana_llm.kernels.decode_attention import tail_scores
 
 _LOG2E = 1.4426950408889634
 
@@ -107,9 +108,8 @@ def _prefill_kernel(
         k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if BLOCK_DT > 0:
-            k_tail = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
-                             + dt[:, None], mask=dt_mask[:, None] & kv_mask[None, :], other=0.0)
-            s += tl.dot(q_tail, k_tail.to(q.dtype), input_precision=DOT_PRECISION)
+            s += tail_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
+                             kv_mask, DOT_PRECISION)
         s = s * scale_log2  # log2 domain
         rel = pos[None, :] - q_pos[:, None]  # key pos - query pos
         if USE_ALIBI:
