@@ -335,6 +335,10 @@ def test_prompt_logprobs_match_transformers(model):
         top_v, top_i = row.topk(3)
         assert list(entry["top_logprobs"]) == top_i.tolist()
         assert list(entry["top_logprobs"].values()) == pytest.approx(top_v.tolist(), abs=LOGIT_ATOL)
+        # The rank, within what the logit tolerance leaves undecided.
+        lp = float(row[ids[p]])
+        assert int((row > lp + LOGIT_ATOL).sum()) + 1 <= entry["rank"] <= int((row >= lp - LOGIT_ATOL).sum())
+    assert any(entries[p]["rank"] > 3 for p in range(1, len(ids)))  # ranked outside the top k too
     assert len(out.sequences) == 2
 
 

@@ -95,6 +95,10 @@ def test_chat_through_router_decodes_from_prefill_kv(client, prefill, decode, ro
     assert set(health["servers"].values()) == {200}
     assert [m.id for m in client.models.list().data] == [
         m["id"] for m in httpx.get(decode.base_url + "/models").json()["data"]]
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
 
 
 def test_completion_through_router_with_logprobs(client, local_engine):

@@ -123,6 +123,13 @@ def test_404_unknown_model(server, client):
                          "param": "model", "code": "model_not_found"}
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-17", messages=QUESTION)
+    # models.retrieve: the listed card, or the same 404 (a name with a slash too).
+    listed = client.models.list().data[0]
+    assert client.models.retrieve(listed.id) == listed
+    for name in ("gpt-17", "org/gpt-17"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve(name)
+        assert info.value.code == "model_not_found" and name in info.value.message
 
 
 def test_413_body_too_large(server):

@@ -59,6 +59,7 @@ def test_models_lists_adapters(client, adapters):
     assert set(cards) == {BASE, "sql", "tone"}
     assert cards["sql"].parent == BASE and cards["sql"].root == str(folder / "sql")
     assert getattr(cards[BASE], "parent", None) is None
+    assert client.models.retrieve("sql") == cards["sql"]
 
 
 def test_each_model_name_gets_its_adapter(client, adapters, hf_default_model, default_model):

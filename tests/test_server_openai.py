@@ -254,6 +254,16 @@ def test_logprobs_formats(client, model_name):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and len(top) == 2 and top[token] == pytest.approx(value)  # greedy: top-1
+    # Sampled: the chosen token is always listed, so up to logprobs + 1 entries (just it with 0).
+    config = dict(model=model_name, prompt=PROMPT, max_tokens=16, temperature=2.0, seed=5)
+    alone = client.completions.create(**config, logprobs=0).choices[0].logprobs
+    assert all(top == {token: value} for token, value, top
+               in zip(alone.tokens, alone.token_logprobs, alone.top_logprobs))
+    one = client.completions.create(**config, logprobs=1).choices[0].logprobs
+    assert one.tokens == alone.tokens
+    assert all(top[token] == value and len(top) in (1, 2) for token, value, top
+               in zip(one.tokens, one.token_logprobs, one.top_logprobs))
+    assert any(len(top) == 2 for top in one.top_logprobs)  # a token that was not the most likely
 
     chat = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0,
                                           max_tokens=5, logprobs=True, top_logprobs=3)

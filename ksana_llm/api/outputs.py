@@ -133,7 +133,7 @@ class RequestOutput:
     The top-level `text`, `token_ids`, `logprobs`, `finish_reason` and `stop_reason` are those of
     sequence 0 (the best one for beam search and best_of); `sequences` lists every returned
     sequence. `prompt_logprobs` (when asked): one entry per prompt token, the first None, each
-    like the `logprobs` entries. `extra`: free-form fields a plugin's postprocess added.
+    like the `logprobs` entries plus the token's `rank` (1 = most likely). `extra`: free-form fields a plugin's postprocess added.
     """
 
     request_id: str

@@ -36,9 +36,9 @@ class CaptureSteps:
                     k = seq.config.prompt_logprobs or 0
                     targets = to_device([seq.prompt_token_ids[p + 1] for p in positions],
                                         torch.long, rows.logits.device)
-                    chosen, values, ids = token_logprobs(rows.logits, targets, k)
-                    packed = torch.cat((chosen.double().unsqueeze(1), values.double(),
-                                        ids.double()), dim=1)  # ids < 2**53: exact
+                    chosen, ranks, values, ids = token_logprobs(rows.logits, targets, k)
+                    packed = torch.cat((chosen.double().unsqueeze(1), ranks.double().unsqueeze(1),
+                                        values.double(), ids.double()), dim=1)  # ids < 2**53: exact
                     reads.append(CaptureRead(seq, positions,
                                              prompt_logprobs=start_host_copy(packed)))
                 continue
@@ -71,13 +71,13 @@ class CaptureSteps:
 
     def _keep_prompt_logprobs(self, seq: Sequence, positions: tuple[int, ...],
                               packed: torch.Tensor) -> None:
-        """`packed` [len(positions), 1 + 2k]: each row's chosen log-prob, then the top k values
-        and ids (`_launch_captures`)."""
+        """`packed` [len(positions), 2 + 2k]: each row's chosen log-prob and its rank, then the
+        top k values and ids (`_launch_captures`)."""
         k = seq.config.prompt_logprobs or 0
         for p, row in zip(positions, packed.tolist()):
             seq.prompt_logprobs[p + 1] = {
-                "token_id": seq.prompt_token_ids[p + 1], "logprob": row[0],
-                "top_logprobs": dict(zip((int(t) for t in row[1 + k:]), row[1:1 + k]))}
+                "token_id": seq.prompt_token_ids[p + 1], "logprob": row[0], "rank": int(row[1]),
+                "top_logprobs": dict(zip((int(t) for t in row[2 + k:]), row[2:2 + k]))}
         group = seq.group
         if group.prompt_logprobs is None and len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1:
             group.prompt_logprobs = [None] + [seq.prompt_logprobs[p]

@@ -95,7 +95,7 @@ class CaptureRead:
 
     seq: Sequence
     positions: tuple[int, ...]
-    prompt_logprobs: HostCopy | None = None  # [n, 1 + 2k] float64: chosen, top values, top ids
+    prompt_logprobs: HostCopy | None = None  # [n, 2 + 2k] float64: chosen, rank, top values, top ids
     hidden: HostCopy | None = None  # [n, hidden] float32
     logits: HostCopy | None = None  # [n, vocab] float32
     done: bool = False  # a forward-only sequence whose prompt is all computed: it is answered

@@ -195,16 +195,18 @@ def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw log-probs of `token_ids` [N] under logits [N, V], and the top-k (values, ids) of each
-    row (k may be 0): the entries of prompt log-probs."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log-probs of `token_ids` [N] under logits [N, V], their ranks (1 = most likely; a tie
+    counts against the token, as in vLLM), and the top-k (values, ids) of each row (k may be 0):
+    the entries of prompt log-probs."""
     raw = torch.log_softmax(logits.float(), dim=-1)
     chosen = raw.gather(1, token_ids.to(raw.device).unsqueeze(1)).squeeze(1)
+    ranks = (raw >= chosen.unsqueeze(1)).sum(dim=1)
     if k > 0:
         values, ids = torch.topk(raw, min(k, raw.shape[1]), dim=-1)
     else:
         values, ids = raw.new_empty((raw.shape[0], 0)), token_ids.new_empty((raw.shape[0], 0))
-    return chosen, values, ids
+    return chosen, ranks, values, ids
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

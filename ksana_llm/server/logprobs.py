@@ -78,6 +78,15 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
+def _completion_top(entry: dict[str, Any], token: str, texts: TokenTexts | TokenIdTexts
+                    ) -> dict[str, float]:
+    """The completions format's alternatives: the top ones, then the chosen token when it is not
+    among them ("up to logprobs + 1 elements", as OpenAI and vLLM give; with logprobs 0 just it)."""
+    top = {texts.text(t): _finite(lp) for t, lp in entry.get("top_logprobs", {}).items()}
+    top.setdefault(token, _finite(entry["logprob"]))
+    return top
+
+
 def completion_logprobs(entries: list[dict[str, Any]], texts: TokenTexts | TokenIdTexts,
                         start_offset: int = 0) -> CompletionLogprobs:
     """`start_offset`: characters of text already returned before these tokens (echo, streaming)."""
@@ -87,7 +96,7 @@ def completion_logprobs(entries: list[dict[str, Any]], texts: TokenTexts | Token
         token = texts.text(entry["token_id"])
         out.tokens.append(token)
         out.token_logprobs.append(_finite(entry["logprob"]))
-        out.top_logprobs.append({texts.text(t): _finite(lp) for t, lp in entry["top_logprobs"].items()})
+        out.top_logprobs.append(_completion_top(entry, token, texts))
         out.text_offset.append(offset)
         offset += len(token)
     return out
@@ -133,8 +142,7 @@ def completion_prompt_logprobs(entries: list[dict[str, Any] | None] | None, prom
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(_finite(entry["logprob"]))
-        out.top_logprobs.append({texts.text(t): _finite(lp)
-                                 for t, lp in entry.get("top_logprobs", {}).items()})
+        out.top_logprobs.append(_completion_top(entry, token, texts))
     return out
 
 

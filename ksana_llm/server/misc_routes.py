@@ -1,4 +1,5 @@
-"""Small routes: /health, /version, /v1/models, /v1/stats, /tokenize, /detokenize."""
+"""Small routes: /health, /version, /v1/models (and one model), /v1/stats, /tokenize,
+/detokenize."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from fastapi.responses import JSONResponse
 
 import ksana_llm
 from ksana_llm.server.chat import render_chat
-from ksana_llm.server.errors import bad_request
+from ksana_llm.server.errors import bad_request, model_not_found
 from ksana_llm.server.openai_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -55,15 +56,29 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": ksana_llm.__version__})
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> JSONResponse:
+def _model_cards(request: Request) -> list[ModelCard]:
+    """The served model under each of its names, then the loaded LoRA adapters."""
     state = server_state(request)
     base = state.served_model_name
     cards = [ModelCard(id=name, root=base, max_model_len=state.limits.max_model_len)
              for name in (base, *state.model_aliases)]
     cards += [ModelCard(id=name, root=path, parent=base, max_model_len=state.limits.max_model_len)
               for name, path in state.engine.lora_adapters.items()]
-    return JSONResponse(ModelList(data=cards).model_dump())
+    return cards
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse(ModelList(data=_model_cards(request)).model_dump())
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    """OpenAI's `models.retrieve`: one card, or a 404 naming `model` (names may hold slashes)."""
+    for card in _model_cards(request):
+        if card.id == model:
+            return JSONResponse(card.model_dump())
+    raise model_not_found(model)
 
 
 @router.post("/tokenize")

@@ -196,6 +196,12 @@ def _beam_fields(sc: SamplingConfig) -> dict[str, Any]:
     if sc.do_sample:
         raise bad_request("Beam search cannot sample: do_sample must be false with num_beams > 1.",
                           param="sampling_config.do_sample")
+    if not sc.greedy:
+        # Without do_sample, topk != 1 at a temperature above 0 means sampling (as with one
+        # beam); silently running deterministic beams instead would not be what was asked.
+        raise bad_request(f"Beam search cannot sample: topk {sc.topk} with temperature "
+                          f"{sc.temperature} samples; use topk 1, temperature 0 or do_sample false "
+                          "with num_beams > 1.", param="sampling_config.topk")
     if sc.topp < 1:
         raise bad_request("Beam search cannot use topp < 1.", param="sampling_config.topp")
     if sc.num_return_sequences > sc.num_beams:

@@ -378,10 +378,11 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
             "GET", response_id, "/input_items", request.url.query)
 
     @app.get("/v1/models")
+    @app.get("/v1/models/{model:path}")
     async def models(request: Request) -> Response:
         router: Router = request.app.state.router
         try:
-            response = await router.client.get(config.decode_urls[0] + "/v1/models",
+            response = await router.client.get(config.decode_urls[0] + request.url.path,
                                                headers=router.headers)
         except httpx.HTTPError as exc:
             raise engine_unavailable(f"decode server cannot be reached ({exc!r})") from exc

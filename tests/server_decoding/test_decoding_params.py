@@ -31,6 +31,12 @@ def test_beam_search_matches_python_api(server, client, model, local_engine):
         "prompt": PROMPT, "stream": False,
         "sampling_config": {"max_new_tokens": 8, "num_beams": 3, "num_return_sequences": 2}})
     assert r.json()["texts"] == [s.text for s in expected.sequences]
+    # do_sample false: topk and temperature are unused (HF's rule), so the same beams.
+    r = httpx.post(server.url + "/generate", timeout=60, json={
+        "prompt": PROMPT, "stream": False,
+        "sampling_config": {"max_new_tokens": 8, "num_beams": 3, "num_return_sequences": 2,
+                            "do_sample": False, "topk": 50, "temperature": 0.7}})
+    assert r.json()["texts"] == [s.text for s in expected.sequences]
     # Streamed, the beams arrive whole at the end, same texts.
     texts = {0: "", 1: ""}
     for chunk in client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=2, temperature=0,
@@ -96,6 +102,10 @@ def test_prompt_logprobs_and_echo(server, client, model, local_engine):
     assert lp.token_logprobs[len(ids):] == pytest.approx([e["logprob"] for e in expected.logprobs],
                                                            abs=LOGIT_ATOL)
     assert "".join(lp.tokens) == out.choices[0].text
+    # Each echoed prompt token is among its own alternatives, next to the top 2.
+    for token, value, top, ref in zip(lp.tokens[1:len(ids)], lp.token_logprobs[1:],
+                                      lp.top_logprobs[1:], expected.prompt_logprobs[1:]):
+        assert top[token] == value and len(top) == (2 if ref["rank"] <= 2 else 3)
     # vLLM's prompt_logprobs on chat and completions.
     r = httpx.post(server.base_url + "/completions", timeout=60, json={
         "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}).json()
@@ -103,6 +113,9 @@ def test_prompt_logprobs_and_echo(server, client, model, local_engine):
     assert plp[0] is None and len(plp) == len(ids)
     for token, entry, ref in zip(ids[1:], plp[1:], expected.prompt_logprobs[1:]):
         assert entry[str(token)]["logprob"] == pytest.approx(ref["logprob"], abs=LOGIT_ATOL)
+        assert entry[str(token)]["rank"] == ref["rank"]  # also outside the top 2
+        assert len(entry) == (2 if ref["rank"] <= 2 else 3)
+    assert any(ref["rank"] > 2 for ref in expected.prompt_logprobs[1:])
     chat = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
         "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
