@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from ksana_llm.server.reasoning_parsers import REASONING_PARSERS, ReasoningOutput, get_reasoning_parser
+from ksana_llm.server.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningOutput,
+    get_reasoning_parser,
+    opens_thinking,
+)
 
 THOUGHT = "The user asks for the capital of France.\nThat is Paris; answer briefly."
 ANSWER = "The capital of France is Paris."
@@ -29,8 +34,9 @@ CASES = [
 ]
 
 
-def _streamed(name: str, text: str, sizes: list[int]) -> tuple[ReasoningOutput, list]:
-    stream = get_reasoning_parser(name).stream()
+def _streamed(name: str, text: str, sizes: list[int], opened: bool = False
+              ) -> tuple[ReasoningOutput, list]:
+    stream = get_reasoning_parser(name).stream(opened)
     deltas, i = [], 0
     for size in sizes:
         deltas.append(stream.feed(text[i:i + size]))
@@ -72,3 +78,26 @@ def test_registry_names_and_unknown():
     assert set(REASONING_PARSERS) >= {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'.*deepseek_r1.*qwen3"):
         get_reasoning_parser("r2")
+
+
+# (parser, output) when the prompt opened the thinking block (Qwen3-Thinking-2507's template
+# ends with "<think>\n"): the output is reasoning until "</think>", for qwen3 as for deepseek_r1.
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("text,reasoning,content", [
+    (f"{THOUGHT}\n</think>\n\n{ANSWER}", f"{THOUGHT}\n", ANSWER),
+    (THOUGHT, THOUGHT, None),  # cut off while thinking
+    (f"</think>{ANSWER}", None, ANSWER),
+])
+def test_prompt_that_opened_the_thinking_block(name, text, reasoning, content):
+    final = get_reasoning_parser(name).extract(text, prompt_opens_thinking=True)
+    assert final == ReasoningOutput(reasoning, content)
+    rng = random.Random(7)
+    for _ in range(40):
+        got, _ = _streamed(name, text, [rng.randint(1, 9) for _ in range(len(text) // 4 + 1)], True)
+        assert got == final
+
+
+def test_opens_thinking_reads_the_end_of_the_prompt():
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert not opens_thinking("<|im_start|>user\nWhat is <think>?<|im_end|>\n<|im_start|>assistant\n")

@@ -26,7 +26,7 @@ from ksana_llm.server.tool_parsers import (
 from ksana_llm.server.tools import NamedCallStream, plan_tools, required_schema
 
 WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
-NESTED = ("search", {"query": "tags: {a} [b] \"quoted\" </tool_call>", "filters": {"n": [1, 2.5, None, True]},
+NESTED = ("search", {"query": "tags: {a} [b] \"quoted\" <tool_call> \\", "filters": {"n": [1, 2.5, None, True]},
                      "note": "naïve — ünïcode"})
 EMPTY = ("list_files", {})
 CALLS = [WEATHER, NESTED, EMPTY]
@@ -81,6 +81,18 @@ CASES = [
     ("deepseek_v3", deepseek_v3("Checking both.", [WEATHER, NESTED]), "Checking both.", [WEATHER, NESTED]),
     ("deepseek_v3", deepseek_v3("", [EMPTY]), None, [EMPTY]),
     ("deepseek_v31", deepseek_v31("On it.", [WEATHER, EMPTY]), "On it.", [WEATHER, EMPTY]),
+    # Malformed JSON never raises: a name or key that string_end accepts but JSON does not
+    # (a raw tab, a bad escape) makes the region content, or ends a call already named.
+    ("hermes", '<tool_call>{"name": "get\tweather", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "get\tweather", "arguments": {}}</tool_call>', []),
+    ("qwen3", '<tool_call>{"name": "f", "arguments": {}, "\\q": 1}</tool_call>', None, [("f", {})]),
+    ("llama3_json", '{"name": "f\\y", "parameters": {}}', '{"name": "f\\y", "parameters": {}}', []),
+    # A string that is not JSON inside is not decoded: the literal itself is the arguments.
+    ("hermes", '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>', None, [("f", "not json")]),
+    # A call without arguments gets "{}"; for Llama 3, an object without them is an answer.
+    ("hermes", '<tool_call>{"name": "get_time"}</tool_call>', None, [("get_time", {})]),
+    ("llama3_json", '{"name": "John", "age": 30}', '{"name": "John", "age": 30}', []),
+    ("deepseek_v31", "<｜tool▁call▁begin｜>f<｜tool▁sep｜><｜tool▁call▁end｜>", None, [("f", {})]),
 ]
 
 
@@ -160,6 +172,51 @@ def test_cut_off_call_keeps_what_was_streamed():
         assert collect(_stream(parser.stream(), cut, sizes)) == final
 
 
+def test_end_tag_ends_the_call_even_inside_a_broken_string():
+    """A backslash before an argument's closing quote (a Windows path written with single
+    backslashes) leaves the JSON string open; the end tag still ends the call, so the next call
+    and the text after it are not swallowed (vLLM splits at the first end tag too)."""
+    text = ('<tool_call>{"name": "f", "arguments": {"p": "C:\\tmp\\"}}</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>\nDone.')
+    parser = get_tool_parser("hermes")
+    final = parser.extract(text)
+    assert final.content == "Done." and [c.name for c in final.tool_calls] == ["f", "g"]
+    assert final.tool_calls[0].arguments == '{"p": "C:\\tmp\\"}}'  # what the model wrote
+    assert final.tool_calls[1].arguments == "{}"
+    for sizes in _chunkings(text, 30, seed=4):
+        _check_stream(_stream(parser.stream(), text, sizes), final)
+
+
+@pytest.mark.parametrize("name, wrap", [
+    ("hermes", lambda args: f'<tool_call>{{"name": "write", "arguments": {args}}}</tool_call>'),
+    ("deepseek_v31", lambda args: f"<｜tool▁call▁begin｜>write<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"),
+    ("llama3_json", lambda args: f'{{"name": "write", "parameters": {args}}}'),
+])
+def test_long_arguments_stream_without_rescanning(monkeypatch, name, wrap):
+    """A 40 KB argument streamed 4 characters at a time is read once, not rescanned on every
+    piece (which cost quadratic time inside the server's event loop): the number of full
+    scans stays the same whatever the argument's length."""
+    import ksana_llm.server.tool_parsers.json_scan as json_scan
+
+    def full_scans(size: int) -> int:
+        count = 0
+        real = json_scan.value_end
+
+        def counting(text, pos):
+            nonlocal count
+            count += 1
+            return real(text, pos)
+
+        monkeypatch.setattr(json_scan, "value_end", counting)
+        text = wrap(json.dumps({"content": "x" * size, "path": "a.txt"}))
+        final = collect(_stream(get_tool_parser(name).stream(), text, [4] * (len(text) // 4)))
+        monkeypatch.setattr(json_scan, "value_end", real)
+        assert json.loads(final.tool_calls[0].arguments)["content"] == "x" * size
+        return count
+
+    assert full_scans(40_000) == full_scans(400)
+
+
 def test_required_array_and_named_streams():
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
              for n, _ in CALLS]
@@ -172,6 +229,11 @@ def test_required_array_and_named_streams():
         assert collect(_stream(JsonCallSequenceStream(open="[", separator=",", close="]"), text,
                                sizes)) == final
     args = json.dumps(WEATHER[1])
+    # A key that is not JSON ends the calls without raising (the call already named stays).
+    bad = '[{"name": "f", "parameters": {}, "\\z": 1}]'
+    for sizes in _chunkings(bad, 10, seed=5):
+        got = collect(_stream(JsonCallSequenceStream(open="[", separator=",", close="]"), bad, sizes))
+        assert [(c.name, c.arguments) for c in got.tool_calls] == [("f", "{}")]
     named = collect(_stream(NamedCallStream("get_weather"), args, [3, 5, 1]))
     assert named == ParsedOutput(None, [named.tool_calls[0]])
     assert named.tool_calls[0].name == "get_weather" and named.tool_calls[0].arguments == args

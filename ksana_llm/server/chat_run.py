@@ -24,6 +24,7 @@ from ksana_llm.server.params import (
     resolve_max_tokens,
     truncate_prompt,
 )
+from ksana_llm.server.reasoning_parsers import opens_thinking
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
 from ksana_llm.server.submission import check_common, constraint, plan_jobs, request_fields
@@ -91,8 +92,10 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     if template_kwargs.get("enable_thinking") is False or kind in _JSON_KINDS:
         reasoning = None
 
+    thinking_open = opens_thinking(prompt)
+
     def output_parser() -> ChoiceOutputParser:
-        return ChoiceOutputParser(reasoning.stream() if reasoning is not None else None,
+        return ChoiceOutputParser(reasoning.stream(thinking_open) if reasoning is not None else None,
                                   tools.stream())
 
     prediction = prediction_token_ids(req.prediction, state.tokenizer)

@@ -90,14 +90,23 @@ class ReasoningStream:
         return out
 
 
+def opens_thinking(prompt: str) -> bool:
+    """Whether the rendered prompt leaves a thinking block open for the output: its generation
+    prompt ends with `<think>` (Qwen3-Thinking-2507, QwQ, DeepSeek-R1), so the output starts
+    as reasoning and only writes `</think>`. (A prompt with thinking turned off ends with an
+    empty `<think></think>` block instead.)"""
+    return prompt.rstrip(_WHITESPACE).endswith(THINK_START)
+
+
 class ReasoningParser(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def stream(self) -> ReasoningStream: ...
+    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
+        """`prompt_opens_thinking`: `opens_thinking` of the request's prompt."""
 
-    def extract(self, text: str) -> ReasoningOutput:
-        stream = self.stream()
+    def extract(self, text: str, prompt_opens_thinking: bool = False) -> ReasoningOutput:
+        stream = self.stream(prompt_opens_thinking)
         first, last = stream.feed(text), stream.finish()
         return ReasoningOutput(first.reasoning + last.reasoning or None,
                                first.content + last.content or None)
@@ -110,17 +119,19 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
     name = "deepseek_r1"
 
-    def stream(self) -> ReasoningStream:
+    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
         return ReasoningStream(starts_in_reasoning=True)
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    """Qwen3 writes `<think>...</think>` itself when thinking; without it the output is content."""
+    """Qwen3 writes `<think>...</think>` itself when thinking; without it the output is content,
+    unless the prompt opened the block (Qwen3-Thinking-2507's template ends with `<think>`):
+    then the output is reasoning until `</think>`."""
 
     name = "qwen3"
 
-    def stream(self) -> ReasoningStream:
-        return ReasoningStream(starts_in_reasoning=False)
+    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
+        return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
 
 
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({

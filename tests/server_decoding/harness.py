@@ -25,7 +25,9 @@ TEMPLATE = (
     "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
     "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
-    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}")
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    # Qwen3-Thinking-2507-style: the template opens the thinking block for the output.
+    "{% if open_thinking is defined and open_thinking %}{{ '<think>\n' }}{% endif %}{% endif %}")
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

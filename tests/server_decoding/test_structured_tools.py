@@ -232,6 +232,20 @@ def test_reasoning_qwen3(client, model):
         client_tokens(client, "<think>\n\n</think>\n\n"))
     assert extra_field(raw.choices[0].message, "reasoning_content") is None
     assert re.fullmatch(regex, raw.choices[0].message.content)
+    # A template that opens the block in the prompt (Qwen3-Thinking-2507): the output is
+    # reasoning until its "</think>", streamed or not.
+    opened = dict(kwargs, extra_body={"structured_outputs": {"regex": regex.removeprefix("<think>")},
+                                      "chat_template_kwargs": {"open_thinking": True}})
+    message = client.chat.completions.create(**opened).choices[0].message
+    reasoning = extra_field(message, "reasoning_content")
+    assert re.fullmatch(r"[a-z ]{5,20}", reasoning or "") and re.fullmatch(r"[A-Z][A-Za-z ,.]{5,20}",
+                                                                          message.content), message
+    parts = ["", ""]
+    for chunk in client.chat.completions.create(**opened, stream=True):
+        if chunk.choices:
+            parts[0] += extra_field(chunk.choices[0].delta, "reasoning_content") or ""
+            parts[1] += chunk.choices[0].delta.content or ""
+    assert parts == [reasoning, message.content]
     # Without a thinking block, qwen3 leaves the answer as content.
     plain = client.chat.completions.create(**{**kwargs, "max_tokens": 10})
     assert extra_field(plain.choices[0].message, "reasoning_content") is None and plain.choices[0].message.content

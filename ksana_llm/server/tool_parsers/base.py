@@ -151,3 +151,24 @@ class CallProgress:
             delta.arguments = arguments[self.args_sent:]
             self.args_sent = len(arguments)
         return delta if delta.name is not None or delta.arguments else None
+
+    def update_tail(self, name: str, text: str, start: int) -> ToolCallDelta | None:
+        """`update` with the arguments `text[start:]` (an unfinished container), slicing only
+        what is new: a long argument streamed piece by piece is not copied once per piece."""
+        delta = self.update(name, "")
+        new = text[start + self.args_sent:]
+        if not new:
+            return delta
+        self.args_sent += len(new)
+        if delta is None:
+            return ToolCallDelta(self.index, arguments=new)
+        delta.arguments = new
+        return delta
+
+    def close(self) -> ToolCallDelta | None:
+        """The call ended: one without any arguments text gets "{}", which clients can load as
+        JSON (as they do every call's `arguments`)."""
+        if self.name_sent and self.args_sent == 0:
+            self.args_sent = 2
+            return ToolCallDelta(self.index, arguments="{}")
+        return None

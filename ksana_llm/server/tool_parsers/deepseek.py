@@ -7,7 +7,7 @@ V3 / R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜too
 from __future__ import annotations
 
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
-from ksana_llm.server.tool_parsers.json_scan import partial_value, skip_ws
+from ksana_llm.server.tool_parsers.json_scan import open_value_at, partial_value, skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -17,8 +17,10 @@ CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 
 
-def _raw_value(text: str, pos: int) -> str:
-    return partial_value(text, skip_ws(text, pos))
+def _arguments(name: str, body: str, pos: int) -> BodyScan:
+    """The call `name` with the JSON value at `body[pos:]` (after whitespace) as arguments."""
+    start = skip_ws(body, pos)
+    return BodyScan(name, partial_value(body, start), open_at=open_value_at(body, start))
 
 
 def parse_v3_body(body: str) -> BodyScan:
@@ -31,14 +33,13 @@ def parse_v3_body(body: str) -> BodyScan:
     name = body[sep + len(SEP):newline].strip()
     if not name:
         return BodyScan()
-    rest = body[newline + 1:]
-    fence = rest.find("```")
+    fence = body.find("```", newline + 1)
     if fence < 0:
         return BodyScan(name)
-    line_end = rest.find("\n", fence)
+    line_end = body.find("\n", fence)
     if line_end < 0:
         return BodyScan(name)  # still inside the fence line ("```json")
-    return BodyScan(name, _raw_value(rest, line_end + 1))
+    return _arguments(name, body, line_end + 1)
 
 
 def parse_v31_body(body: str) -> BodyScan:
@@ -48,7 +49,7 @@ def parse_v31_body(body: str) -> BodyScan:
     name = body[:sep].strip()
     if not name:
         return BodyScan()
-    return BodyScan(name, _raw_value(body, sep + len(SEP)))
+    return _arguments(name, body, sep + len(SEP))
 
 
 class DeepSeekV3ToolParser(ToolParser):

@@ -13,7 +13,8 @@ def parse_json_body(body: str) -> BodyScan:
     if start >= len(body) or body[start] != "{":
         return BodyScan()
     call = scan_call_object(body, start)
-    return BodyScan(call.name, call.arguments(body) if call.name is not None else "")
+    return BodyScan(call.name, call.arguments(body) if call.name is not None else "",
+                    open_at=call.open_arguments)
 
 
 class HermesToolParser(ToolParser):

@@ -11,7 +11,7 @@ from ksana_llm.server.tool_parsers.base import (
     ToolCallStream,
     held_prefix,
 )
-from ksana_llm.server.tool_parsers.json_scan import scan_call_object, skip_ws
+from ksana_llm.server.tool_parsers.json_scan import OpenValue, scan_call_object, skip_ws
 
 _START, _OBJECT, _SEPARATOR, _CONTENT, _DROP = range(5)
 
@@ -20,8 +20,8 @@ class JsonCallSequenceStream(ToolCallStream):
     """`[lead tags] OPEN? {call} (SEP {call})* CLOSE?` -> tool calls; anything else is content.
 
     The output counts as calls only if its first visible character is `open` (after any `lead`
-    tags, which are dropped). An object without a "name" ends the calls: it and everything after
-    it are content. An object that is not JSON ends them too: given back as content if its name
+    tags, which are dropped). An object without a "name" and arguments ("arguments" or
+    "parameters") ends the calls: it and everything after it are content. An object that is not JSON ends them too: given back as content if its name
     was never sent, dropped otherwise (the call it started was already streamed).
     """
 
@@ -37,6 +37,8 @@ class JsonCallSequenceStream(ToolCallStream):
         self._prefix = ""  # leading whitespace of the output, content if it turns out to be content
         self._region = 0  # where the calls start (after the lead tags)
         self._call: CallProgress | None = None
+        self._name: str | None = None  # the open call's name, once known
+        self._open_value: OpenValue | None = None  # the open object's unfinished arguments value
         self._num_calls = 0
         self._gate = ContentGate()
 
@@ -85,8 +87,19 @@ class JsonCallSequenceStream(ToolCallStream):
                     else:
                         self._to_content(i)
                     continue
+                if self._open_value is not None and not self._open_value.advance(text):
+                    # Inside a long arguments value: only the new text is read (see OpenValue).
+                    if self._call is not None and self._name is not None and text[self._open_value.start] in "{[":
+                        delta = self._call.update_tail(self._name, text, self._open_value.start)
+                        if delta is not None:
+                            out.tool_calls.append(delta)
+                    return
                 scan = scan_call_object(text, i)
-                if scan.name is not None:
+                open_at = scan.open_arguments
+                self._open_value = None if open_at is None else OpenValue(text, open_at)
+                # A call needs its arguments too: `{"name": "John", "age": 30}` is an answer.
+                if scan.name is not None and scan.args_start is not None:
+                    self._name = scan.name
                     if self._call is None:
                         self._call = CallProgress(self._num_calls)
                         self._num_calls += 1
@@ -100,6 +113,7 @@ class JsonCallSequenceStream(ToolCallStream):
                     else:
                         self._to_content(i)
                     self._call = None
+                    self._open_value = None
                     continue
                 if scan.end is None:
                     self._pos = i  # rescan from the object's start when more text comes
@@ -107,7 +121,11 @@ class JsonCallSequenceStream(ToolCallStream):
                 if self._call is None:  # a complete object without a name: not a call
                     self._to_content(i)
                     continue
+                closing = self._call.close()
+                if closing is not None:
+                    out.tool_calls.append(closing)
                 self._call = None
+                self._name = None
                 self._pos = scan.end
                 self._state = _SEPARATOR
                 continue
@@ -143,6 +161,10 @@ class JsonCallSequenceStream(ToolCallStream):
             # Cut off inside an object whose name never came: content after all.
             self._to_content(self._pos)
             self._advance(out)
+        elif self._call is not None:  # cut off inside a call
+            closing = self._call.close()
+            if closing is not None:
+                out.tool_calls.append(closing)
         self._pos = len(self._text)
         out.content += self._gate.finish()
         return out

@@ -91,6 +91,70 @@ def value_end(text: str, pos: int) -> int:
     return INVALID
 
 
+class OpenValue:
+    """An unfinished JSON string or container starting at `start` (`text[start]` one of `"{[`),
+    read incrementally: each `advance` reads only the text that arrived since the last one, so a
+    long value streamed in small pieces costs linear time, not a rescan per piece. Brackets are
+    matched as in `value_end`."""
+
+    def __init__(self, text: str, start: int) -> None:
+        self.start = start
+        self.end: int | None = None  # exclusive, once the value is closed
+        self._pos = start
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self.advance(text)
+
+    def advance(self, text: str) -> bool:
+        """Read what `text` (the same text, grown) added; True once the value is closed."""
+        i, n = self._pos, len(text)
+        while i < n and self.end is None:
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        self.end = i + 1
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end = i + 1
+            i += 1
+        self._pos = i
+        return self.end is not None
+
+    def partial(self, text: str) -> str:
+        """The value's text so far as `partial_value` gives it: a container's text, "" for a
+        string (it is decoded only once complete)."""
+        return text[self.start:] if text[self.start] in "{[" else ""
+
+
+def open_value_at(text: str, pos: int) -> int | None:
+    """`pos` if an unfinished string or container starts there (worth an `OpenValue`)."""
+    if pos < len(text) and text[pos] in '"{[' and value_end(text, pos) == INCOMPLETE:
+        return pos
+    return None
+
+
+def _loads_string(text: str) -> str | None:
+    """A complete JSON string literal decoded; None if it is not valid JSON (a raw control
+    character or a bad escape, which `string_end` lets through)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 @dataclass
 class CallObject:
     """What is known of one `{"name": ..., "arguments" | "parameters": ...}` object so far."""
@@ -103,7 +167,8 @@ class CallObject:
 
     def arguments(self, text: str) -> str:
         """The raw arguments text so far ("" if none yet). A string-valued arguments field (a
-        model that JSON-encodes its arguments twice) is decoded, and only once complete."""
+        model that JSON-encodes its arguments twice) is decoded, once complete, if what it holds
+        is JSON; otherwise the string literal itself is the arguments (still JSON)."""
         if self.args_start is None:
             return ""
         if self.args_end is None:
@@ -112,12 +177,24 @@ class CallObject:
             return text[self.args_start:] if text[self.args_start] in "{[" else ""
         raw = text[self.args_start:self.args_end]
         if raw.startswith('"'):
-            try:
-                decoded = json.loads(raw)
-            except ValueError:
-                return raw
-            return decoded if isinstance(decoded, str) else raw
+            decoded = _loads_string(raw)
+            if decoded is not None and _is_json(decoded):
+                return decoded
         return raw
+
+    @property
+    def open_arguments(self) -> int | None:
+        """Where an unfinished string or container arguments value starts, if that is where the
+        scan stopped (the arguments may then grow for a long time: see `OpenValue`)."""
+        return self.args_start if self.args_start is not None and self.args_end is None else None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -142,7 +219,10 @@ def scan_call_object(text: str, pos: int) -> CallObject:
         key_end = string_end(text, i)
         if key_end == INCOMPLETE:
             return out
-        key = json.loads(text[i:key_end])
+        key = _loads_string(text[i:key_end])
+        if key is None:
+            out.invalid = True
+            return out
         i = skip_ws(text, key_end)
         if i >= len(text):
             return out
@@ -163,8 +243,8 @@ def scan_call_object(text: str, pos: int) -> CallObject:
         if end == INCOMPLETE:
             return out
         if key == "name" and out.name is None:
-            name = json.loads(text[i:end]) if text[i] == '"' else None
-            if not isinstance(name, str) or not name:
+            name = _loads_string(text[i:end]) if text[i] == '"' else None
+            if not name:
                 out.invalid = True
                 return out
             out.name = name

@@ -13,14 +13,18 @@ from ksana_llm.server.tool_parsers.base import (
     ToolCallStream,
     held_prefix,
 )
+from ksana_llm.server.tool_parsers.json_scan import OpenValue
 
 
 @dataclass
 class BodyScan:
-    """What a call body says so far: `name` once complete, the arguments text so far."""
+    """What a call body says so far: `name` once complete, the arguments text so far, and where
+    in the body an unfinished string or container arguments value starts (`open_at`, when
+    that is where the body stops making sense yet)."""
 
     name: str | None = None
     arguments: str = ""
+    open_at: int | None = None
 
 
 BodyParser = Callable[[str], BodyScan]
@@ -29,9 +33,13 @@ BodyParser = Callable[[str], BodyScan]
 class TaggedToolStream(ToolCallStream):
     """`start` BODY `end` regions are calls, `ignored` tags vanish, everything else is content.
 
-    A region whose body never yields a name is given back as content, tags included, once it
-    closes; a region that yielded a name stays a call even if the rest is malformed (its name
-    and arguments were already streamed).
+    The first end tag after a start tag ends the call, even where it would sit inside a JSON
+    string of the body: in the formats served here each tag is one special token, so a model
+    that writes it means it, and a broken escape in an argument (`"C:\\tmp\\"` written with
+    single backslashes) must not swallow the calls and text after it. vLLM and SGLang split
+    the same way. A region whose body never yields a name is given back as content, tags
+    included, once it closes; a region that yielded a name stays a call even if the rest is
+    malformed (its name and arguments were already streamed).
     """
 
     def __init__(self, start: str, end: str, parse_body: BodyParser,
@@ -43,10 +51,10 @@ class TaggedToolStream(ToolCallStream):
         self._buffer = ""  # text not yet committed anywhere
         self._body: str | None = None  # the open call's body so far, None outside calls
         self._call: CallProgress | None = None
+        self._name: str | None = None  # the open call's name, once known
+        self._open: OpenValue | None = None  # the body's unfinished arguments value
         self._num_calls = 0
         self._gate = ContentGate()
-        self._in_string = False  # inside a JSON string of the body, at its end
-        self._escaped = False
 
     def _find_marker(self) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
@@ -72,55 +80,37 @@ class TaggedToolStream(ToolCallStream):
                 self._buffer = self._buffer[i + len(marker):]
                 if marker == self._start:
                     self._body = ""
-                    self._in_string = self._escaped = False
                 continue
-            j, cut = self._find_end()
+            j = self._buffer.find(self._end)
             if j < 0:
-                self._take_body(cut)
+                # Hold back what may be the start of the end tag: wait for more text.
+                self._take_body(len(self._buffer) - held_prefix(self._buffer, (self._end,)))
                 self._progress(out)
                 return out
             self._take_body(j)
             self._buffer = self._buffer[len(self._end):]
             self._close(out, self._end)
 
-    def _find_end(self) -> tuple[int, int]:
-        """(index of the end tag in the buffer or -1, how much of the buffer is surely body).
-
-        An end tag inside a JSON string of the body (an argument that mentions the tag) does
-        not end the call."""
-        buf, end = self._buffer, self._end
-        in_string, escaped = self._in_string, self._escaped
-        cut = len(buf)
-        for i, c in enumerate(buf):
-            if not in_string:
-                if buf.startswith(end, i):
-                    return i, i
-                if cut == len(buf) and end.startswith(buf[i:]):
-                    cut = i  # may be the start of the end tag: wait for more text
-            if escaped:
-                escaped = False
-            elif c == "\\" and in_string:
-                escaped = True
-            elif c == '"':
-                in_string = not in_string
-        return -1, cut
-
     def _take_body(self, n: int) -> None:
-        """Move the first `n` buffered characters into the body, tracking JSON string state."""
+        """Move the first `n` buffered characters into the body."""
         taken, self._buffer = self._buffer[:n], self._buffer[n:]
-        for c in taken:
-            if self._escaped:
-                self._escaped = False
-            elif c == "\\" and self._in_string:
-                self._escaped = True
-            elif c == '"':
-                self._in_string = not self._in_string
         self._body = (self._body or "") + taken
 
     def _progress(self, out: ParsedDelta) -> None:
-        scan = self._parse_body(self._body or "")
+        body = self._body or ""
+        if self._open is not None and not self._open.advance(body):
+            # Inside a long arguments value: nothing before it can change, so only the new
+            # text is read (a full rescan per piece would cost quadratic time).
+            if self._call is not None and self._name is not None and body[self._open.start] in "{[":
+                delta = self._call.update_tail(self._name, body, self._open.start)
+                if delta is not None:
+                    out.tool_calls.append(delta)
+            return
+        scan = self._parse_body(body)
+        self._open = None if scan.open_at is None else OpenValue(body, scan.open_at)
         if scan.name is None:
             return
+        self._name = scan.name
         if self._call is None:
             self._call = CallProgress(self._num_calls)
             self._num_calls += 1
@@ -130,11 +120,18 @@ class TaggedToolStream(ToolCallStream):
             out.tool_calls.append(delta)
 
     def _close(self, out: ParsedDelta, end_tag: str) -> None:
+        self._open = None  # the body is whole now: parse it once more, all of it
         self._progress(out)
         if self._call is None:  # never a call: the region was content after all
             out.content += self._gate.push(self._start + (self._body or "") + end_tag)
+        else:
+            closing = self._call.close()
+            if closing is not None:
+                out.tool_calls.append(closing)
         self._body = None
         self._call = None
+        self._name = None
+        self._open = None
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
