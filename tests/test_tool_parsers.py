@@ -281,6 +281,18 @@ def test_reasoning_then_tool_calls_streamed():
         assert run(sizes) == whole
 
 
+def test_one_chunk_names_each_call_once():
+    """A call parsed whole in one piece (its name, then the "{}" of a call without arguments)
+    is one tool-call delta in the chunk, as OpenAI streams it."""
+    parser = ChoiceOutputParser(None, get_tool_parser("hermes").stream())
+    text = '<tool_call>{"name": "get_time"}</tool_call><tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    delta = parser.feed(text)
+    message = parser.delta_message(delta)
+    assert [(c.index, c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        (0, "get_time", "{}"), (1, "f", '{"a": 1}')]
+    assert all(c.id for c in message.tool_calls)
+
+
 def test_registry_names_and_unknown():
     assert {"hermes", "qwen3", "llama3_json", "deepseek_v3"} <= set(TOOL_PARSERS)
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*hermes.*llama3_json"):

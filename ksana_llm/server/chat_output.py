@@ -20,7 +20,7 @@ from ksana_llm.server.openai_protocol import (
     ToolCallModel,
 )
 from ksana_llm.server.reasoning_parsers import ReasoningStream
-from ksana_llm.server.tool_parsers import ToolCallDelta, ToolCallStream
+from ksana_llm.server.tool_parsers import ToolCallDelta, ToolCallStream, coalesce
 
 
 def tool_call_id() -> str:
@@ -65,7 +65,7 @@ class ChoiceOutputParser:
                 parsed.extend(tail)
         if parsed is not None:
             out.content = parsed.content
-            out.tool_calls = parsed.tool_calls
+            out.tool_calls = coalesce(parsed.tool_calls)
             for call in parsed.tool_calls:
                 if call.name is not None:
                     self._ids[call.index] = tool_call_id()

@@ -12,6 +12,7 @@ from ksana_llm.server.tool_parsers.base import (
     ToolCallDelta,
     ToolCallStream,
     ToolParser,
+    coalesce,
     collect,
 )
 from ksana_llm.server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
@@ -33,4 +34,5 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 __all__ = ["TOOL_PARSERS", "JsonCallSequenceStream", "ParsedDelta", "ParsedOutput", "ToolCall",
-           "ToolCallDelta", "ToolCallStream", "ToolParser", "collect", "get_tool_parser"]
+           "ToolCallDelta", "ToolCallStream", "ToolParser", "coalesce", "collect",
+           "get_tool_parser"]

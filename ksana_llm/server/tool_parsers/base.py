@@ -45,6 +45,18 @@ class ParsedDelta:
         self.tool_calls.extend(other.tool_calls)
 
 
+def coalesce(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Adjacent deltas of one call merged (its name, then arguments text), so one streamed chunk
+    names each call index once, as OpenAI streams them."""
+    out: list[ToolCallDelta] = []
+    for call in calls:
+        if out and out[-1].index == call.index and call.name is None:
+            out[-1] = ToolCallDelta(call.index, out[-1].name, out[-1].arguments + call.arguments)
+        else:
+            out.append(call)
+    return out
+
+
 @dataclass
 class ParsedOutput:
     content: str | None
