@@ -93,6 +93,11 @@ CASES = [
     ("hermes", '<tool_call>{"name": "get_time"}</tool_call>', None, [("get_time", {})]),
     ("llama3_json", '{"name": "John", "age": 30}', '{"name": "John", "age": 30}', []),
     ("deepseek_v31", "<｜tool▁call▁begin｜>f<｜tool▁sep｜><｜tool▁call▁end｜>", None, [("f", {})]),
+    # Several calls between one pair of tags, one after the other or as an array: each a call.
+    ("hermes", "<tool_call>\n" + "\n".join(json.dumps({"name": n, "arguments": a}) for n, a in CALLS)
+     + "\n</tool_call>", None, CALLS),
+    ("qwen3", "<tool_call>" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS])
+     + "</tool_call>\nDone.", "Done.", CALLS),
 ]
 
 

@@ -9,12 +9,23 @@ from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
 
 
 def parse_json_body(body: str) -> BodyScan:
+    """One call object; several in one body (after each other, comma-separated, or as a JSON
+    array) are several calls: `next_at` says where the next one starts."""
     start = skip_ws(body, 0)
+    if start < len(body) and body[start] == "[":
+        start = skip_ws(body, start + 1)
     if start >= len(body) or body[start] != "{":
         return BodyScan()
     call = scan_call_object(body, start)
+    next_at = None
+    if call.end is not None and call.name is not None:
+        after = skip_ws(body, call.end)
+        if after < len(body) and body[after] == ",":
+            after = skip_ws(body, after + 1)
+        if after < len(body) and body[after] == "{":
+            next_at = after
     return BodyScan(call.name, call.arguments(body) if call.name is not None else "",
-                    open_at=call.open_arguments)
+                    open_at=call.open_arguments, next_at=next_at)
 
 
 class HermesToolParser(ToolParser):

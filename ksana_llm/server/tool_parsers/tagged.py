@@ -25,6 +25,7 @@ class BodyScan:
     name: str | None = None
     arguments: str = ""
     open_at: int | None = None
+    next_at: int | None = None  # where another call starts in the same body, once this one ended
 
 
 BodyParser = Callable[[str], BodyScan]
@@ -97,41 +98,50 @@ class TaggedToolStream(ToolCallStream):
         self._body = (self._body or "") + taken
 
     def _progress(self, out: ParsedDelta) -> None:
-        body = self._body or ""
-        if self._open is not None and not self._open.advance(body):
-            # Inside a long arguments value: nothing before it can change, so only the new
-            # text is read (a full rescan per piece would cost quadratic time).
-            if self._call is not None and self._name is not None and body[self._open.start] in "{[":
-                delta = self._call.update_tail(self._name, body, self._open.start)
-                if delta is not None:
-                    out.tool_calls.append(delta)
-            return
-        scan = self._parse_body(body)
-        self._open = None if scan.open_at is None else OpenValue(body, scan.open_at)
-        if scan.name is None:
-            return
-        self._name = scan.name
-        if self._call is None:
-            self._call = CallProgress(self._num_calls)
-            self._num_calls += 1
-            self._gate.had_call = True
-        delta = self._call.update(scan.name, scan.arguments)
-        if delta is not None:
-            out.tool_calls.append(delta)
+        while True:
+            body = self._body or ""
+            if self._open is not None and not self._open.advance(body):
+                # Inside a long arguments value: nothing before it can change, so only the new
+                # text is read (a full rescan per piece would cost quadratic time).
+                if self._call is not None and self._name is not None and body[self._open.start] in "{[":
+                    delta = self._call.update_tail(self._name, body, self._open.start)
+                    if delta is not None:
+                        out.tool_calls.append(delta)
+                return
+            scan = self._parse_body(body)
+            self._open = None if scan.open_at is None else OpenValue(body, scan.open_at)
+            if scan.name is None:
+                return
+            self._name = scan.name
+            if self._call is None:
+                self._call = CallProgress(self._num_calls)
+                self._num_calls += 1
+                self._gate.had_call = True
+            delta = self._call.update(scan.name, scan.arguments)
+            if delta is not None:
+                out.tool_calls.append(delta)
+            if scan.next_at is None:
+                return
+            # Several calls between one pair of tags (models do this): each is a call of its own.
+            self._end_call(out)
+            self._body = body[scan.next_at:]
+
+    def _end_call(self, out: ParsedDelta) -> None:
+        if self._call is not None:
+            closing = self._call.close()
+            if closing is not None:
+                out.tool_calls.append(closing)
+        self._call = None
+        self._name = None
+        self._open = None
 
     def _close(self, out: ParsedDelta, end_tag: str) -> None:
         self._open = None  # the body is whole now: parse it once more, all of it
         self._progress(out)
         if self._call is None:  # never a call: the region was content after all
             out.content += self._gate.push(self._start + (self._body or "") + end_tag)
-        else:
-            closing = self._call.close()
-            if closing is not None:
-                out.tool_calls.append(closing)
+        self._end_call(out)
         self._body = None
-        self._call = None
-        self._name = None
-        self._open = None
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
