@@ -8,8 +8,8 @@
 from ksana_llm.api.engine import Engine, EngineDeadError
 from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import (Request, RequestHandle, RequestOutput, SequenceDelta,
-                                   SequenceOutput)
+from ksana_llm.api.outputs import (Request, RequestError, RequestHandle, RequestOutput,
+                                   SequenceDelta, SequenceOutput)
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec
@@ -19,5 +19,5 @@ __version__ = "0.1.0"
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
            "GenerationConfig", "Model", "QueueFullError", "QueueTimeoutError", "Request",
-           "RequestHandle", "RequestOutput", "SequenceDelta", "SequenceOutput",
+           "RequestError", "RequestHandle", "RequestOutput", "SequenceDelta", "SequenceOutput",
            "StructuredOutputSpec", "TransferredKv", "__version__"]

@@ -7,14 +7,25 @@ imports nothing of theirs.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 
 STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "regex", "grammar")
-EARLY_STOPPING_VALUES = (True, False, "never")
 MAX_LOGPROBS = 20  # top alternatives per position (outputs and prompt); servers may cap lower
 LOGIT_BIAS_RANGE = 100.0
+# A temperature below this samples as greedy (vLLM's rule): dividing logits by ~1e-38 overflows
+# them to inf, and the softmax of infs is NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "num_beams",
+               "num_return_sequences")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "length_penalty")
+_BOOL_FIELDS = ("do_sample", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+_OPTIONAL_INT_FIELDS = ("logprobs", "seed", "best_of", "prompt_logprobs")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -48,8 +59,8 @@ class StructuredOutputSpec:
 class GenerationConfig:
     """How one request generates. Defaults follow `transformers`: greedy unless `do_sample=True`.
 
-    Sampling happens only when `do_sample` is True and `temperature > 0`; otherwise the argmax is
-    taken (the penalties still apply).
+    Sampling happens only when `do_sample` is True and `temperature` is at least 1e-5 (below it,
+    as in vLLM, the argmax is taken, as it is without `do_sample`; the penalties still apply).
 
     Several sequences per request:
     - sampling (or greedy) with `num_return_sequences` = n > 1: n sequences share the prompt's KV
@@ -104,10 +115,24 @@ class GenerationConfig:
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        # numpy / torch scalars (as transformers users pass them) become Python numbers.
+        for name in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                setattr(self, name, float(value))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop_token_ids, list):
+            self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                   else t for t in self.stop_token_ids]
         if self.bad_words_ids is None:
             self.bad_words_ids = []
         if isinstance(self.bad_words_ids, (list, tuple)):
@@ -119,7 +144,7 @@ class GenerationConfig:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):
             # JSON objects (OpenAI's logit_bias) arrive with string keys: "50256" -> 50256.
-            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v
                                for k, v in self.logit_bias.items()}
         elif self.logit_bias is None:
             self.logit_bias = {}
@@ -132,21 +157,24 @@ class GenerationConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field and its allowed range."""
-        ints = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "num_beams",
-                "num_return_sequences")
-        for name in ints:
+        """Raise ValueError naming the first invalid field and its allowed range. The engine
+        runs it again on every submitted config (a field may have been set since), as
+        transformers' `generate` does."""
+        for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 _fail(name, value, "an integer")
-        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "length_penalty")
-        for name in floats:
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 _fail(name, value, "a number")
-            if value != value:  # NaN
+            if not math.isfinite(value):
                 _fail(name, value, "a finite number")
+        for name in _BOOL_FIELDS:
+            # A flag given as 0, "false" or None would be read by truthiness somewhere and by
+            # type elsewhere (the tokenizer refuses a non-bool skip_special_tokens).
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "True or False")
         if self.max_new_tokens < 1:
             _fail("max_new_tokens", self.max_new_tokens, ">= 1")
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
@@ -175,13 +203,12 @@ class GenerationConfig:
                 not _is_int(self.best_of) or self.best_of < self.num_return_sequences):
             _fail("best_of", self.best_of,
                   f"None or an integer >= num_return_sequences ({self.num_return_sequences})")
-        if self.early_stopping not in EARLY_STOPPING_VALUES or (
-                isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool)):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             _fail("early_stopping", self.early_stopping, "True, False or 'never'")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", self.stop, "a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                   for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if self.logprobs is not None and (
                 isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
@@ -247,7 +274,7 @@ class GenerationConfig:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
+        return not self.do_sample or self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def use_beam_search(self) -> bool:

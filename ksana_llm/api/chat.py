@@ -39,6 +39,11 @@ class ChatMixin(GenerateCalls):
             raise ValueError("continue_final_message needs a final assistant message")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat_template: this model has no chat template; pass one")
+        if chat_template_kwargs is not None and not (
+                isinstance(chat_template_kwargs, dict)
+                and all(isinstance(k, str) and k.isidentifier() for k in chat_template_kwargs)):
+            raise ValueError("chat_template_kwargs must be a dict of template variable names to "
+                             f"values, got {chat_template_kwargs!r}")
         from jinja2 import TemplateError
 
         try:

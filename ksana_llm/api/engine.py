@@ -56,7 +56,7 @@ class Engine(LoraControl, ChatMixin):
     """
 
     def __init__(self, model: Model | str | None = None, tokenizer: Any = None,
-                 generation_config: GenerationConfig | None = None, *,
+                 generation_config: GenerationConfig | dict[str, Any] | None = None, *,
                  max_batch_size: int | None = None, max_queue_size: int | None = None,
                  scheduler: str | None = None, config: EngineConfig | None = None,
                  **engine_kwargs: Any) -> None:
@@ -77,6 +77,11 @@ class Engine(LoraControl, ChatMixin):
                 quantization=self.config.quantization)
         self.model = model
         self.tokenizer = tokenizer or model.tokenizer
+        if isinstance(generation_config, dict):
+            generation_config = GenerationConfig().replace(**generation_config)
+        elif generation_config is not None and not isinstance(generation_config, GenerationConfig):
+            raise ValueError("generation_config must be a GenerationConfig or a dict, got "
+                             f"{type(generation_config).__name__}")
         self.generation_config = generation_config or GenerationConfig()
         self._lora = LoraRegistry(self.config.num_lora_slots)
         adapters = startup_adapters(self._lora, self.config.lora_modules)
@@ -101,6 +106,8 @@ class Engine(LoraControl, ChatMixin):
         self._num_waiting = 0
         self._num_running = 0
         self._wake = threading.Condition()
+        # Signalled (on _wake's lock) after every step: callers waiting for room in the queue.
+        self._queue_space = threading.Condition(self._wake)
         self._stopping = False
         self._dead: BaseException | None = None
         # The model was loaded on this thread, steps run on the engine's: this thread's OpenMP
@@ -203,6 +210,10 @@ class Engine(LoraControl, ChatMixin):
             if self._num_queued() >= self.config.max_queue_size:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} "
                                      "requests); retry later")
+            if seq.request_id in self._aborts:
+                # Aimed at an earlier request of this id (none is live, or the id would be in
+                # use): the loop reads its inbox before its aborts, so it would stop this one.
+                self._aborts = [a for a in self._aborts if a != seq.request_id]
             self._inbox.append((seq, handle))
             self._handles[seq.request_id] = handle
             self._wake.notify()
@@ -223,6 +234,13 @@ class Engine(LoraControl, ChatMixin):
                     break
                 pending.popleft()
         return handles
+
+    def _wait_for_queue_space(self) -> None:
+        """Block until one more request would not be refused (or the engine stopped)."""
+        with self._wake:
+            while (self._num_queued() >= self.config.max_queue_size and self._dead is None
+                   and not self._stopping):
+                self._queue_space.wait()
 
     def _num_queued(self) -> int:
         """Requests that would wait if one more came now: those not yet running, less the free
@@ -302,7 +320,11 @@ class Engine(LoraControl, ChatMixin):
                         if not self._lora_still_loaded(seq):
                             raise ValueError("lora: the request's LoRA adapter was unloaded")
                         core.add(seq)
-                    except (QueueFullError, ValueError) as exc:
+                    except Exception as exc:  # noqa: BLE001 - only this request is refused
+                        # QueueFullError, ValueError, or anything a setting that slipped past
+                        # validation raises: the request fails, everyone else is served on.
+                        if not isinstance(exc, (QueueFullError, ValueError)):
+                            logger.exception("request %s was refused", seq.request_id)
                         self._handles.pop(seq.request_id, None)
                         handle.fail(exc)
                 for request_id in aborts:
@@ -316,6 +338,7 @@ class Engine(LoraControl, ChatMixin):
                 with self._wake:
                     self._num_waiting = len(core.scheduler.waiting) + len(core.scheduler.swapped)
                     self._num_running = len(core.scheduler.running)
+                    self._queue_space.notify_all()
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiter
             logger.exception("engine step loop failed")
             self._dead = exc
@@ -380,6 +403,7 @@ class Engine(LoraControl, ChatMixin):
     def _fail_all(self, error: BaseException) -> None:
         with self._wake:
             self._stopping = True
+            self._queue_space.notify_all()
             pending = list(self._handles.values())
             self._handles.clear()
             self._inbox.clear()

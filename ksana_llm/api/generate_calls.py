@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ksana_llm.api.outputs import Prompt, Request, RequestHandle, RequestOutput
+from ksana_llm.api.outputs import Prompt, Request, RequestHandle, RequestOutput, as_token_ids
 from ksana_llm.generation_config import GenerationConfig
 
 
@@ -32,6 +32,9 @@ class GenerateCalls:
 
     def _enqueue(self, seq: Any, callback: Any, loop: asyncio.AbstractEventLoop | None,
                  plugin_info: Any) -> RequestHandle:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def _wait_for_queue_space(self) -> None:  # pragma: no cover - Engine's
         raise NotImplementedError
 
     def generate_outputs(self, prompts: Prompt | list[Prompt],
@@ -56,18 +59,21 @@ class GenerateCalls:
         try:
             while pending:
                 handles += self._enqueue_many(pending)
-                if pending:  # the queue is full: wait for one to finish
-                    self._wait_one(handles, progress)
+                if pending:  # the queue is full (of ours, or other callers' requests)
+                    self._wait_for_queue_space()
+                    for h in handles:
+                        if h.finished:
+                            self._finish_one(h, progress)
             return [self._finish_one(h, progress) for h in handles]
+        except BaseException:
+            # Ctrl-C, or a failure: the requests already queued must not run on unseen.
+            for h in handles:
+                if not h.finished:
+                    self.abort(h.id)
+            raise
         finally:
             if progress is not None:
                 progress.close()
-
-    def _wait_one(self, handles: list[RequestHandle], progress: Any) -> None:
-        for h in handles:
-            if not h.finished:
-                self._finish_one(h, progress)
-                return
 
     @staticmethod
     def _finish_one(handle: RequestHandle, progress: Any) -> RequestOutput:
@@ -79,10 +85,11 @@ class GenerateCalls:
 
     @staticmethod
     def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, str) or as_token_ids(prompts) is not None:
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts:
+            return list(prompts)
+        if getattr(prompts, "ndim", None) == 2 and len(prompts):  # a [batch, tokens] array
             return list(prompts)
         raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of those")
 
@@ -91,14 +98,24 @@ class GenerateCalls:
                  ) -> str | list[str] | Iterator[str]:
         """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas.
         `lora`: the LoRA adapter to use (None: the base model)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
-                                              and all(isinstance(t, int) for t in prompts))
+        single = isinstance(prompts, str) or as_token_ids(prompts) is not None
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
-            return iter(self.submit(Request(prompts, generation_config, lora=lora)))
+            return self._text_deltas(self.submit(Request(prompts, generation_config, lora=lora)))
         outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
         return outputs[0].text if single else [o.text for o in outputs]
+
+    def _text_deltas(self, handle: RequestHandle) -> Iterator[str]:
+        """The request's text deltas; a caller that stops reading early (`break`, an exception,
+        dropping the iterator) aborts the request, so it does not run on to its token limit."""
+        finished = False
+        try:
+            yield from handle
+            finished = True
+        finally:
+            if not finished:
+                self.abort(handle.id)
 
     async def generate_async(self, prompt: Prompt | Request,
                              generation_config: GenerationConfig | None = None) -> str:

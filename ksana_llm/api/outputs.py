@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.generation_config import GenerationConfig
@@ -21,6 +24,25 @@ from ksana_llm.runner.kv_transfer import TransferredKv
 logger = logging.getLogger("ksana_llm.api")
 
 Prompt = str | list[int]
+
+
+def as_token_ids(value: Any) -> list[int] | None:
+    """`value` as a prompt of token ids, if it is one: a non-empty list or tuple of integers
+    (numpy's included), or a 1-D integer numpy array or torch tensor, as tokenizers return
+    them. None for anything else (text, a batch, floats)."""
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+            return [int(t) for t in value]
+        return None
+    ndim, dtype = getattr(value, "ndim", None), getattr(value, "dtype", None)
+    if ndim != 1 or dtype is None or not hasattr(value, "tolist"):
+        return None
+    if isinstance(value, torch.Tensor):
+        integer = not value.is_floating_point() and not value.is_complex() and dtype != torch.bool
+    else:  # numpy, without importing it: signed or unsigned integer kinds
+        integer = getattr(dtype, "kind", "") in ("i", "u")
+    ids = value.tolist() if integer else []
+    return [int(t) for t in ids] if ids else None
 
 
 @dataclass
@@ -365,6 +387,8 @@ class RequestHandle:
         self._deltas_wanted = False
         if self._already_ended():
             return self.output
+        if self._async is not None:  # its items go to the event loop's queue, never here
+            raise RuntimeError("this handle was created for asyncio; use `await aresult()`")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -15,7 +15,7 @@ from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.lora_registry import LoraRegistry
 from ksana_llm.api.model import Model
 from ksana_llm.api.forward_outputs import ForwardTarget
-from ksana_llm.api.outputs import Prompt, Request
+from ksana_llm.api.outputs import Prompt, Request, as_token_ids
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
@@ -62,10 +62,11 @@ class RequestBuilder:
             if not prompt:
                 raise ValueError("prompt must be a non-empty string or list of token ids")
             return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        ids = as_token_ids(prompt)
+        if ids is not None:
+            return ids
+        raise ValueError("prompt must be a non-empty string or a non-empty list of token ids "
+                         "(a 1-D integer numpy array or torch tensor too)")
 
     def _check_token_ids(self, token_ids: list[int], prompt: Prompt) -> None:
         """Every id the model will embed must be in its vocabulary: an id past the embedding
@@ -189,7 +190,12 @@ class RequestBuilder:
             seq.imported_kv = kv.truncated(usable)
 
     def _check_config(self, config: GenerationConfig) -> None:
-        """What GenerationConfig cannot check alone: limits of this model and engine."""
+        """The config as it is now (a field may have been set since it was built, or by a
+        plugin), then what GenerationConfig cannot check alone: this model's and engine's
+        limits."""
+        if not isinstance(config, GenerationConfig):
+            raise ValueError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
+        config.validate()
         vocab = self.model.vocab_size
         for name, ids in (("logit_bias", list(config.logit_bias)),
                           ("bad_words_ids", [t for w in config.bad_words_ids for t in w]),

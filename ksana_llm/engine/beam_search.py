@@ -68,6 +68,7 @@ class BeamSearch:
         self.pool_finished = torch.zeros(num_beams, dtype=torch.bool)
         self.pool: list[Hypothesis | None] = [None] * num_beams
         self.improvement_possible = True
+        self.kept_sum_logprobs = torch.zeros(0, dtype=torch.float32)
         self.num_generated = 0
         self.done = False
         # Log-prob rows received for the current step, by live beam (set by the engine).
@@ -96,6 +97,9 @@ class BeamSearch:
         running = topk_scores + hits.to(torch.float32) * NEG
         keep = torch.topk(running, min(self.num_beams, k))[1]
         next_scores = running[keep]
+        # The kept continuations' own summed log-probs (no stop mask): what they score should
+        # they have to be the answer (`running` of the engine's `_finish_beams`).
+        self.kept_sum_logprobs = topk_scores[keep]
 
         # Finished hypotheses: only the first num_beams of the K may finish.
         top_mask = torch.arange(k) < self.num_beams

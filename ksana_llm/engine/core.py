@@ -147,10 +147,12 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         seq.group = group
         seq.num_reserved_slots = config.num_sequences if several else 1
         seq.max_num_tokens = min(seq.num_prompt_tokens + config.max_new_tokens, self.max_model_len)
-        self.scheduler.add(seq)
+        # Everything that may fail comes before the scheduler takes the sequence, so a refused
+        # request leaves nothing behind.
         if config.seed is not None and seq.generator is None:
             seq.generator = make_generator(config.seed, self.runner.device)
         seq.detokenizer = self._detokenizer(seq)
+        self.scheduler.add(seq)
         self.groups[seq.request_id] = group
 
     def _detokenizer(self, seq: Sequence, *, stop_after_min_tokens: bool = True

@@ -1,0 +1,222 @@
+"""The Python API used the ways real callers misuse it, on the real default model: settings of the
+wrong type or changed after a config was built, configs beam search cannot finish, streams left
+early, interrupted batch calls, ids reused right after an abort, asyncio handles read blocking,
+and prompts as numpy arrays or torch tensors. Each must give a clear error or a finished request,
+and the engine must go on serving everyone else."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import ksana_llm as kt
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
+LONG = kt.GenerationConfig(max_new_tokens=3000, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    with kt.Engine(default_model, generation_config=kt.GenerationConfig(max_new_tokens=8),
+                   num_device_blocks=256) as engine:
+        yield engine
+
+
+def _idle(engine: kt.Engine, timeout: float = 60.0) -> bool:
+    """Whether the engine has nothing running or waiting within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),  # killed the engine thread once
+    ({"do_sample": "no"}, "do_sample"),
+    ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"num_beams": 2, "length_penalty": float("-inf")}, "length_penalty"),
+    ({"num_beams": 2, "early_stopping": 1.0}, "early_stopping"),
+    ({"stop": 5}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"logit_bias": {"²": 1.0}}, "logit_bias"),
+])
+def test_settings_of_the_wrong_type_are_refused_by_name(engine, config, field):
+    other = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=12, ignore_eos=True)))
+    with pytest.raises(ValueError, match=field):
+        kt.GenerationConfig(**config)
+    with pytest.raises(ValueError, match=field):
+        engine.generate(PROMPT, config)
+    assert len(other.result(timeout=60).token_ids) == 12 and engine.is_running
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop", "Paris"), ("seed", 1.5), ("stop_token_ids", 5), ("max_new_tokens", None),
+    ("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("num_beams", 0),
+    ("logprobs", 10**6), ("skip_special_tokens", 1),
+])
+def test_a_config_changed_after_it_was_built_is_checked_again(engine, field, value):
+    """transformers validates a GenerationConfig on every generate(); so does submit. Set on the
+    engine's default config, the same value is refused for every request that uses it."""
+    config = kt.GenerationConfig(max_new_tokens=4, do_sample=True)
+    setattr(config, field, value)
+    other = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=12, ignore_eos=True)))
+    with pytest.raises(ValueError, match=field):
+        engine.generate(PROMPT, config)
+    with pytest.raises(ValueError, match=field):
+        engine.submit(kt.Request(PROMPT, config))
+    assert len(other.result(timeout=60).token_ids) == 12 and engine.is_running
+
+
+def test_engine_default_config_as_a_dict_or_of_the_wrong_type(default_model):
+    with kt.Engine(default_model, generation_config={"max_new_tokens": 3, "ignore_eos": True},
+                   num_device_blocks=32) as engine:
+        assert len(engine.generate_outputs(PROMPT, use_tqdm=False)[0].token_ids) == 3
+    for bad, match in (("greedy", "generation_config"), ({"max_new_tokenz": 3}, "max_new_tokenz")):
+        with pytest.raises(ValueError, match=match):
+            kt.Engine(default_model, generation_config=bad, num_device_blocks=32)
+
+
+def test_a_request_the_engine_thread_refuses_fails_alone(engine, monkeypatch):
+    """Defense in depth: should anything slip past validation and raise while the engine thread
+    queues a request, only that request fails (it once took the engine down with it)."""
+    other = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=12, ignore_eos=True)))
+    core = engine._core
+    real = core._detokenizer
+
+    def refuse(seq, **kw):
+        if seq.request_id == "refused":
+            raise TypeError("a setting the tokenizer cannot take")
+        return real(seq, **kw)
+
+    monkeypatch.setattr(core, "_detokenizer", refuse)
+    with pytest.raises(kt.RequestError, match="tokenizer cannot take"):
+        engine.submit(kt.Request(PROMPT, request_id="refused")).result(timeout=60)
+    assert len(other.result(timeout=60).token_ids) == 12 and engine.is_running
+    assert _idle(engine) and engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+
+
+@pytest.mark.parametrize("config", [
+    # Every finished hypothesis scores below transformers' -1e9 filler.
+    kt.GenerationConfig(max_new_tokens=12, num_beams=2, length_penalty=-20.0, ignore_eos=True),
+    # Every token masked: the only allowed one is EOS, which min_new_tokens holds back.
+    kt.GenerationConfig(max_new_tokens=4, num_beams=2, allowed_token_ids=[2], min_new_tokens=2),
+])
+def test_beam_search_always_finishes_with_an_answer(engine, config):
+    out = engine.submit(kt.Request("Write a long story about a dragon.", config)).result(timeout=120)
+    assert out.finished and out.token_ids and len(out.sequences) == 1
+    assert _idle(engine)
+
+
+def test_leaving_a_stream_early_aborts_the_request(engine):
+    stream = engine.generate(PROMPT, LONG, stream=True)
+    assert next(stream)
+    assert engine.stats().num_running == 1
+    stream.close()  # what `break` out of a for loop does once the iterator is dropped
+    assert _idle(engine, timeout=30)
+    for _ in engine.generate(PROMPT, LONG, stream=True):
+        break
+    assert _idle(engine, timeout=30)
+
+
+def test_interrupted_generate_outputs_aborts_what_it_queued(engine, monkeypatch):
+    """Ctrl-C while generate_outputs waits: the requests it queued stop too."""
+    calls = {"n": 0}
+    real = type(engine)._finish_one
+
+    def interrupted(handle, progress):
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(engine), "_finish_one", staticmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate_outputs([PROMPT, "Hello there"], LONG, use_tqdm=False)
+    monkeypatch.setattr(type(engine), "_finish_one", staticmethod(real))
+    assert calls["n"] == 1 and _idle(engine, timeout=30)
+
+
+def test_generate_outputs_waits_for_room_without_spinning(default_model, monkeypatch):
+    """Other callers' requests fill the queue: generate_outputs sleeps until there is room
+    (woken after steps), instead of retrying in a loop that starves the engine thread."""
+    config = kt.GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    with kt.Engine(default_model, num_device_blocks=64, max_num_seqs=1, max_queue_size=1) as engine:
+        others = [engine.submit(kt.Request(PROMPT, config)) for _ in range(2)]  # running + waiting
+        attempts = {"n": 0}
+        real = engine._enqueue_many
+
+        def counted(pending):
+            attempts["n"] += 1
+            return real(pending)
+
+        monkeypatch.setattr(engine, "_enqueue_many", counted)
+        result = []
+        worker = threading.Thread(target=lambda: result.append(
+            engine.generate_outputs(["Hi"], kt.GenerationConfig(max_new_tokens=2), use_tqdm=False)))
+        worker.start()
+        worker.join(timeout=180)
+        assert not worker.is_alive() and len(result[0][0].token_ids) >= 1
+        assert all(len(h.result(timeout=60).token_ids) == 40 for h in others)
+        # At most one attempt per engine step (80 of them), not thousands.
+        assert attempts["n"] <= 90, attempts
+
+
+def test_an_abort_for_a_finished_request_spares_a_retry_with_its_id(engine):
+    engine.submit(kt.Request(PROMPT, request_id="retry-me")).result(timeout=60)
+    # A callback that sleeps keeps the engine thread busy, so the abort and the retry below
+    # reach it together (it reads new requests before aborts).
+    slow = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=2),
+                                    callback=lambda _: time.sleep(1.0)))
+    time.sleep(0.3)
+    engine.abort("retry-me")
+    retry = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=4, ignore_eos=True),
+                                     request_id="retry-me"))
+    out = retry.result(timeout=60)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    slow.result(timeout=60)
+
+
+def test_an_asyncio_handle_is_not_read_blocking(engine):
+    async def main():
+        handle = engine.submit(kt.Request(PROMPT), loop=asyncio.get_running_loop())
+        with pytest.raises(RuntimeError, match="aresult"):
+            handle.result(timeout=5)
+        return await handle.aresult()
+
+    assert asyncio.run(main()).finished
+
+
+def test_prompts_as_numpy_arrays_torch_tensors_and_tuples(engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    expected = engine.generate(ids)
+    assert engine.generate(np.array(ids)) == expected
+    assert engine.generate(torch.tensor(ids)) == expected
+    assert engine.generate(tuple(ids)) == expected
+    assert engine.generate(torch.tensor([ids, ids]), use_tqdm=False) == [expected, expected]
+    # numpy scalars in a config are numbers like any other.
+    config = kt.GenerationConfig(max_new_tokens=np.int64(8), temperature=np.float32(1.0))
+    assert engine.generate(ids, config) == expected
+    for bad in (np.array(ids, dtype=np.float32), torch.tensor([True, False]), np.array([], dtype=np.int64)):
+        with pytest.raises(ValueError, match="prompt"):
+            engine.generate(bad)
+
+
+def test_a_vanishing_temperature_is_greedy(engine):
+    greedy = engine.generate(PROMPT)
+    tiny = kt.GenerationConfig(max_new_tokens=8, do_sample=True, temperature=1e-38, seed=1)
+    assert engine.generate(PROMPT, tiny) == greedy
+
+
+def test_chat_template_kwargs_must_be_a_dict(engine):
+    conversation = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        engine.chat(conversation, chat_template_kwargs=5)
