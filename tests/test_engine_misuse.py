@@ -185,6 +185,12 @@ def test_an_abort_for_a_finished_request_spares_a_retry_with_its_id(engine):
     slow.result(timeout=60)
 
 
+@pytest.mark.parametrize("request_id", ["", 7])
+def test_request_ids_are_non_empty_strings(engine, request_id):
+    with pytest.raises(ValueError, match="request_id"):
+        engine.submit(kt.Request(PROMPT, request_id=request_id))
+
+
 def test_an_asyncio_handle_is_not_read_blocking(engine):
     async def main():
         handle = engine.submit(kt.Request(PROMPT), loop=asyncio.get_running_loop())

@@ -103,7 +103,7 @@ class RequestBuilder:
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
         self._check_config(config)
-        request_id = request.request_id or self._new_id("req")
+        request_id = self._request_id(request.request_id, "req")
         eos = () if config.ignore_eos else self.model.eos_token_ids
         seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
         self._use_lora(seq, request.lora)
@@ -189,6 +189,15 @@ class RequestBuilder:
         if usable:
             seq.imported_kv = kv.truncated(usable)
 
+    def _request_id(self, given: Any, kind: str) -> str:
+        """The caller's id, or a fresh one when none was given. An id is what `abort` and the
+        outputs name, so it must be a non-empty string (not silently replaced or coerced)."""
+        if given is None:
+            return self._new_id(kind)
+        if not isinstance(given, str) or not given:
+            raise ValueError(f"request_id must be None or a non-empty string, got {given!r}")
+        return given
+
     def _check_config(self, config: GenerationConfig) -> None:
         """The config as it is now (a field may have been set since it was built, or by a
         plugin), then what GenerationConfig cannot check alone: this model's and engine's
@@ -264,6 +273,6 @@ class RequestBuilder:
         spec = ForwardSpec(tuple(sorted({p for ps in positions for p in ps})),
                            logits=any(t.target_name == "logits" for t in targets),
                            hidden=any(t.target_name == "layernorm" for t in targets))
-        seq = Sequence(request_id or self._new_id("fwd"), token_ids, default_config, forward=spec)
+        seq = Sequence(self._request_id(request_id, "fwd"), token_ids, default_config, forward=spec)
         self._use_lora(seq, lora)
         return seq, targets, positions
