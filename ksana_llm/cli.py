@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -158,15 +159,15 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=_port, default=8080)
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $KLLM_API_KEY, else no key)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template file (default: the tokenizer's)")
-    parser.add_argument("--max-body-bytes", type=int, default=None,
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=None,
                         help="largest request body accepted, else 413 (default: 2 MiB)")
-    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+    parser.add_argument("--shutdown-timeout", type=_non_negative_float, default=5.0,
                         help="seconds to let in-flight requests finish on SIGTERM")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"])
@@ -192,7 +193,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--override-generation-config", type=_json_object, default=None,
                         metavar="JSON", help="defaults on top, e.g. '{\"temperature\": 0.5}' "
                                              "(transformers' key names)")
-    parser.add_argument("--max-stored-responses", type=int, default=None,
+    parser.add_argument("--max-stored-responses", type=_non_negative_int, default=None,
                         help="/v1/responses answers kept (store=true) for GET /v1/responses/ID "
                              "and previous_response_id; least recently used dropped first "
                              "(default: 1024; 0: none)")
@@ -200,7 +201,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-role", default=None, choices=KV_ROLES,
                         help="take part in disaggregated serving: keep prompts' KV for decode "
                              "servers (prefill), start from a prefill server's KV (decode), or both")
-    parser.add_argument("--kv-transfer-ttl", type=float, default=None,
+    parser.add_argument("--kv-transfer-ttl", type=_positive_float, default=None,
                         help="seconds a prefill server keeps KV nobody fetched (default: 300)")
     parser.add_argument("--kv-prefill-url", action="append", default=None, metavar="URL",
                         help="a decode server fetches KV only from these prefill servers "
@@ -298,6 +299,31 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "then name folders the server reads)")
 
 
+def _number(kind: type, low: float, low_ok: bool, high: float | None = None):
+    """An argparse type: a `kind` number above `low` (or equal to it, with `low_ok`) and at
+    most `high`, checked as the flags are parsed (before any model loads)."""
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: "
+                                             f"{value!r}") from None
+        if not math.isfinite(number) or number < low or (number == low and not low_ok) or (
+                high is not None and number > high):
+            bound = f">= {low}" if low_ok else f"> {low}"
+            raise argparse.ArgumentTypeError(
+                f"must be {bound}" + (f" and <= {high}" if high is not None else "") + f", got {value}")
+        return number
+    return parse
+
+
+_port = _number(int, 0, True, 65535)
+_positive_int = _number(int, 0, False)
+_non_negative_int = _number(int, 0, True)
+_positive_float = _number(float, 0.0, False)
+_non_negative_float = _number(float, 0.0, True)
+
+
 def _json(value: str) -> object:
     try:
         return json.loads(value)
@@ -355,7 +381,7 @@ def _add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode server (serve --kv-role decode); repeat for several")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=_port, default=8080)
     parser.add_argument("--api-key", default=None,
                         help="required of clients, and sent to the servers (which share it)")
     parser.add_argument("--log-level", default="warning",
@@ -418,7 +444,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
+        # Bad settings and unreadable files (missing, a folder, corrupt: the loaders name the
+        # file): a one-line message, not a traceback.
         print(f"ksana-llm: error: {exc}", file=sys.stderr)
         return 2
 

@@ -7,11 +7,15 @@ sequences in one step (KsanaLLM YAML `batch_scheduler.max_batch_size`).
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                  "bf16": "bfloat16"}
 # KV cache storage (kernels.kv_quant.FP8_KV_DTYPES): "auto" = the model's dtype; "fp8" = E4M3.
 KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
@@ -38,7 +42,7 @@ DEFAULT_MAX_LORAS = 4
 class EngineConfig(BaseModel):
     """Validated, immutable engine settings. Invalid values raise a ValueError naming the field."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     model: str | None = Field(None, description="HF folder or .gguf file; None -> default model")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
@@ -161,6 +165,25 @@ class EngineConfig(BaseModel):
                     "at once; None: never (vLLM's way: throughput first, but a busy adapter "
                     "may hold its slot for ever)")
 
+    # What Model.from_pretrained takes, taken here too: a Path, a torch.device, a torch.dtype
+    # or a dtype's common short name.
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_path(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_name(cls, value: Any) -> Any:
+        is_torch_device = not isinstance(value, str) and hasattr(value, "type") and hasattr(value, "index")
+        return str(value) if is_torch_device else value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, value: Any) -> Any:
+        name = str(value).removeprefix("torch.") if not isinstance(value, str) else value
+        return _DTYPE_ALIASES.get(name, name)
+
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:
         if self.split_fuse_token_num > self.max_step_tokens:
@@ -189,3 +212,20 @@ class EngineConfig(BaseModel):
     def num_lora_slots(self) -> int:
         """Adapter slots the engine allocates (0: LoRA off)."""
         return self.max_loras or min(len(self.lora_modules), DEFAULT_MAX_LORAS)
+
+
+def named_validation_error(exc: ValidationError, sources: Mapping[str, str]) -> ValueError:
+    """Re-word pydantic's errors with what set each field (`sources`: field -> a YAML key or a
+    command-line flag), without pydantic's links."""
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        if field:
+            where = sources.get(field, f"{field} (override)")
+        else:  # a cross-field check: name the keys of the fields its message mentions
+            named = [source for name, source in sources.items() if name in str(err["msg"])]
+            where = ", ".join(named) or "config"
+        message = str(err["msg"]).removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if field and "input" in err else ""
+        lines.append(f"{where}: {message}{got}")
+    return ValueError("; ".join(lines))

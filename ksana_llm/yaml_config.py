@@ -52,7 +52,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ksana_llm.config import KV_ROLES, EngineConfig
+from ksana_llm.config import KV_ROLES, EngineConfig, named_validation_error
 
 __all__ = ["ServerSettings", "load_engine_config", "parse_engine_config"]
 
@@ -161,7 +161,7 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     "setting.quantization_config.weight.quant_method": _Key("str", field="quantization",
                                                             convert=_weight_quant_method),
     # KsanaLLM's GPTQ / AWQ kernel (cutlass or marlin): checked, and changes nothing here, where
-    # every 4-bit GPTQ / AWQ weight is held as FP8 and runs the one W8A16 path.
+    # GPTQ / AWQ weights are held as their packed 4-bit or int8 codes on one path.
     _GPTQ_BACKEND: _Key("str"),
 })
 
@@ -264,22 +264,6 @@ def _check_type(dotted: str, kind: str, value: Any) -> Any:
     return value
 
 
-def _validation_error(exc: ValidationError, sources: Mapping[str, str]) -> ValueError:
-    """Re-word pydantic's errors with the YAML key (or CLI override) that set each field."""
-    lines = []
-    for err in exc.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
-        if field:
-            where = sources.get(field, f"{field} (override)")
-        else:  # a cross-field check: name the keys of the fields its message mentions
-            named = [source for name, source in sources.items() if name in str(err["msg"])]
-            where = ", ".join(named) or "config"
-        message = str(err["msg"]).removeprefix("Value error, ")
-        got = f" (got {err['input']!r})" if field and "input" in err else ""
-        lines.append(f"{where}: {message}{got}")
-    return ValueError("; ".join(lines))
-
-
 def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None,
                         *, config_file: str | None = None) -> tuple[EngineConfig, ServerSettings]:
     """Like `load_engine_config`, for an already-parsed YAML mapping (None = empty file)."""
@@ -320,7 +304,7 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     try:
         config = EngineConfig(**fields)
     except ValidationError as exc:
-        raise _validation_error(exc, sources) from None
+        raise named_validation_error(exc, sources) from None
     return config, ServerSettings(**server)
 
 

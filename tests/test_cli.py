@@ -103,7 +103,8 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
     for bad in (["--preemption-mode", "later"], ["--attention-backend", "cuda"]):
         with pytest.raises(SystemExit):
             parse(["serve", *bad])
-    with pytest.raises(ValueError, match="block_device_memory_ratio"):
+    # Named by the flag as typed (its vLLM name), not the field.
+    with pytest.raises(ValueError, match="--gpu-memory-utilization: .*less than or equal to 1"):
         configs_from_args(parse(["serve", "--gpu-memory-utilization", "1.5"]))
 
 

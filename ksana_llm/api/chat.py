@@ -32,6 +32,9 @@ class ChatMixin(GenerateCalls):
         """The prompt token ids of one conversation under the chat template (the model's, or
         `chat_template` text). `continue_final_message`: the last (assistant) message is left
         open for the model to go on with, instead of a new assistant turn starting."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this engine has no tokenizer to render a chat with; pass "
+                             "Engine(tokenizer=...)")
         _check_conversation(messages)
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message needs add_generation_prompt=False")

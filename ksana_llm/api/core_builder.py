@@ -19,7 +19,7 @@ from ksana_llm.engine.scheduler import SchedulerConfig
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.loader.weight_map import find_weight_map
-from ksana_llm.runner.memory import available_host_bytes, plan_device_blocks
+from ksana_llm.runner.memory import available_host_bytes, check_block_count, plan_device_blocks
 from ksana_llm.runner.drafting import draft_layers_for
 from ksana_llm.runner.lora_slots import lora_device_bytes
 from ksana_llm.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -40,6 +40,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     draft_layers = draft_layers_for(model.module, mtp_tokens)
     cache_dtype = cache_dtype_for(cfg.kv_cache_dtype, model.dtype)
     per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
+    if cfg.num_device_blocks is not None:
+        check_block_count(model.device, cfg.num_device_blocks, per_block)
     # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
     num_blocks = cfg.num_device_blocks or plan_device_blocks(
         model.module, device=model.device, dtype=model.dtype, kv_cache_dtype=cfg.kv_cache_dtype,

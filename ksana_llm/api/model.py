@@ -16,6 +16,7 @@ from ksana_llm.api.plugin import Plugin, load_plugin
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
+from ksana_llm.loader.json_files import read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
 
 logger = logging.getLogger("ksana_llm.model")
@@ -69,9 +70,7 @@ def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int
     sources: list[Any] = []
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
-        import json
-
-        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        sources.append(read_json_object(gen_path).get("eos_token_id"))
     sources.append(getattr(hf_config, "eos_token_id", None))
     sources.append(getattr(tokenizer, "eos_token_id", None))
     for value in sources:
@@ -87,9 +86,9 @@ def _load_tokenizer(model_dir: Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as exc:
-        logger.warning("no usable tokenizer in %s (%s); pass one to Engine(tokenizer=...)",
-                       model_dir, exc)
+    except Exception as exc:  # noqa: BLE001 - a broken tokenizer file fails in many ways
+        logger.warning("no usable tokenizer in %s (%s: %s); pass one to Engine(tokenizer=...)",
+                       model_dir, type(exc).__name__, exc)
         return None
 
 

@@ -61,6 +61,9 @@ class RequestBuilder:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string or list of token ids")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this engine has no tokenizer (none usable in the model "
+                                 "folder), so it takes token ids only; or pass Engine(tokenizer=...)")
             return list(self.tokenizer.encode(prompt))
         ids = as_token_ids(prompt)
         if ids is not None:

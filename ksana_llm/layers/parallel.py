@@ -157,7 +157,8 @@ class VocabParallelEmbedding(nn.Module):
         return ["weight"]
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
-        if name != "weight" or tensor.shape[0] != self.vocab_size:
+        # Both dims: a [vocab, 1] tensor would broadcast into every column without complaint.
+        if name != "weight" or tuple(tensor.shape) != (self.vocab_size, self.weight.shape[1]):
             raise ValueError(f"embedding {name!r}: shape {tuple(tensor.shape)}, expected "
                              f"[{self.vocab_size}, {self.weight.shape[1]}]")
         self.weight.data.copy_(tensor[self.start:self.start + self.weight.shape[0]])

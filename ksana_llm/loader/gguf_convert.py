@@ -182,7 +182,13 @@ def _write_hf_folder(source: Path, out_dir: Path) -> None:
     """Dequantize ``source`` with transformers and save model + tokenizer into ``out_dir``."""
     from transformers import AutoTokenizer
 
-    model = _load_dense_model(source)
+    try:
+        model = _load_dense_model(source)
+    except (ValueError, RuntimeError, OSError, KeyError, IndexError) as exc:
+        # A GGUF whose header reads but whose tensors do not (a truncated download) fails
+        # inside numpy with a reshape message that names neither the file nor the cause.
+        raise ValueError(f"{source} cannot be loaded as a GGUF model: {exc} (a truncated or "
+                         "corrupt file fails this way too)") from exc
     model.save_pretrained(out_dir, **_safetensors_kwargs(model.save_pretrained))
     del model  # free the fp32 weights before loading the tokenizer
 

@@ -28,7 +28,6 @@ gathers its input in that order before the matmul.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ksana_llm.loader.json_files import read_json_object
 from ksana_llm.loader.quantized_weight import (QuantizedWeight, in_input_order, int4_weight,
                                                int8_weight)
 from ksana_llm.loader.weight_quant import unpack_words
@@ -61,7 +61,10 @@ class PackedIntFormat:
     @classmethod
     def from_quantization(cls, quantization: dict[str, Any]) -> PackedIntFormat:
         method = quantization.get("quant_method")
-        bits = int(quantization.get("bits", quantization.get("w_bit", 4)))
+        raw_bits = quantization.get("bits", quantization.get("w_bit", 4))
+        if isinstance(raw_bits, bool) or not isinstance(raw_bits, (int, str)) or not str(raw_bits).isdecimal():
+            raise ValueError(f"quantization_config.bits must be an integer, got {raw_bits!r}")
+        bits = int(raw_bits)
         group_size = int(quantization.get("group_size", quantization.get("q_group_size", -1)))
         where = "quantization_config"
         if group_size == 0 or group_size < -1:
@@ -97,7 +100,7 @@ def side_config(model_dir: str | Path) -> dict[str, Any] | None:
     for filename, method in SIDE_CONFIG_FILES:
         path = Path(model_dir) / filename
         if path.is_file():
-            settings = json.loads(path.read_text())
+            settings = read_json_object(path)
             return {"quant_method": method, **settings}
     return None
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from ksana_llm.loader.json_files import read_json_object
 
 logger = logging.getLogger("ksana_llm.loader")
 
@@ -24,7 +25,7 @@ def load_hf_config(model_dir: str | Path) -> Any:
             raise
         logger.info("config.json of %s is not a transformers config (%s); reading its keys as they are",
                     model_dir, exc)
-        data = json.loads(path.read_text())
+        data = read_json_object(path)
         # model_type is a read-only class attribute of PretrainedConfig: keep it on the instance.
         model_type = data.pop("model_type", None)
         config = PretrainedConfig(**data)

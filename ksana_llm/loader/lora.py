@@ -106,11 +106,20 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
         file = os.path.join(path, filename)
         if not os.path.isfile(file):
             continue
-        if filename.endswith(".safetensors"):
-            from safetensors.torch import load_file
+        try:
+            if filename.endswith(".safetensors"):
+                from safetensors.torch import load_file
 
-            return load_file(file)
-        return torch.load(file, map_location="cpu", weights_only=True)
+                tensors = load_file(file)
+            else:
+                tensors = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - safetensors / pickle / zip errors alike
+            raise ValueError(f"LoRA adapter {path!r}: {filename} cannot be read (corrupt or "
+                             f"truncated?): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                             ) from exc
+        if not isinstance(tensors, dict):
+            raise ValueError(f"LoRA adapter {path!r}: {filename} does not hold a state dict")
+        return tensors
     raise ValueError(f"LoRA adapter {path!r}: none of {', '.join(ADAPTER_WEIGHTS)} found")
 
 

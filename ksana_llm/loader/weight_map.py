@@ -160,7 +160,7 @@ def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
     file = Path(path)
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"weight map {file} is not valid JSON ({exc})") from exc
     return WeightMap.from_mapping(data, str(file))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -72,8 +73,11 @@ def _shards_from_index(index_path: Path) -> tuple[list[Path], int]:
     """Read a sharded checkpoint's index: the shard files (first-use order) and the tensor count."""
     try:
         weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{index_path} is not a valid checkpoint index (need a 'weight_map' object)") from error
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
     # dict.fromkeys de-duplicates while keeping order, so shards load in the order the index lists them.
     shards = [index_path.parent / name for name in dict.fromkeys(weight_map.values())]
     missing = [shard.name for shard in shards if not shard.is_file()]
@@ -84,11 +88,21 @@ def _shards_from_index(index_path: Path) -> tuple[list[Path], int]:
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors of one safetensors file, one at a time (never the whole file at once)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file (corrupt or truncated?): "
+                         f"{error}") from error
+    with handle:
         for name in handle.keys():
-            yield name, handle.get_tensor(name)
+            try:
+                tensor = handle.get_tensor(name)
+            except SafetensorError as error:
+                raise ValueError(f"{path}: tensor {name!r} cannot be read (corrupt or truncated "
+                                 f"file?): {error}") from error
+            yield name, tensor
 
 
 def _iter_torch_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,12 +123,18 @@ def _load_torch_file(path: Path) -> object:
     that torch has written since 1.6; older pickles are loaded normally.
     """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as error:
-        if "mmap" not in str(error):
-            raise
-        LOGGER.info("%s is in the legacy torch format; loading it without mmap", path.name)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            LOGGER.info("%s is in the legacy torch format; loading it without mmap", path.name)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        # Only weights are read (weights_only): a file torch cannot read that way is corrupt,
+        # truncated, or not a checkpoint; torch's own advice to allow arbitrary code is not ours.
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint (corrupt, truncated, or "
+                         f"not only tensors): {str(error).splitlines()[0]}") from error
 
 
 def resolve_model_dir(

@@ -75,7 +75,10 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | QuantizedWe
             return []
         if not getattr(loader, "takes_quantized_weights", False):
             tensor = dense(tensor)
-        filled = loader.load_checkpoint_tensor(local, tensor)
+        try:
+            filled = loader.load_checkpoint_tensor(local, tensor)
+        except ValueError as exc:  # the loader knows only its local name: give the whole one
+            raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
         return [f"{prefix}.{key}" for key in filled]
     target, part = name, None
     for ckpt_part, (fused, index) in fused_parts.items():
@@ -101,7 +104,7 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | QuantizedWe
         pieces = tensor.split_rows(owner.full_sizes) if isinstance(tensor, QuantizedWeight) \
             else tensor.split(owner.full_sizes, dim=0)
         for index, piece in enumerate(pieces):
-            owner.load_shard(param, piece, index)
+            _load_shard(owner, param, piece, index, name)
         return [f"{target}#{i}" for i in range(len(owner.full_sizes))]
     if part is None:
         tensor = dense(tensor)
@@ -109,8 +112,17 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | QuantizedWe
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(tensor)
         return [target]
-    owner.load_shard(param, tensor, part)
+    _load_shard(owner, param, tensor, part, name)
     return [f"{target}#{part}"]
+
+
+def _load_shard(owner: nn.Module, param: nn.Parameter, tensor: torch.Tensor | QuantizedWeight,
+                part: int, name: str) -> None:
+    """`owner.load_shard`, its errors naming the checkpoint tensor (it knows only the part)."""
+    try:
+        owner.load_shard(param, tensor, part)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
 
 
 def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

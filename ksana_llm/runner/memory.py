@@ -42,6 +42,18 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def check_block_count(device: torch.device, num_blocks: int, bytes_per_block: int) -> None:
+    """An explicit block count must fit in what `device` has free: ValueError saying what it
+    needs and what there is (an impossible count would otherwise fail deep in the allocator,
+    or take the whole machine's memory first)."""
+    need = num_blocks * bytes_per_block
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_host_bytes()
+    if need > free:
+        raise ValueError(f"num_device_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache "
+                         f"on {device}, and {free / 2**30:.1f} GiB is free; give fewer blocks, or "
+                         "leave num_device_blocks unset to size the cache from memory")
+
+
 def plan_num_blocks(device: torch.device, bytes_per_block: int, *, ratio: float | None,
                     reserved_ratio: float = 0.01) -> int:
     """Blocks that fit in `ratio` of what the device has free now (weights already loaded).

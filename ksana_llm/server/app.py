@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI
+from pydantic import ValidationError
 
 import ksana_llm
 from ksana_llm.api.engine import Engine
@@ -247,7 +249,7 @@ ENGINE_FLAGS = ("device", "dtype", "quantization", "num_device_blocks", "block_t
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(EngineConfig, the YAML's ServerSettings or None) from --config_file (when given) with the
     engine flags given on top."""
-    from ksana_llm.config import EngineConfig
+    from ksana_llm.config import EngineConfig, named_validation_error
 
     overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
     overrides["model"] = args.model
@@ -263,7 +265,22 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         # Everything the engine acts on (including max_token_len and waiting_timeout_in_ms) is
         # in the EngineConfig; the ServerSettings add what only the server does (KV transfer).
         return yaml_config.load_engine_config(args.config_file, overrides)
-    return EngineConfig(**{k: v for k, v in overrides.items() if v is not None}), None
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return EngineConfig(**given), None
+    except ValidationError as exc:
+        raise named_validation_error(exc, {name: _flag_of(name) for name in given}) from None
+
+
+# Engine settings whose command-line flag is not the field's name with dashes.
+_FLAGS = MappingProxyType({"block_device_memory_ratio": "--gpu-memory-utilization",
+                           "preempt_mode": "--preemption-mode",
+                           "scheduler_policy": "--scheduling-policy",
+                           "max_step_tokens": "--max-num-batched-tokens"})
+
+
+def _flag_of(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def kv_transfer_from_args(args: argparse.Namespace, settings: Any) -> tuple[str | None, float | None]:

@@ -1,0 +1,179 @@
+"""Broken model folders, side files and settings: each is a clear error naming the file, tensor,
+key or flag (a ValueError in Python, `ksana-llm: error: ...` and exit 2 on the command line),
+never a bare library traceback, a silent wrong load, or a machine run out of memory. The
+checkpoints are a tiny random Llama saved by transformers, then broken the way real downloads
+and hand edits break them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import ksana_llm as kt
+from ksana_llm.loader.gptq_awq import PackedIntFormat
+from ksana_llm.loader.lora import load_lora_adapter
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+    folder = tmp_path_factory.mktemp("tiny") / "llama"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def broken(tiny_folder, tmp_path) -> Path:
+    """A fresh copy of the tiny model to break."""
+    return Path(shutil.copytree(tiny_folder, tmp_path / "broken"))
+
+
+def _load(folder: Path) -> kt.Model:
+    return kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ksana_llm.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def _rewrite_tensor(folder: Path, name: str, change) -> None:
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name] = change(tensors[name]).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_truncated_safetensors_file_is_named(broken):
+    path = broken / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*(corrupt|truncated)"):
+        _load(broken)
+    proc = _cli("generate", "hi", "--model", str(broken), "--device", "cpu")
+    assert proc.returncode == 2 and "model.safetensors" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_garbage_pytorch_bin_is_named(broken):
+    (broken / "model.safetensors").unlink()
+    (broken / "pytorch_model.bin").write_bytes(b"not a checkpoint at all" * 100)
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin is not a readable PyTorch checkpoint"):
+        _load(broken)
+
+
+@pytest.mark.parametrize("file, text, match", [
+    ("model.safetensors.index.json", '{"weight_map": [1, 2]}', "weight_map"),
+    ("generation_config.json", "[]", r"generation_config\.json must hold a JSON object"),
+    ("generation_config.json", "{bad", r"generation_config\.json is not valid JSON"),
+])
+def test_malformed_side_files_are_named(broken, file, text, match):
+    (broken / file).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        _load(broken)
+
+
+@pytest.mark.parametrize("name, change, match", [
+    # [vocab, 1] used to broadcast into every column of the embedding without complaint.
+    ("model.embed_tokens.weight", lambda w: w[:, :1], "embed_tokens"),
+    ("lm_head.weight", lambda w: w[:, :1], "lm_head"),
+    ("model.layers.0.self_attn.q_proj.weight", lambda w: w[:, :32],
+     r"model\.layers\.0\.self_attn\.q_proj\.weight"),
+    ("model.layers.1.self_attn.o_proj.weight", lambda w: w[:, :1],
+     r"model\.layers\.1\.self_attn\.o_proj\.weight"),
+])
+def test_a_tensor_of_the_wrong_shape_is_named(broken, name, change, match):
+    _rewrite_tensor(broken, name, change)
+    with pytest.raises(ValueError, match=match):
+        _load(broken)
+
+
+def test_non_integer_quantization_bits_are_named():
+    with pytest.raises(ValueError, match="quantization_config.bits"):
+        PackedIntFormat.from_quantization({"quant_method": "gptq", "bits": "four", "group_size": 128})
+
+
+def test_a_corrupt_lora_adapter_file_is_named(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors cannot be read"):
+        load_lora_adapter(str(tmp_path))
+
+
+def test_a_truncated_gguf_is_named(tmp_path):
+    from ksana_llm.loader import convert_gguf_to_hf, default_model_gguf
+
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_gguf(), "rb") as source:
+        cut.write_bytes(source.read(2_000_000))
+    with pytest.raises(ValueError, match=r"cut\.gguf cannot be loaded as a GGUF model"):
+        convert_gguf_to_hf(cut, cache_dir=tmp_path / "cache")
+
+
+def test_a_model_without_a_tokenizer_takes_token_ids_and_says_so_for_text(tiny_folder):
+    model = _load(tiny_folder)  # transformers saved no tokenizer beside it
+    assert model.tokenizer is None
+    with kt.Engine(model, num_device_blocks=16) as engine:
+        with pytest.raises(ValueError, match="no tokenizer"):
+            engine.generate("hello")
+        with pytest.raises(ValueError, match="no tokenizer"):
+            engine.chat([{"role": "user", "content": "hello"}])
+        out = engine.generate_outputs([1, 2, 3], kt.GenerationConfig(max_new_tokens=3,
+                                                                     ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 3
+
+
+def test_load_settings_given_with_a_loaded_model_must_match_it(tiny_folder):
+    model = _load(tiny_folder)
+    for setting in ({"dtype": "bfloat16"}, {"quantization": "fp8"}, {"tensor_parallel_size": 2},
+                    {"device": "gpu"}):
+        with pytest.raises(ValueError, match=next(iter(setting))):
+            kt.Engine(model, num_device_blocks=16, **setting)
+    # Matching ones are fine, and the engine's config says what runs.
+    with kt.Engine(model, num_device_blocks=16, device="cpu", dtype="fp32") as engine:
+        assert (engine.config.device, engine.config.dtype) == ("cpu", "float32")
+
+
+def test_an_impossible_block_count_is_refused_before_allocating(tiny_folder):
+    model = _load(tiny_folder)
+    with pytest.raises(ValueError, match=r"num_device_blocks=1000000000000 needs .* GiB"):
+        kt.Engine(model, num_device_blocks=10**12)
+
+
+def test_engine_config_takes_what_from_pretrained_takes_and_refuses_infinities(tmp_path):
+    config = kt.EngineConfig(model=tmp_path, device=torch.device("cpu"), dtype=torch.float16)
+    assert (config.model, config.device, config.dtype) == (str(tmp_path), "cpu", "float16")
+    assert kt.EngineConfig(dtype="bf16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="block_host_memory_factor"):
+        kt.EngineConfig(block_host_memory_factor=float("inf"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["serve", "--port", "-1"], "--port"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--max-model-len", "0"], "--max-model-len"),
+    (["serve", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
+    (["serve", "--block-host-memory-factor", "inf"], "--block-host-memory-factor"),
+    (["serve", "--max-stored-responses", "-1"], "--max-stored-responses"),
+])
+def test_bad_serve_flags_fail_before_the_model_loads(args, needle):
+    proc = _cli(*args)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "pydantic.dev" not in proc.stderr
+
+
+def test_a_folder_given_as_a_file_is_a_clear_error(tmp_path):
+    proc = _cli("serve", "--config_file", str(tmp_path))
+    assert proc.returncode == 2 and str(tmp_path) in proc.stderr and "Traceback" not in proc.stderr
