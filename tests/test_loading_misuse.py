@@ -99,6 +99,15 @@ def test_a_tensor_of_the_wrong_shape_is_named(broken, name, change, match):
         _load(broken)
 
 
+def test_two_copies_of_the_checkpoint_are_refused(broken):
+    """Loose safetensors files (no index) are all read: a second full copy used to overwrite the
+    first silently."""
+    shutil.copy(broken / "model.safetensors", broken / "consolidated.safetensors")
+    (broken / "model.safetensors").rename(broken / "model-00001-of-00001.safetensors")
+    with pytest.raises(ValueError, match="is in both .*two copies of the checkpoint"):
+        _load(broken)
+
+
 def test_non_integer_quantization_bits_are_named():
     with pytest.raises(ValueError, match="quantization_config.bits"):
         PackedIntFormat.from_quantization({"quant_method": "gptq", "bits": "four", "group_size": 128})

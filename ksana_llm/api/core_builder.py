@@ -54,6 +54,9 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                                              max_rank=cfg.max_lora_rank, dtype=model.dtype,
                                              max_step_tokens=cfg.max_step_tokens))
     # A sequence can never outgrow the model's context, nor the whole KV pool.
+    if cfg.max_model_len is not None and cfg.max_model_len > model.max_context:
+        logger.warning("max_model_len %d is more than the model's context (%d): using %d",
+                       cfg.max_model_len, model.max_context, model.max_context)
     max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
                         num_blocks * cfg.block_token_num)
     num_host_blocks = 0

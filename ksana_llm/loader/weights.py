@@ -41,10 +41,16 @@ def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True) ->
     folder = Path(model_dir).expanduser()
     files, expected_total = _weight_files(folder)
     LOGGER.info("Loading %d weight file(s) from %s", len(files), folder)
+    seen: dict[str, Path] = {}  # name -> its file: a second copy would silently win
     with tqdm(total=expected_total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             tensors = _iter_safetensors(path) if path.suffix == ".safetensors" else _iter_torch_bin(path)
             for name, tensor in tensors:
+                first = seen.setdefault(name, path)
+                if first != path:
+                    raise ValueError(f"tensor {name!r} is in both {first.name} and {path.name} in "
+                                     f"{folder}: two copies of the checkpoint? Keep one (or add "
+                                     "the index that says which file holds what)")
                 yield name, tensor
                 bar.update(1)
 
