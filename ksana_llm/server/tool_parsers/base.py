@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ksana_llm.server.tool_parsers.json_scan import WHITESPACE
+from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, OpenValue
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,17 @@ class ToolParser(ABC):
     def extract(self, text: str) -> ParsedOutput:
         stream = self.stream()
         return collect([stream.feed(text), stream.finish()])
+
+
+def stream_open_arguments(out: ParsedDelta, call: CallProgress | None, name: str | None,
+                          text: str, value: OpenValue) -> None:
+    """While a call's arguments value is unfinished (`value`, in `text`), add what is new of it
+    to `out`: a container's text as it grows; a string's nothing (it is decoded once whole)."""
+    if call is None or name is None or text[value.start] not in "{[":
+        return
+    delta = call.update_tail(name, text, value.start)
+    if delta is not None:
+        out.tool_calls.append(delta)
 
 
 def held_prefix(text: str, markers: tuple[str, ...]) -> int:

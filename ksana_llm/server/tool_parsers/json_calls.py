@@ -10,6 +10,7 @@ from ksana_llm.server.tool_parsers.base import (
     ParsedDelta,
     ToolCallStream,
     held_prefix,
+    stream_open_arguments,
 )
 from ksana_llm.server.tool_parsers.json_scan import OpenValue, scan_call_object, skip_ws
 
@@ -89,10 +90,7 @@ class JsonCallSequenceStream(ToolCallStream):
                     continue
                 if self._open_value is not None and not self._open_value.advance(text):
                     # Inside a long arguments value: only the new text is read (see OpenValue).
-                    if self._call is not None and self._name is not None and text[self._open_value.start] in "{[":
-                        delta = self._call.update_tail(self._name, text, self._open_value.start)
-                        if delta is not None:
-                            out.tool_calls.append(delta)
+                    stream_open_arguments(out, self._call, self._name, text, self._open_value)
                     return
                 scan = scan_call_object(text, i)
                 open_at = scan.open_arguments

@@ -12,6 +12,7 @@ from ksana_llm.server.tool_parsers.base import (
     ParsedDelta,
     ToolCallStream,
     held_prefix,
+    stream_open_arguments,
 )
 from ksana_llm.server.tool_parsers.json_scan import OpenValue
 
@@ -103,10 +104,7 @@ class TaggedToolStream(ToolCallStream):
             if self._open is not None and not self._open.advance(body):
                 # Inside a long arguments value: nothing before it can change, so only the new
                 # text is read (a full rescan per piece would cost quadratic time).
-                if self._call is not None and self._name is not None and body[self._open.start] in "{[":
-                    delta = self._call.update_tail(self._name, body, self._open.start)
-                    if delta is not None:
-                        out.tool_calls.append(delta)
+                stream_open_arguments(out, self._call, self._name, body, self._open)
                 return
             scan = self._parse_body(body)
             self._open = None if scan.open_at is None else OpenValue(body, scan.open_at)
