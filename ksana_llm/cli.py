@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ksana_llm import cli_types
 from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES, SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS
 
 _SPECULATIVE_METHOD_HELP = ("where drafts come from: mtp = the model's MTP layer (DeepSeek V3/R1 "
@@ -159,15 +158,15 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_port, default=8080)
+    parser.add_argument("--port", type=cli_types.port, default=8080)
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $KLLM_API_KEY, else no key)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template file (default: the tokenizer's)")
-    parser.add_argument("--max-body-bytes", type=_positive_int, default=None,
+    parser.add_argument("--max-body-bytes", type=cli_types.positive_int, default=None,
                         help="largest request body accepted, else 413 (default: 2 MiB)")
-    parser.add_argument("--shutdown-timeout", type=_non_negative_float, default=5.0,
+    parser.add_argument("--shutdown-timeout", type=cli_types.non_negative_float, default=5.0,
                         help="seconds to let in-flight requests finish on SIGTERM")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"])
@@ -190,10 +189,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="sampling defaults for requests that leave them out: 'auto' (the "
                              "model's generation_config.json), 'vllm' (none: OpenAI's), or a "
                              "folder holding a generation_config.json")
-    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+    parser.add_argument("--override-generation-config", type=cli_types.json_object, default=None,
                         metavar="JSON", help="defaults on top, e.g. '{\"temperature\": 0.5}' "
                                              "(transformers' key names)")
-    parser.add_argument("--max-stored-responses", type=_non_negative_int, default=None,
+    parser.add_argument("--max-stored-responses", type=cli_types.non_negative_int, default=None,
                         help="/v1/responses answers kept (store=true) for GET /v1/responses/ID "
                              "and previous_response_id; least recently used dropped first "
                              "(default: 1024; 0: none)")
@@ -201,7 +200,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-role", default=None, choices=KV_ROLES,
                         help="take part in disaggregated serving: keep prompts' KV for decode "
                              "servers (prefill), start from a prefill server's KV (decode), or both")
-    parser.add_argument("--kv-transfer-ttl", type=_positive_float, default=None,
+    parser.add_argument("--kv-transfer-ttl", type=cli_types.positive_float, default=None,
                         help="seconds a prefill server keeps KV nobody fetched (default: 300)")
     parser.add_argument("--kv-prefill-url", action="append", default=None, metavar="URL",
                         help="a decode server fetches KV only from these prefill servers "
@@ -227,13 +226,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse the KV of shared prompt prefixes (default on)")
     parser.add_argument("--preemption-mode", dest="preempt_mode", default=None,
-                        type=_preemption_mode, choices=(0, 1), metavar="{swap,recompute}",
+                        type=cli_types.preemption_mode, choices=(0, 1), metavar="{swap,recompute}",
                         help="what a sequence pushed out of the KV cache does (default swap)")
     parser.add_argument("--waiting-timeout-ms", type=int, default=None,
                         help="a request never scheduled within this many ms fails (default: "
                              "no limit)")
     parser.add_argument("--scheduling-policy", dest="scheduler_policy", default=None,
-                        type=_scheduling_policy, choices=("fifo", "priority"),
+                        type=cli_types.scheduling_policy, choices=("fifo", "priority"),
                         help="fifo (vLLM's 'fcfs' too) or priority: requests' `priority` field "
                              "(lower first) orders admission and preemption")
     parser.add_argument("--max-queue-size", type=int, default=None,
@@ -279,7 +278,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help=_QUANTIZATION_HELP)
     # LoRA adapters (vLLM's flags); a request picks one with its `model` field.
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                        type=_lora_module,
+                        type=cli_types.lora_module,
                         help="PEFT LoRA adapters to serve, each under its name")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="adapter slots on the device: the most adapters in one step; "
@@ -299,77 +298,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "then name folders the server reads)")
 
 
-def _number(kind: type, low: float, low_ok: bool, high: float | None = None):
-    """An argparse type: a `kind` number above `low` (or equal to it, with `low_ok`) and at
-    most `high`, checked as the flags are parsed (before any model loads)."""
-    def parse(value: str):
-        try:
-            number = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: "
-                                             f"{value!r}") from None
-        if not math.isfinite(number) or number < low or (number == low and not low_ok) or (
-                high is not None and number > high):
-            bound = f">= {low}" if low_ok else f"> {low}"
-            raise argparse.ArgumentTypeError(
-                f"must be {bound}" + (f" and <= {high}" if high is not None else "") + f", got {value}")
-        return number
-    return parse
-
-
-_port = _number(int, 0, True, 65535)
-_positive_int = _number(int, 0, False)
-_non_negative_int = _number(int, 0, True)
-_positive_float = _number(float, 0.0, False)
-_non_negative_float = _number(float, 0.0, True)
-
-
-def _json(value: str) -> object:
-    try:
-        return json.loads(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-
-
-def _json_object(value: str) -> dict:
-    parsed = _json(value)
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return parsed
-
-
-def _preemption_mode(value: str) -> int:
-    modes = {"swap": 0, "recompute": 1, "0": 0, "1": 1}
-    if value not in modes:
-        raise argparse.ArgumentTypeError(f"expected swap or recompute, got {value!r}")
-    return modes[value]
-
-
-def _json_strings(value: str) -> list[str]:
-    parsed = _json(value)
-    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
-        raise argparse.ArgumentTypeError("expected a JSON list of strings")
-    return parsed
-
-
-def _scheduling_policy(value: str) -> str:
-    return "fifo" if value == "fcfs" else value
-
-
-def _lora_module(value: str) -> tuple[str, str]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
-    return name, path
-
-
 def _add_cors_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--allowed-origins", type=_json_strings, default=None, metavar="JSON",
+    parser.add_argument("--allowed-origins", type=cli_types.json_strings, default=None, metavar="JSON",
                         help='browser origins allowed to call (CORS), e.g. \'["https://a.b"]\' '
                              '(default: any, as vLLM)')
-    parser.add_argument("--allowed-methods", type=_json_strings, default=None, metavar="JSON",
+    parser.add_argument("--allowed-methods", type=cli_types.json_strings, default=None, metavar="JSON",
                         help="CORS methods (default: any)")
-    parser.add_argument("--allowed-headers", type=_json_strings, default=None, metavar="JSON",
+    parser.add_argument("--allowed-headers", type=cli_types.json_strings, default=None, metavar="JSON",
                         help="CORS request headers (default: any)")
     parser.add_argument("--allow-credentials", action="store_true",
                         help="CORS: let browsers send cookies / credentials")
@@ -381,7 +316,7 @@ def _add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode server (serve --kv-role decode); repeat for several")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_port, default=8080)
+    parser.add_argument("--port", type=cli_types.port, default=8080)
     parser.add_argument("--api-key", default=None,
                         help="required of clients, and sent to the servers (which share it)")
     parser.add_argument("--log-level", default="warning",

@@ -1,0 +1,74 @@
+"""Value types for the command line's flags: each parses one argument or raises argparse's
+ArgumentTypeError, so a bad value is refused as the flags are read (before any model loads)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+
+
+def number(kind: type, low: float, low_ok: bool, high: float | None = None
+           ) -> Callable[[str], int | float]:
+    """An argparse type: a `kind` number above `low` (or equal to it, with `low_ok`) and at
+    most `high`, checked as the flags are parsed (before any model loads)."""
+    def parse(value: str) -> int | float:
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: "
+                                             f"{value!r}") from None
+        if not math.isfinite(parsed) or parsed < low or (parsed == low and not low_ok) or (
+                high is not None and parsed > high):
+            bound = f">= {low}" if low_ok else f"> {low}"
+            raise argparse.ArgumentTypeError(
+                f"must be {bound}" + (f" and <= {high}" if high is not None else "") + f", got {value}")
+        return parsed
+    return parse
+
+
+port = number(int, 0, True, 65535)
+positive_int = number(int, 0, False)
+non_negative_int = number(int, 0, True)
+positive_float = number(float, 0.0, False)
+non_negative_float = number(float, 0.0, True)
+
+
+def json_value(value: str) -> object:
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+
+
+def json_object(value: str) -> dict:
+    parsed = json_value(value)
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed
+
+
+def preemption_mode(value: str) -> int:
+    modes = {"swap": 0, "recompute": 1, "0": 0, "1": 1}
+    if value not in modes:
+        raise argparse.ArgumentTypeError(f"expected swap or recompute, got {value!r}")
+    return modes[value]
+
+
+def json_strings(value: str) -> list[str]:
+    parsed = json_value(value)
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError("expected a JSON list of strings")
+    return parsed
+
+
+def scheduling_policy(value: str) -> str:
+    return "fifo" if value == "fcfs" else value
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
