@@ -106,6 +106,13 @@ def _expand_path(value: str) -> str:
     return os.path.expanduser(value)
 
 
+def _positive_seconds(value: float) -> float:
+    # Checked here, with the key's name, rather than once the model has loaded (build_app).
+    if value <= 0:
+        raise ValueError(f"setting.connector.task_expire_sec must be > 0, got {value!r}")
+    return value
+
+
 def _kv_role(value: str) -> str | None:
     if value == "none":
         return None
@@ -154,7 +161,8 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
                                             convert=_expand_path),
     # Prefill/decode disaggregation: the server's role; how long kept KV waits to be fetched.
     "setting.connector.group_role": _Key("str", server="kv_role", convert=_kv_role),
-    "setting.connector.task_expire_sec": _Key("float", server="kv_transfer_ttl_s"),
+    "setting.connector.task_expire_sec": _Key("float", server="kv_transfer_ttl_s",
+                                              convert=_positive_seconds),
     # auto, fp8_e5m2 or fp8_e4m3 (KsanaLLM's values; vLLM's "fp8" is accepted too).
     "setting.quantization_config.kv_cache.dtype": _Key("str", field="kv_cache_dtype"),
     # auto (the checkpoint's weights as they are) or fp8_e4m3 (online FP8 weights).

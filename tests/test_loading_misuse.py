@@ -108,9 +108,22 @@ def test_two_copies_of_the_checkpoint_are_refused(broken):
         _load(broken)
 
 
+def test_an_unused_lm_head_of_a_tied_model_is_reported(broken, caplog):
+    """tie_word_embeddings makes the embedding the LM head (as vLLM does); a checkpoint that
+    still stores its own lm_head.weight is told it is not used."""
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with caplog.at_level("WARNING", logger="ksana_llm.model"):
+        model = _load(broken)
+    assert "lm_head.weight is not used" in caplog.text
+    assert model.module._lm_head_weight() is model.module.model.embed_tokens.weight
+
+
 def test_non_integer_quantization_bits_are_named():
     with pytest.raises(ValueError, match="quantization_config.bits"):
         PackedIntFormat.from_quantization({"quant_method": "gptq", "bits": "four", "group_size": 128})
+    with pytest.raises(ValueError, match="quantization_config.group_size"):
+        PackedIntFormat.from_quantization({"quant_method": "gptq", "bits": 4, "group_size": "x"})
 
 
 def test_a_corrupt_lora_adapter_file_is_named(tmp_path):

@@ -200,6 +200,9 @@ def test_connector_role_reaches_the_server_settings():
         parse_engine_config({"setting": {"connector": {"group_role": "decoder"}}})
     with pytest.raises(ValueError, match="setting.connector.metadata_addr: a KsanaLLM key"):
         parse_engine_config({"setting": {"connector": {"metadata_addr": "redis://x"}}})
+    # Refused as the file is read, not once the model has loaded.
+    with pytest.raises(ValueError, match="setting.connector.task_expire_sec must be > 0"):
+        parse_engine_config({"setting": {"connector": {"task_expire_sec": -5}}})
 
 
 def test_kv_cache_dtype_key():

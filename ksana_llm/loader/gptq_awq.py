@@ -61,11 +61,9 @@ class PackedIntFormat:
     @classmethod
     def from_quantization(cls, quantization: dict[str, Any]) -> PackedIntFormat:
         method = quantization.get("quant_method")
-        raw_bits = quantization.get("bits", quantization.get("w_bit", 4))
-        if isinstance(raw_bits, bool) or not isinstance(raw_bits, (int, str)) or not str(raw_bits).isdecimal():
-            raise ValueError(f"quantization_config.bits must be an integer, got {raw_bits!r}")
-        bits = int(raw_bits)
-        group_size = int(quantization.get("group_size", quantization.get("q_group_size", -1)))
+        bits = _config_int(quantization.get("bits", quantization.get("w_bit", 4)), "bits")
+        group_size = _config_int(quantization.get("group_size", quantization.get("q_group_size", -1)),
+                                 "group_size")
         where = "quantization_config"
         if group_size == 0 or group_size < -1:
             raise ValueError(f"{where}.group_size must be positive or -1, got {group_size}")
@@ -92,6 +90,16 @@ class PackedIntFormat:
                                  "supported")
             return cls("awq", bits, group_size)
         raise ValueError(f"{where}.quant_method {method!r} is not a GPTQ or AWQ method")
+
+
+def _config_int(value: Any, key: str) -> int:
+    """An integer setting of quantization_config (JSON numbers, or their text as some exporters
+    write it); ValueError naming the key otherwise."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not (
+            text.isdecimal() or (text.startswith("-") and text[1:].isdecimal())):
+        raise ValueError(f"quantization_config.{key} must be an integer, got {value!r}")
+    return int(text)
 
 
 def side_config(model_dir: str | Path) -> dict[str, Any] | None:

@@ -358,6 +358,10 @@ class LlamaForCausalLM(nn.Module):
         if "rotary_emb.inv_freq" in name:
             return True
         if name == "lm_head.weight" and self.tie_word_embeddings:
+            # The config ties it to the embedding (vLLM does the same); say so, since a
+            # checkpoint that stores its own LM head may have meant it.
+            logger.warning("the checkpoint has lm_head.weight, but tie_word_embeddings is set: "
+                           "the LM head is the embedding, lm_head.weight is not used")
             return True
         return not self._stage_holds(name)
 
