@@ -14,6 +14,10 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+def _takes_bool(annotation: Any) -> bool:
+    return annotation is bool or bool in get_args(annotation)
+
+
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                   "bf16": "bfloat16"}
 # KV cache storage (kernels.kv_quant.FP8_KV_DTYPES): "auto" = the model's dtype; "fp8" = E4M3.
@@ -164,6 +168,17 @@ class EngineConfig(BaseModel):
                     "the fewest requests takes no newer ones until its slot frees for it. 0: "
                     "at once; None: never (vLLM's way: throughput first, but a busy adapter "
                     "may hold its slot for ever)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flags_for_numbers(cls, data: Any) -> Any:
+        """True / False given for a number (pydantic would read them as 1 / 0)."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                info = cls.model_fields.get(name)
+                if isinstance(value, bool) and info is not None and not _takes_bool(info.annotation):
+                    raise ValueError(f"{name} must be a number, got {value!r}")
+        return data
 
     # What Model.from_pretrained takes, taken here too: a Path, a torch.device, a torch.dtype
     # or a dtype's common short name.

@@ -180,6 +180,10 @@ def test_engine_config_takes_what_from_pretrained_takes_and_refuses_infinities(t
     assert kt.EngineConfig(dtype="bf16").dtype == "bfloat16"
     with pytest.raises(ValueError, match="block_host_memory_factor"):
         kt.EngineConfig(block_host_memory_factor=float("inf"))
+    for name in ("max_num_seqs", "block_token_num", "preempt_mode", "num_device_blocks"):
+        with pytest.raises(ValueError, match=f"{name} must be a number, got True"):
+            kt.EngineConfig(**{name: True})
+    assert kt.EngineConfig(enable_prefix_caching=False, async_scheduling=True).async_scheduling
 
 
 @pytest.mark.parametrize("args, needle", [
