@@ -45,37 +45,6 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
 
 
-# Settings that shape how a model loads: given with an already-loaded Model, they cannot apply.
-_LOAD_SETTINGS = ("device", "dtype", "quantization", "tensor_parallel_size", "pipeline_parallel_size")
-
-
-def _check_loaded_model(model: Model, overrides: dict[str, Any]) -> None:
-    """ValueError for a load setting passed with a loaded `model` that it does not match
-    (it would be silently ignored: the weights are already where and what they are)."""
-    ctx = model.runtime.ctx if model.runtime is not None else None
-    actual = {"device": model.device, "dtype": model.dtype, "quantization": None,
-              "tensor_parallel_size": ctx.tp_size if ctx else 1,
-              "pipeline_parallel_size": ctx.pp_size if ctx else 1}
-    for name in _LOAD_SETTINGS:
-        given = overrides.get(name)
-        if given is None or given == "auto":
-            continue
-        if name == "device":
-            try:
-                wanted = torch.device(given)
-            except RuntimeError as exc:
-                raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {given!r}") from exc
-            matches = wanted.type == model.device.type and wanted.index in (None, model.device.index)
-        elif name == "dtype":
-            matches = EngineConfig(dtype=given).dtype == str(model.dtype).removeprefix("torch.")
-        else:
-            matches = given == actual[name]
-        if not matches:
-            raise ValueError(f"{name}={given!r} applies while a model loads; this model is loaded "
-                             f"already ({name} {actual[name]}): pass it to Model.from_pretrained, "
-                             "or give the Engine the model's path")
-
-
 class Engine(LoraControl, ChatMixin):
     """Continuous-batching generation over one model.
 
@@ -101,10 +70,10 @@ class Engine(LoraControl, ChatMixin):
         base = config or EngineConfig()
         self.config = EngineConfig(**{**base.model_dump(), **overrides})
         if isinstance(model, Model):
-            _check_loaded_model(model, overrides)
+            model.check_load_settings(self.config, given=overrides)
             # The settings that shaped the loaded model are the model's, whatever `config` said.
-            self.config = self.config.model_copy(update={
-                "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")})
+            self.config = self.config.model_copy(update={"device": str(model.device),
+                                                         "dtype": model.dtype_name})
         else:
             model = Model.from_pretrained(
                 model if model is not None else self.config.model, device=self.config.device,

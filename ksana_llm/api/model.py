@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from ksana_llm.api.plugin import Plugin, load_plugin
+from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
@@ -20,6 +22,9 @@ from ksana_llm.loader.json_files import read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
 
 logger = logging.getLogger("ksana_llm.model")
+
+# Settings that shape how a model loads: given with an already-loaded Model, they cannot apply.
+_LOAD_SETTINGS = ("device", "dtype", "quantization", "tensor_parallel_size", "pipeline_parallel_size")
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -120,6 +125,37 @@ class Model:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as EngineConfig names it ("float32", "bfloat16", ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def check_load_settings(self, config: EngineConfig, given: Iterable[str]) -> None:
+        """ValueError for a setting that shapes how a model loads (device, dtype, quantization,
+        parallel sizes), named in `given` and set in `config`, that this loaded model does not
+        match: it could not apply, and would otherwise be ignored without a word."""
+        ctx = self.runtime.ctx if self.runtime is not None else None
+        actual: dict[str, Any] = {"device": self.device, "dtype": self.dtype_name,
+                                  "quantization": None,
+                                  "tensor_parallel_size": ctx.tp_size if ctx else 1,
+                                  "pipeline_parallel_size": ctx.pp_size if ctx else 1}
+        for name in _LOAD_SETTINGS:
+            wanted = getattr(config, name)
+            if name not in given or wanted == "auto":
+                continue
+            if name == "device":
+                try:
+                    device = torch.device(wanted)
+                except RuntimeError as exc:
+                    raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {wanted!r}") from exc
+                matches = device.type == self.device.type and device.index in (None, self.device.index)
+            else:
+                matches = wanted == actual[name]
+            if not matches:
+                raise ValueError(f"{name}={wanted!r} applies while a model loads; this model is "
+                                 f"loaded already ({name} {actual[name]}): pass it to "
+                                 "Model.from_pretrained, or give the Engine the model's path")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike | None = None, *, device: str | None = "auto",

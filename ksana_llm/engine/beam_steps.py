@@ -94,13 +94,16 @@ class BeamSearchSteps:
         stop_string = StopStringCheck(self.tokenizer, config.stop, seqs) if config.stop else None
         continuations = beam.step(processed, finalize, stop_string)
         if beam.done:
+            num = config.num_return_sequences
             # Every finished hypothesis may have scored below transformers' -1e9 filler (a
             # strongly negative length_penalty, or rows whose every token was masked): then the
             # beams still running are the answer, never none (a request must always finish).
-            running = [finalize(parent, token, score / (beam.num_generated ** beam.length_penalty),
-                                score, stop_string(parent, token) if stop_string else None)
-                       for (parent, token), score in zip(continuations, beam.kept_sum_logprobs.tolist())]
-            return self._finish_beams(group, running)
+            best = beam.results(num) or [
+                finalize(parent, token, score / (beam.num_generated ** beam.length_penalty), score,
+                         stop_string(parent, token) if stop_string else None)
+                for (parent, token), score in zip(continuations[:num],
+                                                  beam.kept_sum_logprobs.tolist())]
+            return self._finish_beams(group, best)
         # Parents chosen once continue themselves; chosen again, they fork first (before any
         # token is appended); parents nobody chose are dropped.
         plan: list[tuple[Sequence, int, int]] = []
@@ -128,15 +131,13 @@ class BeamSearchSteps:
         group.seqs = [seq for seq, _, _ in plan]
         return []
 
-    def _finish_beams(self, group: SequenceGroup, running: list[Hypothesis]) -> list[StepOutput]:
-        """The best finished hypotheses, or (none finished) the best `running` beams."""
+    def _finish_beams(self, group: SequenceGroup, best: list[Hypothesis]) -> list[StepOutput]:
+        """Free the beams and emit `best`, the request's answers, best first."""
         for seq in group.seqs:
             self._free(seq)
         first = group.seqs[0]
         group.seqs = []
         del self.groups[group.request_id]
-        num = group.config.num_return_sequences
-        best = group.beam.results(num) or running[:num]
         outputs = []
         for rank, hyp in enumerate(best):
             detok = self._detokenizer(first, stop_after_min_tokens=False)

@@ -13,12 +13,13 @@ Beam-search requests take no sampling defaults (beams are deterministic).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ksana_llm.loader.json_files import read_json_object
 
 # generation_config.json key -> (request parameter, transformers' default)
 _KEYS: dict[str, tuple[str, Any]] = {
@@ -105,13 +106,7 @@ def load_sampling_defaults(source: str, model_dir: str | Path | None,
             raise ValueError(f"--generation-config: no {GENERATION_CONFIG_FILE} in {folder} "
                              f"(give 'auto', '{NO_MODEL_DEFAULTS}' or a folder holding one)")
         else:
-            try:
-                values = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"{path}: cannot be read as JSON ({exc})") from exc
-            if not isinstance(values, dict):
-                raise ValueError(f"{path}: expected a JSON object")
-            defaults = SamplingDefaults.from_mapping(values, str(path))
+            defaults = SamplingDefaults.from_mapping(read_json_object(path), str(path))
     if overrides:
         defaults = defaults.with_overrides(overrides, "--override-generation-config")
     return defaults
