@@ -272,11 +272,15 @@ def test_shutdown_fails_pending_requests(model):
     engine = kt.Engine(model, num_device_blocks=64)
     handle = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=2000,
                                                                   ignore_eos=True)))
+    next(iter(handle))  # running, holding KV blocks
     engine.shutdown()
     with pytest.raises(kt.api.outputs.RequestError):
         handle.result(timeout=30)
     with pytest.raises(kt.EngineDeadError):
         engine.submit(PROMPT)
+    # What the engine held is released: stats show an idle engine, not the last step's counts.
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_free_kv_blocks) == (0, 0, 64)
 
 
 def test_waiting_timeout_fails_only_the_expired_request(model):

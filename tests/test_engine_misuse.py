@@ -106,6 +106,17 @@ def test_a_request_the_engine_thread_refuses_fails_alone(engine, monkeypatch):
     assert _idle(engine) and engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
 
 
+@pytest.mark.parametrize("error", [RuntimeError("callback bug"), SystemExit(3)])
+def test_a_raising_callback_leaves_the_engine_serving(engine, error):
+    """sys.exit() in a callback once ended the step loop for every request."""
+    def callback(out):
+        raise error
+
+    first = engine.submit(kt.Request(PROMPT, callback=callback)).result(timeout=60)
+    assert first.finished and len(first.token_ids) == 8
+    assert engine.is_running and engine.generate(PROMPT) == first.text
+
+
 @pytest.mark.parametrize("config", [
     # Every finished hypothesis scores below transformers' -1e9 filler.
     kt.GenerationConfig(max_new_tokens=12, num_beams=2, length_penalty=-20.0, ignore_eos=True),

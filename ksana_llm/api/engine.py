@@ -348,7 +348,18 @@ class Engine(LoraControl, ChatMixin):
             logger.exception("engine step loop failed")
             self._dead = exc
         finally:
+            if self._dead is None:
+                self._release_unfinished()
             self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+
+    def _release_unfinished(self) -> None:
+        """On shutdown, finish what the core still holds so its blocks are free and `stats()`
+        shows an idle engine (their callers fail with EngineDeadError next)."""
+        try:
+            for request_id in list(self._core.groups):
+                self._core.abort(request_id)
+        except Exception:  # noqa: BLE001 - shutting down either way; the waiters still fail
+            logger.exception("releasing unfinished requests at shutdown failed")
 
     def _on_engine_thread(self, work: Callable[[], Any]) -> Any:
         """Run `work` on the engine thread between two steps and return its result (or raise

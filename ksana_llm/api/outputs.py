@@ -323,7 +323,9 @@ class RequestHandle:
         if self._callback is not None:
             try:
                 self._callback(out)
-            except Exception:  # a user callback must not take the engine down
+            # A user callback must not take the engine down, not even by sys.exit(): on this
+            # thread that would end the step loop for every request.
+            except (Exception, SystemExit):
                 logger.exception("callback of request %s raised", self.id)
         if self._deltas_wanted and (step.text_delta or step.new_token_ids
                                     or step.finish_reason is not None):
