@@ -8,8 +8,11 @@ with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fa
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, 
 
 import ksana_llm as kt
 from ksana_llm.api.model import Model
+from ksana_llm.distributed.launch import await_started
 from ksana_llm.generation_config import GenerationConfig
 from tests.family_harness import greedy_trace, hf_reference
 
@@ -187,3 +191,36 @@ def test_a_dead_worker_fails_the_engine_fast(tmp_path):
         assert time.monotonic() - start < 10
     finally:
         engine.shutdown()
+
+
+STDIN_SCRIPT = """
+import sys
+import ksana_llm as kt
+engine = kt.Engine(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2,
+                   num_device_blocks=32)
+print(engine.generate_outputs([[5, 6, 7]], kt.GenerationConfig(max_new_tokens=6,
+                                                                ignore_eos=True))[0].token_ids)
+engine.shutdown()
+"""
+
+
+def test_a_parallel_engine_from_a_script_read_on_stdin(tmp_path):
+    """`python - < script`: spawn would make every worker re-run a main script named "<stdin>",
+    so they all died and rank 0 waited out the 300 s rendezvous."""
+    hf = build("llama", tmp_path)
+    expected = greedy_trace(hf_reference(hf), [5, 6, 7], 6)[0][3:]
+    done = subprocess.run([sys.executable, "-", str(tmp_path)], input=STDIN_SCRIPT, text=True,
+                          capture_output=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str(expected)
+
+
+def test_a_worker_that_dies_before_starting_fails_the_launch_at_once():
+    context = multiprocessing.get_context("spawn")
+    started = context.Queue()
+    dying = context.Process(target=sys.exit, args=(3,), daemon=True)
+    dying.start()
+    begin = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 5 exited with code 3 before it started"):
+        await_started({5: dying}, started, timeout_s=120)
+    assert time.monotonic() - begin < 30

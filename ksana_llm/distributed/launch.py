@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
+import queue
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from ksana_llm.distributed.runtime import LaunchSpec, MultiNodeEnv, Runtime, init_runtime
@@ -14,15 +20,62 @@ logger = logging.getLogger("ksana_llm.distributed")
 
 def spawn_workers(spec: LaunchSpec, ranks: list[int]) -> list[Any]:
     """One spawned process per rank (spawn, not fork: CUDA and threads do not survive a fork).
-    Daemonic, so they never outlive this process."""
+    Daemonic, so they never outlive this process. Returns once each is running our code: a
+    worker that dies before that fails the run here (see `await_started`)."""
     context = multiprocessing.get_context("spawn")
+    started = context.Queue()
     workers = []
-    for rank in ranks:
-        process = context.Process(target=worker_main, args=(rank, spec),
-                                  name=f"ksana-llm-rank{rank}", daemon=True)
-        process.start()
-        workers.append(process)
+    with _main_file_hidden_if_missing():
+        for rank in ranks:
+            process = context.Process(target=worker_main, args=(rank, spec, started),
+                                      name=f"ksana-llm-rank{rank}", daemon=True)
+            process.start()
+            workers.append(process)
+    try:
+        await_started(dict(zip(ranks, workers)), started, spec.timeout_s)
+    except BaseException:
+        stop_workers(workers)
+        raise
     return workers
+
+
+def await_started(workers: dict[int, Any], started: Any, timeout_s: float) -> None:
+    """Wait until every worker (rank -> process) has put its rank on `started`. One that exits
+    first (an import error, a main module spawn cannot re-run) is reported at once, instead of
+    the run waiting out the rendezvous timeout for a rank that will never join."""
+    pending = dict(workers)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for rank, process in pending.items():
+            if process.exitcode is not None:
+                raise RuntimeError(f"worker rank {rank} exited with code {process.exitcode} "
+                                   "before it started (its error is printed above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker ranks {sorted(pending)} did not start within "
+                               f"{timeout_s:g} s")
+        try:
+            pending.pop(started.get(timeout=0.1), None)
+        except queue.Empty:
+            pass
+
+
+@contextlib.contextmanager
+def _main_file_hidden_if_missing() -> Iterator[None]:
+    """spawn makes each child re-run the parent's main script from its `__file__`; a script read
+    from stdin (`python - < script`) has `__file__ == "<stdin>"`, which no child can open, so
+    every worker would die. The workers need nothing from the main script, so such a path is
+    hidden while they start (as for `python -c`, which has none)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (main is None or path is None or getattr(main, "__spec__", None) is not None
+            or os.path.isfile(path)):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def stop_workers(workers: list[Any]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import torch
 
@@ -67,9 +68,11 @@ def lora_error(runner: ModelRunner, lora_id: int, path: str | None, *,
     return None
 
 
-def worker_main(rank: int, spec: LaunchSpec) -> None:
+def worker_main(rank: int, spec: LaunchSpec, started: Any = None) -> None:
     """Entry point of a worker process (spawned locally, or run by `ksana-llm serve` on a node
-    that is not the master)."""
+    that is not the master). A spawned one puts its rank on the `started` queue first."""
+    if started is not None:
+        started.put(rank)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
     runtime = init_runtime(spec, rank)
     try:
