@@ -142,3 +142,28 @@ def test_abort_frees_every_forked_block(local_engine):
         time.sleep(0.01)
     stats = local_engine.stats()
     assert stats.num_free_kv_blocks == 256 and stats.num_running == 0
+
+
+@pytest.mark.parametrize("wide", [_sampling(num_return_sequences=3),
+                                  kt.GenerationConfig(max_new_tokens=8, num_beams=3,
+                                                      num_return_sequences=3)],
+                         ids=["samples", "beams"])
+def test_forks_stay_within_max_num_seqs(default_model, wide):
+    """A request of 3 samples or beams reserves 3 slots before it forks: three single requests
+    once filled those slots, and a step then ran 6 sequences at max_num_seqs 4 (past the size
+    the KV cache was profiled for on CUDA, and past the captured graphs)."""
+    with kt.Engine(default_model, num_device_blocks=256, max_num_seqs=4) as engine:
+        scheduler, widest = engine._core.scheduler, []
+        schedule = scheduler.schedule
+
+        def counting_schedule():
+            out = schedule()
+            widest.append(max(len(out.scheduled), len(scheduler.running)))
+            return out
+
+        scheduler.schedule = counting_schedule
+        single = kt.GenerationConfig(max_new_tokens=8, ignore_eos=True)
+        outs = engine.generate_outputs([PROMPT, "Hello there", "One two three", "Paris is"],
+                                       [wide, single, single, single], use_tqdm=False)
+    assert [len(o.sequences) for o in outs] == [3, 1, 1, 1]
+    assert max(widest) == 4

@@ -241,8 +241,17 @@ class Scheduler:
                 budget -= num_drafts
         return budget
 
+    def _num_reserved_running(self) -> int:
+        """Sequence slots the running requests hold: a request of n samples or beams that has
+        not forked yet is one sequence holding n slots (its children join `running` without
+        another admission, so they must fit under max_num_seqs already)."""
+        return sum(seq.num_reserved_slots for seq in self.running)
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        reserved = self._num_reserved_running()
+        while self.swapped and budget > 0 and (
+                reserved + self.swapped[0].num_reserved_slots <= self.config.max_num_seqs
+                or not self.running):
             seq = self.swapped[0]
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
             mapping = self.block_manager.swap_in(seq, num_new)
@@ -252,6 +261,7 @@ class Scheduler:
             out.swap_in.extend(mapping)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
+            reserved += seq.num_reserved_slots
             if num_new:  # an idle sequence comes back with nothing to compute
                 out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
@@ -263,9 +273,10 @@ class Scheduler:
         # Adapters that take no newer requests this step, so that a slot frees up for a request
         # that waited too long for one (see `_adapter_admissible`).
         draining: set[int] = set()
+        reserved = self._num_reserved_running()
         i = 0
         while i < len(self.waiting) and budget > 0 and (
-                len(self.running) + self.waiting[i].num_reserved_slots <= self.config.max_num_seqs
+                reserved + self.waiting[i].num_reserved_slots <= self.config.max_num_seqs
                 or not self.running):
             seq = self.waiting[i]
             if seq.lora_id:
@@ -300,6 +311,7 @@ class Scheduler:
                     bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self._insert(self.running, seq)
+            reserved += seq.num_reserved_slots
             if seq.lora_id:
                 # Placed only now that it has its blocks: a request that cannot start yet
                 # moves no adapter out of its slot.
