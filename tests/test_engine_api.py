@@ -306,11 +306,40 @@ def test_stop_string_kept_and_special_tokens_shown(engine, model):
     assert kept.text == full[:full.index(stop) + len(stop)] and kept.stop_reason == stop
     prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
                                                  add_generation_prompt=True, tokenize=False)
-    shown, hidden = engine.generate_outputs(
-        [prompt, prompt], [kt.GenerationConfig(max_new_tokens=64, skip_special_tokens=False),
-                           kt.GenerationConfig(max_new_tokens=64)], use_tqdm=False)
-    assert shown.token_ids == hidden.token_ids and shown.finish_reason == "stop"
-    assert shown.text == hidden.text + "<|im_end|>"
+    special = kt.GenerationConfig(max_new_tokens=64, skip_special_tokens=False)
+    shown, unshown, hidden = engine.generate_outputs(
+        [prompt] * 3, [special.replace(include_stop_str_in_output=True), special,
+                       kt.GenerationConfig(max_new_tokens=64)], use_tqdm=False)
+    assert shown.token_ids == hidden.token_ids == unshown.token_ids
+    assert shown.token_ids[-1] in model.eos_token_ids and shown.finish_reason == "stop"
+    # vLLM's rule: the EOS that ends the answer is text only with include_stop_str_in_output.
+    assert shown.text == hidden.text + "<|im_end|>" and unshown.text == hidden.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_is_in_the_token_ids_but_not_the_text(engine, model, stream):
+    """As vLLM: stop_token_ids end the sequence with the token kept in token_ids; its text
+    only with include_stop_str_in_output (it was always in the text, streamed as a delta)."""
+    prompt = "Count from one to ten: 1, 2, 3,"
+    full = engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=6, ignore_eos=True),
+                                   use_tqdm=False)[0]
+    comma = model.tokenizer.convert_tokens_to_ids(",")
+    assert comma in full.token_ids
+    cut = full.token_ids[:full.token_ids.index(comma) + 1]
+    config = kt.GenerationConfig(max_new_tokens=6, stop_token_ids=[comma])
+    for include in (False, True):
+        handle = engine.submit(kt.Request(prompt, config.replace(
+            include_stop_str_in_output=include)))
+        streamed = "".join(handle) if stream else None
+        out = handle.result(timeout=60)
+        assert out.token_ids == cut and out.stop_reason == comma
+        text_ids = cut if include else cut[:-1]
+        assert out.text == model.tokenizer.decode(text_ids)
+        assert streamed is None or streamed == out.text
+        if not stream:  # beam search's answers follow the same rule
+            beams = engine.generate_outputs(prompt, config.replace(
+                num_beams=2, include_stop_str_in_output=include), use_tqdm=False)[0]
+            assert beams.token_ids == cut and beams.text == out.text
 
 
 def test_prompt_logprobs_match_transformers(model):

@@ -139,15 +139,21 @@ class BeamSearchSteps:
         group.seqs = []
         del self.groups[group.request_id]
         outputs = []
+        config = first.config
         for rank, hyp in enumerate(best):
-            detok = self._detokenizer(first, stop_after_min_tokens=False)
-            text = detok.update(hyp.token_ids).delta + detok.flush()
             reason = FinishReason.STOP if hyp.finish_reason == "stop" else FinishReason.LENGTH
             stop_reason = None  # an EOS ending, or a length one
-            if reason is FinishReason.STOP:
+            text_tokens = list(hyp.token_ids)
+            if reason is FinishReason.STOP and hyp.stop_string is None:
                 last = hyp.token_ids[-1]
-                stop_reason = hyp.stop_string if hyp.stop_string is not None else (
-                    last if last in first.config.stop_token_ids else None)
+                stop_reason = last if last in config.stop_token_ids else None
+                # As for sampled sequences: the stop token is not in the text.
+                if not config.include_stop_str_in_output:
+                    text_tokens.pop()
+            elif reason is FinishReason.STOP:
+                stop_reason = hyp.stop_string
+            detok = self._detokenizer(first, stop_after_min_tokens=False)
+            text = detok.update(text_tokens).delta + detok.flush()
             out = StepOutput(group.request_id, list(hyp.token_ids), text, rank == len(best) - 1,
                              reason, stop_reason,
                              list(hyp.logprobs or []), first_scheduled_time=first.first_scheduled_time,

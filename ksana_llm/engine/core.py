@@ -327,7 +327,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         outputs = []
         for item in deferred:
             seq = item.seq
-            delta = seq.detokenizer.update([item.token]).delta
+            delta = seq.detokenizer.update(item.text_tokens).delta
             if item.finishing:
                 delta += seq.detokenizer.flush()
             outputs.append(self._output(seq, [item.token], delta, item.entries, finished=item.last))

@@ -35,9 +35,14 @@ class OutputSteps:
                 seq.logprobs.append(entry)
                 entries.append(entry)
         config = seq.config
+        eos_stop = not config.ignore_eos and token in seq.eos_token_ids
+        # vLLM's rule: a token that stops the sequence (EOS or stop_token_ids) stays in its token
+        # ids but not in its text, unless include_stop_str_in_output.
+        text_tokens = [token] if config.include_stop_str_in_output or not (
+            eos_stop or token in config.stop_token_ids) else []
         # Without stop strings the text cannot end the sequence, so it can wait (see `step`).
         deferred = defer and not config.stop and not config.ranks_sequences
-        update = None if deferred else seq.detokenizer.update([token])
+        update = None if deferred else seq.detokenizer.update(text_tokens)
         grammar_ended = False
         if seq.matcher is not None:
             # A token the grammar refuses can only come from a row whose every token was masked;
@@ -45,7 +50,7 @@ class OutputSteps:
             grammar_ended = not seq.matcher.accept_token(token) or seq.matcher.is_terminated()
         if update is not None and update.stop_str is not None:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, update.stop_str
-        elif not config.ignore_eos and token in seq.eos_token_ids:
+        elif eos_stop:
             # The model's own end: no stop_reason, as in vLLM (a stop token or string has one).
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
         elif token in config.stop_token_ids or grammar_ended:
@@ -59,7 +64,7 @@ class OutputSteps:
             seq.num_pending_tokens = 0
         if update is None:
             finishing = seq.finish_reason is not None
-            self._deferred.append(DeferredOutput(seq, token, entries, finishing,
+            self._deferred.append(DeferredOutput(seq, token, text_tokens, entries, finishing,
                                                   finishing and self._release(seq)))
             return []
         if config.ranks_sequences:

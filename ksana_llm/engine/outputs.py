@@ -64,6 +64,7 @@ class DeferredOutput:
 
     seq: Sequence
     token: int
+    text_tokens: list[int]  # what goes to the detokenizer: [token], or [] for a stop token
     entries: list[dict[str, Any]]
     finishing: bool  # the sequence ended with this token: flush its held-back text
     last: bool  # ... and it was its request's last live sequence
