@@ -215,6 +215,14 @@ def test_completions_sync_stream_and_prompt_shapes(client, model_name, local_eng
                                        echo=True)
     assert echoed.choices[0].text == PROMPT + expected.text
 
+    # No max_tokens: 16, OpenAI's and vLLM's completions default (it ran to the context's end).
+    sixteen = local_engine.generate_outputs(PROMPT, kt.GenerationConfig(
+        max_new_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    default = client.completions.create(model=model_name, prompt=PROMPT, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16 and default.choices[0].text == sixteen.text
+    assert default.choices[0].finish_reason == "length"
+
 
 def test_async_client_n_with_seed(server, model_name):
     async def main() -> None:

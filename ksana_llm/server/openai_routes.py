@@ -44,6 +44,7 @@ from ksana_llm.server.openai_protocol import (
     Usage,
 )
 from ksana_llm.server.params import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     check_logprobs_cap,
     prediction_usage,
     prompt_token_lists,
@@ -137,7 +138,8 @@ async def create_completion(request: Request) -> Response:
     jobs = plan_jobs(req, prompts, state, logprobs=req.logprobs, extra=extra,
                       max_tokens=lambda ids: resolve_max_tokens(
                           req.max_tokens, len(ids), state.limits, "prompt",
-                          state.sampling_defaults.max_tokens))
+                          min(COMPLETIONS_DEFAULT_MAX_TOKENS,
+                              state.sampling_defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     texts = state.logprob_texts(req)
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,

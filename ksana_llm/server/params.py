@@ -127,6 +127,11 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
     return out
 
 
+# OpenAI's (and vLLM's) default completion length for the legacy /v1/completions API; chat's
+# default is the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits,
                        prompt_param: str, default: int | None = None) -> int:
     """The completion budget: as asked when it fits the context, else 400; by default `default`
