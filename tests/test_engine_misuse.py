@@ -120,13 +120,37 @@ def test_a_raising_callback_leaves_the_engine_serving(engine, error):
 @pytest.mark.parametrize("config", [
     # Every finished hypothesis scores below transformers' -1e9 filler.
     kt.GenerationConfig(max_new_tokens=12, num_beams=2, length_penalty=-20.0, ignore_eos=True),
-    # Every token masked: the only allowed one is EOS, which min_new_tokens holds back.
-    kt.GenerationConfig(max_new_tokens=4, num_beams=2, allowed_token_ids=[2], min_new_tokens=2),
 ])
 def test_beam_search_always_finishes_with_an_answer(engine, config):
     out = engine.submit(kt.Request("Write a long story about a dragon.", config)).result(timeout=120)
     assert out.finished and out.token_ids and len(out.sequences) == 1
     assert _idle(engine)
+
+
+@pytest.mark.parametrize("config", [
+    # The only allowed token is EOS, which min_new_tokens holds back (token 0 came out).
+    {"allowed_token_ids": [2], "min_new_tokens": 2},
+    {"allowed_token_ids": [2], "min_new_tokens": 2, "num_beams": 2},
+    {"allowed_token_ids": [578, 2], "bad_words_ids": [[578]], "min_new_tokens": 3},
+    {"allowed_token_ids": [578, 11], "stop_token_ids": [11], "bad_words_ids": [[578]],
+     "min_new_tokens": 1, "ignore_eos": True},
+])
+def test_allowed_tokens_that_min_new_tokens_all_holds_back_are_refused(engine, config):
+    with pytest.raises(ValueError, match="allowed_token_ids .* nothing could be generated"):
+        engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=4, **config)))
+    # Ignoring EOS, it may be generated: no refusal, and only allowed ids come out.
+    out = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(
+        max_new_tokens=3, allowed_token_ids=[2], min_new_tokens=2, ignore_eos=True))).result(60)
+    assert out.token_ids == [2, 2, 2]
+
+
+def test_a_lone_eos_bad_word_bans_nothing_when_eos_is_ignored(engine, default_model):
+    """transformers' rule held only while the request stopped at EOS."""
+    eos = default_model.eos_token_ids[0]
+    config = kt.GenerationConfig(max_new_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    plain = engine.submit(kt.Request(PROMPT, config)).result(timeout=60)
+    banned = engine.submit(kt.Request(PROMPT, config.replace(bad_words_ids=[[eos]]))).result(60)
+    assert plain.token_ids == banned.token_ids == [eos] * 3
 
 
 def test_leaving_a_stream_early_aborts_the_request(engine):

@@ -108,6 +108,13 @@ class RequestBuilder:
         self._check_config(config)
         request_id = self._request_id(request.request_id, "req")
         eos = () if config.ignore_eos else self.model.eos_token_ids
+        if config.ignore_eos and any(len(w) == 1 and w[0] in self.model.eos_token_ids
+                                     for w in config.bad_words_ids):
+            # A lone EOS bad word bans nothing (transformers' rule); the logits processors know
+            # EOS by the sequence's eos ids, which a request ignoring EOS does not carry.
+            config = config.replace(bad_words_ids=[
+                w for w in config.bad_words_ids
+                if not (len(w) == 1 and w[0] in self.model.eos_token_ids)])
         seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
         self._use_lora(seq, request.lora)
         self._salt(seq, request.cache_salt)
@@ -215,6 +222,16 @@ class RequestBuilder:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
+        if config.allowed_token_ids is not None and config.min_new_tokens > 0:
+            held_back = {*config.stop_token_ids, *(() if config.ignore_eos
+                                                   else self.model.eos_token_ids)}
+            banned = {w[0] for w in config.bad_words_ids
+                      if len(w) == 1 and w[0] not in self.model.eos_token_ids}
+            if set(config.allowed_token_ids) <= held_back | banned:
+                raise ValueError(
+                    f"allowed_token_ids {config.allowed_token_ids[:5]} are all stop tokens that "
+                    f"min_new_tokens ({config.min_new_tokens}) holds back, or banned: nothing "
+                    "could be generated")
         if config.num_sequences > self.max_num_seqs:
             what = "num_beams" if config.use_beam_search else (
                 "best_of" if config.best_of else "num_return_sequences")
