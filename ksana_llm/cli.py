@@ -167,7 +167,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=cli_types.positive_int, default=None,
                         help="largest request body accepted, else 413 (default: 2 MiB)")
     parser.add_argument("--shutdown-timeout", type=cli_types.non_negative_float, default=5.0,
-                        help="seconds to let in-flight requests finish on SIGTERM")
+                        help="seconds to let in-flight requests finish on SIGTERM; then they fail with 503")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"])
     # Output parsing (names are checked at start-up, before the model loads).

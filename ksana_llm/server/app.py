@@ -345,9 +345,11 @@ def run_server(args: argparse.Namespace) -> int:
                     sampling_defaults=defaults, cors=cors_from_args(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+                                           timeout_graceful_shutdown=args.shutdown_timeout
+                                           + SHUTDOWN_MARGIN_S))
     died = threading.Event()
-    threading.Thread(target=_exit_when_engine_dies, args=(engine, server, died),
+    threading.Thread(target=_watch_engine_and_shutdown,
+                     args=(engine, server, app.state.server, args.shutdown_timeout, died),
                      name="ksana-llm-engine-watch", daemon=True).start()
     try:
         server.run()
@@ -356,16 +358,35 @@ def run_server(args: argparse.Namespace) -> int:
     return 1 if died.is_set() else 0
 
 
-def _exit_when_engine_dies(engine: Engine, server: Any, died: threading.Event) -> None:
+# What uvicorn's graceful shutdown waits past --shutdown-timeout: time for the requests failed
+# then to send their errors before it cancels whatever is left.
+SHUTDOWN_MARGIN_S = 5.0
+
+
+def _watch_engine_and_shutdown(engine: Engine, server: Any, state: ServerState,
+                               shutdown_timeout: float | None, died: threading.Event) -> None:
     """A dead engine (e.g. a worker rank of a parallel run died) cannot serve again: /health is
-    already 503; stop the server too and exit non-zero, so a supervisor restarts the process."""
+    already 503; stop the server too and exit non-zero, so a supervisor restarts the process.
+
+    On SIGTERM / SIGINT, in-flight requests get `shutdown_timeout` seconds to finish. Then the
+    engine is shut down, which fails what still runs with EngineDeadError: a 503 with an OpenAI
+    error body, or an error event and [DONE] on a stream. (uvicorn's own deadline, a margin
+    later, cancels the tasks: clients got a bare 500 or a stream cut mid-chunk from that.)"""
     while not server.should_exit:
         if server.started and not engine.is_running:
             died.set()
             logger.error("the engine stopped (%s); shutting the server down", engine.failure)
             server.should_exit = True
             return
-        time.sleep(0.2)
+        time.sleep(0.1)
+    state.shutting_down = True  # /health says 503 to anyone still connected
+    if shutdown_timeout is None:
+        return
+    time.sleep(shutdown_timeout)
+    if engine.is_running:
+        logger.warning("shutdown: failing the requests still running after %g s",
+                       shutdown_timeout)
+        engine.shutdown()
 
 
 def worker_spec(config: Any) -> Any:
