@@ -348,3 +348,58 @@ def test_responses_continue_on_the_decode_server_that_stored_them(prefill, decod
             routed.responses.retrieve(first.id)
     finally:
         proc.stop()
+
+
+def test_decode_server_dying_mid_stream_ends_routed_streams_with_an_error():
+    """A decode server killed while it streams: the router ends each client's stream as the
+    servers end theirs on an engine failure (an SSE error event then `data: [DONE]`; a NUL
+    terminated error chunk on /generate), rather than a cut-off response."""
+    decode = ServerProcess(["--num-device-blocks", "256"])
+    router = None
+    try:
+        router = ServerProcess(["--decode", decode.url], command="router")
+        sse, native = asyncio.run(_streams_cut_by_a_kill(router.url, decode))
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
+    events = sse.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+    error = json.loads(events[-3].removeprefix("data: "))["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "service_unavailable" and "mid-stream" in error["message"]
+    for event in events[:-3]:  # the events passed on before it are whole
+        assert json.loads(event.removeprefix("data: "))["choices"]
+    chunks = native.split(b"\0")
+    assert chunks[-1] == b"" and json.loads(chunks[-2])["error"]["type"] == "service_unavailable"
+    for chunk in chunks[:-2]:
+        assert "texts" in json.loads(chunk)
+
+
+async def _streams_cut_by_a_kill(url: str, decode: ServerProcess) -> tuple[bytes, bytes]:
+    """A completions stream and a /generate stream through the router, the decode server
+    killed once both are under way; what each client received."""
+    started = [asyncio.Event(), asyncio.Event()]
+
+    async def stream(path: str, body: dict, started: asyncio.Event) -> bytes:
+        received = b""
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", url + path, json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                async for chunk in r.aiter_bytes():
+                    received += chunk
+                    started.set()
+        return received
+
+    async def kill() -> None:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        await asyncio.sleep(0.3)
+        decode.proc.kill()
+
+    long = {"max_tokens": 1000, "ignore_eos": True, "stream": True}
+    sse, native, _ = await asyncio.gather(
+        stream("/v1/completions", {"prompt": PROMPT, **long}, started[0]),
+        stream("/generate", {"prompt": PROMPT, "stream": True, "sampling_config": {
+            "max_new_tokens": 1000, "ignore_eos": True}}, started[1]),
+        kill())
+    return sse, native

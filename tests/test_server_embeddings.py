@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 
+from ksana_llm.server.openai_protocol import MAX_EMBEDDING_INPUTS
 from tests.server_process import ServerProcess
 from tests.tolerances import EMBEDDING_ATOL
 
@@ -79,6 +80,18 @@ def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert error["message"]
+
+
+def test_the_most_inputs_fit_a_default_server(server):
+    """2,048 inputs, more than the engine takes at once by default (max_num_seqs 256 +
+    max_queue_size 1000): they are queued as room frees, never refused with a 429."""
+    texts = [f"item {i}" for i in range(MAX_EMBEDDING_INPUTS)]
+    response = httpx.post(server.base_url + "/embeddings", timeout=600,
+                          json={"input": texts, "encoding_format": "base64"})
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [d["index"] for d in data] == list(range(MAX_EMBEDDING_INPUTS))
+    assert len({d["embedding"] for d in data[:8]}) == 8  # base64 strings: distinct vectors
 
 
 def test_unknown_model_is_404_and_the_server_keeps_serving(client, server):

@@ -197,6 +197,60 @@ def test_429_queue_full_with_retry_after(default_model_dir):
         proc.stop()
 
 
+# ---- requests larger than the queue ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_server(default_model_dir):
+    """Two sequence slots and a queue of two: the engine takes at most four requests at once."""
+    proc = ServerProcess([*KV_ARGS, "--max-num-seqs", "2", "--max-queue-size", "2"])
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}, "prompt"),
+    ("/generate", {"prompt": "a", "stream": False,
+                   "sampling_config": {"num_return_sequences": 5, "max_new_tokens": 2}},
+     "sampling_config.num_return_sequences"),
+], ids=["completions_prompts", "generate_sequences"])
+def test_400_for_more_engine_requests_than_the_server_ever_takes(small_server, route, body, param):
+    """Submitted all or none, five requests never fit 2 + 2: a 429 would come back on every
+    retry, even on an idle server. It is a 400 naming the limit, before anything runs."""
+    for _ in range(2):
+        r = httpx.post(small_server.url + route, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        error = openai_error(r)
+        assert error["param"] == param and error["type"] == "invalid_request_error"
+        assert "max_num_seqs + max_queue_size = 2 + 2 = 4" in error["message"], error
+    health = httpx.get(small_server.url + "/health").json()
+    assert (health["num_running"], health["num_waiting"]) == (0, 0)
+    fits = httpx.post(small_server.base_url + "/completions", timeout=120,
+                      json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2})
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 4
+
+
+def test_forward_only_requests_larger_than_the_queue_wait_for_room(small_server):
+    """/v1/embeddings and /forward queue their inputs as room frees (as Engine.embed does):
+    more inputs than the engine takes at once are answered, in order."""
+    texts = [f"text number {i}" for i in range(11)]
+    r = httpx.post(small_server.base_url + "/embeddings", timeout=120,
+                   json={"input": texts, "encoding_format": "float"})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(texts)))
+    for i in (0, len(texts) - 1):
+        alone = httpx.post(small_server.base_url + "/embeddings", timeout=60,
+                           json={"input": texts[i], "encoding_format": "float"}).json()
+        assert data[i]["embedding"] == pytest.approx(alone["data"][0]["embedding"], abs=1e-4)
+    requests = [{"input_tokens": [1, 2 + i], "request_target": [
+        {"target_name": "logits", "slice_pos": [[-1, -1]], "token_reduce_mode": "GATHER_TOKEN_ID",
+         "token_id": [5]}]} for i in range(7)]
+    r = httpx.post(small_server.url + "/forward", json={"requests": requests}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [out["input_token_ids"] for out in r.json()["responses"]] == \
+        [req["input_tokens"] for req in requests]
+
+
 # ---- the app in-process: engine death --------------------------------------------------------------
 
 def test_503_when_engine_dead(default_model):

@@ -5,6 +5,10 @@
 base64 of its little-endian float32 bytes. `dimensions` must be the model's hidden size: cutting
 a vector short only means something for models trained for it (Matryoshka), so it is refused
 rather than done badly, as vLLM does for other models.
+
+Inputs are queued as the queue allows (waiting for room, as `Engine.embed` does), so a request
+with more inputs than max_num_seqs + max_queue_size (up to the 2,048 allowed) runs rather than
+getting a 429 no retry could clear.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
+from collections.abc import Callable
 
 import torch
 from fastapi import APIRouter, Request
@@ -20,7 +25,7 @@ from fastapi.responses import JSONResponse
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle
 from ksana_llm.server.errors import bad_request
-from ksana_llm.server.generation import forward_results, map_engine_error
+from ksana_llm.server.generation import run_forward
 from ksana_llm.server.openai_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                               EmbeddingRequest, EmbeddingResponse, EmbeddingUsage)
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
@@ -45,23 +50,19 @@ def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
     return prompts
 
 
-def _submit(state: ServerState, prompts: list[list[int]], loop: asyncio.AbstractEventLoop,
-            lora: str | None) -> list[ForwardHandle]:
-    """Every input or none: on the first refusal, abort those already queued."""
-    engine = state.engine
+def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.AbstractEventLoop,
+               lora: str | None) -> Callable[[int], ForwardHandle]:
+    """What queues input i (a prompt the engine refuses is a 400 naming `input`)."""
     base = f"embd-{uuid.uuid4().hex}"
-    handles: list[ForwardHandle] = []
-    try:
-        for i, ids in enumerate(prompts):
-            handles.append(engine.submit_forward(ids, list(EMBEDDING_TARGETS), request_id=f"{base}-{i}",
-                                                 loop=loop, lora=lora))
-    except Exception as exc:
-        for handle in handles:
-            engine.abort(handle.id)
-        if isinstance(exc, ValueError):  # too long for the model, ...
+
+    def submit(i: int) -> ForwardHandle:
+        try:
+            return state.engine.submit_forward(prompts[i], list(EMBEDDING_TARGETS),
+                                               request_id=f"{base}-{i}", loop=loop, lora=lora)
+        except ValueError as exc:  # too long for the model, ...
             raise bad_request(str(exc), param="input") from exc
-        raise map_engine_error(exc) from exc
-    return handles
+
+    return submit
 
 
 @router.post("/v1/embeddings")
@@ -75,10 +76,10 @@ async def create_embeddings(request: Request) -> JSONResponse:
                           f"shortened to {req.dimensions}.", param="dimensions",
                           code="unsupported_parameter")
     prompts = _inputs(req, state)
-    handles = _submit(state, prompts, asyncio.get_running_loop(), lora)
-    outputs = await forward_results(state.engine, handles, request)
+    submit = _submitter(state, prompts, asyncio.get_running_loop(), lora)
+    outputs = await run_forward(state.engine, submit, len(prompts), request)
     if outputs is None:  # the client left; its requests were aborted
-        state.count_failure("aborted")
+        state.count_failure("aborted")  # forward-only: see server.metrics for the rule
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     data = [EmbeddingData(index=i, embedding=_encode(embedding_from_hidden(out.targets[0].tensor),
                                                      req.encoding_format))

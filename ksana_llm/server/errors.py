@@ -28,7 +28,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 failure_reason: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,6 +37,9 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        # The metrics' request_failure_total label, where the status alone does not tell it
+        # (a 503 is "engine_error" unless it is a waiting timeout).
+        self.failure_reason = failure_reason
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -77,6 +81,14 @@ def engine_unavailable(detail: str = "the engine is not running") -> APIError:
                     code="engine_unavailable")
 
 
+def waiting_timeout(detail: str) -> APIError:
+    """A request never scheduled within --waiting-timeout-ms: the 503 of an unavailable
+    engine (the client's answer is the same), counted as "timeout"."""
+    error = engine_unavailable(detail)
+    error.failure_reason = "timeout"
+    return error
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field (dotted path)."""
     errors = exc.errors()
@@ -115,15 +127,27 @@ def _field_path(error: Any) -> list[str]:
     return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
 
 
-# Failure reasons as the metrics module labels them.
-_FAILURE_REASON = MappingProxyType({400: "invalid_request", 404: "invalid_request", 401: "unauthorized",
-                   429: "queue_full", 503: "engine_error"})
+# Failure reasons as the metrics module labels them: a body too large is the client's request
+# at fault, as a 400 is.
+_FAILURE_REASON = MappingProxyType({400: "invalid_request", 404: "invalid_request",
+                                    413: "invalid_request", 401: "unauthorized",
+                                    429: "queue_full", 503: "engine_error"})
+
+
+def failure_reason(error: APIError) -> str:
+    """The request_failure_total label of an error."""
+    return error.failure_reason or _FAILURE_REASON.get(error.status, "other")
+
+
+def count_failure(app: Any, error: APIError) -> None:
+    """Count `error` in the metrics of the server `app` serves (a router has none)."""
+    state = getattr(getattr(app, "state", None), "server", None)
+    if state is not None:
+        state.count_failure(failure_reason(error))
 
 
 def _count(request: Request, error: APIError) -> JSONResponse:
-    state = getattr(request.app.state, "server", None)
-    if state is not None:
-        state.count_failure(_FAILURE_REASON.get(error.status, "other"))
+    count_failure(request.app, error)
     return error.response()
 
 

@@ -27,6 +27,7 @@ import base64
 import json
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -35,12 +36,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ksana_llm.api.engine import EngineDeadError
 from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
-from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
-from ksana_llm.server.generation import forward_results, map_engine_error
+from ksana_llm.server.generation import run_forward
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST
 from ksana_llm.server.params import check_logprobs_cap, check_token_ids, prompt_token_lists
@@ -168,9 +167,9 @@ def _count_values(req: ForwardRequestBody, targets: list[ForwardTarget], ids: li
     return total
 
 
-def _submit_all(engine: Any, body: ForwardBody, state: Any,
-                loop: asyncio.AbstractEventLoop) -> list[ForwardHandle]:
-    """Validate every request first, then submit them all or none."""
+def _plan(engine: Any, body: ForwardBody, state: Any
+          ) -> list[tuple[list[int], list[ForwardTarget]]]:
+    """Every request's prompt ids and targets, all validated before anything is submitted."""
     jobs = []
     values = 0
     for i, req in enumerate(body.requests):
@@ -197,28 +196,26 @@ def _submit_all(engine: Any, body: ForwardBody, state: Any,
                 "`token_logprobs`, or split the request.",
                 param=f"requests.{i}.request_target", code="forward_too_large")
         jobs.append((ids, targets))
-    handles: list[ForwardHandle] = []
+    return jobs
+
+
+def _submitter(engine: Any, body: ForwardBody, jobs: list[tuple[list[int], list[ForwardTarget]]],
+               loop: asyncio.AbstractEventLoop) -> Callable[[int], ForwardHandle]:
+    """What queues request i (an engine refusal of its input is a 400 naming the field)."""
     base = f"fwd-{uuid.uuid4().hex}"
-    try:
-        for i, (ids, targets) in enumerate(jobs):
-            try:
-                handles.append(engine.submit_forward(ids, targets, request_id=f"{base}-{i}",
-                                                     loop=loop))
-            except ValueError as exc:
-                message, param = _targets_param(i, str(exc))
-                if param is None and str(exc).startswith("prompt"):
-                    given = "prompt" if body.requests[i].prompt is not None else "input_tokens"
-                    param = f"requests.{i}.{given}"
-                raise bad_request(message, param=param) from exc
-    except (QueueFullError, EngineDeadError) as exc:
-        for h in handles:
-            engine.abort(h.id)
-        raise map_engine_error(exc) from exc
-    except APIError:
-        for h in handles:
-            engine.abort(h.id)
-        raise
-    return handles
+
+    def submit(i: int) -> ForwardHandle:
+        ids, targets = jobs[i]
+        try:
+            return engine.submit_forward(ids, targets, request_id=f"{base}-{i}", loop=loop)
+        except ValueError as exc:
+            message, param = _targets_param(i, str(exc))
+            if param is None and str(exc).startswith("prompt"):
+                given = "prompt" if body.requests[i].prompt is not None else "input_tokens"
+                param = f"requests.{i}.{given}"
+            raise bad_request(message, param=param) from exc
+
+    return submit
 
 
 async def forward(request: Request) -> Response:
@@ -238,10 +235,12 @@ async def forward(request: Request) -> Response:
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
     state.check_alive()
-    handles = _submit_all(state.engine, body, state, asyncio.get_running_loop())
-    outputs = await forward_results(state.engine, handles, request)
-    if outputs is None:
-        state.count_failure("aborted")
+    jobs = _plan(state.engine, body, state)
+    submit = _submitter(state.engine, body, jobs, asyncio.get_running_loop())
+    # Queued as the queue allows: a body may hold more requests than the queue.
+    outputs = await run_forward(state.engine, submit, len(jobs), request)
+    if outputs is None:  # the client left; its requests were aborted
+        state.count_failure("aborted")  # forward-only: see server.metrics for the rule
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     payload = {"responses": [_response_item(out, req.request_target)
                              for out, req in zip(outputs, body.requests)],

@@ -1,6 +1,6 @@
 """Running the choices of one HTTP request on the engine: submit them all (or none), merge their
 outputs into one event stream, wait for them while watching the client, and abort whatever is
-left when the client goes away.
+left when the client goes away; and running forward-only requests as the queue allows.
 
 A choice is one sequence of one engine request. An engine request returns one sequence, or
 several (`num_return_sequences`: beam search, best_of, parallel sampling), listed in
@@ -22,11 +22,14 @@ from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput
 from ksana_llm.api.outputs import Request, RequestError, RequestHandle, RequestOutput
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.server.errors import APIError, engine_unavailable, queue_full
+from ksana_llm.server.errors import APIError, engine_unavailable, queue_full, waiting_timeout
 from ksana_llm.server.params import engine_value_error
 
 # How often a non-streaming request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
+# How often a forward-only request waiting for room in the queue tries again when none of its
+# own requests is left to wait for.
+ROOM_POLL_S = 0.02
 
 
 async def finished_before_client_left(http_request: HTTPRequest, work: asyncio.Future) -> bool:
@@ -40,22 +43,66 @@ async def finished_before_client_left(http_request: HTTPRequest, work: asyncio.F
             return False
 
 
-async def forward_results(engine: Engine, handles: list[ForwardHandle],
-                          http_request: HTTPRequest) -> list[ForwardOutput] | None:
-    """Every forward-only request's output (`/forward`, `/v1/embeddings`), or None when the
-    client went away first; whatever has not finished is aborted either way."""
-    results = asyncio.gather(*(h.aresult() for h in handles))
+async def run_forward(engine: Engine, submit: Callable[[int], ForwardHandle], count: int,
+                      http_request: HTTPRequest) -> list[ForwardOutput] | None:
+    """The outputs of `count` forward-only requests (`/forward`, `/v1/embeddings`; `submit(i)`
+    queues the i-th), in order, or None when the client went away first; whatever has not
+    finished is aborted however this ends.
+
+    They are queued as the queue allows, as `Engine.embed` does: when it is full, wait for the
+    oldest of ours to finish. So a request with more inputs than the queue holds still runs
+    on an idle server, where refusing it would be a 429 that no retry could ever clear. Only
+    when none of ours holds a place (the queue is full of other clients' work) is it a 429.
+    """
+    handles: list[ForwardHandle] = []
     try:
-        if not await finished_before_client_left(http_request, results):
-            return None
-        return results.result()
-    except RequestError as exc:
+        for i in range(count):
+            handle = await _queue_when_room(submit, i, handles, http_request)
+            if handle is None:
+                return None
+            handles.append(handle)
+        results = asyncio.gather(*(h.aresult() for h in handles))
+        try:
+            if not await finished_before_client_left(http_request, results):
+                return None
+            return results.result()
+        finally:
+            _cancel(results)
+    except (RequestError, QueueFullError, EngineDeadError) as exc:
         raise map_engine_error(exc) from exc
     finally:
-        _cancel(results)
         for handle in handles:
             if not handle.finished:
                 engine.abort(handle.id)
+
+
+async def _queue_when_room(submit: Callable[[int], ForwardHandle], i: int,
+                           queued: list[ForwardHandle],
+                           http_request: HTTPRequest) -> ForwardHandle | None:
+    """`submit(i)`, retried each time one of `queued` may have made room; None if the client
+    left meanwhile. QueueFullError when nothing of ours is queued to wait for."""
+    while True:
+        try:
+            return submit(i)
+        except QueueFullError:
+            if not queued:
+                raise
+        room = _room(queued)
+        try:
+            if not await finished_before_client_left(http_request, room):
+                return None
+        finally:
+            _cancel(room)
+
+
+def _room(queued: list[ForwardHandle]) -> asyncio.Future[Any]:
+    """Done when the oldest unfinished request of `queued` ends (its error, if any, is read
+    later with the others'); when all ended, after ROOM_POLL_S, since the engine counts its
+    queue again only after the step that ended them."""
+    pending = next((h for h in queued if not h.finished), None)
+    if pending is None:
+        return asyncio.ensure_future(asyncio.sleep(ROOM_POLL_S))
+    return asyncio.ensure_future(pending.handle.aresult())  # the rows are built later, once
 
 
 def _cancel(results: asyncio.Future[Any]) -> None:
@@ -106,7 +153,7 @@ def map_engine_error(exc: BaseException) -> APIError:
     if isinstance(cause, QueueFullError):
         return queue_full(str(cause))
     if isinstance(cause, QueueTimeoutError):
-        return engine_unavailable(str(cause))
+        return waiting_timeout(str(cause))
     if isinstance(cause, EngineDeadError):
         return engine_unavailable(str(cause) or "the engine is not running")
     if isinstance(cause, ValueError):
@@ -120,6 +167,12 @@ class ChoiceSet:
 
     engine: Engine
     handles: list[RequestHandle] = field(default_factory=list)
+    # Set when the request was refused part-way (429, 400): the requests already queued are
+    # aborted, and their outputs must not reach the metrics, where the refusal counts once.
+    refused: bool = False
+    # What an engine failure became once the response had started (a stream): the error event
+    # the client got, which the metrics count when the response ends.
+    failure: APIError | None = None
 
     @classmethod
     def submit(cls, engine: Engine, base_id: str, jobs: list[tuple[list[int], GenerationConfig]],
@@ -137,13 +190,26 @@ class ChoiceSet:
             for i, (prompt_ids, config) in enumerate(jobs):
                 choices.handles.append(engine.submit(
                     Request(prompt_ids, generation_config=config, request_id=f"{base_id}-{i}",
-                            callback=observer() if observer is not None else None,
-                            **(request_fields or {})),
+                            callback=choices._observed(observer), **(request_fields or {})),
                     loop=loop))
         except (QueueFullError, EngineDeadError, ValueError) as exc:
+            choices.refused = True  # before the aborts: their outputs come after it
             choices.abort_unfinished()
             raise map_engine_error(exc) from exc
         return choices
+
+    def _observed(self, observer: Callable[[], Callable[[RequestOutput], None]] | None
+                  ) -> Callable[[RequestOutput], None] | None:
+        """The engine request's callback: `observer()`'s, silenced once the set is refused."""
+        if observer is None:
+            return None
+        inner = observer()
+
+        def callback(output: RequestOutput) -> None:
+            if not self.refused:
+                inner(output)
+
+        return callback
 
     @property
     def num_choices(self) -> int:
@@ -210,7 +276,8 @@ class ChoiceSet:
             while remaining:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    raise map_engine_error(item) from item
+                    self.failure = map_engine_error(item)
+                    raise self.failure from item
                 if item.finish_reason is not None:
                     remaining -= 1
                 yield item

@@ -15,6 +15,19 @@ Server usage:
     metrics.observe_finished(output, queue_time)  # once per request the engine returned
     metrics.count_failure("queue_full")           # once per request refused or failed
 
+What counts where (each HTTP request once, by how it ended):
+- Finished engine requests -> `request_success_total{finished_reason}`, tokens and latencies.
+  A client that goes away is no failure: its requests end with finished_reason "abort" and are
+  counted there, streamed or not (vLLM's rule). `prompt_tokens_total` counts the prompts the
+  engine scheduled (vLLM counts prefilled prompts): an abort before that adds none.
+- Refused or failed requests -> `request_failure_total{reason}` only, once per HTTP request:
+  "invalid_request" (400, 404, 413), "unauthorized" (401), "queue_full" (429), "timeout" (never
+  scheduled within --waiting-timeout-ms), "engine_error" (503), "other" (500). The engine
+  requests a refused request had already queued are aborted and never reach the success series.
+  A failure after a stream started (its error event) is counted when the stream ends.
+- Forward-only requests (/forward, /v1/embeddings) have no success series: one whose client went
+  away is counted as request_failure_total{reason="aborted"} (the only use of that reason).
+
 Series (all carry the label `model_name`):
 - gauges `ksana_llm:num_requests_running|waiting|swapped`, `ksana_llm:kv_cache_usage_perc`
   (0..1), `ksana_llm:prefix_cache_hit_rate` (0..1), `ksana_llm:num_kv_blocks`,
@@ -181,7 +194,8 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets,
                              registry=self.registry).labels(model_name)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests."
+        self.prompt_tokens = counter("prompt_tokens",
+                                     "Prompt tokens of finished requests that were scheduled."
                                      ).labels(model_name)
         self.generation_tokens = counter("generation_tokens",
                                          "Generated tokens of finished requests.").labels(model_name)
@@ -218,7 +232,8 @@ class ServerMetrics:
         """Record one request the engine returned (any finish reason, including "abort")."""
         # Every returned sequence counts (n > 1, beams), as the usage the client sees does.
         num_generated = sum(len(seq.token_ids) for seq in output.sequences)
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        if output.metrics.first_scheduled_time is not None:  # aborted while waiting: no prefill
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(num_generated)
         reason = output.finish_reason if output.finish_reason in FINISH_REASONS else "abort"
         self._success.labels(self.model_name, reason).inc()

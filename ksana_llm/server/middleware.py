@@ -16,12 +16,15 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ksana_llm.server.errors import APIError, bad_request, body_too_large, unauthorized
+from ksana_llm.server.errors import (APIError, bad_request, body_too_large, count_failure,
+                                     unauthorized)
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # as TGI's payload_limit: far above any sane prompt
 
 
 async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    # Answered before routing, so the app's error handlers (which count failures) never see it.
+    count_failure(scope.get("app"), error)
     await error.response()(scope, receive, send)
 
 

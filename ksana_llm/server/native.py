@@ -31,7 +31,8 @@ from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_N, MAX_STOP
-from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse
+from ksana_llm.server.submission import (CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse,
+                                         check_fits_queue)
 from ksana_llm.server.params import (
     check_logprobs_cap,
     check_token_ids,
@@ -301,6 +302,7 @@ async def generate(request: Request) -> Response:
     refuse_with_beam_search(constraint, sc.num_beams > 1)
     spec = await compile_spec(state, constraint) if constraint is not None else None
     configs = generation_configs(sc, len(ids), state, spec)
+    check_fits_queue(state, 1, len(configs), n_param="sampling_config.num_return_sequences")
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],
                                state.request_observer if state.metrics is not None else None)
     if req.stream:
@@ -310,8 +312,7 @@ async def generate(request: Request) -> Response:
         return response
     try:
         await choices.wait(request)
-    except ClientDisconnected:
-        state.count_failure("aborted")
+    except ClientDisconnected:  # not a failure: the metrics count its requests as aborted
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(snapshot(choices, ids, sc.logprobs))
 

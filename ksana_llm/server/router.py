@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
 from ksana_llm.server.generation import finished_before_client_left
+from ksana_llm.server.native import NUL, STREAM_MEDIA_TYPE
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
                                         BodyLimitMiddleware, CorsSettings, add_cors,
@@ -271,13 +272,71 @@ def _client_error(response: httpx.Response) -> bool:
     return bool(error) and error.get("param") not in ("kv_transfer_params", "model")
 
 
+SSE_MEDIA_TYPE = "text/event-stream"
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _stream_error(url: str, exc: httpx.HTTPError) -> bytes:
+    """The OpenAI error body for a decode server lost mid-stream."""
+    error = engine_unavailable(f"the decode server {url} failed mid-stream ({exc!r})")
+    return json.dumps(error.body()).encode()
+
+
+async def _relay_sse(upstream: httpx.Response, content: AsyncIterator[bytes]
+                     ) -> AsyncIterator[bytes]:
+    """An SSE stream passed on event by event; if the decode server fails mid-stream, the
+    partial event is dropped and the stream ends as the servers' own do on an engine failure:
+    an error event, then `data: [DONE]`."""
+    pending = b""
+    try:
+        async for chunk in content:
+            pending += chunk
+            end = pending.rfind(b"\n\n") + 2
+            if end > 1:
+                yield pending[:end]
+                pending = pending[end:]
+    except httpx.HTTPError as exc:
+        logger.warning("decode server %s failed mid-stream: %r", upstream.url, exc)
+        yield b"data: " + _stream_error(str(upstream.url), exc) + b"\n\n" + _SSE_DONE
+        return
+    if pending:
+        yield pending
+
+
+async def _relay_native(upstream: httpx.Response, content: AsyncIterator[bytes]
+                        ) -> AsyncIterator[bytes]:
+    """A NUL-delimited /generate stream passed on; on a mid-stream failure it ends with an
+    error chunk, as the server's own stream does on an engine failure."""
+    ended = True  # the last byte passed on ended a chunk
+    try:
+        async for chunk in content:
+            if chunk:
+                ended = chunk.endswith(NUL)
+            yield chunk
+    except httpx.HTTPError as exc:
+        logger.warning("decode server %s failed mid-stream: %r", upstream.url, exc)
+        yield (b"" if ended else NUL) + _stream_error(str(upstream.url), exc) + NUL
+
+
+def _relayed(upstream: httpx.Response, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`content` as the client gets it. A stream's end is framed by its type; other bodies
+    (a JSON answer) cannot say they were cut short, so their connection is just dropped."""
+    media_type = upstream.headers.get("content-type", "").split(";")[0].strip()
+    if media_type == SSE_MEDIA_TYPE:
+        return _relay_sse(upstream, content)
+    if media_type == STREAM_MEDIA_TYPE:
+        return _relay_native(upstream, content)
+    return content
+
+
 class _RelayedStream(StreamingResponse):
     """The decode server's stream, passed on; however it ends (done, or the client left), the
-    connection to the decode server is closed, which aborts the request there."""
+    connection to the decode server is closed, which aborts the request there. If the decode
+    server fails mid-stream, the client's stream ends with an error event (see `_relayed`)."""
 
     def __init__(self, upstream: httpx.Response,
                  content: AsyncIterator[bytes] | None = None) -> None:
-        super().__init__(content or upstream.aiter_bytes(), status_code=200,
+        super().__init__(_relayed(upstream, content or upstream.aiter_bytes()), status_code=200,
                          media_type=upstream.headers.get("content-type"),
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._upstream = upstream

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server import kv_transfer
-from ksana_llm.server.errors import bad_request, from_validation_error
+from ksana_llm.server.errors import bad_request, count_failure, from_validation_error
 from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
 from ksana_llm.server.openai_protocol import _SamplingRequest
 from ksana_llm.server.params import (
@@ -128,11 +128,31 @@ def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerStat
                                                  seed=seed, limits=state.limits,
                                                  num_return_sequences=per_request, extra=fields)))
             prompt_of.append(p)
+    check_fits_queue(state, len(prompts), len(seeds))
     return Jobs(items, prompt_of)
 
 
+def check_fits_queue(state: ServerState, num_prompts: int, per_prompt: int, *,
+                     n_param: str = "n") -> None:
+    """400 for a request with more engine requests (prompts x n) than the engine ever takes at
+    once, max_num_seqs + max_queue_size: they are submitted all or none, so it would be a 429
+    on an idle server too, and on every retry. Checked before anything is submitted."""
+    config = state.engine.config
+    limit = config.max_num_seqs + config.max_queue_size
+    needed = num_prompts * per_prompt
+    if needed <= limit:
+        return
+    param = "prompt" if num_prompts > limit else n_param
+    raise bad_request(f"This request needs {needed} engine requests ({num_prompts} prompt(s) x "
+                      f"{per_prompt}), more than this server ever takes at once: max_num_seqs + "
+                      f"max_queue_size = {config.max_num_seqs} + {config.max_queue_size} = "
+                      f"{limit}. Send fewer prompts or choices per request.", param=param)
+
+
 class AbortOnCloseStreamingResponse(StreamingResponse):
-    """Aborts the choices however the response ends: finished, client gone, or never started."""
+    """Aborts the choices however the response ends: finished, client gone, or never started;
+    and counts the failure an engine error mid-stream became (an error event after the 200,
+    which the error handlers never see)."""
 
     def __init__(self, content: AsyncIterator[str], choices: ChoiceSet) -> None:
         super().__init__(content, media_type="text/event-stream",
@@ -144,6 +164,8 @@ class AbortOnCloseStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._choices.abort_unfinished()
+            if self._choices.failure is not None:
+                count_failure(scope.get("app"), self._choices.failure)
 
 
 # The refusal's code, which tells a router to send the request to a decode server whole.
@@ -184,11 +206,11 @@ def kv_response(state: ServerState, choices: ChoiceSet) -> dict[str, Any] | None
 
 
 async def wait_for_choices(choices: ChoiceSet, request: Request, state: ServerState) -> bool:
-    """Wait for every choice; False (and counted) if the client left first."""
+    """Wait for every choice; False if the client left first (not a failure: its requests end
+    aborted, and the metrics count them as finished with reason "abort")."""
     try:
         await choices.wait(request)
     except ClientDisconnected:
-        state.count_failure("aborted")
         return False
     return True
 
