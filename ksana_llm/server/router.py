@@ -33,17 +33,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
 from ksana_llm.server.generation import finished_before_client_left
-from ksana_llm.server.native import NUL, STREAM_MEDIA_TYPE
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
+from ksana_llm.server.router_upstream import (RelayedStream, client_error, error_code,
+                                              passed_on, read_answer)
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
                                         BodyLimitMiddleware, CorsSettings, add_cors,
                                         cors_from_args)
@@ -124,11 +123,11 @@ class Router:
         except httpx.HTTPError as exc:
             return self._prefill_failed(url, repr(exc))
         if response.status_code != 200:
-            if _error_code(response) == LORA_NOT_TRANSFERABLE:
+            if error_code(response) == LORA_NOT_TRANSFERABLE:
                 self._adapters.add(body.get("model"))
                 return None
-            if _client_error(response):
-                return _passed_on(response, response.content)
+            if client_error(response):
+                return passed_on(response, response.content)
             return self._prefill_failed(url, f"status {response.status_code}: {response.text[:200]}")
         try:
             answer = response.json()
@@ -164,8 +163,8 @@ class Router:
         """A request to the next decode server, its answer passed on (`stream`: as it comes)."""
         response = await self._send(next(self._decode), path, content, content_type)
         if stream and response.status_code == 200:
-            return _RelayedStream(response)
-        return _passed_on(response, await _read(response))
+            return RelayedStream(response)
+        return passed_on(response, await read_answer(response))
 
     async def _send(self, server: str, path: str, content: bytes, content_type: str | None,
                     method: str = "POST") -> httpx.Response:
@@ -188,13 +187,13 @@ class Router:
         response = await self._send(server, "/v1/responses", json.dumps(body).encode(),
                                     "application/json")
         if body.get("stream") and response.status_code == 200:
-            return _RelayedStream(response, self._remember_streamed(response, server))
-        content = await _read(response)
+            return RelayedStream(response, self._remember_streamed(response, server))
+        content = await read_answer(response)
         if response.status_code == 200:
             match = _RESPONSE_ID.search(content)
             if match:
                 self._remember(match[1].decode(), server)
-        return _passed_on(response, content)
+        return passed_on(response, content)
 
     async def _remember_streamed(self, response: httpx.Response, server: str
                                  ) -> AsyncIterator[bytes]:
@@ -224,131 +223,12 @@ class Router:
         path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
         for server in [known] if known else self.config.decode_urls:
             response = await self._send(server, path, b"", None, method=method)
-            content = await _read(response)
+            content = await read_answer(response)
             if response.status_code != 404:
                 if method == "DELETE" and response.status_code == 200:
                     self._response_servers.pop(response_id, None)
-                return _passed_on(response, content)
-        return _passed_on(response, content)
-
-
-async def _read(response: httpx.Response) -> bytes:
-    try:
-        return await response.aread()
-    finally:
-        await response.aclose()
-
-
-# Upstream headers a client may act on, passed on with the server's answer.
-_PASSED_HEADERS = ("retry-after",)
-
-
-def _passed_on(response: httpx.Response, content: bytes) -> Response:
-    """A server's whole answer as the router's."""
-    headers = {k: response.headers[k] for k in _PASSED_HEADERS if k in response.headers}
-    return Response(content, status_code=response.status_code, headers=headers,
-                    media_type=response.headers.get("content-type"))
-
-
-def _error_body(response: httpx.Response) -> dict[str, Any]:
-    try:
-        error = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return {}
-    return error if isinstance(error, dict) else {}
-
-
-def _error_code(response: httpx.Response) -> str | None:
-    return _error_body(response).get("code")
-
-
-def _client_error(response: httpx.Response) -> bool:
-    """Whether a prefill server's refusal is about the client's request (the decode server would
-    refuse it the same way), not about the prefill server or its KV-transfer part. An unknown
-    `model` is the prefill server's: decode servers may serve LoRA adapters it lacks."""
-    if response.status_code not in (400, 404, 413):
-        return False
-    error = _error_body(response)
-    return bool(error) and error.get("param") not in ("kv_transfer_params", "model")
-
-
-SSE_MEDIA_TYPE = "text/event-stream"
-_SSE_DONE = b"data: [DONE]\n\n"
-
-
-def _stream_error(url: str, exc: httpx.HTTPError) -> bytes:
-    """The OpenAI error body for a decode server lost mid-stream."""
-    error = engine_unavailable(f"the decode server {url} failed mid-stream ({exc!r})")
-    return json.dumps(error.body()).encode()
-
-
-async def _relay_sse(upstream: httpx.Response, content: AsyncIterator[bytes]
-                     ) -> AsyncIterator[bytes]:
-    """An SSE stream passed on event by event; if the decode server fails mid-stream, the
-    partial event is dropped and the stream ends as the servers' own do on an engine failure:
-    an error event, then `data: [DONE]`."""
-    pending = b""
-    try:
-        async for chunk in content:
-            pending += chunk
-            end = pending.rfind(b"\n\n") + 2
-            if end > 1:
-                yield pending[:end]
-                pending = pending[end:]
-    except httpx.HTTPError as exc:
-        logger.warning("decode server %s failed mid-stream: %r", upstream.url, exc)
-        yield b"data: " + _stream_error(str(upstream.url), exc) + b"\n\n" + _SSE_DONE
-        return
-    if pending:
-        yield pending
-
-
-async def _relay_native(upstream: httpx.Response, content: AsyncIterator[bytes]
-                        ) -> AsyncIterator[bytes]:
-    """A NUL-delimited /generate stream passed on; on a mid-stream failure it ends with an
-    error chunk, as the server's own stream does on an engine failure."""
-    ended = True  # the last byte passed on ended a chunk
-    try:
-        async for chunk in content:
-            if chunk:
-                ended = chunk.endswith(NUL)
-            yield chunk
-    except httpx.HTTPError as exc:
-        logger.warning("decode server %s failed mid-stream: %r", upstream.url, exc)
-        yield (b"" if ended else NUL) + _stream_error(str(upstream.url), exc) + NUL
-
-
-def _relayed(upstream: httpx.Response, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`content` as the client gets it. A stream's end is framed by its type; other bodies
-    (a JSON answer) cannot say they were cut short, so their connection is just dropped."""
-    media_type = upstream.headers.get("content-type", "").split(";")[0].strip()
-    if media_type == SSE_MEDIA_TYPE:
-        return _relay_sse(upstream, content)
-    if media_type == STREAM_MEDIA_TYPE:
-        return _relay_native(upstream, content)
-    return content
-
-
-class _RelayedStream(StreamingResponse):
-    """The decode server's stream, passed on; however it ends (done, or the client left), the
-    connection to the decode server is closed, which aborts the request there. If the decode
-    server fails mid-stream, the client's stream ends with an error event (see `_relayed`)."""
-
-    def __init__(self, upstream: httpx.Response,
-                 content: AsyncIterator[bytes] | None = None) -> None:
-        super().__init__(_relayed(upstream, content or upstream.aiter_bytes()), status_code=200,
-                         media_type=upstream.headers.get("content-type"),
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._upstream = upstream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # Shielded: after a disconnect this may run in a cancelled scope, where an
-            # unshielded await would be cancelled before the connection is closed.
-            with anyio.CancelScope(shield=True):
-                await self._upstream.aclose()
+                return passed_on(response, content)
+        return passed_on(response, content)
 
 
 def _disaggregable(path: str, body: dict[str, Any]) -> bool:
