@@ -67,3 +67,19 @@ def test_invalid_spec_is_a_value_error_at_submit(local_engine, spec):
     with pytest.raises(ValueError, match="structured_output"):
         local_engine.submit(kt.Request("Hi", kt.GenerationConfig(structured_output=spec)))
     assert local_engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_grammar_wins_over_min_new_tokens_at_the_end_of_the_document(default_model, local_engine,
+                                                                     do_sample):
+    # After "yes"/"no" the grammar allows only the end of sequence, which min_new_tokens holds
+    # back: every token is masked. The output must still end with the model's EOS, not with a
+    # token the grammar refuses.
+    regex = "(yes|no)"
+    config = kt.GenerationConfig(max_new_tokens=20, min_new_tokens=10, do_sample=do_sample, seed=1,
+                                 structured_output=StructuredOutputSpec("regex", regex))
+    out = local_engine.generate_outputs([_chat(default_model, "Is Paris in France? Yes or no?")],
+                                        [config], use_tqdm=False)[0]
+    assert re.fullmatch(regex, out.text), out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] in default_model.eos_token_ids
+    assert len(out.token_ids) == len(default_model.tokenizer(out.text).input_ids) + 1

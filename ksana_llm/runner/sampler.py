@@ -7,7 +7,9 @@ costs a handful of kernels rather than one pass per request.
 Order of operations (that of `transformers.generate`, so greedy outputs match it):
 
 0. Structured output: rows with a grammar matcher get their disallowed tokens masked to -inf
-   first (xgrammar bitmask), so nothing below can revive them.
+   first (xgrammar bitmask), so nothing below can revive them. A row the processors below then
+   leave with no token at all (min_new_tokens against a finished document) keeps the grammar's
+   choices alone (`keep_grammar_choices`).
 1. `process_logits` (in `runner.logits_processing`), in `transformers`' processor order: logit
    bias (`SequenceBiasLogitsProcessor`), HF repetition penalty over prompt and output,
    `no_repeat_ngram_size` over prompt and output (`NoRepeatNGramLogitsProcessor`),
@@ -228,6 +230,17 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     return out
 
 
+def keep_grammar_choices(processed: torch.Tensor, grammar_masked: torch.Tensor) -> torch.Tensor:
+    """Rows the processors left with no token at all fall back to the grammar's choices alone.
+
+    That happens when min_new_tokens holds back the end of a complete document (the grammar then
+    allows only the stop tokens) or a bad word is the grammar's only way on. Structured output's
+    promise (the text matches) wins over those softer constraints, as the request could otherwise
+    only go on with a token the grammar refuses. Decided on the device: no host sync."""
+    stuck = torch.isneginf(processed).all(dim=1, keepdim=True)
+    return torch.where(stuck, grammar_masked.float(), processed)
+
+
 def warp_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p for sampling rows; greedy rows pass through unchanged.
 
@@ -349,6 +362,8 @@ class Sampler:
         histories = self.token_histories(logits.device, logits.shape[1]) if tracked else None
         processed = (process_logits(logits, rows, histories) if needs_processing
                      else logits.float())
+        if needs_processing and logits is not raw_logits:
+            processed = keep_grammar_choices(processed, logits)
         greedy_ids = processed.argmax(dim=-1)
         if all_greedy:
             token_ids = greedy_ids
