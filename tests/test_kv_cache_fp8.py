@@ -296,7 +296,8 @@ def test_scales_file(tmp_path, tiny):
     path.write_text(json.dumps({"kv_cache": {"scaling_factor": {"0": {"1": 0.5}}}}))
     assert load_kv_cache_scales(tmp_path, 2) == [1.0, 0.5]  # a layer left out keeps 1.0
     for bad, message in [
-        ("{", "not a readable JSON file"),
+        ("{", "is not valid JSON"),
+        ("[0.5]", "must hold a JSON object"),
         ({"kv_cache": {"scaling_factor": {"1": {"0": 0.5}}}}, 'rank "0"'),
         ({"kv_cache": {"scaling_factor": {"0": {"0": -1}}}}, "positive number"),
         ({"kv_cache": {"scaling_factor": {"0": {"0": "big"}}}}, "positive number"),

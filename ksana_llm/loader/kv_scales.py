@@ -13,10 +13,11 @@ is value / scale, so a scale of max|K, V| / 448 makes a layer's values span E4M3
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
+
+from ksana_llm.loader.json_files import read_json_object
 
 logger = logging.getLogger("ksana_llm.loader")
 
@@ -32,10 +33,10 @@ def load_kv_cache_scales(model_dir: str | Path, num_layers: int) -> list[float] 
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable JSON file: {exc}") from None
-    kv_cache = data.get("kv_cache") if isinstance(data, dict) else None
+        data = read_json_object(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: not a readable file: {exc}") from None
+    kv_cache = data.get("kv_cache")
     factors = kv_cache.get("scaling_factor") if isinstance(kv_cache, dict) else None
     if not isinstance(factors, dict) or not isinstance(factors.get("0"), dict):
         raise ValueError(f'{path}: expected {{"kv_cache": {{"scaling_factor": {{"0": '

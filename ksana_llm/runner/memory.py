@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.kernels.kv_quant import cache_dtype_for
+from ksana_llm.layers.linear import available_memory_bytes
 from ksana_llm.runner.model_runner import (ModelRunner, SeqSlice, StepInput, kv_bytes_per_block,
                                            resolve_attention_backend)
 from ksana_llm.runner.sampler import Sampler, SamplingRow
@@ -29,16 +31,11 @@ DEFAULT_DEVICE_RATIO = 0.9
 
 
 def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be used without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
+    """Host memory that can be used without swapping: MemAvailable, or the free pages where there
+    is no /proc/meminfo."""
+    available = available_memory_bytes()
+    if available is not None:
+        return available
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
