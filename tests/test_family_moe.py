@@ -30,6 +30,7 @@ from tests.family_harness import (
     PagedDriver,
     Reference,
     check_family,
+    check_prefill_and_decode,
     check_triton_backend,
     greedy_trace,
     hf_reference,
@@ -207,3 +208,20 @@ def test_bfloat16_tracks_float32(family):
         seq.output_token_ids.append(ids[len(prompt) + i])
         logits = driver.step([(seq, 1)])
         torch.testing.assert_close(logits[0], ref[len(prompt) + i], atol=0.02, rtol=0.02)
+
+
+def test_qwen3_moe_window_applies_to_every_layer(tmp_path):
+    """transformers' Qwen3-MoE windows every layer once `use_sliding_window` is on, whatever
+    `max_window_layers` says; released configs set that to the layer count, which the dense
+    Qwen rule reads as "no windowed layer". A 40-token prompt over a 16-token window."""
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **COMMON, head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, use_sliding_window=True, sliding_window=16,
+        max_window_layers=COMMON["num_hidden_layers"])).eval()
+    hf.set_experts_implementation("eager")
+    _randomize(hf)
+    hf.save_pretrained(tmp_path)
+    ours = load_ours(tmp_path)
+    assert ours.sliding_window == 16
+    check_prefill_and_decode(ours, hf_reference(hf), vocab=VOCAB, chunks=[16, 24])

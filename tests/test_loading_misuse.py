@@ -108,15 +108,16 @@ def test_two_copies_of_the_checkpoint_are_refused(broken):
         _load(broken)
 
 
-def test_an_unused_lm_head_of_a_tied_model_is_reported(broken, caplog):
-    """tie_word_embeddings makes the embedding the LM head (as vLLM does); a checkpoint that
-    still stores its own lm_head.weight is told it is not used."""
+def test_a_stored_head_that_differs_from_the_tied_embedding_is_reported(broken, caplog):
+    """tie_word_embeddings with a checkpoint that stores its own, different, lm_head.weight:
+    transformers serves that head untied (tests/test_model_parity.py compares the logits), and
+    the log says so."""
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     with caplog.at_level("WARNING", logger="ksana_llm.model"):
         model = _load(broken)
-    assert "lm_head.weight is not used" in caplog.text
-    assert model.module._lm_head_weight() is model.module.model.embed_tokens.weight
+    assert "using the stored LM head, untied" in caplog.text
+    assert model.module._lm_head_weight() is model.module.lm_head.weight
 
 
 def test_non_integer_quantization_bits_are_named():

@@ -98,3 +98,38 @@ def test_engine_greedy_tokens_match_from_bin_checkpoint(tmp_path, name):
     hf = build_tiny_model(name, tmp_path / "hf")
     folders = save_both_formats(hf, tmp_path)
     check_engine_greedy(folders["bin"], hf_reference(hf), vocab=256)
+
+
+def _retie(folder, head: torch.Tensor | None) -> None:
+    """Rewrite `folder`'s config to tie_word_embeddings=true, and store `head` as lm_head.weight
+    (None: keep the stored one)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    if head is not None:
+        tensors = load_file(folder / "model.safetensors")
+        save_file({**tensors, "lm_head.weight": head.clone()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+
+
+def test_tied_config_with_a_different_stored_head_unties_as_transformers(tmp_path):
+    """transformers uses a stored LM head that differs from the embedding, whatever the config
+    says; one equal to it (as .bin files store) leaves the model tied."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model("llama2", tmp_path / "untied")
+    _retie(tmp_path / "untied", None)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "untied", dtype=torch.float32).eval()
+    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
+    ours = load_ours(hf, tmp_path / "untied")
+    assert not ours.tie_word_embeddings
+    check_prefill_and_decode(ours, hf_reference(hf), vocab=256)
+
+    tied = build_tiny_model("smollm-tied-mha", tmp_path / "tied")
+    _retie(tmp_path / "tied", tied.model.embed_tokens.weight.detach())
+    ours = load_ours(tied, tmp_path / "tied")
+    assert ours.tie_word_embeddings and not hasattr(ours, "lm_head")
+    check_prefill_and_decode(ours, hf_reference(tied), vocab=256)

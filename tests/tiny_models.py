@@ -35,6 +35,8 @@ TINY_CONFIGS = {
                                            "num_key_value_heads": 2, "head_dim": 16},
                                         attention_bias=True, tie_word_embeddings=False),
     "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False),
+    # A Llama config carrying a window key (some fine-tunes do): transformers' Llama ignores it.
+    "llama-window-key": lambda: LlamaConfig(**COMMON, sliding_window=16, tie_word_embeddings=False),
     # 8 experts, top 2, q/k norms (tests/test_family_moe.py holds the MoE families' own checks)
     "qwen3-moe": lambda: Qwen3MoeConfig(**{**COMMON, "intermediate_size": 96}, head_dim=32,
                                         moe_intermediate_size=32, num_experts=8,

@@ -37,7 +37,7 @@ from ksana_llm.layers.parallel import SINGLE
 from ksana_llm.layers.rotary import rope_settings
 from ksana_llm.layers.rotary_yarn import build_rotary
 from ksana_llm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Rope
-from ksana_llm.models.weight_loading import expected_keys, load_checkpoint, place_tensor
+from ksana_llm.models.weight_loading import expected_keys, place_tensor
 
 # checkpoint part -> (fused parameter, part index): dense / shared-expert gate+up (and MLA's own).
 _MLP_FUSED_PARTS = MappingProxyType({"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
@@ -257,8 +257,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if stand_in is not None:
             self.mtp = stand_in  # type: ignore[assignment]
         try:
-            load_checkpoint(self, self._renamed(weights), self.fused_parts,
-                            self.skip_checkpoint_tensor)
+            self.load_checkpoint_tensors(self._renamed(weights))
         finally:
             if stand_in is not None:
                 self.mtp = mtp if stand_in.filled else None

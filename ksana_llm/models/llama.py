@@ -7,7 +7,7 @@ into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the parts
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -27,6 +27,7 @@ from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear
                                        tp_all_gather_rows)
 from ksana_llm.layers.pipeline import PipelineGap, recv_hidden, send_hidden
 from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from ksana_llm.loader.quantized_weight import dense
 from ksana_llm.models.weight_loading import load_checkpoint
 
 logger = logging.getLogger("ksana_llm.model")
@@ -301,7 +302,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def sliding_window(self) -> int | None:
-        return getattr(self.config, "sliding_window", None) or None
+        """None: transformers' Llama attends to the whole context, even when a config carries a
+        `sliding_window` key. Families with a window override this."""
+        return None
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -357,12 +360,6 @@ class LlamaForCausalLM(nn.Module):
         another pipeline stage holds."""
         if "rotary_emb.inv_freq" in name:
             return True
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            # The config ties it to the embedding (vLLM does the same); say so, since a
-            # checkpoint that stores its own LM head may have meant it.
-            logger.warning("the checkpoint has lm_head.weight, but tie_word_embeddings is set: "
-                           "the LM head is the embedding, lm_head.weight is not used")
-            return True
         return not self._stage_holds(name)
 
     def _stage_holds(self, name: str) -> bool:
@@ -381,6 +378,48 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set."""
-        load_checkpoint(self, weights, self.fused_parts, self.skip_checkpoint_tensor)
+        self.load_checkpoint_tensors(weights)
         self.prepare_for_inference()
 
+    def load_checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """`load_checkpoint`, with transformers' rule for a tied model whose checkpoint stores
+        an LM head too: the head is the embedding when the two are equal (PyTorch .bin files
+        store both names for one tensor), else the stored head is used and the model untied."""
+        stored_head: dict[str, torch.Tensor] = {}
+        load_checkpoint(self, self._tied_head_set_aside(weights, stored_head), self.fused_parts,
+                        self.skip_checkpoint_tensor)
+        if "lm_head.weight" in stored_head:
+            self._untie_if_different(stored_head["lm_head.weight"])
+
+    def _tied_head_set_aside(self, weights: Iterable[tuple[str, torch.Tensor]],
+                             aside: dict[str, torch.Tensor]
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.tie_word_embeddings and self._stage_holds(name):
+                aside[name] = tensor  # compared once the embedding is loaded
+            else:
+                yield name, tensor
+
+    def _untie_if_different(self, stored: torch.Tensor) -> None:
+        embedding = self.model.embed_tokens.weight
+        with torch.device("meta"):
+            head = ParallelLMHead(self.config.vocab_size, embedding.shape[1], self.parallel)
+        head = head.to(embedding.dtype).to_empty(device=embedding.device)
+        head.load_checkpoint_tensor("weight", dense(stored))
+        if torch.equal(head.weight, embedding):
+            return
+        logger.warning("tie_word_embeddings is set, but the checkpoint's lm_head.weight differs "
+                       "from the embedding: using the stored LM head, untied (as transformers "
+                       "does); set tie_word_embeddings=false in config.json to silence this")
+        self.lm_head = head
+        self.tie_word_embeddings = False
+
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layout, with the config's `sliding_window` (null in v0.2 and later) on
+    every layer, as transformers' Mistral applies it."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        return getattr(self.config, "sliding_window", None) or None

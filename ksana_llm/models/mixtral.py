@@ -16,10 +16,10 @@ from torch import nn
 
 from ksana_llm.layers.moe import FusedExperts, SparseMoeBlock
 from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
-from ksana_llm.models.llama import LlamaForCausalLM
+from ksana_llm.models.llama import MistralForCausalLM
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(MistralForCausalLM):
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
         num_experts = config.num_local_experts
         router = SoftmaxTopKRouter(config.hidden_size, num_experts, config.num_experts_per_tok,

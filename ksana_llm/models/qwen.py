@@ -66,9 +66,14 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 dense models; biases follow `attention_bias` (false in released checkpoints)."""
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
-        window = uniform_sliding_window(config)
+        window = self.window_of(config)
         super().__init__(config, parallel)
         self._window = window
+
+    @staticmethod
+    def window_of(config: Any) -> int | None:
+        """The config's sliding window (validated before any weight is built)."""
+        return uniform_sliding_window(config)
 
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
         return LlamaAttention(config, layer_idx, qk_norm=True, parallel=self.parallel)

@@ -63,6 +63,14 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    @staticmethod
+    def window_of(config: Any) -> int | None:
+        """transformers' Qwen3-MoE has no per-layer types: with `use_sliding_window` its one
+        window applies to every layer, whatever `max_window_layers` says (released configs set
+        it to the layer count, which the Qwen2/Qwen3 rule would read as no window at all)."""
+        window = getattr(config, "sliding_window", None)
+        return int(window) if window and getattr(config, "use_sliding_window", False) else None
+
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
         if is_sparse_layer(config, layer_idx):
             return qwen_moe_block(config, shared_expert=False, parallel=self.parallel)

@@ -10,14 +10,14 @@ from torch import nn
 
 from ksana_llm.models.baichuan import BaichuanForCausalLM
 from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ksana_llm.models.llama import LlamaForCausalLM
+from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
 from ksana_llm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1/2/3, Yi, SmolLM2, Vicuna
-    "MistralForCausalLM": LlamaForCausalLM,  # same layout; sliding window from the config
+    "MistralForCausalLM": MistralForCausalLM,  # Llama's layout, sliding window from the config
     "YiForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,  # Qwen1.5, Qwen2, Qwen2.5
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -31,7 +31,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
 })
 _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
     "yi": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
