@@ -216,6 +216,51 @@ def test_priority_preempts_lowest_priority_first():
     assert (b.num_computed_tokens, c.num_computed_tokens) == (0, 0)
 
 
+def test_an_urgent_waiting_request_preempts_less_urgent_running_ones_for_a_slot():
+    """Priority policy (vLLM's priority preemption): both slots held by priority-5 sequences, a
+    priority-0 arrival preempts the least urgent one (the later arrival) and starts in the same
+    step; a waiting request of equal priority preempts nobody."""
+    sched = make_scheduler(num_blocks=32, max_step_tokens=100, max_num_seqs=2, policy="priority")
+    a, b = make_seq("a", 4, priority=5), make_seq("b", 4, priority=5)
+    for s in (a, b):
+        sched.add(s)
+    step(sched)
+    peer = make_seq("peer", 4, priority=5)
+    sched.add(peer)
+    out = step(sched)
+    assert out.preempted == [] and plan(out) == [("a", 1), ("b", 1)]
+
+    urgent = make_seq("urgent", 4, priority=0)
+    sched.add(urgent)
+    out = step(sched)
+    assert out.preempted == [b]
+    assert plan(out) == [("a", 1), ("urgent", 4)]
+    assert ids(sched.running) == ["urgent", "a"]
+    assert sched.num_preemptions == 1
+
+
+def test_an_urgent_waiting_request_preempts_for_blocks_and_goes_before_swapped_ones():
+    """Swap mode, a full pool: the urgent request swaps the least urgent running sequence out
+    for the blocks its prompt needs, and is admitted before that sequence swaps back in."""
+    sched = make_scheduler(num_blocks=4, max_step_tokens=100, policy="priority",
+                           num_host_blocks=8)
+    a, b = make_seq("a", 5, priority=1), make_seq("b", 5, priority=3)
+    for s in (a, b):
+        sched.add(s)
+    step(sched)  # 2 blocks each: the pool is full
+    urgent = make_seq("urgent", 6, priority=0)
+    sched.add(urgent)
+    out = step(sched)
+    assert out.preempted == [b] and len(out.swap_out) == 2 and ids(sched.swapped) == ["b"]
+    assert plan(out) == [("a", 1), ("urgent", 6)]
+    # b waits in the host pool until the more urgent sequences leave room.
+    out = step(sched)
+    assert out.swap_in == [] and ids(sched.swapped) == ["b"]
+    sched.finish(urgent)
+    out = step(sched)
+    assert len(out.swap_in) == 2 and ids(sched.running) == ["a", "b"]
+
+
 def test_fifo_preempts_latest_arrival_first():
     sched = make_scheduler(num_blocks=3, max_step_tokens=100, preempt_mode=1)
     a = make_seq("a", 4, priority=5)

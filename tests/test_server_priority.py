@@ -31,9 +31,16 @@ def _num_waiting(server: ServerProcess) -> float:
 
 
 def test_queued_requests_start_lowest_priority_first(client, server, model_name):
+    # Each route answers once first: a route's first answer builds things it keeps, which
+    # took longer than a whole 2-token request, and would reorder the finishes below.
+    client.completions.create(model=model_name, prompt="Hello", max_tokens=1)
+    client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                   max_tokens=1)
+    client.responses.create(model=model_name, input="Hi", max_output_tokens=1)
+    # The most urgent of all, so none of the queued requests preempts it.
     blocker = client.completions.create(model=model_name, prompt="Count from one:",
                                         max_tokens=400, stream=True,
-                                        extra_body={"ignore_eos": True})
+                                        extra_body={"ignore_eos": True, "priority": -10})
     next(iter(blocker))  # it runs: the next requests queue behind it
     finished: list[str] = []
     calls = {
@@ -65,3 +72,29 @@ def test_queued_requests_start_lowest_priority_first(client, server, model_name)
         thread.join(timeout=60)
     assert finished == ["responses, priority -5", "chat, priority -1", "chat, priority 0",
                         "completion, priority 5"]
+
+
+def _num_preemptions(server: ServerProcess) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(re.search(r"^ksana_llm:num_preemptions_total\S* (\S+)$", text, re.M)[1])
+
+
+def test_an_urgent_request_preempts_a_less_urgent_running_one(client, server, model_name):
+    """vLLM's priority preemption: with the one sequence slot held by a long priority-5
+    request, a priority-0 one preempts it rather than waiting for its 300 tokens; the
+    preempted request then finishes with all its tokens."""
+    before = _num_preemptions(server)
+    long_stream = client.completions.create(model=model_name, prompt="Count from one:",
+                                            max_tokens=300, stream=True,
+                                            extra_body={"ignore_eos": True, "priority": 5,
+                                                        "stream_options": {
+                                                            "include_usage": True}})
+    chunks = iter(long_stream)
+    next(chunks)  # it runs
+    urgent = client.completions.create(model=model_name, prompt="Hello", max_tokens=2,
+                                       extra_body={"priority": 0})
+    assert urgent.usage.completion_tokens == 2
+    assert _num_preemptions(server) > before  # it did not wait for the long one to finish
+    rest = list(chunks)
+    assert rest[-1].usage.completion_tokens == 300
+    assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"

@@ -6,7 +6,8 @@ Running sequences are served first (a decode costs 1 token, plus its drafts unde
 decoding; a prefill chunk up to the rest of the budget), then swapped-out sequences come back,
 then waiting ones are admitted. When the KV pool runs out, the lowest-priority running sequence
 is preempted: swapped to the host pool (`preempt_mode=0`) or freed to be recomputed later
-(`preempt_mode=1`).
+(`preempt_mode=1`). Under the priority policy a waiting request that cannot start also preempts
+running sequences of lower priority, and is admitted before swapped-out ones of lower priority.
 
 Sequences of one request (parallel samples, beams) are scheduled one by one like any other: they
 share blocks by refcount, and the block manager copies a shared block before anyone writes to it.
@@ -169,10 +170,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_step_tokens
+        made_room = self._preempt_for_urgent_waiting(out)
         budget = self._schedule_running(out, budget)
-        if not out.preempted:
+        # A step whose running sequences ran out of blocks admits nobody (it would only take the
+        # blocks they need next); room made for an urgent request is taken by it at once.
+        pressed = len(out.preempted) > made_room
+        urgent = self._waiting_outranks_swapped()
+        if not pressed and not urgent:
             budget = self._schedule_swapped(out, budget)
-        if not out.preempted and not self.swapped:
+        if not pressed and (not self.swapped or urgent):
             self._schedule_waiting(out, budget)
         if out.is_empty and not out.preempted and (self.waiting or self.swapped):
             # Idle sequences never allocate, so nothing above preempts them; if they hold the
@@ -187,6 +193,45 @@ class Scheduler:
             out.lora_loads = self.lora.take_loads()
             self.num_lora_loads += len(out.lora_loads)
         return out
+
+    def _preempt_for_urgent_waiting(self, out: SchedulerOutput) -> int:
+        """Priority policy (vLLM's priority preemption): while the most urgent waiting request
+        cannot start for want of a sequence slot or blocks, running sequences of a strictly lower
+        priority (a larger number) are preempted for it, least urgent first. Returns how many.
+
+        Strictly lower, not a later arrival of the same priority: a request that was preempted
+        itself and waits again must not push out its equals, which would then push it out."""
+        if self.config.policy != "priority" or not self.waiting:
+            return 0
+        head = self.waiting[0]
+        if head.lora_id and (self.lora is None
+                             or not self.lora.can_place(head.lora_id, self._held_adapters())):
+            return 0  # it waits for an adapter slot, which preempting others does not give it
+        count = 0
+        while self.running and self.running[-1].priority > head.priority \
+                and not self._could_start(head):
+            self._preempt(self.running.pop(), out)
+            count += 1
+        return count
+
+    def _could_start(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence has a slot, and free blocks for its prompt's first chunk
+        (those the running sequences take this step aside: if they then run short, the usual
+        preemption goes on from the least urgent)."""
+        if self._num_reserved_running() + seq.num_reserved_slots > self.config.max_num_seqs:
+            return False
+        bm = self.block_manager
+        prefix = bm.match_prefix(seq)
+        first = self._chunk(seq, self.config.max_step_tokens, prefix.num_tokens)
+        needed = bm.blocks_needed(prefix.num_tokens + first) - len(prefix.block_ids)
+        revived = sum(1 for b in prefix.block_ids if bm.ref_counts[b] == 0)  # leave the free queue
+        return needed + revived <= bm.num_free_blocks
+
+    def _waiting_outranks_swapped(self) -> bool:
+        """Priority policy: the most urgent waiting request is more urgent than every swapped-out
+        sequence, so it is admitted before they come back (else swapped-out work goes first)."""
+        return (self.config.policy == "priority" and bool(self.waiting) and bool(self.swapped)
+                and self.waiting[0].priority < self.swapped[0].priority)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue = list(self.running)
