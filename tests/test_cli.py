@@ -187,6 +187,13 @@ def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
         "prompt": "Hi", "max_tokens": 1, "kv_transfer_params": {
             "do_remote_prefill": True, "remote_url": "http://169.254.169.254", "transfer_id": "x"}})
     assert refused.status_code == 400 and "--kv-prefill-url" in refused.json()["error"]["message"]
+    # The listed server spelled another way (a router given localhost): fetched from, and as
+    # nothing answers on port 1, the prompt is computed here.
+    fetched = TestClient(listed).post("/v1/completions", json={
+        "prompt": "Hi", "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_prefill": True, "remote_url": "HTTP://localhost:1", "transfer_id": "x"}})
+    assert fetched.status_code == 200, fetched.text
+    assert listed.state.server.kv_transfer.num_fetch_failures == 1
     with pytest.raises(ValueError, match="--kv-transfer-ttl and --kv-prefill-url need --kv-role"):
         build_app(local_engine, served_model_name="m", kv_transfer_ttl_s=5)
     with pytest.raises(ValueError, match="need --kv-role"):

@@ -127,10 +127,32 @@ def test_payload_round_trip(prefill_engine):
     back = TransferredKv.from_bytes(kv.to_bytes())
     assert back.token_ids == kv.token_ids
     assert all(torch.equal(a, b) for a, b in zip(back.tensors, kv.tensors))
+    assert back.weights_fingerprint == kv.weights_fingerprint != ""
     cut = kv.truncated(5)
     assert cut.num_tokens == 5 and all(t.shape[0] == 5 for t in cut.tensors)
     assert kv.usable_prefix(list(kv.token_ids)) == kv.num_tokens - 1
     assert kv.usable_prefix([kv.token_ids[0], -1, *kv.token_ids[2:]]) == 1
+
+
+def test_kv_of_a_model_with_other_weights_is_refused(tmp_path):
+    """Same shapes, other weights (a fine-tune, another revision): the layout matches, the
+    weights fingerprint does not. The same checkpoint in engines of other block sizes agrees."""
+    from tests.tiny_models import build_tiny_model
+
+    for seed in (0, 1):
+        build_tiny_model("llama2", tmp_path / str(seed), seed=seed)
+    prompt = list(range(10, 40))
+    settings = {"device": "cpu", "dtype": "float32", "num_device_blocks": 32}
+    with kt.Engine(tmp_path / "0", block_token_num=16, **settings) as a, \
+            kt.Engine(tmp_path / "0", block_token_num=8, **settings) as same, \
+            kt.Engine(tmp_path / "1", block_token_num=16, **settings) as other:
+        kv = _export(a, prompt)
+        with pytest.raises(ValueError, match="imported_kv: it comes from a model with other weights"):
+            other.submit(kt.Request(prompt, generation_config=GREEDY, imported_kv=kv))
+        assert same.submit(kt.Request(prompt, generation_config=GREEDY, imported_kv=kv)
+                           ).result().token_ids == a.generate_outputs(
+            [prompt], GREEDY, use_tqdm=False)[0].token_ids
+        assert same.stats().num_imported_kv_tokens == len(prompt) - 1
 
 
 @pytest.mark.parametrize("preempt_mode", [0, 1])

@@ -188,26 +188,29 @@ class _PayloadServer:
 def test_failed_fetch_falls_back_to_a_local_prefill(decode, prefill, local_engine):
     """KV that cannot be had or used costs time, never the answer: a server that is down, a
     transfer id nobody keeps, and payloads that are garbage, from another model (fewer KV
-    heads), or larger than a whole context's KV."""
+    heads, or the same shapes with other weights), or larger than a whole context's KV."""
     ids = local_engine.tokenizer.encode(PROMPT)
     r = httpx.post(prefill.base_url + "/completions", timeout=60, json={
         "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     kv = TransferredKv.from_bytes(httpx.get(
         f"{prefill.url}/kv_transfer/{r.json()['kv_transfer_params']['transfer_id']}").content)
     other_model = TransferredKv(kv.token_ids, tuple(t[:, :1] for t in kv.tensors)).to_bytes()
+    # The same shapes from a model with other weights (a fine-tune): told by the fingerprint.
+    other_weights = TransferredKv(kv.token_ids, kv.tensors, kv.kv_scales, "f" * 32).to_bytes()
     # The decode server holds 1,536 tokens: KV for 2,048 is more than any context's (and would
     # be used, its first rows being the prompt's, but for the size limit).
     pad = 2048 - len(ids)
     huge = TransferredKv(kv.token_ids + (0,) * pad, tuple(
         torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in kv.tensors)).to_bytes()
     payload_server = _PayloadServer({"garbage": b"\x00" * 64, "other-model": other_model,
-                                     "huge": huge})
+                                     "other-weights": other_weights, "huge": huge})
     stats = httpx.get(decode.base_url + "/stats").json()["kv_transfer"]
     imported = _counter(decode, "kv_transfer_imported_tokens")
     want = local_engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=8, temperature=0))
     try:
         sources = [(f"http://127.0.0.1:{free_port()}", "0" * 32), (decode.url, "0" * 32),
-                   *((payload_server.url, name) for name in ("garbage", "other-model", "huge"))]
+                   *((payload_server.url, name)
+                     for name in ("garbage", "other-model", "other-weights", "huge"))]
         for remote, transfer_id in sources:
             r = httpx.post(decode.base_url + "/completions", timeout=60, json={
                 "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "kv_transfer_params": {

@@ -193,6 +193,26 @@ def test_a_dead_worker_fails_the_engine_fast(tmp_path):
         engine.shutdown()
 
 
+def test_an_engine_refused_after_loading_leaves_no_worker_behind(tmp_path):
+    """Settings refused once the ranks are up (async scheduling, an adapter folder that is not
+    one): the ValueError, no worker process left, and the next parallel engine in this process
+    starts (the process group was left too)."""
+    hf = build("llama", tmp_path)
+    settings = {"device": "cpu", "dtype": "float32", "tensor_parallel_size": 2,
+                "num_device_blocks": 32}
+    for refused, message in [({"async_scheduling": True}, "async_scheduling needs a single-rank"),
+                             ({"lora_modules": {"a": str(tmp_path / "none")}, "max_loras": 1},
+                              "LoRA adapter .* is not a folder")]:
+        with pytest.raises(ValueError, match=message):
+            kt.Engine(str(tmp_path), **settings, **refused)
+        assert not [p for p in multiprocessing.active_children()
+                    if p.name.startswith("ksana-llm-rank")]
+    expected = greedy_trace(hf_reference(hf), [5, 6, 7], 4)[0][3:]
+    with kt.Engine(str(tmp_path), **settings) as engine:
+        assert engine.generate_outputs([[5, 6, 7]], GenerationConfig(
+            max_new_tokens=4, ignore_eos=True), use_tqdm=False)[0].token_ids == expected
+
+
 STDIN_SCRIPT = """
 import sys
 import ksana_llm as kt

@@ -35,6 +35,8 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     `cfg.max_model_len` and by the KV pool). `on_worker_failure` hears of a dead worker rank.
     `lora_adapters`: (adapter id, folder) of the LoRA adapters every rank registers as it
     starts."""
+    # Refused before anything is allocated or any worker rank is told to build a runner.
+    async_scheduling = resolve_async_scheduling(cfg, model)
     # The MTP method drafts with the model's own layers, which need a KV cache of their own.
     mtp_tokens = cfg.num_speculative_tokens if cfg.speculative_method == "mtp" else 0
     draft_layers = draft_layers_for(model.module, mtp_tokens)
@@ -110,7 +112,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     return EngineCore(runner, block_manager, scheduler_config, tokenizer,
                       max_model_len=max_model_len, sampler=Sampler(cfg.seed),
                       overlap_outputs=overlap,
-                      async_scheduling=resolve_async_scheduling(cfg, model),
+                      async_scheduling=async_scheduling,
                       num_speculative_tokens=cfg.num_speculative_tokens,
                       ngram=NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                       if cfg.num_speculative_tokens and cfg.speculative_method == "ngram"

@@ -80,6 +80,19 @@ class Engine(LoraControl, ChatMixin):
                 dtype=self.config.dtype, tensor_parallel_size=self.config.tensor_parallel_size,
                 pipeline_parallel_size=self.config.pipeline_parallel_size,
                 quantization=self.config.quantization)
+            try:
+                self._start(model, tokenizer, generation_config)
+            except BaseException:
+                # Refused after loading (a setting, an adapter): the worker ranks this engine
+                # started must not outlive it, nor its process group block the next engine.
+                model.release_workers()
+                raise
+            return
+        self._start(model, tokenizer, generation_config)
+
+    def _start(self, model: Model, tokenizer: Any, generation_config: GenerationConfig | dict | None
+               ) -> None:
+        """Everything after the model is loaded: the core, the request builder, the step loop."""
         self.model = model
         self.tokenizer = tokenizer or model.tokenizer
         if isinstance(generation_config, dict):

@@ -131,6 +131,13 @@ class Model:
         """The weights' dtype as EngineConfig names it ("float32", "bfloat16", ...)."""
         return str(self.dtype).removeprefix("torch.")
 
+    def release_workers(self) -> None:
+        """Stop the worker ranks this model started and leave its process groups (a parallel
+        load whose engine never started: an engine's runner tells them to stop itself)."""
+        stop_workers(self.workers)
+        if self.runtime is not None:
+            shutdown_runtime()
+
     def check_load_settings(self, config: EngineConfig, given: Iterable[str]) -> None:
         """ValueError for a setting that shapes how a model loads (device, dtype, quantization,
         parallel sizes), named in `given` and set in `config`, that this loaded model does not

@@ -12,10 +12,14 @@ those rows into blocks of its own (`scatter_tokens`) and computes only what the 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -23,9 +27,32 @@ from ksana_llm.kernels.kv_quant import raw
 from ksana_llm.runner.host_copy import start_host_copy
 
 __all__ = ["KvLayout", "KvTransferSteps", "TransferredKv", "gather_tokens", "scatter_tokens",
-           "token_slots"]
+           "token_slots", "weights_fingerprint"]
 
 _FORMAT = "ksana-llm-kv/1"
+# Entries of each weight tensor the fingerprint reads (evenly spread over the tensor).
+FINGERPRINT_SAMPLES = 1024
+
+
+def weights_fingerprint(module: nn.Module, samples_per_tensor: int = FINGERPRINT_SAMPLES) -> str:
+    """A hash of a model's weights: each parameter's name, shape and dtype, and the bytes of up
+    to `samples_per_tensor` evenly spread entries. Engines serving the same checkpoint in the
+    same dtype and quantization agree on any device and block size; another model of the same
+    shapes (a fine-tune, another revision) differs in almost every entry, so in the hash.
+    Integer arithmetic picks the entries and raw bytes are hashed: no rounding can differ
+    between devices. One copy to the host, of a few MB at most."""
+    digest = hashlib.sha256()
+    samples: list[torch.Tensor] = []
+    for name, param in module.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+        flat = param.detach().reshape(-1)
+        count = min(flat.numel(), samples_per_tensor)
+        if count:
+            index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+            samples.append(flat[index].contiguous().view(torch.uint8))
+    if samples:
+        digest.update(torch.cat([s.cpu() for s in samples]).numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -36,6 +63,7 @@ class KvLayout:
     token_shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     kv_scales: tuple[float, ...] = ()  # () = 1.0 for every layer
+    weights_fingerprint: str = ""  # `weights_fingerprint` of the model; "" = unknown
 
     @property
     def bytes_per_token(self) -> int:
@@ -55,6 +83,12 @@ class KvLayout:
                              f"engine's {self.dtype}")
         if any(t.shape[0] != kv.num_tokens for t in kv.tensors):
             raise ValueError("imported_kv: every tensor must hold one row per token id")
+        if kv.weights_fingerprint and self.weights_fingerprint \
+                and kv.weights_fingerprint != self.weights_fingerprint:
+            # Same shapes, other weights (a fine-tune, another revision): its KV reads as noise.
+            raise ValueError("imported_kv: it comes from a model with other weights (weights "
+                             f"fingerprint {kv.weights_fingerprint}, this engine's "
+                             f"{self.weights_fingerprint})")
         if not _same_scales(kv.kv_scales, self.kv_scales):
             # The same bytes would read as other values here.
             raise ValueError("imported_kv: its FP8 cache scales differ from this engine's (both "
@@ -78,6 +112,8 @@ class TransferredKv:
     token_ids: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]  # each [num_tokens, heads, dim], on the host
     kv_scales: tuple[float, ...] = ()  # an FP8 cache's per-layer scales; () = all 1.0
+    # The exporting model's `weights_fingerprint`; "" (KV built by hand) is taken on trust.
+    weights_fingerprint: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +122,8 @@ class TransferredKv:
     def truncated(self, num_tokens: int) -> TransferredKv:
         """The first `num_tokens` positions (views, no copy)."""
         return TransferredKv(self.token_ids[:num_tokens],
-                             tuple(t[:num_tokens] for t in self.tensors), self.kv_scales)
+                             tuple(t[:num_tokens] for t in self.tensors), self.kv_scales,
+                             self.weights_fingerprint)
 
     def usable_prefix(self, prompt_token_ids: list[int]) -> int:
         """How many leading positions of `prompt_token_ids` this KV holds: the common prefix,
@@ -102,13 +139,15 @@ class TransferredKv:
         tensors["token_ids"] = torch.tensor(self.token_ids, dtype=torch.int64)
         if self.kv_scales:
             tensors["kv_scales"] = torch.tensor(self.kv_scales, dtype=torch.float64)
-        return save_safetensors(tensors, metadata={"format": _FORMAT})
+        return save_safetensors(tensors, metadata={
+            "format": _FORMAT, "weights_fingerprint": self.weights_fingerprint})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TransferredKv:
         """ValueError for a payload that is not one `to_bytes` wrote."""
         try:
             tensors = load_safetensors(data)
+            metadata = _payload_metadata(data)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"not a KV transfer payload: {exc}") from exc
         token_ids = tensors.pop("token_ids", None)
@@ -122,7 +161,16 @@ class TransferredKv:
         if scales is not None and (scales.dim() != 1 or not scales.is_floating_point()):
             raise ValueError("not a KV transfer payload: kv_scales must be a list of numbers")
         return cls(tuple(token_ids.tolist()), tuple(caches),
-                   () if scales is None else tuple(scales.tolist()))
+                   () if scales is None else tuple(scales.tolist()),
+                   metadata.get("weights_fingerprint", ""))
+
+
+def _payload_metadata(data: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors payload (`load` returns only the tensors): its
+    header is an 8-byte little-endian length, then that much JSON."""
+    length = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8:8 + length]).get("__metadata__") or {}
+    return {str(k): str(v) for k, v in metadata.items()}
 
 
 Slots = tuple[torch.Tensor, torch.Tensor]  # (block id, offset in the block) of each position
@@ -158,10 +206,14 @@ class KvTransferSteps:
     def _all_caches(self) -> list[torch.Tensor]:
         return [t for pair in self.kv_caches + self.draft_kv_caches for t in pair]
 
+    @functools.cached_property
+    def weights_fingerprint(self) -> str:
+        return weights_fingerprint(self.model)
+
     @property
     def kv_layout(self) -> KvLayout:
         return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.cache_dtype,
-                        self.kv_scales)
+                        self.kv_scales, self.weights_fingerprint)
 
     def export_kv(self, block_table: list[int], token_ids: list[int]) -> TransferredKv:
         """The KV of a sequence's first len(token_ids) positions, copied to the host (this waits
@@ -169,7 +221,7 @@ class KvTransferSteps:
         slots = token_slots(block_table, len(token_ids), self.block_size, self.device)
         copies = [start_host_copy(gather_tokens(cache, slots)) for cache in self._all_caches]
         return TransferredKv(tuple(token_ids), tuple(copy.wait() for copy in copies),
-                             self.kv_scales)
+                             self.kv_scales, self.weights_fingerprint)
 
     def _import_kv(self, imports: list[tuple[list[int], TransferredKv]]) -> None:
         for block_table, kv in imports:

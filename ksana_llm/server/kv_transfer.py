@@ -119,6 +119,12 @@ class KvTransfer:
     num_fetched: int = 0
     num_fetch_failures: int = 0
 
+    def may_fetch_from(self, url: str) -> bool:
+        """Whether `url` names one of `prefill_urls`, however spelled: scheme and host in any
+        case, the default port written or not, and localhost / 127.x / ::1 alike (a decode
+        server listing http://localhost:8090 behind a router given http://127.0.0.1:8090)."""
+        return _server_key(url) in {_server_key(u) for u in self.prefill_urls}
+
     @property
     def exports(self) -> bool:
         return self.role in ("prefill", "both")
@@ -204,11 +210,24 @@ async def request_fields(raw: dict[str, Any] | None, transfer: KvTransfer | None
     if not _is_http_url(params.remote_url):
         raise bad_request("kv_transfer_params.remote_url must be an http(s) URL.",
                           param="kv_transfer_params")
-    if transfer.prefill_urls and params.remote_url.rstrip("/") not in transfer.prefill_urls:
+    if transfer.prefill_urls and not transfer.may_fetch_from(params.remote_url):
         raise bad_request("kv_transfer_params.remote_url is not one of this server's "
                           "--kv-prefill-url servers.", param="kv_transfer_params")
     kv = await transfer.fetch(params)
     return {} if kv is None else {"imported_kv": kv}
+
+
+def _server_key(url: str) -> tuple[str, str, int | None, str]:
+    """(scheme, host, port, path) of a base URL, in the forms `may_fetch_from` treats as one."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return ("", url, None, "")
+    host = parsed.host.lower()
+    if host in ("localhost", "::1") or host.startswith("127."):
+        host = "loopback"
+    port = parsed.port or {"http": 80, "https": 443}.get(parsed.scheme)
+    return (parsed.scheme, host, port, parsed.path.rstrip("/"))
 
 
 def _is_http_url(url: str) -> bool:
