@@ -14,10 +14,13 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from ksana_llm.loader.gguf_rope import gguf_rope_scaling, with_rope_scaling
 
 LOGGER = logging.getLogger("ksana_llm.loader")
 
@@ -26,6 +29,11 @@ CACHE_ENV_VAR = "KSANA_LLM_CACHE"
 # somebody created by hand (or an older, interrupted layout) is never mistaken for a good one.
 COMPLETE_MARKER = "ksana_llm_conversion.json"
 _GGUF_MAGIC = b"GGUF"
+# Part of the cache key: a conversion made by an older converter is made again (version 2
+# states the file's RoPE scaling in config.json and reads the tokenizer from the file alone).
+CONVERTER_VERSION = 2
+_HEADER_BYTES = 1 << 20
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
 _STAGING_SUFFIX = ".tmp"
 # Far longer than any conversion takes, so a live conversion's staging folder is never removed.
 _STALE_STAGING_AGE_S = 24 * 3600
@@ -45,9 +53,9 @@ def default_cache_dir() -> Path:
 def gguf_cache_path(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Return the folder a GGUF file converts into: ``<cache>/gguf/<stem>-<hash>``.
 
-    The hash covers the absolute path, size and mtime, so replacing or editing the file yields a
-    new folder instead of silently reusing a stale conversion. It does not hash the content,
-    which would mean reading the whole file on every start.
+    The hash covers the absolute path, size, mtime and sampled content (see `_fingerprint`),
+    so replacing or editing the file yields a new folder instead of silently reusing a stale
+    conversion, without reading the whole file on every start.
     """
     source = Path(gguf_path).expanduser().resolve()
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -134,9 +142,28 @@ def _remove_stale_staging(target: Path) -> None:
 
 
 def _fingerprint(source: Path) -> dict[str, Any]:
-    """Describe the identity of a source file cheaply (no content read)."""
+    """Describe the identity of a source file cheaply: path, size, mtime, a hash of its header
+    (the metadata) and of samples spread over it (another file of the same size and mtime, as
+    `cp -p` or `rsync -a` leave it, differs there), and what converts it (this converter's
+    version, transformers')."""
+    import transformers  # local: keeps `import ksana_llm.loader` cheap
+
     stat = source.stat()
-    return {"path": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "content": _content_sample_hash(source, stat.st_size),
+            "converter": CONVERTER_VERSION, "transformers": transformers.__version__}
+
+
+def _content_sample_hash(source: Path, size: int) -> str:
+    """sha256 of the first MiB and of 64 KiB at 16 offsets spread over the file (about 2 MiB
+    read, whatever its size)."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as f:
+        digest.update(f.read(_HEADER_BYTES))
+        for i in range(_SAMPLES):
+            f.seek(size * i // _SAMPLES)
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def _short_hash(fingerprint: dict[str, Any]) -> str:
@@ -154,7 +181,8 @@ def _write_marker(folder: Path, source: Path) -> None:
     """Record where the folder came from; also serves as the completeness marker."""
     import transformers  # local: keeps `import ksana_llm.loader` cheap
 
-    record = {**_fingerprint(source), "transformers_version": transformers.__version__, "converted_at": time.time()}
+    record = {**_fingerprint(source), "transformers_version": transformers.__version__,
+              "converted_at": time.time()}
     (folder / COMPLETE_MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
@@ -179,11 +207,22 @@ def _publish(staging: Path, target: Path) -> Path:
 
 
 def _write_hf_folder(source: Path, out_dir: Path) -> None:
-    """Dequantize ``source`` with transformers and save model + tokenizer into ``out_dir``."""
+    """Dequantize ``source`` with transformers and save model + tokenizer into ``out_dir``.
+
+    transformers reads from a folder of its own holding only a link to the file: tokenizer or
+    config files beside the GGUF (a folder several models share, or llama.cpp's converter's
+    input) would otherwise be taken over the file's own vocabulary and chat template."""
+    with tempfile.TemporaryDirectory(prefix="ksana-gguf-") as alone:
+        link = Path(alone) / source.name
+        link.symlink_to(source)
+        _convert_alone(link, source, out_dir)
+
+
+def _convert_alone(link: Path, source: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
-        model = _load_dense_model(source)
+        model = _load_dense_model(link)
     except (ValueError, RuntimeError, OSError, KeyError, IndexError) as exc:
         # A GGUF whose header reads but whose tensors do not (a truncated download) fails
         # inside numpy with a reshape message that names neither the file nor the cause.
@@ -192,13 +231,28 @@ def _write_hf_folder(source: Path, out_dir: Path) -> None:
     model.save_pretrained(out_dir, **_safetensors_kwargs(model.save_pretrained))
     del model  # free the fp32 weights before loading the tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    _state_rope_scaling(source, out_dir / "config.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(link.parent), gguf_file=link.name)
     if not getattr(tokenizer, "chat_template", None):
         LOGGER.warning("%s has no chat template; chat requests will need one supplied", source.name)
     tokenizer.save_pretrained(out_dir)
     _strip_quantization_config(out_dir / "config.json")
     if not (out_dir / "generation_config.json").is_file():
         LOGGER.info("transformers produced no generation_config.json for %s", source.name)
+
+
+def _state_rope_scaling(source: Path, config_path: Path) -> None:
+    """Write the RoPE scaling the GGUF states (which transformers' reader drops) into the
+    converted config.json; see `gguf_rope`."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    theta = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    scaling = gguf_rope_scaling(source, theta, int(head_dim))
+    if scaling is not None:
+        LOGGER.info("%s states RoPE scaling %s", source.name, scaling)
+        config_path.write_text(json.dumps(with_rope_scaling(config, scaling), indent=2,
+                                          sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _safetensors_kwargs(save_pretrained: Any) -> dict[str, bool]:
