@@ -6,6 +6,7 @@ imports nothing of theirs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -294,9 +295,10 @@ class GenerationConfig:
         return self.use_beam_search or self.num_sequences > self.num_return_sequences
 
     def replace(self, **changes: Any) -> GenerationConfig:
-        """A validated copy with some fields changed; unknown names raise ValueError."""
+        """A validated copy with some fields changed; unknown names raise ValueError. The copy
+        shares no list or dict with this config (changing one never changes the other)."""
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
             raise ValueError(f"unknown generation parameter(s): {', '.join(unknown)}")
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(copy.deepcopy(self), **copy.deepcopy(changes))

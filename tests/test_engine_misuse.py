@@ -78,6 +78,22 @@ def test_a_config_changed_after_it_was_built_is_checked_again(engine, field, val
     assert len(other.result(timeout=60).token_ids) == 12 and engine.is_running
 
 
+def test_a_config_changed_or_reused_after_submit_reaches_no_request_in_flight(engine):
+    """Each request keeps its own copy (transformers and vLLM copy too): one config reused with
+    another max_new_tokens, or broken after submit, changes nothing already submitted."""
+    config = kt.GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    first = engine.submit(kt.Request(PROMPT, config))
+    config.max_new_tokens = 2
+    second = engine.submit(kt.Request(PROMPT, config))
+    config.stop_token_ids = None  # would have crashed the step loop for every request
+    assert [len(first.result().token_ids), len(second.result().token_ids)] == [12, 2]
+    assert engine.is_running
+    base = kt.GenerationConfig(stop=["x"])
+    copy = base.replace(max_new_tokens=5)
+    copy.stop.append("y")
+    assert base.stop == ["x"]
+
+
 def test_engine_default_config_as_a_dict_or_of_the_wrong_type(default_model):
     with kt.Engine(default_model, generation_config={"max_new_tokens": 3, "ignore_eos": True},
                    num_device_blocks=32) as engine:

@@ -206,7 +206,7 @@ class Plugin:
         settings behind (or itself raises ValueError to reject the request's input), and
         PluginError when it fails in any other way.
         """
-        config = dataclasses.replace(generation_config)
+        config = generation_config.replace()  # a deep copy: the plugin may change it
         refit = RefitEmbedding()
         if input_embeddings is not None:
             positions, rows = input_embeddings

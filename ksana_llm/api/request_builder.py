@@ -23,10 +23,13 @@ from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
 
 def _as_config(value: GenerationConfig | dict[str, Any] | None,
                default: GenerationConfig) -> GenerationConfig:
+    """The request's own copy (transformers and vLLM copy too): a caller changing its config
+    after submitting, or reusing it for the next request, must not reach requests in flight."""
     if value is None:
-        return default
+        value = default
     if isinstance(value, GenerationConfig):
-        return value
+        value.validate()  # as set now: a copy would normalise some wrong types away
+        return value.replace()
     if isinstance(value, dict):
         return default.replace(**value)
     raise ValueError(f"generation_config must be a GenerationConfig or a dict, got {type(value).__name__}")
