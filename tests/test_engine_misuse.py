@@ -94,6 +94,32 @@ def test_a_config_changed_or_reused_after_submit_reaches_no_request_in_flight(en
     assert base.stop == ["x"]
 
 
+def test_the_queue_bound_holds_when_requests_wait_for_kv_memory(default_model):
+    """Free sequence slots are no place for requests the full KV pool holds back: while one
+    request holds 13 of the 16 blocks, the third request that cannot start is refused
+    (max_queue_size=2), not accepted up to max_num_seqs."""
+    def _wait_for(check) -> None:
+        # Read what the step loop last published (stats() also counts requests it has not
+        # picked up yet, which no step has seen wait).
+        deadline = time.monotonic() + 60
+        while not check(engine) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert check(engine)
+
+    config = kt.GenerationConfig(max_new_tokens=50, ignore_eos=True)
+    with kt.Engine(default_model, num_device_blocks=16, max_queue_size=2,
+                   enable_prefix_caching=False) as engine:
+        prompt = (engine.tokenizer.encode("word " * 200) * 2)[:200]  # 13 blocks of 16
+        handles = [engine.submit(kt.Request(prompt, config))]
+        _wait_for(lambda e: e._num_running == 1)
+        for waiting in (1, 2):
+            handles.append(engine.submit(kt.Request(prompt, config)))
+            _wait_for(lambda e: e._num_waiting == waiting)
+        with pytest.raises(kt.QueueFullError):
+            engine.submit(kt.Request(prompt, config))
+        assert [len(h.result(timeout=120).token_ids) for h in handles] == [50, 50, 50]
+
+
 def test_engine_default_config_as_a_dict_or_of_the_wrong_type(default_model):
     with kt.Engine(default_model, generation_config={"max_new_tokens": 3, "ignore_eos": True},
                    num_device_blocks=32) as engine:

@@ -123,6 +123,7 @@ class Engine(LoraControl, ChatMixin):
         # then), guarded by _wake: what admission control sees from callers' threads.
         self._num_waiting = 0
         self._num_running = 0
+        self._waiting_blocked = False
         self._wake = threading.Condition()
         # Signalled (on _wake's lock) after every step: callers waiting for room in the queue.
         self._queue_space = threading.Condition(self._wake)
@@ -265,6 +266,9 @@ class Engine(LoraControl, ChatMixin):
         sequence slots they are about to take (so a request that starts at once never counts
         as queued, however quickly the next one arrives). Call with _wake held."""
         free_slots = max(0, self.config.max_num_seqs - self._num_running)
+        if self._waiting_blocked:
+            # The last step left requests waiting for KV memory: a free slot takes none of them.
+            return self._num_waiting + len(self._inbox)
         return max(0, self._num_waiting + len(self._inbox) - free_slots)
 
     def abort(self, request_id: str) -> None:
@@ -356,6 +360,7 @@ class Engine(LoraControl, ChatMixin):
                 with self._wake:
                     self._num_waiting = len(core.scheduler.waiting) + len(core.scheduler.swapped)
                     self._num_running = len(core.scheduler.running)
+                    self._waiting_blocked = core.scheduler.waiting_blocked
                     self._queue_space.notify_all()
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiter
             logger.exception("engine step loop failed")

@@ -97,6 +97,8 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # ordered by policy key
         self._admissions = 0  # FIFO tie-breaker that survives preemption
         self.num_preemptions = 0
+        # The last step left requests waiting for KV memory (see `schedule`).
+        self.waiting_blocked = False
         self.num_imported_kv_tokens = 0  # prompt tokens whose KV another engine computed
         self.lora = LoraResidency(config.max_loras) if config.max_loras else None
         self.num_lora_loads = 0  # adapters copied into a device slot
@@ -178,6 +180,9 @@ class Scheduler:
         urgent = self._waiting_outranks_swapped()
         if not pressed and not urgent:
             budget = self._schedule_swapped(out, budget)
+        # Whether waiting requests stay waiting for memory (not for budget): a free sequence slot
+        # is then no place for them (admission control counts them as queued).
+        self.waiting_blocked = bool(self.waiting) and (pressed or bool(self.swapped and not urgent))
         if not pressed and (not self.swapped or urgent):
             self._schedule_waiting(out, budget)
         if out.is_empty and not out.preempted and (self.waiting or self.swapped):
@@ -337,6 +342,7 @@ class Scheduler:
                 # KV from another engine covers more than the cache: fresh blocks, filled with it.
                 num_new = self._chunk(seq, budget, imported.num_tokens)
                 if not bm.allocate(seq, imported.num_tokens + num_new):
+                    self.waiting_blocked = True
                     break
                 out.kv_imports.append((list(seq.block_table), imported))
                 seq.kv_imported = True
@@ -345,6 +351,7 @@ class Scheduler:
             else:
                 num_new = self._chunk(seq, budget, prefix.num_tokens)
                 if not bm.allocate(seq, num_new, prefix):
+                    self.waiting_blocked = True
                     break
                 start = prefix.num_tokens
             seq.imported_kv = None  # written now, or not needed; a recompute computes it all
