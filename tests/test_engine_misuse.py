@@ -120,6 +120,29 @@ def test_the_queue_bound_holds_when_requests_wait_for_kv_memory(default_model):
         assert [len(h.result(timeout=120).token_ids) for h in handles] == [50, 50, 50]
 
 
+def test_a_request_that_fails_tells_its_callback_it_ended(default_model):
+    """A callback is the guide's way to receive results: a request that times out in the queue,
+    or is cut off by shutdown, gives it a last, finished output ("abort") besides the error."""
+    seen: dict[str, list] = {"queued": [], "running": []}
+
+    def record(name):
+        return lambda out: seen[name].append((out.finished, out.finish_reason))
+
+    engine = kt.Engine(default_model, max_num_seqs=1, waiting_timeout_ms=200, num_device_blocks=64)
+    try:
+        running = engine.submit(kt.Request(PROMPT, LONG, callback=record("running")))
+        queued = engine.submit(kt.Request(PROMPT, LONG, callback=record("queued")))
+        with pytest.raises(kt.RequestError):
+            queued.result(timeout=60)
+        assert seen["queued"] == [(True, "abort")]
+    finally:
+        engine.shutdown()
+    with pytest.raises(kt.RequestError):
+        running.result(timeout=60)
+    assert seen["running"][-1] == (True, "abort")
+    assert all(not finished for finished, _ in seen["running"][:-1])
+
+
 def test_engine_default_config_as_a_dict_or_of_the_wrong_type(default_model):
     with kt.Engine(default_model, generation_config={"max_new_tokens": 3, "ignore_eos": True},
                    num_device_blocks=32) as engine:

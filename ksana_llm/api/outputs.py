@@ -320,13 +320,7 @@ class RequestHandle:
             out.metrics.finished_time = now
             if before_final is not None:
                 before_final(out)
-        if self._callback is not None:
-            try:
-                self._callback(out)
-            # A user callback must not take the engine down, not even by sys.exit(): on this
-            # thread that would end the step loop for every request.
-            except (Exception, SystemExit):
-                logger.exception("callback of request %s raised", self.id)
+        self._call_back(out)
         if self._deltas_wanted and (step.text_delta or step.new_token_ids
                                     or step.finish_reason is not None):
             self._push(SequenceDelta(step.index, step.text_delta, list(step.new_token_ids),
@@ -335,8 +329,29 @@ class RequestHandle:
         if step.finished:
             self._push(_END, batch)
 
+    def _call_back(self, out: RequestOutput) -> None:
+        if self._callback is not None:
+            try:
+                self._callback(out)
+            # A user callback must not take the engine down, not even by sys.exit(): on this
+            # thread that would end the step loop for every request.
+            except (Exception, SystemExit):
+                logger.exception("callback of request %s raised", self.id)
+
     def fail(self, error: BaseException, batch: AsyncDeliveries | None = None) -> None:
+        """The request ended with `error` (a queue timeout, a refusal on the engine thread, the
+        engine stopping): readers get it raised, and a callback gets the output as it stood,
+        finished with finish_reason "abort" (`error` says why), so a caller that waits on the
+        callback alone is never left waiting."""
         self.error = error
+        out = self.output
+        if not out.finished:
+            out.finished = True
+            out.finish_reason = out.finish_reason or "abort"
+            for seq in out.sequence_outputs:
+                seq.finish_reason = seq.finish_reason or "abort"
+            out.metrics.finished_time = time.monotonic()  # the clock `deliver` is given
+            self._call_back(out)
         self._push(error, batch)
 
     # ---- caller side ----------------------------------------------------------------------------
