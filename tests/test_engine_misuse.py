@@ -227,6 +227,10 @@ def test_leaving_a_stream_early_aborts_the_request(engine):
     for _ in engine.generate(PROMPT, LONG, stream=True):
         break
     assert _idle(engine, timeout=30)
+    # Dropped before its first delta: the request was submitted all the same.
+    unread = engine.generate(PROMPT, LONG, stream=True)
+    del unread
+    assert _idle(engine, timeout=30)
 
 
 def test_interrupted_generate_outputs_aborts_what_it_queued(engine, monkeypatch):

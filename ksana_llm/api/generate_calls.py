@@ -107,15 +107,8 @@ class GenerateCalls:
         return outputs[0].text if single else [o.text for o in outputs]
 
     def _text_deltas(self, handle: RequestHandle) -> Iterator[str]:
-        """The request's text deltas; a caller that stops reading early (`break`, an exception,
-        dropping the iterator) aborts the request, so it does not run on to its token limit."""
-        finished = False
-        try:
-            yield from handle
-            finished = True
-        finally:
-            if not finished:
-                self.abort(handle.id)
+        """The request's text deltas (see `TextStream`)."""
+        return TextStream(handle, self.abort)
 
     async def generate_async(self, prompt: Prompt | Request,
                              generation_config: GenerationConfig | None = None) -> str:
@@ -143,3 +136,40 @@ class GenerateCalls:
         finally:
             if not finished:  # the consumer stopped early or was cancelled: free the blocks
                 self.abort(handle.id)
+
+
+class TextStream:
+    """The text deltas of one submitted request. A caller that stops reading early (`break`, an
+    exception, dropping the iterator, even before its first delta) aborts the request, so it
+    does not run on to its token limit; a generator would only see that once started."""
+
+    def __init__(self, handle: RequestHandle, abort: Any) -> None:
+        self.handle = handle
+        self._abort = abort
+        self._deltas = iter(handle)
+        self._done = False
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._deltas)
+        except StopIteration:
+            self._done = True
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop reading: the request is aborted unless it already ended."""
+        if not self._done:
+            self._done = True
+            self._abort(self.handle.id)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the engine may be gone
+            pass
