@@ -56,9 +56,20 @@ class StructuredOutputSpec:
             _fail("structured_output.value", self.value, f"a non-empty string for kind {self.kind!r}")
 
 
+def _plain_int(value: Any) -> Any:
+    """A numpy (or other) integer as a Python int; anything else unchanged, for validation."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+        else value
+
+
+def _plain_ints(values: list[Any] | tuple[Any, ...]) -> list[Any]:
+    return [_plain_int(v) for v in values]
+
+
 @dataclass
 class GenerationConfig:
-    """How one request generates. Defaults follow `transformers`: greedy unless `do_sample=True`.
+    """How one request generates. Defaults follow `transformers`: greedy unless `do_sample=True`,
+    but `top_k` is off (0) unless set, as in vLLM and OpenAI (transformers' default is 50).
 
     Sampling happens only when `do_sample` is True and `temperature` is at least 1e-5 (below it,
     as in vLLM, the argmax is taken, as it is without `do_sample`; the penalties still apply).
@@ -132,21 +143,23 @@ class GenerationConfig:
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.stop_token_ids, list):
-            self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                   else t for t in self.stop_token_ids]
+            self.stop_token_ids = _plain_ints(self.stop_token_ids)
         if self.bad_words_ids is None:
             self.bad_words_ids = []
         if isinstance(self.bad_words_ids, (list, tuple)):
-            self.bad_words_ids = [list(w) if isinstance(w, (list, tuple)) else w
+            self.bad_words_ids = [_plain_ints(w) if isinstance(w, (list, tuple)) else w
                                   for w in self.bad_words_ids]
-        if isinstance(self.allowed_token_ids, tuple):
-            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = _plain_ints(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):
-            # JSON objects (OpenAI's logit_bias) arrive with string keys: "50256" -> 50256.
-            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v
-                               for k, v in self.logit_bias.items()}
+            # JSON objects (OpenAI's logit_bias) arrive with string keys: "50256" -> 50256;
+            # numpy numbers become Python's, as in the other token-id fields.
+            self.logit_bias = {
+                _plain_int(int(k) if isinstance(k, str) and k.strip().isdecimal() else k):
+                float(v) if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float))
+                else v for k, v in self.logit_bias.items()}
         elif self.logit_bias is None:
             self.logit_bias = {}
         if isinstance(self.structured_output, dict):

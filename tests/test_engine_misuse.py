@@ -143,6 +143,15 @@ def test_a_request_that_fails_tells_its_callback_it_ended(default_model):
     assert all(not finished for finished, _ in seen["running"][:-1])
 
 
+def test_numpy_token_ids_are_taken_in_every_token_id_field():
+    ids = np.array([5, 6], dtype=np.int64)
+    config = kt.GenerationConfig(bad_words_ids=[list(ids)], allowed_token_ids=list(ids),
+                                 logit_bias={ids[0]: np.float32(1.5)}, stop_token_ids=list(ids))
+    assert config.bad_words_ids == [[5, 6]] and config.allowed_token_ids == [5, 6]
+    assert config.logit_bias == {5: 1.5} and config.stop_token_ids == [5, 6]
+    assert all(type(t) is int for t in [*config.allowed_token_ids, *config.logit_bias])
+
+
 def test_engine_default_config_as_a_dict_or_of_the_wrong_type(default_model):
     with kt.Engine(default_model, generation_config={"max_new_tokens": 3, "ignore_eos": True},
                    num_device_blocks=32) as engine:
