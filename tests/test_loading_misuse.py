@@ -204,3 +204,14 @@ def test_bad_serve_flags_fail_before_the_model_loads(args, needle):
 def test_a_folder_given_as_a_file_is_a_clear_error(tmp_path):
     proc = _cli("serve", "--config_file", str(tmp_path))
     assert proc.returncode == 2 and str(tmp_path) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_guides_pad_token_id_is_taken_and_checked(default_model_dir):
+    """The KTransformers guide loads with pad_token_id=tokenizer.pad_token_id."""
+    from ksana_llm.api.model import Model
+
+    model = Model.from_pretrained(default_model_dir, device="cpu", progress=False,
+                                  pad_token_id=2)
+    assert model.tokenizer.pad_token_id is not None
+    with pytest.raises(ValueError, match="pad_token_id"):
+        Model.from_pretrained(default_model_dir, device="cpu", progress=False, pad_token_id=-1)

@@ -169,7 +169,8 @@ class Model:
                         dtype: str | torch.dtype | None = "auto", tensor_parallel_size: int = 1,
                         pipeline_parallel_size: int = 1, progress: bool = True,
                         plugin: bool | str | os.PathLike = True,
-                        quantization: str | None = None) -> Model:
+                        quantization: str | None = None, pad_token_id: int | None = None
+                        ) -> Model:
         """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct.
 
         Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
@@ -178,6 +179,9 @@ class Model:
         (see `ksana_llm.api.plugin`). `quantization` "fp8" keeps the projections' weights as FP8
         (per-row scales, quantized as they load), "w8a8_int8" as int8 with their inputs
         quantized to int8 per token; a quantized checkpoint loads as it is without it.
+
+        `pad_token_id` (the KTransformers guide passes it): the paged engine never pads a batch,
+        so it only names the tokenizer's pad token where the tokenizer has none.
 
         `tensor_parallel_size` > 1 (0: every visible GPU) or `pipeline_parallel_size` > 1 starts
         one worker process per extra rank; this process is rank 0. With KsanaLLM's multi-node
@@ -214,6 +218,7 @@ class Model:
             raise
         model_cls = type(module)
         tokenizer = _load_tokenizer(model_dir)
+        _set_pad_token(tokenizer, pad_token_id, int(hf_config.vocab_size))
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)
         loaded_plugin = None
@@ -226,3 +231,16 @@ class Model:
         return cls(module, hf_config, tokenizer, Path(model_dir), torch_device, torch_dtype,
                    _eos_token_ids(Path(model_dir), hf_config, tokenizer), loaded_plugin,
                    runtime, workers)
+
+
+def _set_pad_token(tokenizer: Any, pad_token_id: int | None, vocab_size: int) -> None:
+    """Name the tokenizer's pad token `pad_token_id` where it has none (ValueError for an id
+    outside the vocabulary)."""
+    if pad_token_id is None:
+        return
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) \
+            or not 0 <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id must be a token id in [0, {vocab_size}), got "
+                         f"{pad_token_id!r}")
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_token_id)
