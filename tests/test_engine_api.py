@@ -408,3 +408,37 @@ def test_tokenizer_ids_past_the_vocabulary_fail_the_request_not_the_engine(model
         out = engine.generate_outputs([[5, 6, 7]], kt.GenerationConfig(max_new_tokens=3,
                                                                        ignore_eos=True))
         assert len(out[0].token_ids) == 3 and engine.is_running
+
+
+def test_the_model_folders_generation_config_is_the_default(tmp_path, caplog):
+    """As transformers' generate() (and vLLM's LLM): the folder's generation_config.json sets the
+    defaults; a value we refuse is left out with a warning; a GenerationConfig replaces them."""
+    import json
+
+    import torch
+
+    from tests.tiny_models import build_tiny_model
+
+    hf = build_tiny_model("llama2", tmp_path)
+    path = tmp_path / "generation_config.json"
+    values = json.loads(path.read_text())
+    path.write_text(json.dumps({**values, "repetition_penalty": 1.3, "max_new_tokens": 8,
+                                "no_repeat_ngram_size": 2, "min_p": -1.0}))
+    hf.generation_config.repetition_penalty, hf.generation_config.max_new_tokens = 1.3, 8
+    hf.generation_config.no_repeat_ngram_size = 2
+    prompt = [5, 6, 7, 8, 9]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    with caplog.at_level("WARNING", logger="ksana_llm.api"):
+        engine = kt.Engine(str(tmp_path), device="cpu", dtype="float32", num_device_blocks=32)
+    try:
+        assert "min_p=-1.0 is not used" in caplog.text
+        assert engine.generation_config.repetition_penalty == 1.3
+        got = engine.generate_outputs([prompt], use_tqdm=False)[0].token_ids
+        assert got == want[0, len(prompt):].tolist() and len(got) == 8
+        plain = engine.generate_outputs([prompt], kt.GenerationConfig(max_new_tokens=3),
+                                        use_tqdm=False)[0]
+        assert len(plain.token_ids) == 3
+    finally:
+        engine.shutdown()

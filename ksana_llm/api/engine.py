@@ -21,6 +21,7 @@ from ksana_llm.api.chat import ChatMixin
 from ksana_llm.api.core_builder import build_core
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
+from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
 from ksana_llm.api.model import Model
@@ -95,12 +96,15 @@ class Engine(LoraControl, ChatMixin):
         """Everything after the model is loaded: the core, the request builder, the step loop."""
         self.model = model
         self.tokenizer = tokenizer or model.tokenizer
+        # Defaults: the model folder's generation_config.json, as transformers' generate() and
+        # vLLM's LLM use them; a dict changes some of them, a GenerationConfig replaces them.
+        model_defaults = model_generation_config(model.path)
         if isinstance(generation_config, dict):
-            generation_config = GenerationConfig().replace(**generation_config)
+            generation_config = model_defaults.replace(**generation_config)
         elif generation_config is not None and not isinstance(generation_config, GenerationConfig):
             raise ValueError("generation_config must be a GenerationConfig or a dict, got "
                              f"{type(generation_config).__name__}")
-        self.generation_config = generation_config or GenerationConfig()
+        self.generation_config = generation_config or model_defaults
         self._lora = LoraRegistry(self.config.num_lora_slots)
         adapters = startup_adapters(self._lora, self.config.lora_modules)
         self._core = build_core(model, self.config, self.tokenizer, self._on_worker_failure,
