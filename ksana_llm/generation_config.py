@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -315,3 +316,21 @@ class GenerationConfig:
         if unknown:
             raise ValueError(f"unknown generation parameter(s): {', '.join(unknown)}")
         return dataclasses.replace(copy.deepcopy(self), **copy.deepcopy(changes))
+
+
+def _refuse_unknown_names(init: Any) -> Any:
+    """Wrap the dataclass `__init__`: an unknown name (transformers' `max_length`,
+    `stop_strings`, ...) is a ValueError naming it, as in `replace`, not a bare TypeError."""
+    def __init__(self: GenerationConfig, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - _FIELD_NAMES)
+        if unknown:
+            raise ValueError(f"unknown generation parameter(s): {', '.join(unknown)}")
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]
+    return __init__
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(GenerationConfig))
+GenerationConfig.__init__ = _refuse_unknown_names(GenerationConfig.__init__)  # type: ignore[method-assign]

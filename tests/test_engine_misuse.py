@@ -152,6 +152,15 @@ def test_numpy_token_ids_are_taken_in_every_token_id_field():
     assert all(type(t) is int for t in [*config.allowed_token_ids, *config.logit_bias])
 
 
+def test_transformers_names_we_lack_are_value_errors_and_configs_may_come_as_a_tuple(engine):
+    for name in ("max_length", "stop_strings", "pad_token_id"):
+        with pytest.raises(ValueError, match=f"unknown generation parameter.*{name}"):
+            kt.GenerationConfig(**{name: 5})
+    configs = (kt.GenerationConfig(max_new_tokens=2), kt.GenerationConfig(max_new_tokens=3))
+    outs = engine.generate_outputs([PROMPT, PROMPT], configs, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [2, 3]
+
+
 def test_engine_default_config_as_a_dict_or_of_the_wrong_type(default_model):
     with kt.Engine(default_model, generation_config={"max_new_tokens": 3, "ignore_eos": True},
                    num_device_blocks=32) as engine:

@@ -43,7 +43,8 @@ class GenerateCalls:
         """Run many prompts to completion (submitted as the queue allows), in input order;
         `lora` names the LoRA adapter every prompt uses (None: the base model)."""
         batch = self._as_batch(prompts)
-        configs = generation_config if isinstance(generation_config, list) else [generation_config] * len(batch)
+        configs = list(generation_config) if isinstance(generation_config, (list, tuple)) \
+            else [generation_config] * len(batch)
         if len(configs) != len(batch):
             raise ValueError("generation_config: give one config, or one per prompt")
         # Validate (and preprocess) everything before running anything.
