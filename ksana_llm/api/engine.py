@@ -19,8 +19,7 @@ import torch
 
 from ksana_llm.api.chat import ChatMixin
 from ksana_llm.api.core_builder import build_core
-from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
-from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
+from ksana_llm.api.forward_calls import ForwardCalls
 from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
@@ -46,7 +45,7 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
 
 
-class Engine(LoraControl, ChatMixin):
+class Engine(LoraControl, ForwardCalls, ChatMixin):
     """Continuous-batching generation over one model.
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
@@ -153,59 +152,6 @@ class Engine(LoraControl, ChatMixin):
         callers that validate a spec early (the server) compile through it, so the compile at
         submit is a cache hit."""
         return self._requests.grammar()
-
-    def submit_forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
-                       request_id: str | None = None,
-                       loop: asyncio.AbstractEventLoop | None = None,
-                       lora: str | None = None) -> ForwardHandle:
-        """Queue a forward-only request (no sampling, no prefix-cache hits); returns its handle.
-        Raises ValueError naming the bad field, QueueFullError, EngineDeadError."""
-        seq, targets, positions = self._requests.forward_sequence(
-            prompt, targets, request_id, self.generation_config, lora=lora)
-        return ForwardHandle(self._enqueue(seq, None, loop, None), list(targets), positions)
-
-    def forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
-                request_id: str | None = None, lora: str | None = None) -> ForwardOutput:
-        """Run the prompt through the model once and return the requested rows (see ForwardTarget)."""
-        return self.submit_forward(prompt, targets, request_id=request_id, lora=lora).result()
-
-    async def forward_async(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
-                            request_id: str | None = None, lora: str | None = None
-                            ) -> ForwardOutput:
-        handle = self.submit_forward(prompt, targets, request_id=request_id,
-                                     loop=asyncio.get_running_loop(), lora=lora)
-        try:
-            return await handle.aresult()
-        except asyncio.CancelledError:
-            self.abort(handle.id)
-            raise
-
-    def embed(self, prompts: Prompt | list[Prompt], *, lora: str | None = None) -> torch.Tensor:
-        """One embedding per prompt, [n, hidden_size] float32 on the CPU, in input order: the
-        final norm's hidden state at the prompt's last token, L2-normalised (`api.embeddings`).
-        Prompts are queued as the queue allows; a bad one raises ValueError (naming the problem)
-        and the ones already queued are aborted."""
-        batch = self._as_batch(prompts)
-        handles: list[ForwardHandle] = []
-        vectors: list[torch.Tensor] = []
-        try:
-            for prompt in batch:
-                while True:
-                    try:
-                        handles.append(self.submit_forward(prompt, list(EMBEDDING_TARGETS),
-                                                           lora=lora))
-                        break
-                    except QueueFullError:  # make room: wait for the oldest one
-                        vectors.append(embedding_from_hidden(
-                            handles[len(vectors)].result().targets[0].tensor))
-            vectors += [embedding_from_hidden(h.result().targets[0].tensor)
-                        for h in handles[len(vectors):]]
-        except BaseException:
-            for handle in handles:
-                if not handle.finished:
-                    self.abort(handle.id)
-            raise
-        return torch.stack(vectors)
 
     # ---- submission ------------------------------------------------------------------------------
     def submit(self, request: Request | Prompt, *,

@@ -1,0 +1,84 @@
+"""The forward-only calls of `Engine` (`/forward`, embeddings): a mixin, as `GenerateCalls` is."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
+from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
+from ksana_llm.api.outputs import Prompt
+from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.generation_config import GenerationConfig
+
+
+class ForwardCalls:
+    """Mixed into `Engine`, which provides `_requests`, `_enqueue`, `abort` and
+    `generation_config`, and `GenerateCalls` `_as_batch` (no stub here: one would come before
+    the real method in the engine's MRO)."""
+
+    _requests: Any
+    generation_config: GenerationConfig
+    _as_batch: Any
+
+    def _enqueue(self, seq: Any, callback: Any, loop: asyncio.AbstractEventLoop | None,
+                 plugin_info: Any) -> Any:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def submit_forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
+                       request_id: str | None = None,
+                       loop: asyncio.AbstractEventLoop | None = None,
+                       lora: str | None = None) -> ForwardHandle:
+        """Queue a forward-only request (no sampling, no prefix-cache hits); returns its handle.
+        Raises ValueError naming the bad field, QueueFullError, EngineDeadError."""
+        seq, targets, positions = self._requests.forward_sequence(
+            prompt, targets, request_id, self.generation_config, lora=lora)
+        return ForwardHandle(self._enqueue(seq, None, loop, None), list(targets), positions)
+
+    def forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
+                request_id: str | None = None, lora: str | None = None) -> ForwardOutput:
+        """Run the prompt through the model once and return the requested rows (see ForwardTarget)."""
+        return self.submit_forward(prompt, targets, request_id=request_id, lora=lora).result()
+
+    async def forward_async(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
+                            request_id: str | None = None, lora: str | None = None
+                            ) -> ForwardOutput:
+        handle = self.submit_forward(prompt, targets, request_id=request_id,
+                                     loop=asyncio.get_running_loop(), lora=lora)
+        try:
+            return await handle.aresult()
+        except asyncio.CancelledError:
+            self.abort(handle.id)
+            raise
+
+    def embed(self, prompts: Prompt | list[Prompt], *, lora: str | None = None) -> torch.Tensor:
+        """One embedding per prompt, [n, hidden_size] float32 on the CPU, in input order: the
+        final norm's hidden state at the prompt's last token, L2-normalised (`api.embeddings`).
+        Prompts are queued as the queue allows; a bad one raises ValueError (naming the problem)
+        and the ones already queued are aborted."""
+        batch = self._as_batch(prompts)
+        handles: list[ForwardHandle] = []
+        vectors: list[torch.Tensor] = []
+        try:
+            for prompt in batch:
+                while True:
+                    try:
+                        handles.append(self.submit_forward(prompt, list(EMBEDDING_TARGETS),
+                                                           lora=lora))
+                        break
+                    except QueueFullError:  # make room: wait for the oldest one
+                        vectors.append(embedding_from_hidden(
+                            handles[len(vectors)].result().targets[0].tensor))
+            vectors += [embedding_from_hidden(h.result().targets[0].tensor)
+                        for h in handles[len(vectors):]]
+        except BaseException:
+            for handle in handles:
+                if not handle.finished:
+                    self.abort(handle.id)
+            raise
+        return torch.stack(vectors)
