@@ -161,6 +161,13 @@ def test_transformers_names_we_lack_are_value_errors_and_configs_may_come_as_a_t
     assert [len(o.token_ids) for o in outs] == [2, 3]
 
 
+def test_a_priority_the_fifo_scheduler_would_ignore_is_refused(engine):
+    """As vLLM: a priority needs scheduler="priority"; 0 (the default) is fine."""
+    with pytest.raises(ValueError, match="priority 3 needs an engine with scheduler='priority'"):
+        engine.submit(kt.Request(PROMPT, priority=3))
+    assert engine.submit(kt.Request(PROMPT, priority=0)).result(timeout=60).token_ids
+
+
 def test_engine_default_config_as_a_dict_or_of_the_wrong_type(default_model):
     with kt.Engine(default_model, generation_config={"max_new_tokens": 3, "ignore_eos": True},
                    num_device_blocks=32) as engine:

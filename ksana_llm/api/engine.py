@@ -116,7 +116,7 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
             model, self.tokenizer, max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
             kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout,
-            lora=self._lora)
+            lora=self._lora, priority_scheduling=self.config.scheduler_policy == "priority")
         self._stats = StatsTracker()
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []

@@ -44,8 +44,11 @@ class RequestBuilder:
 
     def __init__(self, model: Model, tokenizer: Any, *, max_model_len: int,
                  max_num_seqs: int, kv_layout: KvLayout | None = None,
-                 lora: LoraRegistry | None = None) -> None:
+                 lora: LoraRegistry | None = None, priority_scheduling: bool = True) -> None:
         self.model = model
+        # False under the FIFO scheduler, which would ignore a request's priority: refused, as
+        # vLLM refuses it, rather than silently dropped.
+        self.priority_scheduling = priority_scheduling
         self.lora = lora or LoraRegistry(0)
         # The engine's KV rows, which imported KV must match; None: a parallel engine, whose
         # cache is split over ranks (no KV transfer).
@@ -108,6 +111,9 @@ class RequestBuilder:
                              "to generate")
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
+        if request.priority and not self.priority_scheduling:
+            raise ValueError(f"priority {request.priority} needs an engine with "
+                             "scheduler='priority'; the FIFO scheduler ignores it")
         self._check_config(config)
         request_id = self._request_id(request.request_id, "req")
         eos = () if config.ignore_eos else self.model.eos_token_ids
