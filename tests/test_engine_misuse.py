@@ -126,7 +126,8 @@ def test_a_request_that_fails_tells_its_callback_it_ended(default_model):
     seen: dict[str, list] = {"queued": [], "running": []}
 
     def record(name):
-        return lambda out: seen[name].append((out.finished, out.finish_reason))
+        return lambda out: seen[name].append((out.finished, out.finish_reason,
+                                              out.error is not None))
 
     engine = kt.Engine(default_model, max_num_seqs=1, waiting_timeout_ms=200, num_device_blocks=64)
     try:
@@ -134,13 +135,13 @@ def test_a_request_that_fails_tells_its_callback_it_ended(default_model):
         queued = engine.submit(kt.Request(PROMPT, LONG, callback=record("queued")))
         with pytest.raises(kt.RequestError):
             queued.result(timeout=60)
-        assert seen["queued"] == [(True, "abort")]
+        assert seen["queued"] == [(True, "abort", True)]
     finally:
         engine.shutdown()
     with pytest.raises(kt.RequestError):
         running.result(timeout=60)
-    assert seen["running"][-1] == (True, "abort")
-    assert all(not finished for finished, _ in seen["running"][:-1])
+    assert seen["running"][-1] == (True, "abort", True)
+    assert all(not finished and not failed for finished, _, failed in seen["running"][:-1])
 
 
 def test_numpy_token_ids_are_taken_in_every_token_id_field():

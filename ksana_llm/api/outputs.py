@@ -7,6 +7,7 @@ or from asyncio (`aresult`, `astream`) when it was created with an event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import numbers
 import queue
@@ -179,6 +180,9 @@ class RequestOutput:
     # to another engine as `Request(imported_kv=...)`).
     exported_kv: TransferredKv | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Why a failed request ended (queue timeout, shutdown, ...): set only on the last output a
+    # callback gets for it (finished, finish_reason "abort"); None for one that ended normally.
+    error: str | None = None
 
     @property
     def sequences(self) -> list[SequenceOutput]:
@@ -340,18 +344,17 @@ class RequestHandle:
 
     def fail(self, error: BaseException, batch: AsyncDeliveries | None = None) -> None:
         """The request ended with `error` (a queue timeout, a refusal on the engine thread, the
-        engine stopping): readers get it raised, and a callback gets the output as it stood,
-        finished with finish_reason "abort" (`error` says why), so a caller that waits on the
-        callback alone is never left waiting."""
+        engine stopping): readers get it raised, and a callback gets a copy of the output as it
+        stood, finished with finish_reason "abort" (`error` says why), so a caller that waits on
+        the callback alone is never left waiting. The handle's own output stays unfinished:
+        the request did not end well (the server's metrics count it a failure)."""
         self.error = error
         out = self.output
-        if not out.finished:
-            out.finished = True
-            out.finish_reason = out.finish_reason or "abort"
-            for seq in out.sequence_outputs:
-                seq.finish_reason = seq.finish_reason or "abort"
-            out.metrics.finished_time = time.monotonic()  # the clock `deliver` is given
-            self._call_back(out)
+        if self._callback is not None and not out.finished:
+            self._call_back(dataclasses.replace(
+                out, finished=True, finish_reason=out.finish_reason or "abort", error=str(error),
+                sequence_outputs=[dataclasses.replace(s, finish_reason=s.finish_reason or "abort")
+                                  for s in out.sequence_outputs]))
         self._push(error, batch)
 
     # ---- caller side ----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ class ServerState:
             if len(output.token_ids) > seen:
                 seen = len(output.token_ids)
                 timer.tick()
-            if output.finished:
+            if output.finished and output.error is None:  # a failure is counted where seen
                 metrics.observe_finished(output, output.metrics.queue_time)
 
         return observe
