@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.loader.json_files import read_json_object
+from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 
 logger = logging.getLogger("ksana_llm.api")
 
-GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json keys that mean the same here (transformers' names).
 _KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
          "no_repeat_ngram_size", "max_new_tokens", "min_new_tokens")
@@ -28,11 +27,10 @@ _KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_pena
 __all__ = ["model_generation_config"]
 
 
-def model_generation_config(model_dir: Path, base: GenerationConfig | None = None
-                            ) -> GenerationConfig:
-    """`base` (default: `GenerationConfig()`) with the decoding keys of the folder's
-    generation_config.json, as transformers applies them."""
-    config = base or GenerationConfig()
+def model_generation_config(model_dir: Path) -> GenerationConfig:
+    """Our defaults with the decoding keys of the folder's generation_config.json, as
+    transformers applies them."""
+    config = GenerationConfig()
     path = Path(model_dir) / GENERATION_CONFIG_FILE
     if not path.is_file():
         return config

@@ -18,7 +18,7 @@ from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
-from ksana_llm.loader.json_files import read_json_object
+from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
 
 logger = logging.getLogger("ksana_llm.model")
@@ -73,7 +73,7 @@ def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int
     """EOS ids from generation_config.json, config.json and the tokenizer, in that order."""
     found: list[int] = []
     sources: list[Any] = []
-    gen_path = model_dir / "generation_config.json"
+    gen_path = model_dir / GENERATION_CONFIG_FILE
     if gen_path.exists():
         sources.append(read_json_object(gen_path).get("eos_token_id"))
     sources.append(getattr(hf_config, "eos_token_id", None))

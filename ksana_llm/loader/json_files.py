@@ -9,6 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+# The model folder's decoding defaults (transformers' name), read by the engine, the server and
+# the EOS lookup.
+GENERATION_CONFIG_FILE = "generation_config.json"
+
 
 def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON object in `path`; ValueError naming the file when it is not one."""

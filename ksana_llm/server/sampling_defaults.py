@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ksana_llm.loader.json_files import read_json_object
+from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 
 # generation_config.json key -> (request parameter, transformers' default)
 _KEYS: dict[str, tuple[str, Any]] = {
@@ -30,7 +30,6 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "repetition_penalty": ("repetition_penalty", 1.0),
     "max_new_tokens": ("max_tokens", None),
 }
-GENERATION_CONFIG_FILE = "generation_config.json"
 NO_MODEL_DEFAULTS = "vllm"  # vLLM's name for "the server's own defaults only"
 
 
