@@ -12,6 +12,7 @@ from ksana_llm.api.outputs import (Request, RequestError, RequestHandle, Request
                                    SequenceDelta, SequenceOutput)
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
+from ksana_llm.engine.scheduling_policy import RequestInfo, SchedulingPolicy
 from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec
 from ksana_llm.runner.kv_transfer import TransferredKv
 
@@ -19,5 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
            "GenerationConfig", "Model", "QueueFullError", "QueueTimeoutError", "Request",
-           "RequestError", "RequestHandle", "RequestOutput", "SequenceDelta", "SequenceOutput",
-           "StructuredOutputSpec", "TransferredKv", "__version__"]
+           "RequestError", "RequestHandle", "RequestInfo", "RequestOutput", "SchedulingPolicy",
+           "SequenceDelta", "SequenceOutput", "StructuredOutputSpec", "TransferredKv",
+           "__version__"]

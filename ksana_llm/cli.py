@@ -232,9 +232,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="a request never scheduled within this many ms fails (default: "
                              "no limit)")
     parser.add_argument("--scheduling-policy", dest="scheduler_policy", default=None,
-                        type=cli_types.scheduling_policy, choices=("fifo", "priority"),
-                        help="fifo (vLLM's 'fcfs' too) or priority: requests' `priority` field "
-                             "(lower first) orders admission and preemption")
+                        type=cli_types.scheduling_policy,
+                        metavar="{fifo,priority,MODULE:CLASS}",
+                        help="fifo (vLLM's 'fcfs' too); priority: requests' `priority` field "
+                             "(lower first) orders admission and preemption; or the import path "
+                             "of a ksana_llm.SchedulingPolicy subclass (on PYTHONPATH)")
     parser.add_argument("--max-queue-size", type=int, default=None,
                         help="waiting requests before 429")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -13,6 +13,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ksana_llm.engine.scheduling_policy import SchedulingPolicy, resolve_scheduling_policy
+
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 def _takes_bool(annotation: Any) -> bool:
     return annotation is bool or bool in get_args(annotation)
@@ -46,7 +48,9 @@ DEFAULT_MAX_LORAS = 4
 class EngineConfig(BaseModel):
     """Validated, immutable engine settings. Invalid values raise a ValueError naming the field."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # arbitrary types: scheduler_policy may be a user's SchedulingPolicy object.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False,
+                              arbitrary_types_allowed=True)
 
     model: str | None = Field(None, description="HF folder or .gguf file; None -> default model")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
@@ -86,7 +90,10 @@ class EngineConfig(BaseModel):
     split_fuse_token_num: int = Field(
         0, ge=0, description="max prefill tokens of one sequence per step (0 = only the budget)")
     preempt_mode: Literal[0, 1] = Field(0, description="0 = swap to host, 1 = recompute")
-    scheduler_policy: Literal["fifo", "priority"] = "fifo"
+    scheduler_policy: str | SchedulingPolicy = Field(
+        "fifo", description="'fifo'; 'priority' (lower Request.priority first, preempting "
+                            "lower priorities); or a custom order: a SchedulingPolicy, its "
+                            "class, or its import path 'module:Class'")
     max_queue_size: int = Field(1000, ge=1, description="waiting requests before QueueFullError")
     waiting_timeout_ms: int | None = Field(
         None, ge=1, description="a request never scheduled within this many ms fails with "
@@ -192,6 +199,16 @@ class EngineConfig(BaseModel):
     def _device_name(cls, value: Any) -> Any:
         is_torch_device = not isinstance(value, str) and hasattr(value, "type") and hasattr(value, "index")
         return str(value) if is_torch_device else value
+
+    @field_validator("scheduler_policy", mode="before")
+    @classmethod
+    def _scheduling_policy(cls, value: Any) -> Any:
+        """Checked here, so that a bad policy is refused with the config; a name or import path
+        stays a string, a class becomes its instance."""
+        policy = resolve_scheduling_policy(value)
+        if isinstance(value, str):
+            return "fifo" if value == "fcfs" else value
+        return policy
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -106,6 +106,12 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
     # Named by the flag as typed (its vLLM name), not the field.
     with pytest.raises(ValueError, match="--gpu-memory-utilization: .*less than or equal to 1"):
         configs_from_args(parse(["serve", "--gpu-memory-utilization", "1.5"]))
+    # A policy of one's own by import path; a bad one is named by its flag.
+    config = configs_from_args(parse([
+        "serve", "--scheduling-policy", "tests.scheduling_policies:ShortestPromptFirst"]))[0]
+    assert config.scheduler_policy == "tests.scheduling_policies:ShortestPromptFirst"
+    with pytest.raises(ValueError, match="--scheduling-policy: .*has no 'Nope'"):
+        configs_from_args(parse(["serve", "--scheduling-policy", "tests.scheduling_policies:Nope"]))
 
 
 def test_speculative_flags_reach_the_engine_config():

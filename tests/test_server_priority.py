@@ -98,3 +98,55 @@ def test_an_urgent_request_preempts_a_less_urgent_running_one(client, server, mo
     rest = list(chunks)
     assert rest[-1].usage.completion_tokens == 300
     assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+
+
+@pytest.fixture(scope="module")
+def sjf_server(default_model_dir):
+    # A policy of one's own, by import path (tests/scheduling_policies.py, shortest prompt first).
+    proc = ServerProcess(["--num-device-blocks", "128", "--max-model-len", "512",
+                          "--max-num-seqs", "1", "--scheduling-policy",
+                          "tests.scheduling_policies:ShortestPromptFirst"])
+    yield proc
+    proc.stop()
+
+
+def test_a_policy_named_by_import_path_orders_the_queue(sjf_server, model_name):
+    import openai
+
+    client = openai.OpenAI(base_url=sjf_server.base_url, api_key="unused")
+    client.completions.create(model=model_name, prompt="Hello", max_tokens=1)
+    client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                   max_tokens=1)
+    blocker = client.completions.create(model=model_name, prompt="Count from one:",
+                                        max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    next(iter(blocker))
+    finished: list[str] = []
+    calls = {  # arrival order: longest prompt first (the chat template's system turn is long)
+        "long": lambda: client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2),
+        "mid": lambda: client.completions.create(
+            model=model_name, prompt="Name three colours of the rainbow:", max_tokens=2),
+        "short": lambda: client.completions.create(model=model_name, prompt="Hi", max_tokens=2),
+    }
+
+    def run(name: str) -> None:
+        calls[name]()
+        finished.append(name)
+
+    threads = []
+    for name in calls:
+        threads.append(threading.Thread(target=run, args=(name,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while _num_waiting(sjf_server) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert _num_waiting(sjf_server) == len(calls)
+    blocker.close()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert finished == ["short", "mid", "long"]
+    # This policy does not rank by priority: a priority would be ignored, so it is refused.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=1,
+                                  extra_body={"priority": 3})
+    assert err.value.body["param"] == "priority"

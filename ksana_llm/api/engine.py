@@ -32,6 +32,7 @@ from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.engine.scheduling_policy import SchedulingPolicy
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.cpu_threads import openmp_pool_releaser
 from ksana_llm.runner.kv_transfer import KvLayout
@@ -50,7 +51,8 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
     `max_queue_size` bounds the waiting requests (beyond it `submit` raises QueueFullError);
-    `scheduler` is "fifo" or "priority". Any other `EngineConfig` field may be passed by name,
+    `scheduler` orders the requests: "fifo", "priority", or a `SchedulingPolicy` of your own
+    (an instance, its class, or its import path "module:Class"). Any other `EngineConfig` field may be passed by name,
     or a whole `config`. LoRA adapters: `lora_modules` (name -> folder) load at start-up, a
     request names one (`Request(lora=...)`, `generate(..., lora=...)`); see `LoraControl`.
     """
@@ -58,7 +60,8 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
     def __init__(self, model: Model | str | None = None, tokenizer: Any = None,
                  generation_config: GenerationConfig | dict[str, Any] | None = None, *,
                  max_batch_size: int | None = None, max_queue_size: int | None = None,
-                 scheduler: str | None = None, config: EngineConfig | None = None,
+                 scheduler: str | SchedulingPolicy | type[SchedulingPolicy] | None = None,
+                 config: EngineConfig | None = None,
                  **engine_kwargs: Any) -> None:
         overrides = dict(engine_kwargs)
         if max_batch_size is not None:
@@ -116,7 +119,7 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
             model, self.tokenizer, max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
             kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout,
-            lora=self._lora, priority_scheduling=self.config.scheduler_policy == "priority")
+            lora=self._lora, priority_scheduling=self.scheduling_policy.uses_priority)
         self._stats = StatsTracker()
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []
@@ -145,6 +148,11 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
         """What this engine's KV rows look like, which KV given as `Request.imported_kv` must
         match; None for a parallel engine, which cannot export or import KV."""
         return self._requests.kv_layout
+
+    @property
+    def scheduling_policy(self) -> SchedulingPolicy:
+        """The policy ordering this engine's requests (see `ksana_llm.SchedulingPolicy`)."""
+        return self._core.scheduler.policy
 
     @property
     def grammar_compiler(self) -> Any:

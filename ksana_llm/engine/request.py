@@ -58,6 +58,7 @@ class Sequence:
     config: GenerationConfig
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    rank: float = 0.0  # the scheduling policy's, set when the scheduler takes the sequence
     arrival_time: float = field(default_factory=time.monotonic)
     admission_order: int = 0  # set by the scheduler; breaks ties between equal arrival times
     output_token_ids: list[int] = field(default_factory=list)
@@ -176,7 +177,7 @@ class Sequence:
         its queue: `Scheduler.fork` does those). Its generator and detokenizer are the caller's."""
         return Sequence(
             self.request_id, self.prompt_token_ids, self.config, eos_token_ids=self.eos_token_ids,
-            priority=self.priority, arrival_time=self.arrival_time,
+            priority=self.priority, rank=self.rank, arrival_time=self.arrival_time,
             admission_order=self.admission_order, output_token_ids=list(self.output_token_ids),
             status=self.status, num_cached_tokens=self.num_cached_tokens,
             logprobs=list(self.logprobs), first_scheduled_time=self.first_scheduled_time,

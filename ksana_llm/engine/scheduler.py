@@ -4,10 +4,12 @@ There is no prefill phase and no decode phase: each sequence tracks `num_compute
 every step hands out at most `max_step_tokens` tokens so that it catches up with `num_tokens`.
 Running sequences are served first (a decode costs 1 token, plus its drafts under speculative
 decoding; a prefill chunk up to the rest of the budget), then swapped-out sequences come back,
-then waiting ones are admitted. When the KV pool runs out, the lowest-priority running sequence
-is preempted: swapped to the host pool (`preempt_mode=0`) or freed to be recomputed later
-(`preempt_mode=1`). Under the priority policy a waiting request that cannot start also preempts
-running sequences of lower priority, and is admitted before swapped-out ones of lower priority.
+then waiting ones are admitted. Every queue is kept in the order of the scheduling policy
+(`engine.scheduling_policy`: a rank per request, then arrival). When the KV pool runs out, the
+last running sequence in that order is preempted: swapped to the host pool (`preempt_mode=0`) or
+freed to be recomputed later (`preempt_mode=1`). Under a preemptive policy ("priority") a waiting
+request that cannot start also preempts running sequences of a larger rank, and is admitted
+before swapped-out ones of a larger rank.
 
 Sequences of one request (parallel samples, beams) are scheduled one by one like any other: they
 share blocks by refcount, and the block manager copies a shared block before anyone writes to it.
@@ -28,6 +30,8 @@ from typing import Any, Literal
 from ksana_llm.engine.kv_cache import BlockManager, PrefixMatch
 from ksana_llm.engine.lora_residency import LoraResidency
 from ksana_llm.engine.request import Sequence, SequenceStatus
+from ksana_llm.engine.scheduling_policy import (RequestInfo, SchedulingPolicy,
+                                                resolve_scheduling_policy)
 
 
 class QueueFullError(RuntimeError):
@@ -44,7 +48,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     split_fuse_token_num: int = 0  # 0: a prefill chunk is bounded by the budget only
     preempt_mode: Literal[0, 1] = 0  # 0 = swap, 1 = recompute
-    policy: Literal["fifo", "priority"] = "fifo"
+    # "fifo", "priority", an import path or a SchedulingPolicy (see engine.scheduling_policy).
+    policy: str | SchedulingPolicy = "fifo"
     max_queue_size: int = 1000
     max_loras: int = 0  # LoRA adapter slots: the most distinct adapters running at once
     # Steps a request may wait for a LoRA slot while newer requests of the adapters holding the
@@ -91,6 +96,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
+        self.policy = resolve_scheduling_policy(config.policy)
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # ordered by policy key
         self.running: list[Sequence] = []  # ordered by policy key
@@ -104,10 +110,9 @@ class Scheduler:
         self.num_lora_loads = 0  # adapters copied into a device slot
 
     # ---- queue management ----------------------------------------------------------------
-    def _key(self, seq: Sequence) -> tuple[float, ...]:
-        if self.config.policy == "priority":
-            return (seq.priority, seq.arrival_time, seq.admission_order)
-        return (seq.arrival_time, seq.admission_order)
+    @staticmethod
+    def _key(seq: Sequence) -> tuple[float, float, int]:
+        return (seq.rank, seq.arrival_time, seq.admission_order)
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=self._key)
@@ -116,6 +121,9 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_queue_size:
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_queue_size} requests); retry later")
+        seq.rank = self.policy.rank_of(RequestInfo(
+            seq.request_id, seq.priority, seq.arrival_time, seq.num_prompt_tokens,
+            seq.config.max_new_tokens, seq.num_reserved_slots))
         seq.admission_order = self._admissions
         self._admissions += 1
         seq.status = SequenceStatus.WAITING
@@ -133,7 +141,8 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Queue `child`, which holds a copy of `parent`'s tokens, next to the parent: sharing its
         blocks when the parent is running, otherwise (waiting or swapped out) to be recomputed."""
-        child.priority, child.arrival_time = parent.priority, parent.arrival_time
+        child.priority, child.rank = parent.priority, parent.rank
+        child.arrival_time = parent.arrival_time
         child.admission_order = parent.admission_order
         if parent.status == SequenceStatus.RUNNING:
             self.block_manager.fork(parent, child)
@@ -200,20 +209,20 @@ class Scheduler:
         return out
 
     def _preempt_for_urgent_waiting(self, out: SchedulerOutput) -> int:
-        """Priority policy (vLLM's priority preemption): while the most urgent waiting request
-        cannot start for want of a sequence slot or blocks, running sequences of a strictly lower
-        priority (a larger number) are preempted for it, least urgent first. Returns how many.
+        """Preemptive policy (vLLM's priority preemption): while the most urgent waiting request
+        cannot start for want of a sequence slot or blocks, running sequences of a strictly larger
+        rank (a lower priority) are preempted for it, least urgent first. Returns how many.
 
-        Strictly lower, not a later arrival of the same priority: a request that was preempted
+        Strictly larger, not a later arrival of the same rank: a request that was preempted
         itself and waits again must not push out its equals, which would then push it out."""
-        if self.config.policy != "priority" or not self.waiting:
+        if not self.policy.preemptive or not self.waiting:
             return 0
         head = self.waiting[0]
         if head.lora_id and (self.lora is None
                              or not self.lora.can_place(head.lora_id, self._held_adapters())):
             return 0  # it waits for an adapter slot, which preempting others does not give it
         count = 0
-        while self.running and self.running[-1].priority > head.priority \
+        while self.running and self.running[-1].rank > head.rank \
                 and not self._could_start(head):
             self._preempt(self.running.pop(), out)
             count += 1
@@ -233,10 +242,10 @@ class Scheduler:
         return needed + revived <= bm.num_free_blocks
 
     def _waiting_outranks_swapped(self) -> bool:
-        """Priority policy: the most urgent waiting request is more urgent than every swapped-out
+        """Preemptive policy: the most urgent waiting request is more urgent than every swapped-out
         sequence, so it is admitted before they come back (else swapped-out work goes first)."""
-        return (self.config.policy == "priority" and bool(self.waiting) and bool(self.swapped)
-                and self.waiting[0].priority < self.swapped[0].priority)
+        return (self.policy.preemptive and bool(self.waiting) and bool(self.swapped)
+                and self.waiting[0].rank < self.swapped[0].rank)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue = list(self.running)
@@ -250,7 +259,7 @@ class Scheduler:
                 continue
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
             while not self.block_manager.allocate(seq, num_new):
-                # Out of blocks: preempt the lowest-priority sequence, possibly this one.
+                # Out of blocks: preempt the least urgent sequence, possibly this one.
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:

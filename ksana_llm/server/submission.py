@@ -182,9 +182,9 @@ async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
         fields["cache_salt"] = req.cache_salt
     if req.priority:
         # As vLLM: a priority the FIFO scheduler would silently ignore is an error.
-        if state.engine.config.scheduler_policy != "priority":
+        if not state.engine.scheduling_policy.uses_priority:
             raise bad_request("`priority` needs a server started with --scheduling-policy "
-                              "priority.", param="priority")
+                              "priority (or a policy that ranks by priority).", param="priority")
         fields["priority"] = req.priority
     if req.kv_transfer_params is None:
         return fields

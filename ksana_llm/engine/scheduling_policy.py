@@ -1,0 +1,123 @@
+"""Scheduling policies: which waiting request starts first, and which running one yields.
+
+A policy ranks each request once, when the scheduler takes it; a smaller rank is more urgent, and
+equal ranks go in arrival order. The scheduler keeps its waiting, running and swapped-out queues
+in that order: it admits from the front and preempts from the back. A `preemptive` policy also
+lets a waiting request that cannot start push out running sequences of a strictly larger rank
+(strictly, so that two requests of one rank never push each other out in turn).
+
+    class ShortestPromptFirst(ksana_llm.SchedulingPolicy):
+        def rank(self, request):
+            return request.num_prompt_tokens
+
+    engine = ksana_llm.Engine(scheduler=ShortestPromptFirst())
+    # or, from the command line or a config: --scheduling-policy my_module:ShortestPromptFirst
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may rank a request by (read-only)."""
+
+    request_id: str
+    priority: int  # the request's own priority (Request(priority=), HTTP "priority")
+    arrival_time: float  # time.monotonic() when it was submitted
+    num_prompt_tokens: int
+    max_new_tokens: int
+    num_sequences: int  # n parallel samples, or beams
+
+
+class SchedulingPolicy:
+    """Subclass it and override `rank` (and `preemptive`, `uses_priority` where they differ).
+
+    `rank` runs on the engine's thread for every request, before it is queued: keep it cheap.
+    If it raises, or returns anything but a finite number, that request fails with the error
+    (a `ValueError` for a bad value) and everyone else is served on."""
+
+    name: ClassVar[str] = "custom"
+    # A more urgent waiting request preempts running ones of a larger rank (see the module doc).
+    preemptive: ClassVar[bool] = False
+    # Whether a request's `priority` means something here; when not, a priority other than 0
+    # is refused rather than silently ignored (vLLM's rule for its FCFS policy).
+    uses_priority: ClassVar[bool] = True
+
+    def rank(self, request: RequestInfo) -> float:
+        return 0.0
+
+    def rank_of(self, request: RequestInfo) -> float:
+        """`rank`, checked: what the scheduler stores."""
+        value = self.rank(request)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"scheduling policy {type(self).__name__}: rank() must return a "
+                             f"finite number, got {value!r} for request {request.request_id!r}")
+        return float(value)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class FifoPolicy(SchedulingPolicy):
+    """First come, first served (vLLM's "fcfs")."""
+
+    name = "fifo"
+    uses_priority = False
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lower `priority` values first, then arrival order; a waiting request preempts running
+    ones of a lower priority (vLLM's "priority")."""
+
+    name = "priority"
+    preemptive = True
+
+    def rank(self, request: RequestInfo) -> float:
+        return request.priority
+
+
+BUILT_IN_POLICIES: dict[str, type[SchedulingPolicy]] = {
+    "fifo": FifoPolicy, "fcfs": FifoPolicy, "priority": PriorityPolicy}
+
+
+def resolve_scheduling_policy(spec: str | SchedulingPolicy | type[SchedulingPolicy]
+                              ) -> SchedulingPolicy:
+    """A policy from "fifo", "priority", an import path ("package.module:Class" or
+    "package.module.Class") of a `SchedulingPolicy` subclass, the subclass, or an instance.
+    Raises ValueError saying what is wrong."""
+    if isinstance(spec, SchedulingPolicy):
+        return spec
+    if isinstance(spec, type):
+        if not issubclass(spec, SchedulingPolicy):
+            raise ValueError(f"{spec.__name__} is not a SchedulingPolicy subclass")
+        try:
+            return spec()
+        except TypeError as exc:
+            raise ValueError(f"cannot make a {spec.__name__} without arguments ({exc}); pass an "
+                             "instance instead") from None
+    if not isinstance(spec, str):
+        raise ValueError("expected 'fifo', 'priority', a 'module:Class' import path or a "
+                         f"SchedulingPolicy, got {type(spec).__name__}")
+    if spec in BUILT_IN_POLICIES:
+        return BUILT_IN_POLICIES[spec]()
+    module_name, sep, class_name = spec.partition(":")
+    if not sep:
+        module_name, _, class_name = spec.rpartition(".")
+    if not module_name or not class_name:
+        raise ValueError(f"{spec!r} is neither 'fifo', 'priority' nor a 'module:Class' import "
+                         "path of a SchedulingPolicy subclass")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r} for the scheduling policy {spec!r}: "
+                         f"{exc}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"module {module_name!r} has no {class_name!r} (scheduling policy "
+                         f"{spec!r})")
+    return resolve_scheduling_policy(cls)
