@@ -197,9 +197,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "and previous_response_id; least recently used dropped first "
                              "(default: 1024; 0: none)")
     # Prefill/decode disaggregation (see README "Prefill/decode disaggregation").
-    parser.add_argument("--kv-role", default=None, choices=KV_ROLES,
+    parser.add_argument("--kv-role", default=None, choices=(*KV_ROLES, "none"),
                         help="take part in disaggregated serving: keep prompts' KV for decode "
-                             "servers (prefill), start from a prefill server's KV (decode), or both")
+                             "servers (prefill), start from a prefill server's KV (decode), or "
+                             "both; none: not at all, whatever --config_file's group_role says")
     parser.add_argument("--kv-transfer-ttl", type=cli_types.positive_float, default=None,
                         help="seconds a prefill server keeps KV nobody fetched (default: 300)")
     parser.add_argument("--kv-prefill-url", action="append", default=None, metavar="URL",

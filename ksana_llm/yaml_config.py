@@ -273,7 +273,9 @@ def _check_type(dotted: str, kind: str, value: Any) -> Any:
 
 
 def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None,
-                        *, config_file: str | None = None) -> tuple[EngineConfig, ServerSettings]:
+                        *, config_file: str | None = None,
+                        override_names: Mapping[str, str] | None = None
+                        ) -> tuple[EngineConfig, ServerSettings]:
     """Like `load_engine_config`, for an already-parsed YAML mapping (None = empty file)."""
     if data is None:
         data = {}
@@ -308,7 +310,7 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
         if value is None:  # a CLI flag that was not given
             continue
         fields[name] = value
-        sources[name] = f"{name} (override)"
+        sources[name] = (override_names or {}).get(name, f"{name} (override)")
     try:
         config = EngineConfig(**fields)
     except ValidationError as exc:
@@ -316,14 +318,17 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     return config, ServerSettings(**server)
 
 
-def load_engine_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+def load_engine_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None,
+                       *, override_names: Mapping[str, str] | None = None
                        ) -> tuple[EngineConfig, ServerSettings]:
     """Read a KsanaLLM-style YAML file and return `(EngineConfig, ServerSettings)`.
 
     `overrides` are CLI flags in `EngineConfig` field names; they win over the file. A value of
-    None means "flag not given" and is skipped. Raises `ValueError` naming the dotted key for an
+    None means "flag not given" and is skipped. `override_names` (field -> flag) names them in
+    errors. Raises `ValueError` naming the dotted key for an
     unknown or unsupported key, an ill-typed value, or a value `EngineConfig` rejects;
     `FileNotFoundError` if the file is missing.
     """
     path = Path(path)
-    return parse_engine_config(_read_yaml(path), overrides, config_file=str(path))
+    return parse_engine_config(_read_yaml(path), overrides, config_file=str(path),
+                               override_names=override_names)

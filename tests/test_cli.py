@@ -172,6 +172,13 @@ def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
     args = parse(["serve", "--config_file", str(yaml_file), "--kv-role", "prefill",
                   "--kv-transfer-ttl", "5"])
     assert kv_transfer_from_args(args, configs_from_args(args)[1]) == ("prefill", 5.0)
+    # none switches the YAML's role off (and with it the YAML's expiry).
+    args = parse(["serve", "--config_file", str(yaml_file), "--kv-role", "none"])
+    assert kv_transfer_from_args(args, configs_from_args(args)[1]) == (None, None)
+    # A flag's bad value is named by the flag, with a YAML file as without one.
+    for extra in ([], ["--config_file", str(yaml_file)]):
+        with pytest.raises(ValueError, match="^--max-num-seqs: .*greater than or equal to 1"):
+            configs_from_args(parse(["serve", *extra, "--max-num-seqs", "0"]))
     assert kv_transfer_from_args(parse(["serve"]), None) == (None, None)
     from fastapi.testclient import TestClient
 

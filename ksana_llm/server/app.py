@@ -264,7 +264,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
             raise ValueError("--config_file is not supported yet")
         # Everything the engine acts on (including max_token_len and waiting_timeout_in_ms) is
         # in the EngineConfig; the ServerSettings add what only the server does (KV transfer).
-        return yaml_config.load_engine_config(args.config_file, overrides)
+        return yaml_config.load_engine_config(
+            args.config_file, overrides, override_names={name: _flag_of(name) for name in overrides})
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         return EngineConfig(**given), None
@@ -284,8 +285,11 @@ def _flag_of(field: str) -> str:
 
 
 def kv_transfer_from_args(args: argparse.Namespace, settings: Any) -> tuple[str | None, float | None]:
-    """(--kv-role, --kv-transfer-ttl), each from the YAML's connector section when not given."""
+    """(--kv-role, --kv-transfer-ttl), each from the YAML's connector section when not given
+    (--kv-role none: no role, whatever the YAML says)."""
     kv_role = getattr(args, "kv_role", None) or (settings.kv_role if settings else None)
+    if kv_role == "none":
+        kv_role = None
     kv_ttl = getattr(args, "kv_transfer_ttl", None)
     if kv_ttl is None and settings is not None and kv_role is not None:
         kv_ttl = settings.kv_transfer_ttl_s  # (meaningless, and ignored, without a role)
