@@ -140,6 +140,34 @@ def test_ppl_and_top_logprobs(engine, ids, hf):
                                values.numpy(), atol=ATOL)
 
 
+def test_gather_token_id_is_the_next_prompt_tokens_probability(engine, ids, hf):
+    """KsanaLLM's PPL mode: logits + GATHER_TOKEN_ID, no token_id -> at each position the
+    probability of the next prompt token, a 1-D tensor; by default every position but the last."""
+    logits, _ = hf
+    n = len(ids)
+    probs = torch.softmax(logits, dim=-1)
+    want = probs[torch.arange(n - 1), torch.tensor(ids[1:])]
+    default, sliced = engine.forward(ids, [
+        ForwardTarget("logits", token_reduce_mode="GATHER_TOKEN_ID"),
+        ForwardTarget("logits", [[1, 3], [-4, -2]], token_reduce_mode="GATHER_TOKEN_ID")]).targets
+    assert default.positions == list(range(n - 1)) and default.tensor.shape == (n - 1,)
+    torch.testing.assert_close(default.tensor, want, atol=1e-6, rtol=1e-4)
+    pos = _positions([[1, 3], [-4, -2]], n)
+    assert sliced.positions == pos
+    torch.testing.assert_close(sliced.tensor, want[pos], atol=1e-6, rtol=1e-4)
+
+
+def test_layernorm_rows_by_token_id(engine, ids, hf):
+    """KsanaLLM: a layernorm target picks its rows by token id (instead of slice_pos): the
+    positions holding one of those ids, in prompt order."""
+    _, hidden = hf
+    wanted = {ids[3], ids[7]}
+    out = engine.forward(ids, [ForwardTarget("layernorm", token_id=sorted(wanted))]).targets[0]
+    pos = [p for p, t in enumerate(ids) if t in wanted]
+    assert out.positions == pos and len(pos) >= 2
+    torch.testing.assert_close(out.tensor, hidden[pos], atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("run_ahead", [False, True], ids=["sync", "async-scheduling"])
 def test_forward_alongside_generation(model, ids, hf, run_ahead):
     """Forward requests and generate requests share steps; each gets its own right answer.
@@ -177,7 +205,14 @@ def test_forward_alongside_generation(model, ids, hf, run_ahead):
     ("hi there", [ForwardTarget("logits", [[1, 0]])], "targets[0].slice_pos"),
     ("hi there", [ForwardTarget("logits", [[0]])], "targets[0].slice_pos"),
     ("hi there", [ForwardTarget("logits", token_reduce_mode="MAX")], "targets[0].token_reduce_mode"),
-    ("hi there", [ForwardTarget("logits", token_reduce_mode="GATHER_TOKEN_ID")], "targets[0].token_id"),
+    # GATHER_TOKEN_ID is the next prompt token's probability: the last position has none.
+    ("hi there", [ForwardTarget("logits", [[0, -1]], token_reduce_mode="GATHER_TOKEN_ID")],
+     "targets[0].slice_pos"),
+    ("hi there", [ForwardTarget("layernorm", [[0, 0]], token_id=[1])], "targets[0].token_id"),
+    ("hi there", [ForwardTarget("logits", token_id=[1])], "targets[0].token_id"),
+    ([5, 6], [ForwardTarget("layernorm", token_id=[9])], "targets[0].token_id"),  # not in it
+    ([5], [ForwardTarget("logits", token_reduce_mode="GATHER_TOKEN_ID")],
+     "targets[0].token_reduce_mode"),  # no next token to score
     ("hi there", [ForwardTarget("logits", token_id=[1, 10**9], token_reduce_mode="GATHER_TOKEN_ID")],
      "targets[0].token_id"),
     ("hi there", [ForwardTarget("layernorm", token_id=[1], token_reduce_mode="GATHER_TOKEN_ID")],
@@ -263,6 +298,22 @@ def test_server_forward_matches_python_api(server, engine, ids, hf, use_msgpack)
                                atol=ATOL, rtol=RTOL)
 
 
+def test_server_ksana_ppl_request(server, ids, hf):
+    """KsanaLLM's own PPL request (msgpack; logits, GATHER_TOKEN_ID over [[0, n-2]]) and its PPL
+    2^(-mean log2 p) equal transformers' perplexity of the prompt."""
+    n = len(ids)
+    r, payload = _post(server, {"requests": [{"input_tokens": ids, "request_target": [
+        {"target_name": "logits", "slice_pos": [[0, n - 2]],
+         "token_reduce_mode": "GATHER_TOKEN_ID"}]}]}, use_msgpack=True)
+    assert r.status_code == 200, r.text
+    tensor = payload["responses"][0]["response"][0]["tensor"]
+    assert tensor["shape"] == [n - 1]
+    probs = _decode_tensor(tensor).double()
+    ppl = 2 ** (-torch.log2(probs).mean().item())
+    hf_ppl = math.exp(torch.nn.functional.cross_entropy(hf[0][:-1], torch.tensor(ids[1:])).item())
+    assert ppl == pytest.approx(hf_ppl, rel=1e-4)
+
+
 def test_server_ppl_last_position_is_null(server, ids):
     r, payload = _post(server, {"requests": [{"input_tokens": ids[:5], "request_target": [
         {"target_name": "logits", "token_logprobs": True}]}]})
@@ -281,8 +332,8 @@ def test_server_ppl_last_position_is_null(server, ids):
     ({"requests": [{"input_tokens": [1], "request_target": [{"target_name": "transformer"}]}]},
      "requests.0.request_target.0.target_name"),
     ({"requests": [{"input_tokens": [1, 2], "request_target": [
-        {"target_name": "logits", "token_reduce_mode": "GATHER_TOKEN_ID"}]}]},
-     "requests.0.request_target.0.token_id"),
+        {"target_name": "logits", "slice_pos": [[0, 1]], "token_reduce_mode": "GATHER_TOKEN_ID"}]}]},
+     "requests.0.request_target.0.slice_pos"),
     ({"requests": [{"prompt": "", "request_target": [{"target_name": "logits"}]}]}, "requests.0.prompt"),
     ({"requests": [{"input_tokens": [], "request_target": [{"target_name": "logits"}]}]},
      "requests.0.input_tokens"),

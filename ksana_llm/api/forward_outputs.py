@@ -21,7 +21,11 @@ class ForwardTarget:
     after the final norm). `slice_pos`: inclusive `[start, end]` position ranges, negatives counting
     from the end of the prompt (KsanaLLM semantics); None or [] means every position. Rows come in
     the order the ranges give them. `token_reduce_mode`: "GATHER_ALL" (whole vocab row) or
-    "GATHER_TOKEN_ID" (logits only: just the entries of `token_id`). `input_top_logprobs_num`:
+    "GATHER_TOKEN_ID" (logits only, KsanaLLM's PPL mode: at each position the probability of the
+    *next prompt token*, a 1-D tensor; the last position has none, so the default positions stop
+    before it). `token_id`: on "layernorm", the rows of the positions holding those ids instead of
+    `slice_pos` (KsanaLLM); on "logits" with GATHER_TOKEN_ID (our extension), just those
+    vocabulary entries of each row. `input_top_logprobs_num`:
     N > 0 adds the top-N `(token_id, logprob)` of each row's next-token distribution.
     `token_logprobs`: adds the log-prob of the *next actual prompt token* at each position (NaN at
     the last prompt position, which has no next token) -- the PPL building block.
@@ -39,7 +43,9 @@ class ForwardTarget:
 class ForwardTargetOutput:
     target_name: str
     positions: list[int]  # absolute prompt positions of the rows, in request order
-    tensor: Any  # torch.Tensor float32 CPU: [P, vocab] | [P, len(token_id)] | [P, hidden]
+    # torch.Tensor float32 CPU: [P, vocab] | [P] (next-token probabilities) | [P, len(token_id)]
+    # | [P, hidden]
+    tensor: Any
     token_logprobs: Any = None  # torch.Tensor [P] float32, when asked
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, best first, when asked
 
@@ -88,14 +94,17 @@ class ForwardHandle:
                 continue
             logits = result.logits.index_select(0, rows)
             item = ForwardTargetOutput("logits", positions, logits)
-            if target.token_reduce_mode == "GATHER_TOKEN_ID":
+            next_token = target.token_reduce_mode == "GATHER_TOKEN_ID" and not target.token_id
+            if target.token_reduce_mode == "GATHER_TOKEN_ID" and target.token_id:
                 item.tensor = logits[:, torch.tensor(target.token_id, dtype=torch.long)]
-            if target.token_logprobs or target.input_top_logprobs_num:
+            if target.token_logprobs or target.input_top_logprobs_num or next_token:
                 logprobs = torch.log_softmax(logits, dim=-1)
+                nxt = [ids[p + 1] if p + 1 < len(ids) else 0 for p in positions]
+                lp = logprobs.gather(1, torch.tensor(nxt, dtype=torch.long)[:, None])[:, 0]
+                if next_token:  # (positions stop before the last one: see resolve_target)
+                    item.tensor = lp.exp()
                 if target.token_logprobs:
-                    nxt = [ids[p + 1] if p + 1 < len(ids) else 0 for p in positions]
-                    lp = logprobs.gather(1, torch.tensor(nxt, dtype=torch.long)[:, None])[:, 0]
-                    last = torch.tensor([p + 1 >= len(ids) for p in positions])
+                    last = torch.tensor([p + 1 >= len(ids) for p in positions], dtype=torch.bool)
                     item.token_logprobs = lp.masked_fill(last, float("nan"))
                 if target.input_top_logprobs_num:
                     values, top_ids = logprobs.topk(target.input_top_logprobs_num, dim=-1)

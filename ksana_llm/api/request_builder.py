@@ -296,7 +296,7 @@ class RequestBuilder:
                              f"context, bounded by the KV cache) is {self.max_model_len}")
         if not isinstance(targets, (list, tuple)) or not targets:
             raise ValueError("targets must be a non-empty list of ForwardTarget")
-        resolved = [resolve_target(j, t, len(token_ids), self.model.vocab_size)
+        resolved = [resolve_target(j, t, token_ids, self.model.vocab_size)
                     for j, t in enumerate(targets)]
         targets = [t for t, _ in resolved]
         positions = [ps for _, ps in resolved]

@@ -6,8 +6,10 @@ Request: `{"requests": [{"prompt" | "input_tokens", "request_target": [{"target_
 "layernorm", "slice_pos": [[start, end], ...], "token_reduce_mode": "GATHER_ALL" |
 "GATHER_TOKEN_ID", "token_id": [int], "input_top_logprobs_num": int, "token_logprobs": bool}]}]}`.
 `slice_pos` ranges are inclusive, negatives count from the end; absent or [] = every position.
-`token_logprobs` is our extension: the log-prob of the next actual prompt token at each row
-(null/NaN at the last prompt position) -- what a PPL computation needs.
+KsanaLLM's semantics (`api.forward_targets`): `logits` + GATHER_TOKEN_ID is the probability of the
+next prompt token at each position (1-D; their PPL request), `layernorm` + `token_id` the rows of
+the positions holding those ids. Extensions: `token_id` on `logits` (those vocabulary entries) and
+`token_logprobs` (the log-prob of the next prompt token at each row, null at the last position).
 
 Response: `{"responses": [{"input_token_ids", "input_top_logprobs", "response": [{"target_name",
 "tensor": {"data", "shape", "dtype": "float32"}, ["token_logprobs"]}]}], "message": "", "code": 0}`.
@@ -144,7 +146,10 @@ def _target_values(target: TargetBody, rows: int, vocab: int, hidden: int) -> in
     and its next-token log-probs."""
     if target.target_name == "layernorm":
         return rows * hidden
-    width = len(target.token_id) if target.token_reduce_mode == "GATHER_TOKEN_ID" else vocab
+    if target.token_reduce_mode != "GATHER_TOKEN_ID":
+        width = vocab
+    else:  # a column per token id (our extension), or the next token's probability
+        width = len(target.token_id) or 1
     return rows * (width + 2 * target.input_top_logprobs_num + int(target.token_logprobs))
 
 
@@ -162,7 +167,7 @@ def _count_values(req: ForwardRequestBody, targets: list[ForwardTarget], ids: li
     vocab, hidden = int(config.vocab_size), int(config.hidden_size)
     total = 0
     for j, (body_target, target) in enumerate(zip(req.request_target, targets)):
-        _, positions = resolve_target(j, target, len(ids), vocab)
+        _, positions = resolve_target(j, target, ids, vocab)
         total += _target_values(body_target, len(positions), vocab, hidden)
     return total
 
