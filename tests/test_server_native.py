@@ -99,6 +99,78 @@ def test_num_return_sequences_sampling(server):
     assert chunks[-1] == out
 
 
+def _success_count(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ksana_llm:request_success_total"))
+
+
+def test_num_return_sequences_is_one_engine_request(server):
+    """n sequences share one engine request (and its prompt's KV): the metrics count one."""
+    before = _success_count(server)
+    r = _post(server, {"prompt": PROMPT, "stream": False, "sampling_config": {
+        "max_new_tokens": 4, "num_return_sequences": 3}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["output_token_ids"]) == 3 and len(set(map(tuple, out["output_token_ids"]))) == 1
+    assert _success_count(server) == before + 1
+
+
+def test_the_bodies_ksana_llms_own_clients_send(server, local_engine, greedy16):
+    """KsanaLLM's serving_generate_client (greedy spelled topk 1, topp 0.0) and its benchmark
+    client (model_type, use_chat_template false, an empty regex, null stop_strings)."""
+    tok = local_engine.tokenizer
+    r = _post(server, {"prompt": PROMPT, "stream": False, "sampling_config": {
+        "num_return_sequences": 1, "temperature": 0.0, "topk": 1, "topp": 0.0, "logprobs": 0,
+        "max_new_tokens": 16, "repetition_penalty": 1.0, "stop_token_ids": []}})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_token_ids"] == [greedy16.token_ids]
+    bench = {"prompt": PROMPT, "stream": False, "model_type": "llama", "use_chat_template": False,
+             "structured_output_regex": "", "sampling_config": {
+                 "temperature": 0.0, "topk": 1, "topp": 1.0, "num_beams": 1,
+                 "num_return_sequences": 1, "length_penalty": 1.0, "repetition_penalty": 1.0,
+                 "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+                 "decoder_no_repeat_ngram_size": 0, "logprobs": 0, "max_new_tokens": 8,
+                 "stop_token_ids": [], "stop_strings": None, "ignore_eos": False}}
+    r = _post(server, bench)
+    assert r.status_code == 200, r.text
+    # model_type llama: the prompt in Llama 2's [INST] turn, as KsanaLLM wraps it.
+    wrapped = tok.encode("[INST]" + PROMPT + "[/INST]")
+    assert r.json()["input_token_ids"] == wrapped
+    want = local_engine.generate_outputs(wrapped, kt.GenerationConfig(max_new_tokens=8),
+                                         use_tqdm=False)[0]
+    assert r.json()["output_token_ids"] == [want.token_ids]
+    # An unknown model_type leaves the prompt as it is (KsanaLLM's "empty", with a warning).
+    r = _post(server, {"prompt": PROMPT, "stream": False, "model_type": "nonesuch",
+                       "sampling_config": {"max_new_tokens": 1}})
+    assert r.json()["input_token_ids"] == tok.encode(PROMPT)
+    # use_chat_template: the prompt is JSON messages for the model's own chat template.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = _post(server, {"prompt": json.dumps(messages), "use_chat_template": True, "stream": False,
+                       "sampling_config": {"max_new_tokens": 8}})
+    assert r.status_code == 200, r.text
+    assert r.json()["input_token_ids"] == tok.encode(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def test_texts_are_the_decode_of_the_output_tokens(server, local_engine, greedy16):
+    """As KsanaLLM decodes them: a stop token that is not special stays in the text (the engine's
+    own text drops it), EOS and other special tokens do not."""
+    tok = local_engine.tokenizer
+    stop = greedy16.token_ids[3]
+    r = _post(server, {"prompt": PROMPT, "stream": False, "sampling_config": {
+        "max_new_tokens": 16, "stop_token_ids": [stop]}})
+    (tokens,) = r.json()["output_token_ids"]
+    assert tokens == greedy16.token_ids[:4]
+    assert r.json()["texts"] == [tok.decode(tokens, skip_special_tokens=True)]
+    assert r.json()["texts"][0].endswith(tok.decode([stop]))
+    chunks = _chunks(_post(server, {"prompt": PROMPT, "sampling_config": {
+        "max_new_tokens": 16, "stop_token_ids": [stop]}}))
+    assert chunks[-1] == r.json()
+    # Every chunk says something new: the final result is not sent twice.
+    assert all(a != b for a, b in zip(chunks, chunks[1:]))
+
+
 def test_stop_strings_truncate(server, greedy16):
     text = greedy16.text
     stop = text[len(text) // 2:len(text) // 2 + 3]
@@ -154,7 +226,10 @@ def test_logprobs(server, greedy16):
      "sampling_config.json_schema", None),
     ({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "messages",
      "unsupported_parameter"),
-    ({"prompt": "x", "sampling_config": {"topp": 0}}, "sampling_config.topp", None),
+    # topp 0 is accepted with greedy decoding only (KsanaLLM's clients send it so).
+    ({"prompt": "x", "sampling_config": {"topp": 0, "topk": 50, "temperature": 0.8}},
+     "sampling_config.topp", None),
+    ({"prompt": "not json", "use_chat_template": True}, "prompt", None),
     ({"prompt": "x", "structured_output_regex": "[ab]+", "sampling_config": {"num_beams": 2}},
      "structured_output_regex", None),
     ({"prompt": "x", "sampling_config": {"temperature": -1}}, "sampling_config.temperature", None),

@@ -33,7 +33,8 @@ def server(default_model_dir):
 def test_health_models_version(server, model_name):
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200
-    assert health.json()["status"] == "ok" and health.json()["num_running"] == 0
+    # KsanaLLM's body ("healthy"), plus the queue counts.
+    assert health.json()["status"] == "healthy" and health.json()["num_running"] == 0
     models = httpx.get(server.base_url + "/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [model_name]
     assert models["data"][0]["max_model_len"] == 4096  # 256 blocks x 16 tokens

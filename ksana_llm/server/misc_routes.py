@@ -36,7 +36,8 @@ async def health(request: Request) -> JSONResponse:
         status = "shutting_down" if state.shutting_down else "dead"
         return JSONResponse({"status": status}, status_code=503)
     stats = engine.stats()
-    return JSONResponse({"status": "ok", "num_running": stats.num_running,
+    # "healthy": KsanaLLM's body, which its probes compare.
+    return JSONResponse({"status": "healthy", "num_running": stats.num_running,
                          "num_waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage})
 
 

@@ -3,11 +3,16 @@
 Request: `prompt` (str) or `input_tokens` (list[int]) -- exactly one -- plus `sampling_config`
 (KsanaLLM names: `topk`, `topp`, `max_new_tokens`, `num_return_sequences`, `num_beams`,
 `length_penalty`, `no_repeat_ngram_size`, `structured_output_regex`, `enable_structured_output` +
-`json_schema`, ...), `structured_output_regex` (KsanaLLM's top-level spelling) and `stream`
-(default **true**). `num_return_sequences` sequences are one engine request (beam search returns
-its best `num_return_sequences` beams, at most `num_beams`). Response: `{"texts", "output_token_ids", "logprobs", "input_token_ids"}`, one
-entry per return sequence. A stream is not SSE: each chunk is that same object, JSON, followed by a
-NUL byte, holding the *cumulative* output so far; the last chunk is the final result.
+`json_schema`, ...), `structured_output_regex` (KsanaLLM's top-level spelling), `model_type` /
+`use_chat_template` (see `prompt_affixes`) and `stream` (default **true**). As in KsanaLLM, a key
+set to null takes its default, and greedy decoding (`topk` 1, the default, or `do_sample` false)
+ignores `topp` and `temperature`. `num_return_sequences` sequences are one engine request (beam
+search returns its best `num_return_sequences` beams, at most `num_beams`). Response: `{"texts",
+"output_token_ids", "logprobs", "input_token_ids"}`, one entry per return sequence; `texts` is
+the decode of `output_token_ids` (special tokens skipped, a stop token's text kept, as KsanaLLM
+decodes), except that a matched stop string and what follows it are cut from the text. A stream
+is not SSE: each chunk is that same object, JSON, followed by a NUL byte, holding the *cumulative*
+output so far; the last chunk is the final result.
 
 Errors, the API key, metrics and abort-on-disconnect are the OpenAI routes' own (`errors.py`,
 `generation.py`, the middlewares), so a client gets the same statuses and bodies on both APIs.
@@ -28,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
-from ksana_llm.server.generation import ChoiceSet, ClientDisconnected
+from ksana_llm.server.generation import ChoiceResult, ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_N, MAX_STOP
 from ksana_llm.server.submission import (CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse,
@@ -36,11 +41,11 @@ from ksana_llm.server.submission import (CLIENT_CLOSED_REQUEST, AbortOnCloseStre
 from ksana_llm.server.params import (
     check_logprobs_cap,
     check_token_ids,
-    choice_seeds,
     engine_config,
     prompt_token_lists,
     resolve_max_tokens,
 )
+from ksana_llm.server.prompt_affixes import build_prompt
 from ksana_llm.server.state import ServerState, server_state
 from ksana_llm.server.structured_params import (StructuredRequest, compile_spec,
                                                 refuse_with_beam_search, single)
@@ -49,8 +54,7 @@ NUL = b"\0"
 STREAM_MEDIA_TYPE = "application/octet-stream"
 
 # KsanaLLM top-level keys we do not serve yet: named in the 400 rather than called unknown.
-_UNSUPPORTED_TOP = ("messages", "input_refit_embedding", "pos", "embeddings",
-                    "additional_params", "model_type", "use_chat_template")
+_UNSUPPORTED_TOP = ("messages", "input_refit_embedding", "pos", "embeddings", "additional_params")
 
 # KsanaLLM sampling_config keys we do not serve yet, with the value that means "off" (accepted).
 _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -77,7 +81,7 @@ class _Strict(BaseModel):
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     topk: int = Field(1, ge=0)
-    topp: float = Field(1.0, gt=0, le=1)
+    topp: float = Field(1.0, ge=0, le=1)  # 0 is KsanaLLM's clients' greedy spelling
     do_sample: bool | None = None
     max_new_tokens: int | None = None  # absent or <= 0: until EOS or the context limit
     repetition_penalty: float = Field(1.0, gt=0)
@@ -109,6 +113,8 @@ class GenerateRequest(_Strict):
     stream: bool = True
     model_name: str = ""  # accepted, as KsanaLLM does; one model is served
     debug_mode: bool = False  # accepted and ignored
+    model_type: str = "empty"  # the prompt's chat affix (prompt_affixes.PROMPT_AFFIXES)
+    use_chat_template: bool = False  # `prompt` is JSON messages for the model's chat template
 
 
 def _check_keys(body: Any) -> None:
@@ -142,11 +148,14 @@ async def parse_generate_request(request: Request) -> GenerateRequest:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting
         raise bad_request(f"Malformed JSON body: {exc}", code="invalid_json") from exc
     _check_keys(body)
-    # Defaults for the keys that mean "off" are dropped before the model sees them.
+    # null means the default, as KsanaLLM reads its keys; the unsupported keys' "off" values are
+    # dropped before the model sees them.
+    body = {k: v for k, v in body.items() if v is not None}
     sampling = body.get("sampling_config")
     if isinstance(sampling, dict):
-        body = {**body, "sampling_config": {k: v for k, v in sampling.items()
-                                            if k not in _UNSUPPORTED_SAMPLING_DEFAULTS}}
+        body = {**body, "sampling_config": {
+            k: v for k, v in sampling.items()
+            if v is not None and k not in _UNSUPPORTED_SAMPLING_DEFAULTS}}
     try:
         return GenerateRequest.model_validate(body)
     except ValidationError as exc:
@@ -157,7 +166,9 @@ def prompt_ids(req: GenerateRequest, state: ServerState) -> list[int]:
     if (req.prompt is None) == (req.input_tokens is None):
         raise bad_request("Give exactly one of `prompt` and `input_tokens`.", param="prompt")
     if req.prompt is not None:
-        return prompt_token_lists(req.prompt, state.tokenizer, state.limits)[0]
+        text = build_prompt(req.prompt, req.model_type, req.use_chat_template, state.tokenizer,
+                            state.chat_template)
+        return prompt_token_lists(text, state.tokenizer, state.limits)[0]
     if not req.input_tokens:
         raise bad_request("The prompt is empty.", param="input_tokens", code="empty_prompt")
     check_token_ids(req.input_tokens, state.limits.vocab_size, "input_tokens")
@@ -169,9 +180,7 @@ def _structured(req: GenerateRequest) -> StructuredRequest | None:
     found = []
     for param, regex in (("structured_output_regex", req.structured_output_regex),
                          ("sampling_config.structured_output_regex", sc.structured_output_regex)):
-        if regex is not None:
-            if not regex:
-                raise bad_request(f"`{param}` must be a non-empty regex.", param=param)
+        if regex:  # "" is KsanaLLM's "none"
             found.append(StructuredRequest("regex", regex, param))
     if sc.enable_structured_output:
         param = "sampling_config.json_schema"
@@ -230,6 +239,10 @@ def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
         raise bad_request("Stop strings must be non-empty.", param="sampling_config.stop_strings")
     beam = _beam_fields(sc)
     sample = not sc.greedy and not beam
+    if sample and sc.topp == 0:
+        raise bad_request("topp must be > 0 when sampling (topk other than 1); topp 0 is only "
+                          "accepted with greedy decoding, which ignores it.",
+                          param="sampling_config.topp")
     base_seed = (sc.seed if sc.seed is not None else secrets.randbits(62)) if sample else None
     fields: dict[str, Any] = {
         "max_new_tokens": max_tokens, "do_sample": sample,
@@ -245,8 +258,10 @@ def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
         fields["structured_output"] = structured
     if beam:
         return [engine_config({**fields, **beam}, _ENGINE_TO_NATIVE)]
-    return [engine_config({**fields, "seed": seed}, _ENGINE_TO_NATIVE)
-            for seed in choice_seeds(base_seed, sc.num_return_sequences)]
+    # One engine request for every sequence: they share the prompt's KV, the metrics count one
+    # request, and sequence i of a seeded request samples with seed + i.
+    return [engine_config({**fields, "seed": base_seed,
+                           "num_return_sequences": sc.num_return_sequences}, _ENGINE_TO_NATIVE)]
 
 
 def _logprob_steps(entries: list[dict[str, Any]], n: int) -> list[list[list[float | int]]]:
@@ -258,11 +273,21 @@ def _logprob_steps(entries: list[dict[str, Any]], n: int) -> list[list[list[floa
     return steps
 
 
-def snapshot(choices: ChoiceSet, input_ids: list[int], logprobs_n: int) -> dict[str, Any]:
+def _text(out: ChoiceResult, tokenizer: Any) -> str:
+    """KsanaLLM's `texts`: the decode of the output tokens, special tokens skipped (a stop token
+    that is not special stays); an incomplete UTF-8 character at the end is left out. A matched
+    stop string (stop_reason) is cut from the text, as the engine's own text has it."""
+    if isinstance(out.stop_reason, str):
+        return out.text
+    return tokenizer.decode(out.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def snapshot(choices: ChoiceSet, input_ids: list[int], logprobs_n: int, tokenizer: Any
+             ) -> dict[str, Any]:
     """The response object as of now (cumulative; final once every sequence finished)."""
     outs = choices.results()  # token lists copied: the engine thread appends
     return {
-        "texts": [o.text for o in outs],
+        "texts": [_text(o, tokenizer) for o in outs],
         "output_token_ids": [o.token_ids for o in outs],
         "logprobs": ([_logprob_steps(list(o.logprobs or []), logprobs_n) for o in outs]
                      if logprobs_n else None),
@@ -275,21 +300,26 @@ def _chunk(payload: dict[str, Any]) -> bytes:
 
 
 async def _nul_stream(choices: ChoiceSet, input_ids: list[int], logprobs_n: int,
-                      every_event: bool) -> AsyncIterator[bytes]:
+                      every_event: bool, tokenizer: Any) -> AsyncIterator[bytes]:
     """A chunk whenever the token count changes (every event with stop strings, as KsanaLLM),
-    then the final result; an engine failure after the 200 went out becomes an error chunk."""
+    then the final result unless the last chunk was it already; an engine failure after the 200
+    went out becomes an error chunk."""
     last_counts: list[int] | None = None
+    last: bytes | None = None
     try:
         async for _ in choices.events():
-            payload = snapshot(choices, input_ids, logprobs_n)
+            payload = snapshot(choices, input_ids, logprobs_n, tokenizer)
             counts = [len(t) for t in payload["output_token_ids"]]
             if every_event or counts != last_counts:
                 last_counts = counts
-                yield _chunk(payload)
+                last = _chunk(payload)
+                yield last
     except APIError as exc:
         yield _chunk(exc.body())
         return
-    yield _chunk(snapshot(choices, input_ids, logprobs_n))
+    final = _chunk(snapshot(choices, input_ids, logprobs_n, tokenizer))
+    if final != last:
+        yield final
 
 
 async def generate(request: Request) -> Response:
@@ -307,14 +337,15 @@ async def generate(request: Request) -> Response:
                                state.request_observer if state.metrics is not None else None)
     if req.stream:
         response = AbortOnCloseStreamingResponse(
-            _nul_stream(choices, ids, sc.logprobs, every_event=bool(sc.stop_strings)), choices)
+            _nul_stream(choices, ids, sc.logprobs, every_event=bool(sc.stop_strings),
+                        tokenizer=state.tokenizer), choices)
         response.headers["content-type"] = STREAM_MEDIA_TYPE
         return response
     try:
         await choices.wait(request)
     except ClientDisconnected:  # not a failure: the metrics count its requests as aborted
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(snapshot(choices, ids, sc.logprobs))
+    return JSONResponse(snapshot(choices, ids, sc.logprobs, state.tokenizer))
 
 
 def mount(app: FastAPI, engine: Any = None) -> None:
