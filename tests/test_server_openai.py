@@ -37,6 +37,9 @@ def test_health_models_version(server, model_name):
     assert health.json()["status"] == "healthy" and health.json()["num_running"] == 0
     models = httpx.get(server.base_url + "/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [model_name]
+    # KsanaLLM serves them without the /v1 prefix too.
+    assert httpx.get(server.url + "/models").json() == models
+    assert httpx.get(f"{server.url}/models/{model_name}").json()["id"] == model_name
     assert models["data"][0]["max_model_len"] == 4096  # 256 blocks x 16 tokens
     assert httpx.get(server.url + "/version").json() == {"version": kt.__version__}
 

@@ -69,11 +69,13 @@ def _model_cards(request: Request) -> list[ModelCard]:
 
 
 @router.get("/v1/models")
+@router.get("/models")  # KsanaLLM serves it without the /v1 prefix too
 async def list_models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=_model_cards(request)).model_dump())
 
 
 @router.get("/v1/models/{model:path}")
+@router.get("/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
     """OpenAI's `models.retrieve`: one card, or a 404 naming `model` (names may hold slashes)."""
     for card in _model_cards(request):
