@@ -93,6 +93,47 @@ def test_chat_greedy_matches_python_api(client, model_name, local_engine):
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // 16 * 16 > 0
 
 
+def test_an_answer_sent_back_as_the_client_dumps_it(client, model_name):
+    """`messages.append(reply.choices[0].message.model_dump())` -- refusal, annotations, audio and
+    function_call all null -- is a valid next turn, as on OpenAI; a refusal is the turn's text."""
+    reply = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=4,
+                                           temperature=0)
+    dumped = reply.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(dumped)
+    follow = [*QUESTION, dumped, {"role": "user", "content": "And of Germany?"}]
+    assert client.chat.completions.create(model=model_name, messages=follow,
+                                          max_tokens=2).choices[0].message.content
+
+    def prompt_tokens(assistant: dict) -> int:
+        return client.chat.completions.create(
+            model=model_name, max_tokens=1, messages=[*QUESTION, assistant, QUESTION[0]]
+        ).usage.prompt_tokens
+
+    said = prompt_tokens({"role": "assistant", "content": "I cannot say."})
+    assert prompt_tokens({"role": "assistant", "content": None, "refusal": "I cannot say."}) == said
+    assert prompt_tokens({"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "I cannot say."}]}) == said
+    with pytest.raises(openai.BadRequestError) as err:  # no audio to replay here
+        client.chat.completions.create(model=model_name, max_tokens=1, messages=[
+            *QUESTION, {"role": "assistant", "content": None, "audio": {"id": "audio_1"}}])
+    assert err.value.body["param"] == "messages.1.audio"
+
+
+def test_parameters_of_the_clients_own_signature(client, model_name):
+    """The official client's chat parameters: the ones that change nothing are accepted (as on
+    /v1/responses), `verbosity`, which would change the answer, is refused by name."""
+    out = client.chat.completions.create(
+        model=model_name, messages=QUESTION, max_tokens=2, prompt_cache_key="k",
+        safety_identifier="user-1", prompt_cache_retention="24h", stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False})
+    assert list(out)[-1].usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2,
+                                       verbosity="low")
+    assert (err.value.body["param"], err.value.body["code"]) == ("verbosity",
+                                                                "unsupported_parameter")
+
+
 def test_cache_salt_isolates_the_prefix_cache(client, model_name):
     """vLLM's `cache_salt`: a request sees cached prompt blocks only of requests with its salt;
     the Responses route takes it too."""

@@ -29,6 +29,13 @@ def load_chat_template(path: str | None) -> str | None:
 def _content_text(message: ChatMessage, index: int) -> str:
     content = message.content
     param = f"messages.{index}.content"
+    for field in ("audio", "function_call"):
+        if getattr(message, field) is not None:
+            raise bad_request(f"`{field}` in a message is not supported (this server answers "
+                              "neither with audio nor with legacy function calls).",
+                              param=f"messages.{index}.{field}", code="unsupported_parameter")
+    if content is None and message.role == "assistant" and message.refusal is not None:
+        return message.refusal  # a refused turn: its refusal is what was said
     if isinstance(content, str):
         return content
     if content is None:
@@ -36,14 +43,16 @@ def _content_text(message: ChatMessage, index: int) -> str:
     if isinstance(content, list) and content:
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            # An assistant turn's refusal part reads as its text, as /v1/responses reads it.
+            key = "refusal" if kind == "refusal" and message.role == "assistant" else "text"
+            if kind != key:
                 raise bad_request(f"Content part of type {kind!r} is not supported; only 'text' parts.",
                                   param=f"{param}.{j}")
-            if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
-                raise bad_request("A text part must be {'type': 'text', 'text': <string>}.",
+            if set(part) - {"type", key} or not isinstance(part.get(key), str):
+                raise bad_request(f"A {key} part must be {{'type': '{key}', '{key}': <string>}}.",
                                   param=f"{param}.{j}")
-            texts.append(part["text"])
+            texts.append(part[key])
         # OpenAI joins text parts without a separator when it flattens them.
         return "".join(texts)
     raise bad_request("Message content must be a string or a non-empty list of text parts.",

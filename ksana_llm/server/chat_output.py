@@ -38,9 +38,14 @@ class ChatDelta:
 
 
 class ChoiceOutputParser:
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None) -> None:
+    """`forced_call`: tool_choice named the function, so a call is no news to the caller
+    (OpenAI's finish_reason is then "stop", not "tool_calls")."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None, *,
+                 forced_call: bool = False) -> None:
         self._reasoning = reasoning
         self._tools = tools
+        self._forced_call = forced_call
         self._ids: dict[int, str] = {}  # tool-call index -> id, given with the call's name
 
     @property
@@ -84,8 +89,9 @@ class ChoiceOutputParser:
         return self._route(split.reasoning, split.content, last=True)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """OpenAI says "tool_calls" when the model stopped after calling tools."""
-        if self.num_tool_calls and engine_reason == "stop":
+        """OpenAI (and vLLM) say "tool_calls" when the model stopped after calling tools of its
+        own choosing ("auto" or "required"); "stop" for a call to the function tool_choice named."""
+        if self.num_tool_calls and engine_reason == "stop" and not self._forced_call:
             return "tool_calls"
         return engine_reason
 

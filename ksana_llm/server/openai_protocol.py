@@ -34,6 +34,7 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = True  # accepted and ignored: this server pads no events
 
 
 class _SamplingRequest(_Request):
@@ -100,6 +101,8 @@ class CompletionRequest(_SamplingRequest):
     # Typed loosely on purpose: `prompt_to_token_ids` gives precise 400 messages for the four
     # accepted shapes instead of pydantic's union-error noise.
     prompt: Any = None
+    # 0 with echo: score the prompt, generate nothing (OpenAI's legacy rule; checked in the route)
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs in the route
     echo: bool = False
     suffix: Any = None
@@ -120,6 +123,12 @@ class ChatMessage(_Request):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # a thinking model's earlier reasoning; templates may drop it
+    # What the client sends back of an earlier answer (`message.model_dump()`): a refusal is the
+    # turn's text (chat.py); the rest must be empty, as they are from this server.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -146,12 +155,17 @@ class ChatCompletionRequest(_SamplingRequest):
     # (gpt-oss's, ...) act on it.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     web_search_options: Any = None
+    verbosity: Any = None
+    # Accepted and ignored, as on /v1/responses: they do not change what is generated.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
     def unsupported_params(self) -> list[str]:
         found = super().unsupported_params()
         # functions / function_call: OpenAI's deprecated spelling of tools / tool_choice.
         for name in ("functions", "function_call", "audio",
-                     "web_search_options"):
+                     "web_search_options", "verbosity"):
             if getattr(self, name):
                 found.append(name)
         if self.modalities not in (None, ["text"]):

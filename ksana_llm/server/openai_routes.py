@@ -83,12 +83,13 @@ async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[Bas
 
 
 def _usage(prompt_tokens: int, choices: ChoiceSet, prompt_of: list[int] | None = None,
-           prediction: list[int] | None = None) -> Usage:
+           prediction: list[int] | None = None, *, generated: bool = True) -> Usage:
     """Token counts. `prompt_of` maps requests to prompts (default: all one prompt); a prompt
     sent several times (n > 1) counts its cached tokens once, as its tokens. With a
-    `prediction` (Predicted Outputs), how much of it the choices used."""
+    `prediction` (Predicted Outputs), how much of it the choices used. `generated` false: the
+    completion tokens are not part of the answer (echo with max_tokens 0) and count 0."""
     results = choices.results()
-    completion = sum(len(r.token_ids) for r in results)
+    completion = sum(len(r.token_ids) for r in results) if generated else 0
     prompt_of = prompt_of or [0] * len(choices.handles)
     first_request = {p: r for r, p in reversed(list(enumerate(prompt_of)))}
     cached = sum(choices.handles[r].output.num_cached_tokens for r in first_request.values())
@@ -121,6 +122,12 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_common(req, state)
     check_logprobs_cap(req.logprobs, state.max_logprobs, "logprobs")
+    # echo with max_tokens 0 scores the prompt (OpenAI's legacy rule, vLLM's too): one token is
+    # generated, for the engine, and left out of the answer.
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise bad_request("max_tokens must be at least 1; 0 is only for echo (scoring the prompt).",
+                          param="max_tokens")
     prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
                for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
     if len(prompts) * req.n > MAX_CHOICES:
@@ -137,7 +144,7 @@ async def create_completion(request: Request) -> Response:
         extra["prompt_logprobs"] = prompt_lp
     jobs = plan_jobs(req, prompts, state, logprobs=req.logprobs, extra=extra,
                       max_tokens=lambda ids: resolve_max_tokens(
-                          req.max_tokens, len(ids), state.limits, "prompt",
+                          1 if score_only else req.max_tokens, len(ids), state.limits, "prompt",
                           min(COMPLETIONS_DEFAULT_MAX_TOKENS,
                               state.sampling_defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)))
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -167,6 +174,10 @@ async def create_completion(request: Request) -> Response:
             generated = [0] * choices.num_choices
             async for ev in choices.events():
                 r = request_of[ev.index]
+                if score_only:  # the generated token is not part of the answer
+                    ev.text, ev.logprobs, ev.num_tokens = "", None, 0
+                    if ev.finish_reason is not None:  # out of tokens, whatever the one was
+                        ev.finish_reason, ev.stop_reason = "length", None
                 generated[ev.index] += ev.num_tokens
                 usage = _running_usage(req, len(prompts[jobs.prompt_of[r]]), generated[ev.index])
                 if not echoed[ev.index]:
@@ -195,7 +206,8 @@ async def create_completion(request: Request) -> Response:
                     usage=usage)
             if include_usage:
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                         usage=_usage(prompt_tokens, choices, jobs.prompt_of))
+                                         usage=_usage(prompt_tokens, choices, jobs.prompt_of,
+                                                      generated=not score_only))
 
         return AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
 
@@ -203,6 +215,9 @@ async def create_completion(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     result = []
     for i, out in enumerate(choices.results()):
+        if score_only:  # the generated token is not part of the answer
+            out.text, out.token_ids, out.logprobs = "", [], out.logprobs and []
+            out.finish_reason, out.stop_reason = "length", None
         p = jobs.prompt_of[out.request]
         prefix = echo_texts[p] if echo_texts is not None else ""
         entries = prompt_entries(out.request)
@@ -222,7 +237,8 @@ async def create_completion(request: Request) -> Response:
             prompt_logprobs=(vllm_prompt_logprobs(entries, prompts[p], texts)
                              if req.prompt_logprobs is not None else None)))
     response = CompletionResponse(id=request_id, created=created, model=model, choices=result,
-                                  usage=_usage(prompt_tokens, choices, jobs.prompt_of),
+                                  usage=_usage(prompt_tokens, choices, jobs.prompt_of,
+                                               generated=not score_only),
                                   kv_transfer_params=kv_response(state, choices))
     return JSONResponse(response.model_dump())
 

@@ -39,16 +39,37 @@ class ToolPlan:
     function: str | None = None  # the named function
     constraint: StructuredRequest | None = None  # required / named: the output's JSON schema
     parser: ToolParser | None = None  # auto: the server's parser
+    single_call: bool = False  # auto with parallel_tool_calls false: calls after the first dropped
 
     def stream(self) -> ToolCallStream | None:
         """A fresh per-choice extractor, or None when tool calls are not extracted."""
         if self.mode == "auto" and self.parser is not None:
-            return self.parser.stream()
+            stream = self.parser.stream()
+            return FirstCallOnly(stream) if self.single_call else stream
         if self.mode == "required":
             return JsonCallSequenceStream(open="[", separator=",", close="]")
         if self.mode == "named" and self.function is not None:
             return NamedCallStream(self.function)
         return None
+
+
+class FirstCallOnly(ToolCallStream):
+    """parallel_tool_calls false with "auto": OpenAI returns at most one call, and a free-running
+    model may write several; the later ones (and only they) are dropped, streamed or not."""
+
+    def __init__(self, inner: ToolCallStream) -> None:
+        self._inner = inner
+
+    @staticmethod
+    def _first(delta: ParsedDelta) -> ParsedDelta:
+        delta.tool_calls = [call for call in delta.tool_calls if call.index == 0]
+        return delta
+
+    def feed(self, text: str) -> ParsedDelta:
+        return self._first(self._inner.feed(text))
+
+    def finish(self) -> ParsedDelta:
+        return self._first(self._inner.finish())
 
 
 class NamedCallStream(ToolCallStream):
@@ -132,7 +153,7 @@ def plan_tools(tools: Any, tool_choice: Any, *, parallel_tool_calls: bool | None
             raise bad_request('"auto" tool choice requires the server to be started with '
                               "--enable-auto-tool-choice and --tool-call-parser.",
                               param="tool_choice")
-        return ToolPlan("auto", checked, parser=parser)
+        return ToolPlan("auto", checked, parser=parser, single_call=parallel_tool_calls is False)
     if choice == "required":
         schema = required_schema(checked, parallel=parallel_tool_calls is not False)
         return ToolPlan("required", checked,

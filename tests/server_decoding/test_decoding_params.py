@@ -106,6 +106,24 @@ def test_prompt_logprobs_and_echo(server, client, model, local_engine):
     for token, value, top, ref in zip(lp.tokens[1:len(ids)], lp.token_logprobs[1:],
                                       lp.top_logprobs[1:], expected.prompt_logprobs[1:]):
         assert top[token] == value and len(top) == (2 if ref["rank"] <= 2 else 3)
+    # echo with max_tokens 0 scores the prompt: its text and logprobs, nothing generated
+    # (OpenAI's legacy rule, how lm-eval style clients score), streamed or not.
+    scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True,
+                                       logprobs=2, temperature=0)
+    assert scored.choices[0].text == PROMPT and scored.choices[0].finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.model_dump() == {
+        name: getattr(lp, name)[:len(ids)] for name in ("tokens", "token_logprobs",
+                                                        "top_logprobs", "text_offset")}
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True,
+                                            logprobs=2, stream=True, temperature=0,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as err:  # 0 without echo means nothing
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
     # vLLM's prompt_logprobs on chat and completions.
     r = httpx.post(server.base_url + "/completions", timeout=60, json={
         "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}).json()

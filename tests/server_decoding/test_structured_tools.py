@@ -140,7 +140,10 @@ def test_tool_call_round_trip(client, model, tool_choice):
                   temperature=0, max_tokens=80)
     reply = client.chat.completions.create(**kwargs)
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    # OpenAI and vLLM: "tool_calls" for calls the model chose ("required"), "stop" for the call
+    # to the function tool_choice named.
+    want_finish = "stop" if isinstance(tool_choice, dict) else "tool_calls"
+    assert choice.finish_reason == want_finish and choice.message.content is None
     assert choice.message.tool_calls, choice
     for call in choice.message.tool_calls:
         _check_call(call)
@@ -148,7 +151,7 @@ def test_tool_call_round_trip(client, model, tool_choice):
         assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
 
     calls, finish, content = _stream_tool_calls(client.chat.completions.create(**kwargs, stream=True))
-    assert finish == "tool_calls" and content == ""
+    assert finish == want_finish and content == ""
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
 
@@ -186,6 +189,25 @@ def test_auto_tool_choice_with_hermes_parser(client, model):
     # tool_choice "none": the same text stays content.
     none = client.chat.completions.create(**{**kwargs, "tool_choice": "none", "max_tokens": 16})
     assert none.choices[0].message.tool_calls == [] and "<tool_call>" in none.choices[0].message.content
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call(client, model):
+    """OpenAI returns at most one call with parallel_tool_calls false; a model that writes two
+    (forced here) gets its first only, streamed and not."""
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "%s"\}\}\n</tool_call>'
+    regex = (call % "Paris") + "\n" + (call % "Rome")
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris and Rome?"}],
+                  tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=160,
+                  extra_body={"guided_regex": regex})
+    both = client.chat.completions.create(**kwargs).choices[0]
+    assert [json.loads(c.function.arguments)["city"] for c in both.message.tool_calls] == \
+        ["Paris", "Rome"]
+    one = client.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    assert [json.loads(c.function.arguments)["city"] for c in one.message.tool_calls] == ["Paris"]
+    assert one.finish_reason == "tool_calls"
+    calls, finish, _ = _stream_tool_calls(client.chat.completions.create(
+        **kwargs, parallel_tool_calls=False, stream=True))
+    assert [json.loads(c["arguments"])["city"] for c in calls.values()] == ["Paris"]
 
 
 # ---- reasoning -------------------------------------------------------------------------------------
