@@ -209,10 +209,7 @@ def small_server(default_model_dir):
 
 @pytest.mark.parametrize("route,body,param", [
     ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}, "prompt"),
-    ("/generate", {"prompt": "a", "stream": False,
-                   "sampling_config": {"num_return_sequences": 5, "max_new_tokens": 2}},
-     "sampling_config.num_return_sequences"),
-], ids=["completions_prompts", "generate_sequences"])
+], ids=["completions_prompts"])
 def test_400_for_more_engine_requests_than_the_server_ever_takes(small_server, route, body, param):
     """Submitted all or none, five requests never fit 2 + 2: a 429 would come back on every
     retry, even on an idle server. It is a 400 naming the limit, before anything runs."""
@@ -227,6 +224,19 @@ def test_400_for_more_engine_requests_than_the_server_ever_takes(small_server, r
     fits = httpx.post(small_server.base_url + "/completions", timeout=120,
                       json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2})
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 4
+    # n sequences of one prompt are one engine request, whose sequences run side by side: more
+    # than max_num_seqs is a 400 naming the key, on /generate as on /v1/completions.
+    for route, body, param in [
+            ("/generate", {"prompt": "a", "stream": False, "sampling_config": {
+                "num_return_sequences": 3, "max_new_tokens": 2}},
+             "sampling_config.num_return_sequences"),
+            ("/v1/completions", {"prompt": "a", "n": 3, "max_tokens": 2}, "n")]:
+        r = httpx.post(small_server.url + route, json=body, timeout=60)
+        assert r.status_code == 400 and openai_error(r)["param"] == param, r.text
+    two = httpx.post(small_server.url + "/generate", timeout=120, json={
+        "prompt": "a", "stream": False, "sampling_config": {
+            "num_return_sequences": 2, "max_new_tokens": 2}})
+    assert two.status_code == 200 and len(two.json()["output_token_ids"]) == 2
 
 
 def test_forward_only_requests_larger_than_the_queue_wait_for_room(small_server):

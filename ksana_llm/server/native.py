@@ -36,8 +36,7 @@ from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import ChoiceResult, ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_N, MAX_STOP
-from ksana_llm.server.submission import (CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse,
-                                         check_fits_queue)
+from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse
 from ksana_llm.server.params import (
     check_logprobs_cap,
     check_token_ids,
@@ -331,8 +330,12 @@ async def generate(request: Request) -> Response:
     constraint = _structured(req)
     refuse_with_beam_search(constraint, sc.num_beams > 1)
     spec = await compile_spec(state, constraint) if constraint is not None else None
-    configs = generation_configs(sc, len(ids), state, spec)
-    check_fits_queue(state, 1, len(configs), n_param="sampling_config.num_return_sequences")
+    configs = generation_configs(sc, len(ids), state, spec)  # one engine request
+    limit = state.engine.config.max_num_seqs  # its sequences run side by side
+    for key in ("num_return_sequences", "num_beams"):
+        if getattr(sc, key) > limit:
+            raise bad_request(f"{key} must be <= max_num_seqs ({limit}), got {getattr(sc, key)}",
+                              param=f"sampling_config.{key}")
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],
                                state.request_observer if state.metrics is not None else None)
     if req.stream:
