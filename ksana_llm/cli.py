@@ -1,4 +1,6 @@
-"""`ksana-llm generate "..."` and `ksana-llm chat` (interactive, streaming, with the chat template)."""
+"""`ksana-llm generate "..."`, `ksana-llm chat` (interactive, streaming, with the chat template),
+`ksana-llm serve`, `ksana-llm bench` (the load client: KsanaLLM's benchmark flags) and the other
+commands listed by `ksana-llm --help`."""
 
 from __future__ import annotations
 
@@ -141,6 +143,12 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     from ksana_llm.server.batch_runner import run_batch
 
     return run_batch(args)
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    from ksana_llm.bench.client import main as bench_main
+
+    return bench_main(argv, prog="ksana-llm bench")
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -373,12 +381,20 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(prefill/decode disaggregation)")
     _add_router_args(route)
     route.set_defaults(func=cmd_router)
+    # Listed for --help only: main() hands everything after `bench` to the load client's own
+    # parser (its flags are KsanaLLM's benchmark_throughput.py flags; `bench --help` lists them).
+    sub.add_parser("bench", add_help=False,
+                   help="load-test a running server (KsanaLLM's benchmark_throughput.py flags; "
+                        "`ksana-llm bench --help`)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("KLLM_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,23 +1,35 @@
-"""The load client's pure pieces (stream decoders, statistics, arrivals, CSV) and one in-process
-run against a fake ASGI server for each backend and streaming mode."""
+"""The load client (`ksana_llm.bench`: `ksana-llm bench`, `benchmarks/benchmark_throughput.py`):
+its pure pieces (stream decoders, statistics, arrivals, the rate search, CSV); runs against a fake
+ASGI server for each backend and streaming mode; KsanaLLM's flags end to end into the request
+bodies (a small recording HTTP server); failed streams; and `ksana-llm bench` against a real
+server."""
 
 from __future__ import annotations
 
 import asyncio
 import csv
 import json
+import logging
 import math
 import random
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
 
-from benchmarks.benchmark_throughput import (BenchConfig, build_parser, build_request,
-                                             config_from_args, main, run_benchmark)
-from benchmarks.client_results import (RequestResult, arrival_offsets, percentile, read_prompts,
-                                       summarize, write_perf_csv)
-from benchmarks.stream_decoding import (NulChunkDecoder, SSEDecoder, ksana_chunk_state,
-                                        openai_chunk_text)
+from ksana_llm.bench.client import (BenchConfig, build_parser, build_request, config_from_args,
+                                    main, run_benchmark)
+from ksana_llm.bench.results import (RequestResult, arrival_offsets, next_request_rate,
+                                     percentile, read_prompts, summarize, write_perf_csv)
+from ksana_llm.bench.stream import (NulChunkDecoder, SSEDecoder, error_message, ksana_chunk_state,
+                                    openai_chunk_text)
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_CSV = str(REPO / "benchmarks" / "sample_prompts.csv")
 
 
 # ---- decoders ------------------------------------------------------------------------------------
@@ -111,13 +123,43 @@ def test_summarize_without_stream_has_no_ttft():
     assert "Avg TTFT" not in row and row["P90 latency"] == 1.0 and row["Concurrency"] == 4
 
 
-def test_poisson_arrivals():
+def test_arrivals_even_poisson_and_bursts():
     assert arrival_offsets(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
-    offsets = arrival_offsets(2000, 10.0, random.Random(0))
+    # KsanaLLM's default: evenly spaced; --concurrency N sends N together, N / rate apart.
+    assert arrival_offsets(4, 2.0) == [0.0, 0.5, 1.0, 1.5]
+    assert arrival_offsets(5, 2.0, burst=2) == [0.0, 0.0, 1.0, 1.0, 2.0]
+    # --random: a Poisson process (exponential gaps of mean 1 / rate), seeded.
+    offsets = arrival_offsets(2000, 10.0, random.Random(0), poisson=True)
     gaps = [b - a for a, b in zip(offsets, offsets[1:])]
     assert offsets[0] == 0.0 and all(g >= 0 for g in gaps)
     assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
-    assert offsets == arrival_offsets(2000, 10.0, random.Random(0))  # seeded
+    assert len({round(g, 9) for g in gaps}) > 1000  # not evenly spaced
+    assert offsets == arrival_offsets(2000, 10.0, random.Random(0), poisson=True)  # seeded
+    bursts = arrival_offsets(2000, 10.0, random.Random(0), burst=4, poisson=True)
+    assert bursts[0::4] == bursts[1::4] == bursts[3::4]
+    burst_gaps = [b - a for a, b in zip(bursts[::4], bursts[4::4])]
+    assert sum(burst_gaps) / len(burst_gaps) == pytest.approx(0.4, rel=0.15)  # rate stays 10/s
+
+
+def test_request_rate_sweep_and_latency_search():
+    def nxt(history, **kw):
+        args = dict(start=2.0, step=1.5, num_iters=3, max_avg_latency=math.inf,
+                    max_first_token_latency=math.inf, max_rate=64.0)
+        return next_request_rate(history, **{**args, **kw})
+
+    # --request_rate_num_iters 3 --request_rate_step 1.5: 2, 3.5, 5, then done.
+    assert [nxt([]), nxt([(2, 1, 0)]), nxt([(2, 1, 0), (3.5, 1, 0)])] == [2.0, 3.5, 5.0]
+    assert nxt([(2, 1, 0), (3.5, 1, 0), (5, 1, 0)]) is None
+    # With a latency bound: double while the highest rate passes (at most max_rate)...
+    runs = [(2, 1.0, 0.1), (3.5, 1.5, 0.1), (5, 1.9, 0.1)]
+    assert nxt(runs, max_avg_latency=2.0) == 10.0
+    assert nxt(runs + [(40, 1.0, 0.1)], max_avg_latency=2.0) == 64.0
+    # ... halve while the lowest fails, else the midpoint of best pass and first fail.
+    assert nxt(runs, max_avg_latency=0.5) == 1.0
+    assert nxt(runs + [(10, 3.0, 0.1)], max_avg_latency=2.0) == 7.5
+    assert nxt(runs, max_avg_latency=10.0, max_first_token_latency=0.05) == 1.0  # TTFT bound
+    assert nxt(runs + [(10, 3.0, 0.1), (7.5, 3.0, 0.1)], max_avg_latency=2.0) == 6.2
+    assert nxt([(0.1, 5.0, 0.0)], num_iters=1, max_avg_latency=1.0) is None  # 0.1 again: stop
 
 
 # ---- files and flags -----------------------------------------------------------------------------
@@ -144,12 +186,18 @@ def test_flags_and_payloads():
     assert cfg.percentiles == (50.0, 90.0, 99.0) and math.isinf(cfg.request_rate)
     path, body = build_request(cfg, "hi")
     assert path == "/generate"
-    assert body == {"prompt": "hi", "stream": True,
-                    "sampling_config": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    # KsanaLLM's client sends every sampling key, with its names and defaults (greedy: topk 1).
+    assert body == {"prompt": "hi", "stream": True, "sampling_config": {
+        "max_new_tokens": 8, "temperature": 0.0, "topk": 1, "topp": 1.0,
+        "repetition_penalty": 1.0, "num_beams": 1, "num_return_sequences": 1,
+        "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+        "decoder_no_repeat_ngram_size": 0, "logprobs": 0, "stop_token_ids": [],
+        "stop_strings": [], "ignore_eos": True}}
     openai = BenchConfig(backend="openai", stream=True, model="m", max_new_tokens=4)
     path, body = build_request(openai, "hi")
     assert path == "/v1/completions" and body["stream_options"] == {"include_usage": True}
     assert body["model"] == "m" and body["max_tokens"] == 4
+    assert body["top_k"] == 1 and body["top_p"] == 1.0 and "logprobs" not in body
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--percentiles", "50,x"])
     with pytest.raises(SystemExit):
@@ -235,7 +283,8 @@ def test_http_errors_are_recorded_not_raised():
 
 def test_main_writes_csvs_and_reports_unreachable_server(tmp_path, capsys):
     perf, out = tmp_path / "perf.csv", tmp_path / "out.csv"
-    code = main(["--port", "9", "--backend", "ksana", "--prompt_num", "2", "--client_timeout", "2",
+    code = main(["--host", "127.0.0.1", "--port", "9", "--backend", "ksana", "--prompt_num", "2",
+                 "--client_timeout", "2",
                  "--perf_csv", str(perf), "--output_csv", str(out)])
     assert code == 1  # every request failed: nothing listens on port 9
     rows = list(csv.reader(perf.open()))
@@ -258,8 +307,6 @@ def test_unreported_token_counts_stay_unknown():
 
 def test_token_id_prompts_and_per_request_lengths():
     """The offline workload travels as token ids with each request's own output length."""
-    from benchmarks.benchmark_throughput import BenchConfig, build_request
-
     path, body = build_request(BenchConfig(backend="ksana"), [5, 6, 7], 9)
     assert path == "/generate" and body["input_tokens"] == [5, 6, 7]
     assert body["sampling_config"]["max_new_tokens"] == 9 and "prompt" not in body
@@ -267,3 +314,333 @@ def test_token_id_prompts_and_per_request_lengths():
     assert path == "/v1/completions" and body["prompt"] == [5, 6] and body["max_tokens"] == 3
     _, body = build_request(BenchConfig(backend="openai", max_new_tokens=100), "text")
     assert body["max_tokens"] == 100
+
+
+# ---- failed streams and error answers ------------------------------------------------------------
+
+def _error_app(body_chunks, status=200):
+    """An ASGI app answering every POST with these chunks (after a 200, as the server does when
+    the engine fails mid-stream)."""
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] == "/v1/models":
+            body_chunks_ = [json.dumps({"data": [{"id": "m"}]}).encode()]
+        else:
+            body_chunks_ = body_chunks
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        for chunk in body_chunks_:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    return app
+
+
+ENGINE_ERROR = {"error": {"message": "the engine failed while serving this request",
+                          "type": "server_error", "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("backend, stream, chunks", [
+    # /generate: tokens arrive, then the error chunk the server sends after its 200
+    ("ksana", True, [json.dumps({"texts": ["Hi"], "output_token_ids": [[1, 2]],
+                                 "input_token_ids": [5]}).encode() + b"\0",
+                     json.dumps(ENGINE_ERROR).encode() + b"\0"]),
+    ("ksana", False, [json.dumps(ENGINE_ERROR).encode()]),
+    ("openai", True, [b'data: {"choices": [{"text": "Hi"}]}\n\n',
+                      f"data: {json.dumps(ENGINE_ERROR)}\n\n".encode(), b"data: [DONE]\n\n"]),
+    ("openai", False, [json.dumps(ENGINE_ERROR).encode()]),
+])
+def test_error_in_a_200_answer_fails_the_request(backend, stream, chunks):
+    cfg = BenchConfig(backend=backend, stream=stream)
+    _, results, duration = asyncio.run(
+        run_benchmark(cfg, ["a", "b"], transport=httpx.ASGITransport(app=_error_app(chunks))))
+    assert [r.ok for r in results] == [False, False]
+    assert "the engine failed while serving this request" in results[0].error
+    row = summarize(results, duration, request_rate=math.inf, concurrency=1, percentiles=(50,),
+                    stream=stream)
+    assert row["Failed requests"] == 2 and row["Successful requests"] == 0
+
+
+def test_error_message_reads_error_objects():
+    assert error_message(ENGINE_ERROR) == "the engine failed while serving this request"
+    assert error_message({"error": "boom"}) == "boom"
+    assert error_message({"texts": ["x"]}) is None and error_message([1]) is None
+
+
+# ---- load shape ----------------------------------------------------------------------------------
+
+def _slow_ksana_app(state):
+    """/generate answering after 50 ms, recording how many requests were in flight at most."""
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        state["now"] += 1
+        state["max"] = max(state["max"], state["now"])
+        await asyncio.sleep(0.05)
+        state["now"] -= 1
+        state["count"] += 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps(
+            {"texts": ["x"], "output_token_ids": [[1]], "input_token_ids": [1]}).encode()})
+    return app
+
+
+@pytest.mark.parametrize("mode, concurrency, max_concurrency, expected_max", [
+    ("async", 1, None, 6),    # open loop at an infinite rate: everything at once
+    ("async", 1, 2, 2),       # --max_concurrency caps what is in flight
+    ("sync", 3, None, 3),     # closed loop: --concurrency workers
+    ("sync", 1, None, 1),     # KsanaLLM's sync mode: one after the other
+])
+def test_requests_in_flight(mode, concurrency, max_concurrency, expected_max):
+    state = {"now": 0, "max": 0, "count": 0}
+    cfg = BenchConfig(mode=mode, concurrency=concurrency, max_concurrency=max_concurrency)
+    _, results, _ = asyncio.run(run_benchmark(
+        cfg, list("abcdef"), transport=httpx.ASGITransport(app=_slow_ksana_app(state))))
+    assert all(r.ok for r in results) and state["max"] == expected_max
+
+
+def test_warmup_is_not_measured_and_repeats_pool():
+    state = {"now": 0, "max": 0, "count": 0}
+    cfg = BenchConfig(warmup_num_iters=2, repeat_num_iters=3)
+    _, results, duration = asyncio.run(run_benchmark(
+        cfg, ["a", "b"], transport=httpx.ASGITransport(app=_slow_ksana_app(state))))
+    assert state["count"] == 2 * 2 + 3 * 2 and len(results) == 3 * 2
+    row = summarize(results, duration, request_rate=math.inf, concurrency=1, percentiles=(50,),
+                    stream=False, passes=3)
+    assert row["Total latency"] == pytest.approx(duration / 3)  # one pass, as KsanaLLM reports
+    assert row["Request throughput"] == pytest.approx(6 / duration)
+
+
+def test_decode_token_throughput():
+    results = [result(0, 0.0, [], 1.0, 10, 5), result(1, 0.0, [], 1.0, 10, 1)]
+    plain = summarize(results, 2.0, request_rate=1.0, concurrency=1, percentiles=(50,),
+                      stream=False)
+    decode = summarize(results, 2.0, request_rate=1.0, concurrency=1, percentiles=(50,),
+                       stream=False, decode_token_throughput=True)
+    assert plain["Token throughput"] == 26 / 2.0 and plain["Decode token throughput"] == 4 / 2.0
+    assert decode["Token throughput"] == 4 / 2.0
+
+
+# ---- KsanaLLM's flags, end to end into the request bodies ----------------------------------------
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Records every POST body and answers like the server would (one token-bearing answer).
+    A stand-in server on purpose: these tests check what the *client* sends."""
+
+    protocol_version = "HTTP/1.0"  # the body ends when the connection closes
+    bodies: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, payload: bytes, ctype: str = "application/json") -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self):
+        self._answer(json.dumps({"data": [{"id": "served-model"}]}).encode())
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append((self.path, body))
+        if self.path == "/generate":
+            chunk = {"texts": ["ab"], "output_token_ids": [[7, 8]], "input_token_ids": [1, 2, 3]}
+            if body["stream"]:
+                self._answer(b"".join(json.dumps({**chunk, "output_token_ids": [[7, 8][:n]]}
+                                                 ).encode() + b"\0" for n in (1, 2)))
+            else:
+                self._answer(json.dumps(chunk).encode())
+        else:
+            usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+            if body["stream"]:
+                events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                          {"choices": [], "usage": usage}]
+                self._answer(b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events)
+                             + b"data: [DONE]\n\n", "text/event-stream")
+            else:
+                self._answer(json.dumps({"choices": [{"text": "ab"}], "usage": usage}).encode())
+
+
+@pytest.fixture()
+def recorder():
+    _Recorder.bodies = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd.server_address[1], _Recorder.bodies
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_ksana_readme_command_and_upstream_flags_reach_generate(recorder, tmp_path):
+    port, bodies = recorder
+    perf, out = tmp_path / "perf.csv", tmp_path / "out.csv"
+    # KsanaLLM README's benchmark command (4.3.4), plus the sampling and load flags of its client.
+    code = main(["--host", "127.0.0.1", "--port", str(port), "--prompt_num", "2",
+                 "--input_csv", SAMPLE_CSV, "--stream", "--backend", "ksana",
+                 "--model_type", "qwen", "--mode", "async", "--request_rate", "50",
+                 "--output_csv", str(out), "--perf_csv", str(perf),
+                 "--topk", "5", "--topp", "0.9", "--temperature", "0.7",
+                 "--repetition_penalty", "1.1", "--num_beams", "1", "--logprobs", "2",
+                 "--stop_strings", "a b", "c", "--no_repeat_ngram_size", "3",
+                 "--structured_output_regex", "[a-z]+", "--max_new_tokens", "4",
+                 "--shuffle", "--seed", "3", "--warmup_num_iters", "1", "--random",
+                 "--dataset_name", "customize", "--show_decode_token_throughput",
+                 "--percentiles", "50", "99", "--tokenizer_path", "unused-without-random-ids"])
+    assert code == 0
+    assert len(bodies) == 4  # one warm-up pass and one measured pass of two prompts
+    shuffled = read_prompts(SAMPLE_CSV, shuffle_rng=random.Random(3))[:2]
+    assert shuffled != read_prompts(SAMPLE_CSV)[:2]
+    assert [b["prompt"] for _, b in bodies] == shuffled * 2
+    for path, body in bodies:
+        assert path == "/generate"
+        assert body["model_type"] == "qwen" and body["stream"] is True
+        assert body["structured_output_regex"] == "[a-z]+"
+        assert body["sampling_config"] == {
+            "max_new_tokens": 4, "temperature": 0.7, "topk": 5, "topp": 0.9,
+            "repetition_penalty": 1.1, "num_beams": 1, "num_return_sequences": 1,
+            "length_penalty": 1.0, "no_repeat_ngram_size": 3, "encoder_no_repeat_ngram_size": 0,
+            "decoder_no_repeat_ngram_size": 0, "logprobs": 2,
+            "stop_token_ids": [151643, 151644, 151645],  # KsanaLLM's qwen default
+            "stop_strings": ["a b", "c"], "ignore_eos": False}
+    header, values = list(csv.reader(perf.open()))
+    row = dict(zip(header, map(float, values)))
+    assert row["Successful requests"] == 2 and row["Request rate"] == 50  # warm-up not counted
+    assert "P50 TTFT" in row and "P99 TPOT" in row
+    assert row["Token throughput"] == row["Decode token throughput"]  # 1 decode token each
+    assert len(list(csv.reader(out.open()))) == 3
+
+
+def test_openai_backends_send_the_vllm_equivalents(recorder):
+    port, bodies = recorder
+    common = ["--host", "127.0.0.1", "--port", str(port), "--input_csv", SAMPLE_CSV,
+              "--prompt_num", "1", "--max_new_tokens", "4"]
+    assert main([*common, "--backend", "vllm", "--stream", "--topk", "5", "--topp", "0.9",
+                 "--repetition_penalty", "1.1", "--logprobs", "2", "--stop_strings", "x",
+                 "--stop_token_ids", "7", "--ignore_eos", "--model_type", "llama"]) == 0
+    path, body = bodies[-1]
+    prompt = read_prompts(SAMPLE_CSV)[0]
+    assert path == "/v1/completions"
+    assert body == {"prompt": f"[INST]{prompt}[/INST]", "max_tokens": 4, "temperature": 0.0,
+                    "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1, "logprobs": 2,
+                    "stop": ["x"], "stop_token_ids": [7], "ignore_eos": True,
+                    "model": "served-model", "stream": True,
+                    "stream_options": {"include_usage": True}}
+    # This server's OpenAI API also takes beams (no top_k: beams do not sample).
+    assert main([*common, "--backend", "openai", "--num_beams", "3", "--length_penalty", "0.8"]) == 0
+    _, body = bodies[-1]
+    assert body["use_beam_search"] is True and body["num_beams"] == 3
+    assert body["length_penalty"] == 0.8 and "top_k" not in body and body["prompt"] == prompt
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--backend", "vllm", "--num_beams", "2"], "--backend vllm cannot express --num_beams > 1"),
+    (["--backend", "vllm", "--no_repeat_ngram_size", "2"], "--no_repeat_ngram_size"),
+    (["--backend", "openai", "--encoder_no_repeat_ngram_size", "2"],
+     "--backend openai cannot express --encoder_no_repeat_ngram_size"),
+    (["--backend", "openai", "--chat_template"], "--chat_template"),
+    (["--num_return_sequences", "2"], "one sequence per request"),
+    (["--dataset_name", "sharegpt500"], "pass its CSV as --input_csv"),
+    (["--dataset_name", "longbenchV2withCtx"], "LongBench v2 is not supported"),
+    (["--backend", "trt-llm"], "does not speak"),
+    (["--max_first_token_latency", "1"], "needs --stream"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--percentiles", "50", "101"], "[0, 100]"),
+    (["--random_workloads", "3"], "unrecognized arguments"),  # no prefix matching
+])
+def test_what_cannot_be_done_is_a_usage_error(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_flags_without_effect_here_are_accepted_with_a_warning(recorder, caplog):
+    port, bodies = recorder
+    with caplog.at_level(logging.WARNING, logger="ksana_llm.bench"):
+        assert main(["--host", "127.0.0.1", "--port", str(port), "--input_csv", SAMPLE_CSV,
+                     "--prompt_num", "1", "--clear_cache", "--triton_model_name", "x"]) == 0
+    assert len(bodies) == 1
+    assert "--clear_cache has no effect" in caplog.text
+    assert "--triton_model_name has no effect" in caplog.text
+
+
+def test_upstream_spellings_parse():
+    args = build_parser().parse_args(["--random", "--percentiles", "50", "90,99",
+                                      "--tokenizer_path", "tok", "--dataset_path", "x.csv"])
+    cfg = config_from_args(args)
+    assert cfg.poisson and cfg.percentiles == (50.0, 90.0, 99.0)
+    assert args.tokenizer == "tok" and args.input_csv == "x.csv"
+    assert cfg.backend == "ksana" and cfg.concurrency == 1  # KsanaLLM's defaults
+    default = config_from_args(build_parser().parse_args([]))
+    assert not default.poisson and default.model_type is None
+
+
+def test_the_offline_benchmarks_use_the_clients_workload():
+    """`--random_workload` sends what offline_throughput.py runs: one builder, one seed rule."""
+    import numpy as np
+
+    from benchmarks import workload as offline
+    from ksana_llm.bench import workload
+
+    assert offline.build_workload is workload.build_workload
+    built = workload.build_workload(5, 4, 9, 7, np.arange(3, 500))
+    again = offline.build_workload(5, 4, 9, 7, np.arange(3, 500))
+    assert built.prompts == again.prompts and built.summary()["num_requests"] == 5
+    assert all(4 <= len(p) <= 9 for p in built.prompts)
+
+
+def test_script_is_the_package_client():
+    from benchmarks import benchmark_throughput
+    from ksana_llm.bench import client
+
+    assert benchmark_throughput.main is client.main
+    assert benchmark_throughput.BenchConfig is client.BenchConfig
+
+
+# ---- `ksana-llm bench` ----------------------------------------------------------------------------
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ksana_llm.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_ksana_llm_bench_help():
+    done = _cli("bench", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: ksana-llm bench")
+    for flag in ("--model_type", "--topk", "--warmup_num_iters", "--random", "--percentiles"):
+        assert flag in done.stdout
+    top = _cli("--help")
+    assert top.returncode == 0 and "bench" in top.stdout and "load-test" in top.stdout
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    from tests.server_process import ServerProcess
+
+    proc = ServerProcess(["--num-device-blocks", "128"])
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("backend, extra", [
+    ("ksana", ["--model_type", "empty", "--mode", "async", "--random", "--request_rate", "20"]),
+    ("openai", ["--mode", "sync", "--concurrency", "2", "--stop_strings", "zzz"]),
+])
+def test_ksana_llm_bench_against_a_real_server(server, backend, extra, tmp_path):
+    perf = tmp_path / "perf.csv"
+    done = _cli("bench", "--host", "127.0.0.1", "--port", str(server.port), "--backend", backend,
+                "--input_csv", SAMPLE_CSV, "--prompt_num", "3", "--max_new_tokens", "4",
+                "--stream", "--topk", "1", "--topp", "1.0", "--repetition_penalty", "1.0",
+                "--percentiles", "50", "99", "--perf_csv", str(perf), *extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    header, values = list(csv.reader(perf.open()))
+    row = dict(zip(header, map(float, values)))
+    assert row["Successful requests"] == 3 and row["Failed requests"] == 0, row
+    assert 1 <= row["Avg output tokens"] <= 4 and row["Avg input tokens"] > 0, row
+    assert row["P99 TTFT"] >= row["P50 TTFT"] > 0

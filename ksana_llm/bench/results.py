@@ -1,6 +1,6 @@
 """What the load client records per request, and the figures and files it makes of them:
-percentiles, the perf row (KsanaLLM's column names first), Poisson arrivals, the prompt CSV
-and the output / perf CSVs (pure functions, unit-tested without a server)."""
+percentiles, the perf row (KsanaLLM's column names first), arrival times, the prompt CSV and the
+output / perf CSVs (pure functions, unit-tested without a server)."""
 
 from __future__ import annotations
 
@@ -79,31 +79,37 @@ def _spread(name: str, values: Sequence[float], percentiles: Iterable[float]) ->
 
 
 def summarize(results: Sequence[RequestResult], duration: float, *, request_rate: float,
-              concurrency: int | None, percentiles: Sequence[float], stream: bool
-              ) -> dict[str, float]:
+              concurrency: int | None, percentiles: Sequence[float], stream: bool,
+              passes: int = 1, decode_token_throughput: bool = False) -> dict[str, float]:
     """The perf row: KsanaLLM's columns first (same names), then our additions.
 
+    `results` may pool `passes` runs of the workload (`--repeat_num_iters`) that took `duration`
+    seconds together: "Total latency" is then one pass's average, as KsanaLLM reports it.
     Failed requests are counted but left out of every other figure. Token throughputs use the
-    whole run's wall time, so they are what a user of the server would see.
+    whole run's wall time, so they are what a user of the server would see. With
+    `decode_token_throughput` (KsanaLLM's --show_decode_token_throughput) "Token throughput" counts
+    only the tokens after each request's first; "Decode token throughput" always does.
     """
     ok = [r for r in results if r.ok]
     # A count the server did not report stays unknown (NaN average), rather than reading as 0.
     known_in = [r.input_tokens for r in ok if r.input_tokens is not None]
     known_out = [r.output_tokens for r in ok if r.output_tokens is not None]
     in_tokens, out_tokens = sum(known_in), sum(known_out)
+    decode_tokens = sum(max(n - 1, 0) for n in known_out)
     latencies = [r.latency for r in ok]
     per_second = (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
     row: dict[str, float] = {
         "Request rate": request_rate,
         "Concurrency": float(concurrency) if concurrency else math.inf,
-        "Total latency": duration,
+        "Total latency": duration / max(passes, 1),
         "Request throughput": per_second(len(ok)),
         "Avg latency": mean(latencies),
         "Avg input chars": mean([len(r.prompt) for r in ok]),
         "Avg output chars": mean([len(r.output) for r in ok]),
         "Avg input tokens": mean(known_in),
         "Avg output tokens": mean(known_out),
-        "Token throughput": per_second(in_tokens + out_tokens),
+        "Token throughput": per_second(decode_tokens if decode_token_throughput
+                                       else in_tokens + out_tokens),
     }
     row.update({f"P{_fmt_p(p)} latency": percentile(latencies, p) for p in percentiles})
     if stream:
@@ -113,6 +119,7 @@ def summarize(results: Sequence[RequestResult], duration: float, *, request_rate
     row.update({
         "Input token throughput": per_second(in_tokens),
         "Output token throughput": per_second(out_tokens),
+        "Decode token throughput": per_second(decode_tokens),
         "Median latency": percentile(latencies, 50),
         "Successful requests": float(len(ok)),
         "Failed requests": float(len(results) - len(ok)),
@@ -120,25 +127,68 @@ def summarize(results: Sequence[RequestResult], duration: float, *, request_rate
     return row
 
 
-def arrival_offsets(n: int, rate: float, rng: random.Random) -> list[float]:
-    """Start times (seconds from t0) of n requests: a Poisson process of `rate` req/s, or all at
-    0 when the rate is infinite. Exponential gaps are what a Poisson process has."""
+def arrival_offsets(n: int, rate: float, rng: random.Random | None = None, *, burst: int = 1,
+                    poisson: bool = False) -> list[float]:
+    """Start times (seconds from t0) of n requests sent `burst` at a time (KsanaLLM's
+    --concurrency), at `rate` requests/s on average: bursts evenly spaced `burst / rate` apart, or
+    with `poisson` (KsanaLLM's --random) a Poisson process of bursts (exponential gaps of that
+    mean, drawn from `rng`). An infinite rate sends everything at 0."""
     if n <= 0:
         return []
     if math.isinf(rate):
         return [0.0] * n
-    offsets, t = [], 0.0
-    for _ in range(n):
-        offsets.append(t)
-        t += rng.expovariate(rate)
-    return offsets
+    burst = max(burst, 1)
+    gap = burst / rate
+    rng = rng or random.Random(0)
+    starts, t = [], 0.0
+    for _ in range((n + burst - 1) // burst):
+        starts.append(t)
+        t += rng.expovariate(1.0 / gap) if poisson else gap
+    return [starts[i // burst] for i in range(n)]
+
+
+def next_request_rate(history: Sequence[tuple[float, float, float]], *, start: float, step: float,
+                      num_iters: int, max_avg_latency: float, max_first_token_latency: float,
+                      max_rate: float) -> float | None:
+    """The request rate of the next run, or None when done (KsanaLLM's sweep and SLA search).
+
+    `history` holds (rate, avg latency, avg TTFT) of the runs so far. The first `num_iters` runs
+    step the rate up from `start` by `step`. Then, if a latency bound is set, it searches the
+    highest rate that keeps both averages within their bounds: double the highest rate while it
+    passes (at most `max_rate`, the number of prompts), halve the lowest while it fails, else try
+    the midpoint of the highest passing and the lowest failing rate; halves and midpoints are
+    rounded to 0.1 req/s (at least 0.1). A rate already run ends the search.
+    """
+    if len(history) < num_iters:
+        return start + step * len(history)
+    if math.isinf(max_avg_latency) and math.isinf(max_first_token_latency):
+        return None
+
+    def passes(run: tuple[float, float, float]) -> bool:
+        return run[1] <= max_avg_latency and run[2] <= max_first_token_latency
+
+    def tenth(rate: float) -> float:
+        return max(round(rate * 10) / 10, 0.1)
+
+    runs = sorted(history)
+    if passes(runs[-1]):
+        rate = min(runs[-1][0] * 2, max_rate)
+    elif not passes(runs[0]):
+        rate = tenth(runs[0][0] / 2)
+    else:
+        best = max(r[0] for r in runs if passes(r))
+        worst = min(r[0] for r in runs if not passes(r))
+        rate = tenth((best + worst) / 2)
+    return None if any(r[0] == rate for r in runs) else rate
 
 
 # ---- input and output files --------------------------------------------------------------------
 
-def read_prompts(path: str | Path, col_idx: int = 0, prompt_num: int = 0) -> list[str]:
-    """Prompts from column `col_idx` of a CSV with a header row. `prompt_num` 0 = all; more than
-    the file holds cycles through it, so a small file can drive a long run."""
+def read_prompts(path: str | Path, col_idx: int = 0, prompt_num: int = 0,
+                 shuffle_rng: random.Random | None = None) -> list[str]:
+    """Prompts from column `col_idx` of a CSV with a header row, shuffled by `shuffle_rng` if
+    given (before `prompt_num` applies, as KsanaLLM does). `prompt_num` 0 = all; fewer takes the
+    first ones; more cycles through them, so a small file can drive a long run."""
     with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f))[1:]
     prompts = []
@@ -149,6 +199,8 @@ def read_prompts(path: str | Path, col_idx: int = 0, prompt_num: int = 0) -> lis
             prompts.append(row[col_idx])
     if not prompts:
         raise ValueError(f"{path}: no prompts in column {col_idx}")
+    if shuffle_rng is not None:
+        shuffle_rng.shuffle(prompts)
     if prompt_num > 0:
         prompts = [prompts[i % len(prompts)] for i in range(prompt_num)]
     return prompts
@@ -168,11 +220,14 @@ def write_output_csv(path: str | Path, results: Sequence[RequestResult]) -> None
                              r.error or ""])
 
 
-def write_perf_csv(path: str | Path, row: dict[str, float]) -> None:
+def write_perf_csv(path: str | Path, rows: dict[str, float] | Sequence[dict[str, float]]) -> None:
+    """A header and one row per run (one per request rate of a sweep), values `%.5f`."""
+    rows = [rows] if isinstance(rows, dict) else list(rows)
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(row.keys())
-        writer.writerow([f"{v:.5f}" for v in row.values()])
+        writer.writerow(rows[0].keys())
+        for row in rows:
+            writer.writerow([f"{v:.5f}" for v in row.values()])
 
 
 def format_summary(row: dict[str, float]) -> str:

@@ -58,6 +58,17 @@ class NulChunkDecoder:
         return [json.loads(rest)] if rest.strip() else []
 
 
+def error_message(body: Any) -> str | None:
+    """The error a server put in a 200 answer or stream chunk (`{"error": ...}`: an OpenAI-style
+    object with a message, or any other value), else None."""
+    if not isinstance(body, dict) or "error" not in body:
+        return None
+    error = body["error"]
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
+
+
 def openai_chunk_text(event: dict[str, Any]) -> str:
     """Text carried by one OpenAI stream chunk (completions `text` or chat `delta.content`)."""
     choices = event.get("choices") or []
