@@ -25,9 +25,10 @@ Keys and where they go:
 | setting.batch_scheduler.split_fuse_token_num      | EngineConfig.split_fuse_token_num         |
 | setting.batch_scheduler.enable_auto_prefix_cache  | EngineConfig.enable_prefix_caching        |
 | setting.batch_scheduler.preempt_mode              | EngineConfig.preempt_mode                 |
-| setting.batch_scheduler.enable_speculative_decoding | EngineConfig.num_speculative_tokens     |
-|   with setting.batch_scheduler.mtp_step_num       |   (mtp_step_num, default 1, when enabled; |
+| setting.batch_scheduler.enable_mtp_module (or     | EngineConfig.num_speculative_tokens     |
+|   enable_speculative_decoding) with mtp_step_num  |   (mtp_step_num, default 1, when enabled; |
 |                                                   |   0 when not)                             |
+| setting.batch_scheduler.enable_async              | EngineConfig.async_scheduling             |
 | setting.block_manager.block_token_num             | EngineConfig.block_token_num              |
 | setting.block_manager.reserved_device_memory_ratio| EngineConfig.reserved_device_memory_ratio |
 | setting.block_manager.block_device_memory_ratio   | EngineConfig.block_device_memory_ratio    |
@@ -37,10 +38,15 @@ Keys and where they go:
 | setting.connector.group_role                      | ServerSettings.kv_role (`serve --kv-role`; |
 |                                                   |   "none" -> None)                         |
 | setting.connector.task_expire_sec                 | ServerSettings.kv_transfer_ttl_s          |
+
+KsanaLLM keys that change nothing here at the values given (`_INERT`: parallel layouts of 1,
+telemetry, swap thresholds, `endpoint_type: python`, ...) are accepted and logged, so that
+KsanaLLM's own example file loads; other values of them are refused.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -55,6 +61,8 @@ from pydantic import ValidationError
 from ksana_llm.config import KV_ROLES, EngineConfig, named_validation_error
 
 __all__ = ["ServerSettings", "load_engine_config", "parse_engine_config"]
+
+logger = logging.getLogger("ksana_llm.config")
 
 DEFAULT_WAITING_TIMEOUT_MS = 600_000  # KsanaLLM's C++ parser default
 
@@ -151,7 +159,9 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     _BS + "preempt_mode": _Key("int", field="preempt_mode"),
     # Both set num_speculative_tokens together (see `_speculative_tokens`).
     _BS + "enable_speculative_decoding": _Key("bool"),
+    _BS + "enable_mtp_module": _Key("bool"),
     _BS + "mtp_step_num": _Key("int"),
+    _BS + "enable_async": _Key("bool", field="async_scheduling"),
     _BM + "block_token_num": _Key("int", field="block_token_num"),
     _BM + "reserved_device_memory_ratio": _Key("float", field="reserved_device_memory_ratio"),
     _BM + "block_device_memory_ratio": _Key("float", field="block_device_memory_ratio",
@@ -173,31 +183,71 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     _GPTQ_BACKEND: _Key("str"),
 })
 
+def _equals(*neutral: Any) -> Callable[[Any], bool]:
+    # Type-exact: YAML's true is no 1, and 1.0 no 1.
+    return lambda value: any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _any_of(*kinds: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, kinds) and not (bool not in kinds
+                                                           and isinstance(value, bool))
+
+
+# KsanaLLM keys that change nothing here at the values given: accepted (and logged), so that
+# KsanaLLM's own example file loads. key -> (accepted values, what they are, for the error).
+# Values that would change behaviour are refused as unsupported.
+_INERT: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType({
+    "setting.global.attn_data_para_size": (_equals(1), "1"),
+    "setting.global.expert_world_size": (_equals(1), "1"),
+    "setting.global.expert_para_size": (_equals(1), "1"),
+    "setting.global.enable_full_shared_expert": (_equals(False), "false"),
+    "setting.global.enable_lora_adapter": (_equals(False), "false (use --lora-modules)"),
+    # Where tensors live or how ranks talk: never what is computed.
+    "setting.global.embed_tokens_use_cpu": (_any_of(bool), "true or false"),
+    "setting.global.pipeline_para_comm_type": (_equals("default", "scatter"), "default or scatter"),
+    "setting.global.is_version_report": (_any_of(bool), "true or false"),
+    _BS + "schedule_strategy": (_equals(0), "0 (continuous batching)"),
+    # Swap and admission thresholds: this scheduler's own rule decides when to swap and admit.
+    _BS + "swapout_block_threshold": (_any_of(int, float), "a number"),
+    _BS + "swapin_block_threshold": (_any_of(int, float), "a number"),
+    _BS + "launch_block_threshold": (_any_of(int, float), "a number"),
+    _BS + "swap_threadpool_size": (_any_of(int), "an integer"),
+    _BS + "min_flexible_cache_num": (_equals(0), "0 (no flexible cache)"),
+    # Structured output is served whenever xgrammar is installed.
+    _BS + "enable_xgrammar": (_any_of(bool), "true or false"),
+    _BS + "max_pp_batch_num": (_equals(1), "1"),
+    _BS + "pp_multibatch_wb_strategy": (_equals(0), "0"),
+    _BS + "max_pretransfer_batch_size": (_any_of(int), "an integer"),
+    _BS + "transfer_layer_chunk_size": (_any_of(int), "an integer"),
+    _BS + "attention_dp_lb_config.enable_balance": (_equals(False), "false"),
+    _BM + "dynamic_reusable_memory_ratio": (_any_of(int, float), "a number"),
+    _BM + "enable_block_checksum": (_equals(False), "false"),
+    "setting.attn_backend.enable_blocked_multi_token_forwarding_kv": (_equals(False), "false"),
+    "setting.attn_backend.flash_attn_impl": (_any_of(str), "a kernel name"),
+    "setting.endpoint_type": (_equals("python"), "python (this HTTP server)"),
+    "setting.tokenization.add_special_tokens": (_equals(True), "true"),
+    "setting.tokenization.skip_special_tokens": (_equals(True), "true"),
+})
+# Whole sections that change nothing here, whatever they hold: telemetry export, the plugin
+# models' TensorRT switch and threads (plugins run on torch here), the performance runner, ADP
+# load balancing (off above).
+_INERT_SECTIONS: tuple[str, ...] = (
+    "setting.profiler", "model_spec.plugin_model", "model_performance_runner_config",
+    "model_spec.model_performance_runner_config", _BS + "attention_dp_lb_config")
+_INERT_PARENTS: frozenset[str] = frozenset(
+    key.rsplit(".", i)[0] for key in _INERT for i in range(1, key.count(".") + 1))
+
 # KsanaLLM keys (and whole sections) that exist upstream but mean nothing here yet: they get a more
 # helpful error than "unknown key", because the user did not make a typo.
 _UNSUPPORTED: frozenset[str] = frozenset({
-    "setting.global.attn_data_para_size",
-    "setting.global.expert_world_size", "setting.global.expert_para_size",
-    "setting.global.enable_full_shared_expert", "setting.global.embed_tokens_use_cpu",
-    "setting.global.enable_lora_adapter",
-    "setting.global.pipeline_para_comm_type", "setting.global.is_version_report",
-    _BS + "schedule_strategy", _BS + "swapout_block_threshold", _BS + "swapin_block_threshold",
-    _BS + "launch_block_threshold", _BS + "swap_threadpool_size", _BS + "min_flexible_cache_num",
-    _BS + "enable_xgrammar",
-    _BS + "enable_async", _BS + "max_pp_batch_num", _BS + "pp_multibatch_wb_strategy",
-    _BS + "max_pretransfer_batch_size", _BS + "transfer_layer_chunk_size",
-    _BS + "attention_dp_lb_config",
-    _BM + "dynamic_reusable_memory_ratio", _BM + "enable_block_checksum",
-    "setting.attn_backend", "setting.kernel_config",
-    "setting.profiler", "setting.endpoint_type", "setting.tokenization",
+    "setting.kernel_config",
     # The connector's transport and cluster keys: our servers talk HTTP, a router routes.
     *("setting.connector." + key for key in (
         "backend", "router_addr", "inference_addr", "coordinator_addr", "cluster_name",
         "heartbeat_interval_ms", "transfer_batch", "connector_waiting_sec",
         "circular_bucket_size", "circular_bucket_num", "circular_thread_num", "send_thread_num",
         "communication_type", "redis_password", "metadata_addr")),
-    "model_spec.base_model.tokenizer_dir", "model_spec.plugin_model", "model_spec.lora_models",
-    "model_spec.model_performance_runner_config",
+    "model_spec.base_model.tokenizer_dir", "model_spec.lora_models",
 })
 
 # Every proper prefix of an accepted key is a section that must be a mapping.
@@ -233,12 +283,29 @@ def _read_yaml(path: Path) -> Any:
         raise ValueError(f"{path}: invalid YAML: {exc}") from exc
 
 
-def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
-    """Collect accepted leaves as dotted keys; reject anything unknown or misplaced."""
+def _flatten(node: Any, prefix: str, out: dict[str, Any], inert: list[str]) -> None:
+    """Collect accepted leaves as dotted keys, and in `inert` the keys that change nothing here;
+    reject anything unknown or misplaced."""
     for key, value in node.items():
         if not isinstance(key, str):
             raise ValueError(f"{prefix}{key!r}: keys must be strings")
         dotted = prefix + key
+        if dotted in _INERT:
+            accepts, neutral = _INERT[dotted]
+            if not accepts(value):
+                raise ValueError(f"{dotted}: a KsanaLLM key that ksana_llm does not support yet "
+                                 f"at {value!r} (accepted: {neutral}, which changes nothing here)")
+            inert.append(dotted)
+            continue
+        if any(dotted == s or dotted.startswith(s + ".") for s in _INERT_SECTIONS):
+            inert.append(dotted)
+            continue
+        if dotted in _INERT_PARENTS and dotted not in _SECTIONS:
+            if value is not None:
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"{dotted}: expected a mapping of keys, got {value!r}")
+                _flatten(value, dotted + ".", out, inert)
+            continue
         if any(dotted == u or dotted.startswith(u + ".") for u in _UNSUPPORTED):
             raise ValueError(f"{dotted}: a KsanaLLM key that ksana_llm does not support yet; "
                              "remove it")
@@ -249,7 +316,7 @@ def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
                 continue
             if not isinstance(value, Mapping):
                 raise ValueError(f"{dotted}: expected a mapping of keys, got {value!r}")
-            _flatten(value, dotted + ".", out)
+            _flatten(value, dotted + ".", out, inert)
         else:
             raise ValueError(f"{dotted}: unknown key")
 
@@ -282,7 +349,11 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     if not isinstance(data, Mapping):
         raise ValueError(f"the top level must be a mapping of keys, got {type(data).__name__}")
     leaves: dict[str, Any] = {}
-    _flatten(data, "", leaves)
+    inert: list[str] = []
+    _flatten(data, "", leaves, inert)
+    if inert:
+        logger.info("%s: KsanaLLM keys that change nothing here, accepted: %s",
+                    config_file or "config", ", ".join(inert))
 
     fields: dict[str, Any] = {}
     sources: dict[str, str] = {}  # EngineConfig field -> the YAML key that set it
@@ -300,9 +371,12 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     if leaves.get(_GPTQ_BACKEND, GPTQ_BACKENDS[0]) not in GPTQ_BACKENDS:
         raise ValueError(f"{_GPTQ_BACKEND} must be {' or '.join(GPTQ_BACKENDS)}, got "
                          f"{leaves[_GPTQ_BACKEND]!r}")
-    if _BS + "enable_speculative_decoding" in leaves:
-        enabled = _check_type(_BS + "enable_speculative_decoding", "bool",
-                              leaves[_BS + "enable_speculative_decoding"])
+    # MTP drafting: KsanaLLM's enable_mtp_module (or our earlier spelling,
+    # enable_speculative_decoding) with mtp_step_num drafts per step.
+    switches = [k for k in (_BS + "enable_mtp_module", _BS + "enable_speculative_decoding")
+                if k in leaves]
+    if switches:
+        enabled = any(leaves[k] for k in switches)
         steps = _check_type(_BS + "mtp_step_num", "int", leaves.get(_BS + "mtp_step_num", 1))
         fields["num_speculative_tokens"] = steps if enabled else 0
         sources["num_speculative_tokens"] = _BS + "mtp_step_num"

@@ -102,8 +102,20 @@ def test_max_token_len_zero_means_model_context():
     ("extra: 1\n", "extra: unknown key"),
     ("setting:\n  global:\n    enable_lora_adapter: true\n",
      "setting.global.enable_lora_adapter: a KsanaLLM key that ksana_llm does not support yet"),
-    ("setting:\n  profiler:\n    export_interval_millis: 5\n",
-     "setting.profiler: a KsanaLLM key that ksana_llm does not support yet"),
+    ("setting:\n  kernel_config:\n    x: 5\n",
+     "setting.kernel_config: a KsanaLLM key that ksana_llm does not support yet"),
+    # KsanaLLM keys accepted at values that change nothing here, refused at others.
+    ("setting:\n  global:\n    expert_para_size: 2\n",
+     "setting.global.expert_para_size: a KsanaLLM key that ksana_llm does not support yet at 2"),
+    ("setting:\n  endpoint_type: trpc\n", "setting.endpoint_type: a KsanaLLM key"),
+    ("setting:\n  tokenization:\n    skip_special_tokens: false\n",
+     "setting.tokenization.skip_special_tokens: a KsanaLLM key"),
+    ("setting:\n  batch_scheduler:\n    min_flexible_cache_num: 64\n",
+     "setting.batch_scheduler.min_flexible_cache_num: a KsanaLLM key"),
+    ("setting:\n  batch_scheduler:\n    schedule_strategy: true\n",  # true is no 0
+     "setting.batch_scheduler.schedule_strategy: a KsanaLLM key"),
+    ("setting:\n  tokenization:\n    skip_special_tokenz: true\n",
+     "setting.tokenization.skip_special_tokenz: unknown key"),
     ("setting:\n  batch_scheduler: 5\n", "setting.batch_scheduler: expected a mapping"),
 ])
 def test_unknown_keys_are_named(tmp_path, text, message):
@@ -233,3 +245,93 @@ def test_weight_quant_method_key():
         assert parse_engine_config(backend(name))[0] == parse_engine_config({})[0]
     with pytest.raises(ValueError, match="gptq_backend must be cutlass or marlin, got 'exllama'"):
         parse_engine_config(backend("exllama"))
+
+
+# What KsanaLLM's own examples/ksana_llm.yaml sets (its keys at its values, written out here).
+KSANA_EXAMPLE = """
+setting:
+  global:
+    tensor_para_size: 1
+    pipeline_para_size: 1
+    attn_data_para_size: 1
+    expert_world_size: 1
+    expert_para_size: 1
+    embed_tokens_use_cpu: false
+    enable_cuda_graph: false
+    enable_full_shared_expert: false
+    pipeline_para_comm_type: "default"
+  batch_scheduler:
+    schedule_strategy: 0
+    waiting_timeout_in_ms: 3600000
+    max_waiting_queue_len: 1200
+    max_step_tokens: 4096
+    max_batch_size: 128
+    max_token_len: 2048
+    swapout_block_threshold: 1.0
+    swapin_block_threshold: 2.0
+    launch_block_threshold: 2.0
+    enable_auto_prefix_cache: true
+    split_fuse_token_num: 256
+    swap_threadpool_size: 8
+    preempt_mode: 0
+    min_flexible_cache_num: 0
+    enable_speculative_decoding: false
+    enable_mtp_module: false
+    enable_xgrammar: false
+  block_manager:
+    block_token_num: 16
+    reserved_device_memory_ratio: 0.05
+    block_device_memory_ratio: -1.0
+    block_host_memory_factor: 0.0
+    dynamic_reusable_memory_ratio: 0.5
+  attn_backend:
+    enable_blocked_multi_token_forwarding_kv: false
+    flash_attn_impl: auto
+  quantization_config:
+    gptq_backend: cutlass
+    kv_cache:
+      dtype: auto
+    weight:
+      quant_method: auto
+  profiler:
+    export_interval_millis: 30000
+    export_timeout_millis: 1000
+    attributes:
+      instance: "1.1.1.1"
+  endpoint_type: python
+  tokenization:
+    add_special_tokens: true
+    skip_special_tokens: true
+model_spec:
+  base_model:
+    model_dir: /models/qwen
+  plugin_model:
+    enable_tensorrt: true
+    plugin_thread_pool_size: 1
+"""
+
+
+def test_ksana_llms_own_example_file_loads(tmp_path, caplog):
+    """Every key of KsanaLLM's shipped example: the ones we read take effect, the ones that change
+    nothing here at these values are accepted and logged."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ksana_llm.config"):
+        config, server = load_engine_config(write(tmp_path, KSANA_EXAMPLE))
+    assert (config.max_num_seqs, config.max_step_tokens, config.max_model_len,
+            config.split_fuse_token_num, config.max_queue_size) == (128, 4096, 2048, 256, 1200)
+    assert config.num_speculative_tokens == 0 and config.model == "/models/qwen"
+    logged = caplog.text
+    assert "setting.profiler" in logged and "setting.global.expert_para_size" in logged
+    assert "model_spec.plugin_model" in logged
+
+
+@pytest.mark.parametrize("switch", ["enable_mtp_module", "enable_speculative_decoding"])
+def test_mtp_and_async_keys(switch):
+    """KsanaLLM's MTP switch (enable_mtp_module, with mtp_step_num drafts) and enable_async
+    (async scheduling)."""
+    config, _ = parse_engine_config({"setting": {"batch_scheduler": {switch: True,
+                                                                     "mtp_step_num": 2}}})
+    assert config.num_speculative_tokens == 2
+    config, _ = parse_engine_config({"setting": {"batch_scheduler": {"enable_async": True}}})
+    assert config.async_scheduling is True
