@@ -166,3 +166,19 @@ def test_a_reasoning_item_belongs_to_the_assistant_turn_right_after_it():
         {"role": "user", "content": "b"},
         {"role": "assistant", "content": "c"}])
     assert messages[-1].reasoning_content is None
+
+
+def test_a_messages_logprobs_are_its_texts_tokens():
+    """Logprobs of reasoning tokens (`<think>`, its text, `</think>` and the blank line after)
+    are not the message's: one entry per fed piece, the message keeps those of its own text."""
+    pieces = ["<think>", "Need", " to think", "</think>", "\n\n", "Paris", "."]
+    parser = ChoiceOutputParser(get_reasoning_parser("qwen3").stream(False), None)
+    items = OutputItems(SseEvents(), parser)
+    for piece in pieces:
+        list(items.add(parser.feed(piece), [{"token": piece, "bytes": [], "logprob": -0.5,
+                                             "top_logprobs": []}]))
+    list(items.add(parser.finish(), []))
+    list(items.finish("completed"))
+    (message,) = [item for item in items.output if item["type"] == "message"]
+    assert message["content"][0]["text"] == "Paris."
+    assert [lp["token"] for lp in message["content"][0]["logprobs"]] == ["Paris", "."]

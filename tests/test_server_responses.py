@@ -194,8 +194,12 @@ def test_background_responses_are_polled_and_cancelled(client, server, model_nam
     assert client.responses.retrieve(long.id).status == "cancelled"
     assert cancelled.usage.output_tokens < 1500
     assert _running(httpx.get(server.url + "/metrics").text) == 0
-    with pytest.raises(openai.BadRequestError):  # finished: nothing to cancel
-        client.responses.cancel(done.id)
+    # OpenAI: cancelling again, or once it ended, returns the final response; a response that
+    # never ran in the background cannot be cancelled.
+    assert client.responses.cancel(long.id).model_dump() == cancelled.model_dump()
+    assert client.responses.cancel(done.id).status == "completed"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)
     response = httpx.post(server.base_url + "/responses",
                           json={"input": "x", "background": True, "store": False})
     assert response.status_code == 400 and response.json()["error"]["param"] == "background"
@@ -405,6 +409,10 @@ def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, 400,
      "text.format.schema"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     400, "text.format.name"),  # OpenAI requires the name
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
+     "input.0.content.0.text"),
     ({"input": "x", "background": True, "store": False}, 400, "background"),
     ({"input": "x", "conversation": "conv_1"}, 400, "conversation"),
     ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
@@ -438,3 +446,38 @@ def _long_background_stream(client, model_name):
         model=model_name, input="List three hundred numbers.", max_output_tokens=1500,
         background=True, stream=True,
         text={"format": {"type": "json_schema", "name": "numbers", "schema": numbers}})
+
+
+def test_reasoning_effort_values_and_the_text_echo(client, model_name):
+    """The client's own `reasoning.effort` values reach the template (xhigh and max too), and
+    the echoed `text` always holds its `format`, as OpenAI fills it in."""
+    for effort in ("xhigh", "max"):
+        out = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=2,
+                                      reasoning={"effort": effort})
+        assert out.reasoning.effort == effort
+    out = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=2,
+                                  text={"verbosity": "low"})
+    assert out.text.format.type == "text" and out.text.verbosity == "low"
+
+
+def test_a_server_that_stores_nothing_runs_nothing_in_the_background(default_model):
+    """--max-stored-responses 0: a background response could never be polled: a 400 naming
+    `background` (vLLM refuses it too), not an answer that is lost."""
+    import asyncio
+
+    import ksana_llm as kt
+    from ksana_llm.server.app import build_app
+
+    engine = kt.Engine(default_model, num_device_blocks=64)
+    app = build_app(engine, served_model_name="m", max_stored_responses=0)
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as http:
+            return await http.post("/v1/responses", json={"input": "x", "background": True})
+
+    try:
+        response = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert response.status_code == 400 and response.json()["error"]["param"] == "background"

@@ -153,7 +153,7 @@ class ChatCompletionRequest(_SamplingRequest):
     prediction: Any = None
     # Handed to the chat template as `reasoning_effort` (as vLLM does): templates that read it
     # (gpt-oss's, ...) act on it.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     web_search_options: Any = None
     verbosity: Any = None
     # Accepted and ignored, as on /v1/responses: they do not change what is generated.

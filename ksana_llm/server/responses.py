@@ -134,6 +134,10 @@ async def create_response(request: Request) -> Response:
     if req.background and req.store is False:
         raise bad_request("A background response must be stored (store: true).",
                           param="background")
+    if req.background and not state.responses.max_entries:
+        # Its answer could never be polled (vLLM refuses it too when it stores nothing).
+        raise bad_request("This server stores no responses (--max-stored-responses 0), so it "
+                          "runs none in the background.", param="background")
     run = await _start(plan, state)
     if req.background and req.stream:
         return StreamingResponse(_start_background_stream(state, plan, run).follow(),
@@ -284,13 +288,17 @@ async def cancel_response(response_id: str, request: Request) -> Response:
     if entry is None:
         if stored is None:
             raise not_found(response_id)
-        raise bad_request("Only a background response that is still in progress can be "
-                          "cancelled.", param=None)
+        if stored.body.get("background") and stored.body.get("status") != "in_progress":
+            # OpenAI: cancelling again (or after it ended) returns the final response.
+            return JSONResponse(stored.body)
+        raise bad_request("Only a background response can be cancelled.", param=None)
     entry.cancelled = True
     entry.run.choices.abort_unfinished()
     await asyncio.shield(entry.task)
     stored = state.responses.get(response_id)
-    return JSONResponse(stored.body if stored is not None else {})
+    # (Dropped from a full store meanwhile: what it was, cancelled.)
+    return JSONResponse(stored.body if stored is not None
+                        else {**entry.body, "status": "cancelled"})
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -76,7 +76,7 @@ def response_body(plan: ResponsePlan, run: ChatRun, status: str,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "reasoning": req.reasoning,
         "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": req.text or {"format": {"type": "text"}},
+        "text": {"format": {"type": "text"}, **(req.text or {})},  # OpenAI fills in the format
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p,
         "top_logprobs": req.top_logprobs, "truncation": req.truncation or "disabled",

@@ -71,8 +71,16 @@ class OutputItems:
 
     def add(self, delta: ChatDelta, logprobs: list[dict[str, Any]]) -> Iterator[str]:
         """Events for one parsed delta. Its parts are taken in the order the text can have
-        them: reasoning, the rest of the call already open, text, then new calls."""
-        self.pending_logprobs.extend(logprobs)
+        them: reasoning, the rest of the call already open, text, then new calls.
+
+        A message's logprobs are its text's tokens': those of a delta that is all reasoning or
+        calls are dropped, with the ones before it that made no text (a `<think>` tag), and so
+        are those of text-less tokens that follow reasoning or a call (`</think>`, blank lines)."""
+        closing = not delta and self.open is not None and self.open.kind != "message"
+        if (delta.reasoning or delta.tool_calls) and not delta.content:
+            self.pending_logprobs.clear()
+        elif not closing:
+            self.pending_logprobs.extend(logprobs)
         if delta.reasoning:
             if self.open is None or self.open.kind != "reasoning":
                 yield from self._start(OpenItem("reasoning", len(self.output), item_id("rs")))

@@ -21,7 +21,7 @@ from ksana_llm.server.openai_protocol import MAX_LOGPROBS, ChatMessage, _Request
 # (this server keeps no encrypted reasoning, files, images or hosted tools).
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _IGNORED_INCLUDES = frozenset({"reasoning.encrypted_content"})
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _FUNCTION_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 # Function-tool fields of OpenAI's hosted features, accepted and dropped.
@@ -114,9 +114,12 @@ def _parts_text(content: Any, role: str, param: str) -> str:
         if part_type == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
             continue
-        if part_type != kind or not isinstance(part.get("text"), str):
+        if part_type != kind:
             raise bad_request(f"Content part {part_type or type(part).__name__!r} is not supported"
                               f" here; {role} content takes {kind!r} parts.", param=f"{param}.{j}")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"An {kind!r} part needs its `text`, a string.",
+                              param=f"{param}.{j}.text")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -236,6 +239,9 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise bad_request("`text.format.name` is required with type json_schema.",
+                              param="text.format.name")
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
     raise bad_request("`text.format.type` must be 'text', 'json_object' or 'json_schema'.",
