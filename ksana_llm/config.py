@@ -13,7 +13,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ksana_llm.engine.scheduling_policy import SchedulingPolicy, resolve_scheduling_policy
+from ksana_llm.engine.scheduling_policy import (SchedulingPolicy, resolve_scheduling_policy,
+                                                scheduling_policy_source)
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 def _takes_bool(annotation: Any) -> bool:
@@ -203,12 +204,12 @@ class EngineConfig(BaseModel):
     @field_validator("scheduler_policy", mode="before")
     @classmethod
     def _scheduling_policy(cls, value: Any) -> Any:
-        """Checked here, so that a bad policy is refused with the config; a name or import path
-        stays a string, a class becomes its instance."""
-        policy = resolve_scheduling_policy(value)
+        """Checked here (imported, not made), so that a bad policy is refused with the config; a
+        name or import path stays a string, a class becomes its instance."""
         if isinstance(value, str):
+            scheduling_policy_source(value)
             return "fifo" if value == "fcfs" else value
-        return policy
+        return resolve_scheduling_policy(value)
 
     @field_validator("dtype", mode="before")
     @classmethod

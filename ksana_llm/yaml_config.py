@@ -220,6 +220,10 @@ _INERT: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType({
     _BS + "max_pretransfer_batch_size": (_any_of(int), "an integer"),
     _BS + "transfer_layer_chunk_size": (_any_of(int), "an integer"),
     _BS + "attention_dp_lb_config.enable_balance": (_equals(False), "false"),
+    # (its other keys tune a balancing that is off)
+    _BS + "attention_dp_lb_config.min_qps_for_waiting": (_any_of(int, float), "a number"),
+    _BS + "attention_dp_lb_config.max_waiting_steps": (_any_of(int), "an integer"),
+    _BS + "attention_dp_lb_config.max_waiting_time_in_ms": (_any_of(int, float), "a number"),
     _BM + "dynamic_reusable_memory_ratio": (_any_of(int, float), "a number"),
     _BM + "enable_block_checksum": (_equals(False), "false"),
     "setting.attn_backend.enable_blocked_multi_token_forwarding_kv": (_equals(False), "false"),
@@ -229,11 +233,10 @@ _INERT: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType({
     "setting.tokenization.skip_special_tokens": (_equals(True), "true"),
 })
 # Whole sections that change nothing here, whatever they hold: telemetry export, the plugin
-# models' TensorRT switch and threads (plugins run on torch here), the performance runner, ADP
-# load balancing (off above).
+# models' TensorRT switch and threads (plugins run on torch here), the performance runner.
 _INERT_SECTIONS: tuple[str, ...] = (
     "setting.profiler", "model_spec.plugin_model", "model_performance_runner_config",
-    "model_spec.model_performance_runner_config", _BS + "attention_dp_lb_config")
+    "model_spec.model_performance_runner_config")
 _INERT_PARENTS: frozenset[str] = frozenset(
     key.rsplit(".", i)[0] for key in _INERT for i in range(1, key.count(".") + 1))
 
@@ -352,7 +355,7 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     inert: list[str] = []
     _flatten(data, "", leaves, inert)
     if inert:
-        logger.info("%s: KsanaLLM keys that change nothing here, accepted: %s",
+        logger.warning("%s: KsanaLLM keys that change nothing here, accepted: %s",
                     config_file or "config", ", ".join(inert))
 
     fields: dict[str, Any] = {}
@@ -373,10 +376,11 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
                          f"{leaves[_GPTQ_BACKEND]!r}")
     # MTP drafting: KsanaLLM's enable_mtp_module (or our earlier spelling,
     # enable_speculative_decoding) with mtp_step_num drafts per step.
+    # (KsanaLLM's key decides when both are there.)
     switches = [k for k in (_BS + "enable_mtp_module", _BS + "enable_speculative_decoding")
                 if k in leaves]
     if switches:
-        enabled = any(leaves[k] for k in switches)
+        enabled = leaves[switches[0]]
         steps = _check_type(_BS + "mtp_step_num", "int", leaves.get(_BS + "mtp_step_num", 1))
         fields["num_speculative_tokens"] = steps if enabled else 0
         sources["num_speculative_tokens"] = _BS + "mtp_step_num"

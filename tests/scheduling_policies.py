@@ -32,11 +32,21 @@ class RecordingPolicy(kt.SchedulingPolicy):
         return 0
 
 
+class CountedPolicy(kt.SchedulingPolicy):
+    """Counts how many of it were made (a policy's __init__ may have side effects)."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        type(self).made += 1
+
+
 class BrokenRankPolicy(kt.SchedulingPolicy):
     """A policy with bugs, keyed by request id: what a rank other than a finite number does."""
 
     def rank(self, request: kt.RequestInfo):
-        bad = {"nan": float("nan"), "text": "soon", "bool": True, "inf": float("inf")}
+        bad = {"nan": float("nan"), "text": "soon", "bool": True, "inf": float("inf"),
+               "huge": 10**400}
         if request.request_id == "raises":
             raise KeyError("no rank for this one")
         return bad.get(request.request_id, 1)

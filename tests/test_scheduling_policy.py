@@ -74,7 +74,7 @@ def test_the_policy_sees_the_request_once_and_forks_keep_its_rank():
     assert child.rank == seq.rank and len(policy.seen) == 1
 
 
-@pytest.mark.parametrize("request_id", ["nan", "inf", "text", "bool"])
+@pytest.mark.parametrize("request_id", ["nan", "inf", "text", "bool", "huge"])
 def test_a_rank_that_is_not_a_finite_number_refuses_only_that_request(request_id):
     sched = make_scheduler(max_step_tokens=100, policy=BrokenRankPolicy())
     sched.add(make_seq("fine", 2))
@@ -83,6 +83,19 @@ def test_a_rank_that_is_not_a_finite_number_refuses_only_that_request(request_id
     sched.add(make_seq("fine-too", 2))
     assert ids(sched.waiting) == ["fine", "fine-too"]
     assert [s.admission_order for s in sched.waiting] == [0, 1]
+
+
+def test_numpy_ranks_are_numbers():
+    import numpy as np
+
+    class NumpyRank(kt.SchedulingPolicy):
+        def rank(self, request):
+            return np.int64(request.num_prompt_tokens)
+
+    sched = make_scheduler(max_step_tokens=100, policy=NumpyRank())
+    sched.add(make_seq("long", 6))
+    sched.add(make_seq("short", 2))
+    assert ids(sched.waiting) == ["short", "long"] and sched.waiting[0].rank == 2.0
 
 
 # ---- naming a policy -----------------------------------------------------------------------------
@@ -112,6 +125,19 @@ def test_a_bad_policy_is_refused_with_the_config(spec, message):
     with pytest.raises(ValueError, match="scheduler_policy") as err:
         kt.EngineConfig(scheduler_policy=spec)
     assert message in str(err.value)
+
+
+def test_a_policy_named_by_path_is_made_once_per_engine(model):
+    """Checking a config imports the class but makes no policy: the engine's scheduler makes
+    the one it uses."""
+    from tests.scheduling_policies import CountedPolicy
+
+    before = CountedPolicy.made
+    config = kt.EngineConfig(scheduler_policy="tests.scheduling_policies:CountedPolicy")
+    assert CountedPolicy.made == before
+    with kt.Engine(model, config=config, num_device_blocks=16) as engine:
+        assert isinstance(engine.scheduling_policy, CountedPolicy)
+    assert CountedPolicy.made == before + 1
 
 
 def test_a_policy_class_that_needs_arguments_is_refused():

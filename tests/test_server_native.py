@@ -153,6 +153,20 @@ def test_the_bodies_ksana_llms_own_clients_send(server, local_engine, greedy16):
         tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
+def test_what_ksana_llm_leaves_unchecked_is_accepted(server, greedy16):
+    """A null on any key (also one we do not serve) is its default; stop ids past the
+    vocabulary never match (KsanaLLM's clients send a family's ids whatever the model); topp 0
+    is "not used" with beam search as with greedy decoding."""
+    r = _post(server, {"prompt": PROMPT, "stream": False, "messages": None, "sampling_config": {
+        "max_new_tokens": 16, "enable_thinking": None, "encoder_no_repeat_ngram_size": None,
+        "stop_token_ids": [151643, 151645]}})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_token_ids"] == [greedy16.token_ids]
+    r = _post(server, {"prompt": PROMPT, "stream": False, "sampling_config": {
+        "max_new_tokens": 4, "num_beams": 2, "topp": 0.0}})
+    assert r.status_code == 200, r.text
+
+
 def test_texts_are_the_decode_of_the_output_tokens(server, local_engine, greedy16):
     """As KsanaLLM decodes them: a stop token that is not special stays in the text (the engine's
     own text drops it), EOS and other special tokens do not."""
@@ -206,7 +220,7 @@ def test_logprobs(server, greedy16):
     ({"prompt": ""}, "prompt", "empty_prompt"),
     ({"input_tokens": []}, "input_tokens", "empty_prompt"),
     ({"input_tokens": [1, 10**9]}, "input_tokens", "invalid_token_id"),
-    ({"prompt": "x", "sampling_config": {"stop_token_ids": [10**9]}},
+    ({"prompt": "x", "sampling_config": {"stop_token_ids": [-1]}},
      "sampling_config.stop_token_ids", "invalid_token_id"),
     ({"prompt": "x", "sampling_config": {"max_new_tokens": 10**6}},
      "sampling_config.max_new_tokens", "context_length_exceeded"),

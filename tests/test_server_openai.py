@@ -117,6 +117,13 @@ def test_an_answer_sent_back_as_the_client_dumps_it(client, model_name):
         client.chat.completions.create(model=model_name, max_tokens=1, messages=[
             *QUESTION, {"role": "assistant", "content": None, "audio": {"id": "audio_1"}}])
     assert err.value.body["param"] == "messages.1.audio"
+    with pytest.raises(openai.BadRequestError) as err:  # also on a turn that only called tools
+        client.chat.completions.create(model=model_name, max_tokens=1, messages=[
+            *QUESTION, {"role": "assistant", "content": None, "function_call": {
+                "name": "f", "arguments": "{}"}, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "f", "arguments": "{}"}}]}])
+    assert err.value.body["param"] == "messages.1.function_call"
 
 
 def test_parameters_of_the_clients_own_signature(client, model_name):

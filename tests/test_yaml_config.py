@@ -116,6 +116,8 @@ def test_max_token_len_zero_means_model_context():
      "setting.batch_scheduler.schedule_strategy: a KsanaLLM key"),
     ("setting:\n  tokenization:\n    skip_special_tokenz: true\n",
      "setting.tokenization.skip_special_tokenz: unknown key"),
+    ("setting:\n  batch_scheduler:\n    attention_dp_lb_config:\n      enable_balance: true\n",
+     "setting.batch_scheduler.attention_dp_lb_config.enable_balance: a KsanaLLM key"),
     ("setting:\n  batch_scheduler: 5\n", "setting.batch_scheduler: expected a mapping"),
 ])
 def test_unknown_keys_are_named(tmp_path, text, message):
@@ -335,3 +337,7 @@ def test_mtp_and_async_keys(switch):
     assert config.num_speculative_tokens == 2
     config, _ = parse_engine_config({"setting": {"batch_scheduler": {"enable_async": True}}})
     assert config.async_scheduling is True
+    # KsanaLLM's own switch decides when both are there.
+    config, _ = parse_engine_config({"setting": {"batch_scheduler": {
+        "enable_mtp_module": False, "enable_speculative_decoding": True}}})
+    assert config.num_speculative_tokens == 0

@@ -113,8 +113,8 @@ class RequestBuilder:
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
         if request.priority and not self.priority_scheduling:
             raise ValueError(f"priority {request.priority} needs an engine with "
-                             "scheduler='priority' (or a policy that ranks by it); the FIFO "
-                             "scheduler ignores it")
+                             "scheduler='priority' (or a policy that ranks by it); this engine's "
+                             "scheduling policy ignores it")
         self._check_config(config)
         request_id = self._request_id(request.request_id, "req")
         eos = () if config.ignore_eos else self.model.eos_token_ids

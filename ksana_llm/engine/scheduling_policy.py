@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,10 +39,10 @@ class SchedulingPolicy:
     """Subclass it and override `rank` (and `preemptive`, `uses_priority` where they differ).
 
     `rank` runs on the engine's thread for every request, before it is queued: keep it cheap.
-    If it raises, or returns anything but a finite number, that request fails with the error
-    (a `ValueError` for a bad value) and everyone else is served on."""
+    If it raises, or returns anything but a finite real number, that request fails with the
+    error (a `ValueError` for a bad value) and everyone else is served on. One policy object
+    given to several engines is shared: its `rank` then runs on each engine's thread."""
 
-    name: ClassVar[str] = "custom"
     # A more urgent waiting request preempts running ones of a larger rank (see the module doc).
     preemptive: ClassVar[bool] = False
     # Whether a request's `priority` means something here; when not, a priority other than 0
@@ -54,10 +55,16 @@ class SchedulingPolicy:
     def rank_of(self, request: RequestInfo) -> float:
         """`rank`, checked: what the scheduler stores."""
         value = self.rank(request)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError
+            rank = float(value)  # (numpy numbers too; an int past a float's range overflows)
+        except (TypeError, OverflowError):
+            rank = math.nan
+        if not math.isfinite(rank):
             raise ValueError(f"scheduling policy {type(self).__name__}: rank() must return a "
                              f"finite number, got {value!r} for request {request.request_id!r}")
-        return float(value)
+        return rank
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -66,7 +73,6 @@ class SchedulingPolicy:
 class FifoPolicy(SchedulingPolicy):
     """First come, first served (vLLM's "fcfs")."""
 
-    name = "fifo"
     uses_priority = False
 
 
@@ -74,7 +80,6 @@ class PriorityPolicy(SchedulingPolicy):
     """Lower `priority` values first, then arrival order; a waiting request preempts running
     ones of a lower priority (vLLM's "priority")."""
 
-    name = "priority"
     preemptive = True
 
     def rank(self, request: RequestInfo) -> float:
@@ -90,21 +95,31 @@ def resolve_scheduling_policy(spec: str | SchedulingPolicy | type[SchedulingPoli
     """A policy from "fifo", "priority", an import path ("package.module:Class" or
     "package.module.Class") of a `SchedulingPolicy` subclass, the subclass, or an instance.
     Raises ValueError saying what is wrong."""
+    found = scheduling_policy_source(spec)
+    if isinstance(found, SchedulingPolicy):
+        return found
+    try:
+        return found()
+    except TypeError as exc:
+        raise ValueError(f"cannot make a {found.__name__} without arguments ({exc}); pass an "
+                         "instance instead") from None
+
+
+def scheduling_policy_source(spec: str | SchedulingPolicy | type[SchedulingPolicy]
+                             ) -> SchedulingPolicy | type[SchedulingPolicy]:
+    """The instance, or the class to make one from, that `spec` names: checked (imported) but
+    not made, so that checking a config builds no policy. ValueError saying what is wrong."""
     if isinstance(spec, SchedulingPolicy):
         return spec
     if isinstance(spec, type):
         if not issubclass(spec, SchedulingPolicy):
             raise ValueError(f"{spec.__name__} is not a SchedulingPolicy subclass")
-        try:
-            return spec()
-        except TypeError as exc:
-            raise ValueError(f"cannot make a {spec.__name__} without arguments ({exc}); pass an "
-                             "instance instead") from None
+        return spec
     if not isinstance(spec, str):
         raise ValueError("expected 'fifo', 'priority', a 'module:Class' import path or a "
                          f"SchedulingPolicy, got {type(spec).__name__}")
     if spec in BUILT_IN_POLICIES:
-        return BUILT_IN_POLICIES[spec]()
+        return BUILT_IN_POLICIES[spec]
     module_name, sep, class_name = spec.partition(":")
     if not sep:
         module_name, _, class_name = spec.rpartition(".")
@@ -120,4 +135,4 @@ def resolve_scheduling_policy(spec: str | SchedulingPolicy | type[SchedulingPoli
     if cls is None:
         raise ValueError(f"module {module_name!r} has no {class_name!r} (scheduling policy "
                          f"{spec!r})")
-    return resolve_scheduling_policy(cls)
+    return scheduling_policy_source(cls)

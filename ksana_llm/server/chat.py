@@ -29,11 +29,6 @@ def load_chat_template(path: str | None) -> str | None:
 def _content_text(message: ChatMessage, index: int) -> str:
     content = message.content
     param = f"messages.{index}.content"
-    for field in ("audio", "function_call"):
-        if getattr(message, field) is not None:
-            raise bad_request(f"`{field}` in a message is not supported (this server answers "
-                              "neither with audio nor with legacy function calls).",
-                              param=f"messages.{index}.{field}", code="unsupported_parameter")
     if content is None and message.role == "assistant" and message.refusal is not None:
         return message.refusal  # a refused turn: its refusal is what was said
     if isinstance(content, str):
@@ -89,6 +84,11 @@ def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[s
 def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
+        for field in ("audio", "function_call"):
+            if getattr(message, field) is not None:
+                raise bad_request(f"`{field}` in a message is not supported (this server answers "
+                                  "neither with audio nor with legacy function calls).",
+                                  param=f"messages.{i}.{field}", code="unsupported_parameter")
         # "developer" is OpenAI's newer name for the system role; templates only know "system".
         role = "system" if message.role == "developer" else message.role
         if message.role == "assistant" and message.tool_calls and message.content is None:

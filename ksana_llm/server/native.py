@@ -146,15 +146,18 @@ async def parse_generate_request(request: Request) -> GenerateRequest:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting
         raise bad_request(f"Malformed JSON body: {exc}", code="invalid_json") from exc
+    # null means the default, as KsanaLLM reads its keys (also for the keys we do not serve);
+    # the unsupported keys' "off" values are dropped before the model sees them.
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if v is not None}
+        if isinstance(body.get("sampling_config"), dict):
+            body["sampling_config"] = {k: v for k, v in body["sampling_config"].items()
+                                       if v is not None}
     _check_keys(body)
-    # null means the default, as KsanaLLM reads its keys; the unsupported keys' "off" values are
-    # dropped before the model sees them.
-    body = {k: v for k, v in body.items() if v is not None}
     sampling = body.get("sampling_config")
     if isinstance(sampling, dict):
-        body = {**body, "sampling_config": {
-            k: v for k, v in sampling.items()
-            if v is not None and k not in _UNSUPPORTED_SAMPLING_DEFAULTS}}
+        body = {**body, "sampling_config": {k: v for k, v in sampling.items()
+                                            if k not in _UNSUPPORTED_SAMPLING_DEFAULTS}}
     try:
         return GenerateRequest.model_validate(body)
     except ValidationError as exc:
@@ -211,7 +214,7 @@ def _beam_fields(sc: SamplingConfig) -> dict[str, Any]:
         raise bad_request(f"Beam search cannot sample: topk {sc.topk} with temperature "
                           f"{sc.temperature} samples; use topk 1, temperature 0 or do_sample false "
                           "with num_beams > 1.", param="sampling_config.topk")
-    if sc.topp < 1:
+    if 0 < sc.topp < 1:  # (0: KsanaLLM's clients' way of saying "not used")
         raise bad_request("Beam search cannot use topp < 1.", param="sampling_config.topp")
     if sc.num_return_sequences > sc.num_beams:
         raise bad_request(f"num_return_sequences ({sc.num_return_sequences}) cannot exceed "
@@ -222,8 +225,8 @@ def _beam_fields(sc: SamplingConfig) -> dict[str, Any]:
 
 def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
                        structured: Any = None) -> list[GenerationConfig]:
-    """The engine configs of one request (KsanaLLM semantics: greedy by default): one per return
-    sequence, or one returning them all (beam search)."""
+    """The engine config of one request (KsanaLLM semantics: greedy by default), returning all
+    its sequences (samples or beams), in a list for `ChoiceSet.submit`."""
     param = "sampling_config.max_new_tokens"
     requested = sc.max_new_tokens if sc.max_new_tokens is not None and sc.max_new_tokens > 0 else None
     try:
@@ -232,7 +235,11 @@ def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
         if requested is not None:
             exc.param = param
         raise
-    check_token_ids(sc.stop_token_ids, state.limits.vocab_size, "sampling_config.stop_token_ids")
+    # A stop id past the vocabulary can never be generated, so it never stops anything: dropped,
+    # as KsanaLLM does not check them (its clients send a model family's ids whatever the model).
+    check_token_ids([t for t in sc.stop_token_ids if t < 0], state.limits.vocab_size,
+                    "sampling_config.stop_token_ids")
+    stop_ids = [t for t in sc.stop_token_ids if t < state.limits.vocab_size]
     check_logprobs_cap(sc.logprobs, state.max_logprobs, "sampling_config.logprobs")
     if any(not s for s in sc.stop_strings):
         raise bad_request("Stop strings must be non-empty.", param="sampling_config.stop_strings")
@@ -248,7 +255,7 @@ def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
         "temperature": sc.temperature if sample else 1.0,
         "top_k": sc.topk if sample else 0, "top_p": sc.topp if sample else 1.0,
         "repetition_penalty": sc.repetition_penalty, "stop": list(sc.stop_strings),
-        "stop_token_ids": list(sc.stop_token_ids), "ignore_eos": sc.ignore_eos,
+        "stop_token_ids": stop_ids, "ignore_eos": sc.ignore_eos,
         "logprobs": sc.logprobs or None,
     }
     if sc.no_repeat_ngram_size:
@@ -273,12 +280,18 @@ def _logprob_steps(entries: list[dict[str, Any]], n: int) -> list[list[list[floa
 
 
 def _text(out: ChoiceResult, tokenizer: Any) -> str:
-    """KsanaLLM's `texts`: the decode of the output tokens, special tokens skipped (a stop token
-    that is not special stays); an incomplete UTF-8 character at the end is left out. A matched
-    stop string (stop_reason) is cut from the text, as the engine's own text has it."""
-    if isinstance(out.stop_reason, str):
+    """KsanaLLM's `texts`, the decode of the output tokens with special tokens skipped: the
+    engine's own incremental text (which leaves out an incomplete UTF-8 character at the end,
+    and cuts a matched stop string as KsanaLLM's output is cut), plus the text of a stop token
+    that is not special, which KsanaLLM keeps. Decoded in its context (the tokens before it
+    decide its leading space), and only the tail: a chunk per token must not decode it all."""
+    stop = out.stop_reason
+    if not isinstance(stop, int) or isinstance(stop, bool) or not out.token_ids \
+            or out.token_ids[-1] != stop:
         return out.text
-    return tokenizer.decode(out.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+    before = out.token_ids[-5:-1]
+    head = tokenizer.decode(before, skip_special_tokens=True)
+    return out.text + tokenizer.decode(before + [stop], skip_special_tokens=True)[len(head):]
 
 
 def snapshot(choices: ChoiceSet, input_ids: list[int], logprobs_n: int, tokenizer: Any

@@ -124,7 +124,8 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # a thinking model's earlier reasoning; templates may drop it
     # What the client sends back of an earlier answer (`message.model_dump()`): a refusal is the
-    # turn's text (chat.py); the rest must be empty, as they are from this server.
+    # turn's text (chat.py); annotations (citations) are dropped; audio and function_call must
+    # be null, as they are from this server (chat.py refuses others).
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: Any = None

@@ -332,7 +332,8 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     async def health(request: Request) -> JSONResponse:
         """Each server's /health status. 200 while a decode server is up (the router can answer:
         without prefill servers the decode servers compute prompts themselves), with status
-        "ok" when every server is up, "degraded" when some are not; 503 with no decode server."""
+        "healthy" (KsanaLLM's word) when every server is up, "degraded" when some are not; 503
+        with no decode server."""
         router: Router = request.app.state.router
         servers = {}
         for url in dict.fromkeys(config.prefill_urls + config.decode_urls):
@@ -343,7 +344,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         ok = all(code == 200 for code in servers.values())
         serving = any(servers[url] == 200 for url in config.decode_urls)
         stats = router.stats
-        return JSONResponse({"status": "ok" if ok else "degraded", "servers": servers,
+        return JSONResponse({"status": "healthy" if ok else "degraded", "servers": servers,
                              "num_disaggregated": stats.num_disaggregated,
                              "num_direct": stats.num_direct,
                              "num_prefill_failures": stats.num_prefill_failures},

@@ -132,8 +132,7 @@ def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerStat
     return Jobs(items, prompt_of)
 
 
-def check_fits_queue(state: ServerState, num_prompts: int, per_prompt: int, *,
-                     n_param: str = "n") -> None:
+def check_fits_queue(state: ServerState, num_prompts: int, per_prompt: int) -> None:
     """400 for a request with more engine requests (prompts x n) than the engine ever takes at
     once, max_num_seqs + max_queue_size: they are submitted all or none, so it would be a 429
     on an idle server too, and on every retry. Checked before anything is submitted."""
@@ -142,7 +141,7 @@ def check_fits_queue(state: ServerState, num_prompts: int, per_prompt: int, *,
     needed = num_prompts * per_prompt
     if needed <= limit:
         return
-    param = "prompt" if num_prompts > limit else n_param
+    param = "prompt" if num_prompts > limit else "n"
     raise bad_request(f"This request needs {needed} engine requests ({num_prompts} prompt(s) x "
                       f"{per_prompt}), more than this server ever takes at once: max_num_seqs + "
                       f"max_queue_size = {config.max_num_seqs} + {config.max_queue_size} = "
