@@ -415,6 +415,8 @@ def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
      "input.0.content.0.text"),
     ({"input": "x", "background": True, "store": False}, 400, "background"),
     ({"input": "x", "conversation": "conv_1"}, 400, "conversation"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),  # 16 at most
+    ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata.k"),
     ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": "x", "temperature": 3}, 400, "temperature"),
     ({"input": "x", "surprise": 1}, 400, "surprise"),

@@ -10,9 +10,9 @@ Errors name the Responses parameter (`input.2.content`, `tools.0.name`, `text.fo
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from ksana_llm.server.errors import APIError, bad_request
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS, ChatMessage, _Request
@@ -48,7 +48,10 @@ class ResponsesRequest(_Request):
     reasoning: dict[str, Any] | None = None
     store: bool | None = True  # None (the SDK's null): true, as OpenAI
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    # OpenAI's limits: 16 pairs, keys of at most 64 characters, values of at most 512.
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = Field(
+        None, max_length=16)
     truncation: Literal["auto", "disabled"] | None = None
     # Accepted and ignored: they do not change what is generated.
     user: str | None = None
