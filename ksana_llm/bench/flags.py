@@ -10,6 +10,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from ksana_llm.bench.results import read_prompts
 
@@ -26,8 +27,8 @@ MODEL_TYPES = ("llama", "llama-3", "baichuan", "qwen", "vicuna", "yi", "chatglm"
                "deepseek_v2", "deepseek_v3", "deepseek_r1", "hunyuan_large", "kimi_k2",
                "arc_hunyuan_video")
 # KsanaLLM's client stops these model types on their chat end tokens unless --stop_token_ids.
-DEFAULT_STOP_TOKEN_IDS = {"llama-3": (128001, 128009), "qwen": (151643, 151644, 151645),
-                          "yi": (2, 6, 7, 8)}
+DEFAULT_STOP_TOKEN_IDS = MappingProxyType({"llama-3": (128001, 128009),
+                                          "qwen": (151643, 151644, 151645), "yi": (2, 6, 7, 8)})
 DATASETS = ("customize", "sharegpt500", "longbenchV2withCtx", "longbenchV2noCtx")
 
 

@@ -20,6 +20,7 @@ import importlib
 import math
 import numbers
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 
@@ -86,8 +87,8 @@ class PriorityPolicy(SchedulingPolicy):
         return request.priority
 
 
-BUILT_IN_POLICIES: dict[str, type[SchedulingPolicy]] = {
-    "fifo": FifoPolicy, "fcfs": FifoPolicy, "priority": PriorityPolicy}
+BUILT_IN_POLICIES: MappingProxyType[str, type[SchedulingPolicy]] = MappingProxyType({
+    "fifo": FifoPolicy, "fcfs": FifoPolicy, "priority": PriorityPolicy})
 
 
 def resolve_scheduling_policy(spec: str | SchedulingPolicy | type[SchedulingPolicy]
