@@ -223,10 +223,10 @@ def _beam_fields(sc: SamplingConfig) -> dict[str, Any]:
             "num_return_sequences": sc.num_return_sequences}
 
 
-def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
-                       structured: Any = None) -> list[GenerationConfig]:
-    """The engine config of one request (KsanaLLM semantics: greedy by default), returning all
-    its sequences (samples or beams), in a list for `ChoiceSet.submit`."""
+def generation_config(sc: SamplingConfig, prompt_len: int, state: ServerState,
+                      structured: Any = None) -> GenerationConfig:
+    """The engine config of the request (KsanaLLM semantics: greedy by default), returning all
+    its sequences (samples or beams)."""
     param = "sampling_config.max_new_tokens"
     requested = sc.max_new_tokens if sc.max_new_tokens is not None and sc.max_new_tokens > 0 else None
     try:
@@ -263,11 +263,11 @@ def generation_configs(sc: SamplingConfig, prompt_len: int, state: ServerState,
     if structured is not None:
         fields["structured_output"] = structured
     if beam:
-        return [engine_config({**fields, **beam}, _ENGINE_TO_NATIVE)]
+        return engine_config({**fields, **beam}, _ENGINE_TO_NATIVE)
     # One engine request for every sequence: they share the prompt's KV, the metrics count one
     # request, and sequence i of a seeded request samples with seed + i.
-    return [engine_config({**fields, "seed": base_seed,
-                           "num_return_sequences": sc.num_return_sequences}, _ENGINE_TO_NATIVE)]
+    return engine_config({**fields, "seed": base_seed,
+                          "num_return_sequences": sc.num_return_sequences}, _ENGINE_TO_NATIVE)
 
 
 def _logprob_steps(entries: list[dict[str, Any]], n: int) -> list[list[list[float | int]]]:
@@ -343,13 +343,13 @@ async def generate(request: Request) -> Response:
     constraint = _structured(req)
     refuse_with_beam_search(constraint, sc.num_beams > 1)
     spec = await compile_spec(state, constraint) if constraint is not None else None
-    configs = generation_configs(sc, len(ids), state, spec)  # one engine request
+    config = generation_config(sc, len(ids), state, spec)  # one engine request
     limit = state.engine.config.max_num_seqs  # its sequences run side by side
     for key in ("num_return_sequences", "num_beams"):
         if getattr(sc, key) > limit:
             raise bad_request(f"{key} must be <= max_num_seqs ({limit}), got {getattr(sc, key)}",
                               param=f"sampling_config.{key}")
-    choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, c) for c in configs],
+    choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, config)],
                                state.request_observer if state.metrics is not None else None)
     if req.stream:
         response = AbortOnCloseStreamingResponse(
