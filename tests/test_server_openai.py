@@ -340,6 +340,38 @@ def test_logprobs_formats(client, model_name):
     assert tokens == [e.token for e in content]
 
 
+
+def _assert_offsets_locate_tokens(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """Each whole token sits in `text` at its offset; offsets never run backwards or past the end."""
+    assert len(offsets) == len(tokens) and offsets[0] == 0
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for token, offset in zip(tokens, offsets):
+        if "\ufffd" not in token:
+            assert text[offset:offset + len(token)] == token, (token, offset)
+
+
+def test_text_offset_counts_characters_split_across_tokens(client, model_name):
+    # The emoji and the two kanji are each several byte-level tokens whose strings read U+FFFD;
+    # the offsets must follow the characters of the text, not the count of those strings.
+    prompt = "Sushi \U0001F363 in \u6771\u4eac is"
+    config = dict(model=model_name, prompt=prompt, temperature=0, max_tokens=4, echo=True, logprobs=1)
+    done = client.completions.create(**config).choices[0]
+    assert done.text.startswith(prompt)
+    lp = done.logprobs
+    assert sum("\ufffd" in t for t in lp.tokens) >= 4  # the prompt really splits characters
+    _assert_offsets_locate_tokens(done.text, lp.tokens, lp.text_offset)
+    assert lp.text_offset[lp.tokens.index(" in")] == prompt.index(" in")
+
+    text, tokens, offsets = "", [], []
+    for chunk in client.completions.create(**config, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+    assert (text, tokens, offsets) == (done.text, lp.tokens, lp.text_offset)
+
+
 # ---- disconnects -----------------------------------------------------------------------------------
 
 def _engine_counts(server) -> tuple[int, int]:

@@ -7,6 +7,7 @@ may hold half of a multi-byte character, so its text alone cannot be reassembled
 
 from __future__ import annotations
 
+import codecs
 import math
 from typing import Any
 
@@ -87,18 +88,34 @@ def _completion_top(entry: dict[str, Any], token: str, texts: TokenTexts | Token
     return top
 
 
+class TextOffsets:
+    """The completions format's `text_offset`: where each token starts in the returned text, in
+    characters. Counted from the tokens' bytes, not their display strings: the two halves of a
+    character split across tokens each display as U+FFFD, and counting those would run past the
+    text. A token that starts inside a character gets that character's offset. One instance
+    follows one choice across echo and streamed chunks."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of the token holding `raw`; moves past it."""
+        offset = self._chars
+        self._chars += len(self._decoder.decode(raw))
+        return offset
+
+
 def completion_logprobs(entries: list[dict[str, Any]], texts: TokenTexts | TokenIdTexts,
-                        start_offset: int = 0) -> CompletionLogprobs:
-    """`start_offset`: characters of text already returned before these tokens (echo, streaming)."""
+                        offsets: TextOffsets) -> CompletionLogprobs:
+    """`offsets` already counts the text returned before these tokens (echo, earlier chunks)."""
     out = CompletionLogprobs()
-    offset = start_offset
     for entry in entries:
-        token = texts.text(entry["token_id"])
+        token, raw = texts.get(entry["token_id"])
         out.tokens.append(token)
         out.token_logprobs.append(_finite(entry["logprob"]))
         out.top_logprobs.append(_completion_top(entry, token, texts))
-        out.text_offset.append(offset)
-        offset += len(token)
+        out.text_offset.append(offsets.advance(raw))
     return out
 
 
@@ -127,16 +144,15 @@ def prompt_logprobs_entries(output: Any) -> list[dict[str, Any] | None]:
 
 
 def completion_prompt_logprobs(entries: list[dict[str, Any] | None] | None, prompt_ids: list[int],
-                               texts: TokenTexts | TokenIdTexts) -> CompletionLogprobs:
+                               texts: TokenTexts | TokenIdTexts, offsets: TextOffsets
+                               ) -> CompletionLogprobs:
     """echo + logprobs: the prompt tokens in the completions format (the first one null)."""
     out = CompletionLogprobs()
-    offset = 0
     for i, token_id in enumerate(prompt_ids):
         entry = entries[i] if entries is not None and i < len(entries) else None
-        token = texts.text(token_id)
+        token, raw = texts.get(token_id)
         out.tokens.append(token)
-        out.text_offset.append(offset)
-        offset += len(token)
+        out.text_offset.append(offsets.advance(raw))
         if entry is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)

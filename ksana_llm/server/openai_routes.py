@@ -22,6 +22,7 @@ from ksana_llm.server.chat_run import start_chat
 from ksana_llm.server.errors import APIError, bad_request
 from ksana_llm.server.generation import ChoiceSet
 from ksana_llm.server.logprobs import (
+    TextOffsets,
     chat_logprobs,
     completion_logprobs,
     completion_prompt_logprobs,
@@ -169,7 +170,7 @@ async def create_completion(request: Request) -> Response:
                       for _ in range(h.config.num_return_sequences)]
 
         async def chunks() -> AsyncIterator[BaseModel]:
-            offsets = [0] * choices.num_choices  # characters sent per choice, for text_offset
+            offsets = [TextOffsets() for _ in range(choices.num_choices)]  # per choice
             echoed = [echo_texts is None] * choices.num_choices
             generated = [0] * choices.num_choices
             async for ev in choices.events():
@@ -187,16 +188,14 @@ async def create_completion(request: Request) -> Response:
                     lp = None
                     if echo_logprobs:
                         lp = completion_prompt_logprobs(prompt_entries(r), prompts[jobs.prompt_of[r]],
-                                                        texts)
-                        offsets[ev.index] = sum(len(t) for t in lp.tokens)
+                                                        texts, offsets[ev.index])
                     else:
-                        offsets[ev.index] = len(text)
+                        offsets[ev.index] = TextOffsets(start=len(text))
                     yield CompletionResponse(id=request_id, created=created, model=model, choices=[
                         CompletionChoice(index=ev.index, text=text, logprobs=lp)], usage=usage)
                 logprobs = None
                 if ev.logprobs is not None:
                     logprobs = completion_logprobs(ev.logprobs, texts, offsets[ev.index])
-                    offsets[ev.index] += sum(len(t) for t in logprobs.tokens)
                     logprobs = logprobs if logprobs.tokens else None
                 if not ev.text and ev.finish_reason is None and logprobs is None:
                     continue
@@ -224,13 +223,13 @@ async def create_completion(request: Request) -> Response:
         logprobs = None
         if out.logprobs is not None:
             if echo_logprobs:
-                logprobs = completion_prompt_logprobs(entries, prompts[p], texts)
-                offset = sum(len(t) for t in logprobs.tokens)
-                generated = completion_logprobs(out.logprobs, texts, offset)
+                offsets = TextOffsets()
+                logprobs = completion_prompt_logprobs(entries, prompts[p], texts, offsets)
+                generated = completion_logprobs(out.logprobs, texts, offsets)
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(logprobs, name).extend(getattr(generated, name))
             else:
-                logprobs = completion_logprobs(out.logprobs, texts, len(prefix))
+                logprobs = completion_logprobs(out.logprobs, texts, TextOffsets(start=len(prefix)))
         result.append(CompletionChoice(
             index=i, text=prefix + out.text, logprobs=logprobs, finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
