@@ -377,6 +377,10 @@ def test_function_calls_and_their_outputs(client, model_name):
                        "function": {"name": "get_weather", "arguments": call.arguments}}]},
                   {"role": "tool", "tool_call_id": call.call_id, "content": "22 C and sunny"}])
     assert follow.output_text == chat.choices[0].message.content
+    # The continued conversation holds this call only: an output for another one is refused.
+    with pytest.raises(openai.BadRequestError, match="call_id call_other"):
+        client.responses.create(model=model_name, previous_response_id=r.id, input=[
+            {"type": "function_call_output", "call_id": "call_other", "output": "x"}])
 
 
 def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
@@ -422,6 +426,13 @@ def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
     ({"input": "x", "surprise": 1}, 400, "surprise"),
     ({"input": "x", "priority": -1}, 400, "priority"),  # a FIFO server
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+    # An output answers a call made before it (OpenAI: "No tool call found ...").
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call_output", "call_id": "call_nope", "output": "1"}]},
+     400, "input.1"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+     400, "input.0"),
     ({"input": "x", "model": "no-such-model"}, 404, "model"),
 ])
 def test_bad_requests_name_the_parameter(server, body, status, param):

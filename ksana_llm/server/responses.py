@@ -39,6 +39,7 @@ from ksana_llm.server.responses_protocol import (
     chat_response_format,
     chat_tool_choice,
     chat_tools,
+    check_call_outputs,
     input_item_resources,
     input_messages,
     item_id,
@@ -80,6 +81,8 @@ def _plan(req: ResponsesRequest, state: ServerState) -> ResponsePlan:
             raise bad_request("The previous response is still in progress.",
                               param="previous_response_id")
         history = stored.items
+    if req.input is not None:
+        check_call_outputs(req.input, history)
     return ResponsePlan(req, history + new_items, _chat_request(req, history + new_items))
 
 

@@ -198,6 +198,23 @@ def input_messages(value: Any, param: str = "input") -> list[ChatMessage]:
     return messages
 
 
+def check_call_outputs(value: Any, history: list[dict[str, Any]], param: str = "input") -> None:
+    """OpenAI's rule: a `function_call_output` answers a `function_call` made before it, in this
+    input or in the conversation it continues; an output whose call is nowhere is a client bug
+    (a mistyped or stale call_id) that the model would otherwise read as a stray tool message.
+    `value` has passed `input_messages`."""
+    if isinstance(value, str):
+        return
+    calls = {item["call_id"] for item in history if item.get("type") == "function_call"}
+    for i, item in enumerate(value):
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            calls.add(item["call_id"])
+        elif kind == "function_call_output" and item["call_id"] not in calls:
+            raise bad_request("No tool call found for function call output with call_id "
+                              f"{item['call_id']}.", param=f"{param}.{i}")
+
+
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """Flat Responses function tools -> chat tools (`{"type": "function", "function": {...}}`)."""
     if not tools:
