@@ -1,6 +1,6 @@
 """Load client for a running ksana-llm server, with KsanaLLM's `benchmark_throughput.py` flags.
 
-    python benchmarks/benchmark_throughput.py --port 8080 --input_csv benchmarks/sample_prompts.csv \\
+    python benchmarks/benchmark_throughput.py --port 8080 --input_csv ksana_llm/bench/sample_prompts.csv \\
         --backend ksana --stream --request_rate 4 --prompt_num 64 --max_new_tokens 128 \\
         --percentiles 50 90 99 --perf_csv perf.csv --output_csv out.csv
 

@@ -128,7 +128,7 @@ def _copy_tokenizer(source: Path, folder: Path) -> None:
 def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespace
                                ) -> dict[str, dict]:
     """GPTQ checkpoints written by AutoGPTQ (its GPTQ algorithm, calibrated on
-    benchmarks/sample_prompts.csv; groups of 64, in order and in activation order) and an AWQ
+    ksana_llm/bench/sample_prompts.csv; groups of 64, in order and in activation order) and an AWQ
     one packed by AutoAWQ (round-to-nearest groups of 64). transformers cannot read them on a
     CPU, so the peer is transformers' model holding the library's own dequantization."""
     import csv
@@ -138,7 +138,7 @@ def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespac
     from tests.gptq_awq_checkpoints import hold, write_awq, write_gptq
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    with open(Path(__file__).with_name("sample_prompts.csv"), encoding="utf-8") as f:
+    with open(Path(__file__).parents[1] / "ksana_llm" / "bench" / "sample_prompts.csv", encoding="utf-8") as f:
         calibration = [tokenizer.encode(row[0]) for row in list(csv.reader(f))[1:]]
     writers = {
         "GPTQ int4 (AutoGPTQ, groups of 64)": lambda hf, folder: write_gptq(

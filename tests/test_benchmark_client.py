@@ -29,7 +29,7 @@ from ksana_llm.bench.stream import (NulChunkDecoder, SSEDecoder, error_message, 
                                     openai_chunk_text)
 
 REPO = Path(__file__).resolve().parents[1]
-SAMPLE_CSV = str(REPO / "benchmarks" / "sample_prompts.csv")
+SAMPLE_CSV = str(REPO / "ksana_llm" / "bench" / "sample_prompts.csv")
 
 
 # ---- decoders ------------------------------------------------------------------------------------
@@ -173,8 +173,12 @@ def test_read_prompts_skips_header_and_cycles(tmp_path):
         read_prompts(path, col_idx=3)
 
 
-def test_sample_prompts_file():
-    prompts = read_prompts("benchmarks/sample_prompts.csv")
+def test_sample_prompts_ship_with_the_package_and_are_the_default():
+    from importlib.resources import files
+
+    packaged = files("ksana_llm.bench") / "sample_prompts.csv"
+    assert Path(build_parser().parse_args([]).input_csv) == Path(str(packaged))
+    prompts = read_prompts(str(packaged))
     assert len(prompts) >= 20 and len(set(prompts)) == len(prompts)
 
 

@@ -367,7 +367,7 @@ def test_benchmark_client_end_to_end(server, backend, tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "benchmark_throughput.py"),
            "--host", "127.0.0.1", "--port", str(server.port), "--backend", backend, "--stream",
            "--prompt_num", "4", "--max_new_tokens", "8",
-           "--input_csv", str(REPO / "benchmarks" / "sample_prompts.csv"), "--perf_csv", str(perf)]
+           "--input_csv", str(REPO / "ksana_llm" / "bench" / "sample_prompts.csv"), "--perf_csv", str(perf)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(perf, newline="", encoding="utf-8") as f:

@@ -122,10 +122,9 @@ def _backend(text: str) -> str:
     raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(BACKENDS)})")
 
 
-def _default_input_csv() -> str | None:
-    """benchmarks/sample_prompts.csv of a source checkout (it is not installed)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sample_prompts.csv"
-    return str(path) if path.is_file() else None
+def _default_input_csv() -> str:
+    """The sample prompts installed with the package (21 short questions)."""
+    return str(Path(__file__).with_name("sample_prompts.csv"))
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -136,8 +135,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     io.add_argument("--host", default="localhost")
     io.add_argument("--port", type=int, default=8080)
     io.add_argument("--input_csv", "--dataset_path", dest="input_csv", default=_default_input_csv(),
-                    help="CSV with a header row; prompts in column --col_idx (default: "
-                         "benchmarks/sample_prompts.csv of a source checkout)")
+                    help="CSV with a header row; prompts in column --col_idx (default: the "
+                         "package's sample prompts)")
     io.add_argument("--dataset_name", default="customize", choices=DATASETS,
                     help="customize: --input_csv; KsanaLLM's bundled data sets are not shipped "
                          "here (sharegpt500: pass its CSV as --input_csv)")
@@ -369,15 +368,9 @@ def load_prompts(args: argparse.Namespace, cfg: BenchConfig
         from ksana_llm.bench.workload import fixed_length_prompts
 
         count = args.prompt_num
-        if count <= 0:
-            if args.input_csv is None:
-                raise ValueError("--random_input_len needs --prompt_num or --input_csv (for the "
-                                 "number of requests)")
+        if count <= 0:  # as many requests as the CSV has prompts
             count = len(read_prompts(args.input_csv, args.col_idx))
         return fixed_length_prompts(count, args.random_input_len, args.seed,
                                     _allowed_ids(args.tokenizer)), cfg
-    if args.input_csv is None:
-        raise ValueError("--input_csv is required (the sample prompts ship only with the source "
-                         "tree, as benchmarks/sample_prompts.csv)")
     shuffle = random.Random(args.seed) if args.shuffle else None
     return read_prompts(args.input_csv, args.col_idx, args.prompt_num, shuffle), cfg
