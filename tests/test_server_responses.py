@@ -138,10 +138,12 @@ def test_truncation_auto_drops_the_oldest_turns(client, model_name, hf_default_m
                                                 default_model):
     """A conversation longer than the context (2,048 tokens here) is a 400 by default; with
     `truncation: "auto"` its oldest turn goes (whole), and the answer is transformers' answer
-    to what is left; `instructions` stay. The stored conversation keeps every item."""
+    to what is left; `instructions` and the leading system message stay (OpenAI drops items in
+    the middle). The stored conversation keeps every item."""
     long_a = "The river flows through the quiet valley at dawn. " * 110
     long_b = "Mountains rise above the old town near the sea. " * 110
-    conversation = [{"role": "user", "content": long_a}, {"role": "assistant", "content": "Noted."},
+    conversation = [{"role": "system", "content": "Be concise."},
+                    {"role": "user", "content": long_a}, {"role": "assistant", "content": "Noted."},
                     {"role": "user", "content": long_b}, {"role": "assistant", "content": "Noted."},
                     {"role": "user", "content": QUESTION}]
     kwargs = dict(model=model_name, input=conversation, temperature=0, max_output_tokens=12,
@@ -152,10 +154,10 @@ def test_truncation_auto_drops_the_oldest_turns(client, model_name, hf_default_m
     response = client.responses.create(**kwargs, truncation="auto")
     text, prompt_tokens, _ = hf_reply(hf_default_model, default_model.tokenizer,
                                       [{"role": "system", "content": "Answer briefly."},
-                                       *conversation[2:]], 12)
+                                       conversation[0], *conversation[3:]], 12)
     assert response.output_text == text and response.truncation == "auto"
     assert response.usage.input_tokens == prompt_tokens
-    assert len(client.responses.input_items.list(response.id, limit=100).data) == 5
+    assert len(client.responses.input_items.list(response.id, limit=100).data) == 6
     with pytest.raises(openai.BadRequestError):  # the last turn alone does not fit
         client.responses.create(model=model_name, input=long_a * 3, truncation="auto")
 

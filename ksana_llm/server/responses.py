@@ -103,12 +103,18 @@ def _chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCom
 
 
 def _without_oldest_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """`truncation: "auto"`: the conversation from its second user message on (None when it
-    has none): an earlier turn goes whole, so no tool output loses its call."""
-    for i in range(1, len(items)):
+    """`truncation: "auto"`: the conversation without its oldest turn (None when it has only
+    one). OpenAI drops items "in the middle of the conversation": the leading system and
+    developer messages stay, and a turn goes whole, from one user message to the next, so no
+    tool output loses its call."""
+    head = 0
+    while head < len(items) and items[head].get("type", "message") == "message" \
+            and items[head].get("role") in ("system", "developer"):
+        head += 1
+    for i in range(head + 1, len(items)):
         item = items[i]
         if item.get("type", "message") == "message" and item.get("role") == "user":
-            return items[i:]
+            return items[:head] + items[i:]
     return None
 
 
