@@ -138,7 +138,8 @@ def packed_checkpoint_accuracy(source: Path, root: Path, args: argparse.Namespac
     from tests.gptq_awq_checkpoints import hold, write_awq, write_gptq
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    with open(Path(__file__).parents[1] / "ksana_llm" / "bench" / "sample_prompts.csv", encoding="utf-8") as f:
+    prompts_csv = Path(__file__).parents[1] / "ksana_llm" / "bench" / "sample_prompts.csv"
+    with open(prompts_csv, encoding="utf-8") as f:
         calibration = [tokenizer.encode(row[0]) for row in list(csv.reader(f))[1:]]
     writers = {
         "GPTQ int4 (AutoGPTQ, groups of 64)": lambda hf, folder: write_gptq(

@@ -367,7 +367,8 @@ def test_benchmark_client_end_to_end(server, backend, tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "benchmark_throughput.py"),
            "--host", "127.0.0.1", "--port", str(server.port), "--backend", backend, "--stream",
            "--prompt_num", "4", "--max_new_tokens", "8",
-           "--input_csv", str(REPO / "ksana_llm" / "bench" / "sample_prompts.csv"), "--perf_csv", str(perf)]
+           "--input_csv", str(REPO / "ksana_llm" / "bench" / "sample_prompts.csv"),
+           "--perf_csv", str(perf)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(perf, newline="", encoding="utf-8") as f:
@@ -375,3 +376,16 @@ def test_benchmark_client_end_to_end(server, backend, tmp_path):
     row = dict(zip(header, (float(v) for v in values)))
     assert row["Successful requests"] == 4 and row["Failed requests"] == 0, row
     assert 1 <= row["Avg output tokens"] <= 8 and row["Avg input tokens"] > 0, row
+
+
+def test_benchmark_diff_check_finds_greedy_runs_identical(server, tmp_path):
+    """KsanaLLM's --enable_diff_check against the real engine: greedy answers to the same
+    prompts, sent one at a time in two runs (the second hitting the prefix cache), are the same."""
+    report = tmp_path / "diff.txt"
+    cmd = [sys.executable, "-m", "ksana_llm.cli", "bench", "--host", "127.0.0.1",
+           "--port", str(server.port), "--backend", "ksana", "--mode", "sync", "--prompt_num", "3",
+           "--max_new_tokens", "8", "--enable_diff_check", "--diff_output_file", str(report)]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "diff check, run 1 vs run 2: 3/3 answers identical, 0 flagged" in done.stdout
+    assert "mean ROUGE-W 1.0000" in report.read_text(encoding="utf-8")

@@ -31,11 +31,13 @@ input, output, decode and total token throughput; latency; and with `--stream` T
 gap between chunks carrying new tokens, over all requests) and TPOT = (latency - TTFT) / (output
 tokens - 1), each as mean, median and the `--percentiles`. `--output_csv` writes one row per
 request of the last run. A request fails (counted, left out of the figures) on an HTTP error, a
-broken stream, or an `error` object in the answer or in a stream chunk.
+broken stream, or an `error` object in the answer or in a stream chunk. `--enable_diff_check`
+compares the answers of each later run with the first run's (`ksana_llm.bench.diff_check`).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -44,16 +46,17 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from ksana_llm.bench import diff_check
 from ksana_llm.bench.results import (RequestResult, arrival_offsets, format_summary,
                                      next_request_rate, summarize, write_output_csv,
                                      write_perf_csv)
 from ksana_llm.bench.stream import (NulChunkDecoder, SSEDecoder, error_message, ksana_chunk_state,
                                     openai_chunk_text)
-
 from ksana_llm.bench.flags import (DONE, OPENAI_BACKENDS, BenchConfig, build_parser,
                                    config_from_args, load_prompts)
 
@@ -327,6 +330,25 @@ async def run_benchmark(cfg: BenchConfig, prompts: Sequence[str | list[int]],
     return cfg, results, duration
 
 
+def _diff_check(args: argparse.Namespace, results: Sequence[RequestResult], per_pass: int,
+                title: str) -> str:
+    """Each later pass's answers against the first pass's, request by request (pairs with a
+    failed request are left out); prints the summary, returns the detailed report."""
+    passes = [sorted(results[k:k + per_pass], key=lambda r: r.index)
+              for k in range(0, len(results), per_pass)]
+    sections = []
+    for number, later in enumerate(passes[1:], start=2):
+        pairs = [(a, b) for a, b in zip(passes[0], later) if a.ok and b.ok]
+        diffs = diff_check.compare([a.output for a, _ in pairs], [b.output for _, b in pairs],
+                                   [a.index for a, _ in pairs])
+        print(f"diff check, run 1 vs run {number}: " + diff_check.summary(
+            diffs, args.diff_rouge_threshold, args.diff_mismatch_threshold), flush=True)
+        sections.append(diff_check.report(diffs, args.diff_rouge_threshold,
+                                          args.diff_mismatch_threshold,
+                                          f"{title}: run 1 vs run {number}"))
+    return "\n".join(sections)
+
+
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser(prog)
@@ -339,6 +361,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     history: list[tuple[float, float, float]] = []
     rows: list[dict[str, float]] = []
     results: list[RequestResult] = []
+    reports: list[str] = []
     ok_total = measured_total = 0
     while True:
         rate = next_request_rate(history, start=cfg.request_rate, step=cfg.request_rate_step,
@@ -364,8 +387,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         history.append((rate, row["Avg latency"], row.get("Avg TTFT", 0.0)))
         ok_total += len(results) - len(failures)
         measured_total += len(results)
+        if args.enable_diff_check:
+            reports.append(_diff_check(args, results, len(prompts), f"request rate {rate:g}"))
     if args.output_csv:
         write_output_csv(args.output_csv, results[-len(prompts):])
+    if reports:
+        Path(args.diff_output_file).write_text("\n".join(reports), encoding="utf-8")
+        print(f"diff report: {args.diff_output_file}")
     if args.perf_csv:
         write_perf_csv(args.perf_csv, rows)
     return 1 if measured_total and not ok_total else 0

@@ -242,6 +242,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                           "(always in 'Decode token throughput')")
     out.add_argument("--output_csv", default=None, help="per-request outputs of the last run")
     out.add_argument("--perf_csv", default=None, help="the summary, one row per request rate")
+
+    diff = p.add_argument_group("output consistency between runs (ksana_llm.bench.diff_check)")
+    diff.add_argument("--enable_diff_check", action="store_true",
+                      help="compare each later run's answers with the first run's (makes "
+                           "--repeat_num_iters at least 2)")
+    diff.add_argument("--diff_rouge_threshold", type=float, default=0.5,
+                      help="report a pair in detail when its ROUGE-W is below this")
+    diff.add_argument("--diff_mismatch_threshold", type=int, default=None,
+                      help="also when its first differing character is at or before this "
+                           "position (default: not used)")
+    diff.add_argument("--diff_output_file", default="comparison_results.txt",
+                      help="where the detailed comparison goes")
     return p
 
 
@@ -283,6 +295,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise ValueError(f"--backend {args.backend} cannot express {', '.join(named)} "
                              "(use --backend ksana" + (" or openai" if args.backend == "vllm"
                                                        else "") + ")")
+    if args.enable_diff_check:
+        if not 0.0 <= args.diff_rouge_threshold <= 1.0:
+            raise ValueError(f"--diff_rouge_threshold must be within [0, 1], got "
+                             f"{args.diff_rouge_threshold}")
+        if args.diff_mismatch_threshold is not None and args.diff_mismatch_threshold < 1:
+            raise ValueError(f"--diff_mismatch_threshold must be >= 1, got "
+                             f"{args.diff_mismatch_threshold}")
+        if args.repeat_num_iters < 2:
+            log.info("--enable_diff_check: --repeat_num_iters %d -> 2 (two runs to compare)",
+                     args.repeat_num_iters)
     if args.clear_cache:
         log.warning("--clear_cache has no effect: this server has no prefix-cache flush, so "
                     "repeated prompts may hit the prefix cache")
@@ -299,7 +321,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         host=args.host, port=args.port, backend=args.backend, mode=args.mode, stream=args.stream,
         request_rate=args.request_rate, poisson=args.poisson, concurrency=args.concurrency,
         max_concurrency=args.max_concurrency, seed=args.seed,
-        warmup_num_iters=args.warmup_num_iters, repeat_num_iters=args.repeat_num_iters,
+        warmup_num_iters=args.warmup_num_iters,
+        repeat_num_iters=max(args.repeat_num_iters, 2 if args.enable_diff_check else 1),
         request_rate_step=args.request_rate_step,
         request_rate_num_iters=args.request_rate_num_iters,
         max_avg_latency=args.max_avg_latency, max_first_token_latency=args.max_first_token_latency,
