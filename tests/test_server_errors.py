@@ -130,6 +130,11 @@ def test_404_unknown_model(server, client):
         with pytest.raises(openai.NotFoundError) as info:
             client.models.retrieve(name)
         assert info.value.code == "model_not_found" and name in info.value.message
+    # A route that does not exist, answered as OpenAI answers it.
+    r = httpx.post(server.base_url + "/chat/complete", json={})
+    assert r.status_code == 404 and openai_error(r) == {
+        "message": "Invalid URL (POST /v1/chat/complete)", "type": "invalid_request_error",
+        "param": None, "code": None}
 
 
 def test_413_body_too_large(server):

@@ -126,6 +126,58 @@ def test_an_answer_sent_back_as_the_client_dumps_it(client, model_name):
     assert err.value.body["param"] == "messages.1.function_call"
 
 
+def test_null_parameters_mean_their_defaults(server, client, model_name):
+    """OpenAI's nullable parameters and vLLM's Optional extras: null is "not given" (the SDK
+    sends null for an argument passed as None), never a type error."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "ignore_eos": None, "min_tokens": None,
+             "skip_special_tokens": None, "priority": None, "length_penalty": None,
+             "stream_options": None, "add_generation_prompt": None}
+    body = {"model": model_name, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    nulled = httpx.post(server.base_url + "/chat/completions", json={**body, **nulls}, timeout=60)
+    assert nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"] == plain.json()["choices"]
+    assert nulled.json()["choices"][0]["message"]["refusal"] is None  # present, as OpenAI's
+    completion = {"model": model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    nulled = httpx.post(server.base_url + "/completions", timeout=60,
+                        json={**completion, "echo": None, "n": None, "best_of": None,
+                              "stream": True, "stream_options": {"include_usage": None}})
+    assert nulled.status_code == 200, nulled.text
+    assert "usage" not in nulled.text  # include_usage null: false
+    via_sdk = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=6,
+                                             temperature=0, n=None, stream=None, logprobs=None)
+    assert via_sdk.choices[0].message.content == plain.json()["choices"][0]["message"]["content"]
+    refused = httpx.post(server.base_url + "/chat/completions", json={**body, "messages": None})
+    assert refused.status_code == 400 and openai_error(refused)["param"] == "messages"
+
+
+def test_stream_chunks_carry_null_finish_reason_and_logprobs(server, model_name):
+    """Every streamed choice has `finish_reason` and `logprobs` keys (null until set), as OpenAI
+    and vLLM send them; typed clients index them."""
+    import json
+
+    for route, body in (("/chat/completions", {"messages": QUESTION}),
+                        ("/completions", {"prompt": PROMPT})):
+        with httpx.stream("POST", server.base_url + route, timeout=60,
+                          json={"model": model_name, "max_tokens": 3, "stream": True, **body}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        assert len(choices) >= 3
+        assert all("finish_reason" in c and "logprobs" in c for c in choices), choices
+        assert [c["finish_reason"] for c in choices][-1] == "length"
+        assert all(c["finish_reason"] is None for c in choices[:-1])
+
+
+def test_engine_limits_are_named_by_request_parameters(server):
+    r = httpx.post(server.base_url + "/completions",
+                   json={"prompt": "x", "max_tokens": 2, "min_tokens": 5}, timeout=60)
+    assert r.status_code == 400
+    error = openai_error(r)
+    assert error["param"] == "min_tokens" and "max_tokens" in error["message"]
+    assert "new_tokens" not in error["message"], error
+
+
 def test_parameters_of_the_clients_own_signature(client, model_name):
     """The official client's chat parameters: the ones that change nothing are accepted (as on
     /v1/responses), `verbosity`, which would change the answer, is refused by name."""

@@ -12,9 +12,9 @@ and ignored. Fields whose shape needs a precise error (`response_format`, `tools
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # Caps against single-request denial of service (see serving-reliability-notes §7).
 MAX_N = 16
@@ -29,6 +29,20 @@ class _Request(BaseModel):
     # Strict: "5" is not an int and 1 is not a bool, as in the OpenAI API. No float may be
     # infinite or NaN (Infinity, or 1e400, is no temperature).
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null for a parameter that has a default means that default, as OpenAI's
+        nullable parameters (`n`, `stream`, `logprobs`, `echo`, ...) and vLLM's Optional ones
+        read: the SDK sends null for every argument given as None. Required fields stay
+        required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        nulls = [key for key, value in data.items() if value is None and key in fields
+                 and not fields[key].is_required() and fields[key].default is not None]
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
 
 class StreamOptions(_Request):
@@ -209,7 +223,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _KeepsNullKeys(BaseModel):
+    """A record whose `_null_keys` stay in the JSON as null even when dumped with exclude_none
+    (streamed chunks are, to leave out the many unused optional fields): OpenAI and vLLM send
+    `"finish_reason": null` and `"logprobs": null` on every choice, and typed clients index
+    them."""
+
+    _null_keys: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _with_null_keys(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for key in self._null_keys:
+                data.setdefault(key, None)
+        return data
+
+
+class CompletionChoice(_KeepsNullKeys):
+    _null_keys: ClassVar[tuple[str, ...]] = ("logprobs", "finish_reason", "stop_reason")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -257,6 +290,7 @@ class ToolCallModel(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None  # OpenAI's (nullable, always present); this server never refuses
     reasoning_content: str | None = None
     tool_calls: list[ToolCallModel] = Field(default_factory=list)
 
@@ -299,7 +333,9 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_KeepsNullKeys):
+    _null_keys: ClassVar[tuple[str, ...]] = ("logprobs", "finish_reason")
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None

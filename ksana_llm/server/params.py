@@ -6,6 +6,7 @@ length, and the engine's own GenerationConfig validation.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -287,8 +288,9 @@ def engine_value_error(exc: ValueError, params: Mapping[str, str] = _ENGINE_TO_O
     message = str(exc)
     field = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
     param = params.get(field, field if field.isidentifier() else None)
-    if param is not None and param != field:
-        message = param + message[len(field):]
+    # The request's names throughout: "min_tokens must be in [0, max_tokens]", not the engine's.
+    for engine_name, request_name in params.items():
+        message = re.sub(rf"\b{re.escape(engine_name)}\b", request_name, message)
     return bad_request(message, param=param)
 
 
