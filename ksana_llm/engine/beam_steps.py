@@ -2,8 +2,8 @@
 together (`beam_search.BeamSearch` picks the continuations; beams fork and are dropped, sharing
 blocks) and emit the best hypotheses when it is done.
 
-A mixin of `EngineCore`: it works on the core's `scheduler`, `groups`, `num_generated_tokens`,
-`tokenizer`, and its `_sampling_row`, `_free`, `_detokenizer` and `_attach_prompt_logprobs`.
+A mixin of `EngineCore`: it works on the core's `scheduler`, `groups`, `tokenizer`,
+and its `_sampling_row`, `_free`, `_detokenizer` and `_attach_prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -127,7 +127,6 @@ class BeamSearchSteps:
                 seq.logprobs.append(entry(parent, token))
             if seq.first_token_time is None:
                 seq.first_token_time = now
-        self.num_generated_tokens += len(plan)
         group.seqs = [seq for seq, _, _ in plan]
         return []
 

@@ -99,8 +99,6 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         self.max_model_len = max_model_len
         self.sampler = sampler or Sampler()
         self.groups: dict[str, SequenceGroup] = {}
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
         # Overlap output processing with the next step (see `step`). Exact for requests without
         # stop strings or ranking; those keep producing their outputs in their own step.
         self.overlap_outputs = overlap_outputs
@@ -122,10 +120,6 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         self._init_exports()
 
     # ---- requests ------------------------------------------------------------------------------
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.block_manager.num_blocks * self.block_manager.block_size
-
     def add(self, seq: Sequence) -> None:
         """Queue a validated sequence, the whole request for now (may raise QueueFullError).
         With `seq.export_kv`, its last output carries its prompt's KV (`StepOutput.exported_kv`,
@@ -347,7 +341,6 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         end = start + item.num_new_tokens - item.num_draft_tokens
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
-            self.num_prompt_tokens += seq.num_prompt_tokens
         tokens = seq.tokens_slice(start, end)
         # Embeddings only replace prompt rows; decode slices need not carry them.
         embeddings = seq.embeddings if start < seq.num_prompt_tokens else None

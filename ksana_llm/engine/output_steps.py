@@ -23,7 +23,6 @@ class OutputSteps:
         seq.output_token_ids[index] = token
         seq.num_pending_tokens -= 1
         num_output = index + 1
-        self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
         entries = []

@@ -167,11 +167,6 @@ class Sequence:
         must not reach other requests."""
         return self.embeddings is None and not self.kv_imported
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while tokens other than the last sampled one still lack KV."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def fork(self, index: int) -> Sequence:
         """A new sequence with a copy of this one's tokens and sampling state (not its blocks nor
         its queue: `Scheduler.fork` does those). Its generator and detokenizer are the caller's."""
@@ -187,10 +182,6 @@ class Sequence:
             embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens,
             kv_imported=self.kv_imported, lora_id=self.lora_id, lora_slot=self.lora_slot,
             cache_salt=self.cache_salt, prediction=self.prediction)
-
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -58,6 +58,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.inv_freq = compute_inv_freq(head_dim, theta, scaling or {})
+        # YaRN scales the table (in float32, before the cast, as transformers does); 1 elsewhere.
+        self.attention_factor = 1.0
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +67,8 @@ class RotaryEmbedding(nn.Module):
         if cached is None or cached[0].device != device or cached[0].dtype != dtype:
             t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
             freqs = torch.outer(t, self.inv_freq)  # [P, D/2]
-            cached = (freqs.cos().to(device, dtype), freqs.sin().to(device, dtype))
+            cached = ((freqs.cos() * self.attention_factor).to(device, dtype),
+                      (freqs.sin() * self.attention_factor).to(device, dtype))
             self._cos_sin = cached
         return cached
 

@@ -93,16 +93,6 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
         self.inv_freq = inv_freq
         self.attention_factor = attention_factor
 
-    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self._cos_sin
-        if cached is None or cached[0].device != device or cached[0].dtype != dtype:
-            t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
-            freqs = torch.outer(t, self.inv_freq)
-            cached = ((freqs.cos() * self.attention_factor).to(device, dtype),
-                      (freqs.sin() * self.attention_factor).to(device, dtype))
-            self._cos_sin = cached
-        return cached
-
 
 def build_rotary(rotary_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any]) -> RotaryEmbedding:
