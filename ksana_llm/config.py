@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,8 +22,9 @@ def _takes_bool(annotation: Any) -> bool:
     return annotation is bool or bool in get_args(annotation)
 
 
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                  "bf16": "bfloat16"}
+# Other spellings of the model dtypes (the one table: Model.from_pretrained reads it too).
+DTYPE_ALIASES: Mapping[str, str] = MappingProxyType({
+    "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"})
 # KV cache storage (kernels.kv_quant.FP8_KV_DTYPES): "auto" = the model's dtype; "fp8" = E4M3.
 KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
@@ -215,7 +217,7 @@ class EngineConfig(BaseModel):
     @classmethod
     def _dtype_name(cls, value: Any) -> Any:
         name = str(value).removeprefix("torch.") if not isinstance(value, str) else value
-        return _DTYPE_ALIASES.get(name, name)
+        return DTYPE_ALIASES.get(name, name)
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

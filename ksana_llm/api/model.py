@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ksana_llm.api.plugin import Plugin, load_plugin
-from ksana_llm.config import EngineConfig
+from ksana_llm.config import DTYPE_ALIASES, EngineConfig
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
@@ -26,9 +26,8 @@ logger = logging.getLogger("ksana_llm.model")
 # Settings that shape how a model loads: given with an already-loaded Model, they cannot apply.
 _LOAD_SETTINGS = ("device", "dtype", "quantization", "tensor_parallel_size", "pipeline_parallel_size")
 
-_DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-           "half": torch.float16, "float": torch.float32})
+_DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16,
+                            "bfloat16": torch.bfloat16})
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -53,9 +52,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype is None or dtype == "auto":
         # CPUs are fastest and exact in float32; GPUs want half precision.
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in _DTYPES:
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {dtype!r}")
-    return _DTYPES[dtype]
+    return _DTYPES[name]
 
 
 def resolve_parallel_size(name: str, value: int, device: torch.device | None) -> int:
