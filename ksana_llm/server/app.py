@@ -7,7 +7,6 @@ tests, or one per engine) can live in one process without sharing module-level s
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import threading
 import time
@@ -22,11 +21,12 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 import ksana_llm
+from ksana_llm import yaml_config
 from ksana_llm.api.engine import Engine
+from ksana_llm.config import KV_ROLES
 from ksana_llm.distributed.launch import run_worker_node
 from ksana_llm.distributed.runtime import multi_node_env
-from ksana_llm.config import KV_ROLES
-from ksana_llm.server import kv_transfer
+from ksana_llm.server import forward, kv_transfer, metrics, native
 from ksana_llm.server.chat import load_chat_template
 from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
@@ -44,31 +44,12 @@ from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 logger = logging.getLogger("ksana_llm.server")
 
 
-# ---- extension point: sibling modules owned by other work streams ------------------------------
-# `ksana_llm.server.metrics` (GET /metrics, per-request series) and `ksana_llm.server.native`
-# (POST /generate, /forward) plug in here when present. A module that does not exist is skipped;
-# one that exists but fails to import or mount is a real error and stops start-up.
-
-def _optional_module(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name == name:
-            return None
-        raise
-
-
 def _mount_extensions(app: FastAPI, engine: Engine, state: ServerState) -> None:
-    metrics_module = _optional_module("ksana_llm.server.metrics")
-    if metrics_module is not None:
-        state.metrics = metrics_module.ServerMetrics(engine, model_name=state.served_model_name)
-        metrics_module.mount(app, engine, state.metrics)
-    native_module = _optional_module("ksana_llm.server.native")
-    if native_module is not None and callable(getattr(native_module, "mount", None)):
-        native_module.mount(app, engine)
-    forward_module = _optional_module("ksana_llm.server.forward")
-    if forward_module is not None:
-        forward_module.mount(app)  # POST /forward
+    """GET /metrics (and the per-request series), KsanaLLM's POST /generate and POST /forward."""
+    state.metrics = metrics.ServerMetrics(engine, model_name=state.served_model_name)
+    metrics.mount(app, engine, state.metrics)
+    native.mount(app, engine)
+    forward.mount(app)
 
 
 @dataclass(frozen=True)
@@ -259,9 +240,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
             raise ValueError(f"--lora-modules names each adapter once, got {names}")
         overrides["lora_modules"] = dict(overrides["lora_modules"])
     if args.config_file is not None:
-        yaml_config = _optional_module("ksana_llm.yaml_config")
-        if yaml_config is None:
-            raise ValueError("--config_file is not supported yet")
         # Everything the engine acts on (including max_token_len and waiting_timeout_in_ms) is
         # in the EngineConfig; the ServerSettings add what only the server does (KV transfer).
         return yaml_config.load_engine_config(
