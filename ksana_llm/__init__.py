@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -15,7 +16,7 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it. The names are resolved on first use (PEP 562) so that
 # light entry points -- `ksana-llm bench`, `ksana-llm --help`, the YAML checker -- do not pay for
 # importing torch and transformers just because they live inside this package.
-_EXPORTS = {
+_EXPORTS = MappingProxyType({
     "Engine": "ksana_llm.api.engine",
     "EngineDeadError": "ksana_llm.api.engine",
     "ForwardOutput": "ksana_llm.api.forward_outputs",
@@ -35,7 +36,7 @@ _EXPORTS = {
     "GenerationConfig": "ksana_llm.generation_config",
     "StructuredOutputSpec": "ksana_llm.generation_config",
     "TransferredKv": "ksana_llm.runner.kv_transfer",
-}
+})
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
            "GenerationConfig", "Model", "QueueFullError", "QueueTimeoutError", "Request",
