@@ -38,6 +38,7 @@ def test_health_models_version(server, model_name):
     models = httpx.get(server.base_url + "/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [model_name]
     # KsanaLLM serves them without the /v1 prefix too.
+    time.sleep(1.1)  # a card's `created` is the server's start, not the call's time
     assert httpx.get(server.url + "/models").json() == models
     assert httpx.get(f"{server.url}/models/{model_name}").json()["id"] == model_name
     assert models["data"][0]["max_model_len"] == 4096  # 256 blocks x 16 tokens

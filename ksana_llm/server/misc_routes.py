@@ -61,9 +61,10 @@ def _model_cards(request: Request) -> list[ModelCard]:
     """The served model under each of its names, then the loaded LoRA adapters."""
     state = server_state(request)
     base = state.served_model_name
-    cards = [ModelCard(id=name, root=base, max_model_len=state.limits.max_model_len)
+    limit, created = state.limits.max_model_len, state.started_at
+    cards = [ModelCard(id=name, root=base, max_model_len=limit, created=created)
              for name in (base, *state.model_aliases)]
-    cards += [ModelCard(id=name, root=path, parent=base, max_model_len=state.limits.max_model_len)
+    cards += [ModelCard(id=name, root=path, parent=base, max_model_len=limit, created=created)
               for name, path in state.engine.lora_adapters.items()]
     return cards
 

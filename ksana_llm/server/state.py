@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ class ServerState:
     limits: ModelLimits
     token_texts: TokenTexts
     shutting_down: bool = False
-    metrics: Any = None  # a ksana_llm.server.metrics.ServerMetrics when that module is present
+    metrics: Any = None  # the ksana_llm.server.metrics.ServerMetrics, once mounted
     tool_parser: ToolParser | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
@@ -53,6 +54,8 @@ class ServerState:
     background_responses: dict[str, BackgroundResponse] = field(default_factory=dict)
     # --generation-config: what a request that leaves a sampling parameter out gets
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # When the server came up: the `created` of its model cards, the same on every call.
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
     def grammar_compiler(self) -> Any:
         """The engine's GrammarCompiler: a spec compiled here to check it (off the event loop)
