@@ -70,6 +70,9 @@ def test_template_options_reach_the_template(engine, hf_default_model, default_m
     (CONVERSATIONS[0], {"continue_final_message": True, "add_generation_prompt": False},
      "continue_final_message"),
     (CONVERSATIONS[0], {"chat_template": "{{ raise_exception('no') }}"}, "messages"),
+    (CONVERSATIONS[0], {"chat_template": "{% if false %}x{% endif %}"}, "empty prompt"),
+    # apply_chat_template's own arguments (a TypeError for a duplicate keyword, unchecked)
+    (CONVERSATIONS[0], {"chat_template_kwargs": {"tokenize": True}}, "cannot set tokenize"),
 ])
 def test_bad_conversations_are_value_errors(engine, messages, kwargs, needle):
     with pytest.raises(ValueError, match=needle):

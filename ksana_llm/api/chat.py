@@ -35,28 +35,10 @@ class ChatMixin(GenerateCalls):
         if self.tokenizer is None:
             raise ValueError("messages: this engine has no tokenizer to render a chat with; pass "
                              "Engine(tokenizer=...)")
-        _check_conversation(messages)
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message needs add_generation_prompt=False")
-        if continue_final_message and messages[-1].get("role") != "assistant":
-            raise ValueError("continue_final_message needs a final assistant message")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat_template: this model has no chat template; pass one")
-        if chat_template_kwargs is not None and not (
-                isinstance(chat_template_kwargs, dict)
-                and all(isinstance(k, str) and k.isidentifier() for k in chat_template_kwargs)):
-            raise ValueError("chat_template_kwargs must be a dict of template variable names to "
-                             f"values, got {chat_template_kwargs!r}")
-        from jinja2 import TemplateError
-
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools,
-                **dict(chat_template_kwargs or {}))
-        except TemplateError as exc:
-            raise ValueError(f"messages: the chat template rejected them ({exc})") from exc
+        text = apply_chat_template(self.tokenizer, messages, chat_template=chat_template,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, tools=tools,
+                                   chat_template_kwargs=chat_template_kwargs)
         # The template holds the special tokens (BOS etc.) already.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -82,6 +64,52 @@ class ChatMixin(GenerateCalls):
                                     chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
         return self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
+
+
+# apply_chat_template's own arguments: template kwargs may not set them (they would clash, or
+# change what comes back).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def apply_chat_template(tokenizer: Any, messages: Conversation, *, chat_template: str | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        tools: list[dict[str, Any]] | None = None,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """One conversation (message dicts) as prompt text, under `chat_template` or the
+    tokenizer's own. Shared by `Engine.chat` and the server; every error is a ValueError that
+    starts with the argument at fault."""
+    _check_conversation(messages)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message cannot be true with add_generation_prompt true")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message needs a final assistant message")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat_template: this model has no chat template; pass one")
+    if chat_template_kwargs is not None and not (
+            isinstance(chat_template_kwargs, dict)
+            and all(isinstance(k, str) and k.isidentifier() for k in chat_template_kwargs)):
+        raise ValueError("chat_template_kwargs must be a dict of template variable names to "
+                         f"values, got {chat_template_kwargs!r}")
+    reserved = sorted(set(chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+            **dict(chat_template_kwargs or {}))
+    except TemplateError as exc:
+        # Templates raise on messages they do not accept (e.g. roles out of order).
+        raise ValueError(f"messages: the chat template rejected them ({exc})") from exc
+    if not isinstance(text, str) or not text:
+        raise ValueError("messages: the chat template rendered an empty prompt")
+    return text
 
 
 def _check_conversation(messages: Any) -> None:

@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ksana_llm.api.chat import apply_chat_template
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.openai_protocol import ChatMessage
+from ksana_llm.server.params import engine_value_error
 
 
 def load_chat_template(path: str | None) -> str | None:
@@ -52,13 +54,6 @@ def _content_text(message: ChatMessage, index: int) -> str:
         return "".join(texts)
     raise bad_request("Message content must be a string or a non-empty list of text parts.",
                       param=param)
-
-
-# apply_chat_template's own parameters: `chat_template_kwargs` must not reach them.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 
 def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
@@ -111,40 +106,19 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    reserved = sorted(set(kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise bad_request(f"chat_template_kwargs cannot set {', '.join(reserved)}.",
-                          param="chat_template_kwargs")
-    return dict(kwargs or {})
-
-
 def render_chat(tokenizer: Any, messages: list[ChatMessage], template: str | None, *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text. `tools` (OpenAI tool definitions) and `template_kwargs` (the request's
     chat_template_kwargs, e.g. enable_thinking) are handed to the template."""
-    if add_generation_prompt and continue_final_message:
-        raise bad_request("add_generation_prompt and continue_final_message cannot both be true.",
-                          param="continue_final_message")
-    if continue_final_message and messages[-1].role != "assistant":
-        raise bad_request("continue_final_message needs a final assistant message.",
-                          param="continue_final_message")
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions or start the "
                           "server with --chat-template.", param="messages")
-    from jinja2 import TemplateError
-
     try:
-        rendered = tokenizer.apply_chat_template(
-            to_template_messages(messages), chat_template=template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools,
-            **check_template_kwargs(template_kwargs))
-    except TemplateError as exc:
-        # Templates raise on messages they do not accept (e.g. roles out of order): client input.
-        raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from exc
-    if not isinstance(rendered, str) or not rendered:
-        raise bad_request("The chat template rendered an empty prompt.", param="messages")
-    return rendered
+        return apply_chat_template(tokenizer, to_template_messages(messages), chat_template=template,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, tools=tools,
+                                   chat_template_kwargs=template_kwargs)
+    except ValueError as exc:
+        raise engine_value_error(exc) from exc
