@@ -154,7 +154,8 @@ def test_null_parameters_mean_their_defaults(server, client, model_name):
 
 def test_stream_chunks_carry_null_finish_reason_and_logprobs(server, model_name):
     """Every streamed choice has `finish_reason` and `logprobs` keys (null until set), as OpenAI
-    and vLLM send them; typed clients index them."""
+    and vLLM send them; typed clients index them. With include_usage, every chunk has a `usage`
+    key: null until the last."""
     import json
 
     for route, body in (("/chat/completions", {"messages": QUESTION}),
@@ -168,6 +169,15 @@ def test_stream_chunks_carry_null_finish_reason_and_logprobs(server, model_name)
         assert all("finish_reason" in c and "logprobs" in c for c in choices), choices
         assert [c["finish_reason"] for c in choices][-1] == "length"
         assert all(c["finish_reason"] is None for c in choices[:-1])
+        assert all("usage" not in chunk for chunk in chunks)  # include_usage not asked for
+        with httpx.stream("POST", server.base_url + route, timeout=60,
+                          json={"model": model_name, "max_tokens": 3, "stream": True, **body,
+                                "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        # OpenAI: "All other chunks will also include a usage field, but with a null value."
+        assert all("usage" in chunk and chunk["usage"] is None for chunk in chunks[:-1]), chunks
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_engine_limits_are_named_by_request_parameters(server):

@@ -68,16 +68,22 @@ from ksana_llm.server.submission import (
 
 router = APIRouter()
 
-def _sse(payload: BaseModel | dict) -> str:
-    body = payload.model_dump_json(exclude_none=True) if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
+def _sse(payload: BaseModel | dict, *, null_usage: bool = False) -> str:
+    if isinstance(payload, BaseModel) and not null_usage:
+        return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
+    data = payload.model_dump(mode="json", exclude_none=True) if isinstance(payload, BaseModel) else payload
+    if null_usage:
+        data.setdefault("usage", None)
+    return f"data: {json.dumps(data)}\n\n"
 
 
-async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[BaseModel]]) -> AsyncIterator[str]:
-    """SSE framing; an engine failure after the 200 went out becomes an error event."""
+async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[BaseModel]], *,
+                      include_usage: bool = False) -> AsyncIterator[str]:
+    """SSE framing; an engine failure after the 200 went out becomes an error event. With
+    `include_usage`, every chunk before the usage one says `"usage": null`, as OpenAI's do."""
     try:
         async for chunk in chunks():
-            yield _sse(chunk)
+            yield _sse(chunk, null_usage=include_usage)
     except APIError as exc:
         yield _sse(exc.body())
     yield "data: [DONE]\n\n"
@@ -208,7 +214,8 @@ async def create_completion(request: Request) -> Response:
                                          usage=_usage(prompt_tokens, choices, jobs.prompt_of,
                                                       generated=not score_only))
 
-        return AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
+        return AbortOnCloseStreamingResponse(
+            _sse_stream(choices, chunks, include_usage=include_usage), choices)
 
     if not await wait_for_choices(choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -286,7 +293,8 @@ async def create_chat_completion(request: Request) -> Response:
                                           usage=_usage(len(ids), choices,
                                                        prediction=run.prediction))
 
-        return AbortOnCloseStreamingResponse(_sse_stream(choices, chunks), choices)
+        return AbortOnCloseStreamingResponse(
+            _sse_stream(choices, chunks, include_usage=include_usage), choices)
 
     if not await wait_for_choices(choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
