@@ -165,8 +165,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=cli_types.port, default=8080)
+    _add_listen_args(parser)
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $KLLM_API_KEY, else no key)")
@@ -176,8 +175,6 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted, else 413 (default: 2 MiB)")
     parser.add_argument("--shutdown-timeout", type=cli_types.non_negative_float, default=5.0,
                         help="seconds to let in-flight requests finish on SIGTERM; then they fail with 503")
-    parser.add_argument("--log-level", default="warning",
-                        choices=["critical", "error", "warning", "info", "debug"])
     # Output parsing (names are checked at start-up, before the model loads).
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide when to call tools (tool_choice "auto"); '
@@ -218,7 +215,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--num-device-blocks", type=int, default=None, help="KV cache blocks")
-    parser.add_argument("--block-token-num", type=int, default=None, help="tokens per KV block")
+    parser.add_argument("--block-token-num", "--block-size", type=int, default=None,
+                        dest="block_token_num", help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-step-tokens", "--max-num-batched-tokens", type=int, default=None,
                         dest="max_step_tokens", help="token budget per step")
@@ -309,6 +307,19 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "then name folders the server reads)")
 
 
+def _add_listen_args(parser: argparse.ArgumentParser) -> None:
+    """Where and how the HTTP server listens (vLLM's spellings accepted too)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=cli_types.port, default=8080)
+    parser.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                        help="serve HTTPS with this certificate (chain); the key too when "
+                             "--ssl-keyfile is not given")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM",
+                        help="the certificate's private key (needs --ssl-certfile)")
+
+
 def _add_cors_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", type=cli_types.json_strings, default=None, metavar="JSON",
                         help='browser origins allowed to call (CORS), e.g. \'["https://a.b"]\' '
@@ -326,12 +337,9 @@ def _add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="a prefill server (serve --kv-role prefill); repeat for several")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode server (serve --kv-role decode); repeat for several")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=cli_types.port, default=8080)
+    _add_listen_args(parser)
     parser.add_argument("--api-key", default=None,
                         help="required of clients, and sent to the servers (which share it)")
-    parser.add_argument("--log-level", default="warning",
-                        choices=["critical", "error", "warning", "info", "debug"])
     _add_cors_args(parser)
 
 
@@ -348,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    # `ksana-llm serve MODEL`, as `vllm serve MODEL`; the same as --model.
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="HF model folder or .gguf file (as --model)")
     _add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
     batch = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI requests (OpenAI's "

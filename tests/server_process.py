@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -24,9 +25,13 @@ class ServerProcess:
     ends it."""
 
     def __init__(self, extra_args: Sequence[str] = (), ready_timeout: float = 180.0,
-                 env: Mapping[str, str] | None = None, command: str = "serve") -> None:
+                 env: Mapping[str, str] | None = None, command: str = "serve",
+                 tls_context: ssl.SSLContext | None = None) -> None:
+        """`tls_context`: the server serves HTTPS (--ssl-certfile in `extra_args`), and this
+        context trusts its certificate."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls_context else 'http'}://127.0.0.1:{self.port}"
+        self._verify: ssl.SSLContext | bool = tls_context or True
         self._log = tempfile.NamedTemporaryFile("w+", prefix="ksana-server-", suffix=".log",
                                                 delete=False)
         device = ["--device", "cpu"] if command == "serve" else []
@@ -55,7 +60,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=self._verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

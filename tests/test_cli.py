@@ -114,6 +114,25 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
         configs_from_args(parse(["serve", "--scheduling-policy", "tests.scheduling_policies:Nope"]))
 
 
+def test_vllm_command_line_spellings():
+    """`serve MODEL` (positional, as `vllm serve MODEL`), --block-size and --uvicorn-log-level
+    are vLLM's spellings of --model, --block-token-num and --log-level."""
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    config = configs_from_args(parse(["serve", "/models/m", "--block-size", "32"]))[0]
+    assert (config.model, config.block_token_num) == ("/models/m", 32)
+    assert configs_from_args(parse(["serve", "--model", "/models/m"]))[0].model == "/models/m"
+    assert configs_from_args(parse(["serve", "/models/m", "--model", "/models/m"]))[0].model == \
+        "/models/m"
+    assert configs_from_args(parse(["serve"]))[0].model is None  # the default model
+    with pytest.raises(ValueError, match="given twice.*/models/a.*--model /models/b"):
+        configs_from_args(parse(["serve", "/models/a", "--model", "/models/b"]))
+    assert parse(["serve", "--uvicorn-log-level", "info"]).log_level == "info"
+    assert parse(["router", "--uvicorn-log-level", "debug"]).log_level == "debug"
+
+
 def test_speculative_flags_reach_the_engine_config():
     from ksana_llm.cli import build_parser
     from ksana_llm.server.app import configs_from_args

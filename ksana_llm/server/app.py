@@ -39,6 +39,7 @@ from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from ksana_llm.server.state import ServerState
+from ksana_llm.server.tls import uvicorn_tls_options
 from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 logger = logging.getLogger("ksana_llm.server")
@@ -227,13 +228,22 @@ ENGINE_FLAGS = ("device", "dtype", "quantization", "num_device_blocks", "block_t
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps")
 
 
+def model_from_args(args: argparse.Namespace) -> str | None:
+    """`serve MODEL` (vLLM's positional form) or `--model`; both only when they agree."""
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"the model is given twice, as {positional} and as --model "
+                         f"{args.model}; give one")
+    return positional if positional is not None else args.model
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(EngineConfig, the YAML's ServerSettings or None) from --config_file (when given) with the
     engine flags given on top."""
     from ksana_llm.config import EngineConfig, named_validation_error
 
     overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
-    overrides["model"] = args.model
+    overrides["model"] = model_from_args(args)
     if overrides["lora_modules"] is not None:
         names = [name for name, _ in overrides["lora_modules"]]
         if len(set(names)) != len(names):
@@ -300,6 +310,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     parsing = output_parsing_from_args(args)
     parsing.check()  # before the model loads: a misspelt parser name fails at once
+    tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile)  # so does a bad certificate
     config, settings = configs_from_args(args)
     kv_role, kv_ttl = kv_transfer_from_args(args, settings)
     check_kv_role(kv_role, config.tensor_parallel_size, config.pipeline_parallel_size)
@@ -326,7 +337,7 @@ def run_server(args: argparse.Namespace) -> int:
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level,
+                                           log_level=args.log_level, **tls,
                                            timeout_graceful_shutdown=args.shutdown_timeout
                                            + SHUTDOWN_MARGIN_S))
     died = threading.Event()

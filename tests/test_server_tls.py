@@ -1,0 +1,82 @@
+"""HTTPS (vLLM's --ssl-certfile / --ssl-keyfile) on a real server process, started the vLLM way
+(`serve MODEL`), called by the official `openai` client that trusts only a throwaway CA; and
+certificate mistakes refused at once, before the model loads, naming the flag."""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import trustme
+
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def authority():
+    return trustme.CA()
+
+
+@pytest.fixture(scope="module")
+def tls_files(authority, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    cert = authority.issue_cert("127.0.0.1")
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    return cert_file, key_file
+
+
+def test_https_server_answers_the_openai_client(authority, tls_files, default_model_dir):
+    cert_file, key_file = tls_files
+    trusting = ssl.create_default_context()
+    authority.configure_trust(trusting)
+    server = ServerProcess([str(default_model_dir), "--num-device-blocks", "64",
+                            "--max-model-len", "256", "--ssl-certfile", str(cert_file),
+                            "--ssl-keyfile", str(key_file)], tls_context=trusting)
+    try:
+        assert server.url.startswith("https://")
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                               timeout=120, http_client=httpx.Client(verify=trusting))
+        answer = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in answer.choices[0].message.content
+        # Plain HTTP on the TLS port is not served; a client without the CA refuses the cert.
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url.replace("https://", "http://") + "/health", timeout=10)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(server.url + "/health", timeout=10)
+    finally:
+        server.stop()
+
+
+def _serve(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "serve", "--device", "cpu",
+                           *args], capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - start
+
+
+def test_certificate_mistakes_fail_before_the_model_loads(tls_files, tmp_path):
+    cert_file, key_file = tls_files
+    other_key = tmp_path / "other.pem"
+    trustme.CA().issue_cert("127.0.0.1").private_key_pem.write_to_path(str(other_key))
+    for args, needle in (
+            (["--ssl-keyfile", str(key_file)], "--ssl-keyfile needs --ssl-certfile"),
+            (["--ssl-certfile", str(tmp_path / "missing.pem")],
+             f"--ssl-certfile {tmp_path / 'missing.pem'}: cannot load the certificate and key"),
+            # the certificate alone: its key is not in the file
+            (["--ssl-certfile", str(cert_file)], "cannot load the certificate and key"),
+            # a key that is not the certificate's
+            (["--ssl-certfile", str(cert_file), "--ssl-keyfile", str(other_key)],
+             "cannot load the certificate and key")):
+        proc, took = _serve("--model", "/nonexistent/model", *args)
+        # The model path is bad too: only an error about TLS proves TLS is checked first.
+        assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
+        assert "/nonexistent/model" not in proc.stderr
