@@ -25,9 +25,17 @@ _KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / 
                         "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
 
 
+def _add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", "--tokenizer_path", "--tokenizer-path", "--tokenizer_dir",
+                        "--tokenizer-dir", dest="tokenizer", default=None, metavar="DIR",
+                        help="tokenizer folder to use instead of the model's own (vLLM's "
+                             "--tokenizer, KsanaLLM's --tokenizer_path)")
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    _add_tokenizer_arg(parser)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
@@ -60,7 +68,7 @@ def _generation_config(args: argparse.Namespace):
 def _engine(args: argparse.Namespace):
     from ksana_llm.api.engine import Engine
 
-    return Engine(args.model, device=args.device, dtype=args.dtype,
+    return Engine(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
                   generation_config=_generation_config(args),
                   num_speculative_tokens=args.num_speculative_tokens,
                   speculative_method=args.speculative_method,
@@ -162,6 +170,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="KsanaLLM YAML config; the flags below override it")
     parser.add_argument("--model", default=None,
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    _add_tokenizer_arg(parser)
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")

@@ -56,6 +56,9 @@ class EngineConfig(BaseModel):
                               arbitrary_types_allowed=True)
 
     model: str | None = Field(None, description="HF folder or .gguf file; None -> default model")
+    tokenizer: str | None = Field(
+        None, description="folder of the tokenizer to use instead of the model's own (vLLM "
+                          "--tokenizer, KsanaLLM tokenizer_dir); None -> the model's")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     dtype: DType = Field("auto", description="'auto' = float32 on CPU, bfloat16 on CUDA")
     quantization: WeightQuantization | None = Field(

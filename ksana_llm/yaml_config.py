@@ -35,6 +35,8 @@ Keys and where they go:
 |                                                   |   (< 0 -> None: "all that remains")       |
 | setting.block_manager.block_host_memory_factor    | EngineConfig.block_host_memory_factor     |
 | model_spec.base_model.model_dir                   | EngineConfig.model, ServerSettings.model_dir |
+| model_spec.base_model.tokenizer_dir (or           | EngineConfig.tokenizer                    |
+|   setting.tokenization.tokenizer_path)            |                                           |
 | setting.connector.group_role                      | ServerSettings.kv_role (`serve --kv-role`; |
 |                                                   |   "none" -> None)                         |
 | setting.connector.task_expire_sec                 | ServerSettings.kv_transfer_ttl_s          |
@@ -169,6 +171,9 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     _BM + "block_host_memory_factor": _Key("float", field="block_host_memory_factor"),
     "model_spec.base_model.model_dir": _Key("str", field="model", server="model_dir",
                                             convert=_expand_path),
+    # A tokenizer other than the model's: KsanaLLM reads either key (both must then agree).
+    "model_spec.base_model.tokenizer_dir": _Key("str", field="tokenizer", convert=_expand_path),
+    "setting.tokenization.tokenizer_path": _Key("str", field="tokenizer", convert=_expand_path),
     # Prefill/decode disaggregation: the server's role; how long kept KV waits to be fetched.
     "setting.connector.group_role": _Key("str", server="kv_role", convert=_kv_role),
     "setting.connector.task_expire_sec": _Key("float", server="kv_transfer_ttl_s",
@@ -250,7 +255,7 @@ _UNSUPPORTED: frozenset[str] = frozenset({
         "heartbeat_interval_ms", "transfer_batch", "connector_waiting_sec",
         "circular_bucket_size", "circular_bucket_num", "circular_thread_num", "send_thread_num",
         "communication_type", "redis_password", "metadata_addr")),
-    "model_spec.base_model.tokenizer_dir", "model_spec.lora_models",
+    "model_spec.lora_models",
 })
 
 # Every proper prefix of an accepted key is a section that must be a mapping.
@@ -368,7 +373,11 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
             server[spec.server] = spec.convert(value) if spec.convert and spec.field is None \
                 else value
         if spec.field is not None:
-            fields[spec.field] = spec.convert(value) if spec.convert else value
+            value = spec.convert(value) if spec.convert else value
+            if spec.field in fields and fields[spec.field] != value:  # two keys, one setting
+                raise ValueError(f"{sources[spec.field]} ({fields[spec.field]!r}) and {dotted} "
+                                 f"({value!r}) set the same thing differently; give one")
+            fields[spec.field] = value
             sources[spec.field] = dotted
 
     if leaves.get(_GPTQ_BACKEND, GPTQ_BACKENDS[0]) not in GPTQ_BACKENDS:

@@ -116,7 +116,8 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
 
 def test_vllm_command_line_spellings():
     """`serve MODEL` (positional, as `vllm serve MODEL`), --block-size and --uvicorn-log-level
-    are vLLM's spellings of --model, --block-token-num and --log-level."""
+    are vLLM's spellings of --model, --block-token-num and --log-level; --tokenizer reaches
+    the EngineConfig under vLLM's and KsanaLLM's names."""
     from ksana_llm.cli import build_parser
     from ksana_llm.server.app import configs_from_args
 
@@ -130,6 +131,8 @@ def test_vllm_command_line_spellings():
     with pytest.raises(ValueError, match="given twice.*/models/a.*--model /models/b"):
         configs_from_args(parse(["serve", "/models/a", "--model", "/models/b"]))
     assert parse(["serve", "--uvicorn-log-level", "info"]).log_level == "info"
+    for flag in ("--tokenizer", "--tokenizer_path", "--tokenizer-dir"):  # vLLM's, KsanaLLM's
+        assert configs_from_args(parse(["serve", flag, "/tok"]))[0].tokenizer == "/tok"
     assert parse(["router", "--uvicorn-log-level", "debug"]).log_level == "debug"
 
 

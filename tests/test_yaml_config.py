@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,21 @@ def test_every_key_lands_in_its_field(tmp_path):
     assert server.max_token_len == 1234
     assert server.waiting_timeout_in_ms == 4321
     assert server.model_dir == "/models/some-model"
+
+
+def test_tokenizer_keys_land_in_the_tokenizer_field():
+    """KsanaLLM names the tokenizer folder under two keys; either sets EngineConfig.tokenizer,
+    and the two must agree when both are there."""
+    by_dir = {"model_spec": {"base_model": {"tokenizer_dir": "~/tok"}}}
+    by_path = {"setting": {"tokenization": {"tokenizer_path": "/models/tok"}}}
+    assert parse_engine_config(by_dir)[0].tokenizer == os.path.expanduser("~/tok")
+    assert parse_engine_config(by_path)[0].tokenizer == "/models/tok"
+    same = {"model_spec": {"base_model": {"tokenizer_dir": "/models/tok"}}, **by_path}
+    assert parse_engine_config(same)[0].tokenizer == "/models/tok"
+    with pytest.raises(ValueError, match="tokenizer_dir.*tokenizer_path.*differently"):
+        parse_engine_config({**by_dir, **by_path})
+    # The command line's --tokenizer wins over the file.
+    assert parse_engine_config(by_path, {"tokenizer": "/cli/tok"})[0].tokenizer == "/cli/tok"
 
 
 def test_empty_file_and_untouched_keys_keep_defaults(tmp_path):

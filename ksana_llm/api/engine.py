@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from ksana_llm.api.forward_calls import ForwardCalls
 from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
-from ksana_llm.api.model import Model
+from ksana_llm.api.model import Model, load_tokenizer
 from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle)
 from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.stats import EngineStats, StatsTracker
@@ -55,6 +56,7 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
     (an instance, its class, or its import path "module:Class"). Any other `EngineConfig` field may be passed by name,
     or a whole `config`. LoRA adapters: `lora_modules` (name -> folder) load at start-up, a
     request names one (`Request(lora=...)`, `generate(..., lora=...)`); see `LoraControl`.
+    `tokenizer`: a tokenizer object, or the folder of one, used instead of the model's own.
     """
 
     def __init__(self, model: Model | str | None = None, tokenizer: Any = None,
@@ -64,6 +66,9 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
                  config: EngineConfig | None = None,
                  **engine_kwargs: Any) -> None:
         overrides = dict(engine_kwargs)
+        if isinstance(tokenizer, (str, os.PathLike)):  # a folder, as vLLM's LLM(tokenizer=...)
+            overrides["tokenizer"] = str(tokenizer)
+            tokenizer = None
         if max_batch_size is not None:
             overrides["max_step_tokens"] = max_batch_size
         if max_queue_size is not None:
@@ -77,12 +82,14 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
             # The settings that shaped the loaded model are the model's, whatever `config` said.
             self.config = self.config.model_copy(update={"device": str(model.device),
                                                          "dtype": model.dtype_name})
+            if tokenizer is None and self.config.tokenizer is not None:
+                tokenizer = load_tokenizer(self.config.tokenizer, model.vocab_size)
         else:
             model = Model.from_pretrained(
                 model if model is not None else self.config.model, device=self.config.device,
                 dtype=self.config.dtype, tensor_parallel_size=self.config.tensor_parallel_size,
                 pipeline_parallel_size=self.config.pipeline_parallel_size,
-                quantization=self.config.quantization)
+                quantization=self.config.quantization, tokenizer=self.config.tokenizer)
             try:
                 self._start(model, tokenizer, generation_config)
             except BaseException:

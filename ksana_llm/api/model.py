@@ -97,6 +97,23 @@ def _load_tokenizer(model_dir: Path) -> Any:
         return None
 
 
+def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Any:
+    """The tokenizer in folder `path`, asked for by name (unlike the model folder's own, which
+    may be missing): ValueError naming `tokenizer` when it does not load or holds tokens the
+    model has no embedding for."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - a missing or broken folder fails in many ways
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path} "
+                         f"({type(exc).__name__}: {exc})") from exc
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"tokenizer: {path} has {len(tokenizer)} tokens, more than the model's "
+                         f"vocab_size {vocab_size}: it is not this model's tokenizer")
+    return tokenizer
+
+
 @dataclass
 class Model:
     """Weights on a device plus what the engine needs to drive them."""
@@ -169,8 +186,8 @@ class Model:
                         dtype: str | torch.dtype | None = "auto", tensor_parallel_size: int = 1,
                         pipeline_parallel_size: int = 1, progress: bool = True,
                         plugin: bool | str | os.PathLike = True,
-                        quantization: str | None = None, pad_token_id: int | None = None
-                        ) -> Model:
+                        quantization: str | None = None, pad_token_id: int | None = None,
+                        tokenizer: str | os.PathLike | None = None) -> Model:
         """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct.
 
         Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
@@ -179,6 +196,9 @@ class Model:
         (see `ksana_llm.api.plugin`). `quantization` "fp8" keeps the projections' weights as FP8
         (per-row scales, quantized as they load), "w8a8_int8" as int8 with their inputs
         quantized to int8 per token; a quantized checkpoint loads as it is without it.
+
+        `tokenizer`: a folder whose tokenizer replaces the model's own (vLLM's `tokenizer`;
+        e.g. a weights-only folder, or a GGUF file whose embedded tokenizer is not wanted).
 
         `pad_token_id` (the KTransformers guide passes it): the paged engine never pads a batch,
         so it only names the tokenizer's pad token where the tokenizer has none.
@@ -197,6 +217,9 @@ class Model:
         pp_size = resolve_parallel_size("pipeline_parallel_size", pipeline_parallel_size, None)
         model_dir = resolve_model_dir(path)
         hf_config = load_hf_config(model_dir)
+        # Before the weights: a wrong tokenizer path fails in seconds, not after the load.
+        given_tokenizer = (None if tokenizer is None
+                           else load_tokenizer(tokenizer, int(hf_config.vocab_size)))
         model_type = getattr(hf_config, "model_type", None)
         runtime, workers = None, []
         node = multi_node_env()
@@ -217,7 +240,7 @@ class Model:
                 shutdown_runtime()
             raise
         model_cls = type(module)
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = given_tokenizer if given_tokenizer is not None else _load_tokenizer(model_dir)
         _set_pad_token(tokenizer, pad_token_id, int(hf_config.vocab_size))
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)
