@@ -317,16 +317,18 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_listen_args(parser: argparse.ArgumentParser) -> None:
-    """Where and how the HTTP server listens (vLLM's spellings accepted too)."""
+    """Where and how the HTTP server listens (vLLM's and KsanaLLM's spellings accepted too)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=cli_types.port, default=8080)
     parser.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"])
-    parser.add_argument("--ssl-certfile", default=None, metavar="PEM",
-                        help="serve HTTPS with this certificate (chain); the key too when "
-                             "--ssl-keyfile is not given")
-    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM",
-                        help="the certificate's private key (needs --ssl-certfile)")
+    parser.add_argument("--ssl-certfile", "--ssl_certfile", dest="ssl_certfile", default=None,
+                        metavar="PEM", help="serve HTTPS with this certificate (chain); the key "
+                                            "too when --ssl-keyfile is not given")
+    parser.add_argument("--ssl-keyfile", "--ssl_keyfile", dest="ssl_keyfile", default=None,
+                        metavar="PEM", help="the certificate's private key (needs --ssl-certfile)")
+    parser.add_argument("--access-log", "--access_log", dest="access_log", action="store_true",
+                        help="log every HTTP request (uvicorn's access log), whatever --log-level")
 
 
 def _add_cors_args(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """HTTPS (vLLM's --ssl-certfile / --ssl-keyfile) on a real server process, started the vLLM way
-(`serve MODEL`), called by the official `openai` client that trusts only a throwaway CA; and
-certificate mistakes refused at once, before the model loads, naming the flag."""
+(`serve MODEL`), called by the official `openai` client that trusts only a throwaway CA, with
+--access-log on; and certificate mistakes refused at once, before the model loads, naming the
+flag."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def test_https_server_answers_the_openai_client(authority, tls_files, default_mo
     authority.configure_trust(trusting)
     server = ServerProcess([str(default_model_dir), "--num-device-blocks", "64",
                             "--max-model-len", "256", "--ssl-certfile", str(cert_file),
-                            "--ssl-keyfile", str(key_file)], tls_context=trusting)
+                            "--ssl_keyfile", str(key_file),  # KsanaLLM's spelling
+                            "--access-log"], tls_context=trusting)
     try:
         assert server.url.startswith("https://")
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
@@ -52,6 +54,8 @@ def test_https_server_answers_the_openai_client(authority, tls_files, default_mo
             httpx.get(server.url.replace("https://", "http://") + "/health", timeout=10)
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(server.url + "/health", timeout=10)
+        # --access-log: every request logged, though --log-level stays at warning.
+        assert '"POST /v1/chat/completions HTTP/1.1" 200' in server.log()
     finally:
         server.stop()
 
@@ -80,3 +84,29 @@ def test_certificate_mistakes_fail_before_the_model_loads(tls_files, tmp_path):
         # The model path is bad too: only an error about TLS proves TLS is checked first.
         assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
         assert "/nonexistent/model" not in proc.stderr
+
+
+def test_router_serves_https_too(authority, tls_files):
+    """`router` takes the same flags: with no decode server up its /health is a 503, over TLS."""
+    from tests.server_process import free_port
+
+    cert_file, key_file = tls_files
+    trusting = ssl.create_default_context()
+    authority.configure_trust(trusting)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ksana_llm.cli", "router", "--port", str(port),
+                             "--decode", "http://127.0.0.1:9", "--ssl-certfile", str(cert_file),
+                             "--ssl-keyfile", str(key_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, answer = time.monotonic() + 60, None
+        while answer is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                answer = httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting, timeout=10)
+            except httpx.ConnectError:
+                time.sleep(0.3)
+        assert answer is not None, "the router never answered over HTTPS"
+        assert answer.status_code == 503 and answer.json()["servers"] == {"http://127.0.0.1:9": None}
+    finally:
+        proc.terminate()
+        proc.wait(15)

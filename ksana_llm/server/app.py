@@ -39,7 +39,7 @@ from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from ksana_llm.server.state import ServerState
-from ksana_llm.server.tls import uvicorn_tls_options
+from ksana_llm.server.listen import uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 logger = logging.getLogger("ksana_llm.server")
@@ -336,10 +336,8 @@ def run_server(args: argparse.Namespace) -> int:
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, **tls,
-                                           timeout_graceful_shutdown=args.shutdown_timeout
-                                           + SHUTDOWN_MARGIN_S))
+    server = uvicorn.Server(uvicorn_config(
+        app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S))
     died = threading.Event()
     threading.Thread(target=_watch_engine_and_shutdown,
                      args=(engine, server, app.state.server, args.shutdown_timeout, died),
