@@ -191,6 +191,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None,
                         help="how tool calls are read from model text: hermes, qwen3, "
                              "llama3_json, deepseek_v3, deepseek_v31")
+    parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                        help="a Python file defining tool-call parsers of one's own "
+                             "(ksana_llm.server.tool_parsers.ToolParser subclasses with a "
+                             "`name`), which --tool-call-parser can then name")
     parser.add_argument("--reasoning-parser", default=None,
                         help="fill reasoning_content from <think>...</think>: deepseek_r1, qwen3")
     parser.add_argument("--max-logprobs", type=int, default=None,

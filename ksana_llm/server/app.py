@@ -10,9 +10,9 @@ import argparse
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -40,7 +40,8 @@ from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, Respo
 from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.listen import uvicorn_config, uvicorn_tls_options
-from ksana_llm.server.tool_parsers import TOOL_PARSERS, get_tool_parser
+from ksana_llm.server.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
+from ksana_llm.server.tool_parsers.plugin import load_tool_parser_plugin
 
 logger = logging.getLogger("ksana_llm.server")
 
@@ -60,6 +61,9 @@ class OutputParsing:
 
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # The parsers a --tool-parser-plugin file defines (`load_tool_parser_plugin`), by name.
+    plugin_tool_parsers: Mapping[str, type[ToolParser]] = field(
+        default_factory=lambda: MappingProxyType({}))
     reasoning_parser: str | None = None
     max_logprobs: int = MAX_LOGPROBS
     return_tokens_as_token_ids: bool = False  # every request's logprob tokens as token_id:<id>
@@ -68,14 +72,21 @@ class OutputParsing:
         """ValueError for a bad combination or an unknown parser (listing the known names);
         run before the model loads so that a typo fails at once."""
         if self.tool_call_parser is not None:
-            get_tool_parser(self.tool_call_parser)
+            self.tool_parser()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            known = {**TOOL_PARSERS, **self.plugin_tool_parsers}
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
-                             f"(one of: {', '.join(sorted(TOOL_PARSERS))})")
+                             f"(one of: {', '.join(sorted(known))})")
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+
+    def tool_parser(self) -> ToolParser | None:
+        """The --tool-call-parser (built-in or from the plugin file), or None."""
+        if self.tool_call_parser is None:
+            return None
+        return get_tool_parser(self.tool_call_parser, self.plugin_tool_parsers)
 
 
 def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
@@ -123,8 +134,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         chat_template=chat_template,
         limits=ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model.vocab_size),
         token_texts=TokenTexts(engine.tokenizer),
-        tool_parser=(get_tool_parser(parsing.tool_call_parser)
-                     if parsing.tool_call_parser is not None else None),
+        tool_parser=parsing.tool_parser(),
         enable_auto_tool_choice=parsing.enable_auto_tool_choice,
         reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
                           if parsing.reasoning_parser is not None else None),
@@ -285,8 +295,11 @@ def kv_transfer_from_args(args: argparse.Namespace, settings: Any) -> tuple[str 
 
 
 def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
+    plugin = getattr(args, "tool_parser_plugin", None)
     return OutputParsing(tool_call_parser=getattr(args, "tool_call_parser", None),
                          enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+                         plugin_tool_parsers=(load_tool_parser_plugin(plugin, TOOL_PARSERS)
+                                              if plugin is not None else MappingProxyType({})),
                          reasoning_parser=getattr(args, "reasoning_parser", None),
                          max_logprobs=MAX_LOGPROBS if getattr(args, "max_logprobs", None) is None
                          else args.max_logprobs,

@@ -3,6 +3,7 @@ streamed or not. See `base.py` for the contract every parser keeps."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 
 from ksana_llm.server.tool_parsers.base import (
@@ -12,6 +13,7 @@ from ksana_llm.server.tool_parsers.base import (
     ToolCallDelta,
     ToolCallStream,
     ToolParser,
+    WholeTextToolParser,
     coalesce,
     collect,
 )
@@ -25,14 +27,16 @@ TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
                               DeepSeekV3ToolParser, DeepSeekV31ToolParser)})
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser registered as `name`; ValueError listing the known names otherwise."""
-    cls = TOOL_PARSERS.get(name)
+def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:
+    """The parser registered as `name`, among the built-in ones and `plugins` (those a
+    `--tool-parser-plugin` file defines); ValueError listing the known names otherwise."""
+    known = {**TOOL_PARSERS, **(plugins or {})}
+    cls = known.get(name)
     if cls is None:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(known))}")
     return cls()
 
 
 __all__ = ["TOOL_PARSERS", "JsonCallSequenceStream", "ParsedDelta", "ParsedOutput", "ToolCall",
-           "ToolCallDelta", "ToolCallStream", "ToolParser", "coalesce", "collect",
-           "get_tool_parser"]
+           "ToolCallDelta", "ToolCallStream", "ToolParser", "WholeTextToolParser", "coalesce",
+           "collect", "get_tool_parser"]

@@ -100,6 +100,33 @@ class ToolParser(ABC):
         return collect([stream.feed(text), stream.finish()])
 
 
+class WholeTextToolParser(ToolParser):
+    """A parser written as one function of the whole output (`parse`), for formats a plugin
+    adds without writing an incremental machine: a streamed answer then sends its content and
+    calls together when the output ends (the same result as not streamed, later)."""
+
+    @abstractmethod
+    def parse(self, text: str) -> ParsedOutput: ...
+
+    def stream(self) -> ToolCallStream:
+        return _WholeTextStream(self)
+
+
+class _WholeTextStream(ToolCallStream):
+    def __init__(self, parser: WholeTextToolParser) -> None:
+        self._parser = parser
+        self._parts: list[str] = []
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._parts.append(text)
+        return ParsedDelta()
+
+    def finish(self) -> ParsedDelta:
+        out = self._parser.parse("".join(self._parts))
+        return ParsedDelta(out.content or "", [ToolCallDelta(i, call.name, call.arguments)
+                                               for i, call in enumerate(out.tool_calls)])
+
+
 def stream_open_arguments(out: ParsedDelta, call: CallProgress | None, name: str | None,
                           text: str, value: OpenValue) -> None:
     """While a call's arguments value is unfinished (`value`, in `text`), add what is new of it
