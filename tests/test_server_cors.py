@@ -1,7 +1,7 @@
 """Server-wide flags on a real server process: CORS for browser clients (vLLM's
 --allowed-origins / --allowed-methods / --allowed-headers, answered before the API key is
-checked, since a browser's preflight never carries it), --return-tokens-as-token-ids, and
-several --served-model-name aliases."""
+checked, since a browser's preflight never carries it), --return-tokens-as-token-ids,
+several --served-model-name aliases, and the x-request-id header on every answer."""
 
 from __future__ import annotations
 
@@ -65,3 +65,30 @@ def test_every_served_name_is_the_model(server):
     assert [a.model for a in answers] == ["smol", "smol-latest"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=1)
+
+
+def test_every_response_carries_a_request_id(server):
+    """`x-request-id` on every answer, as OpenAI's (the SDK's `_request_id`): the client's own
+    X-Request-Id when usable (a trace id through proxies), else a fresh one per request; on
+    refusals before routing (401) and streams too; browsers' scripts may read it."""
+    client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
+    kwargs = dict(model="smol", prompt="The capital of France is", max_tokens=2)
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert first._request_id and second._request_id and first._request_id != second._request_id
+    traced = client.completions.with_raw_response.create(
+        **kwargs, extra_headers={"X-Request-Id": "trace-42"})
+    assert traced.headers["x-request-id"] == "trace-42"
+    with client.completions.with_streaming_response.create(
+            **kwargs, stream=True, extra_headers={"X-Request-Id": "trace-43"}) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-43" and list(streamed.iter_lines())
+    # Not a usable trace id (a space, over 256 characters): replaced, never echoed.
+    for bad in ("has space", "x" * 257):
+        answer = httpx.post(server.base_url + "/completions", json=kwargs, headers={
+            "Authorization": f"Bearer {KEY}", "X-Request-Id": bad})
+        assert answer.status_code == 200 and answer.headers["x-request-id"] not in ("", bad)
+    refused = httpx.get(server.base_url + "/models", headers={"X-Request-Id": "trace-44"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "trace-44"
+    from_browser = httpx.get(server.base_url + "/models", headers={
+        "Origin": APP, "Authorization": f"Bearer {KEY}"})
+    assert "x-request-id" in from_browser.headers["access-control-expose-headers"].lower()

@@ -31,8 +31,8 @@ from ksana_llm.server.chat import load_chat_template
 from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
-                                        BodyLimitMiddleware, CorsSettings, add_cors,
-                                        cors_from_args)
+                                        BodyLimitMiddleware, CorsSettings, RequestIdMiddleware,
+                                        add_cors, cors_from_args)
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
@@ -178,6 +178,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)  # so a 401 or 413 carries its id too
     if cors is not None:
         add_cors(app, cors)  # outermost
     return app

@@ -1,4 +1,5 @@
-"""Pure ASGI middlewares: API-key check and request-body size limit; and CORS for browsers.
+"""Pure ASGI middlewares: request ids, API-key check and request-body size limit; and CORS for
+browsers.
 
 They run before routing, so they guard every route (including ones other modules mount) and an
 unauthenticated or oversized request never gets its body buffered or parsed.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import re
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -52,6 +55,39 @@ class ApiKeyMiddleware:
             await _send_error(unauthorized(), scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+# What a client's X-Request-Id may be to be echoed (a trace id, not a place to smuggle bytes
+# into our logs and headers): visible ASCII, at most 256 characters.
+_CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,256}")
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class RequestIdMiddleware:
+    """Every response carries `x-request-id`, as OpenAI's do (the `openai` client exposes it
+    as `_request_id`): the client's own `X-Request-Id` when it sent a usable one (vLLM's rule,
+    so a trace id crosses the proxy), else a fresh one. Outermost but for CORS, so refusals
+    (401, 413) carry it too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, REQUEST_ID_HEADER.encode())
+        request_id = given if given is not None and _CLIENT_REQUEST_ID.fullmatch(given) \
+            else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ())
+                           if k.lower() != REQUEST_ID_HEADER.encode()]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER.encode(), request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class BodyLimitMiddleware:
@@ -130,4 +166,5 @@ def add_cors(app: FastAPI, cors: CorsSettings) -> None:
     app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                        allow_methods=list(cors.allowed_methods),
                        allow_headers=list(cors.allowed_headers),
-                       allow_credentials=cors.allow_credentials)
+                       allow_credentials=cors.allow_credentials,
+                       expose_headers=[REQUEST_ID_HEADER])  # browsers' scripts may read it

@@ -45,8 +45,8 @@ from ksana_llm.server.listen import uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.router_upstream import (RelayedStream, client_error, error_code,
                                               passed_on, read_answer)
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
-                                        BodyLimitMiddleware, CorsSettings, add_cors,
-                                        cors_from_args)
+                                        BodyLimitMiddleware, CorsSettings, RequestIdMiddleware,
+                                        add_cors, cors_from_args)
 
 logger = logging.getLogger("ksana_llm.router")
 
@@ -354,6 +354,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)  # the router's own (an upstream's is not passed on)
     if cors is not None:
         add_cors(app, cors)  # outermost
     return app
