@@ -252,6 +252,11 @@ def test_router_passes_client_errors_through(router):
     assert _error(r, 400)["param"]
     _error(httpx.post(router.base_url + "/completions", content=b"{not json"), 400)
     _error(httpx.post(router.base_url + "/completions", json=[1, 2]), 400)
+    # The router's answers carry a request id (the client's when it sent one), passed-on
+    # errors too.
+    traced = httpx.post(router.base_url + "/completions", json=[1, 2],
+                        headers={"X-Request-Id": "trace-7"})
+    assert traced.headers["x-request-id"] == "trace-7"
 
 
 def test_router_answers_browser_preflights(router):
