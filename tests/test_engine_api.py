@@ -268,6 +268,29 @@ def test_stats_report_queue_kv_and_latency(engine):
     assert stats.generation_tokens_per_s > 0
 
 
+def test_stats_keep_timings_not_outputs(model):
+    """The latency statistics come from the finished requests' timings; the outputs themselves
+    (tokens, text, logprobs: large) are not kept alive by them."""
+    import gc
+    import weakref
+
+    def run(engine):  # (the outputs are referenced from this frame only)
+        outs = engine.generate_outputs([PROMPT, "Hello"], kt.GenerationConfig(
+            max_new_tokens=4, logprobs=5), use_tqdm=False)
+        timings = [(o.metrics.ttft, o.metrics.latency) for o in outs]
+        return [weakref.ref(o) for o in outs], timings
+
+    with kt.Engine(model, num_device_blocks=64) as engine:
+        refs, timings = run(engine)
+        stats = engine.stats()
+        assert stats.mean_latency_s == pytest.approx(sum(t[1] for t in timings) / 2, rel=1e-12)
+        assert stats.ttft_p99_s == max(t[0] for t in timings)
+        # (the step loop's locals may hold the last step's outputs until its next step)
+        engine.generate("Hi", kt.GenerationConfig(max_new_tokens=1), use_tqdm=False)
+        gc.collect()
+        assert [ref() for ref in refs] == [None, None]
+
+
 def test_shutdown_fails_pending_requests(model):
     engine = kt.Engine(model, num_device_blocks=64)
     handle = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=2000,

@@ -69,7 +69,9 @@ class StatsTracker:
         self.window_s = window_s
         self._lock = threading.Lock()
         self._token_events: deque[tuple[float, int]] = deque()
-        self._finished: deque[RequestOutput] = deque(maxlen=history)
+        # (ttft, latency) of the last `history` finished requests: their timings only, not the
+        # outputs, which can be large (tokens, text, logprobs) and would be kept alive with them.
+        self._finished: deque[tuple[float | None, float | None]] = deque(maxlen=history)
         self._num_finished = 0
 
     def record_outputs(self, outputs: list) -> None:
@@ -83,8 +85,9 @@ class StatsTracker:
                 self._token_events.popleft()
 
     def record_finished(self, output: RequestOutput) -> None:
+        timings = (output.metrics.ttft, output.metrics.latency)
         with self._lock:
-            self._finished.append(output)
+            self._finished.append(timings)
             self._num_finished += 1
 
     def snapshot(self, core: CoreStats, num_inbox: int = 0, *, max_loras: int = 0,
@@ -97,8 +100,8 @@ class StatsTracker:
             num_finished = self._num_finished
         span = (now - events[0][0]) if events else 0.0
         tokens = sum(n for _, n in events)
-        ttfts = [o.metrics.ttft for o in finished if o.metrics.ttft is not None]
-        latencies = [o.metrics.latency for o in finished if o.metrics.latency is not None]
+        ttfts = [ttft for ttft, _ in finished if ttft is not None]
+        latencies = [latency for _, latency in finished if latency is not None]
         hit_rate = core.prefix_cache_hits / core.prefix_cache_queries if core.prefix_cache_queries else 0.0
         return EngineStats(
             num_waiting=core.num_waiting + num_inbox, num_running=core.num_running,
