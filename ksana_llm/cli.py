@@ -165,7 +165,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     return run_router(args)
 
 
-def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+def _add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> None:
+    """The server's flags; `listen` False leaves out where and how it listens (run-batch opens
+    no port)."""
     parser.add_argument("--config_file", "--config-file", dest="config_file", default=None,
                         help="KsanaLLM YAML config; the flags below override it")
     parser.add_argument("--model", default=None,
@@ -174,7 +176,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")
-    _add_listen_args(parser)
+    if listen:
+        _add_listen_args(parser)
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $KLLM_API_KEY, else no key)")
@@ -385,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-concurrency", type=int, default=None,
                        help="requests in flight at once (default: --max-num-seqs)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_serve_args(batch)
+    _add_serve_args(batch, listen=False)
     batch.set_defaults(func=cmd_run_batch)
     calibrate = sub.add_parser(
         "calibrate-kv-scales", help="measure per-layer scales for an fp8_e4m3 KV cache and "
