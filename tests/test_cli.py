@@ -134,6 +134,10 @@ def test_vllm_command_line_spellings():
     for flag in ("--tokenizer", "--tokenizer_path", "--tokenizer-dir"):  # vLLM's, KsanaLLM's
         assert configs_from_args(parse(["serve", flag, "/tok"]))[0].tokenizer == "/tok"
     assert parse(["router", "--uvicorn-log-level", "debug"]).log_level == "debug"
+    # run-batch opens no port: listening flags are refused, not ignored.
+    for flag in (["--port", "8000"], ["--ssl-certfile", "cert.pem"], ["--access-log"]):
+        with pytest.raises(SystemExit):
+            parse(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", *flag])
 
 
 def test_speculative_flags_reach_the_engine_config():
