@@ -56,6 +56,9 @@ def test_every_logprob_token_is_named_by_id(server):
 
 
 def test_every_served_name_is_the_model(server):
+    # The start-up line names the first, once the server listens.
+    assert f"ksana-llm: serving 'smol' (OpenAI API under /v1) on http://127.0.0.1:{server.port}" \
+        in server.log()
     client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["smol", "smol-latest"]
     answers = [client.completions.create(model=name, prompt="The capital of France is",

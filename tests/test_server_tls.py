@@ -54,6 +54,8 @@ def test_https_server_answers_the_openai_client(authority, tls_files, default_mo
             httpx.get(server.url.replace("https://", "http://") + "/health", timeout=10)
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(server.url + "/health", timeout=10)
+        # Ready: said once it listens, though --log-level stays at warning.
+        assert f"on https://127.0.0.1:{server.port} (Ctrl-C to stop)" in server.log()
         # --access-log: every request logged, though --log-level stays at warning.
         assert '"POST /v1/chat/completions HTTP/1.1" 200' in server.log()
     finally:
@@ -86,7 +88,7 @@ def test_certificate_mistakes_fail_before_the_model_loads(tls_files, tmp_path):
         assert "/nonexistent/model" not in proc.stderr
 
 
-def test_router_serves_https_too(authority, tls_files):
+def test_router_serves_https_too(authority, tls_files, tmp_path):
     """`router` takes the same flags: with no decode server up its /health is a 503, over TLS."""
     from tests.server_process import free_port
 
@@ -94,10 +96,11 @@ def test_router_serves_https_too(authority, tls_files):
     trusting = ssl.create_default_context()
     authority.configure_trust(trusting)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ksana_llm.cli", "router", "--port", str(port),
-                             "--decode", "http://127.0.0.1:9", "--ssl-certfile", str(cert_file),
-                             "--ssl-keyfile", str(key_file)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with (tmp_path / "router.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ksana_llm.cli", "router", "--port",
+                                 str(port), "--decode", "http://127.0.0.1:9", "--ssl-certfile",
+                                 str(cert_file), "--ssl-keyfile", str(key_file)],
+                                stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline, answer = time.monotonic() + 60, None
         while answer is None and time.monotonic() < deadline and proc.poll() is None:
@@ -107,6 +110,8 @@ def test_router_serves_https_too(authority, tls_files):
                 time.sleep(0.3)
         assert answer is not None, "the router never answered over HTTPS"
         assert answer.status_code == 503 and answer.json()["servers"] == {"http://127.0.0.1:9": None}
+        assert (f"ksana-llm: routing to 0 prefill and 1 decode servers on https://127.0.0.1:{port}"
+                in (tmp_path / "router.log").read_text())
     finally:
         proc.terminate()
         proc.wait(15)

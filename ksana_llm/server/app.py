@@ -39,7 +39,7 @@ from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from ksana_llm.server.state import ServerState
-from ksana_llm.server.listen import uvicorn_config, uvicorn_tls_options
+from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
 from ksana_llm.server.tool_parsers.plugin import load_tool_parser_plugin
 
@@ -320,8 +320,6 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
 
 
 def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
-
     parsing = output_parsing_from_args(args)
     parsing.check()  # before the model loads: a misspelt parser name fails at once
     tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile)  # so does a bad certificate
@@ -350,8 +348,9 @@ def run_server(args: argparse.Namespace) -> int:
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args))
-    server = uvicorn.Server(uvicorn_config(
-        app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S))
+    server = AnnouncingServer(uvicorn_config(
+        app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),
+        f"serving {app.state.server.served_model_name!r} (OpenAI API under /v1)")
     died = threading.Event()
     threading.Thread(target=_watch_engine_and_shutdown,
                      args=(engine, server, app.state.server, args.shutdown_timeout, died),

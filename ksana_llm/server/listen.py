@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import ssl
+import sys
 from typing import Any
+
+import uvicorn
 
 
 def uvicorn_tls_options(certfile: str | None, keyfile: str | None) -> dict[str, Any]:
@@ -28,14 +31,30 @@ def uvicorn_tls_options(certfile: str | None, keyfile: str | None) -> dict[str, 
     return {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
 
 
-def uvicorn_config(app: Any, args: argparse.Namespace, tls: dict[str, Any], **settings: Any) -> Any:
+def uvicorn_config(app: Any, args: argparse.Namespace, tls: dict[str, Any],
+                   **settings: Any) -> uvicorn.Config:
     """uvicorn's Config for `app` from --host, --port, --log-level and --access-log, with the
     checked `tls` options and any other uvicorn `settings`."""
-    import uvicorn
-
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             **tls, **settings)
     if getattr(args, "access_log", False):
         # uvicorn set its access logger to --log-level just now; its lines are INFO.
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     return config
+
+
+class AnnouncingServer(uvicorn.Server):
+    """A uvicorn server that says, on stderr, once it listens: uvicorn's own line is INFO, which
+    the default --log-level (warning) hides, and a server that starts in silence leaves its user
+    guessing when it is ready."""
+
+    def __init__(self, config: uvicorn.Config, what: str) -> None:
+        super().__init__(config)
+        self._what = what
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            scheme = "https" if self.config.ssl_certfile else "http"
+            print(f"ksana-llm: {self._what} on {scheme}://{self.config.host}:{self.config.port} "
+                  "(Ctrl-C to stop)", file=sys.stderr, flush=True)

@@ -41,7 +41,7 @@ import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
 from ksana_llm.server.generation import finished_before_client_left
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
-from ksana_llm.server.listen import uvicorn_config, uvicorn_tls_options
+from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.router_upstream import (RelayedStream, client_error, error_code,
                                               passed_on, read_answer)
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
@@ -361,10 +361,9 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
 
 
 def run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile)
     app = build_router_app(RouterConfig(args.prefill, args.decode, api_key=args.api_key),
                            cors=cors_from_args(args))
-    uvicorn.Server(uvicorn_config(app, args, tls)).run()
+    AnnouncingServer(uvicorn_config(app, args, tls), "routing to "
+                     f"{len(args.prefill)} prefill and {len(args.decode)} decode servers").run()
     return 0
