@@ -246,6 +246,9 @@ def _add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> 
                         help="share of device memory kept free of KV blocks (default 0.01)")
     parser.add_argument("--block-host-memory-factor", type=float, default=None,
                         help="host swap pool, as a multiple of the device blocks (default 1)")
+    parser.add_argument("--swap-space", type=float, default=None, metavar="GiB",
+                        help="host swap pool in GiB per rank, instead of "
+                             "--block-host-memory-factor (vLLM's flag)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="reuse the KV of shared prompt prefixes (default on)")
     parser.add_argument("--preemption-mode", dest="preempt_mode", default=None,

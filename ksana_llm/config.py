@@ -81,6 +81,9 @@ class EngineConfig(BaseModel):
                                       "(CUDA graphs, allocator slack, other users)")
     block_host_memory_factor: float = Field(
         1.0, ge=0, description="host swap pool size as a multiple of the device block count")
+    swap_space: float | None = Field(
+        None, ge=0, description="host swap pool size in GiB per rank (vLLM's --swap-space); "
+                                "given, it replaces block_host_memory_factor")
     enable_prefix_caching: bool = True
     kv_cache_dtype: KvCacheDType = Field(
         "auto", description="KV cache storage: 'auto' = the model's dtype; 'fp8_e5m2' or "

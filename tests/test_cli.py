@@ -100,6 +100,7 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
     assert [getattr(config, n) for n in names] == [4096, 256, 0.8, 0.02, 2.0, False, 1, 500,
                                                    False, 32, "torch", "fifo"]
     assert parse(["serve", "--block-device-memory-ratio", "0.5"]).block_device_memory_ratio == 0.5
+    assert configs_from_args(parse(["serve", "--swap-space", "4"]))[0].swap_space == 4.0
     for bad in (["--preemption-mode", "later"], ["--attention-backend", "cuda"]):
         with pytest.raises(SystemExit):
             parse(["serve", *bad])

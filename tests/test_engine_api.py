@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import ksana_llm as kt
 from tests.tolerances import LOGIT_ATOL
@@ -289,6 +290,21 @@ def test_stats_keep_timings_not_outputs(model):
         engine.generate("Hi", kt.GenerationConfig(max_new_tokens=1), use_tqdm=False)
         gc.collect()
         assert [ref() for ref in refs] == [None, None]
+
+
+def test_swap_space_sizes_the_host_pool(model):
+    """vLLM's swap_space (GiB) sizes the host swap pool instead of block_host_memory_factor
+    (default: as many host blocks as device blocks); recompute mode keeps none."""
+    from ksana_llm.runner.model_runner import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(model.module, 16, torch.float32, 0)
+    for kwargs, expected in (({}, 64), ({"block_host_memory_factor": 0.5}, 32),
+                             ({"swap_space": 10 * per_block / 2**30}, 10),
+                             ({"swap_space": 10 * per_block / 2**30, "preempt_mode": 1}, 0)):
+        with kt.Engine(model, num_device_blocks=64, **kwargs) as engine:
+            assert engine._core.block_manager.num_host_blocks == expected, kwargs
+    with pytest.raises(ValueError, match="swap_space"):
+        kt.Engine(model, num_device_blocks=64, swap_space=-1)
 
 
 def test_shutdown_fails_pending_requests(model):

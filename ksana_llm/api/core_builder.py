@@ -63,10 +63,15 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                         num_blocks * cfg.block_token_num)
     num_host_blocks = 0
     if cfg.preempt_mode == 0:
-        # The swap pool mirrors the device pool, but never more than half the free host RAM
-        # (a GPU's cache can be larger than the machine's memory).
-        num_host_blocks = min(int(num_blocks * cfg.block_host_memory_factor),
-                              available_host_bytes() // 2 // per_block)
+        # The swap pool mirrors the device pool (or takes swap_space GiB), but never more than
+        # half the free host RAM (a GPU's cache can be larger than the machine's memory).
+        wanted = (int(cfg.swap_space * 2**30) // per_block if cfg.swap_space is not None
+                  else int(num_blocks * cfg.block_host_memory_factor))
+        num_host_blocks = min(wanted, available_host_bytes() // 2 // per_block)
+        if cfg.swap_space is not None and num_host_blocks < wanted:
+            logger.warning("swap_space %.2f GiB is more than half the free host memory: the "
+                           "host swap pool gets %.2f GiB", cfg.swap_space,
+                           num_host_blocks * per_block / 2**30)
     block_manager = BlockManager(num_blocks, cfg.block_token_num,
                                  enable_prefix_caching=cfg.enable_prefix_caching,
                                  num_host_blocks=num_host_blocks)
