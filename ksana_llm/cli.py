@@ -339,6 +339,9 @@ def _add_listen_args(parser: argparse.ArgumentParser) -> None:
                         metavar="PEM", help="the certificate's private key (needs --ssl-certfile)")
     parser.add_argument("--access-log", "--access_log", dest="access_log", action="store_true",
                         help="log every HTTP request (uvicorn's access log), whatever --log-level")
+    parser.add_argument("--root-path", "--root_path", dest="root_path", default="",
+                        metavar="PREFIX", help="the path prefix a proxy serves this server "
+                                               "under (ASGI root_path), e.g. /llm")
 
 
 def _add_cors_args(parser: argparse.ArgumentParser) -> None:

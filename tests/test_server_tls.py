@@ -1,6 +1,6 @@
 """HTTPS (vLLM's --ssl-certfile / --ssl-keyfile) on a real server process, started the vLLM way
 (`serve MODEL`), called by the official `openai` client that trusts only a throwaway CA, with
---access-log on; and certificate mistakes refused at once, before the model loads, naming the
+--access-log and --root-path on; and certificate mistakes refused at once, before the model loads, naming the
 flag."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_https_server_answers_the_openai_client(authority, tls_files, default_mo
     server = ServerProcess([str(default_model_dir), "--num-device-blocks", "64",
                             "--max-model-len", "256", "--ssl-certfile", str(cert_file),
                             "--ssl_keyfile", str(key_file),  # KsanaLLM's spelling
-                            "--access-log"], tls_context=trusting)
+                            "--access-log", "--root_path", "/llm"], tls_context=trusting)
     try:
         assert server.url.startswith("https://")
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
@@ -54,10 +54,15 @@ def test_https_server_answers_the_openai_client(authority, tls_files, default_mo
             httpx.get(server.url.replace("https://", "http://") + "/health", timeout=10)
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(server.url + "/health", timeout=10)
+        # --root-path: the proxy strips its prefix, so the routes stay where they are; the
+        # prefix shows in the URLs the server gives out (its API description).
+        assert httpx.get(server.url + "/v1/models", verify=trusting, timeout=10).status_code == 200
+        described = httpx.get(server.url + "/openapi.json", verify=trusting, timeout=10).json()
+        assert described["servers"] == [{"url": "/llm"}]
         # Ready: said once it listens, though --log-level stays at warning.
         assert f"on https://127.0.0.1:{server.port} (Ctrl-C to stop)" in server.log()
         # --access-log: every request logged, though --log-level stays at warning.
-        assert '"POST /v1/chat/completions HTTP/1.1" 200' in server.log()
+        assert '/v1/chat/completions HTTP/1.1" 200' in server.log()
     finally:
         server.stop()
 
@@ -106,7 +111,7 @@ def test_router_serves_https_too(authority, tls_files, tmp_path):
         while answer is None and time.monotonic() < deadline and proc.poll() is None:
             try:
                 answer = httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting, timeout=10)
-            except httpx.ConnectError:
+            except httpx.TransportError:  # not listening yet, or slow to start TLS
                 time.sleep(0.3)
         assert answer is not None, "the router never answered over HTTPS"
         assert answer.status_code == 503 and answer.json()["servers"] == {"http://127.0.0.1:9": None}
@@ -114,4 +119,8 @@ def test_router_serves_https_too(authority, tls_files, tmp_path):
                 in (tmp_path / "router.log").read_text())
     finally:
         proc.terminate()
-        proc.wait(15)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -33,10 +33,10 @@ def uvicorn_tls_options(certfile: str | None, keyfile: str | None) -> dict[str, 
 
 def uvicorn_config(app: Any, args: argparse.Namespace, tls: dict[str, Any],
                    **settings: Any) -> uvicorn.Config:
-    """uvicorn's Config for `app` from --host, --port, --log-level and --access-log, with the
-    checked `tls` options and any other uvicorn `settings`."""
+    """uvicorn's Config for `app` from --host, --port, --log-level, --root-path and --access-log,
+    with the checked `tls` options and any other uvicorn `settings`."""
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            **tls, **settings)
+                            root_path=getattr(args, "root_path", ""), **tls, **settings)
     if getattr(args, "access_log", False):
         # uvicorn set its access logger to --log-level just now; its lines are INFO.
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
