@@ -26,11 +26,13 @@ def tokenizer_dir(default_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def weights_only(default_model, tmp_path_factory):
-    """A tiny random Llama sized to SmolLM2's vocabulary, saved without any tokenizer files."""
+    """A tiny random Llama sized to SmolLM2's vocabulary, saved without any tokenizer files or
+    EOS id."""
     folder = tmp_path_factory.mktemp("weights-only")
     torch.manual_seed(0)
-    config = LlamaConfig(**{**COMMON, "vocab_size": default_model.vocab_size},
-                         tie_word_embeddings=False)
+    # (no EOS id of its own: the tokenizer's is the only one)
+    config = LlamaConfig(**{**COMMON, "vocab_size": default_model.vocab_size,
+                            "eos_token_id": None}, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     return folder, model
@@ -58,16 +60,28 @@ def test_weights_only_folder_runs_on_text_with_the_given_tokenizer(weights_only,
         with pytest.raises(ValueError, match="tokenizer"):
             engine.generate(PROMPT, config)
         assert engine.generate_outputs([ids], config, use_tqdm=False)[0].token_ids == expected
-    # A loaded Model takes one too, through the Engine.
+    # A loaded Model takes one too, through the Engine, EOS ids included: the weights-only
+    # folder names none, SmolLM2's tokenizer does.
     model = kt.Model.from_pretrained(folder, device="cpu", progress=False)
     with kt.Engine(model, tokenizer=tokenizer_dir, num_device_blocks=32) as engine:
         assert engine.generate_outputs(PROMPT, config, use_tqdm=False)[0].token_ids == expected
+        assert reference.eos_token_id in engine.model.eos_token_ids
+        assert engine.model.module is model.module  # the same weights
+    assert reference.eos_token_id not in model.eos_token_ids  # the caller's model unchanged
 
 
 def test_wrong_tokenizer_folders_are_named(weights_only, tokenizer_dir, tmp_path):
+    import time
+
     folder, _ = weights_only
     with pytest.raises(ValueError, match=f"tokenizer: cannot load a tokenizer from {tmp_path}"):
         kt.Model.from_pretrained(folder, device="cpu", tokenizer=tmp_path, progress=False)
+    # A folder that is not there is never looked up as a hub name (a minute of retries, or a
+    # download of someone else's tokenizer).
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="tokenizer: my_tok_dir is not a folder"):
+        kt.Model.from_pretrained(folder, device="cpu", tokenizer="my_tok_dir", progress=False)
+    assert time.monotonic() - start < 10
     # SmolLM2's 49152 tokens against a 256-token model: not its tokenizer.
     small = tmp_path / "small-vocab"
     LlamaForCausalLM(LlamaConfig(**COMMON)).save_pretrained(small)

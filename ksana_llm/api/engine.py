@@ -24,7 +24,7 @@ from ksana_llm.api.forward_calls import ForwardCalls
 from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
-from ksana_llm.api.model import Model, load_tokenizer
+from ksana_llm.api.model import Model
 from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle)
 from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.stats import EngineStats, StatsTracker
@@ -83,7 +83,7 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
             self.config = self.config.model_copy(update={"device": str(model.device),
                                                          "dtype": model.dtype_name})
             if tokenizer is None and self.config.tokenizer is not None:
-                tokenizer = load_tokenizer(self.config.tokenizer, model.vocab_size)
+                model = model.with_tokenizer(self.config.tokenizer)
         else:
             model = Model.from_pretrained(
                 model if model is not None else self.config.model, device=self.config.device,

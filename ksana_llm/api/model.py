@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -103,9 +103,12 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Any:
     model has no embedding for."""
     from transformers import AutoTokenizer
 
+    # A folder, never a hub name: a typo must not turn into a download (or a minute of retries).
+    if not Path(path).is_dir():
+        raise ValueError(f"tokenizer: {path} is not a folder")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # noqa: BLE001 - a missing or broken folder fails in many ways
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - a broken folder fails in many ways
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path} "
                          f"({type(exc).__name__}: {exc})") from exc
     if len(tokenizer) > vocab_size:
@@ -147,6 +150,13 @@ class Model:
     def dtype_name(self) -> str:
         """The weights' dtype as EngineConfig names it ("float32", "bfloat16", ...)."""
         return str(self.dtype).removeprefix("torch.")
+
+    def with_tokenizer(self, path: str | os.PathLike) -> Model:
+        """This model (the same weights) with the tokenizer in folder `path` instead of its own,
+        its EOS ids read again with it."""
+        tokenizer = load_tokenizer(path, self.vocab_size)
+        return replace(self, tokenizer=tokenizer, eos_token_ids=_eos_token_ids(
+            self.path, self.hf_config, tokenizer))
 
     def release_workers(self) -> None:
         """Stop the worker ranks this model started and leave its process groups (a parallel
