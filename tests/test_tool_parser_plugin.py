@@ -66,7 +66,12 @@ def test_plugin_parsers_load_by_name_and_stream_as_they_extract(plugin_file):
      "class P(WholeTextToolParser):\n    name = 'hermes'\n    def parse(self, text): ...\n",
      "a built-in parser's name"),
     ("from ksana_llm.server.tool_parsers import WholeTextToolParser\n"
-     "class P(WholeTextToolParser):\n    def parse(self, text): ...\n", "needs a `name`"),
+     "class P(WholeTextToolParser):\n    def parse(self, text): ...\n",
+     "defines no ToolParser subclass with a `name`"),
+    ("from ksana_llm.server.tool_parsers import WholeTextToolParser\n"
+     "class P(WholeTextToolParser):\n    name = 'p'\n    def __init__(self):\n"
+     "        raise OSError('no grammar file')\n    def parse(self, text): ...\n",
+     "P() failed (OSError: no grammar file)"),
 ])
 def test_broken_plugins_are_named(tmp_path, source, needle):
     path = tmp_path / "plugin.py"
@@ -75,6 +80,55 @@ def test_broken_plugins_are_named(tmp_path, source, needle):
     with pytest.raises(ValueError, match=f"--tool-parser-plugin {path}") as info:
         load_tool_parser_plugin(str(path), TOOL_PARSERS)
     assert needle in str(info.value)
+
+
+def test_plugins_load_as_modules_do(tmp_path):
+    """A plugin runs as an imported module would (dataclasses with postponed annotations need
+    that); a helper base class without a `name` of its own is not a parser."""
+    path = tmp_path / "plugin.py"
+    path.write_text(textwrap.dedent('''
+        from __future__ import annotations
+
+        from dataclasses import dataclass
+
+        from ksana_llm.server.tool_parsers import ParsedOutput, WholeTextToolParser
+
+
+        @dataclass
+        class Settings:
+            marker: str = "CALL:"
+
+
+        class Base(WholeTextToolParser):
+            settings = Settings()
+
+            def parse(self, text: str) -> ParsedOutput:
+                return ParsedOutput(text, [])
+
+
+        class Mine(Base):
+            name = "mine"
+    '''))
+    assert list(load_tool_parser_plugin(str(path), TOOL_PARSERS)) == ["mine"]
+
+
+@pytest.mark.parametrize("body", ["raise KeyError('bug')", "return 'not a ParsedOutput'",
+                                  "return ParsedOutput(None, [ToolCall('f', {'a': 1})])"])
+def test_a_failing_parse_leaves_the_text_as_content(tmp_path, body):
+    """A plugin's bug at request time (an exception, a wrong type) fails no request: the
+    output is sent as content, as built-in parsers treat malformed markup."""
+    path = tmp_path / "plugin.py"
+    path.write_text("from ksana_llm.server.tool_parsers import ParsedOutput, ToolCall, "
+                    "WholeTextToolParser\n"
+                    f"class P(WholeTextToolParser):\n    name = 'p'\n"
+                    f"    def parse(self, text):\n        {body}\n")
+    parser = load_tool_parser_plugin(str(path), TOOL_PARSERS)["p"]()
+    assert parser.extract("Paris.").content == "Paris." and parser.extract("Paris.").tool_calls == []
+    stream = parser.stream()
+    stream.feed("Par")
+    stream.feed("is.")
+    end = stream.finish()
+    assert (end.content, end.tool_calls) == ("Paris.", [])
 
 
 def test_a_broken_plugin_stops_serve_before_the_model_loads(tmp_path):

@@ -10,11 +10,14 @@ text is sent as it arrives (the raw JSON the model wrote, which is also the fina
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, OpenValue
+
+logger = logging.getLogger("ksana_llm.server")
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,30 @@ class _WholeTextStream(ToolCallStream):
         return ParsedDelta()
 
     def finish(self) -> ParsedDelta:
-        out = self._parser.parse("".join(self._parts))
-        return ParsedDelta(out.content or "", [ToolCallDelta(i, call.name, call.arguments)
-                                               for i, call in enumerate(out.tool_calls)])
+        text = "".join(self._parts)
+        try:
+            out = self._parser.parse(text)
+            checked = _checked_output(out)
+        except Exception:  # noqa: BLE001 - a plugin's bug must not fail the request
+            # As with the built-in parsers' malformed markup: the text stays content.
+            logger.exception("tool-call parser %r failed on an output; it is sent as content",
+                             type(self._parser).name)
+            return ParsedDelta(text)
+        return ParsedDelta(checked.content or "", [ToolCallDelta(i, call.name, call.arguments)
+                                                   for i, call in enumerate(checked.tool_calls)])
+
+
+def _checked_output(out: object) -> ParsedOutput:
+    """`out` if it is what `parse` promises (TypeError saying what is not)."""
+    if not isinstance(out, ParsedOutput) or not (out.content is None or isinstance(out.content, str)):
+        raise TypeError(f"parse must return a ParsedOutput(content: str | None, tool_calls), "
+                        f"got {out!r}")
+    for call in out.tool_calls:
+        if not isinstance(call, ToolCall) or not isinstance(call.name, str) \
+                or not isinstance(call.arguments, str):
+            raise TypeError(f"a tool call must be ToolCall(name: str, arguments: JSON text), "
+                            f"got {call!r}")
+    return out
 
 
 def stream_open_arguments(out: ParsedDelta, call: CallProgress | None, name: str | None,
