@@ -95,3 +95,4 @@ def test_every_response_carries_a_request_id(server):
     from_browser = httpx.get(server.base_url + "/models", headers={
         "Origin": APP, "Authorization": f"Bearer {KEY}"})
     assert "x-request-id" in from_browser.headers["access-control-expose-headers"].lower()
+    assert _preflight(server, APP).headers["x-request-id"]  # preflights too

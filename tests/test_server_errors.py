@@ -287,6 +287,37 @@ def test_503_when_engine_dead(default_model):
     asyncio.run(main())
 
 
+def test_500_carries_the_request_id_and_logs_it(default_model, caplog):
+    """An unhandled error: a 500 with the OpenAI body and no details, its x-request-id (which
+    Starlette's error answer, sent from outside every middleware, would lack) in the header and
+    in the log line that holds the details."""
+    from ksana_llm.server.app import build_app
+
+    engine = kt.Engine(default_model, num_device_blocks=16)
+    app = build_app(engine, served_model_name="m", mount_extensions=False)
+
+    async def boom() -> None:
+        raise RuntimeError("a bug with /secret/path in it")
+
+    app.add_api_route("/boom", boom, methods=["GET"])
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            r = await http.get("/boom", headers={"X-Request-Id": "trace-500"})
+            assert r.status_code == 500 and r.headers["x-request-id"] == "trace-500"
+            assert openai_error(r)["type"] == "internal_error" and "secret" not in r.text
+            fresh = await http.get("/boom")
+            assert fresh.status_code == 500 and len(fresh.headers["x-request-id"]) == 32
+
+    try:
+        with caplog.at_level("ERROR", logger="ksana_llm.server"):
+            asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert any("trace-500" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 def test_503_when_waiting_timeout_expires(default_model):
     from ksana_llm.server.app import build_app
 

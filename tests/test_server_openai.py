@@ -177,6 +177,8 @@ def test_stream_chunks_carry_null_finish_reason_and_logprobs(server, model_name)
                       if line.startswith("data: {")]
         # OpenAI: "All other chunks will also include a usage field, but with a null value."
         assert all("usage" in chunk and chunk["usage"] is None for chunk in chunks[:-1]), chunks
+        assert all("finish_reason" in c and "logprobs" in c for chunk in chunks[:-1]
+                   for c in chunk["choices"])
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 

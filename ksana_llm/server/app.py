@@ -178,9 +178,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(RequestIdMiddleware)  # so a 401 or 413 carries its id too
     if cors is not None:
-        add_cors(app, cors)  # outermost
+        add_cors(app, cors)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its id
     return app
 
 

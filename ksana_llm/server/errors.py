@@ -174,9 +174,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        # Details go to the log, not to the client (they may hold paths or prompts).
-        logger.exception("unhandled error while serving a request")
+        # Details go to the log, not to the client (they may hold paths or prompts); the
+        # request id ties the two together.
+        request_id = request.scope.get("state", {}).get("request_id")
+        logger.exception("unhandled error while serving request %s", request_id)
         state = getattr(request.app.state, "server", None)
         if state is not None:
             state.count_failure("other")
-        return JSONResponse(error_body("Internal server error.", "internal_error"), status_code=500)
+        return JSONResponse(error_body("Internal server error.", "internal_error"), status_code=500,
+                            headers={"x-request-id": request_id} if request_id else None)

@@ -66,8 +66,9 @@ REQUEST_ID_HEADER = "x-request-id"
 class RequestIdMiddleware:
     """Every response carries `x-request-id`, as OpenAI's do (the `openai` client exposes it
     as `_request_id`): the client's own `X-Request-Id` when it sent a usable one (vLLM's rule,
-    so a trace id crosses the proxy), else a fresh one. Outermost but for CORS, so refusals
-    (401, 413) carry it too."""
+    so a trace id crosses the proxy), else a fresh one. Outermost, so refusals (401, 413) and
+    CORS preflights carry it too; the 500 handler adds it itself (Starlette answers those from
+    outside every middleware)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -79,6 +80,8 @@ class RequestIdMiddleware:
         given = _header(scope, REQUEST_ID_HEADER.encode())
         request_id = given if given is not None and _CLIENT_REQUEST_ID.fullmatch(given) \
             else uuid.uuid4().hex.encode()
+        # For what answers from outside every middleware: the 500 handler (errors.py).
+        scope.setdefault("state", {})["request_id"] = request_id.decode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -161,8 +164,8 @@ def cors_from_args(args: argparse.Namespace) -> CorsSettings:
 
 
 def add_cors(app: FastAPI, cors: CorsSettings) -> None:
-    """Add last, so it is outermost: a browser's preflight (OPTIONS, which never carries the API
-    key) is answered before the key is checked."""
+    """Add after the API-key check, so it is outside it: a browser's preflight (OPTIONS, which
+    never carries the API key) is answered before the key is checked."""
     app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                        allow_methods=list(cors.allowed_methods),
                        allow_headers=list(cors.allowed_headers),

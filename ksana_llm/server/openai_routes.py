@@ -69,12 +69,14 @@ from ksana_llm.server.submission import (
 router = APIRouter()
 
 def _sse(payload: BaseModel | dict, *, null_usage: bool = False) -> str:
-    if isinstance(payload, BaseModel) and not null_usage:
-        return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
-    data = payload.model_dump(mode="json", exclude_none=True) if isinstance(payload, BaseModel) else payload
-    if null_usage:
-        data.setdefault("usage", None)
-    return f"data: {json.dumps(data)}\n\n"
+    """One SSE event. `null_usage`: a chunk without usage says `"usage": null` (the dump
+    leaves None fields out; the key goes last, as one more member of the object)."""
+    if not isinstance(payload, BaseModel):
+        return f"data: {json.dumps(payload)}\n\n"
+    body = payload.model_dump_json(exclude_none=True)
+    if null_usage and getattr(payload, "usage", None) is None:
+        body = body[:-1] + ',"usage":null}'
+    return f"data: {body}\n\n"
 
 
 async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[BaseModel]], *,

@@ -354,9 +354,9 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(RequestIdMiddleware)  # the router's own (an upstream's is not passed on)
     if cors is not None:
-        add_cors(app, cors)  # outermost
+        add_cors(app, cors)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its id
     return app
 
 
