@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -115,7 +116,7 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
         configs_from_args(parse(["serve", "--scheduling-policy", "tests.scheduling_policies:Nope"]))
 
 
-def test_vllm_command_line_spellings():
+def test_vllm_command_line_spellings(tmp_path):
     """`serve MODEL` (positional, as `vllm serve MODEL`), --block-size and --uvicorn-log-level
     are vLLM's spellings of --model, --block-token-num and --log-level; --tokenizer reaches
     the EngineConfig under vLLM's and KsanaLLM's names."""
@@ -131,6 +132,12 @@ def test_vllm_command_line_spellings():
     assert configs_from_args(parse(["serve"]))[0].model is None  # the default model
     with pytest.raises(ValueError, match="given twice.*/models/a.*--model /models/b"):
         configs_from_args(parse(["serve", "/models/a", "--model", "/models/b"]))
+    here = os.path.basename(os.getcwd())
+    assert configs_from_args(parse(["serve", ".", "--model", f"../{here}"]))[0].model == "."
+    # --served-model-name takes every word after it: a model path there is refused, not served
+    # under its name while the default model loads.
+    with pytest.raises(ValueError, match=f"--served-model-name took {tmp_path} as a name"):
+        configs_from_args(parse(["serve", "--served-model-name", "foo", str(tmp_path)]))
     assert parse(["serve", "--uvicorn-log-level", "info"]).log_level == "info"
     for flag in ("--tokenizer", "--tokenizer_path", "--tokenizer-dir"):  # vLLM's, KsanaLLM's
         assert configs_from_args(parse(["serve", flag, "/tok"]))[0].tokenizer == "/tok"

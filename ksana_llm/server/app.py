@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -242,10 +243,22 @@ ENGINE_FLAGS = ("tokenizer", "device", "dtype", "quantization", "num_device_bloc
 def model_from_args(args: argparse.Namespace) -> str | None:
     """`serve MODEL` (vLLM's positional form) or `--model`; both only when they agree."""
     positional = getattr(args, "model_tag", None)
-    if positional is not None and args.model is not None and positional != args.model:
+    if positional is not None and args.model is not None \
+            and _same_path(positional) != _same_path(args.model):
         raise ValueError(f"the model is given twice, as {positional} and as --model "
                          f"{args.model}; give one")
+    names = getattr(args, "served_model_name", None) or []
+    if hasattr(args, "model_tag") and positional is None and args.model is None \
+            and len(names) > 1 and os.path.exists(names[-1]):
+        # `serve --served-model-name foo /models/x`: the name list swallowed the model.
+        raise ValueError(f"--served-model-name took {names[-1]} as a name, but it is a path: "
+                         "give the model first (serve MODEL --served-model-name NAME) or as "
+                         "--model")
     return positional if positional is not None else args.model
+
+
+def _same_path(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
