@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -308,11 +309,12 @@ def find_plugin_file(model_dir: str | os.PathLike[str]) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def _import_plugin_class(path: Path) -> Any:
-    """Import the file under a name unique to its path (two models' plugins must not clash) and
-    return its KsanaPlugin class. The module is registered in sys.modules before it runs, as
-    dataclasses and pickling inside the plugin expect."""
-    name = "ksana_plugin_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+def import_source_file(path: Path, prefix: str) -> ModuleType:
+    """Import a Python file as a module named `prefix` + a hash of its path (two files, or a
+    file named like a package, never clash). The module is registered in sys.modules before it
+    runs, as dataclasses and pickling inside it expect; ImportError if it is no Python file,
+    and whatever the file raises as it runs."""
+    name = prefix + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{path} cannot be imported")
@@ -323,6 +325,12 @@ def _import_plugin_class(path: Path) -> Any:
     except BaseException:
         sys.modules.pop(name, None)
         raise
+    return module
+
+
+def _import_plugin_class(path: Path) -> Any:
+    """Import the file and return its KsanaPlugin class."""
+    module = import_source_file(path, "ksana_plugin_")
     cls = getattr(module, PLUGIN_CLASS, None)
     if cls is None:
         raise ImportError(f"{path} defines no class {PLUGIN_CLASS}")

@@ -9,14 +9,12 @@ generated. (vLLM's plugin classes have another interface and do not load here.)
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from ksana_llm.api.plugin import import_source_file
 from ksana_llm.server.tool_parsers.base import ToolParser
 
 
@@ -28,20 +26,11 @@ def load_tool_parser_plugin(path: str, builtin: Mapping[str, type[ToolParser]]
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"{flag}: no such file")
-    # A name of its own per file, so two plugins (or a plugin named like a package) never clash.
-    module_name = "ksana_llm_tool_parser_plugin_" + hashlib.sha1(
-        str(file.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{flag}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    # Registered while it runs, as an import would: dataclasses and pickling look it up there.
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        module = import_source_file(file, "ksana_llm_tool_parser_plugin_")
     except Exception as exc:  # noqa: BLE001 - a broken plugin fails in any way; start-up stops
-        del sys.modules[module_name]
         raise ValueError(f"{flag}: importing it failed ({type(exc).__name__}: {exc})") from exc
+    module_name = module.__name__
     parsers: dict[str, type[ToolParser]] = {}
     for _, cls in inspect.getmembers(module, inspect.isclass):
         name = cls.__dict__.get("name")  # its own: a helper base class without one is skipped
