@@ -337,6 +337,8 @@ def _add_listen_args(parser: argparse.ArgumentParser) -> None:
                                             "too when --ssl-keyfile is not given")
     parser.add_argument("--ssl-keyfile", "--ssl_keyfile", dest="ssl_keyfile", default=None,
                         metavar="PEM", help="the certificate's private key (needs --ssl-certfile)")
+    parser.add_argument("--ssl-keyfile-password", default=None, metavar="PASSWORD",
+                        help="the passphrase of an encrypted --ssl-keyfile")
     parser.add_argument("--access-log", "--access_log", dest="access_log", action="store_true",
                         help="log every HTTP request (uvicorn's access log), whatever --log-level")
     parser.add_argument("--root-path", "--root_path", dest="root_path", default="",

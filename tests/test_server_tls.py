@@ -17,6 +17,8 @@ import trustme
 
 from tests.server_process import ServerProcess
 
+PASSWORD = "correct horse"
+
 
 @pytest.fixture(scope="module")
 def authority():
@@ -33,13 +35,29 @@ def tls_files(authority, tmp_path_factory):
     return cert_file, key_file
 
 
-def test_https_server_answers_the_openai_client(authority, tls_files, default_model_dir):
-    cert_file, key_file = tls_files
+@pytest.fixture(scope="module")
+def encrypted_key(tls_files):
+    """The same key, encrypted with PASSWORD."""
+    from cryptography.hazmat.primitives import serialization
+
+    _, key_file = tls_files
+    key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
+    encrypted = key_file.with_name("encrypted-key.pem")
+    encrypted.write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(PASSWORD.encode())))
+    return encrypted
+
+
+def test_https_server_answers_the_openai_client(authority, tls_files, encrypted_key,
+                                                default_model_dir):
+    cert_file, _ = tls_files
     trusting = ssl.create_default_context()
     authority.configure_trust(trusting)
     server = ServerProcess([str(default_model_dir), "--num-device-blocks", "64",
                             "--max-model-len", "256", "--ssl-certfile", str(cert_file),
-                            "--ssl_keyfile", str(key_file),  # KsanaLLM's spelling
+                            "--ssl_keyfile", str(encrypted_key),  # KsanaLLM's spelling
+                            "--ssl-keyfile-password", PASSWORD,
                             "--access-log", "--root_path", "/llm"], tls_context=trusting)
     try:
         assert server.url.startswith("https://")
@@ -74,19 +92,25 @@ def _serve(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.monotonic() - start
 
 
-def test_certificate_mistakes_fail_before_the_model_loads(tls_files, tmp_path):
+def test_certificate_mistakes_fail_before_the_model_loads(tls_files, encrypted_key, tmp_path):
     cert_file, key_file = tls_files
     other_key = tmp_path / "other.pem"
     trustme.CA().issue_cert("127.0.0.1").private_key_pem.write_to_path(str(other_key))
     for args, needle in (
-            (["--ssl-keyfile", str(key_file)], "--ssl-keyfile needs --ssl-certfile"),
+            (["--ssl-keyfile", str(key_file)], "--ssl-keyfile and --ssl-keyfile-password need --ssl-certfile"),
             (["--ssl-certfile", str(tmp_path / "missing.pem")],
              f"--ssl-certfile {tmp_path / 'missing.pem'}: cannot load the certificate and key"),
             # the certificate alone: its key is not in the file
             (["--ssl-certfile", str(cert_file)], "cannot load the certificate and key"),
             # a key that is not the certificate's
             (["--ssl-certfile", str(cert_file), "--ssl-keyfile", str(other_key)],
-             "cannot load the certificate and key")):
+             "cannot load the certificate and key"),
+            # an encrypted key: refused without its password (OpenSSL never asks on a
+            # terminal), and with a wrong one
+            (["--ssl-certfile", str(cert_file), "--ssl-keyfile", str(encrypted_key)],
+             "an encrypted key needs --ssl-keyfile-password"),
+            (["--ssl-certfile", str(cert_file), "--ssl-keyfile", str(encrypted_key),
+              "--ssl-keyfile-password", "wrong"], "cannot load the certificate and key")):
         proc, took = _serve("--model", "/nonexistent/model", *args)
         # The model path is bad too: only an error about TLS proves TLS is checked first.
         assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)

@@ -335,7 +335,8 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
 def run_server(args: argparse.Namespace) -> int:
     parsing = output_parsing_from_args(args)
     parsing.check()  # before the model loads: a misspelt parser name fails at once
-    tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile)  # so does a bad certificate
+    tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile,
+                              args.ssl_keyfile_password)  # so does a bad certificate
     config, settings = configs_from_args(args)
     kv_role, kv_ttl = kv_transfer_from_args(args, settings)
     check_kv_role(kv_role, config.tensor_parallel_size, config.pipeline_parallel_size)

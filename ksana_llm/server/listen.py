@@ -16,19 +16,26 @@ from typing import Any
 import uvicorn
 
 
-def uvicorn_tls_options(certfile: str | None, keyfile: str | None) -> dict[str, Any]:
-    """uvicorn's `ssl_certfile` / `ssl_keyfile` settings, or {} for plain HTTP. Raises
-    ValueError naming the flag for a key without a certificate, or files that do not load."""
+def uvicorn_tls_options(certfile: str | None, keyfile: str | None,
+                        password: str | None = None) -> dict[str, Any]:
+    """uvicorn's `ssl_certfile` / `ssl_keyfile` / `ssl_keyfile_password` settings, or {} for
+    plain HTTP. Raises ValueError naming the flag for a key without a certificate, or files
+    that do not load (an encrypted key without its password among them)."""
     if certfile is None:
-        if keyfile is not None:
-            raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate it signs for)")
+        if keyfile is not None or password is not None:
+            raise ValueError("--ssl-keyfile and --ssl-keyfile-password need --ssl-certfile (the "
+                             "certificate the key signs for)")
         return {}
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+        # The password as given, or "" for none: OpenSSL would otherwise ask for an encrypted
+        # key's passphrase on the terminal, and a server has nobody there to answer.
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            certfile, keyfile, password=password or "")
     except (OSError, ssl.SSLError) as exc:  # missing or unreadable file, bad PEM, key mismatch
         files = f"--ssl-certfile {certfile}" + (f" / --ssl-keyfile {keyfile}" if keyfile else "")
-        raise ValueError(f"{files}: cannot load the certificate and key ({exc})") from exc
-    return {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
+        hint = "" if password else "; an encrypted key needs --ssl-keyfile-password"
+        raise ValueError(f"{files}: cannot load the certificate and key ({exc}{hint})") from exc
+    return {"ssl_certfile": certfile, "ssl_keyfile": keyfile, "ssl_keyfile_password": password}
 
 
 def uvicorn_config(app: Any, args: argparse.Namespace, tls: dict[str, Any],

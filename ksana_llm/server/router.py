@@ -361,7 +361,8 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
 
 
 def run_router(args: argparse.Namespace) -> int:
-    tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile)
+    tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile,
+                              args.ssl_keyfile_password)
     app = build_router_app(RouterConfig(args.prefill, args.decode, api_key=args.api_key),
                            cors=cors_from_args(args))
     AnnouncingServer(uvicorn_config(app, args, tls), "routing to "
