@@ -1,0 +1,255 @@
+"""The command line's flags, shared by its commands: the model and sampling flags of `generate`
+and `chat`, the server's (`serve`, `run-batch`), where and how a server listens (`serve`,
+`router`), CORS, and the router's."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ksana_llm import cli_types
+from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES, SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS
+
+_SPECULATIVE_METHOD_HELP = ("where drafts come from: mtp = the model's MTP layer (DeepSeek V3/R1 "
+                            "with MTP weights); ngram = the sequence's own history (prompt "
+                            "lookup, any model)")
+_QUANTIZATION_HELP = ("fp8: keep the projections' weights as FP8 with per-row scales (half the "
+                      "memory of 16-bit weights); w8a8_int8: as int8 with per-row scales, "
+                      "their inputs quantized to int8 per token (int8 matmuls on a CPU); "
+                      "quantized checkpoints load as they are without it")
+_KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / fp8_e4m3 (= fp8) "
+                        "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
+
+
+def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", "--tokenizer_path", "--tokenizer-path", "--tokenizer_dir",
+                        "--tokenizer-dir", dest="tokenizer", default=None, metavar="DIR",
+                        help="tokenizer folder to use instead of the model's own (vLLM's "
+                             "--tokenizer, KsanaLLM's --tokenizer_path)")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    add_tokenizer_arg(parser)
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
+                        help=_QUANTIZATION_HELP)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sample with this temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="speculative decoding: tokens drafted per step (0 = off)")
+    parser.add_argument("--speculative-method", default="mtp", choices=SPECULATIVE_METHODS,
+                        help=_SPECULATIVE_METHOD_HELP)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help=_KV_CACHE_DTYPE_HELP)
+
+
+def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> None:
+    """The server's flags; `listen` False leaves out where and how it listens (run-batch opens
+    no port)."""
+    parser.add_argument("--config_file", "--config-file", dest="config_file", default=None,
+                        help="KsanaLLM YAML config; the flags below override it")
+    parser.add_argument("--model", default=None,
+                        help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    add_tokenizer_arg(parser)
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the name clients pass as `model` (default: the model folder's "
+                             "name); more names are aliases, the first is the one reported")
+    if listen:
+        add_listen_args(parser)
+    parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: $KLLM_API_KEY, else no key)")
+    parser.add_argument("--chat-template", default=None,
+                        help="Jinja chat template file (default: the tokenizer's)")
+    parser.add_argument("--max-body-bytes", type=cli_types.positive_int, default=None,
+                        help="largest request body accepted, else 413 (default: 2 MiB)")
+    parser.add_argument("--shutdown-timeout", type=cli_types.non_negative_float, default=5.0,
+                        help="seconds to let in-flight requests finish on SIGTERM; then they fail with 503")
+    # Output parsing (names are checked at start-up, before the model loads).
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto"); '
+                             "needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="how tool calls are read from model text: hermes, qwen3, "
+                             "llama3_json, deepseek_v3, deepseek_v31")
+    parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                        help="a Python file defining tool-call parsers of one's own "
+                             "(ksana_llm.server.tool_parsers.ToolParser subclasses with a "
+                             "`name`), which --tool-call-parser can then name")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="fill reasoning_content from <think>...</think>: deepseek_r1, qwen3")
+    parser.add_argument("--max-logprobs", type=int, default=None,
+                        help="largest logprobs / top_logprobs / prompt_logprobs a request may "
+                             "ask for (default: 20)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="name every logprob token token_id:<id> (as each request may ask)")
+    add_cors_args(parser)
+    parser.add_argument("--generation-config", default="auto", metavar="SOURCE",
+                        help="sampling defaults for requests that leave them out: 'auto' (the "
+                             "model's generation_config.json), 'vllm' (none: OpenAI's), or a "
+                             "folder holding a generation_config.json")
+    parser.add_argument("--override-generation-config", type=cli_types.json_object, default=None,
+                        metavar="JSON", help="defaults on top, e.g. '{\"temperature\": 0.5}' "
+                                             "(transformers' key names)")
+    parser.add_argument("--max-stored-responses", type=cli_types.non_negative_int, default=None,
+                        help="/v1/responses answers kept (store=true) for GET /v1/responses/ID "
+                             "and previous_response_id; least recently used dropped first "
+                             "(default: 1024; 0: none)")
+    # Prefill/decode disaggregation (see README "Prefill/decode disaggregation").
+    parser.add_argument("--kv-role", default=None, choices=(*KV_ROLES, "none"),
+                        help="take part in disaggregated serving: keep prompts' KV for decode "
+                             "servers (prefill), start from a prefill server's KV (decode), or "
+                             "both; none: not at all, whatever --config_file's group_role says")
+    parser.add_argument("--kv-transfer-ttl", type=cli_types.positive_float, default=None,
+                        help="seconds a prefill server keeps KV nobody fetched (default: 300)")
+    parser.add_argument("--kv-prefill-url", action="append", default=None, metavar="URL",
+                        help="a decode server fetches KV only from these prefill servers "
+                             "(repeat for several; default: any URL a request names)")
+    # Engine settings (EngineConfig fields); only those given override the config file.
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--num-device-blocks", type=int, default=None, help="KV cache blocks")
+    parser.add_argument("--block-token-num", "--block-size", type=int, default=None,
+                        dest="block_token_num", help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
+    parser.add_argument("--max-step-tokens", "--max-num-batched-tokens", type=int, default=None,
+                        dest="max_step_tokens", help="token budget per step")
+    parser.add_argument("--split-fuse-token-num", type=int, default=None,
+                        help="most prompt tokens of one sequence per step (0: the budget only)")
+    parser.add_argument("--gpu-memory-utilization", "--block-device-memory-ratio", type=float,
+                        default=None, dest="block_device_memory_ratio",
+                        help="CUDA: share of device memory for weights, activations and KV "
+                             "blocks (default 0.9); CPU: share of free RAM for KV blocks (0.1)")
+    parser.add_argument("--reserved-device-memory-ratio", type=float, default=None,
+                        help="share of device memory kept free of KV blocks (default 0.01)")
+    parser.add_argument("--block-host-memory-factor", type=float, default=None,
+                        help="host swap pool, as a multiple of the device blocks (default 1)")
+    parser.add_argument("--swap-space", type=float, default=None, metavar="GiB",
+                        help="host swap pool in GiB per rank, instead of "
+                             "--block-host-memory-factor (vLLM's flag)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="reuse the KV of shared prompt prefixes (default on)")
+    parser.add_argument("--preemption-mode", dest="preempt_mode", default=None,
+                        type=cli_types.preemption_mode, choices=(0, 1), metavar="{swap,recompute}",
+                        help="what a sequence pushed out of the KV cache does (default swap)")
+    parser.add_argument("--waiting-timeout-ms", type=int, default=None,
+                        help="a request never scheduled within this many ms fails (default: "
+                             "no limit)")
+    parser.add_argument("--scheduling-policy", dest="scheduler_policy", default=None,
+                        type=cli_types.scheduling_policy,
+                        metavar="{fifo,priority,MODULE:CLASS}",
+                        help="fifo (vLLM's 'fcfs' too); priority: requests' `priority` field "
+                             "(lower first) orders admission and preemption; or the import path "
+                             "of a ksana_llm.SchedulingPolicy subclass (on PYTHONPATH)")
+    parser.add_argument("--max-queue-size", type=int, default=None,
+                        help="waiting requests before 429")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
+    parser.add_argument("--tensor-parallel-size", "--tensor-para-size", type=int, default=None,
+                        dest="tensor_parallel_size",
+                        help="ranks the model is split across (0 = every visible GPU); YAML "
+                             "setting.global.tensor_para_size")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=None,
+                        dest="pipeline_parallel_size",
+                        help="pipeline stages; with WORLD_SIZE > 1 each node is one stage")
+    # The GPU step loop (defaults: on for CUDA; see README "Configuration").
+    parser.add_argument("--enable-cuda-graphs", action=argparse.BooleanOptionalAction,
+                        default=None, help="replay CUDA graphs for decode steps")
+    parser.add_argument("--enforce-eager", dest="enable_cuda_graphs", action="store_const",
+                        const=False, help="no CUDA graphs (vLLM's flag; = --no-enable-cuda-graphs)")
+    parser.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+                        help="largest decode batch replayed from a graph (default: max-num-seqs)")
+    parser.add_argument("--attention-backend", default=None, choices=("auto", "torch", "triton"),
+                        help="auto: Triton kernels on CUDA, torch SDPA otherwise")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="launch each step before the previous step's tokens are read back")
+    parser.add_argument("--overlap-output-processing", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="detokenize and deliver a step's outputs during the next step")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="speculative decoding: tokens drafted per step (0 = off)")
+    parser.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                        help=_SPECULATIVE_METHOD_HELP)
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                        help="speculative decoding pauses in steps of this many sequences or "
+                             "more (default: never)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=None,
+                        help="ngram method: the shortest run of last tokens looked up (default 1)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=None,
+                        help="ngram method: the longest run of last tokens looked up (default 4)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                        help=_KV_CACHE_DTYPE_HELP)
+    parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
+                        help=_QUANTIZATION_HELP)
+    # LoRA adapters (vLLM's flags); a request picks one with its `model` field.
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        type=cli_types.lora_module,
+                        help="PEFT LoRA adapters to serve, each under its name")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="adapter slots on the device: the most adapters in one step; "
+                             "more adapters take turns (default: the number of --lora-modules, "
+                             "at most 4)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept in host memory (least recently used dropped and "
+                             "read again from their folder; default: all)")
+    parser.add_argument("--max-lora-rank", type=int, default=None,
+                        help="the largest adapter rank a slot holds (default: 16)")
+    parser.add_argument("--lora-max-wait-steps", type=int, default=None,
+                        help="steps a request may wait for a LoRA slot before the held "
+                             "adapter with the fewest requests stops taking newer ones "
+                             "(default: 64; 0: at once)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="mount /v1/load_lora_adapter and /v1/unload_lora_adapter (clients "
+                             "then name folders the server reads)")
+
+
+def add_listen_args(parser: argparse.ArgumentParser) -> None:
+    """Where and how the HTTP server listens (vLLM's and KsanaLLM's spellings accepted too)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=cli_types.port, default=8080)
+    parser.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--ssl-certfile", "--ssl_certfile", dest="ssl_certfile", default=None,
+                        metavar="PEM", help="serve HTTPS with this certificate (chain); the key "
+                                            "too when --ssl-keyfile is not given")
+    parser.add_argument("--ssl-keyfile", "--ssl_keyfile", dest="ssl_keyfile", default=None,
+                        metavar="PEM", help="the certificate's private key (needs --ssl-certfile)")
+    parser.add_argument("--ssl-keyfile-password", default=None, metavar="PASSWORD",
+                        help="the passphrase of an encrypted --ssl-keyfile")
+    parser.add_argument("--access-log", "--access_log", dest="access_log", action="store_true",
+                        help="log every HTTP request (uvicorn's access log), whatever --log-level")
+    parser.add_argument("--root-path", "--root_path", dest="root_path", default="",
+                        metavar="PREFIX", help="the path prefix a proxy serves this server "
+                                               "under (ASGI root_path), e.g. /llm")
+
+
+def add_cors_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allowed-origins", type=cli_types.json_strings, default=None, metavar="JSON",
+                        help='browser origins allowed to call (CORS), e.g. \'["https://a.b"]\' '
+                             '(default: any, as vLLM)')
+    parser.add_argument("--allowed-methods", type=cli_types.json_strings, default=None, metavar="JSON",
+                        help="CORS methods (default: any)")
+    parser.add_argument("--allowed-headers", type=cli_types.json_strings, default=None, metavar="JSON",
+                        help="CORS request headers (default: any)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send cookies / credentials")
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="a prefill server (serve --kv-role prefill); repeat for several")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode server (serve --kv-role decode); repeat for several")
+    add_listen_args(parser)
+    parser.add_argument("--api-key", default=None,
+                        help="required of clients, and sent to the servers (which share it)")
+    add_cors_args(parser)
