@@ -44,9 +44,9 @@ from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFER
 from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.router_upstream import (RelayedStream, client_error, error_code,
                                               passed_on, read_answer)
-from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
-                                        BodyLimitMiddleware, CorsSettings, RequestIdMiddleware,
-                                        add_cors, cors_from_args)
+from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, REQUEST_ID_HEADER,
+                                        ApiKeyMiddleware, BodyLimitMiddleware, CorsSettings,
+                                        RequestIdMiddleware, add_cors, cors_from_args)
 
 logger = logging.getLogger("ksana_llm.router")
 
@@ -104,12 +104,15 @@ class Router:
         self._prefill = itertools.cycle(self.config.prefill_urls)
         self._decode = itertools.cycle(self.config.decode_urls)
 
-    @property
-    def headers(self) -> dict[str, str]:
+    def headers(self, request_id: str | None = None) -> dict[str, str]:
+        """What every upstream request carries: the servers' API key, and the client's request
+        id, so one X-Request-Id names the request in the router's and the servers' answers."""
         key = self.config.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return {**({"Authorization": f"Bearer {key}"} if key else {}),
+                **({REQUEST_ID_HEADER: request_id} if request_id else {})}
 
-    async def prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any] | Response | None:
+    async def prefill(self, path: str, body: dict[str, Any], request_id: str | None = None
+                      ) -> dict[str, Any] | Response | None:
         """The decode server's `kv_transfer_params` from a prefill server; a Response to return
         as is (the request is bad); None to decode without it."""
         if not self.config.prefill_urls or not _disaggregable(path, body) \
@@ -120,7 +123,8 @@ class Router:
         request.update(max_tokens=1, temperature=0,
                        kv_transfer_params={"do_remote_decode": True})
         try:
-            response = await self.client.post(url + path, json=request, headers=self.headers)
+            response = await self.client.post(url + path, json=request,
+                                              headers=self.headers(request_id))
         except httpx.HTTPError as exc:
             return self._prefill_failed(url, repr(exc))
         if response.status_code != 200:
@@ -144,9 +148,10 @@ class Router:
         logger.warning("prefill server %s failed (%s); the decode server computes the prompt", url, why)
         return None
 
-    async def forward(self, path: str, body: dict[str, Any]) -> Response:
+    async def forward(self, path: str, body: dict[str, Any], request_id: str | None = None
+                      ) -> Response:
         """The whole request through prefill (when it helps) and decode servers."""
-        params = await self.prefill(path, body)
+        params = await self.prefill(path, body, request_id)
         if isinstance(params, Response):
             return params
         body = dict(body)
@@ -157,20 +162,22 @@ class Router:
             self.stats.num_disaggregated += 1
             body["kv_transfer_params"] = params
         return await self.decode(path, json.dumps(body).encode(), "application/json",
-                                 stream=bool(body.get("stream")))
+                                 stream=bool(body.get("stream")), request_id=request_id)
 
     async def decode(self, path: str, content: bytes, content_type: str | None, *,
-                     stream: bool) -> Response:
+                     stream: bool, request_id: str | None = None) -> Response:
         """A request to the next decode server, its answer passed on (`stream`: as it comes)."""
-        response = await self._send(next(self._decode), path, content, content_type)
+        response = await self._send(next(self._decode), path, content, content_type,
+                                    request_id=request_id)
         if stream and response.status_code == 200:
             return RelayedStream(response)
         return passed_on(response, await read_answer(response))
 
     async def _send(self, server: str, path: str, content: bytes, content_type: str | None,
-                    method: str = "POST") -> httpx.Response:
+                    method: str = "POST", request_id: str | None = None) -> httpx.Response:
         url = server + path
-        headers = {**self.headers, **({"Content-Type": content_type} if content_type else {})}
+        headers = {**self.headers(request_id),
+                   **({"Content-Type": content_type} if content_type else {})}
         request = self.client.build_request(method, url, content=content, headers=headers)
         try:
             return await self.client.send(request, stream=True)
@@ -178,7 +185,7 @@ class Router:
             raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
 
     # ---- /v1/responses: conversations stay where they were stored -----------------------------
-    async def respond(self, body: dict[str, Any]) -> Response:
+    async def respond(self, body: dict[str, Any], request_id: str | None = None) -> Response:
         """A Responses request to the decode server holding its `previous_response_id` (else
         the next one); the answer's id is remembered with the server."""
         previous = body.get("previous_response_id")
@@ -186,7 +193,7 @@ class Router:
         server = server or next(self._decode)
         self.stats.num_direct += 1
         response = await self._send(server, "/v1/responses", json.dumps(body).encode(),
-                                    "application/json")
+                                    "application/json", request_id=request_id)
         if body.get("stream") and response.status_code == 200:
             return RelayedStream(response, self._remember_streamed(response, server))
         content = await read_answer(response)
@@ -216,14 +223,15 @@ class Router:
             self._response_servers.popitem(last=False)
 
     async def stored_response(self, method: str, response_id: str, suffix: str = "",
-                              query: str = "") -> Response:
+                              query: str = "", request_id: str | None = None) -> Response:
         """GET or DELETE a stored response (or, with `suffix`, GET its "/input_items" or POST
         its "/cancel") on the server that holds it (one the router does not know: each decode
         server in turn, until one has it)."""
         known = self._response_servers.get(response_id)
         path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
         for server in [known] if known else self.config.decode_urls:
-            response = await self._send(server, path, b"", None, method=method)
+            response = await self._send(server, path, b"", None, method=method,
+                                        request_id=request_id)
             content = await read_answer(response)
             if response.status_code != 404:
                 if method == "DELETE" and response.status_code == 200:
@@ -256,6 +264,11 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> 
         task.cancel()
 
 
+def _request_id(request: Request) -> str | None:
+    """The id RequestIdMiddleware gave this request (the client's X-Request-Id when usable)."""
+    return request.scope.get("state", {}).get("request_id")
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -280,12 +293,12 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.forward(
-            "/v1/completions", await _json_body(request)))
+            "/v1/completions", await _json_body(request), _request_id(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.forward(
-            "/v1/chat/completions", await _json_body(request)))
+            "/v1/chat/completions", await _json_body(request), _request_id(request)))
 
     async def direct(request: Request) -> Response:
         """KsanaLLM's native routes and the tokenizer's: straight to a decode server, which
@@ -293,7 +306,8 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         router: Router = request.app.state.router
         router.stats.num_direct += 1
         work = router.decode(request.url.path, await request.body(),
-                             request.headers.get("content-type"), stream=True)
+                             request.headers.get("content-type"), stream=True,
+                             request_id=_request_id(request))
         return await _unless_client_leaves(request, work)
 
     for path in _DIRECT_PATHS:
@@ -302,20 +316,22 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.respond(
-            await _json_body(request)))
+            await _json_body(request), _request_id(request)))
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, request: Request) -> Response:
-        return await request.app.state.router.stored_response(request.method, response_id)
+        return await request.app.state.router.stored_response(
+            request.method, response_id, request_id=_request_id(request))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
-        return await request.app.state.router.stored_response("POST", response_id, "/cancel")
+        return await request.app.state.router.stored_response(
+            "POST", response_id, "/cancel", request_id=_request_id(request))
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, request: Request) -> Response:
         return await request.app.state.router.stored_response(
-            "GET", response_id, "/input_items", request.url.query)
+            "GET", response_id, "/input_items", request.url.query, _request_id(request))
 
     @app.get("/v1/models")
     @app.get("/v1/models/{model:path}")
@@ -323,7 +339,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         router: Router = request.app.state.router
         try:
             response = await router.client.get(config.decode_urls[0] + request.url.path,
-                                               headers=router.headers)
+                                               headers=router.headers(_request_id(request)))
         except httpx.HTTPError as exc:
             raise engine_unavailable(f"decode server cannot be reached ({exc!r})") from exc
         return Response(response.content, status_code=response.status_code,

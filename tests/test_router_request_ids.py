@@ -1,0 +1,110 @@
+"""The router passes each request's id on to the servers behind it, so one X-Request-Id names
+the request in the router's answer and in every server's log and answer.
+
+The servers here are a real HTTP server on 127.0.0.1 that records what it is sent and answers
+as a prefill and decode server would: what the router sends upstream cannot be seen from a real
+server's answer (the router stamps its own id on what it passes on)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import httpx
+import pytest
+
+from tests.server_process import ServerProcess
+
+
+class _RecordingServer:
+    """Answers /health, prefill requests (with kv_transfer_params), decode requests, stored
+    responses and /v1/models; records (method, path, X-Request-Id) of each request."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str | None]] = []
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                if self.path != "/health":
+                    seen.append((self.command, self.path, self.headers.get("X-Request-Id")))
+                self._answer({"object": "list", "data": []})
+
+            do_DELETE = do_GET  # noqa: N815
+
+            def do_POST(self) -> None:  # noqa: N802
+                content = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                request = json.loads(content) if content else {}
+                seen.append(("POST", self.path, self.headers.get("X-Request-Id")))
+                if request.get("kv_transfer_params", {}).get("do_remote_decode"):
+                    self._answer({"kv_transfer_params": {"transfer_id": "0" * 32}})
+                else:
+                    self._answer({"id": "resp_1", "object": "response", "choices": []})
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    server = _RecordingServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def router(upstream):
+    proc = ServerProcess(["--prefill", upstream.url, "--decode", upstream.url], command="router")
+    yield proc
+    proc.stop()
+
+
+def test_the_clients_request_id_reaches_the_prefill_and_decode_servers(router, upstream):
+    upstream.seen.clear()
+    r = httpx.post(router.base_url + "/chat/completions", headers={"X-Request-Id": "trace-42"},
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    assert upstream.seen == [("POST", "/v1/chat/completions", "trace-42")] * 2  # prefill, decode
+
+
+def test_without_a_client_id_the_servers_get_the_routers_own(router, upstream):
+    upstream.seen.clear()
+    r = httpx.post(router.base_url + "/completions", json={"prompt": "hi", "max_tokens": 4})
+    given = r.headers["x-request-id"]
+    assert r.status_code == 200 and len(given) == 32
+    assert [seen[2] for seen in upstream.seen] == [given, given]
+    # An id unfit to echo (not visible ASCII) is replaced before it goes anywhere.
+    upstream.seen.clear()
+    r = httpx.post(router.base_url + "/completions", headers={"X-Request-Id": "a b"},
+                   json={"prompt": "hi", "max_tokens": 4})
+    assert r.headers["x-request-id"] != "a b"
+    assert {seen[2] for seen in upstream.seen} == {r.headers["x-request-id"]}
+
+
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/tokenize"), ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
+    ("DELETE", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel"),
+    ("GET", "/v1/responses/resp_1/input_items"), ("GET", "/v1/models")])
+def test_every_passed_on_route_carries_the_id(router, upstream, method, path):
+    upstream.seen.clear()
+    body = {"prompt": "hi"} if method == "POST" else None
+    r = httpx.request(method, router.url + path, json=body, headers={"X-Request-Id": "t-1"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "t-1"
+    assert upstream.seen == [(method, path, "t-1")]
