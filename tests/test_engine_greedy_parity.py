@@ -1,6 +1,6 @@
 """Greedy output of the real default model (SmolLM2-135M-Instruct) through our engine equals
-transformers' greedy output token for token: alone, batched, chunked, with prefix-cache hits and
-under forced preemption in both modes."""
+transformers' greedy output token for token: alone, batched, chunked, with prefix-cache hits (and
+through a reset of the cache) and under forced preemption in both modes."""
 
 from __future__ import annotations
 
@@ -101,6 +101,22 @@ def test_prefix_cache_hit(model, prompts, reference):
         outs = engine.generate_outputs(prompts, use_tqdm=False)
         assert engine.stats().prefix_cache_hit_rate > before
     _assert_same(outs, reference)
+
+
+def test_reset_prefix_cache(model, prompts, reference):
+    """After a reset no prompt is served from the cache; requests running through a reset lose
+    nothing (their blocks stay theirs)."""
+    with _engine(model) as engine:
+        engine.generate_outputs(prompts, use_tqdm=False)
+        assert engine.reset_prefix_cache() > 0
+        cold = engine.generate_outputs(prompts, use_tqdm=False)
+        handles = [engine.submit(kt.Request(p)) for p in prompts]
+        assert engine.reset_prefix_cache() > 0  # the cold run's blocks, some now in use
+        running = [h.result(timeout=300) for h in handles]
+        assert engine.stats().num_free_kv_blocks == 512
+    assert [out.num_cached_tokens for out in cold] == [0] * len(prompts)
+    _assert_same(cold, reference)
+    _assert_same(running, reference)
 
 
 @pytest.mark.parametrize("preempt_mode", [0, 1], ids=["swap", "recompute"])

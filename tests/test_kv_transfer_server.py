@@ -259,6 +259,21 @@ def test_router_passes_client_errors_through(router):
     assert traced.headers["x-request-id"] == "trace-7"
 
 
+def test_router_resets_every_servers_prefix_cache(router, prefill, decode):
+    body = {"prompt": "Cached: " + PROMPT * 3, "max_tokens": 1}
+
+    def cached() -> int:
+        usage = httpx.post(decode.base_url + "/completions", json=body, timeout=60).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    r = httpx.post(router.url + "/reset_prefix_cache")
+    assert r.status_code == 200 and set(r.json()["servers"]) == {prefill.url, decode.url}
+    assert r.json()["servers"][decode.url]["num_blocks_dropped"] > 0
+    assert cached() == 0
+
+
 def test_router_answers_browser_preflights(router):
     """CORS as on the servers (any origin by default, as vLLM)."""
     r = httpx.options(router.base_url + "/chat/completions", headers={

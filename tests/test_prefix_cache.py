@@ -212,3 +212,25 @@ def test_prefix_caching_disabled():
     b = make_seq("b", PROMPT10)
     assert bm.match_prefix(b) == PrefixMatch([], 0)
     assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
+
+
+def test_reset_forgets_every_cached_block_but_keeps_what_sequences_hold():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    done = make_seq("done", [9] * 10)
+    admit(bm, done)
+    bm.free(done)  # its two full blocks stay cached in the free queue
+    assert len(bm.cached_blocks) == 4
+    assert bm.reset_prefix_cache() == 4
+    assert bm.cached_blocks == {} and bm.block_key == [None] * 8
+    assert bm.match_prefix(make_seq("b", PROMPT10)) == PrefixMatch([], 0)
+    assert a.block_table == [0, 1, 2] and bm.ref_counts[:3] == [1, 1, 1]
+    # a's blocks are not published again, but a new computation of the prefix is.
+    compute(bm, a, 0)
+    assert bm.cached_blocks == {}
+    c = make_seq("c", PROMPT10)
+    admit(bm, c)
+    assert bm.cached_blocks == {H0: c.block_table[0], H1: c.block_table[1]}
+    assert bm.match_prefix(make_seq("d", PROMPT10)).num_tokens == 8
+    assert bm.reset_prefix_cache() == 2 and bm.reset_prefix_cache() == 0

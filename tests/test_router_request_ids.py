@@ -1,5 +1,6 @@
 """The router passes each request's id on to the servers behind it, so one X-Request-Id names
-the request in the router's answer and in every server's log and answer.
+the request in the router's answer and in every server's log and answer; and it sends
+/reset_prefix_cache to every server.
 
 The servers here are a real HTTP server on 127.0.0.1 that records what it is sent and answers
 as a prefill and decode server would: what the router sends upstream cannot be seen from a real
@@ -14,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, free_port
 
 
 class _RecordingServer:
@@ -108,3 +109,18 @@ def test_every_passed_on_route_carries_the_id(router, upstream, method, path):
     r = httpx.request(method, router.url + path, json=body, headers={"X-Request-Id": "t-1"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "t-1"
     assert upstream.seen == [(method, path, "t-1")]
+
+
+def test_reset_prefix_cache_goes_to_every_server(router, upstream):
+    upstream.seen.clear()
+    r = httpx.post(router.url + "/reset_prefix_cache", headers={"X-Request-Id": "t-2"})
+    assert r.status_code == 200 and list(r.json()["servers"]) == [upstream.url]  # once each
+    assert upstream.seen == [("POST", "/reset_prefix_cache", "t-2")]
+    down = f"http://127.0.0.1:{free_port()}"
+    proc = ServerProcess(["--prefill", down, "--decode", upstream.url], command="router")
+    try:
+        r = httpx.post(proc.url + "/reset_prefix_cache")
+        assert r.status_code == 502 and r.json()["servers"][down] is None
+        assert isinstance(r.json()["servers"][upstream.url], dict)
+    finally:
+        proc.stop()

@@ -156,10 +156,12 @@ def test_413_body_too_large(server):
 def test_401_api_key(default_model_dir):
     proc = ServerProcess([*KV_ARGS, "--api-key", "s3cret"])
     try:
-        assert httpx.get(proc.url + "/health").status_code == 200  # open for probes
+        for probe in ("/health", "/ping"):
+            assert httpx.get(proc.url + probe).status_code == 200  # open for probes
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
-                                 ("POST", "/tokenize"), ("GET", "/version")):
+                                 ("POST", "/tokenize"), ("GET", "/version"),
+                                 ("POST", "/reset_prefix_cache")):
                 r = httpx.request(method, proc.url + path, headers=headers, json={"prompt": "x"})
                 assert r.status_code == 401, (path, headers)
                 assert openai_error(r) == {"message": "Invalid or missing API key (send 'Authorization: Bearer <key>').",

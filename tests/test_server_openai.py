@@ -1,11 +1,11 @@
 """The OpenAI-compatible server as a real subprocess, driven by the official `openai` client and
-`httpx`: completions and chat (sync/async, streamed or not, n > 1, logprobs), the small routes,
-abort on client disconnect and the Prometheus metrics (the errors: tests/test_server_errors.py)."""
+`httpx`: completions and chat (sync/async, streamed or not, n > 1, logprobs, usage) (the small
+routes, disconnects and metrics: tests/test_server_routes.py; the errors:
+tests/test_server_errors.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -26,38 +26,6 @@ def server(default_model_dir):
     proc = ServerProcess(KV_ARGS)
     yield proc
     proc.stop()
-
-
-# ---- small routes ----------------------------------------------------------------------------------
-
-def test_health_models_version(server, model_name):
-    health = httpx.get(server.url + "/health")
-    assert health.status_code == 200
-    # KsanaLLM's body ("healthy"), plus the queue counts.
-    assert health.json()["status"] == "healthy" and health.json()["num_running"] == 0
-    models = httpx.get(server.base_url + "/models").json()
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [model_name]
-    # KsanaLLM serves them without the /v1 prefix too.
-    time.sleep(1.1)  # a card's `created` is the server's start, not the call's time
-    assert httpx.get(server.url + "/models").json() == models
-    assert httpx.get(f"{server.url}/models/{model_name}").json()["id"] == model_name
-    assert models["data"][0]["max_model_len"] == 4096  # 256 blocks x 16 tokens
-    assert httpx.get(server.url + "/version").json() == {"version": kt.__version__}
-
-
-def test_tokenize_detokenize(server, local_engine):
-    tok = local_engine.tokenizer
-    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT})
-    assert r.status_code == 200
-    assert r.json() == {"tokens": tok.encode(PROMPT), "count": len(tok.encode(PROMPT)),
-                        "max_model_len": 4096}
-    r = httpx.post(server.url + "/detokenize", json={"tokens": tok.encode(PROMPT)})
-    assert r.json() == {"prompt": PROMPT}
-    rendered = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
-    r = httpx.post(server.url + "/tokenize", json={"messages": QUESTION})
-    assert r.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
-    r = httpx.post(server.url + "/detokenize", json={"tokens": [10**6]})
-    assert r.status_code == 400 and openai_error(r)["param"] == "tokens"
 
 
 # ---- generation --------------------------------------------------------------------------------
@@ -435,92 +403,6 @@ def test_text_offset_counts_characters_split_across_tokens(client, model_name):
                 tokens += c.logprobs.tokens
                 offsets += c.logprobs.text_offset
     assert (text, tokens, offsets) == (done.text, lp.tokens, lp.text_offset)
-
-
-# ---- disconnects -----------------------------------------------------------------------------------
-
-def _engine_counts(server) -> tuple[int, int]:
-    health = httpx.get(server.url + "/health").json()
-    return health["num_running"], health["num_waiting"]
-
-
-def test_disconnect_aborts_requests(server, model_name):
-    # Far more tokens than could be generated before the deadline below: only aborts free the engine.
-    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}
-
-    async def cut_streams() -> None:
-        async def one() -> None:
-            async with httpx.AsyncClient(timeout=60) as http:
-                async with http.stream("POST", server.base_url + "/completions",
-                                       json={**body, "stream": True}) as r:
-                    assert r.status_code == 200
-                    seen = 0
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            seen += 1
-                            if seen == 2:
-                                return  # leaving the block closes the connection mid-stream
-
-        async def impatient() -> None:  # non-streaming client that gives up
-            async with httpx.AsyncClient(timeout=0.5) as http:
-                with pytest.raises(httpx.ReadTimeout):
-                    await http.post(server.base_url + "/completions", json=body)
-
-        await asyncio.gather(*(one() for _ in range(6)), *(impatient() for _ in range(3)))
-
-    asyncio.run(cut_streams())
-    deadline = time.monotonic() + 15
-    while _engine_counts(server) != (0, 0):
-        assert time.monotonic() < deadline, f"requests still live: {_engine_counts(server)}"
-        time.sleep(0.1)
-    start = time.monotonic()
-    out = httpx.post(server.base_url + "/completions", timeout=30,
-                     json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
-    assert out.status_code == 200 and time.monotonic() - start < 5
-
-
-# ---- metrics -----------------------------------------------------------------------------------------
-
-def _scrape(server) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(server.url + "/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(response.text) for sample in family.samples}
-
-
-def _total(samples: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, lab), v in samples.items()
-               if n == name and all(dict(lab).get(k) == val for k, val in labels.items()))
-
-
-def test_metrics_parse_and_add_up(server, client, model_name):
-    before = _scrape(server)
-    usages = [client.completions.create(model=model_name, prompt=PROMPT, max_tokens=n, temperature=0,
-                                         extra_body={"ignore_eos": True}).usage for n in (3, 5)]
-    stream = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=6,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
-    usages.append([c for c in stream if c.usage is not None][-1].usage)
-    time.sleep(0.2)  # the finished-request callback runs on the engine thread
-    after = _scrape(server)
-
-    def delta(name: str, **labels: str) -> float:
-        return _total(after, name, **labels) - _total(before, name, **labels)
-
-    assert delta("ksana_llm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert delta("ksana_llm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
-    assert delta("ksana_llm:request_success_total") == 3
-    assert delta("ksana_llm:request_success_total", finished_reason="length") >= 2
-    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds"):
-        assert delta(f"ksana_llm:{hist}_count") == 3, hist
-    # One gap per token after the first, for every request, streamed or not.
-    assert delta("ksana_llm:inter_token_latency_seconds_count") == sum(
-        u.completion_tokens - 1 for u in usages)
-    assert _total(after, "ksana_llm:num_requests_running") == 0
-    assert _total(after, "ksana_llm:num_kv_blocks") == 256
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])

@@ -242,6 +242,12 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
             self._aborts.append(request_id)
             self._wake.notify()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (vLLM's `LLM.reset_prefix_cache`): later requests
+        compute their prompts in full, as on a fresh engine (a cold-cache benchmark, say).
+        Running requests go on undisturbed. Returns how many KV blocks were cached."""
+        return self._on_engine_thread(self._core.block_manager.reset_prefix_cache)
+
     # ---- introspection and lifecycle --------------------------------------------------------------
     def stats(self) -> EngineStats:
         return self._stats.snapshot(

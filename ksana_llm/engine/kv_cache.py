@@ -133,6 +133,16 @@ class BlockManager:
                 self.cached_blocks[key] = block
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block's key, so no later request reuses a computed prefix;
+        returns how many blocks were cached. Sequences keep the blocks they hold (only the
+        sharing ends), so this is safe while requests run."""
+        num_cached = len(self.cached_blocks)
+        for block in self.cached_blocks.values():
+            self.block_key[block] = None
+        self.cached_blocks.clear()
+        return num_cached
+
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Give `seq` blocks for its computed tokens plus `num_new_tokens` more.

@@ -41,7 +41,8 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on every path but `open_paths`, compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str] = ("/health",)) -> None:
+    def __init__(self, app: ASGIApp, api_key: str,
+                 open_paths: Collection[str] = ("/health", "/ping")) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self._open_paths = frozenset(open_paths)

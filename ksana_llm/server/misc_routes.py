@@ -1,7 +1,9 @@
-"""Small routes: /health, /version, /v1/models (and one model), /v1/stats, /tokenize,
-/detokenize."""
+"""Small routes: /health (and /ping), /version, /v1/models (and one model), /v1/stats,
+/tokenize, /detokenize, /reset_prefix_cache."""
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -25,6 +27,8 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/ping")  # vLLM's and SageMaker's name for it
+@router.post("/ping")
 async def health(request: Request) -> JSONResponse:
     """200 while the engine serves, 503 once it is dead or the server is shutting down.
 
@@ -50,6 +54,14 @@ async def stats(request: Request) -> JSONResponse:
     if state.kv_transfer is not None:
         stats["kv_transfer"] = state.kv_transfer.stats()
     return JSONResponse(stats)
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> JSONResponse:
+    """Forget every cached prompt prefix (vLLM's route), for cold-cache measurements; running
+    requests go on undisturbed."""
+    engine = server_state(request).engine
+    return JSONResponse({"num_blocks_dropped": await asyncio.to_thread(engine.reset_prefix_cache)})
 
 
 @router.get("/version")

@@ -17,6 +17,7 @@ remembers which one, sends a `previous_response_id` continuation there, and look
 responses up there (or, for one it does not know, on each decode server). So does every request when
 the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
 lost. A prefill server's 400 about the request itself is the client's answer.
+`/reset_prefix_cache` goes to every server.
 """
 
 from __future__ import annotations
@@ -345,7 +346,30 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         return Response(response.content, status_code=response.status_code,
                         media_type=response.headers.get("content-type"))
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        """Every server's prefix cache (prefill and decode alike): each server's answer by URL
+        (its status code when it gave no JSON, null when it could not be reached); 200 when
+        every server reset its cache, else 502."""
+        router: Router = request.app.state.router
+        headers = router.headers(_request_id(request))
+
+        async def reset(url: str) -> tuple[str, Any]:
+            try:
+                answer = await router.client.post(url + "/reset_prefix_cache", headers=headers)
+                return url, answer.json() if answer.status_code == 200 else answer.status_code
+            except httpx.HTTPError:
+                return url, None
+            except ValueError:  # a 200 without JSON: not one of our servers
+                return url, answer.status_code
+
+        servers = dict(await asyncio.gather(
+            *map(reset, dict.fromkeys(config.prefill_urls + config.decode_urls))))
+        done = all(isinstance(answer, dict) for answer in servers.values())
+        return JSONResponse({"servers": servers}, status_code=200 if done else 502)
+
     @app.get("/health")
+    @app.get("/ping")
     async def health(request: Request) -> JSONResponse:
         """Each server's /health status. 200 while a decode server is up (the router can answer:
         without prefill servers the decode servers compute prompts themselves), with status
