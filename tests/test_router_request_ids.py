@@ -124,3 +124,15 @@ def test_reset_prefix_cache_goes_to_every_server(router, upstream):
         assert isinstance(r.json()["servers"][upstream.url], dict)
     finally:
         proc.stop()
+
+
+def test_invocations_go_where_their_api_would(router, upstream):
+    """SageMaker's route: a chat body through a prefill and a decode server as on its own path;
+    an embeddings body straight to a decode server."""
+    for body, want in (({"messages": [{"role": "user", "content": "hi"}]},
+                        [("POST", "/v1/chat/completions", "t-3")] * 2),
+                       ({"prompt": "hi"}, [("POST", "/v1/completions", "t-3")] * 2),
+                       ({"input": "hi"}, [("POST", "/invocations", "t-3")])):
+        upstream.seen.clear()
+        r = httpx.post(router.url + "/invocations", json=body, headers={"X-Request-Id": "t-3"})
+        assert r.status_code == 200 and upstream.seen == want, body

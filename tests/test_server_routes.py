@@ -1,5 +1,5 @@
 """The OpenAI-compatible server's small routes (health and /ping, models, version, tokenizer,
-/reset_prefix_cache), abort on client disconnect and the Prometheus metrics, on a real
+/invocations, /reset_prefix_cache), abort on client disconnect and the Prometheus metrics, on a real
 subprocess driven by `httpx` and the official `openai` client (generation:
 tests/test_server_openai.py; errors: tests/test_server_errors.py)."""
 
@@ -64,6 +64,36 @@ def test_ping_is_health(server):
     for method in ("GET", "POST"):
         r = httpx.request(method, server.url + "/ping")
         assert r.status_code == 200 and r.json() == httpx.get(server.url + "/health").json()
+
+
+def test_invocations_picks_the_api_from_the_body(server, model_name):
+    """SageMaker's /invocations (vLLM serves it too): each body answered as on its own route."""
+    def both(path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
+        return (httpx.post(server.url + "/invocations", json=body, timeout=60),
+                httpx.post(server.base_url + path, json=body, timeout=60))
+
+    chat, want = both("/chat/completions", {"messages": QUESTION, "max_tokens": 8,
+                                            "temperature": 0})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    assert chat.json()["choices"] == want.json()["choices"]
+    text, want = both("/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert text.json()["object"] == "text_completion"
+    assert text.json()["choices"] == want.json()["choices"]
+    vectors, want = both("/embeddings", {"input": ["a", PROMPT]})
+    assert vectors.json()["data"] == want.json()["data"]
+    streamed = httpx.post(server.url + "/invocations", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    # Errors are the chosen route's, or name what is missing or ambiguous.
+    bad_chat = httpx.post(server.url + "/invocations", json={"messages": [], "max_tokens": 1})
+    assert bad_chat.status_code == 400 and openai_error(bad_chat)["param"] == "messages"
+    for body, param in (({}, "messages"), ({"prompt": "x", "messages": QUESTION}, "prompt"),
+                        ([1, 2], "messages")):
+        r = httpx.post(server.url + "/invocations", json=body)
+        assert r.status_code == 400 and openai_error(r)["param"] == param, body
+    r = httpx.post(server.url + "/invocations", content=b"{not json")
+    assert r.status_code == 400 and "JSON" in openai_error(r)["message"]
 
 
 def test_reset_prefix_cache(server, client, model_name):

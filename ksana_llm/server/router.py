@@ -17,7 +17,8 @@ remembers which one, sends a `previous_response_id` continuation there, and look
 responses up there (or, for one it does not know, on each decode server). So does every request when
 the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
 lost. A prefill server's 400 about the request itself is the client's answer.
-`/reset_prefix_cache` goes to every server.
+`/invocations` (SageMaker's) goes where its body's API would; `/reset_prefix_cache` goes to
+every server.
 """
 
 from __future__ import annotations
@@ -300,6 +301,18 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     async def chat_completions(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.forward(
             "/v1/chat/completions", await _json_body(request), _request_id(request)))
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's route: chat and completion bodies through prefill and decode servers
+        like theirs; the rest (embeddings, bad bodies) straight to a decode server."""
+        body = await _json_body(request)
+        api = [path for key, path in (("messages", "/v1/chat/completions"),
+                                      ("prompt", "/v1/completions")) if key in body]
+        if len(api) == 1 and "input" not in body:
+            return await _unless_client_leaves(request, request.app.state.router.forward(
+                api[0], body, _request_id(request)))
+        return await direct(request)
 
     async def direct(request: Request) -> Response:
         """KsanaLLM's native routes and the tokenizer's: straight to a decode server, which

@@ -1,0 +1,37 @@
+"""`POST /invocations`: SageMaker's one inference route (vLLM serves it too), picking the API
+from the body's shape: `messages` is a chat completion, `prompt` a completion, `input` an
+embedding. The chosen route answers as it would on its own path (streams, errors, metrics and
+all); a body with none of those keys, or more than one, is a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ksana_llm.server.embeddings import create_embeddings
+from ksana_llm.server.errors import bad_request
+from ksana_llm.server.openai_routes import create_chat_completion, create_completion
+
+router = APIRouter()
+
+# Each API by the key only its requests carry.
+_ROUTES = {"messages": create_chat_completion, "prompt": create_completion,
+           "input": create_embeddings}
+
+
+@router.post("/invocations")
+async def invocations(request: Request) -> Response:
+    try:
+        # The route parses the body again: Starlette keeps it, so it is read from the client once.
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise bad_request(f"The body is not valid JSON: {exc}") from exc
+    keys = [key for key in _ROUTES if isinstance(body, dict) and key in body]
+    if len(keys) != 1:
+        raise bad_request("An /invocations body needs exactly one of `messages` (a chat "
+                          "completion), `prompt` (a completion) or `input` (embeddings).",
+                          param=keys[-1] if keys else "messages")
+    return await _ROUTES[keys[0]](request)
