@@ -10,8 +10,7 @@ import json
 import logging
 import math
 import random
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from ksana_llm.bench.client import (
     main,
 )
 from ksana_llm.bench.results import read_prompts
+from tests.server_process import stub_http_server
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_CSV = str(REPO / "ksana_llm" / "bench" / "sample_prompts.csv")
@@ -120,12 +120,8 @@ class _Recorder(BaseHTTPRequestHandler):
 @pytest.fixture()
 def recorder():
     _Recorder.bodies = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd.server_address[1], _Recorder.bodies
-    httpd.shutdown()
-    httpd.server_close()
+    with stub_http_server(_Recorder) as url:
+        yield int(url.rsplit(":", 1)[1]), _Recorder.bodies
 
 
 def test_ksana_readme_command_and_upstream_flags_reach_generate(recorder, tmp_path):
@@ -238,19 +234,14 @@ class _Drifting(_Recorder):
 
 def test_diff_check_compares_the_runs_answers(tmp_path, capsys):
     _Drifting.seen = {}
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Drifting)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     report = tmp_path / "diff.txt"
-    try:
+    with stub_http_server(_Drifting) as url:
         # KsanaLLM's documented diff-check command; --repeat_num_iters 1 is raised to 2.
-        assert main(["--host", "127.0.0.1", "--port", str(httpd.server_address[1]),
+        assert main(["--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
                      "--input_csv", SAMPLE_CSV, "--prompt_num", "2", "--mode", "sync",
                      "--enable_diff_check", "--repeat_num_iters", "1",
                      "--diff_rouge_threshold", "0.5", "--diff_mismatch_threshold", "10",
                      "--diff_output_file", str(report)]) == 0
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
     assert sorted(_Drifting.seen.values()) == [2, 2]  # two runs of two prompts
     out = capsys.readouterr().out
     assert "diff check, run 1 vs run 2: 1/2 answers identical, 1 flagged" in out

@@ -11,7 +11,6 @@ import asyncio
 import http.server
 import json
 import re
-import threading
 import time
 
 import httpx
@@ -21,7 +20,7 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.runner.kv_transfer import TransferredKv
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess, free_port, stub_http_server
 from tests.tolerances import LOGIT_ATOL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -160,29 +159,22 @@ def test_bad_kv_transfer_params_are_400(prefill, decode):
     assert post(prefill, None).status_code == 200 and post(decode, None).status_code == 200
 
 
-class _PayloadServer:
-    """A real HTTP server on 127.0.0.1 answering every GET with fixed bytes: KV payloads a
-    prefill server of this deployment would never send."""
+def _payload_handler(payloads: dict[str, bytes]) -> type[http.server.BaseHTTPRequestHandler]:
+    """Answers every GET with fixed bytes: KV payloads a prefill server of this deployment
+    would never send."""
 
-    def __init__(self, payloads: dict[str, bytes]) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                body = payloads[self.path.rsplit("/", 1)[-1]]
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = payloads[self.path.rsplit("/", 1)[-1]]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
-            def log_message(self, *args) -> None:
-                pass
+        def log_message(self, *args) -> None:
+            pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    return Handler
 
 
 def test_failed_fetch_falls_back_to_a_local_prefill(decode, prefill, local_engine):
@@ -202,22 +194,20 @@ def test_failed_fetch_falls_back_to_a_local_prefill(decode, prefill, local_engin
     pad = 2048 - len(ids)
     huge = TransferredKv(kv.token_ids + (0,) * pad, tuple(
         torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) for t in kv.tensors)).to_bytes()
-    payload_server = _PayloadServer({"garbage": b"\x00" * 64, "other-model": other_model,
-                                     "other-weights": other_weights, "huge": huge})
+    handler = _payload_handler({"garbage": b"\x00" * 64, "other-model": other_model,
+                                "other-weights": other_weights, "huge": huge})
     stats = httpx.get(decode.base_url + "/stats").json()["kv_transfer"]
     imported = _counter(decode, "kv_transfer_imported_tokens")
     want = local_engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=8, temperature=0))
-    try:
+    with stub_http_server(handler) as payload_url:
         sources = [(f"http://127.0.0.1:{free_port()}", "0" * 32), (decode.url, "0" * 32),
-                   *((payload_server.url, name)
+                   *((payload_url, name)
                      for name in ("garbage", "other-model", "other-weights", "huge"))]
         for remote, transfer_id in sources:
             r = httpx.post(decode.base_url + "/completions", timeout=60, json={
                 "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "kv_transfer_params": {
                     "do_remote_prefill": True, "remote_url": remote, "transfer_id": transfer_id}})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, remote
-    finally:
-        payload_server.close()
     assert _counter(decode, "kv_transfer_imported_tokens") == imported
     after = httpx.get(decode.base_url + "/stats").json()["kv_transfer"]
     assert after["num_fetch_failures"] - stats["num_fetch_failures"] == len(sources)

@@ -10,64 +10,58 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess, free_port, stub_http_server
 
 
-class _RecordingServer:
+class _Recording(http.server.BaseHTTPRequestHandler):
     """Answers /health, prefill requests (with kv_transfer_params), decode requests, stored
-    responses and /v1/models; records (method, path, X-Request-Id) of each request."""
+    responses and /v1/models; records (method, path, X-Request-Id) of each request in `seen`."""
 
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str, str | None]] = []
-        seen = self.seen
+    seen: list[tuple[str, str, str | None]] = []
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _answer(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+    def _answer(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                if self.path != "/health":
-                    seen.append((self.command, self.path, self.headers.get("X-Request-Id")))
-                self._answer({"object": "list", "data": []})
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        if self.path != "/health":
+            self.seen.append((self.command, self.path, self.headers.get("X-Request-Id")))
+        self._answer({"object": "list", "data": []})
 
-            do_DELETE = do_GET  # noqa: N815
+    do_DELETE = do_GET  # noqa: N815
 
-            def do_POST(self) -> None:  # noqa: N802
-                content = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                request = json.loads(content) if content else {}
-                seen.append(("POST", self.path, self.headers.get("X-Request-Id")))
-                if request.get("kv_transfer_params", {}).get("do_remote_decode"):
-                    self._answer({"kv_transfer_params": {"transfer_id": "0" * 32}})
-                else:
-                    self._answer({"id": "resp_1", "object": "response", "choices": []})
+    def do_POST(self) -> None:  # noqa: N802
+        content = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        request = json.loads(content) if content else {}
+        self.seen.append(("POST", self.path, self.headers.get("X-Request-Id")))
+        if request.get("kv_transfer_params", {}).get("do_remote_decode"):
+            self._answer({"kv_transfer_params": {"transfer_id": "0" * 32}})
+        else:
+            self._answer({"id": "resp_1", "object": "response", "choices": []})
 
-            def log_message(self, *args) -> None:
-                pass
+    def log_message(self, *args) -> None:
+        pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+@dataclass
+class _Upstream:
+    url: str
+    seen: list[tuple[str, str, str | None]]
 
 
 @pytest.fixture(scope="module")
 def upstream():
-    server = _RecordingServer()
-    yield server
-    server.close()
+    with stub_http_server(_Recording) as url:
+        yield _Upstream(url, _Recording.seen)
 
 
 @pytest.fixture(scope="module")
