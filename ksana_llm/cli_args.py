@@ -89,6 +89,9 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
+    parser.add_argument("--enable-prompt-embeds", action="store_true",
+                        help="let completions take prompt_embeds (base64 torch.save'd tensors, "
+                             "as vLLM; off by default: they are unpickled, tensors only)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name every logprob token token_id:<id> (as each request may ask)")
     add_cors_args(parser)

@@ -126,6 +126,10 @@ def test_invocations_go_where_their_api_would(router, upstream):
     for body, want in (({"messages": [{"role": "user", "content": "hi"}]},
                         [("POST", "/v1/chat/completions", "t-3")] * 2),
                        ({"prompt": "hi"}, [("POST", "/v1/completions", "t-3")] * 2),
+                       # embeddings' KV cannot move: straight to a decode server
+                       ({"prompt_embeds": "..."}, [("POST", "/v1/completions", "t-3")]),
+                       ({"prompt": "hi", "prompt_logprobs": 1},
+                        [("POST", "/v1/completions", "t-3")]),
                        ({"input": "hi"}, [("POST", "/invocations", "t-3")])):
         upstream.seen.clear()
         r = httpx.post(router.url + "/invocations", json=body, headers={"X-Request-Id": "t-3"})

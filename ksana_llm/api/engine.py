@@ -174,7 +174,7 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
         """Queue a request; returns its handle at once. Raises ValueError for bad input,
         QueueFullError when `max_queue_size` requests are already waiting."""
         if not isinstance(request, Request):
-            request = Request(request)
+            request = Request.of(request)
         seq, plugin_info = self._requests.sequence(request, self.generation_config)
         return self._enqueue(seq, request.callback, loop, plugin_info)
 

@@ -48,7 +48,7 @@ class GenerateCalls:
         if len(configs) != len(batch):
             raise ValueError("generation_config: give one config, or one per prompt")
         # Validate (and preprocess) everything before running anything.
-        prepared = [self._requests.sequence(Request(p, c, lora=lora), self.generation_config)
+        prepared = [self._requests.sequence(Request.of(p, c, lora=lora), self.generation_config)
                     for p, c in zip(batch, configs)]
         handles: list[RequestHandle] = []
         progress = None
@@ -86,24 +86,26 @@ class GenerateCalls:
 
     @staticmethod
     def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str) or as_token_ids(prompts) is not None:
+        if isinstance(prompts, (str, dict)) or as_token_ids(prompts) is not None:
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts:
             return list(prompts)
         if getattr(prompts, "ndim", None) == 2 and len(prompts):  # a [batch, tokens] array
             return list(prompts)
-        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of those")
+        raise ValueError("prompt must be a string, a list of token ids, a prompt dict "
+                         "({\"prompt_embeds\": tensor}, ...), or a non-empty list of those")
 
     def generate(self, prompts: Prompt | list[Prompt], generation_config: GenerationConfig | None = None,
                  *, stream: bool = False, use_tqdm: bool = True, lora: str | None = None
                  ) -> str | list[str] | Iterator[str]:
         """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas.
         `lora`: the LoRA adapter to use (None: the base model)."""
-        single = isinstance(prompts, str) or as_token_ids(prompts) is not None
+        single = isinstance(prompts, (str, dict)) or as_token_ids(prompts) is not None
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
-            return self._text_deltas(self.submit(Request(prompts, generation_config, lora=lora)))
+            return self._text_deltas(self.submit(Request.of(prompts, generation_config,
+                                                            lora=lora)))
         outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
         return outputs[0].text if single else [o.text for o in outputs]
 
@@ -117,7 +119,7 @@ class GenerateCalls:
 
     async def generate_output_async(self, prompt: Prompt | Request,
                                     generation_config: GenerationConfig | None = None) -> RequestOutput:
-        request = prompt if isinstance(prompt, Request) else Request(prompt, generation_config)
+        request = prompt if isinstance(prompt, Request) else Request.of(prompt, generation_config)
         handle = self.submit(request, loop=asyncio.get_running_loop())
         try:
             return await handle.aresult()
@@ -127,7 +129,7 @@ class GenerateCalls:
 
     async def stream_async(self, prompt: Prompt | Request,
                            generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
-        request = prompt if isinstance(prompt, Request) else Request(prompt, generation_config)
+        request = prompt if isinstance(prompt, Request) else Request.of(prompt, generation_config)
         handle = self.submit(request, loop=asyncio.get_running_loop())
         finished = False
         try:

@@ -70,9 +70,16 @@ class Request:
     `prediction` (OpenAI's Predicted Outputs): text (or token ids) the output is expected to
     be much like, e.g. the file an edit rewrites. With the "ngram" speculative method, drafts
     are looked up there first; the output itself is what it would be without it.
+
+    `prompt_embeds` (vLLM's): the whole prompt as embeddings, a float tensor `[n, hidden_size]`
+    (soft prompts, another model's output), given instead of `prompt`. The model reads them in
+    place of its token embeddings, as transformers' `generate(inputs_embeds=...)` does; nothing
+    reads the prompt as tokens (penalties and n-gram bans see only the output), so the output's
+    `prompt_token_ids` are n placeholder zeros. Such a request never shares KV through the
+    prefix cache, and cannot ask for prompt log-probs, export KV or use a plugin's preprocess.
     """
 
-    prompt: Prompt
+    prompt: Prompt | None = None
     generation_config: GenerationConfig | dict[str, Any] | None = None
     priority: int = 0
     callback: Callable[[RequestOutput], None] | None = None
@@ -84,6 +91,26 @@ class Request:
     lora: str | None = None
     cache_salt: str | None = None
     prediction: str | list[int] | None = None
+    prompt_embeds: Any = None
+
+    @classmethod
+    def of(cls, prompt: Prompt | dict[str, Any], generation_config: Any = None,
+           **settings: Any) -> Request:
+        """A request for `prompt`: text, token ids, or one of vLLM's prompt dicts,
+        `{"prompt": text}`, `{"prompt_token_ids": ids}` or `{"prompt_embeds": tensor}`."""
+        if not isinstance(prompt, dict):
+            return cls(prompt, generation_config, **settings)
+        keys = [k for k in _PROMPT_KEYS if k in prompt]
+        if len(keys) != 1 or len(prompt) != 1:
+            raise ValueError(f"a prompt dict holds exactly one of {', '.join(_PROMPT_KEYS)}; "
+                             f"got keys {sorted(prompt)}")
+        if keys[0] == "prompt_embeds":
+            return cls(None, generation_config, prompt_embeds=prompt["prompt_embeds"], **settings)
+        return cls(prompt[keys[0]], generation_config, **settings)
+
+
+# vLLM's prompt dicts (TextPrompt, TokensPrompt, EmbedsPrompt), by their one key.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
 
 
 @dataclass

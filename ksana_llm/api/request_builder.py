@@ -93,11 +93,14 @@ class RequestBuilder:
         """Validate and build the request's first sequence; also returns what the model's plugin
         preprocess gave (for its postprocess), or None."""
         config = _as_config(request.generation_config, default_config)
-        token_ids = self.tokenize(request.prompt)
-        embeddings = self._check_embeddings(request.input_embeddings, len(token_ids))
+        if request.prompt_embeds is not None:
+            token_ids, embeddings = self._prompt_embeds(request)
+        else:
+            token_ids = self.tokenize(request.prompt)
+            embeddings = self._check_embeddings(request.input_embeddings, len(token_ids))
         plugin_info = None
         plugin = getattr(self.model, "plugin", None)
-        if plugin is not None:
+        if plugin is not None and request.prompt_embeds is None:
             plugin_info = plugin.run_preprocess(
                 token_ids, generation_config=config,
                 prompt=request.prompt if isinstance(request.prompt, str) else None,
@@ -131,7 +134,11 @@ class RequestBuilder:
         seq.prediction = self._prediction(request.prediction)
         if embeddings is not None:
             seq.embeddings = (tuple(embeddings[0]), embeddings[1])
+            seq.prompt_is_embeddings = request.prompt_embeds is not None
         if config.prompt_logprobs is not None:
+            if seq.prompt_is_embeddings:
+                raise ValueError("prompt_logprobs needs prompt token ids to score; this prompt "
+                                 "is prompt_embeds")
             seq.prompt_logprobs = {}
         if config.structured_output is not None:
             # Compiled here, so an invalid schema is a ValueError in the caller's thread.
@@ -247,6 +254,29 @@ class RequestBuilder:
                 "best_of" if config.best_of else "num_return_sequences")
             raise ValueError(f"{what} must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {config.num_sequences}")
+
+    def _prompt_embeds(self, request: Request) -> tuple[list[int], tuple[list[int], Any]]:
+        """`Request.prompt_embeds` -> placeholder token ids, and the embeddings replacing them
+        all (on the model's device and dtype)."""
+        import torch
+
+        if request.prompt is not None or request.input_embeddings is not None:
+            raise ValueError("prompt_embeds is the whole prompt: give it without prompt and "
+                             "input_embeddings")
+        rows = request.prompt_embeds
+        hidden = int(self.model.hf_config.hidden_size)
+        if isinstance(rows, torch.Tensor) and rows.dim() == 3 and rows.shape[0] == 1:
+            rows = rows[0]  # a batch of one, as transformers takes inputs_embeds
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != hidden \
+                or not rows.is_floating_point() or rows.shape[0] == 0:
+            got = (f"{rows.dtype} of shape {tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
+                   else type(rows).__name__)
+            raise ValueError(f"prompt_embeds must be a floating-point tensor of shape "
+                             f"(num_tokens, {hidden}) (hidden_size), got {got}")
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError("prompt_embeds must hold finite values (no NaN or inf)")
+        rows = rows.detach().to(self.model.device, self.model.dtype)
+        return [0] * rows.shape[0], (list(range(rows.shape[0])), rows)
 
     def _check_embeddings(self, value: Any, num_tokens: int) -> tuple[list[int], Any] | None:
         """`Request.input_embeddings` -> (positions, rows on the model's device and dtype)."""

@@ -38,7 +38,7 @@ class StopStringCheck:
     def __call__(self, parent: int, token: int) -> str | None:
         if parent not in self._texts:
             seq = self.seqs[parent]
-            ids = (seq.prompt_token_ids + seq.output_token_ids)[-self.tail:]
+            ids = (seq.context_token_ids + seq.output_token_ids)[-self.tail:]
             self._texts[parent] = (ids, self.tokenizer.decode(ids))
         ids, before = self._texts[parent]
         text = self.tokenizer.decode(ids + [token])

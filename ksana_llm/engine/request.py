@@ -95,6 +95,9 @@ class Sequence:
     # Plugin input embeddings replacing token embeddings at some prompt positions:
     # (positions, [len(positions), hidden] tensor). Such a sequence never touches the prefix cache.
     embeddings: tuple[tuple[int, ...], Any] | None = None
+    # The whole prompt was given as embeddings (`Request.prompt_embeds`): its token ids are
+    # placeholders, which nothing may read as text or history (see `context_token_ids`).
+    prompt_is_embeddings: bool = False
     # Prompt log-probs collected so far, keyed by the position of the token they score (>= 1).
     prompt_logprobs: dict[int, dict[str, Any]] | None = None
     text: str = ""  # output text so far, kept only when outputs are ranked at the end (best_of)
@@ -135,6 +138,13 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def context_token_ids(self) -> list[int]:
+        """The prompt's ids as penalties, n-gram bans, stop checks and the detokenizer see
+        them: none for a prompt given as embeddings (as transformers' `generate(inputs_embeds=)`
+        sees no prompt ids)."""
+        return [] if self.prompt_is_embeddings else self.prompt_token_ids
 
     @property
     def num_known_tokens(self) -> int:
@@ -179,7 +189,8 @@ class Sequence:
             first_token_time=self.first_token_time, num_preemptions=self.num_preemptions,
             group=self.group, index=index, cumulative_logprob=self.cumulative_logprob,
             matcher=self.matcher.fork() if self.matcher is not None else None,
-            embeddings=self.embeddings, text=self.text, max_num_tokens=self.max_num_tokens,
+            embeddings=self.embeddings, prompt_is_embeddings=self.prompt_is_embeddings,
+            text=self.text, max_num_tokens=self.max_num_tokens,
             kv_imported=self.kv_imported, lora_id=self.lora_id, lora_slot=self.lora_slot,
             cache_salt=self.cache_salt, prediction=self.prediction)
 

@@ -44,7 +44,7 @@ class SamplingSteps:
         and a sequence whose grammar has terminated is finished, so it never changes."""
         if seq.sampling_row is None:
             seq.sampling_row = SamplingRow(
-                config=seq.config, prompt_token_ids=seq.prompt_token_ids,
+                config=seq.config, prompt_token_ids=seq.context_token_ids,
                 output_token_ids=seq.output_token_ids, generator=seq.generator,
                 eos_token_ids=seq.eos_token_ids, matcher=seq.matcher,
                 need_logprob=seq.config.num_sequences > seq.config.num_return_sequences)

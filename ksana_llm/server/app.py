@@ -99,7 +99,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               allow_runtime_lora_updating: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               sampling_defaults: SamplingDefaults | None = None,
-              cors: CorsSettings | None = None) -> FastAPI:
+              cors: CorsSettings | None = None, enable_prompt_embeds: bool = False) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `served_model_name`: the name requests give as `model` (several: aliases of the first).
@@ -112,6 +112,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     `sampling_defaults`: what requests that leave sampling parameters out get (`serve` reads
     them from the model's generation_config.json; None: OpenAI's defaults). `cors`: which
     browser origins may call (None: no CORS headers; `serve` allows any origin, as vLLM).
+    `enable_prompt_embeds`: completions take `prompt_embeds` (server/prompt_embeds.py).
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -142,7 +143,8 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         max_logprobs=parsing.max_logprobs, kv_transfer=transfer,
         return_tokens_as_token_ids=parsing.return_tokens_as_token_ids,
         responses=ResponseStore(max_stored_responses),
-        sampling_defaults=sampling_defaults or SamplingDefaults())
+        sampling_defaults=sampling_defaults or SamplingDefaults(),
+        enable_prompt_embeds=enable_prompt_embeds)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -363,7 +365,8 @@ def run_server(args: argparse.Namespace) -> int:
                     max_stored_responses=DEFAULT_MAX_STORED_RESPONSES
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,
-                    sampling_defaults=defaults, cors=cors_from_args(args))
+                    sampling_defaults=defaults, cors=cors_from_args(args),
+                    enable_prompt_embeds=bool(getattr(args, "enable_prompt_embeds", False)))
     server = AnnouncingServer(uvicorn_config(
         app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),
         f"serving {app.state.server.served_model_name!r} (OpenAI API under /v1)")

@@ -175,7 +175,8 @@ class ChoiceSet:
     failure: APIError | None = None
 
     @classmethod
-    def submit(cls, engine: Engine, base_id: str, jobs: list[tuple[list[int], GenerationConfig]],
+    def submit(cls, engine: Engine, base_id: str,
+               jobs: list[tuple[list[int] | dict[str, Any], GenerationConfig]],
                observer: Callable[[], Callable[[RequestOutput], None]] | None = None,
                request_fields: dict[str, Any] | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
@@ -187,10 +188,10 @@ class ChoiceSet:
         loop = asyncio.get_running_loop()
         choices = cls(engine)
         try:
-            for i, (prompt_ids, config) in enumerate(jobs):
+            for i, (prompt, config) in enumerate(jobs):
                 choices.handles.append(engine.submit(
-                    Request(prompt_ids, generation_config=config, request_id=f"{base_id}-{i}",
-                            callback=choices._observed(observer), **(request_fields or {})),
+                    Request.of(prompt, config, request_id=f"{base_id}-{i}",
+                               callback=choices._observed(observer), **(request_fields or {})),
                     loop=loop))
         except (QueueFullError, EngineDeadError, ValueError) as exc:
             choices.refused = True  # before the aborts: their outputs come after it

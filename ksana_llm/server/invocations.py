@@ -1,6 +1,6 @@
 """`POST /invocations`: SageMaker's one inference route (vLLM serves it too), picking the API
-from the body's shape: `messages` is a chat completion, `prompt` a completion, `input` an
-embedding. The chosen route answers as it would on its own path (streams, errors, metrics and
+from the body's shape: `messages` is a chat completion, `prompt` (or `prompt_embeds`) a
+completion, `input` an embedding. The chosen route answers as it would on its own path (streams, errors, metrics and
 all); a body with none of those keys, or more than one, is a 400 naming them.
 """
 
@@ -17,9 +17,9 @@ from ksana_llm.server.openai_routes import create_chat_completion, create_comple
 
 router = APIRouter()
 
-# Each API by the key only its requests carry.
+# Each API by the keys only its requests carry.
 _ROUTES = {"messages": create_chat_completion, "prompt": create_completion,
-           "input": create_embeddings}
+           "prompt_embeds": create_completion, "input": create_embeddings}
 
 
 @router.post("/invocations")
@@ -30,8 +30,9 @@ async def invocations(request: Request) -> Response:
     except ValueError as exc:
         raise bad_request(f"The body is not valid JSON: {exc}") from exc
     keys = [key for key in _ROUTES if isinstance(body, dict) and key in body]
-    if len(keys) != 1:
+    routes = {_ROUTES[key] for key in keys}
+    if len(routes) != 1:
         raise bad_request("An /invocations body needs exactly one of `messages` (a chat "
-                          "completion), `prompt` (a completion) or `input` (embeddings).",
-                          param=keys[-1] if keys else "messages")
-    return await _ROUTES[keys[0]](request)
+                          "completion), `prompt` or `prompt_embeds` (a completion) or `input` "
+                          "(embeddings).", param=keys[-1] if keys else "messages")
+    return await routes.pop()(request)

@@ -120,6 +120,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs in the route
     echo: bool = False
     suffix: Any = None
+    prompt_embeds: Any = None  # vLLM's: base64 torch.save'd tensors (server/prompt_embeds.py)
 
     def unsupported_params(self) -> list[str]:
         found = super().unsupported_params()

@@ -52,7 +52,8 @@ from ksana_llm.server.params import (
     resolve_max_tokens,
     truncate_prompt,
 )
-from ksana_llm.server.state import server_state
+from ksana_llm.server.prompt_embeds import decode_prompt_embeds
+from ksana_llm.server.state import ServerState, server_state
 from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
 from ksana_llm.server.submission import (
     CLIENT_CLOSED_REQUEST,
@@ -125,6 +126,22 @@ def _running_usage(req: Any, prompt_tokens: int, completion_tokens: int) -> Usag
 
 # ---- completions ---------------------------------------------------------------------------------
 
+def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list[Any] | None:
+    """The request's `prompt_embeds` tensors (truncated as asked), or None when it sends text or
+    token ids."""
+    if req.prompt_embeds is None:
+        return None
+    embeds = decode_prompt_embeds(req.prompt_embeds, state.engine.model.hf_config.hidden_size,
+                                  state.enable_prompt_embeds)
+    if req.prompt is not None:
+        raise bad_request("Give prompt or prompt_embeds, not both.", param="prompt_embeds")
+    if req.echo:
+        raise bad_request("echo needs a prompt to echo; prompt_embeds has no text.",
+                          param="echo")
+    return [truncate_prompt(rows, req.truncate_prompt_tokens, state.limits.max_model_len)
+            for rows in embeds]
+
+
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state = server_state(request)
@@ -137,8 +154,12 @@ async def create_completion(request: Request) -> Response:
     if score_only and not req.echo:
         raise bad_request("max_tokens must be at least 1; 0 is only for echo (scoring the prompt).",
                           param="max_tokens")
-    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
-               for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
+    embeds = _prompt_embeds(req, state)
+    if embeds is not None:  # the engine reads them; their token ids are placeholders
+        prompts = [[0] * len(rows) for rows in embeds]
+    else:
+        prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
+                   for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}.", param="n")
     spec, _ = await constraint(state, [from_response_format(req.response_format),
@@ -156,6 +177,8 @@ async def create_completion(request: Request) -> Response:
                           1 if score_only else req.max_tokens, len(ids), state.limits, "prompt",
                           min(COMPLETIONS_DEFAULT_MAX_TOKENS,
                               state.sampling_defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)))
+    if embeds is not None:
+        jobs = jobs.with_prompts([{"prompt_embeds": rows} for rows in embeds])
     request_id = f"cmpl-{uuid.uuid4().hex}"
     texts = state.logprob_texts(req)
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,

@@ -53,6 +53,9 @@ from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, REQUEST_ID_HEAD
 logger = logging.getLogger("ksana_llm.router")
 
 # Routes sent straight to a decode server.
+# /invocations: the API a body's key names (server/invocations.py's rule).
+_INVOCATION_APIS = (("messages", "/v1/chat/completions"), ("prompt", "/v1/completions"),
+                    ("prompt_embeds", "/v1/completions"))
 _DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings")
 
 # Response ids whose decode server the router remembers (the oldest are forgotten first).
@@ -243,8 +246,8 @@ class Router:
 
 
 def _disaggregable(path: str, body: dict[str, Any]) -> bool:
-    if body.get("prompt_logprobs") is not None:
-        return False
+    if body.get("prompt_logprobs") is not None or body.get("prompt_embeds") is not None:
+        return False  # every prompt row computed here; embeddings' KV is never exported
     if path.endswith("/completions") and "messages" not in body:
         prompt = body.get("prompt")
         if body.get("echo") and body.get("logprobs") is not None:
@@ -307,11 +310,10 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         """SageMaker's route: chat and completion bodies through prefill and decode servers
         like theirs; the rest (embeddings, bad bodies) straight to a decode server."""
         body = await _json_body(request)
-        api = [path for key, path in (("messages", "/v1/chat/completions"),
-                                      ("prompt", "/v1/completions")) if key in body]
+        api = {path for key, path in _INVOCATION_APIS if key in body}
         if len(api) == 1 and "input" not in body:
             return await _unless_client_leaves(request, request.app.state.router.forward(
-                api[0], body, _request_id(request)))
+                api.pop(), body, _request_id(request)))
         return await direct(request)
 
     async def direct(request: Request) -> Response:

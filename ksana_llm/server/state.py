@@ -48,6 +48,7 @@ class ServerState:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
+    enable_prompt_embeds: bool = False  # --enable-prompt-embeds: completions take prompt_embeds
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
     model_aliases: tuple[str, ...] = ()  # more names for the served model (--served-model-name)

@@ -82,8 +82,14 @@ async def constraint(state: ServerState, found: list[StructuredRequest | None],
 class Jobs:
     """Engine requests for a list of prompts, and which prompt each request answers."""
 
-    items: list[tuple[list[int], GenerationConfig]]
+    # A prompt is its token ids, or a prompt dict (`Request.of`: {"prompt_embeds": tensor}).
+    items: list[tuple[list[int] | dict[str, Any], GenerationConfig]]
     prompt_of: list[int]  # request index -> prompt index
+
+    def with_prompts(self, prompts: list[Any]) -> Jobs:
+        """The same requests for other prompts (one per prompt index)."""
+        return Jobs([(prompts[p], config) for p, (_, config) in zip(self.prompt_of, self.items)],
+                    self.prompt_of)
 
 
 def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerState, *,

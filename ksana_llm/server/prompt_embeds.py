@@ -1,0 +1,54 @@
+"""The completions route's `prompt_embeds` (vLLM's, behind `--enable-prompt-embeds`): each prompt
+as a tensor `[num_tokens, hidden_size]` saved with `torch.save` and base64-encoded, one string or
+a list of them.
+
+Off by default, as in vLLM: the payload is unpickled (with `weights_only=True`, which loads
+tensors and plain containers only, never code), and the embeddings bypass the tokenizer.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+from ksana_llm.server.errors import bad_request
+
+PARAM = "prompt_embeds"
+
+
+def decode_prompt_embeds(value: Any, hidden_size: int, enabled: bool) -> list[Any]:
+    """The tensors `value` holds, on the CPU: one per prompt. A 400 naming `prompt_embeds` when
+    the server does not take them or a payload is not a tensor of the model's width (the
+    engine checks the rest: dtype, finiteness, length)."""
+    if not enabled:
+        raise bad_request("prompt_embeds needs a server started with --enable-prompt-embeds.",
+                          param=PARAM)
+    payloads = [value] if isinstance(value, str) else value
+    if not isinstance(payloads, list) or not payloads \
+            or not all(isinstance(p, str) for p in payloads):
+        raise bad_request("prompt_embeds must be a base64 string (a torch.save'd tensor) or a "
+                          "non-empty list of them.", param=PARAM)
+    return [_tensor(p, i, hidden_size) for i, p in enumerate(payloads)]
+
+
+def _tensor(payload: str, index: int, hidden_size: int) -> Any:
+    import torch
+
+    where = f"prompt_embeds[{index}]"
+    try:
+        raw = base64.b64decode(payload, validate=True)
+        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - torch.load fails on junk in many ways (struct,
+        # zip, pickle, EOF errors...); whatever the client sent, it is the client's 400
+        raise bad_request(f"{where} is not a base64-encoded torch.save'd tensor ({exc}).",
+                          param=PARAM) from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise bad_request(f"{where} holds a {type(tensor).__name__}, not a tensor.", param=PARAM)
+    tensor = tensor.to_dense()
+    if tensor.dim() == 3 and tensor.shape[0] == 1:
+        tensor = tensor[0]  # a batch of one
+    if tensor.dim() != 2 or tensor.shape[1] != hidden_size or tensor.shape[0] == 0:
+        raise bad_request(f"{where} must have shape (num_tokens, {hidden_size}) (the model's "
+                          f"hidden size), got {tuple(tensor.shape)}.", param=PARAM)
+    return tensor
