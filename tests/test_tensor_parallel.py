@@ -91,11 +91,15 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp)
     assert model.module.num_layers < hf.config.num_hidden_layers or pp == 1
     config = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    # The first prompt once more, as its embeddings (vLLM's prompt_embeds): they must reach
+    # every rank and stage.
+    with torch.no_grad():
+        embeds = hf.get_input_embeddings()(torch.tensor(batch[0]))
     with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=96,
                    split_fuse_token_num=16) as engine:
-        outputs = engine.generate_outputs(batch)
+        outputs = engine.generate_outputs(batch + [{"prompt_embeds": embeds}])
         logits = engine.forward(batch[1], [{"target_name": "logits"}]).targets[0].tensor
-    assert [o.token_ids for o in outputs] == expected
+    assert [o.token_ids for o in outputs] == expected + expected[:1]
     torch.testing.assert_close(logits, reference(batch[1]), atol=2e-4, rtol=1e-4)
 
 
