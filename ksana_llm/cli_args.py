@@ -89,6 +89,11 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (throughput, queue, KV cache use; vLLM's "
+                             "flag)")
+    parser.add_argument("--log-stats-interval", type=cli_types.positive_float, default=None,
+                        metavar="SECONDS", help="seconds between stats lines (default: 10)")
     parser.add_argument("--enable-prompt-embeds", action="store_true",
                         help="let completions take prompt_embeds (base64 torch.save'd tensors, "
                              "as vLLM; off by default: they are unpickled, tensors only)")

@@ -1,6 +1,7 @@
 """The Python API's statistics and memory sizing on the real default model: what `stats()`
 reports, that its latency history keeps timings rather than outputs, and the host swap pool's
-size (`swap_space`, `block_host_memory_factor`)."""
+size (`swap_space`, `block_host_memory_factor`); the token counters and the periodic stats line
+the server logs."""
 
 from __future__ import annotations
 
@@ -68,3 +69,41 @@ def test_swap_space_sizes_the_host_pool(model):
             assert engine._core.block_manager.num_host_blocks == expected, kwargs
     with pytest.raises(ValueError, match="swap_space"):
         kt.Engine(model, num_device_blocks=64, swap_space=-1)
+
+
+def test_token_counters_since_start(model):
+    """`num_prompt_tokens` counts the prompt tokens the engine computed (prefix-cache hits
+    not), `num_generation_tokens` every token generated: the periodic stats line's rates."""
+    ids = model.tokenizer.encode(PROMPT * 3)
+    config = kt.GenerationConfig(max_new_tokens=5, ignore_eos=True)
+    with kt.Engine(model, num_device_blocks=64) as engine:
+        first = engine.generate_outputs([ids], config, use_tqdm=False)[0]
+        stats = engine.stats()
+        assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (len(ids), 5)
+        again = engine.generate_outputs([ids], config.replace(num_return_sequences=2, do_sample=True), use_tqdm=False)[0]
+        stats = engine.stats()
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert stats.num_prompt_tokens == 2 * len(ids) - again.num_cached_tokens
+    assert stats.num_generation_tokens == 5 + 2 * 5
+
+
+def test_the_stats_line(engine):
+    """vLLM's periodic line: rates over the interval between two snapshots; nothing when idle."""
+    from dataclasses import replace
+
+    from ksana_llm.server.stats_log import stats_line
+
+    idle = engine.stats()
+    assert idle.num_running == idle.num_waiting == 0
+    assert stats_line(idle, idle, 10.0) is None
+    busy = replace(idle, num_prompt_tokens=idle.num_prompt_tokens + 1000,
+                   num_generation_tokens=idle.num_generation_tokens + 250, num_running=3,
+                   kv_cache_usage=0.125, prefix_cache_hit_rate=0.5)
+    assert stats_line(idle, busy, 10.0) == (
+        "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 25.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 0 reqs, Swapped: 0 reqs, KV cache usage: 12.5%, "
+        "Prefix cache hit rate: 50.0%")
+    # The interval the last work ended in still gets its line; the idle ones after do not.
+    assert stats_line(idle, replace(idle, num_generation_tokens=idle.num_generation_tokens + 4),
+                      2.0).startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation "
+                                      "throughput: 2.0 tokens/s, Running: 0 reqs")

@@ -178,7 +178,9 @@ def test_401_api_key(default_model_dir):
 
 
 def test_429_queue_full_with_retry_after(default_model_dir):
-    proc = ServerProcess([*KV_ARGS, "--max-num-seqs", "1", "--max-queue-size", "1"])
+    # (--disable-log-stats wins over an interval: no stats line, however busy it gets.)
+    proc = ServerProcess([*KV_ARGS, "--max-num-seqs", "1", "--max-queue-size", "1",
+                          "--disable-log-stats", "--log-stats-interval", "0.2"])
     try:
         async def flood() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=proc.base_url, timeout=120) as http:
@@ -200,6 +202,7 @@ def test_429_queue_full_with_retry_after(default_model_dir):
         for _ in range(2):
             assert httpx.post(proc.base_url + "/completions", timeout=60,
                               json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        assert "Avg prompt throughput" not in proc.log()
     finally:
         proc.stop()
 

@@ -1,11 +1,12 @@
 """The OpenAI-compatible server's small routes (health and /ping, models, version, tokenizer,
-/invocations, /reset_prefix_cache), abort on client disconnect and the Prometheus metrics, on a real
+/invocations, /reset_prefix_cache), the periodic stats line, abort on client disconnect and the Prometheus metrics, on a real
 subprocess driven by `httpx` and the official `openai` client (generation:
 tests/test_server_openai.py; errors: tests/test_server_errors.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -22,7 +23,7 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived a cat nam
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     # default_model_dir: the GGUF is converted (and cached) before the server process needs it.
-    proc = ServerProcess(KV_ARGS)
+    proc = ServerProcess([*KV_ARGS, "--log-stats-interval", "0.5"])
     yield proc
     proc.stop()
 
@@ -120,6 +121,28 @@ def test_reset_prefix_cache(server, client, model_name):
     assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
     text += [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(text) == want
+
+
+def _stats_lines(server) -> list[str]:
+    return [line for line in server.log().splitlines() if "Avg prompt throughput" in line]
+
+
+def test_the_server_logs_its_stats_while_busy(server, client, model_name):
+    """vLLM's periodic line (here every 0.5 s; default 10), at the default log level, only
+    while there is work."""
+    client.completions.create(model=model_name, prompt=PROMPT, max_tokens=40, temperature=0,
+                              extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while not any(re.search(r"Avg generation throughput: [1-9]", line)
+                  for line in _stats_lines(server)):
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.2)
+    line = _stats_lines(server)[-1]
+    assert "ksana_llm.stats" in line and "Running: " in line and "KV cache usage: " in line
+    time.sleep(1.5)  # the line for the interval the work ended in, if it was not out yet
+    idle = len(_stats_lines(server))
+    time.sleep(1.5)
+    assert len(_stats_lines(server)) == idle
 
 
 # ---- disconnects -----------------------------------------------------------------------------------

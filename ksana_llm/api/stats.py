@@ -50,6 +50,10 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     num_lora_slot_loads: int = 0
+    # Since the engine started: prompt tokens it computed (prefix-cache hits and imported KV
+    # not), and tokens it generated (throughput over any interval: the difference of two).
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -73,6 +77,7 @@ class StatsTracker:
         # outputs, which can be large (tokens, text, logprobs) and would be kept alive with them.
         self._finished: deque[tuple[float | None, float | None]] = deque(maxlen=history)
         self._num_finished = 0
+        self._num_generated = 0
 
     def record_outputs(self, outputs: list) -> None:
         tokens = sum(len(o.new_token_ids) for o in outputs)
@@ -80,6 +85,7 @@ class StatsTracker:
             return  # (the step loop reports twice a step, often with nothing)
         now = time.monotonic()
         with self._lock:
+            self._num_generated += tokens
             self._token_events.append((now, tokens))
             while self._token_events and self._token_events[0][0] < now - self.window_s:
                 self._token_events.popleft()
@@ -98,6 +104,7 @@ class StatsTracker:
             events = [(t, n) for t, n in self._token_events if t >= now - self.window_s]
             finished = list(self._finished)
             num_finished = self._num_finished
+            num_generated = self._num_generated
         span = (now - events[0][0]) if events else 0.0
         tokens = sum(n for _, n in events)
         ttfts = [ttft for ttft, _ in finished if ttft is not None]
@@ -120,7 +127,8 @@ class StatsTracker:
             ttft_p99_s=_percentile(ttfts, 99), max_loras=max_loras,
             running_lora_adapters=_names(core.running_lora_ids, lora_names),
             waiting_lora_adapters=_names(core.waiting_lora_ids, lora_names),
-            num_lora_slot_loads=core.num_lora_loads)
+            num_lora_slot_loads=core.num_lora_loads, num_prompt_tokens=core.num_prompt_tokens,
+            num_generation_tokens=num_generated)
 
 
 def _names(lora_ids: tuple[int, ...], names: dict[int, str] | None) -> tuple[str, ...]:

@@ -76,6 +76,7 @@ class CoreStats:
     running_lora_ids: tuple[int, ...] = ()
     waiting_lora_ids: tuple[int, ...] = ()
     num_lora_loads: int = 0  # adapters copied into a device slot so far
+    num_prompt_tokens: int = 0  # prompt tokens computed so far (cache hits and imports not)
 
 
 def _lora_ids(*queues: list[Sequence]) -> tuple[int, ...]:
@@ -189,7 +190,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                          bm.prefix_queries, bm.prefix_hits, bm.peak_used_blocks,
                          self.num_draft_tokens, self.num_accepted_draft_tokens,
                          s.num_imported_kv_tokens, self.num_exported_kv_tokens,
-                         _lora_ids(s.running), _lora_ids(s.waiting, s.swapped), s.num_lora_loads)
+                         _lora_ids(s.running), _lora_ids(s.waiting, s.swapped), s.num_lora_loads,
+                         s.num_prompt_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:

@@ -40,6 +40,8 @@ from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from ksana_llm.server.state import ServerState
+from ksana_llm.server.stats_log import (DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S,
+                                        StatsLogThread)
 from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
 from ksana_llm.server.tool_parsers.plugin import load_tool_parser_plugin
@@ -370,6 +372,8 @@ def run_server(args: argparse.Namespace) -> int:
     server = AnnouncingServer(uvicorn_config(
         app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),
         f"serving {app.state.server.served_model_name!r} (OpenAI API under /v1)")
+    stats_log = None if getattr(args, "disable_log_stats", False) else StatsLogThread(
+        engine, getattr(args, "log_stats_interval", None) or DEFAULT_STATS_INTERVAL_S).start()
     died = threading.Event()
     threading.Thread(target=_watch_engine_and_shutdown,
                      args=(engine, server, app.state.server, args.shutdown_timeout, died),
@@ -377,6 +381,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
+        if stats_log is not None:
+            stats_log.stop()
         engine.shutdown()
     return 1 if died.is_set() else 0
 
