@@ -5,7 +5,9 @@ and `chat`, the server's (`serve`, `run-batch`), where and how a server listens 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+from typing import Any
 
 from ksana_llm import cli_types
 from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES, SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS
@@ -19,6 +21,30 @@ _QUANTIZATION_HELP = ("fp8: keep the projections' weights as FP8 with per-row sc
                       "quantized checkpoints load as they are without it")
 _KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / fp8_e4m3 (= fp8) "
                         "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
+
+
+class _FlagWithoutEffect(argparse.Action):
+    """A vLLM flag that means nothing here, taken (so a vLLM command line runs as it is) with a
+    warning that says why."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.why = why
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        logging.getLogger("ksana_llm.cli").warning("%s changes nothing: %s", option_string,
+                                                    self.why)
+
+
+def add_vllm_flags_without_effect(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trust-remote-code", action=_FlagWithoutEffect,
+                        why="ksana-llm runs its own model code and never imports a checkpoint's",
+                        help="accepted for vLLM's command lines; ksana-llm never runs a "
+                             "checkpoint's own code")
+    parser.add_argument("--disable-log-requests", action=_FlagWithoutEffect,
+                        why="requests are never logged (--access-log logs HTTP requests)",
+                        help="accepted for vLLM's command lines; requests are never logged")
 
 
 def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +75,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=_SPECULATIVE_METHOD_HELP)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help=_KV_CACHE_DTYPE_HELP)
+    add_vllm_flags_without_effect(parser)
 
 
 def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> None:
@@ -59,6 +86,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--model", default=None,
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add_tokenizer_arg(parser)
+    add_vllm_flags_without_effect(parser)
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")

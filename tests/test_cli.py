@@ -116,7 +116,7 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
         configs_from_args(parse(["serve", "--scheduling-policy", "tests.scheduling_policies:Nope"]))
 
 
-def test_vllm_command_line_spellings(tmp_path):
+def test_vllm_command_line_spellings(tmp_path, caplog):
     """`serve MODEL` (positional, as `vllm serve MODEL`), --block-size and --uvicorn-log-level
     are vLLM's spellings of --model, --block-token-num and --log-level; --tokenizer reaches
     the EngineConfig under vLLM's and KsanaLLM's names."""
@@ -142,6 +142,16 @@ def test_vllm_command_line_spellings(tmp_path):
     for flag in ("--tokenizer", "--tokenizer_path", "--tokenizer-dir"):  # vLLM's, KsanaLLM's
         assert configs_from_args(parse(["serve", flag, "/tok"]))[0].tokenizer == "/tok"
     assert parse(["router", "--uvicorn-log-level", "debug"]).log_level == "debug"
+    # Flags vLLM command lines carry that mean nothing here: taken, with a warning saying why,
+    # and no trace in the settings.
+    with caplog.at_level("WARNING", logger="ksana_llm.cli"):
+        args = parse(["serve", "/models/m", "--trust-remote-code", "--disable-log-requests"])
+        assert parse(["generate", "hi", "--trust-remote-code"]).prompt == "hi"
+    assert configs_from_args(args)[0].model == "/models/m"
+    assert not hasattr(args, "trust_remote_code") and not hasattr(args, "disable_log_requests")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "--trust-remote-code changes nothing", "--disable-log-requests changes nothing",
+        "--trust-remote-code changes nothing"]
     # run-batch opens no port: listening flags are refused, not ignored.
     for flag in (["--port", "8000"], ["--ssl-certfile", "cert.pem"], ["--access-log"]):
         with pytest.raises(SystemExit):
@@ -284,3 +294,4 @@ def test_package_all_lists_every_lazy_export():
     import ksana_llm
 
     assert set(ksana_llm.__all__) == {*ksana_llm._EXPORTS, "__version__"}
+
