@@ -37,14 +37,17 @@ class _FlagWithoutEffect(argparse.Action):
                                                     self.why)
 
 
-def add_vllm_flags_without_effect(parser: argparse.ArgumentParser) -> None:
+def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: bool) -> None:
     parser.add_argument("--trust-remote-code", action=_FlagWithoutEffect,
                         why="ksana-llm runs its own model code and never imports a checkpoint's",
                         help="accepted for vLLM's command lines; ksana-llm never runs a "
                              "checkpoint's own code")
+    if not serve:
+        return
     parser.add_argument("--disable-log-requests", action=_FlagWithoutEffect,
-                        why="requests are never logged (--access-log logs HTTP requests)",
-                        help="accepted for vLLM's command lines; requests are never logged")
+                        why="requests are logged only with --enable-log-requests",
+                        help="accepted for vLLM's command lines; requests are logged only with "
+                             "--enable-log-requests")
 
 
 def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +78,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=_SPECULATIVE_METHOD_HELP)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help=_KV_CACHE_DTYPE_HELP)
-    add_vllm_flags_without_effect(parser)
+    add_vllm_flags_without_effect(parser, serve=False)
 
 
 def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> None:
@@ -86,7 +89,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--model", default=None,
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add_tokenizer_arg(parser)
-    add_vllm_flags_without_effect(parser)
+    add_vllm_flags_without_effect(parser, serve=True)
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")
@@ -117,6 +120,11 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's prompt, token ids and settings (vLLM's flag)")
+    parser.add_argument("--max-log-len", type=cli_types.non_negative_int, default=None,
+                        help="--enable-log-requests shows at most this many prompt characters "
+                             "and token ids (default: all)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats line (throughput, queue, KV cache use; vLLM's "
                              "flag)")

@@ -203,6 +203,7 @@ def test_429_queue_full_with_retry_after(default_model_dir):
             assert httpx.post(proc.base_url + "/completions", timeout=60,
                               json={"prompt": "x", "max_tokens": 2}).status_code == 200
         assert "Avg prompt throughput" not in proc.log()
+        assert "Received request" not in proc.log()  # (--enable-log-requests: off by default)
     finally:
         proc.stop()
 

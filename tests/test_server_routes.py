@@ -23,7 +23,8 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived a cat nam
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     # default_model_dir: the GGUF is converted (and cached) before the server process needs it.
-    proc = ServerProcess([*KV_ARGS, "--log-stats-interval", "0.5"])
+    proc = ServerProcess([*KV_ARGS, "--log-stats-interval", "0.5", "--enable-log-requests",
+                          "--max-log-len", "12"])
     yield proc
     proc.stop()
 
@@ -143,6 +144,21 @@ def test_the_server_logs_its_stats_while_busy(server, client, model_name):
     idle = len(_stats_lines(server))
     time.sleep(1.5)
     assert len(_stats_lines(server)) == idle
+
+
+def test_requests_are_logged_with_enable_log_requests(server, client, model_name, local_engine):
+    """vLLM's --enable-log-requests: each engine request as it is submitted, its prompt and ids
+    cut at --max-log-len (12 here), and the settings it changed."""
+    reply = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3,
+                                      temperature=0.5, seed=3)
+    ids = local_engine.tokenizer.encode(PROMPT)
+    logged = [line for line in server.log().splitlines()
+              if f"Received request {reply.id}-0:" in line]
+    assert len(logged) == 1 and "ksana_llm.requests" in logged[0]
+    text = local_engine.tokenizer.decode(ids[:12])[:12]
+    assert f"prompt: {text!r}, prompt_token_ids: {ids[:12]}, params: " in logged[0]
+    assert "max_new_tokens=3" in logged[0] and "temperature=0.5" in logged[0]
+    assert "seed=3" in logged[0] and logged[0].endswith("lora: None")
 
 
 # ---- disconnects -----------------------------------------------------------------------------------

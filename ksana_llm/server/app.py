@@ -39,6 +39,7 @@ from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
+from ksana_llm.server.request_log import RequestLog
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.stats_log import (DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S,
                                         StatsLogThread)
@@ -101,7 +102,8 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               allow_runtime_lora_updating: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               sampling_defaults: SamplingDefaults | None = None,
-              cors: CorsSettings | None = None, enable_prompt_embeds: bool = False) -> FastAPI:
+              cors: CorsSettings | None = None, enable_prompt_embeds: bool = False,
+              request_log: RequestLog | None = None) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `served_model_name`: the name requests give as `model` (several: aliases of the first).
@@ -115,6 +117,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     them from the model's generation_config.json; None: OpenAI's defaults). `cors`: which
     browser origins may call (None: no CORS headers; `serve` allows any origin, as vLLM).
     `enable_prompt_embeds`: completions take `prompt_embeds` (server/prompt_embeds.py).
+    `request_log`: log every engine request as it is submitted (--enable-log-requests).
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -146,7 +149,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         return_tokens_as_token_ids=parsing.return_tokens_as_token_ids,
         responses=ResponseStore(max_stored_responses),
         sampling_defaults=sampling_defaults or SamplingDefaults(),
-        enable_prompt_embeds=enable_prompt_embeds)
+        enable_prompt_embeds=enable_prompt_embeds, request_log=request_log)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -368,7 +371,9 @@ def run_server(args: argparse.Namespace) -> int:
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args),
-                    enable_prompt_embeds=bool(getattr(args, "enable_prompt_embeds", False)))
+                    enable_prompt_embeds=bool(getattr(args, "enable_prompt_embeds", False)),
+                    request_log=RequestLog(args.max_log_len).enable()
+                    if getattr(args, "enable_log_requests", False) else None)
     server = AnnouncingServer(uvicorn_config(
         app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),
         f"serving {app.state.server.served_model_name!r} (OpenAI API under /v1)")

@@ -106,6 +106,6 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
         fields["prediction"] = prediction
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
-                               fields)
+                               fields, state.request_log)
     return ChatRun(request_id, ids, choices, output_parser, state.response_model(req.model),
                    int(time.time()), prediction)

@@ -24,6 +24,7 @@ from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, engine_unavailable, queue_full, waiting_timeout
 from ksana_llm.server.params import engine_value_error
+from ksana_llm.server.request_log import RequestLog
 
 # How often a non-streaming request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
@@ -178,17 +179,21 @@ class ChoiceSet:
     def submit(cls, engine: Engine, base_id: str,
                jobs: list[tuple[list[int] | dict[str, Any], GenerationConfig]],
                observer: Callable[[], Callable[[RequestOutput], None]] | None = None,
-               request_fields: dict[str, Any] | None = None) -> ChoiceSet:
+               request_fields: dict[str, Any] | None = None,
+               request_log: RequestLog | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
 
         `observer()` makes one callback per engine request; it sees every output of that request
         on the engine thread (per-token metrics, and the finished request). `request_fields`:
-        more `Request` fields for every job (KV transfer).
+        more `Request` fields for every job (KV transfer). `request_log`: --enable-log-requests.
         """
         loop = asyncio.get_running_loop()
         choices = cls(engine)
         try:
             for i, (prompt, config) in enumerate(jobs):
+                if request_log is not None:
+                    request_log.submitted(f"{base_id}-{i}", prompt, config, engine.tokenizer,
+                                          (request_fields or {}).get("lora"))
                 choices.handles.append(engine.submit(
                     Request.of(prompt, config, request_id=f"{base_id}-{i}",
                                callback=choices._observed(observer), **(request_fields or {})),

@@ -350,7 +350,8 @@ async def generate(request: Request) -> Response:
             raise bad_request(f"{key} must be <= max_num_seqs ({limit}), got {getattr(sc, key)}",
                               param=f"sampling_config.{key}")
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, config)],
-                               state.request_observer if state.metrics is not None else None)
+                               state.request_observer if state.metrics is not None else None,
+                               request_log=state.request_log)
     if req.stream:
         response = AbortOnCloseStreamingResponse(
             _nul_stream(choices, ids, sc.logprobs, every_event=bool(sc.stop_strings),

@@ -183,7 +183,7 @@ async def create_completion(request: Request) -> Response:
     texts = state.logprob_texts(req)
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
-                               await request_fields(req, state, jobs))
+                               await request_fields(req, state, jobs), state.request_log)
     prompt_tokens = sum(len(p) for p in prompts)
     echo_texts = ([state.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
                   if req.echo else None)

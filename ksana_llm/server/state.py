@@ -17,6 +17,7 @@ from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import ReasoningParser
+from ksana_llm.server.request_log import RequestLog
 from ksana_llm.server.responses_store import ResponseStore
 from ksana_llm.server.sampling_defaults import SamplingDefaults
 from ksana_llm.server.tool_parsers import ToolParser
@@ -49,6 +50,7 @@ class ServerState:
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     enable_prompt_embeds: bool = False  # --enable-prompt-embeds: completions take prompt_embeds
+    request_log: RequestLog | None = None  # --enable-log-requests
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
     model_aliases: tuple[str, ...] = ()  # more names for the served model (--served-model-name)
