@@ -95,6 +95,13 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "name); more names are aliases, the first is the one reported")
     if listen:
         add_listen_args(parser)
+        # (run-batch shows a progress bar instead)
+        parser.add_argument("--disable-log-stats", action="store_true",
+                            help="no periodic stats line (throughput, queue, KV cache use; "
+                                 "vLLM's flag)")
+        parser.add_argument("--log-stats-interval", type=cli_types.positive_float,
+                            default=None, metavar="SECONDS",
+                            help="seconds between stats lines (default: 10)")
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $KLLM_API_KEY, else no key)")
@@ -125,11 +132,6 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--max-log-len", type=cli_types.non_negative_int, default=None,
                         help="--enable-log-requests shows at most this many prompt characters "
                              "and token ids (default: all)")
-    parser.add_argument("--disable-log-stats", action="store_true",
-                        help="no periodic stats line (throughput, queue, KV cache use; vLLM's "
-                             "flag)")
-    parser.add_argument("--log-stats-interval", type=cli_types.positive_float, default=None,
-                        metavar="SECONDS", help="seconds between stats lines (default: 10)")
     parser.add_argument("--enable-prompt-embeds", action="store_true",
                         help="let completions take prompt_embeds (base64 torch.save'd tensors, "
                              "as vLLM; off by default: they are unpickled, tensors only)")

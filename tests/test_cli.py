@@ -153,7 +153,8 @@ def test_vllm_command_line_spellings(tmp_path, caplog):
         "--trust-remote-code changes nothing", "--disable-log-requests changes nothing",
         "--trust-remote-code changes nothing"]
     # run-batch opens no port: listening flags are refused, not ignored.
-    for flag in (["--port", "8000"], ["--ssl-certfile", "cert.pem"], ["--access-log"]):
+    for flag in (["--port", "8000"], ["--ssl-certfile", "cert.pem"], ["--access-log"],
+                 ["--disable-log-stats"]):  # (nor the stats line: it has a progress bar)
         with pytest.raises(SystemExit):
             parse(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", *flag])
 

@@ -341,6 +341,14 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
     return defaults
 
 
+def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """build_app's `enable_prompt_embeds` and `request_log` from --enable-prompt-embeds,
+    --enable-log-requests and --max-log-len (serve and run-batch)."""
+    log = getattr(args, "enable_log_requests", False)
+    return {"enable_prompt_embeds": bool(getattr(args, "enable_prompt_embeds", False)),
+            "request_log": RequestLog(args.max_log_len).enable() if log else None}
+
+
 def run_server(args: argparse.Namespace) -> int:
     parsing = output_parsing_from_args(args)
     parsing.check()  # before the model loads: a misspelt parser name fails at once
@@ -371,9 +379,7 @@ def run_server(args: argparse.Namespace) -> int:
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args),
-                    enable_prompt_embeds=bool(getattr(args, "enable_prompt_embeds", False)),
-                    request_log=RequestLog(args.max_log_len).enable()
-                    if getattr(args, "enable_log_requests", False) else None)
+                    **request_options_from_args(args))
     server = AnnouncingServer(uvicorn_config(
         app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),
         f"serving {app.state.server.served_model_name!r} (OpenAI API under /v1)")

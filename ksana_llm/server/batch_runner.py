@@ -128,7 +128,8 @@ def run_batch(args: argparse.Namespace) -> int:
 
     from ksana_llm.api.engine import Engine
     from ksana_llm.server.app import (build_app, configs_from_args, default_served_model_name,
-                                      output_parsing_from_args, sampling_defaults_from_args)
+                                      output_parsing_from_args, request_options_from_args,
+                                      sampling_defaults_from_args)
     from ksana_llm.server.chat import load_chat_template
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -147,7 +148,8 @@ def run_batch(args: argparse.Namespace) -> int:
                             or default_served_model_name(config.model),
                             chat_template=chat_template, parsing=parsing,
                             mount_extensions=False,
-                            sampling_defaults=sampling_defaults_from_args(args, engine.model.path))
+                            sampling_defaults=sampling_defaults_from_args(args, engine.model.path),
+                            **request_options_from_args(args))
 
             def write(output: dict[str, Any]) -> None:
                 out.write(json.dumps(output, ensure_ascii=False) + "\n")
