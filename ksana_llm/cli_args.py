@@ -134,7 +134,8 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "and token ids (default: all)")
     parser.add_argument("--enable-prompt-embeds", action="store_true",
                         help="let completions take prompt_embeds (base64 torch.save'd tensors, "
-                             "as vLLM; off by default: they are unpickled, tensors only)")
+                             "as vLLM; off by default: they are unpickled, tensors only; raise "
+                             "--max-body-bytes for long prompts)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name every logprob token token_id:<id> (as each request may ask)")
     add_cors_args(parser)

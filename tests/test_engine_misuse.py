@@ -356,3 +356,25 @@ def test_chat_template_kwargs_must_be_a_dict(engine):
     conversation = [{"role": "user", "content": "Hi"}]
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         engine.chat(conversation, chat_template_kwargs=5)
+
+
+def test_a_step_loop_failure_fails_the_calls_it_had_taken(default_model, monkeypatch):
+    """A control call (reset_prefix_cache, LoRA loading) taken by the engine thread in the same
+    pass as an abort that fails the loop gets the engine's failure, not a wait forever."""
+    from concurrent.futures import Future
+
+    engine = kt.Engine(default_model, num_device_blocks=16)
+    try:
+        def broken_abort(request_id):
+            raise RuntimeError("a bug in abort")
+
+        monkeypatch.setattr(engine._core, "abort", broken_abort)
+        taken: Future = Future()
+        with engine._wake:  # both land in one pass of the loop
+            engine.abort("nobody")
+            engine._commands.append((engine._core.block_manager.reset_prefix_cache, taken))
+        with pytest.raises(RuntimeError, match="a bug in abort"):
+            taken.result(timeout=30)
+        assert not engine.is_running
+    finally:
+        engine.shutdown()

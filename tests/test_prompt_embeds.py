@@ -84,11 +84,25 @@ def test_embeddings_survive_preemption(default_model, hf_default_model, soft_pro
     assert [o.token_ids for o in outs] == [hf_tokens(hf_default_model, soft_prompt)] * 3
 
 
+def test_no_drafts_from_placeholder_ids(default_model, hf_default_model, soft_prompt):
+    """The drafters read a prompt as token ids: for embeddings those are placeholders, whose
+    drafts would all be refused. Such a sequence drafts nothing; its tokens are unchanged."""
+    config = kt.GenerationConfig(max_new_tokens=MAX_NEW, temperature=0)
+    with kt.Engine(default_model, num_device_blocks=32, speculative_method="ngram",
+                   num_speculative_tokens=3) as engine:
+        out = engine.generate_outputs({"prompt_embeds": soft_prompt}, config, use_tqdm=False)
+        assert engine.stats().num_draft_tokens == 0
+    assert out[0].token_ids == hf_tokens(hf_default_model, soft_prompt)
+
+
 def test_bad_prompt_embeds_are_value_errors(default_model, soft_prompt):
     hidden = default_model.hf_config.hidden_size
     with kt.Engine(default_model, num_device_blocks=16) as engine:
         for bad, match in ((torch.zeros(4, hidden + 1), "prompt_embeds"),
-                           (torch.zeros(4, hidden, dtype=torch.long), "floating-point"),
+                           (torch.zeros(4, hidden, dtype=torch.long), "float32, float16"),
+                           (torch.zeros(4, hidden).to(torch.float8_e4m3fn), "float8"),
+                           (torch.zeros(4, hidden).to_sparse(), "sparse"),
+                           (torch.zeros(4, hidden, device="meta"), "meta"),
                            (torch.zeros(0, hidden), "prompt_embeds"),
                            (torch.full((2, hidden), float("nan")), "finite"),
                            ([[0.0] * hidden], "prompt_embeds")):
@@ -156,6 +170,14 @@ def test_bad_prompt_embeds_are_400s(server, soft_prompt, default_model):
                         ({"prompt_embeds": _encoded(torch.zeros(3, hidden - 1))}, "prompt_embeds"),
                         ({"prompt_embeds": _encoded(torch.zeros(3, hidden, dtype=torch.long))},
                          "prompt_embeds"),
+                        # float8 codes, and (after a good prompt) a sparse tensor: a malformed
+                        # one's densifying would write out of bounds (vLLM's CVE-2025-62164)
+                        ({"prompt_embeds": [_encoded(soft_prompt), _encoded(
+                            torch.zeros(3, hidden).to(torch.float8_e4m3fn))]}, "prompt_embeds"),
+                        ({"prompt_embeds": [_encoded(soft_prompt), _encoded(_bad_sparse(hidden))]},
+                         "prompt_embeds"),
+                        ({"prompt_embeds": _encoded(torch.zeros(3, hidden).to_sparse())},
+                         "prompt_embeds"),
                         ({"prompt_embeds": []}, "prompt_embeds"),
                         ({"prompt_embeds": _encoded(soft_prompt), "prompt": "hi"}, "prompt_embeds"),
                         ({"prompt_embeds": _encoded(soft_prompt), "echo": True}, "echo"),
@@ -163,7 +185,14 @@ def test_bad_prompt_embeds_are_400s(server, soft_prompt, default_model):
                          "prompt_logprobs")):
         r = httpx.post(url, json={"max_tokens": 2, **body}, timeout=60)
         assert r.status_code == 400 and openai_error(r)["param"] == param, (body, r.text)
-    assert httpx.get(server.url + "/health").status_code == 200
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["num_running"] == 0  # nothing left over
+
+
+def _bad_sparse(hidden: int) -> torch.Tensor:
+    """A COO tensor whose index lies far outside its declared size."""
+    return torch.sparse_coo_tensor(torch.tensor([[10**6], [0]]), torch.ones(1), (3, hidden),
+                                   check_invariants=False)
 
 
 def test_a_server_without_the_flag_refuses_prompt_embeds(default_model, soft_prompt):

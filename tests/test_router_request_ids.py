@@ -106,6 +106,8 @@ def test_every_passed_on_route_carries_the_id(router, upstream, method, path):
 
 
 def test_reset_prefix_cache_goes_to_every_server(router, upstream):
+    for method in ("GET", "POST"):  # (and /ping is the router's /health, as on the servers)
+        assert httpx.request(method, router.url + "/ping").json()["status"] == "healthy"
     upstream.seen.clear()
     r = httpx.post(router.url + "/reset_prefix_cache", headers={"X-Request-Id": "t-2"})
     assert r.status_code == 200 and list(r.json()["servers"]) == [upstream.url]  # once each

@@ -289,6 +289,7 @@ def test_503_when_engine_dead(default_model):
             r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 503
             assert openai_error(r)["type"] == "service_unavailable"
+            assert (await http.post("/reset_prefix_cache")).status_code == 503
 
     asyncio.run(main())
 

@@ -296,6 +296,7 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
             # The current device is per thread: make it the model's, so kernels and events that
             # use the current stream (Triton launches, graph captures) use the model's GPU.
             torch.cuda.set_device(core.runner.device)
+        commands: list[tuple[Callable[[], Any], Future]] = []  # taken, not yet run
         try:
             while True:
                 with self._wake:
@@ -324,6 +325,7 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
                     # Step outputs (deferred or in flight) may come first: count them.
                     self._dispatch_step(core.abort(request_id))
                 self._run_commands(commands)
+                commands = []
                 if self.config.waiting_timeout_ms is not None:
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work():
@@ -339,6 +341,8 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
         finally:
             if self._dead is None:
                 self._release_unfinished()
+            with self._wake:  # taken before the failure: their callers must not wait forever
+                self._commands[:0] = commands
             self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
 
     def _release_unfinished(self) -> None:
@@ -401,8 +405,8 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
         """The model plugin's postprocess for a finishing request, or None (no plugin, or a
         forward-only request)."""
         plugin = getattr(self.model, "plugin", None)
-        if plugin is None or handle.forward_result is not None:
-            return None
+        if plugin is None or handle.forward_result is not None or handle.plugin_info is None:
+            return None  # (None: its preprocess never ran, as for prompt_embeds)
         return lambda output: plugin.run_postprocess(handle.plugin_info, output)
 
     def _fail_all(self, error: BaseException) -> None:

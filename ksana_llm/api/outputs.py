@@ -76,7 +76,8 @@ class Request:
     place of its token embeddings, as transformers' `generate(inputs_embeds=...)` does; nothing
     reads the prompt as tokens (penalties and n-gram bans see only the output), so the output's
     `prompt_token_ids` are n placeholder zeros. Such a request never shares KV through the
-    prefix cache, and cannot ask for prompt log-probs, export KV or use a plugin's preprocess.
+    prefix cache, drafts no speculative tokens, and cannot ask for prompt log-probs, export KV or
+    use a plugin's pre/postprocess. Dense float32 / float16 / bfloat16 tensors only.
     """
 
     prompt: Prompt | None = None

@@ -35,6 +35,9 @@ def _as_config(value: GenerationConfig | dict[str, Any] | None,
     raise ValueError(f"generation_config must be a GenerationConfig or a dict, got {type(value).__name__}")
 
 
+# What prompt embeddings may be (vLLM's rule): the model's own float types, not float8 codes.
+_EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
+
 class RequestBuilder:
     """Validates prompts and settings against one model and engine and builds their sequences.
 
@@ -196,7 +199,8 @@ class RequestBuilder:
             raise ValueError(f"{wanted} needs a single-rank engine (tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1)")
         if seq.embeddings is not None:
-            raise ValueError(f"{wanted} does not work with input_embeddings (their KV depends on "
+            given = "prompt_embeds" if seq.prompt_is_embeddings else "input_embeddings"
+            raise ValueError(f"{wanted} does not work with {given} (their KV depends on "
                              "more than the token ids)")
         if request.export_kv:
             if seq.config.num_sequences != 1:
@@ -268,11 +272,14 @@ class RequestBuilder:
         if isinstance(rows, torch.Tensor) and rows.dim() == 3 and rows.shape[0] == 1:
             rows = rows[0]  # a batch of one, as transformers takes inputs_embeds
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != hidden \
-                or not rows.is_floating_point() or rows.shape[0] == 0:
-            got = (f"{rows.dtype} of shape {tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
+                or str(rows.dtype).removeprefix("torch.") not in _EMBEDDING_DTYPES \
+                or rows.shape[0] == 0 \
+                or rows.layout != torch.strided or rows.device.type == "meta":
+            got = (f"a {rows.layout} {rows.device.type} {rows.dtype} tensor of shape "
+                   f"{tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
                    else type(rows).__name__)
-            raise ValueError(f"prompt_embeds must be a floating-point tensor of shape "
-                             f"(num_tokens, {hidden}) (hidden_size), got {got}")
+            raise ValueError(f"prompt_embeds must be a dense float32, float16 or bfloat16 "
+                             f"tensor of shape (num_tokens, {hidden}) (hidden_size), got {got}")
         if not bool(torch.isfinite(rows).all()):
             raise ValueError("prompt_embeds must hold finite values (no NaN or inf)")
         rows = rows.detach().to(self.model.device, self.model.dtype)

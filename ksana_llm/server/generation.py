@@ -202,6 +202,10 @@ class ChoiceSet:
             choices.refused = True  # before the aborts: their outputs come after it
             choices.abort_unfinished()
             raise map_engine_error(exc) from exc
+        except BaseException:  # a bug's 500: what was queued must not run on unseen
+            choices.refused = True
+            choices.abort_unfinished()
+            raise
         return choices
 
     def _observed(self, observer: Callable[[], Callable[[RequestOutput], None]] | None

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse
 
 import ksana_llm
 from ksana_llm.server.chat import render_chat
-from ksana_llm.server.errors import bad_request, model_not_found
+from ksana_llm.api.engine import EngineDeadError
+from ksana_llm.server.errors import bad_request, engine_unavailable, model_not_found
 from ksana_llm.server.openai_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -60,8 +61,13 @@ async def stats(request: Request) -> JSONResponse:
 async def reset_prefix_cache(request: Request) -> JSONResponse:
     """Forget every cached prompt prefix (vLLM's route), for cold-cache measurements; running
     requests go on undisturbed."""
-    engine = server_state(request).engine
-    return JSONResponse({"num_blocks_dropped": await asyncio.to_thread(engine.reset_prefix_cache)})
+    state = server_state(request)
+    state.check_alive()  # a 503 on a dead or stopping engine, as for generation
+    try:
+        dropped = await asyncio.to_thread(state.engine.reset_prefix_cache)
+    except EngineDeadError as exc:  # it died (or began to stop) in between
+        raise engine_unavailable(str(exc)) from exc
+    return JSONResponse({"num_blocks_dropped": dropped})
 
 
 @router.get("/version")

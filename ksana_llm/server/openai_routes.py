@@ -7,6 +7,7 @@ streamed answer never begins with an error that could have been a status code.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -154,7 +155,8 @@ async def create_completion(request: Request) -> Response:
     if score_only and not req.echo:
         raise bad_request("max_tokens must be at least 1; 0 is only for echo (scoring the prompt).",
                           param="max_tokens")
-    embeds = _prompt_embeds(req, state)
+    # (Decoded off the event loop: base64 and unpickling a large tensor take a while.)
+    embeds = await asyncio.to_thread(_prompt_embeds, req, state)
     if embeds is not None:  # the engine reads them; their token ids are placeholders
         prompts = [[0] * len(rows) for rows in embeds]
     else:

@@ -3,7 +3,11 @@ as a tensor `[num_tokens, hidden_size]` saved with `torch.save` and base64-encod
 a list of them.
 
 Off by default, as in vLLM: the payload is unpickled (with `weights_only=True`, which loads
-tensors and plain containers only, never code), and the embeddings bypass the tokenizer.
+tensors and plain containers only, never code), and the embeddings bypass the tokenizer. Only
+dense float32 / float16 / bfloat16 tensors are taken (sparse ones are refused: densifying a
+client's sparse tensor is how vLLM's CVE-2025-62164 wrote out of bounds). A request body is at
+most --max-body-bytes (2 MiB by default: about 190 tokens of a 4096-wide float16 model's
+embeddings, base64-encoded); raise it for longer prompts.
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ def _tensor(payload: str, index: int, hidden_size: int) -> Any:
     where = f"prompt_embeds[{index}]"
     try:
         raw = base64.b64decode(payload, validate=True)
-        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        # A sparse tensor's indices are not checked by weights_only loading; with the checks
+        # on, a malformed one fails here (and any sparse one is refused below, never
+        # densified: its declared size could be anything).
+        with torch.sparse.check_sparse_tensor_invariants():
+            tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch.load fails on junk in many ways (struct,
         # zip, pickle, EOF errors...); whatever the client sent, it is the client's 400
         raise bad_request(f"{where} is not a base64-encoded torch.save'd tensor ({exc}).",
                           param=PARAM) from exc
     if not isinstance(tensor, torch.Tensor):
         raise bad_request(f"{where} holds a {type(tensor).__name__}, not a tensor.", param=PARAM)
-    tensor = tensor.to_dense()
+    if tensor.layout != torch.strided or tensor.device.type != "cpu" \
+            or tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise bad_request(f"{where} must be a dense float32, float16 or bfloat16 tensor, got a "
+                          f"{tensor.layout} {tensor.device.type} {tensor.dtype} one.", param=PARAM)
     if tensor.dim() == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]  # a batch of one
     if tensor.dim() != 2 or tensor.shape[1] != hidden_size or tensor.shape[0] == 0:

@@ -364,8 +364,8 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         """Every server's prefix cache (prefill and decode alike): each server's answer by URL
-        (its status code when it gave no JSON, null when it could not be reached); 200 when
-        every server reset its cache, else 502."""
+        (its JSON, {} for a 200 without any, its status code for an error, null when it could
+        not be reached); 200 when every server reset its cache, else 502."""
         router: Router = request.app.state.router
         headers = router.headers(_request_id(request))
 
@@ -375,8 +375,8 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
                 return url, answer.json() if answer.status_code == 200 else answer.status_code
             except httpx.HTTPError:
                 return url, None
-            except ValueError:  # a 200 without JSON: not one of our servers
-                return url, answer.status_code
+            except ValueError:  # a 200 without JSON (vLLM's servers answer so): done
+                return url, {}
 
         servers = dict(await asyncio.gather(
             *map(reset, dict.fromkeys(config.prefill_urls + config.decode_urls))))
@@ -385,6 +385,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
 
     @app.get("/health")
     @app.get("/ping")
+    @app.post("/ping")
     async def health(request: Request) -> JSONResponse:
         """Each server's /health status. 200 while a decode server is up (the router can answer:
         without prefill servers the decode servers compute prompts themselves), with status
