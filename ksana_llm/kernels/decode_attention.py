@@ -22,6 +22,7 @@ import triton.language as tl
 from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_window,
                                        dot_precision, dot_tile, head_dim_tiles, next_pow2)
+from ksana_llm.kernels.paged_tiles import accumulate_tile, tile_scores, tile_slots
 
 # Assumed SM count when running in the interpreter on CPU (an H100/H200 has 132), so the split
 # choice made in CPU tests is the one a Hopper GPU would make.
@@ -34,16 +35,6 @@ MAX_SPLITS = 64
 MAX_HEAD_BLOCK = 16
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def tail_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask, kv_mask,
-                DOT_PRECISION: tl.constexpr):
-    """Scores of a head's tail dims (`head_dim_tiles`): q_tail [rows, BLOCK_DT] against the
-    keys' dims `dt` at the tile's cache slots, [rows, BLOCK_N], to add to the main tile's."""
-    k_tail = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
-                     + dt[:, None], mask=dt_mask[:, None] & kv_mask[None, :], other=0.0)
-    return tl.dot(q_tail, k_tail.to(q_tail.dtype), input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -105,32 +96,18 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         kv_mask = pos < hi
-        # int64: block * stride can pass 2**31 elements in a large cache.
-        block = tl.load(table + pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-        in_block = pos % BLOCK_SIZE
-        # K tile loaded transposed, [BLOCK_D, BLOCK_N], so the dot needs no tl.trans.
-        k = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
-                    + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
-        # An FP8 cache's entries widen to q's type; the K scale is folded into scale_log2.
-        k = k.to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        block, in_block = tile_slots(table, pos, kv_mask, BLOCK_SIZE)
+        s = tile_scores(q, k_head, block, in_block, stride_kb, stride_ks, d, d_mask, kv_mask,
+                        DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         if BLOCK_DT > 0:
-            s += tail_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
+            s += tile_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
                              kv_mask, DOT_PRECISION)
-        s = s * scale_log2  # log2 domain
+        s = s * scale_log2  # log2 domain; the K scale of an FP8 cache is folded in
         if USE_ALIBI:
             s += slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]
         s = tl.where(kv_mask[None, :], s, float("-inf"))
-        # Every tile holds at least one valid key (start < hi), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vs
-                    + dv[None, :], mask=kv_mask[:, None] & dv_mask[None, :], other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = accumulate_tile(s, m_i, l_i, acc, q, v_head, block, in_block, kv_mask,
+                                        stride_vb, stride_vs, dv, dv_mask, DOT_PRECISION)
 
     # An empty split (or context) leaves l_i == 0: output zeros, log-sum-exp -inf.
     # The V scale (1.0 unless the cache is FP8) applies to the whole weighted sum at once.

@@ -17,7 +17,7 @@ import triton.language as tl
 from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_window,
                                        dot_precision, dot_tile, head_dim_tiles)
-from ksana_llm.kernels.decode_attention import tail_scores
+from ksana_llm.kernels.paged_tiles import accumulate_tile, tile_scores, tile_slots
 
 _LOG2E = 1.4426950408889634
 
@@ -100,17 +100,13 @@ def _prefill_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         kv_mask = pos < kv_hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-        in_block = pos % BLOCK_SIZE
-        k = tl.load(k_head + block[None, :] * stride_kb + in_block[None, :] * stride_ks
-                    + d[:, None], mask=d_mask[:, None] & kv_mask[None, :], other=0.0)
-        # An FP8 cache's entries widen to q's type; the K scale is folded into scale_log2.
-        k = k.to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        block, in_block = tile_slots(table, pos, kv_mask, BLOCK_SIZE)
+        s = tile_scores(q, k_head, block, in_block, stride_kb, stride_ks, d, d_mask, kv_mask,
+                        DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if BLOCK_DT > 0:
-            s += tail_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
+            s += tile_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
                              kv_mask, DOT_PRECISION)
-        s = s * scale_log2  # log2 domain
+        s = s * scale_log2  # log2 domain; the K scale of an FP8 cache is folded in
         rel = pos[None, :] - q_pos[:, None]  # key pos - query pos
         if USE_ALIBI:
             s += slope * rel.to(tl.float32)
@@ -118,19 +114,8 @@ def _prefill_kernel(
         if USE_WINDOW:
             allowed &= rel > -window
         s = tl.where(allowed, s, float("-inf"))
-        # A row may see no key at all so far: padding rows past the chunk's end under a
-        # window, or (were BLOCK_N < BLOCK_M) a row whose window starts after this tile. Keep
-        # its max finite so exp2(-inf - -inf) never makes a NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vs
-                    + dv[None, :], mask=kv_mask[:, None] & dv_mask[None, :], other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = accumulate_tile(s, m_i, l_i, acc, q, v_head, block, in_block, kv_mask,
+                                        stride_vb, stride_vs, dv, dv_mask, DOT_PRECISION)
 
     # The V scale (1.0 unless the cache is FP8) applies to the whole weighted sum at once.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
