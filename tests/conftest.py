@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 # Two cores on CI: let torch use both, and keep results deterministic across runs.
 torch.manual_seed(0)
 
+from tests.engine_fixtures import engine_fixture  # noqa: E402  (after TRITON_INTERPRET is set)
+
 
 @pytest.fixture(scope="session")
 def default_model_dir():
@@ -33,13 +35,14 @@ def default_model(default_model_dir):
     return kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32", progress=False)
 
 
-@pytest.fixture(scope="module")
-def local_engine(default_model):
-    """The Python API on the default model: the reference for what a server must answer."""
-    import ksana_llm as kt
+@pytest.fixture(scope="session")
+def model(default_model):
+    """`model` in a test is the default model unless its module defines its own."""
+    return default_model
 
-    with kt.Engine(default_model, num_device_blocks=256) as engine:
-        yield engine
+
+# The Python API on the default model: the reference for what a server must answer.
+local_engine = engine_fixture(num_device_blocks=256)
 
 
 @pytest.fixture(scope="session")

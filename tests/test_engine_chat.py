@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ksana_llm as kt
+from tests.engine_fixtures import engine_fixture
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -19,10 +20,7 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(default_model):
-    with kt.Engine(default_model, num_device_blocks=128) as engine:
-        yield engine
+engine = engine_fixture(num_device_blocks=128)
 
 
 def _hf_greedy(hf, tokenizer, text: str, new_tokens: int) -> str:

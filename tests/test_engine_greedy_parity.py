@@ -33,11 +33,6 @@ def _long_prompt(tokenizer) -> str:
 
 
 @pytest.fixture(scope="module")
-def model(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
 def prompts(model):
     tok = model.tokenizer
     chat = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,

@@ -15,16 +15,14 @@ import pytest
 import torch
 
 import ksana_llm as kt
+from tests.engine_fixtures import engine_fixture
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 LONG = kt.GenerationConfig(max_new_tokens=3000, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(default_model):
-    with kt.Engine(default_model, generation_config=kt.GenerationConfig(max_new_tokens=8),
-                   num_device_blocks=256) as engine:
-        yield engine
+engine = engine_fixture(generation_config=kt.GenerationConfig(max_new_tokens=8),
+                        num_device_blocks=256)
 
 
 def _idle(engine: kt.Engine, timeout: float = 60.0) -> bool:

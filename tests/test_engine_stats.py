@@ -9,20 +9,13 @@ import pytest
 import torch
 
 import ksana_llm as kt
+from tests.engine_fixtures import engine_fixture
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
 
-@pytest.fixture(scope="module")
-def model(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    with kt.Engine(model, generation_config=kt.GenerationConfig(max_new_tokens=16),
-                   num_device_blocks=256) as engine:
-        yield engine
+engine = engine_fixture(generation_config=kt.GenerationConfig(max_new_tokens=16),
+                        num_device_blocks=256)
 
 
 def test_stats_report_queue_kv_and_latency(engine):

@@ -19,6 +19,7 @@ import ksana_llm as kt
 from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
 from tests.server_process import ServerProcess, openai_error
 from tests.tolerances import LOGIT_ATOL
+from tests.engine_fixtures import engine_fixture
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and "
           "Berlin is the capital of Germany. Once upon a time, in a small village by the sea,")
@@ -30,15 +31,7 @@ ATOL = LOGIT_ATOL  # see tests/tolerances.py
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    with kt.Engine(model, num_device_blocks=256) as e:
-        yield e
+engine = engine_fixture(num_device_blocks=256)
 
 
 @pytest.fixture(scope="module")

@@ -158,11 +158,6 @@ PROMPTS = {  # submitted longest first
 }
 
 
-@pytest.fixture(scope="module")
-def model(default_model):
-    return default_model
-
-
 def test_an_engine_runs_queued_requests_in_its_policy_order(model):
     cfg = kt.GenerationConfig(max_new_tokens=4)
     with kt.Engine(model, generation_config=cfg) as fifo:

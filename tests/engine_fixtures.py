@@ -1,0 +1,21 @@
+"""A factory for the module-scoped engines many test files build on the default model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def engine_fixture(**engine_args: Any):
+    """A module-scoped fixture yielding `Engine(default_model, **engine_args)`, shut down after the
+    module: assign it to the name the tests ask for (`engine = engine_fixture(...)`)."""
+
+    @pytest.fixture(scope="module")
+    def engine(default_model):
+        import ksana_llm as kt
+
+        with kt.Engine(default_model, **engine_args) as built:
+            yield built
+
+    return engine
