@@ -96,7 +96,8 @@ def test_without_a_client_id_the_servers_get_the_routers_own(router, upstream):
 @pytest.mark.parametrize("method,path", [
     ("POST", "/tokenize"), ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
     ("DELETE", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel"),
-    ("GET", "/v1/responses/resp_1/input_items"), ("GET", "/v1/models")])
+    ("GET", "/v1/responses/resp_1/input_items"), ("GET", "/v1/models"), ("POST", "/score"),
+    ("POST", "/v1/score"), ("POST", "/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank")])
 def test_every_passed_on_route_carries_the_id(router, upstream, method, path):
     upstream.seen.clear()
     body = {"prompt": "hi"} if method == "POST" else None

@@ -1,5 +1,5 @@
 """`ksana-llm run-batch` as a real subprocess on the default model: an OpenAI batch file with
-chat, completions, embeddings and Responses requests, and lines that are not requests. Answers
+chat, completions, embeddings, Responses, score and rerank requests, and lines that are not requests. Answers
 equal the Python API's (whose greedy tokens equal transformers', tests/test_engine_greedy_parity.py)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ksana_llm as kt
@@ -36,6 +37,10 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
         # A raw line separator inside a string is still one JSON line.
         {"custom_id": "separator", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "one\u2028two", "max_tokens": 1}},
+        {"custom_id": "score", "method": "POST", "url": "/v1/score",
+         "body": {"text_1": QUESTION, "text_2": [PROMPT, QUESTION]}},
+        {"custom_id": "rerank", "method": "POST", "url": "/v1/rerank",
+         "body": {"query": QUESTION, "documents": [PROMPT, QUESTION]}},
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join([json.dumps(line, ensure_ascii=False) for line in lines]
@@ -66,6 +71,11 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
         PROMPT, kt.GenerationConfig(max_new_tokens=8), use_tqdm=False)[0].text
     vector = torch.tensor(by_id["embedding"]["response"]["body"]["data"][0]["embedding"])
     torch.testing.assert_close(vector, local_engine.embed(PROMPT)[0], atol=1e-5, rtol=1e-4)
+    scores = [d["score"] for d in by_id["score"]["response"]["body"]["data"]]
+    assert scores == pytest.approx(local_engine.score(QUESTION, [PROMPT, QUESTION]), abs=1e-5)
+    ranked = by_id["rerank"]["response"]["body"]["results"]
+    assert [r["index"] for r in ranked] == [1, 0] and ranked[0]["relevance_score"] == \
+        pytest.approx(scores[1], abs=1e-5)
 
     refused = by_id["bad-param"]
     assert refused["response"]["status_code"] == 400 and refused["error"] is None

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ksana_llm.server.openai_protocol import MAX_EMBEDDING_INPUTS
+from tests.hf_references import hf_embedding
 from tests.server_process import ServerProcess
 from tests.tolerances import EMBEDDING_ATOL
 
@@ -25,12 +26,6 @@ def server(default_model_dir):
     proc.stop()
 
 
-def _reference(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        hidden = hf_model.model(torch.tensor([ids])).last_hidden_state[0, -1]
-    return torch.nn.functional.normalize(hidden, dim=0)
-
-
 def test_vectors_equal_transformers_last_token_state(client, hf_default_model, default_model):
     tokenizer = default_model.tokenizer
     # The openai client asks for base64 and decodes it itself.
@@ -41,7 +36,7 @@ def test_vectors_equal_transformers_last_token_state(client, hf_default_model, d
     for item, prompt in zip(response.data, ids):
         vector = torch.tensor(item.embedding)
         assert vector.shape == (default_model.hf_config.hidden_size,)
-        torch.testing.assert_close(vector, _reference(hf_default_model, prompt), atol=2e-5,
+        torch.testing.assert_close(vector, hf_embedding(hf_default_model, prompt), atol=2e-5,
                                    rtol=1e-4)
     # Different texts, different directions.
     a, b = (torch.tensor(response.data[i].embedding) for i in (0, 1))
@@ -113,7 +108,7 @@ def test_engine_embed_equals_the_server(client, local_engine, hf_default_model):
         torch.testing.assert_close(vector, torch.tensor(item.embedding), atol=EMBEDDING_ATOL,
                                    rtol=0)
     ids = local_engine.tokenizer.encode(TEXTS[0])
-    torch.testing.assert_close(local_engine.embed(ids)[0], _reference(hf_default_model, ids),
+    torch.testing.assert_close(local_engine.embed(ids)[0], hf_embedding(hf_default_model, ids),
                                atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="prompt"):
         local_engine.embed(["fine", ""])

@@ -83,6 +83,10 @@ def test_invocations_picks_the_api_from_the_body(server, model_name):
     assert text.json()["choices"] == want.json()["choices"]
     vectors, want = both("/embeddings", {"input": ["a", PROMPT]})
     assert vectors.json()["data"] == want.json()["data"]
+    scores, want = both("/score", {"text_1": "a", "text_2": ["a", PROMPT]})
+    assert scores.json()["data"] == want.json()["data"]
+    ranked, want = both("/rerank", {"query": "a", "documents": ["b", PROMPT]})
+    assert ranked.json()["results"] == want.json()["results"]
     streamed = httpx.post(server.url + "/invocations", timeout=60, json={
         "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True})
     assert streamed.headers["content-type"].startswith("text/event-stream")

@@ -9,7 +9,8 @@ import torch
 
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
-from ksana_llm.api.outputs import Prompt
+from ksana_llm.api.request import Prompt, as_token_ids
+from ksana_llm.api.scoring import pair_scores, score_pairs
 from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
 
@@ -82,3 +83,23 @@ class ForwardCalls:
                     self.abort(handle.id)
             raise
         return torch.stack(vectors)
+
+    def score(self, text_1: Prompt | list[Prompt], text_2: Prompt | list[Prompt], *,
+              lora: str | None = None) -> list[float]:
+        """vLLM's `LLM.score` for an embedding model: the cosine similarity of each pair's
+        embeddings (`embed`), one float per pair in [-1, 1]. Pairs: one `text_1` against every
+        `text_2`, or the i-th of two equally long lists together (`api.scoring`). A text is a
+        string or a list of token ids; ValueError names the field at fault."""
+        first, second = self._texts(text_1, "text_1"), self._texts(text_2, "text_2")
+        pairs = score_pairs(len(first), len(second))
+        vectors = self.embed(first + second, lora=lora)
+        return pair_scores(vectors[:len(first)], vectors[len(first):], pairs)
+
+    def _texts(self, value: Prompt | list[Prompt], field: str) -> list[Prompt]:
+        try:
+            texts = self._as_batch(value)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from None
+        if not all(isinstance(text, str) or as_token_ids(text) is not None for text in texts):
+            raise ValueError(f"{field}: each text must be a string or a list of token ids")
+        return texts

@@ -163,6 +163,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     install_error_handlers(app)
 
     from ksana_llm.server.embeddings import router as embeddings_router
+    from ksana_llm.server.scores import router as scores_router
     from ksana_llm.server.invocations import router as invocations_router
     from ksana_llm.server.misc_routes import router as misc_router
     from ksana_llm.server.openai_routes import router as openai_router
@@ -172,6 +173,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     app.include_router(responses_router)
     app.include_router(misc_router)
     app.include_router(embeddings_router)
+    app.include_router(scores_router)
     app.include_router(invocations_router)
     if allow_runtime_lora_updating:
         from ksana_llm.server.lora_routes import router as lora_router

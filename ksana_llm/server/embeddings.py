@@ -51,8 +51,8 @@ def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
 
 
 def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.AbstractEventLoop,
-               lora: str | None) -> Callable[[int], ForwardHandle]:
-    """What queues input i (a prompt the engine refuses is a 400 naming `input`)."""
+               lora: str | None, field: str) -> Callable[[int], ForwardHandle]:
+    """What queues input i (a prompt the engine refuses is a 400 naming `field`)."""
     base = f"embd-{uuid.uuid4().hex}"
 
     def submit(i: int) -> ForwardHandle:
@@ -60,9 +60,21 @@ def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.Abstr
             return state.engine.submit_forward(prompts[i], list(EMBEDDING_TARGETS),
                                                request_id=f"{base}-{i}", loop=loop, lora=lora)
         except ValueError as exc:  # too long for the model, ...
-            raise bad_request(str(exc), param="input") from exc
+            raise bad_request(str(exc), param=field) from exc
 
     return submit
+
+
+async def embed_prompts(state: ServerState, prompts: list[list[int]], request: Request,
+                        lora: str | None, field: str = "input") -> list[torch.Tensor] | None:
+    """Each prompt's embedding (`api.embeddings`), in order; None when the client left first
+    (its requests aborted and counted). Also what `/score` and `/rerank` compare."""
+    submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, field)
+    outputs = await run_forward(state.engine, submit, len(prompts), request)
+    if outputs is None:
+        state.count_failure("aborted")  # forward-only: see server.metrics for the rule
+        return None
+    return [embedding_from_hidden(out.targets[0].tensor) for out in outputs]
 
 
 @router.post("/v1/embeddings")
@@ -76,14 +88,11 @@ async def create_embeddings(request: Request) -> JSONResponse:
                           f"shortened to {req.dimensions}.", param="dimensions",
                           code="unsupported_parameter")
     prompts = _inputs(req, state)
-    submit = _submitter(state, prompts, asyncio.get_running_loop(), lora)
-    outputs = await run_forward(state.engine, submit, len(prompts), request)
-    if outputs is None:  # the client left; its requests were aborted
-        state.count_failure("aborted")  # forward-only: see server.metrics for the rule
+    vectors = await embed_prompts(state, prompts, request, lora)
+    if vectors is None:  # the client left; its requests were aborted
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
-    data = [EmbeddingData(index=i, embedding=_encode(embedding_from_hidden(out.targets[0].tensor),
-                                                     req.encoding_format))
-            for i, out in enumerate(outputs)]
+    data = [EmbeddingData(index=i, embedding=_encode(vector, req.encoding_format))
+            for i, vector in enumerate(vectors)]
     tokens = sum(map(len, prompts))
     response = EmbeddingResponse(data=data, model=state.response_model(req.model),
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))

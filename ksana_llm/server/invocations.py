@@ -1,6 +1,7 @@
 """`POST /invocations`: SageMaker's one inference route (vLLM serves it too), picking the API
 from the body's shape: `messages` is a chat completion, `prompt` (or `prompt_embeds`) a
-completion, `input` an embedding. The chosen route answers as it would on its own path (streams, errors, metrics and
+completion, `input` an embedding, `text_1` a score (`/score`) and `documents` a rerank. The
+chosen route answers as it would on its own path (streams, errors, metrics and
 all); a body with none of those keys, or more than one, is a 400 naming them.
 """
 
@@ -14,12 +15,14 @@ from fastapi.responses import Response
 from ksana_llm.server.embeddings import create_embeddings
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.openai_routes import create_chat_completion, create_completion
+from ksana_llm.server.scores import create_scores, rerank
 
 router = APIRouter()
 
 # Each API by the keys only its requests carry.
 _ROUTES = {"messages": create_chat_completion, "prompt": create_completion,
-           "prompt_embeds": create_completion, "input": create_embeddings}
+           "prompt_embeds": create_completion, "input": create_embeddings,
+           "text_1": create_scores, "documents": rerank}
 
 
 @router.post("/invocations")
@@ -33,6 +36,7 @@ async def invocations(request: Request) -> Response:
     routes = {_ROUTES[key] for key in keys}
     if len(routes) != 1:
         raise bad_request("An /invocations body needs exactly one of `messages` (a chat "
-                          "completion), `prompt` or `prompt_embeds` (a completion) or `input` "
-                          "(embeddings).", param=keys[-1] if keys else "messages")
+                          "completion), `prompt` or `prompt_embeds` (a completion), `input` "
+                          "(embeddings), `text_1` (scores) or `documents` (a rerank).",
+                          param=keys[-1] if keys else "messages")
     return await routes.pop()(request)

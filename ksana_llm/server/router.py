@@ -56,7 +56,8 @@ logger = logging.getLogger("ksana_llm.router")
 # /invocations: the API a body's key names (server/invocations.py's rule).
 _INVOCATION_APIS = (("messages", "/v1/chat/completions"), ("prompt", "/v1/completions"),
                     ("prompt_embeds", "/v1/completions"))
-_DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings")
+_DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings",
+                 "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 # Response ids whose decode server the router remembers (the oldest are forgotten first).
 MAX_REMEMBERED_RESPONSES = 65536

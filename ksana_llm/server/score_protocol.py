@@ -1,0 +1,73 @@
+"""Request and response bodies of vLLM's score API (`/score`, `/v1/score`) and of the
+Jina / Cohere rerank API vLLM serves (`/rerank`, `/v1/rerank`, `/v2/rerank`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ksana_llm.server.openai_protocol import EmbeddingUsage, _Request
+
+
+class ScoreRequest(_Request):
+    """`text_1` and `text_2`: a string or a list of strings each (token-id lists work too);
+    one `text_1` is scored against every `text_2`, or two equally long lists pair by position."""
+
+    model: str | None = None
+    # Typed loosely, like EmbeddingRequest.input: `prompt_token_lists` names the shapes.
+    text_1: Any = None
+    text_2: Any = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
+    user: str | None = None
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"score-{uuid.uuid4().hex}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(_Request):
+    """A `query` and the `documents` (strings) to order by their relevance to it; `top_n`
+    keeps the best n (None or 0: all of them)."""
+
+    model: str | None = None
+    query: str | None = None
+    documents: list[str] | None = None
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True  # Cohere's: False leaves each result's `document` out
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    user: str | None = None
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"rerank-{uuid.uuid4().hex}")
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

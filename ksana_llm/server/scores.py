@@ -1,0 +1,109 @@
+"""vLLM's score API and the rerank API it serves, for any model this server embeds:
+
+- `POST /score`, `/v1/score`: `text_1` against `text_2` (1:1, 1:N, or N:N by position), one
+  score per pair;
+- `POST /rerank`, `/v1/rerank`, `/v2/rerank` (Jina's and Cohere's shape): `documents` ordered
+  by their score against `query`, best first, cut to `top_n`.
+
+A score is the cosine similarity of the two texts' embeddings (`api.scoring`), as vLLM scores
+with an embedding model; each distinct text is embedded once, as `/v1/embeddings` would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ksana_llm.api.scoring import pair_scores, score_pairs
+from ksana_llm.server.embeddings import embed_prompts
+from ksana_llm.server.errors import bad_request
+from ksana_llm.server.openai_protocol import EmbeddingUsage
+from ksana_llm.server.params import prompt_token_lists, truncate_prompt
+from ksana_llm.server.score_protocol import (RerankDocument, RerankRequest, RerankResponse,
+                                             RerankResult, RerankUsage, ScoreData, ScoreRequest,
+                                             ScoreResponse)
+from ksana_llm.server.state import ServerState, server_state
+from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
+
+router = APIRouter()
+
+# Texts one request may score: each is a forward pass, as an embeddings input is.
+MAX_SCORE_TEXTS = 2048
+
+
+def _texts(value: Any, field: str, state: ServerState, keep: int | None) -> list[list[int]]:
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
+                          param="truncate_prompt_tokens")
+    texts = prompt_token_lists(value, state.tokenizer, state.limits, field=field)
+    return [truncate_prompt(ids, keep, state.limits.max_model_len) for ids in texts]
+
+
+async def _embed(state: ServerState, first: list[list[int]], second: list[list[int]],
+                 request: Request, lora: str | None, field: str
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both lists' embeddings as [n, hidden] tensors; None when the client left. `field`: the
+    second list's name, for errors (a text too long for the model, too many texts)."""
+    if len(first) + len(second) > MAX_SCORE_TEXTS:
+        raise bad_request(f"At most {MAX_SCORE_TEXTS} texts per request; got "
+                          f"{len(first) + len(second)}.", param=field)
+    vectors = await embed_prompts(state, first + second, request, lora, field=field)
+    if vectors is None:
+        return None
+    stacked = torch.stack(vectors)
+    return stacked[:len(first)], stacked[len(first):]
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def create_scores(request: Request) -> JSONResponse:
+    state = server_state(request)
+    req = await parse_body(request, ScoreRequest)
+    lora = state.check_model(req.model)
+    first = _texts(req.text_1, "text_1", state, req.truncate_prompt_tokens)
+    second = _texts(req.text_2, "text_2", state, req.truncate_prompt_tokens)
+    try:
+        pairs = score_pairs(len(first), len(second))
+    except ValueError as exc:
+        raise bad_request(str(exc), param="text_2") from exc
+    embedded = await _embed(state, first, second, request, lora, "text_2")
+    if embedded is None:
+        return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+    scores = pair_scores(*embedded, pairs)
+    tokens = sum(map(len, first)) + sum(map(len, second))
+    response = ScoreResponse(model=state.response_model(req.model),
+                             data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return JSONResponse(response.model_dump())
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def rerank(request: Request) -> JSONResponse:
+    state = server_state(request)
+    req = await parse_body(request, RerankRequest)
+    lora = state.check_model(req.model)
+    if req.query is None:
+        raise bad_request("`query` is required.", param="query")
+    if not req.documents:
+        raise bad_request("`documents` must be a non-empty list of strings.", param="documents")
+    query = _texts(req.query, "query", state, req.truncate_prompt_tokens)
+    documents = _texts(req.documents, "documents", state, req.truncate_prompt_tokens)
+    embedded = await _embed(state, query, documents, request, lora, "documents")
+    if embedded is None:
+        return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+    scores = pair_scores(*embedded, score_pairs(1, len(documents)))
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    results = [RerankResult(index=i, relevance_score=scores[i],
+                            document=RerankDocument(text=req.documents[i])
+                            if req.return_documents else None)
+               for i in order[:req.top_n or None]]
+    tokens = len(query[0]) + sum(map(len, documents))
+    response = RerankResponse(model=state.response_model(req.model),
+                              usage=RerankUsage(total_tokens=tokens), results=results)
+    return JSONResponse(response.model_dump(exclude_none=True))
+
