@@ -44,10 +44,17 @@ def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: boo
                              "checkpoint's own code")
     if not serve:
         return
-    parser.add_argument("--disable-log-requests", action=_FlagWithoutEffect,
-                        why="requests are logged only with --enable-log-requests",
-                        help="accepted for vLLM's command lines; requests are logged only with "
-                             "--enable-log-requests")
+    for flag, why in (
+            ("--disable-log-requests", "requests are logged only with --enable-log-requests"),
+            ("--enable-chunked-prefill", "long prompts are always split across steps by the "
+                                         "token budget (--max-num-batched-tokens)"),
+            ("--enable-request-id-headers", "every response carries X-Request-Id already"),
+            ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details "
+                                               "(cached_tokens)"),
+            ("--enable-lora", "LoRA is on with --lora-modules or "
+                              "--allow-runtime-lora-updating")):
+        parser.add_argument(flag, action=_FlagWithoutEffect, why=why,
+                            help=f"accepted for vLLM's command lines: {why}")
 
 
 def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +109,8 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
         parser.add_argument("--log-stats-interval", type=cli_types.positive_float,
                             default=None, metavar="SECONDS",
                             help="seconds between stats lines (default: 10)")
+        parser.add_argument("--disable-fastapi-docs", action="store_true",
+                            help="no /docs, /redoc or /openapi.json (vLLM's flag)")
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $KLLM_API_KEY, else no key)")
@@ -138,6 +147,13 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "--max-body-bytes for long prompts)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name every logprob token token_id:<id> (as each request may ask)")
+    parser.add_argument("--default-chat-template-kwargs", type=cli_types.json_object,
+                        default=None, metavar="JSON",
+                        help="chat template arguments for every chat request, under its own "
+                             "chat_template_kwargs, e.g. '{\"enable_thinking\": false}'")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every streamed completion and chat ends with a usage chunk, as "
+                             "with stream_options.include_usage")
     add_cors_args(parser)
     parser.add_argument("--generation-config", default="auto", metavar="SOURCE",
                         help="sampling defaults for requests that leave them out: 'auto' (the "
@@ -163,7 +179,8 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     # Engine settings (EngineConfig fields); only those given override the config file.
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--num-device-blocks", type=int, default=None, help="KV cache blocks")
+    parser.add_argument("--num-device-blocks", "--num-gpu-blocks-override", type=int,
+                        default=None, dest="num_device_blocks", help="KV cache blocks")
     parser.add_argument("--block-token-num", "--block-size", type=int, default=None,
                         dest="block_token_num", help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
@@ -233,6 +250,12 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help="ngram method: the shortest run of last tokens looked up (default 1)")
     parser.add_argument("--prompt-lookup-max", type=int, default=None,
                         help="ngram method: the longest run of last tokens looked up (default 4)")
+    parser.add_argument("--speculative-config", type=cli_types.speculative_config, default=None,
+                        metavar="JSON",
+                        help="vLLM's form of the speculative flags, e.g. '{\"method\": "
+                             "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": "
+                             "4}' (methods: ngram, deepseek_mtp; keys: num_speculative_tokens, "
+                             "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                         help=_KV_CACHE_DTYPE_HELP)
     parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
@@ -274,6 +297,8 @@ def add_listen_args(parser: argparse.ArgumentParser) -> None:
                         help="the passphrase of an encrypted --ssl-keyfile")
     parser.add_argument("--access-log", "--access_log", dest="access_log", action="store_true",
                         help="log every HTTP request (uvicorn's access log), whatever --log-level")
+    parser.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
+                        help="no access log (the default; vLLM's flag)")
     parser.add_argument("--root-path", "--root_path", dest="root_path", default="",
                         metavar="PREFIX", help="the path prefix a proxy serves this server "
                                                "under (ASGI root_path), e.g. /llm")

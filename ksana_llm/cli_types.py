@@ -72,3 +72,41 @@ def lora_module(value: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name, path
+
+
+# vLLM's --speculative-config keys -> EngineConfig fields.
+_SPECULATIVE_KEYS = {"num_speculative_tokens": "num_speculative_tokens",
+                     "prompt_lookup_min": "prompt_lookup_min",
+                     "prompt_lookup_max": "prompt_lookup_max",
+                     "disable_by_batch_size": "speculative_disable_by_batch_size"}
+# vLLM's method names -> ours: drafts from the sequence itself, or from DeepSeek's MTP layer.
+_SPECULATIVE_METHODS = {"ngram": "ngram", "deepseek_mtp": "mtp", "mtp": "mtp"}
+
+
+def speculative_config(value: str) -> dict[str, object]:
+    """vLLM's `--speculative-config` JSON, e.g. '{"method": "ngram", "num_speculative_tokens":
+    4, "prompt_lookup_max": 4}', as EngineConfig fields. Only the methods this engine has
+    (ngram, deepseek_mtp / mtp) are taken; a draft model, EAGLE or Medusa is refused, and so is
+    a key this engine has no setting for."""
+    parsed = json_object(value)
+    method = parsed.pop("method", None)
+    model = parsed.pop("model", None)
+    if method is None and model == "[ngram]":  # vLLM's older spelling of the ngram method
+        method, model = "ngram", None
+    if model is not None:
+        raise argparse.ArgumentTypeError(
+            f"\"model\": {model!r}: draft models are not supported; drafts come from the "
+            "sequence itself (\"method\": \"ngram\") or the model's MTP layer (\"deepseek_mtp\")")
+    if method not in _SPECULATIVE_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"\"method\" must be one of {', '.join(_SPECULATIVE_METHODS)}, got {method!r}")
+    unknown = sorted(set(parsed) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unsupported key(s) {', '.join(unknown)}; known: method, "
+            f"{', '.join(_SPECULATIVE_KEYS)}")
+    if "num_speculative_tokens" not in parsed:
+        raise argparse.ArgumentTypeError("\"num_speculative_tokens\" is required")
+    fields: dict[str, object] = {"speculative_method": _SPECULATIVE_METHODS[method]}
+    fields.update({_SPECULATIVE_KEYS[key]: item for key, item in parsed.items()})
+    return fields

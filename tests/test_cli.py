@@ -145,13 +145,24 @@ def test_vllm_command_line_spellings(tmp_path, caplog):
     # Flags vLLM command lines carry that mean nothing here: taken, with a warning saying why,
     # and no trace in the settings.
     with caplog.at_level("WARNING", logger="ksana_llm.cli"):
-        args = parse(["serve", "/models/m", "--trust-remote-code", "--disable-log-requests"])
+        args = parse(["serve", "/models/m", "--trust-remote-code", "--disable-log-requests",
+                      "--enable-chunked-prefill", "--enable-request-id-headers",
+                      "--enable-prompt-tokens-details", "--enable-lora"])
         assert parse(["generate", "hi", "--trust-remote-code"]).prompt == "hi"
     assert configs_from_args(args)[0].model == "/models/m"
-    assert not hasattr(args, "trust_remote_code") and not hasattr(args, "disable_log_requests")
+    assert not {"trust_remote_code", "disable_log_requests", "enable_chunked_prefill",
+                "enable_lora"} & set(vars(args))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "--trust-remote-code changes nothing", "--disable-log-requests changes nothing",
+        "--enable-chunked-prefill changes nothing", "--enable-request-id-headers changes nothing",
+        "--enable-prompt-tokens-details changes nothing", "--enable-lora changes nothing",
         "--trust-remote-code changes nothing"]
+    # vLLM's names of settings that exist here.
+    assert configs_from_args(parse(["serve", "--num-gpu-blocks-override", "96"]))[0] \
+        .num_device_blocks == 96
+    assert parse(["serve", "--access-log", "--disable-uvicorn-access-log"]).access_log is False
+    assert parse(["router", "--disable-uvicorn-access-log"]).access_log is False
+    assert parse(["serve"]).access_log is False
     # run-batch opens no port: listening flags are refused, not ignored.
     for flag in (["--port", "8000"], ["--ssl-certfile", "cert.pem"], ["--access-log"],
                  ["--disable-log-stats"]):  # (nor the stats line: it has a progress bar)
@@ -176,6 +187,51 @@ def test_speculative_flags_reach_the_engine_config():
     assert parse(["generate", "hi", "--speculative-method", "ngram"]).speculative_method == "ngram"
     with pytest.raises(SystemExit):
         parse(["serve", "--speculative-method", "eagle"])
+
+
+def test_vllm_speculative_config_json(capsys):
+    """vLLM's --speculative-config JSON sets the same fields as the separate flags; what this
+    engine cannot do (a draft model, EAGLE, unknown keys) is refused as the flags are read, and
+    a flag that disagrees with it is an error naming both."""
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    config = configs_from_args(parse([
+        "serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 6}']))[0]
+    assert (config.num_speculative_tokens, config.speculative_method, config.prompt_lookup_min,
+            config.prompt_lookup_max, config.speculative_disable_by_batch_size) \
+        == (3, "ngram", 2, 5, 6)
+    for spelling in ('{"method": "deepseek_mtp", "num_speculative_tokens": 1}',
+                     '{"method": "mtp", "num_speculative_tokens": 1}'):
+        config = configs_from_args(parse(["serve", "--speculative-config", spelling]))[0]
+        assert (config.speculative_method, config.num_speculative_tokens) == ("mtp", 1)
+    old_ngram = '{"model": "[ngram]", "num_speculative_tokens": 2}'  # vLLM's older spelling
+    assert configs_from_args(parse(["serve", "--speculative-config", old_ngram]))[0] \
+        .speculative_method == "ngram"
+    # Agreeing flags are fine; disagreeing ones name both.
+    ngram4 = '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert configs_from_args(parse(["serve", "--speculative-config", ngram4,
+                                    "--num-speculative-tokens", "4"]))[0] \
+        .num_speculative_tokens == 4
+    with pytest.raises(ValueError, match="--speculative-config sets num_speculative_tokens to 4 "
+                                         "and --num-speculative-tokens to 2"):
+        configs_from_args(parse(["serve", "--speculative-config", ngram4,
+                                 "--num-speculative-tokens", "2"]))
+    # Values the engine refuses are named as the JSON's.
+    with pytest.raises(ValueError, match="--speculative-config"):
+        configs_from_args(parse(["serve", "--speculative-config",
+                                 '{"method": "ngram", "num_speculative_tokens": -1}']))
+    for bad, needle in (('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+                        ('{"model": "/drafts/small", "num_speculative_tokens": 2}', "draft"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "eagle": 1}',
+                         "unsupported key"),
+                        ('{"method": "ngram"}', "num_speculative_tokens"),
+                        ("[1]", "JSON object"), ("{", "not JSON")):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--speculative-config", bad])
+        assert needle in capsys.readouterr().err, bad
 
 
 def test_lora_flags_reach_the_engine_config(tmp_path, capsys):

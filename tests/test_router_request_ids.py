@@ -125,7 +125,7 @@ def test_reset_prefix_cache_goes_to_every_server(router, upstream):
 
 def test_invocations_go_where_their_api_would(router, upstream):
     """SageMaker's route: a chat body through a prefill and a decode server as on its own path;
-    an embeddings body straight to a decode server."""
+    embeddings, score and rerank bodies straight to a decode server."""
     for body, want in (({"messages": [{"role": "user", "content": "hi"}]},
                         [("POST", "/v1/chat/completions", "t-3")] * 2),
                        ({"prompt": "hi"}, [("POST", "/v1/completions", "t-3")] * 2),
@@ -133,7 +133,10 @@ def test_invocations_go_where_their_api_would(router, upstream):
                        ({"prompt_embeds": "..."}, [("POST", "/v1/completions", "t-3")]),
                        ({"prompt": "hi", "prompt_logprobs": 1},
                         [("POST", "/v1/completions", "t-3")]),
-                       ({"input": "hi"}, [("POST", "/invocations", "t-3")])):
+                       ({"input": "hi"}, [("POST", "/invocations", "t-3")]),
+                       ({"text_1": "a", "text_2": "b"}, [("POST", "/invocations", "t-3")]),
+                       # ambiguous: the decode server's /invocations refuses it, not a prefill
+                       ({"prompt": "hi", "documents": ["a"]}, [("POST", "/invocations", "t-3")])):
         upstream.seen.clear()
         r = httpx.post(router.url + "/invocations", json=body, headers={"X-Request-Id": "t-3"})
         assert r.status_code == 200 and upstream.seen == want, body

@@ -59,7 +59,9 @@ def test_scores_are_transformers_cosines(server, hf_default_model, default_model
     texts = [text_1] if isinstance(text_1, str) else list(text_1)
     texts += [text_2] if isinstance(text_2, str) else list(text_2)
     tokens = sum(len(tokenizer.encode(t)) for t in texts)
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    # Each text is counted once, as it is embedded once.
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
+                             "completion_tokens": 0}
 
 
 def test_a_text_scored_against_itself_is_one_and_token_ids_equal_text(server, default_model):
@@ -82,7 +84,8 @@ def test_truncate_prompt_tokens_scores_the_last_tokens(server, hf_default_model,
 
 
 @pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
-def test_rerank_orders_documents_by_their_score(server, path):
+def test_rerank_orders_documents_by_their_score(server, default_model, path):
+    default_tokenizer = default_model.tokenizer
     scored = _post(server, "/score", {"text_1": QUERY, "text_2": DOCUMENTS}).json()["data"]
     expected = sorted(range(len(DOCUMENTS)), key=lambda i: scored[i]["score"], reverse=True)
     response = _post(server, path, {"model": "SmolLM2-135M-Instruct", "query": QUERY,
@@ -96,8 +99,11 @@ def test_rerank_orders_documents_by_their_score(server, path):
         assert result["document"] == {"text": DOCUMENTS[result["index"]]}
         assert result["relevance_score"] == pytest.approx(scored[result["index"]]["score"],
                                                           abs=1e-5)
-    # No top_n (or 0): every document; return_documents false leaves the text out.
-    for extra in ({}, {"top_n": 0}):
+    tokens = len(default_tokenizer.encode(QUERY)) + sum(len(default_tokenizer.encode(d))
+                                                        for d in DOCUMENTS)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    # No top_n (0 or less, as vLLM): every document; return_documents false leaves the text out.
+    for extra in ({}, {"top_n": 0}, {"top_n": -1}):
         every = _post(server, path, {"query": QUERY, "documents": DOCUMENTS, **extra}).json()
         assert [r["index"] for r in every["results"]] == expected
     bare = _post(server, path, {"query": QUERY, "documents": DOCUMENTS,
@@ -114,12 +120,15 @@ def test_rerank_orders_documents_by_their_score(server, path):
     ("/score", {"text_1": "x", "text_2": "y", "truncate_prompt_tokens": 0},
      "truncate_prompt_tokens"),
     ("/score", {"text_1": "x", "text_2": "x " * 400}, "text_2"),  # past --max-model-len 256
+    ("/score", {"text_1": "x " * 400, "text_2": "x"}, "text_1"),
+    ("/rerank", {"query": "x " * 400, "documents": ["x"]}, "query"),
+    ("/rerank", {"query": "x", "documents": ["x", "x " * 400]}, "documents"),
     ("/score", {"text_1": "x", "text_2": "y", "temperature": 1}, "temperature"),
     ("/rerank", {"documents": ["a"]}, "query"),
     ("/rerank", {"query": "q"}, "documents"),
     ("/rerank", {"query": "q", "documents": []}, "documents"),
     ("/rerank", {"query": "q", "documents": [1, 2]}, "documents.0"),
-    ("/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "q", "documents": ["a"], "top_n": 1.5}, "top_n"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     response = _post(server, path, body)

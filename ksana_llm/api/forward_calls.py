@@ -89,7 +89,8 @@ class ForwardCalls:
         """vLLM's `LLM.score` for an embedding model: the cosine similarity of each pair's
         embeddings (`embed`), one float per pair in [-1, 1]. Pairs: one `text_1` against every
         `text_2`, or the i-th of two equally long lists together (`api.scoring`). A text is a
-        string or a list of token ids; ValueError names the field at fault."""
+        string or a list of token ids. ValueError: a shape error names the field at fault; a
+        text the engine refuses (empty, too long) raises `embed`'s error."""
         first, second = self._texts(text_1, "text_1"), self._texts(text_2, "text_2")
         pairs = score_pairs(len(first), len(second))
         vectors = self.embed(first + second, lora=lora)

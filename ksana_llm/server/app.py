@@ -103,7 +103,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               sampling_defaults: SamplingDefaults | None = None,
               cors: CorsSettings | None = None, enable_prompt_embeds: bool = False,
-              request_log: RequestLog | None = None) -> FastAPI:
+              request_log: RequestLog | None = None,
+              default_chat_template_kwargs: Mapping[str, Any] | None = None,
+              force_include_usage: bool = False, enable_docs: bool = True) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `served_model_name`: the name requests give as `model` (several: aliases of the first).
@@ -118,6 +120,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     browser origins may call (None: no CORS headers; `serve` allows any origin, as vLLM).
     `enable_prompt_embeds`: completions take `prompt_embeds` (server/prompt_embeds.py).
     `request_log`: log every engine request as it is submitted (--enable-log-requests).
+    `default_chat_template_kwargs`: chat template arguments every chat request gets under its
+    own `chat_template_kwargs`. `force_include_usage`: every stream ends with a usage chunk.
+    `enable_docs` False: no /docs, /redoc or /openapi.json.
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -149,7 +154,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         return_tokens_as_token_ids=parsing.return_tokens_as_token_ids,
         responses=ResponseStore(max_stored_responses),
         sampling_defaults=sampling_defaults or SamplingDefaults(),
-        enable_prompt_embeds=enable_prompt_embeds, request_log=request_log)
+        enable_prompt_embeds=enable_prompt_embeds, request_log=request_log,
+        default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
+        force_include_usage=force_include_usage)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -158,7 +165,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         state.shutting_down = True
         engine.shutdown()
 
-    app = FastAPI(title="ksana-llm", version=ksana_llm.__version__, lifespan=lifespan)
+    docs: dict[str, Any] = {} if enable_docs else {"docs_url": None, "redoc_url": None,
+                                                   "openapi_url": None}
+    app = FastAPI(title="ksana-llm", version=ksana_llm.__version__, lifespan=lifespan, **docs)
     app.state.server = state
     install_error_handlers(app)
 
@@ -279,6 +288,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 
     overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
     overrides["model"] = model_from_args(args)
+    flags = {name: _flag_of(name) for name in overrides}
+    for name, value in (getattr(args, "speculative_config", None) or {}).items():
+        if overrides[name] is not None and overrides[name] != value:
+            raise ValueError(f"--speculative-config sets {name} to {value!r} and "
+                             f"{flags[name]} to {overrides[name]!r}; give one")
+        overrides[name], flags[name] = value, "--speculative-config"
     if overrides["lora_modules"] is not None:
         names = [name for name, _ in overrides["lora_modules"]]
         if len(set(names)) != len(names):
@@ -287,13 +302,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.config_file is not None:
         # Everything the engine acts on (including max_token_len and waiting_timeout_in_ms) is
         # in the EngineConfig; the ServerSettings add what only the server does (KV transfer).
-        return yaml_config.load_engine_config(
-            args.config_file, overrides, override_names={name: _flag_of(name) for name in overrides})
+        return yaml_config.load_engine_config(args.config_file, overrides, override_names=flags)
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         return EngineConfig(**given), None
     except ValidationError as exc:
-        raise named_validation_error(exc, {name: _flag_of(name) for name in given}) from None
+        raise named_validation_error(exc, {name: flags[name] for name in given}) from None
 
 
 # Engine settings whose command-line flag is not the field's name with dashes.
@@ -344,11 +358,14 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
 
 
 def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """build_app's `enable_prompt_embeds` and `request_log` from --enable-prompt-embeds,
-    --enable-log-requests and --max-log-len (serve and run-batch)."""
+    """build_app's request options from the flags serve and run-batch share:
+    --enable-prompt-embeds, --enable-log-requests / --max-log-len,
+    --default-chat-template-kwargs and --enable-force-include-usage."""
     log = getattr(args, "enable_log_requests", False)
     return {"enable_prompt_embeds": bool(getattr(args, "enable_prompt_embeds", False)),
-            "request_log": RequestLog(args.max_log_len).enable() if log else None}
+            "request_log": RequestLog(args.max_log_len).enable() if log else None,
+            "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
+            "force_include_usage": bool(getattr(args, "enable_force_include_usage", False))}
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -381,6 +398,7 @@ def run_server(args: argparse.Namespace) -> int:
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args),
+                    enable_docs=not getattr(args, "disable_fastapi_docs", False),
                     **request_options_from_args(args))
     server = AnnouncingServer(uvicorn_config(
         app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),

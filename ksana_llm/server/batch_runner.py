@@ -4,7 +4,7 @@ process and without a port (vLLM's `run-batch`, OpenAI's Batch API file format).
 Input: JSONL, one request a line:
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 with `url` one of /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses,
-/v1/score, /v1/rerank. Output:
+/v1/score (or /score), /v1/rerank (or /rerank, /v2/rerank). Output:
 one line per input line, in input order (written as answers come, so a long batch's finished
 lines are on disk while the rest run):
     {"id": "batch_req_...", "custom_id": "r1",
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-              "/v1/score", "/v1/rerank")
+              "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
 
 
 def _line_error(custom_id: Any, code: str, message: str) -> dict[str, Any]:

@@ -62,7 +62,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
                           param="max_completion_tokens")
     tools = plan_tools(req.tools, req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                        auto_enabled=state.enable_auto_tool_choice, parser=state.tool_parser)
-    template_kwargs = dict(req.chat_template_kwargs or {})
+    template_kwargs = {**state.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
     if req.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     prompt = render_chat(state.tokenizer, req.messages, state.chat_template,

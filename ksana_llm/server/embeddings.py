@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from fastapi import APIRouter, Request
@@ -51,8 +51,8 @@ def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
 
 
 def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.AbstractEventLoop,
-               lora: str | None, field: str) -> Callable[[int], ForwardHandle]:
-    """What queues input i (a prompt the engine refuses is a 400 naming `field`)."""
+               lora: str | None, fields: Sequence[str]) -> Callable[[int], ForwardHandle]:
+    """What queues input i (a prompt the engine refuses is a 400 naming `fields[i]`)."""
     base = f"embd-{uuid.uuid4().hex}"
 
     def submit(i: int) -> ForwardHandle:
@@ -60,16 +60,19 @@ def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.Abstr
             return state.engine.submit_forward(prompts[i], list(EMBEDDING_TARGETS),
                                                request_id=f"{base}-{i}", loop=loop, lora=lora)
         except ValueError as exc:  # too long for the model, ...
-            raise bad_request(str(exc), param=field) from exc
+            raise bad_request(str(exc), param=fields[i]) from exc
 
     return submit
 
 
 async def embed_prompts(state: ServerState, prompts: list[list[int]], request: Request,
-                        lora: str | None, field: str = "input") -> list[torch.Tensor] | None:
+                        lora: str | None, fields: Sequence[str] | None = None
+                        ) -> list[torch.Tensor] | None:
     """Each prompt's embedding (`api.embeddings`), in order; None when the client left first
-    (its requests aborted and counted). Also what `/score` and `/rerank` compare."""
-    submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, field)
+    (its requests aborted and counted). `fields`: each prompt's field name for errors
+    (default: all `input`). Also what `/score` and `/rerank` compare."""
+    fields = fields if fields is not None else ["input"] * len(prompts)
+    submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, fields)
     outputs = await run_forward(state.engine, submit, len(prompts), request)
     if outputs is None:
         state.count_failure("aborted")  # forward-only: see server.metrics for the rule

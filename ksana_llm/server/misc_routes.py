@@ -114,7 +114,8 @@ async def tokenize(request: Request) -> JSONResponse:
         if not req.messages:
             raise bad_request("`messages` must not be empty.", param="messages")
         text = render_chat(state.tokenizer, req.messages, state.chat_template,
-                           add_generation_prompt=req.add_generation_prompt)
+                           add_generation_prompt=req.add_generation_prompt,
+                           template_kwargs=state.default_chat_template_kwargs)
         ids = state.tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)

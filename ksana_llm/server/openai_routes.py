@@ -198,7 +198,8 @@ async def create_completion(request: Request) -> Response:
         return prompt_logprobs_entries(choices.handles[request_index].output)
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = state.force_include_usage or bool(
+            req.stream_options and req.stream_options.include_usage)
         request_of = [r for r, h in enumerate(choices.handles)
                       for _ in range(h.config.num_return_sequences)]
 
@@ -288,7 +289,8 @@ async def create_chat_completion(request: Request) -> Response:
     texts = state.logprob_texts(req)
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage = state.force_include_usage or bool(
+            req.stream_options and req.stream_options.include_usage)
 
         def chunk(choice: ChatStreamChoice, generated: int = 0) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],

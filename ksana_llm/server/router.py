@@ -309,10 +309,11 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
         """SageMaker's route: chat and completion bodies through prefill and decode servers
-        like theirs; the rest (embeddings, bad bodies) straight to a decode server."""
+        like theirs; the rest (embeddings, scores, reranks, bad bodies) straight to a decode
+        server, whose /invocations answers or refuses them."""
         body = await _json_body(request)
         api = {path for key, path in _INVOCATION_APIS if key in body}
-        if len(api) == 1 and "input" not in body:
+        if len(api) == 1 and not any(key in body for key in ("input", "text_1", "documents")):
             return await _unless_client_leaves(request, request.app.state.router.forward(
                 api.pop(), body, _request_id(request)))
         return await direct(request)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ksana_llm.server.openai_protocol import EmbeddingUsage, _Request
+from ksana_llm.server.openai_protocol import _Request
 
 
 class ScoreRequest(_Request):
@@ -30,23 +30,29 @@ class ScoreData(BaseModel):
     score: float
 
 
+class ScoreUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
 class ScoreResponse(BaseModel):
     id: str = Field(default_factory=lambda: f"score-{uuid.uuid4().hex}")
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[ScoreData]
-    usage: EmbeddingUsage
+    usage: ScoreUsage
 
 
 class RerankRequest(_Request):
     """A `query` and the `documents` (strings) to order by their relevance to it; `top_n`
-    keeps the best n (None or 0: all of them)."""
+    keeps the best n (None, 0 or less: all of them, as vLLM)."""
 
     model: str | None = None
     query: str | None = None
     documents: list[str] | None = None
-    top_n: int | None = Field(None, ge=0)
+    top_n: int | None = None
     return_documents: bool = True  # Cohere's: False leaves each result's `document` out
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     user: str | None = None
@@ -63,6 +69,7 @@ class RerankResult(BaseModel):
 
 
 class RerankUsage(BaseModel):
+    prompt_tokens: int
     total_tokens: int
 
 

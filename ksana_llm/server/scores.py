@@ -6,7 +6,8 @@
   by their score against `query`, best first, cut to `top_n`.
 
 A score is the cosine similarity of the two texts' embeddings (`api.scoring`), as vLLM scores
-with an embedding model; each distinct text is embedded once, as `/v1/embeddings` would.
+with an embedding model; each text is embedded once, as `/v1/embeddings` would embed it, and
+counted once in `usage` (vLLM embeds and counts a 1:N request's first text once per pair).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from fastapi.responses import JSONResponse
 from ksana_llm.api.scoring import pair_scores, score_pairs
 from ksana_llm.server.embeddings import embed_prompts
 from ksana_llm.server.errors import bad_request
-from ksana_llm.server.openai_protocol import EmbeddingUsage
 from ksana_llm.server.params import prompt_token_lists, truncate_prompt
 from ksana_llm.server.score_protocol import (RerankDocument, RerankRequest, RerankResponse,
                                              RerankResult, RerankUsage, ScoreData, ScoreRequest,
-                                             ScoreResponse)
+                                             ScoreResponse, ScoreUsage)
 from ksana_llm.server.state import ServerState, server_state
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
 
@@ -42,19 +42,21 @@ def _texts(value: Any, field: str, state: ServerState, keep: int | None) -> list
     return [truncate_prompt(ids, keep, state.limits.max_model_len) for ids in texts]
 
 
-async def _embed(state: ServerState, first: list[list[int]], second: list[list[int]],
-                 request: Request, lora: str | None, field: str
+async def _embed(state: ServerState, first: tuple[str, list[list[int]]],
+                 second: tuple[str, list[list[int]]], request: Request, lora: str | None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Both lists' embeddings as [n, hidden] tensors; None when the client left. `field`: the
-    second list's name, for errors (a text too long for the model, too many texts)."""
-    if len(first) + len(second) > MAX_SCORE_TEXTS:
+    """The embeddings of two named lists of texts as [n, hidden] tensors; None when the client
+    left. A text the engine refuses (too long for the model) is a 400 naming its list."""
+    (first_name, first_texts), (second_name, second_texts) = first, second
+    if len(first_texts) + len(second_texts) > MAX_SCORE_TEXTS:
         raise bad_request(f"At most {MAX_SCORE_TEXTS} texts per request; got "
-                          f"{len(first) + len(second)}.", param=field)
-    vectors = await embed_prompts(state, first + second, request, lora, field=field)
+                          f"{len(first_texts) + len(second_texts)}.", param=second_name)
+    fields = [first_name] * len(first_texts) + [second_name] * len(second_texts)
+    vectors = await embed_prompts(state, first_texts + second_texts, request, lora, fields)
     if vectors is None:
         return None
     stacked = torch.stack(vectors)
-    return stacked[:len(first)], stacked[len(first):]
+    return stacked[:len(first_texts)], stacked[len(first_texts):]
 
 
 @router.post("/score")
@@ -69,14 +71,14 @@ async def create_scores(request: Request) -> JSONResponse:
         pairs = score_pairs(len(first), len(second))
     except ValueError as exc:
         raise bad_request(str(exc), param="text_2") from exc
-    embedded = await _embed(state, first, second, request, lora, "text_2")
+    embedded = await _embed(state, ("text_1", first), ("text_2", second), request, lora)
     if embedded is None:
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     scores = pair_scores(*embedded, pairs)
     tokens = sum(map(len, first)) + sum(map(len, second))
     response = ScoreResponse(model=state.response_model(req.model),
                              data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
-                             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+                             usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
     return JSONResponse(response.model_dump())
 
 
@@ -93,7 +95,7 @@ async def rerank(request: Request) -> JSONResponse:
         raise bad_request("`documents` must be a non-empty list of strings.", param="documents")
     query = _texts(req.query, "query", state, req.truncate_prompt_tokens)
     documents = _texts(req.documents, "documents", state, req.truncate_prompt_tokens)
-    embedded = await _embed(state, query, documents, request, lora, "documents")
+    embedded = await _embed(state, ("query", query), ("documents", documents), request, lora)
     if embedded is None:
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     scores = pair_scores(*embedded, score_pairs(1, len(documents)))
@@ -101,9 +103,10 @@ async def rerank(request: Request) -> JSONResponse:
     results = [RerankResult(index=i, relevance_score=scores[i],
                             document=RerankDocument(text=req.documents[i])
                             if req.return_documents else None)
-               for i in order[:req.top_n or None]]
+               for i in order[:req.top_n if req.top_n and req.top_n > 0 else None]]
     tokens = len(query[0]) + sum(map(len, documents))
     response = RerankResponse(model=state.response_model(req.model),
-                              usage=RerankUsage(total_tokens=tokens), results=results)
+                              usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens),
+                              results=results)
     return JSONResponse(response.model_dump(exclude_none=True))
 

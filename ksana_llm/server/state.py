@@ -51,6 +51,9 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     enable_prompt_embeds: bool = False  # --enable-prompt-embeds: completions take prompt_embeds
     request_log: RequestLog | None = None  # --enable-log-requests
+    # --default-chat-template-kwargs: under each chat request's own chat_template_kwargs
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
     model_aliases: tuple[str, ...] = ()  # more names for the served model (--served-model-name)
