@@ -260,6 +260,10 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help=_KV_CACHE_DTYPE_HELP)
     parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
                         help=_QUANTIZATION_HELP)
+    parser.add_argument("--hf-overrides", type=cli_types.json_object, default=None,
+                        metavar="JSON",
+                        help="config.json values to change before the model is built (vLLM's), "
+                             "e.g. '{\"max_position_embeddings\": 65536}'")
     # LoRA adapters (vLLM's flags); a request picks one with its `model` field.
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         type=cli_types.lora_module,

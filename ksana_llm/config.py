@@ -67,6 +67,9 @@ class EngineConfig(BaseModel):
                           "(KsanaLLM quantization_config.weight.quant_method fp8_e4m3, vLLM "
                           "--quantization fp8). FP8 checkpoints (quant_method 'fp8') load as "
                           "FP8 either way")
+    hf_overrides: dict[str, Any] | None = Field(
+        None, description="config.json values changed before the model is built (vLLM "
+                          "--hf-overrides), e.g. {\"max_position_embeddings\": 65536}")
 
     # KV cache (KsanaLLM block_manager.*)
     block_token_num: int = Field(16, ge=1, le=1024, description="tokens per KV block")

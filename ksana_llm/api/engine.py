@@ -89,7 +89,8 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
                 model if model is not None else self.config.model, device=self.config.device,
                 dtype=self.config.dtype, tensor_parallel_size=self.config.tensor_parallel_size,
                 pipeline_parallel_size=self.config.pipeline_parallel_size,
-                quantization=self.config.quantization, tokenizer=self.config.tokenizer)
+                quantization=self.config.quantization, tokenizer=self.config.tokenizer,
+                hf_overrides=self.config.hf_overrides)
             try:
                 self._start(model, tokenizer, generation_config)
             except BaseException:

@@ -18,13 +18,15 @@ from ksana_llm.config import DTYPE_ALIASES, EngineConfig
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
+from ksana_llm.loader.hf_config import hf_overrides_applied
 from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
 
 logger = logging.getLogger("ksana_llm.model")
 
 # Settings that shape how a model loads: given with an already-loaded Model, they cannot apply.
-_LOAD_SETTINGS = ("device", "dtype", "quantization", "tensor_parallel_size", "pipeline_parallel_size")
+_LOAD_SETTINGS = ("device", "dtype", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
+                  "hf_overrides")
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16,
                             "bfloat16": torch.bfloat16})
@@ -167,7 +169,7 @@ class Model:
 
     def check_load_settings(self, config: EngineConfig, given: Iterable[str]) -> None:
         """ValueError for a setting that shapes how a model loads (device, dtype, quantization,
-        parallel sizes), named in `given` and set in `config`, that this loaded model does not
+        parallel sizes, hf_overrides), named in `given` and set in `config`, that this loaded model does not
         match: it could not apply, and would otherwise be ignored without a word."""
         ctx = self.runtime.ctx if self.runtime is not None else None
         actual: dict[str, Any] = {"device": self.device, "dtype": self.dtype_name,
@@ -178,7 +180,10 @@ class Model:
             wanted = getattr(config, name)
             if name not in given or wanted == "auto":
                 continue
-            if name == "device":
+            if name == "hf_overrides":
+                matches = not wanted or hf_overrides_applied(self.hf_config, wanted)
+                actual[name] = "not applied"
+            elif name == "device":
                 try:
                     device = torch.device(wanted)
                 except RuntimeError as exc:
@@ -197,7 +202,8 @@ class Model:
                         pipeline_parallel_size: int = 1, progress: bool = True,
                         plugin: bool | str | os.PathLike = True,
                         quantization: str | None = None, pad_token_id: int | None = None,
-                        tokenizer: str | os.PathLike | None = None) -> Model:
+                        tokenizer: str | os.PathLike | None = None,
+                        hf_overrides: dict[str, Any] | None = None) -> Model:
         """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct.
 
         Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
@@ -209,6 +215,10 @@ class Model:
 
         `tokenizer`: a folder whose tokenizer replaces the model's own (vLLM's `tokenizer`;
         e.g. a weights-only folder, or a GGUF file whose embedded tokenizer is not wanted).
+
+        `hf_overrides` (vLLM's): config.json values to change before the model is built, e.g.
+        `{"max_position_embeddings": 65536, "rope_scaling": {...}}` (a dict for a sub-config
+        such as `text_config` updates its keys); every rank applies them.
 
         `pad_token_id` (the KTransformers guide passes it): the paged engine never pads a batch,
         so it only names the tokenizer's pad token where the tokenizer has none.
@@ -226,7 +236,9 @@ class Model:
         tp_size = resolve_parallel_size("tensor_parallel_size", tensor_parallel_size, torch_device)
         pp_size = resolve_parallel_size("pipeline_parallel_size", pipeline_parallel_size, None)
         model_dir = resolve_model_dir(path)
-        hf_config = load_hf_config(model_dir)
+        if hf_overrides is not None and not isinstance(hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict, got {type(hf_overrides).__name__}")
+        hf_config = load_hf_config(model_dir, hf_overrides)
         # Before the weights: a wrong tokenizer path fails in seconds, not after the load.
         given_tokenizer = (None if tokenizer is None
                            else load_tokenizer(tokenizer, int(hf_config.vocab_size)))
@@ -236,7 +248,8 @@ class Model:
         if tp_size * pp_size > 1 or node is not None:
             check_parallel_sizes(model_dir, hf_config, tp_size, pp_size)
             spec = LaunchSpec(str(model_dir), str(torch_dtype).removeprefix("torch."),
-                              torch_device.type, tp_size, pp_size, quantization=quantization)
+                              torch_device.type, tp_size, pp_size, quantization=quantization,
+                              hf_overrides=hf_overrides or None)
             runtime, workers = start_master(spec, node)
             torch_device = runtime.device
         try:

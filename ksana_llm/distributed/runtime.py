@@ -34,6 +34,7 @@ class LaunchSpec:
     master_port: int = 0
     timeout_s: float = 300.0
     quantization: str | None = None  # EngineConfig.quantization
+    hf_overrides: dict[str, Any] | None = None  # EngineConfig.hf_overrides (JSON values)
 
     @property
     def world_size(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from ksana_llm.distributed.runtime import (LaunchSpec, Runtime, broadcast_message,
                                            gather_messages, init_runtime)
 from ksana_llm.distributed.runtime import shutdown_runtime
+from ksana_llm.loader import load_hf_config
 from ksana_llm.models.factory import load_model_module
 from ksana_llm.runner.model_runner import ModelRunner
 
@@ -78,7 +79,9 @@ def worker_main(rank: int, spec: LaunchSpec, started: Any = None) -> None:
     try:
         module, dtype = load_model_module(spec.model_dir, device=runtime.device, dtype=spec.dtype,
                                           parallel=runtime.ctx, progress=False,
-                                          quantization=spec.quantization)
+                                          quantization=spec.quantization,
+                                          hf_config=load_hf_config(spec.model_dir,
+                                                                   spec.hf_overrides))
         serve_steps(runtime, module, dtype)
     except Exception:
         logger.exception("worker rank %d failed", rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,51 @@ from ksana_llm.loader.json_files import read_json_object
 logger = logging.getLogger("ksana_llm.loader")
 
 
-def load_hf_config(model_dir: str | Path) -> Any:
-    """The folder's config. Families whose configs live in remote code (Qwen v1, Baichuan) are
-    unknown to transformers, and we never run remote code: for those, the plain keys of
-    config.json in a `PretrainedConfig`, which our model classes read by name."""
+def load_hf_config(model_dir: str | Path, overrides: Mapping[str, Any] | None = None) -> Any:
+    """The folder's config, with `overrides` (vLLM's `hf_overrides`) applied. Families whose
+    configs live in remote code (Qwen v1, Baichuan) are unknown to transformers, and we never
+    run remote code: for those, the plain keys of config.json in a `PretrainedConfig`, which
+    our model classes read by name."""
+    config = _read_hf_config(model_dir)
+    if overrides:
+        apply_hf_overrides(config, overrides)
+    return config
+
+
+def apply_hf_overrides(config: Any, overrides: Mapping[str, Any], prefix: str = "") -> None:
+    """Set each key of `overrides` on the config, as vLLM's `hf_overrides` does: a dict given
+    for a sub-config (a multimodal model's `text_config`, say) updates that sub-config's keys,
+    anything else replaces the value (or adds the key). ValueError naming a key that is not a
+    string."""
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"hf_overrides: keys must be non-empty strings, got {key!r}")
+        current = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value, prefix=f"{prefix}{key}.")
+        else:
+            setattr(config, key, value)
+        logger.info("hf_overrides: %s%s = %r", prefix, key, value)
+
+
+def hf_overrides_applied(config: Any, overrides: Mapping[str, Any]) -> bool:
+    """Whether `config` already holds every value `overrides` would set."""
+    from transformers import PretrainedConfig
+
+    missing = object()
+    for key, value in overrides.items():
+        current = getattr(config, key, missing)
+        if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
+            if not hf_overrides_applied(current, value):
+                return False
+        elif current is missing or current != value:
+            return False
+    return True
+
+
+def _read_hf_config(model_dir: str | Path) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     try:

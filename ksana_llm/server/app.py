@@ -257,7 +257,7 @@ ENGINE_FLAGS = ("tokenizer", "device", "dtype", "quantization", "num_device_bloc
                 "async_scheduling", "overlap_output_processing", "num_speculative_tokens",
                 "speculative_method", "speculative_disable_by_batch_size", "prompt_lookup_min",
                 "prompt_lookup_max", "kv_cache_dtype", "lora_modules", "max_loras",
-                "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps")
+                "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -459,4 +459,5 @@ def worker_spec(config: Any) -> Any:
     dtype = resolve_dtype(config.dtype, device)
     return LaunchSpec(str(resolve_model_dir(config.model)), str(dtype).removeprefix("torch."),
                       device.type, tp_size=config.tensor_parallel_size,
-                      pp_size=config.pipeline_parallel_size, quantization=config.quantization)
+                      pp_size=config.pipeline_parallel_size, quantization=config.quantization,
+                      hf_overrides=config.hf_overrides)
