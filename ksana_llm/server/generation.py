@@ -145,7 +145,11 @@ class ChoiceEvent:
     logprobs: list[dict[str, Any]] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    num_tokens: int = 0  # tokens this event adds to the choice
+    token_ids: list[int] = field(default_factory=list)  # tokens this event adds to the choice
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def map_engine_error(exc: BaseException) -> APIError:
@@ -272,7 +276,7 @@ class ChoiceSet:
                         open_choices.discard(delta.index)
                     queue.put_nowait(ChoiceEvent(first + delta.index, delta.text, delta.logprobs,
                                                  delta.finish_reason, delta.stop_reason,
-                                                 len(delta.token_ids)))
+                                                 list(delta.token_ids)))
                 # The request ended: a sequence that never said so (an abort) ends with it.
                 reason = handle.output.finish_reason or "abort"
                 for index in sorted(open_choices):

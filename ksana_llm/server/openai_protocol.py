@@ -106,6 +106,9 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool = False
     # vLLM's: only requests with the same salt share prefix-cache entries.
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: the prompt's and each choice's token ids in the answer (streams: the prompt's on
+    # the first chunk, each chunk's own tokens after).
+    return_token_ids: bool = False
 
     def unsupported_params(self) -> list[str]:
         return []
@@ -251,6 +254,8 @@ class CompletionChoice(_KeepsNullKeys):
     stop_reason: str | int | None = None
     # vLLM's prompt_logprobs: None for the first prompt token, then {token_id: PromptLogprob}.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids: this choice's (chunk's) tokens
 
 
 class CompletionResponse(BaseModel):
@@ -302,6 +307,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -313,6 +319,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # a prefill server's answer to do_remote_decode
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -341,6 +348,7 @@ class ChatStreamChoice(_KeepsNullKeys):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -350,6 +358,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: on the first chunk
 
 
 class ModelCard(BaseModel):

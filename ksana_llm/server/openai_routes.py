@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -93,6 +93,12 @@ async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[Bas
     yield "data: [DONE]\n\n"
 
 
+def _ids_if(req: Any, ids: Sequence[int] | None) -> list[int] | None:
+    """Token ids for the answer when the request asked for them (`return_token_ids`); None
+    stays None (a prompt given as embeddings has no token ids)."""
+    return list(ids) if req.return_token_ids and ids is not None else None
+
+
 def _usage(prompt_tokens: int, choices: ChoiceSet, prompt_of: list[int] | None = None,
            prediction: list[int] | None = None, *, generated: bool = True) -> Usage:
     """Token counts. `prompt_of` maps requests to prompts (default: all one prompt); a prompt
@@ -159,9 +165,11 @@ async def create_completion(request: Request) -> Response:
     embeds = await asyncio.to_thread(_prompt_embeds, req, state)
     if embeds is not None:  # the engine reads them; their token ids are placeholders
         prompts = [[0] * len(rows) for rows in embeds]
+        prompt_ids: list[list[int] | None] = [None] * len(prompts)
     else:
         prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
                    for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
+        prompt_ids = list(prompts)  # what return_token_ids shows of each prompt
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}.", param="n")
     spec, _ = await constraint(state, [from_response_format(req.response_format),
@@ -206,11 +214,13 @@ async def create_completion(request: Request) -> Response:
         async def chunks() -> AsyncIterator[BaseModel]:
             offsets = [TextOffsets() for _ in range(choices.num_choices)]  # per choice
             echoed = [echo_texts is None] * choices.num_choices
+            # return_token_ids: each choice's first chunk carries its prompt's ids
+            prompt_ids_sent = [not req.return_token_ids] * choices.num_choices
             generated = [0] * choices.num_choices
             async for ev in choices.events():
                 r = request_of[ev.index]
                 if score_only:  # the generated token is not part of the answer
-                    ev.text, ev.logprobs, ev.num_tokens = "", None, 0
+                    ev.text, ev.logprobs, ev.token_ids = "", None, []
                     if ev.finish_reason is not None:  # out of tokens, whatever the one was
                         ev.finish_reason, ev.stop_reason = "length", None
                 generated[ev.index] += ev.num_tokens
@@ -225,17 +235,27 @@ async def create_completion(request: Request) -> Response:
                                                         texts, offsets[ev.index])
                     else:
                         offsets[ev.index] = TextOffsets(start=len(text))
+                    prompt_ids_sent[ev.index] = True
                     yield CompletionResponse(id=request_id, created=created, model=model, choices=[
-                        CompletionChoice(index=ev.index, text=text, logprobs=lp)], usage=usage)
+                        CompletionChoice(index=ev.index, text=text, logprobs=lp,
+                                         prompt_token_ids=_ids_if(req, prompt_ids[jobs.prompt_of[r]]),
+                                         token_ids=_ids_if(req, []))], usage=usage)
                 logprobs = None
                 if ev.logprobs is not None:
                     logprobs = completion_logprobs(ev.logprobs, texts, offsets[ev.index])
                     logprobs = logprobs if logprobs.tokens else None
-                if not ev.text and ev.finish_reason is None and logprobs is None:
+                if not ev.text and ev.finish_reason is None and logprobs is None \
+                        and not (req.return_token_ids and ev.token_ids):
                     continue
+                prompt_ids_now = None
+                if not prompt_ids_sent[ev.index]:
+                    prompt_ids_sent[ev.index] = True
+                    prompt_ids_now = _ids_if(req, prompt_ids[jobs.prompt_of[r]])
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[
                     CompletionChoice(index=ev.index, text=ev.text, logprobs=logprobs,
-                                     finish_reason=ev.finish_reason, stop_reason=ev.stop_reason)],
+                                     finish_reason=ev.finish_reason, stop_reason=ev.stop_reason,
+                                     prompt_token_ids=prompt_ids_now,
+                                     token_ids=_ids_if(req, ev.token_ids))],
                     usage=usage)
             if include_usage:
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
@@ -269,7 +289,8 @@ async def create_completion(request: Request) -> Response:
             index=i, text=prefix + out.text, logprobs=logprobs, finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
             prompt_logprobs=(vllm_prompt_logprobs(entries, prompts[p], texts)
-                             if req.prompt_logprobs is not None else None)))
+                             if req.prompt_logprobs is not None else None),
+            prompt_token_ids=_ids_if(req, prompt_ids[p]), token_ids=_ids_if(req, out.token_ids)))
     response = CompletionResponse(id=request_id, created=created, model=model, choices=result,
                                   usage=_usage(prompt_tokens, choices, jobs.prompt_of,
                                                generated=not score_only),
@@ -300,7 +321,10 @@ async def create_chat_completion(request: Request) -> Response:
             parsers = [output_parser() for _ in range(choices.num_choices)]
             generated = [0] * choices.num_choices
             for i in range(choices.num_choices):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                first = chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                           content="")))
+                first.prompt_token_ids = _ids_if(req, ids)  # (each choice's first chunk)
+                yield first
             async for ev in choices.events():
                 generated[ev.index] += ev.num_tokens
                 parser = parsers[ev.index]
@@ -312,11 +336,14 @@ async def create_chat_completion(request: Request) -> Response:
                                       delta.tool_calls + tail.tool_calls)
                     finish_reason = parser.finish_reason(ev.finish_reason)
                 logprobs = chat_logprobs(ev.logprobs, texts) if ev.logprobs else None
-                if not delta and finish_reason is None and logprobs is None:
+                if not delta and finish_reason is None and logprobs is None \
+                        and not (req.return_token_ids and ev.token_ids):
                     continue
                 message = parser.delta_message(delta) if delta else DeltaMessage()
                 yield chunk(ChatStreamChoice(index=ev.index, delta=message, logprobs=logprobs,
-                                             finish_reason=finish_reason), generated[ev.index])
+                                             finish_reason=finish_reason,
+                                             token_ids=_ids_if(req, ev.token_ids)),
+                            generated[ev.index])
             if include_usage:
                 yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                           usage=_usage(len(ids), choices,
@@ -334,7 +361,8 @@ async def create_chat_completion(request: Request) -> Response:
         logprobs = chat_logprobs(out.logprobs, texts) if out.logprobs is not None else None
         result.append(ChatChoice(index=i, message=message, logprobs=logprobs,
                                  finish_reason=parser.finish_reason(out.finish_reason),
-                                 stop_reason=out.stop_reason))
+                                 stop_reason=out.stop_reason,
+                                 token_ids=_ids_if(req, out.token_ids)))
     prompt_lps = None
     if req.prompt_logprobs is not None:
         prompt_lps = vllm_prompt_logprobs(prompt_logprobs_entries(choices.handles[0].output), ids,
@@ -342,6 +370,7 @@ async def create_chat_completion(request: Request) -> Response:
     response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=result,
                                       usage=_usage(len(ids), choices, prediction=run.prediction),
                                       prompt_logprobs=prompt_lps,
-                                      kv_transfer_params=kv_response(state, choices))
+                                      kv_transfer_params=kv_response(state, choices),
+                                      prompt_token_ids=_ids_if(req, ids))
     return JSONResponse(response.model_dump())
 

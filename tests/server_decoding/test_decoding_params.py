@@ -11,7 +11,8 @@ import openai
 import pytest
 
 import ksana_llm as kt
-from tests.server_decoding.harness import PROMPT, QUESTION, TIME_TOOL, TOOLS, run_r1
+from tests.server_decoding.harness import (PROMPT, QUESTION, TEMPLATE, TIME_TOOL, TOOLS,
+                                           run_r1)
 from tests.server_process import openai_error
 from tests.tolerances import LOGIT_ATOL
 
@@ -275,3 +276,56 @@ def test_bad_parser_flags_fail_at_start(flags, message, capsys):
 
     assert main(["serve", "--port", "1", "--model", "/nonexistent", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_return_token_ids_matches_python_api(server, client, model, local_engine):
+    """vLLM's return_token_ids: the prompt's ids and each choice's generated ids, non-streamed
+    (on each completion choice; at the top of a chat answer) and streamed (the prompt's on the
+    first chunk of each choice, each chunk's own tokens after), equal to the Python API's."""
+    prompt_ids = local_engine.tokenizer.encode(PROMPT)
+    expected = _local(local_engine, PROMPT, max_new_tokens=6)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    answer = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert choice["token_ids"] == expected.token_ids and choice["text"] == expected.text
+    plain = httpx.post(server.base_url + "/completions", timeout=60,
+                       json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert plain.get("token_ids") is None and plain.get("prompt_token_ids") is None
+    # Streamed: the ids arrive with the text they belong to.
+    r = httpx.post(server.base_url + "/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [c["choices"][0] for c in _stream_events(r) if c["choices"]]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c.get("token_ids", [])] == expected.token_ids
+    assert "".join(c["text"] for c in chunks) == expected.text
+    # Chat: the rendered prompt's ids at the top (the server's template), the answer's on the
+    # choice.
+    rendered = local_engine.tokenizer.apply_chat_template(QUESTION, chat_template=TEMPLATE,
+                                                          add_generation_prompt=True,
+                                                          tokenize=False)
+    chat_ids = local_engine.tokenizer.encode(rendered, add_special_tokens=False)
+    expected = _local(local_engine, chat_ids, max_new_tokens=6)
+    answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6,
+                                            temperature=0,
+                                            extra_body={"return_token_ids": True})
+    assert answer.model_extra["prompt_token_ids"] == chat_ids
+    assert answer.choices[0].model_extra["token_ids"] == expected.token_ids
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+        "model": model, "messages": QUESTION, "max_tokens": 6, "temperature": 0,
+        "return_token_ids": True, "stream": True})
+    events = _stream_events(r)
+    assert events[0]["prompt_token_ids"] == chat_ids
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == expected.token_ids
+
+
+def _stream_events(response) -> list[dict]:
+    import json
+
+    lines = [line[len("data: "):] for line in response.text.splitlines()
+             if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
