@@ -1,0 +1,111 @@
+"""The server's engine settings from the command line: `serve` / `run-batch` flags (and a
+KsanaLLM YAML config) into an EngineConfig, the model to load, the served name and the KV
+transfer role. No FastAPI here: the parsing is checked before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import ValidationError
+
+from ksana_llm import yaml_config
+
+
+def default_served_model_name(model: str | None) -> str:
+    if model is None:
+        from ksana_llm.loader.default_model import DEFAULT_MODEL_FILENAME
+
+        return DEFAULT_MODEL_FILENAME.split(".")[0]  # SmolLM2-135M-Instruct
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+# CLI flag -> EngineConfig field, applied only when given (so a YAML file keeps the rest).
+ENGINE_FLAGS = ("tokenizer", "device", "dtype", "quantization", "num_device_blocks", "block_token_num", "max_num_seqs",
+                "max_step_tokens", "split_fuse_token_num", "block_device_memory_ratio",
+                "reserved_device_memory_ratio", "block_host_memory_factor", "swap_space",
+                "enable_prefix_caching", "preempt_mode", "waiting_timeout_ms",
+                "cuda_graph_max_batch_size", "attention_backend", "scheduler_policy",
+                "max_queue_size", "max_model_len", "seed",
+                "tensor_parallel_size", "pipeline_parallel_size", "enable_cuda_graphs",
+                "async_scheduling", "overlap_output_processing", "num_speculative_tokens",
+                "speculative_method", "speculative_disable_by_batch_size", "prompt_lookup_min",
+                "prompt_lookup_max", "kv_cache_dtype", "lora_modules", "max_loras",
+                "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides")
+
+
+def model_from_args(args: argparse.Namespace) -> str | None:
+    """`serve MODEL` (vLLM's positional form) or `--model`; both only when they agree."""
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None \
+            and _same_path(positional) != _same_path(args.model):
+        raise ValueError(f"the model is given twice, as {positional} and as --model "
+                         f"{args.model}; give one")
+    names = getattr(args, "served_model_name", None) or []
+    if hasattr(args, "model_tag") and positional is None and args.model is None \
+            and len(names) > 1 and os.path.exists(names[-1]):
+        # `serve --served-model-name foo /models/x`: the name list swallowed the model.
+        raise ValueError(f"--served-model-name took {names[-1]} as a name, but it is a path: "
+                         "give the model first (serve MODEL --served-model-name NAME) or as "
+                         "--model")
+    return positional if positional is not None else args.model
+
+
+def _same_path(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(EngineConfig, the YAML's ServerSettings or None) from --config_file (when given) with the
+    engine flags given on top."""
+    from ksana_llm.config import EngineConfig, named_validation_error
+
+    overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
+    overrides["model"] = model_from_args(args)
+    flags = {name: _flag_of(name) for name in overrides}
+    for name, value in (getattr(args, "speculative_config", None) or {}).items():
+        if overrides[name] is not None and overrides[name] != value:
+            raise ValueError(f"--speculative-config sets {name} to {value!r} and "
+                             f"{flags[name]} to {overrides[name]!r}; give one")
+        overrides[name], flags[name] = value, "--speculative-config"
+    if overrides["lora_modules"] is not None:
+        names = [name for name, _ in overrides["lora_modules"]]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names each adapter once, got {names}")
+        overrides["lora_modules"] = dict(overrides["lora_modules"])
+    if args.config_file is not None:
+        # Everything the engine acts on (including max_token_len and waiting_timeout_in_ms) is
+        # in the EngineConfig; the ServerSettings add what only the server does (KV transfer).
+        return yaml_config.load_engine_config(args.config_file, overrides, override_names=flags)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return EngineConfig(**given), None
+    except ValidationError as exc:
+        raise named_validation_error(exc, {name: flags[name] for name in given}) from None
+
+
+# Engine settings whose command-line flag is not the field's name with dashes.
+_FLAGS = MappingProxyType({"block_device_memory_ratio": "--gpu-memory-utilization",
+                           "preempt_mode": "--preemption-mode",
+                           "scheduler_policy": "--scheduling-policy",
+                           "max_step_tokens": "--max-num-batched-tokens"})
+
+
+def _flag_of(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def kv_transfer_from_args(args: argparse.Namespace, settings: Any) -> tuple[str | None, float | None]:
+    """(--kv-role, --kv-transfer-ttl), each from the YAML's connector section when not given
+    (--kv-role none: no role, whatever the YAML says)."""
+    kv_role = getattr(args, "kv_role", None) or (settings.kv_role if settings else None)
+    if kv_role == "none":
+        kv_role = None
+    kv_ttl = getattr(args, "kv_transfer_ttl", None)
+    if kv_ttl is None and settings is not None and kv_role is not None:
+        kv_ttl = settings.kv_transfer_ttl_s  # (meaningless, and ignored, without a role)
+    return kv_role, kv_ttl
