@@ -116,6 +116,14 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "(default: $KLLM_API_KEY, else no key)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template file (default: the tokenizer's)")
+    parser.add_argument("--chat-template-content-format", default="auto",
+                        choices=("auto", "string", "openai"),
+                        help="message content as the template gets it: one string, or a list "
+                             "of {'type': 'text', 'text': ...} parts (openai); auto reads the "
+                             "template for a loop over content (vLLM's flag)")
+    parser.add_argument("--response-role", type=cli_types.non_empty_str, default="assistant",
+                        help="the role of a chat answer when the request adds a generation "
+                             "prompt (otherwise: the last message's role)")
     parser.add_argument("--max-body-bytes", type=cli_types.positive_int, default=None,
                         help="largest request body accepted, else 413 (default: 2 MiB)")
     parser.add_argument("--shutdown-timeout", type=cli_types.non_negative_float, default=5.0,

@@ -35,6 +35,12 @@ positive_float = number(float, 0.0, False)
 non_negative_float = number(float, 0.0, True)
 
 
+def non_empty_str(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
 def json_value(value: str) -> object:
     try:
         return json.loads(value)

@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,15 @@ class GenerationConfig:
     sequence is never sampled, a longer one's last token is not once the sequence (prompt and
     output) ends with the rest. `allowed_token_ids` (vLLM's) restricts every sampled token to
     those ids.
+
+    `logits_processors` (vLLM's per-request processors; Python only, never over HTTP): callables
+    `fn(output_token_ids, logits)` or `fn(prompt_token_ids, output_token_ids, logits)` that get
+    the row's float32 logits [vocab] after the built-in processors (transformers' order: custom
+    processors last, before temperature / top-k / top-p) and return the logits to sample from
+    (the same tensor changed in place, or a new one). They run on the host's view of the
+    sequence, once per generated token; a request with them is not drafted for by speculative
+    decoding. One that raises or returns something else fails its request only. Copies of a
+    config (`replace`) share the processor objects, so a stateful processor sees every call.
     """
 
     max_new_tokens: int = 128
@@ -126,6 +136,7 @@ class GenerationConfig:
     structured_output: StructuredOutputSpec | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
+    logits_processors: list[Callable[..., Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # numpy / torch scalars (as transformers users pass them) become Python numbers.
@@ -152,6 +163,8 @@ class GenerationConfig:
                                   for w in self.bad_words_ids]
         if isinstance(self.allowed_token_ids, (list, tuple)):
             self.allowed_token_ids = _plain_ints(self.allowed_token_ids)
+        if self.logits_processors is None or isinstance(self.logits_processors, tuple):
+            self.logits_processors = list(self.logits_processors or [])
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):
@@ -249,6 +262,7 @@ class GenerationConfig:
                 w[0] for w in self.bad_words_ids if len(w) == 1}:
             _fail("allowed_token_ids", self.allowed_token_ids,
                   "ids not all banned by bad_words_ids (nothing could be generated)")
+        self._validate_logits_processors()
         if self.structured_output is not None and not isinstance(self.structured_output,
                                                                  StructuredOutputSpec):
             _fail("structured_output", self.structured_output, "None or a StructuredOutputSpec")
@@ -271,6 +285,14 @@ class GenerationConfig:
                     -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
                 raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
                                  f"{LOGIT_BIAS_RANGE:g}], got {value!r} for token {token}")
+
+    def _validate_logits_processors(self) -> None:
+        if not isinstance(self.logits_processors, list):
+            _fail("logits_processors", self.logits_processors, "a list of callables")
+        for i, fn in enumerate(self.logits_processors):
+            if not callable(fn) or processor_arity(fn) not in (2, 3):
+                _fail(f"logits_processors[{i}]", fn, "a callable taking (output_token_ids, logits) "
+                      "or (prompt_token_ids, output_token_ids, logits)")
 
     def _validate_beam_search(self) -> None:
         """Beam search is deterministic: sampling knobs cannot apply, so they are errors."""
@@ -315,7 +337,23 @@ class GenerationConfig:
         unknown = sorted(set(changes) - known)
         if unknown:
             raise ValueError(f"unknown generation parameter(s): {', '.join(unknown)}")
-        return dataclasses.replace(copy.deepcopy(self), **copy.deepcopy(changes))
+        # Processors are shared, not copied: a stateful one must see its request's calls.
+        memo = {id(fn): fn for fn in [*self.logits_processors,
+                                      *(changes.get("logits_processors") or [])]}
+        return dataclasses.replace(copy.deepcopy(self, memo), **copy.deepcopy(changes, memo))
+
+
+def processor_arity(fn: Callable[..., Any]) -> int:
+    """How many arguments a logits processor takes: 3 (prompt ids first) or 2; one taking
+    *args gets all 3. A callable whose signature cannot be read counts as 2, vLLM's form."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return 3
+    return sum(1 for p in parameters if p.default is inspect.Parameter.empty and p.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
 
 
 def _refuse_unknown_names(init: Any) -> Any:

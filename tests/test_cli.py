@@ -36,6 +36,8 @@ def test_chat_streams_and_keeps_history(default_model_dir):
     (["generate", "hi", "--num-speculative-tokens", "1", "--device", "cpu"],
      "num_speculative_tokens"),
     (["generate", "hi", "--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
+    (["serve", "--response-role", " "], "--response-role"),
+    (["serve", "--chat-template-content-format", "parts"], "--chat-template-content-format"),
 ])
 def test_bad_arguments_give_a_clear_error(args, needle):
     proc = _run(args)

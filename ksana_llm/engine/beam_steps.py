@@ -3,7 +3,8 @@ together (`beam_search.BeamSearch` picks the continuations; beams fork and are d
 blocks) and emit the best hypotheses when it is done.
 
 A mixin of `EngineCore`: it works on the core's `scheduler`, `groups`, `tokenizer`,
-and its `_sampling_row`, `_free`, `_detokenizer` and `_attach_prompt_logprobs`.
+and its `_sampling_row`, `_free`, `_detokenizer`, `_attach_prompt_logprobs` and
+`_fail_processor_errors`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from ksana_llm.engine.beam_search import Hypothesis
 from ksana_llm.engine.outputs import StepOutput
-from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
+from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.sampler import beam_log_probs
 
@@ -57,14 +58,16 @@ class BeamSearchSteps:
         out of budget catches up, and its siblings wait idle meanwhile.)"""
         sub = logits.index_select(0, to_device(rows_of, torch.long, logits.device))
         processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs])
+        outputs: list[StepOutput] = self._fail_processor_errors(seqs)
         ready: list[SequenceGroup] = []
         for k, seq in enumerate(seqs):
             group = seq.group
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # its request failed above
             seq.num_reserved_slots = 1  # the group's width is reserved by its live beams now
             group.beam.rows[seq] = (processed[k], raw[k])
             if group not in ready and all(s in group.beam.rows for s in group.seqs):
                 ready.append(group)
-        outputs: list[StepOutput] = []
         for group in ready:
             outputs.extend(self._beam_step(group))
         return outputs

@@ -244,15 +244,19 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         others = [i for i, s in enumerate(sampled)
                   if s.group.beam is None and not slices[result.sampled[i]].num_draft_tokens]
         outputs: list[StepOutput] = unserved
-        if self._in_flight is not None and any(sampled[i].matcher is not None for i in others):
-            # A grammar advances on the host with each token, and masks the next sample: read
-            # the step in flight back first (this step's forward is queued meanwhile). A
-            # sequence that stopped there is not sampled.
+        if self._in_flight is not None and any(sampled[i].samples_from_host_tokens
+                                               for i in others):
+            # A grammar advances on the host with each token, and masks the next sample (a
+            # request's own logits processors read the tokens too): read the step in flight
+            # back first (this step's forward is queued meanwhile). A sequence that stopped
+            # there is not sampled.
             outputs.extend(self._drain_deferred())
             outputs.extend(self._resolve_in_flight())
             others = [i for i in others if sampled[i].status is not SequenceStatus.FINISHED]
         launched = self._launch_samples([sampled[i] for i in others], result.logits,
                                         [logit_rows[i] for i in others]) if others else None
+        if launched is not None:
+            outputs.extend(self._fail_processor_errors(launched.seqs))
         captures = self._launch_captures(plan.scheduled, slices, result.captured)
         # This step is queued on the device: now the previous one's tokens and outputs.
         outputs.extend(self._drain_deferred())

@@ -147,6 +147,12 @@ class Sequence:
         return [] if self.prompt_is_embeddings else self.prompt_token_ids
 
     @property
+    def samples_from_host_tokens(self) -> bool:
+        """Whether sampling its next token reads its tokens on the host (a grammar matcher, the
+        request's own logits processors): a step in flight must be read back first."""
+        return self.matcher is not None or bool(self.config.logits_processors)
+
+    @property
     def num_known_tokens(self) -> int:
         """Tokens whose ids the host knows (all but the pending ones)."""
         return self.num_tokens - self.num_pending_tokens

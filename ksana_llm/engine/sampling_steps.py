@@ -5,7 +5,7 @@ launched; that step finds its pending input tokens on the device through `_pendi
 
 A mixin of `EngineCore`: it works on the core's `runner`, `scheduler`, `block_manager`,
 `sampler`, `async_scheduling` and step in flight (`_in_flight`, `_captures_in_flight`), and its
-`_detokenizer`, `_append` and `_read_captures`.
+`_detokenizer`, `_append`, `_read_captures` and `_abort_group`.
 """
 
 from __future__ import annotations
@@ -78,6 +78,17 @@ class SamplingSteps:
         if self.async_scheduling:
             launched.rows = dict(zip(row_seqs, range(len(row_seqs))))
         return launched
+
+    def _fail_processor_errors(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """Requests whose own logits processor failed on this step's logits fail with its error
+        (the token sampled for them is never read); the rest of the batch goes on."""
+        outputs = []
+        for seq in seqs:
+            row = seq.sampling_row
+            if row is not None and row.processor_error is not None \
+                    and seq.status is not SequenceStatus.FINISHED:
+                outputs.extend(self._abort_group(seq.group, None, error=row.processor_error))
+        return outputs
 
     def _resolve_in_flight(self) -> list[StepOutput]:
         """Read back the step in flight: its captured rows (prompt log-probs first: its tokens'

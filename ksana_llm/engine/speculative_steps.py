@@ -47,10 +47,11 @@ class SpeculativeSteps:
     def _drafts_allowed(seq: Sequence) -> bool:
         """Whether each row of a drafted step sees the same processors as the first, and nothing
         needs per-token host work between them: no penalties over the token history, no grammar,
-        min_new_tokens already met, no beams; and a prompt of token ids (the drafters read a
-        prompt given as embeddings as its placeholder ids: drafts that would all be refused)."""
+        no logits processors of the request's own, min_new_tokens already met, no beams; and a
+        prompt of token ids (the drafters read a prompt given as embeddings as its placeholder
+        ids: drafts that would all be refused)."""
         row = seq.sampling_row
-        return (row is not None and seq.group.beam is None and seq.matcher is None
+        return (row is not None and seq.group.beam is None and not seq.samples_from_host_tokens
                 and not row.uses_token_history and not row.suppresses_stop
                 and not seq.prompt_is_embeddings)
 

@@ -2,7 +2,8 @@
 order: allowed token ids (vLLM's), logit bias, min_new_tokens stop suppression and bad words,
 repetition penalty, no-repeat n-grams, then OpenAI presence/frequency penalties (the bans set
 -inf, which the penalties keep, so their place among them does not matter). Batched over rows
-with per-row parameter tensors.
+with per-row parameter tensors; last, a request's own `logits_processors` (Python callables, as
+transformers runs custom processors after its own), one row at a time.
 
 The penalties and n-gram bans read the rows' token ids from the sampler's `TokenHistories` (kept
 on the device) when given, else from the rows' token lists (beam search, which reorders histories
@@ -162,7 +163,37 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
                             for row in rows], torch.float32, device)
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
         padded_out.scatter_(1, ids, padded_out.gather(1, ids) - delta)
+
+    # 4. The requests' own processors.
+    for i, row in enumerate(rows):
+        if row.custom_processors and row.processor_error is None:
+            _run_custom_processors(out, i, row)
     return out
+
+
+def _run_custom_processors(out: torch.Tensor, i: int, row: SamplingRow) -> None:
+    """Row i of `out` through the row's callables, in order. A callable that raises, or returns
+    anything but a [vocab] tensor, leaves the logits as they were and sets the row's
+    `processor_error`: the engine fails that request, the batch goes on."""
+    values = out[i]
+    for k, (fn, takes_prompt) in enumerate(row.custom_processors):
+        # Copies: a processor may keep what it is given without seeing it change later.
+        args = ((list(row.prompt_token_ids),) if takes_prompt else ()) + (
+            list(row.output_token_ids), values)
+        try:
+            result = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - user code: any failure is that request's
+            row.processor_error = ValueError(
+                f"logits_processors[{k}] raised {type(exc).__name__}: {exc}")
+            return
+        if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(values.shape):
+            shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            row.processor_error = ValueError(
+                f"logits_processors[{k}] must return a tensor of shape {tuple(values.shape)}, "
+                f"got {shape}")
+            return
+        if result is not values:
+            values.copy_(result)
 
 
 def _token_histories(rows: list[SamplingRow], members: list[int],

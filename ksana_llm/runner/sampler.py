@@ -14,7 +14,8 @@ Order of operations (that of `transformers.generate`, so greedy outputs match it
    bias (`SequenceBiasLogitsProcessor`), HF repetition penalty over prompt and output,
    `no_repeat_ngram_size` over prompt and output (`NoRepeatNGramLogitsProcessor`),
    min_new_tokens EOS/stop suppression, then OpenAI presence/frequency penalties over the
-   output. Applies to every row.
+   output, then the request's own `logits_processors` (Python callables, one row at a time).
+   Applies to every row.
 2. `warp_logits` (sampling rows only): temperature, top-k, top-p, min-p with the semantics of
    `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`.
 3. Greedy rows take the argmax of the processed logits; sampling rows are drawn with the
@@ -36,12 +37,13 @@ processors applied to log_softmax(logits), which is what `transformers` beam sea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.generation_config import GenerationConfig, processor_arity
 from ksana_llm.runner.host_copy import HostCopy, start_host_copy
 from ksana_llm.runner.logits_processing import process_logits, to_device
 from ksana_llm.runner.token_history import TokenHistories
@@ -93,6 +95,10 @@ class SamplingRow:
     uses_token_history: bool = field(init=False)
     # allowed_token_ids as a device mask, built at the row's first step (logits_processing).
     allowed_mask: Any = field(default=None, init=False, repr=False)
+    # config.logits_processors with whether each takes the prompt ids (read once, not per step).
+    custom_processors: tuple[tuple[Callable[..., Any], bool], ...] = field(init=False, repr=False)
+    # Why a custom processor failed this row (logits_processing): the engine fails its request.
+    processor_error: ValueError | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -101,6 +107,8 @@ class SamplingRow:
                                    or config.frequency_penalty != 0.0
                                    or config.no_repeat_ngram_size > 0
                                    or any(len(w) > 1 for w in config.bad_words_ids))
+        self.custom_processors = tuple((fn, processor_arity(fn) == 3)
+                                       for fn in config.logits_processors)
 
     @property
     def suppresses_stop(self) -> bool:
@@ -109,9 +117,10 @@ class SamplingRow:
             self.eos_token_ids or self.config.stop_token_ids)
 
     @property
-    def has_penalties(self) -> bool:
+    def has_processors(self) -> bool:
+        """Whether its logits go through `process_logits` (min_new_tokens aside)."""
         config = self.config
-        return (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
+        return (bool(self.custom_processors) or config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
                 or config.frequency_penalty != 0.0 or config.no_repeat_ngram_size > 0
                 or bool(config.logit_bias) or bool(config.bad_words_ids)
                 or config.allowed_token_ids is not None)
@@ -192,7 +201,7 @@ def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch
     """(processed, raw) float32 [B, V] log-probs for beam search, as `transformers` scores beams:
     the logits processors run on log_softmax(logits), not on the logits."""
     raw = torch.log_softmax(logits.float(), dim=-1)
-    needs_processing = any(row.has_penalties or row.suppresses_stop for row in rows)
+    needs_processing = any(row.has_processors or row.suppresses_stop for row in rows)
     return (process_logits(raw, rows) if needs_processing else raw), raw
 
 
@@ -349,7 +358,7 @@ class Sampler:
                 f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
         want_logprobs = [row.config.logprobs or 0 for row in rows if row.wants_logprob]
         all_greedy = all(row.config.greedy for row in rows)
-        needs_processing = any(row.has_penalties or row.suppresses_stop for row in rows)
+        needs_processing = any(row.has_processors or row.suppresses_stop for row in rows)
         # Log-probs stay those of the raw model distribution, grammar or not.
         raw_logits = logits
         logits = apply_grammar_masks(logits, rows)

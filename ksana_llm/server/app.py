@@ -24,7 +24,7 @@ from ksana_llm.config import KV_ROLES
 from ksana_llm.distributed.launch import run_worker_node
 from ksana_llm.distributed.runtime import multi_node_env
 from ksana_llm.server import forward, kv_transfer, metrics, native
-from ksana_llm.server.chat import load_chat_template
+from ksana_llm.server.chat import ChatTemplate, load_chat_template
 from ksana_llm.server.engine_args import (ENGINE_FLAGS, configs_from_args,  # noqa: F401
                                           default_served_model_name, kv_transfer_from_args,
                                           model_from_args)
@@ -104,7 +104,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               cors: CorsSettings | None = None, enable_prompt_embeds: bool = False,
               request_log: RequestLog | None = None,
               default_chat_template_kwargs: Mapping[str, Any] | None = None,
-              force_include_usage: bool = False, enable_docs: bool = True) -> FastAPI:
+              force_include_usage: bool = False, enable_docs: bool = True,
+              chat_template_content_format: str = "auto",
+              response_role: str = "assistant") -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `served_model_name`: the name requests give as `model` (several: aliases of the first).
@@ -122,6 +124,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     `default_chat_template_kwargs`: chat template arguments every chat request gets under its
     own `chat_template_kwargs`. `force_include_usage`: every stream ends with a usage chunk.
     `enable_docs` False: no /docs, /redoc or /openapi.json.
+    `chat_template_content_format` ("auto", "string", "openai"): message content as one string,
+    or as a list of OpenAI text parts; "auto" reads the template to choose. `response_role`: the
+    role a chat answer has when the request asked for a generation prompt.
     """
     parsing = parsing or OutputParsing()
     parsing.check()
@@ -131,6 +136,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         raise ValueError("api_key must not be empty (omit it to disable authentication)")
     if engine.tokenizer is None:
         raise ValueError("the OpenAI server needs a tokenizer; this model folder has none")
+    if not isinstance(response_role, str) or not response_role.strip():
+        raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
+    template = ChatTemplate.resolve(chat_template, chat_template_content_format, engine.tokenizer)
     transfer = _kv_transfer(engine, kv_role, kv_transfer_ttl_s, api_key, kv_prefill_urls)
     names = (served_model_name,) if isinstance(served_model_name, str) \
         else tuple(served_model_name)
@@ -142,7 +150,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
 
     state = ServerState(
         engine=engine, served_model_name=names[0], model_aliases=names[1:],
-        chat_template=chat_template,
+        chat_template=template, response_role=response_role,
         limits=ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model.vocab_size),
         token_texts=TokenTexts(engine.tokenizer),
         tool_parser=parsing.tool_parser(),
@@ -263,12 +271,15 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
 def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """build_app's request options from the flags serve and run-batch share:
     --enable-prompt-embeds, --enable-log-requests / --max-log-len,
-    --default-chat-template-kwargs and --enable-force-include-usage."""
+    --default-chat-template-kwargs, --enable-force-include-usage,
+    --chat-template-content-format and --response-role."""
     log = getattr(args, "enable_log_requests", False)
     return {"enable_prompt_embeds": bool(getattr(args, "enable_prompt_embeds", False)),
             "request_log": RequestLog(args.max_log_len).enable() if log else None,
             "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
-            "force_include_usage": bool(getattr(args, "enable_force_include_usage", False))}
+            "force_include_usage": bool(getattr(args, "enable_force_include_usage", False)),
+            "chat_template_content_format": getattr(args, "chat_template_content_format", "auto"),
+            "response_role": getattr(args, "response_role", "assistant")}
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -9,8 +9,9 @@ server-side code execution.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ksana_llm.api.chat import apply_chat_template
 from ksana_llm.server.errors import bad_request
@@ -28,13 +29,73 @@ def load_chat_template(path: str | None) -> str | None:
     return text
 
 
-def _content_text(message: ChatMessage, index: int) -> str:
+# How message content reaches the template (vLLM's --chat-template-content-format): "string"
+# flattens text parts into one string; "openai" hands over a list of {"type": "text", ...} parts
+# (templates of multimodal models loop over them); "auto" picks by reading the template.
+CONTENT_FORMATS = ("auto", "string", "openai")
+ContentFormat = Literal["string", "openai"]
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The template the server renders chats with, and how it wants message content."""
+
+    text: str | None = None  # None: the tokenizer's own
+    content_format: ContentFormat = "string"
+
+    @classmethod
+    def resolve(cls, text: str | None, content_format: str, tokenizer: Any) -> ChatTemplate:
+        """`content_format` "auto" becomes "openai" when the template (or, without one, the
+        tokenizer's) loops over a message's content, else "string"."""
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of "
+                             f"{', '.join(CONTENT_FORMATS)}, got {content_format!r}")
+        if content_format == "auto":
+            source = text if text is not None else getattr(tokenizer, "chat_template", None)
+            # A tokenizer may carry several named templates: any of them decides.
+            sources = source.values() if isinstance(source, dict) else [source]
+            loops = any(isinstance(t, str) and loops_over_content(t) for t in sources)
+            content_format = "openai" if loops else "string"
+        return cls(text, content_format)  # type: ignore[arg-type]
+
+
+def loops_over_content(template: str) -> bool:
+    """Whether a Jinja template has a `{% for ... in <message>['content'] %}` loop (through
+    filters, or a variable set from the content): such a template reads content as a list of
+    parts, and iterating a string would hand it single characters."""
+    from jinja2 import nodes
+    from jinja2.exceptions import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        tree = ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError:
+        return False  # rendering reports it, with the request that hit it
+
+    def is_content(expr: nodes.Node, names: set[str]) -> bool:
+        while isinstance(expr, (nodes.Filter, nodes.Test)):
+            expr = expr.node
+        if isinstance(expr, nodes.Getitem):
+            return isinstance(expr.arg, nodes.Const) and expr.arg.value == "content"
+        if isinstance(expr, nodes.Getattr):
+            return expr.attr == "content"
+        return isinstance(expr, nodes.Name) and expr.name in names
+
+    content_names: set[str] = set()
+    for assign in tree.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and is_content(assign.node, content_names):
+            content_names.add(assign.target.name)
+    return any(is_content(loop.iter, content_names) for loop in tree.find_all(nodes.For))
+
+
+def _content_parts(message: ChatMessage, index: int) -> list[str]:
+    """The text of each content part (a string content is one part)."""
     content = message.content
     param = f"messages.{index}.content"
     if content is None and message.role == "assistant" and message.refusal is not None:
-        return message.refusal  # a refused turn: its refusal is what was said
+        return [message.refusal]  # a refused turn: its refusal is what was said
     if isinstance(content, str):
-        return content
+        return [content]
     if content is None:
         raise bad_request("Message content is missing.", param=param)
     if isinstance(content, list) and content:
@@ -50,8 +111,7 @@ def _content_text(message: ChatMessage, index: int) -> str:
                 raise bad_request(f"A {key} part must be {{'type': '{key}', '{key}': <string>}}.",
                                   param=f"{param}.{j}")
             texts.append(part[key])
-        # OpenAI joins text parts without a separator when it flattens them.
-        return "".join(texts)
+        return texts
     raise bad_request("Message content must be a string or a non-empty list of text parts.",
                       param=param)
 
@@ -76,7 +136,14 @@ def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[s
     return out
 
 
-def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def _template_content(parts: list[str], content_format: ContentFormat) -> str | list[dict]:
+    if content_format == "openai":
+        return [{"type": "text", "text": text} for text in parts]
+    return "".join(parts)  # OpenAI joins text parts without a separator when it flattens them
+
+
+def to_template_messages(messages: list[ChatMessage], content_format: ContentFormat = "string"
+                         ) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         for field in ("audio", "function_call"):
@@ -87,9 +154,10 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for the system role; templates only know "system".
         role = "system" if message.role == "developer" else message.role
         if message.role == "assistant" and message.tool_calls and message.content is None:
-            content = ""  # a turn that only called tools
+            parts = []  # a turn that only called tools
         else:
-            content = _content_text(message, i)
+            parts = _content_parts(message, i)
+        content = _template_content(parts, content_format)
         entry: dict[str, Any] = {"role": role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
@@ -106,17 +174,18 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], template: str | None, *,
+def render_chat(tokenizer: Any, messages: list[ChatMessage], template: ChatTemplate, *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text. `tools` (OpenAI tool definitions) and `template_kwargs` (the request's
     chat_template_kwargs, e.g. enable_thinking) are handed to the template."""
-    if template is None and not getattr(tokenizer, "chat_template", None):
+    if template.text is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions or start the "
                           "server with --chat-template.", param="messages")
     try:
-        return apply_chat_template(tokenizer, to_template_messages(messages), chat_template=template,
+        return apply_chat_template(tokenizer, to_template_messages(messages, template.content_format),
+                                   chat_template=template.text,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message, tools=tools,
                                    chat_template_kwargs=template_kwargs)

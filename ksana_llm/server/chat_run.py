@@ -45,6 +45,9 @@ class ChatRun:
     model: str  # the name the response gives
     created: int
     prediction: list[int] | None = None  # Predicted Outputs' token ids, for the usage
+    # The answer's role: --response-role after a generation prompt, else the last message's
+    # (a continued final message, a template that answers as another role), as vLLM does.
+    role: str = "assistant"
 
 
 async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id: str) -> ChatRun:
@@ -107,5 +110,6 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
                                fields, state.request_log)
+    role = state.response_role if req.add_generation_prompt else req.messages[-1].role
     return ChatRun(request_id, ids, choices, output_parser, state.response_model(req.model),
-                   int(time.time()), prediction)
+                   int(time.time()), prediction, role)

@@ -294,7 +294,7 @@ class ToolCallModel(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # another with --response-role, or without a generation prompt
     content: str | None = None
     refusal: str | None = None  # OpenAI's (nullable, always present); this server never refuses
     reasoning_content: str | None = None
@@ -335,7 +335,7 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

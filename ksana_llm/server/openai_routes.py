@@ -321,7 +321,7 @@ async def create_chat_completion(request: Request) -> Response:
             parsers = [output_parser() for _ in range(choices.num_choices)]
             generated = [0] * choices.num_choices
             for i in range(choices.num_choices):
-                first = chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                first = chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=run.role,
                                                                            content="")))
                 first.prompt_token_ids = _ids_if(req, ids)  # (each choice's first chunk)
                 yield first
@@ -358,6 +358,7 @@ async def create_chat_completion(request: Request) -> Response:
     for i, out in enumerate(choices.results()):
         parser = output_parser()
         message = parser.message([parser.feed(out.text), parser.finish()])
+        message.role = run.role
         logprobs = chat_logprobs(out.logprobs, texts) if out.logprobs is not None else None
         result.append(ChatChoice(index=i, message=message, logprobs=logprobs,
                                  finish_reason=parser.finish_reason(out.finish_reason),

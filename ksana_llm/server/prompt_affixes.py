@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ksana_llm.server.chat import render_chat
+from ksana_llm.server.chat import ChatTemplate, render_chat
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.openai_protocol import ChatMessage
 
@@ -45,7 +45,7 @@ PROMPT_AFFIXES: MappingProxyType[str, tuple[str, str]] = MappingProxyType({
 
 
 def build_prompt(prompt: str, model_type: str, use_chat_template: bool, tokenizer: Any,
-                 chat_template: str | None) -> str:
+                 chat_template: ChatTemplate) -> str:
     """The text to tokenize for a `/generate` prompt (KsanaLLM's rules: an unknown model_type is
     "empty", with a warning, as KsanaLLM prints one)."""
     if use_chat_template:

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from ksana_llm.api.engine import Engine
+from ksana_llm.server.chat import ChatTemplate
 from ksana_llm.server.errors import engine_unavailable, model_not_found
 from ksana_llm.server.event_log import EventLog
 from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
@@ -39,7 +40,7 @@ class BackgroundResponse:
 class ServerState:
     engine: Engine
     served_model_name: str
-    chat_template: str | None  # None: the tokenizer's own
+    chat_template: ChatTemplate  # --chat-template and --chat-template-content-format
     limits: ModelLimits
     token_texts: TokenTexts
     shutting_down: bool = False
@@ -54,6 +55,7 @@ class ServerState:
     # --default-chat-template-kwargs: under each chat request's own chat_template_kwargs
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage
+    response_role: str = "assistant"  # --response-role: the role of answers to a generation prompt
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
     model_aliases: tuple[str, ...] = ()  # more names for the served model (--served-model-name)

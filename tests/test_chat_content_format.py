@@ -1,0 +1,115 @@
+"""How message content reaches a chat template (vLLM's --chat-template-content-format) and the
+role a chat answer has (--response-role): the template reading, rendering against transformers'
+own `apply_chat_template` on the same messages, and both flags on a real server process."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import ksana_llm as kt
+from ksana_llm.server.chat import ChatTemplate, loops_over_content, render_chat
+from ksana_llm.server.openai_protocol import ChatMessage
+from tests.server_process import ServerProcess
+
+# ChatML whose turns loop over content parts, as multimodal models' templates do: given a
+# plain string, the loop would walk its characters (which have no 'text').
+PARTS_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- for part in m['content'] %}{%- if part['type'] == 'text' %}{{ part['text'] }}"
+    "{%- endif %}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+STRING_TEMPLATE = ("{%- for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+                   "{%- endfor %}")
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                         {"type": "text", "text": "of France?"}]}]
+# The same conversation as transformers gets it in the OpenAI format: every content a part list.
+AS_PARTS = [{"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+            MESSAGES[1]]
+
+
+@pytest.mark.parametrize("template, loops", [
+    (PARTS_TEMPLATE, True),
+    ("{% for c in message.content %}{{ c.text }}{% endfor %}", True),
+    # Llama 3.2 Vision's shape: a filter between the loop and the content.
+    ("{% for m in messages %}{% for c in m['content'] | selectattr('type', 'equalto', 'text') %}"
+     "{{ c['text'] }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% set parts = m['content'] %}{% for p in parts %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", True),
+    (STRING_TEMPLATE, False),
+    ("{% for m in messages %}{% for t in m['tool_calls'] %}{{ t }}{% endfor %}{% endfor %}", False),
+    ("{% for x in %}", False),  # not Jinja: rendering reports it
+])
+def test_loops_over_content(template, loops):
+    assert loops_over_content(template) is loops
+
+
+def test_auto_reads_the_template_or_the_tokenizers(model):
+    tokenizer = model.tokenizer
+    assert ChatTemplate.resolve(None, "auto", tokenizer).content_format == "string"
+    assert ChatTemplate.resolve(PARTS_TEMPLATE, "auto", tokenizer).content_format == "openai"
+    assert ChatTemplate.resolve(PARTS_TEMPLATE, "string", tokenizer).content_format == "string"
+    assert ChatTemplate.resolve(STRING_TEMPLATE, "openai", tokenizer).content_format == "openai"
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        ChatTemplate.resolve(None, "parts", tokenizer)
+
+
+def test_rendering_matches_transformers_in_both_formats(model):
+    tokenizer = model.tokenizer
+    messages = [ChatMessage.model_validate(m) for m in MESSAGES]
+    as_parts = render_chat(tokenizer, messages, ChatTemplate(PARTS_TEMPLATE, "openai"))
+    assert as_parts == tokenizer.apply_chat_template(AS_PARTS, chat_template=PARTS_TEMPLATE,
+                                                     tokenize=False, add_generation_prompt=True)
+    assert "What is the capital of France?" in as_parts
+    flattened = [{"role": "system", "content": "You are terse."},
+                 {"role": "user", "content": "What is the capital of France?"}]
+    as_string = render_chat(tokenizer, messages, ChatTemplate(STRING_TEMPLATE, "string"))
+    assert as_string == tokenizer.apply_chat_template(flattened, chat_template=STRING_TEMPLATE,
+                                                      tokenize=False)
+    # The format is what makes the difference: the part loop over a flattened string has no text.
+    assert "France" not in render_chat(tokenizer, messages, ChatTemplate(PARTS_TEMPLATE, "string"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "parts.jinja"
+    template.write_text(PARTS_TEMPLATE)
+    # No --chat-template-content-format: "auto" must find the loop over content.
+    proc = ServerProcess(["--num-gpu-blocks-override", "128", "--chat-template", str(template),
+                          "--response-role", "narrator"])
+    yield proc
+    proc.stop()
+
+
+def test_server_renders_parts_and_answers_in_its_role(server, local_engine):
+    tokenizer = local_engine.tokenizer
+    expected = tokenizer.encode(
+        tokenizer.apply_chat_template(AS_PARTS, chat_template=PARTS_TEMPLATE, tokenize=False,
+                                      add_generation_prompt=True), add_special_tokens=False)
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert tokens == expected
+    answer = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
+        "messages": MESSAGES, "max_tokens": 8, "temperature": 0}).json()
+    assert answer["usage"]["prompt_tokens"] == len(expected)
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "narrator"
+    assert message["content"] == local_engine.generate_outputs(
+        expected, kt.GenerationConfig(max_new_tokens=8), use_tqdm=False)[0].text
+
+    streamed = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
+        "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True})
+    first = json.loads(streamed.text.split("data: ", 2)[1].strip())
+    assert first["choices"][0]["delta"]["role"] == "narrator"
+
+
+def test_without_a_generation_prompt_the_role_is_the_last_messages(server):
+    # Continuing the assistant's own turn: the answer is that assistant message, whatever
+    # --response-role says.
+    conversation = MESSAGES + [{"role": "assistant", "content": "The capital"}]
+    answer = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
+        "messages": conversation, "max_tokens": 2, "temperature": 0,
+        "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert answer["choices"][0]["message"]["role"] == "assistant"
