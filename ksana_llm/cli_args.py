@@ -194,8 +194,10 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-step-tokens", "--max-num-batched-tokens", type=int, default=None,
                         dest="max_step_tokens", help="token budget per step")
-    parser.add_argument("--split-fuse-token-num", type=int, default=None,
-                        help="most prompt tokens of one sequence per step (0: the budget only)")
+    parser.add_argument("--split-fuse-token-num", "--long-prefill-token-threshold", type=int,
+                        default=None, dest="split_fuse_token_num",
+                        help="most prompt tokens of one sequence per step (0: the budget only; "
+                             "vLLM's --long-prefill-token-threshold)")
     parser.add_argument("--gpu-memory-utilization", "--block-device-memory-ratio", type=float,
                         default=None, dest="block_device_memory_ratio",
                         help="CUDA: share of device memory for weights, activations and KV "
@@ -239,6 +241,10 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         const=False, help="no CUDA graphs (vLLM's flag; = --no-enable-cuda-graphs)")
     parser.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
                         help="largest decode batch replayed from a graph (default: max-num-seqs)")
+    parser.add_argument("--cuda-graph-sizes", type=cli_types.positive_int, nargs="+",
+                        default=None, metavar="N",
+                        help="decode batch sizes captured (vLLM's flag): one value is the "
+                             "largest (= --cuda-graph-max-batch-size), several are the sizes")
     parser.add_argument("--attention-backend", default=None, choices=("auto", "torch", "triton"),
                         help="auto: Triton kernels on CUDA, torch SDPA otherwise")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator,
+                      model_validator)
 
 from ksana_llm.engine.scheduling_policy import (SchedulingPolicy, resolve_scheduling_policy,
                                                 scheduling_policy_source)
@@ -127,6 +128,10 @@ class EngineConfig(BaseModel):
     cuda_graph_max_batch_size: int | None = Field(
         None, ge=1, description="largest decode batch captured in a graph (larger batches run "
                                 "eagerly); default: max_num_seqs")
+    cuda_graph_sizes: list[PositiveInt] | None = Field(
+        None, min_length=1, description="the decode batch sizes captured, instead of the default "
+        "buckets (1, 2, 4, 8, then multiples of 8) up to cuda_graph_max_batch_size; a batch runs "
+        "in the smallest that holds it, eagerly above the largest (vLLM's cuda_graph_sizes)")
     overlap_output_processing: bool | None = Field(
         None, description="detokenize and deliver a step's outputs while the device runs the next "
                           "step (outputs arrive one step later; requests with stop strings or "
@@ -232,6 +237,9 @@ class EngineConfig(BaseModel):
     def _check_budget(self) -> EngineConfig:
         if self.split_fuse_token_num > self.max_step_tokens:
             raise ValueError("split_fuse_token_num must be <= max_step_tokens")
+        if self.cuda_graph_sizes is not None and self.cuda_graph_max_batch_size is not None:
+            raise ValueError("give cuda_graph_sizes or cuda_graph_max_batch_size, not both (the "
+                             "largest size is the largest batch captured)")
         if self.num_speculative_tokens and self.async_scheduling:
             raise ValueError("num_speculative_tokens does not work with async_scheduling=True "
                              "(a step's inputs depend on how many drafts the last one accepted)")

@@ -103,6 +103,19 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
     assert [getattr(config, n) for n in names] == [4096, 256, 0.8, 0.02, 2.0, False, 1, 500,
                                                    False, 32, "torch", "fifo"]
     assert parse(["serve", "--block-device-memory-ratio", "0.5"]).block_device_memory_ratio == 0.5
+    # vLLM's spellings: --long-prefill-token-threshold is the per-sequence chunk cap;
+    # --cuda-graph-sizes with one value the largest batch captured, with several the sizes.
+    config = configs_from_args(parse(["serve", "--long-prefill-token-threshold", "128",
+                                      "--cuda-graph-sizes", "48"]))[0]
+    assert (config.split_fuse_token_num, config.cuda_graph_max_batch_size,
+            config.cuda_graph_sizes) == (128, 48, None)
+    config = configs_from_args(parse(["serve", "--cuda-graph-sizes", "1", "4", "16"]))[0]
+    assert (config.cuda_graph_max_batch_size, config.cuda_graph_sizes) == (None, [1, 4, 16])
+    for both in (["--cuda-graph-sizes", "8"], ["--cuda-graph-sizes", "1", "8"]):
+        with pytest.raises(ValueError, match="cuda.graph.sizes or .*cuda.graph.max.batch.size"):
+            configs_from_args(parse(["serve", "--cuda-graph-max-batch-size", "8", *both]))
+    with pytest.raises(SystemExit):
+        parse(["serve", "--cuda-graph-sizes", "0"])
     assert configs_from_args(parse(["serve", "--swap-space", "4"]))[0].swap_space == 4.0
     for bad in (["--preemption-mode", "later"], ["--attention-backend", "cuda"]):
         with pytest.raises(SystemExit):

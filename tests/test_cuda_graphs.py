@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from ksana_llm.config import EngineConfig  # noqa: E402
 from ksana_llm.api.model import Model  # noqa: E402
 from ksana_llm.engine.kv_cache import BlockManager  # noqa: E402
 from ksana_llm.engine.request import Sequence  # noqa: E402
@@ -92,6 +93,23 @@ def test_static_buffers_hold_the_unpadded_batch_then_padding(tmp_path):
         assert meta_static.kernel_batch.decode_block_tables.shape == (bucket, 12)
     assert not inputs.fits([[0] * 13])  # wider than the buffers: runs eagerly
     assert inputs.fits([[0] * 12] * 16) and not inputs.fits([[0]] * 17)
+
+
+def test_explicit_graph_sizes_are_the_buckets(tmp_path):
+    """cuda_graph_sizes (vLLM's list form): exactly those buckets, the largest sizing the static
+    buffers; a batch takes the smallest that holds it, and runs eagerly above the largest."""
+    build_tiny_model("llama2", tmp_path)
+    module = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False).module
+    runner = ModelRunner(module, device=torch.device("cpu"), dtype=torch.float32, num_blocks=16,
+                         block_size=4, attention_backend="triton")
+    runner.setup_cuda_graphs([6, 1, 3, 3], capture=False)
+    graphs = runner.decode_graphs
+    assert graphs.sizes == (1, 3, 6) and graphs.inputs.max_batch_size == 6
+    assert [choose_bucket(n, graphs.sizes) for n in (1, 2, 4, 6, 7)] == [1, 3, 6, 6, None]
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        runner.setup_cuda_graphs([0, 2], capture=False)
+    with pytest.raises(ValueError, match="cuda_graph_sizes or cuda_graph_max_batch_size"):
+        EngineConfig(cuda_graph_sizes=[1, 2], cuda_graph_max_batch_size=2)
 
 
 # ---- when graphs are used -----------------------------------------------------------------------

@@ -79,7 +79,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          num_host_blocks=num_host_blocks,
                          attention_backend=cfg.attention_backend,
                          max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
-                         cuda_graph_max_batch_size=cfg.cuda_graph_max_batch_size
+                         cuda_graph_sizes=cfg.cuda_graph_sizes or cfg.cuda_graph_max_batch_size
                          or cfg.max_num_seqs, num_speculative_tokens=mtp_tokens,
                          kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
                          max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,

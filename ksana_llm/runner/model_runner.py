@@ -116,8 +116,9 @@ def model_context_len(model: nn.Module) -> int | None:
 
 
 class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
-    """`cuda_graphs`: replay captured CUDA graphs for pure-decode steps of up to
-    `cuda_graph_max_batch_size` sequences, when the device, backend and model allow it
+    """`cuda_graphs`: replay captured CUDA graphs for pure-decode steps of the batch sizes
+    `cuda_graph_sizes` names (an int: up to that many sequences, in the default buckets; a
+    list: those sizes), when the device, backend and model allow it
     (`cuda_graph_status` says which, and why not). `max_model_len` bounds a sequence (default:
     the model's context, at most the whole cache): graphs pad block tables to that width."""
 
@@ -125,7 +126,7 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
                  num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  attention_backend: str = "auto", max_model_len: int | None = None,
                  cuda_graphs: bool = True,
-                 cuda_graph_max_batch_size: int = DEFAULT_GRAPH_MAX_BATCH_SIZE,
+                 cuda_graph_sizes: int | Sequence[int] = DEFAULT_GRAPH_MAX_BATCH_SIZE,
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto",
                  kv_scales: Sequence[float] | None = None, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_adapters: Sequence[tuple[int, str]] = (),
@@ -189,7 +190,7 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
         if cuda_graphs:
             reason = unsupported_reason(model, device, self.attention_backend)
             if reason is None:
-                self.setup_cuda_graphs(cuda_graph_max_batch_size)
+                self.setup_cuda_graphs(cuda_graph_sizes)
             else:
                 self.cuda_graph_status = f"off: {reason}"
         logger.info("CUDA graphs: %s", self.cuda_graph_status)
@@ -214,13 +215,18 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
             self.lora.host_copy(lora_id)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
-    def setup_cuda_graphs(self, max_batch_size: int, *, capture: bool = True) -> None:
-        """Static decode buffers for up to `max_batch_size` sequences, and (capture=True) one
-        captured graph per bucket. capture=False runs the same static-buffer forward eagerly
-        (CPU tests of the padding logic). A failed capture leaves decode steps eager."""
+    def setup_cuda_graphs(self, sizes: int | Sequence[int], *, capture: bool = True) -> None:
+        """Static decode buffers for up to the largest bucket's sequences, and (capture=True)
+        one captured graph per bucket: `sizes` lists the buckets, or (an int) is the largest,
+        with `graph_batch_sizes`' buckets below it. capture=False runs the same static-buffer
+        forward eagerly (CPU tests of the padding logic). A failed capture leaves decode steps
+        eager."""
         if self.attention_backend != "triton":
             raise ValueError("CUDA graphs need attention_backend 'triton'")
-        sizes = graph_batch_sizes(max_batch_size)
+        sizes = graph_batch_sizes(sizes) if isinstance(sizes, int) else tuple(sorted(set(sizes)))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {list(sizes)}")
+        max_batch_size = sizes[-1]
         width = -(-self.max_model_len // self.block_size)
         lora_weights = None
         if self.lora is not None:

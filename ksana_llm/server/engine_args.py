@@ -29,7 +29,8 @@ ENGINE_FLAGS = ("tokenizer", "device", "dtype", "quantization", "num_device_bloc
                 "max_step_tokens", "split_fuse_token_num", "block_device_memory_ratio",
                 "reserved_device_memory_ratio", "block_host_memory_factor", "swap_space",
                 "enable_prefix_caching", "preempt_mode", "waiting_timeout_ms",
-                "cuda_graph_max_batch_size", "attention_backend", "scheduler_policy",
+                "cuda_graph_max_batch_size", "cuda_graph_sizes", "attention_backend",
+                "scheduler_policy",
                 "max_queue_size", "max_model_len", "seed",
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_cuda_graphs",
                 "async_scheduling", "overlap_output_processing", "num_speculative_tokens",
@@ -72,6 +73,13 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
             raise ValueError(f"--speculative-config sets {name} to {value!r} and "
                              f"{flags[name]} to {overrides[name]!r}; give one")
         overrides[name], flags[name] = value, "--speculative-config"
+    if overrides["cuda_graph_sizes"] is not None and len(overrides["cuda_graph_sizes"]) == 1:
+        # vLLM's one-value form names the largest size, with the default sizes below it.
+        if overrides["cuda_graph_max_batch_size"] is not None:
+            raise ValueError("give --cuda-graph-sizes or --cuda-graph-max-batch-size, not both")
+        overrides["cuda_graph_max_batch_size"] = overrides["cuda_graph_sizes"][0]
+        flags["cuda_graph_max_batch_size"] = "--cuda-graph-sizes"
+        overrides["cuda_graph_sizes"] = None
     if overrides["lora_modules"] is not None:
         names = [name for name, _ in overrides["lora_modules"]]
         if len(set(names)) != len(names):
