@@ -1,6 +1,7 @@
-"""How message content reaches a chat template (vLLM's --chat-template-content-format) and the
-role a chat answer has (--response-role): the template reading, rendering against transformers'
-own `apply_chat_template` on the same messages, and both flags on a real server process."""
+"""How message content reaches a chat template (vLLM's --chat-template-content-format), the
+role a chat answer has (--response-role), and vLLM's chat request extras `documents` and
+`echo`: the template reading, rendering against transformers' own `apply_chat_template` on the
+same messages, and all of it on a real server process."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.server_process import ServerProcess
 # ChatML whose turns loop over content parts, as multimodal models' templates do: given a
 # plain string, the loop would walk its characters (which have no 'text').
 PARTS_TEMPLATE = (
+    "{%- for d in documents or [] %}{{ '[' + d['title'] + '] ' + d['text'] + '\n' }}{%- endfor %}"
     "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
     "{%- for part in m['content'] %}{%- if part['type'] == 'text' %}{{ part['text'] }}"
     "{%- endif %}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endfor %}"
@@ -105,11 +107,57 @@ def test_server_renders_parts_and_answers_in_its_role(server, local_engine):
     assert first["choices"][0]["delta"]["role"] == "narrator"
 
 
-def test_without_a_generation_prompt_the_role_is_the_last_messages(server):
+def test_without_a_generation_prompt_the_role_is_the_last_messages(server, local_engine):
     # Continuing the assistant's own turn: the answer is that assistant message, whatever
-    # --response-role says.
+    # --response-role says; with echo it starts with that message's text, as vLLM's does.
     conversation = MESSAGES + [{"role": "assistant", "content": "The capital"}]
+    body = {"messages": conversation, "max_tokens": 4, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = httpx.post(server.base_url + "/chat/completions", timeout=120, json=body).json()
+    message = plain["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    tokenizer = local_engine.tokenizer
+    ids = tokenizer.encode(tokenizer.apply_chat_template(
+        [*AS_PARTS, {"role": "assistant", "content": [{"type": "text", "text": "The capital"}]}],
+        chat_template=PARTS_TEMPLATE, tokenize=False, continue_final_message=True),
+        add_special_tokens=False)
+    assert message["content"] == local_engine.generate_outputs(
+        ids, kt.GenerationConfig(max_new_tokens=4), use_tqdm=False)[0].text
+    echoed = httpx.post(server.base_url + "/chat/completions", timeout=120,
+                        json={**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed["content"] == "The capital" + message["content"]
+    streamed = httpx.post(server.base_url + "/chat/completions", timeout=120,
+                          json={**body, "echo": True, "stream": True})
+    deltas = [json.loads(line[len("data: "):])["choices"] for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(c[0]["delta"].get("content") or "" for c in deltas if c) == echoed["content"]
+    # A generation prompt answers as the narrator: the user's message is not echoed.
+    asked = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    answers = [httpx.post(server.base_url + "/chat/completions", timeout=120,
+                          json={**asked, "echo": echo}).json()["choices"][0]["message"]["content"]
+               for echo in (False, True)]
+    assert answers[0] == answers[1] and not answers[0].startswith("What is")
+
+
+def test_documents_reach_the_template(server, local_engine):
+    documents = [{"title": "Atlas", "text": "Paris is the capital of France."},
+                 {"title": "Notes", "text": "Berlin is the capital of Germany."}]
+    tokenizer = local_engine.tokenizer
+    rendered = tokenizer.apply_chat_template(AS_PARTS, chat_template=PARTS_TEMPLATE,
+                                             tokenize=False, add_generation_prompt=True,
+                                             documents=documents)
+    assert "[Atlas] Paris" in rendered
+    expected = tokenizer.encode(rendered, add_special_tokens=False)
     answer = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
-        "messages": conversation, "max_tokens": 2, "temperature": 0,
-        "add_generation_prompt": False, "continue_final_message": True}).json()
-    assert answer["choices"][0]["message"]["role"] == "assistant"
+        "messages": MESSAGES, "documents": documents, "max_tokens": 6, "temperature": 0}).json()
+    assert answer["usage"]["prompt_tokens"] == len(expected)
+    assert answer["choices"][0]["message"]["content"] == local_engine.generate_outputs(
+        expected, kt.GenerationConfig(max_new_tokens=6), use_tqdm=False)[0].text
+    # The Python API takes them too.
+    assert local_engine.render_chat(AS_PARTS, chat_template=PARTS_TEMPLATE,
+                                    documents=documents) == expected
+    bad = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
+        "messages": MESSAGES, "documents": [{"title": 1}]})
+    assert bad.status_code == 400 and "documents" in bad.json()["error"]["param"]
+    with pytest.raises(ValueError, match="documents"):
+        local_engine.render_chat(AS_PARTS, chat_template=PARTS_TEMPLATE, documents=[{"n": 1}])

@@ -28,17 +28,20 @@ class ChatMixin(GenerateCalls):
     def render_chat(self, messages: Conversation, *, chat_template: str | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     tools: list[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    documents: list[dict[str, str]] | None = None) -> list[int]:
         """The prompt token ids of one conversation under the chat template (the model's, or
         `chat_template` text). `continue_final_message`: the last (assistant) message is left
-        open for the model to go on with, instead of a new assistant turn starting."""
+        open for the model to go on with, instead of a new assistant turn starting.
+        `documents`: retrieved texts for templates with a RAG section (transformers' argument,
+        e.g. `[{"title": ..., "text": ...}]`)."""
         if self.tokenizer is None:
             raise ValueError("messages: this engine has no tokenizer to render a chat with; pass "
                              "Engine(tokenizer=...)")
         text = apply_chat_template(self.tokenizer, messages, chat_template=chat_template,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message, tools=tools,
-                                   chat_template_kwargs=chat_template_kwargs)
+                                   chat_template_kwargs=chat_template_kwargs, documents=documents)
         # The template holds the special tokens (BOS etc.) already.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -47,7 +50,8 @@ class ChatMixin(GenerateCalls):
              use_tqdm: bool = True, lora: str | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             documents: list[dict[str, str]] | None = None) -> list[RequestOutput]:
         """Answer one conversation or a list of them (batched), in input order: a list of
         outputs either way (as vLLM's `LLM.chat`). `generation_config`: one for all, or one
         per conversation; `lora`: the adapter every conversation uses."""
@@ -61,7 +65,7 @@ class ChatMixin(GenerateCalls):
         prompts = [self.render_chat(c, chat_template=chat_template,
                                     add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, tools=tools,
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs, documents=documents)
                    for c in conversations]
         return self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
 
@@ -77,7 +81,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 def apply_chat_template(tokenizer: Any, messages: Conversation, *, chat_template: str | None = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         tools: list[dict[str, Any]] | None = None,
-                        chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                        chat_template_kwargs: dict[str, Any] | None = None,
+                        documents: list[dict[str, str]] | None = None) -> str:
     """One conversation (message dicts) as prompt text, under `chat_template` or the
     tokenizer's own. Shared by `Engine.chat` and the server; every error is a ValueError that
     starts with the argument at fault."""
@@ -93,6 +98,11 @@ def apply_chat_template(tokenizer: Any, messages: Conversation, *, chat_template
             and all(isinstance(k, str) and k.isidentifier() for k in chat_template_kwargs)):
         raise ValueError("chat_template_kwargs must be a dict of template variable names to "
                          f"values, got {chat_template_kwargs!r}")
+    if documents is not None and not (isinstance(documents, list) and all(
+            isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in d.items()) for d in documents)):
+        raise ValueError("documents must be a list of dicts of strings (e.g. 'title', 'text'), "
+                         f"got {documents!r}"[:300])
     reserved = sorted(set(chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
@@ -102,7 +112,7 @@ def apply_chat_template(tokenizer: Any, messages: Conversation, *, chat_template
         text = tokenizer.apply_chat_template(
             messages, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools,
+            continue_final_message=continue_final_message, tools=tools, documents=documents,
             **dict(chat_template_kwargs or {}))
     except TemplateError as exc:
         # Templates raise on messages they do not accept (e.g. roles out of order).

@@ -136,6 +136,13 @@ def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[s
     return out
 
 
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as one string (its text parts joined), "" for none."""
+    if message.content is None and message.refusal is None:
+        return ""
+    return "".join(_content_parts(message, index))
+
+
 def _template_content(parts: list[str], content_format: ContentFormat) -> str | list[dict]:
     if content_format == "openai":
         return [{"type": "text", "text": text} for text in parts]
@@ -177,9 +184,11 @@ def to_template_messages(messages: list[ChatMessage], content_format: ContentFor
 def render_chat(tokenizer: Any, messages: list[ChatMessage], template: ChatTemplate, *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text. `tools` (OpenAI tool definitions) and `template_kwargs` (the request's
-    chat_template_kwargs, e.g. enable_thinking) are handed to the template."""
+                template_kwargs: dict[str, Any] | None = None,
+                documents: list[dict[str, str]] | None = None) -> str:
+    """The prompt text. `tools` (OpenAI tool definitions), `template_kwargs` (the request's
+    chat_template_kwargs, e.g. enable_thinking) and `documents` (vLLM's, for RAG templates) are
+    handed to the template."""
     if template.text is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions or start the "
                           "server with --chat-template.", param="messages")
@@ -188,6 +197,6 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], template: ChatTempl
                                    chat_template=template.text,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message, tools=tools,
-                                   chat_template_kwargs=template_kwargs)
+                                   chat_template_kwargs=template_kwargs, documents=documents)
     except ValueError as exc:
         raise engine_value_error(exc) from exc

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ksana_llm.server.chat import render_chat
+from ksana_llm.server.chat import message_text, render_chat
 from ksana_llm.server.chat_output import ChoiceOutputParser
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import ChoiceSet
@@ -48,6 +48,8 @@ class ChatRun:
     # The answer's role: --response-role after a generation prompt, else the last message's
     # (a continued final message, a template that answers as another role), as vLLM does.
     role: str = "assistant"
+    # echo: the last message's text, which the answer starts with (it has the answer's role).
+    echo: str = ""
 
 
 async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id: str) -> ChatRun:
@@ -71,10 +73,12 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     prompt = render_chat(state.tokenizer, req.messages, state.chat_template,
                          add_generation_prompt=req.add_generation_prompt,
                          continue_final_message=req.continue_final_message,
-                         tools=tools.tools, template_kwargs=template_kwargs)
-    # The template already holds the special tokens (BOS etc.): do not add them twice.
-    ids = truncate_prompt(list(state.tokenizer.encode(prompt, add_special_tokens=False)),
-                          req.truncate_prompt_tokens, state.limits.max_model_len)
+                         tools=tools.tools, template_kwargs=template_kwargs,
+                         documents=req.documents)
+    # The template already holds the special tokens (BOS etc.): not added twice unless asked.
+    ids = truncate_prompt(list(state.tokenizer.encode(
+        prompt, add_special_tokens=req.add_special_tokens)), req.truncate_prompt_tokens,
+        state.limits.max_model_len)
     check_token_ids(ids, state.limits.vocab_size, "messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages",
@@ -111,5 +115,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
                                state.request_observer if state.metrics is not None else None,
                                fields, state.request_log)
     role = state.response_role if req.add_generation_prompt else req.messages[-1].role
+    last = req.messages[-1]
+    echo = message_text(last, len(req.messages) - 1) if req.echo and last.role == role else ""
     return ChatRun(request_id, ids, choices, output_parser, state.response_model(req.model),
-                   int(time.time()), prediction, role)
+                   int(time.time()), prediction, role, echo)

@@ -23,6 +23,7 @@ MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs (the engine's own limit)
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_BAD_WORDS = 128
+MAX_DOCUMENTS = 1024  # RAG documents handed to a chat template
 
 
 class _Request(BaseModel):
@@ -162,6 +163,12 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Any = None  # [{"type": "function", "function": {...}}]; checked by tools.py
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # vLLM's: retrieved texts for templates with a RAG section ([{"title": ..., "text": ...}]);
+    # the answer starts with the last message's content when it has the answer's role (echo);
+    # special tokens (BOS) added on top of the template's own.
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    echo: bool = False
+    add_special_tokens: bool = False
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None

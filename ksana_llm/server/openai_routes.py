@@ -325,6 +325,8 @@ async def create_chat_completion(request: Request) -> Response:
                                                                            content="")))
                 first.prompt_token_ids = _ids_if(req, ids)  # (each choice's first chunk)
                 yield first
+                if run.echo:
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=run.echo)))
             async for ev in choices.events():
                 generated[ev.index] += ev.num_tokens
                 parser = parsers[ev.index]
@@ -359,6 +361,8 @@ async def create_chat_completion(request: Request) -> Response:
         parser = output_parser()
         message = parser.message([parser.feed(out.text), parser.finish()])
         message.role = run.role
+        if run.echo:
+            message.content = run.echo + (message.content or "")
         logprobs = chat_logprobs(out.logprobs, texts) if out.logprobs is not None else None
         result.append(ChatChoice(index=i, message=message, logprobs=logprobs,
                                  finish_reason=parser.finish_reason(out.finish_reason),
