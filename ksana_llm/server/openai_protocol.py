@@ -110,6 +110,10 @@ class _SamplingRequest(_Request):
     # vLLM's: the prompt's and each choice's token ids in the answer (streams: the prompt's on
     # the first chunk, each chunk's own tokens after).
     return_token_ids: bool = False
+    # vLLM's: the id the request runs under, and the response's id after its prefix
+    # ("chatcmpl-<id>", "cmpl-<id>"); a random one when left out. One in use by a running
+    # request is refused.
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
 
     def unsupported_params(self) -> list[str]:
         return []

@@ -189,7 +189,7 @@ async def create_completion(request: Request) -> Response:
                               state.sampling_defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)))
     if embeds is not None:
         jobs = jobs.with_prompts([{"prompt_embeds": rows} for rows in embeds])
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
     texts = state.logprob_texts(req)
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
@@ -304,7 +304,7 @@ async def create_completion(request: Request) -> Response:
 async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, ChatCompletionRequest)
-    run = await start_chat(req, state, f"chatcmpl-{uuid.uuid4().hex}")
+    run = await start_chat(req, state, f"chatcmpl-{req.request_id or uuid.uuid4().hex}")
     request_id, ids, choices, output_parser = run.request_id, run.ids, run.choices, run.output_parser
     created, model = run.created, run.model
     texts = state.logprob_texts(req)

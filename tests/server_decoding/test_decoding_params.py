@@ -6,6 +6,8 @@ transformers; and the 400s of invalid combinations and of what the server was no
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -329,3 +331,36 @@ def _stream_events(response) -> list[dict]:
              if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
+
+
+def test_request_id_names_the_response(server, client, model):
+    """vLLM's request_id: the response's id after its prefix (each streamed chunk's too); one
+    that a running request holds is a 400, and free again once that request is gone."""
+    answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2,
+                                            extra_body={"request_id": "trace-42"})
+    assert answer.id == "chatcmpl-trace-42"
+    done = client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                     extra_body={"request_id": "trace-42"})
+    assert done.id == "cmpl-trace-42"
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                            stream=True, extra_body={"request_id": "trace-43"}))
+    assert {c.id for c in chunks} == {"cmpl-trace-43"}
+    long = {"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True, "request_id": "busy"}
+    with httpx.stream("POST", server.base_url + "/completions", json=long, timeout=60) as r:
+        next(r.iter_lines())  # running now
+        clash = httpx.post(server.base_url + "/completions", timeout=60,
+                           json={**long, "stream": False, "max_tokens": 2})
+        assert clash.status_code == 400
+        assert "already in use" in clash.json()["error"]["message"]
+    # The stream was closed: its request is aborted, and the id can be used again.
+    for _ in range(50):
+        again = httpx.post(server.base_url + "/completions", timeout=60,
+                           json={**long, "stream": False, "max_tokens": 2})
+        if again.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert again.json()["id"] == "cmpl-busy"
+    with pytest.raises(openai.BadRequestError, match="request_id"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"request_id": "has space"})
