@@ -28,7 +28,7 @@ _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_siz
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "length_penalty")
 _BOOL_FIELDS = ("do_sample", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-_OPTIONAL_INT_FIELDS = ("logprobs", "seed", "best_of", "prompt_logprobs")
+_OPTIONAL_INT_FIELDS = ("logprobs", "seed", "best_of", "prompt_logprobs", "truncate_prompt_tokens")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -98,6 +98,9 @@ class GenerationConfig:
     output) ends with the rest. `allowed_token_ids` (vLLM's) restricts every sampled token to
     those ids.
 
+    `truncate_prompt_tokens` (vLLM's) keeps only the prompt's last k tokens (-1: as many as
+    the engine's max_model_len), for prompts given as text, token ids or `prompt_embeds` rows.
+
     `logits_processors` (vLLM's per-request processors; Python only, never over HTTP): callables
     `fn(output_token_ids, logits)` or `fn(prompt_token_ids, output_token_ids, logits)` that get
     the row's float32 logits [vocab] after the built-in processors (transformers' order: custom
@@ -137,6 +140,8 @@ class GenerationConfig:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     logits_processors: list[Callable[..., Any]] = field(default_factory=list)
+    # vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len); None keeps all.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # numpy / torch scalars (as transformers users pass them) become Python numbers.
@@ -247,6 +252,7 @@ class GenerationConfig:
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             _fail("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         self._validate_logit_bias()
         if not isinstance(self.bad_words_ids, list) or not all(
                 isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w)
@@ -341,6 +347,13 @@ class GenerationConfig:
         memo = {id(fn): fn for fn in [*self.logits_processors,
                                       *(changes.get("logits_processors") or [])]}
         return dataclasses.replace(copy.deepcopy(self, memo), **copy.deepcopy(changes, memo))
+
+
+def check_truncate_prompt_tokens(value: Any) -> None:
+    """ValueError unless `value` is a valid truncate_prompt_tokens (None, -1 or k >= 1)."""
+    if value is not None and (not _is_int(value) or not (value == -1 or value >= 1)):
+        _fail("truncate_prompt_tokens", value,
+              "None, -1 (as many as max_model_len) or an integer >= 1")
 
 
 def processor_arity(fn: Callable[..., Any]) -> int:

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from ksana_llm.server.openai_protocol import MAX_EMBEDDING_INPUTS
+from ksana_llm.server.embedding_protocol import MAX_EMBEDDING_INPUTS
 from tests.hf_references import hf_embedding
 from tests.server_process import ServerProcess
 from tests.tolerances import EMBEDDING_ATOL

@@ -34,11 +34,15 @@ class ForwardCalls:
     def submit_forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
                        request_id: str | None = None,
                        loop: asyncio.AbstractEventLoop | None = None,
-                       lora: str | None = None) -> ForwardHandle:
+                       lora: str | None = None,
+                       truncate_prompt_tokens: int | None = None) -> ForwardHandle:
         """Queue a forward-only request (no sampling, no prefix-cache hits); returns its handle.
-        Raises ValueError naming the bad field, QueueFullError, EngineDeadError."""
+        `truncate_prompt_tokens` keeps the prompt's last k tokens (-1: max_model_len); target
+        positions are those of the kept prompt. Raises ValueError naming the bad field,
+        QueueFullError, EngineDeadError."""
         seq, targets, positions = self._requests.forward_sequence(
-            prompt, targets, request_id, self.generation_config, lora=lora)
+            prompt, targets, request_id, self.generation_config, lora=lora,
+            truncate_prompt_tokens=truncate_prompt_tokens)
         return ForwardHandle(self._enqueue(seq, None, loop, None), list(targets), positions)
 
     def forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,
@@ -57,11 +61,13 @@ class ForwardCalls:
             self.abort(handle.id)
             raise
 
-    def embed(self, prompts: Prompt | list[Prompt], *, lora: str | None = None) -> torch.Tensor:
+    def embed(self, prompts: Prompt | list[Prompt], *, lora: str | None = None,
+              truncate_prompt_tokens: int | None = None) -> torch.Tensor:
         """One embedding per prompt, [n, hidden_size] float32 on the CPU, in input order: the
         final norm's hidden state at the prompt's last token, L2-normalised (`api.embeddings`).
-        Prompts are queued as the queue allows; a bad one raises ValueError (naming the problem)
-        and the ones already queued are aborted."""
+        `truncate_prompt_tokens` (vLLM's): embed each prompt's last k tokens (-1: as many as
+        max_model_len). Prompts are queued as the queue allows; a bad one raises ValueError
+        (naming the problem) and the ones already queued are aborted."""
         batch = self._as_batch(prompts)
         handles: list[ForwardHandle] = []
         vectors: list[torch.Tensor] = []
@@ -69,8 +75,9 @@ class ForwardCalls:
             for prompt in batch:
                 while True:
                     try:
-                        handles.append(self.submit_forward(prompt, list(EMBEDDING_TARGETS),
-                                                           lora=lora))
+                        handles.append(self.submit_forward(
+                            prompt, list(EMBEDDING_TARGETS), lora=lora,
+                            truncate_prompt_tokens=truncate_prompt_tokens))
                         break
                     except QueueFullError:  # make room: wait for the oldest one
                         vectors.append(embedding_from_hidden(
@@ -85,15 +92,17 @@ class ForwardCalls:
         return torch.stack(vectors)
 
     def score(self, text_1: Prompt | list[Prompt], text_2: Prompt | list[Prompt], *,
-              lora: str | None = None) -> list[float]:
+              lora: str | None = None, truncate_prompt_tokens: int | None = None) -> list[float]:
         """vLLM's `LLM.score` for an embedding model: the cosine similarity of each pair's
         embeddings (`embed`), one float per pair in [-1, 1]. Pairs: one `text_1` against every
         `text_2`, or the i-th of two equally long lists together (`api.scoring`). A text is a
-        string or a list of token ids. ValueError: a shape error names the field at fault; a
-        text the engine refuses (empty, too long) raises `embed`'s error."""
+        string or a list of token ids; `truncate_prompt_tokens` keeps each text's last k tokens.
+        ValueError: a shape error names the field at fault; a text the engine refuses (empty,
+        too long) raises `embed`'s error."""
         first, second = self._texts(text_1, "text_1"), self._texts(text_2, "text_2")
         pairs = score_pairs(len(first), len(second))
-        vectors = self.embed(first + second, lora=lora)
+        vectors = self.embed(first + second, lora=lora,
+                             truncate_prompt_tokens=truncate_prompt_tokens)
         return pair_scores(vectors[:len(first)], vectors[len(first):], pairs)
 
     def _texts(self, value: Prompt | list[Prompt], field: str) -> list[Prompt]:

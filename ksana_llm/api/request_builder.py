@@ -17,8 +17,16 @@ from ksana_llm.api.model import Model
 from ksana_llm.api.forward_outputs import ForwardTarget
 from ksana_llm.api.outputs import Prompt, Request, as_token_ids
 from ksana_llm.engine.request import ForwardSpec, Sequence
-from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.generation_config import GenerationConfig, check_truncate_prompt_tokens
 from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
+
+
+def truncate_prompt(ids: Any, keep: int | None, max_model_len: int) -> Any:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the
+    model's context holds); `ids` may be token ids or a prompt's embedding rows."""
+    if keep == -1:
+        keep = max_model_len
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def _as_config(value: GenerationConfig | dict[str, Any] | None,
@@ -96,10 +104,15 @@ class RequestBuilder:
         """Validate and build the request's first sequence; also returns what the model's plugin
         preprocess gave (for its postprocess), or None."""
         config = _as_config(request.generation_config, default_config)
+        keep = config.truncate_prompt_tokens
         if request.prompt_embeds is not None:
-            token_ids, embeddings = self._prompt_embeds(request)
+            token_ids, embeddings = self._prompt_embeds(request, keep)
         else:
             token_ids = self.tokenize(request.prompt)
+            if keep is not None and request.input_embeddings is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with "
+                                 "input_embeddings (their positions would move)")
+            token_ids = truncate_prompt(token_ids, keep, self.max_model_len)
             embeddings = self._check_embeddings(request.input_embeddings, len(token_ids))
         plugin_info = None
         plugin = getattr(self.model, "plugin", None)
@@ -259,9 +272,10 @@ class RequestBuilder:
             raise ValueError(f"{what} must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {config.num_sequences}")
 
-    def _prompt_embeds(self, request: Request) -> tuple[list[int], tuple[list[int], Any]]:
-        """`Request.prompt_embeds` -> placeholder token ids, and the embeddings replacing them
-        all (on the model's device and dtype)."""
+    def _prompt_embeds(self, request: Request, keep: int | None
+                       ) -> tuple[list[int], tuple[list[int], Any]]:
+        """`Request.prompt_embeds` (its last `keep` rows: truncate_prompt_tokens) -> placeholder
+        token ids, and the embeddings replacing them all (on the model's device and dtype)."""
         import torch
 
         if request.prompt is not None or request.input_embeddings is not None:
@@ -282,6 +296,7 @@ class RequestBuilder:
                              f"tensor of shape (num_tokens, {hidden}) (hidden_size), got {got}")
         if not bool(torch.isfinite(rows).all()):
             raise ValueError("prompt_embeds must hold finite values (no NaN or inf)")
+        rows = truncate_prompt(rows, keep, self.max_model_len)
         rows = rows.detach().to(self.model.device, self.model.dtype)
         return [0] * rows.shape[0], (list(range(rows.shape[0])), rows)
 
@@ -324,10 +339,13 @@ class RequestBuilder:
 
     def forward_sequence(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]],
                          request_id: str | None, default_config: GenerationConfig,
-                         lora: str | None = None
+                         lora: str | None = None, truncate_prompt_tokens: int | None = None
                          ) -> tuple[Sequence, list[ForwardTarget], list[list[int]]]:
-        """A forward-only request's sequence, its resolved targets and each target's positions."""
-        token_ids = self.tokenize(prompt)
+        """A forward-only request's sequence, its resolved targets and each target's positions
+        (after `truncate_prompt_tokens` cut the prompt, when given)."""
+        check_truncate_prompt_tokens(truncate_prompt_tokens)
+        token_ids = truncate_prompt(self.tokenize(prompt), truncate_prompt_tokens,
+                                    self.max_model_len)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's "
                              f"context, bounded by the KV cache) is {self.max_model_len}")

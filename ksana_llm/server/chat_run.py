@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.server.chat import message_text, render_chat
 from ksana_llm.server.chat_output import ChoiceOutputParser
 from ksana_llm.server.errors import bad_request
@@ -22,7 +23,6 @@ from ksana_llm.server.params import (
     check_token_ids,
     prediction_token_ids,
     resolve_max_tokens,
-    truncate_prompt,
 )
 from ksana_llm.server.reasoning_parsers import opens_thinking
 from ksana_llm.server.state import ServerState

@@ -24,10 +24,11 @@ from fastapi.responses import JSONResponse
 
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle
+from ksana_llm.server.embedding_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
+                                                 EmbeddingRequest, EmbeddingResponse,
+                                                 EmbeddingUsage)
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import run_forward
-from ksana_llm.server.openai_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
-                                              EmbeddingRequest, EmbeddingResponse, EmbeddingUsage)
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
 from ksana_llm.server.params import prompt_token_lists
 from ksana_llm.server.state import ServerState, server_state

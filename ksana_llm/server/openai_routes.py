@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.server.chat_output import ChatDelta
 from ksana_llm.server.chat_run import start_chat
 from ksana_llm.server.errors import APIError, bad_request
@@ -51,7 +52,6 @@ from ksana_llm.server.params import (
     prediction_usage,
     prompt_token_lists,
     resolve_max_tokens,
-    truncate_prompt,
 )
 from ksana_llm.server.prompt_embeds import decode_prompt_embeds
 from ksana_llm.server.state import ServerState, server_state

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request
@@ -84,18 +84,6 @@ def prediction_usage(prediction: list[int], outputs: list[list[int]]) -> tuple[i
         matcher = SequenceMatcher(None, prediction, tokens, autojunk=False)
         accepted += sum(block.size for block in matcher.get_matching_blocks())
     return accepted, len(prediction) * len(outputs) - accepted
-
-
-# A prompt's token ids, or its embedding rows (a tensor): whatever slices like a list.
-Prompt = TypeVar("Prompt")
-
-
-def truncate_prompt(ids: Prompt, keep: int | None, max_model_len: int) -> Prompt:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the
-    model's context holds); `ids` may be token ids or a prompt's embedding rows."""
-    if keep == -1:
-        keep = max_model_len
-    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,

@@ -19,9 +19,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ksana_llm.api.scoring import pair_scores, score_pairs
+from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.server.embeddings import embed_prompts
 from ksana_llm.server.errors import bad_request
-from ksana_llm.server.params import prompt_token_lists, truncate_prompt
+from ksana_llm.server.params import prompt_token_lists
 from ksana_llm.server.score_protocol import (RerankDocument, RerankRequest, RerankResponse,
                                              RerankResult, RerankUsage, ScoreData, ScoreRequest,
                                              ScoreResponse, ScoreUsage)

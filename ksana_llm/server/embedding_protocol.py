@@ -1,0 +1,41 @@
+"""Request and response bodies of `POST /v1/embeddings` (OpenAI's embeddings API)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ksana_llm.server.openai_protocol import _Request
+
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request, as OpenAI
+
+
+class EmbeddingRequest(_Request):
+    """`POST /v1/embeddings`. `input`: a string, a list of strings, a list of token ids or a list
+    of token-id lists (OpenAI's four shapes)."""
+
+    model: str | None = None
+    # Typed loosely, like CompletionRequest.prompt: `prompt_token_lists` names the shapes.
+    input: Any = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
