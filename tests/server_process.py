@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -103,3 +104,15 @@ def openai_error(response: httpx.Response) -> dict:
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     return body["error"]
+
+
+def server_fixture(args: Sequence[str]):
+    """A module-scoped `server` fixture: `ksana-llm serve` with `args` on the default model
+    (a ServerProcess), stopped once the module's tests are done."""
+    @pytest.fixture(scope="module")
+    def server(default_model_dir):
+        proc = ServerProcess(list(args))
+        yield proc
+        proc.stop()
+
+    return server

@@ -17,7 +17,7 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
-from tests.server_process import ServerProcess, openai_error
+from tests.server_process import server_fixture, openai_error
 from tests.tolerances import LOGIT_ATOL
 from tests.engine_fixtures import engine_fixture
 
@@ -227,11 +227,7 @@ def test_dict_targets_and_default_positions(engine, ids, hf):
 
 # ---- server -------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "256"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "256"])
 
 
 def _decode_tensor(t: dict) -> torch.Tensor:

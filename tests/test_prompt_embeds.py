@@ -17,7 +17,7 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.server.app import build_app
-from tests.server_process import ServerProcess, openai_error
+from tests.server_process import server_fixture, openai_error
 
 MAX_NEW = 16
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -131,11 +131,7 @@ def _encoded(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "128", "--enable-prompt-embeds"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "128", "--enable-prompt-embeds"])
 
 
 def test_completions_take_prompt_embeds(client, model_name, local_engine, soft_prompt):

@@ -9,21 +9,17 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, server_fixture
 
 APP = "https://app.example"
 KEY = "secret-key"
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "64", "--max-model-len", "256",
-                          "--api-key", KEY, "--allowed-origins", f'["{APP}"]',
-                          "--allowed-methods", '["GET", "POST"]',
-                          "--return-tokens-as-token-ids",
-                          "--served-model-name", "smol", "smol-latest"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "64", "--max-model-len", "256",
+                         "--api-key", KEY, "--allowed-origins", f'["{APP}"]',
+                         "--allowed-methods", '["GET", "POST"]',
+                         "--return-tokens-as-token-ids",
+                         "--served-model-name", "smol", "smol-latest"])
 
 
 def _preflight(server: ServerProcess, origin: str) -> httpx.Response:

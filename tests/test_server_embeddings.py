@@ -12,18 +12,14 @@ import torch
 
 from ksana_llm.server.embedding_protocol import MAX_EMBEDDING_INPUTS
 from tests.hf_references import hf_embedding
-from tests.server_process import ServerProcess
+from tests.server_process import server_fixture
 from tests.tolerances import EMBEDDING_ATOL
 
 TEXTS = ["The capital of France is Paris.", "def add(a, b):\n    return a + b\n",
          "人工智能正在改变世界。", "A"]
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "128", "--max-model-len", "256"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "128", "--max-model-len", "256"])
 
 
 def test_vectors_equal_transformers_last_token_state(client, hf_default_model, default_model):

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import ksana_llm as kt
-from tests.server_process import ServerProcess, openai_error
+from tests.server_process import ServerProcess, server_fixture, openai_error
 
 KV_ARGS = ["--num-device-blocks", "256"]
 MAX_BODY = 64 * 1024
@@ -21,11 +21,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess([*KV_ARGS, "--max-body-bytes", str(MAX_BODY)])
-    yield proc
-    proc.stop()
+server = server_fixture([*KV_ARGS, "--max-body-bytes", str(MAX_BODY)])
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -17,17 +17,13 @@ import httpx
 import pytest
 
 import ksana_llm as kt
-from tests.server_process import ServerProcess, openai_error
+from tests.server_process import server_fixture, openai_error
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "256"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "256"])
 
 
 @pytest.fixture(scope="module")

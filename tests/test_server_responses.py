@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.server_process import ServerProcess
+from tests.server_process import server_fixture
 
 QUESTION = "What is the capital of France?"
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -21,12 +21,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
                          "required": ["city"]}}]
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "256", "--max-model-len", "2048",
-                          "--max-stored-responses", "4"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "256", "--max-model-len", "2048",
+                         "--max-stored-responses", "4"])
 
 
 def hf_reply(hf_model, tokenizer, messages: list[dict], max_new_tokens: int,

@@ -9,17 +9,13 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import server_fixture
 
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "256", "--max-model-len", "2048",
-                          "--max-stored-responses", "4"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "256", "--max-model-len", "2048",
+                         "--max-stored-responses", "4"])
 
 
 def _poll(client, response_id: str, timeout: float = 60):

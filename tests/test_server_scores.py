@@ -11,18 +11,14 @@ import pytest
 import torch
 
 from tests.hf_references import hf_embedding
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, server_fixture
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["The capital of Brazil is Brasilia.", "Paris is the capital of France.",
              "def add(a, b):\n    return a + b\n", "人工智能正在改变世界。"]
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    proc = ServerProcess(["--num-device-blocks", "128", "--max-model-len", "256"])
-    yield proc
-    proc.stop()
+server = server_fixture(["--num-device-blocks", "128", "--max-model-len", "256"])
 
 
 def _cosine(hf_model, tokenizer, a: str | list[int], b: str | list[int]) -> float:
