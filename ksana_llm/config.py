@@ -129,9 +129,10 @@ class EngineConfig(BaseModel):
         None, ge=1, description="largest decode batch captured in a graph (larger batches run "
                                 "eagerly); default: max_num_seqs")
     cuda_graph_sizes: list[PositiveInt] | None = Field(
-        None, min_length=1, description="the decode batch sizes captured, instead of the default "
-        "buckets (1, 2, 4, 8, then multiples of 8) up to cuda_graph_max_batch_size; a batch runs "
-        "in the smallest that holds it, eagerly above the largest (vLLM's cuda_graph_sizes)")
+        None, min_length=1, description="vLLM's cuda_graph_sizes: one value is the largest "
+        "decode batch captured (the default buckets 1, 2, 4, 8, then multiples of 8 below it), "
+        "several are the sizes captured; a batch runs in the smallest that holds it, eagerly "
+        "above the largest; sizes above max_num_seqs are dropped")
     overlap_output_processing: bool | None = Field(
         None, description="detokenize and deliver a step's outputs while the device runs the next "
                           "step (outputs arrive one step later; requests with stop strings or "

@@ -108,7 +108,9 @@ class GenerationConfig:
     (the same tensor changed in place, or a new one). They run on the host's view of the
     sequence, once per generated token; a request with them is not drafted for by speculative
     decoding. One that raises or returns something else fails its request only. Copies of a
-    config (`replace`) share the processor objects, so a stateful processor sees every call.
+    config (`replace`, and the engine's per-request copy) share the processor objects, so a
+    stateful processor sees every call, unless it has a `clone()` method (vLLM's rule): then
+    each copy gets a clone.
     """
 
     max_new_tokens: int = 128
@@ -343,9 +345,13 @@ class GenerationConfig:
         unknown = sorted(set(changes) - known)
         if unknown:
             raise ValueError(f"unknown generation parameter(s): {', '.join(unknown)}")
-        # Processors are shared, not copied: a stateful one must see its request's calls.
-        memo = {id(fn): fn for fn in [*self.logits_processors,
-                                      *(changes.get("logits_processors") or [])]}
+        # Processors are not deep-copied: a stateful one must see its request's calls. One with
+        # a clone() method (vLLM's rule) gives each copy its own, fresh state included.
+        processors = [*self.logits_processors]
+        if isinstance(changes.get("logits_processors"), (list, tuple)):
+            processors += changes["logits_processors"]
+        memo = {id(fn): fn.clone() if callable(getattr(fn, "clone", None)) else fn
+                for fn in processors}
         return dataclasses.replace(copy.deepcopy(self, memo), **copy.deepcopy(changes, memo))
 
 
@@ -357,14 +363,19 @@ def check_truncate_prompt_tokens(value: Any) -> None:
 
 
 def processor_arity(fn: Callable[..., Any]) -> int:
-    """How many arguments a logits processor takes: 3 (prompt ids first) or 2; one taking
-    *args gets all 3. A callable whose signature cannot be read counts as 2, vLLM's form."""
+    """How many arguments a logits processor takes: 3 (prompt ids first) or 2 (its required
+    positional parameters; a torch Module's are its forward's). One taking *args, or whose
+    signature cannot be read, counts as 2: vLLM's form."""
+    # A Module's __call__ is (*args, **kwargs): what it takes is its forward's signature.
+    forward = getattr(fn, "forward", None)
+    is_object = not (inspect.isfunction(fn) or inspect.ismethod(fn))
+    target = forward if is_object and callable(forward) else fn
     try:
-        parameters = inspect.signature(fn).parameters.values()
+        parameters = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):
         return 2
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
-        return 3
+        return 2
     return sum(1 for p in parameters if p.default is inspect.Parameter.empty and p.kind in (
         inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
 

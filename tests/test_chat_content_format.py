@@ -12,6 +12,7 @@ import pytest
 
 import ksana_llm as kt
 from ksana_llm.server.chat import ChatTemplate, loops_over_content, render_chat
+from ksana_llm.server.errors import APIError
 from ksana_llm.server.openai_protocol import ChatMessage
 from tests.server_process import ServerProcess
 
@@ -73,6 +74,11 @@ def test_rendering_matches_transformers_in_both_formats(model):
                                                       tokenize=False)
     # The format is what makes the difference: the part loop over a flattened string has no text.
     assert "France" not in render_chat(tokenizer, messages, ChatTemplate(PARTS_TEMPLATE, "string"))
+    # A template that concatenates strings, handed parts: a 400 naming the messages, not a 500.
+    with pytest.raises(APIError) as info:
+        render_chat(tokenizer, messages, ChatTemplate(STRING_TEMPLATE, "openai"))
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "chat template rejected them (TypeError" in str(info.value)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +129,9 @@ def test_without_a_generation_prompt_the_role_is_the_last_messages(server, local
         add_special_tokens=False)
     assert message["content"] == local_engine.generate_outputs(
         ids, kt.GenerationConfig(max_new_tokens=4), use_tqdm=False)[0].text
+    assert httpx.post(server.url + "/tokenize", json={
+        "messages": conversation, "add_generation_prompt": False,
+        "continue_final_message": True}).json()["tokens"] == ids
     echoed = httpx.post(server.base_url + "/chat/completions", timeout=120,
                         json={**body, "echo": True}).json()["choices"][0]["message"]
     assert echoed["content"] == "The capital" + message["content"]
@@ -148,6 +157,8 @@ def test_documents_reach_the_template(server, local_engine):
                                              documents=documents)
     assert "[Atlas] Paris" in rendered
     expected = tokenizer.encode(rendered, add_special_tokens=False)
+    assert httpx.post(server.url + "/tokenize", json={
+        "messages": MESSAGES, "documents": documents}).json()["tokens"] == expected
     answer = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
         "messages": MESSAGES, "documents": documents, "max_tokens": 6, "temperature": 0}).json()
     assert answer["usage"]["prompt_tokens"] == len(expected)

@@ -107,8 +107,7 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
     # --cuda-graph-sizes with one value the largest batch captured, with several the sizes.
     config = configs_from_args(parse(["serve", "--long-prefill-token-threshold", "128",
                                       "--cuda-graph-sizes", "48"]))[0]
-    assert (config.split_fuse_token_num, config.cuda_graph_max_batch_size,
-            config.cuda_graph_sizes) == (128, 48, None)
+    assert (config.split_fuse_token_num, config.cuda_graph_sizes) == (128, [48])
     config = configs_from_args(parse(["serve", "--cuda-graph-sizes", "1", "4", "16"]))[0]
     assert (config.cuda_graph_max_batch_size, config.cuda_graph_sizes) == (None, [1, 4, 16])
     for both in (["--cuda-graph-sizes", "8"], ["--cuda-graph-sizes", "1", "8"]):

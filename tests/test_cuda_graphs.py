@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from ksana_llm.api.core_builder import capture_sizes  # noqa: E402
 from ksana_llm.config import EngineConfig  # noqa: E402
 from ksana_llm.api.model import Model  # noqa: E402
 from ksana_llm.engine.kv_cache import BlockManager  # noqa: E402
@@ -110,6 +111,16 @@ def test_explicit_graph_sizes_are_the_buckets(tmp_path):
         runner.setup_cuda_graphs([0, 2], capture=False)
     with pytest.raises(ValueError, match="cuda_graph_sizes or cuda_graph_max_batch_size"):
         EngineConfig(cuda_graph_sizes=[1, 2], cuda_graph_max_batch_size=2)
+    # What the engine asks its runner for (vLLM's rule): one value is the largest batch, with
+    # the default buckets below; several are the sizes; none above max_num_seqs.
+    assert capture_sizes(EngineConfig(cuda_graph_sizes=[24])) == 24
+    assert graph_batch_sizes(capture_sizes(EngineConfig(cuda_graph_sizes=[24]))) == (
+        1, 2, 4, 8, 16, 24)
+    assert capture_sizes(EngineConfig(cuda_graph_sizes=[1, 3, 64, 512], max_num_seqs=64)) == \
+        [1, 3, 64]
+    assert capture_sizes(EngineConfig(cuda_graph_sizes=[512], max_num_seqs=64)) == 64
+    assert capture_sizes(EngineConfig(max_num_seqs=32)) == 32
+    assert capture_sizes(EngineConfig(cuda_graph_max_batch_size=8)) == 8
 
 
 # ---- when graphs are used -----------------------------------------------------------------------

@@ -89,7 +89,8 @@ def test_processors_run_last_on_their_rows_only():
     banned[[3, 4]] = float("-inf")
     torch.testing.assert_close(out[0], banned)  # after the bias: the biased token is banned
     assert recorder.calls == [([1, 2], [3, 4])] and rows[0].processor_error is None
-    assert "must return a tensor of shape (16,), got (4,)" in str(rows[2].processor_error)
+    assert "must return a dense floating-point tensor of shape (16,), got a torch.strided " \
+        "torch.float32 tensor of shape (4,)" in str(rows[2].processor_error)
     torch.testing.assert_close(out[2], logits[2])  # a failed processor leaves the logits
 
 
@@ -162,13 +163,18 @@ def test_beam_search_matches_transformers(default_model, hf_model):
                                                              abs=2e-4)
 
 
-def test_a_failing_processor_fails_only_its_request(default_model):
+@pytest.mark.parametrize("settings", [{}, {"overlap_output_processing": True},
+                                      {"async_scheduling": True}],
+                         ids=["plain", "overlap-outputs", "async-scheduling"])
+def test_a_failing_processor_fails_only_its_request(default_model, settings):
+    """Whatever the step loop defers (outputs, tokens in flight) is delivered before the
+    failed request ends, and the engine serves on."""
     def fails_at_third(output_token_ids, logits):
         if len(output_token_ids) == 2:
             raise RuntimeError("out of ideas")
         return logits
 
-    with kt.Engine(default_model, num_device_blocks=128) as engine:
+    with kt.Engine(default_model, num_device_blocks=128, **settings) as engine:
         reference = engine.generate_outputs(PROMPTS[1], kt.GenerationConfig(
             max_new_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)[0].token_ids
         failing = engine.submit(kt.Request(PROMPTS[0], kt.GenerationConfig(
@@ -180,6 +186,34 @@ def test_a_failing_processor_fails_only_its_request(default_model):
             failing.result(timeout=120)
         assert other.result(timeout=120).token_ids == reference
         assert engine.stats().num_free_kv_blocks == 128  # nothing held by the failed request
+        assert engine.is_running and engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
+
+
+def test_modules_and_clones():
+    """A torch Module is called as its forward takes it; one with clone() (vLLM's rule) gives
+    each config copy its own."""
+    class Bias(torch.nn.Module):
+        def forward(self, prompt_token_ids, output_token_ids, logits):
+            return logits + 1
+
+    class Counter:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, output_token_ids, logits):
+            self.calls += 1
+            return logits
+
+        def clone(self):
+            return Counter()
+
+    rows = [SamplingRow(kt.GenerationConfig(logits_processors=[Bias()]), [1], [2])]
+    logits = torch.zeros(1, 8)
+    torch.testing.assert_close(process_logits(logits, rows), logits + 1)
+    counter = Counter()
+    copy = kt.GenerationConfig(logits_processors=[counter]).replace(max_new_tokens=2)
+    assert isinstance(copy.logits_processors[0], Counter) and copy.logits_processors[0] \
+        is not counter
 
 
 def test_speculative_decoding_leaves_them_exact(default_model):

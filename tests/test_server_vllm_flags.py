@@ -48,6 +48,10 @@ def test_default_chat_template_kwargs_render_every_chat(server, local_engine):
     assert LEAD in with_lead and LEAD not in _rendered(tokenizer, "")
     tokens = httpx.post(server.url + "/tokenize", json={"messages": QUESTION}).json()["tokens"]
     assert tokens == tokenizer.encode(with_lead, add_special_tokens=False)
+    # A request's own kwargs over the server's, as on chat completions.
+    tokens = httpx.post(server.url + "/tokenize", json={
+        "messages": QUESTION, "chat_template_kwargs": {"lead": ""}}).json()["tokens"]
+    assert tokens == tokenizer.encode(_rendered(tokenizer, ""), add_special_tokens=False)
     greedy = kt.GenerationConfig(max_new_tokens=8)
     for kwargs, prompt in ((None, with_lead), ({"lead": ""}, _rendered(tokenizer, ""))):
         body = {"messages": QUESTION, "max_tokens": 8, "temperature": 0,

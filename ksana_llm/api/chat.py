@@ -114,9 +114,11 @@ def apply_chat_template(tokenizer: Any, messages: Conversation, *, chat_template
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, documents=documents,
             **dict(chat_template_kwargs or {}))
-    except TemplateError as exc:
-        # Templates raise on messages they do not accept (e.g. roles out of order).
-        raise ValueError(f"messages: the chat template rejected them ({exc})") from exc
+    except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        # Templates raise on messages they do not accept (e.g. roles out of order), or fail
+        # on a shape they do not expect (content parts where they concatenate strings).
+        raise ValueError(f"messages: the chat template rejected them "
+                         f"({type(exc).__name__}: {exc})") from exc
     if not isinstance(text, str) or not text:
         raise ValueError("messages: the chat template rendered an empty prompt")
     return text

@@ -79,8 +79,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                          num_host_blocks=num_host_blocks,
                          attention_backend=cfg.attention_backend,
                          max_model_len=max_model_len, cuda_graphs=cfg.enable_cuda_graphs,
-                         cuda_graph_sizes=cfg.cuda_graph_sizes or cfg.cuda_graph_max_batch_size
-                         or cfg.max_num_seqs, num_speculative_tokens=mtp_tokens,
+                         cuda_graph_sizes=capture_sizes(cfg), num_speculative_tokens=mtp_tokens,
                          kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=kv_scales(model, cache_dtype, cfg),
                          max_loras=cfg.num_lora_slots, max_lora_rank=cfg.max_lora_rank,
                          max_cpu_loras=cfg.max_cpu_loras,
@@ -156,3 +155,15 @@ def resolve_async_scheduling(cfg: EngineConfig, model: Model) -> bool:
         raise ValueError("async_scheduling needs a single-rank run (tensor_parallel_size=1 and "
                          "pipeline_parallel_size=1)")
     return cfg.async_scheduling
+
+
+def capture_sizes(cfg: EngineConfig) -> int | list[int]:
+    """The decode batch sizes to capture (a list) or the largest (an int, the default buckets
+    below it). `cuda_graph_sizes` follows vLLM: one value is the largest, several are the
+    sizes; sizes above max_num_seqs (batches never that large) are dropped."""
+    sizes = cfg.cuda_graph_sizes
+    if not sizes:
+        return cfg.cuda_graph_max_batch_size or cfg.max_num_seqs
+    if len(sizes) == 1:
+        return min(sizes[0], cfg.max_num_seqs)
+    return [s for s in sizes if s <= cfg.max_num_seqs] or cfg.max_num_seqs

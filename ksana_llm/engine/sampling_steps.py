@@ -5,7 +5,7 @@ launched; that step finds its pending input tokens on the device through `_pendi
 
 A mixin of `EngineCore`: it works on the core's `runner`, `scheduler`, `block_manager`,
 `sampler`, `async_scheduling` and step in flight (`_in_flight`, `_captures_in_flight`), and its
-`_detokenizer`, `_append`, `_read_captures` and `_abort_group`.
+`_detokenizer`, `_append`, `_read_captures`, `_drain_deferred` and `_abort_group`.
 """
 
 from __future__ import annotations
@@ -82,12 +82,18 @@ class SamplingSteps:
     def _fail_processor_errors(self, seqs: list[Sequence]) -> list[StepOutput]:
         """Requests whose own logits processor failed on this step's logits fail with its error
         (the token sampled for them is never read); the rest of the batch goes on."""
-        outputs = []
-        for seq in seqs:
-            row = seq.sampling_row
-            if row is not None and row.processor_error is not None \
-                    and seq.status is not SequenceStatus.FINISHED:
-                outputs.extend(self._abort_group(seq.group, None, error=row.processor_error))
+        failed = [seq for seq in seqs if seq.sampling_row is not None
+                  and seq.sampling_row.processor_error is not None]
+        if not failed:
+            return []
+        # As `abort` does: the deferred text and any step in flight come first, so no output
+        # of a failed request is delivered after its end.
+        outputs = self._drain_deferred()
+        outputs.extend(self._resolve_in_flight())
+        for seq in failed:
+            if seq.status is not SequenceStatus.FINISHED:
+                outputs.extend(self._abort_group(seq.group, None,
+                                                 error=seq.sampling_row.processor_error))
         return outputs
 
     def _resolve_in_flight(self) -> list[StepOutput]:

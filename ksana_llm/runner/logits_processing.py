@@ -186,14 +186,21 @@ def _run_custom_processors(out: torch.Tensor, i: int, row: SamplingRow) -> None:
             row.processor_error = ValueError(
                 f"logits_processors[{k}] raised {type(exc).__name__}: {exc}")
             return
-        if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(values.shape):
-            shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+        if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(values.shape) \
+                or result.layout != torch.strided or not result.dtype.is_floating_point:
+            got = (f"a {result.layout} {result.dtype} tensor of shape {tuple(result.shape)}"
+                   if isinstance(result, torch.Tensor) else type(result).__name__)
             row.processor_error = ValueError(
-                f"logits_processors[{k}] must return a tensor of shape {tuple(values.shape)}, "
-                f"got {shape}")
+                f"logits_processors[{k}] must return a dense floating-point tensor of shape "
+                f"{tuple(values.shape)}, got {got}")
             return
         if result is not values:
-            values.copy_(result)
+            try:
+                values.copy_(result)
+            except Exception as exc:  # noqa: BLE001 - e.g. a meta tensor: that request's fault
+                row.processor_error = ValueError(
+                    f"logits_processors[{k}] returned a tensor that cannot be read ({exc})")
+                return
 
 
 def _token_histories(rows: list[SamplingRow], members: list[int],

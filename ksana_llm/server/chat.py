@@ -52,9 +52,9 @@ class ChatTemplate:
                              f"{', '.join(CONTENT_FORMATS)}, got {content_format!r}")
         if content_format == "auto":
             source = text if text is not None else getattr(tokenizer, "chat_template", None)
-            # A tokenizer may carry several named templates: any of them decides.
-            sources = source.values() if isinstance(source, dict) else [source]
-            loops = any(isinstance(t, str) and loops_over_content(t) for t in sources)
+            if isinstance(source, dict):  # named templates: chats render with the default one
+                source = source.get("default")
+            loops = isinstance(source, str) and loops_over_content(source)
             content_format = "openai" if loops else "string"
         return cls(text, content_format)  # type: ignore[arg-type]
 

@@ -73,13 +73,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
             raise ValueError(f"--speculative-config sets {name} to {value!r} and "
                              f"{flags[name]} to {overrides[name]!r}; give one")
         overrides[name], flags[name] = value, "--speculative-config"
-    if overrides["cuda_graph_sizes"] is not None and len(overrides["cuda_graph_sizes"]) == 1:
-        # vLLM's one-value form names the largest size, with the default sizes below it.
-        if overrides["cuda_graph_max_batch_size"] is not None:
-            raise ValueError("give --cuda-graph-sizes or --cuda-graph-max-batch-size, not both")
-        overrides["cuda_graph_max_batch_size"] = overrides["cuda_graph_sizes"][0]
-        flags["cuda_graph_max_batch_size"] = "--cuda-graph-sizes"
-        overrides["cuda_graph_sizes"] = None
     if overrides["lora_modules"] is not None:
         names = [name for name, _ in overrides["lora_modules"]]
         if len(set(names)) != len(names):

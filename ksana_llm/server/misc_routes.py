@@ -115,10 +115,14 @@ async def tokenize(request: Request) -> JSONResponse:
             raise bad_request("`messages` must not be empty.", param="messages")
         text = render_chat(state.tokenizer, req.messages, state.chat_template,
                            add_generation_prompt=req.add_generation_prompt,
-                           template_kwargs=state.default_chat_template_kwargs)
-        ids = state.tokenizer.encode(text, add_special_tokens=False)
+                           continue_final_message=req.continue_final_message,
+                           template_kwargs={**state.default_chat_template_kwargs,
+                                            **(req.chat_template_kwargs or {})},
+                           documents=req.documents)
+        ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
-        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens
+                                     is not False)
     return JSONResponse(TokenizeResponse(tokens=list(ids), count=len(ids),
                                          max_model_len=state.limits.max_model_len).model_dump())
 

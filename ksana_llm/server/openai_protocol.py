@@ -391,8 +391,13 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # None: True for a prompt, False for messages (their template holds the special tokens).
+    add_special_tokens: bool | None = None
+    # With messages, as on /v1/chat/completions (vLLM's tokenize-chat fields).
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
 
 
 class TokenizeResponse(BaseModel):

@@ -66,7 +66,8 @@ _RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9A-Za-z]+)"')
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens.
 _PROMPT_FIELDS = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls",
-                  "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+                  "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                  "documents", "add_special_tokens", "reasoning_effort", "truncate_prompt_tokens")
 
 
 @dataclass
