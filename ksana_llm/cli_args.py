@@ -298,6 +298,12 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="mount /v1/load_lora_adapter and /v1/unload_lora_adapter (clients "
                              "then name folders the server reads)")
+    parser.add_argument("--enable-sleep-mode", action="store_true", default=None,
+                        help="mount /sleep, /wake_up and /is_sleeping (vLLM's): the engine frees "
+                             "its KV cache and weights' device memory while idle, on request")
+    parser.add_argument("--enable-weight-updates", action="store_true",
+                        help="mount /update_weights_from_disk: new weights for the served model "
+                             "from a checkpoint folder a client names, while serving")
 
 
 def add_listen_args(parser: argparse.ArgumentParser) -> None:

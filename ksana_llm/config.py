@@ -137,6 +137,9 @@ class EngineConfig(BaseModel):
         None, description="detokenize and deliver a step's outputs while the device runs the next "
                           "step (outputs arrive one step later; requests with stop strings or "
                           "best_of/beam search are not deferred); None = on for CUDA")
+    enable_sleep_mode: bool = Field(
+        False, description="vLLM's: allow Engine.sleep() / wake_up(), which free and take back "
+                           "the KV cache and the weights' device memory while the engine idles")
     async_scheduling: bool | None = Field(
         None, description="plan and launch each decode step before the previous step's tokens "
                           "are read back (the device feeds them in), so the host's scheduling "

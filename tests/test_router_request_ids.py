@@ -1,6 +1,6 @@
 """The router passes each request's id on to the servers behind it, so one X-Request-Id names
 the request in the router's answer and in every server's log and answer; and it sends
-/reset_prefix_cache to every server.
+/reset_prefix_cache and /update_weights_from_disk to every server.
 
 The servers here are a real HTTP server on 127.0.0.1 that records what it is sent and answers
 as a prefill and decode server would: what the router sends upstream cannot be seen from a real
@@ -23,6 +23,7 @@ class _Recording(http.server.BaseHTTPRequestHandler):
     responses and /v1/models; records (method, path, X-Request-Id) of each request in `seen`."""
 
     seen: list[tuple[str, str, str | None]] = []
+    bodies: list[dict] = []  # the JSON bodies of POSTs, in order
 
     def _answer(self, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -43,6 +44,7 @@ class _Recording(http.server.BaseHTTPRequestHandler):
         content = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         request = json.loads(content) if content else {}
         self.seen.append(("POST", self.path, self.headers.get("X-Request-Id")))
+        self.bodies.append(request)
         if request.get("kv_transfer_params", {}).get("do_remote_decode"):
             self._answer({"kv_transfer_params": {"transfer_id": "0" * 32}})
         else:
@@ -56,12 +58,13 @@ class _Recording(http.server.BaseHTTPRequestHandler):
 class _Upstream:
     url: str
     seen: list[tuple[str, str, str | None]]
+    bodies: list[dict]
 
 
 @pytest.fixture(scope="module")
 def upstream():
     with stub_http_server(_Recording) as url:
-        yield _Upstream(url, _Recording.seen)
+        yield _Upstream(url, _Recording.seen, _Recording.bodies)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,12 @@ def test_reset_prefix_cache_goes_to_every_server(router, upstream):
     r = httpx.post(router.url + "/reset_prefix_cache", headers={"X-Request-Id": "t-2"})
     assert r.status_code == 200 and list(r.json()["servers"]) == [upstream.url]  # once each
     assert upstream.seen == [("POST", "/reset_prefix_cache", "t-2")]
+    upstream.seen.clear()
+    upstream.bodies.clear()
+    r = httpx.post(router.url + "/update_weights_from_disk", json={"model_path": "/ckpt/7"})
+    assert r.status_code == 200 and list(r.json()["servers"]) == [upstream.url]
+    assert [seen[:2] for seen in upstream.seen] == [("POST", "/update_weights_from_disk")]
+    assert upstream.bodies == [{"model_path": "/ckpt/7"}]  # the client's body, passed on
     down = f"http://127.0.0.1:{free_port()}"
     proc = ServerProcess(["--prefill", down, "--decode", upstream.url], command="router")
     try:

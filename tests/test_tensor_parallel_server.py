@@ -5,20 +5,18 @@ where killing the worker node makes the master fail fast and exit non-zero."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from tests.family_harness import greedy_trace, hf_reference
 from tests.server_process import ServerProcess, free_port
+from tests.tiny_models import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -31,17 +29,8 @@ def tiny_chat_model(default_model_dir, tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer (the server needs one): 4 heads, 2 KV heads,
     3 layers, so it splits over 2 ranks (TP) and 2 stages (PP)."""
     folder = tmp_path_factory.mktemp("tiny-chat")
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    hf = LlamaForCausalLM(config).eval()
-    hf.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(default_model_dir) / name).exists():
-            shutil.copy(Path(default_model_dir) / name, folder / name)
+    hf = build_tiny_chat_model(folder, default_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(PROMPT)["input_ids"]
     expected = greedy_trace(hf_reference(hf), ids, MAX_TOKENS)[0][len(ids):]
     return folder, tokenizer.decode(expected)

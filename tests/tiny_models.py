@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -62,3 +63,25 @@ def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True
                 param.normal_(0, 0.1)
     model.save_pretrained(folder, safe_serialization=safe_serialization)
     return model
+
+
+def build_tiny_chat_model(folder: Path, tokenizer_dir: Path, *, num_hidden_layers: int = 3,
+                          seed: int = 0) -> torch.nn.Module:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (`tokenizer_dir`), which
+    a server needs: 4 heads, 2 KV heads, tied embeddings (3 layers split over 2 ranks (TP) and
+    2 stages (PP)). Saved in `folder`; the transformers model is returned."""
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer),
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, Path(folder) / name)
+    return hf

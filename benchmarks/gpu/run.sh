@@ -78,9 +78,10 @@ for stage in "${STAGES[@]}"; do
         env)     run_stage env     "$PYTHON" -m benchmarks.gpu.bench_kernels env --out "$RESULTS" ;;
         # tests/test_kernels*.py natively on the GPU (fp32, fp16, bf16)
         tests)   run_stage tests   "$PYTHON" -m benchmarks.gpu.bench_kernels tests --out "$RESULTS" ;;
-        # decode graphs captured and replayed for real, logits and KV cache vs the eager path
-        graph-tests) run_stage graph-tests "$PYTHON" -m pytest tests/test_cuda_graphs.py -q \
-                         -p no:cacheprovider -k "not smoke" ;;
+        # decode graphs captured and replayed for real, logits and KV cache vs the eager path;
+        # sleep mode on the GPU (weights offloaded to host memory, graphs captured again)
+        graph-tests) run_stage graph-tests "$PYTHON" -m pytest tests/test_cuda_graphs.py \
+                         tests/test_sleep_mode.py -q -p no:cacheprovider -k "not smoke" ;;
         # greedy tokens with the CUDA defaults (graphs, async scheduling) vs the CPU, fp32
         parity)  run_stage parity  "$PYTHON" -m benchmarks.gpu.parity --out "$RESULTS" ;;
         # reference workload, Qwen3-0.6B shape: ours (graphs on, off) vs HF generate_batch

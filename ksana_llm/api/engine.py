@@ -27,7 +27,9 @@ from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
 from ksana_llm.api.model import Model
 from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle)
 from ksana_llm.api.request_builder import RequestBuilder
+from ksana_llm.api.sleep_control import SleepControl
 from ksana_llm.api.stats import EngineStats, StatsTracker
+from ksana_llm.api.weight_control import WeightControl
 from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
 from ksana_llm.engine.outputs import StepOutput
@@ -47,7 +49,7 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
 
 
-class Engine(LoraControl, ForwardCalls, ChatMixin):
+class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
     """Continuous-batching generation over one model.
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
@@ -56,6 +58,8 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
     (an instance, its class, or its import path "module:Class"). Any other `EngineConfig` field may be passed by name,
     or a whole `config`. LoRA adapters: `lora_modules` (name -> folder) load at start-up, a
     request names one (`Request(lora=...)`, `generate(..., lora=...)`); see `LoraControl`.
+    New weights while serving: `update_weights` (see `WeightControl`); device memory given
+    back while idle: `sleep` / `wake_up` (see `SleepControl`).
     `tokenizer`: a tokenizer object, or the folder of one, used instead of the model's own.
     """
 
@@ -298,11 +302,12 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
             # use the current stream (Triton launches, graph captures) use the model's GPU.
             torch.cuda.set_device(core.runner.device)
         commands: list[tuple[Callable[[], Any], Future]] = []  # taken, not yet run
+        asleep = False  # sleep mode: requests wait (only commands change it, on this thread)
         try:
             while True:
                 with self._wake:
                     while not (self._inbox or self._aborts or self._commands or self._stopping
-                               or core.has_work()):
+                               or (core.has_work() and not asleep)):
                         self._wake.wait()
                     if self._stopping:
                         break
@@ -327,9 +332,10 @@ class Engine(LoraControl, ForwardCalls, ChatMixin):
                     self._dispatch_step(core.abort(request_id))
                 self._run_commands(commands)
                 commands = []
+                asleep = self._schedules_nothing()
                 if self.config.waiting_timeout_ms is not None:
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
-                if core.has_work():
+                if core.has_work() and not asleep:
                     self._dispatch_step(core.step(early=self._dispatch_step))
                 with self._wake:
                     self._num_waiting = len(core.scheduler.waiting) + len(core.scheduler.swapped)

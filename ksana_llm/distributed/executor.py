@@ -18,8 +18,10 @@ import torch
 
 from ksana_llm.distributed.runtime import (Runtime, broadcast_message, gather_messages,
                                            shutdown_runtime)
-from ksana_llm.distributed.worker import (DRAFT, LORA, LORA_READY, RUNNER, STEP, STOP,
-                                         lora_error)
+from ksana_llm.distributed.worker import (DRAFT, LORA, LORA_READY, RUNNER, SLEEP, STEP, STOP,
+                                         WAKE_UP, WEIGHTS, WEIGHTS_COMMIT, lora_error,
+                                         refusal)
+from ksana_llm.models.weight_update import WeightUpdate
 from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
 
@@ -100,6 +102,58 @@ class DistributedRunner:
                                    self.runtime)
 
         errors = [e for e in self._everywhere(LORA_READY, lora_id, here) if e is not None]
+        if errors:
+            raise ValueError(errors[0])
+
+    def stage_weights(self, update: WeightUpdate) -> int:
+        """Every rank checks the update against its own slices and keeps it; a rank's refusal is
+        a ValueError and every rank drops it, so no rank changes a value the others keep.
+        Tensors travel to the workers on the host."""
+        if update.tensors:
+            update = WeightUpdate(tensors=tuple((name, tensor.cpu())
+                                                for name, tensor in update.tensors))
+        count = [0]
+
+        def stage(staged: WeightUpdate) -> None:
+            count[0] = self.local.stage_weights(staged)
+
+        try:
+            self._on_every_rank(WEIGHTS, update, stage)
+        except ValueError:
+            self.commit_weights(False)
+            raise
+        return count[0]
+
+    def commit_weights(self, apply: bool) -> None:
+        """Every rank applies its staged update (or drops it). A rank that fails here has
+        changed some weights already: a RuntimeError, the model's weights are mixed."""
+        try:
+            self._on_every_rank(WEIGHTS_COMMIT, apply, self.local.commit_weights)
+        except ValueError as exc:
+            raise RuntimeError(f"a rank failed to apply the weight update: {exc}") from exc
+
+    @property
+    def asleep(self) -> tuple[str, ...]:
+        return self.local.asleep
+
+    @property
+    def weights_discarded(self) -> bool:
+        return self.local.weights_discarded
+
+    def sleep(self, level: int) -> None:
+        """Every rank frees its memory (sleep mode, `runner.sleep_mode`)."""
+        self._on_every_rank(SLEEP, level, self.local.sleep)
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        self._on_every_rank(WAKE_UP, tags, self.local.wake_up)
+
+    def _on_every_rank(self, kind: str, payload: Any, work: Callable[[Any], Any]) -> None:
+        """`work(payload)` here and the message on every worker; the first refusal a rank
+        answers with (ValueError), after every rank has answered."""
+        def here(value: Any) -> list[str | None]:
+            return gather_messages(refusal(work, value), self.runtime)
+
+        errors = [e for e in self._everywhere(kind, payload, here) if e is not None]
         if errors:
             raise ValueError(errors[0])
 

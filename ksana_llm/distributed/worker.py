@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,10 +25,13 @@ logger = logging.getLogger("ksana_llm.worker")
 # Messages from rank 0: ("runner", kwargs) once, then ("step", StepInput), ("draft",
 # DraftInput: speculative decoding), ("lora", (adapter id, folder to register or None to
 # unregister)) and ("lora_ready", adapter id: have its host copy for the next step) as the
-# engine runs, both answered by every rank with its refusal or None (see `lora_error`), then
-# ("stop", None).
-RUNNER, STEP, DRAFT, LORA, LORA_READY, STOP = \
-    "runner", "step", "draft", "lora", "lora_ready", "stop"
+# engine runs, both answered by every rank with its refusal or None (see `lora_error`),
+# ("weights", WeightUpdate: check it and keep it) and ("weights_commit", apply it or not): a weight
+# update; ("sleep", level) and ("wake_up", tags): sleep mode; each answered by every rank with its
+# refusal or None; then ("stop", None).
+RUNNER, STEP, DRAFT, LORA, LORA_READY, WEIGHTS, WEIGHTS_COMMIT, SLEEP, WAKE_UP, STOP = \
+    "runner", "step", "draft", "lora", "lora_ready", "weights", "weights_commit", "sleep", \
+    "wake_up", "stop"
 
 
 def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -46,8 +50,26 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
             gather_messages(lora_error(runner, *payload), runtime)
         elif kind == LORA_READY and runner is not None:
             gather_messages(lora_error(runner, payload, None, ready=True), runtime)
+        elif kind == WEIGHTS and runner is not None:
+            gather_messages(refusal(runner.stage_weights, payload), runtime)
+        elif kind == WEIGHTS_COMMIT and runner is not None:
+            gather_messages(refusal(runner.commit_weights, payload), runtime)
+        elif kind == SLEEP and runner is not None:
+            gather_messages(refusal(runner.sleep, payload), runtime)
+        elif kind == WAKE_UP and runner is not None:
+            gather_messages(refusal(runner.wake_up, payload), runtime)
         else:
             raise RuntimeError(f"worker got an unexpected message {kind!r}")
+
+
+def refusal(work: Callable[[Any], Any], payload: Any) -> str | None:
+    """`work(payload)`'s failure as a message (a ValueError's text, else its type too), or
+    None: a rank answers rank 0 with it instead of dying."""
+    try:
+        work(payload)
+    except Exception as exc:  # noqa: BLE001 - the answer names it; rank 0 decides
+        return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def lora_error(runner: ModelRunner, lora_id: int, path: str | None, *,
@@ -55,18 +77,13 @@ def lora_error(runner: ModelRunner, lora_id: int, path: str | None, *,
     """Register the LoRA adapter in `path` as `lora_id` (with path None unregister it; with
     `ready`, have its host copy for the next step: `ModelRunner.prepare_lora`); the refusal's
     message, or None. A refusal is an answer, not a failure: the rank keeps what it had and
-    keeps serving."""
-    try:
-        if ready:
-            runner.prepare_lora(lora_id)
-        elif path is None:
-            runner.unregister_lora(lora_id)
-        else:
-            runner.register_lora(lora_id, path)
-    except Exception as exc:  # noqa: BLE001 - any failure here (a file unreadable on this node,
-        # pinned memory) is this adapter's, not the worker's: rank 0 unregisters it everywhere
-        return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    return None
+    keeps serving (a file unreadable on this node, pinned memory: rank 0 unregisters the
+    adapter everywhere)."""
+    if ready:
+        return refusal(runner.prepare_lora, lora_id)
+    if path is None:
+        return refusal(runner.unregister_lora, lora_id)
+    return refusal(lambda adapter: runner.register_lora(*adapter), (lora_id, path))
 
 
 def worker_main(rank: int, spec: LaunchSpec, started: Any = None) -> None:

@@ -164,8 +164,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         """Finish the request now (finish_reason "abort"), freeing every block it holds."""
         # The request's deferred text and tokens in flight come first (it may even have
         # finished already).
-        outputs = self._drain_deferred()
-        outputs.extend(self._resolve_in_flight())
+        outputs = self.settle()
         group = self.groups.get(request_id)
         return outputs if group is None else outputs + self._abort_group(group, None)
 

@@ -88,12 +88,18 @@ class SamplingSteps:
             return []
         # As `abort` does: the deferred text and any step in flight come first, so no output
         # of a failed request is delivered after its end.
-        outputs = self._drain_deferred()
-        outputs.extend(self._resolve_in_flight())
+        outputs = self.settle()
         for seq in failed:
             if seq.status is not SequenceStatus.FINISHED:
                 outputs.extend(self._abort_group(seq.group, None,
                                                  error=seq.sampling_row.processor_error))
+        return outputs
+
+    def settle(self) -> list[StepOutput]:
+        """The deferred outputs, then the step in flight read back: afterwards nothing of the
+        model runs until the next step (a weight update may change it)."""
+        outputs = self._drain_deferred()
+        outputs.extend(self._resolve_in_flight())
         return outputs
 
     def _resolve_in_flight(self) -> list[StepOutput]:

@@ -111,8 +111,9 @@ class BaichuanForCausalLM(LlamaForCausalLM):
     def max_context(self) -> int:
         return int(self.config.max_position_embeddings)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     require_all: bool = True) -> None:
+        super().load_weights(weights, require_all=require_all)
         if self.config.normalize_lm_head:
             with torch.no_grad():
                 weight = self.lm_head.weight

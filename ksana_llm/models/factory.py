@@ -6,6 +6,7 @@ their own shard."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
 from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
 from ksana_llm.loader.fp8_weights import WEIGHT_QUANTIZATIONS
 from ksana_llm.loader.quantized import checkpoint_quantization, paired_quantized
+from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.llama import LlamaForCausalLM
 from ksana_llm.models.registry import model_class_for
 
@@ -97,10 +99,9 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
     checkpoint_format = checkpoint_quantization(hf_config, model_dir)
-    model_type = getattr(hf_config, "model_type", None)
-    weight_map_path = find_weight_map(model_dir, model_type)
-    # Validate the map before building anything: a broken map should fail in milliseconds.
-    weight_map = load_weight_map(weight_map_path) if weight_map_path is not None else None
+    weight_map_path = find_weight_map(model_dir, getattr(hf_config, "model_type", None))
+    if weight_map_path is not None:  # a broken map should fail in milliseconds, not after a build
+        load_weight_map(weight_map_path)
     model_cls = model_class(hf_config, weight_map_path)
     # Build on the meta device so no memory is touched before the real weights arrive.
     with torch.device("meta"):
@@ -112,12 +113,28 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
                     "FP8" if quantization == "fp8" else "int8, their inputs int8 per token")
     elif quantization is not None:
         logger.info("quantization %r ignored: the checkpoint is quantized already", quantization)
-    weights = iterate_weights(model_dir, progress=progress)
+    module.load_weights(checkpoint_tensors(model_dir, hf_config, progress=progress))
+    return module.eval(), torch_dtype
+
+
+def checkpoint_tensors(model_dir: str | Path, hf_config: Any, *, progress: bool = True
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The folder's tensors as a model's `load_weights` takes them: a quantized checkpoint's
+    values paired with their scales, names through the folder's (or the package's) weight map."""
+    weights: Iterator = iterate_weights(model_dir, progress=progress)
+    checkpoint_format = checkpoint_quantization(hf_config, model_dir)
     if checkpoint_format is not None:
         # Paired before the weight map renames anything, so a map needs no scale entries.
         weights = paired_quantized(weights, checkpoint_format)
-    if weight_map is not None:
-        logger.info("renaming checkpoint tensors with %s", weight_map_path)
-        weights = weight_map.apply(weights)
-    module.load_weights(weights)
-    return module.eval(), torch_dtype
+    return renamed_by_weight_map(weights, model_dir, hf_config)
+
+
+def renamed_by_weight_map(weights: Iterable[tuple[str, Any]], model_dir: str | Path,
+                          hf_config: Any) -> Iterator[tuple[str, Any]]:
+    """`weights` renamed by the weight map `model_dir` (or the package) has for its model type;
+    unchanged without one."""
+    weight_map_path = find_weight_map(model_dir, getattr(hf_config, "model_type", None))
+    if weight_map_path is None:
+        return iter(weights)
+    logger.info("renaming checkpoint tensors with %s", weight_map_path)
+    return load_weight_map(weight_map_path).apply(weights)

@@ -376,18 +376,21 @@ class LlamaForCausalLM(nn.Module):
             return ctx.is_last_stage
         return True
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set."""
-        self.load_checkpoint_tensors(weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     require_all: bool = True) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set
+        unless `require_all` is False (a weight update of some tensors)."""
+        self.load_checkpoint_tensors(weights, require_all=require_all)
         self.prepare_for_inference()
 
-    def load_checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                                require_all: bool = True) -> None:
         """`load_checkpoint`, with transformers' rule for a tied model whose checkpoint stores
         an LM head too: the head is the embedding when the two are equal (PyTorch .bin files
         store both names for one tensor), else the stored head is used and the model untied."""
         stored_head: dict[str, torch.Tensor] = {}
         load_checkpoint(self, self._tied_head_set_aside(weights, stored_head), self.fused_parts,
-                        self.skip_checkpoint_tensor)
+                        self.skip_checkpoint_tensor, require_all=require_all)
         if "lm_head.weight" in stored_head:
             self._untie_if_different(stored_head["lm_head.weight"])
 
@@ -402,6 +405,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _untie_if_different(self, stored: torch.Tensor) -> None:
         embedding = self.model.embed_tokens.weight
+        if embedding.is_meta or stored.is_meta:
+            return  # a weight update's dry run (models.weight_update): no values to compare
         with torch.device("meta"):
             head = ParallelLMHead(self.config.vocab_size, embedding.shape[1], self.parallel)
         head = head.to(embedding.dtype).to_empty(device=embedding.device)

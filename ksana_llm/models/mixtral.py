@@ -28,6 +28,7 @@ class MixtralForCausalLM(MistralForCausalLM):
                                getattr(config, "hidden_act", "silu"), parallel=self.parallel)
         return SparseMoeBlock(router, experts, parallel=self.parallel)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), tensor)
-                             for name, tensor in weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     require_all: bool = True) -> None:
+        super().load_weights(((name.replace(".block_sparse_moe.", ".mlp."), tensor)
+                              for name, tensor in weights), require_all=require_all)

@@ -25,7 +25,9 @@ from ksana_llm.runner.fp8_cache import check_fp8_support
 from ksana_llm.runner.kv_transfer import KvTransferSteps, TransferredKv
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.lora_slots import LoraSlots
+from ksana_llm.runner.sleep_mode import SleepMode
 from ksana_llm.runner.slices import SeqSlice
+from ksana_llm.runner.weight_sync import WeightSync
 
 logger = logging.getLogger("ksana_llm.runner")
 
@@ -115,7 +117,7 @@ def model_context_len(model: nn.Module) -> int | None:
     return int(length) if length else None
 
 
-class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps):
+class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, SleepMode):
     """`cuda_graphs`: replay captured CUDA graphs for pure-decode steps of the batch sizes
     `cuda_graph_sizes` names (an int: up to that many sequences, in the default buckets; a
     list: those sizes), when the device, backend and model allow it

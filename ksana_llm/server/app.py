@@ -98,7 +98,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               mount_extensions: bool = True, parsing: OutputParsing | None = None,
               kv_role: str | None = None, kv_transfer_ttl_s: float | None = None,
               kv_prefill_urls: list[str] | None = None,
-              allow_runtime_lora_updating: bool = False,
+              allow_runtime_lora_updating: bool = False, enable_weight_updates: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               sampling_defaults: SamplingDefaults | None = None,
               cors: CorsSettings | None = None, enable_prompt_embeds: bool = False,
@@ -113,7 +113,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     `chat_template` is template text (not a path); None uses the tokenizer's own. `kv_role`
     ("prefill", "decode", "both"): the server's part in disaggregated serving (`server.kv_transfer`);
     `kv_prefill_urls`: the prefill servers a decode server may fetch KV from (None: any).
-    `allow_runtime_lora_updating` mounts /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    `allow_runtime_lora_updating` mounts /v1/load_lora_adapter and /v1/unload_lora_adapter,
+    `enable_weight_updates` /update_weights_from_disk. An engine with `enable_sleep_mode`
+    gets /sleep, /wake_up and /is_sleeping.
     `max_stored_responses`: how many `/v1/responses` answers are kept for retrieval and
     `previous_response_id` (least recently used dropped first; 0 keeps none).
     `sampling_defaults`: what requests that leave sampling parameters out get (`serve` reads
@@ -195,6 +197,14 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         from ksana_llm.server.lora_routes import router as lora_router
 
         app.include_router(lora_router)
+    if enable_weight_updates:
+        from ksana_llm.server.weight_routes import router as weight_router
+
+        app.include_router(weight_router)
+    if engine.config.enable_sleep_mode:
+        from ksana_llm.server.sleep_routes import router as sleep_router
+
+        app.include_router(sleep_router)
     if transfer is not None and transfer.exports:
         kv_transfer.mount(app)  # GET /kv_transfer/{id}
 
@@ -308,6 +318,7 @@ def run_server(args: argparse.Namespace) -> int:
                     kv_prefill_urls=getattr(args, "kv_prefill_url", None),
                     allow_runtime_lora_updating=bool(getattr(args, "allow_runtime_lora_updating",
                                                              False)),
+                    enable_weight_updates=bool(getattr(args, "enable_weight_updates", False)),
                     max_stored_responses=DEFAULT_MAX_STORED_RESPONSES
                     if getattr(args, "max_stored_responses", None) is None
                     else args.max_stored_responses,

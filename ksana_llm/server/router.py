@@ -17,8 +17,8 @@ remembers which one, sends a `previous_response_id` continuation there, and look
 responses up there (or, for one it does not know, on each decode server). So does every request when
 the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
 lost. A prefill server's 400 about the request itself is the client's answer.
-`/invocations` (SageMaker's) goes where its body's API would; `/reset_prefix_cache` goes to
-every server.
+`/invocations` (SageMaker's) goes where its body's API would; `/reset_prefix_cache`,
+`/update_weights_from_disk`, `/sleep` and `/wake_up` go to every server.
 """
 
 from __future__ import annotations
@@ -365,16 +365,26 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
                         media_type=response.headers.get("content-type"))
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> JSONResponse:
-        """Every server's prefix cache (prefill and decode alike): each server's answer by URL
-        (its JSON, {} for a 200 without any, its status code for an error, null when it could
-        not be reached); 200 when every server reset its cache, else 502."""
+    @app.post("/update_weights_from_disk")
+    @app.post("/sleep")
+    @app.post("/wake_up")
+    async def every_server(request: Request) -> JSONResponse:
+        """The same request to every server (prefill and decode alike: a prefix cache to empty,
+        new weights to load, sleep mode): each server's answer by URL (its JSON, {} for a 200
+        without any, its status code for an error, null when it could not be reached); 200
+        when every server said 200, else 502."""
         router: Router = request.app.state.router
         headers = router.headers(_request_id(request))
+        content = await request.body()
+        if content:
+            headers["Content-Type"] = request.headers.get("content-type", "application/json")
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
 
-        async def reset(url: str) -> tuple[str, Any]:
+        async def post(url: str) -> tuple[str, Any]:
             try:
-                answer = await router.client.post(url + "/reset_prefix_cache", headers=headers)
+                # No time limit: a server loading a large checkpoint answers when it is done.
+                answer = await router.client.post(url + path, headers=headers,
+                                                  content=content or None, timeout=None)
                 return url, answer.json() if answer.status_code == 200 else answer.status_code
             except httpx.HTTPError:
                 return url, None
@@ -382,7 +392,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
                 return url, {}
 
         servers = dict(await asyncio.gather(
-            *map(reset, dict.fromkeys(config.prefill_urls + config.decode_urls))))
+            *map(post, dict.fromkeys(config.prefill_urls + config.decode_urls))))
         done = all(isinstance(answer, dict) for answer in servers.values())
         return JSONResponse({"servers": servers}, status_code=200 if done else 502)
 

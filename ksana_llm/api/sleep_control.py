@@ -1,0 +1,66 @@
+"""`Engine.sleep` / `wake_up` (vLLM's sleep mode): the engine gives its device memory back
+while it idles (an RL trainer takes the GPU between rollouts) and takes it again on waking.
+
+While asleep the engine accepts requests but schedules none: they wait in the queue and run
+after `wake_up`. After a level-2 sleep the weights hold no values until `update_weights` brings
+them, and nothing is scheduled until then either (never an answer from empty weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ksana_llm.runner.sleep_mode import check_sleep_level, check_wake_tags
+
+
+class SleepControl:
+    """Mixed into `Engine`, which provides `config`, `_core`, `_on_engine_thread` and
+    `_dispatch_step`."""
+
+    config: Any
+    _core: Any
+
+    def _on_engine_thread(self, work: Callable[[], Any]) -> Any:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def _dispatch_step(self, outputs: list) -> None:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (the prefix cache is emptied) and the weights' device memory:
+        level 1 keeps the weights in host memory (on a CPU device they stay where they are),
+        level 2 drops them (load them with `update_weights` after `wake_up`). Needs
+        `enable_sleep_mode=True`; a ValueError while requests are running (wait for them or
+        abort them): queued ones stay queued."""
+        level = check_sleep_level(level)
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
+                             "(serve --enable-sleep-mode)")
+
+        def fall_asleep() -> None:
+            self._dispatch_step(self._core.settle())
+            scheduler = self._core.scheduler
+            busy = len(scheduler.running) + len(scheduler.swapped)
+            if busy:
+                raise ValueError(f"sleep: {busy} requests are running; wait for them or abort "
+                                 "them first")
+            self._core.block_manager.reset_prefix_cache()
+            self._core.runner.sleep(level)
+
+        self._on_engine_thread(fall_asleep)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Take the memory back: `tags` "weights" and/or "kv_cache" (default both), so that
+        new weights can be loaded (`update_weights`) before the KV cache takes its memory."""
+        chosen = check_wake_tags(tags)
+        self._on_engine_thread(lambda: self._core.runner.wake_up(chosen))
+
+    def is_sleeping(self) -> bool:
+        """Whether requests wait instead of running: a part is asleep, or the weights a
+        level-2 sleep dropped have not been loaded again."""
+        return self._on_engine_thread(self._schedules_nothing)
+
+    def _schedules_nothing(self) -> bool:
+        runner = self._core.runner
+        return bool(runner.asleep) or runner.weights_discarded

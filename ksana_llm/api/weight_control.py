@@ -1,0 +1,58 @@
+"""`Engine.update_weights`: new weights for the served model while it serves (an RL trainer's
+weight sync after each training step; SGLang's `update_weights_from_disk` / `_from_tensor`,
+vLLM's `model.load_weights` through `collective_rpc`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ksana_llm.models.weight_update import weight_update
+
+
+class WeightControl:
+    """Mixed into `Engine`, which provides `model`, `_core`, `_on_engine_thread` and
+    `_dispatch_step`."""
+
+    model: Any
+    _core: Any
+
+    def _on_engine_thread(self, work: Callable[[], Any]) -> Any:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def _dispatch_step(self, outputs: list) -> None:  # pragma: no cover - Engine's
+        raise NotImplementedError
+
+    def update_weights(self, weights: Any) -> int:
+        """Replace the model's weights, in place, between two steps; the number of tensors
+        loaded.
+
+        `weights`: a checkpoint folder of the same model type (safetensors or .bin, quantized
+        as the served model is or not), or tensors under their checkpoint (Hugging Face) names:
+        a state dict or (name, tensor) pairs, in any dtype and on any device. A subset updates
+        those tensors only, so a trainer may send its weights in several calls.
+
+        Every tensor is checked first (each name must have a place, each shape must fit, on
+        every tensor-parallel rank): a ValueError naming the first that does not, and no weight
+        changes. Then the tensors are copied in and the prefix cache is emptied (its KV came
+        from the old weights). Requests running meanwhile go on with the new weights from their
+        next token on; their KV so far stays as the old weights made it. Other engines built on
+        the same `Model` see the new weights too, but keep their prefix caches."""
+        update = weight_update(weights, self.model.path, self.model.hf_config)
+
+        def swap() -> int:
+            # The step in flight (async scheduling) still reads the old weights: settle it first.
+            self._dispatch_step(self._core.settle())
+            runner = self._core.runner
+            count = runner.stage_weights(update)
+            try:
+                runner.commit_weights(True)
+            except Exception as exc:
+                raise RuntimeError("the weight update failed while its tensors were copied in "
+                                   f"({type(exc).__name__}: {exc}): the model may hold a mix of "
+                                   "old and new weights; update them all again") from exc
+            finally:
+                self._core.block_manager.reset_prefix_cache()
+            return count
+
+        return self._on_engine_thread(swap)

@@ -1,0 +1,150 @@
+"""Updating a loaded model's weights in place, while it serves (an RL trainer's weight sync:
+vLLM's `model.load_weights`, SGLang's `update_weights_from_disk` / `_from_tensor`).
+
+Two phases, so that an update that does not fit changes nothing: `check_update` sends every
+tensor through the model's own loading code into a *meta twin* of the module (the same modules
+and attributes, every tensor on the meta device): each name must find its parameter, each shape
+must fit, fused projections, expert stacks, tensor-parallel slices and weight maps included, and
+no value is read or written. Only then does `apply_update` copy the tensors into the live
+parameters, in place, so CUDA graphs captured on them stay valid. A subset of the tensors may
+be given: the others keep their values.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ksana_llm.loader import load_hf_config
+from ksana_llm.loader.quantized_weight import QuantizedWeight
+from ksana_llm.models.factory import checkpoint_tensors, renamed_by_weight_map
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """One update, as every rank receives it: a checkpoint folder each rank reads itself, or
+    tensors under their checkpoint names (renamed by the model's weight map already)."""
+
+    folder: str | None = None
+    tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+
+    def stream(self) -> Iterator[tuple[str, Any]]:
+        """The update's tensors as a model's `load_weights` takes them; a fresh pass each call."""
+        if self.folder is None:
+            return iter(self.tensors)
+        return checkpoint_tensors(self.folder, load_hf_config(self.folder), progress=False)
+
+
+def weight_update(weights: Any, model_dir: str | os.PathLike, hf_config: Any) -> WeightUpdate:
+    """The update `Engine.update_weights(weights)` asks for: a checkpoint folder (a path) of the
+    same model type as `hf_config`, or tensors as a mapping (a state dict) or (name, tensor)
+    pairs, renamed by the weight map `model_dir` uses. ValueError naming `weights` otherwise."""
+    if isinstance(weights, (str, os.PathLike)):
+        folder = Path(weights).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"weights: {str(weights)!r} is not a checkpoint folder")
+        try:
+            theirs = getattr(load_hf_config(folder), "model_type", None)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"weights: cannot read the config of {folder}: {exc}") from exc
+        ours = getattr(hf_config, "model_type", None)
+        if theirs != ours:
+            raise ValueError(f"weights: {folder} holds a {theirs!r} model, this engine serves "
+                             f"a {ours!r} one")
+        return WeightUpdate(folder=str(folder))
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    if isinstance(pairs, (bytes, torch.Tensor)) or not isinstance(pairs, Iterable):
+        raise ValueError("weights must be a checkpoint folder, a dict of name -> tensor or "
+                         f"(name, tensor) pairs, got {type(weights).__name__}")
+    tensors = []
+    for item in pairs:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise ValueError(f"weights: expected (name, tensor) pairs, got {_describe(item)}")
+        name, tensor = item
+        if tensor.is_meta or tensor.is_sparse:
+            raise ValueError(f"weights: tensor {name!r} holds no dense values")
+        tensors.append((name, tensor.detach()))
+    if not tensors:
+        raise ValueError("weights: no tensors given")
+    seen: set[str] = set()
+    for name, _ in tensors:
+        if name in seen:
+            raise ValueError(f"weights: tensor {name!r} is given twice")
+        seen.add(name)
+    return WeightUpdate(tensors=tuple(renamed_by_weight_map(tensors, model_dir, hf_config)))
+
+
+def _describe(item: Any) -> str:
+    if isinstance(item, tuple):
+        return "(" + ", ".join(type(part).__name__ for part in item) + ")"
+    return type(item).__name__
+
+
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of `module` with every tensor it holds on the meta device (no memory): its
+    parameters, buffers and tensor attributes become meta tensors of the same shapes and
+    dtypes; everything else (configs, parallel contexts) is shared, not copied."""
+    memo: dict[int, Any] = {}
+    for sub in module.modules():
+        for key, value in vars(sub).items():
+            if key in ("_parameters", "_buffers"):
+                for tensor in value.values():
+                    if tensor is not None:
+                        memo.setdefault(id(tensor), _on_meta(tensor))
+            elif isinstance(value, torch.Tensor):
+                memo.setdefault(id(value), _on_meta(value))
+            elif key != "_modules" and not isinstance(value, nn.Module):
+                memo.setdefault(id(value), value)
+    return copy.deepcopy(module, memo)
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    # Shape and dtype only: a prepacked CPU copy (oneDNN layout) has no meta form of its layout.
+    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    return meta
+
+
+def _meta_tensor(tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+    """What the dry run loads: the tensor's shape and dtype, none of its values -- except for
+    vectors (biases, norms: small), whose values may decide where they go (an all-zero bias a
+    projection without one may drop, `weight_loading._spare_zero_bias`)."""
+    if isinstance(tensor, torch.Tensor) and tensor.dim() <= 1:
+        return tensor
+    if isinstance(tensor, QuantizedWeight):
+        parts = {field: _meta_tensor(getattr(tensor, field))
+                 for field in ("data", "scale", "input_order", "zero_point")
+                 if getattr(tensor, field) is not None}
+        return replace(tensor, **parts)
+    return torch.empty_like(tensor, device="meta")
+
+
+def _counted(weights: Iterable[tuple[str, Any]], convert: Callable[[Any], Any],
+             count: list[int]) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        count[0] += 1
+        yield name, convert(tensor)
+
+
+def check_update(module: nn.Module, update: WeightUpdate) -> int:
+    """Load `update` into a meta twin of `module`: ValueError naming the first tensor without a
+    place or of the wrong shape; the number of tensors otherwise. The module is not touched."""
+    count = [0]
+    twin = meta_twin(module)
+    twin.load_weights(_counted(update.stream(), _meta_tensor, count), require_all=False)
+    return count[0]
+
+
+def apply_update(module: nn.Module, update: WeightUpdate) -> None:
+    """Copy `update` (checked by `check_update`) into `module`'s parameters."""
+    with torch.no_grad():
+        module.load_weights(update.stream(), require_all=False)

@@ -1,0 +1,168 @@
+"""`Engine.update_weights`: new weights while serving (an RL trainer's weight sync).
+
+Two tiny random Llamas of one shape, A and B (different seeds): an engine serving A must answer
+like transformers' B after an update from B's folder or B's state dict (whole or in parts, in
+another dtype), with the prefix cache emptied (a prompt cached under A answers like B) and
+requests running meanwhile finishing. An update that does not fit (a wrong shape after valid
+tensors, an unknown name, another model type) is a ValueError that changes nothing. Each family's
+own loading (fused projections, stacked experts, MLA, MTP, a tied head, FP8 online quantization)
+is checked by comparing the updated module with one loaded from B's folder; tensor parallelism
+(2 ranks, gloo) by transformers' tokens again.
+"""
+
+from __future__ import annotations
+
+
+import re
+
+import pytest
+import torch
+
+import ksana_llm as kt
+from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.models.factory import load_model_module
+from ksana_llm.models.weight_update import check_update, weight_update
+from tests.family_harness import greedy_trace, hf_reference
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.timeout(300)
+
+NEW_TOKENS = 10
+ENGINE = dict(device="cpu", dtype="float32", block_token_num=4, num_device_blocks=128)
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (7, 21)]
+
+
+def expected(hf: torch.nn.Module, batch: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    reference = hf_reference(hf)
+    return [greedy_trace(reference, p, n)[0][len(p):] for p in batch]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict:
+    """Folders and transformers models of A (seed 0) and B (seed 1), and their greedy tokens."""
+    root = tmp_path_factory.mktemp("weights")
+    hf_a = build_tiny_model("llama2", root / "a", seed=0)
+    hf_b = build_tiny_model("llama2", root / "b", seed=1)
+    batch = prompts()
+    return {"a": root / "a", "b": root / "b", "hf_a": hf_a, "hf_b": hf_b, "prompts": batch,
+            "tokens_a": expected(hf_a, batch), "tokens_b": expected(hf_b, batch)}
+
+
+def greedy(engine: kt.Engine, batch: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    config = GenerationConfig(max_new_tokens=n, ignore_eos=True)
+    return [out.token_ids for out in engine.generate_outputs(batch, generation_config=config)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_update_from_a_folder_answers_like_the_new_checkpoint(pair, async_scheduling):
+    with kt.Engine(str(pair["a"]), async_scheduling=async_scheduling, **ENGINE) as engine:
+        assert greedy(engine, pair["prompts"]) == pair["tokens_a"]
+        count = engine.update_weights(str(pair["b"]))
+        assert count == len(pair["hf_b"].state_dict())
+        assert greedy(engine, pair["prompts"]) == pair["tokens_b"]
+
+
+def test_update_from_tensors_in_parts_and_another_dtype(pair):
+    """A trainer's state dict in two calls (a dict, then (name, tensor) pairs), in float64: the
+    tensors not given keep their values until their part comes."""
+    state = {name: tensor.double() for name, tensor in pair["hf_b"].state_dict().items()}
+    names = sorted(state)
+    first, second = names[:len(names) // 2], names[len(names) // 2:]
+    with kt.Engine(str(pair["a"]), **ENGINE) as engine:
+        assert engine.update_weights({name: state[name] for name in first}) == len(first)
+        halfway = greedy(engine, pair["prompts"])
+        assert halfway not in (pair["tokens_a"], pair["tokens_b"])
+        assert engine.update_weights([(name, state[name]) for name in second]) == len(second)
+        assert greedy(engine, pair["prompts"]) == pair["tokens_b"]
+
+
+def test_the_prefix_cache_is_emptied(pair):
+    """A prompt cached under A's weights must not reuse that KV after the update: its answer is
+    B's (with the cached blocks it would not be)."""
+    prompt = pair["prompts"][1]  # 21 tokens: 5 full blocks of 4
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    with kt.Engine(str(pair["a"]), enable_prefix_caching=True, **ENGINE) as engine:
+        assert greedy(engine, [prompt]) == pair["tokens_a"][1:]
+        again = engine.generate_outputs([prompt], generation_config=config)[0]
+        assert again.token_ids == pair["tokens_a"][1] and again.num_cached_tokens == 20
+        engine.update_weights(str(pair["b"]))
+        after = engine.generate_outputs([prompt], generation_config=config)[0]
+        assert after.token_ids == pair["tokens_b"][1] and after.num_cached_tokens == 0
+
+
+def test_requests_running_during_an_update_finish(pair):
+    """A long request submitted before the update runs on (new weights from its next token);
+    requests after it answer like B."""
+    config = GenerationConfig(max_new_tokens=120, ignore_eos=True)
+    with kt.Engine(str(pair["a"]), **ENGINE) as engine:
+        handle = engine.submit(kt.Request(pair["prompts"][0], generation_config=config))
+        next(handle.deltas())  # a token is out: the request is running
+        engine.update_weights(str(pair["b"]))
+        result = handle.result()
+        assert len(result.token_ids) == 120 and result.finish_reason == "length"
+        assert greedy(engine, pair["prompts"]) == pair["tokens_b"]
+
+
+def test_an_update_that_does_not_fit_changes_nothing(pair, tmp_path):
+    state = pair["hf_b"].state_dict()
+    last = sorted(state)[-1]
+    other_type = tmp_path / "moe"
+    build_tiny_model("qwen3-moe", other_type)
+    bad_updates = {
+        # every tensor valid but the last: the check catches it before any value changes
+        "shape": ({**state, last: torch.zeros(3, 5)}, re.escape(f"{last}: shape (3, 5)")),
+        "name": ({**state, "model.layers.9.mlp.up_proj.weight": state[last]},
+                 "'model.layers.9.mlp.up_proj.weight'"),
+        "model type": (str(other_type), "holds a 'qwen3_moe' model, this engine serves a 'llama'"),
+        "no folder": (str(tmp_path / "missing"), "is not a checkpoint folder"),
+        "not a tensor": ({"model.norm.weight": [1.0] * 64}, "expected \\(name, tensor\\) pairs"),
+        "nothing": ({}, "no tensors given"),
+        "a tensor alone": (state[last], "weights must be"),
+    }
+    with kt.Engine(str(pair["a"]), **ENGINE) as engine:
+        for case, (weights, message) in bad_updates.items():
+            with pytest.raises(ValueError, match=message):
+                engine.update_weights(weights)
+            assert greedy(engine, pair["prompts"]) == pair["tokens_a"], case
+
+
+@pytest.mark.parametrize("family, quantization, safetensors", [
+    ("qwen3-moe", None, True),        # stacked experts, q/k norms
+    ("deepseek-v3", None, True),      # MLA projections, grouped-topk experts, shared expert
+    ("smollm-tied-mha", None, False),  # tied head: a .bin stores lm_head.weight too
+    ("yi-gqa4-bias", "fp8", True),    # FP8 projections quantized as they load, biases
+])
+def test_each_family_updates_like_a_fresh_load(tmp_path, family, quantization, safetensors):
+    build_tiny_model(family, tmp_path / "a", seed=0)
+    build_tiny_model(family, tmp_path / "b", seed=1, safe_serialization=safetensors)
+    load = dict(device=torch.device("cpu"), dtype="float32", progress=False,
+                quantization=quantization)
+    module, _ = load_model_module(tmp_path / "a", **load)
+    fresh, _ = load_model_module(tmp_path / "b", **load)
+    before = {name: value.clone() for name, value in module.state_dict().items()}
+    update = weight_update(str(tmp_path / "b"), tmp_path / "a", module.config)
+    check_update(module, update)
+    assert all(torch.equal(before[name], value) for name, value in module.state_dict().items())
+    module.load_weights(update.stream(), require_all=False)
+    after, wanted = module.state_dict(), fresh.state_dict()
+    assert after.keys() == wanted.keys()
+    changed = [name for name in after if not torch.equal(after[name], wanted[name])]
+    assert not changed, changed
+
+
+def test_tensor_parallel_ranks_update_their_shards(pair):
+    """TP 2 (two processes, gloo): B's state dict reaches the worker rank, which keeps its own
+    slices; a bad tensor is refused by every rank and nothing changes."""
+    state = pair["hf_b"].state_dict()
+    with kt.Engine(str(pair["a"]), tensor_parallel_size=2, **ENGINE) as engine:
+        assert greedy(engine, pair["prompts"]) == pair["tokens_a"]
+        with pytest.raises(ValueError, match="down_proj"):
+            engine.update_weights({**state, "model.layers.1.mlp.down_proj.weight":
+                                   torch.zeros(64, 7)})
+        assert greedy(engine, pair["prompts"]) == pair["tokens_a"]
+        assert engine.update_weights(state) == len(state)
+        assert greedy(engine, pair["prompts"]) == pair["tokens_b"]
