@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import ksana_llm as kt
@@ -88,17 +89,36 @@ def test_level_2_then_new_weights_before_the_kv_cache(pair, device):
         assert answer.token_ids == pair["tokens_b"]
 
 
-def test_after_level_2_nothing_runs_until_weights_are_loaded(pair):
+def test_after_level_2_nothing_runs_until_every_weight_is_loaded(pair):
+    """Memory back, values not: the engine must not answer from them, nor from half of them
+    (a trainer sends its weights in parts)."""
+    weights = load_file(f"{pair['a']}/model.safetensors")
+    names = sorted(weights)
     with engine_on(pair["a"], "cpu") as engine:
         engine.sleep(level=2)
-        engine.wake_up()  # memory back, values not: the engine must not answer from them
+        engine.wake_up()
         assert engine.is_sleeping()
         waiting = engine.submit(kt.Request(pair["prompt"], generation_config=CONFIG))
+        engine.update_weights({name: weights[name] for name in names[:5]})
+        assert engine.is_sleeping()
         with pytest.raises(TimeoutError):
             waiting.result(timeout=1.0)
-        engine.update_weights(pair["a"])  # the model's own checkpoint again
+        engine.update_weights({name: weights[name] for name in names[5:]})
         assert not engine.is_sleeping()
         assert waiting.result(timeout=60).token_ids == pair["tokens_a"]
+
+
+def test_queued_requests_time_out_while_asleep(pair):
+    with kt.Engine(pair["a"], device="cpu", dtype="float32", enable_sleep_mode=True,
+                   waiting_timeout_ms=300, num_device_blocks=64) as engine:
+        engine.sleep()
+        waiting = engine.submit(kt.Request(pair["prompt"], generation_config=CONFIG))
+        with pytest.raises(kt.api.outputs.RequestError) as info:
+            waiting.result(timeout=10)
+        assert isinstance(info.value.__cause__, kt.QueueTimeoutError)
+        engine.wake_up()
+        answer = engine.generate_outputs([pair["prompt"]], generation_config=CONFIG)[0]
+        assert answer.token_ids == pair["tokens_a"]
 
 
 def test_sleep_mode_misuse_is_a_clear_error(pair):
@@ -135,6 +155,30 @@ class _OffloadingRunner(SleepMode):
     def __init__(self, model: nn.Module) -> None:
         self.model, self.device = model, torch.device("cuda")
         self.kv_caches, self.draft_kv_caches, self.decode_graphs = [], [], None
+
+
+def test_a_failed_offload_loses_no_weight(monkeypatch):
+    """Host copies are made before any weight is freed: when one cannot be allocated (pinned
+    memory runs out), every weight is still there and the runner is awake."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    runner = _OffloadingRunner(model)
+    real_empty, calls = torch.empty, []
+
+    def failing_empty(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("out of pinned memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    with pytest.raises(RuntimeError, match="pinned"):
+        runner.sleep(1)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert "weights" not in runner.asleep
+    for p, value in zip(model.parameters(), before):
+        assert torch.equal(p, value)
 
 
 def test_level_1_offload_restores_every_value_tied_ones_included():

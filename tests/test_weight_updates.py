@@ -21,8 +21,10 @@ import torch
 import ksana_llm as kt
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.models.factory import load_model_module
+from ksana_llm.models.weight_loading import expected_keys
 from ksana_llm.models.weight_update import check_update, weight_update
 from tests.family_harness import greedy_trace, hf_reference
+from tests.quantized_checkpoints import write_fp8_checkpoint
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -130,13 +132,25 @@ def test_an_update_that_does_not_fit_changes_nothing(pair, tmp_path):
             assert greedy(engine, pair["prompts"]) == pair["tokens_a"], case
 
 
+def _container_state(module: torch.nn.Module) -> dict[tuple[str, str], str]:
+    """Every dict / list / set attribute of every submodule (per-stack loading state such as
+    FusedExperts' int8_activations), as text: a dry run must leave them as they were."""
+    return {(name, key): repr(value) for name, sub in module.named_modules()
+            for key, value in vars(sub).items()
+            if isinstance(value, (dict, list, set))
+            and (not key.startswith("_") or key in ("_has_dense", "_ordered"))}
+
+
 @pytest.mark.parametrize("family, quantization, safetensors", [
-    ("qwen3-moe", None, True),        # stacked experts, q/k norms
-    ("deepseek-v3", None, True),      # MLA projections, grouped-topk experts, shared expert
-    ("smollm-tied-mha", None, False),  # tied head: a .bin stores lm_head.weight too
-    ("yi-gqa4-bias", "fp8", True),    # FP8 projections quantized as they load, biases
+    ("qwen3-moe", None, True),          # stacked experts, q/k norms
+    ("qwen3-moe", "w8a8_int8", True),   # int8 expert stacks, activations quantized per token
+    ("deepseek-v3", None, True),        # MLA projections, grouped-topk experts, shared expert
+    ("smollm-tied-mha", None, False),   # tied head: a .bin stores lm_head.weight too
+    ("yi-gqa4-bias", "fp8", True),      # FP8 projections quantized as they load, biases
 ])
 def test_each_family_updates_like_a_fresh_load(tmp_path, family, quantization, safetensors):
+    """In place: every parameter keeps its identity (CUDA graphs hold their addresses), and
+    every checkpoint key is reported filled by a whole folder."""
     build_tiny_model(family, tmp_path / "a", seed=0)
     build_tiny_model(family, tmp_path / "b", seed=1, safe_serialization=safetensors)
     load = dict(device=torch.device("cpu"), dtype="float32", progress=False,
@@ -144,14 +158,36 @@ def test_each_family_updates_like_a_fresh_load(tmp_path, family, quantization, s
     module, _ = load_model_module(tmp_path / "a", **load)
     fresh, _ = load_model_module(tmp_path / "b", **load)
     before = {name: value.clone() for name, value in module.state_dict().items()}
+    identities = {name: id(p) for name, p in module.named_parameters()}
+    state = _container_state(module)
     update = weight_update(str(tmp_path / "b"), tmp_path / "a", module.config)
-    check_update(module, update)
+    checked = check_update(module, update)
+    assert set(expected_keys(module)) <= checked.filled
     assert all(torch.equal(before[name], value) for name, value in module.state_dict().items())
+    assert _container_state(module) == state
     module.load_weights(update.stream(), require_all=False)
+    assert {name: id(p) for name, p in module.named_parameters()} == identities
     after, wanted = module.state_dict(), fresh.state_dict()
     assert after.keys() == wanted.keys()
     changed = [name for name in after if not torch.equal(after[name], wanted[name])]
     assert not changed, changed
+
+
+def test_updates_that_would_change_the_models_format_are_refused(tmp_path):
+    """A tied model's head of the wrong shape, and dense tensors for an FP8 checkpoint's
+    projections (they would replace its parameters instead of filling them)."""
+    hf = build_tiny_model("smollm-tied-mha", tmp_path / "tied")
+    module, _ = load_model_module(tmp_path / "tied", device=torch.device("cpu"),
+                                  dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="shape"):
+        check_update(module, weight_update({"lm_head.weight": torch.zeros(255, 64)},
+                                           tmp_path / "tied", module.config))
+    write_fp8_checkpoint(tmp_path / "tied", tmp_path / "fp8")
+    quantized, _ = load_model_module(tmp_path / "fp8", device=torch.device("cpu"),
+                                     dtype="float32", progress=False)
+    dense = {"model.layers.0.mlp.up_proj.weight": hf.state_dict()["model.layers.0.mlp.up_proj.weight"]}
+    with pytest.raises(ValueError, match="would replace model.layers.0.mlp"):
+        check_update(quantized, weight_update(dense, tmp_path / "fp8", quantized.config))
 
 
 def test_tensor_parallel_ranks_update_their_shards(pair):

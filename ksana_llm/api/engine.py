@@ -45,6 +45,10 @@ logger = logging.getLogger("ksana_llm.engine")
 __all__ = ["Engine", "EngineDeadError", "QueueFullError"]
 
 
+# While asleep (sleep mode) with requests queued, how often their waiting_timeout_ms is checked.
+ASLEEP_EXPIRY_CHECK_S = 0.05
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
 
@@ -308,6 +312,12 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
                 with self._wake:
                     while not (self._inbox or self._aborts or self._commands or self._stopping
                                or (core.has_work() and not asleep)):
+                        if asleep and self.config.waiting_timeout_ms is not None \
+                                and core.has_work():
+                            # Asleep with queued requests: nothing steps, so look at their
+                            # waiting time now and then.
+                            self._wake.wait(timeout=ASLEEP_EXPIRY_CHECK_S)
+                            break
                         self._wake.wait()
                     if self._stopping:
                         break

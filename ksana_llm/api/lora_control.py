@@ -7,21 +7,15 @@ device slots as steps need them (engine.lora_residency).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
+from ksana_llm.api.engine_thread import EngineThreadWork
 from ksana_llm.api.lora_registry import LoraRegistry
 from ksana_llm.engine.request import Sequence
 
 
-class LoraControl:
+class LoraControl(EngineThreadWork):
     """Mixed into `Engine`, which provides `_lora`, `_core` and `_on_engine_thread`."""
 
     _lora: LoraRegistry
-    _core: Any
-
-    def _on_engine_thread(self, work: Callable[[], Any]) -> Any:  # pragma: no cover - Engine's
-        raise NotImplementedError
 
     @property
     def lora_adapters(self) -> dict[str, str]:

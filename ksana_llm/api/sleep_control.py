@@ -8,24 +8,18 @@ them, and nothing is scheduled until then either (never an answer from empty wei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
+from ksana_llm.api.engine_thread import EngineThreadWork
 from ksana_llm.runner.sleep_mode import check_sleep_level, check_wake_tags
 
 
-class SleepControl:
+class SleepControl(EngineThreadWork):
     """Mixed into `Engine`, which provides `config`, `_core`, `_on_engine_thread` and
     `_dispatch_step`."""
 
     config: Any
-    _core: Any
-
-    def _on_engine_thread(self, work: Callable[[], Any]) -> Any:  # pragma: no cover - Engine's
-        raise NotImplementedError
-
-    def _dispatch_step(self, outputs: list) -> None:  # pragma: no cover - Engine's
-        raise NotImplementedError
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (the prefix cache is emptied) and the weights' device memory:

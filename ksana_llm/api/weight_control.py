@@ -4,24 +4,17 @@ vLLM's `model.load_weights` through `collective_rpc`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from ksana_llm.api.engine_thread import EngineThreadWork
 from ksana_llm.models.weight_update import weight_update
 
 
-class WeightControl:
+class WeightControl(EngineThreadWork):
     """Mixed into `Engine`, which provides `model`, `_core`, `_on_engine_thread` and
     `_dispatch_step`."""
 
     model: Any
-    _core: Any
-
-    def _on_engine_thread(self, work: Callable[[], Any]) -> Any:  # pragma: no cover - Engine's
-        raise NotImplementedError
-
-    def _dispatch_step(self, outputs: list) -> None:  # pragma: no cover - Engine's
-        raise NotImplementedError
 
     def update_weights(self, weights: Any) -> int:
         """Replace the model's weights, in place, between two steps; the number of tensors
@@ -44,7 +37,13 @@ class WeightControl:
             # The step in flight (async scheduling) still reads the old weights: settle it first.
             self._dispatch_step(self._core.settle())
             runner = self._core.runner
-            count = runner.stage_weights(update)
+            try:
+                count = runner.stage_weights(update)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise RuntimeError(f"the weight update could not be checked ({type(exc).__name__}"
+                                   f": {exc}); no weight changed") from exc
             try:
                 runner.commit_weights(True)
             except Exception as exc:

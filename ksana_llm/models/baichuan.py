@@ -112,10 +112,11 @@ class BaichuanForCausalLM(LlamaForCausalLM):
         return int(self.config.max_position_embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                     require_all: bool = True) -> None:
-        super().load_weights(weights, require_all=require_all)
+                     require_all: bool = True) -> set[str]:
+        filled = super().load_weights(weights, require_all=require_all)
         if self.config.normalize_lm_head:
             with torch.no_grad():
                 weight = self.lm_head.weight
                 weight.copy_(nn.functional.normalize(weight.float(), dim=-1))
             self.prepare_for_inference()  # the transposed head copy must see the new rows
+        return filled

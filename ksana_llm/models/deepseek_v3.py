@@ -252,16 +252,18 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return super().skip_checkpoint_tensor(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                     require_all: bool = True) -> None:
+                     require_all: bool = True) -> set[str]:
         """A checkpoint without MTP tensors drops the MTP layers; a weight update
-        (`require_all` False) keeps them, updated or not."""
+        (`require_all` False) keeps them, updated or not. The keys filled."""
         mtp = self.mtp
         stand_in = None if mtp is None else _LoadIfPresent(mtp, self.fused_parts)
         if stand_in is not None:
             self.mtp = stand_in  # type: ignore[assignment]
         try:
-            self.load_checkpoint_tensors(self._renamed(weights), require_all=require_all)
+            filled = self.load_checkpoint_tensors(self._renamed(weights),
+                                                  require_all=require_all)
         finally:
             if stand_in is not None:
                 self.mtp = mtp if stand_in.filled or not require_all else None
         self.prepare_for_inference()
+        return filled

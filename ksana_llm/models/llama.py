@@ -335,6 +335,8 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_packed = None
         self._lm_head_packed_min_rows = 1
         packers = [m for m in self.modules() if hasattr(m, "prepack")]
+        for module in packers:  # copies of weights a weight update has replaced since
+            module.packed_weight = None
         weights = [m.weight for m in packers]
         if self.parallel.is_first_stage:
             weights.append(self._lm_head_weight())
@@ -377,22 +379,25 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                     require_all: bool = True) -> None:
+                     require_all: bool = True) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set
-        unless `require_all` is False (a weight update of some tensors)."""
-        self.load_checkpoint_tensors(weights, require_all=require_all)
+        unless `require_all` is False (a weight update of some tensors). The keys filled."""
+        filled = self.load_checkpoint_tensors(weights, require_all=require_all)
         self.prepare_for_inference()
+        return filled
 
     def load_checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                                require_all: bool = True) -> None:
+                                require_all: bool = True) -> set[str]:
         """`load_checkpoint`, with transformers' rule for a tied model whose checkpoint stores
         an LM head too: the head is the embedding when the two are equal (PyTorch .bin files
         store both names for one tensor), else the stored head is used and the model untied."""
         stored_head: dict[str, torch.Tensor] = {}
-        load_checkpoint(self, self._tied_head_set_aside(weights, stored_head), self.fused_parts,
-                        self.skip_checkpoint_tensor, require_all=require_all)
+        filled = load_checkpoint(self, self._tied_head_set_aside(weights, stored_head),
+                                 self.fused_parts, self.skip_checkpoint_tensor,
+                                 require_all=require_all)
         if "lm_head.weight" in stored_head:
             self._untie_if_different(stored_head["lm_head.weight"])
+        return filled
 
     def _tied_head_set_aside(self, weights: Iterable[tuple[str, torch.Tensor]],
                              aside: dict[str, torch.Tensor]
@@ -405,12 +410,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _untie_if_different(self, stored: torch.Tensor) -> None:
         embedding = self.model.embed_tokens.weight
-        if embedding.is_meta or stored.is_meta:
-            return  # a weight update's dry run (models.weight_update): no values to compare
         with torch.device("meta"):
             head = ParallelLMHead(self.config.vocab_size, embedding.shape[1], self.parallel)
         head = head.to(embedding.dtype).to_empty(device=embedding.device)
-        head.load_checkpoint_tensor("weight", dense(stored))
+        head.load_checkpoint_tensor("weight", dense(stored))  # its shape checked
+        if embedding.is_meta or head.weight.is_meta:
+            return  # a weight update's dry run (models.weight_update): no values to compare
         if torch.equal(head.weight, embedding):
             return
         logger.warning("tie_word_embeddings is set, but the checkpoint's lm_head.weight differs "

@@ -29,6 +29,6 @@ class MixtralForCausalLM(MistralForCausalLM):
         return SparseMoeBlock(router, experts, parallel=self.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                     require_all: bool = True) -> None:
-        super().load_weights(((name.replace(".block_sparse_moe.", ".mlp."), tensor)
+                     require_all: bool = True) -> set[str]:
+        return super().load_weights(((name.replace(".block_sparse_moe.", ".mlp."), tensor)
                               for name, tensor in weights), require_all=require_all)

@@ -128,11 +128,11 @@ def _load_shard(owner: nn.Module, param: nn.Parameter, tensor: torch.Tensor | Qu
 def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                     fused_parts: Mapping[str, tuple[str, int]],
                     skip: Callable[[str], bool] = lambda name: False, *,
-                    require_all: bool = True) -> None:
+                    require_all: bool = True) -> set[str]:
     """Load HF-named tensors into `model`; `fused_parts` maps a checkpoint part name (`q_proj`)
     to (fused parameter module name, part index); `skip(name)` drops tensors we compute
     ourselves (RoPE tables) or do not use. `require_all` False loads a subset (a weight update:
-    the tensors not given keep their values)."""
+    the tensors not given keep their values). The keys filled (see `expected_keys`)."""
     loaders = _custom_loaders(model)
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -141,3 +141,4 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     missing = sorted(expected_keys(model) - loaded) if require_all else []
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+    return loaded

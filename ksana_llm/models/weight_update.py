@@ -89,29 +89,41 @@ def _describe(item: Any) -> str:
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of `module` with every tensor it holds on the meta device (no memory): its
-    parameters, buffers and tensor attributes become meta tensors of the same shapes and
-    dtypes; everything else (configs, parallel contexts) is shared, not copied."""
+    """A copy of `module` whose tensors hold no memory: parameters, buffers and tensor
+    attributes become meta tensors of the same shapes and dtypes (vectors become real copies:
+    small, and loading code may read them, e.g. a GPTQ input order). Containers (dicts, lists,
+    sets: loading code records per-stack state in them) are copied; other objects (configs,
+    parallel contexts, functions) are shared, as the dry run only reads them."""
     memo: dict[int, Any] = {}
+
+    def map_tensors(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            memo.setdefault(id(value), _twin_tensor(value))
+        elif isinstance(value, dict):
+            for item in value.values():
+                map_tensors(item)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                map_tensors(item)
+
     for sub in module.modules():
         for key, value in vars(sub).items():
-            if key in ("_parameters", "_buffers"):
-                for tensor in value.values():
-                    if tensor is not None:
-                        memo.setdefault(id(tensor), _on_meta(tensor))
-            elif isinstance(value, torch.Tensor):
-                memo.setdefault(id(value), _on_meta(value))
-            elif key != "_modules" and not isinstance(value, nn.Module):
+            if key == "_modules" or isinstance(value, nn.Module):
+                continue  # copied as modules, their own tensors mapped in their turn
+            map_tensors(value)
+            if not isinstance(value, (torch.Tensor, dict, list, tuple, set, frozenset)):
                 memo.setdefault(id(value), value)
     return copy.deepcopy(module, memo)
 
 
-def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
-    # Shape and dtype only: a prepacked CPU copy (oneDNN layout) has no meta form of its layout.
-    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+def _twin_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() <= 1 and tensor.layout == torch.strided:
+        twin = tensor.detach().clone()
+    else:  # shape and dtype only (a prepacked oneDNN copy has no meta form of its layout)
+        twin = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(meta, requires_grad=tensor.requires_grad)
-    return meta
+        return nn.Parameter(twin, requires_grad=tensor.requires_grad)
+    return twin
 
 
 def _meta_tensor(tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
@@ -135,16 +147,42 @@ def _counted(weights: Iterable[tuple[str, Any]], convert: Callable[[Any], Any],
         yield name, convert(tensor)
 
 
-def check_update(module: nn.Module, update: WeightUpdate) -> int:
-    """Load `update` into a meta twin of `module`: ValueError naming the first tensor without a
-    place or of the wrong shape; the number of tensors otherwise. The module is not touched."""
+@dataclass(frozen=True)
+class CheckedUpdate:
+    num_tensors: int
+    filled: frozenset[str]  # the model's checkpoint keys the update sets (`expected_keys`)
+
+
+def check_update(module: nn.Module, update: WeightUpdate) -> CheckedUpdate:
+    """Load `update` into a meta twin of `module`: a ValueError naming the first tensor without
+    a place or of the wrong shape, or a parameter the update would replace rather than fill
+    (another format: dense tensors for a quantized checkpoint's projections); what it holds
+    otherwise. The module is not touched."""
     count = [0]
     twin = meta_twin(module)
-    twin.load_weights(_counted(update.stream(), _meta_tensor, count), require_all=False)
-    return count[0]
+    before = dict(_tensors_by_name(twin))
+    filled = twin.load_weights(_counted(update.stream(), _meta_tensor, count), require_all=False)
+    after = dict(_tensors_by_name(twin))
+    for name in before.keys() | after.keys():
+        old, new = before.get(name), after.get(name)
+        if old is not new:
+            raise ValueError(f"weights: loading them would replace {name} "
+                             f"({_describe_tensor(old)}) by {_describe_tensor(new)}: an update "
+                             "keeps the model's format (a quantized checkpoint's projections "
+                             "take tensors quantized the same way)")
+    return CheckedUpdate(count[0], frozenset(filled))
+
+
+def _tensors_by_name(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def _describe_tensor(tensor: torch.Tensor | None) -> str:
+    return "nothing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
 
 
 def apply_update(module: nn.Module, update: WeightUpdate) -> None:
-    """Copy `update` (checked by `check_update`) into `module`'s parameters."""
+    """Copy `update` (checked by `check_update`) into `module`'s parameters, in place."""
     with torch.no_grad():
         module.load_weights(update.stream(), require_all=False)

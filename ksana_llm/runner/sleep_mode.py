@@ -5,11 +5,12 @@ trainer needs the GPU between rollouts), and takes it again on waking.
   first); the weights are copied to host memory and their device memory freed -- on a CPU
   device they are in host memory already and stay where they are.
 - level 2: the KV cache and the weights are freed; waking gives the weights memory back, but
-  not their values: load them again (`Engine.update_weights`) before serving.
+  not their values: load them again (`Engine.update_weights`, all of them, in one call or
+  several) before serving.
 
 Tensors keep their identity (their storage is resized to nothing and back), so every module,
 view and block table stays valid; captured CUDA graphs, which hold device addresses, are
-captured again on waking. Only parameters sleep: buffers (RoPE tables, router biases) are
+dropped on sleeping and captured again once every part is awake. Only parameters sleep: buffers (RoPE tables, router biases) are
 small and some are computed, not loaded.
 """
 
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ksana_llm.layers.attention import KVCache
+from ksana_llm.models.weight_loading import expected_keys
 
 logger = logging.getLogger("ksana_llm.runner")
 
@@ -68,7 +71,8 @@ class SleepMode:
     device: torch.device
     kv_caches: list[KVCache]
     draft_kv_caches: list[KVCache]
-    decode_graphs: object
+    decode_graphs: Any
+    cuda_graph_status: str
 
     def setup_cuda_graphs(self, sizes: Sequence[int], *, capture: bool = True) -> None:  # pragma: no cover
         raise NotImplementedError
@@ -76,8 +80,11 @@ class SleepMode:
     # What sleeps now: tensor and its storage's size in bytes, per part.
     _sleeping_kv: list[tuple[torch.Tensor, int]] | None = None
     _sleeping_weights: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None
-    # Level 2 freed the weights' values: the next weight update must bring them.
-    weights_discarded: bool = False
+    # Level 2 freed the weights' values: the checkpoint keys (`expected_keys`) weight updates
+    # must fill again before the weights serve (None: nothing to fill).
+    _weights_to_refill: frozenset[str] | None = None
+    # The decode graphs' sizes, dropped while asleep (they hold the old device addresses).
+    _graph_sizes: tuple[int, ...] | None = None
 
     @property
     def asleep(self) -> tuple[str, ...]:
@@ -86,48 +93,67 @@ class SleepMode:
                                                             self._sleeping_kv))
                      if part is not None)
 
+    @property
+    def weights_discarded(self) -> bool:
+        """A level-2 sleep dropped weights that no update has loaded again yet."""
+        return self._weights_to_refill is not None
+
+    def weights_loaded(self, keys: Iterable[str]) -> None:
+        """A weight update filled these checkpoint keys."""
+        if self._weights_to_refill is None:
+            return
+        left = self._weights_to_refill.difference(keys)
+        self._weights_to_refill = frozenset(left) or None
+        if left:
+            logger.info("%d weights dropped by the level-2 sleep are still to be loaded, e.g. "
+                        "%s", len(left), sorted(left)[:3])
+
     def sleep(self, level: int) -> None:
         level = check_sleep_level(level)
+        if self.decode_graphs is not None and self.device.type == "cuda":
+            self._graph_sizes = tuple(self.decode_graphs.sizes)
+            self.decode_graphs = None  # their pool and buffers go with them
+            self.cuda_graph_status = "off while asleep: captured again on waking"
         if self._sleeping_kv is None:
             caches = [t for pair in self.kv_caches + self.draft_kv_caches for t in pair]
             self._sleeping_kv = _unique_storages(caches)
             for tensor, _ in self._sleeping_kv:
                 tensor.untyped_storage().resize_(0)
         if self._sleeping_weights is None and (level == 2 or self.device.type != "cpu"):
-            sleeping = []
-            # Level 1 keeps the values on the host (pinned memory: a fast copy back).
+            weights = _unique_storages(self.model.parameters())
+            # Level 1 keeps the values on the host (pinned memory: a fast copy back). Every
+            # copy is made before any weight is freed: a copy that fails loses nothing.
             pin = self.device.type == "cuda" and torch.cuda.is_available()
-            for tensor, nbytes in _unique_storages(self.model.parameters()):
-                copy = None if level == 2 else torch.empty(
-                    nbytes, dtype=torch.uint8, pin_memory=pin).copy_(_storage_bytes(tensor))
-                sleeping.append((tensor, nbytes, copy))
+            copies = [None if level == 2 else torch.empty(nbytes, dtype=torch.uint8,
+                                                          pin_memory=pin)
+                      .copy_(_storage_bytes(tensor)) for tensor, nbytes in weights]
+            for tensor, _ in weights:
                 tensor.untyped_storage().resize_(0)
-            self._sleeping_weights = sleeping
-            self.weights_discarded = level == 2
+            self._sleeping_weights = [(tensor, nbytes, copy)
+                                      for (tensor, nbytes), copy in zip(weights, copies)]
+            if level == 2:
+                self._weights_to_refill = frozenset(expected_keys(self.model))
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # back to the driver: another process may take it
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         chosen = check_wake_tags(tags)
-        woke = False
         if "weights" in chosen and self._sleeping_weights is not None:
             for tensor, nbytes, copy in self._sleeping_weights:
                 tensor.untyped_storage().resize_(nbytes)
                 if copy is not None:
                     _storage_bytes(tensor).copy_(copy)
             self._sleeping_weights = None
-            woke = True
         if "kv_cache" in chosen and self._sleeping_kv is not None:
             for tensor, nbytes in self._sleeping_kv:
                 tensor.untyped_storage().resize_(nbytes)
                 _storage_bytes(tensor).zero_()  # as allocated: padding reads must see zeros
             self._sleeping_kv = None
-            woke = True
-        graphs = self.decode_graphs
-        if woke and graphs is not None and self.device.type == "cuda":
-            # The storages came back at other addresses: the captured graphs read the old ones.
+        if self._graph_sizes is not None and not self.asleep:
+            # Only with every part awake: a capture runs the model on the weights and cache.
+            sizes, self._graph_sizes = self._graph_sizes, None
             logger.info("capturing the CUDA graphs again after waking")
-            self.setup_cuda_graphs(graphs.sizes)
+            self.setup_cuda_graphs(sizes)
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,11 @@ from ksana_llm.models.weight_update import WeightUpdate, apply_update, check_upd
 
 class WeightSync:
     """Mixed into `ModelRunner`, which provides `model` and the sleep mode's `asleep` and
-    `weights_discarded` (`runner.sleep_mode`)."""
+    `weights_loaded` (`runner.sleep_mode`)."""
 
     model: nn.Module
     asleep: tuple[str, ...]
-    weights_discarded: bool
-    _staged_weights: WeightUpdate | None = None
+    _staged_weights: tuple[WeightUpdate, frozenset[str]] | None = None
 
     def stage_weights(self, update: WeightUpdate) -> int:
         """Check `update` against this rank's module (ValueError if a tensor has no place or the
@@ -25,13 +24,14 @@ class WeightSync:
         if "weights" in self.asleep:
             raise ValueError("weights: the weights are asleep; wake them first "
                              "(wake_up(tags=['weights']))")
-        count = check_update(self.model, update)
-        self._staged_weights = update
-        return count
+        checked = check_update(self.model, update)
+        self._staged_weights = (update, checked.filled)
+        return checked.num_tensors
 
     def commit_weights(self, apply: bool) -> None:
         """Copy the staged update into the weights (`apply`), or forget it."""
-        update, self._staged_weights = self._staged_weights, None
-        if apply and update is not None:
+        staged, self._staged_weights = self._staged_weights, None
+        if apply and staged is not None:
+            update, filled = staged
             apply_update(self.model, update)
-            self.weights_discarded = False
+            self.weights_loaded(filled)  # type: ignore[attr-defined] - SleepMode's

@@ -29,6 +29,9 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_path: str
     load_format: Literal["auto"] | None = None  # SGLang's clients may send it; formats are detected
+    # SGLang's: the prefix cache is always emptied (its KV came from the old weights).
+    flush_cache: Literal[True] = True
+    weight_version: str | None = None  # SGLang's: a label for the new weights, echoed back
 
 
 @router.post("/update_weights_from_disk")
@@ -43,8 +46,11 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
         raise engine_unavailable(str(exc)) from exc
     except ValueError as exc:
         raise bad_request(str(exc), param="model_path") from exc
-    except RuntimeError as exc:  # failed while copying in: the weights may be mixed
+    except RuntimeError as exc:  # the check or the copy failed: the message says which
         raise APIError(500, str(exc), type="internal_error", code="weight_update_failed") from exc
-    return JSONResponse({"success": True, "num_tensors": count,
-                         "message": f"Loaded {count} tensors from {req.model_path}; the prefix "
-                                    "cache was emptied."})
+    answer = {"success": True, "num_tensors": count,
+              "message": f"Loaded {count} tensors from {req.model_path}; the prefix cache was "
+                         "emptied."}
+    if req.weight_version is not None:
+        answer["weight_version"] = req.weight_version
+    return JSONResponse(answer)
