@@ -202,3 +202,26 @@ def test_tensor_parallel_ranks_update_their_shards(pair):
         assert greedy(engine, pair["prompts"]) == pair["tokens_a"]
         assert engine.update_weights(state) == len(state)
         assert greedy(engine, pair["prompts"]) == pair["tokens_b"]
+
+
+@pytest.mark.parametrize("family", ["llama2", "qwen3-moe"])
+def test_a_gptq_act_order_checkpoint_updates_in_place(tmp_path, family):
+    """AutoGPTQ's activation order: each projection (and expert) keeps its input order, which
+    the check compares with the one loaded (so it must read it)."""
+    from tests.gptq_awq_checkpoints import write_gptq_from_files
+
+    build_tiny_model(family, tmp_path / "a", seed=0)
+    build_tiny_model(family, tmp_path / "b", seed=1)
+    for name in ("a", "b"):
+        write_gptq_from_files(tmp_path / name, tmp_path / f"gptq-{name}", desc_act=True)
+    load = dict(device=torch.device("cpu"), dtype="float32", progress=False)
+    module, _ = load_model_module(tmp_path / "gptq-a", **load)
+    fresh, _ = load_model_module(tmp_path / "gptq-b", **load)
+    identities = {name: id(p) for name, p in module.named_parameters()}
+    update = weight_update(str(tmp_path / "gptq-b"), tmp_path / "gptq-a", module.config)
+    assert set(expected_keys(module)) <= check_update(module, update).filled
+    module.load_weights(update.stream(), require_all=False)
+    assert {name: id(p) for name, p in module.named_parameters()} == identities
+    after, wanted = module.state_dict(), fresh.state_dict()
+    changed = [name for name in wanted if not torch.equal(after[name], wanted[name])]
+    assert not changed, changed

@@ -90,8 +90,8 @@ def _describe(item: Any) -> str:
 
 def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of `module` whose tensors hold no memory: parameters, buffers and tensor
-    attributes become meta tensors of the same shapes and dtypes (vectors become real copies:
-    small, and loading code may read them, e.g. a GPTQ input order). Containers (dicts, lists,
+    attributes become meta tensors of the same shapes and dtypes (vectors and index tensors
+    become real copies: small, and loading code may read them, e.g. GPTQ input orders). Containers (dicts, lists,
     sets: loading code records per-stack state in them) are copied; other objects (configs,
     parallel contexts, functions) are shared, as the dry run only reads them."""
     memo: dict[int, Any] = {}
@@ -117,7 +117,10 @@ def meta_twin(module: nn.Module) -> nn.Module:
 
 
 def _twin_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() <= 1 and tensor.layout == torch.strided:
+    # Real copies of what loading code may read: vectors, and index tensors (input orders of
+    # stacked experts) -- small next to the weights.
+    small = tensor.dim() <= 1 or tensor.dtype in (torch.int32, torch.int64)
+    if small and tensor.layout == torch.strided:
         twin = tensor.detach().clone()
     else:  # shape and dtype only (a prepacked oneDNN copy has no meta form of its layout)
         twin = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
@@ -129,14 +132,13 @@ def _twin_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def _meta_tensor(tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
     """What the dry run loads: the tensor's shape and dtype, none of its values -- except for
     vectors (biases, norms: small), whose values may decide where they go (an all-zero bias a
-    projection without one may drop, `weight_loading._spare_zero_bias`)."""
-    if isinstance(tensor, torch.Tensor) and tensor.dim() <= 1:
-        return tensor
+    projection without one may drop, `weight_loading._spare_zero_bias`), and a quantized
+    weight's scales, zero points and input order (a group's worth of values each, which it
+    checks as it is made)."""
     if isinstance(tensor, QuantizedWeight):
-        parts = {field: _meta_tensor(getattr(tensor, field))
-                 for field in ("data", "scale", "input_order", "zero_point")
-                 if getattr(tensor, field) is not None}
-        return replace(tensor, **parts)
+        return replace(tensor, data=_meta_tensor(tensor.data))
+    if tensor.dim() <= 1:
+        return tensor
     return torch.empty_like(tensor, device="meta")
 
 
