@@ -3,11 +3,12 @@ vLLM's `model.load_weights`, SGLang's `update_weights_from_disk` / `_from_tensor
 
 Two phases, so that an update that does not fit changes nothing: `check_update` sends every
 tensor through the model's own loading code into a *meta twin* of the module (the same modules
-and attributes, every tensor on the meta device): each name must find its parameter, each shape
-must fit, fused projections, expert stacks, tensor-parallel slices and weight maps included, and
-no value is read or written. Only then does `apply_update` copy the tensors into the live
-parameters, in place, so CUDA graphs captured on them stay valid. A subset of the tensors may
-be given: the others keep their values.
+and attributes, the weights on the meta device): each name must find its parameter, each shape
+must fit, fused projections, expert stacks, tensor-parallel slices and weight maps included,
+and no parameter may be replaced (another format) -- without a weight's values being read or
+written. Only then does `apply_update` copy the tensors into the live parameters, in place, so
+CUDA graphs captured on them stay valid. A subset of the tensors may be given: the others keep
+their values.
 """
 
 from __future__ import annotations
@@ -89,11 +90,12 @@ def _describe(item: Any) -> str:
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose tensors hold no memory: parameters, buffers and tensor
+    """A copy of `module` whose weights hold no memory: parameters, buffers and tensor
     attributes become meta tensors of the same shapes and dtypes (vectors and index tensors
-    become real copies: small, and loading code may read them, e.g. GPTQ input orders). Containers (dicts, lists,
-    sets: loading code records per-stack state in them) are copied; other objects (configs,
-    parallel contexts, functions) are shared, as the dry run only reads them."""
+    become real copies: small, and loading code may read them, e.g. GPTQ input orders).
+    Containers (dicts, lists, sets: loading code records per-stack state in them) are copied;
+    other objects (configs, parallel contexts, functions) are shared, as the dry run only
+    reads them."""
     memo: dict[int, Any] = {}
 
     def map_tensors(value: Any) -> None:
@@ -165,7 +167,7 @@ def check_update(module: nn.Module, update: WeightUpdate) -> CheckedUpdate:
     before = dict(_tensors_by_name(twin))
     filled = twin.load_weights(_counted(update.stream(), _meta_tensor, count), require_all=False)
     after = dict(_tensors_by_name(twin))
-    for name in before.keys() | after.keys():
+    for name in sorted(before.keys() | after.keys()):
         old, new = before.get(name), after.get(name)
         if old is not new:
             raise ValueError(f"weights: loading them would replace {name} "
