@@ -35,11 +35,16 @@ _EXPORTS = MappingProxyType({
     "SchedulingPolicy": "ksana_llm.engine.scheduling_policy",
     "GenerationConfig": "ksana_llm.generation_config",
     "StructuredOutputSpec": "ksana_llm.generation_config",
+    "LogitsProcessor": "ksana_llm.logits_processor",
+    "LogitsProcessorContext": "ksana_llm.logits_processor",
+    "LogitsRow": "ksana_llm.logits_processor",
+    "PerRequestLogitsProcessor": "ksana_llm.logits_processor",
     "TransferredKv": "ksana_llm.runner.kv_transfer",
 })
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
-           "GenerationConfig", "Model", "QueueFullError", "QueueTimeoutError", "Request",
+           "GenerationConfig", "LogitsProcessor", "LogitsProcessorContext", "LogitsRow", "Model",
+           "PerRequestLogitsProcessor", "QueueFullError", "QueueTimeoutError", "Request",
            "RequestError", "RequestHandle", "RequestInfo", "RequestOutput", "SchedulingPolicy",
            "SequenceDelta", "SequenceOutput", "StructuredOutputSpec", "TransferredKv",
            "__version__"]
@@ -54,6 +59,8 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
     from ksana_llm.engine.scheduling_policy import RequestInfo, SchedulingPolicy
     from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec
+    from ksana_llm.logits_processor import (LogitsProcessor, LogitsProcessorContext, LogitsRow,
+                                            PerRequestLogitsProcessor)
     from ksana_llm.runner.kv_transfer import TransferredKv
 
 

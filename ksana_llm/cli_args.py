@@ -223,6 +223,11 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help="fifo (vLLM's 'fcfs' too); priority: requests' `priority` field "
                              "(lower first) orders admission and preemption; or the import path "
                              "of a ksana_llm.SchedulingPolicy subclass (on PYTHONPATH)")
+    parser.add_argument("--logits-processors", nargs="+", default=None,
+                        metavar="MODULE:CLASS",
+                        help="vLLM's: engine-wide logits processors, ksana_llm.LogitsProcessor "
+                             "subclasses by import path (on PYTHONPATH), run in this order; "
+                             "requests set theirs with `vllm_xargs`")
     parser.add_argument("--max-queue-size", type=int, default=None,
                         help="waiting requests before 429")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -107,6 +107,11 @@ class EngineConfig(BaseModel):
         "fifo", description="'fifo'; 'priority' (lower Request.priority first, preempting "
                             "lower priorities); or a custom order: a SchedulingPolicy, its "
                             "class, or its import path 'module:Class'")
+    logits_processors: tuple[str | type, ...] = Field(
+        (), description="vLLM's --logits-processors: engine-wide ksana_llm.LogitsProcessor "
+                        "subclasses, or their import paths 'module:Class', made once per engine "
+                        "and run in this order on every step's logits for the requests they "
+                        "apply to (set per request with GenerationConfig.extra_args)")
     max_queue_size: int = Field(1000, ge=1, description="waiting requests before QueueFullError")
     waiting_timeout_ms: int | None = Field(
         None, ge=1, description="a request never scheduled within this many ms fails with "
@@ -230,6 +235,27 @@ class EngineConfig(BaseModel):
             scheduling_policy_source(value)
             return "fifo" if value == "fcfs" else value
         return resolve_scheduling_policy(value)
+
+    @field_validator("logits_processors", mode="before")
+    @classmethod
+    def _logits_processors(cls, value: Any) -> Any:
+        """Each entry checked here (imported, not made): a bad path is refused with the config.
+        Paths stay strings, so the config still prints as what was given."""
+        if isinstance(value, (str, type)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("logits_processors must be a list of LogitsProcessor classes or "
+                             f"import paths, got {type(value).__name__}")
+        # Imported here: the module imports generation_config, which a light entry point
+        # (`ksana-llm --help`) need not load unless processors are named.
+        from ksana_llm.logits_processor import logits_processor_class
+
+        for i, spec in enumerate(value):
+            try:
+                logits_processor_class(spec)
+            except ValueError as exc:
+                raise ValueError(f"logits_processors[{i}]: {exc}") from None
+        return tuple(value)
 
     @field_validator("dtype", mode="before")
     @classmethod

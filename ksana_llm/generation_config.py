@@ -144,6 +144,9 @@ class GenerationConfig:
     logits_processors: list[Callable[..., Any]] = field(default_factory=list)
     # vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len); None keeps all.
     truncate_prompt_tokens: int | None = None
+    # vLLM's SamplingParams.extra_args (`vllm_xargs` over HTTP): settings for the engine's own
+    # logits processors (ksana_llm.LogitsProcessor); the engine itself reads none of them.
+    extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # numpy / torch scalars (as transformers users pass them) become Python numbers.
@@ -172,6 +175,8 @@ class GenerationConfig:
             self.allowed_token_ids = _plain_ints(self.allowed_token_ids)
         if self.logits_processors is None or isinstance(self.logits_processors, tuple):
             self.logits_processors = list(self.logits_processors or [])
+        if self.extra_args is None:
+            self.extra_args = {}
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):
@@ -271,6 +276,9 @@ class GenerationConfig:
             _fail("allowed_token_ids", self.allowed_token_ids,
                   "ids not all banned by bad_words_ids (nothing could be generated)")
         self._validate_logits_processors()
+        if not isinstance(self.extra_args, dict) or not all(
+                isinstance(k, str) for k in self.extra_args):
+            _fail("extra_args", self.extra_args, "a dict keyed by strings")
         if self.structured_output is not None and not isinstance(self.structured_output,
                                                                  StructuredOutputSpec):
             _fail("structured_output", self.structured_output, "None or a StructuredOutputSpec")

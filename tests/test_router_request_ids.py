@@ -128,6 +128,8 @@ def test_reset_prefix_cache_goes_to_every_server(router, upstream):
         r = httpx.post(proc.url + "/reset_prefix_cache")
         assert r.status_code == 502 and r.json()["servers"][down] is None
         assert isinstance(r.json()["servers"][upstream.url], dict)
+        r = httpx.get(proc.url + "/is_sleeping")  # a server that cannot say: no answer
+        assert r.status_code == 502 and r.json()["servers"][down] is None
     finally:
         proc.stop()
 

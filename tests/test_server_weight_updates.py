@@ -76,14 +76,26 @@ def test_update_weights_from_disk(checkpoints, tmp_path):
 
 def test_sleep_and_wake_up(checkpoints):
     """vLLM's trainer loop over HTTP: sleep at level 2, wake the weights, load new ones, wake
-    the KV cache; a completion sent meanwhile waits and is answered from the new weights."""
+    the KV cache; a completion sent meanwhile waits and is answered from the new weights. The
+    loop's calls go through a router in front of the server, which passes them on (and asks
+    the server whether it sleeps)."""
     server = ServerProcess(["--model", str(checkpoints["a"]), "--served-model-name", "tiny",
                             "--dtype", "float32", "--enable-weight-updates",
                             "--enable-sleep-mode"])
+    router = None
     try:
+        router = ServerProcess(["--prefill", server.url, "--decode", server.url],
+                               command="router")
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
                                timeout=120)
-        asleep = lambda: httpx.get(server.url + "/is_sleeping").json()["is_sleeping"]
+
+        def asleep() -> bool:
+            direct = httpx.get(server.url + "/is_sleeping").json()["is_sleeping"]
+            routed = httpx.get(router.url + "/is_sleeping")
+            assert routed.status_code == 200
+            assert routed.json() == {"is_sleeping": direct, "servers": {server.url: direct}}
+            return direct
+
         assert completion(client) == checkpoints["text_a"] and asleep() is False
         for query, param in (("level=3", "level"), ("level=x", "level")):
             answer = httpx.post(server.url + "/sleep?" + query)
@@ -91,22 +103,24 @@ def test_sleep_and_wake_up(checkpoints):
         answer = httpx.post(server.url + "/wake_up?tags=gpu")
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "tags"
 
-        assert httpx.post(server.url + "/sleep?level=2").status_code == 200
+        assert httpx.post(router.url + "/sleep?level=2").status_code == 200
         assert asleep() is True
         answers: list[str] = []
         waiting = threading.Thread(target=lambda: answers.append(completion(client)))
         waiting.start()
         waiting.join(timeout=2)
         assert waiting.is_alive()  # queued while the server sleeps
-        assert httpx.post(server.url + "/wake_up?tags=weights").status_code == 200
+        assert httpx.post(router.url + "/wake_up?tags=weights").status_code == 200
         assert asleep() is True
-        answer = httpx.post(server.url + "/update_weights_from_disk", timeout=120,
+        answer = httpx.post(router.url + "/update_weights_from_disk", timeout=120,
                             json={"model_path": str(checkpoints["b"])})
         assert answer.status_code == 200, answer.text
-        assert httpx.post(server.url + "/wake_up?tags=kv_cache").status_code == 200
+        assert httpx.post(router.url + "/wake_up?tags=kv_cache").status_code == 200
         waiting.join(timeout=60)
         assert answers == [checkpoints["text_b"]] and asleep() is False
     finally:
+        if router is not None:
+            router.stop()
         server.stop()
 
 

@@ -19,6 +19,7 @@ from ksana_llm.engine.scheduler import SchedulerConfig
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.loader.weight_map import find_weight_map
+from ksana_llm.logits_processor import LogitsProcessorContext, build_logits_processors
 from ksana_llm.runner.memory import available_host_bytes, check_block_count, plan_device_blocks
 from ksana_llm.runner.drafting import draft_layers_for
 from ksana_llm.runner.lora_slots import lora_device_bytes
@@ -37,6 +38,9 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     starts."""
     # Refused before anything is allocated or any worker rank is told to build a runner.
     async_scheduling = resolve_async_scheduling(cfg, model)
+    logits_processors = build_logits_processors(cfg.logits_processors, LogitsProcessorContext(
+        device=model.device, vocab_size=model.vocab_size, engine_config=cfg,
+        hf_config=model.hf_config, tokenizer=tokenizer))
     # The MTP method drafts with the model's own layers, which need a KV cache of their own.
     mtp_tokens = cfg.num_speculative_tokens if cfg.speculative_method == "mtp" else 0
     draft_layers = draft_layers_for(model.module, mtp_tokens)
@@ -114,7 +118,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     if overlap is None:
         overlap = model.device.type == "cuda"
     return EngineCore(runner, block_manager, scheduler_config, tokenizer,
-                      max_model_len=max_model_len, sampler=Sampler(cfg.seed),
+                      max_model_len=max_model_len, sampler=Sampler(cfg.seed, logits_processors),
                       overlap_outputs=overlap,
                       async_scheduling=async_scheduling,
                       num_speculative_tokens=cfg.num_speculative_tokens,

@@ -135,7 +135,8 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
             model, self.tokenizer, max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
             kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout,
-            lora=self._lora, priority_scheduling=self.scheduling_policy.uses_priority)
+            lora=self._lora, priority_scheduling=self.scheduling_policy.uses_priority,
+            logits_processors=self._core.sampler.logits_processors)
         self._stats = StatsTracker()
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []

@@ -18,6 +18,7 @@ from ksana_llm.api.forward_outputs import ForwardTarget
 from ksana_llm.api.outputs import Prompt, Request, as_token_ids
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.generation_config import GenerationConfig, check_truncate_prompt_tokens
+from ksana_llm.logits_processor import LogitsProcessor, processors_for_request
 from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
 
 
@@ -55,8 +56,12 @@ class RequestBuilder:
 
     def __init__(self, model: Model, tokenizer: Any, *, max_model_len: int,
                  max_num_seqs: int, kv_layout: KvLayout | None = None,
-                 lora: LoraRegistry | None = None, priority_scheduling: bool = True) -> None:
+                 lora: LoraRegistry | None = None, priority_scheduling: bool = True,
+                 logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
         self.model = model
+        # The engine's own processors: each checks a request's settings, and says whether it
+        # applies to it, here (in the caller's thread, so a refusal is the caller's ValueError).
+        self.logits_processors = logits_processors
         # False under the FIFO scheduler, which would ignore a request's priority: refused, as
         # vLLM refuses it, rather than silently dropped.
         self.priority_scheduling = priority_scheduling
@@ -145,6 +150,7 @@ class RequestBuilder:
                 w for w in config.bad_words_ids
                 if not (len(w) == 1 and w[0] in self.model.eos_token_ids)])
         seq = Sequence(request_id, token_ids, config, eos_token_ids=eos, priority=request.priority)
+        seq.engine_processors = processors_for_request(self.logits_processors, config)
         self._use_lora(seq, request.lora)
         self._salt(seq, request.cache_salt)
         seq.prediction = self._prediction(request.prediction)

@@ -57,7 +57,8 @@ class BeamSearchSteps:
         (Beams of one request normally decode in the same step; one that was preempted or ran
         out of budget catches up, and its siblings wait idle meanwhile.)"""
         sub = logits.index_select(0, to_device(rows_of, torch.long, logits.device))
-        processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs])
+        processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs],
+                                     self.sampler.logits_processors)
         outputs: list[StepOutput] = self._fail_processor_errors(seqs)
         ready: list[SequenceGroup] = []
         for k, seq in enumerate(seqs):

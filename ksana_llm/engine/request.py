@@ -130,6 +130,8 @@ class Sequence:
     prediction: list[int] | None = None
     prediction_index: Any = None
     cache_salt: int | None = None
+    # The engine-wide logits processors (ksana_llm.LogitsProcessor) that apply to its request.
+    engine_processors: tuple[Any, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
@@ -149,8 +151,10 @@ class Sequence:
     @property
     def samples_from_host_tokens(self) -> bool:
         """Whether sampling its next token reads its tokens on the host (a grammar matcher, the
-        request's own logits processors): a step in flight must be read back first."""
-        return self.matcher is not None or bool(self.config.logits_processors)
+        request's own logits processors, the engine's that apply to it): a step in flight must
+        be read back first."""
+        return (self.matcher is not None or bool(self.config.logits_processors)
+                or bool(self.engine_processors))
 
     @property
     def num_known_tokens(self) -> int:
@@ -198,7 +202,8 @@ class Sequence:
             embeddings=self.embeddings, prompt_is_embeddings=self.prompt_is_embeddings,
             text=self.text, max_num_tokens=self.max_num_tokens,
             kv_imported=self.kv_imported, lora_id=self.lora_id, lora_slot=self.lora_slot,
-            cache_salt=self.cache_salt, prediction=self.prediction)
+            cache_salt=self.cache_salt, prediction=self.prediction,
+            engine_processors=self.engine_processors)
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -47,7 +47,9 @@ class SamplingSteps:
                 config=seq.config, prompt_token_ids=seq.context_token_ids,
                 output_token_ids=seq.output_token_ids, generator=seq.generator,
                 eos_token_ids=seq.eos_token_ids, matcher=seq.matcher,
-                need_logprob=seq.config.num_sequences > seq.config.num_return_sequences)
+                need_logprob=seq.config.num_sequences > seq.config.num_return_sequences,
+                engine_processors=seq.engine_processors, request_id=seq.request_id,
+                index=seq.index)
         return seq.sampling_row
 
     def _launch_samples(self, seqs: list[Sequence], logits: torch.Tensor,

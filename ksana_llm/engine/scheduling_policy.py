@@ -16,12 +16,13 @@ lets a waiting request that cannot start push out running sequences of a strictl
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
+
+from ksana_llm.import_path import import_by_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,19 +122,8 @@ def scheduling_policy_source(spec: str | SchedulingPolicy | type[SchedulingPolic
                          f"SchedulingPolicy, got {type(spec).__name__}")
     if spec in BUILT_IN_POLICIES:
         return BUILT_IN_POLICIES[spec]
-    module_name, sep, class_name = spec.partition(":")
-    if not sep:
-        module_name, _, class_name = spec.rpartition(".")
-    if not module_name or not class_name:
+    if ":" not in spec and "." not in spec:
         raise ValueError(f"{spec!r} is neither 'fifo', 'priority' nor a 'module:Class' import "
                          "path of a SchedulingPolicy subclass")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import {module_name!r} for the scheduling policy {spec!r}: "
-                         f"{exc}") from None
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ValueError(f"module {module_name!r} has no {class_name!r} (scheduling policy "
-                         f"{spec!r})")
+    cls = import_by_path(spec, "the scheduling policy")
     return scheduling_policy_source(cls)

@@ -1,14 +1,14 @@
 """The Llama family (Llama 1/2/3, Yi, SmolLM2, Mistral-style configs) with our own layers.
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are fused
-into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the parts into place.
+into one matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` (models/llama_weights.py)
+maps the parts into place.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,19 +27,11 @@ from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear
                                        tp_all_gather_rows)
 from ksana_llm.layers.pipeline import PipelineGap, recv_hidden, send_hidden
 from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
-from ksana_llm.loader.quantized_weight import dense
-from ksana_llm.models.weight_loading import load_checkpoint
+from ksana_llm.models.llama_weights import LlamaWeightLoading
 
 logger = logging.getLogger("ksana_llm.model")
 
 EmbeddingOverrides = tuple[torch.Tensor, torch.Tensor]  # rows of the batch, their embeddings
-
-# checkpoint part -> (fused parameter, part index): q/k/v and gate/up each load into one matmul
-_FUSED_PARTS = MappingProxyType({
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-})
-
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions: [T, 1, D/2]
 
@@ -241,15 +233,14 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
     """Forward over a flattened batch of tokens; logits only for the rows asked for.
 
     Families that differ only in their attention or MLP override `make_attention` / `make_mlp`
-    (or `make_layer` for a different block) and `fused_parts` / `skip_checkpoint_tensor`.
+    (or `make_layer` for a different block) and `fused_parts` / `skip_checkpoint_tensor`
+    (checkpoint loading: `LlamaWeightLoading`, in models/llama_weights.py).
     """
 
-    # checkpoint part -> (fused parameter, part index)
-    fused_parts: Mapping[str, tuple[str, int]] = _FUSED_PARTS
     supports_parallel = True  # tensor and pipeline parallelism (see ksana_llm.distributed)
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
@@ -355,75 +346,6 @@ class LlamaForCausalLM(nn.Module):
             for module in packed:
                 module.packed_min_rows = FEW_ROWS + 1
             self._lm_head_packed_min_rows = FEW_ROWS + 1
-
-    # ---- weights -------------------------------------------------------------------------------
-    def skip_checkpoint_tensor(self, name: str) -> bool:
-        """Tensors we compute ourselves (old checkpoints store the RoPE table), share, or that
-        another pipeline stage holds."""
-        if "rotary_emb.inv_freq" in name:
-            return True
-        return not self._stage_holds(name)
-
-    def _stage_holds(self, name: str) -> bool:
-        ctx = self.parallel
-        if ctx.pp_size == 1:
-            return True
-        if name.startswith("model.layers."):
-            index = int(name.split(".", 3)[2])
-            return self.model.first_layer <= index < self.model.end_layer \
-                or index >= self.config.num_hidden_layers  # extra layers (MTP): the family decides
-        if name.startswith(("model.embed_tokens.", "lm_head.")):
-            return ctx.is_first_stage
-        if name.startswith("model.norm."):
-            return ctx.is_last_stage
-        return True
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                     require_all: bool = True) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set
-        unless `require_all` is False (a weight update of some tensors). The keys filled."""
-        filled = self.load_checkpoint_tensors(weights, require_all=require_all)
-        self.prepare_for_inference()
-        return filled
-
-    def load_checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                                require_all: bool = True) -> set[str]:
-        """`load_checkpoint`, with transformers' rule for a tied model whose checkpoint stores
-        an LM head too: the head is the embedding when the two are equal (PyTorch .bin files
-        store both names for one tensor), else the stored head is used and the model untied."""
-        stored_head: dict[str, torch.Tensor] = {}
-        filled = load_checkpoint(self, self._tied_head_set_aside(weights, stored_head),
-                                 self.fused_parts, self.skip_checkpoint_tensor,
-                                 require_all=require_all)
-        if "lm_head.weight" in stored_head:
-            self._untie_if_different(stored_head["lm_head.weight"])
-        return filled
-
-    def _tied_head_set_aside(self, weights: Iterable[tuple[str, torch.Tensor]],
-                             aside: dict[str, torch.Tensor]
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.tie_word_embeddings and self._stage_holds(name):
-                aside[name] = tensor  # compared once the embedding is loaded
-            else:
-                yield name, tensor
-
-    def _untie_if_different(self, stored: torch.Tensor) -> None:
-        embedding = self.model.embed_tokens.weight
-        with torch.device("meta"):
-            head = ParallelLMHead(self.config.vocab_size, embedding.shape[1], self.parallel)
-        head = head.to(embedding.dtype).to_empty(device=embedding.device)
-        head.load_checkpoint_tensor("weight", dense(stored))  # its shape checked
-        if embedding.is_meta or head.weight.is_meta:
-            return  # a weight update's dry run (models.weight_update): no values to compare
-        if torch.equal(head.weight, embedding):
-            return
-        logger.warning("tie_word_embeddings is set, but the checkpoint's lm_head.weight differs "
-                       "from the embedding: using the stored LM head, untied (as transformers "
-                       "does); set tie_word_embeddings=false in config.json to silence this")
-        self.lm_head = head
-        self.tie_word_embeddings = False
-
 
 
 class MistralForCausalLM(LlamaForCausalLM):

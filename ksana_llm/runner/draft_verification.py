@@ -53,7 +53,8 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
                          f"got {tuple(logits.shape)} and {len(draft_ids)}")
     device = logits.device
     needs_processing = any(row.has_processors for row in rows)
-    processed = process_logits(logits, rows) if needs_processing else logits.float()
+    processed = (process_logits(logits, rows, None, sampler.logits_processors) if needs_processing
+                 else logits.float())
     has_draft = to_device([d != NO_DRAFT for d in draft_ids], torch.bool, device)
     drafts = to_device([max(d, 0) for d in draft_ids], torch.long, device).unsqueeze(1)
     greedy_ids = processed.argmax(dim=-1)

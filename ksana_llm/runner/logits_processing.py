@@ -2,8 +2,9 @@
 order: allowed token ids (vLLM's), logit bias, min_new_tokens stop suppression and bad words,
 repetition penalty, no-repeat n-grams, then OpenAI presence/frequency penalties (the bans set
 -inf, which the penalties keep, so their place among them does not matter). Batched over rows
-with per-row parameter tensors; last, a request's own `logits_processors` (Python callables, as
-transformers runs custom processors after its own), one row at a time.
+with per-row parameter tensors; then the engine's own processors (`ksana_llm.LogitsProcessor`,
+batched over the rows each applies to); last, a request's own `logits_processors` (Python
+callables, as transformers runs custom processors after its own), one row at a time.
 
 The penalties and n-gram bans read the rows' token ids from the sampler's `TokenHistories` (kept
 on the device) when given, else from the rows' token lists (beam search, which reorders histories
@@ -16,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ksana_llm.logits_processor import LogitsProcessorError
+
 if TYPE_CHECKING:  # only for annotations: both modules import this one
+    from ksana_llm.logits_processor import LogitsProcessor
     from ksana_llm.runner.sampler import SamplingRow
     from ksana_llm.runner.token_history import TokenHistories
 
@@ -57,7 +61,8 @@ def _right_padded(token_lists: list[list[int]], pad: int, device: torch.device) 
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
-                   histories: TokenHistories | None = None) -> torch.Tensor:
+                   histories: TokenHistories | None = None,
+                   engine_processors: tuple[LogitsProcessor, ...] = ()) -> torch.Tensor:
     """min_new_tokens suppression and penalties, for every row; returns a new float32 tensor.
 
     This is the part shared by greedy and sampled rows (HF applies its processors before the
@@ -68,6 +73,9 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     The penalties gather the logits at a row's history ids and scatter the penalised values
     back (an id seen twice gets the same value twice): work in the history's length, not the
     vocabulary's. They run on a buffer with one spare column, where the padding lands.
+
+    `engine_processors` (the engine's `ksana_llm.LogitsProcessor`s, in order) then get the rows
+    that carry them, before each row's own processors.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
@@ -164,11 +172,52 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
         delta = coeffs[:, 0:1] * (counts > 0).to(torch.float32) + coeffs[:, 1:2] * counts
         padded_out.scatter_(1, ids, padded_out.gather(1, ids) - delta)
 
-    # 4. The requests' own processors.
+    # 4. The engine's processors, each on the rows it applies to.
+    for processor in engine_processors:
+        _run_engine_processor(out, rows, processor)
+
+    # 5. The requests' own processors.
     for i, row in enumerate(rows):
         if row.custom_processors and row.processor_error is None:
             _run_custom_processors(out, i, row)
     return out
+
+
+def _run_engine_processor(out: torch.Tensor, rows: list[SamplingRow],
+                          processor: LogitsProcessor) -> None:
+    """The rows of `out` that `processor` applies to (not greedy ones if it is argmax
+    invariant) through it, at once. If it raises, or returns anything but a tensor of their
+    shape, their logits stay as they were and each gets a `processor_error`: the engine fails
+    those requests, the batch goes on."""
+    skips_greedy = processor.is_argmax_invariant()
+    members = [i for i, row in enumerate(rows)
+               if processor in row.engine_processors and row.processor_error is None
+               and not (skips_greedy and row.config.greedy)]
+    if not members:
+        return
+    whole = len(members) == len(rows)
+    index = None if whole else to_device(members, torch.int64, out.device)
+    # Every row its own: the processor works on `out` itself (if it fails, every row fails).
+    values = out if whole else out.index_select(0, index)
+    name = type(processor).__name__
+    try:
+        result = processor.apply(values, [rows[i].view for i in members])
+        if not isinstance(result, torch.Tensor) or result.shape != values.shape \
+                or result.layout != torch.strided or not result.dtype.is_floating_point:
+            got = (f"a {result.layout} {result.dtype} tensor of shape {tuple(result.shape)}"
+                   if isinstance(result, torch.Tensor) else type(result).__name__)
+            raise ValueError(f"must return a dense floating-point tensor of shape "
+                             f"{tuple(values.shape)}, got {got}")
+        if whole:
+            if result is not out:
+                out.copy_(result)
+        else:
+            out.index_copy_(0, index, result.to(out.dtype))
+    except Exception as exc:  # noqa: BLE001 - user code: its rows fail, the others go on
+        error = LogitsProcessorError(f"logits processor {name} failed: "
+                                     f"{type(exc).__name__}: {exc}")
+        for i in members:
+            rows[i].processor_error = error
 
 
 def _run_custom_processors(out: torch.Tensor, i: int, row: SamplingRow) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ksana_llm.generation_config import GenerationConfig, processor_arity
+from ksana_llm.logits_processor import LogitsProcessor, LogitsRow
 from ksana_llm.runner.host_copy import HostCopy, start_host_copy
 from ksana_llm.runner.logits_processing import process_logits, to_device
 from ksana_llm.runner.token_history import TokenHistories
@@ -97,8 +98,16 @@ class SamplingRow:
     allowed_mask: Any = field(default=None, init=False, repr=False)
     # config.logits_processors with whether each takes the prompt ids (read once, not per step).
     custom_processors: tuple[tuple[Callable[..., Any], bool], ...] = field(init=False, repr=False)
-    # Why a custom processor failed this row (logits_processing): the engine fails its request.
-    processor_error: ValueError | None = field(default=None, init=False, repr=False)
+    # Why a custom processor failed this row (logits_processing): the engine fails its request
+    # (a ValueError for its own processors, a LogitsProcessorError for the engine's).
+    processor_error: Exception | None = field(default=None, init=False, repr=False)
+    # The engine-wide processors (ksana_llm.LogitsProcessor) that apply to the row's request,
+    # and who the row is to them (its request id and sample index).
+    engine_processors: tuple[Any, ...] = ()
+    request_id: str = ""
+    index: int = 0
+    # The row as engine-wide processors see it (a ksana_llm.LogitsRow), made at first use.
+    _view: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -111,6 +120,14 @@ class SamplingRow:
                                        for fn in config.logits_processors)
 
     @property
+    def view(self) -> LogitsRow:
+        """The row as engine-wide processors see it: its request, config and live token lists."""
+        if self._view is None:
+            self._view = LogitsRow(self.request_id, self.index, self.config,
+                                   self.prompt_token_ids, self.output_token_ids)
+        return self._view
+
+    @property
     def suppresses_stop(self) -> bool:
         """Whether min_new_tokens still forbids the stop tokens at this step."""
         return len(self.output_token_ids) < self.config.min_new_tokens and bool(
@@ -120,7 +137,8 @@ class SamplingRow:
     def has_processors(self) -> bool:
         """Whether its logits go through `process_logits` (min_new_tokens aside)."""
         config = self.config
-        return (bool(self.custom_processors) or config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
+        return (bool(self.custom_processors) or bool(self.engine_processors)
+                or config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
                 or config.frequency_penalty != 0.0 or config.no_repeat_ngram_size > 0
                 or bool(config.logit_bias) or bool(config.bad_words_ids)
                 or config.allowed_token_ids is not None)
@@ -197,12 +215,14 @@ class HostSamples:
         return token_ids, logprobs, top
 
 
-def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow],
+                   engine_processors: tuple[LogitsProcessor, ...] = ()
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(processed, raw) float32 [B, V] log-probs for beam search, as `transformers` scores beams:
     the logits processors run on log_softmax(logits), not on the logits."""
     raw = torch.log_softmax(logits.float(), dim=-1)
     needs_processing = any(row.has_processors or row.suppresses_stop for row in rows)
-    return (process_logits(raw, rows) if needs_processing else raw), raw
+    return (process_logits(raw, rows, None, engine_processors) if needs_processing else raw), raw
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
@@ -320,8 +340,11 @@ class Sampler:
     lazily), seeded with `seed` when given so an engine run is reproducible as a whole.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None,
+                 logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
         self._seed = seed
+        # Engine-wide processors, in the order they run (`process_logits`).
+        self.logits_processors = tuple(logits_processors)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._histories: dict[tuple[torch.device, int], TokenHistories] = {}
 
@@ -339,6 +362,8 @@ class Sampler:
         if row.uses_token_history:
             for histories in self._histories.values():
                 histories.release(row)
+        for processor in row.engine_processors:
+            processor.release(row.view)
 
     def default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -369,8 +394,8 @@ class Sampler:
 
         tracked = [i for i, row in enumerate(rows) if row.uses_token_history]
         histories = self.token_histories(logits.device, logits.shape[1]) if tracked else None
-        processed = (process_logits(logits, rows, histories) if needs_processing
-                     else logits.float())
+        processed = (process_logits(logits, rows, histories, self.logits_processors)
+                     if needs_processing else logits.float())
         if needs_processing and logits is not raw_logits:
             processed = keep_grammar_choices(processed, logits)
         greedy_ids = processed.argmax(dim=-1)

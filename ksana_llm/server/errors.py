@@ -81,6 +81,11 @@ def engine_unavailable(detail: str = "the engine is not running") -> APIError:
                     code="engine_unavailable")
 
 
+def internal_error(detail: str, code: str) -> APIError:
+    """The server's own fault, said to the client (e.g. one of its logits processors failed)."""
+    return APIError(500, f"Internal server error: {detail}", type="internal_error", code=code)
+
+
 def waiting_timeout(detail: str) -> APIError:
     """A request never scheduled within --waiting-timeout-ms: the 503 of an unavailable
     engine (the client's answer is the same), counted as "timeout"."""

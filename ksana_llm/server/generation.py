@@ -22,7 +22,9 @@ from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput
 from ksana_llm.api.outputs import Request, RequestError, RequestHandle, RequestOutput
 from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.server.errors import APIError, engine_unavailable, queue_full, waiting_timeout
+from ksana_llm.logits_processor import LogitsProcessorError
+from ksana_llm.server.errors import (APIError, engine_unavailable, internal_error, queue_full,
+                                     waiting_timeout)
 from ksana_llm.server.params import engine_value_error
 from ksana_llm.server.request_log import RequestLog
 
@@ -163,6 +165,8 @@ def map_engine_error(exc: BaseException) -> APIError:
         return engine_unavailable(str(cause) or "the engine is not running")
     if isinstance(cause, ValueError):
         return engine_value_error(cause)
+    if isinstance(cause, LogitsProcessorError):
+        return internal_error(str(cause), "logits_processor_error")
     return engine_unavailable("the engine failed while serving this request")
 
 

@@ -23,6 +23,7 @@ MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs (the engine's own limit)
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_BAD_WORDS = 128
+MAX_XARGS = 64  # vllm_xargs entries
 MAX_DOCUMENTS = 1024  # RAG documents handed to a chat template
 
 
@@ -114,6 +115,9 @@ class _SamplingRequest(_Request):
     # ("chatcmpl-<id>", "cmpl-<id>"); a random one when left out. One in use by a running
     # request is refused.
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+    # vLLM's: settings for the server's --logits-processors (GenerationConfig.extra_args).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
+        None, max_length=MAX_XARGS)
 
     def unsupported_params(self) -> list[str]:
         return []

@@ -19,7 +19,8 @@ from ksana_llm.server.openai_protocol import MAX_STOP, _SamplingRequest
 # Engine field -> OpenAI parameter, so that an engine ValueError names what the client sent.
 _ENGINE_TO_OPENAI = MappingProxyType({"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                      "do_sample": "temperature", "num_return_sequences": "n",
-                     "export_kv": "kv_transfer_params", "imported_kv": "kv_transfer_params"})
+                     "export_kv": "kv_transfer_params", "imported_kv": "kv_transfer_params",
+                     "extra_args": "vllm_xargs"})
 
 
 @dataclass(frozen=True)

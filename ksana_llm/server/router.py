@@ -37,13 +37,14 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 import ksana_llm
 from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
 from ksana_llm.server.generation import finished_before_client_left
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
 from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
+from ksana_llm.server.router_control import add_control_routes, request_id_of
 from ksana_llm.server.router_upstream import (RelayedStream, client_error, error_code,
                                               passed_on, read_answer)
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, REQUEST_ID_HEADER,
@@ -271,11 +272,6 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> 
         task.cancel()
 
 
-def _request_id(request: Request) -> str | None:
-    """The id RequestIdMiddleware gave this request (the client's X-Request-Id when usable)."""
-    return request.scope.get("state", {}).get("request_id")
-
-
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -300,12 +296,12 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.forward(
-            "/v1/completions", await _json_body(request), _request_id(request)))
+            "/v1/completions", await _json_body(request), request_id_of(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.forward(
-            "/v1/chat/completions", await _json_body(request), _request_id(request)))
+            "/v1/chat/completions", await _json_body(request), request_id_of(request)))
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
@@ -316,7 +312,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         api = {path for key, path in _INVOCATION_APIS if key in body}
         if len(api) == 1 and not any(key in body for key in ("input", "text_1", "documents")):
             return await _unless_client_leaves(request, request.app.state.router.forward(
-                api.pop(), body, _request_id(request)))
+                api.pop(), body, request_id_of(request)))
         return await direct(request)
 
     async def direct(request: Request) -> Response:
@@ -326,7 +322,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         router.stats.num_direct += 1
         work = router.decode(request.url.path, await request.body(),
                              request.headers.get("content-type"), stream=True,
-                             request_id=_request_id(request))
+                             request_id=request_id_of(request))
         return await _unless_client_leaves(request, work)
 
     for path in _DIRECT_PATHS:
@@ -335,90 +331,25 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await _unless_client_leaves(request, request.app.state.router.respond(
-            await _json_body(request), _request_id(request)))
+            await _json_body(request), request_id_of(request)))
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, request: Request) -> Response:
         return await request.app.state.router.stored_response(
-            request.method, response_id, request_id=_request_id(request))
+            request.method, response_id, request_id=request_id_of(request))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
         return await request.app.state.router.stored_response(
-            "POST", response_id, "/cancel", request_id=_request_id(request))
+            "POST", response_id, "/cancel", request_id=request_id_of(request))
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, request: Request) -> Response:
         return await request.app.state.router.stored_response(
-            "GET", response_id, "/input_items", request.url.query, _request_id(request))
+            "GET", response_id, "/input_items", request.url.query, request_id_of(request))
 
-    @app.get("/v1/models")
-    @app.get("/v1/models/{model:path}")
-    async def models(request: Request) -> Response:
-        router: Router = request.app.state.router
-        try:
-            response = await router.client.get(config.decode_urls[0] + request.url.path,
-                                               headers=router.headers(_request_id(request)))
-        except httpx.HTTPError as exc:
-            raise engine_unavailable(f"decode server cannot be reached ({exc!r})") from exc
-        return Response(response.content, status_code=response.status_code,
-                        media_type=response.headers.get("content-type"))
-
-    @app.post("/reset_prefix_cache")
-    @app.post("/update_weights_from_disk")
-    @app.post("/sleep")
-    @app.post("/wake_up")
-    async def every_server(request: Request) -> JSONResponse:
-        """The same request to every server (prefill and decode alike: a prefix cache to empty,
-        new weights to load, sleep mode): each server's answer by URL (its JSON, {} for a 200
-        without any, its status code for an error, null when it could not be reached); 200
-        when every server said 200, else 502."""
-        router: Router = request.app.state.router
-        headers = router.headers(_request_id(request))
-        content = await request.body()
-        if content:
-            headers["Content-Type"] = request.headers.get("content-type", "application/json")
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-
-        async def post(url: str) -> tuple[str, Any]:
-            try:
-                # No time limit: a server loading a large checkpoint answers when it is done.
-                answer = await router.client.post(url + path, headers=headers,
-                                                  content=content or None, timeout=None)
-                return url, answer.json() if answer.status_code == 200 else answer.status_code
-            except httpx.HTTPError:
-                return url, None
-            except ValueError:  # a 200 without JSON (vLLM's servers answer so): done
-                return url, {}
-
-        servers = dict(await asyncio.gather(
-            *map(post, dict.fromkeys(config.prefill_urls + config.decode_urls))))
-        done = all(isinstance(answer, dict) for answer in servers.values())
-        return JSONResponse({"servers": servers}, status_code=200 if done else 502)
-
-    @app.get("/health")
-    @app.get("/ping")
-    @app.post("/ping")
-    async def health(request: Request) -> JSONResponse:
-        """Each server's /health status. 200 while a decode server is up (the router can answer:
-        without prefill servers the decode servers compute prompts themselves), with status
-        "healthy" (KsanaLLM's word) when every server is up, "degraded" when some are not; 503
-        with no decode server."""
-        router: Router = request.app.state.router
-        servers = {}
-        for url in dict.fromkeys(config.prefill_urls + config.decode_urls):
-            try:
-                servers[url] = (await router.client.get(url + "/health", timeout=5.0)).status_code
-            except httpx.HTTPError:
-                servers[url] = None
-        ok = all(code == 200 for code in servers.values())
-        serving = any(servers[url] == 200 for url in config.decode_urls)
-        stats = router.stats
-        return JSONResponse({"status": "healthy" if ok else "degraded", "servers": servers,
-                             "num_disaggregated": stats.num_disaggregated,
-                             "num_direct": stats.num_direct,
-                             "num_prefill_failures": stats.num_prefill_failures},
-                            status_code=200 if serving else 503)
+    # /v1/models, /health, and what every server must do (/reset_prefix_cache, /sleep, ...).
+    add_control_routes(app, config)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if config.api_key is not None:

@@ -110,6 +110,8 @@ def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerStat
     if req.allowed_token_ids is not None:
         check_token_ids(req.allowed_token_ids, state.limits.vocab_size, "allowed_token_ids")
         fields["allowed_token_ids"] = list(req.allowed_token_ids)
+    if req.vllm_xargs:
+        fields["extra_args"] = dict(req.vllm_xargs)
     per_request = 1
     if beam is not None:
         fields.update(beam)

@@ -1,0 +1,121 @@
+"""The router's control routes: the ones that are not a client's request to split between a
+prefill and a decode server. `/v1/models` is the first decode server's list; `/health` (and
+`/ping`) sums up every server's health; `/reset_prefix_cache`, `/update_weights_from_disk`,
+`/sleep` and `/wake_up` go to every server, prefill and decode alike, their answers gathered by
+URL, and `/is_sleeping` asks every one.
+
+Split from `server/router.py`, which routes each generation request to one server in turn:
+these routes share only the router's HTTP client, upstream headers, server lists and counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ksana_llm.server.errors import engine_unavailable
+
+if TYPE_CHECKING:
+    from ksana_llm.server.router import Router, RouterConfig
+
+
+def request_id_of(request: Request) -> str | None:
+    """The id RequestIdMiddleware gave this request (the client's X-Request-Id when usable)."""
+    return request.scope.get("state", {}).get("request_id")
+
+
+def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
+    """The routes above, on the router's `app` (whose `state.router` is its `Router`)."""
+
+    @app.get("/v1/models")
+    @app.get("/v1/models/{model:path}")
+    async def models(request: Request) -> Response:
+        router: Router = request.app.state.router
+        try:
+            response = await router.client.get(config.decode_urls[0] + request.url.path,
+                                               headers=router.headers(request_id_of(request)))
+        except httpx.HTTPError as exc:
+            raise engine_unavailable(f"decode server cannot be reached ({exc!r})") from exc
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type"))
+
+    @app.post("/reset_prefix_cache")
+    @app.post("/update_weights_from_disk")
+    @app.post("/sleep")
+    @app.post("/wake_up")
+    async def every_server(request: Request) -> JSONResponse:
+        """The same request to every server (prefill and decode alike: a prefix cache to empty,
+        new weights to load, sleep mode): each server's answer by URL (its JSON, {} for a 200
+        without any, its status code for an error, null when it could not be reached); 200
+        when every server said 200, else 502."""
+        router: Router = request.app.state.router
+        headers = router.headers(request_id_of(request))
+        content = await request.body()
+        if content:
+            headers["Content-Type"] = request.headers.get("content-type", "application/json")
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        servers = await _ask_every_server(router, config, "POST", path, headers, content)
+        done = all(isinstance(answer, dict) for answer in servers.values())
+        return JSONResponse({"servers": servers}, status_code=200 if done else 502)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(request: Request) -> JSONResponse:
+        """vLLM's sleep-mode probe over every server: `is_sleeping` is true while any server
+        sleeps (the router cannot serve as usual until every one is awake), with each server's
+        answer by URL (true / false, its status code for an error, null when unreachable);
+        502 unless every server answered."""
+        router: Router = request.app.state.router
+        answers = await _ask_every_server(router, config, "GET", "/is_sleeping",
+                                          router.headers(request_id_of(request)), b"")
+        servers = {url: answer.get("is_sleeping") if isinstance(answer, dict) else answer
+                   for url, answer in answers.items()}
+        done = all(isinstance(asleep, bool) for asleep in servers.values())
+        return JSONResponse({"is_sleeping": any(asleep is True for asleep in servers.values()),
+                             "servers": servers}, status_code=200 if done else 502)
+
+    @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
+    async def health(request: Request) -> JSONResponse:
+        """Each server's /health status. 200 while a decode server is up (the router can answer:
+        without prefill servers the decode servers compute prompts themselves), with status
+        "healthy" (KsanaLLM's word) when every server is up, "degraded" when some are not; 503
+        with no decode server."""
+        router: Router = request.app.state.router
+        servers = {}
+        for url in dict.fromkeys(config.prefill_urls + config.decode_urls):
+            try:
+                servers[url] = (await router.client.get(url + "/health", timeout=5.0)).status_code
+            except httpx.HTTPError:
+                servers[url] = None
+        ok = all(code == 200 for code in servers.values())
+        serving = any(servers[url] == 200 for url in config.decode_urls)
+        stats = router.stats
+        return JSONResponse({"status": "healthy" if ok else "degraded", "servers": servers,
+                             "num_disaggregated": stats.num_disaggregated,
+                             "num_direct": stats.num_direct,
+                             "num_prefill_failures": stats.num_prefill_failures},
+                            status_code=200 if serving else 503)
+
+
+async def _ask_every_server(router: Router, config: RouterConfig, method: str, path: str,
+                            headers: dict[str, str], content: bytes) -> dict[str, Any]:
+    """`method path` on every server at once: each one's answer by URL (its JSON, {} for a 200
+    without any, its status code for an error, None when it could not be reached)."""
+    async def ask(url: str) -> tuple[str, Any]:
+        try:
+            # No time limit: a server loading a large checkpoint answers when it is done.
+            answer = await router.client.request(method, url + path, headers=headers,
+                                                 content=content or None, timeout=None)
+            return url, answer.json() if answer.status_code == 200 else answer.status_code
+        except httpx.HTTPError:
+            return url, None
+        except ValueError:  # a 200 without JSON (vLLM's servers answer so): done
+            return url, {}
+
+    return dict(await asyncio.gather(
+        *map(ask, dict.fromkeys(config.prefill_urls + config.decode_urls))))
