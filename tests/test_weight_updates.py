@@ -132,6 +132,68 @@ def test_an_update_that_does_not_fit_changes_nothing(pair, tmp_path):
             assert greedy(engine, pair["prompts"]) == pair["tokens_a"], case
 
 
+class _ReadSpy:
+    """safetensors' `safe_open`, recording the names whose values are read."""
+
+    def __init__(self, real) -> None:
+        self.real, self.read = real, []
+
+    def __call__(self, *args, **kwargs):
+        handle, spy = self.real(*args, **kwargs), self
+
+        class Handle:
+            def __enter__(self):
+                handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return handle.keys()
+
+            def get_slice(self, name):
+                return handle.get_slice(name)
+
+            def get_tensor(self, name):
+                spy.read.append(name)
+                return handle.get_tensor(name)
+
+        return Handle()
+
+
+def test_the_check_reads_no_matrix_of_a_folder(pair, tmp_path, monkeypatch):
+    """The dry run takes the matrices' shapes from the safetensors headers (only vectors are
+    read); a matrix of the wrong shape is still refused, naming it, and nothing changes."""
+    import safetensors
+    from safetensors.torch import save_file
+
+    spy = _ReadSpy(safetensors.safe_open)
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    model = kt.Model.from_pretrained(str(pair["a"]), device="cpu", dtype="float32",
+                                     progress=False)
+    before = {name: t.clone() for name, t in model.module.state_dict().items()}
+    state = {name: t.contiguous() for name, t in pair["hf_b"].state_dict().items()}
+    matrices = {name for name, t in state.items() if t.dim() > 1}
+    spy.read.clear()
+    checked = check_update(model.module, weight_update(str(pair["b"]), pair["a"],
+                                                      model.hf_config))
+    assert checked.num_tensors == len(state) and spy.read  # the vectors were read...
+    assert not matrices & set(spy.read)  # ...and no matrix
+    name = sorted(matrices)[-1]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((pair["b"] / "config.json").read_text())
+    save_file({**state, name: state[name].reshape(-1, 2).contiguous()},
+              str(bad / "model.safetensors"))
+    spy.read.clear()
+    with pytest.raises(ValueError, match=re.escape(name)):
+        check_update(model.module, weight_update(str(bad), pair["a"], model.hf_config))
+    assert not matrices & set(spy.read)
+    for key, value in model.module.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 def _container_state(module: torch.nn.Module) -> dict[tuple[str, str], str]:
     """Every dict / list / set attribute of every submodule (per-stack loading state such as
     FusedExperts' int8_activations), as text: a dry run must leave them as they were."""

@@ -27,13 +27,17 @@ TORCH_BIN_SINGLE = "pytorch_model.bin"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True, *,
+                    matrices_as_meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the Hugging Face checkpoint in ``model_dir``.
 
     Supports single or sharded safetensors and single or sharded ``pytorch_model.bin``;
     safetensors wins when both exist, because it loads without unpickling and memory-maps.
     Tensors are on CPU. A tqdm bar ("Loading weights") counts tensors unless ``progress`` is
-    False.
+    False. With ``matrices_as_meta``, tensors of two or more dimensions come as meta tensors of
+    their shape and dtype, read from the safetensors headers without their values (a dry run
+    that checks where each tensor goes; ``.bin`` files are memory-mapped, so theirs are not
+    read either); vectors keep their values.
 
     Raises:
         FileNotFoundError: no weight files in ``model_dir`` (or a shard named by an index is missing).
@@ -44,8 +48,11 @@ def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True) ->
     seen: dict[str, Path] = {}  # name -> its file: a second copy would silently win
     with tqdm(total=expected_total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
-            tensors = _iter_safetensors(path) if path.suffix == ".safetensors" else _iter_torch_bin(path)
+            tensors = (_iter_safetensors(path, matrices_as_meta) if path.suffix == ".safetensors"
+                       else _iter_torch_bin(path))
             for name, tensor in tensors:
+                if matrices_as_meta and tensor.dim() > 1 and not tensor.is_meta:
+                    tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
                 first = seen.setdefault(name, path)
                 if first != path:
                     raise ValueError(f"tensor {name!r} is in both {first.name} and {path.name} in "
@@ -92,8 +99,18 @@ def _shards_from_index(index_path: Path) -> tuple[list[Path], int]:
     return shards, len(weight_map)
 
 
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors of one safetensors file, one at a time (never the whole file at once)."""
+# safetensors' dtype names (the header's) -> torch's.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+def _iter_safetensors(path: Path, matrices_as_meta: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one safetensors file, one at a time (never the whole file at once);
+    with `matrices_as_meta`, those of two or more dimensions as meta tensors (header only)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -103,6 +120,12 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                          f"{error}") from error
     with handle:
         for name in handle.keys():
+            if matrices_as_meta:
+                header = handle.get_slice(name)
+                shape, dtype = header.get_shape(), _SAFETENSORS_DTYPES.get(header.get_dtype())
+                if len(shape) > 1 and dtype is not None:
+                    yield name, torch.empty(shape, dtype=dtype, device="meta")
+                    continue
             try:
                 tensor = handle.get_tensor(name)
             except SafetensorError as error:

@@ -117,12 +117,16 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     return module.eval(), torch_dtype
 
 
-def checkpoint_tensors(model_dir: str | Path, hf_config: Any, *, progress: bool = True
+def checkpoint_tensors(model_dir: str | Path, hf_config: Any, *, progress: bool = True,
+                       shapes_only: bool = False
                        ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The folder's tensors as a model's `load_weights` takes them: a quantized checkpoint's
-    values paired with their scales, names through the folder's (or the package's) weight map."""
-    weights: Iterator = iterate_weights(model_dir, progress=progress)
+    values paired with their scales, names through the folder's (or the package's) weight map.
+    `shapes_only` (a dry run): the matrices of an unquantized checkpoint come as meta tensors,
+    their values never read (a quantized one's are read: pairing reads its scales)."""
     checkpoint_format = checkpoint_quantization(hf_config, model_dir)
+    weights: Iterator = iterate_weights(
+        model_dir, progress=progress, matrices_as_meta=shapes_only and checkpoint_format is None)
     if checkpoint_format is not None:
         # Paired before the weight map renames anything, so a map needs no scale entries.
         weights = paired_quantized(weights, checkpoint_format)

@@ -6,7 +6,7 @@ tensor through the model's own loading code into a *meta twin* of the module (th
 and attributes, the weights on the meta device): each name must find its parameter, each shape
 must fit, fused projections, expert stacks, tensor-parallel slices and weight maps included,
 and no parameter may be replaced (another format) -- without a weight's values being read or
-written. Only then does `apply_update` copy the tensors into the live parameters, in place, so
+written (a checkpoint folder's matrices are not even read from disk, unless it is quantized). Only then does `apply_update` copy the tensors into the live parameters, in place, so
 CUDA graphs captured on them stay valid. A subset of the tensors may be given: the others keep
 their values.
 """
@@ -36,11 +36,13 @@ class WeightUpdate:
     folder: str | None = None
     tensors: tuple[tuple[str, torch.Tensor], ...] = ()
 
-    def stream(self) -> Iterator[tuple[str, Any]]:
-        """The update's tensors as a model's `load_weights` takes them; a fresh pass each call."""
+    def stream(self, shapes_only: bool = False) -> Iterator[tuple[str, Any]]:
+        """The update's tensors as a model's `load_weights` takes them; a fresh pass each call.
+        `shapes_only` (the check): a folder's matrices may come as meta tensors, unread."""
         if self.folder is None:
             return iter(self.tensors)
-        return checkpoint_tensors(self.folder, load_hf_config(self.folder), progress=False)
+        return checkpoint_tensors(self.folder, load_hf_config(self.folder), progress=False,
+                                  shapes_only=shapes_only)
 
 
 def weight_update(weights: Any, model_dir: str | os.PathLike, hf_config: Any) -> WeightUpdate:
@@ -165,7 +167,8 @@ def check_update(module: nn.Module, update: WeightUpdate) -> CheckedUpdate:
     count = [0]
     twin = meta_twin(module)
     before = dict(_tensors_by_name(twin))
-    filled = twin.load_weights(_counted(update.stream(), _meta_tensor, count), require_all=False)
+    filled = twin.load_weights(_counted(update.stream(shapes_only=True), _meta_tensor, count),
+                               require_all=False)
     after = dict(_tensors_by_name(twin))
     for name in sorted(before.keys() | after.keys()):
         old, new = before.get(name), after.get(name)
