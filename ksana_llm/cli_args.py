@@ -179,6 +179,12 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help="take part in disaggregated serving: keep prompts' KV for decode "
                              "servers (prefill), start from a prefill server's KV (decode), or "
                              "both; none: not at all, whatever --config_file's group_role says")
+    parser.add_argument("--kv-transfer-config", type=cli_types.json_object, default=None,
+                        metavar="JSON",
+                        help="vLLM's: '{\"kv_connector\": ..., \"kv_role\": \"kv_producer\" | "
+                             "\"kv_consumer\" | \"kv_both\"}' is --kv-role prefill | decode | "
+                             "both; the KV moves over this server's own HTTP transfer, whatever "
+                             "the connector")
     parser.add_argument("--kv-transfer-ttl", type=cli_types.positive_float, default=None,
                         help="seconds a prefill server keeps KV nobody fetched (default: 300)")
     parser.add_argument("--kv-prefill-url", action="append", default=None, metavar="URL",

@@ -295,6 +295,24 @@ def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
         with pytest.raises(ValueError, match="^--max-num-seqs: .*greater than or equal to 1"):
             configs_from_args(parse(["serve", *extra, "--max-num-seqs", "0"]))
     assert kv_transfer_from_args(parse(["serve"]), None) == (None, None)
+    # vLLM's --kv-transfer-config: its kv_role is ours (over the YAML's), its transport keys
+    # are accepted; a bad role, an unknown key or a disagreeing --kv-role is named.
+    vllm = '{"kv_connector": "P2pNcclConnector", "kv_role": "%s", "kv_buffer_size": 1e9}'
+    for theirs, ours in (("kv_producer", "prefill"), ("kv_consumer", "decode"),
+                         ("kv_both", "both")):
+        args = parse(["serve", "--config_file", str(yaml_file), "--kv-transfer-config",
+                      vllm % theirs])
+        assert kv_transfer_from_args(args, configs_from_args(args)[1]) == (ours, 30.0)
+    for flags, message in (
+            (["--kv-transfer-config", vllm % "kv_middle"], "kv_role must be one of"),
+            (["--kv-transfer-config", '{"kv_role": "kv_both", "kv_magic": 1}'],
+             "unknown key.* kv_magic"),
+            (["--kv-transfer-config", vllm % "kv_producer", "--kv-role", "decode"],
+             "disagree")):
+        with pytest.raises(ValueError, match="--kv-"):
+            kv_transfer_from_args(parse(["serve", *flags]), None)
+        with pytest.raises(ValueError, match=message):
+            kv_transfer_from_args(parse(["serve", *flags]), None)
     from fastapi.testclient import TestClient
 
     app = build_app(local_engine, served_model_name="m", kv_role="prefill")

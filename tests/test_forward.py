@@ -219,6 +219,17 @@ def test_bad_input_raises_value_error_naming_the_field(engine, prompt, targets, 
     assert engine.is_running
 
 
+def test_priority_needs_a_priority_scheduler(engine):
+    """Forward-only requests take `priority` as generation requests do: refused by a FIFO
+    engine (it would ignore it), an integer only."""
+    for priority, message in ((1, "needs an engine with scheduler='priority'"),
+                              (True, "priority must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            engine.submit_forward("hi there", [ForwardTarget("logits")], priority=priority)
+    assert engine.submit_forward("hi there", [ForwardTarget("logits")], priority=0).result()
+    assert engine.stats().num_waiting == 0
+
+
 def test_dict_targets_and_default_positions(engine, ids, hf):
     out = engine.forward(ids[:8], [{"target_name": "logits"}])
     assert out.targets[0].positions == list(range(8))

@@ -1,4 +1,5 @@
-"""Prefill/decode disaggregation over HTTP: a real prefill server (`serve --kv-role prefill`), a
+"""Prefill/decode disaggregation over HTTP: a real prefill server (vLLM's `serve
+--kv-transfer-config '{"kv_role": "kv_producer", ...}'`, i.e. `--kv-role prefill`), a
 real decode server (`serve --kv-role decode`, another block size) and `ksana-llm router` in front,
 driven by the official `openai` client. Answers must equal the Python API's on the same model
 (whose greedy tokens equal transformers', tests/test_kv_transfer.py); the decode server must
@@ -29,7 +30,10 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived a cat nam
 
 @pytest.fixture(scope="module")
 def prefill(default_model_dir):
-    proc = ServerProcess(["--kv-role", "prefill", "--num-device-blocks", "128"])
+    # vLLM's spelling of --kv-role prefill (the decode server below uses ours).
+    proc = ServerProcess(["--kv-transfer-config",
+                          '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}',
+                          "--num-device-blocks", "128"])
     yield proc
     proc.stop()
 

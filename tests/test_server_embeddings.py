@@ -1,7 +1,7 @@
 """`POST /v1/embeddings` on a real server process, driven by the official `openai` client: each
 vector is transformers' last-token hidden state (after the final norm), L2-normalised, on the
-same weights; base64 and float encodings agree; every bad input is a 400 naming the parameter
-and the server keeps serving."""
+same weights (of the last tokens only, with `truncate_prompt_tokens`); base64 and float encodings
+agree; every bad input is a 400 naming the parameter and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ def test_vectors_equal_transformers_last_token_state(client, hf_default_model, d
     assert float(a @ b) < 0.99
 
 
+def test_truncate_prompt_tokens_embeds_the_last_tokens(client, hf_default_model, default_model):
+    """vLLM's truncate_prompt_tokens: the vector of the input's last k tokens, counted as k."""
+    text = "Some preamble that will be cut away. " * 3 + TEXTS[0]
+    kept = default_model.tokenizer.encode(text)[-6:]
+    response = client.embeddings.create(model="SmolLM2-135M-Instruct", input=[text, TEXTS[3]],
+                                        extra_body={"truncate_prompt_tokens": 6})
+    assert response.usage.prompt_tokens == 6 + len(default_model.tokenizer.encode(TEXTS[3]))
+    torch.testing.assert_close(torch.tensor(response.data[0].embedding),
+                               hf_embedding(hf_default_model, kept), atol=2e-5, rtol=1e-4)
+
+
 def test_float_encoding_and_token_inputs_agree(client, default_model):
     ids = default_model.tokenizer.encode(TEXTS[0])
     as_text = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS[0],
@@ -64,6 +75,8 @@ def test_float_encoding_and_token_inputs_agree(client, default_model):
     ({"input": "Hi", "dimensions": 17}, "dimensions"),
     ({"input": "Hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "Hi", "temperature": 1}, "temperature"),
+    ({"input": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "Hi", "priority": 1}, "priority"),  # a FIFO server: vLLM's rule
 ])
 def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
     response = httpx.post(server.base_url + "/embeddings", json=body, timeout=60)

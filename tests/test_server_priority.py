@@ -1,8 +1,9 @@
 """Request priority over HTTP (vLLM's `priority` field with `--scheduling-policy priority`), on a
 real server process driven by the official `openai` client: requests queued behind a running
 one start lowest `priority` first, whatever order they arrived in, on the completions, chat and
-Responses routes alike. (A FIFO server refusing `priority` is in test_server_openai.py and
-test_server_responses.py.)"""
+Responses routes alike, embeddings (forward-only requests) among them. (A FIFO server refusing
+`priority` is in test_server_openai.py, test_server_responses.py, test_server_embeddings.py and
+test_server_scores.py.)"""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_queued_requests_start_lowest_priority_first(client, server, model_name)
     client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
                                    max_tokens=1)
     client.responses.create(model=model_name, input="Hi", max_output_tokens=1)
+    client.embeddings.create(model=model_name, input="Hi")
     # The most urgent of all, so none of the queued requests preempts it.
     blocker = client.completions.create(model=model_name, prompt="Count from one:",
                                         max_tokens=400, stream=True,
@@ -53,6 +55,8 @@ def test_queued_requests_start_lowest_priority_first(client, server, model_name)
         "chat, priority -1": lambda: client.chat.completions.create(
             model=model_name, messages=[{"role": "user", "content": "Hey"}], max_tokens=2,
             extra_body={"priority": -1}),
+        "embeddings, priority -3": lambda: client.embeddings.create(
+            model=model_name, input="Hi", extra_body={"priority": -3}),
     }
 
     def run(name: str) -> None:
@@ -70,8 +74,8 @@ def test_queued_requests_start_lowest_priority_first(client, server, model_name)
     blocker.close()  # the client leaves: the blocker is aborted and the queue drains
     for thread in threads:
         thread.join(timeout=60)
-    assert finished == ["responses, priority -5", "chat, priority -1", "chat, priority 0",
-                        "completion, priority 5"]
+    assert finished == ["responses, priority -5", "embeddings, priority -3", "chat, priority -1",
+                        "chat, priority 0", "completion, priority 5"]
 
 
 def _num_preemptions(server: ServerProcess) -> float:

@@ -125,6 +125,9 @@ def test_rerank_orders_documents_by_their_score(server, default_model, path):
     ("/rerank", {"query": "q", "documents": []}, "documents"),
     ("/rerank", {"query": "q", "documents": [1, 2]}, "documents.0"),
     ("/rerank", {"query": "q", "documents": ["a"], "top_n": 1.5}, "top_n"),
+    # A FIFO server (vLLM's rule: a priority it would ignore is refused).
+    ("/score", {"text_1": "x", "text_2": "y", "priority": 2}, "priority"),
+    ("/rerank", {"query": "q", "documents": ["a"], "priority": -1}, "priority"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     response = _post(server, path, body)

@@ -35,14 +35,16 @@ class ForwardCalls:
                        request_id: str | None = None,
                        loop: asyncio.AbstractEventLoop | None = None,
                        lora: str | None = None,
-                       truncate_prompt_tokens: int | None = None) -> ForwardHandle:
+                       truncate_prompt_tokens: int | None = None,
+                       priority: int = 0) -> ForwardHandle:
         """Queue a forward-only request (no sampling, no prefix-cache hits); returns its handle.
         `truncate_prompt_tokens` keeps the prompt's last k tokens (-1: max_model_len); target
-        positions are those of the kept prompt. Raises ValueError naming the bad field,
+        positions are those of the kept prompt. `priority` ranks it as `Request.priority` does
+        (an engine with a priority scheduler). Raises ValueError naming the bad field,
         QueueFullError, EngineDeadError."""
         seq, targets, positions = self._requests.forward_sequence(
             prompt, targets, request_id, self.generation_config, lora=lora,
-            truncate_prompt_tokens=truncate_prompt_tokens)
+            truncate_prompt_tokens=truncate_prompt_tokens, priority=priority)
         return ForwardHandle(self._enqueue(seq, None, loop, None), list(targets), positions)
 
     def forward(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]], *,

@@ -133,12 +133,7 @@ class RequestBuilder:
             raise ValueError(f"prompt is {len(token_ids)} tokens; max_model_len (the model's context, "
                              f"bounded by the KV cache) is {self.max_model_len}, leaving no room "
                              "to generate")
-        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
-            raise ValueError(f"priority must be an integer, got {request.priority!r}")
-        if request.priority and not self.priority_scheduling:
-            raise ValueError(f"priority {request.priority} needs an engine with "
-                             "scheduler='priority' (or a policy that ranks by it); this engine's "
-                             "scheduling policy ignores it")
+        self._check_priority(request.priority)
         self._check_config(config)
         request_id = self._request_id(request.request_id, "req")
         eos = () if config.ignore_eos else self.model.eos_token_ids
@@ -167,6 +162,14 @@ class RequestBuilder:
             seq.matcher = self.grammar().matcher(config.structured_output)
         self._kv_transfer(request, seq)
         return seq, plugin_info
+
+    def _check_priority(self, priority: Any) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and not self.priority_scheduling:
+            raise ValueError(f"priority {priority} needs an engine with "
+                             "scheduler='priority' (or a policy that ranks by it); this engine's "
+                             "scheduling policy ignores it")
 
     def _use_lora(self, seq: Sequence, name: str | None) -> None:
         """Point the sequence at adapter `name`'s slot, with its prefix-cache salt."""
@@ -345,11 +348,13 @@ class RequestBuilder:
 
     def forward_sequence(self, prompt: Prompt, targets: list[ForwardTarget | dict[str, Any]],
                          request_id: str | None, default_config: GenerationConfig,
-                         lora: str | None = None, truncate_prompt_tokens: int | None = None
+                         lora: str | None = None, truncate_prompt_tokens: int | None = None,
+                         priority: int = 0
                          ) -> tuple[Sequence, list[ForwardTarget], list[list[int]]]:
         """A forward-only request's sequence, its resolved targets and each target's positions
         (after `truncate_prompt_tokens` cut the prompt, when given)."""
         check_truncate_prompt_tokens(truncate_prompt_tokens)
+        self._check_priority(priority)
         token_ids = truncate_prompt(self.tokenize(prompt), truncate_prompt_tokens,
                                     self.max_model_len)
         if len(token_ids) > self.max_model_len:
@@ -364,6 +369,7 @@ class RequestBuilder:
         spec = ForwardSpec(tuple(sorted({p for ps in positions for p in ps})),
                            logits=any(t.target_name == "logits" for t in targets),
                            hidden=any(t.target_name == "layernorm" for t in targets))
-        seq = Sequence(self._request_id(request_id, "fwd"), token_ids, default_config, forward=spec)
+        seq = Sequence(self._request_id(request_id, "fwd"), token_ids, default_config, forward=spec,
+                       priority=priority)
         self._use_lora(seq, lora)
         return seq, targets, positions

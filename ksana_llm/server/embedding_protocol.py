@@ -21,6 +21,10 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
+    # vLLM's: keep each input's last N tokens (-1: the model's context).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's: lower runs first; needs a server started with --scheduling-policy priority.
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
 
 
 class EmbeddingData(BaseModel):

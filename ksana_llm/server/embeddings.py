@@ -17,6 +17,7 @@ import asyncio
 import base64
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from fastapi import APIRouter, Request
@@ -24,12 +25,13 @@ from fastapi.responses import JSONResponse
 
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle
+from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.server.embedding_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                                  EmbeddingRequest, EmbeddingResponse,
                                                  EmbeddingUsage)
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import run_forward
-from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
+from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, checked_priority, parse_body
 from ksana_llm.server.params import prompt_token_lists
 from ksana_llm.server.state import ServerState, server_state
 
@@ -43,8 +45,19 @@ def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
+def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | None
+                      ) -> list[list[int]]:
+    """`value`'s prompts as token ids, each cut to its last `keep` tokens (vLLM's
+    truncate_prompt_tokens; -1: the model's context; None: whole)."""
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
+                          param="truncate_prompt_tokens")
+    prompts = prompt_token_lists(value, state.tokenizer, state.limits, field=field)
+    return [truncate_prompt(ids, keep, state.limits.max_model_len) for ids in prompts]
+
+
 def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
-    prompts = prompt_token_lists(req.input, state.tokenizer, state.limits, field="input")
+    prompts = truncated_prompts(req.input, "input", state, req.truncate_prompt_tokens)
     if len(prompts) > MAX_EMBEDDING_INPUTS:
         raise bad_request(f"At most {MAX_EMBEDDING_INPUTS} inputs per request; got "
                           f"{len(prompts)}.", param="input")
@@ -52,14 +65,16 @@ def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
 
 
 def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.AbstractEventLoop,
-               lora: str | None, fields: Sequence[str]) -> Callable[[int], ForwardHandle]:
+               lora: str | None, fields: Sequence[str], priority: int
+               ) -> Callable[[int], ForwardHandle]:
     """What queues input i (a prompt the engine refuses is a 400 naming `fields[i]`)."""
     base = f"embd-{uuid.uuid4().hex}"
 
     def submit(i: int) -> ForwardHandle:
         try:
             return state.engine.submit_forward(prompts[i], list(EMBEDDING_TARGETS),
-                                               request_id=f"{base}-{i}", loop=loop, lora=lora)
+                                               request_id=f"{base}-{i}", loop=loop, lora=lora,
+                                               priority=priority)
         except ValueError as exc:  # too long for the model, ...
             raise bad_request(str(exc), param=fields[i]) from exc
 
@@ -67,13 +82,15 @@ def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.Abstr
 
 
 async def embed_prompts(state: ServerState, prompts: list[list[int]], request: Request,
-                        lora: str | None, fields: Sequence[str] | None = None
-                        ) -> list[torch.Tensor] | None:
+                        lora: str | None, fields: Sequence[str] | None = None,
+                        priority: int = 0) -> list[torch.Tensor] | None:
     """Each prompt's embedding (`api.embeddings`), in order; None when the client left first
     (its requests aborted and counted). `fields`: each prompt's field name for errors
-    (default: all `input`). Also what `/score` and `/rerank` compare."""
+    (default: all `input`). `priority`: the request's (checked against the scheduler). Also
+    what `/score` and `/rerank` compare."""
     fields = fields if fields is not None else ["input"] * len(prompts)
-    submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, fields)
+    submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, fields,
+                        checked_priority(priority, state))
     outputs = await run_forward(state.engine, submit, len(prompts), request)
     if outputs is None:
         state.count_failure("aborted")  # forward-only: see server.metrics for the rule
@@ -92,7 +109,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
                           f"shortened to {req.dimensions}.", param="dimensions",
                           code="unsupported_parameter")
     prompts = _inputs(req, state)
-    vectors = await embed_prompts(state, prompts, request, lora)
+    vectors = await embed_prompts(state, prompts, request, lora, priority=req.priority)
     if vectors is None:  # the client left; its requests were aborted
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     data = [EmbeddingData(index=i, embedding=_encode(vector, req.encoding_format))

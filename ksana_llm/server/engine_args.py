@@ -5,6 +5,7 @@ transfer role. No FastAPI here: the parsing is checked before any model loads.""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from types import MappingProxyType
@@ -13,6 +14,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from ksana_llm import yaml_config
+
+logger = logging.getLogger("ksana_llm.server")
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -101,10 +104,46 @@ def _flag_of(field: str) -> str:
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
+# vLLM's KVTransferConfig roles -> ours.
+_VLLM_KV_ROLES = MappingProxyType({"kv_producer": "prefill", "kv_consumer": "decode",
+                                   "kv_both": "both"})
+# KVTransferConfig keys that only tune vLLM's connectors' own transports (buffers, addresses,
+# ranks): accepted, as the KV moves over this server's HTTP transfer instead.
+_VLLM_TRANSPORT_KEYS = frozenset({
+    "kv_connector", "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank",
+    "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_extra_config",
+    "kv_connector_module_path", "kv_load_failure_policy", "enable_permute_local_kv"})
+
+
+def kv_role_from_vllm_config(config: dict[str, Any]) -> str:
+    """vLLM's `--kv-transfer-config` as our KV role; ValueError naming the flag otherwise."""
+    unknown = sorted(set(config) - _VLLM_TRANSPORT_KEYS - {"kv_role"})
+    if unknown:
+        raise ValueError(f"--kv-transfer-config: unknown key(s) {', '.join(unknown)} (vLLM's "
+                         "KVTransferConfig keys are accepted)")
+    role = config.get("kv_role")
+    if role not in _VLLM_KV_ROLES:
+        raise ValueError(f"--kv-transfer-config: kv_role must be one of "
+                         f"{', '.join(_VLLM_KV_ROLES)}, got {role!r}")
+    if "kv_connector" in config:
+        logger.info("--kv-transfer-config: KV moves over ksana-llm's HTTP transfer (kv_connector "
+                    "%r's transport settings are not used)", config["kv_connector"])
+    return _VLLM_KV_ROLES[role]
+
+
 def kv_transfer_from_args(args: argparse.Namespace, settings: Any) -> tuple[str | None, float | None]:
     """(--kv-role, --kv-transfer-ttl), each from the YAML's connector section when not given
-    (--kv-role none: no role, whatever the YAML says)."""
-    kv_role = getattr(args, "kv_role", None) or (settings.kv_role if settings else None)
+    (--kv-role none: no role, whatever the YAML says). vLLM's --kv-transfer-config gives the
+    role too; it must agree with --kv-role when both are given."""
+    kv_role = getattr(args, "kv_role", None)
+    vllm_config = getattr(args, "kv_transfer_config", None)
+    if vllm_config is not None:
+        vllm_role = kv_role_from_vllm_config(vllm_config)
+        if kv_role is not None and kv_role != vllm_role:
+            raise ValueError(f"--kv-role {kv_role} and --kv-transfer-config's kv_role "
+                             f"{vllm_config['kv_role']} (= {vllm_role}) disagree; give one")
+        kv_role = vllm_role
+    kv_role = kv_role or (settings.kv_role if settings else None)
     if kv_role == "none":
         kv_role = None
     kv_ttl = getattr(args, "kv_transfer_ttl", None)

@@ -22,6 +22,7 @@ class ScoreRequest(_Request):
     text_2: Any = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
     user: str | None = None
+    priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's, as on /v1/embeddings
 
 
 class ScoreData(BaseModel):
@@ -56,6 +57,7 @@ class RerankRequest(_Request):
     return_documents: bool = True  # Cohere's: False leaves each result's `document` out
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     user: str | None = None
+    priority: int = Field(0, ge=-(2**63), lt=2**63)  # vLLM's, as on /v1/embeddings
 
 
 class RerankDocument(BaseModel):

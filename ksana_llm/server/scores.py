@@ -12,17 +12,14 @@ counted once in `usage` (vLLM embeds and counts a 1:N request's first text once 
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ksana_llm.api.scoring import pair_scores, score_pairs
-from ksana_llm.api.request_builder import truncate_prompt
-from ksana_llm.server.embeddings import embed_prompts
+from ksana_llm.server.embeddings import embed_prompts, truncated_prompts
 from ksana_llm.server.errors import bad_request
-from ksana_llm.server.params import prompt_token_lists
 from ksana_llm.server.score_protocol import (RerankDocument, RerankRequest, RerankResponse,
                                              RerankResult, RerankUsage, ScoreData, ScoreRequest,
                                              ScoreResponse, ScoreUsage)
@@ -35,17 +32,9 @@ router = APIRouter()
 MAX_SCORE_TEXTS = 2048
 
 
-def _texts(value: Any, field: str, state: ServerState, keep: int | None) -> list[list[int]]:
-    if keep == 0:
-        raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
-                          param="truncate_prompt_tokens")
-    texts = prompt_token_lists(value, state.tokenizer, state.limits, field=field)
-    return [truncate_prompt(ids, keep, state.limits.max_model_len) for ids in texts]
-
-
 async def _embed(state: ServerState, first: tuple[str, list[list[int]]],
-                 second: tuple[str, list[list[int]]], request: Request, lora: str | None
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 second: tuple[str, list[list[int]]], request: Request, lora: str | None,
+                 priority: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The embeddings of two named lists of texts as [n, hidden] tensors; None when the client
     left. A text the engine refuses (too long for the model) is a 400 naming its list."""
     (first_name, first_texts), (second_name, second_texts) = first, second
@@ -53,7 +42,8 @@ async def _embed(state: ServerState, first: tuple[str, list[list[int]]],
         raise bad_request(f"At most {MAX_SCORE_TEXTS} texts per request; got "
                           f"{len(first_texts) + len(second_texts)}.", param=second_name)
     fields = [first_name] * len(first_texts) + [second_name] * len(second_texts)
-    vectors = await embed_prompts(state, first_texts + second_texts, request, lora, fields)
+    vectors = await embed_prompts(state, first_texts + second_texts, request, lora, fields,
+                                  priority)
     if vectors is None:
         return None
     stacked = torch.stack(vectors)
@@ -66,13 +56,14 @@ async def create_scores(request: Request) -> JSONResponse:
     state = server_state(request)
     req = await parse_body(request, ScoreRequest)
     lora = state.check_model(req.model)
-    first = _texts(req.text_1, "text_1", state, req.truncate_prompt_tokens)
-    second = _texts(req.text_2, "text_2", state, req.truncate_prompt_tokens)
+    first = truncated_prompts(req.text_1, "text_1", state, req.truncate_prompt_tokens)
+    second = truncated_prompts(req.text_2, "text_2", state, req.truncate_prompt_tokens)
     try:
         pairs = score_pairs(len(first), len(second))
     except ValueError as exc:
         raise bad_request(str(exc), param="text_2") from exc
-    embedded = await _embed(state, ("text_1", first), ("text_2", second), request, lora)
+    embedded = await _embed(state, ("text_1", first), ("text_2", second), request, lora,
+                            req.priority)
     if embedded is None:
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     scores = pair_scores(*embedded, pairs)
@@ -94,9 +85,10 @@ async def rerank(request: Request) -> JSONResponse:
         raise bad_request("`query` is required.", param="query")
     if not req.documents:
         raise bad_request("`documents` must be a non-empty list of strings.", param="documents")
-    query = _texts(req.query, "query", state, req.truncate_prompt_tokens)
-    documents = _texts(req.documents, "documents", state, req.truncate_prompt_tokens)
-    embedded = await _embed(state, ("query", query), ("documents", documents), request, lora)
+    query = truncated_prompts(req.query, "query", state, req.truncate_prompt_tokens)
+    documents = truncated_prompts(req.documents, "documents", state, req.truncate_prompt_tokens)
+    embedded = await _embed(state, ("query", query), ("documents", documents), request, lora,
+                            req.priority)
     if embedded is None:
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     scores = pair_scores(*embedded, score_pairs(1, len(documents)))

@@ -179,6 +179,14 @@ class AbortOnCloseStreamingResponse(StreamingResponse):
 LORA_NOT_TRANSFERABLE = "lora_kv_not_transferable"
 
 
+def checked_priority(priority: int, state: ServerState) -> int:
+    """A request's `priority`; as vLLM, one the FIFO scheduler would silently ignore is a 400."""
+    if priority and not state.engine.scheduling_policy.uses_priority:
+        raise bad_request("`priority` needs a server started with --scheduling-policy "
+                          "priority (or a policy that ranks by priority).", param="priority")
+    return priority
+
+
 async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
                           ) -> dict[str, Any]:
     """Engine `Request` fields for the request's LoRA adapter (its `model`), its `priority`,
@@ -188,11 +196,7 @@ async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
     if req.cache_salt is not None:
         fields["cache_salt"] = req.cache_salt
     if req.priority:
-        # As vLLM: a priority the FIFO scheduler would silently ignore is an error.
-        if not state.engine.scheduling_policy.uses_priority:
-            raise bad_request("`priority` needs a server started with --scheduling-policy "
-                              "priority (or a policy that ranks by priority).", param="priority")
-        fields["priority"] = req.priority
+        fields["priority"] = checked_priority(req.priority, state)
     if req.kv_transfer_params is None:
         return fields
     if lora is not None:
