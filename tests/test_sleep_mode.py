@@ -121,6 +121,34 @@ def test_queued_requests_time_out_while_asleep(pair):
         assert answer.token_ids == pair["tokens_a"]
 
 
+def test_engines_sharing_a_model_may_not_sleep_or_update_under_each_other(pair):
+    """Two engines on one loaded Model share its weights: one may neither sleep (the other's
+    weights would vanish) nor load new weights (the other would step on half-copied ones)
+    while the other runs; once it is shut down, both work, and the engine answers as B."""
+    model = kt.Model.from_pretrained(pair["a"], device="cpu", dtype="float32", progress=False)
+    settings = dict(enable_sleep_mode=True, block_token_num=4, num_device_blocks=64)
+    b_weights = kt.Model.from_pretrained(pair["b"], device="cpu", dtype="float32",
+                                         progress=False).module.state_dict()
+    with kt.Engine(model, **settings) as engine:
+        other = kt.Engine(model, **settings)
+        try:
+            with pytest.raises(ValueError, match="sleep: 1 other running engine"):
+                engine.sleep()
+            with pytest.raises(ValueError, match="update_weights: 1 other running engine"):
+                engine.update_weights(pair["b"])
+            assert not engine.is_sleeping()
+            for either in (engine, other):
+                answer = either.generate_outputs([pair["prompt"]], generation_config=CONFIG)[0]
+                assert answer.token_ids == pair["tokens_a"]
+        finally:
+            other.shutdown()
+        engine.sleep(level=2)
+        engine.wake_up()
+        engine.update_weights(b_weights)
+        answer = engine.generate_outputs([pair["prompt"]], generation_config=CONFIG)[0]
+        assert answer.token_ids == pair["tokens_b"]
+
+
 def test_sleep_mode_misuse_is_a_clear_error(pair):
     with kt.Engine(pair["a"], device="cpu", dtype="float32", num_device_blocks=64) as engine:
         with pytest.raises(ValueError, match="enable_sleep_mode=True"):

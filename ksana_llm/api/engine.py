@@ -113,6 +113,7 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
                ) -> None:
         """Everything after the model is loaded: the core, the request builder, the step loop."""
         self.model = model
+        model.add_engine(self)
         self.tokenizer = tokenizer or model.tokenizer
         # Defaults: the model folder's generation_config.json, as transformers' generate() and
         # vLLM's LLM use them; a dict changes some of them, a GenerationConfig replaces them.

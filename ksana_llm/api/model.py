@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -119,6 +120,10 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Any:
     return tokenizer
 
 
+# The module attribute listing the engines built on a model's weights (`Model.add_engine`).
+_ENGINES_ATTR = "_ksana_llm_engines"
+
+
 @dataclass
 class Model:
     """Weights on a device plus what the engine needs to drive them."""
@@ -159,6 +164,22 @@ class Model:
         tokenizer = load_tokenizer(path, self.vocab_size)
         return replace(self, tokenizer=tokenizer, eos_token_ids=_eos_token_ids(
             self.path, self.hf_config, tokenizer))
+
+    def add_engine(self, engine: Any) -> None:
+        """`engine` serves these weights (kept weakly, on the module: `with_tokenizer` copies
+        share it)."""
+        self.module.__dict__.setdefault(_ENGINES_ATTR, weakref.WeakSet()).add(engine)
+
+    def check_sole_engine(self, engine: Any, what: str) -> None:
+        """ValueError unless `engine` is the only running engine on these weights: `what`
+        (sleeping, new weights) would change them under the others' steps."""
+        others = [e for e in self.module.__dict__.get(_ENGINES_ATTR, ())
+                  if e is not engine and e.is_running]
+        if others:
+            raise ValueError(f"{what}: {len(others)} other running engine(s) serve this "
+                             "engine's Model (the same weights), which would change under their "
+                             "steps; give each engine its own Model (Engine(path) loads one) or "
+                             "shut the others down first")
 
     def release_workers(self) -> None:
         """Stop the worker ranks this model started and leave its process groups (a parallel

@@ -16,21 +16,24 @@ from ksana_llm.runner.sleep_mode import check_sleep_level, check_wake_tags
 
 
 class SleepControl(EngineThreadWork):
-    """Mixed into `Engine`, which provides `config`, `_core`, `_on_engine_thread` and
-    `_dispatch_step`."""
+    """Mixed into `Engine`, which provides `config`, `model`, `_core`, `_on_engine_thread`
+    and `_dispatch_step`."""
 
     config: Any
+    model: Any
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (the prefix cache is emptied) and the weights' device memory:
         level 1 keeps the weights in host memory (on a CPU device they stay where they are),
         level 2 drops them (load them with `update_weights` after `wake_up`). Needs
         `enable_sleep_mode=True`; a ValueError while requests are running (wait for them or
-        abort them): queued ones stay queued."""
+        abort them): queued ones stay queued; a ValueError too while another running engine
+        serves the same `Model` (its weights would vanish under it)."""
         level = check_sleep_level(level)
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
                              "(serve --enable-sleep-mode)")
+        self.model.check_sole_engine(self, "sleep")
 
         def fall_asleep() -> None:
             self._dispatch_step(self._core.settle())

@@ -29,8 +29,10 @@ class WeightControl(EngineThreadWork):
         every tensor-parallel rank): a ValueError naming the first that does not, and no weight
         changes. Then the tensors are copied in and the prefix cache is emptied (its KV came
         from the old weights). Requests running meanwhile go on with the new weights from their
-        next token on; their KV so far stays as the old weights made it. Other engines built on
-        the same `Model` see the new weights too, but keep their prefix caches."""
+        next token on; their KV so far stays as the old weights made it. A ValueError while
+        another running engine serves the same `Model`: its steps would read weights half
+        copied, and its prefix cache the old weights' KV."""
+        self.model.check_sole_engine(self, "update_weights")
         update = weight_update(weights, self.model.path, self.model.hf_config)
 
         def swap() -> int:
