@@ -430,3 +430,24 @@ def test_fused_checkpoint_names_go_through_the_weight_map(tmp_path):
     torch.testing.assert_close(logits.targets[0].tensor, hf_reference(peft_model)(PROMPTS[0]),
                                atol=1e-4, rtol=1e-4)
     assert [o.token_ids for o in got] != [expected_tokens(hf, p) for p in PROMPTS]
+
+
+def test_adapter_slots_sleep_with_the_weights(tiny):
+    """Sleep mode frees the adapter slots' device stacks with the weights (level 2 here: on a
+    CPU level 1 keeps the weights where they are); waking copies the resident adapters in
+    again from their host copies, so once the base weights are loaded again every adapter
+    answers as PEFT."""
+    folder, base, adapters = tiny
+    modules = {name: str(folder / name) for name in ("all", "qv-rslora")}
+    jobs = [(PROMPTS[0], name) for name in modules]
+    expected = [expected_tokens(adapters[name], PROMPTS[0]) for name in modules]
+    with make_engine(folder / "base", lora_modules=modules, enable_sleep_mode=True) as engine:
+        assert submit_all(engine, jobs) == expected
+        lora = engine._core.runner.lora
+        stacks = [t for w in lora.weights.values() for t in (w.a, w.b_t)]
+        assert stacks and set(lora.resident.values()) == {1, 2}
+        engine.sleep(level=2)
+        assert all(t.untyped_storage().nbytes() == 0 for t in stacks)
+        engine.wake_up()
+        engine.update_weights(str(folder / "base"))
+        assert submit_all(engine, jobs) == expected

@@ -7,6 +7,8 @@ trainer needs the GPU between rollouts), and takes it again on waking.
 - level 2: the KV cache and the weights are freed; waking gives the weights memory back, but
   not their values: load them again (`Engine.update_weights`, all of them, in one call or
   several) before serving.
+- LoRA adapter slots sleep with the weights (at either level): their device stacks are freed,
+  and on waking the adapters that were in them are copied in again from their host copies.
 
 Tensors keep their identity (their storage is resized to nothing and back), so every module,
 view and block table stays valid; captured CUDA graphs, which hold device addresses, are
@@ -69,6 +71,7 @@ class SleepMode:
 
     model: nn.Module
     device: torch.device
+    lora: Any = None  # its LoraSlots (none without LoRA)
     kv_caches: list[KVCache]
     draft_kv_caches: list[KVCache]
     decode_graphs: Any
@@ -79,6 +82,9 @@ class SleepMode:
 
     # What sleeps now: tensor and its storage's size in bytes, per part.
     _sleeping_kv: list[tuple[torch.Tensor, int]] | None = None
+    # The LoRA slots' stacks sleep with the weights; their contents are copied in again from
+    # the adapters' host copies on waking (no copy of the stacks is kept).
+    _sleeping_lora: list[tuple[torch.Tensor, int]] | None = None
     _sleeping_weights: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None
     # Level 2 freed the weights' values: the checkpoint keys (`expected_keys`) weight updates
     # must fill again before the weights serve (None: nothing to fill).
@@ -131,6 +137,11 @@ class SleepMode:
                 tensor.untyped_storage().resize_(0)
             self._sleeping_weights = [(tensor, nbytes, copy)
                                       for (tensor, nbytes), copy in zip(weights, copies)]
+            if self.lora is not None:
+                stacks = [t for w in self.lora.weights.values() for t in (w.a, w.b_t)]
+                self._sleeping_lora = _unique_storages(stacks)
+                for tensor, _ in self._sleeping_lora:
+                    tensor.untyped_storage().resize_(0)
             if level == 2:
                 self._weights_to_refill = frozenset(expected_keys(self.model))
         if self.device.type == "cuda" and torch.cuda.is_initialized():
@@ -144,6 +155,13 @@ class SleepMode:
                 if copy is not None:
                     _storage_bytes(tensor).copy_(copy)
             self._sleeping_weights = None
+            if self._sleeping_lora is not None:
+                for tensor, nbytes in self._sleeping_lora:
+                    tensor.untyped_storage().resize_(nbytes)
+                    _storage_bytes(tensor).zero_()  # an empty slot is all zeros
+                self._sleeping_lora = None
+                for slot, lora_id in list(self.lora.resident.items()):
+                    self.lora.activate(slot, lora_id)
         if "kv_cache" in chosen and self._sleeping_kv is not None:
             for tensor, nbytes in self._sleeping_kv:
                 tensor.untyped_storage().resize_(nbytes)
