@@ -195,6 +195,10 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--num-device-blocks", "--num-gpu-blocks-override", type=int,
                         default=None, dest="num_device_blocks", help="KV cache blocks")
+    parser.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=cli_types.byte_size,
+                        default=None, dest="kv_cache_memory_bytes", metavar="BYTES",
+                        help="vLLM's: the KV cache's size per device in bytes (1e9, 8GiB, "
+                             "4G ...), instead of a share of free memory")
     parser.add_argument("--block-token-num", "--block-size", type=int, default=None,
                         dest="block_token_num", help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")

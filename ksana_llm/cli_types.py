@@ -116,3 +116,23 @@ def speculative_config(value: str) -> dict[str, object]:
     fields: dict[str, object] = {"speculative_method": _SPECULATIVE_METHODS[method]}
     fields.update({_SPECULATIVE_KEYS[key]: item for key, item in parsed.items()})
     return fields
+
+
+# Suffixes of byte sizes: decimal (K, M, G, T) and binary (Ki, Mi, Gi, Ti), an optional "B".
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def byte_size(value: str) -> int:
+    """A positive number of bytes: 8000000000, 8e9, 8G, 8GB, 7.5GiB (case-insensitive)."""
+    text = value.strip().lower().removesuffix("b")
+    number_part = text.rstrip("kmgti")
+    unit = text[len(number_part):]
+    try:
+        amount = float(number_part) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a byte size (like 8e9, 8G or 7.5GiB): "
+                                         f"{value!r}") from None
+    if not math.isfinite(amount) or amount < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {value!r}")
+    return int(amount)

@@ -75,6 +75,10 @@ class EngineConfig(BaseModel):
     # KV cache (KsanaLLM block_manager.*)
     block_token_num: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_device_blocks: int | None = Field(None, ge=2, description="explicit KV block count")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="vLLM's: the KV cache's size per device (per rank) in bytes, "
+                                "instead of a share of free memory; as many blocks as fit "
+                                "(at least 2)")
     block_device_memory_ratio: float | None = Field(
         None, gt=0, le=1,
         description="CUDA: share of the device's memory that weights, the largest step's "
@@ -267,6 +271,9 @@ class EngineConfig(BaseModel):
     def _check_budget(self) -> EngineConfig:
         if self.split_fuse_token_num > self.max_step_tokens:
             raise ValueError("split_fuse_token_num must be <= max_step_tokens")
+        if self.kv_cache_memory_bytes is not None and self.num_device_blocks is not None:
+            raise ValueError("give kv_cache_memory_bytes or num_device_blocks, not both (each "
+                             "sets the KV cache's size)")
         if self.cuda_graph_sizes is not None and self.cuda_graph_max_batch_size is not None:
             raise ValueError("give cuda_graph_sizes or cuda_graph_max_batch_size, not both (the "
                              "largest size is the largest batch captured)")

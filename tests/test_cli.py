@@ -116,6 +116,12 @@ def test_scheduling_and_memory_flags_reach_the_engine_config():
     with pytest.raises(SystemExit):
         parse(["serve", "--cuda-graph-sizes", "0"])
     assert configs_from_args(parse(["serve", "--swap-space", "4"]))[0].swap_space == 4.0
+    for value, size in (("7.5GiB", 7.5 * 2**30), ("8e9", 8e9), ("512M", 512e6)):
+        config = configs_from_args(parse(["serve", "--kv-cache-memory-bytes", value]))[0]
+        assert config.kv_cache_memory_bytes == int(size)
+    for bad in ("0", "8X", "lots"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--kv-cache-memory-bytes", bad])
     for bad in (["--preemption-mode", "later"], ["--attention-backend", "cuda"]):
         with pytest.raises(SystemExit):
             parse(["serve", *bad])

@@ -173,6 +173,26 @@ def test_an_impossible_block_count_is_refused_before_allocating(tiny_folder):
     model = _load(tiny_folder)
     with pytest.raises(ValueError, match=r"num_device_blocks=1000000000000 needs .* GiB"):
         kt.Engine(model, num_device_blocks=10**12)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1000000000000000 needs .* GiB"):
+        kt.Engine(model, kv_cache_memory_bytes=10**15)
+
+
+def test_kv_cache_memory_bytes_sizes_the_cache(tiny_folder):
+    """vLLM's kv_cache_memory_bytes: as many blocks as the bytes hold (the cache's own bytes
+    per block, from its tensors); too few for 2 blocks, or given with num_device_blocks, is a
+    ValueError naming it."""
+    model = _load(tiny_folder)
+    with kt.Engine(model, num_device_blocks=2) as engine:
+        per_block = sum(t.nbytes for pair in engine._core.runner.kv_caches for t in pair) // 2
+    with kt.Engine(model, kv_cache_memory_bytes=per_block * 37 + per_block // 2) as engine:
+        assert engine.stats().num_free_kv_blocks == 37
+        out = engine.generate_outputs([[5, 6, 7]], kt.GenerationConfig(max_new_tokens=3,
+                                                                       ignore_eos=True))
+        assert len(out[0].token_ids) == 3
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=.* holds 1 KV blocks"):
+        kt.Engine(model, kv_cache_memory_bytes=per_block + 1)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes or num_device_blocks"):
+        kt.EngineConfig(kv_cache_memory_bytes=10**9, num_device_blocks=16)
 
 
 def test_engine_config_takes_what_from_pretrained_takes_and_refuses_infinities(tmp_path):

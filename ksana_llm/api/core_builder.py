@@ -46,10 +46,19 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     draft_layers = draft_layers_for(model.module, mtp_tokens)
     cache_dtype = cache_dtype_for(cfg.kv_cache_dtype, model.dtype)
     per_block = kv_bytes_per_block(model.module, cfg.block_token_num, cache_dtype, draft_layers)
-    if cfg.num_device_blocks is not None:
-        check_block_count(model.device, cfg.num_device_blocks, per_block)
+    explicit_blocks = cfg.num_device_blocks
+    if cfg.kv_cache_memory_bytes is not None:
+        explicit_blocks = cfg.kv_cache_memory_bytes // per_block
+        if explicit_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} holds "
+                             f"{explicit_blocks} KV blocks of {per_block} bytes "
+                             f"({cfg.block_token_num} tokens); it takes at least 2")
+    if explicit_blocks is not None:
+        check_block_count(model.device, explicit_blocks, per_block,
+                          None if cfg.kv_cache_memory_bytes is None
+                          else f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}")
     # CUDA: what remains after a profiled run of the largest step; CPU: a share of RAM.
-    num_blocks = cfg.num_device_blocks or plan_device_blocks(
+    num_blocks = explicit_blocks or plan_device_blocks(
         model.module, device=model.device, dtype=model.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
         block_size=cfg.block_token_num,
         max_step_tokens=cfg.max_step_tokens, max_num_seqs=cfg.max_num_seqs,

@@ -39,16 +39,20 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_block_count(device: torch.device, num_blocks: int, bytes_per_block: int) -> None:
+def check_block_count(device: torch.device, num_blocks: int, bytes_per_block: int,
+                      setting: str | None = None) -> None:
     """An explicit block count must fit in what `device` has free: ValueError saying what it
     needs and what there is (an impossible count would otherwise fail deep in the allocator,
-    or take the whole machine's memory first)."""
+    or take the whole machine's memory first). `setting`: what set the count ("name=value";
+    default num_device_blocks)."""
     need = num_blocks * bytes_per_block
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_host_bytes()
     if need > free:
-        raise ValueError(f"num_device_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache "
-                         f"on {device}, and {free / 2**30:.1f} GiB is free; give fewer blocks, or "
-                         "leave num_device_blocks unset to size the cache from memory")
+        setting = setting or f"num_device_blocks={num_blocks}"
+        name = setting.split("=", 1)[0]
+        raise ValueError(f"{setting} needs {need / 2**30:.1f} GiB of KV cache "
+                         f"on {device}, and {free / 2**30:.1f} GiB is free; ask for less, or "
+                         f"leave {name} unset to size the cache from memory")
 
 
 def plan_num_blocks(device: torch.device, bytes_per_block: int, *, ratio: float | None,
