@@ -124,6 +124,19 @@ def cmd_router(args: argparse.Namespace) -> int:
     return run_router(args)
 
 
+def _with_flags_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     argv: list[str]) -> argparse.Namespace:
+    """`args` parsed again with the flags of `--config FILE` (vLLM's) read before the command
+    line's, which win."""
+    from ksana_llm.cli_config import config_file_flags
+
+    command = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    given_model = bool(getattr(args, "model_tag", None) or getattr(args, "model", None))
+    flags = config_file_flags(command, args.flags_file, given_model)
+    at = argv.index(args.command)
+    return parser.parse_args([*argv[:at + 1], *flags, *argv[at + 1:]])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ksana-llm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,8 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "flags_file", None):
+            args = _with_flags_file(parser, args, argv)
         return args.func(args)
     except (ValueError, OSError) as exc:
         # Bad settings and unreadable files (missing, a folder, corrupt: the loaders name the

@@ -93,6 +93,9 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     no port)."""
     parser.add_argument("--config_file", "--config-file", dest="config_file", default=None,
                         help="KsanaLLM YAML config; the flags below override it")
+    parser.add_argument("--config", dest="flags_file", default=None, metavar="YAML",
+                        help="vLLM's: a YAML file of this command's flags by their long names "
+                             "(max-model-len: 4096); flags on the command line win")
     parser.add_argument("--model", default=None,
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add_tokenizer_arg(parser)

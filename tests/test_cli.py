@@ -390,3 +390,42 @@ def test_package_all_lists_every_lazy_export():
 
     assert set(ksana_llm.__all__) == {*ksana_llm._EXPORTS, "__version__"}
 
+
+
+def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys):
+    """vLLM's `serve --config FILE`: the YAML's keys are the command's long flag names (dashes
+    or underscores); they reach the EngineConfig and the server's settings; a flag on the
+    command line wins, as does its model; a key the command does not take, or a switch given
+    a non-boolean, is an error naming --config and the key."""
+    from ksana_llm.cli import _with_flags_file, build_parser, main
+    from ksana_llm.server.app import configs_from_args
+
+    parser = build_parser()
+    flags = tmp_path / "vllm.yaml"
+    flags.write_text("model: /models/from-yaml\nport: 8123\nmax-model-len: 512\n"
+                     "max_num_seqs: 8\nenable-prefix-caching: false\n"
+                     "served-model-name: [a, b]\noverride-generation-config: {temperature: 0.5}\n"
+                     "kv-cache-memory-bytes: 2GiB\n")
+
+    def parse(*argv: str):
+        args = parser.parse_args(list(argv))
+        return _with_flags_file(parser, args, list(argv))
+
+    args = parse("serve", "--config", str(flags), "--max-num-seqs", "4")
+    config = configs_from_args(args)[0]
+    assert (args.port, args.served_model_name, args.override_generation_config) == (
+        8123, ["a", "b"], {"temperature": 0.5})
+    assert (config.model, config.max_model_len, config.max_num_seqs) == (
+        "/models/from-yaml", 512, 4)
+    assert (config.enable_prefix_caching, config.kv_cache_memory_bytes) == (False, 2 * 2**30)
+    for argv in (["serve", "/models/typed", "--config", str(flags)],
+                 ["serve", "--config", str(flags), "--model", "/models/typed"]):
+        assert configs_from_args(parse(*argv))[0].model == "/models/typed"
+    for text, message in (("max-modle-len: 5\n", "'max-modle-len' is not a flag"),
+                          ("enable-prefix-caching: maybe\n", "enable-prefix-caching is a switch"),
+                          ("- port\n", "must hold a mapping"),
+                          ("config: other.yaml\n", "'config' is not a flag")):
+        flags.write_text(text)
+        assert main(["serve", "--config", str(flags)]) == 2
+        error = capsys.readouterr().err
+        assert "--config" in error and message in error, error
