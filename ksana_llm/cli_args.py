@@ -52,7 +52,9 @@ def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: boo
             ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details "
                                                "(cached_tokens)"),
             ("--enable-lora", "LoRA is on with --lora-modules or "
-                              "--allow-runtime-lora-updating")):
+                              "--allow-runtime-lora-updating"),
+            ("--enable-server-load-tracking", "GET /load always counts the requests being "
+                                              "answered")):
         parser.add_argument(flag, action=_FlagWithoutEffect, why=why,
                             help=f"accepted for vLLM's command lines: {why}")
 

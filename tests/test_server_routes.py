@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server's small routes (health and /ping, models, version, tokenizer,
-/invocations, /reset_prefix_cache), the periodic stats line, abort on client disconnect and the Prometheus metrics, on a real
+"""The OpenAI-compatible server's small routes (health and /ping, /load, models, version,
+tokenizer, /invocations, /reset_prefix_cache), the periodic stats line, abort on client disconnect and the Prometheus metrics, on a real
 subprocess driven by `httpx` and the official `openai` client (generation:
 tests/test_server_openai.py; errors: tests/test_server_errors.py)."""
 
@@ -66,6 +66,22 @@ def test_ping_is_health(server):
     for method in ("GET", "POST"):
         r = httpx.request(method, server.url + "/ping")
         assert r.status_code == 200 and r.json() == httpx.get(server.url + "/health").json()
+
+
+def test_load_counts_the_requests_being_answered(server, client, model_name):
+    """vLLM's GET /load: a stream counts until its end, an embedding request while it is
+    answered, and the small routes never; 0 again once all are done."""
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    stream = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=40,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    assert httpx.get(server.url + "/load").json() == {"server_load": 1}
+    httpx.post(server.url + "/tokenize", json={"prompt": "hi"})
+    assert httpx.get(server.url + "/load").json() == {"server_load": 1}
+    list(chunks)
+    client.embeddings.create(model=model_name, input="Hi")
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
 
 
 def test_invocations_picks_the_api_from_the_body(server, model_name):

@@ -31,8 +31,9 @@ from ksana_llm.server.engine_args import (ENGINE_FLAGS, configs_from_args,  # no
 from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
-                                        BodyLimitMiddleware, CorsSettings, RequestIdMiddleware,
-                                        add_cors, cors_from_args)
+                                        BodyLimitMiddleware, CorsSettings,
+                                        LoadTrackingMiddleware, RequestIdMiddleware, add_cors,
+                                        cors_from_args)
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
@@ -213,6 +214,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         _mount_extensions(app, engine, state)
 
     # Added last = outermost: the key is checked before the body is even read.
+    app.add_middleware(LoadTrackingMiddleware, load=state.load)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

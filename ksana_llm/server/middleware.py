@@ -94,6 +94,41 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+# The routes that ask the engine for work: what `GET /load` counts while they are answered.
+WORK_ROUTES = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/score",
+    "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/generate",
+    "/forward", "/pooling"})
+
+
+@dataclass
+class ServerLoad:
+    """HTTP requests to the work routes being answered now (vLLM's server load metric)."""
+
+    in_flight: int = 0
+
+
+class LoadTrackingMiddleware:
+    """Counts the POSTs to `WORK_ROUTES` from their arrival until their answer (a stream's
+    included) is sent or the client leaves: what vLLM's `GET /load` reports, for load
+    balancers that route by it."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or \
+                scope["path"].removeprefix(scope.get("root_path", "")) not in WORK_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1  # one event loop: no lock needed
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= 1
+
+
 class BodyLimitMiddleware:
     """Reject bodies over `max_bytes` with 413: by Content-Length up front, and by counting the bytes
     actually received (a chunked upload has no Content-Length, and a client may lie).

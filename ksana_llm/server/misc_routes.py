@@ -46,6 +46,13 @@ async def health(request: Request) -> JSONResponse:
                          "num_waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage})
 
 
+@router.get("/load")
+async def load(request: Request) -> JSONResponse:
+    """vLLM's server load: requests to the generation, embedding and scoring routes being
+    answered now (streams until their end), for load balancers that route by it."""
+    return JSONResponse({"server_load": server_state(request).load.in_flight})
+
+
 @router.get("/v1/stats")
 async def stats(request: Request) -> JSONResponse:
     """The engine's full statistics (debugging aid; guarded by the API key like every route),

@@ -15,6 +15,7 @@ from ksana_llm.server.chat import ChatTemplate
 from ksana_llm.server.errors import engine_unavailable, model_not_found
 from ksana_llm.server.event_log import EventLog
 from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
+from ksana_llm.server.middleware import ServerLoad
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import ReasoningParser
@@ -64,6 +65,7 @@ class ServerState:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # When the server came up: the `created` of its model cards, the same on every call.
     started_at: int = field(default_factory=lambda: int(time.time()))
+    load: ServerLoad = field(default_factory=ServerLoad)  # GET /load (LoadTrackingMiddleware)
 
     def grammar_compiler(self) -> Any:
         """The engine's GrammarCompiler: a spec compiled here to check it (off the event loop)
