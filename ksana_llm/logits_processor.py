@@ -25,7 +25,10 @@ engine that see every step's logits, batched, for the requests they apply to.
 
 A request reaches a processor's `apply` only if `applies_to` its config said so when the request
 was submitted (default: every request), and, for a processor that `is_argmax_invariant`, only
-while it samples (its greedy rows would pick the same token anyway). Processors run after the
+while it samples or searches beams (a greedy row would pick the same token anyway).
+`validate_params` and `applies_to` run in the thread that submits the request; `apply` and
+`release` in the engine's thread. Whatever a processor's code raises fails only the requests
+concerned (a 500 over HTTP); the engine goes on serving the others. Processors run after the
 built-in ones (penalties, bans, logit bias) and before the request's own `logits_processors`,
 in the order given. Like per-request processors, they read each row's tokens on the host: a
 request they apply to is not drafted for by speculative decoding, and its steps do not overlap
@@ -40,7 +43,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ksana_llm.generation_config import GenerationConfig, processor_arity
@@ -80,11 +83,24 @@ class LogitsRow:
     config: GenerationConfig
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # Why `apply` failed this row alone (`fail`); the engine takes it after each apply.
+    _failures: list[BaseException] = field(default_factory=list, init=False, repr=False)
 
     @property
     def extra_args(self) -> dict[str, Any]:
         """The request's `GenerationConfig.extra_args` (vLLM's; `vllm_xargs` over HTTP)."""
         return self.config.extra_args
+
+    def fail(self, reason: BaseException) -> None:
+        """From `apply`: fail this row's request alone, for `reason` (its logits are then
+        ignored); the other rows of the call go on with what `apply` returns."""
+        self._failures.append(reason)
+
+    def take_failure(self) -> BaseException | None:
+        """The first reason `fail` was given since the last call, if any (the engine's side)."""
+        failure = self._failures[0] if self._failures else None
+        self._failures.clear()
+        return failure
 
 
 class LogitsProcessor(ABC):
@@ -106,7 +122,8 @@ class LogitsProcessor(ABC):
 
     def is_argmax_invariant(self) -> bool:
         """True if the processor never changes which token has the largest logit (e.g. it only
-        removes unlikely tokens): greedy rows then skip it."""
+        removes unlikely tokens): greedy rows then skip it (beam search rows do not: they rank
+        more than the best token). Asked once, when the engine is built."""
         return False
 
     @abstractmethod
@@ -114,7 +131,7 @@ class LogitsProcessor(ABC):
         """The processed logits: `logits` is float32 [len(rows), vocab_size], one row per entry
         of `rows` (only the rows it applies to), on the engine's device. Change it in place and
         return it, or return a new tensor of the same shape. Raising fails these rows' requests
-        (the others go on)."""
+        (the others go on); `row.fail(reason)` fails one row's alone."""
 
     def release(self, row: LogitsRow) -> None:
         """`row`'s sample is done (finished or aborted): drop what was kept for it."""
@@ -125,7 +142,8 @@ class PerRequestLogitsProcessor(LogitsProcessor):
     `new_request_processor` returns, for one sample, a callable taking (output_token_ids,
     logits) or (prompt_token_ids, output_token_ids, logits) with the row's [vocab] logits, as
     `GenerationConfig.logits_processors` take, or None to leave that sample alone. It is called
-    once per sample, at its first step; rows then run one at a time."""
+    once per sample, at its first step; rows then run one at a time, and a callable that raises
+    or returns anything but a [vocab] tensor fails its own request alone."""
 
     def __init__(self, context: LogitsProcessorContext) -> None:
         super().__init__(context)
@@ -138,23 +156,49 @@ class PerRequestLogitsProcessor(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
-            key = (row.request_id, row.index)
-            entry = self._callables.get(key)
-            if entry is None:
-                fn = self.new_request_processor(row.config)
-                entry = self._callables[key] = (fn, fn is not None and processor_arity(fn) == 3)
-            fn, takes_prompt = entry
-            if fn is None:
-                continue
-            args = ((list(row.prompt_token_ids),) if takes_prompt else ()) + (
-                list(row.output_token_ids), logits[i])
-            result = fn(*args)
-            if result is not logits[i]:
-                logits[i] = result
+            values = logits[i]
+            try:
+                fn, takes_prompt = self._callable_for(row)
+                if fn is None:
+                    continue
+                # Copies: a callable may keep what it is given without seeing it change later.
+                args = ((list(row.prompt_token_ids),) if takes_prompt else ()) + (
+                    list(row.output_token_ids), values)
+                result = fn(*args)
+                problem = result_problem(result, tuple(values.shape))
+                if problem is not None:
+                    raise ValueError(f"the request's processor {problem}")
+                if result is not values:
+                    values.copy_(result)
+            except Exception as exc:  # noqa: BLE001 - user code: this request's failure alone
+                row.fail(exc)
         return logits
+
+    def _callable_for(self, row: LogitsRow) -> tuple[Callable[..., Any] | None, bool]:
+        """The row's callable, made at its first step, and whether it takes the prompt ids."""
+        key = (row.request_id, row.index)
+        entry = self._callables.get(key)
+        if entry is None:
+            fn = self.new_request_processor(row.config)
+            entry = self._callables[key] = (fn, fn is not None and processor_arity(fn) == 3)
+        return entry
 
     def release(self, row: LogitsRow) -> None:
         self._callables.pop((row.request_id, row.index), None)
+
+
+def result_problem(result: Any, shape: tuple[int, ...]) -> str | None:
+    """What is wrong with `result` as processed logits of `shape` ("must return ..."), or None
+    if it is a dense floating-point tensor of that shape."""
+    import torch  # here: this module is imported by configs that need no torch
+
+    is_tensor = isinstance(result, torch.Tensor)
+    if is_tensor and tuple(result.shape) == shape and result.layout == torch.strided \
+            and result.dtype.is_floating_point:
+        return None
+    got = (f"a {result.layout} {result.dtype} tensor of shape {tuple(result.shape)}"
+           if is_tensor else type(result).__name__)
+    return f"must return a dense floating-point tensor of shape {shape}, got {got}"
 
 
 def logits_processor_class(spec: Any) -> type[LogitsProcessor]:
@@ -178,11 +222,15 @@ def build_logits_processors(specs: Sequence[Any], context: LogitsProcessorContex
     made = []
     for i, spec in enumerate(specs):
         cls = logits_processor_class(spec)
+        step = f"{cls.__name__}(context)"
         try:
-            made.append(cls(context))
+            processor = cls(context)
+            step = f"{cls.__name__}.is_argmax_invariant()"
+            processor.is_argmax_invariant()  # asked now so that a broken one fails here
         except Exception as exc:  # noqa: BLE001 - user code: say which entry, and why
-            raise ValueError(f"logits_processors[{i}]: {cls.__name__}(context) failed: "
+            raise ValueError(f"logits_processors[{i}]: {step} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
+        made.append(processor)
     return tuple(made)
 
 

@@ -42,8 +42,10 @@ class BanTokens(Recording):
 
     def apply(self, logits: torch.Tensor, rows) -> torch.Tensor:
         self.record(rows)
+        # Through a flat view, which only a contiguous tensor allows.
+        flat, width = logits.view(-1), logits.shape[1]
         for i, row in enumerate(rows):
-            logits[i, row.extra_args["ban"]] = float("-inf")
+            flat[[i * width + t for t in row.extra_args["ban"]]] = float("-inf")
         return logits
 
 
@@ -108,6 +110,53 @@ class BadCheck(kt.LogitsProcessor):
     @classmethod
     def validate_params(cls, config: kt.GenerationConfig) -> None:
         config.extra_args["missing"]  # a bug: KeyError for requests without it
+
+    def apply(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        return logits
+
+
+class Boost(kt.LogitsProcessor):
+    """`extra_args={"boost": id}`: that token's logit is raised far above the others."""
+
+    def applies_to(self, config: kt.GenerationConfig) -> bool:
+        return "boost" in config.extra_args
+
+    def apply(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            logits[i, row.extra_args["boost"]] = 1e4
+        return logits
+
+
+def fussy(config: kt.GenerationConfig) -> Any:
+    """A per-request callable that raises once the output has `fail_at` tokens, or returns a
+    tensor one short when `short_at`; otherwise leaves the logits alone."""
+    fail_at, short_at = config.extra_args.get("fail_at"), config.extra_args.get("short_at")
+
+    def process(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output_token_ids) == fail_at:
+            raise KeyError("lost track")
+        return logits[:-1] if len(output_token_ids) == short_at else logits
+    return process
+
+
+class Fussy(kt.PerRequestLogitsProcessor):
+    def new_request_processor(self, config: kt.GenerationConfig) -> Any:
+        return fussy(config)
+
+
+class ForgetfulRelease(kt.LogitsProcessor):
+    """Leaves the logits alone, and raises when told a request is done."""
+
+    def apply(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        return logits
+
+    def release(self, row: kt.LogitsRow) -> None:
+        raise RuntimeError("already forgotten")
+
+
+class Undecided(kt.LogitsProcessor):
+    def is_argmax_invariant(self) -> bool:
+        raise NotImplementedError("ask me later")
 
     def apply(self, logits: torch.Tensor, rows) -> torch.Tensor:
         return logits

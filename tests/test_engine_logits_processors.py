@@ -2,8 +2,9 @@
 `--logits-processors`) set per request with `GenerationConfig.extra_args`: against
 `transformers.generate` with the equivalent processor (greedy, beam search, with and without
 async scheduling), only the rows they apply to reach them (greedy rows skip argmax-invariant
-ones), the per-request adapter, refusals, a failing processor fails only its requests, and
-speculative decoding leaves them exact."""
+ones, beams do not), the per-request adapter, refusals, a failing processor (or one row's
+callable) fails only its requests, structured output wins over them, and speculative decoding
+leaves them exact."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from transformers import LogitsProcessorList
 
 import ksana_llm as kt
 from ksana_llm.logits_processor import LogitsProcessorError
-from tests.engine_logits_processors import BanTokens, Exploding, NoRepeats, TopOne
+from tests.engine_logits_processors import (BanTokens, Boost, Exploding, ForgetfulRelease, Fussy,
+                                            NoRepeats, TopOne)
 from tests.family_harness import one_thread
 
 PROMPTS = ["The quick brown fox", "My favourite food is"]
@@ -84,9 +86,24 @@ def test_greedy_tokens_match_transformers(default_model, hf_default_model, async
     assert adapter.made == 2 and adapter._callables == {}  # one callable per request, released
 
 
+def test_a_batch_of_processed_rows_only(default_model, hf_default_model):
+    """Every row carries the processor: it gets the whole batch, as a tensor it may view."""
+    tok = default_model.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    config = kt.GenerationConfig(max_new_tokens=MAX_NEW)
+    with kt.Engine(default_model, num_device_blocks=128, logits_processors=[BanTokens]) as engine:
+        bans = [o.token_ids[:1] for o in engine.generate_outputs(prompts, config, use_tqdm=False)]
+        outs = engine.generate_outputs(prompts, [config.replace(extra_args={"ban": b})
+                                                 for b in bans], use_tqdm=False)
+        assert engine.stats().num_running == 0
+    for out, ids, ban in zip(outs, prompts, bans):
+        assert out.token_ids == _hf_tokens(hf_default_model, ids, suppress_tokens=ban)
+
+
 def test_argmax_invariant_processors_skip_greedy_rows(default_model, hf_default_model):
     """TopOne keeps only the best token: sampled requests with it answer greedily (as
-    transformers' greedy search), and greedy requests with it never reach it."""
+    transformers' greedy search), greedy requests with it never reach it, and beam search
+    (which ranks more than the best token) does."""
     tok = default_model.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     sampled = kt.GenerationConfig(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.5,
@@ -98,10 +115,14 @@ def test_argmax_invariant_processors_skip_greedy_rows(default_model, hf_default_
         unprocessed = engine.generate_outputs(prompts, sampled.replace(extra_args={}),
                                               use_tqdm=False)
         top_one = _processor(engine, TopOne)
+        seen_before_beams = {rid for rid, _, _ in top_one.seen}
+        beams = engine.generate_outputs(prompts[0], greedy.replace(num_beams=2),
+                                        use_tqdm=False)[0]
     for out, ids in zip(outs, prompts + prompts):
         assert out.token_ids == _hf_tokens(hf_default_model, ids)
     assert [o.token_ids for o in unprocessed] != [o.token_ids for o in outs[:2]]
-    assert {rid for rid, _, _ in top_one.seen} == {o.request_id for o in outs[:2]}
+    assert seen_before_beams == {o.request_id for o in outs[:2]}
+    assert {rid for rid, _, _ in top_one.seen} - seen_before_beams == {beams.request_id}
 
 
 def test_beam_search_matches_transformers(default_model, hf_default_model):
@@ -159,6 +180,10 @@ def test_refusals_name_what_is_wrong(default_model):
                                          "failed: RuntimeError: no GPU here"):
         kt.Engine(default_model, num_device_blocks=32,
                   logits_processors=[BanTokens, "tests.engine_logits_processors:Unbuildable"])
+    with pytest.raises(ValueError, match=r"logits_processors\[0\]: Undecided.is_argmax_invariant"
+                                         r"\(\) failed: NotImplementedError: ask me later"):
+        kt.Engine(default_model, num_device_blocks=32,
+                  logits_processors=["tests.engine_logits_processors:Undecided"])
 
 
 @pytest.mark.parametrize("settings", [{}, {"async_scheduling": True}],
@@ -178,6 +203,58 @@ def test_a_failing_processor_fails_only_its_requests(default_model, settings):
         assert other.result(timeout=120).token_ids == reference
         assert engine.stats().num_free_kv_blocks == 128
         assert engine.is_running and engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
+
+
+def test_one_rows_callable_fails_only_its_request(default_model):
+    """The per-request adapter runs every row's callable: one that raises, or returns a tensor
+    of the wrong shape, fails its own request; the others in the same call go on."""
+    config = kt.GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    with kt.Engine(default_model, num_device_blocks=128, logits_processors=[Fussy]) as engine:
+        reference = engine.generate_outputs(PROMPTS[1], config, use_tqdm=False)[0].token_ids
+        raising = engine.submit(kt.Request(PROMPTS[0], config.replace(extra_args={"fail_at": 2})))
+        short = engine.submit(kt.Request(PROMPTS[0], config.replace(extra_args={"short_at": 3})))
+        fine = engine.submit(kt.Request(PROMPTS[1], config))
+        with pytest.raises(kt.RequestError, match="logits processor Fussy failed: KeyError: "
+                                                  "'lost track'"):
+            raising.result(timeout=120)
+        with pytest.raises(kt.RequestError, match=r"logits processor Fussy failed: ValueError: "
+                                                  r"the request's processor must return a dense "
+                                                  r"floating-point tensor of shape \(\d+,\)"):
+            short.result(timeout=120)
+        assert fine.result(timeout=120).token_ids == reference
+        assert _processor(engine, Fussy)._callables == {}
+        assert engine.stats().num_free_kv_blocks == 128
+
+
+def test_structured_output_wins_over_them(default_model):
+    """A processor (the engine's, or the request's own) that raises a token the grammar refuses
+    cannot make the answer leave the grammar; without a grammar, the boost wins."""
+    boosted = default_model.tokenizer.encode("maybe")[0]
+
+    def boost(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[boosted] = 1e4
+        return logits
+
+    yes_or_no = kt.GenerationConfig(max_new_tokens=4, structured_output={"kind": "regex",
+                                                                         "value": "(yes|no)"})
+    configs = [yes_or_no.replace(extra_args={"boost": boosted}),
+               yes_or_no.replace(logits_processors=[boost]),
+               kt.GenerationConfig(max_new_tokens=1, extra_args={"boost": boosted})]
+    with kt.Engine(default_model, num_device_blocks=64, logits_processors=[Boost]) as engine:
+        outs = engine.generate_outputs([PROMPTS[0]] * 3, configs, use_tqdm=False)
+    assert [o.text for o in outs[:2]] == [outs[0].text] * 2 and outs[0].text in ("yes", "no")
+    assert outs[2].token_ids == [boosted]
+
+
+def test_a_failing_release_is_only_logged(default_model, caplog):
+    config = kt.GenerationConfig(max_new_tokens=3)
+    with kt.Engine(default_model, num_device_blocks=64,
+                   logits_processors=[ForgetfulRelease]) as engine:
+        first = engine.generate_outputs(PROMPTS, config, use_tqdm=False)
+        again = engine.generate_outputs(PROMPTS, config, use_tqdm=False)
+        assert engine.is_running
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert "logits processor ForgetfulRelease failed to release request" in caplog.text
 
 
 def test_speculative_decoding_leaves_them_exact(default_model):

@@ -56,8 +56,10 @@ def test_vllm_xargs_reach_the_processors(server, client, tiny):
     expected = _greedy(reference, ids, ban)
     assert expected != plain
     common = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0}
+    # JSON booleans are arguments too (vLLM takes them).
+    xargs = {"ban": ban, "explain": True, "flags": [False, 1]}
     text = client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True,
-                                                                "vllm_xargs": {"ban": ban}},
+                                                                "vllm_xargs": xargs},
                                      **common).choices[0].text
     assert text == tokenizer.decode(expected)
     assert client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True},

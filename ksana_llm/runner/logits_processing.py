@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ksana_llm.logits_processor import LogitsProcessorError
+from ksana_llm.logits_processor import LogitsProcessorError, result_problem
 
 if TYPE_CHECKING:  # only for annotations: both modules import this one
     from ksana_llm.logits_processor import LogitsProcessor
@@ -62,7 +62,8 @@ def _right_padded(token_lists: list[list[int]], pad: int, device: torch.device) 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
                    histories: TokenHistories | None = None,
-                   engine_processors: tuple[LogitsProcessor, ...] = ()) -> torch.Tensor:
+                   engine_processors: tuple[LogitsProcessor, ...] = (),
+                   greedy_skipping: tuple[LogitsProcessor, ...] = ()) -> torch.Tensor:
     """min_new_tokens suppression and penalties, for every row; returns a new float32 tensor.
 
     This is the part shared by greedy and sampled rows (HF applies its processors before the
@@ -75,7 +76,8 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
     vocabulary's. They run on a buffer with one spare column, where the padding lands.
 
     `engine_processors` (the engine's `ksana_llm.LogitsProcessor`s, in order) then get the rows
-    that carry them, before each row's own processors.
+    that carry them, before each row's own processors; greedy rows skip those in
+    `greedy_skipping` (the argmax-invariant ones: the sampler's rows; beams rank every token).
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"expected logits [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
@@ -174,7 +176,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
 
     # 4. The engine's processors, each on the rows it applies to.
     for processor in engine_processors:
-        _run_engine_processor(out, rows, processor)
+        _run_engine_processor(out, rows, processor, processor in greedy_skipping)
 
     # 5. The requests' own processors.
     for i, row in enumerate(rows):
@@ -184,12 +186,11 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow],
 
 
 def _run_engine_processor(out: torch.Tensor, rows: list[SamplingRow],
-                          processor: LogitsProcessor) -> None:
-    """The rows of `out` that `processor` applies to (not greedy ones if it is argmax
-    invariant) through it, at once. If it raises, or returns anything but a tensor of their
-    shape, their logits stay as they were and each gets a `processor_error`: the engine fails
-    those requests, the batch goes on."""
-    skips_greedy = processor.is_argmax_invariant()
+                          processor: LogitsProcessor, skips_greedy: bool) -> None:
+    """The rows of `out` that `processor` applies to (not greedy ones if `skips_greedy`)
+    through it, at once. If it raises, or returns anything but a tensor of their shape, each
+    gets a `processor_error`, as does a row it `fail`ed: the engine fails those requests (their
+    logits no longer matter), the batch goes on."""
     members = [i for i, row in enumerate(rows)
                if processor in row.engine_processors and row.processor_error is None
                and not (skips_greedy and row.config.greedy)]
@@ -197,27 +198,30 @@ def _run_engine_processor(out: torch.Tensor, rows: list[SamplingRow],
         return
     whole = len(members) == len(rows)
     index = None if whole else to_device(members, torch.int64, out.device)
-    # Every row its own: the processor works on `out` itself (if it fails, every row fails).
-    values = out if whole else out.index_select(0, index)
+    # A contiguous tensor of its own rows (`out` is a view into a wider buffer), as a processor
+    # may reshape or view what it is given.
+    values = out.contiguous() if whole else out.index_select(0, index)
+    views = [rows[i].view for i in members]
     name = type(processor).__name__
     try:
-        result = processor.apply(values, [rows[i].view for i in members])
-        if not isinstance(result, torch.Tensor) or result.shape != values.shape \
-                or result.layout != torch.strided or not result.dtype.is_floating_point:
-            got = (f"a {result.layout} {result.dtype} tensor of shape {tuple(result.shape)}"
-                   if isinstance(result, torch.Tensor) else type(result).__name__)
-            raise ValueError(f"must return a dense floating-point tensor of shape "
-                             f"{tuple(values.shape)}, got {got}")
+        result = processor.apply(values, views)
+        problem = result_problem(result, tuple(values.shape))
+        if problem is not None:
+            raise ValueError(problem)
         if whole:
-            if result is not out:
-                out.copy_(result)
+            out.copy_(result)
         else:
-            out.index_copy_(0, index, result.to(out.dtype))
+            out.index_copy_(0, index, result.to(device=out.device, dtype=out.dtype))
     except Exception as exc:  # noqa: BLE001 - user code: its rows fail, the others go on
-        error = LogitsProcessorError(f"logits processor {name} failed: "
-                                     f"{type(exc).__name__}: {exc}")
-        for i in members:
-            rows[i].processor_error = error
+        failed: BaseException | None = exc
+    else:
+        failed = None
+    for i, view in zip(members, views):
+        own = view.take_failure()  # taken either way: the view is the row's for its lifetime
+        reason = own if failed is None else failed
+        if reason is not None:
+            rows[i].processor_error = LogitsProcessorError(
+                f"logits processor {name} failed: {type(reason).__name__}: {reason}")
 
 
 def _run_custom_processors(out: torch.Tensor, i: int, row: SamplingRow) -> None:
@@ -235,13 +239,9 @@ def _run_custom_processors(out: torch.Tensor, i: int, row: SamplingRow) -> None:
             row.processor_error = ValueError(
                 f"logits_processors[{k}] raised {type(exc).__name__}: {exc}")
             return
-        if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(values.shape) \
-                or result.layout != torch.strided or not result.dtype.is_floating_point:
-            got = (f"a {result.layout} {result.dtype} tensor of shape {tuple(result.shape)}"
-                   if isinstance(result, torch.Tensor) else type(result).__name__)
-            row.processor_error = ValueError(
-                f"logits_processors[{k}] must return a dense floating-point tensor of shape "
-                f"{tuple(values.shape)}, got {got}")
+        problem = result_problem(result, tuple(values.shape))
+        if problem is not None:
+            row.processor_error = ValueError(f"logits_processors[{k}] {problem}")
             return
         if result is not values:
             try:

@@ -37,6 +37,7 @@ processors applied to log_softmax(logits), which is what `transformers` beam sea
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,8 @@ from ksana_llm.logits_processor import LogitsProcessor, LogitsRow
 from ksana_llm.runner.host_copy import HostCopy, start_host_copy
 from ksana_llm.runner.logits_processing import process_logits, to_device
 from ksana_llm.runner.token_history import TokenHistories
+
+logger = logging.getLogger("ksana_llm.runner")
 
 __all__ = [
     "SamplingRow",
@@ -259,6 +262,20 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     return out
 
 
+def remask_grammar_rows(processed: torch.Tensor, grammar_masked: torch.Tensor,
+                        rows: list[SamplingRow]) -> torch.Tensor:
+    """`processed` with the grammar's refused tokens back at -inf in the matcher rows: Python
+    processors (the engine's and the request's own) may have raised any logit, and structured
+    output must still win. The built-in processors never raise a -inf: nothing to do then."""
+    revivable = [row.matcher is not None and (bool(row.engine_processors)
+                                             or bool(row.custom_processors)) for row in rows]
+    if not any(revivable):
+        return processed
+    refused = torch.isneginf(grammar_masked)
+    refused &= to_device(revivable, torch.bool, processed.device).unsqueeze(1)
+    return processed.masked_fill_(refused, float("-inf"))
+
+
 def keep_grammar_choices(processed: torch.Tensor, grammar_masked: torch.Tensor) -> torch.Tensor:
     """Rows the processors left with no token at all fall back to the grammar's choices alone.
 
@@ -343,8 +360,11 @@ class Sampler:
     def __init__(self, seed: int | None = None,
                  logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
         self._seed = seed
-        # Engine-wide processors, in the order they run (`process_logits`).
+        # Engine-wide processors, in the order they run (`process_logits`), and those greedy
+        # rows skip (asked once: `build_logits_processors` made sure the answer comes).
         self.logits_processors = tuple(logits_processors)
+        self._greedy_skipping = tuple(p for p in self.logits_processors
+                                      if p.is_argmax_invariant())
         self._generators: dict[torch.device, torch.Generator] = {}
         self._histories: dict[tuple[torch.device, int], TokenHistories] = {}
 
@@ -363,7 +383,11 @@ class Sampler:
             for histories in self._histories.values():
                 histories.release(row)
         for processor in row.engine_processors:
-            processor.release(row.view)
+            try:
+                processor.release(row.view)
+            except Exception:  # noqa: BLE001 - user code: the row is gone either way
+                logger.exception("logits processor %s failed to release request %s",
+                                 type(processor).__name__, row.request_id)
 
     def default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -394,10 +418,11 @@ class Sampler:
 
         tracked = [i for i, row in enumerate(rows) if row.uses_token_history]
         histories = self.token_histories(logits.device, logits.shape[1]) if tracked else None
-        processed = (process_logits(logits, rows, histories, self.logits_processors)
+        processed = (process_logits(logits, rows, histories, self.logits_processors,
+                                    self._greedy_skipping)
                      if needs_processing else logits.float())
         if needs_processing and logits is not raw_logits:
-            processed = keep_grammar_choices(processed, logits)
+            processed = keep_grammar_choices(remask_grammar_rows(processed, logits, rows), logits)
         greedy_ids = processed.argmax(dim=-1)
         if all_greedy:
             token_ids = greedy_ids

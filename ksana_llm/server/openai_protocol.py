@@ -116,7 +116,7 @@ class _SamplingRequest(_Request):
     # request is refused.
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
     # vLLM's: settings for the server's --logits-processors (GenerationConfig.extra_args).
-    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
+    vllm_xargs: dict[str, bool | str | int | float | list[bool | str | int | float]] | None = Field(
         None, max_length=MAX_XARGS)
 
     def unsupported_params(self) -> list[str]:
