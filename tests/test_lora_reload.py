@@ -14,11 +14,13 @@ import ksana_llm as kt
 from ksana_llm.api.outputs import RequestError
 from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
-from tests.test_lora import NUM_TOKENS, PROMPTS, expected_tokens, tiny  # noqa: F401 - fixture
+from tests.lora_harness import NUM_TOKENS, PROMPTS, expected_tokens, lora_setup
+
+tiny = lora_setup  # the module's adapters, built once
 
 
 @pytest.mark.parametrize("setup", ["sync", "async", "tp2"])
-def test_adapter_folder_gone_fails_only_its_requests(tiny, tmp_path, setup):  # noqa: F811
+def test_adapter_folder_gone_fails_only_its_requests(tiny, tmp_path, setup):
     """Also with the GPU's step loop (async scheduling, overlapped outputs), and over two gloo
     ranks (every rank reads the adapter again, or none keeps it)."""
     folder, base, adapters = tiny
