@@ -243,6 +243,12 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help="vLLM's: engine-wide logits processors, ksana_llm.LogitsProcessor "
                              "subclasses by import path (on PYTHONPATH), run in this order; "
                              "requests set theirs with `vllm_xargs`")
+    parser.add_argument("--logprobs-mode", default=None,
+                        choices=("raw_logprobs", "raw_logits", "processed_logprobs",
+                                 "processed_logits"),
+                        help="vLLM's: what requested log-probs report (default raw_logprobs: "
+                             "the model's distribution; processed_*: after the processors "
+                             "and sampling settings; *_logits: logits, not log-probs)")
     parser.add_argument("--max-queue-size", type=int, default=None,
                         help="waiting requests before 429")
     parser.add_argument("--max-model-len", type=int, default=None)

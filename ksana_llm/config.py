@@ -116,6 +116,13 @@ class EngineConfig(BaseModel):
                         "subclasses, or their import paths 'module:Class', made once per engine "
                         "and run in this order on every step's logits for the requests they "
                         "apply to (set per request with GenerationConfig.extra_args)")
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs",
+                           "processed_logits"] = Field(
+        "raw_logprobs", description="vLLM's: what requested log-probs report: log_softmax of "
+                                    "the model's logits (raw_logprobs) or the logits "
+                                    "(raw_logits); or, processed_*, of the logits each token "
+                                    "was chosen from, after the processors and, for sampled "
+                                    "requests, temperature / top-k / top-p / min-p")
     max_queue_size: int = Field(1000, ge=1, description="waiting requests before QueueFullError")
     waiting_timeout_ms: int | None = Field(
         None, ge=1, description="a request never scheduled within this many ms fails with "

@@ -127,7 +127,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     if overlap is None:
         overlap = model.device.type == "cuda"
     return EngineCore(runner, block_manager, scheduler_config, tokenizer,
-                      max_model_len=max_model_len, sampler=Sampler(cfg.seed, logits_processors),
+                      max_model_len=max_model_len, sampler=Sampler(cfg.seed, logits_processors, cfg.logprobs_mode),
                       overlap_outputs=overlap,
                       async_scheduling=async_scheduling,
                       num_speculative_tokens=cfg.num_speculative_tokens,

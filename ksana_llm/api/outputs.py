@@ -52,8 +52,8 @@ class RequestMetrics:
 class SequenceOutput:
     """One returned sequence of a request (a sample, or a beam).
 
-    `cumulative_logprob`: the sum of its tokens' log-probs (raw model distribution for samples;
-    for beams, the processed log-probs beam search ranks by), when computed (logprobs asked,
+    `cumulative_logprob`: the sum of its tokens' log-probs (for samples: what the engine's
+    `logprobs_mode` reports, by default the raw model distribution's; for beams, the processed log-probs beam search ranks by), when computed (logprobs asked,
     best_of, beam search). `score`: beam search's length-penalised score (transformers'
     `sequences_scores`). `logprobs`: per-token entries as in `RequestOutput.logprobs`.
     """

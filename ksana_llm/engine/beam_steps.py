@@ -18,6 +18,7 @@ from ksana_llm.engine.beam_search import Hypothesis
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from ksana_llm.runner.logits_processing import to_device
+from ksana_llm.runner.logprobs_mode import reported_values
 from ksana_llm.runner.sampler import beam_log_probs
 
 
@@ -59,6 +60,9 @@ class BeamSearchSteps:
         sub = logits.index_select(0, to_device(rows_of, torch.long, logits.device))
         processed, raw = beam_log_probs(sub, [self._sampling_row(s) for s in seqs],
                                      self.sampler.logits_processors)
+        mode = self.sampler.logprobs_mode
+        # What the beams' log-probs report: beams rank the processed log-probs themselves.
+        reported = raw if mode == "raw_logprobs" else reported_values(mode, sub, processed)
         outputs: list[StepOutput] = self._fail_processor_errors(seqs)
         ready: list[SequenceGroup] = []
         for k, seq in enumerate(seqs):
@@ -66,7 +70,7 @@ class BeamSearchSteps:
             if seq.status is SequenceStatus.FINISHED:
                 continue  # its request failed above
             seq.num_reserved_slots = 1  # the group's width is reserved by its live beams now
-            group.beam.rows[seq] = (processed[k], raw[k])
+            group.beam.rows[seq] = (processed[k], reported[k])
             if group not in ready and all(s in group.beam.rows for s in group.seqs):
                 ready.append(group)
         for group in ready:
@@ -76,13 +80,13 @@ class BeamSearchSteps:
     def _beam_step(self, group: SequenceGroup) -> list[StepOutput]:
         beam, config, seqs = group.beam, group.config, list(group.seqs)
         processed = torch.stack([beam.rows[s][0] for s in seqs])
-        raw = torch.stack([beam.rows[s][1] for s in seqs])
+        reported = torch.stack([beam.rows[s][1] for s in seqs])
         beam.rows = {}
         want = config.logprobs
         stop = set(beam.stop_token_ids.tolist())
 
         def entry(parent: int, token: int) -> dict[str, Any]:
-            row = raw[parent]
+            row = reported[parent]
             top = torch.topk(row, want) if want else None
             return {"token_id": token, "logprob": float(row[token]),
                     "top_logprobs": dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}}

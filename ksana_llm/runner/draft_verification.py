@@ -12,8 +12,9 @@ and warped exactly as the sampler does for one token (`process_logits`, `warp_lo
   are the draft model's argmax (a one-hot proposal), for which this is the standard speculative
   sampling rule: every emitted token follows the same distribution as without drafts.
 
-Log-probs (when asked) are those of the raw model distribution at each row, as the sampler
-reports them: of the row's draft, of the token it would emit, and the row's top ones.
+Log-probs (when asked) are what the sampler reports (by default the raw model distribution's;
+see `runner.logprobs_mode`) at each row: of the row's draft, of the token it would emit, and the
+row's top ones.
 
 Rows only mix settings the sampler would accept for one token at a time; the engine drafts only
 for sequences whose processors do not depend on the tokens between rows (no penalties read the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ksana_llm.runner.logits_processing import process_logits, to_device
+from ksana_llm.runner.logprobs_mode import reported_values
 from ksana_llm.runner.sampler import Sampler, SamplingRow, warp_logits
 
 # Marks a row's draft id when it has none (the last row of each sequence: its bonus token).
@@ -46,7 +48,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
     `draft_ids[r]` the draft row r judges, or NO_DRAFT.
 
     With `num_top_logprobs` (k, may be 0): [R, 4 + 2k] float64 instead (token ids are exact in
-    it), the columns followed by the raw log-probs of the draft and of the token, then the row's
+    it), the columns followed by the reported log-probs of the draft and of the token, then the row's
     top-k log-prob values and ids."""
     if logits.dim() != 2 or not logits.shape[0] == len(rows) == len(draft_ids):
         raise ValueError(f"expected logits [len(rows)={len(rows)}, V] and one draft id per row, "
@@ -59,10 +61,12 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
     drafts = to_device([max(d, 0) for d in draft_ids], torch.long, device).unsqueeze(1)
     greedy_ids = processed.argmax(dim=-1)
     greedy_accept = greedy_ids == drafts.squeeze(1)
+    final = processed  # what each row's token is chosen from (sampled rows: warped)
     if all(row.config.greedy for row in rows):
         accepted, tokens = greedy_accept, greedy_ids
     else:
-        probs = warp_logits(processed, rows).softmax(dim=-1)
+        final = warp_logits(processed, rows)
+        probs = final.softmax(dim=-1)
         draft_probs = probs.gather(1, drafts).squeeze(1)
         sampled_accept = _uniforms(sampler, rows, device) < draft_probs
         # The residual distribution: p without the refused draft (rows without one keep p).
@@ -78,7 +82,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
     verdict = torch.stack((accepted & has_draft, tokens), dim=1).long()
     if num_top_logprobs is None:
         return verdict
-    raw = torch.log_softmax(logits.float(), dim=-1)
+    raw = reported_values(sampler.logprobs_mode, logits, final)
     chosen = torch.cat((raw.gather(1, drafts), raw.gather(1, tokens.unsqueeze(1))), dim=1)
     values, ids = torch.topk(raw, min(num_top_logprobs, raw.shape[1]), dim=-1)
     return torch.cat((verdict.double(), chosen.double(), values.double(), ids.double()), dim=1)

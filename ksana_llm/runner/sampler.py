@@ -29,7 +29,7 @@ token it samples, so they need neither the host's token lists nor the previous s
 the host; the engine calls `Sampler.release` when a sequence is done.
 
 Log-probs are those of the raw model distribution (log_softmax of the unprocessed logits), as
-vLLM reports them by default.
+vLLM reports them by default; its other `logprobs_mode`s are in `runner.logprobs_mode`.
 
 Beam search does not sample: `beam_log_probs` gives the engine each beam's log-probs with the
 processors applied to log_softmax(logits), which is what `transformers` beam search scores.
@@ -50,6 +50,7 @@ from ksana_llm.runner.grammar_masks import (apply_grammar_masks, keep_grammar_ch
                                             remask_grammar_rows)
 from ksana_llm.runner.host_copy import HostCopy, start_host_copy
 from ksana_llm.runner.logits_processing import process_logits, to_device
+from ksana_llm.runner.logprobs_mode import check_logprobs_mode, reported_values
 from ksana_llm.runner.token_history import TokenHistories
 
 logger = logging.getLogger("ksana_llm.runner")
@@ -158,7 +159,9 @@ class SamplerOutput:
     """The chosen tokens of one step, and their log-probs when some row asked for them."""
 
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None = None  # [B] float32, chosen token under the raw distribution
+    # [B] float32: the chosen token's log-prob, by default under the raw distribution (what the
+    # values are: `Sampler.logprobs_mode`; the top ones are of the same kind)
+    logprobs: torch.Tensor | None = None
     # (values [B, k_max] float32, ids [B, k_max] int64); k_max is the largest k asked in the
     # batch, so a row that asked for fewer should keep only its first `config.logprobs` columns.
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -230,12 +233,14 @@ def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow],
     return (process_logits(raw, rows, None, engine_processors) if needs_processing else raw), raw
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
+                   logprobs_mode: str = "raw_logprobs"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw log-probs of `token_ids` [N] under logits [N, V], their ranks (1 = most likely; a tie
-    counts against the token, as in vLLM), and the top-k (values, ids) of each row (k may be 0):
-    the entries of prompt log-probs."""
-    raw = torch.log_softmax(logits.float(), dim=-1)
+    """Raw log-probs of `token_ids` [N] under logits [N, V] (or what `logprobs_mode` reports
+    instead: nothing processes prompt positions), their ranks (1 = most likely; a tie counts
+    against the token, as in vLLM), and the top-k (values, ids) of each row (k may be 0): the
+    entries of prompt log-probs."""
+    raw = reported_values(logprobs_mode, logits, None)
     chosen = raw.gather(1, token_ids.to(raw.device).unsqueeze(1)).squeeze(1)
     ranks = (raw >= chosen.unsqueeze(1)).sum(dim=1)
     if k > 0:
@@ -316,8 +321,11 @@ class Sampler:
     """
 
     def __init__(self, seed: int | None = None,
-                 logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
+                 logits_processors: tuple[LogitsProcessor, ...] = (),
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self._seed = seed
+        # What sample log-probs report (`runner.logprobs_mode`).
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
         # Engine-wide processors, in the order they run (`process_logits`), and those greedy
         # rows skip (asked once: `build_logits_processors` made sure the answer comes).
         self.logits_processors = tuple(logits_processors)
@@ -382,10 +390,13 @@ class Sampler:
         if needs_processing and logits is not raw_logits:
             processed = keep_grammar_choices(remask_grammar_rows(processed, logits, rows), logits)
         greedy_ids = processed.argmax(dim=-1)
+        # The logits each row's token is chosen from (greedy rows: the processed ones).
+        final = processed
         if all_greedy:
             token_ids = greedy_ids
         else:
-            sampled = self.sample_rows(warp_logits(processed, rows), rows)
+            final = warp_logits(processed, rows)
+            sampled = self.sample_rows(final, rows)
             greedy_mask = to_device([row.config.greedy for row in rows], torch.bool, logits.device)
             token_ids = torch.where(greedy_mask, greedy_ids, sampled)
         if histories is not None:
@@ -393,7 +404,7 @@ class Sampler:
 
         if not want_logprobs:
             return SamplerOutput(token_ids=token_ids)
-        raw = torch.log_softmax(raw_logits.float(), dim=-1)
+        raw = reported_values(self.logprobs_mode, raw_logits, final)
         chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         k_max = max(want_logprobs)
         if k_max > 0:

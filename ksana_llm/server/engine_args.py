@@ -40,7 +40,8 @@ ENGINE_FLAGS = ("tokenizer", "device", "dtype", "quantization", "num_device_bloc
                 "speculative_method", "speculative_disable_by_batch_size", "prompt_lookup_min",
                 "prompt_lookup_max", "kv_cache_dtype", "lora_modules", "max_loras",
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides",
-                "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes")
+                "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes",
+                "logprobs_mode")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
