@@ -151,9 +151,16 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "ask for (default: 20)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt, token ids and settings (vLLM's flag)")
+    parser.add_argument("--enable-log-outputs", action="store_true",
+                        help="log each finished request's text, token ids and finish reason "
+                             "(vLLM's flag)")
     parser.add_argument("--max-log-len", type=cli_types.non_negative_int, default=None,
-                        help="--enable-log-requests shows at most this many prompt characters "
-                             "and token ids (default: all)")
+                        help="--enable-log-requests / --enable-log-outputs show at most this "
+                             "many characters and token ids of each (default: all)")
+    parser.add_argument("--middleware", action="append", default=None, metavar="MODULE:NAME",
+                        help="vLLM's: an ASGI middleware class, or an async (request, "
+                             "call_next) function, by import path; repeat for several (the "
+                             "last given is the outermost)")
     parser.add_argument("--enable-prompt-embeds", action="store_true",
                         help="let completions take prompt_embeds (base64 torch.save'd tensors, "
                              "as vLLM; off by default: they are unpickled, tensors only; raise "

@@ -24,7 +24,9 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived a cat nam
 def server(default_model_dir):
     # default_model_dir: the GGUF is converted (and cached) before the server process needs it.
     proc = ServerProcess([*KV_ARGS, "--log-stats-interval", "0.5", "--enable-log-requests",
-                          "--max-log-len", "12"])
+                          "--enable-log-outputs", "--max-log-len", "12",
+                          "--middleware", "tests.server_middlewares:StampHeader",
+                          "--middleware", "tests.server_middlewares.stamp_function"])
     yield proc
     proc.stop()
 
@@ -179,6 +181,54 @@ def test_requests_are_logged_with_enable_log_requests(server, client, model_name
     assert f"prompt: {text!r}, prompt_token_ids: {ids[:12]}, params: " in logged[0]
     assert "max_new_tokens=3" in logged[0] and "temperature=0.5" in logged[0]
     assert "seed=3" in logged[0] and logged[0].endswith("lora: None")
+
+
+def test_outputs_are_logged_with_enable_log_outputs(server, client, model_name):
+    """vLLM's --enable-log-outputs: each finished request's text, token ids (cut at
+    --max-log-len) and finish reason, streamed or not; every sequence of an n > 1 request."""
+    reply = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3,
+                                      temperature=0, extra_body={"return_token_ids": True})
+    choice = reply.choices[0]
+    stream = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, n=2,
+                                       temperature=1.0, seed=5, stream=True)
+    streamed_id = None
+    for chunk in stream:
+        streamed_id = chunk.id
+    deadline = time.monotonic() + 10
+    while True:
+        log = server.log()
+        if f"Generated response {streamed_id}-0 (sequence 1):" in log or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    logged = [line for line in log.splitlines() if f"Generated response {reply.id}-0:" in line]
+    assert len(logged) == 1 and "ksana_llm.requests" in logged[0]
+    assert logged[0].endswith(f"output: {choice.text[:12]!r}, output_token_ids: "
+                              f"{choice.token_ids[:12]}, finish_reason: length")
+    for k in range(2):
+        assert f"Generated response {streamed_id}-0 (sequence {k}): output: " in log
+
+
+def test_user_middlewares_run_on_every_answer(server, model_name):
+    """vLLM's --middleware: a class and a function, both on every answer (errors included),
+    inside the request-id middleware."""
+    for answer in (httpx.get(server.url + "/health"),
+                   httpx.post(server.base_url + "/completions",
+                              json={"model": model_name, "prompt": PROMPT, "max_tokens": 1}),
+                   httpx.post(server.base_url + "/completions",
+                              json={"model": model_name, "prompt": PROMPT, "max_tokens": -1})):
+        assert answer.headers["x-stamp-class"] == "1"
+        assert answer.headers["x-stamp-function"] == answer.request.url.path
+        assert answer.headers["x-request-id"]
+    from ksana_llm.server.middleware import user_middlewares
+
+    for spec, message in (("tests.server_middlewares:NOT_MIDDLEWARE", "not an ASGI middleware "
+                                                                      "class or an async"),
+                          ("tests.server_middlewares:nope", "has no 'nope'"),
+                          ("no_such_module:thing", "cannot import 'no_such_module'")):
+        with pytest.raises(ValueError, match=message) as caught:
+            user_middlewares([spec])
+        assert "--middleware" in str(caught.value)
 
 
 # ---- disconnects -----------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from ksana_llm.server.errors import install_error_handlers
 from ksana_llm.server.logprobs import TokenTexts
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
                                         BodyLimitMiddleware, CorsSettings,
-                                        LoadTrackingMiddleware, RequestIdMiddleware, add_cors,
-                                        cors_from_args)
+                                        DisconnectWatchMiddleware, LoadTrackingMiddleware, RequestIdMiddleware, add_cors,
+                                        add_user_middlewares, cors_from_args, user_middlewares)
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
@@ -107,7 +107,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               default_chat_template_kwargs: Mapping[str, Any] | None = None,
               force_include_usage: bool = False, enable_docs: bool = True,
               chat_template_content_format: str = "auto",
-              response_role: str = "assistant") -> FastAPI:
+              response_role: str = "assistant", middleware: Sequence[Any] = ()) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `served_model_name`: the name requests give as `model` (several: aliases of the first).
@@ -129,8 +129,11 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     `enable_docs` False: no /docs, /redoc or /openapi.json.
     `chat_template_content_format` ("auto", "string", "openai"): message content as one string,
     or as a list of OpenAI text parts; "auto" reads the template to choose. `response_role`: the
-    role a chat answer has when the request asked for a generation prompt.
+    role a chat answer has when the request asked for a generation prompt. `middleware`: the
+    user's own ASGI middleware classes or `async (request, call_next)` functions (or their
+    import paths), in order, inside the request-id middleware and outside everything else.
     """
+    user_middleware = user_middlewares(middleware)
     parsing = parsing or OutputParsing()
     parsing.check()
     if max_body_bytes < 1:
@@ -220,7 +223,9 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     if cors is not None:
         add_cors(app, cors)
-    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its id
+    add_user_middlewares(app, user_middleware)
+    app.add_middleware(RequestIdMiddleware)  # every answer carries its id
+    app.add_middleware(DisconnectWatchMiddleware)  # outermost: sees the client leave first
     return app
 
 
@@ -282,12 +287,14 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
 
 def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """build_app's request options from the flags serve and run-batch share:
-    --enable-prompt-embeds, --enable-log-requests / --max-log-len,
+    --enable-prompt-embeds, --enable-log-requests / --enable-log-outputs / --max-log-len,
     --default-chat-template-kwargs, --enable-force-include-usage,
     --chat-template-content-format and --response-role."""
-    log = getattr(args, "enable_log_requests", False)
+    log = bool(getattr(args, "enable_log_requests", False))
+    log_outputs = bool(getattr(args, "enable_log_outputs", False))
     return {"enable_prompt_embeds": bool(getattr(args, "enable_prompt_embeds", False)),
-            "request_log": RequestLog(args.max_log_len).enable() if log else None,
+            "request_log": RequestLog(args.max_log_len, requests=log, outputs=log_outputs).enable()
+            if log or log_outputs else None,
             "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
             "force_include_usage": bool(getattr(args, "enable_force_include_usage", False)),
             "chat_template_content_format": getattr(args, "chat_template_content_format", "auto"),
@@ -299,6 +306,7 @@ def run_server(args: argparse.Namespace) -> int:
     parsing.check()  # before the model loads: a misspelt parser name fails at once
     tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile,
                               args.ssl_keyfile_password)  # so does a bad certificate
+    middleware = user_middlewares(getattr(args, "middleware", None))  # and a bad --middleware
     config, settings = configs_from_args(args)
     kv_role, kv_ttl = kv_transfer_from_args(args, settings)
     check_kv_role(kv_role, config.tensor_parallel_size, config.pipeline_parallel_size)
@@ -326,7 +334,7 @@ def run_server(args: argparse.Namespace) -> int:
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args),
                     enable_docs=not getattr(args, "disable_fastapi_docs", False),
-                    **request_options_from_args(args))
+                    middleware=middleware, **request_options_from_args(args))
     server = AnnouncingServer(uvicorn_config(
         app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),
         f"serving {app.state.server.served_model_name!r} (OpenAI API under /v1)")

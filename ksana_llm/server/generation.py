@@ -25,6 +25,7 @@ from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.logits_processor import LogitsProcessorError
 from ksana_llm.server.errors import (APIError, engine_unavailable, internal_error, queue_full,
                                      waiting_timeout)
+from ksana_llm.server.middleware import client_gone
 from ksana_llm.server.params import engine_value_error
 from ksana_llm.server.request_log import RequestLog
 
@@ -42,7 +43,7 @@ async def finished_before_client_left(http_request: HTTPRequest, work: asyncio.F
         done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
         if done:
             return True
-        if await http_request.is_disconnected():
+        if client_gone(http_request.scope) or await http_request.is_disconnected():
             return False
 
 
@@ -204,7 +205,8 @@ class ChoiceSet:
                                           (request_fields or {}).get("lora"))
                 choices.handles.append(engine.submit(
                     Request.of(prompt, config, request_id=f"{base_id}-{i}",
-                               callback=choices._observed(observer), **(request_fields or {})),
+                               callback=choices._observed(observer, request_log),
+                               **(request_fields or {})),
                     loop=loop))
         except (QueueFullError, EngineDeadError, ValueError) as exc:
             choices.refused = True  # before the aborts: their outputs come after it
@@ -216,16 +218,23 @@ class ChoiceSet:
             raise
         return choices
 
-    def _observed(self, observer: Callable[[], Callable[[RequestOutput], None]] | None
+    def _observed(self, observer: Callable[[], Callable[[RequestOutput], None]] | None,
+                  request_log: RequestLog | None = None
                   ) -> Callable[[RequestOutput], None] | None:
-        """The engine request's callback: `observer()`'s, silenced once the set is refused."""
-        if observer is None:
+        """The engine request's callback: `observer()`'s, and the finished output's log line
+        (--enable-log-outputs); silenced once the set is refused."""
+        inner = observer() if observer is not None else None
+        log = request_log if request_log is not None and request_log.outputs else None
+        if inner is None and log is None:
             return None
-        inner = observer()
 
         def callback(output: RequestOutput) -> None:
-            if not self.refused:
+            if self.refused:
+                return
+            if inner is not None:
                 inner(output)
+            if log is not None and output.finished:
+                log.finished(output)
 
         return callback
 

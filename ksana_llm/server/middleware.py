@@ -1,5 +1,5 @@
-"""Pure ASGI middlewares: request ids, API-key check and request-body size limit; and CORS for
-browsers.
+"""Pure ASGI middlewares: request ids, API-key check and request-body size limit; CORS for
+browsers; and the user's own (`--middleware`).
 
 They run before routing, so they guard every route (including ones other modules mount) and an
 unauthenticated or oversized request never gets its body buffered or parsed.
@@ -8,7 +8,9 @@ unauthenticated or oversized request never gets its body buffered or parsed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
+import inspect
 import re
 import uuid
 from collections.abc import Collection
@@ -19,6 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ksana_llm.import_path import import_by_path
 from ksana_llm.server.errors import (APIError, bad_request, body_too_large, count_failure,
                                      unauthorized)
 
@@ -207,3 +210,79 @@ def add_cors(app: FastAPI, cors: CorsSettings) -> None:
                        allow_headers=list(cors.allowed_headers),
                        allow_credentials=cors.allow_credentials,
                        expose_headers=[REQUEST_ID_HEADER])  # browsers' scripts may read it
+
+
+CLIENT_GONE = "ksana_llm.client_gone"  # the scope key of DisconnectWatchMiddleware's event
+
+
+class DisconnectWatchMiddleware:
+    """Notes in the scope (an asyncio.Event under CLIENT_GONE) when the client disconnects.
+
+    Once the request's body is complete, the only message left on the connection is the
+    disconnect: a task waits for it at once, and hands it on to whoever asks next. Without
+    this, a function middleware (`--middleware`, run by Starlette's BaseHTTPMiddleware) hides
+    the disconnect from `Request.is_disconnected`, and a non-streaming request whose client
+    left would run to its end."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        gone = scope[CLIENT_GONE] = asyncio.Event()
+        last: asyncio.Future[Message] | None = None
+
+        async def wait_for_disconnect() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            return message
+
+        async def watched_receive() -> Message:
+            nonlocal last
+            if last is not None:  # the body is complete: the watching task has the next one
+                return await asyncio.shield(last)
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body", False):
+                last = asyncio.ensure_future(wait_for_disconnect())
+            return message
+
+        try:
+            await self.app(scope, watched_receive, send)
+        finally:
+            if last is not None and not last.done():
+                last.cancel()
+
+
+def client_gone(scope: Scope) -> bool:
+    """Whether DisconnectWatchMiddleware saw this request's client disconnect."""
+    event = scope.get(CLIENT_GONE)
+    return event is not None and event.is_set()
+
+
+def user_middlewares(specs: Collection[str | object] | None) -> tuple[object, ...]:
+    """vLLM's `--middleware`: each an import path ('module:name' or 'module.name') to an ASGI
+    middleware class (added with `app.add_middleware`) or an `async def (request, call_next)`
+    function (added with `app.middleware("http")`), or the object itself. A ValueError naming
+    `--middleware` says which entry cannot be used, before anything is loaded."""
+    found = []
+    for spec in specs or ():
+        target = import_by_path(spec, "--middleware") if isinstance(spec, str) else spec
+        if not (inspect.isclass(target) or inspect.iscoroutinefunction(target)):
+            raise ValueError(f"--middleware {spec!s}: not an ASGI middleware class or an async "
+                             f"function (request, call_next), but {type(target).__name__}")
+        found.append(target)
+    return tuple(found)
+
+
+def add_user_middlewares(app: FastAPI, middlewares: Collection[object]) -> None:
+    """Add `user_middlewares`' results in order (the last one added is the outermost)."""
+    for middleware in middlewares:
+        if inspect.isclass(middleware):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
