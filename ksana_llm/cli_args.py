@@ -307,6 +307,11 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help=_KV_CACHE_DTYPE_HELP)
     parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
                         help=_QUANTIZATION_HELP)
+    parser.add_argument("--load-format", default=None,
+                        choices=("auto", "safetensors", "pt", "gguf", "dummy"),
+                        help="vLLM's: where the weights come from (default auto: safetensors, "
+                             "else .bin; dummy: made-up weights of the config's shapes, for "
+                             "profiling)")
     parser.add_argument("--hf-overrides", type=cli_types.json_object, default=None,
                         metavar="JSON",
                         help="config.json values to change before the model is built (vLLM's), "

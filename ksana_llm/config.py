@@ -68,6 +68,10 @@ class EngineConfig(BaseModel):
                           "(KsanaLLM quantization_config.weight.quant_method fp8_e4m3, vLLM "
                           "--quantization fp8). FP8 checkpoints (quant_method 'fp8') load as "
                           "FP8 either way")
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = Field(
+        "auto", description="vLLM's: where the weights come from: the folder's safetensors, else "
+                            ".bin (auto); only safetensors or only .bin files; a .gguf file; or "
+                            "'dummy': made-up weights of the config's shapes (profiling)")
     hf_overrides: dict[str, Any] | None = Field(
         None, description="config.json values changed before the model is built (vLLM "
                           "--hf-overrides), e.g. {\"max_position_embeddings\": 65536}")

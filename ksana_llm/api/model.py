@@ -20,6 +20,7 @@ from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
 from ksana_llm.loader.hf_config import hf_overrides_applied
+from ksana_llm.loader.load_format import check_load_format
 from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
 
@@ -27,7 +28,7 @@ logger = logging.getLogger("ksana_llm.model")
 
 # Settings that shape how a model loads: given with an already-loaded Model, they cannot apply.
 _LOAD_SETTINGS = ("device", "dtype", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
-                  "hf_overrides")
+                  "hf_overrides", "load_format")
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16,
                             "bfloat16": torch.bfloat16})
@@ -139,6 +140,7 @@ class Model:
     # A parallel run: this rank's process groups, and the worker processes this node started.
     runtime: Runtime | None = None
     workers: list[Any] = field(default_factory=list)
+    load_format: str = "auto"  # where the weights came from (ksana_llm.loader.load_format)
 
     @property
     def max_context(self) -> int:
@@ -196,7 +198,8 @@ class Model:
         actual: dict[str, Any] = {"device": self.device, "dtype": self.dtype_name,
                                   "quantization": None,
                                   "tensor_parallel_size": ctx.tp_size if ctx else 1,
-                                  "pipeline_parallel_size": ctx.pp_size if ctx else 1}
+                                  "pipeline_parallel_size": ctx.pp_size if ctx else 1,
+                                  "load_format": self.load_format}
         for name in _LOAD_SETTINGS:
             wanted = getattr(config, name)
             if name not in given or wanted == "auto":
@@ -224,7 +227,8 @@ class Model:
                         plugin: bool | str | os.PathLike = True,
                         quantization: str | None = None, pad_token_id: int | None = None,
                         tokenizer: str | os.PathLike | None = None,
-                        hf_overrides: dict[str, Any] | None = None) -> Model:
+                        hf_overrides: dict[str, Any] | None = None,
+                        load_format: str = "auto") -> Model:
         """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct.
 
         Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
@@ -241,6 +245,10 @@ class Model:
         `{"max_position_embeddings": 65536, "rope_scaling": {...}}` (a dict for a sub-config
         such as `text_config` updates its keys); every rank applies them.
 
+        `load_format` (vLLM's): "auto", "safetensors" or "pt" (only those files), "gguf" (the
+        path must be a .gguf file), or "dummy": made-up weights of the config's shapes, for
+        profiling without the real ones (`ksana_llm.loader.load_format`).
+
         `pad_token_id` (the KTransformers guide passes it): the paged engine never pads a batch,
         so it only names the tokenizer's pad token where the tokenizer has none.
 
@@ -250,6 +258,7 @@ class Model:
         pipeline stages and the other nodes' ranks join from their own `ksana-llm serve`.
         """
         check_quantization(quantization)
+        check_load_format(load_format, path)
         if not isinstance(plugin, (bool, str, os.PathLike)):
             raise ValueError(f"plugin must be True, False or the path of a ksana_plugin.py, got {plugin!r}")
         torch_device = resolve_device(device)
@@ -270,14 +279,14 @@ class Model:
             check_parallel_sizes(model_dir, hf_config, tp_size, pp_size)
             spec = LaunchSpec(str(model_dir), str(torch_dtype).removeprefix("torch."),
                               torch_device.type, tp_size, pp_size, quantization=quantization,
-                              hf_overrides=hf_overrides or None)
+                              hf_overrides=hf_overrides or None, load_format=load_format)
             runtime, workers = start_master(spec, node)
             torch_device = runtime.device
         try:
             module, _ = load_model_module(model_dir, device=torch_device, dtype=torch_dtype,
                                           parallel=None if runtime is None else runtime.ctx,
                                           progress=progress, hf_config=hf_config,
-                                          quantization=quantization)
+                                          quantization=quantization, load_format=load_format)
         except BaseException:
             stop_workers(workers)
             if runtime is not None:
@@ -297,7 +306,7 @@ class Model:
                 path=None if plugin is True else plugin)
         return cls(module, hf_config, tokenizer, Path(model_dir), torch_device, torch_dtype,
                    _eos_token_ids(Path(model_dir), hf_config, tokenizer), loaded_plugin,
-                   runtime, workers)
+                   runtime, workers, load_format)
 
 
 def _set_pad_token(tokenizer: Any, pad_token_id: int | None, vocab_size: int) -> None:

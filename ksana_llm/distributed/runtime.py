@@ -35,6 +35,7 @@ class LaunchSpec:
     timeout_s: float = 300.0
     quantization: str | None = None  # EngineConfig.quantization
     hf_overrides: dict[str, Any] | None = None  # EngineConfig.hf_overrides (JSON values)
+    load_format: str = "auto"  # EngineConfig.load_format
 
     @property
     def world_size(self) -> int:

@@ -97,6 +97,7 @@ def worker_main(rank: int, spec: LaunchSpec, started: Any = None) -> None:
         module, dtype = load_model_module(spec.model_dir, device=runtime.device, dtype=spec.dtype,
                                           parallel=runtime.ctx, progress=False,
                                           quantization=spec.quantization,
+                                          load_format=spec.load_format,
                                           hf_config=load_hf_config(spec.model_dir,
                                                                    spec.hf_overrides))
         serve_steps(runtime, module, dtype)

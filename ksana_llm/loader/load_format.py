@@ -34,7 +34,8 @@ def check_load_format(load_format: str, path: str | Path | None = None) -> str:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                          f"{load_format!r}")
-    if load_format == "gguf" and (path is None or not str(path).endswith(".gguf")):
+    # No path: the embedded default model, which is a GGUF file.
+    if load_format == "gguf" and path is not None and not str(path).endswith(".gguf"):
         raise ValueError(f"load_format 'gguf' needs the path of a .gguf file, got {path}")
     return load_format
 

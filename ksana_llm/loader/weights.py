@@ -28,7 +28,8 @@ TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 
 
 def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True, *,
-                    matrices_as_meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                    matrices_as_meta: bool = False, load_format: str = "auto"
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the Hugging Face checkpoint in ``model_dir``.
 
     Supports single or sharded safetensors and single or sharded ``pytorch_model.bin``;
@@ -37,13 +38,14 @@ def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True, *,
     False. With ``matrices_as_meta``, tensors of two or more dimensions come as meta tensors of
     their shape and dtype, read from the safetensors headers without their values (a dry run
     that checks where each tensor goes; ``.bin`` files are memory-mapped, so theirs are not
-    read either); vectors keep their values.
+    read either); vectors keep their values. ``load_format`` "safetensors" or "pt" reads only
+    those files (see ``ksana_llm.loader.load_format``).
 
     Raises:
         FileNotFoundError: no weight files in ``model_dir`` (or a shard named by an index is missing).
     """
     folder = Path(model_dir).expanduser()
-    files, expected_total = _weight_files(folder)
+    files, expected_total = _weight_files(folder, load_format)
     LOGGER.info("Loading %d weight file(s) from %s", len(files), folder)
     seen: dict[str, Path] = {}  # name -> its file: a second copy would silently win
     with tqdm(total=expected_total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -62,20 +64,28 @@ def iterate_weights(model_dir: str | os.PathLike[str], progress: bool = True, *,
                 bar.update(1)
 
 
-def _weight_files(folder: Path) -> tuple[list[Path], int | None]:
-    """Return the weight files of ``folder`` in load order, and the tensor count if an index tells it."""
+def _weight_files(folder: Path, load_format: str = "auto") -> tuple[list[Path], int | None]:
+    """Return the weight files of ``folder`` in load order, and the tensor count if an index tells
+    it; only safetensors for ``load_format`` "safetensors", only ``.bin`` for "pt"."""
     if not folder.is_dir():
         raise FileNotFoundError(f"Model folder not found: {folder}")
-    for index_name, single_name in ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE), (TORCH_BIN_INDEX, TORCH_BIN_SINGLE)):
+    kinds = {"safetensors": ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE),),
+             "pt": ((TORCH_BIN_INDEX, TORCH_BIN_SINGLE),)}.get(
+        load_format, ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE), (TORCH_BIN_INDEX, TORCH_BIN_SINGLE)))
+    for index_name, single_name in kinds:
         index_path = folder / index_name
         if index_path.is_file():
             return _shards_from_index(index_path)
         if (folder / single_name).is_file():
             return [folder / single_name], None
     # Some exports use other safetensors names (e.g. a lone "model-00001-of-00001.safetensors").
-    loose = sorted(folder.glob("*.safetensors"))
+    loose = sorted(folder.glob("*.safetensors")) if load_format != "pt" else []
     if loose:
         return loose, None
+    if load_format in ("safetensors", "pt"):
+        single, index = kinds[0][0][1], kinds[0][0][0]
+        raise FileNotFoundError(f"No {load_format} weight files in {folder} (load_format "
+                                f"{load_format!r}): expected {single} or {index}")
     raise FileNotFoundError(
         f"No weight files found in {folder}: expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
         f"{TORCH_BIN_SINGLE} or {TORCH_BIN_INDEX}"

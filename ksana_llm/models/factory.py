@@ -19,6 +19,7 @@ from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
 from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
 from ksana_llm.loader.fp8_weights import WEIGHT_QUANTIZATIONS
+from ksana_llm.loader.load_format import dummy_weights
 from ksana_llm.loader.quantized import checkpoint_quantization, paired_quantized
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.llama import LlamaForCausalLM
@@ -90,11 +91,12 @@ def quantize_projections_on_load(module: nn.Module, method: str) -> int:
 
 def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | str,
                       parallel: ParallelContext | None = None, progress: bool = True,
-                      hf_config: Any = None, quantization: str | None = None
-                      ) -> tuple[nn.Module, torch.dtype]:
+                      hf_config: Any = None, quantization: str | None = None,
+                      load_format: str = "auto") -> tuple[nn.Module, torch.dtype]:
     """(module with its weights loaded, in eval mode; its dtype). An FP8 checkpoint's projections
     stay FP8; `quantization` "fp8" makes a full-precision checkpoint's projections FP8,
-    "w8a8_int8" int8 with their inputs quantized to int8 per token."""
+    "w8a8_int8" int8 with their inputs quantized to int8 per token. `load_format`: where the
+    weights come from (`ksana_llm.loader.load_format`)."""
     check_quantization(quantization)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
@@ -113,12 +115,14 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
                     "FP8" if quantization == "fp8" else "int8, their inputs int8 per token")
     elif quantization is not None:
         logger.info("quantization %r ignored: the checkpoint is quantized already", quantization)
-    module.load_weights(checkpoint_tensors(model_dir, hf_config, progress=progress))
+    module.load_weights(dummy_weights(hf_config) if load_format == "dummy" else
+                        checkpoint_tensors(model_dir, hf_config, progress=progress,
+                                           load_format=load_format))
     return module.eval(), torch_dtype
 
 
 def checkpoint_tensors(model_dir: str | Path, hf_config: Any, *, progress: bool = True,
-                       shapes_only: bool = False
+                       shapes_only: bool = False, load_format: str = "auto"
                        ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The folder's tensors as a model's `load_weights` takes them: a quantized checkpoint's
     values paired with their scales, names through the folder's (or the package's) weight map.
@@ -126,7 +130,8 @@ def checkpoint_tensors(model_dir: str | Path, hf_config: Any, *, progress: bool 
     their values never read (a quantized one's are read: pairing reads its scales)."""
     checkpoint_format = checkpoint_quantization(hf_config, model_dir)
     weights: Iterator = iterate_weights(
-        model_dir, progress=progress, matrices_as_meta=shapes_only and checkpoint_format is None)
+        model_dir, progress=progress, matrices_as_meta=shapes_only and checkpoint_format is None,
+        load_format=load_format)
     if checkpoint_format is not None:
         # Paired before the weight map renames anything, so a map needs no scale entries.
         weights = paired_quantized(weights, checkpoint_format)

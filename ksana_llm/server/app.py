@@ -395,4 +395,4 @@ def worker_spec(config: Any) -> Any:
     return LaunchSpec(str(resolve_model_dir(config.model)), str(dtype).removeprefix("torch."),
                       device.type, tp_size=config.tensor_parallel_size,
                       pp_size=config.pipeline_parallel_size, quantization=config.quantization,
-                      hf_overrides=config.hf_overrides)
+                      hf_overrides=config.hf_overrides, load_format=config.load_format)
