@@ -259,6 +259,9 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--max-queue-size", type=int, default=None,
                         help="waiting requests before 429")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--disable-sliding-window", action="store_true", default=None,
+                        help="vLLM's: cap sequences at the model's sliding window, within "
+                             "which attention is full (no effect without a window)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the shared sampling RNG")
     parser.add_argument("--tensor-parallel-size", "--tensor-para-size", type=int, default=None,
                         dest="tensor_parallel_size",

@@ -132,6 +132,10 @@ class EngineConfig(BaseModel):
         None, ge=1, description="a request never scheduled within this many ms fails with "
                                 "QueueTimeoutError (KsanaLLM waiting_timeout_in_ms); None = no limit")
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context size")
+    disable_sliding_window: bool = Field(
+        False, description="vLLM's: cap sequences at the model's sliding window (Mistral, "
+                           "windowed Qwen), within which its attention is full; no effect on "
+                           "models without one")
 
     seed: int | None = Field(None, description="seed of the shared sampling RNG")
 

@@ -29,6 +29,19 @@ from ksana_llm.runner.sampler import Sampler
 logger = logging.getLogger("ksana_llm.engine")
 
 
+def model_context(model: Model, cfg: EngineConfig) -> int:
+    """The longest sequence the model serves: its context, or with `disable_sliding_window`
+    (vLLM's) its sliding window, within which windowed attention is full attention. A
+    `max_model_len` beyond that window is a ValueError; a model without a window ignores it."""
+    window = getattr(model.module, "sliding_window", None)
+    if not cfg.disable_sliding_window or not window:
+        return model.max_context
+    if cfg.max_model_len is not None and cfg.max_model_len > window:
+        raise ValueError(f"max_model_len={cfg.max_model_len} is more than the model's sliding "
+                         f"window ({window}), to which disable_sliding_window caps sequences")
+    return min(model.max_context, int(window))
+
+
 def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                on_worker_failure: Callable[[str], None],
                lora_adapters: list[tuple[int, str]] = ()) -> EngineCore:
@@ -69,11 +82,11 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                                              max_rank=cfg.max_lora_rank, dtype=model.dtype,
                                              max_step_tokens=cfg.max_step_tokens))
     # A sequence can never outgrow the model's context, nor the whole KV pool.
-    if cfg.max_model_len is not None and cfg.max_model_len > model.max_context:
+    context = model_context(model, cfg)
+    if cfg.max_model_len is not None and cfg.max_model_len > context:
         logger.warning("max_model_len %d is more than the model's context (%d): using %d",
-                       cfg.max_model_len, model.max_context, model.max_context)
-    max_model_len = min(cfg.max_model_len or model.max_context, model.max_context,
-                        num_blocks * cfg.block_token_num)
+                       cfg.max_model_len, context, context)
+    max_model_len = min(cfg.max_model_len or context, context, num_blocks * cfg.block_token_num)
     num_host_blocks = 0
     if cfg.preempt_mode == 0:
         # The swap pool mirrors the device pool (or takes swap_space GiB), but never more than

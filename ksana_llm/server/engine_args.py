@@ -41,7 +41,7 @@ ENGINE_FLAGS = ("tokenizer", "device", "dtype", "quantization", "num_device_bloc
                 "prompt_lookup_max", "kv_cache_dtype", "lora_modules", "max_loras",
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides",
                 "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes",
-                "logprobs_mode", "load_format")
+                "logprobs_mode", "load_format", "disable_sliding_window")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:

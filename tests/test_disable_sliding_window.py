@@ -1,0 +1,60 @@
+"""vLLM's `disable_sliding_window` (`EngineConfig`, `--disable-sliding-window`): sequences are
+capped at the model's sliding window, within which its tokens are transformers' (windowed
+attention there is full attention); longer prompts are refused, a larger `max_model_len` is a
+clear error, and a model without a window ignores the setting."""
+
+from __future__ import annotations
+
+import pytest
+
+import ksana_llm as kt
+from tests.family_harness import greedy_trace, hf_reference
+from tests.tiny_models import build_tiny_model
+
+WINDOW = 24  # tests.tiny_models' "mistral-sliding"
+
+
+def _engine(folder, **settings) -> kt.Engine:
+    return kt.Engine(str(folder), device="cpu", dtype="float32", num_device_blocks=64,
+                     block_token_num=4, **settings)
+
+
+def test_sequences_are_capped_at_the_window(tmp_path):
+    folder = tmp_path / "mistral"
+    reference = hf_reference(build_tiny_model("mistral-sliding", folder))
+    prompt = list(range(3, 3 + WINDOW - 6))
+    expected, _ = greedy_trace(reference, prompt, 6)
+    with _engine(folder) as engine:
+        assert engine.max_model_len > WINDOW  # the model's context
+    with _engine(folder, disable_sliding_window=True) as engine:
+        assert engine.max_model_len == WINDOW
+        out = engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=6,
+                                                                  ignore_eos=True),
+                                      use_tqdm=False)[0]
+        assert out.token_ids == expected[len(prompt):]
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.submit(kt.Request(list(range(3, 3 + WINDOW + 2)),
+                                     kt.GenerationConfig(max_new_tokens=2)))
+        again = engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=1),
+                                        use_tqdm=False)[0]
+        assert again.token_ids == expected[len(prompt):len(prompt) + 1]  # still serving
+    with pytest.raises(ValueError, match=r"max_model_len=32 is more than the model's sliding "
+                                         r"window \(24\)"):
+        _engine(folder, disable_sliding_window=True, max_model_len=32)
+
+
+def test_models_without_a_window_ignore_it(tmp_path):
+    folder = tmp_path / "llama"
+    build_tiny_model("llama2", folder)
+    with _engine(folder) as plain, _engine(folder, disable_sliding_window=True) as flagged:
+        assert flagged.max_model_len == plain.max_model_len > WINDOW
+
+
+def test_the_flag():
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    assert configs_from_args(parse(["serve", "--disable-sliding-window"]))[0] \
+        .disable_sliding_window is True
+    assert configs_from_args(parse(["serve"]))[0].disable_sliding_window is False
