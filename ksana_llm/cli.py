@@ -205,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "flags_file", None):
             args = _with_flags_file(parser, args, argv)
+        args.command_line = argv  # as given (data-parallel replicas run it again)
         return args.func(args)
     except (ValueError, OSError) as exc:
         # Bad settings and unreadable files (missing, a folder, corrupt: the loaders name the

@@ -107,6 +107,9 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "name); more names are aliases, the first is the one reported")
     if listen:
         add_listen_args(parser)
+        parser.add_argument("--data-parallel-size", "-dp", type=cli_types.positive_int,
+                            default=1, help="vLLM's: replicas of the model, each a server of "
+                                            "its own (its own GPUs), behind this one endpoint")
         # (run-batch shows a progress bar instead)
         parser.add_argument("--disable-log-stats", action="store_true",
                             help="no periodic stats line (throughput, queue, KV cache use; "

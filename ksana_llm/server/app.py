@@ -308,6 +308,10 @@ def run_server(args: argparse.Namespace) -> int:
                               args.ssl_keyfile_password)  # so does a bad certificate
     middleware = user_middlewares(getattr(args, "middleware", None))  # and a bad --middleware
     config, settings = configs_from_args(args)
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from ksana_llm.server.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, config)
     kv_role, kv_ttl = kv_transfer_from_args(args, settings)
     check_kv_role(kv_role, config.tensor_parallel_size, config.pipeline_parallel_size)
     node = multi_node_env()

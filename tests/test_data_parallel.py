@@ -1,0 +1,105 @@
+"""`serve --data-parallel-size 2` (vLLM's): two replicas (each a real `serve` process) behind one
+endpoint. Answers are transformers' greedy tokens, requests reach both replicas, stopping the
+server stops them, a replica that dies stops the server, and settings it cannot take are
+refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from ksana_llm.cli import main
+from ksana_llm.server.data_parallel import replica_command
+from tests.family_harness import greedy_trace, hf_reference
+from tests.server_process import ServerProcess
+from tests.tiny_models import build_tiny_chat_model
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(default_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data-parallel") / "tiny"
+    hf = build_tiny_chat_model(folder, default_model_dir, num_hidden_layers=2)
+    return folder, hf_reference(hf), AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def _replicas(server: ServerProcess) -> list[tuple[str, int]]:
+    """(URL, pid) of each replica, from the server's log."""
+    return [(url, int(pid)) for url, pid in re.findall(
+        r"data-parallel replica \d+: (http://127\.0\.0\.1:\d+) \(pid (\d+)\)", server.log())]
+
+
+def _successes(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer secret"},
+                        timeout=10).text
+    assert "ksana_llm:request_success_total" in metrics
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("ksana_llm:request_success_total{"))
+
+
+def test_two_replicas_behind_one_endpoint(tiny):
+    folder, reference, tokenizer = tiny
+    ids = tokenizer(PROMPT)["input_ids"]
+    expected = tokenizer.decode(greedy_trace(reference, ids, MAX_TOKENS)[0][len(ids):])
+    server = ServerProcess(["--model", str(folder), "--served-model-name", "tiny", "--dtype",
+                            "float32", "--data-parallel-size", "2", "--api-key", "secret"])
+    try:
+        replicas = [url for url, _ in _replicas(server)]
+        assert len(set(replicas)) == 2
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        headers = {"Authorization": "Bearer secret"}
+        for _ in range(4):
+            answer = httpx.post(server.base_url + "/completions", json=body, headers=headers,
+                                timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected
+        assert httpx.post(server.base_url + "/completions", json=body,
+                          timeout=60).status_code == 401
+        # Both replicas answered (in turn), and each keeps the key.
+        assert [_successes(url) for url in replicas] == [2, 2]
+        assert httpx.post(replicas[0] + "/v1/completions", json=body,
+                          timeout=60).status_code == 401
+    finally:
+        server.stop()
+    for url in replicas:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=2)
+
+
+def test_a_dead_replica_stops_the_server(tiny):
+    folder = tiny[0]
+    server = ServerProcess(["--model", str(folder), "--dtype", "float32",
+                            "--data-parallel-size", "2"])
+    try:
+        (first, _), (_, second_pid) = _replicas(server)
+        os.kill(second_pid, signal.SIGKILL)
+        assert server.proc.wait(60) == 1
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(first + "/health", timeout=2)
+    finally:
+        server.stop()
+
+
+def test_refusals_and_the_replica_command(capsys):
+    assert main(["serve", "--data-parallel-size", "2", "--kv-role", "prefill",
+                 "--device", "cpu"]) == 2
+    assert "start the prefill and decode servers yourself" in capsys.readouterr().err
+    assert main(["serve", "--data-parallel-size", "2", "--tensor-parallel-size", "0",
+                 "--device", "cpu"]) == 2
+    assert "explicit --tensor-parallel-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--data-parallel-size", "0"])
+    command = replica_command(["serve", "m", "--ssl-certfile", "c.pem", "--ssl-keyfile=k.pem",
+                               "--root-path", "/api", "--api-key", "k", "-dp", "2"], 9000)
+    assert command[3:] == ["serve", "m", "--api-key", "k", "-dp", "2", "--data-parallel-size",
+                           "1", "--host", "127.0.0.1", "--port", "9000"]
