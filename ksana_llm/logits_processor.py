@@ -170,7 +170,8 @@ class PerRequestLogitsProcessor(LogitsProcessor):
                     raise ValueError(f"the request's processor {problem}")
                 if result is not values:
                     values.copy_(result)
-            except Exception as exc:  # noqa: BLE001 - user code: this request's failure alone
+            # User code: this request's failure alone (SystemExit too: the engine lives on).
+            except (Exception, SystemExit) as exc:  # noqa: BLE001
                 row.fail(exc)
         return logits
 

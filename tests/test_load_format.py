@@ -41,9 +41,12 @@ def _greedy(model: kt.Model, prompt: list[int]) -> tuple[list[int], torch.Tensor
 
 
 def test_dummy_weights_match_transformers_with_the_same_tensors(default_model_dir,
-                                                                default_model):
-    model = kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32",
-                                     progress=False, load_format="dummy")
+                                                                default_model, tmp_path):
+    """From a folder with no weight files at all (config and tokenizer only)."""
+    folder = tmp_path / "no-weights"
+    shutil.copytree(default_model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                     load_format="dummy")
     assert model.load_format == "dummy"
     tokens, logits = _greedy(model, PROMPT)
     reference = hf_reference(_hf_with_dummy_weights(default_model_dir))
@@ -104,6 +107,10 @@ def test_bad_load_formats_are_clear_errors(default_model_dir, default_model):
         kt.EngineConfig(load_format="npcache")
     with pytest.raises(ValueError, match="load_format='dummy' applies while a model loads"):
         kt.Engine(default_model, load_format="dummy")
+    # In a config given with a loaded model, the model's own settings replace it.
+    with kt.Engine(default_model, config=kt.EngineConfig(load_format="dummy"),
+                   num_device_blocks=16) as engine:
+        assert engine.config.load_format == "auto"
 
     from ksana_llm.cli import build_parser
     from ksana_llm.server.app import configs_from_args

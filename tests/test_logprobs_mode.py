@@ -45,8 +45,9 @@ def test_raw_logits_of_samples_and_prompts(default_model, hf_default_model):
     assert any(entry["logprob"] > 0 for entry in out.logprobs)
     assert out.sequences[0].cumulative_logprob == pytest.approx(
         sum(entry["logprob"] for entry in out.logprobs), abs=1e-3)
+    # Prompt log-probs stay log-probs, as vLLM's model runner computes them.
     prompt_entries = out.prompt_logprobs[1:]
-    _check_entries(prompt_entries, logits[:len(ids) - 1], TOP)
+    _check_entries(prompt_entries, torch.log_softmax(logits[:len(ids) - 1], dim=-1), TOP)
     for entry, row in zip(prompt_entries, logits):
         assert entry["rank"] == int((row >= row[entry["token_id"]]).sum())
 
@@ -120,6 +121,23 @@ def test_raw_logits_through_speculative_verification(default_model, hf_default_m
         assert engine.stats().num_accepted_draft_tokens > 0
     logits = _hf_logits(hf_default_model, ids + out.token_ids)
     _check_entries(out.logprobs, logits[len(ids) - 1:-1], TOP)
+
+
+def test_best_of_needs_log_probs_to_rank(default_model):
+    """best_of ranks samples by summed log-probs: refused when they are logits, served when
+    they are processed log-probs."""
+    config = kt.GenerationConfig(max_new_tokens=3, do_sample=True, best_of=3, seed=2)
+    with kt.Engine(default_model, num_device_blocks=64, logprobs_mode="raw_logits") as engine:
+        with pytest.raises(ValueError, match=r"best_of \(3\) ranks samples by their summed "
+                                             r"log-probs, but this engine's logprobs_mode "
+                                             r"\(raw_logits\) reports logits"):
+            engine.submit(kt.Request(PROMPT, config))
+        assert len(engine.generate_outputs(PROMPT, config.replace(best_of=None),
+                                           use_tqdm=False)[0].token_ids) == 3
+    with kt.Engine(default_model, num_device_blocks=64,
+                   logprobs_mode="processed_logprobs") as engine:
+        out = engine.generate_outputs(PROMPT, config, use_tqdm=False)[0]
+    assert len(out.token_ids) == 3 and out.sequences[0].cumulative_logprob <= 0
 
 
 def test_the_setting_and_its_flag():

@@ -89,7 +89,8 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
             model.check_load_settings(self.config, given=overrides)
             # The settings that shaped the loaded model are the model's, whatever `config` said.
             self.config = self.config.model_copy(update={"device": str(model.device),
-                                                         "dtype": model.dtype_name})
+                                                         "dtype": model.dtype_name,
+                                                         "load_format": model.load_format})
             if tokenizer is None and self.config.tokenizer is not None:
                 model = model.with_tokenizer(self.config.tokenizer)
         else:
@@ -137,7 +138,8 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
             max_num_seqs=self.config.max_num_seqs,
             kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout,
             lora=self._lora, priority_scheduling=self.scheduling_policy.uses_priority,
-            logits_processors=self._core.sampler.logits_processors)
+            logits_processors=self._core.sampler.logits_processors,
+            logprobs_mode=self._core.sampler.logprobs_mode)
         self._stats = StatsTracker()
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []

@@ -57,8 +57,11 @@ class RequestBuilder:
     def __init__(self, model: Model, tokenizer: Any, *, max_model_len: int,
                  max_num_seqs: int, kv_layout: KvLayout | None = None,
                  lora: LoraRegistry | None = None, priority_scheduling: bool = True,
-                 logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
+                 logits_processors: tuple[LogitsProcessor, ...] = (),
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.model = model
+        # What sample log-probs report: best_of ranks by their sum, which logits cannot give.
+        self.logprobs_mode = logprobs_mode
         # The engine's own processors: each checks a request's settings, and says whether it
         # applies to it, here (in the caller's thread, so a refusal is the caller's ValueError).
         self.logits_processors = logits_processors
@@ -275,6 +278,11 @@ class RequestBuilder:
                     f"allowed_token_ids {config.allowed_token_ids[:5]} are all stop tokens that "
                     f"min_new_tokens ({config.min_new_tokens}) holds back, or banned: nothing "
                     "could be generated")
+        if config.ranks_sequences and not config.use_beam_search \
+                and self.logprobs_mode.endswith("_logits"):
+            raise ValueError(f"best_of ({config.best_of}) ranks samples by their summed "
+                             f"log-probs, but this engine's logprobs_mode "
+                             f"({self.logprobs_mode}) reports logits; use best_of = n")
         if config.num_sequences > self.max_num_seqs:
             what = "num_beams" if config.use_beam_search else (
                 "best_of" if config.best_of else "num_return_sequences")

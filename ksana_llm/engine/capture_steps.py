@@ -36,8 +36,7 @@ class CaptureSteps:
                     k = seq.config.prompt_logprobs or 0
                     targets = to_device([seq.prompt_token_ids[p + 1] for p in positions],
                                         torch.long, rows.logits.device)
-                    chosen, ranks, values, ids = token_logprobs(rows.logits, targets, k,
-                                                                self.sampler.logprobs_mode)
+                    chosen, ranks, values, ids = token_logprobs(rows.logits, targets, k)
                     packed = torch.cat((chosen.double().unsqueeze(1), ranks.double().unsqueeze(1),
                                         values.double(), ids.double()), dim=1)  # ids < 2**53: exact
                     reads.append(CaptureRead(seq, positions,

@@ -101,6 +101,9 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
     checkpoint_format = checkpoint_quantization(hf_config, model_dir)
+    if load_format == "dummy" and checkpoint_format is not None:
+        raise ValueError(f"load_format 'dummy' makes unquantized weights; {model_dir} holds a "
+                         f"{checkpoint_format} checkpoint")
     weight_map_path = find_weight_map(model_dir, getattr(hf_config, "model_type", None))
     if weight_map_path is not None:  # a broken map should fail in milliseconds, not after a build
         load_weight_map(weight_map_path)

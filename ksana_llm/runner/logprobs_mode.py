@@ -8,7 +8,10 @@
 - "processed_logits": those processed logits themselves.
 
 The chosen token's value, the top ones and the cumulative sum all come from the same tensor.
-Prompt log-probs have no processing: the processed modes report them as the raw ones.
+Prompt log-probs stay log-probs in every mode, as vLLM's model runner computes them. Beam
+search reports what it ranks by in the processed modes: the processed log-probs (transformers'
+processors run on log-probs), as they are for processed_logits, renormalised for
+processed_logprobs; a beam's cumulative_logprob stays the sum it was ranked by.
 """
 
 from __future__ import annotations

@@ -233,14 +233,13 @@ def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow],
     return (process_logits(raw, rows, None, engine_processors) if needs_processing else raw), raw
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
-                   logprobs_mode: str = "raw_logprobs"
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw log-probs of `token_ids` [N] under logits [N, V] (or what `logprobs_mode` reports
-    instead: nothing processes prompt positions), their ranks (1 = most likely; a tie counts
-    against the token, as in vLLM), and the top-k (values, ids) of each row (k may be 0): the
-    entries of prompt log-probs."""
-    raw = reported_values(logprobs_mode, logits, None)
+    """Raw log-probs of `token_ids` [N] under logits [N, V], their ranks (1 = most likely; a tie
+    counts against the token, as in vLLM), and the top-k (values, ids) of each row (k may be 0):
+    the entries of prompt log-probs (log-probs whatever the engine's logprobs_mode, as vLLM's
+    model runner computes them)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
     chosen = raw.gather(1, token_ids.to(raw.device).unsqueeze(1)).squeeze(1)
     ranks = (raw >= chosen.unsqueeze(1)).sum(dim=1)
     if k > 0:
@@ -351,7 +350,7 @@ class Sampler:
         for processor in row.engine_processors:
             try:
                 processor.release(row.view)
-            except Exception:  # noqa: BLE001 - user code: the row is gone either way
+            except (Exception, SystemExit):  # noqa: BLE001 - user code: the row is gone either way
                 logger.exception("logits processor %s failed to release request %s",
                                  type(processor).__name__, row.request_id)
 

@@ -243,7 +243,10 @@ class DisconnectWatchMiddleware:
         async def watched_receive() -> Message:
             nonlocal last
             if last is not None:  # the body is complete: the watching task has the next one
-                return await asyncio.shield(last)
+                message = await asyncio.shield(last)
+                if message["type"] != "http.disconnect":
+                    last = None  # handed on once; a disconnect is the answer from then on
+                return message
             message = await receive()
             if message["type"] == "http.disconnect":
                 gone.set()
@@ -254,8 +257,12 @@ class DisconnectWatchMiddleware:
         try:
             await self.app(scope, watched_receive, send)
         finally:
-            if last is not None and not last.done():
-                last.cancel()
+            if last is not None:
+                if last.done():
+                    if not last.cancelled():
+                        last.exception()  # read, so asyncio does not log it as never retrieved
+                else:
+                    last.cancel()
 
 
 def client_gone(scope: Scope) -> bool:
