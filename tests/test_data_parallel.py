@@ -38,12 +38,14 @@ def _replicas(server: ServerProcess) -> list[tuple[str, int]]:
         r"data-parallel replica \d+: (http://127\.0\.0\.1:\d+) \(pid (\d+)\)", server.log())]
 
 
-def _successes(url: str) -> float:
+def _successes(url: str, server: str | None = None) -> float:
+    """Finished requests in `url`'s /metrics (only the samples of `server`, on a front end)."""
     metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer secret"},
                         timeout=10).text
     assert "ksana_llm:request_success_total" in metrics
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("ksana_llm:request_success_total{"))
+               if line.startswith("ksana_llm:request_success_total{")
+               and (server is None or f'server="{server}"' in line))
 
 
 def test_two_replicas_behind_one_endpoint(tiny):
@@ -65,8 +67,12 @@ def test_two_replicas_behind_one_endpoint(tiny):
             assert answer.json()["choices"][0]["text"] == expected
         assert httpx.post(server.base_url + "/completions", json=body,
                           timeout=60).status_code == 401
-        # Both replicas answered (in turn), and each keeps the key.
+        # Both replicas answered (in turn), and each keeps the key; the front end's /metrics
+        # has each one's, labelled with its URL.
         assert [_successes(url) for url in replicas] == [2, 2]
+        assert [_successes(server.url, url) for url in replicas] == [2, 2]
+        front = httpx.get(server.url + "/metrics", headers=headers, timeout=10).text
+        assert "ksana_llm:router_unreachable_servers 0.0" in front
         assert httpx.post(replicas[0] + "/v1/completions", json=body,
                           timeout=60).status_code == 401
     finally:

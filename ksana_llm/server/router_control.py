@@ -2,7 +2,8 @@
 prefill and a decode server. `/v1/models` is the first decode server's list; `/health` (and
 `/ping`) sums up every server's health; `/reset_prefix_cache`, `/update_weights_from_disk`,
 `/sleep` and `/wake_up` go to every server, prefill and decode alike, their answers gathered by
-URL, and `/is_sleeping` asks every one.
+URL, `/is_sleeping` asks every one, and `/metrics` shows every server's metrics, labelled by
+server (`server/router_metrics.py`).
 
 Split from `server/router.py`, which routes each generation request to one server in turn:
 these routes share only the router's HTTP client, upstream headers, server lists and counters.
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ksana_llm.server.errors import engine_unavailable
+from ksana_llm.server.router_metrics import merged_metrics, scrape_servers
 
 if TYPE_CHECKING:
     from ksana_llm.server.router import Router, RouterConfig
@@ -76,6 +79,15 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
         done = all(isinstance(asleep, bool) for asleep in servers.values())
         return JSONResponse({"is_sleeping": any(asleep is True for asleep in servers.values()),
                              "servers": servers}, status_code=200 if done else 502)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Every server's Prometheus metrics, each sample labelled with its server's URL."""
+        router: Router = request.app.state.router
+        pages, unreachable = await scrape_servers(
+            router.client, config.prefill_urls + config.decode_urls,
+            router.headers(request_id_of(request)))
+        return Response(merged_metrics(pages, unreachable), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     @app.get("/ping")
