@@ -376,3 +376,29 @@ def test_a_step_loop_failure_fails_the_calls_it_had_taken(default_model, monkeyp
         assert not engine.is_running
     finally:
         engine.shutdown()
+
+
+def test_an_engine_thread_that_cannot_start_fails_its_callers(default_model, monkeypatch):
+    """The engine thread binds its device before the first step (on a GPU; torch 2.11 refused
+    a device without an index there): a failure at that point fails every caller with it, and
+    later calls at once, instead of leaving them waiting for steps that never come."""
+    import threading
+
+    started = threading.Event()
+
+    def broken_bind(self):
+        started.wait(30)  # a request is queued first, so it is one the failure must reach
+        raise ValueError("Expected a torch.device with a specified index")
+
+    monkeypatch.setattr(kt.Engine, "_bind_device", broken_bind)
+    engine = kt.Engine(default_model, num_device_blocks=16)
+    try:
+        handle = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=2)))
+        started.set()
+        with pytest.raises(kt.RequestError, match="specified index"):
+            handle.result(timeout=30)
+        assert not engine.is_running and isinstance(engine.failure, ValueError)
+        with pytest.raises(kt.EngineDeadError, match="specified index"):
+            engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=2))
+    finally:
+        engine.shutdown()

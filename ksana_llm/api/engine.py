@@ -305,13 +305,12 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         core = self._core
-        if core.runner.device.type == "cuda":
-            # The current device is per thread: make it the model's, so kernels and events that
-            # use the current stream (Triton launches, graph captures) use the model's GPU.
-            torch.cuda.set_device(core.runner.device)
         commands: list[tuple[Callable[[], Any], Future]] = []  # taken, not yet run
         asleep = False  # sleep mode: requests wait (only commands change it, on this thread)
         try:
+            # Inside the guard: a thread that dies here must fail its callers, not leave them
+            # waiting for steps that never come.
+            self._bind_device()
             while True:
                 with self._wake:
                     while not (self._inbox or self._aborts or self._commands or self._stopping
@@ -365,6 +364,16 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
             with self._wake:  # taken before the failure: their callers must not wait forever
                 self._commands[:0] = commands
             self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+
+    def _bind_device(self) -> None:
+        """The current CUDA device is per thread: make it the model's on the engine thread, so
+        kernels and events that use the current stream (Triton launches, graph captures) run on
+        the model's GPU."""
+        device = self._core.runner.device
+        if device.type == "cuda":
+            # torch < 2.13 refuses a device without an index ("cuda"): give it one.
+            torch.cuda.set_device(device.index if device.index is not None
+                                  else torch.cuda.current_device())
 
     def _release_unfinished(self) -> None:
         """On shutdown, finish what the core still holds so its blocks are free and `stats()`
