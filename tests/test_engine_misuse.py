@@ -379,9 +379,10 @@ def test_a_step_loop_failure_fails_the_calls_it_had_taken(default_model, monkeyp
 
 
 def test_an_engine_thread_that_cannot_start_fails_its_callers(default_model, monkeypatch):
-    """The engine thread binds its device before the first step (on a GPU; torch 2.11 refused
-    a device without an index there): a failure at that point fails every caller with it, and
-    later calls at once, instead of leaving them waiting for steps that never come."""
+    """The engine thread binds its device before the first step (on the first H200 run,
+    torch.cuda.set_device refused a device without an index there): a failure at that point
+    fails every caller with it, and later calls at once, instead of leaving them waiting for
+    steps that never come."""
     import threading
 
     started = threading.Event()
@@ -402,3 +403,22 @@ def test_an_engine_thread_that_cannot_start_fails_its_callers(default_model, mon
             engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=2))
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("device, index", [("cuda", 0), ("cuda:1", 1)])
+def test_the_engine_thread_names_its_gpu_by_index(monkeypatch, device, index):
+    """torch.cuda.set_device takes only a device with an index, and a model's device is often
+    a bare "cuda" (the bug that stopped the first H200 run): _bind_device hands it the current
+    device's index then. torch's own index check stands in for the call, which needs a GPU."""
+    from types import SimpleNamespace
+
+    from torch._utils import _get_device_index
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: bound.append(_get_device_index(d)))  # raises without an index
+    engine = SimpleNamespace(_core=SimpleNamespace(runner=SimpleNamespace(
+        device=torch.device(device))))
+    kt.Engine._bind_device(engine)
+    assert bound == [index]

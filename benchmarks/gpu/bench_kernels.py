@@ -16,6 +16,8 @@ benchmark times its peer in the same run — the torch backend's method (gather 
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib.util
 import json
 import os
 import platform
@@ -68,21 +70,28 @@ def stage_env(out_dir: Path) -> int:
 def stage_tests(out_dir: Path) -> int:
     """tests/test_kernels.py and tests/test_kernels_prefill.py natively on the GPU (no
     interpreter): fp32, fp16 and bf16; the FP8-weight matmul's and the grouped MoE matmul's
-    tests; and the sampler's device
-    token histories (tests/test_token_history.py) on the GPU."""
+    tests; and the sampler's device token histories (tests/test_token_history.py) on the GPU.
+
+    Natively every kernel variant is compiled once (the first H200 run spent its whole 180 s
+    there, one test at a time, and printed nothing): so the tests spread over worker processes
+    when pytest-xdist is installed (the GPU image has it), each test has a time limit that
+    names the one that hangs, and pytest's output streams into the stage's log as it runs."""
     junit = out_dir / "kernel_tests.xml"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "pytest", "tests/test_kernels.py",
+               "tests/test_kernels_prefill.py", "tests/test_fp8_matmul.py",
+               "tests/test_kernels_moe.py", "tests/test_token_history.py", "-q", "-rfE",
+               "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        command.append("--timeout=150")
+    if importlib.util.find_spec("xdist") is not None:
+        command += ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels.py",
-                           "tests/test_kernels_prefill.py", "tests/test_fp8_matmul.py",
-                           "tests/test_kernels_moe.py",
-                           "tests/test_token_history.py", "-q",
-                           "-p", "no:cacheprovider", f"--junitxml={junit}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    returncode, tail = run_streamed(command, env)
     seconds = time.perf_counter() - start
-    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n")
-    summary: dict[str, Any] = {"returncode": proc.returncode, "seconds": round(seconds, 1)}
+    summary: dict[str, Any] = {"returncode": returncode, "seconds": round(seconds, 1),
+                               "command": command[3:]}
     if junit.exists():
         suite = ET.parse(junit).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -90,10 +99,27 @@ def stage_tests(out_dir: Path) -> int:
                         for key in ("tests", "failures", "errors", "skipped")})
         summary["failed"] = [case.get("name") for case in suite.iter("testcase")
                              if case.find("failure") is not None or case.find("error") is not None]
-    if proc.returncode:
-        summary["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    if returncode:
+        summary["output_tail"] = tail
     write_json(out_dir, "kernel_tests", summary)
-    return proc.returncode
+    return returncode
+
+
+def run_streamed(command: list[str], env: dict[str, str], keep: int = 4000) -> tuple[int, str]:
+    """Run `command` in the repository with its output passed on line by line as it comes (into
+    run.sh's log, so a stage stopped at its time limit still shows how far it got); returns
+    the exit status and the last `keep` characters of the output."""
+    tail: collections.deque[str] = collections.deque()
+    size = 0
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout or ():  # stdout=PIPE: always a stream
+            print(line, end="", flush=True)
+            tail.append(line)
+            size += len(line)
+            while size > keep and len(tail) > 1:
+                size -= len(tail.popleft())
+    return proc.returncode, "".join(tail)
 
 
 # --------------------------------------------------------------------------------------------

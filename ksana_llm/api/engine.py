@@ -371,7 +371,7 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
         the model's GPU."""
         device = self._core.runner.device
         if device.type == "cuda":
-            # torch < 2.13 refuses a device without an index ("cuda"): give it one.
+            # set_device refuses a device without an index ("cuda", the default): give it one.
             torch.cuda.set_device(device.index if device.index is not None
                                   else torch.cuda.current_device())
 
