@@ -116,3 +116,52 @@ def test_gpu_parity_allows_a_difference_only_at_a_near_tie():
     assert not compare(cpu, output([5, 8, 3], tied), tie=1e-4)["ok"]  # not a tie at 1e-4
     assert not compare(cpu, output([6, 7, 9], tied), tie=1e-3)["ok"]  # no tie at token 0
     assert not compare(cpu, output([5, 7], tied), tie=1e-3)["ok"]  # a token missing
+
+
+def test_gpu_profile_stage_smoke(tmp_path):
+    """`benchmarks/gpu/profile_steps.py --smoke`: every window reached and profiled on the CPU
+    (host ops stand in for kernels there), and kernel names land in the right families."""
+    from benchmarks.gpu import profile_steps
+
+    assert profile_steps.main(["--smoke", "--out", str(tmp_path)]) == 0
+    windows = json.loads((tmp_path / "profile.json").read_text())["windows"]
+    assert [w["name"] for w in windows] == ["prefill", "decode 16", "decode 2", "decode 1"]
+    for w in windows:
+        assert w["steps"] == 3 and w["wall_ms_per_step"] > 0 and w["top_kernels"]
+        assert sum(w["families_ms_per_step"].values()) > 0
+    family = profile_steps.family_of
+    assert family("_decode_kernel") == family("_reduce_kernel") == "attention decode"
+    assert family("_prefill_kernel") == "attention prefill"
+    assert family("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NTN") == "matmul"
+    assert family("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert family("_rms_norm_kernel") == "norm" and family("Memcpy DtoH (Device -> Pinned)") \
+        == "copies"
+    assert family("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
+
+
+def test_hf_generate_batch_cap_cancels_what_is_unfinished(monkeypatch, tmp_path):
+    """HF generate_batch stopped at its cap cancels every unfinished request before leaving
+    the manager, which would otherwise finish them all first (164 s past a 60 s cap on the
+    H200): the cap bounds the peer's time, as the JSON says it does."""
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager)
+
+    from benchmarks.gpu.engine_models import SPECS, build_checkpoint
+    from benchmarks.gpu.hf_peer import run_hf_capped
+    from benchmarks.workload import allowed_token_ids, build_workload
+
+    cancelled = []
+    original = ContinuousBatchingManager.cancel_request
+
+    def recording_cancel(self, request_id):
+        cancelled.append(request_id)
+        return original(self, request_id)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "cancel_request", recording_cancel)
+    model, _ = build_checkpoint(SPECS["qwen3-0.6b"], torch.device("cpu"), torch.float32, True,
+                                tmp_path)
+    workload = build_workload(8, 400, 480, 0, allowed_token_ids(None, 512))
+    out = run_hf_capped(model, workload, 16, 256, cap_s=0.5)
+    assert not out["complete"] and out["requests_finished"] < 8
+    assert len(cancelled) == 8 - out["requests_finished"] and len(set(cancelled)) == len(cancelled)
+    assert out["output_tokens_counted"] > 0 and "extrapolated" in out

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one go, from the repository root on a CUDA machine:
-#     bash benchmarks/gpu/run.sh            # all stages (estimated 9-10 minutes on an H200:
-#                                           # more than one 600 s device call, so split them)
+#     bash benchmarks/gpu/run.sh            # all stages (more than one 600 s device call on
+#                                           # an H200: split them; engine-qwen3 took 288 s on
+#                                           # 2026-12-04, 164 s of it HF past its cap, now cut)
 #     bash benchmarks/gpu/run.sh decode     # only the named stages
 # Stages: env, tests (kernel tests natively), graph-tests (tests/test_cuda_graphs.py with real
 # capture), parity (the engine's greedy tokens on CUDA vs on the CPU, fp32, benchmarks/gpu/
-# parity.py), engine-qwen3 / engine-llama8b (the reference workload: our engine vs HF
-# generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks); spec
+# parity.py), profile (device time per kernel family in prefill and decode steps,
+# benchmarks/gpu/profile_steps.py), engine-qwen3 / engine-llama8b (the reference workload: our
+# engine vs HF generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks); spec
 # (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
 # Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
 # random rank-16 LoRA adapters, round robin) and engine-qwen3-fp8w / engine-llama8b-fp8w (the
@@ -47,11 +49,12 @@ fi
 
 STAGES=("$@")
 if [ ${#STAGES[@]} -eq 0 ]; then
-    STAGES=(env tests graph-tests parity engine-qwen3 engine-llama8b decode prefill)
+    STAGES=(env tests graph-tests parity engine-qwen3 profile engine-llama8b decode prefill)
 fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
-declare -A LIMIT=([env]=60 [tests]=180 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
+declare -A LIMIT=([env]=60 [tests]=240 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
+                  [profile]=180
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
@@ -112,6 +115,9 @@ for stage in "${STAGES[@]}"; do
         # the same at the Llama-3-8B shape
         engine-llama8b) run_stage engine-llama8b "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models llama-3-8b --out "$RESULTS" ;;
+        # where step time goes: torch.profiler over prefill and decode windows (256, 32, 1
+        # sequences) of the Qwen3-0.6B engine, device time by kernel family
+        profile) run_stage profile "$PYTHON" -m benchmarks.gpu.profile_steps --out "$RESULTS" ;;
         # paged decode attention at the Qwen3-0.6B shape: batch 256 x ~600 tokens, and 4 x 8k
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
         # the FP8-weight matmul (Llama-3-8B / Qwen3 shapes, 1-256 rows) vs bf16 cuBLAS
@@ -124,7 +130,7 @@ for stage in "${STAGES[@]}"; do
         # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
-        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity engine-qwen3" \
+        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile engine-qwen3" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-qwen3moe"\
                 " engine-deepseek engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\
