@@ -10,7 +10,8 @@ import os
 from typing import Any
 
 from ksana_llm import cli_types
-from ksana_llm.config import KV_CACHE_DTYPES, KV_ROLES, SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS
+from ksana_llm.config import (KV_CACHE_DTYPES, KV_ROLES, LOAD_FORMATS, LOGPROBS_MODES,
+                              SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS)
 
 _SPECULATIVE_METHOD_HELP = ("where drafts come from: mtp = the model's MTP layer (DeepSeek V3/R1 "
                             "with MTP weights); ngram = the sequence's own history (prompt "
@@ -254,8 +255,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "subclasses by import path (on PYTHONPATH), run in this order; "
                              "requests set theirs with `vllm_xargs`")
     parser.add_argument("--logprobs-mode", default=None,
-                        choices=("raw_logprobs", "raw_logits", "processed_logprobs",
-                                 "processed_logits"),
+                        choices=LOGPROBS_MODES,
                         help="vLLM's: what requested log-probs report (default raw_logprobs: "
                              "the model's distribution; processed_*: after the processors "
                              "and sampling settings; *_logits: logits, not log-probs)")
@@ -314,7 +314,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
                         help=_QUANTIZATION_HELP)
     parser.add_argument("--load-format", default=None,
-                        choices=("auto", "safetensors", "pt", "gguf", "dummy"),
+                        choices=LOAD_FORMATS,
                         help="vLLM's: where the weights come from (default auto: safetensors, "
                              "else .bin; dummy: made-up weights of the config's shapes, for "
                              "profiling)")

@@ -35,6 +35,15 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDType)
 WeightQuantization = Literal["fp8", "w8a8_int8"]
 WEIGHT_QUANTIZATIONS: tuple[str, ...] = get_args(WeightQuantization)
 
+# Where a model's weights come from (loader.load_format.LOAD_FORMATS, which cannot import this
+# module, spells the same; tests/test_load_format.py holds them equal).
+LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
+LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
+# What requested log-probs report (runner.logprobs_mode.LOGPROBS_MODES spells the same; held
+# equal by tests/test_logprobs_mode.py).
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+
 # Where speculative decoding's drafts come from: the model's MTP layer, or the sequence itself.
 SpeculativeMethod = Literal["mtp", "ngram"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
@@ -68,7 +77,7 @@ class EngineConfig(BaseModel):
                           "(KsanaLLM quantization_config.weight.quant_method fp8_e4m3, vLLM "
                           "--quantization fp8). FP8 checkpoints (quant_method 'fp8') load as "
                           "FP8 either way")
-    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = Field(
+    load_format: LoadFormat = Field(
         "auto", description="vLLM's: where the weights come from: the folder's safetensors, else "
                             ".bin (auto); only safetensors or only .bin files; a .gguf file; or "
                             "'dummy': made-up weights of the config's shapes (profiling)")
@@ -120,8 +129,7 @@ class EngineConfig(BaseModel):
                         "subclasses, or their import paths 'module:Class', made once per engine "
                         "and run in this order on every step's logits for the requests they "
                         "apply to (set per request with GenerationConfig.extra_args)")
-    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs",
-                           "processed_logits"] = Field(
+    logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="vLLM's: what requested log-probs report: log_softmax of "
                                     "the model's logits (raw_logprobs) or the logits "
                                     "(raw_logits); or, processed_*, of the logits each token "

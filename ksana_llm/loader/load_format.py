@@ -20,6 +20,7 @@ import torch
 
 __all__ = ["LOAD_FORMATS", "check_load_format", "dummy_weights"]
 
+# config.LoadFormat spells the same (the config sits above the loader; a test holds them equal).
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 # vLLM's other formats: named in the refusal so a user knows it is not a typo.
 _VLLM_ONLY = ("npcache", "tensorizer", "sharded_state", "bitsandbytes", "mistral",

@@ -20,6 +20,7 @@ import torch
 
 __all__ = ["LOGPROBS_MODES", "check_logprobs_mode", "reported_values", "reports_logits"]
 
+# config.LogprobsMode spells the same (the config sits above the runner; a test holds them equal).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
