@@ -313,6 +313,13 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help=_KV_CACHE_DTYPE_HELP)
     parser.add_argument("--quantization", "-q", default=None, choices=WEIGHT_QUANTIZATIONS,
                         help=_QUANTIZATION_HELP)
+    parser.add_argument("--revision", default=None,
+                        help="vLLM's: the branch, tag or commit of a Hugging Face hub model id "
+                             "(default main)")
+    parser.add_argument("--download-dir", default=None,
+                        help="vLLM's: the Hugging Face cache a hub model id is read from and "
+                             "downloaded into (default HF_HUB_CACHE / HF_HOME's; "
+                             "HF_HUB_OFFLINE=1 reads it only)")
     parser.add_argument("--load-format", default=None,
                         choices=LOAD_FORMATS,
                         help="vLLM's: where the weights come from (default auto: safetensors, "

@@ -65,7 +65,13 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False,
                               arbitrary_types_allowed=True)
 
-    model: str | None = Field(None, description="HF folder or .gguf file; None -> default model")
+    model: str | None = Field(None, description="HF folder, .gguf file or Hugging Face hub id; "
+                                                 "None -> default model")
+    revision: str | None = Field(
+        None, description="vLLM's: the branch, tag or commit of a hub model id (default main)")
+    download_dir: str | None = Field(
+        None, description="vLLM's: the Hugging Face cache a hub model id is read from and "
+                          "downloaded into (default HF_HUB_CACHE / HF_HOME's)")
     tokenizer: str | None = Field(
         None, description="folder of the tokenizer to use instead of the model's own (vLLM "
                           "--tokenizer, KsanaLLM tokenizer_dir); None -> the model's")

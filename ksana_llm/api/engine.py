@@ -99,7 +99,8 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
                 dtype=self.config.dtype, tensor_parallel_size=self.config.tensor_parallel_size,
                 pipeline_parallel_size=self.config.pipeline_parallel_size,
                 quantization=self.config.quantization, tokenizer=self.config.tokenizer,
-                hf_overrides=self.config.hf_overrides, load_format=self.config.load_format)
+                hf_overrides=self.config.hf_overrides, load_format=self.config.load_format,
+                revision=self.config.revision, download_dir=self.config.download_dir)
             try:
                 self._start(model, tokenizer, generation_config)
             except BaseException:

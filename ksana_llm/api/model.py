@@ -28,7 +28,7 @@ logger = logging.getLogger("ksana_llm.model")
 
 # Settings that shape how a model loads: given with an already-loaded Model, they cannot apply.
 _LOAD_SETTINGS = ("device", "dtype", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
-                  "hf_overrides", "load_format")
+                  "hf_overrides", "load_format", "revision", "download_dir")
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16,
                             "bfloat16": torch.bfloat16})
@@ -199,7 +199,9 @@ class Model:
                                   "quantization": None,
                                   "tensor_parallel_size": ctx.tp_size if ctx else 1,
                                   "pipeline_parallel_size": ctx.pp_size if ctx else 1,
-                                  "load_format": self.load_format}
+                                  "load_format": self.load_format,
+                                  # where the files came from: nothing a loaded model can change
+                                  "revision": None, "download_dir": None}
         for name in _LOAD_SETTINGS:
             wanted = getattr(config, name)
             if name not in given or wanted == "auto":
@@ -228,8 +230,14 @@ class Model:
                         quantization: str | None = None, pad_token_id: int | None = None,
                         tokenizer: str | os.PathLike | None = None,
                         hf_overrides: dict[str, Any] | None = None,
-                        load_format: str = "auto") -> Model:
-        """Load an HF folder, a .gguf file, or (path None) the embedded SmolLM2-135M-Instruct.
+                        load_format: str = "auto", revision: str | None = None,
+                        download_dir: str | os.PathLike | None = None) -> Model:
+        """Load an HF folder, a .gguf file, a Hugging Face hub id ("Qwen/Qwen3-0.6B") or (path
+        None) the embedded SmolLM2-135M-Instruct.
+
+        A hub id (vLLM's): the snapshot at `revision` (branch, tag or commit; default main) in
+        the Hugging Face cache (`download_dir`, else HF_HUB_CACHE / HF_HOME's), downloaded when
+        missing unless HF_HUB_OFFLINE is set (`ksana_llm.loader.hub`).
 
         Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
         package has one (see `ksana_llm.loader.weight_map`). `plugin`: True loads the folder's
@@ -265,7 +273,7 @@ class Model:
         torch_dtype = resolve_dtype(dtype, torch_device)
         tp_size = resolve_parallel_size("tensor_parallel_size", tensor_parallel_size, torch_device)
         pp_size = resolve_parallel_size("pipeline_parallel_size", pipeline_parallel_size, None)
-        model_dir = resolve_model_dir(path)
+        model_dir = resolve_model_dir(path, revision=revision, download_dir=download_dir)
         if hf_overrides is not None and not isinstance(hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict, got {type(hf_overrides).__name__}")
         hf_config = load_hf_config(model_dir, hf_overrides)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from .default_model import default_model_gguf
 from .gguf_convert import convert_gguf_to_hf
+from .hub import hub_snapshot, is_repo_id
 
 LOGGER = logging.getLogger("ksana_llm.loader")
 
@@ -177,26 +178,39 @@ def _load_torch_file(path: Path) -> object:
 
 
 def resolve_model_dir(
-    path: str | os.PathLike[str] | None, *, cache_dir: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str] | None, *, cache_dir: str | os.PathLike[str] | None = None,
+    revision: str | None = None, download_dir: str | os.PathLike[str] | None = None
 ) -> Path:
     """Turn what the user passed as "the model" into a Hugging Face checkpoint folder.
 
     - ``None``: the bundled default model (its GGUF is converted once and cached);
     - a ``.gguf`` file: converted (and cached);
     - a folder with ``config.json``: used as is;
-    - a folder without ``config.json`` holding exactly one ``.gguf`` file: that file, converted.
+    - a folder without ``config.json`` holding exactly one ``.gguf`` file: that file, converted;
+    - a Hugging Face hub id ("Qwen/Qwen3-0.6B") that is no local path: its snapshot at
+      ``revision`` in the Hugging Face cache (``download_dir``, else the default one),
+      downloaded when missing unless HF_HUB_OFFLINE is set (``ksana_llm.loader.hub``).
 
     ``cache_dir`` overrides where GGUF conversions are cached (see ``convert_gguf_to_hf``).
 
     Raises:
-        FileNotFoundError: the path does not exist, or a folder holds neither config.json nor a GGUF file.
-        ValueError: the path exists but is not usable (another file type, several GGUF files).
+        FileNotFoundError: the path does not exist (nor, as a hub id, in the cache or on the
+            hub), or a folder holds neither config.json nor a GGUF file.
+        ValueError: the path exists but is not usable (another file type, several GGUF files),
+            or a revision was given for something other than a hub id.
     """
-    if path is None:
+    target = None if path is None else Path(path).expanduser()
+    if target is not None and not target.exists() and is_repo_id(str(path)):
+        return _resolve_folder(hub_snapshot(str(path), revision=revision,
+                                            download_dir=download_dir), cache_dir)
+    if revision is not None:
+        raise ValueError(f"revision {revision!r} applies to Hugging Face hub model ids; the "
+                         f"model {str(path) if path is not None else '(the default)'} is a "
+                         "local path")
+    if target is None:
         LOGGER.info("No model given; using the default model")
         return convert_gguf_to_hf(default_model_gguf(), cache_dir)
 
-    target = Path(path).expanduser()
     if not target.exists():
         raise FileNotFoundError(
             f"Model path not found: {target} (expected a Hugging Face model folder with config.json or a .gguf file)"

@@ -396,7 +396,9 @@ def worker_spec(config: Any) -> Any:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    return LaunchSpec(str(resolve_model_dir(config.model)), str(dtype).removeprefix("torch."),
+    folder = resolve_model_dir(config.model, revision=config.revision,
+                               download_dir=config.download_dir)
+    return LaunchSpec(str(folder), str(dtype).removeprefix("torch."),
                       device.type, tp_size=config.tensor_parallel_size,
                       pp_size=config.pipeline_parallel_size, quantization=config.quantization,
                       hf_overrides=config.hf_overrides, load_format=config.load_format)

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ksana_llm import yaml_config
+from ksana_llm.loader.hub import is_repo_id
 
 logger = logging.getLogger("ksana_llm.server")
 
@@ -24,6 +25,8 @@ def default_served_model_name(model: str | None) -> str:
 
         return DEFAULT_MODEL_FILENAME.split(".")[0]  # SmolLM2-135M-Instruct
     path = Path(model.rstrip("/"))
+    if not path.exists() and is_repo_id(model):
+        return model  # a hub id, as vLLM names it: "Qwen/Qwen3-0.6B"
     return path.stem if path.suffix == ".gguf" else path.name
 
 
@@ -41,7 +44,8 @@ ENGINE_FLAGS = ("tokenizer", "device", "dtype", "quantization", "num_device_bloc
                 "prompt_lookup_max", "kv_cache_dtype", "lora_modules", "max_loras",
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides",
                 "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes",
-                "logprobs_mode", "load_format", "disable_sliding_window")
+                "logprobs_mode", "load_format", "disable_sliding_window", "revision",
+                "download_dir")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:

@@ -1,0 +1,108 @@
+"""Hugging Face hub model ids (vLLM's `serve Qwen/Qwen3-0.6B`): resolved through huggingface_hub
+from a real cache folder laid out as it lays one out (refs naming commits, snapshots holding the
+files). This machine cannot reach the hub, so the download itself is not exercised: only that a
+model the cache lacks fails clearly, offline at once and online after the attempt."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+import ksana_llm as kt
+from ksana_llm.loader import resolve_model_dir
+from tests.family_harness import greedy_trace, hf_reference
+from tests.tiny_models import build_tiny_chat_model
+
+PROMPT = [1, 5, 9, 33, 17, 99, 120, 7, 8, 3]
+STEPS = 5
+REPO = "tiny-org/tiny-chat"
+
+
+def cache_repo(cache: Path, repo: str, snapshots: dict[str, Path]) -> dict[str, Path]:
+    """`repo` in `cache` as huggingface_hub lays it out: refs/<ref> holds a commit hash and
+    snapshots/<hash>/ the files. Returns ref -> snapshot folder."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    folders = {}
+    for ref, source in snapshots.items():
+        commit = hashlib.sha1(f"{repo}@{ref}".encode()).hexdigest()
+        (root / "refs" / ref).write_text(commit)
+        folders[ref] = root / "snapshots" / commit
+        shutil.copytree(source, folders[ref])
+    return folders
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, default_model_dir):
+    """A cache holding REPO at main (seed 0) and at a tag v2 (seed 1), and their HF models."""
+    work = tmp_path_factory.mktemp("hub")
+    models = {}
+    for ref, seed in (("main", 0), ("v2", 1)):
+        models[ref] = build_tiny_chat_model(work / ref, default_model_dir, seed=seed)
+    cache = work / "cache"
+    cache_repo(cache, REPO, {"main": work / "main", "v2": work / "v2"})
+    return cache, models
+
+
+def greedy(model: kt.Model) -> list[int]:
+    with kt.Engine(model, num_device_blocks=64, block_token_num=4) as engine:
+        return engine.generate_outputs(PROMPT, kt.GenerationConfig(
+            max_new_tokens=STEPS, ignore_eos=True), use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("revision", [None, "v2"])
+def test_a_hub_id_loads_its_snapshot_at_the_revision(hub_cache, revision):
+    cache, models = hub_cache
+    model = kt.Model.from_pretrained(REPO, device="cpu", dtype="float32", progress=False,
+                                     revision=revision, download_dir=cache)
+    expected, _ = greedy_trace(hf_reference(models[revision or "main"]), PROMPT, STEPS)
+    assert greedy(model) == expected[len(PROMPT):]
+
+
+def test_the_engine_config_and_the_server_flags_carry_the_revision(hub_cache, monkeypatch):
+    cache, models = hub_cache
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+    from ksana_llm.server.engine_args import default_served_model_name
+
+    config = configs_from_args(build_parser().parse_args(
+        ["serve", REPO, "--revision", "v2", "--download-dir", str(cache)]))[0]
+    assert (config.model, config.revision, config.download_dir) == (REPO, "v2", str(cache))
+    assert default_served_model_name(REPO) == REPO  # as vLLM names it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache alone serves it
+    settings = {"device": "cpu", "dtype": "float32", "num_device_blocks": 64,
+                "block_token_num": 4}
+    with kt.Engine(config=config.model_copy(update=settings)) as engine:
+        out = engine.generate_outputs(PROMPT, kt.GenerationConfig(
+            max_new_tokens=STEPS, ignore_eos=True), use_tqdm=False)[0]
+    expected, _ = greedy_trace(hf_reference(models["v2"]), PROMPT, STEPS)
+    assert out.token_ids == expected[len(PROMPT):]
+
+
+def test_what_the_cache_lacks_fails_clearly(hub_cache, monkeypatch, tmp_path):
+    cache, _ = hub_cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="'tiny-org/absent'.*offline"):
+        resolve_model_dir("tiny-org/absent", download_dir=cache)
+    with pytest.raises(FileNotFoundError, match="revision 'v3'.*offline"):
+        resolve_model_dir(REPO, revision="v3", download_dir=cache)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    # Online, the hub is asked; unreachable here, the attempt fails with its reason.
+    with pytest.raises(FileNotFoundError, match="downloading it from the Hugging Face hub"):
+        resolve_model_dir("tiny-org/absent", download_dir=tmp_path / "empty-cache")
+
+
+def test_a_revision_for_a_local_model_is_refused(default_model_dir):
+    with pytest.raises(ValueError, match="revision 'v2' applies to Hugging Face hub model ids"):
+        resolve_model_dir(default_model_dir, revision="v2")
+    with pytest.raises(ValueError, match="revision"):
+        kt.Model.from_pretrained(None, revision="v2")
+
+
+def test_a_revision_given_with_a_loaded_model_is_refused(default_model):
+    with pytest.raises(ValueError, match="revision='v2' applies while a model loads"):
+        kt.Engine(default_model, revision="v2", num_device_blocks=16)
