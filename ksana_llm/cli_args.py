@@ -231,7 +231,8 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--reserved-device-memory-ratio", type=float, default=None,
                         help="share of device memory kept free of KV blocks (default 0.01)")
     parser.add_argument("--block-host-memory-factor", type=float, default=None,
-                        help="host swap pool, as a multiple of the device blocks (default 1)")
+                        help="host swap pool, as a multiple of the device blocks (default: the "
+                             "device pool's size on CPU, 4 GiB per rank on CUDA)")
     parser.add_argument("--swap-space", type=float, default=None, metavar="GiB",
                         help="host swap pool in GiB per rank, instead of "
                              "--block-host-memory-factor (vLLM's flag)")

@@ -106,8 +106,11 @@ class EngineConfig(BaseModel):
     reserved_device_memory_ratio: float = Field(
         0.01, ge=0, lt=1, description="share of the device's memory kept free of KV blocks "
                                       "(CUDA graphs, allocator slack, other users)")
-    block_host_memory_factor: float = Field(
-        1.0, ge=0, description="host swap pool size as a multiple of the device block count")
+    block_host_memory_factor: float | None = Field(
+        None, ge=0, description="host swap pool size as a multiple of the device block count; "
+                                "None: the device pool's size on the CPU (committed only as "
+                                "blocks are swapped out), 4 GiB per rank on CUDA (pinned at "
+                                "start; vLLM's default swap space)")
     swap_space: float | None = Field(
         None, ge=0, description="host swap pool size in GiB per rank (vLLM's --swap-space); "
                                 "given, it replaces block_host_memory_factor")

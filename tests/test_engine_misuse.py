@@ -422,3 +422,19 @@ def test_the_engine_thread_names_its_gpu_by_index(monkeypatch, device, index):
         device=torch.device(device))))
     kt.Engine._bind_device(engine)
     assert bound == [index]
+
+
+def test_a_gpu_device_is_resolved_with_its_index(monkeypatch):
+    """"cuda" and "auto" on a GPU machine name the current GPU with its index, as its tensors
+    report it (cuda:1 == a tensor's device; bare cuda never is). torch.cuda's answers are
+    stood in for (no GPU here); the resolution is ours."""
+    from ksana_llm.api.model import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device(None) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("tpu")

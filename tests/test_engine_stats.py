@@ -100,3 +100,26 @@ def test_the_stats_line(engine):
     assert stats_line(idle, replace(idle, num_generation_tokens=idle.num_generation_tokens + 4),
                       2.0).startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation "
                                       "throughput: 2.0 tokens/s, Running: 0 reqs")
+
+
+def test_a_cuda_swap_pool_defaults_to_vllms_4_gib():
+    """A CUDA swap pool is pinned at start: unset, it takes vLLM's 4 GiB, not a mirror of the
+    device pool (an H200's ~130 GB would pin most of the host). Given settings still win, and
+    half the free host RAM bounds all. Sizing only: no CUDA device is touched."""
+    from ksana_llm.api.core_builder import CUDA_DEFAULT_SWAP_GIB, host_swap_blocks
+    from ksana_llm.runner.memory import available_host_bytes
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    per_block = 2**20  # 1 MiB blocks
+    default = kt.EngineConfig()
+    assert default.block_host_memory_factor is None
+    cap = available_host_bytes() // 2 // per_block
+    assert host_swap_blocks(default, 70_000, per_block, cuda) \
+        == min(int(CUDA_DEFAULT_SWAP_GIB * 1024), cap)
+    assert host_swap_blocks(default, 100, per_block, cuda) == min(100, cap)  # a small pool
+    assert host_swap_blocks(default, 700, per_block, cpu) == min(700, cap)  # mirrored
+    factor = kt.EngineConfig(block_host_memory_factor=0.5)
+    assert host_swap_blocks(factor, 700, per_block, cuda) == min(350, cap)
+    space = kt.EngineConfig(swap_space=0.25)
+    assert host_swap_blocks(space, 70_000, per_block, cuda) == min(256, cap)
+    assert host_swap_blocks(kt.EngineConfig(preempt_mode=1), 700, per_block, cuda) == 0

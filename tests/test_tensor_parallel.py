@@ -248,3 +248,17 @@ def test_a_worker_that_dies_before_starting_fails_the_launch_at_once():
     with pytest.raises(RuntimeError, match="worker rank 5 exited with code 3 before it started"):
         await_started({5: dying}, started, timeout_s=120)
     assert time.monotonic() - begin < 30
+
+
+@pytest.mark.parametrize("tp, pp, multi_node, expected", [
+    (1, 2, False, [0, 1]),  # one node, two stages: a GPU each (not both on GPU 0)
+    (2, 2, False, [0, 1, 2, 3]),
+    (2, 2, True, [0, 1, 0, 1]),  # a node per stage: each numbers its own GPUs from 0
+    (4, 1, False, [0, 1, 2, 3])])
+def test_each_rank_takes_a_gpu_of_its_own(tp, pp, multi_node, expected):
+    """Which GPU of its machine each rank binds (a CUDA-only path, so its arithmetic is
+    checked here: two pipeline stages on one node used to share GPU 0, which NCCL refuses)."""
+    from ksana_llm.distributed.runtime import LaunchSpec, node_local_rank
+
+    spec = LaunchSpec("m", "bfloat16", "cuda", tp_size=tp, pp_size=pp)
+    assert [node_local_rank(r, spec, multi_node=multi_node) for r in range(tp * pp)] == expected

@@ -70,6 +70,11 @@ def run_engine(folder: Path, device: str, prompts: list[list[int]], new_tokens: 
     cache), and without log-probs (the sampler's token-ids-only path)."""
     model = kt.Model.from_pretrained(str(folder), device=device, dtype="float32", progress=False)
     config = kt.GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)
+    # KV room for the batch and no swap pool: the defaults would size both from the machine
+    # (10% of a 128 GB host's RAM zeroed on the CPU side; a pinned host pool on the GPU side),
+    # which costs device-lease seconds and tests nothing here.
+    room = sum(-(-(len(p) + new_tokens) // 16) + 1 for p in prompts) * 2
+    engine_kwargs = {"num_device_blocks": room, "preempt_mode": 1, **engine_kwargs}
     with kt.Engine(model, **engine_kwargs) as engine:
         rounds = [engine.generate_outputs(prompts, config, use_tqdm=False) for _ in range(2)]
         rounds.append(engine.generate_outputs(prompts, config.replace(logprobs=None),

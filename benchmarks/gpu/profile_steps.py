@@ -267,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                                 if device.type == "cuda" else "cpu",
                                 "windows": [asdict(r) for r in reports]}, indent=2) + "\n")
     print(f"wrote {path}")
+    blind = [r.name for r in reports if device.type == "cuda" and r.device_events == 0]
+    if blind:  # CUPTI saw no kernels (graph replays, a profiler started late): no profile
+        print(f"the profiler saw no device events in {blind}: their device times are not "
+              "measurements", file=sys.stderr)
+        return 1
     return 0
 
 

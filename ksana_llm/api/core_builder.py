@@ -87,17 +87,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         logger.warning("max_model_len %d is more than the model's context (%d): using %d",
                        cfg.max_model_len, context, context)
     max_model_len = min(cfg.max_model_len or context, context, num_blocks * cfg.block_token_num)
-    num_host_blocks = 0
-    if cfg.preempt_mode == 0:
-        # The swap pool mirrors the device pool (or takes swap_space GiB), but never more than
-        # half the free host RAM (a GPU's cache can be larger than the machine's memory).
-        wanted = (int(cfg.swap_space * 2**30) // per_block if cfg.swap_space is not None
-                  else int(num_blocks * cfg.block_host_memory_factor))
-        num_host_blocks = min(wanted, available_host_bytes() // 2 // per_block)
-        if cfg.swap_space is not None and num_host_blocks < wanted:
-            logger.warning("swap_space %.2f GiB is more than half the free host memory: the "
-                           "host swap pool gets %.2f GiB", cfg.swap_space,
-                           num_host_blocks * per_block / 2**30)
+    num_host_blocks = host_swap_blocks(cfg, num_blocks, per_block, model.device)
     block_manager = BlockManager(num_blocks, cfg.block_token_num,
                                  enable_prefix_caching=cfg.enable_prefix_caching,
                                  num_host_blocks=num_host_blocks)
@@ -147,6 +137,37 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                       ngram=NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                       if cfg.num_speculative_tokens and cfg.speculative_method == "ngram"
                       else None)
+
+
+# The host swap pool on CUDA when neither swap_space nor block_host_memory_factor is given:
+# vLLM's default swap space. It is pinned at start (swap copies run asynchronously), so
+# mirroring an H200's ~130 GB device pool would pin most of the machine's RAM.
+CUDA_DEFAULT_SWAP_GIB = 4.0
+
+
+def host_swap_blocks(cfg: EngineConfig, num_blocks: int, per_block: int,
+                     device: torch.device) -> int:
+    """Blocks of the host swap pool (none in recompute mode): swap_space GiB when given, else
+    block_host_memory_factor x the device blocks when given, else a mirror of the device pool
+    on the CPU (committed only as blocks are swapped out) and CUDA_DEFAULT_SWAP_GIB on CUDA;
+    never more than half the free host RAM."""
+    if cfg.preempt_mode != 0:
+        return 0
+    if cfg.swap_space is not None:
+        wanted = int(cfg.swap_space * 2**30) // per_block
+    elif cfg.block_host_memory_factor is not None:
+        wanted = int(num_blocks * cfg.block_host_memory_factor)
+    elif device.type == "cuda":
+        wanted = min(num_blocks, int(CUDA_DEFAULT_SWAP_GIB * 2**30) // per_block)
+    else:
+        wanted = num_blocks
+    blocks = min(wanted, available_host_bytes() // 2 // per_block)
+    if blocks < wanted and (cfg.swap_space is not None
+                            or cfg.block_host_memory_factor is not None):
+        logger.warning("the host swap pool asked for (%.2f GiB) is more than half the free host "
+                       "memory: it gets %.2f GiB", wanted * per_block / 2**30,
+                       blocks * per_block / 2**30)
+    return blocks
 
 
 def kv_scales(model: Model, cache_dtype: torch.dtype, cfg: EngineConfig) -> list[float] | None:

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -128,8 +129,13 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
         self.generation_config = generation_config or model_defaults
         self._lora = LoraRegistry(self.config.num_lora_slots)
         adapters = startup_adapters(self._lora, self.config.lora_modules)
-        self._core = build_core(model, self.config, self.tokenizer, self._on_worker_failure,
-                                lora_adapters=[(info.lora_id, info.path) for info in adapters])
+        # The memory profile and graph captures launch Triton kernels, which run on the
+        # current GPU, not their tensors': make it the model's for the build.
+        with torch.cuda.device(model.device) if model.device.type == "cuda" else nullcontext():
+            self._core = build_core(model, self.config, self.tokenizer,
+                                    self._on_worker_failure,
+                                    lora_adapters=[(info.lora_id, info.path)
+                                                   for info in adapters])
         for info in adapters:
             self._lora.commit(info)
         self.max_model_len = self._core.max_model_len

@@ -35,8 +35,11 @@ _DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16,
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device a model loads on. "cuda" (and "auto" on a GPU machine) becomes the
+    current GPU with its index: its tensors report one (cuda:0), and the calls that pick a GPU
+    (torch.cuda.set_device, a Triton launch's current device) need it."""
     if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -45,6 +48,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 

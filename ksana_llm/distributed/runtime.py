@@ -90,6 +90,13 @@ class Runtime:
     device: torch.device
 
 
+def node_local_rank(rank: int, spec: LaunchSpec, *, multi_node: bool) -> int:
+    """This rank's place among the ranks of its own machine, which picks its GPU: on one node
+    every rank of the run (each pipeline stage on GPUs of its own); across nodes each node is
+    one pipeline stage of tp_size ranks."""
+    return rank % spec.tp_size if multi_node else rank
+
+
 def init_runtime(spec: LaunchSpec, rank: int) -> Runtime:
     """Join the run as `rank` (blocks until every rank has joined) and build the groups."""
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
@@ -97,7 +104,8 @@ def init_runtime(spec: LaunchSpec, rank: int) -> Runtime:
     local_rank = rank % tp
     device = torch.device("cpu")
     if spec.device_type == "cuda":
-        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        index = node_local_rank(rank, spec, multi_node=multi_node_env() is not None)
+        device = torch.device("cuda", index % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://{spec.master_host}:{spec.master_port}",
                             rank=rank, world_size=spec.world_size,

@@ -255,7 +255,11 @@ class DecodeGraphs:
             self._run(bucket)  # warm-up: kernel compilation, lazy tables, cuBLAS workspaces
             torch.cuda.synchronize(self.inputs.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: only this thread's unsafe calls break the capture. Captures also
+            # happen on waking from sleep, while another thread of the process (an RL
+            # trainer's) may sync or allocate; "global" would fail the capture and raise in
+            # that thread.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._run(bucket)
             if pool is None:
                 pool = graph.pool()
