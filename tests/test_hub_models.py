@@ -106,3 +106,24 @@ def test_a_revision_for_a_local_model_is_refused(default_model_dir):
 def test_a_revision_given_with_a_loaded_model_is_refused(default_model):
     with pytest.raises(ValueError, match="revision='v2' applies while a model loads"):
         kt.Engine(default_model, revision="v2", num_device_blocks=16)
+
+
+def test_a_tokenizer_hub_id_reads_the_cache(hub_cache, monkeypatch, default_model_dir, tmp_path):
+    """--tokenizer owner/name as vLLM takes it; a bare name that is no folder stays a mistyped
+    folder (tests/test_tokenizer_override.py), never a hub lookup."""
+    from transformers import AutoTokenizer
+
+    cache, _ = hub_cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    weights_only = tmp_path / "weights-only"
+    build_tiny_chat_model(weights_only, default_model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (weights_only / name).unlink(missing_ok=True)
+    model = kt.Model.from_pretrained(weights_only, device="cpu", dtype="float32", progress=False,
+                                     tokenizer=REPO, download_dir=cache)
+    reference = AutoTokenizer.from_pretrained(default_model_dir)
+    text = "The capital of France is"
+    assert model.tokenizer.encode(text) == reference.encode(text)
+    with pytest.raises(ValueError, match="tokenizer 'tiny-org/absent' .*offline"):
+        kt.Model.from_pretrained(weights_only, device="cpu", progress=False,
+                                 tokenizer="tiny-org/absent", download_dir=cache)

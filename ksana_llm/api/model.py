@@ -20,6 +20,7 @@ from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
 from ksana_llm.loader.hf_config import hf_overrides_applied
+from ksana_llm.loader.hub import hub_snapshot, is_repo_id
 from ksana_llm.loader.load_format import check_load_format
 from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
@@ -106,17 +107,27 @@ def _load_tokenizer(model_dir: Path) -> Any:
         return None
 
 
-def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Any:
-    """The tokenizer in folder `path`, asked for by name (unlike the model folder's own, which
-    may be missing): ValueError naming `tokenizer` when it does not load or holds tokens the
-    model has no embedding for."""
+def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
+                   download_dir: str | os.PathLike | None = None) -> Any:
+    """The tokenizer in folder `path`, or of the Hugging Face hub id "owner/name" (vLLM's
+    --tokenizer Qwen/Qwen3-0.6B: the HF cache's snapshot, downloaded when missing, as for
+    models), asked for by name (unlike the model folder's own, which may be missing):
+    ValueError naming `tokenizer` when it does not load or holds tokens the model has no
+    embedding for."""
     from transformers import AutoTokenizer
 
-    # A folder, never a hub name: a typo must not turn into a download (or a minute of retries).
-    if not Path(path).is_dir():
-        raise ValueError(f"tokenizer: {path} is not a folder")
+    folder = Path(path)
+    if not folder.is_dir():
+        # Only "owner/name" is looked up on the hub: a bare name is far likelier a folder
+        # mistyped than a legacy hub id, and must not fetch someone else's tokenizer.
+        if "/" not in str(path) or not is_repo_id(str(path)):
+            raise ValueError(f"tokenizer: {path} is not a folder")
+        try:
+            folder = hub_snapshot(str(path), download_dir=download_dir, what="tokenizer")
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from exc
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - a broken folder fails in many ways
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path} "
                          f"({type(exc).__name__}: {exc})") from exc
@@ -284,7 +295,8 @@ class Model:
         hf_config = load_hf_config(model_dir, hf_overrides)
         # Before the weights: a wrong tokenizer path fails in seconds, not after the load.
         given_tokenizer = (None if tokenizer is None
-                           else load_tokenizer(tokenizer, int(hf_config.vocab_size)))
+                           else load_tokenizer(tokenizer, int(hf_config.vocab_size),
+                                               download_dir=download_dir))
         model_type = getattr(hf_config, "model_type", None)
         runtime, workers = None, []
         node = multi_node_env()

@@ -48,12 +48,13 @@ def hub_offline() -> bool:
 
 
 def hub_snapshot(repo_id: str, *, revision: str | None = None,
-                 download_dir: str | os.PathLike[str] | None = None) -> Path:
+                 download_dir: str | os.PathLike[str] | None = None, what: str = "model") -> Path:
     """The folder of `repo_id` at `revision` in the Hugging Face cache, downloaded first when the
-    cache lacks it. FileNotFoundError when it is not cached and cannot be downloaded."""
+    cache lacks it. FileNotFoundError when it is not cached and cannot be downloaded (`what` the
+    repository is for, in the message)."""
     from huggingface_hub import snapshot_download
 
-    where = f"{repo_id!r} at revision {revision or 'main'!r}"
+    where = f"{what} {repo_id!r} at revision {revision or 'main'!r}"
     try:  # the cache first: no network, and a model cached once keeps working offline
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
                                       local_files_only=True))
@@ -62,7 +63,7 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None,
     cache = download_dir or "the Hugging Face cache"
     if hub_offline():
         raise FileNotFoundError(
-            f"model {where} is neither a local path nor in {cache}, and the hub is offline "
+            f"{where} is neither a local path nor in {cache}, and the hub is offline "
             f"(HF_HUB_OFFLINE): {cache_miss}") from cache_miss
     LOGGER.info("downloading %s from the Hugging Face hub into %s", where, cache)
     try:
@@ -73,6 +74,6 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None,
                                             allow_patterns=[*_MODEL_FILES, *_TORCH_WEIGHTS]))
     except Exception as exc:  # noqa: BLE001 - network, auth, unknown repository or revision
         raise FileNotFoundError(
-            f"model {where} is neither a local path nor in {cache}, and downloading it from "
+            f"{where} is neither a local path nor in {cache}, and downloading it from "
             f"the Hugging Face hub failed: {type(exc).__name__}: {exc}") from exc
     return folder
