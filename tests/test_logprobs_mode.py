@@ -170,3 +170,24 @@ def test_the_logprobs_modes_are_spelled_once_for_every_layer():
     add_serve_args(parser)
     action = next(a for a in parser._actions if "--logprobs-mode" in a.option_strings)
     assert tuple(action.choices) == LOGPROBS_MODES
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_in_row_slices_are_the_same_numbers(k):
+    """token_logprobs takes a long prompt chunk's rows a slice at a time (a whole 8,192-token
+    chunk over a 150k vocabulary would need over 10 GB at once): slices of 5 rows, or of 1,
+    give exactly what one pass gives, and no rows give empty results."""
+    from ksana_llm.runner.sampler import token_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 101, generator=generator)
+    logits[3, 7] = logits[3, 8] = logits[3].max() + 1  # a tie: ranks count it against the token
+    ids = torch.randint(0, 101, (37,), generator=generator)
+    ids[3] = 8
+    whole = token_logprobs(logits, ids, k)
+    assert whole[1][3] == 2
+    for chunk in (101 * 5, 1):
+        for got, want in zip(token_logprobs(logits, ids, k, chunk_elements=chunk), whole):
+            assert torch.equal(got, want)
+    empty = token_logprobs(logits[:0], ids[:0], k)
+    assert [tuple(t.shape) for t in empty] == [(0,), (0,), (0, k), (0, k)]
