@@ -429,3 +429,24 @@ def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys)
         assert main(["serve", "--config", str(flags)]) == 2
         error = capsys.readouterr().err
         assert "--config" in error and message in error, error
+
+
+@pytest.mark.parametrize("flag, module, name", [
+    ("--load-format", "ksana_llm.loader.load_format", "LOAD_FORMATS"),
+    ("--logprobs-mode", "ksana_llm.runner.logprobs_mode", "LOGPROBS_MODES")])
+def test_choices_below_the_config_are_spelled_as_it_spells_them(flag, module, name):
+    """The loader and the runner cannot import the config (they sit below it): their tuples
+    and the config's Literals, which the CLI's choices come from, must name the same values in
+    the same order."""
+    import argparse
+    import importlib
+
+    from ksana_llm import config
+    from ksana_llm.cli_args import add_serve_args
+
+    lower = getattr(importlib.import_module(module), name)
+    assert lower == getattr(config, name)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    assert tuple(action.choices) == lower

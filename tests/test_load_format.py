@@ -121,18 +121,3 @@ def test_bad_load_formats_are_clear_errors(default_model_dir, default_model):
     with pytest.raises(SystemExit):
         parse(["serve", "--load-format", "tensorizer"])
 
-
-def test_the_load_formats_are_spelled_once_for_every_layer():
-    """The loader cannot import the config (it sits below it): its tuple and the config's
-    Literal, which the CLI's choices come from, must name the same formats in the same order."""
-    import argparse
-
-    from ksana_llm import config
-    from ksana_llm.cli_args import add_serve_args
-    from ksana_llm.loader.load_format import LOAD_FORMATS
-
-    assert LOAD_FORMATS == config.LOAD_FORMATS
-    parser = argparse.ArgumentParser()
-    add_serve_args(parser)
-    action = next(a for a in parser._actions if "--load-format" in a.option_strings)
-    assert tuple(action.choices) == LOAD_FORMATS

@@ -156,21 +156,6 @@ def test_the_setting_and_its_flag():
         Sampler(logprobs_mode="logits")
 
 
-def test_the_logprobs_modes_are_spelled_once_for_every_layer():
-    """The runner cannot import the config (it sits below it): its tuple and the config's
-    Literal, which the CLI's choices come from, must name the same modes in the same order."""
-    import argparse
-
-    from ksana_llm import config
-    from ksana_llm.cli_args import add_serve_args
-    from ksana_llm.runner.logprobs_mode import LOGPROBS_MODES
-
-    assert LOGPROBS_MODES == config.LOGPROBS_MODES
-    parser = argparse.ArgumentParser()
-    add_serve_args(parser)
-    action = next(a for a in parser._actions if "--logprobs-mode" in a.option_strings)
-    assert tuple(action.choices) == LOGPROBS_MODES
-
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_logprobs_in_row_slices_are_the_same_numbers(k):
