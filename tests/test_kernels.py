@@ -272,6 +272,26 @@ def test_decode_splits_with_window_and_alibi(device):
                  torch.float32)
 
 
+@pytest.mark.parametrize("tiles", [(16, 1, 1), (32, 2, 2), (128, 8, 3)])
+def test_decode_launch_settings_for_tuning_compute_the_same(device, tiles):
+    """`tiles` (the GPU tuning sweep's override): other tile widths, warps and pipeline depths,
+    one split and several, over ragged contexts in blocks of 16."""
+    batch = make_paged_batch([3, 70, 200], block_size=16, kv_heads=2, head_dim=64,
+                             dtype=torch.float32, device=device)
+    q = random_q(3, 4, 64, torch.float32, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, 0.125)
+    expected = ref.paged_decode_attention_ref(*args)
+    for num_splits in (1, 3):
+        assert_close(kernels.paged_decode_attention(*args, num_splits=num_splits, tiles=tiles),
+                     expected, torch.float32)
+    for bad, message in (((48, 4, 2), "BLOCK_N must be a power of two"),
+                         ((64, 3, 2), "num_warps must be a power of two"),
+                         ((64, 4), "expected \\(BLOCK_N")):
+        with pytest.raises(ValueError, match=message):
+            kernels.paged_decode_attention(*args, tiles=bad)
+
+
 def test_decode_writes_into_out_buffer(device):
     batch = make_paged_batch([5, 33], block_size=16, kv_heads=2, head_dim=32,
                              dtype=torch.float32, device=device)

@@ -54,7 +54,7 @@ fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
 declare -A LIMIT=([env]=60 [tests]=240 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
-                  [profile]=180
+                  [profile]=180 [decode-tune]=180
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
@@ -118,6 +118,10 @@ for stage in "${STAGES[@]}"; do
         # where step time goes: torch.profiler over prefill and decode windows (256, 32, 1
         # sequences) of the Qwen3-0.6B engine, device time by kernel family
         profile) run_stage profile "$PYTHON" -m benchmarks.gpu.profile_steps --out "$RESULTS" ;;
+        # decode attention's launch settings (tile width, warps, stages; splits) swept at the
+        # workload's shapes: the data for tuning _decode_config
+        decode-tune) run_stage decode-tune "$PYTHON" -m benchmarks.gpu.bench_kernels decode-tune \
+                         --out "$RESULTS" ;;
         # paged decode attention at the Qwen3-0.6B shape: batch 256 x ~600 tokens, and 4 x 8k
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
         # the FP8-weight matmul (Llama-3-8B / Qwen3 shapes, 1-256 rows) vs bf16 cuBLAS
@@ -130,7 +134,7 @@ for stage in "${STAGES[@]}"; do
         # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
-        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile engine-qwen3" \
+        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile decode-tune engine-qwen3" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-qwen3moe"\
                 " engine-deepseek engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\

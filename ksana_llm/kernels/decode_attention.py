@@ -183,12 +183,26 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return (32 if wide else 64), 4, 2
 
 
+def check_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
+    """`tiles` as (BLOCK_N, num_warps, num_stages), or a ValueError naming what is off."""
+    if len(tiles) != 3 or not all(isinstance(t, int) and t >= 1 for t in tiles):
+        raise ValueError(f"tiles: expected (BLOCK_N, num_warps, num_stages) positive ints, "
+                         f"got {tiles!r}")
+    block_n, num_warps, _ = tiles
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"tiles: BLOCK_N must be a power of two from 16, got {block_n}")
+    if num_warps > 16 or num_warps & (num_warps - 1):
+        raise ValueError(f"tiles: num_warps must be a power of two up to 16, got {num_warps}")
+    return tiles
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, sliding_window: int | None = None,
                            alibi_slopes: torch.Tensor | None = None,
                            num_splits: int | None = None, kv_scale: float = 1.0,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
     q [B, Hq, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D|Dv]; block_tables [B, W]
@@ -198,6 +212,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     slope[h] * (k_pos - q_pos). `num_splits` overrides the flash-decoding split count (tests,
     tuning); by default it follows `choose_num_splits` on the block-table capacity. An FP8
     cache holds value / kv_scale (`kv_quant`): its entries read as entry * kv_scale.
+    `tiles` (BLOCK_N, num_warps, num_stages) overrides `_decode_config`'s launch settings, for
+    tuning on a GPU (`benchmarks/gpu/bench_kernels.py decode-tune`): BLOCK_N a power of two
+    from 16, num_warps a power of two up to 16, num_stages from 1.
     """
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
@@ -230,7 +247,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
 
-    block_n, num_warps, num_stages = _decode_config(head_dim, q.dtype)
+    block_n, num_warps, num_stages = _decode_config(head_dim, q.dtype) if tiles is None \
+        else check_tiles(tiles)
     block_d, block_dt = head_dim_tiles(head_dim)
     max_context = block_tables.shape[1] * block_size
     if window:
