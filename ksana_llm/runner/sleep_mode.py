@@ -130,9 +130,7 @@ class SleepMode:
             # Level 1 keeps the values on the host (pinned memory: a fast copy back). Every
             # copy is made before any weight is freed: a copy that fails loses nothing.
             pin = self.device.type == "cuda" and torch.cuda.is_available()
-            copies = [None if level == 2 else torch.empty(nbytes, dtype=torch.uint8,
-                                                          pin_memory=pin)
-                      .copy_(_storage_bytes(tensor)) for tensor, nbytes in weights]
+            copies = [None] * len(weights) if level == 2 else _host_copies(weights, pin)
             for tensor, _ in weights:
                 tensor.untyped_storage().resize_(0)
             self._sleeping_weights = [(tensor, nbytes, copy)
@@ -154,7 +152,13 @@ class SleepMode:
                 tensor.untyped_storage().resize_(nbytes)
                 if copy is not None:
                     _storage_bytes(tensor).copy_(copy)
+            pinned = any(copy is not None and copy.is_pinned()
+                         for _, _, copy in self._sleeping_weights)
             self._sleeping_weights = None
+            if pinned:
+                # torch keeps freed pinned blocks cached for reuse: hand the host copies'
+                # back to the OS (a trainer sharing the machine wants that memory).
+                _release_cached_host_memory()
             if self._sleeping_lora is not None:
                 for tensor, nbytes in self._sleeping_lora:
                     tensor.untyped_storage().resize_(nbytes)
@@ -172,6 +176,27 @@ class SleepMode:
             sizes, self._graph_sizes = self._graph_sizes, None
             logger.info("capturing the CUDA graphs again after waking")
             self.setup_cuda_graphs(sizes)
+
+
+def _host_copies(weights: list[tuple[torch.Tensor, int]], pin: bool) -> list[torch.Tensor]:
+    """Host copies of the storages, as views of one (pinned when `pin`) buffer: one allocation
+    instead of one per weight, each of which the pinned allocator would round up to a power
+    of two. Offsets keep 64-byte alignment."""
+    offsets, total = [], 0
+    for _, nbytes in weights:
+        offsets.append(total)
+        total += -(-nbytes // 64) * 64
+    slab = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    return [slab[off:off + nbytes].copy_(_storage_bytes(tensor))
+            for (tensor, nbytes), off in zip(weights, offsets)]
+
+
+def _release_cached_host_memory() -> None:
+    """Free torch's cached, unused pinned host blocks (an internal call: skipped where this
+    torch lacks it)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
