@@ -34,10 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu.bench_common import require_cuda, time_ms, write_json, write_results
+from benchmarks.gpu.bench_decode_tune import stage_decode_tune
 from benchmarks.gpu.bench_moe import stage_moe
+from benchmarks.gpu.paged_batches import (BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, gather_slots,
+                                         make_paged, torch_decode)
 
 REPO = Path(__file__).resolve().parents[2]
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B attention
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,62 +126,6 @@ def run_streamed(command: list[str], env: dict[str, str], keep: int = 4000) -> t
 
 
 # --------------------------------------------------------------------------------------------
-# Paged batches and the torch peer
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Paged:
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # [B, W] int32, blocks scattered at random
-    lens: torch.Tensor  # [B] int32
-
-
-def make_paged(lens: list[int], dtype: torch.dtype, seed: int = 0) -> Paged:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    per_seq = [-(-n // BLOCK_SIZE) for n in lens]
-    width = max(per_seq)
-    num_blocks = sum(per_seq)
-    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
-    v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
-    order = torch.randperm(num_blocks, generator=gen, device="cuda").int()
-    tables = torch.zeros(len(lens), width, dtype=torch.int32, device="cuda")
-    used = 0
-    for b, n in enumerate(per_seq):
-        tables[b, :n] = order[used:used + n]
-        used += n
-    return Paged(k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device="cuda"))
-
-
-def gather_slots(paged: Paged, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots [B * length] of every sequence's first `length` positions (padding repeats slot 0)
-    and the padding mask [B, 1, 1, length]: the torch backend's decode inputs."""
-    pos = torch.arange(length, device="cuda")
-    blocks = paged.block_tables.long().gather(
-        1, (pos // BLOCK_SIZE).clamp(max=paged.block_tables.shape[1] - 1).expand(
-            paged.block_tables.shape[0], -1))
-    valid = pos[None, :] < paged.lens[:, None].long()
-    slots = torch.where(valid, blocks * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
-    return slots.reshape(-1), valid[:, None, None, :]
-
-
-def torch_decode(q: torch.Tensor, paged: Paged, slots: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """ksana_llm.layers.attention's decode path: gather padded K/V, one SDPA with the query heads
-    of a KV head as its query rows."""
-    batch, length = q.shape[0], mask.shape[-1]
-    k = paged.k_cache.view(-1, KV_HEADS, HEAD_DIM).index_select(0, slots)
-    v = paged.v_cache.view(-1, KV_HEADS, HEAD_DIM).index_select(0, slots)
-    k = k.view(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
-    v = v.view(batch, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
-    qd = q.view(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-    return F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale
-                                          ).reshape(batch, HEADS, HEAD_DIM)
-
-
-# --------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------
 
@@ -245,62 +191,6 @@ def stage_decode(out_dir: Path) -> int:
                   f"torch {peer['ms'] * 1e3:8.1f} us {row['torch_gbps']:7.0f} GB/s | "
                   f"x{row['speedup_vs_torch']:.2f} | err {row['max_abs_err_vs_reference']:.2e}")
     write_results(out_dir, "decode_attention", rows)
-    return 0
-
-
-# Launch settings the tuning sweep tries: (BLOCK_N, num_warps, num_stages); the default is
-# decode_attention._decode_config's (64, 4, 2) for bf16 and 128-wide heads.
-DECODE_TILES = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2),
-                (128, 8, 2), (128, 8, 3), (256, 8, 2)]
-# The reference workload's decode steps: 256 sequences whose contexts spread over 100-2048.
-TUNE_CASES = [("b256-ctx600", 256, 550, 650), ("b256-ctx100-2048", 256, 100, 2048)]
-
-
-def stage_decode_tune(out_dir: Path) -> int:
-    """Paged decode attention (bf16, Qwen3-0.6B's heads) under every DECODE_TILES setting and
-    split count 1 / 2 / auto, each checked against the reference on a few sequences and timed
-    (do_bench median): the data for choosing `_decode_config` and `choose_num_splits` on the
-    GPU rather than by reasoning. Prints each case's settings fastest first."""
-    import triton.testing
-
-    from ksana_llm.kernels import paged_decode_attention
-    from ksana_llm.kernels.reference import paged_decode_attention_ref
-
-    require_cuda()
-    rows = []
-    scale = HEAD_DIM ** -0.5
-    for name, batch, lo, hi in TUNE_CASES:
-        gen = torch.Generator().manual_seed(1)
-        lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
-        paged = make_paged(lens, torch.bfloat16)
-        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.lens, scale)
-        few = slice(0, 4)
-        expected = paged_decode_attention_ref(q[few], paged.k_cache, paged.v_cache,
-                                              paged.block_tables[few], paged.lens[few], scale)
-        kv_bytes = sum(lens) * KV_HEADS * 2 * HEAD_DIM * q.element_size()
-        out = torch.empty_like(q)
-        case_rows = []
-        for tiles in DECODE_TILES:
-            for splits in (None, 1, 2):
-                def run(tiles=tiles, splits=splits) -> torch.Tensor:
-                    return paged_decode_attention(*args, out=out, tiles=tiles, num_splits=splits)
-                row: dict[str, Any] = {"case": name, "tiles": list(tiles),
-                                       "num_splits": "auto" if splits is None else splits}
-                try:
-                    err = (run()[few].float() - expected.float()).abs().max().item()
-                    ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
-                    row.update(ms=ms, gbps=kv_bytes / ms / 1e6, max_abs_err=err)
-                except Exception as exc:  # noqa: BLE001 - a setting that fails is a result too
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                case_rows.append(row)
-        rows += case_rows
-        print(f"\ndecode-tune {name} (KV {kv_bytes / 1e9:.2f} GB):")
-        for row in sorted(case_rows, key=lambda r: r.get("ms", float("inf"))):
-            what = (f"{row['ms'] * 1e3:8.1f} us {row['gbps']:6.0f} GB/s err "
-                    f"{row['max_abs_err']:.1e}") if "ms" in row else row["error"][:80]
-            print(f"  tiles {tuple(row['tiles'])!s:13s} splits {row['num_splits']!s:4s} {what}")
-    write_results(out_dir, "decode_tune", rows)
     return 0
 
 
