@@ -162,7 +162,7 @@ def test_prompt_logprobs_in_row_slices_are_the_same_numbers(k):
     """token_logprobs takes a long prompt chunk's rows a slice at a time (a whole 8,192-token
     chunk over a 150k vocabulary would need over 10 GB at once): slices of 5 rows, or of 1,
     give exactly what one pass gives, and no rows give empty results."""
-    from ksana_llm.runner.sampler import token_logprobs
+    from ksana_llm.runner.prompt_logprobs import token_logprobs
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 101, generator=generator)

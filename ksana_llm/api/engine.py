@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,14 +25,14 @@ from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
 from ksana_llm.api.model import Model
-from ksana_llm.api.outputs import (AsyncDeliveries, Prompt, Request, RequestHandle)
+from ksana_llm.api.output_delivery import OutputDelivery
+from ksana_llm.api.outputs import Prompt, Request, RequestHandle
 from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.sleep_control import SleepControl
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.api.weight_control import WeightControl
 from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
-from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.engine.scheduling_policy import SchedulingPolicy
@@ -54,7 +53,8 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
 
 
-class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
+class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCalls,
+             ChatMixin):
     """Continuous-batching generation over one model.
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
@@ -411,40 +411,6 @@ class Engine(LoraControl, WeightControl, SleepControl, ForwardCalls, ChatMixin):
                 future.set_result(work())
             except Exception as exc:  # noqa: BLE001 - the caller re-raises it
                 future.set_exception(exc)
-
-    def _dispatch_step(self, outputs: list[StepOutput]) -> None:
-        self._stats.record_outputs(outputs)
-        self._dispatch(outputs)
-
-    def _dispatch(self, outputs: list) -> None:
-        now = time.monotonic()
-        batch = AsyncDeliveries()
-        try:
-            for out in outputs:
-                self._deliver(out, now, batch)
-        finally:
-            batch.flush()
-
-    def _deliver(self, out: StepOutput, now: float, batch: AsyncDeliveries) -> None:
-        handle = self._handles.get(out.request_id)
-        if handle is None:
-            return
-        if out.finished and out.error is not None:
-            del self._handles[out.request_id]
-            handle.fail(out.error, batch)
-            return
-        handle.deliver(out, now, self._postprocess(handle) if out.finished else None, batch)
-        if out.finished:
-            del self._handles[out.request_id]
-            self._stats.record_finished(handle.output)
-
-    def _postprocess(self, handle: RequestHandle) -> Any:
-        """The model plugin's postprocess for a finishing request, or None (no plugin, or a
-        forward-only request)."""
-        plugin = getattr(self.model, "plugin", None)
-        if plugin is None or handle.forward_result is not None or handle.plugin_info is None:
-            return None  # (None: its preprocess never ran, as for prompt_embeds)
-        return lambda output: plugin.run_postprocess(handle.plugin_info, output)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._wake:

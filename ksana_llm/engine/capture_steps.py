@@ -17,7 +17,7 @@ from ksana_llm.engine.scheduler import ScheduledSequence
 from ksana_llm.runner.host_copy import start_host_copy
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.model_runner import CapturedRows, SeqSlice
-from ksana_llm.runner.sampler import token_logprobs
+from ksana_llm.runner.prompt_logprobs import token_logprobs
 
 
 class CaptureSteps:
