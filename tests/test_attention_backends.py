@@ -37,6 +37,38 @@ def test_triton_backend_logits_match_transformers(tiny):
     check_prefix_hit_mixed_batch(ours, hf_reference(hf), vocab=256, driver_class=TritonDriver)
 
 
+def test_qwen3_q_k_norms_run_inside_the_rotary_kernel(tmp_path, monkeypatch):
+    """Qwen3 on the Triton backend: its per-head q/k norms are fused into the RoPE launch (no
+    separate norm over 3-D heads), and prefill, decode and a prefix hit still match
+    transformers (the tiny model's norm weights are random, so a dropped weight shows)."""
+    from ksana_llm import kernels
+
+    hf = build_tiny_model("qwen3", tmp_path)
+    ours = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False).module
+    fused: list[bool] = []
+    head_norms: list[tuple[int, ...]] = []
+    real_rotary, real_norm = kernels.apply_rotary_, kernels.rms_norm
+
+    def rotary(*args, **kwargs):
+        fused.append(kwargs.get("norm_weights") is not None)
+        return real_rotary(*args, **kwargs)
+
+    def norm(x, *args, **kwargs):
+        if x.dim() == 3:
+            head_norms.append(tuple(x.shape))
+        return real_norm(x, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "apply_rotary_", rotary)
+    monkeypatch.setattr(kernels, "rms_norm", norm)
+    check_prefill_and_decode(ours, hf_reference(hf), vocab=256, chunks=[16, 16, 8],
+                             driver_class=TritonDriver)
+    check_prefix_hit_mixed_batch(ours, hf_reference(hf), vocab=256, driver_class=TritonDriver)
+    assert fused and all(fused) and not head_norms
+    attention = ours.model.layers[0].self_attn
+    assert attention._norm_weights(torch.float32) is not None
+    assert attention._norm_weights(torch.bfloat16) is None  # weights in another dtype: unfused
+
+
 def test_triton_backend_builds_kernel_metadata_only(tiny):
     _, ours = tiny
     driver = TritonDriver(ours)

@@ -354,6 +354,36 @@ def test_rotary_in_place_on_fused_qkv_views(device, dtype, rotary_dim):
                            .view(tokens, heads, head_dim)[..., rotary_dim:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
+def test_rotary_with_q_k_norms_in_place_on_fused_qkv_views(device, dtype, rotary_dim):
+    """Qwen3's order: each head RMS-normalised with its own weight (all head dims, also those
+    past the rotary dim), then rotated, in the one launch, on the fused QKV output's views."""
+    tokens, heads, kv_heads, head_dim, eps = 5, 4, 2, 64, 1e-6
+    gen = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(device,
+                                                                                          dtype)
+    before = qkv.clone()
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q_weight, k_weight = (torch.randn(head_dim, generator=gen).to(device, dtype)
+                          for _ in range(2))
+    angles = torch.rand(tokens, rotary_dim // 2, generator=gen) * 6.0
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    expected_q = ref.rotary_ref(ref.rms_norm_ref(q, q_weight, eps), cos, sin)
+    expected_k = ref.rotary_ref(ref.rms_norm_ref(k, k_weight, eps), cos, sin)
+    kernels.apply_rotary_(q, k, cos.unsqueeze(1), sin.unsqueeze(1),
+                          norm_weights=(q_weight, k_weight), eps=eps)
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+    v_start = (heads + kv_heads) * head_dim
+    assert torch.equal(qkv[:, v_start:], before[:, v_start:])  # V untouched
+    with pytest.raises(ValueError, match="norm_weights: k's weight"):
+        kernels.apply_rotary_(q, k, cos, sin, norm_weights=(q_weight, k_weight[:32]))
+    with pytest.raises(ValueError, match="norm_weights: q's weight"):
+        kernels.apply_rotary_(q, k, cos, sin, norm_weights=(q_weight.double(), k_weight))
+
+
 # --------------------------------------------------------------------------------------------
 # API: input errors, lazy import, real GPU compilation
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 
 def deepseek_config(**overrides) -> DeepseekV3Config:
@@ -38,6 +39,8 @@ TINY_CONFIGS = {
     "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=24, tie_word_embeddings=False),
     # A Llama config carrying a window key (some fine-tunes do): transformers' Llama ignores it.
     "llama-window-key": lambda: LlamaConfig(**COMMON, sliding_window=16, tie_word_embeddings=False),
+    # q/k norms (per head, before RoPE), head_dim wider than hidden / heads
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
     # 8 experts, top 2, q/k norms (tests/test_family_moe.py holds the MoE families' own checks)
     "qwen3-moe": lambda: Qwen3MoeConfig(**{**COMMON, "intermediate_size": 96}, head_dim=32,
                                         moe_intermediate_size=32, num_experts=8,
@@ -47,7 +50,7 @@ TINY_CONFIGS = {
     "deepseek-v3": lambda: deepseek_config(max_position_embeddings=512),
 }
 MODEL_CLASSES = {LlamaConfig: LlamaForCausalLM, MistralConfig: MistralForCausalLM,
-                 Qwen3MoeConfig: Qwen3MoeForCausalLM, DeepseekV3Config: DeepseekV3ForCausalLM}
+                 Qwen3Config: Qwen3ForCausalLM, Qwen3MoeConfig: Qwen3MoeForCausalLM, DeepseekV3Config: DeepseekV3ForCausalLM}
 
 
 def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True,
@@ -56,11 +59,14 @@ def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True
     torch.manual_seed(seed)
     config = TINY_CONFIGS[name]()
     model = MODEL_CLASSES[type(config)](config).eval()
-    # Random init leaves biases at 0; give them values so a dropped bias would be noticed.
+    # Random init leaves biases at 0 and q/k norm weights at 1; give them values so a dropped
+    # bias or norm weight would be noticed.
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("bias"):
                 param.normal_(0, 0.1)
+            elif param_name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1, 0.2)
     model.save_pretrained(folder, safe_serialization=safe_serialization)
     return model
 

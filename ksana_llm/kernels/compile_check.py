@@ -177,11 +177,11 @@ def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
 def record_launches(config: ShapeConfig) -> list[Launch]:
     """Every kernel variant the engine can launch (decode with one and several splits, with and
     without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
-    several sequences; norm with and without residual; rotary on views of a fused QKV; the
-    quantized-weight matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes;
-    the grouped MoE matmuls of a decode step and of a prefill, dense, 8-bit and packed 4-bit) at
-    one model shape. The tensors
-    are empty CPU tensors: nothing runs."""
+    several sequences; norm with and without residual; rotary on views of a fused QKV, with
+    and without q/k norms; the quantized-weight matmuls: FP8 with block and per-row scales, int8
+    codes, packed 4-bit codes; the grouped MoE matmuls of a decode step and of a prefill, dense,
+    8-bit and packed 4-bit) at one model shape. The tensors are empty CPU tensors: nothing
+    runs."""
     from ksana_llm.kernels import (decode_attention, fp8_matmul, fused_moe, kv_store,
                                    prefill_attention, rmsnorm, rotary)
 
@@ -231,6 +231,11 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(8, kv_heads, head_dim)
         cos = torch.empty(8, head_dim // 2, dtype=dtype)
         rotary.apply_rotary_(q, k, cos, cos)
+        # Qwen3's q/k norms fused in, over a full and a partial rotary dim.
+        norms = (torch.empty(head_dim, dtype=dtype), torch.empty(head_dim, dtype=dtype))
+        rotary.apply_rotary_(q, k, cos, cos, norm_weights=norms)
+        rotary.apply_rotary_(q, k, cos[:, :head_dim // 4], cos[:, :head_dim // 4],
+                             norm_weights=norms)
     launches += rec
     with recording(fp8_matmul, "_fp8_linear_kernel", "_int4_linear_kernel") as rec:
         # A decode batch and a larger one through FP8 weights with 128x128 block scales (FP8

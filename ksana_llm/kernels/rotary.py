@@ -1,7 +1,11 @@
-"""Rotary position embedding (NeoX rotate-half layout), in place on q and k.
+"""Rotary position embedding (NeoX rotate-half layout), in place on q and k, optionally after a
+per-head RMSNorm (Qwen3's q_norm / k_norm).
 
 One program per token rotates all its query and key heads, so cos/sin are read once per token.
-Math in fp32, one rounding to the tensor's dtype at the end.
+Math in fp32, one rounding to the tensor's dtype at the end. With the norm fused in, a Qwen3
+layer's q/k work is one launch instead of five (two copies of the strided q/k views, two norms,
+the rotation): at small batches a decode step's time is mostly launches, so this is 4 of the
+layer's ~13.
 """
 
 from __future__ import annotations
@@ -14,43 +18,77 @@ from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_devi
 
 
 @triton.jit
-def _rotate_heads(X, t, stride_t, stride_h, cos, sin,
+def _rotate_heads(X, W, t, stride_t, stride_h, cos, sin, eps,
                   NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  REST: tl.constexpr, BLOCK_REST: tl.constexpr, NORM: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)
+    head_mask = heads < NUM_HEADS
     i = tl.arange(0, BLOCK_HALF)
-    mask = (heads < NUM_HEADS)[:, None] & (i < HALF)[None, :]
+    mask = head_mask[:, None] & (i < HALF)[None, :]
     ptr1 = X + t * stride_t + heads[:, None] * stride_h + i[None, :]
     ptr2 = ptr1 + HALF
-    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr2, mask=mask, other=0.0)
+    if NORM:
+        # layers.norm.RMSNorm over the whole head (rotated dims and the rest): normalised in
+        # fp32, rounded to the dtype, times the weight, rounded again (the layer's tensor).
+        dtype = X.dtype.element_ty
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        squares = tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1)
+        if REST > 0:
+            j = tl.arange(0, BLOCK_REST)
+            rest_mask = head_mask[:, None] & (j < REST)[None, :]
+            ptr3 = X + t * stride_t + heads[:, None] * stride_h + 2 * HALF + j[None, :]
+            x3f = tl.load(ptr3, mask=rest_mask, other=0.0).to(tl.float32)
+            squares += tl.sum(x3f * x3f, 1)
+        inv_rms = tl.rsqrt(squares / (2 * HALF + REST) + eps)[:, None]
+        w1 = tl.load(W + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1f * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (x2f * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+        if REST > 0:
+            w3 = tl.load(W + 2 * HALF + j, mask=j < REST, other=0.0).to(tl.float32)[None, :]
+            tl.store(ptr3, (w3 * (x3f * inv_rms).to(dtype).to(tl.float32)).to(dtype),
+                     mask=rest_mask)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     tl.store(ptr1, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
     tl.store(ptr2, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, Cos, Sin,
+    Q, K, Cos, Sin, Q_weight, K_weight, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
     NUM_Q_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
     NUM_K_HEADS: tl.constexpr, BLOCK_KH: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    REST: tl.constexpr, BLOCK_REST: tl.constexpr, NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     cos = tl.load(Cos + t * stride_ct + i, mask=i < HALF, other=1.0).to(tl.float32)[None, :]
     sin = tl.load(Sin + t * stride_st + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(Q, t, stride_qt, stride_qh, cos, sin, NUM_Q_HEADS, BLOCK_QH, HALF, BLOCK_HALF)
-    _rotate_heads(K, t, stride_kt, stride_kh, cos, sin, NUM_K_HEADS, BLOCK_KH, HALF, BLOCK_HALF)
+    _rotate_heads(Q, Q_weight, t, stride_qt, stride_qh, cos, sin, eps, NUM_Q_HEADS, BLOCK_QH,
+                  HALF, BLOCK_HALF, REST, BLOCK_REST, NORM)
+    _rotate_heads(K, K_weight, t, stride_kt, stride_kh, cos, sin, eps, NUM_K_HEADS, BLOCK_KH,
+                  HALF, BLOCK_HALF, REST, BLOCK_REST, NORM)
 
 
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                  ) -> None:
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                  norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  eps: float = 1e-6) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place: for the first R = 2 * cos.shape[-1] dims,
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with x1, x2 the two halves (dims past R are
     left alone; R = D is the usual case). cos / sin: [T, R/2] or [T, 1, R/2] as
     `layers.rotary.RotaryEmbedding.cos_sin` returns them. q and k may be strided views (slices
-    of a fused QKV output) with a contiguous last dimension."""
+    of a fused QKV output) with a contiguous last dimension.
+
+    `norm_weights` (q's [D], k's [D], in q's dtype): first RMS-normalise every head over all D
+    dims with `eps` and its weight, as `layers.norm.RMSNorm` does (Qwen3's q_norm / k_norm),
+    then rotate; the dims past R are normalised too."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q, k: expected [T, Hq, D] and [T, Hk, D], "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -64,8 +102,10 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     check_same_device(q=q, k=k, cos=cos, sin=sin)
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("k", k)
+    q_weight, k_weight = _norm_weights(norm_weights, q, k)
     if num_tokens == 0:
         return
+    rest = head_dim - 2 * half if norm_weights is not None else 0
     cos2 = cos.reshape(num_tokens, half)
     sin2 = sin.reshape(num_tokens, half)
     if cos2.stride(-1) != 1:
@@ -73,10 +113,29 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if sin2.stride(-1) != 1:
         sin2 = sin2.contiguous()
     _rotary_kernel[(num_tokens,)](
-        q, k, cos2, sin2,
+        q, k, cos2, sin2, q_weight, k_weight, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), sin2.stride(0),
         NUM_Q_HEADS=q.shape[1], BLOCK_QH=next_pow2(q.shape[1]),
         NUM_K_HEADS=k.shape[1], BLOCK_KH=next_pow2(k.shape[1]),
         HALF=half, BLOCK_HALF=next_pow2(half),
+        # Without the norm the dims past R are not touched at all.
+        REST=rest, BLOCK_REST=next_pow2(max(rest, 1)), NORM=norm_weights is not None,
         num_warps=4,
     )
+
+
+def _norm_weights(norm_weights: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
+                  k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (q, k) norm weights as the kernel reads them, validated; q and k themselves stand in
+    (never read) when there is no norm."""
+    if norm_weights is None:
+        return q, k
+    if len(norm_weights) != 2:
+        raise ValueError("norm_weights: expected (q_weight, k_weight)")
+    head_dim = q.shape[-1]
+    for name, weight in zip(("q", "k"), norm_weights):
+        if weight.shape != (head_dim,) or weight.dtype != q.dtype:
+            raise ValueError(f"norm_weights: {name}'s weight must be [{head_dim}] in "
+                             f"{q.dtype}, got {tuple(weight.shape)} in {weight.dtype}")
+        check_same_device(q=q, norm_weight=weight)
+    return tuple(w.contiguous() for w in norm_weights)

@@ -99,6 +99,15 @@ class LlamaAttention(nn.Module):
         # would come out of `to_empty` uninitialised. Moved to the device on first use.
         self._alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().cpu()
 
+    def _norm_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q_norm, k_norm) weights for the fused norm + RoPE kernel, or None when there are no
+        q/k norms or the kernel cannot stand in for them (weights in another dtype, or the two
+        norms' eps differ)."""
+        if not self.qk_norm or self.q_norm.eps != self.k_norm.eps:
+            return None
+        weights = (self.q_norm.weight, self.k_norm.weight)
+        return weights if all(w.dtype == dtype for w in weights) else None
+
     def _slopes_on(self, device: torch.device) -> torch.Tensor | None:
         slopes = self._alibi_slopes
         if slopes is not None and slopes.device != device:
@@ -112,15 +121,22 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         slopes = self._slopes_on(q.device)
         if slopes is None and fused_kernels_on():  # in-place RoPE
             from ksana_llm import kernels
 
-            kernels.apply_rotary_(q, k, *rope)  # q, k are views of this step's fresh QKV output
-        elif slopes is None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            # q, k are views of this step's fresh QKV output; Qwen3's q/k norms run in the
+            # same launch when their weights have q's dtype (they do once the model is cast).
+            norms = self._norm_weights(q.dtype)
+            if self.qk_norm and norms is None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            kernels.apply_rotary_(q, k, *rope, norm_weights=norms,
+                                  eps=self.q_norm.eps if norms is not None else 1e-6)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if slopes is None:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx))
         return self.o_proj(out.reshape(num_tokens, -1), meta.lora)
