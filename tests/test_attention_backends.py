@@ -96,15 +96,16 @@ def test_engine_greedy_tokens_equal_on_both_backends(tmp_path):
 
 def test_engines_sharing_a_model_keep_their_own_kernels(tmp_path, monkeypatch):
     """One loaded model behind a Triton engine and a torch engine at once: the fused kernels
-    (RMSNorm + residual, in-place RoPE) run in the Triton engine's steps only, before and after
-    the torch engine's, and both give transformers' greedy tokens."""
+    (RMSNorm + residual, in-place RoPE, SiLU-gated MLP activation) run in the Triton engine's
+    steps only, before and after the torch engine's, and both give transformers' greedy
+    tokens."""
     from ksana_llm import kernels
 
     hf = build_tiny_model("llama2", tmp_path)
     prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(2)).tolist()
     expected = greedy_trace(hf_reference(hf), prompt, 8)[0][len(prompt):]
     calls: list[str] = []
-    for name in ("rms_norm", "apply_rotary_"):
+    for name in ("rms_norm", "apply_rotary_", "silu_and_mul"):
         def counted(*args, _real=getattr(kernels, name), _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
@@ -118,7 +119,8 @@ def test_engines_sharing_a_model_keep_their_own_kernels(tmp_path, monkeypatch):
         for engine, uses_kernels in ((fused, True), (plain, False), (fused, True)):
             calls.clear()
             assert engine.generate_outputs([prompt])[0].token_ids == expected
-            assert sorted(set(calls)) == (["apply_rotary_", "rms_norm"] if uses_kernels else [])
+            assert sorted(set(calls)) == (["apply_rotary_", "rms_norm", "silu_and_mul"]
+                                          if uses_kernels else [])
 
 
 def test_backend_choice_is_validated(tmp_path):

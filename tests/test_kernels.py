@@ -384,6 +384,22 @@ def test_rotary_with_q_k_norms_in_place_on_fused_qkv_views(device, dtype, rotary
         kernels.apply_rotary_(q, k, cos, sin, norm_weights=(q_weight.double(), k_weight))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("width", [48, 2500], ids=["narrow", "several-programs"])
+def test_silu_and_mul_matches_reference(device, dtype, width):
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, 3, 2 * width, generator=gen) * 4).to(device, dtype)
+    before = x.clone()
+    out = kernels.silu_and_mul(x)
+    expected = ref.silu_and_mul_ref(x)
+    assert out.shape == (2, 3, width) and out.dtype == dtype
+    assert_close(out, expected, dtype)
+    assert torch.equal(x, before)
+    assert kernels.silu_and_mul(x[:0]).shape == (0, 3, width)
+    with pytest.raises(ValueError, match="x: expected"):
+        kernels.silu_and_mul(x[..., :-1])
+
+
 # --------------------------------------------------------------------------------------------
 # API: input errors, lazy import, real GPU compilation
 # --------------------------------------------------------------------------------------------
@@ -442,6 +458,6 @@ def test_kernels_compile_for_hopper():
     compiled = [json.loads(line) for line in result.stdout.splitlines()]
     names = {c["kernel"] for c in compiled}
     assert names == {"_store_kv_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel",
-                     "_rms_norm_kernel", "_rotary_kernel", "_fp8_linear_kernel",
+                     "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_fp8_linear_kernel",
                      "_int4_linear_kernel", "_expert_matmul_kernel", "_expert_int4_matmul_kernel"}
     assert all(c["sm"] == 90 for c in compiled)

@@ -10,6 +10,7 @@
     rms_norm(x, weight, eps, residual=None)                                rmsnorm.py
     fp8_linear(x, weight, scale, group_size, bias=None, zero_point=None)   fp8_matmul.py
     apply_rotary_(q, k, cos, sin, *, norm_weights=None, eps=1e-6)         rotary.py
+    silu_and_mul(x)                                                        gated_activation.py
     align_to_experts(experts, num_experts, block_m), expert_block_size(assignments, experts),
     expert_matmul(a, weight, blocks, rows_per_input)                       fused_moe.py
     reference.*: the torch definitions of all of the above
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # the names __getattr__ serves, for type checkers and IDEs
     from ksana_llm.kernels.fp8_matmul import fp8_linear  # noqa: F401
     from ksana_llm.kernels.fused_moe import (  # noqa: F401
         align_to_experts, expert_block_size, expert_matmul)
+    from ksana_llm.kernels.gated_activation import silu_and_mul  # noqa: F401
     from ksana_llm.kernels.kv_store import store_kv  # noqa: F401
     from ksana_llm.kernels.prefill_attention import paged_prefill_attention  # noqa: F401
     from ksana_llm.kernels.rmsnorm import rms_norm  # noqa: F401
@@ -48,6 +50,7 @@ _LAZY = {
     "rms_norm": "rmsnorm",
     "fp8_linear": "fp8_matmul",
     "apply_rotary_": "rotary",
+    "silu_and_mul": "gated_activation",
     "align_to_experts": "fused_moe",
     "expert_block_size": "fused_moe",
     "expert_matmul": "fused_moe",

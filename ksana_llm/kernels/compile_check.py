@@ -178,12 +178,12 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     """Every kernel variant the engine can launch (decode with one and several splits, with and
     without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
     several sequences; norm with and without residual; rotary on views of a fused QKV, with
-    and without q/k norms; the quantized-weight matmuls: FP8 with block and per-row scales, int8
+    and without q/k norms; the SiLU-gated activation; the quantized-weight matmuls: FP8 with block and per-row scales, int8
     codes, packed 4-bit codes; the grouped MoE matmuls of a decode step and of a prefill, dense,
     8-bit and packed 4-bit) at one model shape. The tensors are empty CPU tensors: nothing
     runs."""
-    from ksana_llm.kernels import (decode_attention, fp8_matmul, fused_moe, kv_store,
-                                   prefill_attention, rmsnorm, rotary)
+    from ksana_llm.kernels import (decode_attention, fp8_matmul, fused_moe, gated_activation,
+                                   kv_store, prefill_attention, rmsnorm, rotary)
 
     dtype, head_dim, heads, kv_heads = config.dtype, config.head_dim, config.heads, config.kv_heads
     k_cache = torch.empty(64, config.block_size, kv_heads, head_dim,
@@ -236,6 +236,10 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         rotary.apply_rotary_(q, k, cos, cos, norm_weights=norms)
         rotary.apply_rotary_(q, k, cos[:, :head_dim // 4], cos[:, :head_dim // 4],
                              norm_weights=norms)
+    launches += rec
+    with recording(gated_activation, "_silu_mul_kernel") as rec:
+        # (any MLP width from MAX_BLOCK up launches the same variant)
+        gated_activation.silu_and_mul(torch.empty(8, 2 * 3072, dtype=dtype))
     launches += rec
     with recording(fp8_matmul, "_fp8_linear_kernel", "_int4_linear_kernel") as rec:
         # A decode batch and a larger one through FP8 weights with 128x128 block scales (FP8

@@ -128,6 +128,12 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.to(x.dtype)
 
 
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """`layers.activation`'s torch SwiGLU: silu(gate) * up over x [..., 2I], in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
                    bias: torch.Tensor | None = None, zero_point: torch.Tensor | None = None
                    ) -> torch.Tensor:

@@ -7,8 +7,12 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
+from ksana_llm.layers.fused_kernels import fused_kernels_on
+
 _ACTIVATIONS = MappingProxyType({"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")})
+# The activations the fused Triton kernel (`kernels.silu_and_mul`) computes.
+_FUSED = frozenset({"silu", "swish"})
 
 
 def get_gated_activation(name: str):
@@ -17,8 +21,14 @@ def get_gated_activation(name: str):
         act = _ACTIVATIONS[name]
     except KeyError:
         raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
+    fusable = name in _FUSED
 
     def gated(x: torch.Tensor) -> torch.Tensor:
+        if fusable and fused_kernels_on():
+            # One launch, no temporary: at small batches a decode step's time is mostly launches.
+            from ksana_llm import kernels
+
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return act(gate).mul_(up)  # in place on the fresh activation: one temporary fewer
 
