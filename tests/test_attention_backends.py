@@ -39,8 +39,10 @@ def test_triton_backend_logits_match_transformers(tiny):
 
 def test_qwen3_q_k_norms_run_inside_the_rotary_kernel(tmp_path, monkeypatch):
     """Qwen3 on the Triton backend: its per-head q/k norms are fused into the RoPE launch (no
-    separate norm over 3-D heads), and prefill, decode and a prefix hit still match
-    transformers (the tiny model's norm weights are random, so a dropped weight shows)."""
+    separate norm over 3-D heads), which also stores K/V into the cache (no store_kv launch),
+    and prefill, decode and a prefix hit still match transformers (the tiny model's norm
+    weights are random, so a dropped weight shows; the decode reads what the fused store
+    wrote)."""
     from ksana_llm import kernels
 
     hf = build_tiny_model("qwen3", tmp_path)
@@ -50,8 +52,12 @@ def test_qwen3_q_k_norms_run_inside_the_rotary_kernel(tmp_path, monkeypatch):
     real_rotary, real_norm = kernels.apply_rotary_, kernels.rms_norm
 
     def rotary(*args, **kwargs):
-        fused.append(kwargs.get("norm_weights") is not None)
+        fused.append(kwargs.get("norm_weights") is not None
+                     and kwargs.get("write_kv") is not None)
         return real_rotary(*args, **kwargs)
+
+    def store(*args, **kwargs):
+        raise AssertionError("store_kv ran: the RoPE kernel should have stored K/V")
 
     def norm(x, *args, **kwargs):
         if x.dim() == 3:
@@ -60,6 +66,7 @@ def test_qwen3_q_k_norms_run_inside_the_rotary_kernel(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernels, "apply_rotary_", rotary)
     monkeypatch.setattr(kernels, "rms_norm", norm)
+    monkeypatch.setattr(kernels, "store_kv", store)
     check_prefill_and_decode(ours, hf_reference(hf), vocab=256, chunks=[16, 16, 8],
                              driver_class=TritonDriver)
     check_prefix_hit_mixed_batch(ours, hf_reference(hf), vocab=256, driver_class=TritonDriver)

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from ksana_llm import kernels  # noqa: E402
 from ksana_llm.kernels import reference as ref  # noqa: E402
+from ksana_llm.kernels._common import CacheWrite  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # The references are right: dense attention, and the layers' own norm / rotary.
@@ -398,6 +399,46 @@ def test_silu_and_mul_matches_reference(device, dtype, width):
     assert kernels.silu_and_mul(x[:0]).shape == (0, 3, width)
     with pytest.raises(ValueError, match="x: expected"):
         kernels.silu_and_mul(x[..., :-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("rotary_dim, norm", [(64, False), (32, False), (64, True), (32, True)],
+                         ids=["full", "partial", "full-norm", "partial-norm"])
+def test_rotary_writes_the_finished_k_and_v_into_the_cache(device, dtype, rotary_dim, norm):
+    """`write_kv`: the cache ends exactly as rotating (and normalising) first and then
+    `store_kv` would leave it; padding slots are skipped; q, k, v as without the write."""
+    tokens, heads, kv_heads, head_dim, v_head_dim, block_size = 6, 4, 2, 64, 48, 8
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (heads + kv_heads) * head_dim + kv_heads * v_head_dim,
+                      generator=gen).to(device, dtype)
+    k_cache = torch.randn(5, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(5, block_size, kv_heads, v_head_dim, generator=gen).to(device, dtype)
+    slots = torch.tensor([9, -1, 0, 39, 20, 21], device=device)
+    angles = torch.rand(tokens, rotary_dim // 2, generator=gen) * 6.0
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    norms = tuple(torch.randn(head_dim, generator=gen).to(device, dtype) for _ in range(2)) \
+        if norm else None
+
+    def views(t: torch.Tensor):
+        q = t[:, :heads * head_dim].view(tokens, heads, head_dim)
+        k = t[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        v = t[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, v_head_dim)
+        return q, k, v
+
+    expected_qkv, expected_k_cache, expected_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    eq, ek, ev = views(expected_qkv)
+    kernels.apply_rotary_(eq, ek, cos, sin, norm_weights=norms)
+    kernels.store_kv(ek, ev, expected_k_cache, expected_v_cache, slots)
+    q, k, v = views(qkv)
+    kernels.apply_rotary_(q, k, cos, sin, norm_weights=norms,
+                          write_kv=CacheWrite(v, k_cache, v_cache, slots))
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
+    with pytest.raises(ValueError, match="write_kv: the cache's dtype"):
+        kernels.apply_rotary_(q, k, cos, sin, write_kv=CacheWrite(
+            v, k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn), slots))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.apply_rotary_(q, k, cos, sin, write_kv=CacheWrite(v, k_cache, v_cache, slots[:2]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@
                                                                            prefill_attention.py
     rms_norm(x, weight, eps, residual=None)                                rmsnorm.py
     fp8_linear(x, weight, scale, group_size, bias=None, zero_point=None)   fp8_matmul.py
-    apply_rotary_(q, k, cos, sin, *, norm_weights=None, eps=1e-6)         rotary.py
+    apply_rotary_(q, k, cos, sin, *, norm_weights=None, eps=1e-6, write_kv=None)
+                                                                           rotary.py
     silu_and_mul(x)                                                        gated_activation.py
     align_to_experts(experts, num_experts, block_m), expert_block_size(assignments, experts),
     expert_matmul(a, weight, blocks, rows_per_input)                       fused_moe.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ksana_llm.kernels.kv_quant import is_fp8
@@ -9,6 +11,16 @@ from ksana_llm.kernels.kv_quant import is_fp8
 # tl.dot needs every tile dimension >= 16 when compiled for a GPU (the interpreter accepts less,
 # so this floor is what keeps CPU-tested kernels compilable).
 MIN_DOT_DIM = 16
+
+
+class CacheWrite(NamedTuple):
+    """Where `apply_rotary_` also writes the rotated K (and V) of the step's tokens: the paged
+    cache pair at `slot_mapping`, as `store_kv` would (a cache of K's own dtype, not FP8)."""
+
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 def next_pow2(n: int) -> int:

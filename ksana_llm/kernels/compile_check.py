@@ -178,12 +178,12 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     """Every kernel variant the engine can launch (decode with one and several splits, with and
     without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
     several sequences; norm with and without residual; rotary on views of a fused QKV, with
-    and without q/k norms; the SiLU-gated activation; the quantized-weight matmuls: FP8 with block and per-row scales, int8
-    codes, packed 4-bit codes; the grouped MoE matmuls of a decode step and of a prefill, dense,
-    8-bit and packed 4-bit) at one model shape. The tensors are empty CPU tensors: nothing
-    runs."""
-    from ksana_llm.kernels import (decode_attention, fp8_matmul, fused_moe, gated_activation,
-                                   kv_store, prefill_attention, rmsnorm, rotary)
+    and without q/k norms and the K/V store; the SiLU-gated activation; the quantized-weight
+    matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes; the grouped MoE
+    matmuls of a decode step and of a prefill, dense, 8-bit and packed 4-bit) at one model
+    shape. The tensors are empty CPU tensors: nothing runs."""
+    from ksana_llm.kernels import (_common, decode_attention, fp8_matmul, fused_moe,
+                                   gated_activation, kv_store, prefill_attention, rmsnorm, rotary)
 
     dtype, head_dim, heads, kv_heads = config.dtype, config.head_dim, config.heads, config.kv_heads
     k_cache = torch.empty(64, config.block_size, kv_heads, head_dim,
@@ -236,6 +236,12 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         rotary.apply_rotary_(q, k, cos, cos, norm_weights=norms)
         rotary.apply_rotary_(q, k, cos[:, :head_dim // 4], cos[:, :head_dim // 4],
                              norm_weights=norms)
+        if config.kv_dtype is None and config.latent_values is None:
+            # ... storing K/V into a cache of the model's dtype too (the Triton path's layers)
+            v = qkv[:, (heads + kv_heads) * head_dim:].view(8, kv_heads, head_dim)
+            write = _common.CacheWrite(v, k_cache, v_cache, torch.zeros(8, dtype=torch.int64))
+            rotary.apply_rotary_(q, k, cos, cos, write_kv=write)
+            rotary.apply_rotary_(q, k, cos, cos, norm_weights=norms, write_kv=write)
     launches += rec
     with recording(gated_activation, "_silu_mul_kernel") as rec:
         # (any MLP width from MAX_BLOCK up launches the same variant)

@@ -52,13 +52,11 @@ def _store_kv_kernel(
              mask=v_mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, kv_scale: float = 1.0) -> None:
-    """Write k [T, Hkv, D] and v [T, Hkv, Dv] into k_cache / v_cache
-    [num_blocks, block_size, Hkv, D|Dv] at slot_mapping [T] (block * block_size + offset).
-    A negative slot skips its token (padding). k and v may be strided views (e.g. slices of a
-    fused QKV output) as long as their last dimension is contiguous. An FP8 cache stores
-    value / kv_scale (see `kv_quant`)."""
+def check_store_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                     ) -> tuple[int, int, int, int]:
+    """(block_size, num_kv_heads, head_dim, v_head_dim) of a store of k, v into the caches at
+    slot_mapping, or a ValueError naming the argument that does not fit."""
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if k.dim() != 3 or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"k: expected [T, {num_kv_heads}, {head_dim}], got {tuple(k.shape)}")
@@ -71,6 +69,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     check_last_dim_contiguous("k", k)
     check_last_dim_contiguous("v", v)
+    return block_size, num_kv_heads, head_dim, v_head_dim
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, kv_scale: float = 1.0) -> None:
+    """Write k [T, Hkv, D] and v [T, Hkv, Dv] into k_cache / v_cache
+    [num_blocks, block_size, Hkv, D|Dv] at slot_mapping [T] (block * block_size + offset).
+    A negative slot skips its token (padding). k and v may be strided views (e.g. slices of a
+    fused QKV output) as long as their last dimension is contiguous. An FP8 cache stores
+    value / kv_scale (see `kv_quant`)."""
+    block_size, num_kv_heads, head_dim, v_head_dim = check_store_args(k, v, k_cache, v_cache,
+                                                                       slot_mapping)
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return

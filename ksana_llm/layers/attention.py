@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ksana_llm.kernels._common import CacheWrite
 from ksana_llm.kernels.kv_quant import from_cache, raw, through_cache, to_cache
 from ksana_llm.layers.lora import LoraBatch
 
@@ -279,17 +280,33 @@ def _alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
     return bias
 
 
+def kernel_kv_write(v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                    dtype: torch.dtype) -> CacheWrite | None:
+    """On the Triton backend, where the RoPE kernel can store the step's K/V into the cache
+    itself (`kernels.apply_rotary_(write_kv=...)`; then call `paged_attention` with
+    `kv_stored=True`); None elsewhere: the torch backend, or an FP8 cache, which `store_kv`
+    quantizes."""
+    k_cache, v_cache = kv_cache
+    if meta.kernel_batch is None or k_cache.dtype != dtype or v_cache.dtype != dtype:
+        return None
+    return CacheWrite(v, k_cache, v_cache, meta.slot_mapping)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                     meta: AttentionMetadata, scale: float,
                     alibi_slopes: torch.Tensor | None = None,
-                    kv_scale: float = 1.0) -> torch.Tensor:
+                    kv_scale: float = 1.0, *, kv_stored: bool = False) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] / [T, Hkv, Dv] for the new tokens. Returns [T, Hq, Dv].
 
     `alibi_slopes` ([Hq], float32) adds ALiBi position biases (Baichuan-13B); it needs
     `meta.positions`. `kv_scale` is the layer's FP8 cache scale (ignored by other caches).
+    `kv_stored`: the new K/V are in the cache already (`kernel_kv_write`; Triton backend only).
     """
     if meta.kernel_batch is not None:
-        return _kernel_attention(q, k, v, kv_cache, meta, scale, alibi_slopes, kv_scale)
+        return _kernel_attention(q, k, v, kv_cache, meta, scale, alibi_slopes, kv_scale,
+                                 kv_stored)
+    if kv_stored:
+        raise ValueError("kv_stored: only the Triton backend's steps store K/V ahead")
     k_cache, v_cache = kv_cache
     num_kv_heads, head_dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
     slot_index = meta.slot_index(k_cache.shape[1])
@@ -341,14 +358,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                       meta: AttentionMetadata, scale: float,
-                      alibi_slopes: torch.Tensor | None, kv_scale: float) -> torch.Tensor:
-    """The Triton backend: store the new K/V, then one decode launch and one prefill launch
-    that read the paged cache in place (no gathers)."""
+                      alibi_slopes: torch.Tensor | None, kv_scale: float,
+                      kv_stored: bool) -> torch.Tensor:
+    """The Triton backend: store the new K/V (unless the RoPE kernel did), then one decode
+    launch and one prefill launch that read the paged cache in place (no gathers)."""
     from ksana_llm import kernels  # imports triton: only when this backend was chosen
 
     k_cache, v_cache = kv_cache
     batch = meta.kernel_batch
-    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale=kv_scale)
+    if not kv_stored:
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale=kv_scale)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     slopes = None if alibi_slopes is None else alibi_slopes.float()
     d = meta.num_decodes

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ksana_llm.layers.activation import get_gated_activation
-from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec, paged_attention
+from ksana_llm.layers.attention import (AttentionMetadata, KVCache, KVCacheSpec, kernel_kv_write,
+                                       paged_attention)
 from ksana_llm.layers.fused_kernels import fused_kernels_on
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.lora import LoraBatch
@@ -122,23 +123,28 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         slopes = self._slopes_on(q.device)
+        write_kv = None
         if slopes is None and fused_kernels_on():  # in-place RoPE
             from ksana_llm import kernels
 
-            # q, k are views of this step's fresh QKV output; Qwen3's q/k norms run in the
-            # same launch when their weights have q's dtype (they do once the model is cast).
+            # q, k are views of this step's fresh QKV output. In the same launch: Qwen3's q/k
+            # norms when their weights have q's dtype (they do once the model is cast), and the
+            # store of K/V into the paged cache when the attention reads it with the kernels.
             norms = self._norm_weights(q.dtype)
             if self.qk_norm and norms is None:
                 q, k = self.q_norm(q), self.k_norm(k)
+            write_kv = kernel_kv_write(v, kv_cache, meta, k.dtype)
             kernels.apply_rotary_(q, k, *rope, norm_weights=norms,
-                                  eps=self.q_norm.eps if norms is not None else 1e-6)
+                                  eps=self.q_norm.eps if norms is not None else 1e-6,
+                                  write_kv=write_kv)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             if slopes is None:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
-                              kv_scale=meta.kv_scale(self.layer_idx))
+                              kv_scale=meta.kv_scale(self.layer_idx),
+                              kv_stored=write_kv is not None)
         return self.o_proj(out.reshape(num_tokens, -1), meta.lora)
 
 
