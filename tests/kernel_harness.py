@@ -1,5 +1,5 @@
 """Shared setup and helpers of the Triton kernel tests (tests/test_kernels.py,
-tests/test_kernels_prefill.py).
+tests/test_kernels_layers.py, tests/test_kernels_prefill.py).
 
 Triton reads TRITON_INTERPRET once, when it is first imported, so without CUDA the switch to its
 interpreter has to happen before anything imports triton or ksana_llm.kernels. This module does
