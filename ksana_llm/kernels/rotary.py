@@ -1,11 +1,11 @@
 """Rotary position embedding (NeoX rotate-half layout), in place on q and k, optionally after a
-per-head RMSNorm (Qwen3's q_norm / k_norm).
+per-head RMSNorm (Qwen3's q_norm / k_norm) and followed by the store of K/V into the paged cache.
 
 One program per token rotates all its query and key heads, so cos/sin are read once per token.
-Math in fp32, one rounding to the tensor's dtype at the end. With the norm fused in, a Qwen3
-layer's q/k work is one launch instead of five (two copies of the strided q/k views, two norms,
-the rotation): at small batches a decode step's time is mostly launches, so this is 4 of the
-layer's ~13.
+Math in fp32, one rounding to the tensor's dtype at the end. The fusions are about launches (at
+small batches a decode step's time is mostly launches): a Qwen3 layer's q/k work and K/V store
+are one launch instead of six (two copies of the strided q/k views, two norms, the rotation,
+the store), a Llama layer's one instead of two.
 """
 
 from __future__ import annotations
