@@ -112,8 +112,9 @@ def test_silu_and_mul_matches_reference(device, dtype, width):
 @pytest.mark.parametrize("rotary_dim, norm", [(64, False), (32, False), (64, True), (32, True)],
                          ids=["full", "partial", "full-norm", "partial-norm"])
 def test_rotary_writes_the_finished_k_and_v_into_the_cache(device, dtype, rotary_dim, norm):
-    """`write_kv`: the cache ends exactly as rotating (and normalising) first and then
-    `store_kv` would leave it; padding slots are skipped; q, k, v as without the write."""
+    """`write_kv`: q and k end as without the write (the references' rotation, after the norms);
+    the cache holds exactly the finished K and the step's V at each token's slot (the values the
+    kernel wrote into k, bit for bit) and nothing else changed; padding slots are skipped."""
     tokens, heads, kv_heads, head_dim, v_head_dim, block_size = 6, 4, 2, 64, 48, 8
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(tokens, (heads + kv_heads) * head_dim + kv_heads * v_head_dim,
@@ -123,24 +124,22 @@ def test_rotary_writes_the_finished_k_and_v_into_the_cache(device, dtype, rotary
     slots = torch.tensor([9, -1, 0, 39, 20, 21], device=device)
     angles = torch.rand(tokens, rotary_dim // 2, generator=gen) * 6.0
     cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-    norms = tuple(torch.randn(head_dim, generator=gen).to(device, dtype) for _ in range(2)) \
-        if norm else None
-
-    def views(t: torch.Tensor):
-        q = t[:, :heads * head_dim].view(tokens, heads, head_dim)
-        k = t[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-        v = t[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, v_head_dim)
-        return q, k, v
-
-    expected_qkv, expected_k_cache, expected_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
-    eq, ek, ev = views(expected_qkv)
-    kernels.apply_rotary_(eq, ek, cos, sin, norm_weights=norms)
-    kernels.store_kv(ek, ev, expected_k_cache, expected_v_cache, slots)
-    q, k, v = views(qkv)
-    kernels.apply_rotary_(q, k, cos, sin, norm_weights=norms,
+    weights = [torch.randn(head_dim, generator=gen).to(device, dtype) for _ in range(2)]
+    sections = (heads * head_dim, kv_heads * head_dim, kv_heads * v_head_dim)
+    q, k, v = (part.view(tokens, -1, width) for part, width in
+               zip(qkv.split(sections, dim=-1), (head_dim, head_dim, v_head_dim)))
+    expected_q, expected_k = ((ref.rms_norm_ref(x, w, 1e-6) if norm else x)
+                              for x, w in zip((q, k), weights))
+    expected_q, expected_k = ref.rotary_ref(expected_q, cos, sin), ref.rotary_ref(expected_k,
+                                                                                    cos, sin)
+    v_before, k_cache_before, v_cache_before = v.clone(), k_cache.clone(), v_cache.clone()
+    kernels.apply_rotary_(q, k, cos, sin, norm_weights=tuple(weights) if norm else None,
                           write_kv=CacheWrite(v, k_cache, v_cache, slots))
-    assert torch.equal(qkv, expected_qkv)
-    assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+    assert torch.equal(v, v_before)
+    ref.store_kv_ref(k, v, k_cache_before, v_cache_before, slots)  # what k and v now hold
+    assert torch.equal(k_cache, k_cache_before) and torch.equal(v_cache, v_cache_before)
     with pytest.raises(ValueError, match="write_kv: the cache's dtype"):
         kernels.apply_rotary_(q, k, cos, sin, write_kv=CacheWrite(
             v, k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn), slots))
