@@ -137,6 +137,8 @@ def test_gpu_profile_stage_smoke(tmp_path):
     assert family("_rms_norm_kernel") == "norm" and family("Memcpy DtoH (Device -> Pinned)") \
         == "copies"
     assert family("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
+    assert family("_silu_mul_kernel") == "activation" and family("_rotary_kernel") == "rotary"
+    assert all(w["device_events_per_step"] == 0 for w in windows)  # none on the CPU
 
 
 def test_hf_generate_batch_cap_cancels_what_is_unfinished(monkeypatch, tmp_path):

@@ -47,7 +47,8 @@ FAMILIES = (
     ("attention prefill", r"_prefill_kernel"),
     ("kv store", r"_store_kv"),
     ("norm", r"_rms_norm|rms_norm|layer_norm"),
-    ("rotary", r"_rotary"),
+    ("rotary", r"_rotary"),  # with Qwen3's q/k norms and the K/V store fused in
+    ("activation", r"_silu_mul"),
     ("matmul", r"gemm|gemv|nvjet|cutlass|xmma|cublas|linear|matmul|splitK|sm90_"),
     ("sampling", r"argmax|topk|sort|softmax|multinomial|log_softmax|exponential|cumsum"),
     ("copies", r"[Mm]emcpy|[Mm]emset"),
@@ -83,6 +84,9 @@ class WindowReport:
     device_ms_per_step: float | None  # None on the CPU (no device events)
     device_busy_share: float | None
     device_events: int  # kernels and copies seen (0 on the CPU)
+    # device_events / steps: launches per step, what a small batch's step time follows (graph
+    # replays count each kernel they run)
+    device_events_per_step: float
     families_ms_per_step: dict[str, float] = field(default_factory=dict)
     top_kernels: list[dict[str, Any]] = field(default_factory=list)
 
@@ -118,6 +122,7 @@ def report(window: Window, device: torch.device, top: int = 12) -> WindowReport:
         window.name, window.sequences, steps, round(wall, 3),
         None if busy is None else round(busy, 3),
         None if busy is None else round(min(1.0, busy / wall), 3), device_events,
+        round(device_events / steps, 1),
         {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         [{"kernel": name[:120], "family": family_of(name), "ms_per_step": round(ms / steps, 4),
           "calls_per_step": round(calls[name] / steps, 2)} for name, ms in ranked])
@@ -204,7 +209,7 @@ def print_table(rep: WindowReport) -> None:
     busy = "-" if rep.device_busy_share is None else f"{rep.device_busy_share:.0%}"
     print(f"\n{rep.name}: {rep.sequences} sequences, {rep.steps} steps, wall "
           f"{rep.wall_ms_per_step:.3f} ms/step, device {device} ms/step, busy {busy} "
-          f"({rep.device_events} device events)")
+          f"({rep.device_events} device events, {rep.device_events_per_step:g} a step)")
     print("| family | ms/step | share |\n|---|---:|---:|")
     total = sum(rep.families_ms_per_step.values()) or 1.0
     for family, ms in rep.families_ms_per_step.items():
