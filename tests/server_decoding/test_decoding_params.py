@@ -345,10 +345,14 @@ def test_request_id_names_the_response(server, client, model):
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
                                             stream=True, extra_body={"request_id": "trace-43"}))
     assert {c.id for c in chunks} == {"cmpl-trace-43"}
-    long = {"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+    # Long enough to be running still when the clash arrives on a loaded machine (a CI run
+    # once saw the clash accepted with 400 tokens; cause not pinned down); the stream is closed
+    # early anyway, which aborts it.
+    long = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
             "stream": True, "request_id": "busy"}
     with httpx.stream("POST", server.base_url + "/completions", json=long, timeout=60) as r:
-        next(r.iter_lines())  # running now
+        first = next(r.iter_lines())
+        assert r.status_code == 200 and first.startswith("data: {"), first  # running now
         clash = httpx.post(server.base_url + "/completions", timeout=60,
                            json={**long, "stream": False, "max_tokens": 2})
         assert clash.status_code == 400
