@@ -14,10 +14,9 @@ import torch
 from ksana_llm.engine.outputs import CaptureRead, ForwardResult, StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence
 from ksana_llm.engine.scheduler import ScheduledSequence
+from ksana_llm.runner.captured_rows import CapturedRows
 from ksana_llm.runner.host_copy import start_host_copy
-from ksana_llm.runner.logits_processing import to_device
-from ksana_llm.runner.model_runner import CapturedRows, SeqSlice
-from ksana_llm.runner.prompt_logprobs import token_logprobs
+from ksana_llm.runner.model_runner import SeqSlice
 
 
 class CaptureSteps:
@@ -32,20 +31,13 @@ class CaptureSteps:
             seq, rows = item.seq, captured.get(i)
             positions = slices[i].capture
             if seq.forward is None:
-                if rows is not None and seq.prompt_logprobs is not None:
-                    k = seq.config.prompt_logprobs or 0
-                    targets = to_device([seq.prompt_token_ids[p + 1] for p in positions],
-                                        torch.long, rows.logits.device)
-                    chosen, ranks, values, ids = token_logprobs(rows.logits, targets, k)
-                    packed = torch.cat((chosen.double().unsqueeze(1), ranks.double().unsqueeze(1),
-                                        values.double(), ids.double()), dim=1)  # ids < 2**53: exact
-                    reads.append(CaptureRead(seq, positions,
-                                             prompt_logprobs=start_host_copy(packed)))
+                if rows is not None and rows.prompt_logprobs is not None:
+                    reads.append(CaptureRead(seq, positions, prompt_logprobs=rows.prompt_logprobs))
                 continue
             hidden = logits = None
             if rows is not None:
                 hidden = start_host_copy(rows.hidden.float()) if seq.forward.hidden else None
-                logits = start_host_copy(rows.logits.float()) if rows.logits is not None else None
+                logits = rows.logits
             done = seq.num_computed_tokens >= seq.num_tokens
             if done:
                 self._free(seq)
@@ -71,13 +63,15 @@ class CaptureSteps:
 
     def _keep_prompt_logprobs(self, seq: Sequence, positions: tuple[int, ...],
                               packed: torch.Tensor) -> None:
-        """`packed` [len(positions), 2 + 2k]: each row's chosen log-prob and its rank, then the
-        top k values and ids (`_launch_captures`)."""
+        """`packed` [len(positions), 2 + 2K]: each row's chosen log-prob and its rank, then the
+        top K values and ids, K >= this sequence's k (`runner.captured_rows.CapturedRows`)."""
         k = seq.config.prompt_logprobs or 0
+        width = (packed.shape[1] - 2) // 2
         for p, row in zip(positions, packed.tolist()):
             seq.prompt_logprobs[p + 1] = {
                 "token_id": seq.prompt_token_ids[p + 1], "logprob": row[0], "rank": int(row[1]),
-                "top_logprobs": dict(zip((int(t) for t in row[2 + k:]), row[2:2 + k]))}
+                "top_logprobs": dict(zip((int(t) for t in row[2 + width:2 + width + k]),
+                                         row[2:2 + k]))}
         group = seq.group
         if group.prompt_logprobs is None and len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1:
             group.prompt_logprobs = [None] + [seq.prompt_logprobs[p]

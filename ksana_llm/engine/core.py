@@ -49,6 +49,7 @@ from ksana_llm.engine.scheduler import (QueueTimeoutError, ScheduledSequence, Sc
                                         SchedulerConfig, SchedulerOutput)
 from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
+from ksana_llm.runner.slices import PromptLogprobTargets
 from ksana_llm.runner.sampler import Sampler, make_generator
 
 # stop_reason of a request that expired in the waiting queue.
@@ -363,6 +364,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                             if p + 1 not in seq.prompt_logprobs)
         if item.num_draft_tokens:
             tokens = tokens + seq.draft_token_ids[:item.num_draft_tokens]
+        scored = PromptLogprobTargets(tuple(seq.prompt_token_ids[p + 1] for p in capture),
+                                      seq.config.prompt_logprobs or 0) if capture else None
         return SeqSlice(tokens, start, seq.block_table, sample=end == seq.num_tokens,
-                        capture=capture, capture_logits=bool(capture), embeddings=embeddings,
+                        capture=capture, prompt_logprobs=scored, embeddings=embeddings,
                         num_draft_tokens=item.num_draft_tokens, lora_slot=seq.lora_slot)

@@ -96,7 +96,8 @@ class CaptureRead:
 
     seq: Sequence
     positions: tuple[int, ...]
-    prompt_logprobs: HostCopy | None = None  # [n, 2 + 2k] float64: chosen, rank, top values, top ids
+    # [n, 2 + 2K] float64: chosen, rank, top K values, top K ids (runner.captured_rows)
+    prompt_logprobs: HostCopy | None = None
     hidden: HostCopy | None = None  # [n, hidden] float32
     logits: HostCopy | None = None  # [n, vocab] float32
     done: bool = False  # a forward-only sequence whose prompt is all computed: it is answered

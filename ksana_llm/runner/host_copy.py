@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostCopy", "start_host_copy"]
+__all__ = ["HostCopy", "copies_done", "host_buffer", "start_host_copy"]
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,22 @@ class HostCopy:
 def start_host_copy(tensor: torch.Tensor) -> HostCopy:
     if tensor.device.type != "cuda":
         return HostCopy(tensor, None)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host = host_buffer(tensor.shape, tensor)
     host.copy_(tensor, non_blocking=True)
+    return copies_done(host, tensor.device)
+
+
+def host_buffer(shape: tuple[int, ...] | torch.Size, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised host tensor of `like`'s dtype to copy parts of device tensors into with
+    `copy_(..., non_blocking=True)`: pinned when `like` is on CUDA (a copy into pageable memory
+    would wait for the device)."""
+    return torch.empty(shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
+
+
+def copies_done(host: torch.Tensor, device: torch.device) -> HostCopy:
+    """`host`, valid once the copies into it queued so far on `device`'s current stream are."""
+    if device.type != "cuda":
+        return HostCopy(host, None)
     copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(tensor.device))  # the copy's stream, any device
+    copied.record(torch.cuda.current_stream(device))  # the copies' stream, any device
     return HostCopy(host, copied)

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.generation_config import MAX_LOGPROBS, GenerationConfig
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.layers.linear import available_memory_bytes
 from ksana_llm.runner.model_runner import (ModelRunner, SeqSlice, StepInput, kv_bytes_per_block,
                                            resolve_attention_backend)
+from ksana_llm.runner.captured_rows import logit_rows_per_chunk
 from ksana_llm.runner.sampler import Sampler, SamplingRow
+from ksana_llm.runner.slices import PromptLogprobTargets
 
 logger = logging.getLogger("ksana_llm.runner")
 
@@ -100,18 +102,23 @@ def kv_blocks_from_profile(profile: MemoryProfile, bytes_per_block: int, *, rati
     return blocks
 
 
-def profile_step(num_tokens: int, num_seqs: int, block_size: int, num_draft_tokens: int = 0
-                 ) -> tuple[StepInput, int]:
+def profile_step(num_tokens: int, num_seqs: int, block_size: int, num_draft_tokens: int = 0,
+                 *, scored_rows: int = 0) -> tuple[StepInput, int]:
     """The largest step the scheduler can build, on a cache of its own: one prefill chunk and
     `num_seqs - 1` decode rows, each a token and its `num_draft_tokens` drafts (speculative
     decoding: every such row gets logits), filling `num_tokens`; every row sampled (so the LM
-    head and the sampler see them all). Returns (step, blocks it needs)."""
+    head and the sampler see them all). The prefill chunk's first `scored_rows` rows take
+    prompt log-probs with the most alternatives (one slice of captured rows' logits:
+    `runner.captured_rows`). Returns (step, blocks it needs)."""
     width = 1 + num_draft_tokens
     num_seqs = max(1, min(num_seqs, (num_tokens - 1) // width + 1))
     prefill = num_tokens - (num_seqs - 1) * width
     prefill_blocks = -(-prefill // block_size)
     spare = list(range(prefill_blocks, prefill_blocks + -(-width // block_size)))
-    slices = [SeqSlice([0] * prefill, 0, list(range(prefill_blocks)), sample=True)]
+    scored = tuple(range(min(scored_rows, prefill)))
+    slices = [SeqSlice([0] * prefill, 0, list(range(prefill_blocks)), sample=True,
+                       capture=scored, prompt_logprobs=PromptLogprobTargets(
+                           (0,) * len(scored), MAX_LOGPROBS) if scored else None)]
     # The decode rows all write the same spare blocks: values are irrelevant, only memory is.
     slices += [SeqSlice([0] * width, 0, spare, sample=True, num_draft_tokens=num_draft_tokens)
                for _ in range(num_seqs - 1)]
@@ -124,7 +131,8 @@ def run_profile_step(model: nn.Module, *, device: torch.device, dtype: torch.dty
                      num_draft_tokens: int = 0) -> torch.Tensor:
     """Run the profiling step once (no graphs, own tiny cache) and sample every logits row with
     top-k, top-p and log-probs on; returns the sampled token ids. Works on any device."""
-    step, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size, num_draft_tokens)
+    step, num_blocks = profile_step(max_step_tokens, max_num_seqs, block_size, num_draft_tokens,
+                                    scored_rows=logit_rows_per_chunk(model.config.vocab_size))
     runner = ModelRunner(model, device=device, dtype=dtype, num_blocks=num_blocks,
                          block_size=block_size, attention_backend=attention_backend,
                          cuda_graphs=False, kv_cache_dtype=kv_cache_dtype)

@@ -18,6 +18,7 @@ from ksana_llm.layers.fused_kernels import use_fused_kernels
 from ksana_llm.layers.attention import (AttentionMetadata, KVCache, KVCacheSpec,
                                         allocate_kv_cache, block_runs, copy_cache_blocks)
 from ksana_llm.runner.batch_building import BatchBuilding, EmbeddingOverrides
+from ksana_llm.runner.captured_rows import CAPTURE_CHUNK_ELEMENTS, CapturedRows, capture_rows
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
                                           unsupported_reason)
 from ksana_llm.runner.drafting import MtpDrafting, draft_layers_for
@@ -60,14 +61,6 @@ class StepInput:
     kv_imports: list[tuple[list[int], TransferredKv]] = field(default_factory=list)
     # (slot, adapter id): registered LoRA adapters to copy into device slots before the forward.
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class CapturedRows:
-    """Rows a forward-only slice asked for, in the order of its `capture` positions."""
-
-    hidden: torch.Tensor  # [len(capture), hidden] (after the final norm), on the device
-    logits: torch.Tensor | None  # [len(capture), vocab] float32, when capture_logits
 
 
 @dataclass
@@ -161,6 +154,8 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
             for lora_id, path in lora_adapters:
                 self.lora.register(lora_id, path)
         self._capture_rows: dict[int, list[int]] = {}  # set by build()
+        # Captured rows' logits are made this many float32 elements at a time (`captured_rows`).
+        self.capture_chunk_elements = CAPTURE_CHUNK_ELEMENTS
         self._first_rows: list[int] = []  # set by build(): each slice's first row
         self._embedding_overrides: EmbeddingOverrides | None = None  # set by build()
         spec: KVCacheSpec = model.kv_cache_spec
@@ -345,7 +340,9 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta,
                             embedding_overrides=overrides)
         self._keep_hidden(hidden, self._first_rows)
-        captured = self._capture(step.slices, hidden) if self._capture_rows else {}
+        captured = capture_rows(self.model, step.slices, self._capture_rows, hidden,
+                                chunk_elements=self.capture_chunk_elements) \
+            if self._capture_rows else {}
         if not sampled:
             return StepResult([], None, captured)
         return StepResult(sampled, self.model.compute_logits(hidden.index_select(0, rows_t)), captured)
@@ -362,23 +359,3 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
         values = pending.source.index_select(0, to_device(pending.source_rows, torch.long,
                                                           self.device))
         return to_device(rows, torch.long, self.device), values
-
-    def _capture(self, slices: list[SeqSlice], hidden: torch.Tensor) -> dict[int, CapturedRows]:
-        """The requested rows of forward-only slices; the LM head runs on those rows only."""
-        order = sorted(self._capture_rows)
-        # Slices that want logits first, so their rows are one contiguous block of `picked`.
-        order.sort(key=lambda i: not slices[i].capture_logits)
-        all_rows = [r for i in order for r in self._capture_rows[i]]
-        picked = hidden.index_select(0, to_device(all_rows, torch.long, self.device))
-        num_logit_rows = sum(len(self._capture_rows[i]) for i in order if slices[i].capture_logits)
-        logits = self.model.compute_logits(picked[:num_logit_rows]) if num_logit_rows else None
-        out: dict[int, CapturedRows] = {}
-        offset = 0
-        for i in order:
-            n = len(self._capture_rows[i])
-            # logits is None on pipeline stages other than the first (they have no LM head)
-            rows_logits = logits[offset:offset + n] if slices[i].capture_logits and logits is not None \
-                else None
-            out[i] = CapturedRows(picked[offset:offset + n], rows_logits)
-            offset += n
-        return out

@@ -8,6 +8,16 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class PromptLogprobTargets:
+    """What a slice's captured rows are reduced to when they score the prompt (prompt
+    log-probs): row `capture[j]` scores prompt token `token_ids[j]`; the top `top_k`
+    alternatives come with it (`runner.prompt_logprobs.token_logprobs`)."""
+
+    token_ids: tuple[int, ...]
+    top_k: int
+
+
 @dataclass(slots=True)
 class SeqSlice:
     """The part of one sequence a step computes: tokens from position `start` on. (Read-only by
@@ -18,10 +28,12 @@ class SeqSlice:
     start: int
     block_table: list[int]
     sample: bool  # True when these are the sequence's last pending tokens: return its logits
-    # Forward-only: absolute positions (within this slice) whose final hidden rows to return,
-    # with their logits too when `capture_logits`.
+    # Absolute positions (within this slice) whose final hidden rows to return (forward-only
+    # requests), with their logits too when `capture_logits`; or, with `prompt_logprobs`, only
+    # those rows' prompt log-probs (`runner.captured_rows`).
     capture: tuple[int, ...] = ()
     capture_logits: bool = False
+    prompt_logprobs: PromptLogprobTargets | None = None
     # Input embeddings that replace the token embeddings at some absolute positions of the
     # sequence (plugins, e.g. image features): (positions, [len(positions), hidden]). Only those
     # inside this slice are used.
