@@ -93,6 +93,15 @@ def test_rotary_reference_matches_layer():
                                atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["silu", "swish"])
+def test_silu_and_mul_reference_matches_layer(name):
+    """The layer's torch path (fused kernels off), which the kernel replaces under them."""
+    from ksana_llm.layers.activation import get_gated_activation
+
+    x = torch.randn(3, 2, 40, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(ref.silu_and_mul_ref(x), get_gated_activation(name)(x))
+
+
 # --------------------------------------------------------------------------------------------
 # KV store
 # --------------------------------------------------------------------------------------------
