@@ -102,6 +102,11 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--model", default=None,
                         help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     add_tokenizer_arg(parser)
+    parser.add_argument("--skip-tokenizer-init", action="store_true", default=None,
+                        help="vLLM's: load no tokenizer. Prompts are token ids (completions, "
+                             "/generate input_tokens, /forward, embeddings); outputs carry token "
+                             "ids (return_token_ids) and empty text; routes that need text "
+                             "(chat, responses, tokenize, text prompts, stop strings) answer 400")
     add_vllm_flags_without_effect(parser, serve=True)
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: the model folder's "

@@ -75,6 +75,9 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = Field(
         None, description="folder of the tokenizer to use instead of the model's own (vLLM "
                           "--tokenizer, KsanaLLM tokenizer_dir); None -> the model's")
+    skip_tokenizer_init: bool = Field(
+        False, description="vLLM's: load no tokenizer. Prompts are token ids, outputs carry "
+                           "token ids and no text; text inputs and stop strings are refused")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     dtype: DType = Field("auto", description="'auto' = float32 on CPU, bfloat16 on CUDA")
     quantization: WeightQuantization | None = Field(

@@ -65,7 +65,8 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
     request names one (`Request(lora=...)`, `generate(..., lora=...)`); see `LoraControl`.
     New weights while serving: `update_weights` (see `WeightControl`); device memory given
     back while idle: `sleep` / `wake_up` (see `SleepControl`).
-    `tokenizer`: a tokenizer object, or the folder of one, used instead of the model's own.
+    `tokenizer`: a tokenizer object, or the folder of one, used instead of the model's own;
+    `skip_tokenizer_init=True` (vLLM's) uses none: token-id prompts, outputs without text.
     """
 
     def __init__(self, model: Model | str | None = None, tokenizer: Any = None,
@@ -86,6 +87,9 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
             overrides["scheduler_policy"] = scheduler
         base = config or EngineConfig()
         self.config = EngineConfig(**{**base.model_dump(), **overrides})
+        if self.config.skip_tokenizer_init and (tokenizer is not None
+                                                or self.config.tokenizer is not None):
+            raise ValueError("tokenizer: not with skip_tokenizer_init, which uses none")
         if isinstance(model, Model):
             model.check_load_settings(self.config, given=overrides)
             # The settings that shaped the loaded model are the model's, whatever `config` said.
@@ -94,6 +98,8 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
                                                          "load_format": model.load_format})
             if tokenizer is None and self.config.tokenizer is not None:
                 model = model.with_tokenizer(self.config.tokenizer)
+            if self.config.skip_tokenizer_init:
+                model = model.without_tokenizer()
         else:
             model = Model.from_pretrained(
                 model if model is not None else self.config.model, device=self.config.device,
@@ -101,7 +107,8 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
                 pipeline_parallel_size=self.config.pipeline_parallel_size,
                 quantization=self.config.quantization, tokenizer=self.config.tokenizer,
                 hf_overrides=self.config.hf_overrides, load_format=self.config.load_format,
-                revision=self.config.revision, download_dir=self.config.download_dir)
+                revision=self.config.revision, download_dir=self.config.download_dir,
+                skip_tokenizer_init=self.config.skip_tokenizer_init)
             try:
                 self._start(model, tokenizer, generation_config)
             except BaseException:

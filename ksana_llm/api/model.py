@@ -183,6 +183,13 @@ class Model:
         return replace(self, tokenizer=tokenizer, eos_token_ids=_eos_token_ids(
             self.path, self.hf_config, tokenizer))
 
+    def without_tokenizer(self) -> Model:
+        """This model (the same weights) with no tokenizer (vLLM's skip_tokenizer_init): its
+        EOS ids are those of generation_config.json / config.json, as `from_pretrained` reads
+        them then."""
+        return replace(self, tokenizer=None,
+                       eos_token_ids=_eos_token_ids(self.path, self.hf_config, None))
+
     def add_engine(self, engine: Any) -> None:
         """`engine` serves these weights (kept weakly, on the module: `with_tokenizer` copies
         share it)."""
@@ -247,7 +254,8 @@ class Model:
                         tokenizer: str | os.PathLike | None = None,
                         hf_overrides: dict[str, Any] | None = None,
                         load_format: str = "auto", revision: str | None = None,
-                        download_dir: str | os.PathLike | None = None) -> Model:
+                        download_dir: str | os.PathLike | None = None,
+                        skip_tokenizer_init: bool = False) -> Model:
         """Load an HF folder, a .gguf file, a Hugging Face hub id ("Qwen/Qwen3-0.6B") or (path
         None) the embedded SmolLM2-135M-Instruct.
 
@@ -264,6 +272,8 @@ class Model:
 
         `tokenizer`: a folder whose tokenizer replaces the model's own (vLLM's `tokenizer`;
         e.g. a weights-only folder, or a GGUF file whose embedded tokenizer is not wanted).
+        `skip_tokenizer_init` (vLLM's): load none; the model then runs on token ids only
+        (EOS ids still come from generation_config.json / config.json).
 
         `hf_overrides` (vLLM's): config.json values to change before the model is built, e.g.
         `{"max_position_embeddings": 65536, "rope_scaling": {...}}` (a dict for a sub-config
@@ -283,6 +293,8 @@ class Model:
         """
         check_quantization(quantization)
         check_load_format(load_format, path)
+        if skip_tokenizer_init and tokenizer is not None:
+            raise ValueError("tokenizer: not with skip_tokenizer_init, which loads none")
         if not isinstance(plugin, (bool, str, os.PathLike)):
             raise ValueError(f"plugin must be True, False or the path of a ksana_plugin.py, got {plugin!r}")
         torch_device = resolve_device(device)
@@ -318,7 +330,8 @@ class Model:
                 shutdown_runtime()
             raise
         model_cls = type(module)
-        tokenizer = given_tokenizer if given_tokenizer is not None else _load_tokenizer(model_dir)
+        tokenizer = None if skip_tokenizer_init else \
+            given_tokenizer if given_tokenizer is not None else _load_tokenizer(model_dir)
         _set_pad_token(tokenizer, pad_token_id, int(hf_config.vocab_size))
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)

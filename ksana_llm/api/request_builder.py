@@ -261,6 +261,10 @@ class RequestBuilder:
         if not isinstance(config, GenerationConfig):
             raise ValueError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
         config.validate()
+        if config.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings are matched in the output's text, and this "
+                             "engine has no tokenizer (skip_tokenizer_init, or a model folder "
+                             "without one): use stop_token_ids")
         vocab = self.model.vocab_size
         for name, ids in (("logit_bias", list(config.logit_bias)),
                           ("bad_words_ids", [t for w in config.bad_words_ids for t in w]),

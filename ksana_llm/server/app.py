@@ -29,7 +29,7 @@ from ksana_llm.server.engine_args import (ENGINE_FLAGS, configs_from_args,  # no
                                           default_served_model_name, kv_transfer_from_args,
                                           model_from_args)
 from ksana_llm.server.errors import install_error_handlers
-from ksana_llm.server.logprobs import TokenTexts
+from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
                                         BodyLimitMiddleware, CorsSettings,
                                         DisconnectWatchMiddleware, LoadTrackingMiddleware, RequestIdMiddleware, add_cors,
@@ -93,6 +93,22 @@ class OutputParsing:
         return get_tool_parser(self.tool_call_parser, self.plugin_tool_parsers)
 
 
+def check_tokenizer(engine: Engine, parsing: OutputParsing, chat_template: str | None) -> None:
+    """A server without a tokenizer only with --skip-tokenizer-init, and then none of the
+    settings that read or write text (parsers, a chat template): ValueError otherwise."""
+    if engine.tokenizer is not None:
+        return
+    if not engine.config.skip_tokenizer_init:
+        raise ValueError("the OpenAI server needs a tokenizer, and this model folder has none: "
+                         "give one (--tokenizer), or serve token ids only "
+                         "(--skip-tokenizer-init)")
+    for flag, value in (("--tool-call-parser", parsing.tool_call_parser),
+                        ("--reasoning-parser", parsing.reasoning_parser),
+                        ("--chat-template", chat_template)):
+        if value is not None:
+            raise ValueError(f"{flag} works on text: not with --skip-tokenizer-init")
+
+
 def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               api_key: str | None = None,
               chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -140,8 +156,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (omit it to disable authentication)")
-    if engine.tokenizer is None:
-        raise ValueError("the OpenAI server needs a tokenizer; this model folder has none")
+    check_tokenizer(engine, parsing, chat_template)
     if not isinstance(response_role, str) or not response_role.strip():
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
     template = ChatTemplate.resolve(chat_template, chat_template_content_format, engine.tokenizer)
@@ -158,13 +173,17 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         engine=engine, served_model_name=names[0], model_aliases=names[1:],
         chat_template=template, response_role=response_role,
         limits=ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model.vocab_size),
-        token_texts=TokenTexts(engine.tokenizer),
+        # Without a tokenizer, logprob entries name tokens by id (vLLM's
+        # return_tokens_as_token_ids), for every request.
+        token_texts=TokenTexts(engine.tokenizer) if engine.tokenizer is not None
+        else TokenIdTexts(),
         tool_parser=parsing.tool_parser(),
         enable_auto_tool_choice=parsing.enable_auto_tool_choice,
         reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
                           if parsing.reasoning_parser is not None else None),
         max_logprobs=parsing.max_logprobs, kv_transfer=transfer,
-        return_tokens_as_token_ids=parsing.return_tokens_as_token_ids,
+        return_tokens_as_token_ids=parsing.return_tokens_as_token_ids
+        or engine.tokenizer is None,
         responses=ResponseStore(max_stored_responses),
         sampling_defaults=sampling_defaults or SamplingDefaults(),
         enable_prompt_embeds=enable_prompt_embeds, request_log=request_log,

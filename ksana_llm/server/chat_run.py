@@ -70,7 +70,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     template_kwargs = {**state.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
     if req.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-    prompt = render_chat(state.tokenizer, req.messages, state.chat_template,
+    prompt = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,
                          add_generation_prompt=req.add_generation_prompt,
                          continue_final_message=req.continue_final_message,
                          tools=tools.tools, template_kwargs=template_kwargs,

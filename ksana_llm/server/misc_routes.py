@@ -120,7 +120,7 @@ async def tokenize(request: Request) -> JSONResponse:
     if req.messages is not None:
         if not req.messages:
             raise bad_request("`messages` must not be empty.", param="messages")
-        text = render_chat(state.tokenizer, req.messages, state.chat_template,
+        text = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,
                            add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
                            template_kwargs={**state.default_chat_template_kwargs,
@@ -128,7 +128,8 @@ async def tokenize(request: Request) -> JSONResponse:
                            documents=req.documents)
         ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
-        ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens
+        ids = state.text_tokenizer("prompt").encode(req.prompt,
+                                                    add_special_tokens=req.add_special_tokens
                                      is not False)
     return JSONResponse(TokenizeResponse(tokens=list(ids), count=len(ids),
                                          max_model_len=state.limits.max_model_len).model_dump())
@@ -140,5 +141,5 @@ async def detokenize(request: Request) -> JSONResponse:
     req = await parse_body(request, DetokenizeRequest)
     state.check_model(req.model)
     check_token_ids(req.tokens, state.limits.vocab_size, "tokens")
-    text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    text = state.text_tokenizer("tokens").decode(req.tokens, skip_special_tokens=False)
     return JSONResponse(DetokenizeResponse(prompt=text).model_dump())

@@ -168,8 +168,8 @@ def prompt_ids(req: GenerateRequest, state: ServerState) -> list[int]:
     if (req.prompt is None) == (req.input_tokens is None):
         raise bad_request("Give exactly one of `prompt` and `input_tokens`.", param="prompt")
     if req.prompt is not None:
-        text = build_prompt(req.prompt, req.model_type, req.use_chat_template, state.tokenizer,
-                            state.chat_template)
+        text = build_prompt(req.prompt, req.model_type, req.use_chat_template,
+                            state.text_tokenizer("prompt"), state.chat_template)
         return prompt_token_lists(text, state.tokenizer, state.limits)[0]
     if not req.input_tokens:
         raise bad_request("The prompt is empty.", param="input_tokens", code="empty_prompt")
@@ -287,7 +287,7 @@ def _text(out: ChoiceResult, tokenizer: Any) -> str:
     decide its leading space), and only the tail: a chunk per token must not decode it all."""
     stop = out.stop_reason
     if not isinstance(stop, int) or isinstance(stop, bool) or not out.token_ids \
-            or out.token_ids[-1] != stop:
+            or out.token_ids[-1] != stop or tokenizer is None:  # (no tokenizer: no text at all)
         return out.text
     before = out.token_ids[-5:-1]
     head = tokenizer.decode(before, skip_special_tokens=True)

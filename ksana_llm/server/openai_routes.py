@@ -191,12 +191,13 @@ async def create_completion(request: Request) -> Response:
         jobs = jobs.with_prompts([{"prompt_embeds": rows} for rows in embeds])
     request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
     texts = state.logprob_texts(req)
+    # Before submitting: a request refused here must not leave its choices running.
+    echo_texts = ([state.text_tokenizer("echo").decode(p, skip_special_tokens=False)
+                   for p in prompts] if req.echo else None)
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
                                await request_fields(req, state, jobs), state.request_log)
     prompt_tokens = sum(len(p) for p in prompts)
-    echo_texts = ([state.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-                  if req.echo else None)
     created = int(time.time())
     model = state.response_model(req.model)
 

@@ -90,7 +90,7 @@ def prediction_usage(prediction: list[int], outputs: list[list[int]]) -> tuple[i
 def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
                        field: str = "prompt") -> list[list[int]]:
     """The completions `prompt` (or embeddings `input`: `field`) in any of its four shapes -> one
-    token-id list per prompt."""
+    token-id list per prompt. Text needs `tokenizer` (None: a 400 naming the field)."""
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif _is_token_list(prompt) and prompt:
@@ -108,6 +108,10 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
         if isinstance(p, str):
             if not p:
                 raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")
+            if tokenizer is None:
+                raise bad_request(f"`{field}` is text, and this server runs without a tokenizer "
+                                  "(--skip-tokenizer-init): give token ids", param=field,
+                                  code="no_tokenizer")
             ids = list(tokenizer.encode(p))
         else:
             if not p:

@@ -48,9 +48,11 @@ class RequestLog:
             rows = prompt["prompt_embeds"]
             shown = f"prompt_embeds of shape {tuple(rows.shape)}"
         else:
-            text = tokenizer.decode(prompt[:cut] if cut is not None else prompt)
-            shown = (f"prompt: {text[:cut] if cut is not None else text!r}, "
-                     f"prompt_token_ids: {prompt[:cut] if cut is not None else prompt}")
+            ids = prompt[:cut] if cut is not None else prompt
+            shown = f"prompt_token_ids: {ids}"
+            if tokenizer is not None:  # (none with --skip-tokenizer-init: the ids alone)
+                text = tokenizer.decode(ids)
+                shown = f"prompt: {text[:cut] if cut is not None else text!r}, {shown}"
         logger.info("Received request %s: %s, params: %s, lora: %s", request_id, shown,
                     changed_settings(config) or "defaults", lora)
 

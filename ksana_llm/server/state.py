@@ -12,7 +12,7 @@ from fastapi import Request
 
 from ksana_llm.api.engine import Engine
 from ksana_llm.server.chat import ChatTemplate
-from ksana_llm.server.errors import engine_unavailable, model_not_found
+from ksana_llm.server.errors import bad_request, engine_unavailable, model_not_found
 from ksana_llm.server.event_log import EventLog
 from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
 from ksana_llm.server.middleware import ServerLoad
@@ -43,7 +43,7 @@ class ServerState:
     served_model_name: str
     chat_template: ChatTemplate  # --chat-template and --chat-template-content-format
     limits: ModelLimits
-    token_texts: TokenTexts
+    token_texts: TokenTexts | TokenIdTexts
     shutting_down: bool = False
     metrics: Any = None  # the ksana_llm.server.metrics.ServerMetrics, once mounted
     tool_parser: ToolParser | None = None  # --tool-call-parser
@@ -104,7 +104,19 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Any:
+        """The engine's tokenizer; None when the server runs without one
+        (--skip-tokenizer-init): read it through `text_tokenizer` where text is involved."""
         return self.engine.tokenizer
+
+    def text_tokenizer(self, field: str) -> Any:
+        """The tokenizer, for a request's `field` given as text (or asking for text); a 400
+        naming the field when the server has none (--skip-tokenizer-init)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise bad_request(f"`{field}` needs a tokenizer, and this server runs without one "
+                              "(--skip-tokenizer-init): give token ids", param=field,
+                              code="no_tokenizer")
+        return tokenizer
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, or None for the base model. An omitted

@@ -106,7 +106,7 @@ def plan_jobs(req: _SamplingRequest, prompts: list[list[int]], state: ServerStat
         req = state.sampling_defaults.fill(req)  # the model's defaults for what it left out
     fields = dict(extra)
     if req.bad_words:
-        fields["bad_words_ids"] = bad_words_ids(req.bad_words, state.tokenizer)
+        fields["bad_words_ids"] = bad_words_ids(req.bad_words, state.text_tokenizer("bad_words"))
     if req.allowed_token_ids is not None:
         check_token_ids(req.allowed_token_ids, state.limits.vocab_size, "allowed_token_ids")
         fields["allowed_token_ids"] = list(req.allowed_token_ids)
