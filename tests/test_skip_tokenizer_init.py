@@ -118,6 +118,16 @@ def test_completions_on_token_ids(server, client, model_name, ids, expected):
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == NEW_TOKENS
 
 
+def test_streamed_completion_on_token_ids(server, client, model_name, ids, expected):
+    stream = client.completions.create(model=model_name, prompt=ids, max_tokens=NEW_TOKENS,
+                                       temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == ""
+    assert [t for c in chunks for t in c.choices[0].model_extra.get("token_ids") or []] == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_native_generate_and_embeddings_on_token_ids(server, model_name, ids, expected):
     r = httpx.post(server.url + "/generate", timeout=60, json={
         "input_tokens": ids, "stream": False,
@@ -133,6 +143,11 @@ def test_native_generate_and_embeddings_on_token_ids(server, model_name, ids, ex
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ("/v1/responses", {"input": "hi"}, "input"),
+    ("/v1/score", {"text_1": "a", "text_2": "b"}, "text_1"),
+    ("/forward", {"requests": [{"prompt": PROMPT,
+                                "request_target": [{"target_name": "logits"}]}]},
+     "requests.0.prompt"),
     ("/v1/completions", {"prompt": PROMPT}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 3], "stop": ["Paris"]}, "stop"),
     ("/v1/completions", {"prompt": [1, 2, 3], "echo": True}, "echo"),
