@@ -247,6 +247,41 @@ def test_choose_num_splits():
     # One long sequence: split, but never below MIN_SPLIT_TOKENS per split.
     assert kernels.choose_num_splits(1, 8, 4096, num_sms=132) == 4096 // 256
     assert kernels.choose_num_splits(4, 8, 32768, num_sms=132) == 9  # ceil(2 * 132 / 32)
+    # (fill, target) programs per SM: 160 programs fill 132 SMs once, not 4 times.
+    assert kernels.choose_num_splits(20, 8, 4096, num_sms=132) == 1
+    assert kernels.choose_num_splits(20, 8, 4096, num_sms=132, split_fill=(4, 8)) == 7
+    assert kernels.choose_num_splits(20, 8, 1024, num_sms=132, split_fill=(4, 8)) == 4  # length
+
+
+def test_decode_settings_from_the_environment(monkeypatch, device):
+    """KSANA_DECODE_TILES / KSANA_DECODE_SPLIT_FILL (what `run.sh engine-qwen3-tuned` sets from
+    the tuning sweep) replace the defaults; the result is the reference's; a bad value is a
+    ValueError naming the variable."""
+    from ksana_llm.kernels.decode_attention import _decode_config
+
+    assert _decode_config(128, torch.bfloat16) == (64, 4, 2)
+    monkeypatch.setenv("KSANA_DECODE_TILES", "128,8,3")
+    monkeypatch.setenv("KSANA_DECODE_SPLIT_FILL", "4,8")
+    assert _decode_config(128, torch.bfloat16) == (128, 8, 3)
+    assert _decode_config(128, torch.float32) == (32, 4, 2)  # fp32 keeps its narrow tiles
+    assert kernels.choose_num_splits(20, 8, 4096, num_sms=132) == 7
+    batch = make_paged_batch([3, 700, 200], block_size=16, kv_heads=2, head_dim=64,
+                             dtype=torch.float16, device=device)
+    q = random_q(3, 4, 64, torch.float16, device)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, 0.125)
+    assert_close(kernels.paged_decode_attention(*args), ref.paged_decode_attention_ref(*args),
+                 torch.float16)
+    for name, bad, message in (("KSANA_DECODE_TILES", "48,4,2", "BLOCK_N must be a power"),
+                               ("KSANA_DECODE_TILES", "64,4", "expected \\(BLOCK_N"),
+                               ("KSANA_DECODE_SPLIT_FILL", "8,4", "0 < fill <= target"),
+                               ("KSANA_DECODE_SPLIT_FILL", "x", "fill,target")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            kernels.paged_decode_attention(*args)
+        with pytest.raises(ValueError, match=message):
+            kernels.paged_decode_attention(*args)
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -221,7 +221,12 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
                               "shape": model_shape(spec, args.smoke),
                               "device": torch.cuda.get_device_name(device)
                               if device.type == "cuda" else "cpu",
-                              "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke}
+                              "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke,
+                              # decode attention's settings from the environment, if any
+                              # (`tuned_settings`: the tuning sweep's fastest)
+                              "decode_env": {k: v for k, v in os.environ.items()
+                                             if k.startswith("KSANA_DECODE_")},
+                              "tag": args.tag}
     try:
         t0 = time.perf_counter()
         hf_model, folder = build_checkpoint(spec, device, dtype, args.smoke, root)
@@ -246,18 +251,22 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
         on = run_ours_engine(model, workload, args, graphs=True, throughput=True,
                              b1_prompt=b1_prompt, errors=errors)
         timings["ours_graphs_on_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        off = run_ours_engine(model, workload, args, graphs=False,
-                              throughput=spec.off_throughput or args.smoke,
-                              b1_prompt=b1_prompt, errors=errors)
-        timings["ours_graphs_off_s"] = time.perf_counter() - t0
+        off: dict[str, Any] = {}
+        hf: dict[str, Any] = {"throughput": None}
+        if not args.ours_only:  # (--ours-only: a variant of ours, the peers measured before)
+            t0 = time.perf_counter()
+            off = run_ours_engine(model, workload, args, graphs=False,
+                                  throughput=spec.off_throughput or args.smoke,
+                                  b1_prompt=b1_prompt, errors=errors)
+            timings["ours_graphs_off_s"] = time.perf_counter() - t0
         del model
         free_memory(device)
 
-        t0 = time.perf_counter()
-        cap = args.hf_time_cap if args.hf_time_cap is not None else spec.hf_time_cap_s
-        hf = run_hf(hf_model, workload, b1_prompt, args, cap, errors)
-        timings["hf_s"] = time.perf_counter() - t0
+        if not args.ours_only:
+            t0 = time.perf_counter()
+            cap = args.hf_time_cap if args.hf_time_cap is not None else spec.hf_time_cap_s
+            hf = run_hf(hf_model, workload, b1_prompt, args, cap, errors)
+            timings["hf_s"] = time.perf_counter() - t0
         del hf_model
         free_memory(device)
     finally:
@@ -292,7 +301,7 @@ def check_targets(spec: ModelSpec, report: dict[str, Any]) -> dict[str, Any]:
         got = ours.get("output_tokens_per_s")
         checks["tokens_per_s"] = {"target": t["tokens_per_s_min"], "got": got,
                                   "met": got is not None and got >= t["tokens_per_s_min"]}
-    if "ratio_vs_hf_min" in t:
+    if "ratio_vs_hf_min" in t and report["throughput"]["hf_generate_batch"] is not None:
         got = report["ratio_vs_hf_generate_batch"]
         checks["ratio_vs_hf"] = {"target": t["ratio_vs_hf_min"], "got": got,
                                  "met": got is not None and got >= t["ratio_vs_hf_min"]}
@@ -315,7 +324,8 @@ def summary(reports: list[dict[str, Any]]) -> str:
     for r in reports:
         tp, b1 = r["throughput"], r["batch1"]
         graphs = r["cuda_graphs"]
-        rows = [("ksana_llm graphs on", tp["ksana_llm"], b1["graphs_on"],
+        tag = f" ({r['tag']})" if r.get("tag") else ""
+        rows = [(f"ksana_llm graphs on{tag}", tp["ksana_llm"], b1["graphs_on"],
                  (graphs["on"] or {}).get("status", "")),
                 ("ksana_llm graphs off", tp["ksana_llm_graphs_off"], b1["graphs_off"], ""),
                 ("HF generate_batch", tp["hf_generate_batch"], b1["hf_generate"],
@@ -383,6 +393,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--b1-prompt-len", type=int, default=128)
     p.add_argument("--b1-new-tokens", type=int, default=128)
     p.add_argument("--b1-repeats", type=int, default=2)
+    p.add_argument("--ours-only", action="store_true",
+                   help="only our engine with CUDA graphs (throughput and batch-1): for "
+                        "comparing a variant of ours, e.g. other decode settings")
+    p.add_argument("--tag", default="",
+                   help="a name for this variant: in the summary and the JSON file's name")
     args = p.parse_args(argv)
     args.lora_modules = {}  # name -> folder, written per model by bench_model
     if args.smoke:
@@ -419,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix += f"-lora{args.lora_adapters}" if args.lora_adapters else ""
         suffix += f"-w{args.quantization}" if args.quantization else ""
         suffix += "-wint4" if args.int4_weights else ""
+        suffix += f"-{args.tag}" if args.tag else ""
         path = args.out / f"engine_{name}{suffix}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path} ({report['total_s']} s)", flush=True)

@@ -20,10 +20,13 @@ class Paged:
     lens: torch.Tensor  # [B] int32
 
 
-def make_paged(lens: list[int], dtype: torch.dtype, seed: int = 0) -> Paged:
+def make_paged(lens: list[int], dtype: torch.dtype, seed: int = 0,
+               width: int | None = None) -> Paged:
+    """`width`: block-table columns (default: the longest sequence's blocks), e.g. a CUDA
+    graph's, which the split count is chosen from."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     per_seq = [-(-n // BLOCK_SIZE) for n in lens]
-    width = max(per_seq)
+    width = max(max(per_seq), width or 0)
     num_blocks = sum(per_seq)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)

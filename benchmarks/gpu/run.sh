@@ -8,7 +8,9 @@
 # capture), parity (the engine's greedy tokens on CUDA vs on the CPU, fp32, benchmarks/gpu/
 # parity.py), profile (device time per kernel family in prefill and decode steps,
 # benchmarks/gpu/profile_steps.py), engine-qwen3 / engine-llama8b (the reference workload: our
-# engine vs HF generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks); spec
+# engine vs HF generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks);
+# decode-tune (decode attention's tiles and split counts swept on the workload's shapes) and
+# engine-qwen3-tuned (after it: ours on the Qwen3 workload under its fastest settings); spec
 # (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
 # Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
 # random rank-16 LoRA adapters, round robin) and engine-qwen3-fp8w / engine-llama8b-fp8w (the
@@ -54,7 +56,7 @@ fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
 declare -A LIMIT=([env]=60 [tests]=240 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
-                  [profile]=180 [decode-tune]=180
+                  [profile]=180 [decode-tune]=240 [engine-qwen3-tuned]=240
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
@@ -90,6 +92,12 @@ for stage in "${STAGES[@]}"; do
         # reference workload, Qwen3-0.6B shape: ours (graphs on, off) vs HF generate_batch
         engine-qwen3)   run_stage engine-qwen3 "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --out "$RESULTS" ;;
+        # ours alone on the same workload under the decode settings the decode-tune stage
+        # (run before it, same $OUT) found fastest: KSANA_DECODE_TILES / _SPLIT_FILL
+        engine-qwen3-tuned) run_stage engine-qwen3-tuned "$PYTHON" -m benchmarks.gpu.tuned_settings \
+                            --from "$RESULTS/decode_tune.json" --out "$RESULTS" -- \
+                            "$PYTHON" -m benchmarks.gpu.bench_engine --models qwen3-0.6b \
+                            --ours-only --tag tuned --out "$RESULTS" ;;
         # the same with an FP8 (E4M3) KV cache: twice the tokens in the same memory
         engine-qwen3-fp8) run_stage engine-qwen3-fp8 "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --kv-cache-dtype fp8_e4m3 --out "$RESULTS" ;;
@@ -134,7 +142,7 @@ for stage in "${STAGES[@]}"; do
         # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
-        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile decode-tune engine-qwen3" \
+        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile decode-tune engine-qwen3 engine-qwen3-tuned" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-qwen3moe"\
                 " engine-deepseek engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\

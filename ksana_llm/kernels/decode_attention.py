@@ -15,6 +15,10 @@ same shape inside a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -162,25 +166,74 @@ def head_blocks(group: int) -> int:
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
-                      *, min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS
-                      ) -> int:
-    """Splits per (sequence, KV head) so that the launch fills the GPU (~2 programs per SM)
-    without making splits shorter than `min_split_tokens`. A batch that already fills the GPU
-    gets 1 (no reduce pass). `num_kv_heads` counts programs per sequence: KV heads times their
-    head blocks (`head_blocks`)."""
+                      *, min_split_tokens: int = MIN_SPLIT_TOKENS, max_splits: int = MAX_SPLITS,
+                      split_fill: tuple[float, float] | None = None) -> int:
+    """Splits per (sequence, KV head) so that the launch fills the GPU without making splits
+    shorter than `min_split_tokens`. `split_fill` (fill, target), programs per SM: a launch
+    with at least `fill` per SM gets 1 split (no reduce pass), a smaller one is split to about
+    `target` per SM (default `decode_split_fill()`: (1, 2) unless KSANA_DECODE_SPLIT_FILL says
+    otherwise). `num_kv_heads` counts programs per sequence: KV heads times their head blocks
+    (`head_blocks`)."""
+    fill, target = split_fill or decode_split_fill()
     programs = batch_size * num_kv_heads
-    if programs >= num_sms or max_context <= min_split_tokens:
+    if programs >= fill * num_sms or max_context <= min_split_tokens:
         return 1
-    wanted = -(-2 * num_sms // programs)
+    wanted = math.ceil(target * num_sms / programs)
     by_length = max(1, max_context // min_split_tokens)
     return max(1, min(wanted, by_length, max_splits))
 
 
+# Launch settings from the environment, for measuring others on a GPU without editing code
+# (`benchmarks/gpu/run.sh engine-qwen3-tuned` runs the engine under what `decode-tune` found
+# fastest): KSANA_DECODE_TILES="BLOCK_N,num_warps,num_stages" replaces `_decode_config`'s
+# choice for 16-bit caches of heads up to 128 wide, KSANA_DECODE_SPLIT_FILL="fill,target"
+# `choose_num_splits`' default. Read at each launch (a CUDA graph keeps what it captured).
+TILES_ENV = "KSANA_DECODE_TILES"
+SPLIT_FILL_ENV = "KSANA_DECODE_SPLIT_FILL"
+DEFAULT_SPLIT_FILL = (1.0, 2.0)
+
+
+def decode_split_fill() -> tuple[float, float]:
+    """`choose_num_splits`' (fill, target) programs per SM: KSANA_DECODE_SPLIT_FILL, else
+    DEFAULT_SPLIT_FILL."""
+    return _parse_split_fill(os.environ.get(SPLIT_FILL_ENV) or None)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_split_fill(text: str | None) -> tuple[float, float]:
+    if text is None:
+        return DEFAULT_SPLIT_FILL
+    try:
+        fill, target = (float(v) for v in text.split(","))
+    except ValueError:
+        fill = target = float("nan")
+    if not (0 < fill <= target < float("inf")):
+        raise ValueError(f"{SPLIT_FILL_ENV}: expected 'fill,target' programs per SM with "
+                         f"0 < fill <= target, got {text!r}")
+    return fill, target
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_tiles(text: str) -> tuple[int, int, int]:
+    try:
+        tiles = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        tiles = ()
+    try:
+        return check_tiles(tiles)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{TILES_ENV}={text!r}: {exc}") from None
+
+
 def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): fp32 and heads wider than 128 take 32-token tiles, so
-    the double-buffered K and V tiles stay well within shared memory."""
+    the double-buffered K and V tiles stay well within shared memory; KSANA_DECODE_TILES
+    replaces the others' (64, 4, 2)."""
     wide = head_dim > 128 or dtype == torch.float32
-    return (32 if wide else 64), 4, 2
+    if wide:
+        return 32, 4, 2
+    given = os.environ.get(TILES_ENV)
+    return _parse_tiles(given) if given else (64, 4, 2)
 
 
 def check_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
