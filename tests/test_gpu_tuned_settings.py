@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from benchmarks.gpu.bench_decode_tune import (DECODE_TILES, SPLIT_CASES, SPLIT_FILLS,
-                                              split_counts)
+                                              TILE_CASES, split_counts)
 from benchmarks.gpu.tuned_settings import DEFAULT_TILES, WORKLOAD_CASE, pick_settings
 from ksana_llm.kernels import choose_num_splits
 
@@ -20,14 +20,17 @@ NUM_SMS = 132
 CONTEXT = 2048
 
 
+CASES = TILE_CASES + SPLIT_CASES
+
+
 def sweep_rows(tile_ms: dict[tuple[int, int, int], float], ideal_fill: tuple[float, float]
                ) -> list[dict]:
-    """Rows as decode-tune writes them: the workload case at each tile setting, and each tail
-    case at each split count, fastest at the count `ideal_fill` chooses (1 ms more per split
-    away from it)."""
+    """Rows as decode-tune writes them: the workload case at each tile setting (split count
+    "auto"), and every case at each tile setting and split count, fastest at the count
+    `ideal_fill` chooses (1 ms more per split away from it)."""
     rows = [{"case": WORKLOAD_CASE, "batch": 256, "num_sms": NUM_SMS, "max_context": CONTEXT,
              "tiles": list(t), "num_splits": "auto", "ms": ms} for t, ms in tile_ms.items()]
-    for name, batch, *_ in SPLIT_CASES:
+    for name, batch, *_ in CASES:
         ideal = choose_num_splits(batch, 8, CONTEXT, NUM_SMS, split_fill=ideal_fill)
         for tiles in DECODE_TILES:
             for splits in split_counts(batch, NUM_SMS):
@@ -39,16 +42,18 @@ def sweep_rows(tile_ms: dict[tuple[int, int, int], float], ideal_fill: tuple[flo
 
 def chosen_splits(fill: tuple[float, float]) -> list[int]:
     return [choose_num_splits(batch, 8, CONTEXT, NUM_SMS, split_fill=fill)
-            for _, batch, *_ in SPLIT_CASES]
+            for _, batch, *_ in CASES]
 
 
 def test_the_fastest_settings_are_picked_when_clearly_faster():
     tile_ms = {t: 1.0 for t in DECODE_TILES}
     tile_ms[(128, 8, 2)] = 0.8
-    settings = pick_settings(sweep_rows(tile_ms, ideal_fill=(4.0, 8.0)))
+    settings = pick_settings(sweep_rows(tile_ms, ideal_fill=(16.0, 32.0)))
     assert settings.tiles == (128, 8, 2) and settings.tiles_speedup == pytest.approx(1.25)
-    # Whichever fill wins, it chooses the fastest split count in every tail case.
-    assert chosen_splits(settings.split_fill) == chosen_splits((4.0, 8.0))
+    # Whichever fill wins, it chooses the fastest split count in every case (the full batch
+    # split too, here).
+    assert chosen_splits(settings.split_fill) == chosen_splits((16.0, 32.0))
+    assert chosen_splits(settings.split_fill)[0] > 1
     assert settings.split_fill in SPLIT_FILLS and settings.split_speedup > 1
     assert settings.env() == {"KSANA_DECODE_TILES": "128,8,2",
                               "KSANA_DECODE_SPLIT_FILL": ",".join(

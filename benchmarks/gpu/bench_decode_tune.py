@@ -27,8 +27,10 @@ SPLIT_CASES = [("b64-ctx1000-2048", 64, 1000, 2048), ("b24-ctx1200-2048", 24, 12
 # Block-table width of the engine's decode graphs in the workload (max_model_len 2048): the
 # capacity the split count is chosen from.
 GRAPH_WIDTH = 2048 // BLOCK_SIZE
-# `choose_num_splits`' (fill, target) programs per SM compared; the first is the default.
-SPLIT_FILLS = [(1.0, 2.0), (2.0, 4.0), (4.0, 8.0), (8.0, 16.0)]
+# `choose_num_splits`' (fill, target) programs per SM compared; the first is the default. The
+# last splits even the full batch (2,048 programs at 8 KV heads): ragged contexts leave SMs
+# idle at a launch's end, which shorter programs even out.
+SPLIT_FILLS = [(1.0, 2.0), (2.0, 4.0), (4.0, 8.0), (8.0, 16.0), (16.0, 32.0)]
 
 
 def split_counts(batch: int, num_sms: int) -> list[int]:
@@ -41,11 +43,11 @@ def split_counts(batch: int, num_sms: int) -> list[int]:
 
 
 def stage_decode_tune(out_dir: Path) -> int:
-    """Paged decode attention (bf16, Qwen3-0.6B's heads) under every DECODE_TILES setting: the
-    full-batch cases at split counts auto / 1 / 2, the tail cases at `split_counts`, each
-    checked against the reference on a few sequences and timed (do_bench median): the data
-    for choosing `_decode_config` and `choose_num_splits` on the GPU rather than by reasoning.
-    Prints each case's settings fastest first."""
+    """Paged decode attention (bf16, Qwen3-0.6B's heads, the graphs' block-table width) under
+    every DECODE_TILES setting at `split_counts` (the full-batch cases at the default's "auto"
+    too), each checked against the reference on a few sequences and timed (do_bench median):
+    the data for choosing `_decode_config` and `choose_num_splits` on the GPU rather than by
+    reasoning. Prints each case's settings fastest first."""
     import triton.testing
 
     from ksana_llm.kernels import paged_decode_attention
@@ -55,12 +57,12 @@ def stage_decode_tune(out_dir: Path) -> int:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     scale = HEAD_DIM ** -0.5
-    cases = [(c, None, (None, 1, 2)) for c in TILE_CASES] + \
-        [(c, GRAPH_WIDTH, split_counts(c[1], num_sms)) for c in SPLIT_CASES]
-    for (name, batch, lo, hi), width, split_options in cases:
+    cases = [(c, [None, *split_counts(c[1], num_sms)]) for c in TILE_CASES] + \
+        [(c, split_counts(c[1], num_sms)) for c in SPLIT_CASES]
+    for (name, batch, lo, hi), split_options in cases:
         gen = torch.Generator().manual_seed(1)
         lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
-        paged = make_paged(lens, torch.bfloat16, width=width)
+        paged = make_paged(lens, torch.bfloat16, width=GRAPH_WIDTH)
         q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.lens, scale)
         few = slice(0, min(4, batch))

@@ -3,7 +3,8 @@
     python -m benchmarks.gpu.tuned_settings --from DIR/decode_tune.json [--out DIR] -- CMD ...
 
 picks the tiles (BLOCK_N, num_warps, num_stages) fastest on the workload's full decode step and
-the split heuristic's (fill, target) fastest over its tail (`bench_decode_tune`), writes them
+the split heuristic's (fill, target) fastest over all the swept cases, full steps and the tail
+(`bench_decode_tune`), writes them
 to DIR/tuned_settings.json, and runs CMD with KSANA_DECODE_TILES / KSANA_DECODE_SPLIT_FILL set
 (`kernels.decode_attention` reads them). run.sh's `engine-qwen3-tuned` stage runs the engine's
 workload that way, so one device call shows whether the sweep's winner wins end to end before
@@ -35,7 +36,7 @@ class TunedSettings:
     tiles: tuple[int, int, int]
     split_fill: tuple[float, float]
     tiles_speedup: float  # the default tiles' time over these on WORKLOAD_CASE
-    split_speedup: float  # the default fill's summed tail time over this one's
+    split_speedup: float  # the default fill's summed time over the cases over this one's
 
     def env(self) -> dict[str, str]:
         return {"KSANA_DECODE_TILES": ",".join(str(t) for t in self.tiles),
@@ -56,16 +57,16 @@ def pick_settings(rows: list[dict[str, Any]]) -> TunedSettings:
     fastest = min(full, key=full.__getitem__)
     tiles = fastest if full[fastest] * (1 + MIN_GAIN) < full[DEFAULT_TILES] else DEFAULT_TILES
 
-    tail_names = {name for name, *_ in SPLIT_CASES}
+    cases = {name for name, *_ in TILE_CASES + SPLIT_CASES}
     tail: dict[str, dict[int, float]] = {}
     shape: dict[str, tuple[int, int, int]] = {}
     for r in timed:
-        if r["case"] in tail_names and tuple(r["tiles"]) == tiles and r["num_splits"] != "auto":
+        if r["case"] in cases and tuple(r["tiles"]) == tiles and r["num_splits"] != "auto":
             tail.setdefault(r["case"], {})[int(r["num_splits"])] = r["ms"]
             shape[r["case"]] = (r["batch"], r["max_context"], r["num_sms"])
 
     def total(fill: tuple[float, float]) -> float:
-        """The tail cases' summed time at the split counts `fill` chooses (inf: not timed)."""
+        """The cases' summed time at the split counts `fill` chooses (inf: not timed)."""
         return sum(tail[case].get(choose_num_splits(batch, KV_HEADS, context, sms,
                                                     split_fill=fill), float("inf"))
                    for case, (batch, context, sms) in shape.items())
