@@ -186,7 +186,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
 # Launch settings from the environment, for measuring others on a GPU without editing code
 # (`benchmarks/gpu/run.sh engine-qwen3-tuned` runs the engine under what `decode-tune` found
 # fastest): KSANA_DECODE_TILES="BLOCK_N,num_warps,num_stages" replaces `_decode_config`'s
-# choice for 16-bit caches of heads up to 128 wide, KSANA_DECODE_SPLIT_FILL="fill,target"
+# choice for 16-bit queries of heads up to 128 wide, KSANA_DECODE_SPLIT_FILL="fill,target"
 # `choose_num_splits`' default. Read at each launch (a CUDA graph keeps what it captured).
 TILES_ENV = "KSANA_DECODE_TILES"
 SPLIT_FILL_ENV = "KSANA_DECODE_SPLIT_FILL"
