@@ -103,22 +103,29 @@ class PhaseClock:
         self.inner = 0.0
 
 
-def tiny_model_dir(folder: Path) -> Path:
+def tiny_model_dir(folder: Path, with_tokenizer: bool = True) -> Path:
     """A random 2-layer Llama with the default model's tokenizer and the first `VOCAB_SIZE` ids of
     its vocabulary (ordinary BPE pieces): real detokenization work, while the LM head and the
-    sampler (device work) stay small enough not to drown the host phases in timing noise."""
+    sampler (device work) stay small enough not to drown the host phases in timing noise.
+    Without the tokenizer (`with_tokenizer` False) the engine makes no text, as on the GPU
+    benchmark's random checkpoints, and the default model's package is not needed (a GPU
+    machine has none)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from ksana_llm.loader import resolve_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None)) if with_tokenizer \
+        else None
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB_SIZE,
-                         max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+                         max_position_embeddings=4096,
+                         bos_token_id=tokenizer.bos_token_id if tokenizer else 1,
+                         eos_token_id=tokenizer.eos_token_id if tokenizer else 2,
+                         tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -196,12 +203,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=24, help="tokens per prompt")
     parser.add_argument("--penalties", choices=("on", "off"), default="off",
                         help="repetition, presence and frequency penalties on every request")
+    parser.add_argument("--no-tokenizer", action="store_true",
+                        help="a model folder without a tokenizer: no detokenizing, as in the GPU "
+                             "benchmark's workload (run.sh host-overhead, on the GPU's host)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model = kt.Model.from_pretrained(str(tiny_model_dir(Path(tmp))), device="cpu",
+        model = kt.Model.from_pretrained(str(tiny_model_dir(Path(tmp), not args.no_tokenizer)),
+                                         device="cpu",
                                          dtype="float32", progress=False)
     engine = kt.Engine(model, max_num_seqs=args.num_seqs, max_batch_size=16384,
                        num_device_blocks=args.num_seqs * (
@@ -234,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         result.pop("idle")  # nothing is serial: see the module docstring
     print(f"{args.num_seqs} sequences of {args.prompt_tokens} prompt tokens decoding together "
           f"({args.api} API, overlap {args.overlap}, async scheduling {args.async_scheduling}, "
-          f"penalties {args.penalties}), {steps} decode steps, {wall:.2f} s in all; "
+          f"penalties {args.penalties}, {'no tokenizer' if args.no_tokenizer else 'detokenized'}), "
+          f"{steps} decode steps, {wall:.2f} s in all; "
           "median ms per decode step:")
     notes = {name: " (device work on a GPU)" for name in DEVICE_PHASES}
     notes.update(deferred=" (after the launch)", resolve=" (after the launch)",
@@ -255,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
                                              "async_scheduling": args.async_scheduling,
                                              "prompt_tokens": args.prompt_tokens,
                                              "penalties": args.penalties,
+                                             "tokenizer": not args.no_tokenizer,
                                              "decode_steps": steps,
                                              "ms_per_step": result}, indent=2))
 

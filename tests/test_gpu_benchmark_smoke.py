@@ -167,3 +167,20 @@ def test_hf_generate_batch_cap_cancels_what_is_unfinished(monkeypatch, tmp_path)
     assert not out["complete"] and out["requests_finished"] < 8
     assert len(cancelled) == 8 - out["requests_finished"] and len(set(cancelled)) == len(cancelled)
     assert out["output_tokens_counted"] > 0 and "extrapolated" in out
+
+
+def test_host_overhead_stage_runs_without_a_tokenizer(tmp_path):
+    """run.sh's host-overhead stage: benchmarks/step_overhead.py on a model folder without a
+    tokenizer (the GPU machine has no default model), its phases in the JSON."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "step_overhead.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_overhead", "--num-seqs", "16",
+                           "--steps", "8", "--overlap", "on", "--async-scheduling", "on",
+                           "--no-tokenizer", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["tokenizer"] is False and report["decode_steps"] > 0
+    assert report["ms_per_step"]["host"] > 0 and "no tokenizer" in proc.stdout

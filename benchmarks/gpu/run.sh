@@ -10,7 +10,8 @@
 # benchmarks/gpu/profile_steps.py), engine-qwen3 / engine-llama8b (the reference workload: our
 # engine vs HF generate_batch, batch-1 decode, CUDA graphs on/off), decode, prefill (kernel benchmarks);
 # decode-tune (decode attention's tiles and split counts swept on the workload's shapes) and
-# engine-qwen3-tuned (after it: ours on the Qwen3 workload under its fastest settings); spec
+# engine-qwen3-tuned (after it: ours on the Qwen3 workload under its fastest settings) and
+# host-overhead (the step loop's host time per decode step on this machine's CPU); spec
 # (speculative decoding, benchmarks/speculative_decoding.py on CUDA) and engine-qwen3-fp8 (the
 # Qwen3 workload with an FP8 E4M3 KV cache) and engine-qwen3-lora (the Qwen3 workload through 4
 # random rank-16 LoRA adapters, round robin) and engine-qwen3-fp8w / engine-llama8b-fp8w (the
@@ -56,7 +57,7 @@ fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
 declare -A LIMIT=([env]=60 [tests]=240 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
-                  [profile]=180 [decode-tune]=240 [engine-qwen3-tuned]=240
+                  [profile]=180 [decode-tune]=240 [engine-qwen3-tuned]=240 [host-overhead]=120
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
                   [engine-llama8b-fp8w]=330 [engine-qwen3-int4w]=300 [engine-llama8b-int4w]=360
@@ -130,6 +131,12 @@ for stage in "${STAGES[@]}"; do
         # workload's shapes: the data for tuning _decode_config
         decode-tune) run_stage decode-tune "$PYTHON" -m benchmarks.gpu.bench_kernels decode-tune \
                          --out "$RESULTS" ;;
+        # this machine's host side of a decode step (the step loop's Python, 256 sequences, no
+        # tokenizer as in the workload): whether the GPU's steps outlast it (benchmarks/
+        # step_overhead.py; a tiny model on the CPU, so no device time is spent)
+        host-overhead) run_stage host-overhead "$PYTHON" -m benchmarks.step_overhead --overlap on \
+                           --async-scheduling on --no-tokenizer \
+                           --json-out "$RESULTS/step_overhead.json" ;;
         # paged decode attention at the Qwen3-0.6B shape: batch 256 x ~600 tokens, and 4 x 8k
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
         # the FP8-weight matmul (Llama-3-8B / Qwen3 shapes, 1-256 rows) vs bf16 cuBLAS
@@ -142,7 +149,7 @@ for stage in "${STAGES[@]}"; do
         # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
-        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile decode-tune engine-qwen3 engine-qwen3-tuned" \
+        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile decode-tune engine-qwen3 engine-qwen3-tuned host-overhead" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-qwen3moe"\
                 " engine-deepseek engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\
