@@ -123,6 +123,10 @@ def test_captured_rows_in_slices_match_transformers(model, ids, hf):
     assert calls[:-1] == [ROWS_PER_SLICE] * (captured_rows // ROWS_PER_SLICE) + \
         [captured_rows % ROWS_PER_SLICE] * bool(captured_rows % ROWS_PER_SLICE)
     assert calls[-1] == 1
+    with pytest.raises(ValueError, match="prompt_logprobs: one target token per captured row"):
+        runner.execute(StepInput([SeqSlice(ids, 0, table(0), sample=False, capture=(0, 1),
+                                           prompt_logprobs=PromptLogprobTargets((5,), 1))],
+                                 [], []))
 
 
 def test_engine_forward_and_prompt_logprobs_in_slices(model, ids, hf):

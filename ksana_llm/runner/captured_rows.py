@@ -60,6 +60,9 @@ def capture_rows(model: nn.Module, slices: list[SeqSlice], rows_of: dict[int, li
                                               hidden.device))
     num_logit_rows = sum(len(rows_of[i]) for i in order if kind(i) == 0)
     scored = [slices[i].prompt_logprobs for i in order if kind(i) == 1]
+    if any(len(slices[i].prompt_logprobs.token_ids) != len(rows_of[i])
+           for i in order if kind(i) == 1):
+        raise ValueError("prompt_logprobs: one target token per captured row")
     targets = [t for s in scored for t in s.token_ids]
     logits, logprobs = _reduce_logits(model, picked[:num_logit_rows + len(targets)],
                                       num_logit_rows, targets,
