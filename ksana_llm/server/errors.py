@@ -57,6 +57,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def no_tokenizer(field: str) -> APIError:
+    """A request part given as text (or asking for text) on a server without a tokenizer."""
+    return bad_request(f"`{field}` needs a tokenizer, and this server runs without one "
+                       "(--skip-tokenizer-init): give token ids", param=field,
+                       code="no_tokenizer")
+
+
 def unauthorized() -> APIError:
     return APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                     type="authentication_error", code="invalid_api_key")

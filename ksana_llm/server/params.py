@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.server.errors import APIError, bad_request
+from ksana_llm.server.errors import APIError, bad_request, no_tokenizer
 from ksana_llm.server.openai_protocol import MAX_STOP, _SamplingRequest
 
 # Engine field -> OpenAI parameter, so that an engine ValueError names what the client sent.
@@ -109,9 +109,7 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
             if not p:
                 raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")
             if tokenizer is None:
-                raise bad_request(f"`{field}` is text, and this server runs without a tokenizer "
-                                  "(--skip-tokenizer-init): give token ids", param=field,
-                                  code="no_tokenizer")
+                raise no_tokenizer(field)
             ids = list(tokenizer.encode(p))
         else:
             if not p:

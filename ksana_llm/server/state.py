@@ -12,7 +12,7 @@ from fastapi import Request
 
 from ksana_llm.api.engine import Engine
 from ksana_llm.server.chat import ChatTemplate
-from ksana_llm.server.errors import bad_request, engine_unavailable, model_not_found
+from ksana_llm.server.errors import engine_unavailable, model_not_found, no_tokenizer
 from ksana_llm.server.event_log import EventLog
 from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
 from ksana_llm.server.middleware import ServerLoad
@@ -113,9 +113,7 @@ class ServerState:
         naming the field when the server has none (--skip-tokenizer-init)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
-            raise bad_request(f"`{field}` needs a tokenizer, and this server runs without one "
-                              "(--skip-tokenizer-init): give token ids", param=field,
-                              code="no_tokenizer")
+            raise no_tokenizer(field)
         return tokenizer
 
     def check_model(self, name: str | None) -> str | None:
