@@ -51,18 +51,18 @@ def capture_rows(model: nn.Module, slices: list[SeqSlice], rows_of: dict[int, li
     """Slice index -> its captured rows, for every slice in `rows_of` (slice index -> its rows
     of `hidden`). Logits and log-probs are None on pipeline stages without the LM head."""
 
-    def kind(i: int) -> int:  # forward logits, then prompt log-probs, then hidden rows only
-        return 0 if slices[i].capture_logits else 1 if slices[i].prompt_logprobs else 2
-
+    # 0: forward logits, 1: prompt log-probs, 2: hidden rows only
+    kind = {i: 0 if slices[i].capture_logits else 1 if slices[i].prompt_logprobs else 2
+            for i in rows_of}
+    if any(kind[i] == 1 and len(slices[i].prompt_logprobs.token_ids) != len(rows_of[i])
+           for i in rows_of):
+        raise ValueError("prompt_logprobs: one target token per captured row")
     # One LM-head pass for all the step's logit rows: they are one block at the top of `picked`.
-    order = sorted(rows_of, key=lambda i: (kind(i), i))
+    order = sorted(rows_of, key=lambda i: (kind[i], i))
     picked = hidden.index_select(0, to_device([r for i in order for r in rows_of[i]], torch.long,
                                               hidden.device))
-    num_logit_rows = sum(len(rows_of[i]) for i in order if kind(i) == 0)
-    scored = [slices[i].prompt_logprobs for i in order if kind(i) == 1]
-    if any(len(slices[i].prompt_logprobs.token_ids) != len(rows_of[i])
-           for i in order if kind(i) == 1):
-        raise ValueError("prompt_logprobs: one target token per captured row")
+    num_logit_rows = sum(len(rows_of[i]) for i in order if kind[i] == 0)
+    scored = [slices[i].prompt_logprobs for i in order if kind[i] == 1]
     targets = [t for s in scored for t in s.token_ids]
     logits, logprobs = _reduce_logits(model, picked[:num_logit_rows + len(targets)],
                                       num_logit_rows, targets,
@@ -72,9 +72,9 @@ def capture_rows(model: nn.Module, slices: list[SeqSlice], rows_of: dict[int, li
     for i in order:
         lo, hi = offset, offset + len(rows_of[i])
         rows_logits = rows_logprobs = None
-        if kind(i) == 0 and logits is not None:
+        if kind[i] == 0 and logits is not None:
             rows_logits = HostCopy(logits.tensor[lo:hi], logits.copied)
-        elif kind(i) == 1 and logprobs is not None:  # its rows come after the logit rows
+        elif kind[i] == 1 and logprobs is not None:  # its rows come after the logit rows
             rows_logprobs = HostCopy(logprobs.tensor[lo - num_logit_rows:hi - num_logit_rows],
                                      logprobs.copied)
         out[i] = CapturedRows(picked[lo:hi], rows_logits, rows_logprobs)
@@ -89,7 +89,7 @@ def _reduce_logits(model: nn.Module, rows: torch.Tensor, num_logit_rows: int,
     whole, the others' reduced to the prompt log-probs of `targets` (one per row) with `top_k`
     alternatives. (None, None) on a pipeline stage without the LM head."""
     step = logit_rows_per_chunk(model.config.vocab_size, chunk_elements)
-    targets_t = to_device(targets, torch.long, rows.device)
+    targets_t = to_device(targets, torch.long, rows.device) if targets else None
     host: torch.Tensor | None = None  # the forward logits, filled slice by slice
     packed: list[torch.Tensor] = []
     for lo in range(0, rows.shape[0], step):

@@ -174,7 +174,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         chat_template=template, response_role=response_role,
         limits=ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model.vocab_size),
         # Without a tokenizer, logprob entries name tokens by id (vLLM's
-        # return_tokens_as_token_ids), for every request.
+        # return_tokens_as_token_ids form), for every request and route.
         token_texts=TokenTexts(engine.tokenizer) if engine.tokenizer is not None
         else TokenIdTexts(),
         tool_parser=parsing.tool_parser(),
@@ -182,8 +182,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
                           if parsing.reasoning_parser is not None else None),
         max_logprobs=parsing.max_logprobs, kv_transfer=transfer,
-        return_tokens_as_token_ids=parsing.return_tokens_as_token_ids
-        or engine.tokenizer is None,
+        return_tokens_as_token_ids=parsing.return_tokens_as_token_ids,
         responses=ResponseStore(max_stored_responses),
         sampling_defaults=sampling_defaults or SamplingDefaults(),
         enable_prompt_embeds=enable_prompt_embeds, request_log=request_log,
