@@ -86,9 +86,8 @@ def _ours(engine: kt.Engine, prompts: list[list[int]], loras: list[str | None],
     for _ in range(repeats):
         _sync(engine.model.device)
         start = time.perf_counter()
-        handles = [engine.submit(kt.Request(p, config, lora=lora))
-                   for p, lora in zip(prompts, loras)]
-        tokens = [h.result().token_ids for h in handles]
+        tokens = [o.token_ids for o in engine.generate_outputs(prompts, config, use_tqdm=False,
+                                                               lora=loras)]
         _sync(engine.model.device)
         best = min(best, time.perf_counter() - start)
     return best, tokens

@@ -104,12 +104,7 @@ def run_ours(engine: kt.Engine, workload: Workload,
                             lora=loras[0] if loras else None)
     configs = ours_configs(workload.output_lens)
     start = time.perf_counter()
-    if loras is None:
-        outputs = engine.generate_outputs(workload.prompts, configs, use_tqdm=False)
-    else:
-        handles = [engine.submit(kt.Request(p, c, lora=lora))
-                   for p, c, lora in zip(workload.prompts, configs, loras)]
-        outputs = [h.result() for h in handles]
+    outputs = engine.generate_outputs(workload.prompts, configs, use_tqdm=False, lora=loras)
     wall = time.perf_counter() - start
     got = [len(o.token_ids) for o in outputs]
     bad = [(i, g, want) for i, (g, want) in enumerate(zip(got, workload.output_lens)) if g != want]

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import statistics
 import tempfile
@@ -64,6 +65,34 @@ DEVICE_PHASES = ("forward", "lm_head", "sample")
 # Host phases that, with overlapped output processing, run while the device computes the step.
 OVERLAPPED_PHASES = ("deferred", "resolve", "dispatch_in_step")
 VOCAB_SIZE = 8192
+
+
+class GcPauses:
+    """The cyclic garbage collector's passes while `recording`: their count, total and longest.
+    The phase medians hide them (a full pass stalls one step in tens), so they are reported
+    apart; on a GPU each stalls the device as long as it lasts."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.recording:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self) -> dict[str, float]:
+        full = [t for g, t in self.pauses if g == 2]
+        return {"passes": len(self.pauses), "full_passes": len(full),
+                "total_ms": 1e3 * sum(t for _, t in self.pauses),
+                "full_ms": 1e3 * sum(full),
+                "longest_ms": 1e3 * max((t for _, t in self.pauses), default=0.0)}
 
 
 class PhaseClock:
@@ -206,20 +235,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-tokenizer", action="store_true",
                         help="a model folder without a tokenizer: no detokenizing, as in the GPU "
                              "benchmark's workload (run.sh host-overhead, on the GPU's host)")
+    parser.add_argument("--freeze-gc-heap", choices=("on", "off"), default="on",
+                        help="the engine's freeze_gc_heap (on by default): start-up objects "
+                             "out of the garbage collector's full passes")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = kt.Model.from_pretrained(str(tiny_model_dir(Path(tmp), not args.no_tokenizer)),
-                                         device="cpu",
-                                         dtype="float32", progress=False)
+                                         device="cpu", dtype="float32", progress=False,
+                                         skip_tokenizer_init=args.no_tokenizer)
     engine = kt.Engine(model, max_num_seqs=args.num_seqs, max_batch_size=16384,
                        num_device_blocks=args.num_seqs * (
                            (args.prompt_tokens + args.steps) // 16 + 4),
                        max_model_len=args.prompt_tokens + args.steps + 16,
                        overlap_output_processing=args.overlap == "on",
-                       async_scheduling=args.async_scheduling == "on")
+                       async_scheduling=args.async_scheduling == "on",
+                       freeze_gc_heap=args.freeze_gc_heap == "on")
     penalties = (dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3)
                  if args.penalties == "on" else {})
     config = kt.GenerationConfig(max_new_tokens=args.steps, ignore_eos=True, **penalties)
@@ -231,13 +264,17 @@ def main(argv: list[str] | None = None) -> None:
         engine.generate(prompts[:4], config, use_tqdm=False)  # warm-up
         clock = PhaseClock()
         close_last_step = instrument(engine, clock)
+        gc_pauses = GcPauses()
+        gc_pauses.recording = True
         start = time.perf_counter()
         if args.api == "sync":
             engine.generate(prompts, config, use_tqdm=False)
         else:
             asyncio.run(generate_async(engine, prompts, config))
         wall = time.perf_counter() - start
+        gc_pauses.recording = False
         close_last_step()
+    gc_pauses.close()
     result = summarize(clock, args.num_seqs)
     steps = int(result.pop("steps"))
     ahead = args.async_scheduling == "on"
@@ -245,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         result.pop("idle")  # nothing is serial: see the module docstring
     print(f"{args.num_seqs} sequences of {args.prompt_tokens} prompt tokens decoding together "
           f"({args.api} API, overlap {args.overlap}, async scheduling {args.async_scheduling}, "
-          f"penalties {args.penalties}, {'no tokenizer' if args.no_tokenizer else 'detokenized'}), "
+          f"penalties {args.penalties}, {'no tokenizer' if args.no_tokenizer else 'detokenized'}, "
+          f"GC heap {'frozen' if args.freeze_gc_heap == 'on' else 'not frozen'}), "
           f"{steps} decode steps, {wall:.2f} s in all; "
           "median ms per decode step:")
     notes = {name: " (device work on a GPU)" for name in DEVICE_PHASES}
@@ -261,6 +299,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"  host per sequence: {1e3 * result['host'] / args.num_seqs:.1f} us, of which the "
               f"device waits for {1e3 * result['idle'] / args.num_seqs:.1f} us")
+    pauses = gc_pauses.summary()
+    print(f"  garbage collector: {pauses['passes']} passes in the run, {pauses['total_ms']:.1f} ms "
+          f"({pauses['full_passes']} full: {pauses['full_ms']:.1f} ms), longest "
+          f"{pauses['longest_ms']:.1f} ms; {pauses['total_ms'] / max(steps, 1):.2f} ms per "
+          "decode step on average (outside the medians above)")
     if args.json_out:
         args.json_out.write_text(json.dumps({"num_seqs": args.num_seqs, "api": args.api,
                                              "overlap": args.overlap,
@@ -268,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                                              "prompt_tokens": args.prompt_tokens,
                                              "penalties": args.penalties,
                                              "tokenizer": not args.no_tokenizer,
+                                             "freeze_gc_heap": args.freeze_gc_heap,
+                                             "gc": pauses,
                                              "decode_steps": steps,
                                              "ms_per_step": result}, indent=2))
 

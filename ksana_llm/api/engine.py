@@ -38,6 +38,7 @@ from ksana_llm.engine.scheduler import QueueFullError
 from ksana_llm.engine.scheduling_policy import SchedulingPolicy
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.cpu_threads import openmp_pool_releaser
+from ksana_llm.runner.gc_heap import freeze_startup_heap, thaw_heap
 from ksana_llm.runner.kv_transfer import KvLayout
 
 logger = logging.getLogger("ksana_llm.engine")
@@ -174,6 +175,8 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         # here, and again whenever a caller's thread submits (it may have run torch since).
         self._release_openmp_pool = openmp_pool_releaser()
         self._release_openmp_pool()
+        if self.config.freeze_gc_heap:
+            freeze_startup_heap()
         self._thread = threading.Thread(target=self._loop, name="ksana-llm-engine", daemon=True)
         self._thread.start()
 
@@ -232,17 +235,20 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
 
     def _enqueue_many(self, pending: deque[tuple[Sequence, Any]]) -> list[RequestHandle]:
         """Enqueue (sequence, plugin info) pairs from the front of `pending`, popping each,
-        until the queue is full; the handles. All under one hold of the lock, so the engine
-        thread sees them together: which requests share the first steps does not depend on how
-        the two threads interleave."""
+        until the queue is full; the handles, which queue no per-step deltas (the caller
+        reads their results alone, in turn: `RequestHandle.results_only`). All under one hold
+        of the lock, so the engine thread sees them together: which requests share the first
+        steps does not depend on how the two threads interleave."""
         handles: list[RequestHandle] = []
         with self._wake:
             while pending:
                 seq, plugin_info = pending[0]
                 try:
-                    handles.append(self._enqueue(seq, None, None, plugin_info))
+                    handle = self._enqueue(seq, None, None, plugin_info)
                 except QueueFullError:
                     break
+                handle.results_only()  # before the engine thread can see the request
+                handles.append(handle)
                 pending.popleft()
         return handles
 
@@ -378,6 +384,8 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
             with self._wake:  # taken before the failure: their callers must not wait forever
                 self._commands[:0] = commands
             self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+            if self.config.freeze_gc_heap:
+                thaw_heap()
 
     def _bind_device(self) -> None:
         """The current CUDA device is per thread: make it the model's on the engine thread, so

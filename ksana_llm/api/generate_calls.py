@@ -39,17 +39,23 @@ class GenerateCalls:
 
     def generate_outputs(self, prompts: Prompt | list[Prompt],
                          generation_config: GenerationConfig | list[GenerationConfig] | None = None,
-                         *, use_tqdm: bool = True, lora: str | None = None) -> list[RequestOutput]:
+                         *, use_tqdm: bool = True,
+                         lora: str | None | list[str | None] = None) -> list[RequestOutput]:
         """Run many prompts to completion (submitted as the queue allows), in input order;
-        `lora` names the LoRA adapter every prompt uses (None: the base model)."""
+        `lora` names the LoRA adapter every prompt uses (None: the base model), or gives one
+        per prompt (as vLLM's `lora_request` list)."""
         batch = self._as_batch(prompts)
         configs = list(generation_config) if isinstance(generation_config, (list, tuple)) \
             else [generation_config] * len(batch)
         if len(configs) != len(batch):
             raise ValueError("generation_config: give one config, or one per prompt")
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(batch)
+        if len(loras) != len(batch):
+            raise ValueError(f"lora: give one adapter name, or one per prompt ({len(batch)}), "
+                             f"got {len(loras)}")
         # Validate (and preprocess) everything before running anything.
-        prepared = [self._requests.sequence(Request.of(p, c, lora=lora), self.generation_config)
-                    for p, c in zip(batch, configs)]
+        prepared = [self._requests.sequence(Request.of(p, c, lora=name), self.generation_config)
+                    for p, c, name in zip(batch, configs, loras)]
         handles: list[RequestHandle] = []
         progress = None
         if use_tqdm and len(prepared) > 1:

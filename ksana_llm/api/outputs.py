@@ -339,10 +339,18 @@ class RequestHandle:
             if delta.index == 0 and delta.text:
                 yield delta.text
 
+    def results_only(self) -> None:
+        """Stop queueing per-step deltas: the caller reads the final output alone (`output`
+        stays live, the stream does not). `result()` / `aresult()` do this on their first
+        call; a caller that will wait on many handles in turn does it for all of them first,
+        or each one waited on later piles up a delta (and its token list) per token meanwhile:
+        garbage that lengthens the collector's passes on the engine thread."""
+        self._deltas_wanted = False
+
     def result(self, timeout: float | None = None) -> RequestOutput:
         """The final output (blocking; TimeoutError after `timeout` s). From the first call on,
-        the handle stops queueing per-step deltas: `output` stays live, the stream does not."""
-        self._deltas_wanted = False
+        the handle stops queueing per-step deltas (`results_only`)."""
+        self.results_only()
         if self._already_ended():
             return self.output
         if self._async is not None:  # its items go to the event loop's queue, never here
@@ -377,7 +385,7 @@ class RequestHandle:
 
     async def aresult(self) -> RequestOutput:
         """The final output (asyncio); like `result`, it ends the per-step deltas."""
-        self._deltas_wanted = False
+        self.results_only()
         async for _ in self.adeltas():
             pass
         return self.output

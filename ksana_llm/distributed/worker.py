@@ -18,6 +18,7 @@ from ksana_llm.distributed.runtime import (LaunchSpec, Runtime, broadcast_messag
 from ksana_llm.distributed.runtime import shutdown_runtime
 from ksana_llm.loader import load_hf_config
 from ksana_llm.models.factory import load_model_module
+from ksana_llm.runner.gc_heap import freeze_startup_heap
 from ksana_llm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("ksana_llm.worker")
@@ -42,6 +43,10 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
             return
         if kind == RUNNER:
             runner = ModelRunner(module, device=runtime.device, dtype=dtype, **payload)
+            # This process only serves steps from here on: its start-up objects (the shard,
+            # the runner, the KV cache) stay out of the collector's full passes, which would
+            # stall this rank's launches and with it every rank (see runner/gc_heap.py).
+            freeze_startup_heap()
         elif kind == STEP and runner is not None:
             runner.execute(payload)
         elif kind == DRAFT and runner is not None:
