@@ -184,3 +184,7 @@ def test_host_overhead_stage_runs_without_a_tokenizer(tmp_path):
     report = json.loads(out.read_text())
     assert report["tokenizer"] is False and report["decode_steps"] > 0
     assert report["ms_per_step"]["host"] > 0 and "no tokenizer" in proc.stdout
+    # The collector's passes during the run, reported apart from the phase medians.
+    assert report["freeze_gc_heap"] == "on" and "garbage collector:" in proc.stdout
+    assert report["gc"]["passes"] >= report["gc"]["full_passes"] >= 0
+    assert report["gc"]["total_ms"] >= report["gc"]["longest_ms"] >= 0

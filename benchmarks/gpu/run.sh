@@ -135,7 +135,7 @@ for stage in "${STAGES[@]}"; do
         # tokenizer as in the workload): whether the GPU's steps outlast it (benchmarks/
         # step_overhead.py; a tiny model on the CPU, so no device time is spent)
         host-overhead) run_stage host-overhead "$PYTHON" -m benchmarks.step_overhead --overlap on \
-                           --async-scheduling on --no-tokenizer \
+                           --async-scheduling on --no-tokenizer --steps 200 \
                            --json-out "$RESULTS/step_overhead.json" ;;
         # paged decode attention at the Qwen3-0.6B shape: batch 256 x ~600 tokens, and 4 x 8k
         decode)  run_stage decode  "$PYTHON" -m benchmarks.gpu.bench_kernels decode --out "$RESULTS" ;;
