@@ -162,6 +162,8 @@ class _IncrementalDecoder:
 
     def append(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens and return the text that is now complete (possibly "")."""
+        if self._tokenizer is None:
+            return ""  # no text to make: keep no window either (token ids are the output)
         self._token_ids.extend(new_token_ids)
         return self._advance(force=False)
 
