@@ -123,6 +123,19 @@ def test_captured_rows_in_slices_match_transformers(model, ids, hf):
     assert calls[:-1] == [ROWS_PER_SLICE] * (captured_rows // ROWS_PER_SLICE) + \
         [captured_rows % ROWS_PER_SLICE] * bool(captured_rows % ROWS_PER_SLICE)
     assert calls[-1] == 1
+
+    # A tensor-parallel worker rank (`host_outputs=False`, as `distributed/worker.py` builds
+    # it): the same LM-head calls, row for row (each is a collective under TP, matched with
+    # rank 0's), but nothing copied to the host or reduced: nobody reads it there.
+    worker = ModelRunner(module, device=torch.device("cpu"), dtype=torch.float32,
+                         num_blocks=32, block_size=16, attention_backend="torch",
+                         cuda_graphs=False, host_outputs=False)
+    worker.capture_chunk_elements = runner.capture_chunk_elements
+    with lm_head_rows(module) as worker_calls:
+        on_worker = worker.execute(StepInput(slices, [], [])).captured
+    assert worker_calls == calls
+    assert all(c.logits is None and c.prompt_logprobs is None for c in on_worker.values())
+    torch.testing.assert_close(on_worker[1].hidden, hidden, atol=LOGIT_ATOL, rtol=1e-5)
     with pytest.raises(ValueError, match="prompt_logprobs: one target token per captured row"):
         runner.execute(StepInput([SeqSlice(ids, 0, table(0), sample=False, capture=(0, 1),
                                            prompt_logprobs=PromptLogprobTargets((5,), 1))],

@@ -42,7 +42,8 @@ def serve_steps(runtime: Runtime, module: torch.nn.Module, dtype: torch.dtype) -
         if kind == STOP:
             return
         if kind == RUNNER:
-            runner = ModelRunner(module, device=runtime.device, dtype=dtype, **payload)
+            runner = ModelRunner(module, device=runtime.device, dtype=dtype, host_outputs=False,
+                                 **payload)
             # This process only serves steps from here on: its start-up objects (the shard,
             # the runner, the KV cache) stay out of the collector's full passes, which would
             # stall this rank's launches and with it every rank (see runner/gc_heap.py).

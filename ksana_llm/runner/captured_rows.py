@@ -46,10 +46,13 @@ def logit_rows_per_chunk(vocab_size: int, chunk_elements: int = CAPTURE_CHUNK_EL
 
 
 def capture_rows(model: nn.Module, slices: list[SeqSlice], rows_of: dict[int, list[int]],
-                 hidden: torch.Tensor, *, chunk_elements: int = CAPTURE_CHUNK_ELEMENTS
-                 ) -> dict[int, CapturedRows]:
+                 hidden: torch.Tensor, *, chunk_elements: int = CAPTURE_CHUNK_ELEMENTS,
+                 to_host: bool = True) -> dict[int, CapturedRows]:
     """Slice index -> its captured rows, for every slice in `rows_of` (slice index -> its rows
-    of `hidden`). Logits and log-probs are None on pipeline stages without the LM head."""
+    of `hidden`). Logits and log-probs are None on pipeline stages without the LM head, and
+    with `to_host` False: a tensor-parallel worker rank, whose results nobody reads, still
+    runs the LM head slice by slice (its collective must match rank 0's calls) but copies
+    and reduces nothing."""
 
     # 0: forward logits, 1: prompt log-probs, 2: hidden rows only
     kind = {i: 0 if slices[i].capture_logits else 1 if slices[i].prompt_logprobs else 2
@@ -66,7 +69,8 @@ def capture_rows(model: nn.Module, slices: list[SeqSlice], rows_of: dict[int, li
     targets = [t for s in scored for t in s.token_ids]
     logits, logprobs = _reduce_logits(model, picked[:num_logit_rows + len(targets)],
                                       num_logit_rows, targets,
-                                      max((s.top_k for s in scored), default=0), chunk_elements)
+                                      max((s.top_k for s in scored), default=0), chunk_elements,
+                                      to_host)
     out: dict[int, CapturedRows] = {}
     offset = 0
     for i in order:
@@ -83,12 +87,17 @@ def capture_rows(model: nn.Module, slices: list[SeqSlice], rows_of: dict[int, li
 
 
 def _reduce_logits(model: nn.Module, rows: torch.Tensor, num_logit_rows: int,
-                   targets: list[int], top_k: int, chunk_elements: int
+                   targets: list[int], top_k: int, chunk_elements: int, to_host: bool
                    ) -> tuple[HostCopy | None, HostCopy | None]:
     """Logits of `rows` a slice at a time: the first `num_logit_rows` rows' copied to the host
     whole, the others' reduced to the prompt log-probs of `targets` (one per row) with `top_k`
-    alternatives. (None, None) on a pipeline stage without the LM head."""
+    alternatives. (None, None) on a pipeline stage without the LM head, and (the LM head
+    run all the same) without `to_host`."""
     step = logit_rows_per_chunk(model.config.vocab_size, chunk_elements)
+    if not to_host:
+        for lo in range(0, rows.shape[0], step):
+            model.compute_logits(rows[lo:lo + step])
+        return None, None
     targets_t = to_device(targets, torch.long, rows.device) if targets else None
     host: torch.Tensor | None = None  # the forward logits, filled slice by slice
     packed: list[torch.Tensor] = []

@@ -125,8 +125,12 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
                  num_speculative_tokens: int = 0, kv_cache_dtype: str = "auto",
                  kv_scales: Sequence[float] | None = None, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_adapters: Sequence[tuple[int, str]] = (),
-                 lora_weight_map: str | None = None, max_cpu_loras: int | None = None) -> None:
+                 lora_weight_map: str | None = None, max_cpu_loras: int | None = None,
+                 host_outputs: bool = True) -> None:
         self.model = model
+        # False on a tensor-parallel worker rank: rank 0 alone reads captured rows' logits
+        # and prompt log-probs, so the others make no host copies of them.
+        self.host_outputs = host_outputs
         num_draft_layers = draft_layers_for(model, num_speculative_tokens)
         self.attention_backend = resolve_attention_backend(attention_backend, model, device)
         # The rest of the Triton path: fused RMSNorm (+ residual), in-place RoPE, and MoE experts
@@ -341,7 +345,8 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
                             embedding_overrides=overrides)
         self._keep_hidden(hidden, self._first_rows)
         captured = capture_rows(self.model, step.slices, self._capture_rows, hidden,
-                                chunk_elements=self.capture_chunk_elements) \
+                                chunk_elements=self.capture_chunk_elements,
+                                to_host=self.host_outputs) \
             if self._capture_rows else {}
         if not sampled:
             return StepResult([], None, captured)
