@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import gc
 import json
 import statistics
 import tempfile
@@ -60,39 +59,12 @@ from typing import Any
 import torch
 
 import ksana_llm as kt
+from benchmarks.gc_pauses import GcPauses
 
 DEVICE_PHASES = ("forward", "lm_head", "sample")
 # Host phases that, with overlapped output processing, run while the device computes the step.
 OVERLAPPED_PHASES = ("deferred", "resolve", "dispatch_in_step")
 VOCAB_SIZE = 8192
-
-
-class GcPauses:
-    """The cyclic garbage collector's passes while `recording`: their count, total and longest.
-    The phase medians hide them (a full pass stalls one step in tens), so they are reported
-    apart; on a GPU each stalls the device as long as it lasts."""
-
-    def __init__(self) -> None:
-        self.recording = False
-        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
-        self._start = 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self.recording:
-            self.pauses.append((info["generation"], time.perf_counter() - self._start))
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._on_gc)
-
-    def summary(self) -> dict[str, float]:
-        full = [t for g, t in self.pauses if g == 2]
-        return {"passes": len(self.pauses), "full_passes": len(full),
-                "total_ms": 1e3 * sum(t for _, t in self.pauses),
-                "full_ms": 1e3 * sum(full),
-                "longest_ms": 1e3 * max((t for _, t in self.pauses), default=0.0)}
 
 
 class PhaseClock:
@@ -264,17 +236,14 @@ def main(argv: list[str] | None = None) -> None:
         engine.generate(prompts[:4], config, use_tqdm=False)  # warm-up
         clock = PhaseClock()
         close_last_step = instrument(engine, clock)
-        gc_pauses = GcPauses()
-        gc_pauses.recording = True
-        start = time.perf_counter()
-        if args.api == "sync":
-            engine.generate(prompts, config, use_tqdm=False)
-        else:
-            asyncio.run(generate_async(engine, prompts, config))
-        wall = time.perf_counter() - start
-        gc_pauses.recording = False
+        with GcPauses() as gc_pauses:
+            start = time.perf_counter()
+            if args.api == "sync":
+                engine.generate(prompts, config, use_tqdm=False)
+            else:
+                asyncio.run(generate_async(engine, prompts, config))
+            wall = time.perf_counter() - start
         close_last_step()
-    gc_pauses.close()
     result = summarize(clock, args.num_seqs)
     steps = int(result.pop("steps"))
     ahead = args.async_scheduling == "on"

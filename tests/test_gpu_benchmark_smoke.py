@@ -31,6 +31,8 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
         assert report["cuda_graphs"]["on"]["status"].startswith("off: device is cpu")
         assert report["batch1"]["graphs_on"]["ms_per_token"] > 0
         assert report["batch1"]["graphs_off"]["ms_per_token"] > 0
+        gc_on = report["gc_during_workload"]["on"]  # the collector's passes in our timed run
+        assert gc_on["passes"] >= gc_on["full_passes"] >= 0 and gc_on["total_ms"] >= 0
 
 
 def test_gpu_benchmark_fp8_stage_smoke(tmp_path):

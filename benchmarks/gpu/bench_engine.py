@@ -56,6 +56,7 @@ if str(REPO) not in sys.path:  # run as a file as well as with -m
 
 import ksana_llm as kt  # noqa: E402
 from ksana_llm.config import KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS  # noqa: E402
+from benchmarks.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.gpu.engine_models import (SPECS, ModelSpec, build_checkpoint,  # noqa: E402
                                           hf_config, model_shape, temp_root)
 from benchmarks.gpu.int4_checkpoint import rewrite_as_w4a16  # noqa: E402
@@ -182,9 +183,15 @@ def run_ours_engine(model: kt.Model, workload: Workload, args: argparse.Namespac
               f"{out['facts']['kv_blocks']}", flush=True)
         guarded(f"ksana_llm warm-up ({label})", errors, lambda: warm_up(engine, workload))
         if throughput:
-            out["throughput"] = guarded(f"ksana_llm workload ({label})", errors,
-                                        lambda: run_ours(engine, workload,
-                                                         workload_loras(args, workload)))
+            with GcPauses() as pauses:
+                out["throughput"] = guarded(f"ksana_llm workload ({label})", errors,
+                                            lambda: run_ours(engine, workload,
+                                                             workload_loras(args, workload)))
+            out["gc"] = pauses.summary()
+            print(f"[bench] garbage collector during the workload ({label}): "
+                  f"{out['gc']['passes']} passes, {out['gc']['total_ms']} ms "
+                  f"({out['gc']['full_passes']} full: {out['gc']['full_ms']} ms), longest "
+                  f"{out['gc']['longest_ms']} ms", flush=True)
         b1 = guarded(f"ksana_llm batch-1 ({label})", errors,
                      lambda: ours_batch1(engine, b1_prompt, args.b1_new_tokens, args.b1_repeats,
                                          lora=min(args.lora_modules) if args.lora_modules
@@ -275,6 +282,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     ours_tp = throughput_json(on.get("throughput"), workload)
     hf_tp = hf["throughput"]
     report["cuda_graphs"] = {"on": on.get("facts"), "off": off.get("facts")}
+    # The collector's passes during our timed runs (a full one stalls the step loop).
+    report["gc_during_workload"] = {"on": on.get("gc"), "off": off.get("gc")}
     report["throughput"] = {"ksana_llm": ours_tp,
                             "ksana_llm_graphs_off": throughput_json(off.get("throughput"), workload),
                             "hf_generate_batch": hf_tp}
