@@ -89,6 +89,12 @@ def test_static_buffers_hold_the_unpadded_batch_then_padding(tmp_path):
         assert inputs.slots(bucket)[n:].tolist() == [-1] * (bucket - n)
         assert inputs.context_lens(bucket)[n:].tolist() == [0] * (bucket - n)
         assert inputs.input_ids(bucket)[n:].tolist() == [0] * (bucket - n)
+        # The decode kernel takes the rows longest context first, then the padding rows; the
+        # same order the eager builder gives its kernel batch.
+        order, lens = inputs.order(bucket).tolist(), inputs.context_lens(bucket).tolist()
+        assert sorted(order) == list(range(bucket)) and order[n:] == list(range(n, bucket))
+        assert [lens[i] for i in order[:n]] == sorted(lens[:n], reverse=True)
+        assert order[:n] == kb.decode_order.tolist()
         meta_static = inputs.metadata(bucket, None)
         assert meta_static.num_decodes == bucket
         assert meta_static.kernel_batch.decode_block_tables.shape == (bucket, 12)

@@ -338,6 +338,31 @@ def test_decode_launch_settings_for_tuning_compute_the_same(device, tiles):
             kernels.paged_decode_attention(*args, tiles=bad)
 
 
+def test_decode_program_order_leaves_rows_in_place(device):
+    """`order` (the runners' longest-first program order) changes which sequence a program
+    takes, never where its output goes: the same rows as without, with one split or several,
+    for GQA head blocks; the runners' order is longest context first, padding rows last."""
+    from ksana_llm.runner.host_arrays import longest_first
+
+    lens_list = [40, 0, 310, 5, 129]
+    batch = make_paged_batch(lens_list, block_size=16, kv_heads=2, head_dim=32,
+                             dtype=torch.float32, device=device)
+    q = random_q(5, 8, 32, torch.float32, device)
+    lens = torch.tensor(lens_list, dtype=torch.int32, device=device)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, 0.2)
+    expected = ref.paged_decode_attention_ref(*args)
+    order = longest_first(lens_list)
+    assert order.tolist() == [2, 4, 0, 3, 1]
+    assert longest_first([7, 7, 9], 5).tolist() == [2, 0, 1, 3, 4]  # ties keep row order
+    for num_splits in (1, 3):
+        out = kernels.paged_decode_attention(
+            *args, num_splits=num_splits, order=torch.from_numpy(order).to(device))
+        assert_close(out, expected, torch.float32)
+    for bad in (torch.arange(4, dtype=torch.int32), torch.arange(5)):
+        with pytest.raises(ValueError, match="order: expected int32 of shape \\(5,\\)"):
+            kernels.paged_decode_attention(*args, order=bad.to(device))
+
+
 def test_decode_writes_into_out_buffer(device):
     batch = make_paged_batch([5, 33], block_size=16, kv_heads=2, head_dim=32,
                              dtype=torch.float32, device=device)

@@ -1,12 +1,17 @@
 """Paged decode attention (one query token per sequence), flash-decoding style.
 
-Grid: (sequence, KV head x head block, split). A program takes the query heads that share its
+Grid: (KV head x head block, sequence, split). A program takes the query heads that share its
 KV head (GQA), up to MAX_HEAD_BLOCK of them, so each K/V tile is read from memory once per block
 of heads (once for the whole group unless it is wider, as MLA's single latent "head" shared by
 every query head is), and walks its split of the context in tiles of BLOCK_N tokens gathered
 through the block table (any page size works: the tile is independent of it). V may be a view of
 K's leading columns (MLA's latent: values are the keys' first dims), read through its strides. With one split the program writes the final output; otherwise it writes a
 partial (normalised output, log-sum-exp) and `_reduce_kernel` merges the splits.
+
+Programs start in grid order, a sequence's heads together; with `order` (a permutation of the
+batch, longest context first: the runners pass `runner.host_arrays.longest_first`) the sequences are taken in that order, so
+the long programs start first and the launch does not end on a few of them running alone while
+most SMs idle (longest-processing-time-first; the rows stay where they are).
 
 The number of splits is picked on the host from the block-table width (an upper bound on the
 context), never from `context_lens` itself, so a launch needs no device->host sync and stays the
@@ -43,7 +48,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    Q, K_cache, V_cache, Block_tables, Context_lens, Alibi, Out, Mid_o, Mid_lse,
+    Q, K_cache, V_cache, Block_tables, Context_lens, Order, Alibi, Out, Mid_o, Mid_lse,
     scale_log2, v_scale, window, split_len,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -57,11 +62,13 @@ def _decode_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_ORDER: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
-    head_block = tl.program_id(1) % HEAD_BLOCKS
+    b = tl.program_id(1)
+    if USE_ORDER:
+        b = tl.load(Order + b)
+    kv_head = tl.program_id(0) // HEAD_BLOCKS
+    head_block = tl.program_id(0) % HEAD_BLOCKS
     split = tl.program_id(2)
 
     ctx = tl.load(Context_lens + b)
@@ -255,7 +262,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            alibi_slopes: torch.Tensor | None = None,
                            num_splits: int | None = None, kv_scale: float = 1.0,
                            out: torch.Tensor | None = None,
-                           tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                           tiles: tuple[int, int, int] | None = None,
+                           order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
     q [B, Hq, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D|Dv]; block_tables [B, W]
@@ -268,6 +276,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     `tiles` (BLOCK_N, num_warps, num_stages) overrides `_decode_config`'s launch settings, for
     tuning on a GPU (`benchmarks/gpu/bench_kernels.py decode-tune`): BLOCK_N a power of two
     from 16, num_warps a power of two up to 16, num_stages from 1.
+    `order` [B] int32: a permutation of the batch, the order in which programs take the
+    sequences (longest context first balances the launch); the output rows
+    stay in the batch's order. Not checked to be a permutation on the device (that would
+    sync): a repeated index leaves a row unwritten.
     """
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
@@ -283,7 +295,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
     check_same_device(q=q, k_cache=k_cache, block_tables=block_tables,
-                      context_lens=context_lens, alibi_slopes=alibi_slopes, out=out)
+                      context_lens=context_lens, alibi_slopes=alibi_slopes, out=out,
+                      order=order)
+    if order is not None and (order.shape != (batch,) or order.dtype != torch.int32):
+        raise ValueError(f"order: expected int32 of shape ({batch},), got "
+                         f"{order.dtype} {tuple(order.shape)}")
     check_last_dim_contiguous("q", q)
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
@@ -323,8 +339,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse = torch.empty(batch, num_heads, num_splits, device=q.device, dtype=torch.float32)
         mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                        mid_lse.stride(0), mid_lse.stride(1))
-    _decode_kernel[(batch, num_kv_heads * blocks_per_head, num_splits)](
+    _decode_kernel[(num_kv_heads * blocks_per_head, batch, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
+        order.contiguous() if order is not None else context_lens,
         slopes if slopes is not None else q, out, mid_o, mid_lse,
         scale * kv_scale * _LOG2E, kv_scale, window, split_len,
         q.stride(0), q.stride(1),
@@ -338,7 +355,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, SINGLE_SPLIT=single,
-        DOT_PRECISION=dot_precision(q.dtype),
+        USE_ORDER=order is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:

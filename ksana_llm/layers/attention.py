@@ -180,11 +180,14 @@ class KernelBatch:
     prefill_block_tables: torch.Tensor  # [num_prefills, W] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, rows after the decodes
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, cached prefix + this chunk
+    # [num_decodes] int32: the order the decode kernel's programs take the rows in, longest
+    # context first (`runner.host_arrays.longest_first`); None: row order
+    decode_order: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> KernelBatch:
-        return KernelBatch(*(t.to(device, non_blocking=True) for t in (
+        return KernelBatch(*(None if t is None else t.to(device, non_blocking=True) for t in (
             self.decode_block_tables, self.decode_context_lens, self.prefill_block_tables,
-            self.prefill_query_start_loc, self.prefill_seq_lens)))
+            self.prefill_query_start_loc, self.prefill_seq_lens, self.decode_order)))
 
 
 @dataclass
@@ -375,7 +378,7 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         kernels.paged_decode_attention(
             q[:d], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
             sliding_window=meta.sliding_window, alibi_slopes=slopes, kv_scale=kv_scale,
-            out=out[:d])
+            out=out[:d], order=batch.decode_order)
     if q.shape[0] > d:
         kernels.paged_prefill_attention(
             q[d:], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_query_start_loc,

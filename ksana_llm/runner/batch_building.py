@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from ksana_llm.layers.attention import AttentionMetadata, DecodeGroup, KernelBatch, PrefillChunk
-from ksana_llm.runner.host_arrays import flat_batch
+from ksana_llm.runner.host_arrays import flat_batch, longest_first
 from ksana_llm.runner.slices import SeqSlice
 
 # Rows of the flattened batch whose input embeddings replace the token embeddings, and those
@@ -84,6 +84,7 @@ class BatchBuilding:
             meta.kernel_batch = KernelBatch(
                 decode_block_tables=table[:num_decodes].int(),
                 decode_context_lens=(positions[:num_decodes] + 1).int(),
+                decode_order=torch.from_numpy(longest_first(flat.positions[:num_decodes])),
                 prefill_block_tables=table[num_decodes:].int(),
                 prefill_query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)],
                                                      dtype=torch.int32),

@@ -38,7 +38,7 @@ from torch import nn
 
 from ksana_llm.layers.attention import AttentionMetadata, KernelBatch
 from ksana_llm.layers.lora import LoraBatch, LoraWeights
-from ksana_llm.runner.host_arrays import fill_block_tables
+from ksana_llm.runner.host_arrays import fill_block_tables, longest_first
 
 # Small buckets one by one (batch-1 latency matters), then every multiple of this.
 _SMALL_BUCKETS = (1, 2, 4, 8)
@@ -94,8 +94,9 @@ def unsupported_reason(model: nn.Module, device: torch.device, attention_backend
 class DecodeInputs:
     """The static device buffers a captured decode graph reads, and their pinned host mirrors.
 
-    Device layout: `longs` [3, B] int64 = input ids, positions, slots; `ints` [B + B * W] int32 =
-    context lengths, then the block tables as [B, W]. B is the largest bucket, W the widest block
+    Device layout: `longs` [3, B] int64 = input ids, positions, slots; `ints` [2B + B * W]
+    int32 = the decode kernel's program order (`longest_first`), context lengths, then the
+    block tables as [B, W]. B is the largest bucket, W the widest block
     table. A step fills the host mirror and copies the first `bucket` rows' worth of each.
     With LoRA slots (`lora_slots` > 0), `lora_mask` [B, lora_slots] marks each row's adapter
     (a row of False: the base model, and the padding rows).
@@ -110,10 +111,11 @@ class DecodeInputs:
             if lora_slots else None
         self.longs = torch.zeros(3, b, dtype=torch.long, device=device)
         self.longs[2].fill_(-1)  # padding slots: no KV write
-        self.ints = torch.zeros(b + b * w, dtype=torch.int32, device=device)
+        # [b program order | b context lens | b x w block tables]: one copy fills all three
+        self.ints = torch.zeros(2 * b + b * w, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self._host_longs = [torch.zeros(3, b, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._host_ints = [torch.zeros(b + b * w, dtype=torch.int32, pin_memory=pin)
+        self._host_ints = [torch.zeros(2 * b + b * w, dtype=torch.int32, pin_memory=pin)
                            for _ in range(2)]
         self._host_lora = [torch.zeros(b, lora_slots, dtype=torch.bool, pin_memory=pin)
                            for _ in range(2)] if lora_slots else None
@@ -130,12 +132,17 @@ class DecodeInputs:
     def slots(self, bucket: int) -> torch.Tensor:
         return self.longs[2, :bucket]
 
-    def context_lens(self, bucket: int) -> torch.Tensor:
+    def order(self, bucket: int) -> torch.Tensor:
+        """The decode kernel's program order over the rows (`longest_first`)."""
         return self.ints[:bucket]
+
+    def context_lens(self, bucket: int) -> torch.Tensor:
+        b = self.max_batch_size
+        return self.ints[b:b + bucket]
 
     def block_tables(self, bucket: int) -> torch.Tensor:
         b = self.max_batch_size
-        return self.ints[b:b + bucket * self.width].view(bucket, self.width)
+        return self.ints[2 * b:2 * b + bucket * self.width].view(bucket, self.width)
 
     def metadata(self, bucket: int, sliding_window: int | None,
                  kv_scales: tuple[float, ...] = (),
@@ -148,7 +155,7 @@ class DecodeInputs:
             decode_block_tables=tables, decode_context_lens=self.context_lens(bucket),
             prefill_block_tables=tables[:0],
             prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
-            prefill_seq_lens=self.context_lens(0))
+            prefill_seq_lens=self.context_lens(0), decode_order=self.order(bucket))
         lora = None
         if lora_weights is not None and self.lora_mask is not None:
             lora = LoraBatch(lora_weights, self.lora_mask[:bucket])
@@ -183,21 +190,23 @@ class DecodeInputs:
         longs, ints = host_longs.numpy(), host_ints.numpy()
 
         pos = np.fromiter(starts, dtype=np.int64, count=n)
-        tables = ints[b:b + bucket * w].reshape(bucket, w)
+        tables = ints[2 * b:2 * b + bucket * w].reshape(bucket, w)
         # Columns past a row's own table keep stale values: the kernel reads only the blocks
         # its context length covers.
         fill_block_tables(tables, block_tables)
         longs[0, :n] = np.fromiter(token_ids, dtype=np.int64, count=n)
         longs[1, :n] = pos
         longs[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-        ints[:n] = pos + 1
+        ints[b:b + n] = pos + 1
+        ints[:bucket] = longest_first(pos, bucket)  # positions order as lengths do
         # Padding rows: token 0 at position 0, no KV slot, empty context (table rows unread).
         longs[0:2, n:bucket] = 0
         longs[2, n:bucket] = -1
-        ints[n:bucket] = 0
+        ints[b + n:b + bucket] = 0
 
         self.longs.copy_(host_longs, non_blocking=True)  # whole: contiguous, 24 bytes a row
-        self.ints[:b + bucket * w].copy_(host_ints[:b + bucket * w], non_blocking=True)
+        used = 2 * b + bucket * w
+        self.ints[:used].copy_(host_ints[:used], non_blocking=True)
         if self.lora_mask is not None:
             host_lora = self._host_lora[turn]
             host_lora[:bucket].zero_()

@@ -15,6 +15,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def longest_first(context_lens: np.ndarray, total: int | None = None) -> np.ndarray:
+    """int32 row order for the decode kernel's programs (`paged_decode_attention(order=)`):
+    the rows by context length, longest first (ties in row order), then rows
+    len(context_lens)..total - 1 (a graph bucket's padding, empty) as they are."""
+    n = len(context_lens)
+    order = np.argsort(-np.asarray(context_lens, dtype=np.int64), kind="stable")
+    if total is not None and total > n:
+        order = np.concatenate((order, np.arange(n, total)))
+    return order.astype(np.int32)
+
+
 def fill_block_tables(out: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
     """Write table i at the start of row i of `out` (one C-level pass: a row-major boolean
     assignment keeps each row's order). Columns past a row's own table are left as they are."""
