@@ -48,7 +48,13 @@ def chosen_splits(fill: tuple[float, float]) -> list[int]:
 def test_the_fastest_settings_are_picked_when_clearly_faster():
     tile_ms = {t: 1.0 for t in DECODE_TILES}
     tile_ms[(128, 8, 2)] = 0.8
-    settings = pick_settings(sweep_rows(tile_ms, ideal_fill=(16.0, 32.0)))
+    rows = sweep_rows(tile_ms, ideal_fill=(16.0, 32.0))
+    # A launch in row order (decode-tune times the default so, for comparison) is never a
+    # candidate: the engine's launches take sequences longest first.
+    rows.append({"case": WORKLOAD_CASE, "batch": 256, "num_sms": NUM_SMS,
+                 "max_context": CONTEXT, "tiles": [64, 8, 2], "num_splits": "auto",
+                 "order": "none", "ms": 0.1})
+    settings = pick_settings(rows)
     assert settings.tiles == (128, 8, 2) and settings.tiles_speedup == pytest.approx(1.25)
     # Whichever fill wins, it chooses the fastest split count in every case (the full batch
     # split too, here).

@@ -15,6 +15,7 @@ from benchmarks.gpu.paged_batches import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, 
 
 # Launch settings the tuning sweep tries: (BLOCK_N, num_warps, num_stages); the default is
 # decode_attention._decode_config's (64, 4, 2) for bf16 and 128-wide heads.
+DEFAULT_TILES = (64, 4, 2)
 DECODE_TILES = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2),
                 (128, 8, 2), (128, 8, 3), (256, 8, 2)]
 # The reference workload's full decode steps: 256 sequences whose contexts spread over
@@ -47,7 +48,11 @@ def stage_decode_tune(out_dir: Path) -> int:
     every DECODE_TILES setting at `split_counts` (the full-batch cases at the default's "auto"
     too), each checked against the reference on a few sequences and timed (do_bench median):
     the data for choosing `_decode_config` and `choose_num_splits` on the GPU rather than by
-    reasoning. Prints each case's settings fastest first."""
+    reasoning. Every launch takes the sequences longest context first, as the engine's do
+    (`order`); the full-batch cases also time the default settings in row order ("order":
+    "none"), what that ordering buys. Prints each case's settings fastest first."""
+    from ksana_llm.runner.host_arrays import longest_first
+
     import triton.testing
 
     from ksana_llm.kernels import paged_decode_attention
@@ -70,28 +75,40 @@ def stage_decode_tune(out_dir: Path) -> int:
                                               paged.block_tables[few], paged.lens[few], scale)
         kv_bytes = sum(lens) * KV_HEADS * 2 * HEAD_DIM * q.element_size()
         out = torch.empty_like(q)
+        order = torch.from_numpy(longest_first(lens)).cuda()
         case_rows = []
-        for tiles in DECODE_TILES:
-            for splits in split_options:
-                def run(tiles=tiles, splits=splits) -> torch.Tensor:
-                    return paged_decode_attention(*args, out=out, tiles=tiles, num_splits=splits)
-                row: dict[str, Any] = {
-                    "case": name, "batch": batch, "num_sms": num_sms,
-                    "max_context": paged.block_tables.shape[1] * BLOCK_SIZE,
-                    "tiles": list(tiles), "num_splits": "auto" if splits is None else splits}
-                try:
-                    err = (run()[few].float() - expected.float()).abs().max().item()
-                    ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
-                    row.update(ms=ms, gbps=kv_bytes / ms / 1e6, max_abs_err=err)
-                except Exception as exc:  # noqa: BLE001 - a setting that fails is a result too
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                case_rows.append(row)
+        variants = [(tiles, splits, order) for tiles in DECODE_TILES for splits in split_options]
+        if split_options[0] is None:  # a full-batch case: the default in row order too
+            variants.append((DEFAULT_TILES, None, None))
+        for tiles, splits, taken in variants:
+            def run(tiles=tiles, splits=splits, taken=taken) -> torch.Tensor:
+                return paged_decode_attention(*args, out=out, tiles=tiles, num_splits=splits,
+                                              order=taken)
+            row: dict[str, Any] = {
+                "case": name, "batch": batch, "num_sms": num_sms,
+                "max_context": paged.block_tables.shape[1] * BLOCK_SIZE,
+                "tiles": list(tiles), "num_splits": "auto" if splits is None else splits,
+                "order": "none" if taken is None else "longest_first"}
+            try:
+                err = (run()[few].float() - expected.float()).abs().max().item()
+                ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+                row.update(ms=ms, gbps=kv_bytes / ms / 1e6, max_abs_err=err)
+            except Exception as exc:  # noqa: BLE001 - a setting that fails is a result too
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            case_rows.append(row)
         rows += case_rows
         print(f"\ndecode-tune {name} (KV {kv_bytes / 1e9:.3f} GB):")
         for row in sorted(case_rows, key=lambda r: r.get("ms", float("inf")))[:12]:
             what = (f"{row['ms'] * 1e3:8.1f} us {row['gbps']:6.0f} GB/s err "
                     f"{row['max_abs_err']:.1e}") if "ms" in row else row["error"][:80]
-            print(f"  tiles {tuple(row['tiles'])!s:13s} splits {row['num_splits']!s:4s} {what}")
+            print(f"  tiles {tuple(row['tiles'])!s:13s} splits {row['num_splits']!s:4s} "
+                  f"order {row['order']:13s} {what}")
+        unordered = [r for r in case_rows if r["order"] == "none" and "ms" in r]
+        ordered = [r for r in case_rows if r["order"] != "none" and "ms" in r
+                   and tuple(r["tiles"]) == DEFAULT_TILES and r["num_splits"] == "auto"]
+        if unordered and ordered:
+            print(f"  longest-first order vs row order (default settings): "
+                  f"{unordered[0]['ms'] / ordered[0]['ms']:.3f}x")
     write_results(out_dir, "decode_tune", rows)
     from benchmarks.gpu.tuned_settings import pick_settings
 

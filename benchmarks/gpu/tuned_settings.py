@@ -21,13 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu.bench_decode_tune import SPLIT_CASES, SPLIT_FILLS, TILE_CASES
+from benchmarks.gpu.bench_decode_tune import DEFAULT_TILES, SPLIT_CASES, SPLIT_FILLS, TILE_CASES
 from benchmarks.gpu.paged_batches import KV_HEADS
 
 # The reference workload's full decode step (contexts 100-2048): the case the tiles are
 # chosen on.
 WORKLOAD_CASE = TILE_CASES[-1][0]
-DEFAULT_TILES = (64, 4, 2)
 MIN_GAIN = 0.02
 
 
@@ -48,7 +47,9 @@ def pick_settings(rows: list[dict[str, Any]]) -> TunedSettings:
     default's timings (a sweep that failed)."""
     from ksana_llm.kernels import choose_num_splits
 
-    timed = [r for r in rows if "ms" in r]
+    # The engine's launches take sequences longest first: rows timed in row order (decode-tune
+    # times the default so too, for comparison) are not candidates.
+    timed = [r for r in rows if "ms" in r and r.get("order") != "none"]
     full = {tuple(r["tiles"]): r["ms"] for r in timed
             if r["case"] == WORKLOAD_CASE and r["num_splits"] == "auto"}
     if DEFAULT_TILES not in full:
