@@ -265,7 +265,7 @@ class MultiLatentAttention(nn.Module):
         if nd:
             kernels.paged_decode_attention(
                 q[:nd], cache, values, batch.decode_block_tables, batch.decode_context_lens,
-                self.scale, kv_scale=kv_scale, out=o_lat[:nd])
+                self.scale, kv_scale=kv_scale, out=o_lat[:nd], order=batch.decode_order)
         if q.shape[0] > nd:
             kernels.paged_prefill_attention(
                 q[nd:], cache, values, batch.prefill_block_tables, batch.prefill_query_start_loc,
