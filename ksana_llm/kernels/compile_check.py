@@ -204,7 +204,9 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
     launches += rec
     with recording(decode_attention, "_decode_kernel", "_reduce_kernel") as rec:
         q = torch.empty(4, heads, head_dim, dtype=dtype)
-        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+        # As the engine launches it: programs take the sequences longest first.
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
+                                                order=torch.arange(3, -1, -1, dtype=torch.int32))
         decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
                                                 sliding_window=100, alibi_slopes=slopes,
                                                 num_splits=3)

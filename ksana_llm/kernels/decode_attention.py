@@ -9,9 +9,10 @@ K's leading columns (MLA's latent: values are the keys' first dims), read throug
 partial (normalised output, log-sum-exp) and `_reduce_kernel` merges the splits.
 
 Programs start in grid order, a sequence's heads together; with `order` (a permutation of the
-batch, longest context first: the runners pass `runner.host_arrays.longest_first`) the sequences are taken in that order, so
-the long programs start first and the launch does not end on a few of them running alone while
-most SMs idle (longest-processing-time-first; the rows stay where they are).
+batch, longest context first: the runners pass `runner.host_arrays.longest_first`) the
+sequences are taken in that order, so the long programs start first and the launch does not
+end on a few of them running alone while most SMs idle (longest-processing-time-first; the
+rows stay where they are).
 
 The number of splits is picked on the host from the block-table width (an upper bound on the
 context), never from `context_lens` itself, so a launch needs no device->host sync and stays the
@@ -277,9 +278,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tuning on a GPU (`benchmarks/gpu/bench_kernels.py decode-tune`): BLOCK_N a power of two
     from 16, num_warps a power of two up to 16, num_stages from 1.
     `order` [B] int32: a permutation of the batch, the order in which programs take the
-    sequences (longest context first balances the launch); the output rows
-    stay in the batch's order. Not checked to be a permutation on the device (that would
-    sync): a repeated index leaves a row unwritten.
+    sequences (longest context first balances the launch); the output rows stay in the
+    batch's order. Not checked to be a permutation on the device (that would sync): a
+    repeated index leaves a row unwritten.
     """
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
