@@ -39,3 +39,8 @@ class GcPauses:
                 "total_ms": round(1e3 * sum(t for _, t in self.pauses), 1),
                 "full_ms": round(1e3 * sum(full), 1),
                 "longest_ms": round(1e3 * max((t for _, t in self.pauses), default=0.0), 1)}
+
+    def describe(self) -> str:
+        s = self.summary()
+        return (f"{s['passes']} passes, {s['total_ms']:.1f} ms ({s['full_passes']} full: "
+                f"{s['full_ms']:.1f} ms), longest {s['longest_ms']:.1f} ms")

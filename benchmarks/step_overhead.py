@@ -269,10 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  host per sequence: {1e3 * result['host'] / args.num_seqs:.1f} us, of which the "
               f"device waits for {1e3 * result['idle'] / args.num_seqs:.1f} us")
     pauses = gc_pauses.summary()
-    print(f"  garbage collector: {pauses['passes']} passes in the run, {pauses['total_ms']:.1f} ms "
-          f"({pauses['full_passes']} full: {pauses['full_ms']:.1f} ms), longest "
-          f"{pauses['longest_ms']:.1f} ms; {pauses['total_ms'] / max(steps, 1):.2f} ms per "
-          "decode step on average (outside the medians above)")
+    print(f"  garbage collector: {gc_pauses.describe()} in the run; "
+          f"{pauses['total_ms'] / max(steps, 1):.2f} ms per decode step on average (outside the "
+          "medians above)")
     if args.json_out:
         args.json_out.write_text(json.dumps({"num_seqs": args.num_seqs, "api": args.api,
                                              "overlap": args.overlap,

@@ -188,10 +188,8 @@ def run_ours_engine(model: kt.Model, workload: Workload, args: argparse.Namespac
                                             lambda: run_ours(engine, workload,
                                                              workload_loras(args, workload)))
             out["gc"] = pauses.summary()
-            print(f"[bench] garbage collector during the workload ({label}): "
-                  f"{out['gc']['passes']} passes, {out['gc']['total_ms']} ms "
-                  f"({out['gc']['full_passes']} full: {out['gc']['full_ms']} ms), longest "
-                  f"{out['gc']['longest_ms']} ms", flush=True)
+            print(f"[bench] garbage collector in the workload ({label}): {pauses.describe()}",
+                  flush=True)
         b1 = guarded(f"ksana_llm batch-1 ({label})", errors,
                      lambda: ours_batch1(engine, b1_prompt, args.b1_new_tokens, args.b1_repeats,
                                          lora=min(args.lora_modules) if args.lora_modules
