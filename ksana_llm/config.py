@@ -184,7 +184,7 @@ class EngineConfig(BaseModel):
     freeze_gc_heap: bool = Field(
         True, description="freeze the objects alive once the engine has started (gc.freeze), so "
                           "the garbage collector's full passes no longer walk them and stall "
-                          "the step loop (100-200 ms each otherwise); thawed when the engine "
+                          "the step loop (200+ ms each otherwise); thawed when the engine "
                           "stops. Process-wide: turn off to keep a host program's collector "
                           "as it was")
     enable_sleep_mode: bool = Field(

@@ -2,10 +2,10 @@
 
 CPython's cyclic collector runs a full (oldest-generation) pass whenever enough objects have
 survived the young passes, and a full pass walks every tracked object in the process: after
-torch, transformers and a loaded model that is a few hundred thousand objects, 100-200 ms on a
-CPU core (`benchmarks/step_overhead.py` reports the passes: two full ones of ~200 ms each in
-200 decode steps of 256 sequences on a 2-core VM without the freeze, ~8 ms each with it). The
-step loop runs on one Python thread, so each pause stalls the device for tens of decode steps.
+torch, transformers and a loaded model that is a few hundred thousand objects
+(`benchmarks/step_overhead.py` reports the passes: 200-270 ms each on a 2-core VM without the
+freeze, ~8 ms with it, at 256 sequences). The step loop runs on one Python thread, so each
+pause stalls the device for tens of decode steps.
 Nearly all of those objects are made at start-up and live as long as the engine;
 `gc.freeze()` moves them to the permanent generation, which no pass walks, so a full pass then
 costs what the requests made since.

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def longest_first(context_lens: np.ndarray, total: int | None = None) -> np.ndarray:
+def longest_first(context_lens: Sequence[int] | np.ndarray, total: int | None = None
+                  ) -> np.ndarray:
     """int32 row order for the decode kernel's programs (`paged_decode_attention(order=)`):
     the rows by context length, longest first (ties in row order), then rows
     len(context_lens)..total - 1 (a graph bucket's padding, empty) as they are."""
