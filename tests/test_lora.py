@@ -41,11 +41,16 @@ def test_mixed_batch_matches_peft(tiny, step_loop):
         # The same mix as one batch call, an adapter per prompt (vLLM's lora_request list).
         listed = engine.generate_outputs([p for p, _ in jobs], use_tqdm=False,
                                          lora=[lora for _, lora in jobs])
+        texts = engine.generate([p for p, _ in jobs], use_tqdm=False,
+                                lora=[lora for _, lora in jobs])
         with pytest.raises(ValueError, match="lora: give one adapter name, or one per prompt"):
             engine.generate_outputs(PROMPTS, use_tqdm=False, lora=[None])
+        with pytest.raises(ValueError, match="lora: stream=True takes one adapter name"):
+            engine.generate(PROMPTS[0], stream=True, lora=[None])
     expected = [expected_tokens(references[lora], prompt) for prompt, lora in jobs]
     assert got == expected
     assert [o.token_ids for o in listed] == expected
+    assert texts == [o.text for o in listed]
     for lora, model in references.items():
         torch.testing.assert_close(logits[lora], hf_reference(model)(PROMPTS[0]),
                                    atol=1e-4, rtol=1e-4)

@@ -101,15 +101,22 @@ class GenerateCalls:
         raise ValueError("prompt must be a string, a list of token ids, a prompt dict "
                          "({\"prompt_embeds\": tensor}, ...), or a non-empty list of those")
 
-    def generate(self, prompts: Prompt | list[Prompt], generation_config: GenerationConfig | None = None,
-                 *, stream: bool = False, use_tqdm: bool = True, lora: str | None = None
+    def generate(self, prompts: Prompt | list[Prompt],
+                 generation_config: GenerationConfig | list[GenerationConfig] | None = None,
+                 *, stream: bool = False, use_tqdm: bool = True,
+                 lora: str | None | list[str | None] = None
                  ) -> str | list[str] | Iterator[str]:
         """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas.
-        `lora`: the LoRA adapter to use (None: the base model)."""
+        `lora`: the LoRA adapter to use (None: the base model); as in `generate_outputs`, a list
+        of prompts may take one config and one adapter per prompt."""
         single = isinstance(prompts, (str, dict)) or as_token_ids(prompts) is not None
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
+            if isinstance(generation_config, (list, tuple)):
+                raise ValueError("generation_config: stream=True takes one config")
+            if isinstance(lora, (list, tuple)):
+                raise ValueError("lora: stream=True takes one adapter name")
             return self._text_deltas(self.submit(Request.of(prompts, generation_config,
                                                             lora=lora)))
         outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
