@@ -438,3 +438,31 @@ def test_a_gpu_device_is_resolved_with_its_index(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="device must be"):
         resolve_device("tpu")
+
+
+_EXIT_MID_STEP = """
+import ksana_llm as kt
+engine = kt.Engine(kt.Model.from_pretrained(None, device="cpu", dtype="float32", progress=False))
+for delta in engine.generate("Once upon a time", kt.GenerationConfig(max_new_tokens=3000,
+                                                                     ignore_eos=True), stream=True):
+    break
+engine.submit(kt.Request("Tell me a story", kt.GenerationConfig(max_new_tokens=3000,
+                                                                 ignore_eos=True)))
+print("leaving with requests running", flush=True)
+"""
+
+
+def test_a_script_that_ends_without_shutdown_exits_cleanly():
+    """The usual script: no shutdown(), a stream left early, a request still running. The
+    engine's exit hook stops its loop before the interpreter tears the step thread down; without
+    it the process aborted mid-forward (SIGABRT, "terminate called without an active
+    exception")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_MID_STEP], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert "leaving with requests running" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

@@ -363,6 +363,8 @@ class ChatStreamChoice(_KeepsNullKeys):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: on the last chunk of a choice, the stop string or token id that ended it.
+    stop_reason: str | int | None = None
     token_ids: list[int] | None = None  # with return_token_ids: this chunk's tokens
 
 

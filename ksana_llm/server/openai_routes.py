@@ -345,6 +345,7 @@ async def create_chat_completion(request: Request) -> Response:
                 message = parser.delta_message(delta) if delta else DeltaMessage()
                 yield chunk(ChatStreamChoice(index=ev.index, delta=message, logprobs=logprobs,
                                              finish_reason=finish_reason,
+                                             stop_reason=ev.stop_reason if finish_reason else None,
                                              token_ids=_ids_if(req, ev.token_ids)),
                             generated[ev.index])
             if include_usage:

@@ -324,6 +324,29 @@ def test_return_token_ids_matches_python_api(server, client, model, local_engine
     assert streamed == expected.token_ids
 
 
+def test_chat_stop_reason_streamed_and_not(server, client, model):
+    """vLLM's stop_reason on chat: the stop string that ended the answer, on the choice and on
+    the last streamed chunk of that choice; None when the answer ran to its length."""
+    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12,
+                                           temperature=0)
+    words = plain.choices[0].message.content.split()
+    stop = " " + words[len(words) // 2]  # a word the greedy answer reaches
+    body = {"model": model, "messages": QUESTION, "max_tokens": 12, "temperature": 0,
+            "stop": [stop]}
+    answer = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["choices"][0]["stop_reason"] == stop
+    r = httpx.post(server.base_url + "/chat/completions", json={**body, "stream": True},
+                   timeout=60)
+    choices = [c for e in _stream_events(r) for c in e["choices"]]
+    assert choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == stop
+    assert all(c.get("stop_reason") is None for c in choices[:-1])
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={**body, "stop": None, "max_tokens": 3, "stream": True})
+    last = [c for e in _stream_events(r) for c in e["choices"]][-1]
+    assert last["finish_reason"] == "length" and last.get("stop_reason") is None
+
+
 def _stream_events(response) -> list[dict]:
     import json
 
