@@ -168,8 +168,10 @@ class _IncrementalDecoder:
         return self._advance(force=False)
 
     def finish(self) -> str:
-        """Return all remaining text, decoding an incomplete trailing character as-is."""
-        return self._advance(force=True)
+        """Return all remaining text except an incomplete trailing character: its bytes (the
+        output was cut inside it) would decode as U+FFFD, which is not text the model wrote.
+        vLLM's rule; the token ids keep those bytes."""
+        return self._advance(force=True).rstrip(_REPLACEMENT_CHAR)
 
     def _advance(self, force: bool) -> str:
         unread = len(self._token_ids) - self._read_offset
@@ -372,12 +374,14 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Return the text still held back, for a request that ends without a stop string.
 
-        That is an incomplete trailing character (decoded as-is, U+FFFD and
-        all, so no bytes are lost) and any suffix held back because it could
-        have started a stop string. The decoded tail still goes through stop
-        string matching, so if it completes a stop string, the output is cut
-        there and :attr:`stop_str` is set. Returns "" after a stop string
-        matched, and on every call after the first.
+        That is the text of tokens held back for an incomplete character, less
+        the incomplete character itself (the output ended inside it: as in
+        vLLM, the text never ends in the U+FFFD its bytes decode to; the token
+        ids keep them), and any suffix held back because it could have started
+        a stop string. The decoded tail still goes through stop string
+        matching, so if it completes a stop string, the output is cut there and
+        :attr:`stop_str` is set. Returns "" after a stop string matched, and on
+        every call after the first.
         """
         if self._flushed:
             return ""
