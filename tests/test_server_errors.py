@@ -49,6 +49,12 @@ BAD_REQUESTS = [
      {"prompt": "x", "guided_regex": "[ab]+", "use_beam_search": True, "n": 2}, "guided_regex", None),
     ("out_of_range_top_p", "/v1/chat/completions", {"messages": QUESTION, "top_p": 1.5}, "top_p", None),
     ("out_of_range_n", "/v1/completions", {"prompt": "x", "n": 0}, "n", None),
+    ("n_over_openai_limit", "/v1/chat/completions", {"messages": QUESTION, "n": 129}, "n", None),
+    ("best_of_over_cap", "/v1/completions", {"prompt": "x", "best_of": 17}, "best_of", None),
+    ("num_beams_over_cap", "/v1/completions", {"prompt": "x", "num_beams": 17}, "num_beams", None),
+    # More prompts than OpenAI takes in a list: the prompt list is named, n = 1 is not to blame.
+    ("prompt_list_over_limit", "/v1/completions", {"prompt": ["x"] * 2049}, "prompt", None),
+    ("prompts_times_n_over_limit", "/v1/completions", {"prompt": ["x"] * 1025, "n": 2}, "n", None),
     ("max_tokens_zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
     ("min_over_max", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens", None),
     ("empty_prompt", "/v1/completions", {"prompt": ""}, "prompt", "empty_prompt"),
@@ -103,6 +109,17 @@ def test_400_invalid_input(server, route, body, param, code):
     error = openai_error(r)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param and error["code"] == code, error
+
+
+def test_n_and_prompt_lists_up_to_openai_limits(client, model_name):
+    """OpenAI takes n up to 128 and long prompt lists; within max_num_seqs (256 here) and the
+    queue, so does the server: n = 20 on a chat, 80 prompts in one completion."""
+    chat = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=1,
+                                          n=20, temperature=1, seed=3)
+    assert sorted(c.index for c in chat.choices) == list(range(20))
+    batch = client.completions.create(model=model_name, prompt=[f"{i} +" for i in range(80)],
+                                      max_tokens=1, temperature=0)
+    assert sorted(c.index for c in batch.choices) == list(range(80))
 
 
 def test_400_with_openai_client(client, model_name):

@@ -35,7 +35,7 @@ from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import ChoiceResult, ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
-from ksana_llm.server.openai_protocol import MAX_N, MAX_STOP
+from ksana_llm.server.openai_protocol import MAX_BEAMS, MAX_N, MAX_STOP
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse
 from ksana_llm.server.params import (
     check_logprobs_cap,
@@ -89,7 +89,7 @@ class SamplingConfig(_Strict):
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0)  # top-N per step; 0 = none; capped by --max-logprobs
     num_return_sequences: int = Field(1, ge=1, le=MAX_N)
-    num_beams: int = Field(1, ge=1, le=MAX_N)
+    num_beams: int = Field(1, ge=1, le=MAX_BEAMS)
     length_penalty: float = 1.0
     no_repeat_ngram_size: int = Field(0, ge=0)
     # Structured output (xgrammar): a regex, or a JSON schema when enable_structured_output.

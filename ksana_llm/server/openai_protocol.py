@@ -16,9 +16,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-# Caps against single-request denial of service (see serving-reliability-notes §7).
-MAX_N = 16
-MAX_CHOICES = 64  # prompts x n in one request
+# Caps against single-request denial of service (see serving-reliability-notes §7). Within them
+# a request must also fit the engine (`submission.check_fits_queue`: max_num_seqs sequences of one
+# prompt side by side, max_num_seqs + max_queue_size prompts x n).
+MAX_N = 128  # OpenAI's limit on n
+MAX_BEAMS = 16  # best_of and num_beams: each candidate is a full sequence until the end
+MAX_CHOICES = 2048  # prompts x n in one request (OpenAI's limit on a prompt list)
 MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs (the engine's own limit)
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
@@ -79,14 +82,14 @@ class _SamplingRequest(_Request):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEAMS)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}; see structured_params
     response_format: Any = None
     # vLLM extras: prompt logprobs, beam search, n-gram blocking, structured outputs.
     prompt_logprobs: int | None = Field(None, ge=0)
     use_beam_search: bool = False
-    num_beams: int | None = Field(None, ge=1, le=MAX_N)
+    num_beams: int | None = Field(None, ge=1, le=MAX_BEAMS)
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     no_repeat_ngram_size: int = Field(0, ge=0)

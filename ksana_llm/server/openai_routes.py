@@ -171,7 +171,8 @@ async def create_completion(request: Request) -> Response:
                    for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
         prompt_ids = list(prompts)  # what return_token_ids shows of each prompt
     if len(prompts) * req.n > MAX_CHOICES:
-        raise bad_request(f"prompts x n must be at most {MAX_CHOICES}.", param="n")
+        raise bad_request(f"prompts x n must be at most {MAX_CHOICES} ({len(prompts)} prompt(s) "
+                          f"x n = {req.n}).", param="n" if req.n > 1 else "prompt")
     spec, _ = await constraint(state, [from_response_format(req.response_format),
                                         *from_vllm_extras(req)], req)
     extra: dict[str, Any] = {}
