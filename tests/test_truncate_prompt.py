@@ -42,6 +42,19 @@ def test_bad_values_are_refused(local_engine, bad):
         local_engine.embed(PROMPT, truncate_prompt_tokens=bad)
 
 
+def test_more_than_the_context_is_refused(local_engine):
+    """vLLM's rule: a truncation longer than max_model_len is a setting error, refused by name
+    (the engine serves on)."""
+    too_many = local_engine.max_model_len + 1
+    config = kt.GenerationConfig(max_new_tokens=2, truncate_prompt_tokens=too_many)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens .* greater than max_model_len"):
+        local_engine.generate_outputs(PROMPT, config, use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        local_engine.embed(PROMPT, truncate_prompt_tokens=too_many)
+    fits = config.replace(truncate_prompt_tokens=too_many - 1)
+    assert local_engine.generate_outputs(PROMPT, fits, use_tqdm=False)[0].token_ids
+
+
 def test_embed_and_score_keep_the_last_tokens(local_engine):
     ids = local_engine.tokenizer.encode(PROMPT)
     cut = local_engine.embed([PROMPT, "short"], truncate_prompt_tokens=4)

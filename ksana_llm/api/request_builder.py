@@ -24,9 +24,14 @@ from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
 
 def truncate_prompt(ids: Any, keep: int | None, max_model_len: int) -> Any:
     """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the
-    model's context holds); `ids` may be token ids or a prompt's embedding rows."""
+    model's context holds); `ids` may be token ids or a prompt's embedding rows. More than the
+    context holds is a ValueError, as in vLLM (it could only mean a wrong setting)."""
     if keep == -1:
         keep = max_model_len
+    elif keep is not None and keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                         f"({max_model_len}): select a smaller truncation size, or -1 to keep "
+                         "as many tokens as the context holds")
     return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.server.chat import message_text, render_chat
 from ksana_llm.server.chat_output import ChoiceOutputParser
 from ksana_llm.server.errors import bad_request
@@ -23,6 +22,7 @@ from ksana_llm.server.params import (
     check_token_ids,
     prediction_token_ids,
     resolve_max_tokens,
+    truncated_prompt,
 )
 from ksana_llm.server.reasoning_parsers import opens_thinking
 from ksana_llm.server.state import ServerState
@@ -76,7 +76,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
                          tools=tools.tools, template_kwargs=template_kwargs,
                          documents=req.documents)
     # The template already holds the special tokens (BOS etc.): not added twice unless asked.
-    ids = truncate_prompt(list(state.tokenizer.encode(
+    ids = truncated_prompt(list(state.tokenizer.encode(
         prompt, add_special_tokens=req.add_special_tokens)), req.truncate_prompt_tokens,
         state.limits.max_model_len)
     check_token_ids(ids, state.limits.vocab_size, "messages")

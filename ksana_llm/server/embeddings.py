@@ -25,14 +25,13 @@ from fastapi.responses import JSONResponse
 
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle
-from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.server.embedding_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                                  EmbeddingRequest, EmbeddingResponse,
                                                  EmbeddingUsage)
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import run_forward
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, checked_priority, parse_body
-from ksana_llm.server.params import prompt_token_lists
+from ksana_llm.server.params import prompt_token_lists, truncated_prompt
 from ksana_llm.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -53,7 +52,7 @@ def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | No
         raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
                           param="truncate_prompt_tokens")
     prompts = prompt_token_lists(value, state.tokenizer, state.limits, field=field)
-    return [truncate_prompt(ids, keep, state.limits.max_model_len) for ids in prompts]
+    return [truncated_prompt(ids, keep, state.limits.max_model_len) for ids in prompts]
 
 
 def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.server.chat_output import ChatDelta
 from ksana_llm.server.chat_run import start_chat
 from ksana_llm.server.errors import APIError, bad_request
@@ -52,6 +51,7 @@ from ksana_llm.server.params import (
     prediction_usage,
     prompt_token_lists,
     resolve_max_tokens,
+    truncated_prompt,
 )
 from ksana_llm.server.prompt_embeds import decode_prompt_embeds
 from ksana_llm.server.state import ServerState, server_state
@@ -145,7 +145,7 @@ def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list[Any] | No
     if req.echo:
         raise bad_request("echo needs a prompt to echo; prompt_embeds has no text.",
                           param="echo")
-    return [truncate_prompt(rows, req.truncate_prompt_tokens, state.limits.max_model_len)
+    return [truncated_prompt(rows, req.truncate_prompt_tokens, state.limits.max_model_len)
             for rows in embeds]
 
 
@@ -167,7 +167,7 @@ async def create_completion(request: Request) -> Response:
         prompts = [[0] * len(rows) for rows in embeds]
         prompt_ids: list[list[int] | None] = [None] * len(prompts)
     else:
-        prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
+        prompts = [truncated_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
                    for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
         prompt_ids = list(prompts)  # what return_token_ids shows of each prompt
     if len(prompts) * req.n > MAX_CHOICES:

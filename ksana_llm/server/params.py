@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, no_tokenizer
 from ksana_llm.server.openai_protocol import MAX_STOP, _SamplingRequest
@@ -294,3 +295,12 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     if seed is None:
         return [None] * n
     return [seed + i for i in range(n)]
+
+
+def truncated_prompt(ids: Any, keep: int | None, max_model_len: int) -> Any:
+    """`truncate_prompt` for a request: a truncation longer than the context is a 400 naming
+    `truncate_prompt_tokens`."""
+    try:
+        return truncate_prompt(ids, keep, max_model_len)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="truncate_prompt_tokens") from None
