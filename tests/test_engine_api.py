@@ -197,6 +197,7 @@ def test_generate_outputs_beyond_the_queue_bound(model):
     (PROMPT, {"repetition_penalty": 0}, "repetition_penalty"),
     (PROMPT, {"no_such_field": 1}, "no_such_field"),
     (PROMPT, {"logit_bias": {10**7: 1.0}}, "logit_bias"),  # beyond the vocabulary
+    (PROMPT, {"stop_token_ids": [2, 10**7]}, "stop_token_ids"),  # never sampled: a wrong id
     (PROMPT, {"logit_bias": {5: 101}}, "logit_bias"),
     (PROMPT, {"num_return_sequences": 3, "best_of": 2}, "best_of"),
     (PROMPT, {"num_return_sequences": 1000}, "num_return_sequences"),  # > max_num_seqs

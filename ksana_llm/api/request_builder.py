@@ -273,7 +273,9 @@ class RequestBuilder:
         vocab = self.model.vocab_size
         for name, ids in (("logit_bias", list(config.logit_bias)),
                           ("bad_words_ids", [t for w in config.bad_words_ids for t in w]),
-                          ("allowed_token_ids", config.allowed_token_ids or [])):
+                          ("allowed_token_ids", config.allowed_token_ids or []),
+                          # never sampled: most likely ids of another tokenizer
+                          ("stop_token_ids", config.stop_token_ids)):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
