@@ -244,6 +244,27 @@ def test_required_array_and_named_streams():
     assert named.tool_calls[0].name == "get_weather" and named.tool_calls[0].arguments == args
 
 
+def test_required_calls_cut_off_give_no_content():
+    """tool_choice "required" constrains the output to a call array, so an output cut off by
+    max_tokens is never content: a call cut before its arguments is dropped, one cut inside them
+    keeps what came (OpenAI sends no content beside required calls)."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n, _ in CALLS]
+    text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS], ensure_ascii=False)
+    required = plan_tools(tools, "required", parallel_tool_calls=None, auto_enabled=False, parser=None)
+    first_end = text.index("}}") + 2  # after the first call's object
+    for cut in range(0, len(text)):
+        stream = required.stream()
+        got = collect([stream.feed(text[:cut]), stream.finish()])
+        assert not got.content, (cut, got)
+        assert [c.name for c in got.tool_calls] == [n for n, _ in CALLS][:len(got.tool_calls)]
+        if cut > first_end:
+            assert got.tool_calls[0].name == WEATHER[0]
+    # Without the constraint (a parser's "auto" output), the same fragment is the answer's text.
+    loose = JsonCallSequenceStream(open="[", separator=",", close="]")
+    assert collect([loose.feed('[{"name":'), loose.finish()]).content == '[{"name":'
+
+
 def test_required_schema_shape():
     import jsonschema
 

@@ -47,7 +47,7 @@ class ToolPlan:
             stream = self.parser.stream()
             return FirstCallOnly(stream) if self.single_call else stream
         if self.mode == "required":
-            return JsonCallSequenceStream(open="[", separator=",", close="]")
+            return JsonCallSequenceStream(open="[", separator=",", close="]", calls_only=True)
         if self.mode == "named" and self.function is not None:
             return NamedCallStream(self.function)
         return None

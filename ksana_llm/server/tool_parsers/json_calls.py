@@ -27,8 +27,11 @@ class JsonCallSequenceStream(ToolCallStream):
     """
 
     def __init__(self, *, open: str, separator: str, close: str | None = None,
-                 lead: tuple[str, ...] = ()) -> None:
+                 lead: tuple[str, ...] = (), calls_only: bool = False) -> None:
+        """`calls_only`: the output was constrained to calls (tool_choice "required"), so an
+        unfinished tail means the output was cut off inside one: dropped, never content."""
         self._open = open
+        self._calls_only = calls_only
         self._separator = separator
         self._close = close
         self._lead = lead
@@ -152,7 +155,9 @@ class JsonCallSequenceStream(ToolCallStream):
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        if self._state == _START:
+        if self._calls_only and self._state in (_START, _OBJECT) and self._call is None:
+            pass  # cut off before a call's name and arguments: nothing to give
+        elif self._state == _START:
             # Never decided: whitespace (and maybe half a lead tag) is content.
             out.content += self._gate.push(self._prefix + self._text[self._pos:])
         elif self._state == _OBJECT and self._call is None:
