@@ -80,6 +80,30 @@ def test_token_counters_since_start(model):
     assert stats.num_generation_tokens == 5 + 2 * 5
 
 
+def test_prompt_tokens_count_as_their_chunks_are_computed(model, monkeypatch):
+    """Chunked prefill: the count grows by each step's chunk, not by the whole prompt when the
+    request is admitted (the periodic stats line's prompt rate would show one spike, then
+    nothing, while a long prompt is still being computed)."""
+    ids = model.tokenizer.encode(PROMPT * 3)
+    chunk = 16
+    counts: list[int] = []
+    with kt.Engine(model, num_device_blocks=64, split_fuse_token_num=chunk) as engine:
+        core = engine._core
+        step = core.step
+
+        def counted_step(*args, **kwargs):
+            out = step(*args, **kwargs)
+            counts.append(core.stats().num_prompt_tokens)
+            return out
+
+        monkeypatch.setattr(core, "step", counted_step)
+        engine.generate_outputs([ids], kt.GenerationConfig(max_new_tokens=2), use_tqdm=False)
+    assert len(ids) > 3 * chunk
+    grown = [b - a for a, b in zip([0, *counts], counts)]
+    assert counts[-1] == len(ids) and max(grown) == chunk
+    assert grown[:len(ids) // chunk] == [chunk] * (len(ids) // chunk)
+
+
 def test_the_stats_line(engine):
     """vLLM's periodic line: rates over the interval between two snapshots; nothing when idle."""
     from dataclasses import replace

@@ -119,6 +119,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         self.ngram = ngram
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        self.num_prompt_tokens = 0  # prompt tokens computed so far (see _count_prompt_tokens)
         self._init_exports()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                          self.num_draft_tokens, self.num_accepted_draft_tokens,
                          s.num_imported_kv_tokens, self.num_exported_kv_tokens,
                          _lora_ids(s.running), _lora_ids(s.waiting, s.swapped), s.num_lora_loads,
-                         s.num_prompt_tokens)
+                         self.num_prompt_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:
@@ -234,6 +235,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                                                self._pending_inputs(plan.scheduled),
                                                plan.kv_imports, plan.lora_loads))
         for item in plan.scheduled:
+            if item.seq.num_prompt_tokens_counted < len(item.seq.prompt_token_ids):
+                self._count_prompt_tokens(item.seq, item.num_new_tokens)
             # Drafts count once verified (`_verify`).
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
             self.block_manager.cache_full_blocks(item.seq)
@@ -341,6 +344,15 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
             rows.append(row)
             row += 1 + slices[i].num_draft_tokens
         return rows
+
+    def _count_prompt_tokens(self, seq: Sequence, num_new: int) -> None:
+        """The prompt tokens this step computes for the first time (cache hits and imported KV
+        are never computed; a recompute was counted already)."""
+        start = max(seq.num_computed_tokens, seq.num_prompt_tokens_counted)
+        reached = min(seq.num_computed_tokens + num_new, len(seq.prompt_token_ids))
+        if reached > start:
+            self.num_prompt_tokens += reached - start
+        seq.num_prompt_tokens_counted = max(seq.num_prompt_tokens_counted, reached)
 
     def _slice(self, item: ScheduledSequence) -> SeqSlice:
         seq, start = item.seq, item.seq.num_computed_tokens

@@ -67,6 +67,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    # How far the engine's prompt-token count has taken this prompt: chunks count as they are
+    # computed, a recompute after preemption adds nothing.
+    num_prompt_tokens_counted: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: Any = None  # torch.Generator for seeded sampling (owned by the runner's device)

@@ -106,8 +106,6 @@ class Scheduler:
         # The last step left requests waiting for KV memory (see `schedule`).
         self.waiting_blocked = False
         self.num_imported_kv_tokens = 0  # prompt tokens whose KV another engine computed
-        # Prompt tokens admitted to be computed here (not served by the cache or imported).
-        self.num_prompt_tokens = 0
         self.lora = LoraResidency(config.max_loras) if config.max_loras else None
         self.num_lora_loads = 0  # adapters copied into a device slot
 
@@ -370,7 +368,6 @@ class Scheduler:
             seq.num_computed_tokens = start
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
-                self.num_prompt_tokens += seq.num_tokens - start
                 if bm.enable_prefix_caching and seq.uses_prefix_cache and not seq.kv_imported:
                     bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING
