@@ -52,7 +52,15 @@ def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | No
         raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
                           param="truncate_prompt_tokens")
     prompts = prompt_token_lists(value, state.tokenizer, state.limits, field=field)
-    return [truncated_prompt(ids, keep, state.limits.max_model_len) for ids in prompts]
+    cut = [truncated_prompt(ids, keep, state.limits.max_model_len) for ids in prompts]
+    longest = max(map(len, cut), default=0)
+    if longest > state.limits.max_model_len:  # (a forward pass may fill the whole context)
+        raise bad_request(
+            f"This model's maximum context length is {state.limits.max_model_len} tokens. "
+            f"However, your {field} resulted in {longest} tokens. Please reduce the length of "
+            f"the {field}, or set truncate_prompt_tokens.", param=field,
+            code="context_length_exceeded")
+    return cut
 
 
 def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
