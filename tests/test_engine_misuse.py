@@ -329,6 +329,16 @@ def test_an_asyncio_handle_is_not_read_blocking(engine):
     assert asyncio.run(main()).finished
 
 
+def test_a_blocking_handle_awaited_says_how_to_submit_for_asyncio(engine):
+    async def main():
+        handle = engine.submit(kt.Request(PROMPT))  # no loop=: a blocking handle
+        with pytest.raises(RuntimeError, match=r"loop=asyncio.get_running_loop\(\)"):
+            await handle.aresult()
+        return handle
+
+    assert asyncio.run(main()).result(timeout=60).finished  # still readable the blocking way
+
+
 def test_prompts_as_numpy_arrays_torch_tensors_and_tuples(engine):
     ids = engine.tokenizer.encode(PROMPT)
     expected = engine.generate(ids)

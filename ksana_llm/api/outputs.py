@@ -368,7 +368,9 @@ class RequestHandle:
     async def adeltas(self) -> AsyncIterator[SequenceDelta]:
         """Every sequence's deltas as they are produced (asyncio)."""
         if self._async is None:
-            raise RuntimeError("this handle was created without an event loop; iterate it instead")
+            raise RuntimeError("this handle was submitted without an event loop, so it is read "
+                               "blocking (result(), iteration, deltas()); to await it, submit "
+                               "with loop=asyncio.get_running_loop()")
         if self._already_ended():
             return
         while True:
