@@ -329,6 +329,29 @@ def test_an_asyncio_handle_is_not_read_blocking(engine):
     assert asyncio.run(main()).finished
 
 
+def test_a_text_stream_of_several_sequences_is_refused_not_cut_to_one(engine):
+    """generate(stream=True) and stream_async carry one sequence's text: a request for n > 1
+    would lose the others unseen, so it is a ValueError naming the field (the request
+    aborted); deltas() streams them all."""
+    config = kt.GenerationConfig(max_new_tokens=4, num_return_sequences=2, do_sample=True,
+                                 seed=1)
+    with pytest.raises(ValueError, match=r"num_return_sequences: .*\.deltas\(\)"):
+        engine.generate(PROMPT, config, stream=True)
+
+    async def main():
+        with pytest.raises(ValueError, match="num_return_sequences"):
+            async for _ in engine.stream_async(PROMPT, config):
+                pass
+
+    asyncio.run(main())
+    assert _idle(engine)
+    by_index = {0: "", 1: ""}
+    handle = engine.submit(kt.Request(PROMPT, config))
+    for delta in handle.deltas():
+        by_index[delta.index] += delta.text
+    assert [by_index[i] for i in (0, 1)] == [s.text for s in handle.result().sequences]
+
+
 def test_a_blocking_handle_awaited_says_how_to_submit_for_asyncio(engine):
     async def main():
         handle = engine.submit(kt.Request(PROMPT))  # no loop=: a blocking handle

@@ -124,7 +124,19 @@ class GenerateCalls:
 
     def _text_deltas(self, handle: RequestHandle) -> Iterator[str]:
         """The request's text deltas (see `TextStream`)."""
+        self._check_one_text_stream(handle)
         return TextStream(handle, self.abort)
+
+    def _check_one_text_stream(self, handle: RequestHandle) -> None:
+        """A text stream carries one sequence: a request for several must not lose the rest
+        unseen (aborted, and a ValueError saying where they are streamed)."""
+        n = handle.config.num_return_sequences
+        if n > 1:
+            self.abort(handle.id)
+            raise ValueError(f"num_return_sequences: a text stream carries one sequence, and "
+                             f"this request returns {n}; stream them all with "
+                             "submit(request).deltas() (adeltas() for asyncio), each delta "
+                             "tagged with its sequence index")
 
     async def generate_async(self, prompt: Prompt | Request,
                              generation_config: GenerationConfig | None = None) -> str:
@@ -144,6 +156,7 @@ class GenerateCalls:
                            generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
         request = prompt if isinstance(prompt, Request) else Request.of(prompt, generation_config)
         handle = self.submit(request, loop=asyncio.get_running_loop())
+        self._check_one_text_stream(handle)
         finished = False
         try:
             async for delta in handle.astream():
