@@ -25,9 +25,9 @@ Keys and where they go:
 | setting.batch_scheduler.split_fuse_token_num      | EngineConfig.split_fuse_token_num         |
 | setting.batch_scheduler.enable_auto_prefix_cache  | EngineConfig.enable_prefix_caching        |
 | setting.batch_scheduler.preempt_mode              | EngineConfig.preempt_mode                 |
-| setting.batch_scheduler.enable_mtp_module (or     | EngineConfig.num_speculative_tokens     |
-|   enable_speculative_decoding) with mtp_step_num  |   (mtp_step_num, default 1, when enabled; |
-|                                                   |   0 when not)                             |
+| setting.batch_scheduler.enable_mtp_module or      | EngineConfig.num_speculative_tokens       |
+|   enable_speculative_decoding (either on), with   |   (mtp_step_num, default 1, when enabled; |
+|   mtp_step_num                                    |   0 when not)                             |
 | setting.batch_scheduler.enable_async              | EngineConfig.async_scheduling             |
 | setting.block_manager.block_token_num             | EngineConfig.block_token_num              |
 | setting.block_manager.reserved_device_memory_ratio| EngineConfig.reserved_device_memory_ratio |
@@ -233,6 +233,10 @@ _INERT: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType({
     _BM + "enable_block_checksum": (_equals(False), "false"),
     "setting.attn_backend.enable_blocked_multi_token_forwarding_kv": (_equals(False), "false"),
     "setting.attn_backend.flash_attn_impl": (_any_of(str), "a kernel name"),
+    "setting.attn_backend.use_flashinfer_for_decode": (_equals(False), "false"),
+    # pcg's LoRA memory pools ([sic]): adapters are sized by num_lora_slots / max_cpu_loras here.
+    _BM + "lora_deivce_memory_ratio": (_any_of(int, float), "a number"),
+    _BM + "lora_host_memory_factor": (_any_of(int, float), "a number"),
     "setting.endpoint_type": (_equals("python"), "python (this HTTP server)"),
     "setting.tokenization.add_special_tokens": (_equals(True), "true"),
     "setting.tokenization.skip_special_tokens": (_equals(True), "true"),
@@ -383,13 +387,12 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     if leaves.get(_GPTQ_BACKEND, GPTQ_BACKENDS[0]) not in GPTQ_BACKENDS:
         raise ValueError(f"{_GPTQ_BACKEND} must be {' or '.join(GPTQ_BACKENDS)}, got "
                          f"{leaves[_GPTQ_BACKEND]!r}")
-    # MTP drafting: KsanaLLM's enable_mtp_module (or our earlier spelling,
-    # enable_speculative_decoding) with mtp_step_num drafts per step.
-    # (KsanaLLM's key decides when both are there.)
+    # MTP drafting: KsanaLLM's enable_mtp_module or its enable_speculative_decoding (its example
+    # file carries both, false) with mtp_step_num drafts per step: either one on turns it on.
     switches = [k for k in (_BS + "enable_mtp_module", _BS + "enable_speculative_decoding")
                 if k in leaves]
     if switches:
-        enabled = leaves[switches[0]]
+        enabled = any(leaves[k] for k in switches)
         steps = _check_type(_BS + "mtp_step_num", "int", leaves.get(_BS + "mtp_step_num", 1))
         fields["num_speculative_tokens"] = steps if enabled else 0
         sources["num_speculative_tokens"] = _BS + "mtp_step_num"

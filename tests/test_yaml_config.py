@@ -302,9 +302,12 @@ setting:
     block_device_memory_ratio: -1.0
     block_host_memory_factor: 0.0
     dynamic_reusable_memory_ratio: 0.5
+    lora_deivce_memory_ratio: 0.1  # pcg's [sic]
+    lora_host_memory_factor: 1.0
   attn_backend:
     enable_blocked_multi_token_forwarding_kv: false
     flash_attn_impl: auto
+    use_flashinfer_for_decode: false
   quantization_config:
     gptq_backend: cutlass
     kv_cache:
@@ -342,6 +345,11 @@ def test_ksana_llms_own_example_file_loads(tmp_path, caplog):
     logged = caplog.text
     assert "setting.profiler" in logged and "setting.global.expert_para_size" in logged
     assert "model_spec.plugin_model" in logged
+    assert "use_flashinfer_for_decode" in logged and "lora_deivce_memory_ratio" in logged
+    # At a value that would change something, an inert key is refused by name.
+    with pytest.raises(ValueError, match="use_flashinfer_for_decode"):
+        load_engine_config(write(tmp_path, KSANA_EXAMPLE.replace(
+            "use_flashinfer_for_decode: false", "use_flashinfer_for_decode: true")))
 
 
 @pytest.mark.parametrize("switch", ["enable_mtp_module", "enable_speculative_decoding"])
@@ -353,7 +361,8 @@ def test_mtp_and_async_keys(switch):
     assert config.num_speculative_tokens == 2
     config, _ = parse_engine_config({"setting": {"batch_scheduler": {"enable_async": True}}})
     assert config.async_scheduling is True
-    # KsanaLLM's own switch decides when both are there.
-    config, _ = parse_engine_config({"setting": {"batch_scheduler": {
-        "enable_mtp_module": False, "enable_speculative_decoding": True}}})
-    assert config.num_speculative_tokens == 0
+    # KsanaLLM's example file carries both switches: turning either one on drafts.
+    for mtp, speculative, drafts in ((False, True, 1), (True, False, 1), (False, False, 0)):
+        config, _ = parse_engine_config({"setting": {"batch_scheduler": {
+            "enable_mtp_module": mtp, "enable_speculative_decoding": speculative}}})
+        assert config.num_speculative_tokens == drafts, (mtp, speculative)
