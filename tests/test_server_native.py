@@ -48,7 +48,7 @@ def test_greedy_matches_python_api(server, local_engine, greedy16):
     r = _post(server, {"prompt": PROMPT, "sampling_config": {"max_new_tokens": 16}, "stream": False})
     assert r.status_code == 200, r.text
     assert r.json() == {"texts": [greedy16.text], "output_token_ids": [greedy16.token_ids],
-                        "logprobs": None, "input_token_ids": local_engine.tokenizer.encode(PROMPT)}
+                        "logprobs": [[]], "input_token_ids": local_engine.tokenizer.encode(PROMPT)}
     # Greedy is the default (topk 1) whatever the temperature; do_sample false forces it too.
     for sampling in ({"temperature": 0.7}, {"topk": 40, "temperature": 0.9, "do_sample": False}):
         r = _post(server, {"prompt": PROMPT, "stream": False,
@@ -63,6 +63,36 @@ def test_input_tokens(server, local_engine, greedy16):
     assert r.json()["input_token_ids"] == ids
     assert r.json()["output_token_ids"] == [greedy16.token_ids]
     assert r.json()["texts"] == [greedy16.text]
+    # KsanaLLM's rule: input_tokens is used instead of prompt when both are given.
+    both = _post(server, {"prompt": "something else entirely", "input_tokens": ids,
+                          "sampling_config": {"max_new_tokens": 16}, "stream": False})
+    assert both.status_code == 200, both.text
+    assert both.json()["input_token_ids"] == ids
+    assert both.json()["output_token_ids"] == [greedy16.token_ids]
+    # Log-probs not asked for: an empty list per sequence (KsanaLLM's shape), not null.
+    assert r.json()["logprobs"] == [[]]
+
+
+def test_ksana_clients_off_values_and_messages_hint(server, local_engine):
+    """What KsanaLLM clients send at its defaults is accepted: additional_params {} and
+    enable_thinking true or false (handed to the chat template with use_chat_template: the
+    prompt tokens then equal the template rendered with it); messages gets KsanaLLM's pointer
+    to the chat route."""
+    import json
+
+    messages = [{"role": "user", "content": "Hi"}]
+    for thinking in (True, False):
+        r = _post(server, {"prompt": json.dumps(messages), "use_chat_template": True,
+                           "additional_params": {}, "stream": False,
+                           "sampling_config": {"max_new_tokens": 2,
+                                               "enable_thinking": thinking}})
+        assert r.status_code == 200, r.text
+        rendered = local_engine.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+        assert r.json()["input_token_ids"] == local_engine.tokenizer.encode(
+            rendered, add_special_tokens=False)
+    r = _post(server, {"prompt": "x", "messages": messages, "stream": False})
+    assert r.status_code == 400 and "/v1/chat/completions" in r.json()["error"]["message"]
 
 
 def test_stream_is_nul_delimited_and_cumulative(server):
@@ -211,7 +241,6 @@ def test_logprobs(server, greedy16):
 # ---- errors ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"prompt": "x", "input_tokens": [1, 2]}, "prompt", None),
     ({"sampling_config": {"max_new_tokens": 2}}, "prompt", None),
     ({"prompt": ""}, "prompt", "empty_prompt"),
     ({"input_tokens": []}, "input_tokens", "empty_prompt"),
@@ -235,6 +264,8 @@ def test_logprobs(server, greedy16):
     ({"prompt": "x", "sampling_config": {"json_schema": '{"type": "nope"}', "enable_structured_output": True}},
      "sampling_config.json_schema", None),
     ({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "messages",
+     "unsupported_parameter"),
+    ({"prompt": "x", "additional_params": {"max_pixels": 4}}, "additional_params",
      "unsupported_parameter"),
     # topp 0 is accepted with greedy decoding only (KsanaLLM's clients send it so).
     ({"prompt": "x", "sampling_config": {"topp": 0, "topk": 50, "temperature": 0.8}},

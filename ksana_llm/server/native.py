@@ -52,13 +52,14 @@ from ksana_llm.server.structured_params import (StructuredRequest, compile_spec,
 NUL = b"\0"
 STREAM_MEDIA_TYPE = "application/octet-stream"
 
-# KsanaLLM top-level keys we do not serve yet: named in the 400 rather than called unknown.
+# KsanaLLM top-level keys we do not serve yet: named in the 400 rather than called unknown,
+# with the value that means "nothing" where one does (accepted and dropped).
 _UNSUPPORTED_TOP = ("messages", "input_refit_embedding", "pos", "embeddings", "additional_params")
+_UNSUPPORTED_TOP_DEFAULTS: dict[str, Any] = {"additional_params": {}}
 
 # KsanaLLM sampling_config keys we do not serve yet, with the value that means "off" (accepted).
 _UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "encoder_no_repeat_ngram_size": 0, "decoder_no_repeat_ngram_size": 0,
-    "enable_thinking": True,
 }
 
 # GenerationConfig field -> request parameter, so that an engine ValueError names the key sent.
@@ -98,6 +99,9 @@ class SamplingConfig(_Strict):
     json_schema: str | dict[str, Any] | None = None
     # Extension (not KsanaLLM's): base seed; sequence i samples with seed + i.
     seed: int | None = Field(None, ge=0, lt=2**63)
+    # Reasoning models: handed to the chat template with use_chat_template (Qwen3's switch);
+    # a raw prompt is the model's input as it is.
+    enable_thinking: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +124,9 @@ def _check_keys(body: Any) -> None:
     """400 naming *every* unsupported or unknown key (pydantic would name only the first)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
-    unsupported = [k for k in _UNSUPPORTED_TOP if k in body]
+    unsupported = [k for k in _UNSUPPORTED_TOP
+                   if k in body and not (k in _UNSUPPORTED_TOP_DEFAULTS
+                                         and body[k] == _UNSUPPORTED_TOP_DEFAULTS[k])]
     sampling = body.get("sampling_config")
     if isinstance(sampling, dict):
         unsupported += [f"sampling_config.{k}" for k, off in _UNSUPPORTED_SAMPLING_DEFAULTS.items()
@@ -133,6 +139,9 @@ def _check_keys(body: Any) -> None:
     parts = []
     if unsupported:
         parts.append(f"Unsupported parameter(s): {', '.join(unsupported)}.")
+    if "messages" in unsupported:  # KsanaLLM's own pointer, without a multimodal plugin
+        parts.append("For chat messages use /v1/chat/completions, or give them as `prompt` "
+                     "(their JSON text) with use_chat_template: true.")
     if unknown:
         parts.append(f"Unknown parameter(s): {', '.join(unknown)}.")
     if parts:
@@ -154,6 +163,7 @@ async def parse_generate_request(request: Request) -> GenerateRequest:
             body["sampling_config"] = {k: v for k, v in body["sampling_config"].items()
                                        if v is not None}
     _check_keys(body)
+    body = {k: v for k, v in body.items() if k not in _UNSUPPORTED_TOP_DEFAULTS}
     sampling = body.get("sampling_config")
     if isinstance(sampling, dict):
         body = {**body, "sampling_config": {k: v for k, v in sampling.items()
@@ -165,11 +175,15 @@ async def parse_generate_request(request: Request) -> GenerateRequest:
 
 
 def prompt_ids(req: GenerateRequest, state: ServerState) -> list[int]:
-    if (req.prompt is None) == (req.input_tokens is None):
-        raise bad_request("Give exactly one of `prompt` and `input_tokens`.", param="prompt")
-    if req.prompt is not None:
+    """The prompt's token ids: `input_tokens` when given (KsanaLLM's rule: then `prompt` is not
+    tokenized), else `prompt` tokenized."""
+    if req.prompt is None and req.input_tokens is None:
+        raise bad_request("Give `prompt` or `input_tokens`.", param="prompt")
+    if req.input_tokens is None:
         text = build_prompt(req.prompt, req.model_type, req.use_chat_template,
-                            state.text_tokenizer("prompt"), state.chat_template)
+                            state.text_tokenizer("prompt"), state.chat_template,
+                            template_kwargs={"enable_thinking":
+                                             req.sampling_config.enable_thinking})
         return prompt_token_lists(text, state.tokenizer, state.limits)[0]
     if not req.input_tokens:
         raise bad_request("The prompt is empty.", param="input_tokens", code="empty_prompt")
@@ -301,8 +315,9 @@ def snapshot(choices: ChoiceSet, input_ids: list[int], logprobs_n: int, tokenize
     return {
         "texts": [_text(o, tokenizer) for o in outs],
         "output_token_ids": [o.token_ids for o in outs],
-        "logprobs": ([_logprob_steps(list(o.logprobs or []), logprobs_n) for o in outs]
-                     if logprobs_n else None),
+        # One list per sequence, as KsanaLLM's: empty when no log-probs were asked for.
+        "logprobs": [_logprob_steps(list(o.logprobs or []), logprobs_n) if logprobs_n else []
+                     for o in outs],
         "input_token_ids": input_ids,
     }
 

@@ -45,9 +45,11 @@ PROMPT_AFFIXES: MappingProxyType[str, tuple[str, str]] = MappingProxyType({
 
 
 def build_prompt(prompt: str, model_type: str, use_chat_template: bool, tokenizer: Any,
-                 chat_template: ChatTemplate) -> str:
+                 chat_template: ChatTemplate,
+                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The text to tokenize for a `/generate` prompt (KsanaLLM's rules: an unknown model_type is
-    "empty", with a warning, as KsanaLLM prints one)."""
+    "empty", with a warning, as KsanaLLM prints one). `template_kwargs` go to the chat template
+    (with use_chat_template)."""
     if use_chat_template:
         try:
             messages = json.loads(prompt)
@@ -58,7 +60,7 @@ def build_prompt(prompt: str, model_type: str, use_chat_template: bool, tokenize
             raise bad_request("With use_chat_template, `prompt` is the JSON text of a list of chat "
                               f"messages ({exc.__class__.__name__}: {str(exc)[:200]}).",
                               param="prompt") from None
-        return render_chat(tokenizer, parsed, chat_template)
+        return render_chat(tokenizer, parsed, chat_template, template_kwargs=template_kwargs)
     if model_type not in PROMPT_AFFIXES:
         logger.warning("model_type %r is not one of %s; the prompt is used as it is",
                        model_type, ", ".join(PROMPT_AFFIXES))
