@@ -380,6 +380,9 @@ def add_listen_args(parser: argparse.ArgumentParser) -> None:
                         help="log every HTTP request (uvicorn's access log), whatever --log-level")
     parser.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
                         help="no access log (the default; vLLM's flag)")
+    parser.add_argument("--endpoint", default="python", choices=["python"],
+                        help="KsanaLLM's endpoint type: python, this HTTP server (its RPC "
+                             "endpoint plugins such as trpc are not served)")
     parser.add_argument("--root-path", "--root_path", dest="root_path", default="",
                         metavar="PREFIX", help="the path prefix a proxy serves this server "
                                                "under (ASGI root_path), e.g. /llm")

@@ -38,6 +38,7 @@ def test_chat_streams_and_keeps_history(default_model_dir):
     (["generate", "hi", "--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
     (["serve", "--response-role", " "], "--response-role"),
     (["serve", "--chat-template-content-format", "parts"], "--chat-template-content-format"),
+    (["serve", "--endpoint", "trpc"], "--endpoint"),  # KsanaLLM's RPC plugins: not served
 ])
 def test_bad_arguments_give_a_clear_error(args, needle):
     proc = _run(args)

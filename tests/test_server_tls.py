@@ -58,7 +58,8 @@ def test_https_server_answers_the_openai_client(authority, tls_files, encrypted_
                             "--max-model-len", "256", "--ssl-certfile", str(cert_file),
                             "--ssl_keyfile", str(encrypted_key),  # KsanaLLM's spelling
                             "--ssl-keyfile-password", PASSWORD,
-                            "--access-log", "--root_path", "/llm"], tls_context=trusting)
+                            "--access-log", "--root_path", "/llm",
+                            "--endpoint", "python"], tls_context=trusting)  # KsanaLLM's flag
     try:
         assert server.url.startswith("https://")
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
