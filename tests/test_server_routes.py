@@ -53,7 +53,7 @@ def test_tokenize_detokenize(server, local_engine):
     r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT})
     assert r.status_code == 200
     assert r.json() == {"tokens": tok.encode(PROMPT), "count": len(tok.encode(PROMPT)),
-                        "max_model_len": 4096}
+                        "max_model_len": 4096, "token_strs": None}  # vLLM's shape
     r = httpx.post(server.url + "/detokenize", json={"tokens": tok.encode(PROMPT)})
     assert r.json() == {"prompt": PROMPT}
     rendered = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)

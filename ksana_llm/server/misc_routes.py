@@ -23,6 +23,7 @@ from ksana_llm.server.openai_protocol import (
 from ksana_llm.server.submission import parse_body
 from ksana_llm.server.params import check_token_ids
 from ksana_llm.server.state import server_state
+from ksana_llm.server.tools import plan_tools
 
 router = APIRouter()
 
@@ -120,18 +121,25 @@ async def tokenize(request: Request) -> JSONResponse:
     if req.messages is not None:
         if not req.messages:
             raise bad_request("`messages` must not be empty.", param="messages")
+        # The tools as a chat request's template sees them (checked the same way).
+        tools = plan_tools(req.tools, "none", parallel_tool_calls=None, auto_enabled=False,
+                           parser=None).tools
         text = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,
                            add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message,
+                           continue_final_message=req.continue_final_message, tools=tools,
                            template_kwargs={**state.default_chat_template_kwargs,
                                             **(req.chat_template_kwargs or {})},
                            documents=req.documents)
         ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
+        if req.tools is not None:
+            raise bad_request("`tools` go with `messages` (a chat template renders them).",
+                              param="tools")
         ids = state.text_tokenizer("prompt").encode(req.prompt,
                                                     add_special_tokens=req.add_special_tokens
                                      is not False)
-    return JSONResponse(TokenizeResponse(tokens=list(ids), count=len(ids),
+    strs = state.tokenizer.convert_ids_to_tokens(list(ids)) if req.return_token_strs else None
+    return JSONResponse(TokenizeResponse(tokens=list(ids), count=len(ids), token_strs=strs,
                                          max_model_len=state.limits.max_model_len).model_dump())
 
 

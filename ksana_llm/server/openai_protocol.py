@@ -407,12 +407,15 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    tools: Any = None  # with messages: rendered by the template, as on /v1/chat/completions
+    return_token_strs: bool = False  # vLLM's: each token's string too
 
 
 class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -291,3 +291,24 @@ def test_reasoning_deepseek_r1(r1_app):
         assert parts == [reasoning, message.content]
 
     run_r1(r1_app, check)
+
+
+def test_tokenize_messages_with_tools_and_token_strings(server, default_model):
+    """vLLM's /tokenize: `tools` with `messages` reach the chat template as on a chat request
+    (this server's template lists them), and `return_token_strs` adds each token's string."""
+    from tests.server_decoding.harness import TEMPLATE
+
+    tok = default_model.tokenizer
+    messages = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    r = httpx.post(server.url + "/tokenize", timeout=30,
+                   json={"messages": messages, "tools": TOOLS, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    rendered = tok.apply_chat_template(messages, tools=TOOLS, chat_template=TEMPLATE,
+                                       add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(rendered, add_special_tokens=False)
+    assert r.json()["tokens"] == ids and r.json()["count"] == len(ids)
+    assert r.json()["token_strs"] == tok.convert_ids_to_tokens(ids)
+    plain = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    assert len(plain["tokens"]) < len(ids) and plain["token_strs"] is None
+    bad = httpx.post(server.url + "/tokenize", json={"prompt": "x", "tools": TOOLS}, timeout=30)
+    assert bad.status_code == 400 and openai_error(bad)["param"] == "tools"
