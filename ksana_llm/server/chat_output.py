@@ -42,8 +42,9 @@ class ChoiceOutputParser:
     (OpenAI's finish_reason is then "stop", not "tool_calls")."""
 
     def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None, *,
-                 forced_call: bool = False) -> None:
+                 forced_call: bool = False, include_reasoning: bool = True) -> None:
         self._reasoning = reasoning
+        self._include_reasoning = include_reasoning  # else parsed out and dropped
         self._tools = tools
         self._forced_call = forced_call
         self._ids: dict[int, str] = {}  # tool-call index -> id, given with the call's name
@@ -57,7 +58,7 @@ class ChoiceOutputParser:
         return self._ids[index]
 
     def _route(self, reasoning: str, content: str, last: bool) -> ChatDelta:
-        out = ChatDelta(reasoning=reasoning)
+        out = ChatDelta(reasoning=reasoning if self._include_reasoning else "")
         if self._tools is None:
             out.content = content
             return out

@@ -103,7 +103,8 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
 
     def output_parser() -> ChoiceOutputParser:
         return ChoiceOutputParser(reasoning.stream(thinking_open) if reasoning is not None else None,
-                                  tools.stream(), forced_call=tools.mode == "named")
+                                  tools.stream(), forced_call=tools.mode == "named",
+                                  include_reasoning=req.include_reasoning)
 
     prediction = prediction_token_ids(req.prediction, state.tokenizer)
     if prediction is not None:

@@ -191,6 +191,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # Handed to the chat template as `reasoning_effort` (as vLLM does): templates that read it
     # (gpt-oss's, ...) act on it.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # vLLM's: false leaves the reasoning parser's reasoning_content out of the answer.
+    include_reasoning: bool = True
     web_search_options: Any = None
     verbosity: Any = None
     # Accepted and ignored, as on /v1/responses: they do not change what is generated.

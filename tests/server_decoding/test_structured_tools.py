@@ -246,6 +246,16 @@ def test_reasoning_qwen3(client, model):
             parts[0] += extra_field(chunk.choices[0].delta, "reasoning_content") or ""
             parts[1] += chunk.choices[0].delta.content or ""
     assert parts == [reasoning, message.content]
+    # vLLM's include_reasoning false: the reasoning is parsed out and left out of the answer.
+    hidden = client.chat.completions.create(**kwargs, extra_body={
+        "structured_outputs": {"regex": regex}, "include_reasoning": False})
+    assert extra_field(hidden.choices[0].message, "reasoning_content") is None
+    assert hidden.choices[0].message.content == message.content
+    streamed = [c.choices[0].delta for c in client.chat.completions.create(
+        **kwargs, stream=True, extra_body={"structured_outputs": {"regex": regex},
+                                           "include_reasoning": False}) if c.choices]
+    assert not any(extra_field(d, "reasoning_content") for d in streamed)
+    assert "".join(d.content or "" for d in streamed) == message.content
     # enable_thinking false reaches the template (Qwen3-style: it writes an empty thinking block
     # into the prompt) and turns the parser off: the forced tags stay in the content.
     raw = client.chat.completions.create(**kwargs, extra_body={
