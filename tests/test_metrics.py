@@ -185,10 +185,15 @@ def test_get_metrics_route(engine, outputs):
         parsed = samples(response.text)
         assert value(parsed, "ksana_llm:num_kv_blocks") == 64
         assert value(parsed, "ksana_llm:generation_tokens_total") == len(outputs[0].token_ids)
-        openmetrics = client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
-        assert openmetrics.status_code == 200
-        assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
-        assert openmetrics.text.rstrip().endswith("# EOF")
+        # Prometheus 2's default Accept header prefers OpenMetrics, which prometheus_client
+        # writes with sample names that do not match their own `# TYPE` lines for names with a
+        # colon: the text format answers it, and parses.
+        prometheus2 = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                       "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+        scraped = client.get("/metrics", headers={"Accept": prometheus2})
+        assert scraped.status_code == 200
+        assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert value(samples(scraped.text), "ksana_llm:num_kv_blocks") == 64
 
 
 # ---- a real server: what each way a request ends counts ---------------------------------------

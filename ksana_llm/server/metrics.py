@@ -55,9 +55,8 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -171,6 +170,11 @@ class TokenTimer:
         return gap
 
 
+# The classic text format generate_latest writes (prometheus_client 0.26 labels it
+# "version=1.0.0", which scrapers that predate it may not take).
+PROMETHEUS_TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+
+
 class ServerMetrics:
     """All Prometheus series of one server, in a registry of its own.
 
@@ -254,14 +258,16 @@ class ServerMetrics:
         self._failure.labels(self.model_name, label).inc()
 
     # ---- exposition ----------------------------------------------------------------------------
-    def render(self, accept: str | None = None) -> tuple[bytes, str]:
-        """The exposition text and its content type; engine gauges are read now.
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text (Prometheus text format 0.0.4) and its content type; engine
+        gauges are read now.
 
-        `accept` is the request's Accept header: OpenMetrics when the scraper asks for it,
-        the Prometheus text format otherwise.
+        Always this format, whatever the scraper's Accept header asks: prometheus_client's
+        OpenMetrics output renames the samples of a name with a colon (ours, as vLLM's) to
+        underscores but not their `# HELP` / `# TYPE` lines, which no parser accepts (it
+        answers Prometheus 2's default Accept header so). Every Prometheus reads this format.
         """
-        encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        return generate_latest(self.registry), PROMETHEUS_TEXT_FORMAT
 
 
 def mount(app: FastAPI, engine: Engine | StatsSource | None, metrics: ServerMetrics) -> None:
@@ -270,7 +276,7 @@ def mount(app: FastAPI, engine: Engine | StatsSource | None, metrics: ServerMetr
         metrics.bind(engine)
 
     async def get_metrics(request: Request) -> Response:
-        body, content_type = metrics.render(request.headers.get("accept"))
+        body, content_type = metrics.render()
         return Response(content=body, media_type=content_type)
 
     app.add_api_route("/metrics", get_metrics, methods=["GET"], include_in_schema=False)

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from ksana_llm.server.errors import engine_unavailable
+from ksana_llm.server.metrics import PROMETHEUS_TEXT_FORMAT
 from ksana_llm.server.router_metrics import merged_metrics, scrape_servers
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
         pages, unreachable = await scrape_servers(
             router.client, config.prefill_urls + config.decode_urls,
             router.headers(request_id_of(request)))
-        return Response(merged_metrics(pages, unreachable), media_type=CONTENT_TYPE_LATEST)
+        return Response(merged_metrics(pages, unreachable), media_type=PROMETHEUS_TEXT_FORMAT)
 
     @app.get("/health")
     @app.get("/ping")
