@@ -253,6 +253,7 @@ def test_required_calls_cut_off_give_no_content():
     text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS], ensure_ascii=False)
     required = plan_tools(tools, "required", parallel_tool_calls=None, auto_enabled=False, parser=None)
     first_end = text.index("}}") + 2  # after the first call's object
+    second_named = text.index(f'"{NESTED[0]}"') + len(NESTED[0]) + 2  # after its name's quote
     for cut in range(0, len(text)):
         stream = required.stream()
         got = collect([stream.feed(text[:cut]), stream.finish()])
@@ -260,6 +261,8 @@ def test_required_calls_cut_off_give_no_content():
         assert [c.name for c in got.tool_calls] == [n for n, _ in CALLS][:len(got.tool_calls)]
         if cut > first_end:
             assert got.tool_calls[0].name == WEATHER[0]
+        if cut >= second_named:  # the second call's name came: it is a call, arguments or not
+            assert [c.name for c in got.tool_calls][:2] == [WEATHER[0], NESTED[0]], cut
     # Without the constraint (a parser's "auto" output), the same fragment is the answer's text.
     loose = JsonCallSequenceStream(open="[", separator=",", close="]")
     assert collect([loose.feed('[{"name":'), loose.finish()]).content == '[{"name":'

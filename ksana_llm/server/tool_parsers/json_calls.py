@@ -153,10 +153,23 @@ class JsonCallSequenceStream(ToolCallStream):
         else:
             self._pos = pos
 
+    def _named_call_cut_short(self, out: ParsedDelta) -> None:
+        if self._state != _OBJECT:
+            return
+        scan = scan_call_object(self._text, skip_ws(self._text, self._pos))
+        if scan.name is None:
+            return
+        call = CallProgress(self._num_calls)
+        self._num_calls += 1
+        for delta in (call.update(scan.name, ""), call.close()):
+            if delta is not None:
+                out.tool_calls.append(delta)
+
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._calls_only and self._state in (_START, _OBJECT) and self._call is None:
-            pass  # cut off before a call's name and arguments: nothing to give
+            # Cut off before a call's arguments: a call whose name came is still a call.
+            self._named_call_cut_short(out)
         elif self._state == _START:
             # Never decided: whitespace (and maybe half a lead tag) is content.
             out.content += self._gate.push(self._prefix + self._text[self._pos:])
