@@ -17,7 +17,8 @@ Response: `{"responses": [{"input_token_ids", "input_top_logprobs", "response": 
 KsanaLLM's own clients decode it). `input_top_logprobs[t][row]` is the top-N `[token_id, logprob]`
 list of target t's row (`[]` for targets that did not ask).
 
-Errors are the other routes' OpenAI-shaped JSON bodies (also for msgpack requests): 400 bad input
+Errors are the other routes' OpenAI-shaped bodies, msgpack-packed for a msgpack request (as
+KsanaLLM's client unpacks every answer): 400 bad input
 (`param` names the field, e.g. `requests.0.request_target.1.slice_pos`), 429 queue full, 503
 engine dead or shutting down; a client that disconnects aborts its requests.
 """
@@ -40,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
-from ksana_llm.server.errors import APIError, bad_request, from_validation_error
+from ksana_llm.server.errors import APIError, bad_request, count_failure, from_validation_error
 from ksana_llm.server.generation import run_forward
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST
@@ -223,10 +224,35 @@ def _submitter(engine: Any, body: ForwardBody, jobs: list[tuple[list[int], list[
     return submit
 
 
+def _is_msgpack(content_type: str, raw: bytes) -> bool:
+    """Whether the body is msgpack: said so by its Content-Type (any of msgpack's names), or,
+    with none that says JSON, a body that starts as a msgpack map does (a JSON object starts
+    with `{` or whitespace; KsanaLLM's clients send msgpack by default)."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind in (MSGPACK, "application/msgpack", "application/vnd.msgpack"):
+        return True
+    if kind == "application/json" or kind.startswith("text/"):
+        return False
+    return bool(raw) and (0x80 <= raw[0] <= 0x8F or raw[0] in (0xDE, 0xDF))
+
+
 async def forward(request: Request) -> Response:
+    raw = await request.body()
+    is_msgpack = _is_msgpack(request.headers.get("content-type", ""), raw)
+    try:
+        return await _forward(request, raw, is_msgpack)
+    except APIError as error:
+        if not is_msgpack:
+            raise  # the app's handlers answer (and count) it
+        # The error in the request's own encoding: KsanaLLM's client unpacks every answer.
+        count_failure(request.app, error)
+        return Response(msgpack.packb(error.body(), use_bin_type=True), status_code=error.status,
+                        headers=error.headers, media_type=MSGPACK)
+
+
+async def _forward(request: Request, raw: bytes, is_msgpack: bool) -> Response:
     state = server_state(request)
-    is_msgpack = request.headers.get("content-type", "").split(";")[0].strip().lower() == MSGPACK
-    data = _decode(await request.body(), is_msgpack)
+    data = _decode(raw, is_msgpack)
     if not isinstance(data, dict):
         raise bad_request("The request body must be an object.")
     if "requests" in data and isinstance(data["requests"], list):
