@@ -123,6 +123,9 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
         parser.add_argument("--log-stats-interval", type=cli_types.positive_float,
                             default=None, metavar="SECONDS",
                             help="seconds between stats lines (default: 10)")
+        parser.add_argument("--metrics-prefix", default="ksana_llm", metavar="NAME",
+                            help="/metrics series are named NAME:<series> (default ksana_llm; "
+                                 "vllm gives vLLM's names, for its dashboards and autoscalers)")
         parser.add_argument("--disable-fastapi-docs", action="store_true",
                             help="no /docs, /redoc or /openapi.json (vLLM's flag)")
     parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),

@@ -170,6 +170,12 @@ def test_registries_are_independent():
     assert value(parsed, "ksana_llm:request_failure_total", reason="queue_full") == 0
 
 
+@pytest.mark.parametrize("prefix", ["", "1x", "vllm:", "a-b", None])
+def test_a_metrics_prefix_that_cannot_name_a_series_is_refused(prefix):
+    with pytest.raises(ValueError, match="metrics prefix"):
+        ServerMetrics(model_name=MODEL, prefix=prefix)
+
+
 def test_get_metrics_route(engine, outputs):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient

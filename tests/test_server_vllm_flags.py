@@ -32,7 +32,7 @@ def server(tmp_path_factory):
         "--default-chat-template-kwargs", json.dumps({"lead": LEAD}),
         "--enable-force-include-usage", "--disable-fastapi-docs",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-        "--enable-chunked-prefill", "--disable-uvicorn-access-log"])
+        "--enable-chunked-prefill", "--disable-uvicorn-access-log", "--metrics-prefix", "vllm"])
     yield proc
     proc.stop()
 
@@ -98,3 +98,20 @@ def test_speculative_config_drafts_and_keeps_greedy_tokens(server, local_engine)
     assert answer["choices"][0]["text"] == local_engine.generate_outputs(
         COPY, kt.GenerationConfig(max_new_tokens=24), use_tqdm=False)[0].text
     assert after["num_kv_blocks"] == 128  # --num-gpu-blocks-override
+
+
+def test_metrics_prefix_gives_vllms_series_names(server):
+    """--metrics-prefix vllm: every series under vLLM's names (what its dashboards, alerts and
+    autoscalers query), none under ours."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.post(server.base_url + "/completions", timeout=60,
+                   json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+            "vllm:e2e_request_latency_seconds_count"} <= names
+    assert not any(n.startswith("ksana_llm") for n in names)
+

@@ -50,9 +50,11 @@ from ksana_llm.server.tool_parsers.plugin import load_tool_parser_plugin
 logger = logging.getLogger("ksana_llm.server")
 
 
-def _mount_extensions(app: FastAPI, engine: Engine, state: ServerState) -> None:
+def _mount_extensions(app: FastAPI, engine: Engine, state: ServerState,
+                      metrics_prefix: str) -> None:
     """GET /metrics (and the per-request series), KsanaLLM's POST /generate and POST /forward."""
-    state.metrics = metrics.ServerMetrics(engine, model_name=state.served_model_name)
+    state.metrics = metrics.ServerMetrics(engine, model_name=state.served_model_name,
+                                          prefix=metrics_prefix)
     metrics.mount(app, engine, state.metrics)
     native.mount(app, engine)
     forward.mount(app)
@@ -123,7 +125,8 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               default_chat_template_kwargs: Mapping[str, Any] | None = None,
               force_include_usage: bool = False, enable_docs: bool = True,
               chat_template_content_format: str = "auto",
-              response_role: str = "assistant", middleware: Sequence[Any] = ()) -> FastAPI:
+              response_role: str = "assistant", middleware: Sequence[Any] = (),
+              metrics_prefix: str = metrics.DEFAULT_PREFIX) -> FastAPI:
     """An OpenAI-compatible app over a running engine. The app shuts the engine down on exit.
 
     `served_model_name`: the name requests give as `model` (several: aliases of the first).
@@ -148,6 +151,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     role a chat answer has when the request asked for a generation prompt. `middleware`: the
     user's own ASGI middleware classes or `async (request, call_next)` functions (or their
     import paths), in order, inside the request-id middleware and outside everything else.
+    `metrics_prefix`: the /metrics series are named `<prefix>:<name>` ("vllm": vLLM's names).
     """
     user_middleware = user_middlewares(middleware)
     parsing = parsing or OutputParsing()
@@ -159,6 +163,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     check_tokenizer(engine, parsing, chat_template)
     if not isinstance(response_role, str) or not response_role.strip():
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
+    metrics.check_prefix(metrics_prefix)
     template = ChatTemplate.resolve(chat_template, chat_template_content_format, engine.tokenizer)
     transfer = _kv_transfer(engine, kv_role, kv_transfer_ttl_s, api_key, kv_prefill_urls)
     names = (served_model_name,) if isinstance(served_model_name, str) \
@@ -232,7 +237,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
 
     # ---- extension point: metrics (/metrics) and the native API (/generate, /forward) ----------
     if mount_extensions:
-        _mount_extensions(app, engine, state)
+        _mount_extensions(app, engine, state, metrics_prefix)
 
     # Added last = outermost: the key is checked before the body is even read.
     app.add_middleware(LoadTrackingMiddleware, load=state.load)
@@ -316,7 +321,8 @@ def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
             "force_include_usage": bool(getattr(args, "enable_force_include_usage", False)),
             "chat_template_content_format": getattr(args, "chat_template_content_format", "auto"),
-            "response_role": getattr(args, "response_role", "assistant")}
+            "response_role": getattr(args, "response_role", "assistant"),
+            "metrics_prefix": getattr(args, "metrics_prefix", metrics.DEFAULT_PREFIX)}
 
 
 def run_server(args: argparse.Namespace) -> int:

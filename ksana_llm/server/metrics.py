@@ -1,4 +1,6 @@
-"""Prometheus metrics of the server, named like vLLM's (`ksana_llm:` instead of `vllm:`).
+"""Prometheus metrics of the server, named like vLLM's (`ksana_llm:` instead of `vllm:`; the
+prefix is a setting, `serve --metrics-prefix vllm`, for dashboards and autoscalers built on vLLM's
+names).
 
 Why the shape: each `ServerMetrics` owns its own `CollectorRegistry`, so two apps (or two tests) in
 one process never share or double-register series. Engine state (queue lengths, KV usage, prefix
@@ -49,6 +51,7 @@ Series (all carry the label `model_name`):
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -64,11 +67,13 @@ if TYPE_CHECKING:
     from ksana_llm.api.outputs import RequestOutput
     from ksana_llm.api.stats import EngineStats
 
-__all__ = ["FAILURE_REASONS", "FINISH_REASONS", "PREFIX", "ServerMetrics", "TokenTimer", "mount"]
+__all__ = ["DEFAULT_PREFIX", "FAILURE_REASONS", "FINISH_REASONS", "ServerMetrics", "TokenTimer",
+           "check_prefix", "mount"]
 
 logger = logging.getLogger("ksana_llm.server.metrics")
 
-PREFIX = "ksana_llm:"
+DEFAULT_PREFIX = "ksana_llm"  # series are named "<prefix>:<name>"
+_PREFIX_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 FINISH_REASONS = ("stop", "length", "abort")
 # A closed set keeps the label's cardinality bounded; anything else is counted as "other".
 FAILURE_REASONS = ("invalid_request", "queue_full", "aborted", "engine_error", "unauthorized",
@@ -85,11 +90,20 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 StatsSource = Callable[[], "EngineStats"]
 
 
+def check_prefix(prefix: str) -> str:
+    """`prefix` if it can start a Prometheus series name (`vllm`, `ksana_llm`), else ValueError."""
+    if not isinstance(prefix, str) or not _PREFIX_PATTERN.fullmatch(prefix):
+        raise ValueError(f"metrics prefix must be letters, digits and underscores, not starting "
+                         f"with a digit (e.g. vllm); got {prefix!r}")
+    return prefix
+
+
 class _EngineCollector(Collector):
     """Reads `engine.stats()` once per scrape and exposes it as gauges and a counter."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str) -> None:
         self.model_name = model_name
+        self.prefix = prefix + ":"
         self.source: StatsSource | None = None
 
     def describe(self) -> list[Metric]:
@@ -132,14 +146,14 @@ class _EngineCollector(Collector):
         )
         for kind, series in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in series:
-                family = kind(PREFIX + name, doc, labels=["model_name"])
+                family = kind(self.prefix + name, doc, labels=["model_name"])
                 family.add_metric(labels, float(value))
                 yield family
         if stats.max_loras:
             # vLLM's info gauge (the labels carry the data; the value is the scrape time), which
             # LoRA-aware routers read to send requests where their adapter already runs.
             info = GaugeMetricFamily(
-                PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests.",
+                self.prefix + "lora_requests_info", "LoRA adapters of running and waiting requests.",
                 labels=["model_name", "max_lora", "running_lora_adapters",
                         "waiting_lora_adapters"])
             info.add_metric([self.model_name, str(stats.max_loras),
@@ -182,20 +196,23 @@ class ServerMetrics:
     stats source) is set once at mount time.
     """
 
-    def __init__(self, engine: Engine | None = None, *, model_name: str = "ksana_llm") -> None:
+    def __init__(self, engine: Engine | None = None, *, model_name: str = "ksana_llm",
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        check_prefix(prefix)
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self._engine_collector = _EngineCollector(model_name)
+        self._engine_collector = _EngineCollector(model_name, prefix)
+        series = prefix + ":"
         self.registry.register(self._engine_collector)
         if engine is not None:
             self.bind(engine)
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+            return Counter(series + name, doc, [*labels, *extra], registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+            return Histogram(series + name, doc, labels, buckets=buckets,
                              registry=self.registry).labels(model_name)
 
         self.prompt_tokens = counter("prompt_tokens",
