@@ -78,6 +78,18 @@ def test_counters_and_histograms_match_real_requests(engine, outputs):
     assert value(parsed, "ksana_llm:request_time_per_output_token_seconds_count") == 2
 
 
+def test_beams_that_arrive_at_once_give_no_time_per_token(engine):
+    """Beam search answers at the end (first token time = end): no TPOT sample of 0."""
+    beams = engine.generate_outputs("Hello", kt.GenerationConfig(
+        max_new_tokens=4, num_beams=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(beams.token_ids) > 1 and beams.metrics.ttft == pytest.approx(beams.metrics.latency)
+    metrics = ServerMetrics(engine, model_name=MODEL)
+    metrics.observe_finished(beams)
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:request_time_per_output_token_seconds_count") == 0
+    assert value(parsed, "ksana_llm:e2e_request_latency_seconds_count") == 1
+
+
 def test_gauges_reflect_engine_stats(engine, outputs):
     metrics = ServerMetrics(engine, model_name=MODEL)
     parsed = samples(metrics.render()[0].decode())

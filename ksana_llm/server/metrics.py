@@ -266,8 +266,10 @@ class ServerMetrics:
         if queue_time is not None:
             self.queue_time.observe(max(0.0, queue_time))
         steps = len(output.token_ids)  # sequence 0: the sequences decode side by side
-        if ttft is not None and latency is not None and steps > 1:
-            self.tpot.observe(max(0.0, latency - ttft) / (steps - 1))
+        # Tokens that all came at once (beam search and best_of answer at the end) tell no time
+        # per token: a 0 would only drag the histogram down.
+        if ttft is not None and latency is not None and steps > 1 and latency > ttft:
+            self.tpot.observe((latency - ttft) / (steps - 1))
 
     def count_failure(self, reason: str) -> None:
         """Count a request that was refused or failed; unknown reasons count as "other"."""
