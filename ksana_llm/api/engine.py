@@ -7,12 +7,9 @@ the core. Requests cross over through a small locked inbox, outputs come back th
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
 import logging
 import os
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -23,6 +20,7 @@ import torch
 
 from ksana_llm.api.chat import ChatMixin
 from ksana_llm.api.core_builder import build_core
+from ksana_llm.api.exit_hook import ExitHook
 from ksana_llm.api.forward_calls import ForwardCalls
 from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
@@ -182,12 +180,7 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
             freeze_startup_heap()
         self._thread = threading.Thread(target=self._loop, name="ksana-llm-engine", daemon=True)
         self._thread.start()
-        # A script that ends without shutdown() must not end inside a step: the interpreter
-        # would tear the daemon thread down mid-forward and the process abort (torch's threads:
-        # "terminate called without an active exception"). atexit runs before that; the hook
-        # holds the engine weakly, so an engine dropped early is still freed.
-        self._stop_at_exit = functools.partial(_shutdown_if_alive, weakref.ref(self))
-        atexit.register(self._stop_at_exit)
+        self._exit_hook = ExitHook(self)  # a script may end without shutdown(), mid-step
 
     @property
     def kv_layout(self) -> KvLayout | None:
@@ -308,7 +301,7 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the step loop; unfinished requests fail with EngineDeadError. In a parallel run
         the worker ranks are told to stop too."""
-        atexit.unregister(self._stop_at_exit)
+        self._exit_hook.cancel()
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -449,10 +442,3 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
             future.set_exception(error)
         for handle in pending:
             handle.fail(error)
-
-
-def _shutdown_if_alive(engine: weakref.ref[Engine]) -> None:
-    """The exit hook of an engine not shut down by its user (see `Engine.__init__`)."""
-    alive = engine()
-    if alive is not None:
-        alive.shutdown()
