@@ -103,6 +103,22 @@ def test_gauges_reflect_engine_stats(engine, outputs):
     assert value(parsed, "ksana_llm:num_preemptions_total") == stats.num_preemptions
 
 
+def test_prefix_cache_token_counters(engine):
+    """vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up and found, from
+    the engine's own lookups; their ratio is the hit-rate gauge."""
+    prompt = "A long shared instruction prefix that the cache keeps between requests: " * 3
+    for _ in range(2):
+        engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=1), use_tqdm=False)
+    metrics = ServerMetrics(engine, model_name=MODEL)
+    parsed = samples(metrics.render()[0].decode())
+    stats = engine.stats()
+    queries = value(parsed, "ksana_llm:prefix_cache_queries_total")
+    hits = value(parsed, "ksana_llm:prefix_cache_hits_total")
+    assert (queries, hits) == (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits)
+    assert hits >= len(engine.tokenizer.encode(prompt)) // 16 * 16 - 16 > 0  # the second lookup
+    assert hits / queries == pytest.approx(value(parsed, "ksana_llm:prefix_cache_hit_rate"))
+
+
 def test_gauges_are_read_at_scrape_time():
     state = {"stats": EngineStats(3, 2, 1, 0.5, 64, 32, 7, 0.25, 0, 12.5, None, None, None, None)}
     metrics = ServerMetrics(model_name=MODEL)

@@ -54,6 +54,10 @@ class EngineStats:
     # not), and tokens it generated (throughput over any interval: the difference of two).
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Since the engine started: prompt tokens looked up in the prefix cache, and those found
+    # (vLLM's prefix_cache_queries / prefix_cache_hits; their ratio is prefix_cache_hit_rate).
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -128,7 +132,9 @@ class StatsTracker:
             running_lora_adapters=_names(core.running_lora_ids, lora_names),
             waiting_lora_adapters=_names(core.waiting_lora_ids, lora_names),
             num_lora_slot_loads=core.num_lora_loads, num_prompt_tokens=core.num_prompt_tokens,
-            num_generation_tokens=num_generated)
+            num_generation_tokens=num_generated,
+            num_prefix_cache_queries=core.prefix_cache_queries,
+            num_prefix_cache_hits=core.prefix_cache_hits)
 
 
 def _names(lora_ids: tuple[int, ...], names: dict[int, str] | None) -> tuple[str, ...]:

@@ -36,7 +36,8 @@ Series (all carry the label `model_name`):
   `ksana_llm:num_free_kv_blocks`, `ksana_llm:avg_generation_throughput_toks_per_s`, and with
   LoRA slots vLLM's info gauge `ksana_llm:lora_requests_info{max_lora, running_lora_adapters,
   waiting_lora_adapters}` (comma-separated adapter names; the value is the scrape time)
-- counters `ksana_llm:num_preemptions_total`, `ksana_llm:spec_decode_num_draft_tokens_total`,
+- counters `ksana_llm:num_preemptions_total`, `ksana_llm:prefix_cache_queries_total`,
+  `ksana_llm:prefix_cache_hits_total` (prompt tokens), `ksana_llm:spec_decode_num_draft_tokens_total`,
   `ksana_llm:spec_decode_num_accepted_tokens_total`,
   `ksana_llm:kv_transfer_imported_tokens_total`, `ksana_llm:kv_transfer_exported_tokens_total`
   (from the engine),
@@ -135,6 +136,10 @@ class _EngineCollector(Collector):
         )
         counters = (
             ("num_preemptions", "Preemptions since start.", stats.num_preemptions),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.num_prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.num_prefix_cache_hits),
             ("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
              stats.num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
