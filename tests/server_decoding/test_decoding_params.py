@@ -368,13 +368,16 @@ def test_request_id_names_the_response(server, client, model):
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
                                             stream=True, extra_body={"request_id": "trace-43"}))
     assert {c.id for c in chunks} == {"cmpl-trace-43"}
-    # Long enough to be running still when the clash arrives on a loaded machine (a CI run
-    # once saw the clash accepted with 400 tokens; cause not pinned down); the stream is closed
-    # early anyway, which aborts it.
+    # Long enough to be running still when the clash arrives; the stream is closed early
+    # anyway, which aborts it.
     long = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
             "stream": True, "request_id": "busy"}
     with httpx.stream("POST", server.base_url + "/completions", json=long, timeout=60) as r:
-        first = next(r.iter_lines())
+        # The line iterator is kept: one dropped at once closes the connection (httpx closes its
+        # stream with the generator), which the server rightly takes as the client gone, and
+        # the id would be free again before the clash arrived.
+        lines = r.iter_lines()
+        first = next(lines)
         assert r.status_code == 200 and first.startswith("data: {"), first  # running now
         clash = httpx.post(server.base_url + "/completions", timeout=60,
                            json={**long, "stream": False, "max_tokens": 2})
