@@ -6,6 +6,7 @@ gone, 401, 413)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import ksana_llm as kt
 from ksana_llm.api.outputs import RequestMetrics, RequestOutput
 from ksana_llm.api.stats import EngineStats
-from ksana_llm.server.metrics import FAILURE_REASONS, ServerMetrics, mount
+from ksana_llm.server.metrics import FAILURE_REASONS, ServerMetrics, mount, token_buckets
 from tests.server_process import ServerProcess
 
 MODEL = "smollm2"
@@ -76,6 +77,81 @@ def test_counters_and_histograms_match_real_requests(engine, outputs):
         sum(o.metrics.ttft for o in outputs))
     # TPOT needs two tokens: the 1-token request has none.
     assert value(parsed, "ksana_llm:request_time_per_output_token_seconds_count") == 2
+    # vLLM's per-request token histograms and phase times, from the same outputs.
+    assert value(parsed, "ksana_llm:request_prompt_tokens_sum") == sum(
+        len(o.prompt_token_ids) for o in outputs)
+    assert value(parsed, "ksana_llm:request_generation_tokens_sum") == 9
+    assert value(parsed, "ksana_llm:request_generation_tokens_bucket", le="2.0") == 1  # the 1
+    assert value(parsed, "ksana_llm:request_max_num_generation_tokens_sum") == 9
+    phases = {"request_prefill_time_seconds": lambda m: m.first_token_time - m.first_scheduled_time,
+              "request_decode_time_seconds": lambda m: m.finished_time - m.first_token_time,
+              "request_inference_time_seconds": lambda m: m.finished_time - m.first_scheduled_time}
+    for name, span in phases.items():
+        assert value(parsed, f"ksana_llm:{name}_count") == n, name
+        assert value(parsed, f"ksana_llm:{name}_sum") == pytest.approx(
+            sum(span(o.metrics) for o in outputs)), name
+    # Without the requests' configs there is nothing to say of their parameters.
+    assert value(parsed, "ksana_llm:request_params_n_count") == 0
+
+
+def test_request_parameters_and_longest_sequence(engine):
+    """request_params_n / request_params_max_tokens from the request's config, and
+    request_max_num_generation_tokens from its longest returned sequence (a stop string may end
+    one sample early)."""
+    config = kt.GenerationConfig(max_new_tokens=6, num_return_sequences=3, do_sample=True,
+                                 seed=3, stop=["."])
+    out = engine.generate_outputs("Tell me a story", config, use_tqdm=False)[0]
+    lengths = [len(seq.token_ids) for seq in out.sequences]
+    metrics = ServerMetrics(engine, model_name=MODEL)
+    metrics.observe_finished(out, config=config)
+    parsed = samples(metrics.render()[0].decode())
+    assert value(parsed, "ksana_llm:request_params_n_count") == 1
+    assert value(parsed, "ksana_llm:request_params_n_sum") == 3
+    assert value(parsed, "ksana_llm:request_params_n_bucket", le="2.0") == 0
+    assert value(parsed, "ksana_llm:request_params_n_bucket", le="5.0") == 1
+    assert value(parsed, "ksana_llm:request_params_max_tokens_sum") == 6
+    assert value(parsed, "ksana_llm:request_generation_tokens_sum") == sum(lengths)
+    assert value(parsed, "ksana_llm:request_max_num_generation_tokens_sum") == max(lengths)
+
+
+def test_token_buckets_are_vllms_1_2_5_series_up_to_the_model_length():
+    assert token_buckets(1) == (1,)
+    assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert token_buckets(2048) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    metrics = ServerMetrics(model_name=MODEL, max_model_len=600)
+    parsed = samples(metrics.render()[0].decode())
+    bounds = {dict(labels).get("le") for (name, labels) in parsed
+              if name == "ksana_llm:request_prompt_tokens_bucket"}
+    assert bounds == {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0",
+                      "+Inf"}
+
+
+def test_iteration_tokens_count_each_step_of_the_engine(engine):
+    """vLLM's iteration_tokens_total: one observation per engine step, of the tokens it
+    computed. One request alone: its prompt in one step, then one token a step; the last
+    sampled token is never computed."""
+    before = engine.stats().iteration_tokens
+    out = engine.generate_outputs("Count: one, two, three,", kt.GenerationConfig(
+        max_new_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    after = engine.stats().iteration_tokens
+    prompt = len(out.prompt_token_ids)
+    assert after.count - before.count == 5
+    assert after.sum - before.sum == prompt + 4
+    grew = [b - a for a, b in zip(before.counts, after.counts)]
+    one = after.buckets.index(1)
+    assert grew[one] == 4  # the decode steps
+    prefill_bucket = next(i for i, bound in enumerate(after.buckets) if prompt <= bound)
+    assert grew[prefill_bucket] == 1 and sum(grew) == 5
+    metrics = ServerMetrics(engine, model_name=MODEL)
+    parsed = samples(metrics.render()[0].decode())
+    stats = engine.stats().iteration_tokens
+    assert value(parsed, "ksana_llm:iteration_tokens_total_count") == stats.count
+    assert value(parsed, "ksana_llm:iteration_tokens_total_sum") == stats.sum
+    assert value(parsed, "ksana_llm:iteration_tokens_total_bucket", le="1.0") == stats.counts[0]
+    assert value(parsed, "ksana_llm:iteration_tokens_total_bucket", le="+Inf") == stats.count
+    # /v1/stats serves as_dict() as JSON: the histogram as plain lists.
+    shown = json.loads(json.dumps(engine.stats().as_dict()))["iteration_tokens"]
+    assert sum(shown["counts"]) == stats.count and shown["buckets"] == list(stats.buckets)
 
 
 def test_beams_that_arrive_at_once_give_no_time_per_token(engine):
@@ -378,6 +454,27 @@ def test_waiting_timeout_counts_as_timeout_streamed_or_not(server):
     assert delta(before, after, "request_failure_total", reason="timeout") == 2
     assert delta(before, after, "request_failure_total", reason="engine_error") == 0
     only_the_holder_finished(before, after)
+
+
+def test_server_records_request_parameters_and_engine_steps(server):
+    """The server hands each engine request's config to the metrics: n and max_tokens as
+    asked; the generated-token histogram agrees with the usage the client got."""
+    before = scrape(server)
+    body = {"prompt": "Once upon a time", "max_tokens": 4, "n": 1, "ignore_eos": True}
+    answer = httpx.post(server.base_url + "/completions", json=body, headers=AUTH, timeout=60)
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    time.sleep(0.2)  # the finished output reaches the metrics right after the step
+    after = scrape(server)
+    assert delta(before, after, "request_params_n_count") == 1
+    assert delta(before, after, "request_params_n_bucket", le="1.0") == 1
+    assert delta(before, after, "request_params_max_tokens_sum") == 4
+    assert delta(before, after, "request_prompt_tokens_sum") == usage["prompt_tokens"]
+    assert delta(before, after, "request_generation_tokens_sum") == usage["completion_tokens"]
+    assert usage["completion_tokens"] == 4
+    # Alone on the server (one sequence slot): a prefill step and three decode steps.
+    assert delta(before, after, "iteration_tokens_total_count") == 4
+    assert delta(before, after, "iteration_tokens_total_sum") == usage["prompt_tokens"] + 3
 
 
 def test_401_and_413_are_counted(server):

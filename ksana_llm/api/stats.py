@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ksana_llm.api.outputs import RequestOutput
 from ksana_llm.engine.core import CoreStats
+from ksana_llm.engine.step_histogram import HistogramSnapshot
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -58,6 +59,9 @@ class EngineStats:
     # (vLLM's prefix_cache_queries / prefix_cache_hits; their ratio is prefix_cache_hit_rate).
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    # Since the engine started: how many tokens each step computed (prompt chunks, decode
+    # tokens and drafts of every scheduled sequence), in ITERATION_TOKEN_BUCKETS.
+    iteration_tokens: HistogramSnapshot | None = None
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -67,7 +71,10 @@ class EngineStats:
         return self.num_accepted_draft_tokens / self.num_draft_tokens
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "draft_acceptance_rate": self.draft_acceptance_rate}
+        """Plain JSON-able values (the iteration histogram as its buckets, counts and sum)."""
+        iteration = self.iteration_tokens
+        return {**self.__dict__, "draft_acceptance_rate": self.draft_acceptance_rate,
+                "iteration_tokens": None if iteration is None else asdict(iteration)}
 
 
 class StatsTracker:
@@ -134,7 +141,8 @@ class StatsTracker:
             num_lora_slot_loads=core.num_lora_loads, num_prompt_tokens=core.num_prompt_tokens,
             num_generation_tokens=num_generated,
             num_prefix_cache_queries=core.prefix_cache_queries,
-            num_prefix_cache_hits=core.prefix_cache_hits)
+            num_prefix_cache_hits=core.prefix_cache_hits,
+            iteration_tokens=core.iteration_tokens)
 
 
 def _names(lora_ids: tuple[int, ...], names: dict[int, str] | None) -> tuple[str, ...]:

@@ -48,6 +48,7 @@ from ksana_llm.engine.sampling_steps import SamplingSteps
 from ksana_llm.engine.scheduler import (QueueTimeoutError, ScheduledSequence, Scheduler,
                                         SchedulerConfig, SchedulerOutput)
 from ksana_llm.engine.speculative_steps import SpeculativeSteps
+from ksana_llm.engine.step_histogram import HistogramSnapshot, StepHistogram
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
 from ksana_llm.runner.slices import PromptLogprobTargets
 from ksana_llm.runner.sampler import Sampler, make_generator
@@ -78,6 +79,7 @@ class CoreStats:
     waiting_lora_ids: tuple[int, ...] = ()
     num_lora_loads: int = 0  # adapters copied into a device slot so far
     num_prompt_tokens: int = 0  # prompt tokens computed so far (cache hits and imports not)
+    iteration_tokens: HistogramSnapshot | None = None  # tokens computed per step (drafts too)
 
 
 def _lora_ids(*queues: list[Sequence]) -> tuple[int, ...]:
@@ -120,6 +122,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
         self.num_prompt_tokens = 0  # prompt tokens computed so far (see _count_prompt_tokens)
+        self.iteration_tokens = StepHistogram()
         self._init_exports()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                          self.num_draft_tokens, self.num_accepted_draft_tokens,
                          s.num_imported_kv_tokens, self.num_exported_kv_tokens,
                          _lora_ids(s.running), _lora_ids(s.waiting, s.swapped), s.num_lora_loads,
-                         self.num_prompt_tokens)
+                         self.num_prompt_tokens, self.iteration_tokens.snapshot())
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:
@@ -234,12 +237,16 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                                                plan.copy_blocks,
                                                self._pending_inputs(plan.scheduled),
                                                plan.kv_imports, plan.lora_loads))
+        num_step_tokens = 0
         for item in plan.scheduled:
+            num_step_tokens += item.num_new_tokens
             if item.seq.num_prompt_tokens_counted < len(item.seq.prompt_token_ids):
                 self._count_prompt_tokens(item.seq, item.num_new_tokens)
             # Drafts count once verified (`_verify`).
             item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
             self.block_manager.cache_full_blocks(item.seq)
+        if num_step_tokens:
+            self.iteration_tokens.observe(num_step_tokens)
         sampled = [plan.scheduled[i].seq for i in result.sampled]
         logit_rows = self._logit_rows(slices, result.sampled)
         beams = [i for i, s in enumerate(sampled) if s.group.beam is not None]

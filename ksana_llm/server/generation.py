@@ -187,12 +187,14 @@ class ChoiceSet:
     @classmethod
     def submit(cls, engine: Engine, base_id: str,
                jobs: list[tuple[list[int] | dict[str, Any], GenerationConfig]],
-               observer: Callable[[], Callable[[RequestOutput], None]] | None = None,
+               observer: Callable[[GenerationConfig], Callable[[RequestOutput], None]]
+               | None = None,
                request_fields: dict[str, Any] | None = None,
                request_log: RequestLog | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
 
-        `observer()` makes one callback per engine request; it sees every output of that request
+        `observer(config)` makes one callback per engine request (given its generation config); it
+        sees every output of that request
         on the engine thread (per-token metrics, and the finished request). `request_fields`:
         more `Request` fields for every job (KV transfer). `request_log`: --enable-log-requests.
         """
@@ -205,7 +207,7 @@ class ChoiceSet:
                                           (request_fields or {}).get("lora"))
                 choices.handles.append(engine.submit(
                     Request.of(prompt, config, request_id=f"{base_id}-{i}",
-                               callback=choices._observed(observer, request_log),
+                               callback=choices._observed(observer, config, request_log),
                                **(request_fields or {})),
                     loop=loop))
         except (QueueFullError, EngineDeadError, ValueError) as exc:
@@ -218,12 +220,13 @@ class ChoiceSet:
             raise
         return choices
 
-    def _observed(self, observer: Callable[[], Callable[[RequestOutput], None]] | None,
+    def _observed(self, observer: Callable[[GenerationConfig], Callable[[RequestOutput], None]]
+                  | None, config: GenerationConfig,
                   request_log: RequestLog | None = None
                   ) -> Callable[[RequestOutput], None] | None:
-        """The engine request's callback: `observer()`'s, and the finished output's log line
+        """The engine request's callback: `observer(config)`'s, and the finished output's log line
         (--enable-log-outputs); silenced once the set is refused."""
-        inner = observer() if observer is not None else None
+        inner = observer(config) if observer is not None else None
         log = request_log if request_log is not None and request_log.outputs else None
         if inner is None and log is None:
             return None

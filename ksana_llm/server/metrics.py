@@ -46,7 +46,16 @@ Series (all carry the label `model_name`):
   `ksana_llm:request_failure_total{reason}`
 - histograms (seconds) `ksana_llm:time_to_first_token_seconds`,
   `ksana_llm:inter_token_latency_seconds` (streamed chunks), `ksana_llm:e2e_request_latency_seconds`,
-  `ksana_llm:request_queue_time_seconds`, `ksana_llm:request_time_per_output_token_seconds`
+  `ksana_llm:request_queue_time_seconds`, `ksana_llm:request_time_per_output_token_seconds`,
+  `ksana_llm:request_prefill_time_seconds` (first scheduled -> first token),
+  `ksana_llm:request_decode_time_seconds` (first token -> last),
+  `ksana_llm:request_inference_time_seconds` (first scheduled -> last token)
+- histograms (tokens; 1-2-5 buckets up to the model length) `ksana_llm:request_prompt_tokens`,
+  `ksana_llm:request_generation_tokens`, `ksana_llm:request_max_num_generation_tokens`,
+  `ksana_llm:request_params_max_tokens`, and `ksana_llm:request_params_n` (1, 2, 5, 10, 20): per
+  finished request, the token ones only for requests that were scheduled, the params ones when
+  the server gave the request's config; `ksana_llm:iteration_tokens_total`, the tokens each engine
+  step computed (from the engine, at scrape time)
 """
 
 from __future__ import annotations
@@ -60,13 +69,15 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from ksana_llm.api.engine import Engine
     from ksana_llm.api.outputs import RequestOutput
     from ksana_llm.api.stats import EngineStats
+    from ksana_llm.generation_config import GenerationConfig
 
 __all__ = ["DEFAULT_PREFIX", "FAILURE_REASONS", "FINISH_REASONS", "ServerMetrics", "TokenTimer",
            "check_prefix", "mount"]
@@ -88,7 +99,25 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# vLLM's for request_params_n.
+N_BUCKETS = (1, 2, 5, 10, 20)
+# Token counts without a model length to scale to (an app built without an engine).
+DEFAULT_MAX_MODEL_LEN = 8192
+
 StatsSource = Callable[[], "EngineStats"]
+
+
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's buckets for per-request token counts:
+    prompt and generated tokens, max_tokens)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_value:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
 
 
 def check_prefix(prefix: str) -> str:
@@ -154,6 +183,13 @@ class _EngineCollector(Collector):
                 family = kind(self.prefix + name, doc, labels=["model_name"])
                 family.add_metric(labels, float(value))
                 yield family
+        if stats.iteration_tokens is not None:
+            steps = HistogramMetricFamily(self.prefix + "iteration_tokens_total",
+                                          "Tokens computed per engine step.",
+                                          labels=["model_name"])
+            steps.add_metric(labels, stats.iteration_tokens.cumulative(),
+                             stats.iteration_tokens.sum)
+            yield steps
         if stats.max_loras:
             # vLLM's info gauge (the labels carry the data; the value is the scrape time), which
             # LoRA-aware routers read to send requests where their adapter already runs.
@@ -202,8 +238,11 @@ class ServerMetrics:
     """
 
     def __init__(self, engine: Engine | None = None, *, model_name: str = "ksana_llm",
-                 prefix: str = DEFAULT_PREFIX) -> None:
+                 prefix: str = DEFAULT_PREFIX, max_model_len: int | None = None) -> None:
+        """`max_model_len` (default: the engine's) bounds the token-count histograms' buckets."""
         check_prefix(prefix)
+        if max_model_len is None:
+            max_model_len = getattr(engine, "max_model_len", None) or DEFAULT_MAX_MODEL_LEN
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self._engine_collector = _EngineCollector(model_name, prefix)
@@ -244,6 +283,27 @@ class ServerMetrics:
                                     REQUEST_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds",
                               "Per request: (latency - TTFT) / (generated tokens - 1).", ITL_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Seconds from first scheduled to the first token.",
+                                      REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Seconds from the first token to the last.", REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Seconds from first scheduled to the last token.",
+                                        REQUEST_BUCKETS)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Prompt tokens per finished request.", tokens)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Generated tokens per finished request (every returned sequence).", tokens)
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Generated tokens of a finished request's longest sequence.", tokens)
+        self.request_params_n = histogram("request_params_n",
+                                          "The n parameter of finished requests.", N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens parameter of finished requests.", tokens)
 
     def bind(self, engine: Engine | StatsSource) -> None:
         """Read gauges from this engine (or any zero-argument callable returning EngineStats)."""
@@ -254,12 +314,30 @@ class ServerMetrics:
         """A fresh inter-token clock for one streaming request."""
         return TokenTimer(self.itl)
 
-    def observe_finished(self, output: RequestOutput, queue_time: float | None = None) -> None:
-        """Record one request the engine returned (any finish reason, including "abort")."""
+    def observe_finished(self, output: RequestOutput, queue_time: float | None = None,
+                         config: GenerationConfig | None = None) -> None:
+        """Record one request the engine returned (any finish reason, including "abort");
+        `config`, its generation settings, feeds the request_params_* series."""
         # Every returned sequence counts (n > 1, beams), as the usage the client sees does.
-        num_generated = sum(len(seq.token_ids) for seq in output.sequences)
-        if output.metrics.first_scheduled_time is not None:  # aborted while waiting: no prefill
+        lengths = [len(seq.token_ids) for seq in output.sequences]
+        num_generated = sum(lengths)
+        timing = output.metrics
+        if timing.first_scheduled_time is not None:  # aborted while waiting: no prefill
             self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+            self.request_generation_tokens.observe(num_generated)
+            self.request_max_generation_tokens.observe(max(lengths, default=0))
+            if timing.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, timing.first_token_time
+                                              - timing.first_scheduled_time))
+            if timing.finished_time is not None:
+                self.inference_time.observe(max(0.0, timing.finished_time
+                                                - timing.first_scheduled_time))
+            if timing.first_token_time is not None and timing.finished_time is not None:
+                self.decode_time.observe(max(0.0, timing.finished_time - timing.first_token_time))
+        if config is not None:
+            self.request_params_n.observe(config.num_return_sequences)
+            self.request_params_max_tokens.observe(config.max_new_tokens)
         self.generation_tokens.inc(num_generated)
         reason = output.finish_reason if output.finish_reason in FINISH_REASONS else "abort"
         self._success.labels(self.model_name, reason).inc()

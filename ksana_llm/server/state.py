@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from ksana_llm.api.engine import Engine
+from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.chat import ChatTemplate
 from ksana_llm.server.errors import engine_unavailable, model_not_found, no_tokenizer
 from ksana_llm.server.event_log import EventLog
@@ -72,9 +73,11 @@ class ServerState:
         is a cache hit when the engine compiles it again at submit."""
         return self.engine.grammar_compiler
 
-    def request_observer(self) -> Callable[[Any], None] | None:
+    def request_observer(self, config: GenerationConfig | None = None
+                         ) -> Callable[[Any], None] | None:
         """A callback for one engine request (None without metrics): it times the gaps between
-        tokens as the engine produces them, streaming or not, and records the finished request."""
+        tokens as the engine produces them, streaming or not, and records the finished request
+        (with `config`, its generation settings)."""
         metrics = self.metrics
         if metrics is None:
             return None
@@ -87,7 +90,7 @@ class ServerState:
                 seen = len(output.token_ids)
                 timer.tick()
             if output.finished and output.error is None:  # a failure is counted where seen
-                metrics.observe_finished(output, output.metrics.queue_time)
+                metrics.observe_finished(output, output.metrics.queue_time, config)
 
         return observe
 
