@@ -31,7 +31,7 @@ from ksana_llm.server.embedding_protocol import (MAX_EMBEDDING_INPUTS, Embedding
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import run_forward
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, checked_priority, parse_body
-from ksana_llm.server.params import prompt_token_lists, truncated_prompt
+from ksana_llm.server.params import context_length_exceeded, prompt_token_lists, truncated_prompt
 from ksana_llm.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -55,11 +55,8 @@ def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | No
     cut = [truncated_prompt(ids, keep, state.limits.max_model_len) for ids in prompts]
     longest = max(map(len, cut), default=0)
     if longest > state.limits.max_model_len:  # (a forward pass may fill the whole context)
-        raise bad_request(
-            f"This model's maximum context length is {state.limits.max_model_len} tokens. "
-            f"However, your {field} resulted in {longest} tokens. Please reduce the length of "
-            f"the {field}, or set truncate_prompt_tokens.", param=field,
-            code="context_length_exceeded")
+        raise context_length_exceeded(state.limits.max_model_len, longest, field,
+                                      ", or set truncate_prompt_tokens")
     return cut
 
 

@@ -129,6 +129,16 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+def context_length_exceeded(max_model_len: int, prompt_len: int, prompt_param: str,
+                            remedy: str = "") -> APIError:
+    """OpenAI's 400 (code context_length_exceeded) for a prompt of `prompt_len` tokens that
+    does not fit the model's context; `remedy` ends the advice (", or set ...")."""
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"{prompt_param} resulted in {prompt_len} tokens. Please reduce the length of the "
+        f"{prompt_param}{remedy}.", param=prompt_param, code="context_length_exceeded")
+
+
 def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits,
                        prompt_param: str, default: int | None = None) -> int:
     """The completion budget: as asked when it fits the context, else 400; by default `default`
@@ -137,10 +147,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ModelLimi
     room = limits.max_model_len - prompt_len
     if requested is None:
         if room < 1:
-            raise bad_request(
-                f"This model's maximum context length is {limits.max_model_len} tokens. However, "
-                f"your {prompt_param} resulted in {prompt_len} tokens. Please reduce the length of "
-                f"the {prompt_param}.", param=prompt_param, code="context_length_exceeded")
+            raise context_length_exceeded(limits.max_model_len, prompt_len, prompt_param)
         return room if default is None else min(room, default)
     if requested > room:
         raise bad_request(
