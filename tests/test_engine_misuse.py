@@ -331,10 +331,12 @@ def test_an_asyncio_handle_is_not_read_blocking(engine):
 
 def test_a_text_stream_of_several_sequences_is_refused_not_cut_to_one(engine):
     """generate(stream=True) and stream_async carry one sequence's text: a request for n > 1
-    would lose the others unseen, so it is a ValueError naming the field (the request
-    aborted); deltas() streams them all."""
+    would lose the others unseen, so it is a ValueError naming the field, before anything is
+    queued; deltas() streams them all."""
     config = kt.GenerationConfig(max_new_tokens=4, num_return_sequences=2, do_sample=True,
                                  seed=1)
+    assert _idle(engine)
+    finished = engine.stats().num_finished
     with pytest.raises(ValueError, match=r"num_return_sequences: .*\.deltas\(\)"):
         engine.generate(PROMPT, config, stream=True)
 
@@ -345,6 +347,7 @@ def test_a_text_stream_of_several_sequences_is_refused_not_cut_to_one(engine):
 
     asyncio.run(main())
     assert _idle(engine)
+    assert engine.stats().num_finished == finished  # not even queued and aborted
     by_index = {0: "", 1: ""}
     handle = engine.submit(kt.Request(PROMPT, config))
     for delta in handle.deltas():

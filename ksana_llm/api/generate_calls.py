@@ -117,26 +117,24 @@ class GenerateCalls:
                 raise ValueError("generation_config: stream=True takes one config")
             if isinstance(lora, (list, tuple)):
                 raise ValueError("lora: stream=True takes one adapter name")
-            return self._text_deltas(self.submit(Request.of(prompts, generation_config,
-                                                            lora=lora)))
+            return TextStream(self._submit_text_stream(
+                Request.of(prompts, generation_config, lora=lora)), self.abort)
         outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
         return outputs[0].text if single else [o.text for o in outputs]
 
-    def _text_deltas(self, handle: RequestHandle) -> Iterator[str]:
-        """The request's text deltas (see `TextStream`)."""
-        self._check_one_text_stream(handle)
-        return TextStream(handle, self.abort)
-
-    def _check_one_text_stream(self, handle: RequestHandle) -> None:
-        """A text stream carries one sequence: a request for several must not lose the rest
-        unseen (aborted, and a ValueError saying where they are streamed)."""
-        n = handle.config.num_return_sequences
+    def _submit_text_stream(self, request: Request,
+                            loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Submit a request whose text is streamed. A text stream carries one sequence: a
+        request for several is refused before it is queued (a ValueError saying where they
+        are streamed), as the rest would be lost unseen."""
+        seq, plugin_info = self._requests.sequence(request, self.generation_config)
+        n = seq.config.num_return_sequences
         if n > 1:
-            self.abort(handle.id)
             raise ValueError(f"num_return_sequences: a text stream carries one sequence, and "
                              f"this request returns {n}; stream them all with "
                              "submit(request).deltas() (adeltas() for asyncio), each delta "
                              "tagged with its sequence index")
+        return self._enqueue(seq, request.callback, loop, plugin_info)
 
     async def generate_async(self, prompt: Prompt | Request,
                              generation_config: GenerationConfig | None = None) -> str:
@@ -155,8 +153,7 @@ class GenerateCalls:
     async def stream_async(self, prompt: Prompt | Request,
                            generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
         request = prompt if isinstance(prompt, Request) else Request.of(prompt, generation_config)
-        handle = self.submit(request, loop=asyncio.get_running_loop())
-        self._check_one_text_stream(handle)
+        handle = self._submit_text_stream(request, asyncio.get_running_loop())
         finished = False
         try:
             async for delta in handle.astream():
