@@ -19,3 +19,16 @@ def engine_fixture(**engine_args: Any):
             yield built
 
     return engine
+
+
+def wait_until_idle(engine: Any, timeout: float = 60.0) -> bool:
+    """Whether `engine` has nothing running or waiting within `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return True
+        time.sleep(0.05)
+    return False
