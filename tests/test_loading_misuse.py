@@ -158,6 +158,32 @@ def test_a_model_without_a_tokenizer_takes_token_ids_and_says_so_for_text(tiny_f
         assert len(out[0].token_ids) == 3
 
 
+def test_an_empty_tokenizer_transformers_builds_is_no_tokenizer(tmp_path):
+    """transformers builds an empty tokenizer (one special token, no vocabulary) for a Qwen2
+    folder without tokenizer files, where it fails for Llama's: every text would be zero
+    tokens, and a zero-token prompt once failed the step and killed the engine."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path / "qwen2"
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 vocab_size=VOCAB)).save_pretrained(folder)
+    empty = AutoTokenizer.from_pretrained(folder)
+    assert empty.encode("hello", add_special_tokens=False) == []  # what made it dangerous
+    model = _load(folder)
+    assert model.tokenizer is None  # text prompts get the "no tokenizer" ValueError
+    with pytest.raises(ValueError, match="tokenizer: .* no usable tokenizer"):
+        kt.Engine(model, num_device_blocks=16, tokenizer=str(folder))
+    # Given as an object, it is taken as it is: a text it makes nothing of fails alone.
+    with kt.Engine(model, num_device_blocks=16, tokenizer=empty) as engine:
+        with pytest.raises(ValueError, match="prompt: it is no tokens"):
+            engine.generate("hello")
+        out = engine.generate_outputs([1, 2, 3], kt.GenerationConfig(max_new_tokens=3,
+                                                                     ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 3 and engine.is_running
+
+
 def test_load_settings_given_with_a_loaded_model_must_match_it(tiny_folder):
     model = _load(tiny_folder)
     for setting in ({"dtype": "bfloat16"}, {"quantization": "fp8"}, {"tensor_parallel_size": 2},

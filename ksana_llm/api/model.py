@@ -100,11 +100,27 @@ def _load_tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # noqa: BLE001 - a broken tokenizer file fails in many ways
         logger.warning("no usable tokenizer in %s (%s: %s); pass one to Engine(tokenizer=...)",
                        model_dir, type(exc).__name__, exc)
         return None
+    if not _tokenizes_text(tokenizer):
+        logger.warning("no usable tokenizer in %s (the one transformers built there has no "
+                       "vocabulary: no tokenizer files?); pass one to Engine(tokenizer=...)",
+                       model_dir)
+        return None
+    return tokenizer
+
+
+def _tokenizes_text(tokenizer: Any) -> bool:
+    """Whether `tokenizer` turns plain text into tokens. transformers builds an empty tokenizer
+    (one special token, no vocabulary) for some folders without tokenizer files instead of
+    failing; every text prompt would then be zero tokens."""
+    try:
+        return bool(tokenizer.encode("Hello world", add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode is no more usable
+        return False
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
@@ -131,6 +147,9 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
     except Exception as exc:  # noqa: BLE001 - a broken folder fails in many ways
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path} "
                          f"({type(exc).__name__}: {exc})") from exc
+    if not _tokenizes_text(tokenizer):
+        raise ValueError(f"tokenizer: {path} holds no usable tokenizer (text encodes to no "
+                         "tokens: no tokenizer files?)")
     if len(tokenizer) > vocab_size:
         raise ValueError(f"tokenizer: {path} has {len(tokenizer)} tokens, more than the model's "
                          f"vocab_size {vocab_size}: it is not this model's tokenizer")

@@ -104,6 +104,11 @@ class RequestBuilder:
     def _check_token_ids(self, token_ids: list[int], prompt: Prompt) -> None:
         """Every id the model will embed must be in its vocabulary: an id past the embedding
         table would fail the whole step, and with it every request in the batch."""
+        if not token_ids:
+            # (A text prompt can get here: a whitespace-dropping tokenizer, a plugin.) An empty
+            # prompt has no position to sample from and would fail the whole step.
+            raise ValueError("prompt: it is no tokens (the tokenizer made none of the text); a "
+                             "prompt needs at least one token")
         vocab = self.model.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if not bad:
