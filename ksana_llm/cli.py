@@ -17,7 +17,9 @@ from ksana_llm import cli_args
 def _generation_config(args: argparse.Namespace):
     from ksana_llm.generation_config import GenerationConfig
 
-    sample = args.temperature is not None and args.temperature > 0
+    # 0 is greedy (vLLM's rule); any other value is checked by GenerationConfig, so a negative
+    # or NaN temperature is an error, not a quiet fall-back to greedy.
+    sample = args.temperature is not None and args.temperature != 0
     return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=sample,
                             temperature=args.temperature if sample else 1.0, top_p=args.top_p,
                             top_k=args.top_k, repetition_penalty=args.repetition_penalty,

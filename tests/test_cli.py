@@ -31,6 +31,8 @@ def test_chat_streams_and_keeps_history(default_model_dir):
 
 @pytest.mark.parametrize("args, needle", [
     (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),  # was greedy, silently
+    (["generate", "hi", "--temperature", "nan"], "temperature"),
     (["generate", "hi", "--model", "/nonexistent/model"], "/nonexistent/model"),
     # SmolLM2 has no MTP layer to draft with
     (["generate", "hi", "--num-speculative-tokens", "1", "--device", "cpu"],

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import ksana_llm as kt
+from ksana_llm.loader.default_model import default_model_gguf
 from ksana_llm.loader.load_format import dummy_weights
 from tests.family_harness import greedy_trace, hf_reference
 from tests.tiny_models import build_tiny_chat_model, build_tiny_model
@@ -85,7 +86,8 @@ def test_safetensors_or_pt_reads_only_those_files(tmp_path):
         model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
                                          load_format=load_format)
         assert _greedy(model, PROMPT)[0] == expected[which], load_format
-    with pytest.raises(FileNotFoundError, match="No pt weight files in .*load_format 'pt'"):
+    with pytest.raises(FileNotFoundError, match=r"No pt weight files in .*load_format 'pt'\): "
+                       r"expected pytorch_model\.bin or pytorch_model\.bin\.index\.json"):
         kt.Model.from_pretrained(_only_safetensors(folder, tmp_path), device="cpu",
                                  progress=False, load_format="pt")
 
@@ -103,6 +105,10 @@ def test_bad_load_formats_are_clear_errors(default_model_dir, default_model):
         kt.Model.from_pretrained(default_model_dir, load_format="safetensor")
     with pytest.raises(ValueError, match="load_format 'gguf' needs the path of a .gguf file"):
         kt.Model.from_pretrained(default_model_dir, load_format="gguf")
+    for folder_format in ("safetensors", "pt"):  # they read folders; 'auto' converts a GGUF
+        with pytest.raises(ValueError, match=f"load_format '{folder_format}' reads a model "
+                                             r"folder's .* is a GGUF file"):
+            kt.Model.from_pretrained(default_model_gguf(), load_format=folder_format)
     with pytest.raises(ValueError, match="load_format"):
         kt.EngineConfig(load_format="npcache")
     with pytest.raises(ValueError, match="load_format='dummy' applies while a model loads"):

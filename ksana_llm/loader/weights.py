@@ -84,7 +84,7 @@ def _weight_files(folder: Path, load_format: str = "auto") -> tuple[list[Path], 
     if loose:
         return loose, None
     if load_format in ("safetensors", "pt"):
-        single, index = kinds[0][0][1], kinds[0][0][0]
+        index, single = kinds[0]
         raise FileNotFoundError(f"No {load_format} weight files in {folder} (load_format "
                                 f"{load_format!r}): expected {single} or {index}")
     raise FileNotFoundError(
