@@ -72,10 +72,21 @@ def test_rope_scaling_metadata_reaches_the_config(tmp_path, arch, kind):
 
     path = tmp_path / f"{arch}.gguf"
     build(path, arch, T.Q8_0, True, 1e6, 1e-5, extra=scaling)
-    rope = json.loads((convert_gguf_to_hf(path) / "config.json").read_text())["rope_parameters"]
+    folder = convert_gguf_to_hf(path)
+    rope = json.loads((folder / "config.json").read_text())["rope_parameters"]
     assert rope["rope_type"] == kind and rope["factor"] == 4.0 and rope["rope_theta"] == 1e6
     if kind == "yarn":
         assert rope["original_max_position_embeddings"] == 128
+    # And the model runs with it, as transformers does on the converted folder: 300 tokens,
+    # past the original 128.
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = [1] + np.random.default_rng(1).integers(3, reference.config.vocab_size,
+                                                  size=299).tolist()
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(path, ids), want, atol=1e-4, rtol=1e-4)
 
 
 def gguf_scaling_type(kind: str):

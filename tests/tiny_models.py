@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 
 def deepseek_config(**overrides) -> DeepseekV3Config:
@@ -31,6 +31,12 @@ TINY_CONFIGS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 64}),
+    # YaRN, as Qwen2.5's model cards add it for long context: the test prompts (40 tokens)
+    # reach past the original 16 positions, and cos/sin carry the attention factor.
+    "qwen2-yarn": lambda: Qwen2Config(
+        **COMMON, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16}),
     "smollm-tied-mha": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 4},
                                            tie_word_embeddings=True),
     "yi-gqa4-bias": lambda: LlamaConfig(**{**COMMON, "num_attention_heads": 8,
@@ -50,6 +56,7 @@ TINY_CONFIGS = {
     "deepseek-v3": lambda: deepseek_config(max_position_embeddings=512),
 }
 MODEL_CLASSES = {LlamaConfig: LlamaForCausalLM, MistralConfig: MistralForCausalLM,
+                 Qwen2Config: Qwen2ForCausalLM,
                  Qwen3Config: Qwen3ForCausalLM, Qwen3MoeConfig: Qwen3MoeForCausalLM, DeepseekV3Config: DeepseekV3ForCausalLM}
 
 

@@ -28,6 +28,7 @@ from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear
                                        tp_all_gather_rows)
 from ksana_llm.layers.pipeline import PipelineGap, recv_hidden, send_hidden
 from ksana_llm.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from ksana_llm.layers.rotary_yarn import build_rotary
 from ksana_llm.models.llama_weights import LlamaWeightLoading
 
 logger = logging.getLogger("ksana_llm.model")
@@ -222,8 +223,8 @@ class LlamaModel(nn.Module):
         self.rotary_emb: RotaryEmbedding | None = None
         if use_rope:
             theta, scaling = rope_settings(config)
-            self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                              theta, scaling)
+            self.rotary_emb = build_rotary(head_dim_of(config), config.max_position_embeddings,
+                                           theta, scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, embedding_overrides: EmbeddingOverrides | None = None
