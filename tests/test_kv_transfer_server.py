@@ -253,6 +253,76 @@ def test_router_passes_client_errors_through(router):
     assert traced.headers["x-request-id"] == "trace-7"
 
 
+def test_a_prompt_with_no_room_for_the_completion_is_refused_before_its_prefill(
+        router, prefill):
+    """The router gives the prefill server the client's max_tokens as `decode_max_tokens`: a
+    prompt that fits alone but not with the completion is the client's 400, in the client's
+    numbers, and is never computed (nor its KV kept for a fetch that would never come)."""
+    limit = httpx.get(prefill.base_url + "/models").json()["data"][0]["max_model_len"]
+    prompt = [1000 + i % 500 for i in range(limit - 20)]
+    exported = _counter(prefill, "kv_transfer_exported_tokens")
+    before = httpx.get(router.url + "/health").json()
+    r = httpx.post(router.base_url + "/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 100})
+    error = _error(r, 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert f"({len(prompt)} in the prompt, 100 in the completion)" in error["message"]
+    after = httpx.get(router.url + "/health").json()
+    assert after["num_disaggregated"] == before["num_disaggregated"]
+    assert after["num_prefill_failures"] == before["num_prefill_failures"]
+    assert _counter(prefill, "kv_transfer_exported_tokens") == exported
+    # Asked of the prefill server directly: the same refusal, and a bad budget is a 400 too;
+    # without one (vLLM's proxies send none) the prompt alone is checked, as before.
+    body = {"prompt": prompt, "max_tokens": 1}
+    refused = httpx.post(prefill.base_url + "/completions", timeout=60, json={
+        **body, "kv_transfer_params": {"do_remote_decode": True, "decode_max_tokens": 100}})
+    assert _error(refused, 400)["code"] == "context_length_exceeded"
+    bad = httpx.post(prefill.base_url + "/completions", timeout=60, json={
+        **body, "kv_transfer_params": {"do_remote_decode": True, "decode_max_tokens": 0}})
+    assert _error(bad, 400)["param"] == "kv_transfer_params"
+    kept = httpx.post(prefill.base_url + "/completions", timeout=60, json={
+        **body, "kv_transfer_params": {"do_remote_decode": True}})
+    assert kept.status_code == 200 and kept.json()["kv_transfer_params"]["transfer_id"]
+
+
+def test_a_model_the_prefill_server_lacks_goes_to_a_decode_server_uncounted(router):
+    """An unknown `model` may be a decode server's adapter: no prefill failure is counted, and
+    the decode server's 404 is the answer."""
+    before = httpx.get(router.url + "/health").json()
+    r = httpx.post(router.base_url + "/completions", timeout=60,
+                   json={"model": "nope", "prompt": "hi", "max_tokens": 2})
+    assert _error(r, 404)["param"] == "model"
+    after = httpx.get(router.url + "/health").json()
+    assert after["num_prefill_failures"] == before["num_prefill_failures"]
+    assert after["num_direct"] == before["num_direct"] + 1
+
+
+def test_a_decode_server_that_is_down_loses_no_requests(decode, local_engine):
+    """A decode server refusing connections never got the request: the next one answers it
+    (streamed or not), and the model list comes from the first one up."""
+    down = f"http://127.0.0.1:{free_port()}"
+    proc = ServerProcess(["--decode", down, "--decode", decode.url], command="router")
+    try:
+        want = local_engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=4))
+        for stream in (False, True, False, True):
+            r = httpx.post(proc.base_url + "/completions", timeout=60, json={
+                "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                text = "".join(json.loads(line[6:])["choices"][0]["text"]
+                               for line in r.text.splitlines()
+                               if line.startswith("data: {"))
+            else:
+                text = r.json()["choices"][0]["text"]
+            assert text == want
+        for path in ("/v1/models", "/models"):
+            models = httpx.get(proc.url + path, timeout=30)
+            assert models.status_code == 200 and models.json()["data"], path
+        assert httpx.get(proc.url + "/version").json()["version"] == kt.__version__
+    finally:
+        proc.stop()
+
+
 def test_router_resets_every_servers_prefix_cache(router, prefill, decode):
     body = {"prompt": "Cached: " + PROMPT * 3, "max_tokens": 1}
 

@@ -23,13 +23,14 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ksana_llm.config import KV_ROLES
 from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
@@ -55,6 +56,10 @@ class KvTransferParams(BaseModel):
     remote_url: str | None = None  # that prefill server's base URL, e.g. http://10.0.0.2:8090
     transfer_id: str | None = None
     num_tokens: int | None = None  # informational (what the prefill server returned)
+    # Prefill server: the completion budget the decode server will be asked for (the router
+    # sends the client's max_tokens): a prompt with no room for it is refused before it is
+    # computed, as the decode server would refuse it after.
+    decode_max_tokens: int | None = Field(None, gt=0)
 
 
 @dataclass
@@ -180,9 +185,12 @@ def parse_params(raw: dict[str, Any] | None) -> KvTransferParams | None:
 
 
 async def request_fields(raw: dict[str, Any] | None, transfer: KvTransfer | None, *,
-                         num_sequences: int, stream: bool) -> dict[str, Any]:
+                         num_sequences: int, stream: bool,
+                         check_room: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The engine `Request` fields for the HTTP request's `kv_transfer_params` (400 for what this
-    server cannot do): `export_kv=True`, or `imported_kv=...`, or nothing."""
+    server cannot do): `export_kv=True`, or `imported_kv=...`, or nothing. `check_room(n)`:
+    raises the client's 400 when the prompt leaves no room for n completion tokens
+    (`decode_max_tokens`)."""
     params = parse_params(raw)
     if params is None or not (params.do_remote_decode or params.do_remote_prefill):
         return {}
@@ -200,6 +208,8 @@ async def request_fields(raw: dict[str, Any] | None, transfer: KvTransfer | None
             raise bad_request("kv_transfer_params.do_remote_decode needs one prompt, one sequence "
                               "(n=1, no best_of, no beam search) and no streaming.",
                               param="kv_transfer_params")
+        if params.decode_max_tokens is not None and check_room is not None:
+            check_room(params.decode_max_tokens)
         return {"export_kv": True}
     if not transfer.imports:
         raise bad_request(f"This server's --kv-role is {transfer.role}: it does not take KV from "

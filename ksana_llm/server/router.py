@@ -46,7 +46,7 @@ from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFER
 from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.router_control import add_control_routes, request_id_of
 from ksana_llm.server.router_upstream import (RelayedStream, client_error, error_code,
-                                              passed_on, read_answer)
+                                              error_param, passed_on, read_answer)
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, REQUEST_ID_HEADER,
                                         ApiKeyMiddleware, BodyLimitMiddleware, CorsSettings,
                                         RequestIdMiddleware, add_cors, cors_from_args)
@@ -128,8 +128,13 @@ class Router:
             return None
         url = next(self._prefill)
         request = {k: body[k] for k in _PROMPT_FIELDS if k in body}
-        request.update(max_tokens=1, temperature=0,
-                       kv_transfer_params={"do_remote_decode": True})
+        transfer: dict[str, Any] = {"do_remote_decode": True}
+        budget = _completion_budget(body)
+        if budget is not None:
+            # The prefill server refuses a prompt that leaves no room for it, before computing
+            # it (and keeping KV nobody would fetch), in the words of the client's request.
+            transfer["decode_max_tokens"] = budget
+        request.update(max_tokens=1, temperature=0, kv_transfer_params=transfer)
         try:
             response = await self.client.post(url + path, json=request,
                                               headers=self.headers(request_id))
@@ -138,6 +143,10 @@ class Router:
         if response.status_code != 200:
             if error_code(response) == LORA_NOT_TRANSFERABLE:
                 self._adapters.add(body.get("model"))
+                return None
+            if error_param(response) == "model":
+                # A model the prefill server does not serve: perhaps a decode server's LoRA
+                # adapter. The decode server answers it whole; nothing failed.
                 return None
             if client_error(response):
                 return passed_on(response, response.content)
@@ -174,21 +183,46 @@ class Router:
 
     async def decode(self, path: str, content: bytes, content_type: str | None, *,
                      stream: bool, request_id: str | None = None) -> Response:
-        """A request to the next decode server, its answer passed on (`stream`: as it comes)."""
-        response = await self._send(next(self._decode), path, content, content_type,
-                                    request_id=request_id)
+        """A request to the next decode server that takes it, its answer passed on (`stream`:
+        as it comes)."""
+        response = await self._send_to_a_decode_server(path, content, content_type, request_id)
         if stream and response.status_code == 200:
             return RelayedStream(response)
         return passed_on(response, await read_answer(response))
 
+    async def _send_to_a_decode_server(self, path: str, content: bytes, content_type: str | None,
+                                       request_id: str | None) -> httpx.Response:
+        """The next decode server's response; a server that refuses the connection never got
+        the request, so the one after it gets it (each server once): one server down does not
+        fail its turn's share of the requests. Any other failure is the client's 503: the
+        request may have reached the server."""
+        refused: list[str] = []
+        for _ in range(len(self.config.decode_urls)):
+            server = next(self._decode)
+            try:
+                return await self._send(server, path, content, content_type,
+                                        request_id=request_id, pass_connect_errors=True)
+            except httpx.ConnectError as exc:
+                logger.warning("decode server %s cannot be reached (%r); trying the next one",
+                               server, exc)
+                refused.append(server)
+        raise engine_unavailable(f"no decode server can be reached (refused: {', '.join(refused)})")
+
     async def _send(self, server: str, path: str, content: bytes, content_type: str | None,
-                    method: str = "POST", request_id: str | None = None) -> httpx.Response:
+                    method: str = "POST", request_id: str | None = None,
+                    pass_connect_errors: bool = False) -> httpx.Response:
+        """`pass_connect_errors`: a refused connection raises httpx.ConnectError (for the caller
+        to try another server) instead of the client's 503."""
         url = server + path
         headers = {**self.headers(request_id),
                    **({"Content-Type": content_type} if content_type else {})}
         request = self.client.build_request(method, url, content=content, headers=headers)
         try:
             return await self.client.send(request, stream=True)
+        except httpx.ConnectError:
+            if pass_connect_errors:
+                raise
+            raise engine_unavailable(f"decode server {url} cannot be reached") from None
         except httpx.HTTPError as exc:
             raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
 
@@ -246,6 +280,18 @@ class Router:
                     self._response_servers.pop(response_id, None)
                 return passed_on(response, content)
         return passed_on(response, content)
+
+
+def _completion_budget(body: dict[str, Any]) -> int | None:
+    """The completion tokens the client asks for (chat's max_completion_tokens first, as the
+    servers read it), when it is a positive integer; anything else is the decode server's to
+    judge."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is not None:
+            is_count = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            return value if is_count else None
+    return None
 
 
 def _disaggregable(path: str, body: dict[str, Any]) -> bool:

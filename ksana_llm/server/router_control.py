@@ -1,5 +1,6 @@
 """The router's control routes: the ones that are not a client's request to split between a
-prefill and a decode server. `/v1/models` is the first decode server's list; `/health` (and
+prefill and a decode server. `/v1/models` (and `/models`) is the first reachable decode
+server's list, `/version` the router's own; `/health` (and
 `/ping`) sums up every server's health; `/reset_prefix_cache`, `/update_weights_from_disk`,
 `/sleep` and `/wake_up` go to every server, prefill and decode alike, their answers gathered by
 URL, `/is_sleeping` asks every one, and `/metrics` shows every server's metrics, labelled by
@@ -18,6 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+import ksana_llm
 from ksana_llm.server.errors import engine_unavailable
 from ksana_llm.server.metrics import PROMETHEUS_TEXT_FORMAT
 from ksana_llm.server.router_metrics import merged_metrics, scrape_servers
@@ -36,15 +38,26 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
 
     @app.get("/v1/models")
     @app.get("/v1/models/{model:path}")
+    @app.get("/models")  # KsanaLLM's spelling, as the servers answer it
+    @app.get("/models/{model:path}")
     async def models(request: Request) -> Response:
+        """The first decode server's answer that can be had (one that is down: the next)."""
         router: Router = request.app.state.router
-        try:
-            response = await router.client.get(config.decode_urls[0] + request.url.path,
-                                               headers=router.headers(request_id_of(request)))
-        except httpx.HTTPError as exc:
-            raise engine_unavailable(f"decode server cannot be reached ({exc!r})") from exc
-        return Response(response.content, status_code=response.status_code,
-                        media_type=response.headers.get("content-type"))
+        failures: list[str] = []
+        for server in config.decode_urls:
+            try:
+                response = await router.client.get(server + request.url.path,
+                                                   headers=router.headers(request_id_of(request)))
+            except httpx.HTTPError as exc:
+                failures.append(f"{server}: {exc!r}")
+                continue
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type"))
+        raise engine_unavailable(f"no decode server can be reached ({'; '.join(failures)})")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": ksana_llm.__version__})
 
     @app.post("/reset_prefix_cache")
     @app.post("/update_weights_from_disk")

@@ -50,6 +50,10 @@ def error_code(response: httpx.Response) -> str | None:
     return _error_body(response).get("code")
 
 
+def error_param(response: httpx.Response) -> str | None:
+    return _error_body(response).get("param")
+
+
 def client_error(response: httpx.Response) -> bool:
     """Whether a prefill server's refusal is about the client's request (the decode server would
     refuse it the same way), not about the prefill server or its KV-transfer part. An unknown

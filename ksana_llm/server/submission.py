@@ -27,6 +27,7 @@ from ksana_llm.server.params import (
     choice_seeds,
     engine_samples_n,
     generation_config,
+    resolve_max_tokens,
 )
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.structured_params import (StructuredRequest, compile_spec,
@@ -204,10 +205,17 @@ async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
         # refusal sends the request to a decode server whole.
         raise bad_request("kv_transfer_params cannot be used with a LoRA adapter.",
                           param="kv_transfer_params", code=LORA_NOT_TRANSFERABLE)
+    prompt_param = "messages" if hasattr(req, "messages") else "prompt"
+
+    def check_room(max_tokens: int) -> None:
+        for prompt, _ in jobs.items:
+            if isinstance(prompt, list):
+                resolve_max_tokens(max_tokens, len(prompt), state.limits, prompt_param)
+
     return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
                                             num_sequences=sum(config.num_sequences
                                                             for _, config in jobs.items),
-                                            stream=req.stream)
+                                            stream=req.stream, check_room=check_room)
 
 
 def kv_response(state: ServerState, choices: ChoiceSet) -> dict[str, Any] | None:
