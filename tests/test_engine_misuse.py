@@ -163,3 +163,30 @@ def test_chat_template_kwargs_must_be_a_dict(engine):
     conversation = [{"role": "user", "content": "Hi"}]
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         engine.chat(conversation, chat_template_kwargs=5)
+
+
+def test_engine_settings_are_named_as_given(default_model):
+    """A bad Engine keyword is a ValueError naming it as the caller spelled it (the KTransformers
+    guide's max_batch_size, not the config field behind it), without pydantic's links."""
+    for kwargs, name in (({"max_batch_size": 0}, "max_batch_size"),
+                         ({"max_num_seqs": 0}, "max_num_seqs"),
+                         ({"max_queue_size": -1}, "max_queue_size")):
+        with pytest.raises(ValueError, match=f"^{name}: ") as info:
+            kt.Engine(default_model, num_device_blocks=16, **kwargs)
+        assert "pydantic" not in str(info.value)
+
+
+def test_generate_of_several_sequences_is_refused_before_it_runs(engine):
+    """generate() answers one text per prompt: a request for n > 1 would lose the rest unseen,
+    so it is a ValueError naming the field before anything is queued; generate_outputs
+    returns them all."""
+    config = kt.GenerationConfig(max_new_tokens=3, num_return_sequences=2, do_sample=True,
+                                 seed=2)
+    finished = engine.stats().num_finished
+    for prompts in (PROMPT, [PROMPT, "Hello"]):
+        with pytest.raises(ValueError, match=r"num_return_sequences: .*generate_outputs\(\)"):
+            engine.generate(prompts, config)
+    assert engine.stats().num_finished == finished
+    out = engine.generate_outputs(PROMPT, config, use_tqdm=False)[0]
+    assert len(out.sequences) == 2
+

@@ -44,6 +44,13 @@ class GenerateCalls:
         """Run many prompts to completion (submitted as the queue allows), in input order;
         `lora` names the LoRA adapter every prompt uses (None: the base model), or gives one
         per prompt (as vLLM's `lora_request` list)."""
+        return self._run_prepared(self._prepare(prompts, generation_config, lora), use_tqdm)
+
+    def _prepare(self, prompts: Prompt | list[Prompt],
+                 generation_config: GenerationConfig | list[GenerationConfig] | None,
+                 lora: str | None | list[str | None]) -> list[tuple[Any, Any]]:
+        """Every prompt validated (and preprocessed) before anything runs: (sequence, plugin
+        info) pairs."""
         batch = self._as_batch(prompts)
         configs = list(generation_config) if isinstance(generation_config, (list, tuple)) \
             else [generation_config] * len(batch)
@@ -53,9 +60,11 @@ class GenerateCalls:
         if len(loras) != len(batch):
             raise ValueError(f"lora: give one adapter name, or one per prompt ({len(batch)}), "
                              f"got {len(loras)}")
-        # Validate (and preprocess) everything before running anything.
-        prepared = [self._requests.sequence(Request.of(p, c, lora=name), self.generation_config)
-                    for p, c, name in zip(batch, configs, loras)]
+        return [self._requests.sequence(Request.of(p, c, lora=name), self.generation_config)
+                for p, c, name in zip(batch, configs, loras)]
+
+    def _run_prepared(self, prepared: list[tuple[Any, Any]], use_tqdm: bool
+                      ) -> list[RequestOutput]:
         handles: list[RequestHandle] = []
         progress = None
         if use_tqdm and len(prepared) > 1:
@@ -119,7 +128,15 @@ class GenerateCalls:
                 raise ValueError("lora: stream=True takes one adapter name")
             return TextStream(self._submit_text_stream(
                 Request.of(prompts, generation_config, lora=lora)), self.abort)
-        outputs = self.generate_outputs(prompts, generation_config, use_tqdm=use_tqdm, lora=lora)
+        prepared = self._prepare(prompts, generation_config, lora)
+        several = next((seq.config.num_return_sequences for seq, _ in prepared
+                        if seq.config.num_return_sequences > 1), None)
+        if several is not None:
+            # One text per prompt would drop the other sequences unseen.
+            raise ValueError(f"num_return_sequences: generate() returns one text per prompt, and "
+                             f"this request returns {several}; use generate_outputs() (each "
+                             "output's .sequences) or submit(request).deltas()")
+        outputs = self._run_prepared(prepared, use_tqdm)
         return outputs[0].text if single else [o.text for o in outputs]
 
     def _submit_text_stream(self, request: Request,
