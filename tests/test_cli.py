@@ -47,6 +47,20 @@ def test_bad_arguments_give_a_clear_error(args, needle):
     assert proc.returncode == 2 and needle in proc.stderr
 
 
+def test_serve_on_a_port_in_use_fails_before_loading_the_model():
+    """The socket is bound first (as vLLM does): a port another process holds is a clear error
+    at once, not uvicorn's after the model has loaded."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _run(["serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"])
+    assert proc.returncode == 2, proc.stderr
+    assert f"--port {port}: cannot listen there" in proc.stderr
+
+
 def test_serve_step_loop_flags_reach_the_engine_config(tmp_path):
     from ksana_llm.cli import build_parser
     from ksana_llm.server.app import configs_from_args

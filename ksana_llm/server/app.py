@@ -25,25 +25,43 @@ from ksana_llm.distributed.launch import run_worker_node
 from ksana_llm.distributed.runtime import multi_node_env
 from ksana_llm.server import forward, kv_transfer, metrics, native
 from ksana_llm.server.chat import ChatTemplate, load_chat_template
-from ksana_llm.server.engine_args import (ENGINE_FLAGS, configs_from_args,  # noqa: F401
-                                          default_served_model_name, kv_transfer_from_args,
-                                          model_from_args)
+from ksana_llm.server.engine_args import (  # noqa: F401
+    ENGINE_FLAGS,
+    configs_from_args,
+    default_served_model_name,
+    kv_transfer_from_args,
+    model_from_args,
+)
 from ksana_llm.server.errors import install_error_handlers
+from ksana_llm.server.listen import (
+    AnnouncingServer,
+    listening_socket,
+    uvicorn_config,
+    uvicorn_tls_options,
+)
 from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
-from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
-                                        BodyLimitMiddleware, CorsSettings,
-                                        DisconnectWatchMiddleware, LoadTrackingMiddleware, RequestIdMiddleware, add_cors,
-                                        add_user_middlewares, cors_from_args, user_middlewares)
+from ksana_llm.server.middleware import (
+    DEFAULT_MAX_BODY_BYTES,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    CorsSettings,
+    DisconnectWatchMiddleware,
+    LoadTrackingMiddleware,
+    RequestIdMiddleware,
+    add_cors,
+    add_user_middlewares,
+    cors_from_args,
+    user_middlewares,
+)
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
+from ksana_llm.server.request_log import RequestLog
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
-from ksana_llm.server.request_log import RequestLog
 from ksana_llm.server.state import ServerState
-from ksana_llm.server.stats_log import (DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S,
-                                        StatsLogThread)
-from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
+from ksana_llm.server.stats_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
+from ksana_llm.server.stats_log import StatsLogThread
 from ksana_llm.server.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
 from ksana_llm.server.tool_parsers.plugin import load_tool_parser_plugin
 
@@ -208,11 +226,11 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     install_error_handlers(app)
 
     from ksana_llm.server.embeddings import router as embeddings_router
-    from ksana_llm.server.scores import router as scores_router
     from ksana_llm.server.invocations import router as invocations_router
     from ksana_llm.server.misc_routes import router as misc_router
     from ksana_llm.server.openai_routes import router as openai_router
     from ksana_llm.server.responses import router as responses_router
+    from ksana_llm.server.scores import router as scores_router
 
     app.include_router(openai_router)
     app.include_router(responses_router)
@@ -342,11 +360,16 @@ def run_server(args: argparse.Namespace) -> int:
     if node is not None and node.node_rank != 0:
         return run_worker_node(worker_spec(config), node)  # no HTTP here: the master serves
     chat_template = load_chat_template(args.chat_template)
-    engine = Engine(config.model, config=config)
+    sock = listening_socket(args.host, args.port)
     try:
-        defaults = sampling_defaults_from_args(args, engine.model.path)
-    except ValueError:
-        engine.shutdown()
+        engine = Engine(config.model, config=config)
+        try:
+            defaults = sampling_defaults_from_args(args, engine.model.path)
+        except ValueError:
+            engine.shutdown()
+            raise
+    except BaseException:
+        sock.close()
         raise
     app = build_app(engine, served_model_name=args.served_model_name
                     or default_served_model_name(config.model),
@@ -373,8 +396,9 @@ def run_server(args: argparse.Namespace) -> int:
                      args=(engine, server, app.state.server, args.shutdown_timeout, died),
                      name="ksana-llm-engine-watch", daemon=True).start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         if stats_log is not None:
             stats_log.stop()
         engine.shutdown()

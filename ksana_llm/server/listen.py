@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import ssl
 import sys
 from typing import Any
@@ -48,6 +49,26 @@ def uvicorn_config(app: Any, args: argparse.Namespace, tls: dict[str, Any],
         # uvicorn set its access logger to --log-level just now; its lines are INFO.
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     return config
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now, as vLLM binds it before the model loads: a port in use
+    fails at once (ValueError naming --host / --port) instead of after minutes of loading, and
+    nothing else can take the port meanwhile. Hand it to `AnnouncingServer.run(sockets=[it])`."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"--host {host}: cannot listen there ({exc})") from exc
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there "
+                         f"({exc.strerror or exc})") from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 class AnnouncingServer(uvicorn.Server):
