@@ -84,3 +84,17 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
                             (None, "invalid_json")):
         assert by_id[custom_id]["response"] is None
         assert by_id[custom_id]["error"]["code"] == code
+
+
+def test_the_output_file_may_not_be_the_input_file(tmp_path):
+    """Opening the output empties it: the requests would be gone before a single answer."""
+    source = tmp_path / "batch.jsonl"
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": PROMPT, "max_tokens": 1}}
+    source.write_text(json.dumps(line) + "\n", encoding="utf-8")
+    same = tmp_path / "." / "batch.jsonl"  # spelled differently, the same file
+    done = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "run-batch", "-i", str(source),
+                           "-o", str(same), "--device", "cpu"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "is the input file" in done.stderr, done.stderr[-2000:]
+    assert json.loads(source.read_text(encoding="utf-8")) == line

@@ -136,6 +136,9 @@ def run_batch(args: argparse.Namespace) -> int:
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if Path(args.output_file).resolve() == Path(args.input_file).resolve():
+        raise ValueError(f"--output-file {args.output_file} is the input file: it would be "
+                         "emptied before the run, and the requests lost if the run stops")
     # JSON lines end at "\n" only: str.splitlines would also cut at U+2028 inside a string.
     text = Path(args.input_file).read_text(encoding="utf-8")
     lines = [line for line in text.split("\n") if line.strip()]
