@@ -120,6 +120,11 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
             raise bad_request("`parameters` must be a JSON schema object.",
                               param=f"{param}.function.parameters")
+        kind = (fn.get("parameters") or {}).get("type", "object")
+        if kind != "object":
+            # OpenAI's rule: a call's arguments are a JSON object (clients read them as one).
+            raise bad_request(f"`parameters` must describe an object (type 'object'), got type "
+                              f"{kind!r}.", param=f"{param}.function.parameters")
     return tools
 
 
@@ -127,16 +132,48 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or _EMPTY_PARAMETERS
 
 
+def _rebased_refs(node: Any, base: str) -> Any:
+    """`node` with every local `$ref` ("#/...") pointing below `base` instead of the root."""
+    if isinstance(node, dict):
+        return {key: (base + value[1:] if key == "$ref" and isinstance(value, str)
+                      and value.startswith("#") else _rebased_refs(value, base))
+                for key, value in node.items()}
+    if isinstance(node, list):
+        return [_rebased_refs(item, base) for item in node]
+    return node
+
+
+def _has_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or any(_has_ref(value) for value in node.values())
+    return isinstance(node, list) and any(_has_ref(item) for item in node)
+
+
 def required_schema(tools: list[dict[str, Any]], *, parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls, each naming one tool and giving parameters valid for it."""
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                             "parameters": _parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
+    """A JSON array of calls, each naming one tool and giving parameters valid for it.
+
+    A tool's parameters that refer to their own definitions (`$ref: "#/$defs/..."`, as pydantic
+    and `openai.pydantic_function_tool` write them) would point at nothing inside the array: they
+    move under the root's `$defs`, their references rebased to match (vLLM lifts them too)."""
+    lifted: dict[str, Any] = {}
+    items = []
+    for i, tool in enumerate(tools):
+        parameters = _parameters(tool)
+        if _has_ref(parameters):
+            key = f"ksana_tool_{i}_parameters"
+            lifted[key] = _rebased_refs(parameters, f"#/$defs/{key}")
+            parameters = {"$ref": f"#/$defs/{key}"}
+        items.append({"type": "object",
+                      "properties": {"name": {"type": "string",
+                                              "enum": [tool["function"]["name"]]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
+    if lifted:
+        schema["$defs"] = lifted
     return schema
 
 

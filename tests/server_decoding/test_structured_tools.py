@@ -171,6 +171,45 @@ def test_tool_call_round_trip(client, model, tool_choice):
     assert follow.choices[0].message.tool_calls == [] and follow.choices[0].message.content
 
 
+def test_required_calls_to_tools_whose_schemas_refer_to_their_definitions(client, model):
+    """openai.pydantic_function_tool writes nested models as `$defs` + `$ref`: with "required"
+    the tools' schemas sit inside one array schema, where those references must still resolve
+    (they once made the request a 400 naming `tools`)."""
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: str
+        country: str
+
+    class Trip(BaseModel):
+        origin: Place
+        destination: Place
+        travellers: int
+
+    tool = openai.pydantic_function_tool(Trip)
+    assert "$defs" in tool["function"]["parameters"]
+    tools = [tool, TOOLS[0]]
+    reply = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=120, tools=tools, tool_choice="required",
+        parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "Book a trip from Paris to Rome for two."}])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    _check_call(call, tools)  # (jsonschema resolves the tool's own $defs)
+
+
+def test_tool_parameters_must_describe_an_object(client, model):
+    """A call's arguments are a JSON object (OpenAI's rule, which clients rely on)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model, max_tokens=8, tool_choice="required",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "ping",
+                                                     "parameters": {"type": "string"}}}])
+    assert info.value.body["param"] == "tools.0.function.parameters"
+
+
 def test_auto_tool_choice_with_hermes_parser(client, model):
     """The model's output is forced into the hermes shape; the parser turns it into tool_calls."""
     regex = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
