@@ -339,9 +339,10 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help="config.json values to change before the model is built (vLLM's), "
                              "e.g. '{\"max_position_embeddings\": 65536}'")
     # LoRA adapters (vLLM's flags); a request picks one with its `model` field.
-    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
                         type=cli_types.lora_module,
-                        help="PEFT LoRA adapters to serve, each under its name")
+                        help="PEFT LoRA adapters to serve, each under its name: NAME=PATH or "
+                             "vLLM's JSON {\"name\": ..., \"path\": ...}")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="adapter slots on the device: the most adapters in one step; "
                              "more adapters take turns (default: the number of --lora-modules, "

@@ -74,9 +74,20 @@ def scheduling_policy(value: str) -> str:
 
 
 def lora_module(value: str) -> tuple[str, str]:
+    """vLLM's two forms: NAME=PATH, or JSON '{"name": ..., "path": ...}' (its
+    `base_model_name` is taken and not needed: an adapter's parent is the served model)."""
+    if value.lstrip().startswith("{"):
+        spec = json_value(value)
+        unknown = set(spec) - {"name", "path", "base_model_name"} if isinstance(spec, dict) else ()
+        if not isinstance(spec, dict) or unknown or not all(
+                isinstance(spec.get(key), str) and spec[key] for key in ("name", "path")):
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=PATH or a JSON object with \"name\" and \"path\" (and optionally "
+                f"\"base_model_name\"), got {value!r}")
+        return spec["name"], spec["path"]
     name, sep, path = value.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or vLLM's JSON form, got {value!r}")
     return name, path
 
 

@@ -295,6 +295,14 @@ def test_lora_flags_reach_the_engine_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse(["serve", "--lora-modules", "no-path"])
     assert "NAME=PATH" in capsys.readouterr().err
+    # vLLM's JSON form too, mixed with the other (base_model_name is taken, not needed).
+    vllm_form = '{"name": "tone", "path": "/a/tone", "base_model_name": "SmolLM2"}'
+    config = configs_from_args(parse(["serve", "--lora-modules", "sql=/a/sql", vllm_form]))[0]
+    assert config.lora_modules == {"sql": "/a/sql", "tone": "/a/tone"}
+    for bad in ('{"name": "tone"}', '{"name": "t", "path": "/p", "rank": 8}'):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--lora-modules", bad])
+        assert '"name" and "path"' in capsys.readouterr().err
 
 
 def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
