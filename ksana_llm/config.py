@@ -338,6 +338,16 @@ class EngineConfig(BaseModel):
                                  "surrounding spaces")
         return self
 
+    def updated(self, overrides: Mapping[str, Any],
+                spelled: Mapping[str, str] | None = None) -> EngineConfig:
+        """A copy with `overrides`, validated; a bad value is a ValueError naming its field, or
+        the name the caller gave it (`spelled`: field -> that name), without pydantic's links."""
+        try:
+            return EngineConfig(**{**self.model_dump(), **overrides})
+        except ValidationError as exc:
+            names = {name: name for name in (*type(self).model_fields, *overrides)}
+            raise named_validation_error(exc, {**names, **(spelled or {})}) from None
+
     @property
     def num_lora_slots(self) -> int:
         """Adapter slots the engine allocates (0: LoRA off)."""

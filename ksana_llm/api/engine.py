@@ -17,7 +17,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from ksana_llm.api.chat import ChatMixin
 from ksana_llm.api.core_builder import build_core
@@ -33,7 +32,7 @@ from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.sleep_control import SleepControl
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.api.weight_control import WeightControl
-from ksana_llm.config import EngineConfig, named_validation_error
+from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler import QueueFullError
@@ -89,16 +88,10 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         if scheduler is not None:
             overrides["scheduler_policy"] = scheduler
         base = config or EngineConfig()
-        try:
-            self.config = EngineConfig(**{**base.model_dump(), **overrides})
-        except ValidationError as exc:
-            # Named as the caller spelled them (max_batch_size, not max_step_tokens).
-            sources = {name: name for name in (*EngineConfig.model_fields, *overrides)}
-            sources.update(max_step_tokens="max_batch_size" if max_batch_size is not None
-                           else "max_step_tokens",
-                           scheduler_policy="scheduler" if scheduler is not None
-                           else "scheduler_policy")
-            raise named_validation_error(exc, sources) from None
+        # Errors name the keywords as the caller spelled them (max_batch_size, scheduler).
+        self.config = base.updated(overrides, spelled={
+            **({"max_step_tokens": "max_batch_size"} if max_batch_size is not None else {}),
+            **({"scheduler_policy": "scheduler"} if scheduler is not None else {})})
         if self.config.skip_tokenizer_init and (tokenizer is not None
                                                 or self.config.tokenizer is not None):
             raise ValueError("tokenizer: not with skip_tokenizer_init, which uses none")
