@@ -193,9 +193,9 @@ class ChoiceSet:
                request_log: RequestLog | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
 
-        `observer(config)` makes one callback per engine request (given its generation config); it
-        sees every output of that request
-        on the engine thread (per-token metrics, and the finished request). `request_fields`:
+        `observer(config)` makes one callback per engine request (given its generation config);
+        it sees every output of that request on the engine thread (per-token metrics, and the
+        finished request). `request_fields`:
         more `Request` fields for every job (KV transfer). `request_log`: --enable-log-requests.
         """
         loop = asyncio.get_running_loop()
