@@ -129,13 +129,9 @@ class GenerateCalls:
             return TextStream(self._submit_text_stream(
                 Request.of(prompts, generation_config, lora=lora)), self.abort)
         prepared = self._prepare(prompts, generation_config, lora)
-        several = next((seq.config.num_return_sequences for seq, _ in prepared
-                        if seq.config.num_return_sequences > 1), None)
-        if several is not None:
-            # One text per prompt would drop the other sequences unseen.
-            raise ValueError(f"num_return_sequences: generate() returns one text per prompt, and "
-                             f"this request returns {several}; use generate_outputs() (each "
-                             "output's .sequences) or submit(request).deltas()")
+        for seq, _ in prepared:
+            _refuse_several(seq, "generate() returns one text per prompt", "use generate_outputs() "
+                            "(each output's .sequences) or submit(request).deltas()")
         outputs = self._run_prepared(prepared, use_tqdm)
         return outputs[0].text if single else [o.text for o in outputs]
 
@@ -145,12 +141,9 @@ class GenerateCalls:
         request for several is refused before it is queued (a ValueError saying where they
         are streamed), as the rest would be lost unseen."""
         seq, plugin_info = self._requests.sequence(request, self.generation_config)
-        n = seq.config.num_return_sequences
-        if n > 1:
-            raise ValueError(f"num_return_sequences: a text stream carries one sequence, and "
-                             f"this request returns {n}; stream them all with "
-                             "submit(request).deltas() (adeltas() for asyncio), each delta "
-                             "tagged with its sequence index")
+        _refuse_several(seq, "a text stream carries one sequence", "stream them all with "
+                        "submit(request).deltas() (adeltas() for asyncio), each delta tagged "
+                        "with its sequence index")
         return self._enqueue(seq, request.callback, loop, plugin_info)
 
     async def generate_async(self, prompt: Prompt | Request,
@@ -179,6 +172,14 @@ class GenerateCalls:
         finally:
             if not finished:  # the consumer stopped early or was cancelled: free the blocks
                 self.abort(handle.id)
+
+
+def _refuse_several(seq: Any, why: str, instead: str) -> None:
+    """A ValueError naming num_return_sequences when `seq`'s request returns several sequences
+    to a call that gives back one: the others would be lost unseen."""
+    n = seq.config.num_return_sequences
+    if n > 1:
+        raise ValueError(f"num_return_sequences: {why}, and this request returns {n}; {instead}")
 
 
 class TextStream:

@@ -25,34 +25,18 @@ from ksana_llm.distributed.launch import run_worker_node
 from ksana_llm.distributed.runtime import multi_node_env
 from ksana_llm.server import forward, kv_transfer, metrics, native
 from ksana_llm.server.chat import ChatTemplate, load_chat_template
-from ksana_llm.server.engine_args import (  # noqa: F401
-    ENGINE_FLAGS,
-    configs_from_args,
-    default_served_model_name,
-    kv_transfer_from_args,
-    model_from_args,
-)
+from ksana_llm.server.engine_args import (ENGINE_FLAGS, configs_from_args,  # noqa: F401
+                                          default_served_model_name, kv_transfer_from_args,
+                                          model_from_args)
 from ksana_llm.server.errors import install_error_handlers
-from ksana_llm.server.listen import (
-    AnnouncingServer,
-    listening_socket,
-    uvicorn_config,
-    uvicorn_tls_options,
-)
+from ksana_llm.server.listen import (AnnouncingServer, listening_socket, uvicorn_config,
+                                     uvicorn_tls_options)
 from ksana_llm.server.logprobs import TokenIdTexts, TokenTexts
-from ksana_llm.server.middleware import (
-    DEFAULT_MAX_BODY_BYTES,
-    ApiKeyMiddleware,
-    BodyLimitMiddleware,
-    CorsSettings,
-    DisconnectWatchMiddleware,
-    LoadTrackingMiddleware,
-    RequestIdMiddleware,
-    add_cors,
-    add_user_middlewares,
-    cors_from_args,
-    user_middlewares,
-)
+from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddleware,
+                                         BodyLimitMiddleware, CorsSettings,
+                                         DisconnectWatchMiddleware, LoadTrackingMiddleware,
+                                         RequestIdMiddleware, add_cors, add_user_middlewares,
+                                         cors_from_args, user_middlewares)
 from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
