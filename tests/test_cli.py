@@ -41,6 +41,13 @@ def test_chat_streams_and_keeps_history(default_model_dir):
     (["serve", "--response-role", " "], "--response-role"),
     (["serve", "--chat-template-content-format", "parts"], "--chat-template-content-format"),
     (["serve", "--endpoint", "trpc"], "--endpoint"),  # KsanaLLM's RPC plugins: not served
+    # Refused before the model is looked for (its error would come first otherwise).
+    (["serve", "--model", "/nonexistent/model", "--generation-config", "/nonexistent/defaults"],
+     "--generation-config: no generation_config.json in /nonexistent/defaults"),
+    (["serve", "--model", "/nonexistent/model", "--override-generation-config",
+      '{"temperature": -1}'], "--override-generation-config"),
+    (["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "/nonexistent/model",
+      "--generation-config", "/nonexistent/defaults"], "--generation-config"),
 ])
 def test_bad_arguments_give_a_clear_error(args, needle):
     proc = _run(args)

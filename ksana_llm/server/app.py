@@ -42,7 +42,8 @@ from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.request_log import RequestLog
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from ksana_llm.server.sampling_defaults import SamplingDefaults, load_sampling_defaults
+from ksana_llm.server.sampling_defaults import (NO_MODEL_DEFAULTS, SamplingDefaults,
+                                               load_sampling_defaults)
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.stats_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
 from ksana_llm.server.stats_log import StatsLogThread
@@ -310,6 +311,15 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
     return defaults
 
 
+def check_sampling_defaults_args(args: argparse.Namespace) -> None:
+    """What of --generation-config / --override-generation-config can be checked without the
+    model: a folder named outright, and the overrides' values. ("auto" reads the model's own
+    folder, which is known only once it is found.)"""
+    source = getattr(args, "generation_config", None) or "auto"
+    load_sampling_defaults(NO_MODEL_DEFAULTS if source == "auto" else source, None,
+                           getattr(args, "override_generation_config", None))
+
+
 def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """build_app's request options from the flags serve and run-batch share:
     --enable-prompt-embeds, --enable-log-requests / --enable-log-outputs / --max-log-len,
@@ -333,6 +343,7 @@ def run_server(args: argparse.Namespace) -> int:
     tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile,
                               args.ssl_keyfile_password)  # so does a bad certificate
     middleware = user_middlewares(getattr(args, "middleware", None))  # and a bad --middleware
+    check_sampling_defaults_args(args)  # and a bad --generation-config
     config, settings = configs_from_args(args)
     if getattr(args, "data_parallel_size", 1) > 1:
         from ksana_llm.server.data_parallel import run_data_parallel

@@ -130,12 +130,13 @@ def run_batch(args: argparse.Namespace) -> int:
 
     from ksana_llm.api.engine import Engine
     from ksana_llm.server.app import (build_app, configs_from_args, default_served_model_name,
-                                      output_parsing_from_args, request_options_from_args,
-                                      sampling_defaults_from_args)
+                                      check_sampling_defaults_args, output_parsing_from_args,
+                                      request_options_from_args, sampling_defaults_from_args)
     from ksana_llm.server.chat import load_chat_template
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    check_sampling_defaults_args(args)
     if Path(args.output_file).resolve() == Path(args.input_file).resolve():
         raise ValueError(f"--output-file {args.output_file} is the input file: it would be "
                          "emptied before the run, and the requests lost if the run stops")
