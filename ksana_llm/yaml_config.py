@@ -19,7 +19,6 @@ Keys and where they go:
 | setting.batch_scheduler.max_batch_size            | EngineConfig.max_num_seqs                 |
 | setting.batch_scheduler.max_step_tokens           | EngineConfig.max_step_tokens              |
 | setting.batch_scheduler.max_token_len             | EngineConfig.max_model_len (0 -> None)    |
-|                                                   |   and ServerSettings.max_token_len        |
 | setting.batch_scheduler.max_waiting_queue_len     | EngineConfig.max_queue_size               |
 | setting.batch_scheduler.waiting_timeout_in_ms     | EngineConfig.waiting_timeout_ms           |
 | setting.batch_scheduler.split_fuse_token_num      | EngineConfig.split_fuse_token_num         |
@@ -34,7 +33,7 @@ Keys and where they go:
 | setting.block_manager.block_device_memory_ratio   | EngineConfig.block_device_memory_ratio    |
 |                                                   |   (< 0 -> None: "all that remains")       |
 | setting.block_manager.block_host_memory_factor    | EngineConfig.block_host_memory_factor     |
-| model_spec.base_model.model_dir                   | EngineConfig.model, ServerSettings.model_dir |
+| model_spec.base_model.model_dir                   | EngineConfig.model                        |
 | model_spec.base_model.tokenizer_dir (or           | EngineConfig.tokenizer                    |
 |   setting.tokenization.tokenizer_path)            |                                           |
 | setting.connector.group_role                      | ServerSettings.kv_role (`serve --kv-role`; |
@@ -66,27 +65,16 @@ __all__ = ["ServerSettings", "load_engine_config", "parse_engine_config"]
 
 logger = logging.getLogger("ksana_llm.config")
 
-DEFAULT_WAITING_TIMEOUT_MS = 600_000  # KsanaLLM's C++ parser default
-
-
 @dataclass(frozen=True)
 class ServerSettings:
-    """Settings from the YAML file that the server (not the engine core) acts on.
+    """Settings from the YAML file that the server (not the engine core) acts on; everything
+    else lands in `EngineConfig`.
 
-    - `model_dir`: `model_spec.base_model.model_dir` as written (None when absent); the model the
-      engine actually loads is `EngineConfig.model`, which a CLI override may have replaced.
-    - `tensor_para_size`: as written (the engine reads `EngineConfig.tensor_parallel_size`).
-    - `max_token_len`: prompt + generated tokens per request; 0 = the model's context.
-    - `waiting_timeout_in_ms`: how long a request may wait in the queue before the server fails it.
     - `config_file`: the YAML path the settings came from (None for an in-memory mapping).
     - `kv_role`, `kv_transfer_ttl_s`: prefill/decode disaggregation (`serve --kv-role`,
       `--kv-transfer-ttl`); None when not set.
     """
 
-    model_dir: str | None = None
-    tensor_para_size: int = 1
-    max_token_len: int = 0
-    waiting_timeout_in_ms: int = DEFAULT_WAITING_TIMEOUT_MS
     config_file: str | None = None
     kv_role: str | None = None
     kv_transfer_ttl_s: float | None = None
@@ -100,7 +88,7 @@ class _Key:
 
     kind: str  # "int" | "float" | "bool" | "str"
     field: str | None = None  # EngineConfig field
-    server: str | None = None  # ServerSettings attribute
+    server: str | None = None  # ServerSettings attribute (a key sets one or the other)
     convert: Callable[[Any], Any] | None = None  # YAML value -> EngineConfig value
 
 
@@ -145,17 +133,14 @@ _BM = "setting.block_manager."
 _GPTQ_BACKEND = "setting.quantization_config.gptq_backend"
 GPTQ_BACKENDS = ("cutlass", "marlin")
 _SCHEMA: Mapping[str, _Key] = MappingProxyType({
-    "setting.global.tensor_para_size": _Key("int", field="tensor_parallel_size",
-                                            server="tensor_para_size"),
+    "setting.global.tensor_para_size": _Key("int", field="tensor_parallel_size"),
     "setting.global.pipeline_para_size": _Key("int", field="pipeline_parallel_size"),
     "setting.global.enable_cuda_graph": _Key("bool", field="enable_cuda_graphs"),
     _BS + "max_batch_size": _Key("int", field="max_num_seqs"),
     _BS + "max_step_tokens": _Key("int", field="max_step_tokens"),
-    _BS + "max_token_len": _Key("int", field="max_model_len", server="max_token_len",
-                                convert=_zero_is_none),
+    _BS + "max_token_len": _Key("int", field="max_model_len", convert=_zero_is_none),
     _BS + "max_waiting_queue_len": _Key("int", field="max_queue_size"),
-    _BS + "waiting_timeout_in_ms": _Key("int", field="waiting_timeout_ms",
-                                        server="waiting_timeout_in_ms"),
+    _BS + "waiting_timeout_in_ms": _Key("int", field="waiting_timeout_ms"),
     _BS + "split_fuse_token_num": _Key("int", field="split_fuse_token_num"),
     _BS + "enable_auto_prefix_cache": _Key("bool", field="enable_prefix_caching"),
     _BS + "preempt_mode": _Key("int", field="preempt_mode"),
@@ -169,8 +154,7 @@ _SCHEMA: Mapping[str, _Key] = MappingProxyType({
     _BM + "block_device_memory_ratio": _Key("float", field="block_device_memory_ratio",
                                             convert=_negative_is_none),
     _BM + "block_host_memory_factor": _Key("float", field="block_host_memory_factor"),
-    "model_spec.base_model.model_dir": _Key("str", field="model", server="model_dir",
-                                            convert=_expand_path),
+    "model_spec.base_model.model_dir": _Key("str", field="model", convert=_expand_path),
     # A tokenizer other than the model's: KsanaLLM reads either key (both must then agree).
     "model_spec.base_model.tokenizer_dir": _Key("str", field="tokenizer", convert=_expand_path),
     "setting.tokenization.tokenizer_path": _Key("str", field="tokenizer", convert=_expand_path),
@@ -373,11 +357,10 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     for dotted, raw in leaves.items():
         spec = _SCHEMA[dotted]
         value = _check_type(dotted, spec.kind, raw)
+        value = spec.convert(value) if spec.convert else value
         if spec.server is not None:
-            server[spec.server] = spec.convert(value) if spec.convert and spec.field is None \
-                else value
+            server[spec.server] = value
         if spec.field is not None:
-            value = spec.convert(value) if spec.convert else value
             if spec.field in fields and fields[spec.field] != value:  # two keys, one setting
                 raise ValueError(f"{sources[spec.field]} ({fields[spec.field]!r}) and {dotted} "
                                  f"({value!r}) set the same thing differently; give one")

@@ -47,9 +47,9 @@ def test_example_file_loads_cleanly():
     assert isinstance(config, EngineConfig)
     assert config.max_num_seqs == 128 and config.max_step_tokens == 4096
     assert config.block_device_memory_ratio is None  # -1.0 = "the default"
-    assert server == ServerSettings(model_dir=None, tensor_para_size=1, max_token_len=2048,
-                                    waiting_timeout_in_ms=600000, config_file=str(EXAMPLE),
-                                    kv_role=None, kv_transfer_ttl_s=300.0)
+    assert (config.max_model_len, config.waiting_timeout_ms, config.tensor_parallel_size) == \
+        (2048, 600000, 1)
+    assert server == ServerSettings(config_file=str(EXAMPLE), kv_role=None, kv_transfer_ttl_s=300.0)
 
 
 def test_example_documents_every_accepted_key():
@@ -78,10 +78,8 @@ def test_every_key_lands_in_its_field(tmp_path):
     assert config.block_device_memory_ratio == 0.25
     assert config.block_host_memory_factor == 2.0
     assert config.model == "/models/some-model"
-    assert server.tensor_para_size == 0
-    assert server.max_token_len == 1234
-    assert server.waiting_timeout_in_ms == 4321
-    assert server.model_dir == "/models/some-model"
+    assert config.tensor_parallel_size == 0
+    assert server.config_file == str(tmp_path / "cfg.yaml")
 
 
 def test_tokenizer_keys_land_in_the_tokenizer_field():
@@ -102,12 +100,12 @@ def test_tokenizer_keys_land_in_the_tokenizer_field():
 def test_empty_file_and_untouched_keys_keep_defaults(tmp_path):
     config, server = load_engine_config(write(tmp_path, "# nothing\n"))
     assert config == EngineConfig()
-    assert server.waiting_timeout_in_ms == 600000 and server.tensor_para_size == 1
+    assert (server.kv_role, server.kv_transfer_ttl_s) == (None, None)
 
 
 def test_max_token_len_zero_means_model_context():
-    config, server = parse_engine_config({"setting": {"batch_scheduler": {"max_token_len": 0}}})
-    assert config.max_model_len is None and server.max_token_len == 0
+    config, _ = parse_engine_config({"setting": {"batch_scheduler": {"max_token_len": 0}}})
+    assert config.max_model_len is None
 
 
 @pytest.mark.parametrize("text, message", [
@@ -186,13 +184,12 @@ def test_invalid_parallel_sizes_name_the_yaml_key(key, size):
 
 def test_overrides_win_over_yaml(tmp_path):
     path = write(tmp_path, FULL_YAML)
-    config, server = load_engine_config(path, {"max_num_seqs": 9, "model": "/other", "device": "cpu",
+    config, _ = load_engine_config(path, {"max_num_seqs": 9, "model": "/other", "device": "cpu",
                                                "max_step_tokens": None})
     assert config.max_num_seqs == 9
     assert config.model == "/other"
     assert config.device == "cpu"
     assert config.max_step_tokens == 333  # None = flag not given
-    assert server.model_dir == "/models/some-model"  # what the file said
 
 
 def test_bad_override_is_named():
