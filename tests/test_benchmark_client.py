@@ -240,6 +240,41 @@ def test_run_against_fake_server(backend, stream, mode):
         assert used.model == "fake-model"
 
 
+def _sse_app(events: list[dict]):
+    """A fake OpenAI server that streams `events`, then [DONE], to every request."""
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for event in events:
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"data: {json.dumps(event)}\n\n".encode()})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    return app
+
+
+@pytest.mark.parametrize("events, arrivals, text", [
+    # An answer of EOS alone: one chunk of empty text, still the first (and only) token.
+    ([{"choices": [{"text": "", "finish_reason": "stop"}]},
+      {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}], 1, ""),
+    # Chat: the opening role announcement comes before any token; a chunk of empty content
+    # (a stop string held back, EOS) is a token arriving.
+    ([{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+      {"choices": [{"delta": {"content": "A"}}]},
+      {"choices": [{"delta": {}, "finish_reason": "stop"}]}], 2, "A"),
+])
+def test_openai_stream_arrivals_count_chunks_of_empty_text(events, arrivals, text):
+    cfg = BenchConfig(backend="openai", stream=True, model="fake-model")
+    _, (result,), _ = asyncio.run(
+        run_benchmark(cfg, ["a"], transport=httpx.ASGITransport(app=_sse_app(events))))
+    assert result.ok, result.error
+    assert len(result.chunk_times) == arrivals and result.output == text
+    assert result.ttft is not None and result.ttft > 0
+
+
 def test_http_errors_are_recorded_not_raised():
     async def refuse(scope, receive, send):
         await send({"type": "http.response.start", "status": 429, "headers": []})

@@ -199,6 +199,8 @@ def test_openai_backends_send_the_vllm_equivalents(recorder):
     (["--concurrency", "0"], "--concurrency must be >= 1"),
     (["--percentiles", "50", "101"], "[0, 100]"),
     (["--random_workloads", "3"], "unrecognized arguments"),  # no prefix matching
+    (["--port", "99999"], "argument --port: must be >= 1 and <= 65535"),  # (was a traceback)
+    (["--port", "0"], "argument --port"),
 ])
 def test_what_cannot_be_done_is_a_usage_error(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

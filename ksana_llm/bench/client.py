@@ -56,7 +56,7 @@ from ksana_llm.bench.results import (RequestResult, arrival_offsets, format_summ
                                      next_request_rate, summarize, write_output_csv,
                                      write_perf_csv)
 from ksana_llm.bench.stream import (NulChunkDecoder, SSEDecoder, error_message, ksana_chunk_state,
-                                    openai_chunk_text)
+                                    openai_chunk_has_tokens, openai_chunk_text)
 from ksana_llm.bench.flags import (DONE, OPENAI_BACKENDS, BenchConfig, build_parser,
                                    config_from_args, load_prompts)
 
@@ -154,16 +154,16 @@ async def _read_openai_stream(response: httpx.Response, result: RequestResult) -
 
 
 def _apply_openai_event(data: str, result: RequestResult, now: float) -> None:
-    """One SSE payload: text chunks count as token arrivals; the usage chunk gives the counts."""
+    """One SSE payload: chunks with a choice count as token arrivals (their text may be empty:
+    EOS alone); the usage chunk gives the counts."""
     if data.strip() == DONE:
         return
     event = json.loads(data)
     message = error_message(event)
     if message is not None:
         raise ServerError(f"server error in stream: {message}")
-    text = openai_chunk_text(event)
-    if text:
-        result.output += text
+    if openai_chunk_has_tokens(event):
+        result.output += openai_chunk_text(event)
         result.chunk_times.append(now)
     usage = event.get("usage")
     if usage:

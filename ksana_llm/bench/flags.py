@@ -13,6 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ksana_llm.bench.results import read_prompts
+from ksana_llm.cli_types import number
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     io = p.add_argument_group("server and prompts")
     io.add_argument("--host", default="localhost")
-    io.add_argument("--port", type=int, default=8080)
+    io.add_argument("--port", type=number(int, 1, True, 65535), default=8080)
     io.add_argument("--input_csv", "--dataset_path", dest="input_csv", default=_default_input_csv(),
                     help="CSV with a header row; prompts in column --col_idx (default: the "
                          "package's sample prompts)")

@@ -80,6 +80,14 @@ def openai_chunk_text(event: dict[str, Any]) -> str:
     return (choice.get("delta") or {}).get("content") or ""
 
 
+def openai_chunk_has_tokens(event: dict[str, Any]) -> bool:
+    """Whether an OpenAI stream chunk marks generated tokens arriving: any chunk with a choice,
+    even one of empty text (an answer of EOS alone, a stop string held back), except chat's
+    opening `role` announcement, which this server sends before the first token."""
+    choices = event.get("choices") or []
+    return bool(choices) and "role" not in (choices[0].get("delta") or {})
+
+
 def first_sequence(value: Any) -> Any:
     """KsanaLLM returns one entry per sequence (`texts`, `output_token_ids`): take the first."""
     if isinstance(value, list) and value and isinstance(value[0], (list, str)):
