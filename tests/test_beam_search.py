@@ -5,6 +5,7 @@ modes) and block forking; invalid combinations are ValueErrors naming the field.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 import pytest
@@ -188,6 +189,29 @@ def test_beam_search_grid_matches_transformers_on_a_tiny_model(peaky_tiny):
         assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-4), case
     stopped = [s for seqs, _ in expected for s in seqs if s[-1] in (2, 7)]
     assert len(stopped) > 20 and {s[-1] for s in stopped} == {2, 7}
+
+
+def test_length_penalties_past_the_float_range_fail_nothing(peaky_tiny):
+    """`length ** length_penalty` past the float range (3 ** 1000: transformers raises
+    OverflowError) or under it (3 ** -1000 = 0) used to fail the step and so kill the engine;
+    now such requests finish with their beams and everyone else is served on. (No transformers
+    reference exists at these values: it raises, or scores every hypothesis -inf.)"""
+    hf, model = peaky_tiny
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 12)]
+    plain = kt.GenerationConfig(max_new_tokens=10, stop_token_ids=[7])
+    with kt.Engine(model, num_device_blocks=128) as engine:
+        before = [out.token_ids for out in engine.generate_outputs(prompts, plain, use_tqdm=False)]
+        for penalty in (1000.0, 1e308, -1000.0):
+            configs = [kt.GenerationConfig(max_new_tokens=10, num_beams=3, num_return_sequences=3,
+                                           length_penalty=penalty, stop_token_ids=[7])] * 2
+            outs = engine.generate_outputs(prompts, configs, use_tqdm=False)
+            for out in outs:
+                assert len(out.sequences) == 3 and all(s.token_ids for s in out.sequences), penalty
+                assert not any(math.isnan(s.score) for s in out.sequences), penalty
+        after = [out.token_ids for out in engine.generate_outputs(prompts, plain, use_tqdm=False)]
+        assert engine.failure is None
+    assert after == before
 
 
 @pytest.mark.parametrize("preempt_mode", [0, 1], ids=["swap", "recompute"])

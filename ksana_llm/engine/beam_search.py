@@ -20,6 +20,7 @@ of `topk` calls, so sequences and `sequences_scores` match:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,19 @@ import torch
 
 # transformers' "impossible" score: added to candidates that must not be chosen.
 NEG = -1.0e9
+
+
+def length_normalized(scores: torch.Tensor, length: int, penalty: float) -> torch.Tensor:
+    """`scores / length ** penalty`, transformers' beam score, with the power taken as Python
+    takes it (so scores match transformers') but never raising: a penalty that overflows the
+    power (about 100 on a 1,000-token answer; transformers raises OverflowError there) divides by
+    inf, giving -0.0; one that underflows it to 0 gives -inf, and a sure answer's 0 / 0 stays 0
+    (a NaN would win every `topk`)."""
+    try:
+        divisor = float(length) ** penalty
+    except OverflowError:
+        divisor = math.inf
+    return torch.nan_to_num(scores / divisor, nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
 @dataclass
@@ -104,7 +118,7 @@ class BeamSearch:
         # Finished hypotheses: only the first num_beams of the K may finish.
         top_mask = torch.arange(k) < self.num_beams
         just_finished = hits & top_mask
-        candidates = topk_scores / (generated ** self.length_penalty)
+        candidates = length_normalized(topk_scores, generated, self.length_penalty)
         pool_full = bool(self.pool_finished.all()) and self.early_stopping is True
         candidates += torch.tensor(float(pool_full)) * NEG
         candidates += torch.tensor(float(not self.improvement_possible)) * NEG
@@ -132,7 +146,7 @@ class BeamSearch:
             best_length = self.max_generated
         else:
             best_length = generated
-        best_possible = next_scores[:1] / (best_length ** self.length_penalty)
+        best_possible = length_normalized(next_scores[:1], best_length, self.length_penalty)
         worst = torch.where(self.pool_finished, self.pool_scores.min(), NEG)
         self.improvement_possible = self.improvement_possible and bool((best_possible > worst).any())
         all_finished = bool(self.pool_finished.all()) and self.early_stopping is True

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ksana_llm.engine.beam_search import Hypothesis
+from ksana_llm.engine.beam_search import Hypothesis, length_normalized
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from ksana_llm.runner.logits_processing import to_device
@@ -103,14 +103,18 @@ class BeamSearchSteps:
         continuations = beam.step(processed, finalize, stop_string)
         if beam.done:
             num = config.num_return_sequences
-            # Every finished hypothesis may have scored below transformers' -1e9 filler (a
-            # strongly negative length_penalty, or rows whose every token was masked): then the
-            # beams still running are the answer, never none (a request must always finish).
-            best = beam.results(num) or [
-                finalize(parent, token, score / (beam.num_generated ** beam.length_penalty), score,
-                         stop_string(parent, token) if stop_string else None)
-                for (parent, token), score in zip(continuations[:num],
-                                                  beam.kept_sum_logprobs.tolist())]
+            # Finished hypotheses may have scored below transformers' -1e9 filler (a strongly
+            # negative length_penalty, or rows whose every token was masked), leaving fewer
+            # than asked for: the beams still running make up the rest, after them (a request
+            # always gets its num_return_sequences answers; transformers would pad).
+            best = beam.results(num)
+            missing = num - len(best)
+            sums = beam.kept_sum_logprobs[:missing].double()
+            scores = length_normalized(sums, beam.num_generated, beam.length_penalty)
+            best += [finalize(parent, token, score, sum_logprob,
+                              stop_string(parent, token) if stop_string else None)
+                     for (parent, token), score, sum_logprob in zip(
+                         continuations[:missing], scores.tolist(), sums.tolist())]
             return self._finish_beams(group, best)
         # Parents chosen once continue themselves; chosen again, they fork first (before any
         # token is appended); parents nobody chose are dropped.
