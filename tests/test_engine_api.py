@@ -53,6 +53,26 @@ def test_per_request_config_and_stop_tokens(engine):
     assert out.stop_reason == stop_id
 
 
+def test_requests_run_with_their_own_settings_in_every_call(engine):
+    """generate / generate_outputs take Requests as the async calls do (alone, in a list beside
+    prompts, streamed); a config or adapter given beside a Request is refused, not dropped."""
+    short = kt.GenerationConfig(max_new_tokens=3)
+    expected = engine.generate(PROMPT, short)
+    assert engine.generate(kt.Request(PROMPT, generation_config=short)) == expected
+    assert "".join(engine.generate(kt.Request(PROMPT, generation_config=short),
+                                   stream=True)) == expected
+    outs = engine.generate_outputs([kt.Request(PROMPT, generation_config=short), PROMPT],
+                                   use_tqdm=False)
+    assert outs[0].text == expected and len(outs[1].token_ids) == 16  # the engine's default
+    with pytest.raises(ValueError, match="generation_config: a Request carries its own"):
+        engine.generate(kt.Request(PROMPT), short)
+    with pytest.raises(ValueError, match="lora: a Request names its own"):
+        engine.generate_outputs([kt.Request(PROMPT)], lora="sql")
+    with pytest.raises(ValueError, match="generation_config: a Request carries its own"):
+        asyncio.run(engine.generate_async(kt.Request(PROMPT), short))
+    assert engine.generate(PROMPT, short) == expected  # nothing was queued by the refusals
+
+
 def test_stop_string_truncates(engine):
     full = engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=30, ignore_eos=True))
     stop = full.split()[3]

@@ -37,16 +37,17 @@ class GenerateCalls:
     def _wait_for_queue_space(self) -> None:  # pragma: no cover - Engine's
         raise NotImplementedError
 
-    def generate_outputs(self, prompts: Prompt | list[Prompt],
+    def generate_outputs(self, prompts: Prompt | Request | list[Prompt | Request],
                          generation_config: GenerationConfig | list[GenerationConfig] | None = None,
                          *, use_tqdm: bool = True,
                          lora: str | None | list[str | None] = None) -> list[RequestOutput]:
         """Run many prompts to completion (submitted as the queue allows), in input order;
         `lora` names the LoRA adapter every prompt uses (None: the base model), or gives one
-        per prompt (as vLLM's `lora_request` list)."""
+        per prompt (as vLLM's `lora_request` list). A `Request` among the prompts runs with its
+        own settings (a config or adapter given beside it is refused)."""
         return self._run_prepared(self._prepare(prompts, generation_config, lora), use_tqdm)
 
-    def _prepare(self, prompts: Prompt | list[Prompt],
+    def _prepare(self, prompts: Prompt | Request | list[Prompt | Request],
                  generation_config: GenerationConfig | list[GenerationConfig] | None,
                  lora: str | None | list[str | None]) -> list[tuple[Any, Any]]:
         """Every prompt validated (and preprocessed) before anything runs: (sequence, plugin
@@ -60,7 +61,7 @@ class GenerateCalls:
         if len(loras) != len(batch):
             raise ValueError(f"lora: give one adapter name, or one per prompt ({len(batch)}), "
                              f"got {len(loras)}")
-        return [self._requests.sequence(Request.of(p, c, lora=name), self.generation_config)
+        return [self._requests.sequence(as_request(p, c, name), self.generation_config)
                 for p, c, name in zip(batch, configs, loras)]
 
     def _run_prepared(self, prepared: list[tuple[Any, Any]], use_tqdm: bool
@@ -100,25 +101,27 @@ class GenerateCalls:
         return out
 
     @staticmethod
-    def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, (str, dict)) or as_token_ids(prompts) is not None:
+    def _as_batch(prompts: Prompt | Request | list[Prompt | Request]) -> list[Prompt | Request]:
+        if _is_single(prompts):
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts:
             return list(prompts)
         if getattr(prompts, "ndim", None) == 2 and len(prompts):  # a [batch, tokens] array
             return list(prompts)
         raise ValueError("prompt must be a string, a list of token ids, a prompt dict "
-                         "({\"prompt_embeds\": tensor}, ...), or a non-empty list of those")
+                         "({\"prompt_embeds\": tensor}, ...), a Request, or a non-empty list "
+                         "of those")
 
-    def generate(self, prompts: Prompt | list[Prompt],
+    def generate(self, prompts: Prompt | Request | list[Prompt | Request],
                  generation_config: GenerationConfig | list[GenerationConfig] | None = None,
                  *, stream: bool = False, use_tqdm: bool = True,
                  lora: str | None | list[str | None] = None
                  ) -> str | list[str] | Iterator[str]:
         """One prompt -> its text; a list -> a list of texts; stream=True -> text deltas.
         `lora`: the LoRA adapter to use (None: the base model); as in `generate_outputs`, a list
-        of prompts may take one config and one adapter per prompt."""
-        single = isinstance(prompts, (str, dict)) or as_token_ids(prompts) is not None
+        of prompts may take one config and one adapter per prompt; a `Request` runs with its
+        own."""
+        single = _is_single(prompts)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
@@ -127,7 +130,7 @@ class GenerateCalls:
             if isinstance(lora, (list, tuple)):
                 raise ValueError("lora: stream=True takes one adapter name")
             return TextStream(self._submit_text_stream(
-                Request.of(prompts, generation_config, lora=lora)), self.abort)
+                as_request(prompts, generation_config, lora)), self.abort)
         prepared = self._prepare(prompts, generation_config, lora)
         for seq, _ in prepared:
             _refuse_several(seq, "generate() returns one text per prompt", "use generate_outputs() "
@@ -152,8 +155,8 @@ class GenerateCalls:
 
     async def generate_output_async(self, prompt: Prompt | Request,
                                     generation_config: GenerationConfig | None = None) -> RequestOutput:
-        request = prompt if isinstance(prompt, Request) else Request.of(prompt, generation_config)
-        handle = self.submit(request, loop=asyncio.get_running_loop())
+        handle = self.submit(as_request(prompt, generation_config),
+                             loop=asyncio.get_running_loop())
         try:
             return await handle.aresult()
         except asyncio.CancelledError:
@@ -162,8 +165,8 @@ class GenerateCalls:
 
     async def stream_async(self, prompt: Prompt | Request,
                            generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
-        request = prompt if isinstance(prompt, Request) else Request.of(prompt, generation_config)
-        handle = self._submit_text_stream(request, asyncio.get_running_loop())
+        handle = self._submit_text_stream(as_request(prompt, generation_config),
+                                          asyncio.get_running_loop())
         finished = False
         try:
             async for delta in handle.astream():
@@ -172,6 +175,25 @@ class GenerateCalls:
         finally:
             if not finished:  # the consumer stopped early or was cancelled: free the blocks
                 self.abort(handle.id)
+
+
+def _is_single(prompts: Any) -> bool:
+    """One prompt (or Request), not a batch of them."""
+    return isinstance(prompts, (str, dict, Request)) or as_token_ids(prompts) is not None
+
+
+def as_request(prompt: Prompt | Request, generation_config: Any = None,
+               lora: str | None = None) -> Request:
+    """A prompt made a Request with these settings; a Request as it is. A Request carries its
+    own config and adapter: others given beside it are refused, not silently dropped."""
+    if not isinstance(prompt, Request):
+        return Request.of(prompt, generation_config, lora=lora)
+    if generation_config is not None:
+        raise ValueError("generation_config: a Request carries its own "
+                         "(Request(prompt, generation_config=...))")
+    if lora is not None:
+        raise ValueError("lora: a Request names its own adapter (Request(prompt, lora=...))")
+    return prompt
 
 
 def _refuse_several(seq: Any, why: str, instead: str) -> None:
