@@ -92,8 +92,9 @@ def _choice_grammar(choices: Any, param: str) -> str:
     if not isinstance(choices, list) or not choices or not all(
             isinstance(c, str) and c for c in choices):
         raise bad_request(f"`{param}` must be a non-empty list of non-empty strings.", param=param)
-    # EBNF string literals take JSON-style escapes.
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    # EBNF string literals take JSON-style escapes, but not a surrogate pair's two halves (an
+    # emoji's \ud83d\ude00 would become two invalid code points): non-ASCII stays as it is.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def _text(value: Any, param: str) -> str:

@@ -13,6 +13,7 @@ import torch
 import xgrammar as xgr
 
 from ksana_llm.generation_config import STRUCTURED_OUTPUT_KINDS
+from ksana_llm.structured.schema_support import unenforced_keyword
 
 if TYPE_CHECKING:
     from ksana_llm.generation_config import StructuredOutputSpec
@@ -146,6 +147,10 @@ class GrammarCompiler:
                 raise ValueError(f"structured_output: the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_output: a JSON schema must be an object (or a boolean)")
+            keyword = unenforced_keyword(schema)
+            if keyword is not None:
+                raise ValueError(f"structured_output: the JSON schema's `{keyword}` is not "
+                                 "supported: the grammar engine (xgrammar) would not enforce it")
             try:
                 return compiler.compile_json_schema(str(value), any_whitespace=False)
             except (RuntimeError, ValueError, TypeError) as exc:

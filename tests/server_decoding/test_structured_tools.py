@@ -104,6 +104,26 @@ def test_regex_and_choice_on_completions_and_generate(server, client, model):
     jsonschema.validate(json.loads(r.json()["texts"][0]), schema)
 
 
+def test_emoji_choices_and_schema_keywords_the_grammar_would_not_enforce(server, client, model):
+    """An emoji in a choice used to reach the grammar as two UTF-16 halves (json.dumps' ASCII
+    escapes), and the answer was U+FFFD garbage; a schema keyword xgrammar ignores used to be
+    accepted and broken ({"ids": [7, 7, 7]} under uniqueItems)."""
+    choices = ["\U0001F600 yes", "\U0001F600 no"]
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                           max_tokens=12, extra_body={"guided_choice": choices})
+    assert reply.choices[0].message.content in choices
+    schema = {"type": "object", "properties": {"ids": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "required": ["ids"]}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": QUESTION, "max_tokens": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "ids", "schema": schema}}})
+    assert r.status_code == 400, r.text
+    error = openai_error(r)
+    assert error["param"].startswith("response_format")
+    assert "properties.ids.uniqueItems" in error["message"]
+    assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2).choices
+
+
 # ---- tool calls ------------------------------------------------------------------------------------
 
 def _check_call(call, tools=TOOLS) -> dict:
