@@ -332,3 +332,36 @@ def test_reasoning_effort_values_and_the_text_echo(client, model_name):
     out = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=2,
                                   text={"verbosity": "low"})
     assert out.text.format.type == "text" and out.text.verbosity == "low"
+
+
+def test_a_response_reports_the_sampling_it_ran_with(default_model):
+    """A request that leaves temperature / top_p out runs with the model's defaults
+    (--override-generation-config, generation_config.json); the response says those, not
+    OpenAI's 1.0 (the stored copy too), and one given outright is reported as given."""
+    import asyncio
+
+    import ksana_llm as kt
+    from ksana_llm.server.app import build_app
+    from ksana_llm.server.sampling_defaults import SamplingDefaults
+
+    engine = kt.Engine(default_model, num_device_blocks=64)
+    app = build_app(engine, served_model_name="m",
+                    sampling_defaults=SamplingDefaults(temperature=0.5, top_p=0.9))
+
+    async def main() -> list[dict]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as http:
+            left_out = (await http.post("/v1/responses", json={
+                "input": "Hi", "max_output_tokens": 2})).json()
+            stored = (await http.get(f"/v1/responses/{left_out['id']}")).json()
+            given = (await http.post("/v1/responses", json={
+                "input": "Hi", "max_output_tokens": 2, "temperature": 0.0})).json()
+            return [left_out, stored, given]
+
+    try:
+        left_out, stored, given = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert (left_out["temperature"], left_out["top_p"]) == (0.5, 0.9)
+    assert (stored["temperature"], stored["top_p"]) == (0.5, 0.9)
+    assert (given["temperature"], given["top_p"]) == (0.0, 0.9)

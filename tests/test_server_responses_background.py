@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import server_fixture
+from tests.server_process import openai_error, server_fixture
 
 QUESTION = "What is the capital of France?"
 
@@ -127,6 +127,23 @@ def test_running_background_responses_outlive_the_store_and_stop_when_deleted(
     assert _running(httpx.get(server.url + "/metrics").text) == 0
 
 
+def test_a_dropped_running_response_streams_only_if_it_was_streamed_and_deleted_is_gone(
+        client, server, model_name):
+    """A running background response made without `stream`, pushed out of the store: `GET
+    ?stream=true` is the 400 naming `stream` it is while stored (was a 500); once deleted,
+    cancelling it is a 404 as GET and DELETE are (was a 200 "cancelled" while it stopped)."""
+    response_id = _long_background_stream(client, model_name, stream=False).id
+    for i in range(4):
+        client.responses.create(model=model_name, input=f"Say {i}.", max_output_tokens=2)
+    assert client.responses.retrieve(response_id).status == "in_progress"
+    streamed = httpx.get(f"{server.base_url}/responses/{response_id}", params={"stream": "true"})
+    assert streamed.status_code == 400 and openai_error(streamed)["param"] == "stream"
+    assert httpx.delete(f"{server.base_url}/responses/{response_id}").json()["deleted"]
+    cancelled = httpx.post(f"{server.base_url}/responses/{response_id}/cancel")
+    assert cancelled.status_code == 404, cancelled.text
+    assert openai_error(cancelled)["code"] == "response_not_found"
+
+
 def _running(metrics: str) -> float:
     import re
 
@@ -142,7 +159,7 @@ def test_the_store_keeps_the_most_recent(client, model_name):
     assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
 
 
-def _long_background_stream(client, model_name):
+def _long_background_stream(client, model_name, stream: bool = True):
     """A streamed background response that runs for hundreds of tokens: a JSON schema of 300
     numbers at least keeps EOS out until then (a sampled "count to a thousand" may stop after
     a dozen tokens)."""
@@ -151,7 +168,7 @@ def _long_background_stream(client, model_name):
                                     "minItems": 300}}}
     return client.responses.create(
         model=model_name, input="List three hundred numbers.", max_output_tokens=1500,
-        background=True, stream=True,
+        background=True, stream=stream,
         text={"format": {"type": "json_schema", "name": "numbers", "schema": numbers}})
 
 

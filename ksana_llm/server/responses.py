@@ -83,6 +83,12 @@ def _plan(req: ResponsesRequest, state: ServerState) -> ResponsePlan:
         history = stored.items
     if req.input is not None:
         check_call_outputs(req.input, history)
+    # The model's sampling defaults for what the request left out, here rather than at
+    # submission only: the response reports the temperature and top_p it ran with.
+    defaults = {name: getattr(state.sampling_defaults, name) for name in ("temperature", "top_p")
+                if getattr(req, name) is None and getattr(state.sampling_defaults, name) is not None}
+    if defaults:
+        req = req.model_copy(update=defaults)
     return ResponsePlan(req, history + new_items, _chat_request(req, history + new_items))
 
 
@@ -256,7 +262,7 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
                           param="starting_after")
     log = running.events if running is not None else None
     if log is None:
-        if not stored.events:
+        if stored is None or not stored.events:  # (stored None: dropped from a full store)
             raise bad_request("Only a background response created with stream: true can be "
                               "streamed; GET it without stream.", param="stream")
         log = EventLog()
@@ -294,6 +300,8 @@ async def cancel_response(response_id: str, request: Request) -> Response:
     state = server_state(request)
     stored = state.responses.get(response_id)
     entry = state.background_responses.get(response_id)
+    if entry is not None and entry.deleted:  # still stopping; GET and DELETE say 404 already
+        raise not_found(response_id)
     if entry is None:
         if stored is None:
             raise not_found(response_id)
