@@ -33,7 +33,8 @@ def _engine(args: argparse.Namespace):
                   generation_config=_generation_config(args),
                   num_speculative_tokens=args.num_speculative_tokens,
                   speculative_method=args.speculative_method,
-                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                  kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                  trust_remote_code=bool(args.trust_remote_code))
 
 
 def _render_chat(engine, messages: list[dict[str, str]]) -> str | list[int]:

@@ -39,10 +39,11 @@ class _FlagWithoutEffect(argparse.Action):
 
 
 def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: bool) -> None:
-    parser.add_argument("--trust-remote-code", action=_FlagWithoutEffect,
-                        why="ksana-llm runs its own model code and never imports a checkpoint's",
-                        help="accepted for vLLM's command lines; ksana-llm never runs a "
-                             "checkpoint's own code")
+    # (Not without effect: vLLM's flag, grouped here so generate and serve both take it.)
+    parser.add_argument("--trust-remote-code", action="store_true", default=None,
+                        help="run the ksana_plugin.py a Hugging Face hub repository ships (its "
+                             "own Python code; a local folder's plugin runs either way); "
+                             "ksana-llm never imports a checkpoint's modelling code")
     if not serve:
         return
     for flag, why in (

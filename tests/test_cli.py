@@ -189,18 +189,18 @@ def test_vllm_command_line_spellings(tmp_path, caplog):
     # Flags vLLM command lines carry that mean nothing here: taken, with a warning saying why,
     # and no trace in the settings.
     with caplog.at_level("WARNING", logger="ksana_llm.cli"):
-        args = parse(["serve", "/models/m", "--trust-remote-code", "--disable-log-requests",
+        args = parse(["serve", "/models/m", "--disable-log-requests",
                       "--enable-chunked-prefill", "--enable-request-id-headers",
                       "--enable-prompt-tokens-details", "--enable-lora"])
-        assert parse(["generate", "hi", "--trust-remote-code"]).prompt == "hi"
     assert configs_from_args(args)[0].model == "/models/m"
-    assert not {"trust_remote_code", "disable_log_requests", "enable_chunked_prefill",
+    assert not {"disable_log_requests", "enable_chunked_prefill",
                 "enable_lora"} & set(vars(args))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
-        "--trust-remote-code changes nothing", "--disable-log-requests changes nothing",
+        "--disable-log-requests changes nothing",
         "--enable-chunked-prefill changes nothing", "--enable-request-id-headers changes nothing",
-        "--enable-prompt-tokens-details changes nothing", "--enable-lora changes nothing",
-        "--trust-remote-code changes nothing"]
+        "--enable-prompt-tokens-details changes nothing", "--enable-lora changes nothing"]
+    # --trust-remote-code runs a hub repository's plugin (tests/test_hub_models.py).
+    assert parse(["generate", "hi", "--trust-remote-code"]).trust_remote_code is True
     # vLLM's names of settings that exist here.
     assert configs_from_args(parse(["serve", "--num-gpu-blocks-override", "96"]))[0] \
         .num_device_blocks == 96

@@ -127,3 +127,42 @@ def test_a_tokenizer_hub_id_reads_the_cache(hub_cache, monkeypatch, default_mode
     with pytest.raises(ValueError, match="tokenizer 'tiny-org/absent' .*offline"):
         kt.Model.from_pretrained(weights_only, device="cpu", progress=False,
                                  tokenizer="tiny-org/absent", download_dir=cache)
+
+
+PLUGIN_CODE = '''
+from pathlib import Path
+
+Path(__file__).with_name("plugin-ran").write_text("imported")
+
+
+class KsanaPlugin:
+    def init_plugin(self, **kwargs):
+        pass
+'''
+
+
+def test_a_hub_repositorys_plugin_runs_only_with_trust_remote_code(
+        hub_cache, tmp_path, caplog, monkeypatch):
+    """A ksana_plugin.py is Python code: one that came with a hub repository is not imported
+    unless trust_remote_code (vLLM's rule for a repository's code; it used to run at once). A
+    local folder's own plugin still runs (tests/test_plugin.py)."""
+    source = tmp_path / "with-plugin"
+    shutil.copytree(resolve_model_dir(REPO, download_dir=hub_cache[0]), source)
+    (source / "ksana_plugin.py").write_text(PLUGIN_CODE)
+    cache = tmp_path / "cache"
+    snapshot = cache_repo(cache, "tiny-org/with-plugin", {"main": source})["main"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    load = dict(device="cpu", dtype="float32", progress=False, download_dir=cache)
+    with caplog.at_level("WARNING", logger="ksana_llm"):
+        model = kt.Model.from_pretrained("tiny-org/with-plugin", **load)
+    assert model.plugin is None and not (snapshot / "plugin-ran").exists()
+    assert "ships a ksana_plugin.py: not run" in caplog.text
+    trusted = kt.Model.from_pretrained("tiny-org/with-plugin", trust_remote_code=True, **load)
+    assert trusted.plugin is not None and (snapshot / "plugin-ran").read_text() == "imported"
+
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    assert configs_from_args(parse(["serve", "--trust-remote-code"]))[0].trust_remote_code
+    assert not configs_from_args(parse(["serve"]))[0].trust_remote_code

@@ -113,7 +113,8 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
                 quantization=self.config.quantization, tokenizer=self.config.tokenizer,
                 hf_overrides=self.config.hf_overrides, load_format=self.config.load_format,
                 revision=self.config.revision, download_dir=self.config.download_dir,
-                skip_tokenizer_init=self.config.skip_tokenizer_init)
+                skip_tokenizer_init=self.config.skip_tokenizer_init,
+                trust_remote_code=self.config.trust_remote_code)
             try:
                 self._start(model, tokenizer, generation_config)
             except BaseException:

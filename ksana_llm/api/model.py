@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ksana_llm.api.plugin import Plugin, load_plugin
+from ksana_llm.api.plugin import PLUGIN_FILENAME, Plugin, load_plugin
 from ksana_llm.config import DTYPE_ALIASES, EngineConfig
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
@@ -274,7 +274,8 @@ class Model:
                         hf_overrides: dict[str, Any] | None = None,
                         load_format: str = "auto", revision: str | None = None,
                         download_dir: str | os.PathLike | None = None,
-                        skip_tokenizer_init: bool = False) -> Model:
+                        skip_tokenizer_init: bool = False,
+                        trust_remote_code: bool = False) -> Model:
         """Load an HF folder, a .gguf file, a Hugging Face hub id ("Qwen/Qwen3-0.6B") or (path
         None) the embedded SmolLM2-135M-Instruct.
 
@@ -285,7 +286,8 @@ class Model:
         Checkpoint tensor names go through `<model_type>_weight_map.json` when the folder or the
         package has one (see `ksana_llm.loader.weight_map`). `plugin`: True loads the folder's
         `ksana_plugin.py` if there is one, False never runs plugin code, a path loads that file
-        (see `ksana_llm.api.plugin`). `quantization` "fp8" keeps the projections' weights as FP8
+        (see `ksana_llm.api.plugin`); a hub repository's own `ksana_plugin.py` runs only with
+        `trust_remote_code` (vLLM's rule for a repository's code). `quantization` "fp8" keeps the projections' weights as FP8
         (per-row scales, quantized as they load), "w8a8_int8" as int8 with their inputs
         quantized to int8 per token; a quantized checkpoint loads as it is without it.
 
@@ -355,6 +357,12 @@ class Model:
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)
         loaded_plugin = None
+        if plugin is True and not trust_remote_code and _came_from_the_hub(path):
+            plugin = False
+            if (Path(model_dir) / PLUGIN_FILENAME).is_file():
+                logger.warning("%s ships a %s: not run, as it is the hub repository's own code "
+                               "(trust_remote_code=True / --trust-remote-code runs it)",
+                               path, PLUGIN_FILENAME)
         if plugin is not False:
             loaded_plugin = load_plugin(
                 model_dir, model_type=str(model_type or ""),
@@ -364,6 +372,14 @@ class Model:
         return cls(module, hf_config, tokenizer, Path(model_dir), torch_device, torch_dtype,
                    _eos_token_ids(Path(model_dir), hf_config, tokenizer), loaded_plugin,
                    runtime, workers, load_format)
+
+
+def _came_from_the_hub(path: Any) -> bool:
+    """Whether `path` named a hub repository (resolved to a snapshot), not a local folder."""
+    if path is None:
+        return False  # the embedded default model
+    local = Path(path).expanduser()
+    return not local.exists() and is_repo_id(str(path))
 
 
 def _set_pad_token(tokenizer: Any, pad_token_id: int | None, vocab_size: int) -> None:

@@ -31,7 +31,7 @@ def default_served_model_name(model: str | None) -> str:
 
 
 # CLI flag -> EngineConfig field, applied only when given (so a YAML file keeps the rest).
-ENGINE_FLAGS = ("tokenizer", "skip_tokenizer_init", "device", "dtype", "quantization", "num_device_blocks", "block_token_num", "max_num_seqs",
+ENGINE_FLAGS = ("tokenizer", "skip_tokenizer_init", "trust_remote_code", "device", "dtype", "quantization", "num_device_blocks", "block_token_num", "max_num_seqs",
                 "max_step_tokens", "split_fuse_token_num", "block_device_memory_ratio",
                 "reserved_device_memory_ratio", "block_host_memory_factor", "swap_space",
                 "enable_prefix_caching", "preempt_mode", "waiting_timeout_ms",
