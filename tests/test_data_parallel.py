@@ -73,6 +73,15 @@ def test_two_replicas_behind_one_endpoint(tiny):
         assert [_successes(server.url, url) for url in replicas] == [2, 2]
         front = httpx.get(server.url + "/metrics", headers=headers, timeout=10).text
         assert "ksana_llm:router_unreachable_servers 0.0" in front
+        # vLLM's /load for load balancers, and /v1/stats: every replica's, by URL (were 404).
+        load = httpx.get(server.url + "/load", headers=headers, timeout=10)
+        assert load.status_code == 200, load.text
+        assert load.json() == {"server_load": 0, "servers": {url: 0 for url in replicas}}
+        stats = httpx.get(server.url + "/v1/stats", headers=headers, timeout=10)
+        assert stats.status_code == 200, stats.text
+        assert set(stats.json()["servers"]) == set(replicas)
+        assert all(s["num_free_kv_blocks"] == s["num_kv_blocks"]
+                   for s in stats.json()["servers"].values())
         assert httpx.post(replicas[0] + "/v1/completions", json=body,
                           timeout=60).status_code == 401
     finally:

@@ -108,6 +108,20 @@ def test_two_copies_of_the_checkpoint_are_refused(broken):
         _load(broken)
 
 
+def test_two_tensors_for_one_weight_are_refused(broken):
+    """A stray fused qkv_proj beside q/k/v_proj used to overwrite q and k silently (the last
+    tensor read won); transformers would have kept the parts and reported the extra key."""
+    path = broken / "model.safetensors"
+    tensors = load_file(path)
+    attention = "model.layers.0.self_attn."
+    tensors[attention + "qkv_proj.weight"] = torch.cat(
+        [tensors[attention + p + "_proj.weight"] for p in "qkv"]).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"checkpoint tensors '.*' and '.*' both hold "
+                                         r"model\.layers\.0\.self_attn\.qkv_proj"):
+        _load(broken)
+
+
 def test_a_stored_head_that_differs_from_the_tied_embedding_is_reported(broken, caplog):
     """tie_word_embeddings with a checkpoint that stores its own, different, lm_head.weight:
     transformers serves that head untied (tests/test_model_parity.py compares the logits), and

@@ -134,11 +134,18 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     ourselves (RoPE tables) or do not use. `require_all` False loads a subset (a weight update:
     the tensors not given keep their values). The keys filled (see `expected_keys`)."""
     loaders = _custom_loaders(model)
-    loaded: set[str] = set()
+    loaded: dict[str, str] = {}  # key filled -> the checkpoint tensor that filled it
     for name, tensor in weights:
-        if not skip(name):
-            loaded.update(place_tensor(model, name, tensor, fused_parts, loaders))
-    missing = sorted(expected_keys(model) - loaded) if require_all else []
+        if skip(name):
+            continue
+        for key in place_tensor(model, name, tensor, fused_parts, loaders):
+            # Two tensors for one weight (a fused qkv_proj beside q/k/v_proj, stacked experts
+            # beside per-expert ones): whichever came last would win, silently.
+            if key in loaded:
+                raise ValueError(f"checkpoint tensors {loaded[key]!r} and {name!r} both hold "
+                                 f"{key}; keep one")
+            loaded[key] = name
+    missing = sorted(expected_keys(model) - set(loaded)) if require_all else []
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
-    return loaded
+    return set(loaded)

@@ -93,6 +93,34 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
         return JSONResponse({"is_sleeping": any(asleep is True for asleep in servers.values()),
                              "servers": servers}, status_code=200 if done else 502)
 
+    @app.get("/load")
+    async def load(request: Request) -> JSONResponse:
+        """vLLM's server load, for a load balancer in front of this endpoint: the servers'
+        `server_load` summed, with each one's by URL (its status code for an error, null when
+        unreachable); 502 unless every server answered."""
+        router: Router = request.app.state.router
+        answers = await _ask_every_server(router, config, "GET", "/load",
+                                          router.headers(request_id_of(request)), b"")
+        servers = {url: answer.get("server_load") if isinstance(answer, dict) else answer
+                   for url, answer in answers.items()}
+        counts = [n for n in servers.values() if type(n) is int and n >= 0]
+        return JSONResponse({"server_load": sum(counts), "servers": servers},
+                            status_code=200 if len(counts) == len(servers) else 502)
+
+    @app.get("/v1/stats")
+    async def stats(request: Request) -> JSONResponse:
+        """Every server's /v1/stats by URL (its status code for an error, null when
+        unreachable) and this endpoint's own routing counts; 502 unless every server answered."""
+        router: Router = request.app.state.router
+        servers = await _ask_every_server(router, config, "GET", "/v1/stats",
+                                          router.headers(request_id_of(request)), b"")
+        counts = router.stats
+        return JSONResponse({"servers": servers, "num_disaggregated": counts.num_disaggregated,
+                             "num_direct": counts.num_direct,
+                             "num_prefill_failures": counts.num_prefill_failures},
+                            status_code=200 if all(isinstance(answer, dict)
+                                                   for answer in servers.values()) else 502)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Every server's Prometheus metrics, each sample labelled with its server's URL."""
