@@ -39,6 +39,10 @@ def test_json_schema_output_validates(default_model, local_engine):
         [prompt, prompt], [kt.GenerationConfig(max_new_tokens=60), config], use_tqdm=False)
     jsonschema.validate(json.loads(out.text), SCHEMA)
     assert out.finish_reason == "stop" and out.token_ids[-1] in default_model.eos_token_ids
+    assert out.stop_reason is None  # the model's end, as vLLM reports it
+    # ignore_eos: the grammar still ends it (only EOS is allowed then), as the model's end.
+    held = local_engine.generate_outputs(prompt, config.replace(ignore_eos=True), use_tqdm=False)[0]
+    assert (held.text, held.finish_reason, held.stop_reason) == (out.text, "stop", None)
     with pytest.raises((ValueError, jsonschema.ValidationError)):  # the constraint did something
         jsonschema.validate(json.loads(free.text), SCHEMA)
 

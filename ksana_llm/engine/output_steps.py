@@ -42,18 +42,24 @@ class OutputSteps:
         # Without stop strings the text cannot end the sequence, so it can wait (see `step`).
         deferred = defer and not config.stop and not config.ranks_sequences
         update = None if deferred else seq.detokenizer.update(text_tokens)
-        grammar_ended = False
+        grammar_ended = refused = False
         if seq.matcher is not None:
             # A token the grammar refuses can only come from a row whose every token was masked;
             # either way the structured output cannot go on.
-            grammar_ended = not seq.matcher.accept_token(token) or seq.matcher.is_terminated()
+            refused = not seq.matcher.accept_token(token)
+            grammar_ended = refused or seq.matcher.is_terminated()
         if update is not None and update.stop_str is not None:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, update.stop_str
         elif eos_stop:
             # The model's own end: no stop_reason, as in vLLM (a stop token or string has one).
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
-        elif token in config.stop_token_ids or grammar_ended:
+        elif token in config.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+        elif grammar_ended:
+            # Terminated: the grammar took its closing token, which only EOS can be, even under
+            # ignore_eos: the model's own end, without a stop_reason as above. Refused: a dead end.
+            seq.finish_reason = FinishReason.STOP
+            seq.stop_reason = token if refused else None
         elif num_output >= config.max_new_tokens \
                 or seq.num_prompt_tokens + num_output >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
