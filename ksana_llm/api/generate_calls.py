@@ -61,7 +61,7 @@ class GenerateCalls:
         if len(loras) != len(batch):
             raise ValueError(f"lora: give one adapter name, or one per prompt ({len(batch)}), "
                              f"got {len(loras)}")
-        return [self._requests.sequence(as_request(p, c, name), self.generation_config)
+        return [self._requests.sequence(_as_request(p, c, name), self.generation_config)
                 for p, c, name in zip(batch, configs, loras)]
 
     def _run_prepared(self, prepared: list[tuple[Any, Any]], use_tqdm: bool
@@ -130,7 +130,7 @@ class GenerateCalls:
             if isinstance(lora, (list, tuple)):
                 raise ValueError("lora: stream=True takes one adapter name")
             return TextStream(self._submit_text_stream(
-                as_request(prompts, generation_config, lora)), self.abort)
+                _as_request(prompts, generation_config, lora)), self.abort)
         prepared = self._prepare(prompts, generation_config, lora)
         for seq, _ in prepared:
             _refuse_several(seq, "generate() returns one text per prompt", "use generate_outputs() "
@@ -155,7 +155,7 @@ class GenerateCalls:
 
     async def generate_output_async(self, prompt: Prompt | Request,
                                     generation_config: GenerationConfig | None = None) -> RequestOutput:
-        handle = self.submit(as_request(prompt, generation_config),
+        handle = self.submit(_as_request(prompt, generation_config),
                              loop=asyncio.get_running_loop())
         try:
             return await handle.aresult()
@@ -165,7 +165,7 @@ class GenerateCalls:
 
     async def stream_async(self, prompt: Prompt | Request,
                            generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
-        handle = self._submit_text_stream(as_request(prompt, generation_config),
+        handle = self._submit_text_stream(_as_request(prompt, generation_config),
                                           asyncio.get_running_loop())
         finished = False
         try:
@@ -182,7 +182,7 @@ def _is_single(prompts: Any) -> bool:
     return isinstance(prompts, (str, dict, Request)) or as_token_ids(prompts) is not None
 
 
-def as_request(prompt: Prompt | Request, generation_config: Any = None,
+def _as_request(prompt: Prompt | Request, generation_config: Any = None,
                lora: str | None = None) -> Request:
     """A prompt made a Request with these settings; a Request as it is. A Request carries its
     own config and adapter: others given beside it are refused, not silently dropped."""
