@@ -20,7 +20,7 @@ from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
 from ksana_llm.loader.hf_config import hf_overrides_applied
-from ksana_llm.loader.hub import hub_snapshot, is_repo_id
+from ksana_llm.loader.hub import hub_snapshot, is_repo_id, names_a_hub_repo
 from ksana_llm.loader.load_format import check_load_format
 from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
@@ -376,10 +376,7 @@ class Model:
 
 def _came_from_the_hub(path: Any) -> bool:
     """Whether `path` named a hub repository (resolved to a snapshot), not a local folder."""
-    if path is None:
-        return False  # the embedded default model
-    local = Path(path).expanduser()
-    return not local.exists() and is_repo_id(str(path))
+    return path is not None and names_a_hub_repo(path)  # (None: the embedded default model)
 
 
 def _set_pad_token(tokenizer: Any, pad_token_id: int | None, vocab_size: int) -> None:

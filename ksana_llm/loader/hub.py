@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["hub_snapshot", "is_repo_id"]
+__all__ = ["hub_snapshot", "is_repo_id", "names_a_hub_repo"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -35,6 +35,12 @@ def is_repo_id(text: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def names_a_hub_repo(model: str | os.PathLike[str]) -> bool:
+    """Whether `model`, given where a model path goes, means a hub repository: it reads as a
+    hub id and no local path of that name exists (a local folder always wins, as in vLLM)."""
+    return not Path(model).expanduser().exists() and is_repo_id(str(model))
 
 
 def hub_offline() -> bool:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from .default_model import default_model_gguf
 from .gguf_convert import convert_gguf_to_hf
-from .hub import hub_snapshot, is_repo_id
+from .hub import hub_snapshot, names_a_hub_repo
 
 LOGGER = logging.getLogger("ksana_llm.loader")
 
@@ -200,7 +200,7 @@ def resolve_model_dir(
             or a revision was given for something other than a hub id.
     """
     target = None if path is None else Path(path).expanduser()
-    if target is not None and not target.exists() and is_repo_id(str(path)):
+    if path is not None and names_a_hub_repo(path):
         return _resolve_folder(hub_snapshot(str(path), revision=revision,
                                             download_dir=download_dir), cache_dir)
     if revision is not None:

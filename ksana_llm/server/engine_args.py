@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ksana_llm import yaml_config
-from ksana_llm.loader.hub import is_repo_id
+from ksana_llm.loader.hub import names_a_hub_repo
 
 logger = logging.getLogger("ksana_llm.server")
 
@@ -25,7 +25,7 @@ def default_served_model_name(model: str | None) -> str:
 
         return DEFAULT_MODEL_FILENAME.split(".")[0]  # SmolLM2-135M-Instruct
     path = Path(model.rstrip("/"))
-    if not path.exists() and is_repo_id(model):
+    if names_a_hub_repo(model):
         return model  # a hub id, as vLLM names it: "Qwen/Qwen3-0.6B"
     return path.stem if path.suffix == ".gguf" else path.name
 
