@@ -238,6 +238,21 @@ def test_prompt_longer_than_context(engine, model):
     assert engine.is_running
 
 
+@pytest.mark.parametrize("max_model_len, blocks, message", [
+    (10**6, 64, r"max_model_len=1000000 is more than the model's context \(8192 tokens\)"),
+    (2048, 64, r"max_model_len=2048 is more than the KV cache holds \(64 blocks x 16 tokens"),
+])
+def test_max_model_len_past_the_context_or_the_pool_is_refused(model, max_model_len, blocks,
+                                                                message):
+    """vLLM's rule: an explicit cap the engine cannot serve is an error, not silently lowered."""
+    with pytest.raises(ValueError, match=message):
+        kt.Engine(model, num_device_blocks=blocks, max_model_len=max_model_len)
+    with kt.Engine(model, num_device_blocks=blocks, max_model_len=1024) as fits:
+        assert fits.max_model_len == 1024
+    with kt.Engine(model, num_device_blocks=blocks) as default:
+        assert default.max_model_len == blocks * 16  # the pool, below the model's context
+
+
 def test_outputs_count_the_prompt_tokens_the_prefix_cache_served(model):
     """A second request with the first one's prompt (and more) reuses its full 16-token blocks;
     beam search (ranked outputs) reports it too."""
