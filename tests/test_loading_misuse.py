@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import ksana_llm as kt
 from ksana_llm.loader.gptq_awq import PackedIntFormat
 from ksana_llm.loader.lora import load_lora_adapter
+from tests.tiny_models import build_tiny_model
 
 VOCAB = 256
 
@@ -97,6 +98,31 @@ def test_a_tensor_of_the_wrong_shape_is_named(broken, name, change, match):
     _rewrite_tensor(broken, name, change)
     with pytest.raises(ValueError, match=match):
         _load(broken)
+
+
+@pytest.mark.parametrize("name", [
+    "model.layers.0.self_attn.q_proj.weight",  # a fused (QKV) part
+    "model.layers.0.mlp.gate_proj.weight",  # a fused (gate/up) part
+    "model.layers.0.self_attn.o_proj.weight",  # row-parallel
+    "model.norm.weight",
+])
+@pytest.mark.parametrize("bad", [torch.tensor(1.0), torch.ones(2, 2, 2)], ids=["scalar", "3-d"])
+def test_a_tensor_of_the_wrong_rank_is_named(broken, name, bad):
+    """A scalar once reached an IndexError (`shape[0]` of no shape) in the fused loaders."""
+    _rewrite_tensor(broken, name, lambda w: bad)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        _load(broken)
+
+
+@pytest.mark.parametrize("arch, name", [
+    ("yi-gqa4-bias", "model.layers.0.self_attn.o_proj.bias"),  # a scalar used to broadcast
+    ("qwen3-moe", "model.layers.0.mlp.experts.3.up_proj.weight"),
+])
+def test_a_scalar_bias_or_expert_weight_is_named(tmp_path, arch, name):
+    build_tiny_model(arch, tmp_path)
+    _rewrite_tensor(tmp_path, name, lambda w: torch.tensor(1.0))
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        _load(tmp_path)
 
 
 def test_two_copies_of_the_checkpoint_are_refused(broken):

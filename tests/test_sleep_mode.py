@@ -89,6 +89,20 @@ def test_level_2_then_new_weights_before_the_kv_cache(pair, device):
         assert answer.token_ids == pair["tokens_b"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_sleep_while_asleep_changes_nothing(pair, device):
+    """vLLM's rule: a retried sleep is a no-op. A level 2 after a level 1 once dropped the
+    weights on CPU (where level 1 leaves them in place) and not on CUDA; after waking the
+    engine then waited forever for weights nobody was going to send."""
+    with engine_on(pair["a"], device) as engine:
+        engine.sleep(level=1)
+        engine.sleep(level=2)
+        engine.wake_up()
+        assert not engine.is_sleeping()
+        answer = engine.generate_outputs([pair["prompt"]], generation_config=CONFIG)[0]
+        assert answer.token_ids == pair["tokens_a"]
+
+
 def test_after_level_2_nothing_runs_until_every_weight_is_loaded(pair):
     """Memory back, values not: the engine must not answer from them, nor from half of them
     (a trainer sends its weights in parts)."""

@@ -20,6 +20,7 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.loader.default_model import default_model_gguf
 from ksana_llm.models.factory import load_model_module
 from ksana_llm.models.weight_loading import expected_keys
 from ksana_llm.models.weight_update import check_update, weight_update
@@ -130,6 +131,25 @@ def test_an_update_that_does_not_fit_changes_nothing(pair, tmp_path):
             with pytest.raises(ValueError, match=message):
                 engine.update_weights(weights)
             assert greedy(engine, pair["prompts"]) == pair["tokens_a"], case
+
+
+@pytest.mark.parametrize("source", ["file", "folder"])
+def test_an_update_from_a_gguf_file_loads_its_weights(default_model_dir, hf_default_model,
+                                                      source):
+    """The default model is a GGUF file: an update from it (or from the folder holding it)
+    loads its converted weights, as `Model.from_pretrained` does."""
+    gguf = default_model_gguf()
+    model = kt.Model.from_pretrained(default_model_dir, device="cpu", dtype="float32",
+                                     progress=False)  # its own: the update changes its weights
+    prompt = model.tokenizer.encode("The capital of France is")
+    reference = greedy_trace(hf_reference(hf_default_model), prompt, 6)[0][len(prompt):]
+    hidden = model.hf_config.hidden_size
+    with kt.Engine(model, num_device_blocks=64) as engine:
+        assert greedy(engine, [prompt], 6) == [reference]
+        engine.update_weights({"model.norm.weight": -torch.ones(hidden)})
+        assert greedy(engine, [prompt], 6) != [reference]
+        engine.update_weights(str(gguf if source == "file" else gguf.parent))
+        assert greedy(engine, [prompt], 6) == [reference]
 
 
 class _ReadSpy:

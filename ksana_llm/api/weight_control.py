@@ -21,9 +21,10 @@ class WeightControl(EngineThreadWork):
         loaded.
 
         `weights`: a checkpoint folder of the same model type (safetensors or .bin, quantized
-        as the served model is or not), or tensors under their checkpoint (Hugging Face) names:
-        a state dict or (name, tensor) pairs, in any dtype and on any device. A subset updates
-        those tensors only, so a trainer may send its weights in several calls.
+        as the served model is or not), a GGUF file (or a folder holding one), or tensors under
+        their checkpoint (Hugging Face) names: a state dict or (name, tensor) pairs, in any
+        dtype and on any device. A subset updates those tensors only, so a trainer may send its
+        weights in several calls.
 
         Every tensor is checked first (each name must have a place, each shape must fit, on
         every tensor-parallel rank): a ValueError naming the first that does not, and no weight

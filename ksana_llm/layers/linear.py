@@ -352,6 +352,10 @@ class MergedLinear(QuantizedStorage):
 
     def load_shard(self, param: nn.Parameter, tensor: torch.Tensor | QuantizedWeight, index: int
                    ) -> None:
+        dims = 2 if param is self.weight else 1
+        if len(tensor.shape) != dims:  # a scalar or a stray dim: name it, do not index past it
+            raise ValueError(f"shard {index} has shape {tuple(tensor.shape)}, expected a "
+                             f"{dims}-d tensor")
         if tensor.shape[0] != self.full_sizes[index]:
             raise ValueError(f"shard {index} has {tensor.shape[0]} rows, "
                              f"expected {self.full_sizes[index]}")

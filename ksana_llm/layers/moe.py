@@ -209,7 +209,7 @@ class FusedExperts(nn.Module):
         full = self.full_intermediate_size
         if local_name in ("gate_up_proj", "down_proj"):  # stacked: expert by expert
             stacked = dense(tensor)
-            if stacked.shape[0] != self.num_experts:
+            if stacked.dim() != 3 or stacked.shape[0] != self.num_experts:
                 raise ValueError(f"experts.{local_name}: shape {tuple(stacked.shape)}, expected "
                                  f"{self.num_experts} experts")
             keys = []
@@ -236,6 +236,8 @@ class FusedExperts(nn.Module):
                      name: str) -> list[str]:
         """Expert `expert`'s `part` (gate / up: [I, H]; down: [H, I]), full or this rank's
         slice, into w13 / w2."""
+        if len(tensor.shape) != 2:  # a scalar or a stray dim: name it, do not index past it
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected a 2-d tensor")
         if isinstance(tensor, torch.Tensor) and self.online_quantization \
                 and self.quantized_capable:
             # Whole rows, then this rank's slice: every rank has the scales one rank would.

@@ -115,7 +115,11 @@ class RowParallelLinear(QuantizedStorage):
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor | QuantizedWeight
                                ) -> list[str]:
         if name == "bias" and self.bias is not None:
-            self.bias.data.copy_(dense(tensor))
+            tensor = dense(tensor)
+            if tuple(tensor.shape) != tuple(self.bias.shape):  # copy_ would broadcast a scalar
+                raise ValueError(f"bias: shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(self.bias.shape)}")
+            self.bias.data.copy_(tensor)
             return ["bias"]
         if name != "weight":
             raise ValueError(f"unexpected checkpoint tensor {name!r} for a row-parallel linear")

@@ -98,9 +98,9 @@ def place_tensor(model: nn.Module, name: str, tensor: torch.Tensor | QuantizedWe
         # A checkpoint that stores the projections already fused (Qwen v1 `c_attn`, Baichuan
         # `W_pack`, through their weight maps): split it into its parts, so that each part is
         # checked and, under tensor parallelism, sharded like a separately stored one.
-        if tensor.shape[0] != sum(owner.full_sizes):
-            raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(owner.full_sizes)} "
-                             f"(parts {owner.full_sizes})")
+        if len(tensor.shape) != param.dim() or tensor.shape[0] != sum(owner.full_sizes):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected "
+                             f"{sum(owner.full_sizes)} rows (parts {owner.full_sizes})")
         pieces = tensor.split_rows(owner.full_sizes) if isinstance(tensor, QuantizedWeight) \
             else tensor.split(owner.full_sizes, dim=0)
         for index, piece in enumerate(pieces):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ksana_llm.loader import load_hf_config
+from ksana_llm.loader import load_hf_config, resolve_model_dir
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.factory import checkpoint_tensors, renamed_by_weight_map
 
@@ -51,8 +51,17 @@ def weight_update(weights: Any, model_dir: str | os.PathLike, hf_config: Any) ->
     pairs, renamed by the weight map `model_dir` uses. ValueError naming `weights` otherwise."""
     if isinstance(weights, (str, os.PathLike)):
         folder = Path(weights).expanduser()
+        if (folder.is_file() and folder.suffix.lower() == ".gguf") or \
+                (folder.is_dir() and not (folder / "config.json").is_file()):
+            # A GGUF file (the default model is one), or a folder holding one: its converted,
+            # cached checkpoint folder, as Model.from_pretrained loads it.
+            try:
+                folder = resolve_model_dir(folder)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"weights: {exc}") from exc
         if not folder.is_dir():
-            raise ValueError(f"weights: {str(weights)!r} is not a checkpoint folder")
+            raise ValueError(f"weights: {str(weights)!r} is not a checkpoint folder or a GGUF "
+                             "file")
         try:
             theirs = getattr(load_hf_config(folder), "model_type", None)
         except (OSError, ValueError) as exc:

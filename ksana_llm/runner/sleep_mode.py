@@ -115,7 +115,14 @@ class SleepMode:
                         "%s", len(left), sorted(left)[:3])
 
     def sleep(self, level: int) -> None:
+        """Put the KV cache and weights to sleep; a no-op while any part sleeps (vLLM's rule):
+        a retried call must not turn a level-1 sleep into a level-2 one, which would drop
+        weights on a CPU device (whose level 1 leaves them in place) and not on CUDA."""
         level = check_sleep_level(level)
+        if self.asleep:
+            logger.warning("sleep(level=%d): already asleep (%s); wake up first to sleep "
+                           "again", level, ", ".join(self.asleep))
+            return
         if self.decode_graphs is not None and self.device.type == "cuda":
             self._graph_sizes = tuple(self.decode_graphs.sizes)
             self.decode_graphs = None  # their pool and buffers go with them
