@@ -310,6 +310,77 @@ def test_reasoning_then_tool_calls_streamed():
         assert run(sizes) == whole
 
 
+@pytest.mark.parametrize("name, wrap, is_call", [
+    # A Llama 3 answer that is JSON but no call (no "name"): content, read once.
+    ("llama3_json", lambda value: f'{{"items": {value}}}', False),
+    # A call with another long key after its arguments, and a body with no name before one.
+    ("hermes", lambda value: f'<tool_call>{{"name": "f", "arguments": {{}}, "note": {value}}}'
+                             "</tool_call>", True),
+    ("hermes", lambda value: f'<tool_call>{{"note": {value}, "name": "f", "arguments": {{}}}}'
+                             "</tool_call>", True),
+])
+def test_long_json_outside_the_arguments_streams_without_rescanning(monkeypatch, name, wrap,
+                                                                    is_call):
+    """Any long value, not only the arguments, is read once: a 40 KB one streamed 4 characters
+    at a time once cost 14 s of the server's event loop (a rescan of the object per piece)."""
+    import ksana_llm.server.tool_parsers.json_scan as json_scan
+
+    def full_scans(size: int) -> int:
+        count = 0
+        real = json_scan.value_end
+
+        def counting(text, pos):
+            nonlocal count
+            count += 1
+            return real(text, pos)
+
+        value = json.dumps([{"id": i, "label": "item"} for i in range(size // 30)])
+        text = wrap(value)
+        monkeypatch.setattr(json_scan, "value_end", counting)
+        final = collect(_stream(get_tool_parser(name).stream(), text, [4] * (len(text) // 4 + 1)))
+        monkeypatch.setattr(json_scan, "value_end", real)
+        assert final == get_tool_parser(name).extract(text)
+        if is_call:
+            assert [(c.name, c.arguments) for c in final.tool_calls] == [("f", "{}")]
+        else:
+            assert final.content == text and not final.tool_calls
+        return count
+
+    # A few scans whatever the length (a couple more or fewer as the pieces fall on the keys);
+    # a rescan per piece was one per 4 characters: 10,000 here.
+    assert full_scans(40_000) <= full_scans(400) + 8
+
+
+@pytest.mark.parametrize("body", [
+    '\n```json\n{"city": "Paris"}\n```',  # the template's fence
+    '\n{"city": "Paris"}',  # no fence
+    '\n```json {"city": "Paris"}```',  # fence and JSON on one line
+    '\n```\n{"city": "Paris"}\n```',  # a fence without a language
+])
+def test_deepseek_v3_arguments_with_or_without_their_fence(body):
+    """DeepSeek V3 models do not always fence the arguments as the template asks: the JSON is
+    the arguments either way (it once became "{}", the call made without them)."""
+    text = (f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather{body}"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    parser = get_tool_parser("deepseek_v3")
+    final = parser.extract(text)
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    for sizes in _chunkings(text, 20, seed=len(body)):
+        _check_stream(_stream(parser.stream(), text, sizes), final)
+
+
+def test_the_finishing_chunk_names_each_call_once():
+    """The last text and the parser's finishing tail go out in one chunk: a call completed by
+    the finish (no end tag, no arguments) is one delta there, not two of one index."""
+    parser = ChoiceOutputParser(None, get_tool_parser("hermes").stream())
+    parser.feed('<tool_call>{"name": "noar')
+    last = parser.feed('gs"}').then(parser.finish())
+    message = parser.delta_message(last)
+    assert [(c.index, c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        (0, "noargs", "{}")]
+
+
 def test_one_chunk_names_each_call_once():
     """A call parsed whole in one piece (its name, then the "{}" of a call without arguments)
     is one tool-call delta in the chunk, as OpenAI streams it."""

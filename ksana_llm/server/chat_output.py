@@ -36,6 +36,12 @@ class ChatDelta:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def then(self, later: ChatDelta) -> ChatDelta:
+        """This delta and a later one as one (a stream's last text and its finishing tail):
+        one chunk still names each call index once."""
+        return ChatDelta(self.reasoning + later.reasoning, self.content + later.content,
+                         coalesce(self.tool_calls + later.tool_calls))
+
 
 class ChoiceOutputParser:
     """`forced_call`: tool_choice named the function, so a call is no news to the caller

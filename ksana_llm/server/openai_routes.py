@@ -335,9 +335,7 @@ async def create_chat_completion(request: Request) -> Response:
                 delta = parser.feed(ev.text) if ev.text else ChatDelta()
                 finish_reason = None
                 if ev.finish_reason is not None:
-                    tail = parser.finish()
-                    delta = ChatDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
-                                      delta.tool_calls + tail.tool_calls)
+                    delta = delta.then(parser.finish())
                     finish_reason = parser.finish_reason(ev.finish_reason)
                 logprobs = chat_logprobs(ev.logprobs, texts) if ev.logprobs else None
                 if not delta and finish_reason is None and logprobs is None \

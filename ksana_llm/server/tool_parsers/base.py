@@ -155,7 +155,7 @@ def stream_open_arguments(out: ParsedDelta, call: CallProgress | None, name: str
                           text: str, value: OpenValue) -> None:
     """While a call's arguments value is unfinished (`value`, in `text`), add what is new of it
     to `out`: a container's text as it grows; a string's nothing (it is decoded once whole)."""
-    if call is None or name is None or text[value.start] not in "{[":
+    if call is None or name is None or not value.is_arguments or text[value.start] not in "{[":
         return
     delta = call.update_tail(name, text, value.start)
     if delta is not None:

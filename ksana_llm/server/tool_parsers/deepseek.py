@@ -15,6 +15,7 @@ CALLS_END = "<｜tool▁calls▁end｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
+FENCE = "```"
 
 
 def _arguments(name: str, body: str, pos: int) -> BodyScan:
@@ -33,13 +34,20 @@ def parse_v3_body(body: str) -> BodyScan:
     name = body[sep + len(SEP):newline].strip()
     if not name:
         return BodyScan()
-    fence = body.find("```", newline + 1)
-    if fence < 0:
-        return BodyScan(name)
-    line_end = body.find("\n", fence)
-    if line_end < 0:
-        return BodyScan(name)  # still inside the fence line ("```json")
-    return _arguments(name, body, line_end + 1)
+    # The template fences the arguments (```json ... ```); models also write them unfenced, or
+    # the fence and the JSON on one line: the JSON value after the fence's language tag is the
+    # arguments either way (never dropped for a `{}`).
+    start = skip_ws(body, newline + 1)
+    rest = body[start:]
+    if len(rest) < len(FENCE) and FENCE.startswith(rest):
+        return BodyScan(name)  # nothing yet, or a fence still being written
+    if rest.startswith(FENCE):
+        start += len(FENCE)
+        while start < len(body) and body[start].isalnum():  # the language tag ("json")
+            start += 1
+        if start == len(body):
+            return BodyScan(name)  # the tag may still grow
+    return _arguments(name, body, start)
 
 
 def parse_v31_body(body: str) -> BodyScan:

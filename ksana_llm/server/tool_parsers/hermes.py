@@ -25,7 +25,9 @@ def parse_json_body(body: str) -> BodyScan:
         if after < len(body) and body[after] == "{":
             next_at = after
     return BodyScan(call.name, call.arguments(body) if call.name is not None else "",
-                    open_at=call.open_arguments, next_at=next_at)
+                    open_at=call.open_at,
+                    open_is_arguments=call.open_at is not None and call.open_at == call.args_start,
+                    next_at=next_at)
 
 
 class HermesToolParser(ToolParser):

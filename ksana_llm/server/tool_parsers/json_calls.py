@@ -42,7 +42,7 @@ class JsonCallSequenceStream(ToolCallStream):
         self._region = 0  # where the calls start (after the lead tags)
         self._call: CallProgress | None = None
         self._name: str | None = None  # the open call's name, once known
-        self._open_value: OpenValue | None = None  # the open object's unfinished arguments value
+        self._open_value: OpenValue | None = None  # the open object's unfinished value
         self._num_calls = 0
         self._gate = ContentGate()
 
@@ -92,12 +92,13 @@ class JsonCallSequenceStream(ToolCallStream):
                         self._to_content(i)
                     continue
                 if self._open_value is not None and not self._open_value.advance(text):
-                    # Inside a long arguments value: only the new text is read (see OpenValue).
+                    # Inside a long value: only the new text is read (see OpenValue).
                     stream_open_arguments(out, self._call, self._name, text, self._open_value)
                     return
                 scan = scan_call_object(text, i)
-                open_at = scan.open_arguments
-                self._open_value = None if open_at is None else OpenValue(text, open_at)
+                open_at = scan.open_at
+                self._open_value = None if open_at is None else OpenValue(
+                    text, open_at, is_arguments=open_at == scan.args_start)
                 # A call needs its arguments too: `{"name": "John", "age": 30}` is an answer.
                 if scan.name is not None and scan.args_start is not None:
                     self._name = scan.name

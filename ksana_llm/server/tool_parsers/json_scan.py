@@ -97,8 +97,11 @@ class OpenValue:
     long value streamed in small pieces costs linear time, not a rescan per piece. Brackets are
     matched as in `value_end`."""
 
-    def __init__(self, text: str, start: int) -> None:
+    def __init__(self, text: str, start: int, *, is_arguments: bool = True) -> None:
         self.start = start
+        # Whether it is a call's arguments (streamed as they grow) or another key's value, read
+        # only so that the text before it is not scanned again.
+        self.is_arguments = is_arguments
         self.end: int | None = None  # exclusive, once the value is closed
         self._pos = start
         self._depth = 0
@@ -164,6 +167,9 @@ class CallObject:
     args_end: int | None = None  # where it ends, once complete
     end: int | None = None  # just past the closing brace, once the object is complete
     invalid: bool = False  # not a JSON object (or a malformed one)
+    # Where an unfinished string or container value starts, when the scan stopped inside one
+    # (any key's: a long answer that is JSON but no call must not be rescanned per piece).
+    open_at: int | None = None
 
     def arguments(self, text: str) -> str:
         """The raw arguments text so far ("" if none yet). A string-valued arguments field (a
@@ -181,12 +187,6 @@ class CallObject:
             if decoded is not None and _is_json(decoded):
                 return decoded
         return raw
-
-    @property
-    def open_arguments(self) -> int | None:
-        """Where an unfinished string or container arguments value starts, if that is where the
-        scan stopped (the arguments may then grow for a long time: see `OpenValue`)."""
-        return self.args_start if self.args_start is not None and self.args_end is None else None
 
 
 def _is_json(text: str) -> bool:
@@ -241,6 +241,8 @@ def scan_call_object(text: str, pos: int) -> CallObject:
             if end != INCOMPLETE:
                 out.args_end = end
         if end == INCOMPLETE:
+            if text[i] in '"{[':
+                out.open_at = i
             return out
         if key == "name" and out.name is None:
             name = _loads_string(text[i:end]) if text[i] == '"' else None

@@ -20,12 +20,14 @@ from ksana_llm.server.tool_parsers.json_scan import OpenValue
 @dataclass
 class BodyScan:
     """What a call body says so far: `name` once complete, the arguments text so far, and where
-    in the body an unfinished string or container arguments value starts (`open_at`, when
-    that is where the body stops making sense yet)."""
+    in the body an unfinished string or container value starts (`open_at`, when that is where
+    the body stops making sense yet; `open_is_arguments`: the arguments', else another key's,
+    which is only read on, not streamed)."""
 
     name: str | None = None
     arguments: str = ""
     open_at: int | None = None
+    open_is_arguments: bool = True
     next_at: int | None = None  # where another call starts in the same body, once this one ended
 
 
@@ -102,12 +104,13 @@ class TaggedToolStream(ToolCallStream):
         while True:
             body = self._body or ""
             if self._open is not None and not self._open.advance(body):
-                # Inside a long arguments value: nothing before it can change, so only the new
-                # text is read (a full rescan per piece would cost quadratic time).
+                # Inside a long value: nothing before it can change, so only the new text is
+                # read (a full rescan per piece would cost quadratic time).
                 stream_open_arguments(out, self._call, self._name, body, self._open)
                 return
             scan = self._parse_body(body)
-            self._open = None if scan.open_at is None else OpenValue(body, scan.open_at)
+            self._open = None if scan.open_at is None else \
+                OpenValue(body, scan.open_at, is_arguments=scan.open_is_arguments)
             if scan.name is None:
                 return
             self._name = scan.name
