@@ -410,6 +410,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="a prefill server (serve --kv-role prefill); repeat for several")
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="a decode server (serve --kv-role decode); repeat for several")
+    parser.add_argument("--prefill-timeout", type=cli_types.positive_float, default=120.0, metavar="S",
+                        help="seconds a prefill server may take for a prompt before the decode "
+                             "server computes it instead; one that times out or cannot be "
+                             "reached rests for 30 s (default: 120)")
     add_listen_args(parser)
     parser.add_argument("--api-key", default=None,
                         help="required of clients, and sent to the servers (which share it)")

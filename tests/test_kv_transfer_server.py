@@ -1,17 +1,16 @@
-"""Prefill/decode disaggregation over HTTP: a real prefill server (vLLM's `serve
---kv-transfer-config '{"kv_role": "kv_producer", ...}'`, i.e. `--kv-role prefill`), a
-real decode server (`serve --kv-role decode`, another block size) and `ksana-llm router` in front,
-driven by the official `openai` client. Answers must equal the Python API's on the same model
-(whose greedy tokens equal transformers', tests/test_kv_transfer.py); the decode server must
-really decode from the prefill server's KV (its counters say so), and every failure of the
-transfer must still give the right answer, or a clear error."""
+"""Prefill/decode disaggregation over HTTP: a real prefill server, a real decode server (another
+block size) and `ksana-llm router` in front (tests/kv_transfer_servers.py), driven by the
+official `openai` client. Answers must equal the Python API's on the same model (whose greedy
+tokens equal transformers', tests/test_kv_transfer.py); the decode server must really decode
+from the prefill server's KV (its counters say so), and every failure of the transfer must
+still give the right answer, or a clear error. The router's behaviour when a server fails,
+freezes or refuses: tests/test_router_failures.py."""
 
 from __future__ import annotations
 
 import asyncio
 import http.server
 import json
-import re
 import time
 
 import httpx
@@ -21,75 +20,26 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.runner.kv_transfer import TransferredKv
+from tests.kv_transfer_servers import (PROMPT, QUESTION, chat_prompt_ids, client, decode,
+                                       metric_total, openai_error, prefill, router)
 from tests.server_process import ServerProcess, free_port, stub_http_server
 from tests.tolerances import LOGIT_ATOL
 
-QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
-
-
-@pytest.fixture(scope="module")
-def prefill(default_model_dir):
-    # vLLM's spelling of --kv-role prefill (the decode server below uses ours).
-    proc = ServerProcess(["--kv-transfer-config",
-                          '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}',
-                          "--num-device-blocks", "128"])
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def decode(default_model_dir):
-    proc = ServerProcess(["--kv-role", "decode", "--num-device-blocks", "192",
-                          "--block-token-num", "8"])
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def router(prefill, decode):
-    proc = ServerProcess(["--prefill", prefill.url, "--decode", decode.url], command="router")
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(router):
-    return openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-def _counter(server: ServerProcess, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    match = re.search(rf"^ksana_llm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
-
-
-def _error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and body["error"]["message"]
-    return body["error"]
-
-
-def _chat_ids(local_engine: kt.Engine, messages: list[dict]) -> list[int]:
-    tok = local_engine.tokenizer
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tok.encode(text, add_special_tokens=False)
+__all__ = ["client", "decode", "prefill", "router"]  # module fixtures, used by name
 
 
 def test_chat_through_router_decodes_from_prefill_kv(client, prefill, decode, router, local_engine):
-    ids = _chat_ids(local_engine, QUESTION)
+    ids = chat_prompt_ids(local_engine, QUESTION)
     want = local_engine.generate(ids, kt.GenerationConfig(max_new_tokens=24, temperature=0))
-    imported, exported = (_counter(decode, "kv_transfer_imported_tokens"),
-                          _counter(prefill, "kv_transfer_exported_tokens"))
+    imported, exported = (metric_total(decode, "kv_transfer_imported_tokens"),
+                          metric_total(prefill, "kv_transfer_exported_tokens"))
     answer = client.chat.completions.create(model=None, messages=QUESTION, temperature=0,
                                             max_tokens=24)
     assert answer.choices[0].message.content == want
     assert answer.usage.prompt_tokens == len(ids)
     # The prefill server computed the prompt; the decode server only its last token.
-    assert _counter(prefill, "kv_transfer_exported_tokens") - exported == len(ids)
-    assert _counter(decode, "kv_transfer_imported_tokens") - imported == len(ids) - 1
+    assert metric_total(prefill, "kv_transfer_exported_tokens") - exported == len(ids)
+    assert metric_total(decode, "kv_transfer_imported_tokens") - imported == len(ids) - 1
     stream = client.chat.completions.create(model=None, messages=QUESTION, temperature=0,
                                             max_tokens=24, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
@@ -131,9 +81,9 @@ def test_kept_kv_is_fetched_once(prefill, local_engine):
     assert fetched.status_code == 200
     kv = TransferredKv.from_bytes(fetched.content)
     assert list(kv.token_ids) == ids
-    assert _error(httpx.get(f"{prefill.url}/kv_transfer/{params['transfer_id']}"), 404)["code"] \
+    assert openai_error(httpx.get(f"{prefill.url}/kv_transfer/{params['transfer_id']}"), 404)["code"] \
         == "kv_transfer_not_found"
-    _error(httpx.get(f"{prefill.url}/kv_transfer/nonsense"), 404)
+    openai_error(httpx.get(f"{prefill.url}/kv_transfer/nonsense"), 404)
 
 
 def test_bad_kv_transfer_params_are_400(prefill, decode):
@@ -157,7 +107,7 @@ def test_bad_kv_transfer_params_are_400(prefill, decode):
         (decode, {"do_remote_prefill": True, "remote_port": 1}, {}, "Invalid kv_transfer_params"),
     ]
     for server, params, extra, words in cases:
-        error = _error(post(server, params, **extra), 400)
+        error = openai_error(post(server, params, **extra), 400)
         assert error["param"] == "kv_transfer_params" and words in error["message"], error
     # Both still serve.
     assert post(prefill, None).status_code == 200 and post(decode, None).status_code == 200
@@ -201,7 +151,7 @@ def test_failed_fetch_falls_back_to_a_local_prefill(decode, prefill, local_engin
     handler = _payload_handler({"garbage": b"\x00" * 64, "other-model": other_model,
                                 "other-weights": other_weights, "huge": huge})
     stats = httpx.get(decode.base_url + "/stats").json()["kv_transfer"]
-    imported = _counter(decode, "kv_transfer_imported_tokens")
+    imported = metric_total(decode, "kv_transfer_imported_tokens")
     want = local_engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=8, temperature=0))
     with stub_http_server(handler) as payload_url:
         sources = [(f"http://127.0.0.1:{free_port()}", "0" * 32), (decode.url, "0" * 32),
@@ -212,115 +162,10 @@ def test_failed_fetch_falls_back_to_a_local_prefill(decode, prefill, local_engin
                 "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "kv_transfer_params": {
                     "do_remote_prefill": True, "remote_url": remote, "transfer_id": transfer_id}})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, remote
-    assert _counter(decode, "kv_transfer_imported_tokens") == imported
+    assert metric_total(decode, "kv_transfer_imported_tokens") == imported
     after = httpx.get(decode.base_url + "/stats").json()["kv_transfer"]
     assert after["num_fetch_failures"] - stats["num_fetch_failures"] == len(sources)
     assert after["num_fetched"] == stats["num_fetched"]
-
-
-@pytest.mark.parametrize("prefill_server", ["down", "not a prefill server"])
-def test_router_without_a_working_prefill_server(decode, local_engine, prefill_server):
-    """A prefill server that is down, or refuses the KV-transfer part (here: a decode server,
-    which answers do_remote_decode with a 400 about kv_transfer_params): the decode server
-    computes the prompt."""
-    url = f"http://127.0.0.1:{free_port()}" if prefill_server == "down" else decode.url
-    proc = ServerProcess(["--prefill", url, "--decode", decode.url], command="router")
-    try:
-        r = httpx.post(proc.base_url + "/chat/completions", timeout=60, json={
-            "messages": QUESTION, "max_tokens": 16, "temperature": 0})
-        assert r.status_code == 200
-        want = local_engine.generate(_chat_ids(local_engine, QUESTION),
-                                     kt.GenerationConfig(max_new_tokens=16, temperature=0))
-        assert r.json()["choices"][0]["message"]["content"] == want
-        health = httpx.get(proc.url + "/health")
-        assert health.status_code == 200  # it still answers
-        assert health.json()["num_prefill_failures"] == 1 and health.json()["num_direct"] == 1
-        assert health.json()["status"] == ("degraded" if prefill_server == "down" else "healthy")
-    finally:
-        proc.stop()
-
-
-def test_router_passes_client_errors_through(router):
-    r = httpx.post(router.base_url + "/chat/completions", timeout=60, json={
-        "messages": [{"role": "robot", "content": "hi"}]})
-    assert _error(r, 400)["param"]
-    _error(httpx.post(router.base_url + "/completions", content=b"{not json"), 400)
-    _error(httpx.post(router.base_url + "/completions", json=[1, 2]), 400)
-    # The router's answers carry a request id (the client's when it sent one), passed-on
-    # errors too.
-    traced = httpx.post(router.base_url + "/completions", json=[1, 2],
-                        headers={"X-Request-Id": "trace-7"})
-    assert traced.headers["x-request-id"] == "trace-7"
-
-
-def test_a_prompt_with_no_room_for_the_completion_is_refused_before_its_prefill(
-        router, prefill):
-    """The router gives the prefill server the client's max_tokens as `decode_max_tokens`: a
-    prompt that fits alone but not with the completion is the client's 400, in the client's
-    numbers, and is never computed (nor its KV kept for a fetch that would never come)."""
-    limit = httpx.get(prefill.base_url + "/models").json()["data"][0]["max_model_len"]
-    prompt = [1000 + i % 500 for i in range(limit - 20)]
-    exported = _counter(prefill, "kv_transfer_exported_tokens")
-    before = httpx.get(router.url + "/health").json()
-    r = httpx.post(router.base_url + "/completions", timeout=60,
-                   json={"prompt": prompt, "max_tokens": 100})
-    error = _error(r, 400)
-    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
-    assert f"({len(prompt)} in the prompt, 100 in the completion)" in error["message"]
-    after = httpx.get(router.url + "/health").json()
-    assert after["num_disaggregated"] == before["num_disaggregated"]
-    assert after["num_prefill_failures"] == before["num_prefill_failures"]
-    assert _counter(prefill, "kv_transfer_exported_tokens") == exported
-    # Asked of the prefill server directly: the same refusal, and a bad budget is a 400 too;
-    # without one (vLLM's proxies send none) the prompt alone is checked, as before.
-    body = {"prompt": prompt, "max_tokens": 1}
-    refused = httpx.post(prefill.base_url + "/completions", timeout=60, json={
-        **body, "kv_transfer_params": {"do_remote_decode": True, "decode_max_tokens": 100}})
-    assert _error(refused, 400)["code"] == "context_length_exceeded"
-    bad = httpx.post(prefill.base_url + "/completions", timeout=60, json={
-        **body, "kv_transfer_params": {"do_remote_decode": True, "decode_max_tokens": 0}})
-    assert _error(bad, 400)["param"] == "kv_transfer_params"
-    kept = httpx.post(prefill.base_url + "/completions", timeout=60, json={
-        **body, "kv_transfer_params": {"do_remote_decode": True}})
-    assert kept.status_code == 200 and kept.json()["kv_transfer_params"]["transfer_id"]
-
-
-def test_a_model_the_prefill_server_lacks_goes_to_a_decode_server_uncounted(router):
-    """An unknown `model` may be a decode server's adapter: no prefill failure is counted, and
-    the decode server's 404 is the answer."""
-    before = httpx.get(router.url + "/health").json()
-    r = httpx.post(router.base_url + "/completions", timeout=60,
-                   json={"model": "nope", "prompt": "hi", "max_tokens": 2})
-    assert _error(r, 404)["param"] == "model"
-    after = httpx.get(router.url + "/health").json()
-    assert after["num_prefill_failures"] == before["num_prefill_failures"]
-    assert after["num_direct"] == before["num_direct"] + 1
-
-
-def test_a_decode_server_that_is_down_loses_no_requests(decode, local_engine):
-    """A decode server refusing connections never got the request: the next one answers it
-    (streamed or not), and the model list comes from the first one up."""
-    down = f"http://127.0.0.1:{free_port()}"
-    proc = ServerProcess(["--decode", down, "--decode", decode.url], command="router")
-    try:
-        want = local_engine.generate(PROMPT, kt.GenerationConfig(max_new_tokens=4))
-        for stream in (False, True, False, True):
-            r = httpx.post(proc.base_url + "/completions", timeout=60, json={
-                "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream})
-            assert r.status_code == 200, r.text
-            if stream:
-                text = "".join(json.loads(line[6:])["choices"][0]["text"]
-                               for line in r.text.splitlines()
-                               if line.startswith("data: {"))
-            else:
-                text = r.json()["choices"][0]["text"]
-            assert text == want
-        for path in ("/v1/models", "/models"):
-            models = httpx.get(proc.url + path, timeout=30)
-            assert models.status_code == 200 and models.json()["data"], path
-        assert httpx.get(proc.url + "/version").json()["version"] == kt.__version__
-    finally:
-        proc.stop()
 
 
 def test_router_resets_every_servers_prefix_cache(router, prefill, decode):
@@ -436,58 +281,3 @@ def test_responses_continue_on_the_decode_server_that_stored_them(prefill, decod
             routed.responses.retrieve(first.id)
     finally:
         proc.stop()
-
-
-def test_decode_server_dying_mid_stream_ends_routed_streams_with_an_error():
-    """A decode server killed while it streams: the router ends each client's stream as the
-    servers end theirs on an engine failure (an SSE error event then `data: [DONE]`; a NUL
-    terminated error chunk on /generate), rather than a cut-off response."""
-    decode = ServerProcess(["--num-device-blocks", "256"])
-    router = None
-    try:
-        router = ServerProcess(["--decode", decode.url], command="router")
-        sse, native = asyncio.run(_streams_cut_by_a_kill(router.url, decode))
-    finally:
-        if router is not None:
-            router.stop()
-        decode.stop()
-    events = sse.decode().split("\n\n")
-    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
-    error = json.loads(events[-3].removeprefix("data: "))["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "service_unavailable" and "mid-stream" in error["message"]
-    for event in events[:-3]:  # the events passed on before it are whole
-        assert json.loads(event.removeprefix("data: "))["choices"]
-    chunks = native.split(b"\0")
-    assert chunks[-1] == b"" and json.loads(chunks[-2])["error"]["type"] == "service_unavailable"
-    for chunk in chunks[:-2]:
-        assert "texts" in json.loads(chunk)
-
-
-async def _streams_cut_by_a_kill(url: str, decode: ServerProcess) -> tuple[bytes, bytes]:
-    """A completions stream and a /generate stream through the router, the decode server
-    killed once both are under way; what each client received."""
-    started = [asyncio.Event(), asyncio.Event()]
-
-    async def stream(path: str, body: dict, started: asyncio.Event) -> bytes:
-        received = b""
-        async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", url + path, json=body) as r:
-                assert r.status_code == 200, await r.aread()
-                async for chunk in r.aiter_bytes():
-                    received += chunk
-                    started.set()
-        return received
-
-    async def kill() -> None:
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        await asyncio.sleep(0.3)
-        decode.proc.kill()
-
-    long = {"max_tokens": 1000, "ignore_eos": True, "stream": True}
-    sse, native, _ = await asyncio.gather(
-        stream("/v1/completions", {"prompt": PROMPT, **long}, started[0]),
-        stream("/generate", {"prompt": PROMPT, "stream": True, "sampling_config": {
-            "max_new_tokens": 1000, "ignore_eos": True}}, started[1]),
-        kill())
-    return sse, native

@@ -70,6 +70,10 @@ class Request:
     `prompt_token_ids` are n placeholder zeros. Such a request never shares KV through the
     prefix cache, drafts no speculative tokens, and cannot ask for prompt log-probs, export KV or
     use a plugin's pre/postprocess. Dense float32 / float16 / bfloat16 tensors only.
+
+    `prompt_text` and `messages`: what a token-id prompt was made from -- its text, and the chat
+    messages a template rendered into it -- for the model plugin's `preprocess`, which gets them
+    as `prompt` and `messages` (KsanaLLM's kwargs). The server fills them: it tokenizes first.
     """
 
     prompt: Prompt | None = None
@@ -85,6 +89,8 @@ class Request:
     cache_salt: str | None = None
     prediction: str | list[int] | None = None
     prompt_embeds: Any = None
+    prompt_text: str | None = None
+    messages: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, prompt: Prompt | dict[str, Any], generation_config: Any = None,

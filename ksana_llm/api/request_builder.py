@@ -136,9 +136,9 @@ class RequestBuilder:
         plugin = getattr(self.model, "plugin", None)
         if plugin is not None and request.prompt_embeds is None:
             plugin_info = plugin.run_preprocess(
-                token_ids, generation_config=config,
-                prompt=request.prompt if isinstance(request.prompt, str) else None,
-                input_embeddings=embeddings, additional_params=request.additional_params)
+                token_ids, generation_config=config, prompt=_source_text(request),
+                messages=_source_messages(request), input_embeddings=embeddings,
+                additional_params=request.additional_params)
             token_ids, config = plugin_info.token_ids, plugin_info.generation_config
             embeddings = plugin_info.input_embeddings
         self._check_token_ids(token_ids, request.prompt)
@@ -397,3 +397,20 @@ class RequestBuilder:
                        priority=priority)
         self._use_lora(seq, lora)
         return seq, targets, positions
+
+
+def _source_text(request: Request) -> str | None:
+    """The prompt's text for a plugin: the prompt itself, or the text token ids came from."""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    if request.prompt_text is not None and not isinstance(request.prompt_text, str):
+        raise ValueError(f"prompt_text must be a string, got {type(request.prompt_text).__name__}")
+    return request.prompt_text
+
+
+def _source_messages(request: Request) -> list[dict[str, Any]] | None:
+    messages = request.messages
+    if messages is not None and not (isinstance(messages, list)
+                                     and all(isinstance(m, dict) for m in messages)):
+        raise ValueError("messages must be a list of dicts (chat messages)")
+    return messages

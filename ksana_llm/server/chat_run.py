@@ -27,7 +27,8 @@ from ksana_llm.server.params import (
 from ksana_llm.server.reasoning_parsers import opens_thinking
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
-from ksana_llm.server.submission import check_common, constraint, plan_jobs, request_fields
+from ksana_llm.server.submission import (check_common, constraint, plan_jobs, plugin_sees,
+                                         request_fields)
 from ksana_llm.server.tools import plan_tools
 
 # Constraints that make the whole output JSON: such an output has no thinking block.
@@ -110,6 +111,8 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     if prediction is not None:
         check_token_ids(prediction, state.limits.vocab_size, "prediction.content")
     fields = await request_fields(req, state, jobs)
+    fields.update(plugin_sees(state, prompt_text=prompt, messages=[
+        m.model_dump(exclude_none=True) for m in req.messages]))
     if prediction is not None:
         fields["prediction"] = prediction
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,

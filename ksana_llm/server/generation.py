@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,13 +190,15 @@ class ChoiceSet:
                observer: Callable[[GenerationConfig], Callable[[RequestOutput], None]]
                | None = None,
                request_fields: dict[str, Any] | None = None,
-               request_log: RequestLog | None = None) -> ChoiceSet:
+               request_log: RequestLog | None = None,
+               job_fields: Sequence[dict[str, Any]] | None = None) -> ChoiceSet:
         """Submit every job or none: on the first refusal, abort those already queued.
 
         `observer(config)` makes one callback per engine request (given its generation config);
         it sees every output of that request on the engine thread (per-token metrics, and the
         finished request). `request_fields`:
-        more `Request` fields for every job (KV transfer). `request_log`: --enable-log-requests.
+        more `Request` fields for every job (KV transfer); `job_fields`: for each job its own
+        (its prompt's text, for a plugin). `request_log`: --enable-log-requests.
         """
         loop = asyncio.get_running_loop()
         choices = cls(engine)
@@ -208,7 +210,8 @@ class ChoiceSet:
                 choices.handles.append(engine.submit(
                     Request.of(prompt, config, request_id=f"{base_id}-{i}",
                                callback=choices._observed(observer, config, request_log),
-                               **(request_fields or {})),
+                               **(request_fields or {}),
+                               **(job_fields[i] if job_fields is not None else {})),
                     loop=loop))
         except (QueueFullError, EngineDeadError, ValueError) as exc:
             choices.refused = True  # before the aborts: their outputs come after it

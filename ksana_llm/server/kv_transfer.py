@@ -90,6 +90,15 @@ class KvTransferStore:
         self._drop(transfer_id)
         return entry[0]
 
+    def discard(self, transfer_id: str) -> bool:
+        """Drop the KV kept under `transfer_id` unfetched (its request failed on the decode
+        side); whether there was any."""
+        self._expire()
+        if transfer_id not in self._entries:
+            return False
+        self._drop(transfer_id)
+        return True
+
     def __len__(self) -> int:
         self._expire()
         return len(self._entries)
@@ -271,6 +280,18 @@ async def fetch_kv(transfer_id: str, request: Request) -> Response:
     # Off the event loop: writing a long prompt's payload takes milliseconds per MB, which the
     # streams of other requests would wait for.
     return Response(await asyncio.to_thread(kv.to_bytes), media_type="application/octet-stream")
+
+
+@router.delete("/kv_transfer/{transfer_id}")
+async def discard_kv(transfer_id: str, request: Request) -> dict[str, bool]:
+    """Drop the KV kept under `transfer_id` (the router's call when the decode server refused
+    or never got the request): its host memory is not held until the TTL; 404 when unknown,
+    already fetched or expired."""
+    transfer: KvTransfer | None = request.app.state.server.kv_transfer
+    if transfer is None or not transfer.exports or not transfer.store.discard(transfer_id):
+        raise APIError(404, f"No KV is kept under transfer id {transfer_id!r} (unknown, already "
+                       "fetched or expired).", type="not_found_error", code="kv_transfer_not_found")
+    return {"discarded": True}
 
 
 def mount(app: FastAPI) -> None:

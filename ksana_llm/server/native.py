@@ -36,7 +36,8 @@ from ksana_llm.server.errors import APIError, bad_request, from_validation_error
 from ksana_llm.server.generation import ChoiceResult, ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_BEAMS, MAX_N, MAX_STOP
-from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse
+from ksana_llm.server.submission import (CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse,
+                                         plugin_sees)
 from ksana_llm.server.params import (
     check_logprobs_cap,
     check_token_ids,
@@ -366,6 +367,8 @@ async def generate(request: Request) -> Response:
                               param=f"sampling_config.{key}")
     choices = ChoiceSet.submit(state.engine, f"gen-{uuid.uuid4().hex}", [(ids, config)],
                                state.request_observer if state.metrics is not None else None,
+                               plugin_sees(state, prompt_text=req.prompt
+                                           if isinstance(req.prompt, str) else None),
                                request_log=state.request_log)
     if req.stream:
         response = AbortOnCloseStreamingResponse(

@@ -64,6 +64,7 @@ from ksana_llm.server.submission import (
     kv_response,
     parse_body,
     plan_jobs,
+    plugin_sees,
     request_fields,
     wait_for_choices,
 )
@@ -195,9 +196,14 @@ async def create_completion(request: Request) -> Response:
     # Before submitting: a request refused here must not leave its choices running.
     echo_texts = ([state.text_tokenizer("echo").decode(p, skip_special_tokens=False)
                    for p in prompts] if req.echo else None)
+    texts_by_prompt = [req.prompt] if isinstance(req.prompt, str) else (
+        req.prompt if isinstance(req.prompt, list) and all(isinstance(p, str) for p in req.prompt)
+        else [None] * len(prompts))
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
-                               await request_fields(req, state, jobs), state.request_log)
+                               await request_fields(req, state, jobs), state.request_log,
+                               [plugin_sees(state, prompt_text=texts_by_prompt[p])
+                                for p in jobs.prompt_of])
     prompt_tokens = sum(len(p) for p in prompts)
     created = int(time.time())
     model = state.response_model(req.model)

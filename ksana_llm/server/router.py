@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import re
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
@@ -65,10 +66,18 @@ MAX_REMEMBERED_RESPONSES = 65536
 # The first id in a streamed response is the response's own (in `response.created`).
 _RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9A-Za-z]+)"')
 
-# What a prefill request keeps of the client's: what decides the prompt's tokens.
+# What a prefill request keeps of the client's: what decides the prompt's tokens, and whose
+# prefix cache they may share (cache_salt keeps one tenant's prompts out of another's there too).
 _PROMPT_FIELDS = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls",
                   "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                  "documents", "add_special_tokens", "reasoning_effort", "truncate_prompt_tokens")
+                  "documents", "add_special_tokens", "reasoning_effort", "truncate_prompt_tokens",
+                  "cache_salt")
+
+# A prefill server that timed out or could not be reached is passed over for this long: the
+# requests meanwhile go straight to a decode server instead of each waiting out the timeout.
+PREFILL_REST_S = 30.0
+# Dropping a failed request's KV on its prefill server: a courtesy, never worth a long wait.
+DISCARD_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -77,10 +86,16 @@ class RouterConfig:
     decode_urls: list[str]
     api_key: str | None = None  # checked on clients, and sent to the servers
     timeout_s: float = 600.0
+    # The longest a prefill server may take for its one token (a prompt computed, queueing
+    # included) before the decode server computes the prompt itself.
+    prefill_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
             raise ValueError("the router needs at least one --decode server")
+        if not self.prefill_timeout_s > 0:
+            raise ValueError(f"--prefill-timeout must be more than 0 seconds, got "
+                             f"{self.prefill_timeout_s}")
         for url in self.prefill_urls + self.decode_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"server URLs must start with http:// or https://, got {url!r}")
@@ -107,6 +122,11 @@ class Router:
     _adapters: set[str] = field(default_factory=set)
     # /v1/responses id -> the decode server that stored it.
     _response_servers: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    # Prefill server -> when (time.monotonic) it is asked again after a timeout or a refused
+    # connection.
+    _prefill_resting: dict[str, float] = field(default_factory=dict)
+    # KV discards under way (a reference keeps each task alive until it ends).
+    _discards: set[asyncio.Task] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._prefill = itertools.cycle(self.config.prefill_urls)
@@ -126,7 +146,9 @@ class Router:
         if not self.config.prefill_urls or not _disaggregable(path, body) \
                 or body.get("model") in self._adapters:
             return None
-        url = next(self._prefill)
+        url = self._next_prefill_server()
+        if url is None:
+            return None  # every one is resting after a failure: the decode server computes it
         request = {k: body[k] for k in _PROMPT_FIELDS if k in body}
         transfer: dict[str, Any] = {"do_remote_decode": True}
         budget = _completion_budget(body)
@@ -137,8 +159,11 @@ class Router:
         request.update(max_tokens=1, temperature=0, kv_transfer_params=transfer)
         try:
             response = await self.client.post(url + path, json=request,
-                                              headers=self.headers(request_id))
+                                              headers=self.headers(request_id),
+                                              timeout=self.config.prefill_timeout_s)
         except httpx.HTTPError as exc:
+            if isinstance(exc, (httpx.TimeoutException, httpx.ConnectError)):
+                self._prefill_resting[url] = time.monotonic() + PREFILL_REST_S
             return self._prefill_failed(url, repr(exc))
         if response.status_code != 200:
             if error_code(response) == LORA_NOT_TRANSFERABLE:
@@ -147,6 +172,10 @@ class Router:
             if error_param(response) == "model":
                 # A model the prefill server does not serve: perhaps a decode server's LoRA
                 # adapter. The decode server answers it whole; nothing failed.
+                return None
+            if error_code(response) == "context_length_exceeded":
+                # The prefill server judged our one-token request: the decode server refuses
+                # the client's own (before computing anything), in the client's numbers.
                 return None
             if client_error(response):
                 return passed_on(response, response.content)
@@ -159,6 +188,32 @@ class Router:
         if not isinstance(params, dict):
             return self._prefill_failed(url, "no kv_transfer_params (started without --kv-role?)")
         return {**params, "remote_url": url}
+
+    def _next_prefill_server(self) -> str | None:
+        """The next prefill server in turn that is not resting after a failure (None: all are)."""
+        now = time.monotonic()
+        for _ in range(len(self.config.prefill_urls)):
+            url = next(self._prefill)
+            if self._prefill_resting.get(url, 0.0) <= now:
+                self._prefill_resting.pop(url, None)
+                return url
+        return None
+
+    def _discard_kv(self, params: dict[str, Any], request_id: str | None) -> None:
+        """Tell the prefill server to drop KV kept for a request the decode side refused or
+        never got (else it holds host memory, and may push out others' KV, until its TTL)."""
+        url = f"{params['remote_url']}/kv_transfer/{params.get('transfer_id')}"
+
+        async def discard() -> None:
+            try:
+                await self.client.delete(url, headers=self.headers(request_id),
+                                         timeout=DISCARD_TIMEOUT_S)
+            except httpx.HTTPError as exc:
+                logger.info("could not drop the KV at %s (%r); it expires", url, exc)
+
+        task = asyncio.ensure_future(discard())
+        self._discards.add(task)
+        task.add_done_callback(self._discards.discard)
 
     def _prefill_failed(self, url: str, why: str) -> None:
         self.stats.num_prefill_failures += 1
@@ -178,8 +233,16 @@ class Router:
         else:
             self.stats.num_disaggregated += 1
             body["kv_transfer_params"] = params
-        return await self.decode(path, json.dumps(body).encode(), "application/json",
-                                 stream=bool(body.get("stream")), request_id=request_id)
+        fetched = False
+        try:
+            response = await self.decode(path, json.dumps(body).encode(), "application/json",
+                                         stream=bool(body.get("stream")), request_id=request_id)
+            # A 200 fetched the KV (or found it gone); a refusal came before any fetch.
+            fetched = response.status_code == 200
+            return response
+        finally:
+            if params is not None and not fetched:
+                self._discard_kv(params, request_id)
 
     async def decode(self, path: str, content: bytes, content_type: str | None, *,
                      stream: bool, request_id: str | None = None) -> Response:
@@ -409,7 +472,8 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
 def run_router(args: argparse.Namespace) -> int:
     tls = uvicorn_tls_options(args.ssl_certfile, args.ssl_keyfile,
                               args.ssl_keyfile_password)
-    app = build_router_app(RouterConfig(args.prefill, args.decode, api_key=args.api_key),
+    app = build_router_app(RouterConfig(args.prefill, args.decode, api_key=args.api_key,
+                                        prefill_timeout_s=args.prefill_timeout),
                            cors=cors_from_args(args))
     AnnouncingServer(uvicorn_config(app, args, tls), "routing to "
                      f"{len(args.prefill)} prefill and {len(args.decode)} decode servers").run()

@@ -22,10 +22,14 @@ from fastapi.responses import JSONResponse, Response
 import ksana_llm
 from ksana_llm.server.errors import engine_unavailable
 from ksana_llm.server.metrics import PROMETHEUS_TEXT_FORMAT
-from ksana_llm.server.router_metrics import merged_metrics, scrape_servers
+from ksana_llm.server.router_metrics import PROBE_TIMEOUT_S, merged_metrics, scrape_servers
 
 if TYPE_CHECKING:
     from ksana_llm.server.router import Router, RouterConfig
+
+
+# How long /health waits for each server's own /health.
+HEALTH_TIMEOUT_S = 5.0
 
 
 def request_id_of(request: Request) -> str | None:
@@ -139,12 +143,17 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
         "healthy" (KsanaLLM's word) when every server is up, "degraded" when some are not; 503
         with no decode server."""
         router: Router = request.app.state.router
-        servers = {}
-        for url in dict.fromkeys(config.prefill_urls + config.decode_urls):
+
+        async def status(url: str) -> tuple[str, int | None]:
             try:
-                servers[url] = (await router.client.get(url + "/health", timeout=5.0)).status_code
+                return url, (await router.client.get(url + "/health",
+                                                     timeout=HEALTH_TIMEOUT_S)).status_code
             except httpx.HTTPError:
-                servers[url] = None
+                return url, None
+
+        # All at once: a frozen server costs the probe one timeout, not one per server.
+        servers = dict(await asyncio.gather(
+            *map(status, dict.fromkeys(config.prefill_urls + config.decode_urls))))
         ok = all(code == 200 for code in servers.values())
         serving = any(servers[url] == 200 for url in config.decode_urls)
         stats = router.stats
@@ -159,11 +168,14 @@ async def _ask_every_server(router: Router, config: RouterConfig, method: str, p
                             headers: dict[str, str], content: bytes) -> dict[str, Any]:
     """`method path` on every server at once: each one's answer by URL (its JSON, {} for a 200
     without any, its status code for an error, None when it could not be reached)."""
+    # Actions have no time limit (a server loading a large checkpoint answers when it is done);
+    # probes do: one frozen server must not wedge the load balancer polling /load.
+    timeout = PROBE_TIMEOUT_S if method == "GET" else None
+
     async def ask(url: str) -> tuple[str, Any]:
         try:
-            # No time limit: a server loading a large checkpoint answers when it is done.
             answer = await router.client.request(method, url + path, headers=headers,
-                                                 content=content or None, timeout=None)
+                                                 content=content or None, timeout=timeout)
             return url, answer.json() if answer.status_code == 200 else answer.status_code
         except httpx.HTTPError:
             return url, None

@@ -13,9 +13,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["merged_metrics", "scrape_servers"]
+__all__ = ["PROBE_TIMEOUT_S", "merged_metrics", "scrape_servers"]
 
 SERVER_LABEL = "server"
+# How long the router waits for each server's answer to a probe (/metrics, /load, /v1/stats,
+# /is_sleeping): one frozen server must not wedge the scraper or load balancer polling it.
+PROBE_TIMEOUT_S = 10.0
 
 
 class _Families:
@@ -56,7 +59,7 @@ async def scrape_servers(client: httpx.AsyncClient, urls: Iterable[str],
     200)."""
     async def scrape(url: str) -> tuple[str, str | None]:
         try:
-            answer = await client.get(url + "/metrics", headers=headers, timeout=10.0)
+            answer = await client.get(url + "/metrics", headers=headers, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError:
             return url, None
         return url, answer.text if answer.status_code == 200 else None

@@ -188,6 +188,14 @@ def checked_priority(priority: int, state: ServerState) -> int:
     return priority
 
 
+def plugin_sees(state: ServerState, **sources: Any) -> dict[str, Any]:
+    """`Request` fields (`prompt_text`, `messages`) that show a model plugin what the token ids
+    were made from (its `preprocess` gets them as `prompt` and `messages`); none without one."""
+    if getattr(state.engine.model, "plugin", None) is None:
+        return {}
+    return {key: value for key, value in sources.items() if value is not None}
+
+
 async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
                           ) -> dict[str, Any]:
     """Engine `Request` fields for the request's LoRA adapter (its `model`), its `priority`,
@@ -212,10 +220,12 @@ async def request_fields(req: _SamplingRequest, state: ServerState, jobs: Jobs
             if isinstance(prompt, list):
                 resolve_max_tokens(max_tokens, len(prompt), state.limits, prompt_param)
 
-    return await kv_transfer.request_fields(req.kv_transfer_params, state.kv_transfer,
-                                            num_sequences=sum(config.num_sequences
-                                                            for _, config in jobs.items),
-                                            stream=req.stream, check_room=check_room)
+    # Beside the request's own fields (its cache_salt and priority hold on either side of a
+    # transfer), not instead of them.
+    return {**fields, **await kv_transfer.request_fields(
+        req.kv_transfer_params, state.kv_transfer,
+        num_sequences=sum(config.num_sequences for _, config in jobs.items),
+        stream=req.stream, check_room=check_room)}
 
 
 def kv_response(state: ServerState, choices: ChoiceSet) -> dict[str, Any] | None:
