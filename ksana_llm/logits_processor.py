@@ -170,8 +170,8 @@ class PerRequestLogitsProcessor(LogitsProcessor):
                     raise ValueError(f"the request's processor {problem}")
                 if result is not values:
                     values.copy_(result)
-            # User code: this request's failure alone (SystemExit too: the engine lives on).
-            except (Exception, SystemExit) as exc:  # noqa: BLE001
+            # User code: this request's failure alone, whatever it raises (the engine lives on).
+            except BaseException as exc:  # noqa: BLE001
                 row.fail(exc)
         return logits
 

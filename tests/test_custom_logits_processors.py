@@ -163,15 +163,17 @@ def test_beam_search_matches_transformers(default_model, hf_model):
                                                              abs=2e-4)
 
 
-@pytest.mark.parametrize("settings", [{}, {"overlap_output_processing": True},
-                                      {"async_scheduling": True}],
-                         ids=["plain", "overlap-outputs", "async-scheduling"])
-def test_a_failing_processor_fails_only_its_request(default_model, settings):
+@pytest.mark.parametrize("settings, error", [
+    ({}, RuntimeError), ({"overlap_output_processing": True}, RuntimeError),
+    ({"async_scheduling": True}, RuntimeError),
+    ({}, KeyboardInterrupt),  # not an Exception: it once ended the step loop for everyone
+], ids=["plain", "overlap-outputs", "async-scheduling", "keyboard-interrupt"])
+def test_a_failing_processor_fails_only_its_request(default_model, settings, error):
     """Whatever the step loop defers (outputs, tokens in flight) is delivered before the
     failed request ends, and the engine serves on."""
     def fails_at_third(output_token_ids, logits):
         if len(output_token_ids) == 2:
-            raise RuntimeError("out of ideas")
+            raise error("out of ideas")
         return logits
 
     with kt.Engine(default_model, num_device_blocks=128, **settings) as engine:
@@ -181,8 +183,8 @@ def test_a_failing_processor_fails_only_its_request(default_model, settings):
             max_new_tokens=MAX_NEW, logits_processors=[fails_at_third])))
         other = engine.submit(kt.Request(PROMPTS[1], kt.GenerationConfig(
             max_new_tokens=MAX_NEW, ignore_eos=True)))
-        with pytest.raises(kt.RequestError, match=r"logits_processors\[0\] raised RuntimeError: "
-                                                  "out of ideas"):
+        with pytest.raises(kt.RequestError, match=rf"logits_processors\[0\] raised "
+                                                  rf"{error.__name__}: out of ideas"):
             failing.result(timeout=120)
         assert other.result(timeout=120).token_ids == reference
         assert engine.stats().num_free_kv_blocks == 128  # nothing held by the failed request

@@ -302,6 +302,56 @@ def test_shutdown_fails_pending_requests(model):
     # What the engine held is released: stats show an idle engine, not the last step's counts.
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_free_kv_blocks) == (0, 0, 64)
+    # And its KV cache's memory: a stopped engine still named (after a `with` block) must not
+    # hold a pool the next engine would size its own from. The shared weights stay.
+    runner = engine._core.runner
+    assert sum(t.untyped_storage().nbytes() for pair in runner.kv_caches for t in pair) == 0
+    assert all(p.untyped_storage().nbytes() for p in model.module.parameters())
+
+
+@pytest.mark.parametrize("raised", [asyncio.CancelledError, KeyboardInterrupt, GeneratorExit,
+                                    SystemExit])
+def test_a_callback_raising_anything_fails_only_its_request(engine, raised):
+    """Not only Exceptions: a stray CancelledError or KeyboardInterrupt from a callback once
+    ended the step loop, and the failure path called the callback again, leaving every other
+    request waiting forever."""
+    def callback(output):
+        raise raised()
+
+    config = kt.GenerationConfig(max_new_tokens=4)
+    bad = engine.submit(kt.Request(PROMPT, config, callback=callback))
+    other = engine.submit(kt.Request("Hi", config))
+    assert len(other.result(timeout=120).token_ids) > 0
+    bad.result(timeout=120)  # its output is whole: only the callback failed
+    assert engine.is_running
+
+
+def test_callbacks_run_in_batch_calls_and_may_not_block_the_engine_thread(engine):
+    """generate() / generate_outputs() run a Request's callback too (it was dropped); a
+    blocking call inside a callback (a follow-up generate) is a RuntimeError there, logged,
+    not a deadlock of every request."""
+    seen: list[bool] = []
+    config = kt.GenerationConfig(max_new_tokens=3)
+    out = engine.generate_outputs([kt.Request(PROMPT, config, callback=lambda o: seen.append(
+        o.finished))], use_tqdm=False)[0]
+    assert seen and seen[-1] is True and len(out.token_ids) == 3
+    seen.clear()
+    assert engine.generate(kt.Request(PROMPT, config, callback=lambda o: seen.append(o.finished)))
+    assert seen and seen[-1] is True
+
+    errors: list[BaseException] = []
+
+    def follow_up(output):
+        if output.finished:
+            try:
+                engine.generate("A follow-up", config, use_tqdm=False)
+            except RuntimeError as exc:
+                errors.append(exc)
+
+    first = engine.submit(kt.Request(PROMPT, config, callback=follow_up))
+    assert len(first.result(timeout=120).token_ids) == 3
+    assert errors and "engine thread" in str(errors[0])
+    assert engine.generate("Hi", config)  # still serving
 
 
 def test_waiting_timeout_fails_only_the_expired_request(model):

@@ -221,6 +221,7 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         handle = RequestHandle(seq.request_id, seq.prompt_token_ids, seq.config,
                                callback=callback, loop=loop)
         handle.plugin_info = plugin_info
+        handle.engine_thread = self._thread
         handle.output.metrics.arrival_time = seq.arrival_time
         with self._wake:
             if self._dead is not None or self._stopping:
@@ -239,18 +240,18 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
             self._wake.notify()
         return handle
 
-    def _enqueue_many(self, pending: deque[tuple[Sequence, Any]]) -> list[RequestHandle]:
-        """Enqueue (sequence, plugin info) pairs from the front of `pending`, popping each,
-        until the queue is full; the handles, which queue no per-step deltas (the caller
+    def _enqueue_many(self, pending: deque[tuple[Sequence, Any, Any]]) -> list[RequestHandle]:
+        """Enqueue (sequence, plugin info, callback) triples from the front of `pending`, popping
+        each, until the queue is full; the handles, which queue no per-step deltas (the caller
         reads their results alone, in turn: `RequestHandle.results_only`). All under one hold
         of the lock, so the engine thread sees them together: which requests share the first
         steps does not depend on how the two threads interleave."""
         handles: list[RequestHandle] = []
         with self._wake:
             while pending:
-                seq, plugin_info = pending[0]
+                seq, plugin_info, callback = pending[0]
                 try:
-                    handle = self._enqueue(seq, None, None, plugin_info)
+                    handle = self._enqueue(seq, callback, None, plugin_info)
                 except QueueFullError:
                     break
                 handle.results_only()  # before the engine thread can see the request
@@ -260,6 +261,9 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
 
     def _wait_for_queue_space(self) -> None:
         """Block until one more request would not be refused (or the engine stopped)."""
+        if threading.current_thread() is self._thread:  # (a callback's batch call)
+            raise RuntimeError("the queue is full, and waiting for room on the engine thread "
+                               "(in a callback) would wait forever for that thread")
         with self._wake:
             while (self._num_queued() >= self.config.max_queue_size and self._dead is None
                    and not self._stopping):
@@ -303,16 +307,22 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         return self._dead
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the step loop; unfinished requests fail with EngineDeadError. In a parallel run
-        the worker ranks are told to stop too."""
+        """Stop the step loop; unfinished requests fail with EngineDeadError. The KV cache's
+        memory is freed (the weights stay: they are the Model's). In a parallel run the worker
+        ranks are told to stop too."""
         self._exit_hook.cancel()
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-            if isinstance(self._core.runner, DistributedRunner) and not self._thread.is_alive():
-                self._core.runner.close()
+            if self._thread.is_alive():
+                return
+            runner = self._core.runner
+            if isinstance(runner, DistributedRunner):
+                runner.close()
+            else:
+                runner.release_kv_memory()
 
     def _on_worker_failure(self, message: str) -> None:
         """A worker rank died (seen between steps): the engine cannot go on, so it stops and

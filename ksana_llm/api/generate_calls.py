@@ -49,9 +49,9 @@ class GenerateCalls:
 
     def _prepare(self, prompts: Prompt | Request | list[Prompt | Request],
                  generation_config: GenerationConfig | list[GenerationConfig] | None,
-                 lora: str | None | list[str | None]) -> list[tuple[Any, Any]]:
+                 lora: str | None | list[str | None]) -> list[tuple[Any, Any, Any]]:
         """Every prompt validated (and preprocessed) before anything runs: (sequence, plugin
-        info) pairs."""
+        info, the Request's callback) triples."""
         batch = self._as_batch(prompts)
         configs = list(generation_config) if isinstance(generation_config, (list, tuple)) \
             else [generation_config] * len(batch)
@@ -61,10 +61,11 @@ class GenerateCalls:
         if len(loras) != len(batch):
             raise ValueError(f"lora: give one adapter name, or one per prompt ({len(batch)}), "
                              f"got {len(loras)}")
-        return [self._requests.sequence(_as_request(p, c, name), self.generation_config)
-                for p, c, name in zip(batch, configs, loras)]
+        requests = [_as_request(p, c, name) for p, c, name in zip(batch, configs, loras)]
+        return [(*self._requests.sequence(request, self.generation_config), request.callback)
+                for request in requests]
 
-    def _run_prepared(self, prepared: list[tuple[Any, Any]], use_tqdm: bool
+    def _run_prepared(self, prepared: list[tuple[Any, Any, Any]], use_tqdm: bool
                       ) -> list[RequestOutput]:
         handles: list[RequestHandle] = []
         progress = None
@@ -132,7 +133,7 @@ class GenerateCalls:
             return TextStream(self._submit_text_stream(
                 _as_request(prompts, generation_config, lora)), self.abort)
         prepared = self._prepare(prompts, generation_config, lora)
-        for seq, _ in prepared:
+        for seq, _, _ in prepared:
             _refuse_several(seq, "generate() returns one text per prompt", "use generate_outputs() "
                             "(each output's .sequences) or submit(request).deltas()")
         outputs = self._run_prepared(prepared, use_tqdm)

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -211,6 +212,9 @@ class RequestHandle:
         self._end_seen: bool | BaseException = False
         self.forward_result: Any = None  # a core ForwardResult, for forward-only requests
         self.plugin_info: Any = None  # what the model plugin's preprocess returned, if it ran
+        # The thread that produces this handle's outputs: a blocking read there (from a
+        # callback or logits processor) would wait for itself forever.
+        self.engine_thread: threading.Thread | None = None
 
     @property
     def finished(self) -> bool:
@@ -275,9 +279,10 @@ class RequestHandle:
         if self._callback is not None:
             try:
                 self._callback(out)
-            # A user callback must not take the engine down, not even by sys.exit(): on this
-            # thread that would end the step loop for every request.
-            except (Exception, SystemExit):
+            # A user callback must not take the engine down, whatever it raises (sys.exit(), a
+            # stray CancelledError or KeyboardInterrupt): on this thread that would end the step
+            # loop for every request.
+            except BaseException:  # noqa: BLE001
                 logger.exception("callback of request %s raised", self.id)
 
     def fail(self, error: BaseException, batch: AsyncDeliveries | None = None) -> None:
@@ -314,6 +319,13 @@ class RequestHandle:
         """Whether a reader has taken the end of the stream (result / deltas ran to the end)."""
         return self._end_seen is not False
 
+    def _refuse_waiting_on_the_engine_thread(self) -> None:
+        if threading.current_thread() is self.engine_thread:
+            raise RuntimeError(
+                f"request {self.id}: a blocking read on the engine thread (in a callback or "
+                "logits processor) would wait forever for that thread; submit the request there "
+                "and read it from another thread, or with asyncio")
+
     def _already_ended(self) -> bool:
         """Whether a reader took the stream's end already (raising again if it was an error)."""
         seen = self._end_seen
@@ -327,6 +339,7 @@ class RequestHandle:
             raise RuntimeError("this handle was created for asyncio; use adeltas()")
         if self._already_ended():
             return
+        self._refuse_waiting_on_the_engine_thread()
         while True:
             item = self._sync.get()
             if self._check(item):
@@ -355,6 +368,7 @@ class RequestHandle:
             return self.output
         if self._async is not None:  # its items go to the event loop's queue, never here
             raise RuntimeError("this handle was created for asyncio; use `await aresult()`")
+        self._refuse_waiting_on_the_engine_thread()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -212,8 +212,9 @@ def _run_engine_processor(out: torch.Tensor, rows: list[SamplingRow],
             out.copy_(result)
         else:
             out.index_copy_(0, index, result.to(device=out.device, dtype=out.dtype))
-    # User code: its rows fail, the others go on; SystemExit too, so the engine thread lives on.
-    except (Exception, SystemExit) as exc:  # noqa: BLE001
+    # User code: its rows fail, the others go on; whatever it raises (SystemExit, a stray
+    # CancelledError or KeyboardInterrupt too), so the engine thread lives on.
+    except BaseException as exc:  # noqa: BLE001
         failed: BaseException | None = exc
     else:
         failed = None
@@ -236,8 +237,8 @@ def _run_custom_processors(out: torch.Tensor, i: int, row: SamplingRow) -> None:
             list(row.output_token_ids), values)
         try:
             result = fn(*args)
-        # User code: any failure is that request's; SystemExit too, so the engine thread lives on.
-        except (Exception, SystemExit) as exc:  # noqa: BLE001
+        # User code: any failure is that request's, whatever it raises, so the engine lives on.
+        except BaseException as exc:  # noqa: BLE001
             row.processor_error = ValueError(
                 f"logits_processors[{k}] raised {type(exc).__name__}: {exc}")
             return
@@ -248,8 +249,8 @@ def _run_custom_processors(out: torch.Tensor, i: int, row: SamplingRow) -> None:
         if result is not values:
             try:
                 values.copy_(result)
-            # E.g. a meta tensor: that request's fault (SystemExit too: the engine lives on).
-            except (Exception, SystemExit) as exc:  # noqa: BLE001
+            # E.g. a meta tensor: that request's fault, whatever it raises.
+            except BaseException as exc:  # noqa: BLE001
                 row.processor_error = ValueError(
                     f"logits_processors[{k}] returned a tensor that cannot be read ({exc})")
                 return

@@ -333,7 +333,7 @@ class Sampler:
         for processor in row.engine_processors:
             try:
                 processor.release(row.view)
-            except (Exception, SystemExit):  # noqa: BLE001 - user code: the row is gone either way
+            except BaseException:  # noqa: BLE001 - user code: the row is gone either way
                 logger.exception("logits processor %s failed to release request %s",
                                  type(processor).__name__, row.request_id)
 
