@@ -192,6 +192,27 @@ def test_end_tag_ends_the_call_even_inside_a_broken_string():
         _check_stream(_stream(parser.stream(), text, sizes), final)
 
 
+def _scans_streaming(monkeypatch, name: str, text: str) -> tuple[int, ParsedOutput]:
+    """`text` streamed through parser `name` 4 characters at a time: how many full JSON value
+    scans (`json_scan.value_end` calls) it took, and the result."""
+    import ksana_llm.server.tool_parsers.json_scan as json_scan
+
+    count = 0
+    real = json_scan.value_end
+
+    def counting(text, pos):
+        nonlocal count
+        count += 1
+        return real(text, pos)
+
+    monkeypatch.setattr(json_scan, "value_end", counting)
+    try:
+        final = collect(_stream(get_tool_parser(name).stream(), text, [4] * (len(text) // 4 + 1)))
+    finally:
+        monkeypatch.setattr(json_scan, "value_end", real)
+    return count, final
+
+
 @pytest.mark.parametrize("name, wrap", [
     ("hermes", lambda args: f'<tool_call>{{"name": "write", "arguments": {args}}}</tool_call>'),
     ("deepseek_v31", lambda args: f"<｜tool▁call▁begin｜>write<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"),
@@ -201,21 +222,9 @@ def test_long_arguments_stream_without_rescanning(monkeypatch, name, wrap):
     """A 40 KB argument streamed 4 characters at a time is read once, not rescanned on every
     piece (which cost quadratic time inside the server's event loop): the number of full
     scans stays the same whatever the argument's length."""
-    import ksana_llm.server.tool_parsers.json_scan as json_scan
-
     def full_scans(size: int) -> int:
-        count = 0
-        real = json_scan.value_end
-
-        def counting(text, pos):
-            nonlocal count
-            count += 1
-            return real(text, pos)
-
-        monkeypatch.setattr(json_scan, "value_end", counting)
-        text = wrap(json.dumps({"content": "x" * size, "path": "a.txt"}))
-        final = collect(_stream(get_tool_parser(name).stream(), text, [4] * (len(text) // 4)))
-        monkeypatch.setattr(json_scan, "value_end", real)
+        count, final = _scans_streaming(monkeypatch, name,
+                                        wrap(json.dumps({"content": "x" * size, "path": "a.txt"})))
         assert json.loads(final.tool_calls[0].arguments)["content"] == "x" * size
         return count
 
@@ -323,22 +332,9 @@ def test_long_json_outside_the_arguments_streams_without_rescanning(monkeypatch,
                                                                     is_call):
     """Any long value, not only the arguments, is read once: a 40 KB one streamed 4 characters
     at a time once cost 14 s of the server's event loop (a rescan of the object per piece)."""
-    import ksana_llm.server.tool_parsers.json_scan as json_scan
-
     def full_scans(size: int) -> int:
-        count = 0
-        real = json_scan.value_end
-
-        def counting(text, pos):
-            nonlocal count
-            count += 1
-            return real(text, pos)
-
-        value = json.dumps([{"id": i, "label": "item"} for i in range(size // 30)])
-        text = wrap(value)
-        monkeypatch.setattr(json_scan, "value_end", counting)
-        final = collect(_stream(get_tool_parser(name).stream(), text, [4] * (len(text) // 4 + 1)))
-        monkeypatch.setattr(json_scan, "value_end", real)
+        text = wrap(json.dumps([{"id": i, "label": "item"} for i in range(size // 30)]))
+        count, final = _scans_streaming(monkeypatch, name, text)
         assert final == get_tool_parser(name).extract(text)
         if is_call:
             assert [(c.name, c.arguments) for c in final.tool_calls] == [("f", "{}")]
