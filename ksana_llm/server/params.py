@@ -12,16 +12,25 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from ksana_llm.api.request import Request as EngineRequest
 from ksana_llm.api.request_builder import truncate_prompt
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, no_tokenizer
-from ksana_llm.server.openai_protocol import MAX_STOP, _SamplingRequest
+from ksana_llm.server.openai_protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
+                                             _SamplingRequest)
 
 # Engine field -> OpenAI parameter, so that an engine ValueError names what the client sent.
 _ENGINE_TO_OPENAI = MappingProxyType({"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                      "do_sample": "temperature", "num_return_sequences": "n",
                      "export_kv": "kv_transfer_params", "imported_kv": "kv_transfer_params",
                      "extra_args": "vllm_xargs"})
+
+
+# The fields the engine's ValueErrors name first: its own request's, and the HTTP requests'
+# it is handed (chat_template_kwargs, tools, ...).
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationConfig)) | frozenset(
+    f.name for f in dataclasses.fields(EngineRequest)) | frozenset(
+    name for model in (CompletionRequest, ChatCompletionRequest) for name in model.model_fields)
 
 
 @dataclass(frozen=True)
@@ -290,7 +299,8 @@ def engine_value_error(exc: ValueError, params: Mapping[str, str] = _ENGINE_TO_O
     """The engine's ValueError ("<field> must be ...") as a 400 naming the request parameter."""
     message = str(exc)
     field = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
-    param = params.get(field, field if field.isidentifier() else None)
+    # Only a field's name names a parameter: a plugin's "image could not be decoded" does not.
+    param = params.get(field, field if field in _ENGINE_FIELDS else None)
     # The request's names throughout: "min_tokens must be in [0, max_tokens]", not the engine's.
     for engine_name, request_name in params.items():
         message = re.sub(rf"\b{re.escape(engine_name)}\b", request_name, message)
