@@ -101,3 +101,31 @@ def test_the_flag_reaches_the_engine_config(capsys):
     with pytest.raises(SystemExit):
         parse(["serve", "--hf-overrides", "[1]"])
     assert "--hf-overrides" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, rope_parameters", [
+    ({"rope_theta": 100.0}, {"rope_type": "default", "rope_theta": 100.0}),
+    # The README's form (and Qwen2.5 model cards'): a scaling dict without rope_theta.
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+      "rope_theta": 10000.0}),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+     {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+])
+def test_rope_overrides_reach_the_rotary_tables(folder, overrides, rope_parameters):
+    """transformers 5 keeps rope_theta inside rope_parameters: a `rope_theta` override was set
+    beside it and never read (the original theta's logits, silently), and a `rope_scaling` dict
+    replaced it, losing the theta (a TypeError). Each must give transformers' logits for the
+    config written out in full."""
+    prompt = _prompts()[1]
+    reference = hf_reference(_hf_model(folder, {"rope_parameters": rope_parameters}))
+    original = hf_reference(_hf_model(folder, {}))
+    assert (reference(prompt) - original(prompt)).abs().max() > 1e-3  # the override matters
+    model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                     hf_overrides=overrides)
+    with kt.Engine(model, num_device_blocks=32, block_token_num=4) as engine:
+        logits = engine.forward(prompt, [{"target_name": "logits"}]).targets[0].tensor
+        # The loaded model holds what was asked: an engine given the same overrides takes it.
+        with kt.Engine(model, num_device_blocks=16, block_token_num=4, hf_overrides=overrides):
+            pass
+    torch.testing.assert_close(logits, reference(prompt), atol=2e-4, rtol=1e-4)

@@ -45,7 +45,8 @@ def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> 
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, "
+                     "yarn")
 
 
 class RotaryEmbedding(nn.Module):

@@ -36,9 +36,28 @@ def apply_hf_overrides(config: Any, overrides: Mapping[str, Any], prefix: str = 
         current = getattr(config, key, None)
         if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
             apply_hf_overrides(current, value, prefix=f"{prefix}{key}.")
-        else:
+        elif not _set_rope_key(config, key, value):
             setattr(config, key, value)
         logger.info("hf_overrides: %s%s = %r", prefix, key, value)
+
+
+def _set_rope_key(config: Any, key: str, value: Any) -> bool:
+    """transformers 5 keeps `rope_theta` inside `rope_parameters` (of which `rope_scaling` is
+    the old name), and reads it only there: a `rope_theta` override must land there too, and a
+    new scaling dict keeps the checkpoint's theta unless it names one. False: not such a key,
+    or a config without `rope_parameters` (set it plainly)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return False
+    if key == "rope_theta":
+        config.rope_parameters = {**params, "rope_theta": value}
+        setattr(config, key, value)
+        return True
+    if key in ("rope_scaling", "rope_parameters") and isinstance(value, Mapping):
+        theta = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
+        config.rope_parameters = {**theta, **value}
+        return True
+    return False
 
 
 def hf_overrides_applied(config: Any, overrides: Mapping[str, Any]) -> bool:
@@ -50,6 +69,10 @@ def hf_overrides_applied(config: Any, overrides: Mapping[str, Any]) -> bool:
         current = getattr(config, key, missing)
         if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
             if not hf_overrides_applied(current, value):
+                return False
+        elif isinstance(value, Mapping) and isinstance(current, Mapping):
+            # (a rope dict holds the checkpoint's rope_theta beside what was asked)
+            if any(current.get(k, missing) != v for k, v in value.items()):
                 return False
         elif current is missing or current != value:
             return False
