@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 GGUF files written with gguf.GGUFWriter (quantized with gguf-py), and a
+"""Tiny Llama / Qwen2 / Qwen3 GGUF files written with gguf.GGUFWriter (quantized with gguf-py), and a
 reference transformers model built from gguf-py's own dequantize of the same tensors, independent of
 transformers' GGUF reader (tests/test_gguf_files.py)."""
 from __future__ import annotations
@@ -63,6 +63,8 @@ def build(path, arch="llama", qtype=T.Q4_0, tied=True, rope_theta=50000.0, eps=1
     w.add_context_length(ctx); w.add_embedding_length(HIDDEN); w.add_block_count(LAYERS)
     w.add_feed_forward_length(INTER); w.add_head_count(HEADS); w.add_head_count_kv(KV)
     w.add_rope_dimension_count(HD); w.add_rope_freq_base(rope_theta)
+    if arch == "qwen3":  # its reader takes head_dim from here (and transformers' did not)
+        w.add_key_length(HD); w.add_value_length(HD)
     w.add_layer_norm_rms_eps(eps); w.add_vocab_size(V); w.add_file_type(1)
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")
     w.add_token_list(toks); w.add_token_types(types); w.add_token_merges(merges)
@@ -89,6 +91,9 @@ def build(path, arch="llama", qtype=T.Q4_0, tied=True, rope_theta=50000.0, eps=1
             add(p + "attn_q.bias", (HEADS * HD,), T.F32)
             add(p + "attn_k.bias", (KV * HD,), T.F32)
             add(p + "attn_v.bias", (KV * HD,), T.F32)
+        if arch == "qwen3":
+            add(p + "attn_q_norm.weight", (HD,), T.F32)
+            add(p + "attn_k_norm.weight", (HD,), T.F32)
         add(p + "attn_output.weight", (HIDDEN, HEADS * HD), qtype)
         add(p + "ffn_norm.weight", (HIDDEN,), T.F32)
         add(p + "ffn_gate.weight", (INTER, HIDDEN), qtype)
@@ -107,18 +112,23 @@ def unpermute(wt, n_head):
 
 SUB = {'attn_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm', 'attn_q': 'self_attn.q_proj',
        'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj', 'attn_output': 'self_attn.o_proj',
-       'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj'}
+       'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj',
+       'attn_q_norm': 'self_attn.q_norm', 'attn_k_norm': 'self_attn.k_norm'}
 
 def reference_model(stored, V, arch, tied, rope_theta, eps, ctx=512):
     """A transformers model built from gguf-py's dequantized tensors (the llama.cpp q/k
     permutation undone for llama), config stated by hand."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
     kw = dict(vocab_size=V, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
               num_attention_heads=HEADS, num_key_value_heads=KV, rms_norm_eps=eps,
               max_position_embeddings=ctx, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
               rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
-    cfg = LlamaConfig(head_dim=HD, **kw) if arch == "llama" else Qwen2Config(**kw)
-    model = (LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM)(cfg).float().eval()
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    cfg = config_class(**kw) if arch == "qwen2" else config_class(head_dim=HD, **kw)
+    model = model_class(cfg).float().eval()
     sd = {}
     for name, t in stored.items():
         base, suf = name.rsplit(".", 1)

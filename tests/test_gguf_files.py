@@ -37,6 +37,20 @@ def _logits(path, ids: list[int]) -> torch.Tensor:
         return engine.forward(ids, [ForwardTarget("logits")]).targets[0].tensor
 
 
+def test_a_qwen3_file_keeps_its_head_dim(tmp_path):
+    """Qwen3's head_dim is stated (attention.key_length), not hidden / heads; transformers'
+    GGUF reader left Qwen3's default (128) instead, so a file with any other failed to load,
+    blamed on corruption."""
+    path = tmp_path / "qwen3.gguf"
+    stored, vocab_size = build(path, arch="qwen3", qtype=T.Q8_0, tied=False, rope_theta=THETA)
+    reference = reference_model(stored, vocab_size, "qwen3", False, THETA, 1e-5)
+    assert reference.config.head_dim == HD != 128
+    ids = [5, 17, 42, 7, 99, 3, 64, 12]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(path, ids), expected, atol=2e-4, rtol=1e-4)
+
+
 def test_llama3_rope_freqs_become_llama3_scaling(tmp_path):
     """llama.cpp stores Llama 3.1's scaling as per-frequency divisors; transformers' reader
     drops them. 300 tokens, far past the original 64: the scaled model's logits, not the plain."""

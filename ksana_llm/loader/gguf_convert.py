@@ -272,6 +272,9 @@ def _load_dense_model(source: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"gguf_file": source.name, "dtype": torch.float32}
+    config = _config_with_head_dim(source)
+    if config is not None:
+        kwargs["config"] = config
     dequantize = _dequantizing_gguf_config()
     if dequantize is not None:
         # Newer transformers may keep GGUF weights packed (and refuse to save them); ask for
@@ -281,6 +284,27 @@ def _load_dense_model(source: Path) -> Any:
     if getattr(model, "hf_quantizer", None) is not None:
         model = _without_quantizer(model)
     return model
+
+
+def _config_with_head_dim(source: Path) -> Any | None:
+    """The file's config with `head_dim` from `<arch>.attention.key_length`, where
+    transformers' GGUF reader left its default instead (Qwen3: 128, whatever the file says,
+    and then every attention weight "mismatches"); None when it read it right."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    fields = GGUFReader(str(source)).fields
+    arch_field = fields.get("general.architecture")
+    arch = None if arch_field is None else arch_field.contents()
+    key_length = fields.get(f"{arch}.attention.key_length")
+    if key_length is None:
+        return None
+    config = AutoConfig.from_pretrained(str(source.parent), gguf_file=source.name)
+    head_dim = int(key_length.contents())
+    if not hasattr(config, "head_dim") or config.head_dim == head_dim:
+        return None
+    config.head_dim = head_dim
+    return config
 
 
 def _dequantizing_gguf_config() -> Any | None:
