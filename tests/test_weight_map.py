@@ -115,6 +115,22 @@ def test_package_map_is_used_when_the_folder_has_none(tiny, tmp_path: Path, monk
     check_prefill_and_decode(_load(folder).module, hf_reference(hf_model), vocab=VOCAB)
 
 
+def test_yis_original_checkpoints_load_through_the_shipped_map(tiny, tmp_path: Path) -> None:
+    """01-ai's first Yi releases: `model_type: "Yi"`, `YiForCausalLM`, and `ln1` / `ln2` for
+    the two norms of each layer; the package's yi map renames them."""
+    hf_model, original = tiny
+    folder = tmp_path / "yi"
+    folder.mkdir()
+    tensors = {k.replace("input_layernorm", "ln1").replace("post_attention_layernorm", "ln2"): v
+               for k, v in load_file(original / "model.safetensors").items()}
+    assert "model.layers.0.ln1.weight" in tensors
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((original / "config.json").read_text())
+    config.update(model_type="Yi", architectures=["YiForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    check_prefill_and_decode(_load(folder).module, hf_reference(hf_model), vocab=VOCAB)
+
+
 def test_folder_map_wins_over_package_map(tiny, tmp_path: Path, monkeypatch) -> None:
     hf_model, original = tiny
     folder = _renamed_copy(original, tmp_path / "renamed")

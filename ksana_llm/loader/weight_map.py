@@ -171,13 +171,15 @@ def find_weight_map(model_dir: str | os.PathLike[str] | None, model_type: str | 
     package's own `weight_maps/`), else None."""
     if not model_type:
         return None
-    name = weight_map_filename(model_type)
+    # Also in lower case: Yi's original configs say "Yi", its map is the package's "yi" one.
+    names = dict.fromkeys([weight_map_filename(model_type), weight_map_filename(model_type.lower())])
     folders = [] if model_dir is None else [Path(model_dir)]
     folders.append(PACKAGE_WEIGHT_MAP_DIR if package_dir is None else Path(package_dir))
     for folder in folders:
-        candidate = folder / name
-        if candidate.is_file():
-            return candidate
+        for name in names:
+            candidate = folder / name
+            if candidate.is_file():
+                return candidate
     return None
 
 
