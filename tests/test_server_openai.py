@@ -427,3 +427,16 @@ def test_continuous_usage_stats(client, model_name, route):
     plain = list(create(model=model_name, max_tokens=4, stream=True,
                         stream_options={"include_usage": True}, **kwargs))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
+    if route == "completions":  # the echoed prompt's chunk has no completion token yet
+        echoed = list(create(model=model_name, max_tokens=3, stream=True, echo=True,
+                             temperature=0, stream_options=options, **kwargs))
+        assert echoed[0].choices[0].text == "The sea is"
+        counts = [c.usage.completion_tokens for c in echoed[:-1]]
+        assert counts[0] == 0 and counts[-1] == echoed[-1].usage.completion_tokens == 3
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client, model_name):
+    """vLLM's rule: both given, max_completion_tokens (OpenAI's current name) counts."""
+    answer = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2,
+                                            max_completion_tokens=5, temperature=0)
+    assert answer.usage.completion_tokens == 5 and answer.choices[0].finish_reason == "length"

@@ -62,10 +62,6 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
     check_logprobs_cap(req.top_logprobs, state.max_logprobs, "top_logprobs")
-    if req.max_tokens is not None and req.max_completion_tokens is not None \
-            and req.max_tokens != req.max_completion_tokens:
-        raise bad_request("Give max_completion_tokens or max_tokens, not both with different values.",
-                          param="max_completion_tokens")
     tools = plan_tools(req.tools, req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                        auto_enabled=state.enable_auto_tool_choice, parser=state.tool_parser)
     template_kwargs = {**state.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
@@ -81,6 +77,8 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
         prompt, add_special_tokens=req.add_special_tokens)), req.truncate_prompt_tokens,
         state.limits.max_model_len)
     check_token_ids(ids, state.limits.vocab_size, "messages")
+    # Both given: max_completion_tokens, OpenAI's current name for what max_tokens was (vLLM's
+    # rule too; a client filling both from different defaults is not refused).
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(ids), state.limits, "messages",
                                     state.sampling_defaults.max_tokens)

@@ -244,10 +244,13 @@ async def create_completion(request: Request) -> Response:
                     else:
                         offsets[ev.index] = TextOffsets(start=len(text))
                     prompt_ids_sent[ev.index] = True
+                    # (its usage: no completion token yet; this event's come in the next chunk)
+                    before = _running_usage(req, len(prompts[jobs.prompt_of[r]]),
+                                            generated[ev.index] - ev.num_tokens)
                     yield CompletionResponse(id=request_id, created=created, model=model, choices=[
                         CompletionChoice(index=ev.index, text=text, logprobs=lp,
                                          prompt_token_ids=_ids_if(req, prompt_ids[jobs.prompt_of[r]]),
-                                         token_ids=_ids_if(req, []))], usage=usage)
+                                         token_ids=_ids_if(req, []))], usage=before)
                 logprobs = None
                 if ev.logprobs is not None:
                     logprobs = completion_logprobs(ev.logprobs, texts, offsets[ev.index])
