@@ -14,7 +14,7 @@ request, prompt log-probs (the decode server does not compute the imported rows)
 native `/generate` and `/forward` (and `/tokenize`, `/detokenize`, `/v1/embeddings`), and
 `/v1/responses`, which keep their conversations on the decode server that answered: the router
 remembers which one, sends a `previous_response_id` continuation there, and looks stored
-responses up there (or, for one it does not know, on each decode server). So does every request when
+responses up there (or, for one it does not know, on each decode server: server/router_responses.py). So does every request when
 the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
 lost. A prefill server's 400 about the request itself is the client's answer.
 `/invocations` (SageMaker's) goes where its body's API would; `/reset_prefix_cache`,
@@ -28,7 +28,6 @@ import asyncio
 import itertools
 import json
 import logging
-import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -46,6 +45,7 @@ from ksana_llm.server.generation import finished_before_client_left
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
 from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
 from ksana_llm.server.router_control import add_control_routes, request_id_of
+from ksana_llm.server.router_responses import ResponsesRouting
 from ksana_llm.server.router_upstream import (RelayedStream, client_error, error_code,
                                               error_param, passed_on, read_answer)
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, REQUEST_ID_HEADER,
@@ -61,10 +61,6 @@ _INVOCATION_APIS = (("messages", "/v1/chat/completions"), ("prompt", "/v1/comple
 _DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings",
                  "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
-# Response ids whose decode server the router remembers (the oldest are forgotten first).
-MAX_REMEMBERED_RESPONSES = 65536
-# The first id in a streamed response is the response's own (in `response.created`).
-_RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9A-Za-z]+)"')
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens, and whose
 # prefix cache they may share (cache_salt keeps one tenant's prompts out of another's there too).
@@ -111,7 +107,7 @@ class RouterStats:
 
 
 @dataclass
-class Router:
+class Router(ResponsesRouting):
     config: RouterConfig
     client: httpx.AsyncClient
     stats: RouterStats = field(default_factory=RouterStats)
@@ -288,61 +284,6 @@ class Router:
             raise engine_unavailable(f"decode server {url} cannot be reached") from None
         except httpx.HTTPError as exc:
             raise engine_unavailable(f"decode server {url} cannot be reached ({exc!r})") from exc
-
-    # ---- /v1/responses: conversations stay where they were stored -----------------------------
-    async def respond(self, body: dict[str, Any], request_id: str | None = None) -> Response:
-        """A Responses request to the decode server holding its `previous_response_id` (else
-        the next one); the answer's id is remembered with the server."""
-        previous = body.get("previous_response_id")
-        server = self._response_servers.get(previous) if isinstance(previous, str) else None
-        server = server or next(self._decode)
-        self.stats.num_direct += 1
-        response = await self._send(server, "/v1/responses", json.dumps(body).encode(),
-                                    "application/json", request_id=request_id)
-        if body.get("stream") and response.status_code == 200:
-            return RelayedStream(response, self._remember_streamed(response, server))
-        content = await read_answer(response)
-        if response.status_code == 200:
-            match = _RESPONSE_ID.search(content)
-            if match:
-                self._remember(match[1].decode(), server)
-        return passed_on(response, content)
-
-    async def _remember_streamed(self, response: httpx.Response, server: str
-                                 ) -> AsyncIterator[bytes]:
-        seen: bytes | None = b""
-        async for chunk in response.aiter_bytes():
-            if seen is not None:
-                seen += chunk
-                match = _RESPONSE_ID.search(seen)
-                if match:
-                    self._remember(match[1].decode(), server)
-                if match or len(seen) > 2**16:
-                    seen = None
-            yield chunk
-
-    def _remember(self, response_id: str, server: str) -> None:
-        self._response_servers[response_id] = server
-        self._response_servers.move_to_end(response_id)
-        while len(self._response_servers) > MAX_REMEMBERED_RESPONSES:
-            self._response_servers.popitem(last=False)
-
-    async def stored_response(self, method: str, response_id: str, suffix: str = "",
-                              query: str = "", request_id: str | None = None) -> Response:
-        """GET or DELETE a stored response (or, with `suffix`, GET its "/input_items" or POST
-        its "/cancel") on the server that holds it (one the router does not know: each decode
-        server in turn, until one has it)."""
-        known = self._response_servers.get(response_id)
-        path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
-        for server in [known] if known else self.config.decode_urls:
-            response = await self._send(server, path, b"", None, method=method,
-                                        request_id=request_id)
-            content = await read_answer(response)
-            if response.status_code != 404:
-                if method == "DELETE" and response.status_code == 200:
-                    self._response_servers.pop(response_id, None)
-                return passed_on(response, content)
-        return passed_on(response, content)
 
 
 def _completion_budget(body: dict[str, Any]) -> int | None:
