@@ -160,10 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     batch = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI requests (OpenAI's "
                                              "batch format) in one process")
-    batch.add_argument("-i", "--input-file", required=True,
-                       help="JSONL: {custom_id, method, url, body} a line")
-    batch.add_argument("-o", "--output-file", required=True,
-                       help="JSONL: {id, custom_id, response, error} a line, in input order")
+    # Required, but checked by run_batch: a --config file may give them (argparse's check
+    # would come before the file is read).
+    batch.add_argument("-i", "--input-file", default=None,
+                       help="(required) JSONL: {custom_id, method, url, body} a line")
+    batch.add_argument("-o", "--output-file", default=None,
+                       help="(required) JSONL: {id, custom_id, response, error} a line, in input "
+                            "order")
     batch.add_argument("--max-concurrency", type=int, default=None,
                        help="requests in flight at once (default: --max-num-seqs)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -197,9 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What KLLM_LOG_LEVEL may say (logging's names, any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("KLLM_LOG_LEVEL", "WARNING").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("KLLM_LOG_LEVEL", "WARNING").upper()
+    if level not in LOG_LEVELS:
+        print(f"ksana-llm: error: KLLM_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got "
+              f"{os.environ['KLLM_LOG_LEVEL']!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])

@@ -201,6 +201,9 @@ def test_openai_backends_send_the_vllm_equivalents(recorder):
     (["--random_workloads", "3"], "unrecognized arguments"),  # no prefix matching
     (["--port", "99999"], "argument --port: must be >= 1 and <= 65535"),  # (was a traceback)
     (["--port", "0"], "argument --port"),
+    # Written after the whole run: a missing folder fails before it, not after.
+    (["--perf_csv", "/nonexistent/perf.csv"], "--perf_csv /nonexistent/perf.csv: its folder"),
+    (["--output_csv", "/nonexistent/out.csv"], "--output_csv"),
 ])
 def test_what_cannot_be_done_is_a_usage_error(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -54,6 +54,15 @@ def test_bad_arguments_give_a_clear_error(args, needle):
     assert proc.returncode == 2 and needle in proc.stderr
 
 
+def test_an_unknown_log_level_is_a_clear_error():
+    """KLLM_LOG_LEVEL went to logging as it was: a traceback for every command, --help too."""
+    proc = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KLLM_LOG_LEVEL": "verbose"})
+    assert proc.returncode == 2 and "KLLM_LOG_LEVEL must be one of" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_serve_on_a_port_in_use_fails_before_loading_the_model():
     """The socket is bound first (as vLLM does): a port another process holds is a clear error
     at once, not uvicorn's after the model has loaded."""

@@ -41,6 +41,9 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
          "body": {"text_1": QUESTION, "text_2": [PROMPT, QUESTION]}},
         {"custom_id": "rerank", "method": "POST", "url": "/v1/rerank",
          "body": {"query": QUESTION, "documents": [PROMPT, QUESTION]}},
+        # Its answer would come after the batch ends (once "in_progress", then lost).
+        {"custom_id": "background", "method": "POST", "url": "/v1/responses",
+         "body": {"input": QUESTION, "max_output_tokens": 4, "background": True}},
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join([json.dumps(line, ensure_ascii=False) for line in lines]
@@ -80,10 +83,35 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
     refused = by_id["bad-param"]
     assert refused["response"]["status_code"] == 400 and refused["error"] is None
     assert refused["response"]["body"]["error"]["param"] == "temperature"
+    # Every response names its request (OpenAI's batch output does), errors and embeddings too.
+    assert all(o["response"]["request_id"] for o in outputs if o["response"] is not None)
     for custom_id, code in (("streamed", "invalid_request"), ("elsewhere", "invalid_url"),
-                            (None, "invalid_json")):
+                            ("background", "invalid_request"), (None, "invalid_json")):
         assert by_id[custom_id]["response"] is None
         assert by_id[custom_id]["error"]["code"] == code
+
+
+def test_the_files_may_come_from_the_config_file_and_must_be_local_paths(tmp_path):
+    """vLLM's --config gives any flag, the required ones too; `-` and URLs are refused by name
+    (not a file literally named "-", nor a mangled path), before the model loads."""
+    source = tmp_path / "batch.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                  "body": {"prompt": PROMPT, "max_tokens": 1}}) + "\n")
+    config = tmp_path / "batch.yaml"
+    config.write_text(f"input-file: {source}\noutput-file: {tmp_path / 'out.jsonl'}\n"
+                      "no-progress: true\nnum-device-blocks: 32\n")
+    done = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "run-batch", "--config",
+                           str(config), "--device", "cpu"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "out.jsonl").read_text())["response"]["status_code"] == 200
+    for flags, message in ((["-i", str(source), "-o", "-"], "--output-file must be a local"),
+                           (["-i", "http://host/batch.jsonl", "-o", "x"], "--input-file must be"),
+                           (["-i", str(source)], "--output-file is required")):
+        refused = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "run-batch", *flags],
+                                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "-").exists()
 
 
 def test_the_output_file_may_not_be_the_input_file(tmp_path):

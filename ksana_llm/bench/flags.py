@@ -306,6 +306,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if args.repeat_num_iters < 2:
             log.info("--enable_diff_check: --repeat_num_iters %d -> 2 (two runs to compare)",
                      args.repeat_num_iters)
+    # Output files are written after the whole run: a folder that is not there must fail
+    # before it, not throw the measurements away.
+    outputs = [("--output_csv", args.output_csv), ("--perf_csv", args.perf_csv)]
+    if args.enable_diff_check:
+        outputs.append(("--diff_output_file", args.diff_output_file))
+    for flag, path in outputs:
+        if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: its folder does not exist")
     if args.clear_cache:
         log.warning("--clear_cache has no effect: this server has no prefix-cache flush, so "
                     "repeated prompts may hit the prefix cache")

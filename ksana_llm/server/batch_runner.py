@@ -10,8 +10,11 @@ lines are on disk while the rest run):
     {"id": "batch_req_...", "custom_id": "r1",
      "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
 A request a route refuses keeps its status code and OpenAI error body, as the server would send
-them; a line that is not a request at all (bad JSON, another URL or method, `stream: true`) gets
-`"response": null` and an `error` saying why (so does a repeated `custom_id`). Requests go in
+them; a line that is not a request at all (bad JSON, another URL or method, `stream: true`, a
+`background` response, whose answer would outlive the batch) gets `"response": null` and an
+`error` saying why (so does a repeated `custom_id`). Every response carries a `request_id`: its
+body's `id` (chatcmpl-..., as the server's logs name it), else (embeddings, errors) the route's
+X-Request-Id. Requests go in
 together (up to `--max-concurrency` at a time, default `--max-num-seqs`), so they batch as a
 server's would; a full queue (429) is retried after its Retry-After.
 """
@@ -25,6 +28,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ksana_llm.server.middleware import REQUEST_ID_HEADER
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
               "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
@@ -62,7 +67,16 @@ def parse_line(line: str, seen: set[str]) -> tuple[dict[str, Any] | None, dict[s
     if body.get("stream"):
         return None, _line_error(custom_id, "invalid_request",
                                  "`stream` is not supported in a batch file.")
+    if body.get("background"):
+        return None, _line_error(custom_id, "invalid_request",
+                                 "`background` is not supported in a batch file: the answer "
+                                 "would come after the batch ends.")
     return request, None
+
+
+def _request_id(body: Any, response: Any) -> str | None:
+    own = body.get("id") if isinstance(body, dict) else None
+    return own if isinstance(own, str) else response.headers.get(REQUEST_ID_HEADER)
 
 
 # A full queue (429) is retried after the server's Retry-After; a batch is not in a hurry.
@@ -99,7 +113,7 @@ async def run_requests(app: Any, lines: list[str], max_concurrency: int,
                 body = {"error": {"message": response.text, "type": "internal_error"}}
             return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request["custom_id"],
                     "response": {"status_code": response.status_code,
-                                 "request_id": body.get("id") if isinstance(body, dict) else None,
+                                 "request_id": _request_id(body, response),
                                  "body": body},
                     "error": None}
 
@@ -137,6 +151,11 @@ def run_batch(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     check_sampling_defaults_args(args)
+    for flag, path in (("--input-file", args.input_file), ("--output-file", args.output_file)):
+        if not path:
+            raise ValueError(f"{flag} is required (on the command line or in --config)")
+        if path == "-" or "://" in path:
+            raise ValueError(f"{flag} must be a local file path, got {path!r}")
     if Path(args.output_file).resolve() == Path(args.input_file).resolve():
         raise ValueError(f"--output-file {args.output_file} is the input file: it would be "
                          "emptied before the run, and the requests lost if the run stops")
