@@ -107,11 +107,6 @@ def test_shutdown_fails_pending_requests(model):
     # What the engine held is released: stats show an idle engine, not the last step's counts.
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_free_kv_blocks) == (0, 0, 64)
-    # And its KV cache's memory: a stopped engine still named (after a `with` block) must not
-    # hold a pool the next engine would size its own from. The shared weights stay.
-    runner = engine._core.runner
-    assert sum(t.untyped_storage().nbytes() for pair in runner.kv_caches for t in pair) == 0
-    assert all(p.untyped_storage().nbytes() for p in model.module.parameters())
 
 
 @pytest.mark.parametrize("raised", [asyncio.CancelledError, KeyboardInterrupt, GeneratorExit,

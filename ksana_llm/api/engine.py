@@ -307,22 +307,16 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         return self._dead
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the step loop; unfinished requests fail with EngineDeadError. The KV cache's
-        memory is freed (the weights stay: they are the Model's). In a parallel run the worker
-        ranks are told to stop too."""
+        """Stop the step loop; unfinished requests fail with EngineDeadError. In a parallel run
+        the worker ranks are told to stop too."""
         self._exit_hook.cancel()
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-            if self._thread.is_alive():
-                return
-            runner = self._core.runner
-            if isinstance(runner, DistributedRunner):
-                runner.close()
-            else:
-                runner.release_kv_memory()
+            if isinstance(self._core.runner, DistributedRunner) and not self._thread.is_alive():
+                self._core.runner.close()
 
     def _on_worker_failure(self, message: str) -> None:
         """A worker rank died (seen between steps): the engine cannot go on, so it stops and
