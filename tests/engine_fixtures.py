@@ -32,3 +32,16 @@ def wait_until_idle(engine: Any, timeout: float = 60.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def stats_once_blocks_free(engine: Any, timeout: float = 10.0) -> Any:
+    """`engine.stats()` once every KV block is free again (an aborted request's blocks go
+    back on the engine thread, a moment after its handle finishes), or at `timeout`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    stats = engine.stats()
+    while stats.num_free_kv_blocks != stats.num_kv_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+        stats = engine.stats()
+    return stats

@@ -39,7 +39,7 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived a cat nam
 def _drive(engine: kt.Engine, requests: list[kt.Request]):
     """Run the requests on the engine's core by hand; returns (sequences, per-step records of
     (request id, slice tokens, pending-input slice?) for every scheduled slice)."""
-    engine.shutdown()
+    engine._stop_step_loop()  # the core and its KV cache stay, driven by hand
     core = engine._core
     seqs = []
     for request in requests:

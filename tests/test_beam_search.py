@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ksana_llm as kt
+from tests.engine_fixtures import stats_once_blocks_free
 from tests.family_harness import one_thread
 from tests.tiny_models import build_tiny_model
 from tests.tolerances import LOGIT_ATOL
@@ -320,10 +321,7 @@ def test_beam_logprobs_and_abort(default_model, prompts):
         engine.abort(handle.id)
         aborted = handle.result(timeout=60)
         assert aborted.finish_reason == "abort" and aborted.finished
-        end = time.monotonic() + 10
-        while engine.stats().num_free_kv_blocks != 64 and time.monotonic() < end:
-            time.sleep(0.01)
-        assert engine.stats().num_free_kv_blocks == 64
+        assert stats_once_blocks_free(engine).num_free_kv_blocks == 64
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 import ksana_llm as kt
-from tests.engine_fixtures import engine_fixture
+from tests.engine_fixtures import engine_fixture, stats_once_blocks_free
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived a cat named"
 
@@ -44,10 +43,7 @@ def test_abort_frees_every_block(engine):
     engine.abort(handle.id)
     out = handle.result(timeout=30)
     assert out.finish_reason == "abort" and out.finished
-    deadline = time.monotonic() + 10
-    while engine.stats().num_free_kv_blocks != 256 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    stats = engine.stats()
+    stats = stats_once_blocks_free(engine)
     assert stats.num_free_kv_blocks == 256 and stats.num_running == 0
 
 
@@ -107,6 +103,15 @@ def test_shutdown_fails_pending_requests(model):
     # What the engine held is released: stats show an idle engine, not the last step's counts.
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_free_kv_blocks) == (0, 0, 64)
+    # And its KV cache's memory: a stopped engine still named (after a `with` block) must not
+    # hold a pool the next engine would size its own from. The shared weights stay.
+    runner = engine._core.runner
+    assert sum(t.untyped_storage().nbytes()
+               for pair in runner.kv_caches + runner.host_caches for t in pair) == 0
+    assert all(p.untyped_storage().nbytes() for p in model.module.parameters())
+    # The weights still serve: a new engine on the same model answers.
+    with kt.Engine(model, num_device_blocks=64) as again:
+        assert again.generate(PROMPT, kt.GenerationConfig(max_new_tokens=2)) != ""
 
 
 @pytest.mark.parametrize("raised", [asyncio.CancelledError, KeyboardInterrupt, GeneratorExit,

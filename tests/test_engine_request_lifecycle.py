@@ -133,6 +133,12 @@ def test_leaving_a_stream_early_aborts_the_request(engine):
     unread = engine.generate(PROMPT, LONG, stream=True)
     del unread
     assert wait_until_idle(engine, timeout=30)
+    # A named stream left by `break` inside a `with` block: the block's end aborts it.
+    with engine.generate(PROMPT, LONG, stream=True) as stream:
+        for _ in stream:
+            break
+    assert wait_until_idle(engine, timeout=30)
+    assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
 
 
 def test_interrupted_generate_outputs_aborts_what_it_queued(engine, monkeypatch):
@@ -202,9 +208,9 @@ def test_an_asyncio_handle_is_not_read_blocking(engine):
 
 
 def test_a_text_stream_of_several_sequences_is_refused_not_cut_to_one(engine):
-    """generate(stream=True) and stream_async carry one sequence's text: a request for n > 1
-    would lose the others unseen, so it is a ValueError naming the field, before anything is
-    queued; deltas() streams them all."""
+    """generate(stream=True), stream_async and generate_async carry one sequence's text: a
+    request for n > 1 would lose the others unseen, so it is a ValueError naming the field,
+    before anything is queued; deltas() streams them all, generate_output_async returns them."""
     config = kt.GenerationConfig(max_new_tokens=4, num_return_sequences=2, do_sample=True,
                                  seed=1)
     assert wait_until_idle(engine)
@@ -216,10 +222,15 @@ def test_a_text_stream_of_several_sequences_is_refused_not_cut_to_one(engine):
         with pytest.raises(ValueError, match="num_return_sequences"):
             async for _ in engine.stream_async(PROMPT, config):
                 pass
+        # generate_async returns one text too: the second sample is refused, not dropped.
+        with pytest.raises(ValueError, match=r"num_return_sequences: .*generate_output_async"):
+            await engine.generate_async(PROMPT, config)
 
     asyncio.run(main())
     assert wait_until_idle(engine)
     assert engine.stats().num_finished == finished  # not even queued and aborted
+    both = asyncio.run(engine.generate_output_async(PROMPT, config))
+    assert len(both.sequences) == 2
     by_index = {0: "", 1: ""}
     handle = engine.submit(kt.Request(PROMPT, config))
     for delta in handle.deltas():

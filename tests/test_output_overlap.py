@@ -147,7 +147,7 @@ def test_a_tokens_output_is_made_during_the_next_step(default_model):
     output, with no step left to overlap, comes back from its own step."""
     with kt.Engine(default_model, num_device_blocks=64, overlap_output_processing=True,
                    async_scheduling=False) as engine:
-        engine.shutdown()  # drive the core by hand from here on
+        engine._stop_step_loop()  # drive the core by hand from here on
         core = engine._core
         request = kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=5, ignore_eos=True))
         seq, _ = engine._requests.sequence(request, engine.generation_config)

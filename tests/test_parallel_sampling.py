@@ -7,11 +7,10 @@ samples are checked, alone, inside a busy batch and under preemption.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import ksana_llm as kt
+from tests.engine_fixtures import stats_once_blocks_free
 
 SEED = 11
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type "
@@ -137,10 +136,7 @@ def test_abort_frees_every_forked_block(local_engine):
     local_engine.abort(handle.id)
     out = handle.result(timeout=60)
     assert out.finished and [s.finish_reason for s in out.sequences] == ["abort"] * 4
-    end = time.monotonic() + 10
-    while local_engine.stats().num_free_kv_blocks != 256 and time.monotonic() < end:
-        time.sleep(0.01)
-    stats = local_engine.stats()
+    stats = stats_once_blocks_free(local_engine)
     assert stats.num_free_kv_blocks == 256 and stats.num_running == 0
 
 

@@ -147,6 +147,9 @@ def test_truncation_auto_drops_the_oldest_turns(client, model_name, hf_default_m
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**kwargs)
     assert refused.value.body["code"] == "context_length_exceeded"
+    # Worded in the Responses API's own terms, not the chat route's it runs on.
+    assert "in the input, 12 in max_output_tokens" in refused.value.body["message"]
+    assert "messages" not in refused.value.body["message"]
     response = client.responses.create(**kwargs, truncation="auto")
     text, prompt_tokens, _ = hf_reply(hf_default_model, default_model.tokenizer,
                                       [{"role": "system", "content": "Answer briefly."},
@@ -257,6 +260,22 @@ def test_function_calls_and_their_outputs(client, model_name):
             {"type": "function_call_output", "call_id": "call_other", "output": "x"}])
 
 
+def test_items_the_conversation_holds_are_not_taken_twice(client, model_name):
+    """Feeding a response's output back beside `previous_response_id` (which holds it) is a
+    400 naming the item, as OpenAI answers; the same items without the id chain are fine."""
+    first = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=3)
+    again = [item.model_dump(exclude_none=True) for item in first.output]
+    duplicate = f"Duplicate item found with id {again[0]['id']}"
+    with pytest.raises(openai.BadRequestError, match=duplicate):
+        client.responses.create(model=model_name, previous_response_id=first.id,
+                                input=again + [{"role": "user", "content": "More."}],
+                                max_output_tokens=2)
+    fresh = client.responses.create(model=model_name, max_output_tokens=2, input=[
+        {"role": "user", "content": QUESTION}, *again, {"role": "user", "content": "More."}])
+    ids = [item.id for item in client.responses.input_items.list(fresh.id).data]
+    assert again[0]["id"] in ids and len(ids) == len(set(ids))
+
+
 def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
     """Nulls the SDK's typed params carry (a tool's `strict`, `description`), fields of
     OpenAI's hosted features (`defer_loading`), `store: null`, and a continuation with no new
@@ -298,6 +317,7 @@ def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
     ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": "x", "temperature": 3}, 400, "temperature"),
     ({"input": "x", "surprise": 1}, 400, "surprise"),
+    ({"input": "x", "stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
     ({"input": "x", "priority": -1}, 400, "priority"),  # a FIFO server
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     # An output answers a call made before it (OpenAI: "No tool call found ...").
@@ -308,6 +328,9 @@ def test_what_the_sdk_sends_by_default_is_accepted(client, model_name):
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
      400, "input.0"),
     ({"input": "x", "model": "no-such-model"}, 404, "model"),
+    # An item id names one item (OpenAI: "Duplicate item found with id ...").
+    ({"input": [{"id": "msg_1", "role": "user", "content": "x"},
+                {"id": "msg_1", "role": "user", "content": "y"}]}, 400, "input.1"),
 ])
 def test_bad_requests_name_the_parameter(server, body, status, param):
     response = httpx.post(server.base_url + "/responses", json=body)

@@ -307,16 +307,28 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         return self._dead
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the step loop; unfinished requests fail with EngineDeadError. In a parallel run
-        the worker ranks are told to stop too."""
+        """Stop the step loop; unfinished requests fail with EngineDeadError. The KV cache's
+        memory is freed (the weights stay: they are the Model's, which another engine may
+        serve). In a parallel run the worker ranks are told to stop too."""
+        if self._stop_step_loop(timeout):
+            runner = self._core.runner
+            if isinstance(runner, DistributedRunner):
+                runner.close()
+            else:
+                runner.release_kv_memory()
+
+    def _stop_step_loop(self, timeout: float = 30.0) -> bool:
+        """Stop the engine thread and wait for it; True when it has ended (a call from the
+        engine thread itself only asks it to stop). The core and its KV cache are left as
+        they are: tests and profilers drive a stopped engine's core by hand from here."""
         self._exit_hook.cancel()
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-            if isinstance(self._core.runner, DistributedRunner) and not self._thread.is_alive():
-                self._core.runner.close()
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _on_worker_failure(self, message: str) -> None:
         """A worker rank died (seen between steps): the engine cannot go on, so it stops and

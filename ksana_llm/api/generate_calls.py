@@ -152,12 +152,24 @@ class GenerateCalls:
 
     async def generate_async(self, prompt: Prompt | Request,
                              generation_config: GenerationConfig | None = None) -> str:
-        return (await self.generate_output_async(prompt, generation_config)).text
+        """The prompt's text, awaited. One text per prompt, as `generate`: a request for
+        several sequences is a ValueError before it is queued (the rest would be lost)."""
+        request = _as_request(prompt, generation_config)
+        seq, plugin_info = self._requests.sequence(request, self.generation_config)
+        _refuse_several(seq, "generate_async() returns one text", "use "
+                        "generate_output_async() (its .sequences) or submit(request, "
+                        "loop=...).adeltas()")
+        handle = self._enqueue(seq, request.callback, asyncio.get_running_loop(), plugin_info)
+        return (await self._awaited(handle)).text
 
     async def generate_output_async(self, prompt: Prompt | Request,
                                     generation_config: GenerationConfig | None = None) -> RequestOutput:
         handle = self.submit(_as_request(prompt, generation_config),
                              loop=asyncio.get_running_loop())
+        return await self._awaited(handle)
+
+    async def _awaited(self, handle: RequestHandle) -> RequestOutput:
+        """The handle's result; a caller cancelled while waiting aborts the request."""
         try:
             return await handle.aresult()
         except asyncio.CancelledError:
@@ -206,9 +218,12 @@ def _refuse_several(seq: Any, why: str, instead: str) -> None:
 
 
 class TextStream:
-    """The text deltas of one submitted request. A caller that stops reading early (`break`, an
-    exception, dropping the iterator, even before its first delta) aborts the request, so it
-    does not run on to its token limit; a generator would only see that once started."""
+    """The text deltas of one submitted request. A caller that stops reading early aborts the
+    request, so it does not run on to its token limit: an exception in the loop, `close()`,
+    leaving a `with` block, or dropping the stream (even before its first delta). A `break`
+    alone cannot be told from a pause: it aborts once the stream is dropped, at once for
+    `for delta in engine.generate(..., stream=True)`, not while a name still holds it (use
+    `with engine.generate(..., stream=True) as stream:` for that)."""
 
     def __init__(self, handle: RequestHandle, abort: Any) -> None:
         self.handle = handle
@@ -228,6 +243,12 @@ class TextStream:
         except BaseException:
             self.close()
             raise
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop reading: the request is aborted unless it already ended."""

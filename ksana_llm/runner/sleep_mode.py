@@ -74,6 +74,7 @@ class SleepMode:
     lora: Any = None  # its LoraSlots (none without LoRA)
     kv_caches: list[KVCache]
     draft_kv_caches: list[KVCache]
+    host_caches: list[KVCache]
     decode_graphs: Any
     cuda_graph_status: str
 
@@ -151,6 +152,19 @@ class SleepMode:
                 self._weights_to_refill = frozenset(expected_keys(self.model))
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # back to the driver: another process may take it
+
+    def release_kv_memory(self) -> None:
+        """Free the KV caches' memory (device and host swap space) for good: the engine has
+        stopped, and a stopped engine still referenced (a `with` block's name) must not hold
+        a whole pool that the next engine sizes its own from. The weights stay: they are the
+        Model's, which other engines may serve."""
+        self.decode_graphs = None  # their buffers point into the pool
+        caches = [t for pair in self.kv_caches + self.draft_kv_caches + self.host_caches
+                  for t in pair]
+        for tensor, _ in _unique_storages(caches):
+            tensor.untyped_storage().resize_(0)
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         chosen = check_wake_tags(tags)

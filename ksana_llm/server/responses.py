@@ -40,6 +40,7 @@ from ksana_llm.server.responses_protocol import (
     chat_tool_choice,
     chat_tools,
     check_call_outputs,
+    check_unique_item_ids,
     input_item_resources,
     input_messages,
     item_id,
@@ -68,6 +69,9 @@ def _plan(req: ResponsesRequest, state: ServerState) -> ResponsePlan:
     if unsupported:
         raise bad_request(f"Unsupported parameter(s): {', '.join(unsupported)}.",
                           param=unsupported[0], code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true.",
+                          param="stream_options")
     new_items: list[dict[str, Any]] = []
     if req.input is not None or req.previous_response_id is None:
         input_messages(req.input)  # the new items alone: errors name their own index
@@ -82,6 +86,7 @@ def _plan(req: ResponsesRequest, state: ServerState) -> ResponsePlan:
                               param="previous_response_id")
         history = stored.items
     if req.input is not None:
+        check_unique_item_ids(req.input, history)
         check_call_outputs(req.input, history)
     # The model's sampling defaults for what the request left out, here rather than at
     # submission only: the response reports the temperature and top_p it ran with.

@@ -215,6 +215,24 @@ def check_call_outputs(value: Any, history: list[dict[str, Any]], param: str = "
                               f"{item['call_id']}.", param=f"{param}.{i}")
 
 
+def check_unique_item_ids(value: Any, history: list[dict[str, Any]], param: str = "input"
+                          ) -> None:
+    """OpenAI's rule: an item id names one item of the conversation. A client that sends back
+    the items `previous_response_id` already holds (an SDK's `response.output` fed in again)
+    would give the model the same call twice and make `input_items`' `after` cursor
+    ambiguous. `value` has passed `input_messages`."""
+    if isinstance(value, str):
+        return
+    seen = {item["id"] for item in history if isinstance(item.get("id"), str)}
+    for i, item in enumerate(value):
+        given = item.get("id")
+        if not isinstance(given, str) or not given:
+            continue  # the server names it
+        if given in seen:
+            raise bad_request(f"Duplicate item found with id {given}.", param=f"{param}.{i}")
+        seen.add(given)
+
+
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """Flat Responses function tools -> chat tools (`{"type": "function", "function": {...}}`)."""
     if not tools:
@@ -290,6 +308,10 @@ def responses_error(exc: APIError) -> APIError:
     if param == exc.param:
         return exc
     message = exc.message.replace(f"`{exc.param}`", f"`{param}`")
+    if exc.param == "messages":  # the context-length errors name the prompt in words
+        message = message.replace("messages", "input").replace(
+            "in the completion", "in max_output_tokens").replace("or completion",
+                                                                 "or max_output_tokens")
     return APIError(exc.status, message, type=exc.type, param=param, code=exc.code,
                     headers=exc.headers)
 
