@@ -207,6 +207,25 @@ def test_an_asyncio_handle_is_not_read_blocking(engine):
     assert asyncio.run(main()).finished
 
 
+def test_a_request_whose_event_loop_closed_is_aborted(engine):
+    """Submitted for an asyncio loop that then closed (`asyncio.run` returned without awaiting
+    it), with no callback: nobody can read its outputs, so it stops instead of running on to
+    its token limit. One with a callback is still heard, and runs on."""
+    heard = []
+
+    async def forget():
+        return (engine.submit(kt.Request(PROMPT, LONG), loop=asyncio.get_running_loop()),
+                engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=6),
+                                         callback=heard.append),
+                              loop=asyncio.get_running_loop()))
+
+    forgotten, with_callback = asyncio.run(forget())
+    assert wait_until_idle(engine, timeout=60)
+    assert forgotten.output.finish_reason == "abort" and len(forgotten.output.token_ids) < 100
+    assert heard and heard[-1].finish_reason == "length" and len(heard[-1].token_ids) == 6
+    assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+
+
 def test_a_text_stream_of_several_sequences_is_refused_not_cut_to_one(engine):
     """generate(stream=True), stream_async and generate_async carry one sequence's text: a
     request for n > 1 would lose the others unseen, so it is a ValueError naming the field,

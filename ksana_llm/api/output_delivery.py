@@ -20,6 +20,10 @@ class OutputDelivery:
     model: Any
     _handles: dict[str, RequestHandle]
     _stats: StatsTracker
+    _aborts: list[str]  # request ids to abort before the next step
+
+    def abort(self, request_id: str) -> None:  # pragma: no cover - Engine's
+        raise NotImplementedError
 
     def _dispatch_step(self, outputs: list[StepOutput]) -> None:
         self._stats.record_outputs(outputs)
@@ -46,6 +50,9 @@ class OutputDelivery:
         if out.finished:
             del self._handles[out.request_id]
             self._stats.record_finished(handle.output)
+        elif out.index == 0 and handle.unreadable and out.request_id not in self._aborts:
+            # Running on to its token limit would spend steps (and hold blocks) for nobody.
+            self.abort(out.request_id)
 
     def _postprocess(self, handle: RequestHandle) -> Any:
         """The model plugin's postprocess for a finishing request, or None (no plugin, or a

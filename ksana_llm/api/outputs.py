@@ -220,6 +220,12 @@ class RequestHandle:
     def finished(self) -> bool:
         return self.output.finished or self.error is not None
 
+    @property
+    def unreadable(self) -> bool:
+        """Made for an asyncio loop that has closed, with no callback: nobody can read this
+        request's outputs any more (its caller's `asyncio.run` returned without awaiting it)."""
+        return self._loop is not None and self._loop.is_closed() and self._callback is None
+
     # ---- engine side ----------------------------------------------------------------------------
     def _push(self, item: Any, batch: AsyncDeliveries | None = None) -> None:
         if self._async is not None and batch is not None:
