@@ -205,6 +205,10 @@ def test_logprobs_equal_the_chat_routes(client, model_name):
     assert [e.token for e in ours] == [e.token for e in theirs]
     assert [e.logprob for e in ours] == pytest.approx([e.logprob for e in theirs], abs=1e-5)
     assert all(len(e.top_logprobs) == 2 for e in ours)
+    # Without the `include`, `top_logprobs` alone returns none (OpenAI's and vLLM's rule).
+    plain = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                    max_output_tokens=8, top_logprobs=2)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 2
     streamed = list(client.responses.create(
         model=model_name, input=QUESTION, temperature=0, max_output_tokens=8, stream=True,
         include=["message.output_text.logprobs"], top_logprobs=2))

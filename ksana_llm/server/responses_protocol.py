@@ -100,7 +100,9 @@ class ResponsesRequest(_Request):
 
     @property
     def wants_logprobs(self) -> bool:
-        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+        # Asked for by `include` alone, as OpenAI and vLLM do: `top_logprobs` only says how
+        # many alternatives each token then lists.
+        return LOGPROBS_INCLUDE in (self.include or ())
 
 
 def _parts_text(content: Any, role: str, param: str) -> str:
