@@ -90,6 +90,15 @@ def test_generate_outputs_beyond_the_queue_bound(model):
         assert len(answers) == 2 and answers[0] is answers[1] is handle.result(timeout=1)
 
 
+def test_the_engines_entry_points_are_the_real_ones():
+    """Mixins declare what they use of Engine as stubs: RequestIntake must come before them
+    among Engine's bases, or a stub would shadow the real method."""
+    from ksana_llm.api.request_intake import RequestIntake
+
+    for name in ("submit", "abort", "_enqueue", "_wait_for_queue_space"):
+        assert getattr(kt.Engine, name) is getattr(RequestIntake, name), name
+
+
 def test_shutdown_fails_pending_requests(model):
     engine = kt.Engine(model, num_device_blocks=64)
     handle = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=2000,

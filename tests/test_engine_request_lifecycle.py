@@ -210,18 +210,23 @@ def test_an_asyncio_handle_is_not_read_blocking(engine):
 def test_a_request_whose_event_loop_closed_is_aborted(engine):
     """Submitted for an asyncio loop that then closed (`asyncio.run` returned without awaiting
     it), with no callback: nobody can read its outputs, so it stops instead of running on to
-    its token limit. One with a callback is still heard, and runs on."""
+    its token limit; so does a best_of one, whose outputs only come at its end. One with a
+    callback is still heard, and runs on."""
     heard = []
+    best_of = kt.GenerationConfig(max_new_tokens=3000, ignore_eos=True, best_of=2,
+                                  do_sample=True, seed=3)
 
     async def forget():
-        return (engine.submit(kt.Request(PROMPT, LONG), loop=asyncio.get_running_loop()),
+        loop = asyncio.get_running_loop()
+        return (engine.submit(kt.Request(PROMPT, LONG), loop=loop),
+                engine.submit(kt.Request(PROMPT, best_of), loop=loop),
                 engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=6),
-                                         callback=heard.append),
-                              loop=asyncio.get_running_loop()))
+                                         callback=heard.append), loop=loop))
 
-    forgotten, with_callback = asyncio.run(forget())
+    *forgotten, with_callback = asyncio.run(forget())
     assert wait_until_idle(engine, timeout=60)
-    assert forgotten.output.finish_reason == "abort" and len(forgotten.output.token_ids) < 100
+    for handle in forgotten:
+        assert handle.output.finish_reason == "abort" and len(handle.output.token_ids) < 300
     assert heard and heard[-1].finish_reason == "length" and len(heard[-1].token_ids) == 6
     assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
 

@@ -101,6 +101,9 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
         logits = engine.forward(batch[1], [{"target_name": "logits"}]).targets[0].tensor
     assert [o.token_ids for o in outputs] == expected + expected[:1]
     torch.testing.assert_close(logits, reference(batch[1]), atol=2e-4, rtol=1e-4)
+    # Shut down, rank 0's own KV cache is freed too (the workers' go with their processes).
+    rank0 = engine._core.runner.local
+    assert sum(t.untyped_storage().nbytes() for pair in rank0.kv_caches for t in pair) == 0
 
 
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),

@@ -6,11 +6,10 @@ the core. Requests cross over through a small locked inbox, outputs come back th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
-from collections import deque
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -27,8 +26,9 @@ from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
 from ksana_llm.api.model import Model
 from ksana_llm.api.output_delivery import OutputDelivery
-from ksana_llm.api.outputs import Prompt, Request, RequestHandle
+from ksana_llm.api.outputs import RequestHandle
 from ksana_llm.api.request_builder import RequestBuilder
+from ksana_llm.api.request_intake import EngineDeadError, RequestIntake
 from ksana_llm.api.sleep_control import SleepControl
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.api.weight_control import WeightControl
@@ -49,13 +49,11 @@ __all__ = ["Engine", "EngineDeadError", "QueueFullError"]
 
 # While asleep (sleep mode) with requests queued, how often their waiting_timeout_ms is checked.
 ASLEEP_EXPIRY_CHECK_S = 0.05
+# How often the step loop looks for requests nobody can read any more (see _abort_unreadable).
+UNREADABLE_CHECK_S = 0.5
 
 
-class EngineDeadError(RuntimeError):
-    """The engine stopped (shutdown, or an internal error); it accepts no more requests."""
-
-
-class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCalls,
+class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCalls,
              ChatMixin):
     """Continuous-batching generation over one model.
 
@@ -204,87 +202,6 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         submit is a cache hit."""
         return self._requests.grammar()
 
-    # ---- submission ------------------------------------------------------------------------------
-    def submit(self, request: Request | Prompt, *,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        """Queue a request; returns its handle at once. Raises ValueError for bad input,
-        QueueFullError when `max_queue_size` requests are already waiting."""
-        if not isinstance(request, Request):
-            request = Request.of(request)
-        seq, plugin_info = self._requests.sequence(request, self.generation_config)
-        return self._enqueue(seq, request.callback, loop, plugin_info)
-
-    def _enqueue(self, seq: Sequence, callback: Any, loop: asyncio.AbstractEventLoop | None,
-                 plugin_info: Any) -> RequestHandle:
-        if threading.current_thread() is not self._thread:
-            self._release_openmp_pool()
-        handle = RequestHandle(seq.request_id, seq.prompt_token_ids, seq.config,
-                               callback=callback, loop=loop)
-        handle.plugin_info = plugin_info
-        handle.engine_thread = self._thread
-        handle.output.metrics.arrival_time = seq.arrival_time
-        with self._wake:
-            if self._dead is not None or self._stopping:
-                raise EngineDeadError(f"the engine is not running: {self._dead or 'shut down'}")
-            if seq.request_id in self._handles:
-                raise ValueError(f"request_id {seq.request_id!r} is already in use")
-            if self._num_queued() >= self.config.max_queue_size:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} "
-                                     "requests); retry later")
-            if seq.request_id in self._aborts:
-                # Aimed at an earlier request of this id (none is live, or the id would be in
-                # use): the loop reads its inbox before its aborts, so it would stop this one.
-                self._aborts = [a for a in self._aborts if a != seq.request_id]
-            self._inbox.append((seq, handle))
-            self._handles[seq.request_id] = handle
-            self._wake.notify()
-        return handle
-
-    def _enqueue_many(self, pending: deque[tuple[Sequence, Any, Any]]) -> list[RequestHandle]:
-        """Enqueue (sequence, plugin info, callback) triples from the front of `pending`, popping
-        each, until the queue is full; the handles, which queue no per-step deltas (the caller
-        reads their results alone, in turn: `RequestHandle.results_only`). All under one hold
-        of the lock, so the engine thread sees them together: which requests share the first
-        steps does not depend on how the two threads interleave."""
-        handles: list[RequestHandle] = []
-        with self._wake:
-            while pending:
-                seq, plugin_info, callback = pending[0]
-                try:
-                    handle = self._enqueue(seq, callback, None, plugin_info)
-                except QueueFullError:
-                    break
-                handle.results_only()  # before the engine thread can see the request
-                handles.append(handle)
-                pending.popleft()
-        return handles
-
-    def _wait_for_queue_space(self) -> None:
-        """Block until one more request would not be refused (or the engine stopped)."""
-        if threading.current_thread() is self._thread:  # (a callback's batch call)
-            raise RuntimeError("the queue is full, and waiting for room on the engine thread "
-                               "(in a callback) would wait forever for that thread")
-        with self._wake:
-            while (self._num_queued() >= self.config.max_queue_size and self._dead is None
-                   and not self._stopping):
-                self._queue_space.wait()
-
-    def _num_queued(self) -> int:
-        """Requests that would wait if one more came now: those not yet running, less the free
-        sequence slots they are about to take (so a request that starts at once never counts
-        as queued, however quickly the next one arrives). Call with _wake held."""
-        free_slots = max(0, self.config.max_num_seqs - self._num_running)
-        if self._waiting_blocked:
-            # The last step left requests waiting for KV memory: a free slot takes none of them.
-            return self._num_waiting + len(self._inbox)
-        return max(0, self._num_waiting + len(self._inbox) - free_slots)
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its handle finishes with finish_reason "abort" and its blocks are freed."""
-        with self._wake:
-            self._aborts.append(request_id)
-            self._wake.notify()
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (vLLM's `LLM.reset_prefix_cache`): later requests
         compute their prompts in full, as on a fresh engine (a cold-cache benchmark, say).
@@ -310,12 +227,16 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         """Stop the step loop; unfinished requests fail with EngineDeadError. The KV cache's
         memory is freed (the weights stay: they are the Model's, which another engine may
         serve). In a parallel run the worker ranks are told to stop too."""
-        if self._stop_step_loop(timeout):
-            runner = self._core.runner
-            if isinstance(runner, DistributedRunner):
-                runner.close()
-            else:
-                runner.release_kv_memory()
+        if not self._stop_step_loop(timeout):
+            return
+        runner = self._core.runner
+        if isinstance(runner, DistributedRunner):
+            runner.close()
+            runner = runner.local  # rank 0's own KV cache
+        try:
+            runner.release_kv_memory()
+        except Exception:  # noqa: BLE001 - after a CUDA error the device may refuse; stopped all the same
+            logger.warning("freeing the KV cache at shutdown failed", exc_info=True)
 
     def _stop_step_loop(self, timeout: float = 30.0) -> bool:
         """Stop the engine thread and wait for it; True when it has ended (a call from the
@@ -350,6 +271,7 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
         core = self._core
         commands: list[tuple[Callable[[], Any], Future]] = []  # taken, not yet run
         asleep = False  # sleep mode: requests wait (only commands change it, on this thread)
+        unreadable_checked = time.monotonic()
         try:
             # Inside the guard: a thread that dies here must fail its callers, not leave them
             # waiting for steps that never come.
@@ -393,6 +315,9 @@ class Engine(OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCa
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work() and not asleep:
                     self._dispatch_step(core.step(early=self._dispatch_step))
+                if time.monotonic() - unreadable_checked > UNREADABLE_CHECK_S:
+                    unreadable_checked = time.monotonic()
+                    self._abort_unreadable()
                 with self._wake:
                     self._num_waiting = len(core.scheduler.waiting) + len(core.scheduler.swapped)
                     self._num_running = len(core.scheduler.running)

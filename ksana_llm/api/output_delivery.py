@@ -4,6 +4,7 @@ asyncio callers' deliveries are batched into one wake-up per event loop."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -20,10 +21,22 @@ class OutputDelivery:
     model: Any
     _handles: dict[str, RequestHandle]
     _stats: StatsTracker
-    _aborts: list[str]  # request ids to abort before the next step
+    _wake: threading.Condition  # guards _handles against the callers' threads
 
     def abort(self, request_id: str) -> None:  # pragma: no cover - Engine's
         raise NotImplementedError
+
+    def _abort_unreadable(self) -> None:
+        """Abort the requests nobody can read any more (made for an asyncio loop that has
+        closed, with no callback): running on to their token limits would spend steps and hold
+        blocks for nobody. Looked for now and then rather than per output: a waiting request,
+        or a best_of / beam request (whose outputs come at the end), delivers nothing before."""
+        with self._wake:
+            handles = list(self._handles.values())
+        for handle in handles:
+            if handle.unreadable and not handle.abort_sent:
+                handle.abort_sent = True
+                self.abort(handle.id)
 
     def _dispatch_step(self, outputs: list[StepOutput]) -> None:
         self._stats.record_outputs(outputs)
@@ -50,9 +63,6 @@ class OutputDelivery:
         if out.finished:
             del self._handles[out.request_id]
             self._stats.record_finished(handle.output)
-        elif out.index == 0 and handle.unreadable and out.request_id not in self._aborts:
-            # Running on to its token limit would spend steps (and hold blocks) for nobody.
-            self.abort(out.request_id)
 
     def _postprocess(self, handle: RequestHandle) -> Any:
         """The model plugin's postprocess for a finishing request, or None (no plugin, or a

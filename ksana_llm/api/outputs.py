@@ -215,6 +215,7 @@ class RequestHandle:
         # The thread that produces this handle's outputs: a blocking read there (from a
         # callback or logits processor) would wait for itself forever.
         self.engine_thread: threading.Thread | None = None
+        self.abort_sent = False  # the engine aborted it on its own (nobody could read it)
 
     @property
     def finished(self) -> bool:

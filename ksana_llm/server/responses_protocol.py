@@ -310,7 +310,7 @@ def responses_error(exc: APIError) -> APIError:
     if param == exc.param:
         return exc
     message = exc.message.replace(f"`{exc.param}`", f"`{param}`")
-    if exc.param == "messages":  # the context-length errors name the prompt in words
+    if exc.code == "context_length_exceeded":  # these name the prompt in words
         message = message.replace("messages", "input").replace(
             "in the completion", "in max_output_tokens").replace("or completion",
                                                                  "or max_output_tokens")
