@@ -197,6 +197,7 @@ class _OffloadingRunner(SleepMode):
     def __init__(self, model: nn.Module) -> None:
         self.model, self.device = model, torch.device("cuda")
         self.kv_caches, self.draft_kv_caches, self.decode_graphs = [], [], None
+        self.host_caches = []
 
 
 def test_a_failed_offload_loses_no_weight(monkeypatch):
@@ -237,6 +238,24 @@ def test_level_1_offload_restores_every_value_tied_ones_included():
     assert model[1].weight is model[0].weight
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_shutdown_while_asleep_gives_the_model_its_weights_back():
+    """An engine shut down while its weights sleep on the host (level 1 on a GPU): the weights
+    are the Model's, which another engine may serve next, so they come back before the KV
+    cache goes for good."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    runner = _OffloadingRunner(model)
+    runner.kv_caches = [(torch.zeros(4, 8), torch.zeros(4, 8))]
+    runner.sleep(1)
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    runner.release_kv_memory()
+    assert "weights" not in runner.asleep
+    for p, value in zip(model.parameters(), before):
+        assert torch.equal(p, value)
+    assert all(t.untyped_storage().nbytes() == 0 for t in runner.kv_caches[0])
 
 
 def test_tensor_parallel_ranks_sleep_and_wake_together(pair):

@@ -157,7 +157,12 @@ class SleepMode:
         """Free the KV caches' memory (device and host swap space) for good: the engine has
         stopped, and a stopped engine still referenced (a `with` block's name) must not hold
         a whole pool that the next engine sizes its own from. The weights stay: they are the
-        Model's, which other engines may serve."""
+        Model's, which other engines may serve; weights a level-1 sleep moved to the host come
+        back first (a level-2 sleep dropped them: the Model needs new ones either way)."""
+        self._graph_sizes = None  # nothing to capture again
+        if self._sleeping_weights is not None \
+                and all(copy is not None for _, _, copy in self._sleeping_weights):
+            self.wake_up(["weights"])
         self.decode_graphs = None  # their buffers point into the pool
         caches = [t for pair in self.kv_caches + self.draft_kv_caches + self.host_caches
                   for t in pair]
