@@ -123,6 +123,21 @@ def test_shutdown_fails_pending_requests(model):
         assert again.generate(PROMPT, kt.GenerationConfig(max_new_tokens=2)) != ""
 
 
+def test_shutdown_from_a_callback_frees_the_kv_cache_as_the_loop_ends(model):
+    """shutdown() on the engine thread (in a callback) cannot wait for that thread: the loop
+    frees the KV cache itself as it ends."""
+    engine = kt.Engine(model, num_device_blocks=64)
+    handle = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=2000,
+                                                                  ignore_eos=True),
+                                      callback=lambda out: engine.shutdown()))
+    with pytest.raises(kt.api.outputs.RequestError):
+        handle.result(timeout=60)
+    engine._thread.join(timeout=30)
+    assert not engine._thread.is_alive()
+    runner = engine._core.runner
+    assert sum(t.untyped_storage().nbytes() for pair in runner.kv_caches for t in pair) == 0
+
+
 @pytest.mark.parametrize("raised", [asyncio.CancelledError, KeyboardInterrupt, GeneratorExit,
                                     SystemExit])
 def test_a_callback_raising_anything_fails_only_its_request(engine, raised):

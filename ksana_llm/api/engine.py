@@ -172,6 +172,7 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         # Signalled (on _wake's lock) after every step: callers waiting for room in the queue.
         self._queue_space = threading.Condition(self._wake)
         self._stopping = False
+        self._free_kv_when_stopped = False  # set by shutdown(), not by _stop_step_loop()
         self._dead: BaseException | None = None
         # The model was loaded on this thread, steps run on the engine's: this thread's OpenMP
         # workers would compete with the step's for the cores (see runner.cpu_threads). Freed
@@ -227,12 +228,19 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         """Stop the step loop; unfinished requests fail with EngineDeadError. The KV cache's
         memory is freed (the weights stay: they are the Model's, which another engine may
         serve). In a parallel run the worker ranks are told to stop too."""
+        # Set first: a shutdown from the engine thread (a callback), or one whose wait runs
+        # out, leaves the freeing to the loop as it ends.
+        self._free_kv_when_stopped = True
         if not self._stop_step_loop(timeout):
             return
+        if isinstance(self._core.runner, DistributedRunner):
+            self._core.runner.close()
+        self._free_kv_memory()
+
+    def _free_kv_memory(self) -> None:
         runner = self._core.runner
         if isinstance(runner, DistributedRunner):
-            runner.close()
-            runner = runner.local  # rank 0's own KV cache
+            runner = runner.local  # rank 0's own KV cache (the workers' ends with them)
         try:
             runner.release_kv_memory()
         except Exception:  # noqa: BLE001 - after a CUDA error the device may refuse; stopped all the same
@@ -332,6 +340,8 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
             with self._wake:  # taken before the failure: their callers must not wait forever
                 self._commands[:0] = commands
             self._fail_all(self._dead or EngineDeadError("the engine was shut down"))
+            if self._free_kv_when_stopped:
+                self._free_kv_memory()
             if self.config.freeze_gc_heap:
                 thaw_heap()
 
