@@ -144,22 +144,27 @@ class GenerateCalls:
         """Submit a request whose text is streamed. A text stream carries one sequence: a
         request for several is refused before it is queued (a ValueError saying where they
         are streamed), as the rest would be lost unseen."""
+        return self._submit_one_sequence(
+            request, loop, "a text stream carries one sequence", "stream them all with "
+            "submit(request).deltas() (adeltas() for asyncio), each delta tagged with its "
+            "sequence index")
+
+    def _submit_one_sequence(self, request: Request, loop: asyncio.AbstractEventLoop | None,
+                             why: str, instead: str) -> RequestHandle:
+        """Submit a request for a call that gives back one sequence; one for several is a
+        ValueError (`why`, `instead`) before anything is queued."""
         seq, plugin_info = self._requests.sequence(request, self.generation_config)
-        _refuse_several(seq, "a text stream carries one sequence", "stream them all with "
-                        "submit(request).deltas() (adeltas() for asyncio), each delta tagged "
-                        "with its sequence index")
+        _refuse_several(seq, why, instead)
         return self._enqueue(seq, request.callback, loop, plugin_info)
 
     async def generate_async(self, prompt: Prompt | Request,
                              generation_config: GenerationConfig | None = None) -> str:
         """The prompt's text, awaited. One text per prompt, as `generate`: a request for
         several sequences is a ValueError before it is queued (the rest would be lost)."""
-        request = _as_request(prompt, generation_config)
-        seq, plugin_info = self._requests.sequence(request, self.generation_config)
-        _refuse_several(seq, "generate_async() returns one text", "use "
-                        "generate_output_async() (its .sequences) or submit(request, "
-                        "loop=...).adeltas()")
-        handle = self._enqueue(seq, request.callback, asyncio.get_running_loop(), plugin_info)
+        handle = self._submit_one_sequence(
+            _as_request(prompt, generation_config), asyncio.get_running_loop(),
+            "generate_async() returns one text", "use generate_output_async() (its "
+            ".sequences) or submit(request, loop=...).adeltas()")
         return (await self._awaited(handle)).text
 
     async def generate_output_async(self, prompt: Prompt | Request,
