@@ -36,11 +36,11 @@ WeightQuantization = Literal["fp8", "w8a8_int8"]
 WEIGHT_QUANTIZATIONS: tuple[str, ...] = get_args(WeightQuantization)
 
 # Where a model's weights come from (loader.load_format.LOAD_FORMATS, which cannot import this
-# module, spells the same; tests/test_cli.py holds them equal).
+# module, spells the same; tests/test_cli_flags.py holds them equal).
 LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 # What requested log-probs report (runner.logprobs_mode.LOGPROBS_MODES spells the same; held
-# equal by tests/test_cli.py).
+# equal by tests/test_cli_flags.py).
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
