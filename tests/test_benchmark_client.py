@@ -173,6 +173,22 @@ def test_token_id_prompts_and_per_request_lengths():
     assert body["max_tokens"] == 100
 
 
+def test_token_id_prompts_count_no_input_chars():
+    """A prompt sent as token ids has no characters: "Avg input chars" leaves it out (it was
+    the length of its "<N token ids>" placeholder)."""
+    cfg = BenchConfig(backend="openai", stream=False)
+    transport = httpx.ASGITransport(app=fake_app)
+    _, by_ids, duration = asyncio.run(run_benchmark(cfg, [[5] * 40, [6] * 40], transport=transport))
+    assert all(r.ok and not r.prompt_is_text for r in by_ids)
+    row = summarize(by_ids, duration, request_rate=math.inf, concurrency=None, percentiles=(50,),
+                    stream=False)
+    assert math.isnan(row["Avg input chars"]) and row["Avg input tokens"] == 4
+    _, by_text, duration = asyncio.run(run_benchmark(cfg, ["abc", "abcde"], transport=transport))
+    row = summarize(by_text, duration, request_rate=math.inf, concurrency=None,
+                    percentiles=(50,), stream=False)
+    assert row["Avg input chars"] == 4
+
+
 # ---- failed streams and error answers ------------------------------------------------------------
 
 def _error_app(body_chunks, status=200):

@@ -37,23 +37,32 @@ class LoraControl(EngineThreadWork):
         self._lora.commit(info)
 
     def unload_lora_adapter(self, name: str) -> None:
-        """Forget adapter `name` (and free its slot). Raises ValueError when no adapter has that name, or while
-        requests using it (submitted before this call) are still queued or running: abort them
-        or wait for them first."""
+        """Unlist adapter `name`: new requests naming it are refused (ValueError) from now on,
+        and the name may be loaded again at once. Requests that hold it (submitted before this
+        call) finish with it, as vLLM lets them; its weights and slot are freed when the last
+        one ends. Raises ValueError when no adapter has that name."""
         self._lora.resolve(name)  # an unknown name fails here, on the caller's thread
         self._on_engine_thread(lambda: self._unload(name))
 
     def _unload(self, name: str) -> None:
         # On the engine thread, after every request submitted before the call reached the core.
-        info = self._lora.resolve(name)
-        if info.lora_id in self._core.lora_ids_in_use():
-            raise ValueError(f"lora_name: adapter {name!r} is used by queued or running "
-                             "requests")
         self._lora.remove(name)
-        self._core.forget_lora(info.lora_id)
-        self._core.runner.unregister_lora(info.lora_id)
+        self._free_drained_loras()
+
+    def _free_drained_loras(self) -> None:
+        """Free the unloaded adapters no queued, running or swapped-out request holds any more
+        (on the engine thread, between steps)."""
+        draining = self._lora.draining_ids()
+        if not draining:
+            return
+        in_use = self._core.lora_ids_in_use()
+        for lora_id in draining:
+            if lora_id not in in_use:
+                self._core.forget_lora(lora_id)
+                self._core.runner.unregister_lora(lora_id)
+                self._lora.freed(lora_id)
 
     def _lora_still_loaded(self, seq: Sequence) -> bool:
         """Whether the adapter a new sequence resolved is still registered (it may have been
-        unloaded between the caller's lookup and the engine thread's pick-up)."""
+        unloaded and freed between the caller's lookup and the engine thread's pick-up)."""
         return not seq.lora_id or self._lora.is_registered(seq.lora_id)

@@ -220,8 +220,9 @@ async def send_one(client: httpx.AsyncClient, cfg: BenchConfig, index: int,
     """Send one request and time it; a failure is recorded in the result, never raised."""
     path, body = build_request(cfg, prompt,
                                cfg.output_lens[index] if cfg.output_lens is not None else None)
-    result = RequestResult(index, prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>",
-                           start=time.perf_counter())
+    is_text = isinstance(prompt, str)
+    result = RequestResult(index, prompt if is_text else f"<{len(prompt)} token ids>",
+                           prompt_is_text=is_text, start=time.perf_counter())
     try:
         async with client.stream("POST", path, json=body, headers=_headers(cfg)) as response:
             if response.status_code != 200:

@@ -19,7 +19,7 @@ class RequestResult:
     """What one request did. Times are `time.perf_counter()` seconds."""
 
     index: int
-    prompt: str
+    prompt: str  # the text, or "<N token ids>" for a prompt sent as token ids
     start: float = 0.0
     end: float = 0.0
     output: str = ""
@@ -27,6 +27,7 @@ class RequestResult:
     input_tokens: int | None = None
     output_tokens: int | None = None
     error: str | None = None
+    prompt_is_text: bool = True  # False: `prompt` is a placeholder, not counted as input chars
 
     @property
     def ok(self) -> bool:
@@ -104,7 +105,7 @@ def summarize(results: Sequence[RequestResult], duration: float, *, request_rate
         "Total latency": duration / max(passes, 1),
         "Request throughput": per_second(len(ok)),
         "Avg latency": mean(latencies),
-        "Avg input chars": mean([len(r.prompt) for r in ok]),
+        "Avg input chars": mean([len(r.prompt) for r in ok if r.prompt_is_text]),
         "Avg output chars": mean([len(r.output) for r in ok]),
         "Avg input tokens": mean(known_in),
         "Avg output tokens": mean(known_out),
