@@ -214,3 +214,26 @@ def test_parallel_engines_draft_from_history(tmp_path, parallel):
         stats = engine.stats()
     assert got == expected
     assert stats.num_accepted_draft_tokens > 0
+
+
+def test_a_steps_accepted_drafts_arrive_as_one_delta(default_model):
+    """The tokens one step accepts stream as one delta (vLLM's way), not one delta per token:
+    fewer deltas than tokens, each with its tokens' log-probs, the same text and tokens as the
+    finished output; also when output processing overlaps the next step (deferred outputs)."""
+    tok = default_model.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": COPY_PROMPTS[0]}],
+                                     add_generation_prompt=True, tokenize=False)
+    config = kt.GenerationConfig(max_new_tokens=32, logprobs=1)
+    for overlap in (False, True):
+        with kt.Engine(default_model, num_device_blocks=256, speculative_method="ngram",
+                       num_speculative_tokens=4, overlap_output_processing=overlap) as engine:
+            steps = _steps(engine)
+            handle = engine.submit(kt.Request(prompt, config))
+            deltas = list(handle.deltas())
+            final = handle.result()
+        assert [t for d in deltas for t in d.token_ids] == final.token_ids
+        assert "".join(d.text for d in deltas) == final.text
+        assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+        # Each step's tokens in one delta: as many deltas as steps, fewer than tokens.
+        assert len(deltas) <= steps[0] < len(final.token_ids), (overlap, steps, deltas)
+        assert max(len(d.token_ids) for d in deltas) > 1

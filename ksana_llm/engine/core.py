@@ -38,6 +38,7 @@ from ksana_llm.engine.outputs import (
     DeferredOutput,
     SampledStep,
     StepOutput,
+    join_token_outputs,
 )
 from ksana_llm.engine.request import (
     Sequence,
@@ -341,7 +342,7 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
             if item.finishing:
                 delta += seq.detokenizer.flush()
             outputs.append(self._output(seq, [item.token], delta, item.entries, finished=item.last))
-        return outputs
+        return join_token_outputs(outputs)  # a speculative step's tokens: one delta
 
     @staticmethod
     def _logit_rows(slices: list[SeqSlice], sampled: list[int]) -> list[int]:

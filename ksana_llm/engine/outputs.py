@@ -54,6 +54,35 @@ class StepOutput:
     error: Exception | None = None
 
 
+def join_token_outputs(outputs: list[StepOutput]) -> list[StepOutput]:
+    """One output per sequence per step: adjacent outputs of the same sequence (the several
+    tokens a speculative step accepts) joined into one delta, as vLLM streams them. Only an
+    output whose sequence goes on is joined with the next; the joined output keeps the
+    earlier's once-per-request fields and takes the later's end-of-sequence ones."""
+    joined: list[StepOutput] = []
+    for out in outputs:
+        prev = joined[-1] if joined else None
+        if prev is None or prev.request_id != out.request_id or prev.index != out.index \
+                or prev.finish_reason is not None or prev.forward is not None \
+                or out.forward is not None or prev.score is not None:
+            joined.append(out)
+            continue
+        prev.new_token_ids = prev.new_token_ids + out.new_token_ids
+        prev.text_delta += out.text_delta
+        prev.new_logprobs = prev.new_logprobs + out.new_logprobs
+        prev.finished, prev.finish_reason, prev.stop_reason = \
+            out.finished, out.finish_reason, out.stop_reason
+        prev.cumulative_logprob = out.cumulative_logprob
+        prev.score = out.score
+        if prev.prompt_logprobs is None:
+            prev.prompt_logprobs = out.prompt_logprobs
+        prev.exported_kv = out.exported_kv if out.exported_kv is not None else prev.exported_kv
+        if out.num_cached_tokens is not None:
+            prev.num_cached_tokens = out.num_cached_tokens
+        prev.error = out.error
+    return joined
+
+
 @dataclass(slots=True)
 class DeferredOutput:
     """A sampled token whose text and `StepOutput` are made while the device runs the next step.

@@ -25,7 +25,7 @@ import time
 import torch
 
 from ksana_llm.engine.ngram_proposer import NgramIndex
-from ksana_llm.engine.outputs import StepOutput
+from ksana_llm.engine.outputs import StepOutput, join_token_outputs
 from ksana_llm.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
 from ksana_llm.engine.scheduler import ScheduledSequence
 from ksana_llm.runner.draft_verification import (
@@ -98,7 +98,7 @@ class SpeculativeSteps:
                     break  # a stop token or string among the drafts: the rest is dropped
             else:
                 self.block_manager.cache_full_blocks(seq)
-        return outputs, accepted
+        return join_token_outputs(outputs), accepted
 
     def _propose_from_history(self, scheduled: list[ScheduledSequence],
                               slices: list[SeqSlice]) -> None:
