@@ -40,6 +40,8 @@ def test_chat_through_router_decodes_from_prefill_kv(client, prefill, decode, ro
     # The prefill server computed the prompt; the decode server only its last token.
     assert metric_total(prefill, "kv_transfer_exported_tokens") - exported == len(ids)
     assert metric_total(decode, "kv_transfer_imported_tokens") - imported == len(ids) - 1
+    # ... and reports the imported tokens as cached, as vLLM counts a KV connector's tokens.
+    assert answer.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
     stream = client.chat.completions.create(model=None, messages=QUESTION, temperature=0,
                                             max_tokens=24, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want

@@ -118,7 +118,7 @@ class RequestOutput:
     # The prompt's KV, for a request submitted with `export_kv=True` (a TransferredKv; hand it
     # to another engine as `Request(imported_kv=...)`).
     exported_kv: TransferredKv | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache or a transfer
     # Why a failed request ended (queue timeout, shutdown, ...): set only on the last output a
     # callback gets for it (finished, finish_reason "abort"); None for one that ended normally.
     error: str | None = None

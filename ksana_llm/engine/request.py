@@ -66,7 +66,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    num_cached_tokens: int = 0  # prompt tokens not computed here (prefix cache or imported KV)
     # How far the engine's prompt-token count has taken this prompt: chunks count as they are
     # computed, a recompute after preemption adds nothing.
     num_prompt_tokens_counted: int = 0

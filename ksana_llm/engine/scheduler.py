@@ -367,7 +367,9 @@ class Scheduler:
             self.waiting.pop(i)
             seq.num_computed_tokens = start
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = prefix.num_tokens
+                # Prompt tokens not computed here: prefix-cache hits, or KV imported from a
+                # prefill engine (vLLM counts a KV connector's tokens as cached too).
+                seq.num_cached_tokens = start
                 if bm.enable_prefix_caching and seq.uses_prefix_cache and not seq.kv_imported:
                     bm.record_prefix_lookup(seq.num_tokens, prefix.num_tokens)
             seq.status = SequenceStatus.RUNNING

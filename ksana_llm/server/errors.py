@@ -101,6 +101,11 @@ def waiting_timeout(detail: str) -> APIError:
     return error
 
 
+def malformed_json(detail: object) -> APIError:
+    """A body that does not parse as JSON: the same 400 from every route (and the router)."""
+    return bad_request(f"Malformed JSON body: {detail}", code="invalid_json")
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field (dotted path)."""
     errors = exc.errors()
@@ -108,7 +113,7 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
         return bad_request("Invalid request body.")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return bad_request(f"Malformed JSON body: {first.get('msg', '')}", code="invalid_json")
+        return malformed_json(first.get("msg", ""))
     loc = _field_path(first)
     param = ".".join(loc) or None
     if first.get("type") == "model_type" and not loc:

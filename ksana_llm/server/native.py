@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.server.errors import APIError, bad_request, from_validation_error
+from ksana_llm.server.errors import APIError, bad_request, from_validation_error, malformed_json
 from ksana_llm.server.generation import ChoiceResult, ChoiceSet, ClientDisconnected
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_BEAMS, MAX_N, MAX_STOP
@@ -155,7 +155,7 @@ async def parse_generate_request(request: Request) -> GenerateRequest:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting
-        raise bad_request(f"Malformed JSON body: {exc}", code="invalid_json") from exc
+        raise malformed_json(exc) from exc
     # null means the default, as KsanaLLM reads its keys (also for the keys we do not serve);
     # the unsupported keys' "off" values are dropped before the model sees them.
     if isinstance(body, dict):

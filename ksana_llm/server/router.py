@@ -40,7 +40,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import ksana_llm
-from ksana_llm.server.errors import bad_request, engine_unavailable, install_error_handlers
+from ksana_llm.server.errors import (bad_request, engine_unavailable, install_error_handlers,
+                                     malformed_json)
 from ksana_llm.server.generation import finished_before_client_left
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, LORA_NOT_TRANSFERABLE
 from ksana_llm.server.listen import AnnouncingServer, uvicorn_config, uvicorn_tls_options
@@ -325,10 +326,10 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> 
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except ValueError as exc:
-        raise bad_request(f"The body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: deep nesting
+        raise malformed_json(exc) from exc
     if not isinstance(body, dict):
-        raise bad_request("The body must be a JSON object.")
+        raise bad_request("The request body must be a JSON object.")
     return body
 
 
