@@ -65,7 +65,35 @@ def test_float_encoding_and_token_inputs_agree(client, default_model):
     assert len(full.data[0].embedding) == default_model.hf_config.hidden_size
 
 
+def test_chat_messages_embed_their_rendered_template(server, hf_default_model, default_model):
+    """vLLM's chat form: `messages` rendered by the chat template (no generation prompt unless
+    asked, no special tokens on top of the template's) and embedded as one input."""
+    tokenizer = default_model.tokenizer
+    messages = [{"role": "system", "content": "You sort fruit."},
+                {"role": "user", "content": "Where do lemons go?"}]
+    for extra, generation_prompt in (({}, False), ({"add_generation_prompt": True}, True)):
+        response = httpx.post(server.base_url + "/embeddings", timeout=60,
+                              json={"messages": messages, **extra})
+        assert response.status_code == 200, response.text
+        ids = tokenizer.encode(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False),
+            add_special_tokens=False)
+        body = response.json()
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]),
+                                   hf_embedding(hf_default_model, ids), atol=2e-5, rtol=1e-4)
+    # `add_special_tokens` is accepted on both forms (vLLM's field; SmolLM2 adds none).
+    plain = httpx.post(server.base_url + "/embeddings", timeout=60,
+                       json={"input": TEXTS[0], "add_special_tokens": False}).json()
+    assert plain["usage"]["prompt_tokens"] == len(tokenizer.encode(TEXTS[0],
+                                                                   add_special_tokens=False))
+
+
 @pytest.mark.parametrize("body, param", [
+    ({}, "input"),
+    ({"input": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, "input"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages.0.role"),
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
     ({"input": [[]]}, "input"),

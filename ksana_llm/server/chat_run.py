@@ -64,7 +64,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     check_logprobs_cap(req.top_logprobs, state.max_logprobs, "top_logprobs")
     tools = plan_tools(req.tools, req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                        auto_enabled=state.enable_auto_tool_choice, parser=state.tool_parser)
-    template_kwargs = {**state.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    template_kwargs = state.chat_template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     prompt = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,

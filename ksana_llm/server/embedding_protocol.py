@@ -6,18 +6,27 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ksana_llm.server.openai_protocol import _Request
+from ksana_llm.server.openai_protocol import ChatMessage, _Request
 
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request, as OpenAI
 
 
 class EmbeddingRequest(_Request):
     """`POST /v1/embeddings`. `input`: a string, a list of strings, a list of token ids or a list
-    of token-id lists (OpenAI's four shapes)."""
+    of token-id lists (OpenAI's four shapes); or, vLLM's chat form, `messages` rendered by the
+    chat template into one input."""
 
     model: str | None = None
     # Typed loosely, like CompletionRequest.prompt: `prompt_token_lists` names the shapes.
     input: Any = None
+    messages: list[ChatMessage] | None = None
+    # The chat form's template settings (vLLM's defaults: no generation prompt).
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the tokenizer's special tokens (BOS, ...) around the text; None: True for `input`,
+    # False for `messages` (the template writes its own).
+    add_special_tokens: bool | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None

@@ -28,6 +28,7 @@ from ksana_llm.api.forward_outputs import ForwardHandle
 from ksana_llm.server.embedding_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                                  EmbeddingRequest, EmbeddingResponse,
                                                  EmbeddingUsage)
+from ksana_llm.server.chat import render_chat
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import run_forward
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, checked_priority, parse_body
@@ -44,14 +45,15 @@ def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | None
-                      ) -> list[list[int]]:
+def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | None,
+                      add_special_tokens: bool = True) -> list[list[int]]:
     """`value`'s prompts as token ids, each cut to its last `keep` tokens (vLLM's
     truncate_prompt_tokens; -1: the model's context; None: whole)."""
     if keep == 0:
         raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
                           param="truncate_prompt_tokens")
-    prompts = prompt_token_lists(value, state.tokenizer, state.limits, field=field)
+    prompts = prompt_token_lists(value, state.tokenizer, state.limits, field=field,
+                                 add_special_tokens=add_special_tokens)
     cut = [truncated_prompt(ids, keep, state.limits.max_model_len) for ids in prompts]
     longest = max(map(len, cut), default=0)
     if longest > state.limits.max_model_len:  # (a forward pass may fill the whole context)
@@ -61,7 +63,19 @@ def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | No
 
 
 def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
-    prompts = truncated_prompts(req.input, "input", state, req.truncate_prompt_tokens)
+    if (req.input is None) == (req.messages is None):
+        raise bad_request("Give exactly one of `input` or `messages`.", param="input")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("`messages` must not be empty.", param="messages")
+        text = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           template_kwargs=state.chat_template_kwargs(req.chat_template_kwargs))
+        return truncated_prompts(text, "messages", state, req.truncate_prompt_tokens,
+                                 add_special_tokens=bool(req.add_special_tokens))
+    prompts = truncated_prompts(req.input, "input", state, req.truncate_prompt_tokens,
+                                add_special_tokens=req.add_special_tokens is not False)
     if len(prompts) > MAX_EMBEDDING_INPUTS:
         raise bad_request(f"At most {MAX_EMBEDDING_INPUTS} inputs per request; got "
                           f"{len(prompts)}.", param="input")

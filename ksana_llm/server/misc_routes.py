@@ -127,8 +127,7 @@ async def tokenize(request: Request) -> JSONResponse:
         text = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,
                            add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, tools=tools,
-                           template_kwargs={**state.default_chat_template_kwargs,
-                                            **(req.chat_template_kwargs or {})},
+                           template_kwargs=state.chat_template_kwargs(req.chat_template_kwargs),
                            documents=req.documents)
         ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:

@@ -136,6 +136,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: Any = None
     prompt_embeds: Any = None  # vLLM's: base64 torch.save'd tensors (server/prompt_embeds.py)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text prompt
 
     def unsupported_params(self) -> list[str]:
         found = super().unsupported_params()

@@ -169,7 +169,8 @@ async def create_completion(request: Request) -> Response:
         prompt_ids: list[list[int] | None] = [None] * len(prompts)
     else:
         prompts = [truncated_prompt(ids, req.truncate_prompt_tokens, state.limits.max_model_len)
-                   for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits)]
+                   for ids in prompt_token_lists(req.prompt, state.tokenizer, state.limits,
+                                                 add_special_tokens=req.add_special_tokens)]
         prompt_ids = list(prompts)  # what return_token_ids shows of each prompt
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES} ({len(prompts)} prompt(s) "
@@ -179,9 +180,11 @@ async def create_completion(request: Request) -> Response:
     extra: dict[str, Any] = {}
     if spec is not None:
         extra["structured_output"] = spec
-    # echo with logprobs: the prompt's tokens get logprobs too (the first one null).
+    # echo with logprobs: the prompt's tokens get logprobs too (the first one null), as many
+    # alternatives as `logprobs` unless prompt_logprobs says (vLLM's rule: it wins).
     echo_logprobs = req.echo and req.logprobs is not None
-    prompt_lp = req.logprobs if echo_logprobs else req.prompt_logprobs
+    prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None \
+        else req.logprobs if echo_logprobs else None
     if prompt_lp is not None:
         extra["prompt_logprobs"] = prompt_lp
     jobs = plan_jobs(req, prompts, state, logprobs=req.logprobs, extra=extra,

@@ -98,9 +98,11 @@ def prediction_usage(prediction: list[int], outputs: list[list[int]]) -> tuple[i
 
 
 def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
-                       field: str = "prompt") -> list[list[int]]:
+                       field: str = "prompt", add_special_tokens: bool = True
+                       ) -> list[list[int]]:
     """The completions `prompt` (or embeddings `input`: `field`) in any of its four shapes -> one
-    token-id list per prompt. Text needs `tokenizer` (None: a 400 naming the field)."""
+    token-id list per prompt. Text needs `tokenizer` (None: a 400 naming the field);
+    `add_special_tokens` (vLLM's request field) is the tokenizer's own (BOS, ...)."""
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif _is_token_list(prompt) and prompt:
@@ -120,7 +122,7 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
                 raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")
             if tokenizer is None:
                 raise no_tokenizer(field)
-            ids = list(tokenizer.encode(p))
+            ids = list(tokenizer.encode(p, add_special_tokens=add_special_tokens))
         else:
             if not p:
                 raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")

@@ -111,6 +111,11 @@ class ServerState:
         (--skip-tokenizer-init): read it through `text_tokenizer` where text is involved."""
         return self.engine.tokenizer
 
+    def chat_template_kwargs(self, requested: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's chat_template_kwargs over the server's defaults
+        (--default-chat-template-kwargs)."""
+        return {**self.default_chat_template_kwargs, **(requested or {})}
+
     def text_tokenizer(self, field: str) -> Any:
         """The tokenizer, for a request's `field` given as text (or asking for text); a 400
         naming the field when the server has none (--skip-tokenizer-init)."""

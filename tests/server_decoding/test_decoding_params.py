@@ -137,6 +137,16 @@ def test_prompt_logprobs_and_echo(server, client, model, local_engine):
         assert entry[str(token)]["rank"] == ref["rank"]  # also outside the top 2
         assert len(entry) == (2 if ref["rank"] <= 2 else 3)
     assert any(ref["rank"] > 2 for ref in expected.prompt_logprobs[1:])
+    # With echo and logprobs too, an explicit prompt_logprobs sizes the prompt's alternatives
+    # (vLLM's rule), in both places they are reported.
+    r = httpx.post(server.base_url + "/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 3, "prompt_logprobs": 1,
+        "temperature": 0}).json()
+    choice = r["choices"][0]
+    for entry, top, ref in zip(choice["prompt_logprobs"][1:], choice["logprobs"]["top_logprobs"][1:],
+                               expected.prompt_logprobs[1:]):
+        assert len(entry) == len(top) == (1 if ref["rank"] <= 1 else 2)
+    assert len(choice["logprobs"]["top_logprobs"][-1]) >= 3  # the generated token: logprobs 3
     chat = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
         "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
