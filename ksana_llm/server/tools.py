@@ -125,7 +125,22 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
             # OpenAI's rule: a call's arguments are a JSON object (clients read them as one).
             raise bad_request(f"`parameters` must describe an object (type 'object'), got type "
                               f"{kind!r}.", param=f"{param}.function.parameters")
+        _check_schema(fn.get("parameters") or {}, f"{param}.function.parameters")
     return tools
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    """A 400 for a schema its own JSON Schema draft calls invalid (OpenAI refuses those,
+    whatever tool_choice says; the model would otherwise be shown a broken tool)."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        where = f" at {'.'.join(map(str, exc.path))}" if exc.path else ""
+        raise bad_request(f"Invalid schema for function parameters{where}: {exc.message}",
+                          param=param) from exc
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:

@@ -230,6 +230,24 @@ def test_tool_parameters_must_describe_an_object(client, model):
     assert info.value.body["param"] == "tools.0.function.parameters"
 
 
+@pytest.mark.parametrize("parameters, where", [
+    ({"type": "object", "properties": {"a": {"type": "strng"}}}, "properties.a.type"),
+    ({"type": "object", "properties": 5}, "properties"),
+    ({"type": "object", "required": "a"}, "required"),
+])
+@pytest.mark.parametrize("tool_choice", ["none", "auto", "required"])
+def test_an_invalid_parameters_schema_is_a_400_whatever_the_tool_choice(client, model, parameters,
+                                                                        where, tool_choice):
+    """OpenAI refuses a tool whose parameters are not a valid JSON Schema (it was accepted
+    unless tool_choice compiled it), naming the tool; the second tool here is the bad one."""
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "ping", "parameters": parameters}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, max_tokens=4, tool_choice=tool_choice,
+                                       messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert info.value.body["param"] == "tools.1.function.parameters"
+    assert f"at {where}:" in info.value.body["message"]
+
+
 def test_auto_tool_choice_with_hermes_parser(client, model):
     """The model's output is forced into the hermes shape; the parser turns it into tool_calls."""
     regex = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
