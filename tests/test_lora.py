@@ -170,8 +170,8 @@ def test_load_and_unload_while_serving(tiny):
         # name is free) and the request finishes with it, as in vLLM; then its weights go.
         long_request = engine.submit(kt.Request(prompt, {"max_new_tokens": 300}, lora="x"))
         engine.unload_lora_adapter("x")
-        draining = engine._lora.draining_ids()
-        assert len(draining) == 1 and engine.lora_adapters == {}
+        unlisted = engine._lora.unlisted_ids()
+        assert len(unlisted) == 1 and engine.lora_adapters == {}
         with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
             engine.submit(kt.Request(prompt, lora="x"))
         with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
@@ -182,8 +182,8 @@ def test_load_and_unload_while_serving(tiny):
         assert engine.stats().prefix_cache_hit_rate < hit_rate  # nothing reused
         held = long_request.result()
         base_out = engine.generate_outputs([prompt], use_tqdm=False)[0]  # a step after it ended
-        assert engine._lora.draining_ids() == []
-        assert draining[0] not in engine._core.runner.lora.paths  # freed
+        assert engine._lora.unlisted_ids() == []
+        assert unlisted[0] not in engine._core.runner.lora.paths  # freed
         assert list(engine._core.runner.lora.paths) == [engine._lora.resolve("x").lora_id]
     assert held.token_ids[:NUM_TOKENS] == expected_tokens(adapters["all"], prompt)
     assert again.token_ids == expected_tokens(adapters["patterns"], prompt)
@@ -200,13 +200,13 @@ def test_an_unloaded_adapter_drains_when_its_last_request_is_aborted(tiny):
         engine.load_lora_adapter("x", str(folder / "all"))
         long_request = engine.submit(kt.Request(prompt, {"max_new_tokens": 300}, lora="x"))
         engine.unload_lora_adapter("x")
-        (lora_id,) = engine._lora.draining_ids()
+        (lora_id,) = engine._lora.unlisted_ids()
         engine.abort(long_request.id)
         assert long_request.result().finish_reason == "abort"
         deadline = time.monotonic() + 10
-        while engine._lora.draining_ids() and time.monotonic() < deadline:
+        while engine._lora.unlisted_ids() and time.monotonic() < deadline:
             time.sleep(0.01)  # the abort is taken on the engine thread, a moment later
-        assert engine._lora.draining_ids() == [] and lora_id not in engine._core.runner.lora.paths
+        assert engine._lora.unlisted_ids() == [] and lora_id not in engine._core.runner.lora.paths
         assert not engine._lora_still_loaded(SimpleNamespace(lora_id=lora_id))
 
 
@@ -291,3 +291,27 @@ def test_adapter_slots_sleep_with_the_weights(tiny):
         engine.wake_up()
         engine.update_weights(str(folder / "base"))
         assert submit_all(engine, jobs) == expected
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_unloading_while_asleep_frees_the_adapter_after_waking(tiny, level):
+    """While asleep the slots' memory is given back: an unload then only unlists the adapter
+    (clearing its slot would write into nothing, and failed the engine); it is freed after
+    waking, and the engine serves on."""
+    folder, base, adapters = tiny
+    prompt = PROMPTS[0]
+    with make_engine(folder / "base", max_loras=1, enable_sleep_mode=True) as engine:
+        engine.load_lora_adapter("x", str(folder / "all"))
+        assert engine.generate_outputs([prompt], use_tqdm=False, lora="x")[0].token_ids \
+            == expected_tokens(adapters["all"], prompt)
+        weights = {name: p.detach().clone() for name, p in engine.model.module.named_parameters()}
+        engine.sleep(level=level)
+        engine.unload_lora_adapter("x")
+        (lora_id,) = engine._lora.unlisted_ids()
+        engine.wake_up()
+        if level == 2:
+            engine.update_weights(weights.items())
+        out = engine.generate_outputs([prompt], use_tqdm=False)[0]
+        assert engine.is_running and engine._lora.unlisted_ids() == []
+        assert lora_id not in engine._core.runner.lora.paths
+    assert out.token_ids == expected_tokens(base, prompt)

@@ -323,7 +323,7 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
                     self._dispatch(core.expire_waiting(self.config.waiting_timeout_ms / 1000))
                 if core.has_work() and not asleep:
                     self._dispatch_step(core.step(early=self._dispatch_step))
-                self._free_drained_loras()  # unloaded adapters whose last request ended
+                self._free_unlisted_loras()  # unloaded adapters whose last request ended
                 if time.monotonic() - unreadable_checked > UNREADABLE_CHECK_S:
                     unreadable_checked = time.monotonic()
                     self._abort_unreadable()

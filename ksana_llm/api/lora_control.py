@@ -7,15 +7,22 @@ device slots as steps need them (engine.lora_residency).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from ksana_llm.api.engine_thread import EngineThreadWork
 from ksana_llm.api.lora_registry import LoraRegistry
 from ksana_llm.engine.request import Sequence
 
+logger = logging.getLogger("ksana_llm.engine")
+
 
 class LoraControl(EngineThreadWork):
-    """Mixed into `Engine`, which provides `_lora`, `_core` and `_on_engine_thread`."""
+    """Mixed into `Engine`, which provides `_lora`, `_core`, `_on_engine_thread` and
+    `_schedules_nothing`."""
 
     _lora: LoraRegistry
+    _schedules_nothing: Callable[[], bool]  # SleepControl's: asleep, or woken without weights
 
     @property
     def lora_adapters(self) -> dict[str, str]:
@@ -47,20 +54,25 @@ class LoraControl(EngineThreadWork):
     def _unload(self, name: str) -> None:
         # On the engine thread, after every request submitted before the call reached the core.
         self._lora.remove(name)
-        self._free_drained_loras()
+        self._free_unlisted_loras()
 
-    def _free_drained_loras(self) -> None:
+    def _free_unlisted_loras(self) -> None:
         """Free the unloaded adapters no queued, running or swapped-out request holds any more
-        (on the engine thread, between steps)."""
-        draining = self._lora.draining_ids()
-        if not draining:
+        (on the engine thread, between steps). Not while asleep: the slots' memory is given
+        back then (clearing a slot would write into nothing); freed after waking."""
+        unlisted = self._lora.unlisted_ids()
+        if not unlisted or self._schedules_nothing():
             return
         in_use = self._core.lora_ids_in_use()
-        for lora_id in draining:
-            if lora_id not in in_use:
-                self._core.forget_lora(lora_id)
+        for lora_id in unlisted:
+            if lora_id in in_use:
+                continue
+            self._lora.freed(lora_id)  # first: a failure below is not retried every step
+            self._core.forget_lora(lora_id)
+            try:
                 self._core.runner.unregister_lora(lora_id)
-                self._lora.freed(lora_id)
+            except Exception:  # noqa: BLE001 - a leaked host copy must not stop the engine
+                logger.warning("freeing unloaded LoRA adapter %d failed", lora_id, exc_info=True)
 
     def _lora_still_loaded(self, seq: Sequence) -> bool:
         """Whether the adapter a new sequence resolved is still registered (it may have been

@@ -4,8 +4,8 @@ Names resolve on callers' threads (a request naming an unknown adapter is a Valu
 reaches the engine); adapters are registered on the engine thread (`Engine.load_lora_adapter`).
 Any number may be registered: each is held in host memory, and the scheduler copies it into one
 of the `max_loras` device slots when a step needs it (see engine.lora_residency). An unloaded
-adapter stops resolving at once but drains: it stays registered for the requests that already
-hold it until the engine frees it (as vLLM unlists an adapter and lets its requests finish). Each
+adapter stops resolving at once but stays registered, unlisted, for the requests that
+already hold it until the engine frees it (as vLLM unlists an adapter and lets its requests finish). Each
 registration gets its own id and prefix-cache salt, so KV computed under an adapter is never
 served to a request of another adapter, nor of a later adapter registered under the same name.
 """
@@ -32,7 +32,7 @@ class LoraRegistry:
         self._lock = threading.Lock()
         self._loaded: dict[str, LoraAdapterInfo] = {}
         self._reserved: set[str] = set()  # names whose registration runs
-        self._draining: dict[int, LoraAdapterInfo] = {}  # unloaded, still held by requests
+        self._unlisted: dict[int, LoraAdapterInfo] = {}  # unloaded, still held by requests
         self._ids = itertools.count(1)
 
     def resolve(self, name: str) -> LoraAdapterInfo:
@@ -50,10 +50,10 @@ class LoraRegistry:
             return sorted(self._loaded.values(), key=lambda info: info.lora_id)
 
     def names(self) -> dict[int, str]:
-        """Adapter id -> name, draining adapters included (their requests still report it)."""
+        """Adapter id -> name, unlisted adapters included (their requests still report it)."""
         with self._lock:
             return {info.lora_id: info.name
-                    for info in (*self._loaded.values(), *self._draining.values())}
+                    for info in (*self._loaded.values(), *self._unlisted.values())}
 
     def reserve(self, name: str, path: str) -> LoraAdapterInfo:
         """Claim `name` for the adapter in `path` (not resolvable until `commit`)."""
@@ -80,29 +80,29 @@ class LoraRegistry:
             self._reserved.discard(info.name)
 
     def remove(self, name: str) -> LoraAdapterInfo:
-        """Unlist `name`: it no longer resolves (the name is free for a new adapter), and the
-        adapter drains until `freed`."""
+        """Unlist `name`: it no longer resolves (the name is free for a new adapter); the
+        adapter stays registered, unlisted, until `freed`."""
         with self._lock:
             info = self._loaded.pop(name, None)
             if info is not None:
-                self._draining[info.lora_id] = info
+                self._unlisted[info.lora_id] = info
         if info is None:
             raise ValueError(f"lora: no LoRA adapter named {name!r} is loaded")
         return info
 
-    def draining_ids(self) -> list[int]:
+    def unlisted_ids(self) -> list[int]:
         with self._lock:
-            return list(self._draining)
+            return list(self._unlisted)
 
     def freed(self, lora_id: int) -> None:
-        """A draining adapter's weights are gone: requests resolved to it can no longer run."""
+        """An unlisted adapter's weights are gone: requests resolved to it can no longer run."""
         with self._lock:
-            self._draining.pop(lora_id, None)
+            self._unlisted.pop(lora_id, None)
 
     def is_registered(self, lora_id: int) -> bool:
-        """Whether requests of adapter `lora_id` can run (loaded, or unloaded but draining)."""
+        """Whether requests of adapter `lora_id` can run (loaded, or unloaded but not freed)."""
         with self._lock:
-            return lora_id in self._draining or any(
+            return lora_id in self._unlisted or any(
                 info.lora_id == lora_id for info in self._loaded.values())
 
 

@@ -146,5 +146,6 @@ class StatsTracker:
 
 
 def _names(lora_ids: tuple[int, ...], names: dict[int, str] | None) -> tuple[str, ...]:
-    # (An adapter just unloaded while a stats call ran has no name: left out.)
-    return tuple(sorted(names[i] for i in lora_ids if names and i in names))
+    # Each name once: an unloaded adapter still held by requests keeps its name, which a newer
+    # adapter may have taken. (One freed while a stats call ran has no name: left out.)
+    return tuple(sorted({names[i] for i in lora_ids if names and i in names}))

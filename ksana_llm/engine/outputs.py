@@ -46,7 +46,8 @@ class StepOutput:
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     # Set on the last output of a request that exports its KV (a runner.kv_transfer.TransferredKv).
     exported_kv: Any = None
-    # Prompt tokens whose KV came from the prefix cache (set once its prompt was scheduled).
+    # Prompt tokens whose KV came from the prefix cache or a KV transfer (set once its prompt
+    # was scheduled).
     num_cached_tokens: int | None = None
     # Set on the outputs of a request the engine could not serve (finish_reason "abort"): why,
     # as the exception the request fails with (a QueueTimeoutError for a queue timeout, a

@@ -12,6 +12,7 @@ constrained, and how it is read back as tool calls.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -132,15 +133,27 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
 def _check_schema(schema: dict[str, Any], param: str) -> None:
     """A 400 for a schema its own JSON Schema draft calls invalid (OpenAI refuses those,
     whatever tool_choice says; the model would otherwise be shown a broken tool)."""
+    if not isinstance(schema.get("$schema", ""), str):
+        raise bad_request("`$schema` must be a string (a JSON Schema draft's URI).", param=param)
+    problem = _schema_problem(json.dumps(schema, sort_keys=True))
+    if problem is not None:
+        raise bad_request(f"Invalid schema for function parameters{problem}", param=param)
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(schema_json: str) -> str | None:
+    """What is wrong with a schema (" at a.b: message"), or None. Memoised on the schema's
+    text: checking takes about a millisecond, and clients send the same tools every turn."""
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import validator_for
 
+    schema = json.loads(schema_json)
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
         where = f" at {'.'.join(map(str, exc.path))}" if exc.path else ""
-        raise bad_request(f"Invalid schema for function parameters{where}: {exc.message}",
-                          param=param) from exc
+        return f"{where}: {exc.message}"
+    return None
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:

@@ -234,6 +234,7 @@ def test_tool_parameters_must_describe_an_object(client, model):
     ({"type": "object", "properties": {"a": {"type": "strng"}}}, "properties.a.type"),
     ({"type": "object", "properties": 5}, "properties"),
     ({"type": "object", "required": "a"}, "required"),
+    ({"type": "object", "$schema": ["x"]}, None),  # (not a draft's name: was a 500)
 ])
 @pytest.mark.parametrize("tool_choice", ["none", "auto", "required"])
 def test_an_invalid_parameters_schema_is_a_400_whatever_the_tool_choice(client, model, parameters,
@@ -245,7 +246,8 @@ def test_an_invalid_parameters_schema_is_a_400_whatever_the_tool_choice(client, 
         client.chat.completions.create(model=model, max_tokens=4, tool_choice=tool_choice,
                                        messages=[{"role": "user", "content": "hi"}], tools=tools)
     assert info.value.body["param"] == "tools.1.function.parameters"
-    assert f"at {where}:" in info.value.body["message"]
+    if where is not None:
+        assert f"at {where}:" in info.value.body["message"]
 
 
 def test_auto_tool_choice_with_hermes_parser(client, model):
