@@ -281,5 +281,41 @@ def test_responses_continue_on_the_decode_server_that_stored_them(prefill, decod
         routed.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             routed.responses.retrieve(first.id)
+        # A background stream resumed through the router (OpenAI's `starting_after`) is
+        # relayed as the event stream it is.
+        events = list(routed.responses.create(model="SmolLM2-135M-Instruct", input="Hi.",
+                                              max_output_tokens=4, background=True, stream=True))
+        resumed = httpx.get(f"{proc.base_url}/responses/{events[-1].response.id}",
+                            params={"stream": "true", "starting_after": 2}, timeout=60)
+        assert resumed.headers["content-type"].startswith("text/event-stream")
+        numbers = [json.loads(line[6:])["sequence_number"] for line in resumed.text.splitlines()
+                   if line.startswith("data: {")]
+        assert numbers == [e.sequence_number for e in events][3:]
+        # A conversation the router never saw (made on a server directly) is continued on the
+        # server that holds it, every time, not on whichever comes next.
+        direct = openai.OpenAI(base_url=prefill.base_url, api_key="unused", max_retries=0,
+                               timeout=60).responses.create(
+            model="SmolLM2-135M-Instruct", input="Hi.", max_output_tokens=2)
+        for _ in range(2):
+            assert routed.responses.create(model="SmolLM2-135M-Instruct", input="And?",
+                                           max_output_tokens=2,
+                                           previous_response_id=direct.id).id
+    finally:
+        proc.stop()
+
+
+def test_responses_pass_over_a_decode_server_that_is_down(decode):
+    """New conversations go to the next decode server when one refuses the connection (as chat
+    does), and an id the router does not know is looked for on the servers that answer."""
+    down = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    proc = ServerProcess(["--decode", down, "--decode", decode.url], command="router")
+    try:
+        routed = openai.OpenAI(base_url=proc.base_url, api_key="unused", max_retries=0,
+                               timeout=60)
+        answers = [routed.responses.create(model="SmolLM2-135M-Instruct", input="Hi.",
+                                           max_output_tokens=2) for _ in range(3)]
+        assert all(a.status in ("completed", "incomplete") for a in answers)
+        with pytest.raises(openai.NotFoundError):  # 404, not the dead server's 503
+            routed.responses.retrieve("resp_unknown")
     finally:
         proc.stop()

@@ -67,12 +67,13 @@ class LoraControl(EngineThreadWork):
         for lora_id in unlisted:
             if lora_id in in_use:
                 continue
-            self._lora.freed(lora_id)  # first: a failure below is not retried every step
-            self._core.forget_lora(lora_id)
             try:
+                self._core.forget_lora(lora_id)
                 self._core.runner.unregister_lora(lora_id)
             except Exception:  # noqa: BLE001 - a leaked host copy must not stop the engine
                 logger.warning("freeing unloaded LoRA adapter %d failed", lora_id, exc_info=True)
+            finally:
+                self._lora.freed(lora_id)  # once freed (or failed: not retried every step)
 
     def _lora_still_loaded(self, seq: Sequence) -> bool:
         """Whether the adapter a new sequence resolved is still registered (it may have been

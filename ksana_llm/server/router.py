@@ -387,7 +387,8 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, request: Request) -> Response:
         return await request.app.state.router.stored_response(
-            request.method, response_id, request_id=request_id_of(request))
+            request.method, response_id, query=request.url.query,
+            request_id=request_id_of(request))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:

@@ -2,7 +2,8 @@
 that stored it. The router remembers which server answered each response id (the last
 `MAX_REMEMBERED_RESPONSES`), sends a `previous_response_id` continuation and a stored response's
 GET / DELETE (its input items, its cancel) there, and asks each decode server in turn for an id
-it does not know. Split from `server/router.py`; mixed into its `Router`."""
+it does not know (a continuation of one too); a server that refuses the connection is passed
+over. Split from `server/router.py`; mixed into its `Router`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 from fastapi.responses import Response
 
+from ksana_llm.server.errors import engine_unavailable
 from ksana_llm.server.router_upstream import RelayedStream, passed_on, read_answer
 
 # Response ids whose decode server the router remembers (the oldest are forgotten first).
@@ -38,22 +40,55 @@ class ResponsesRouting:
         raise NotImplementedError
 
     async def respond(self, body: dict[str, Any], request_id: str | None = None) -> Response:
-        """A Responses request to the decode server holding its `previous_response_id` (else
-        the next one); the answer's id is remembered with the server."""
+        """A Responses request to the decode server holding its `previous_response_id`; one the
+        router does not know (forgotten, or made on a server directly) to each server in turn
+        until one has it; a new conversation to the next server, passed over when it refuses
+        the connection. The answer's id is remembered with the server."""
         previous = body.get("previous_response_id")
-        server = self._response_servers.get(previous) if isinstance(previous, str) else None
-        server = server or next(self._decode)
+        known = self._response_servers.get(previous) if isinstance(previous, str) else None
         self.stats.num_direct += 1
-        response = await self._send(server, "/v1/responses", json.dumps(body).encode(),
-                                    "application/json", request_id=request_id)
-        if body.get("stream") and response.status_code == 200:
+        server, response, content = await self._ask_each(
+            [known] if known else self._servers_from_next(), "POST", "/v1/responses",
+            json.dumps(body).encode(), "application/json", request_id)
+        if content is None and body.get("stream") and response.status_code == 200:
             return RelayedStream(response, self._remember_streamed(response, server))
-        content = await read_answer(response)
+        content = content if content is not None else await read_answer(response)
         if response.status_code == 200:
             match = _RESPONSE_ID.search(content)
             if match:
                 self._remember(match[1].decode(), server)
         return passed_on(response, content)
+
+    def _servers_from_next(self) -> list[str]:
+        """Every decode server, the next in the rotation first."""
+        first = next(self._decode)
+        urls = list(self.config.decode_urls)
+        at = urls.index(first)
+        return urls[at:] + urls[:at]
+
+    async def _ask_each(self, servers: list[str], method: str, path: str, content: bytes,
+                        content_type: str | None, request_id: str | None
+                        ) -> tuple[str, httpx.Response, bytes | None]:
+        """The first of `servers` to answer other than 404: (server, its response unread,
+        None); a server that refuses the connection never got the request and is passed
+        over. When every one that answered said 404: the last of those, read. None
+        reachable: the client's 503."""
+        refused: list[str] = []
+        not_found: tuple[str, httpx.Response, bytes | None] | None = None
+        for server in servers:
+            try:
+                response = await self._send(server, path, content, content_type, method=method,
+                                            request_id=request_id, pass_connect_errors=True)
+            except httpx.ConnectError:
+                refused.append(server)
+                continue
+            if response.status_code != 404:
+                return server, response, None
+            not_found = (server, response, await read_answer(response))
+        if not_found is not None:
+            return not_found
+        raise engine_unavailable(f"no decode server can be reached (refused: "
+                                 f"{', '.join(refused)})")
 
     async def _remember_streamed(self, response: httpx.Response, server: str
                                  ) -> AsyncIterator[bytes]:
@@ -78,15 +113,17 @@ class ResponsesRouting:
                               query: str = "", request_id: str | None = None) -> Response:
         """GET or DELETE a stored response (or, with `suffix`, GET its "/input_items" or POST
         its "/cancel") on the server that holds it (one the router does not know: each decode
-        server in turn, until one has it)."""
+        server in turn, until one has it). A GET with `stream=true` (resuming a background
+        response's events) is relayed as the stream it is."""
         known = self._response_servers.get(response_id)
         path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
-        for server in [known] if known else self.config.decode_urls:
-            response = await self._send(server, path, b"", None, method=method,
-                                        request_id=request_id)
-            content = await read_answer(response)
-            if response.status_code != 404:
-                if method == "DELETE" and response.status_code == 200:
-                    self._response_servers.pop(response_id, None)
-                return passed_on(response, content)
+        _, response, content = await self._ask_each(
+            [known] if known else list(self.config.decode_urls), method, path, b"", None,
+            request_id)
+        if content is None and response.status_code == 200 and \
+                response.headers.get("content-type", "").startswith("text/event-stream"):
+            return RelayedStream(response)
+        content = content if content is not None else await read_answer(response)
+        if method == "DELETE" and response.status_code == 200:
+            self._response_servers.pop(response_id, None)
         return passed_on(response, content)
