@@ -4,8 +4,8 @@ Names resolve on callers' threads (a request naming an unknown adapter is a Valu
 reaches the engine); adapters are registered on the engine thread (`Engine.load_lora_adapter`).
 Any number may be registered: each is held in host memory, and the scheduler copies it into one
 of the `max_loras` device slots when a step needs it (see engine.lora_residency). An unloaded
-adapter stops resolving at once but stays registered, unlisted, for the requests that
-already hold it until the engine frees it (as vLLM unlists an adapter and lets its requests finish). Each
+adapter stops resolving at once but stays registered, unlisted, for the requests that already
+hold it until the engine frees it (vLLM unlists an adapter and lets its requests finish). Each
 registration gets its own id and prefix-cache salt, so KV computed under an adapter is never
 served to a request of another adapter, nor of a later adapter registered under the same name.
 """
