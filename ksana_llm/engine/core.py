@@ -342,7 +342,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
             if item.finishing:
                 delta += seq.detokenizer.flush()
             outputs.append(self._output(seq, [item.token], delta, item.entries, finished=item.last))
-        return join_token_outputs(outputs)  # a speculative step's tokens: one delta
+        # A speculative step's tokens: one delta (only those steps add several per sequence).
+        return join_token_outputs(outputs) if self.num_speculative_tokens else outputs
 
     @staticmethod
     def _logit_rows(slices: list[SeqSlice], sampled: list[int]) -> list[int]:

@@ -245,28 +245,11 @@ class Router(ResponsesRouting):
                      stream: bool, request_id: str | None = None) -> Response:
         """A request to the next decode server that takes it, its answer passed on (`stream`:
         as it comes)."""
-        response = await self._send_to_a_decode_server(path, content, content_type, request_id)
+        _, response, _ = await self._ask_each(self._servers_from_next(), "POST", path, content,
+                                              content_type, request_id, next_on_404=False)
         if stream and response.status_code == 200:
             return RelayedStream(response)
         return passed_on(response, await read_answer(response))
-
-    async def _send_to_a_decode_server(self, path: str, content: bytes, content_type: str | None,
-                                       request_id: str | None) -> httpx.Response:
-        """The next decode server's response; a server that refuses the connection never got
-        the request, so the one after it gets it (each server once): one server down does not
-        fail its turn's share of the requests. Any other failure is the client's 503: the
-        request may have reached the server."""
-        refused: list[str] = []
-        for _ in range(len(self.config.decode_urls)):
-            server = next(self._decode)
-            try:
-                return await self._send(server, path, content, content_type,
-                                        request_id=request_id, pass_connect_errors=True)
-            except httpx.ConnectError as exc:
-                logger.warning("decode server %s cannot be reached (%r); trying the next one",
-                               server, exc)
-                refused.append(server)
-        raise engine_unavailable(f"no decode server can be reached (refused: {', '.join(refused)})")
 
     async def _send(self, server: str, path: str, content: bytes, content_type: str | None,
                     method: str = "POST", request_id: str | None = None,

@@ -8,6 +8,7 @@ over. Split from `server/router.py`; mixed into its `Router`."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
@@ -18,6 +19,8 @@ from fastapi.responses import Response
 
 from ksana_llm.server.errors import engine_unavailable
 from ksana_llm.server.router_upstream import RelayedStream, passed_on, read_answer
+
+logger = logging.getLogger("ksana_llm.router")
 
 # Response ids whose decode server the router remembers (the oldest are forgotten first).
 MAX_REMEMBERED_RESPONSES = 65536
@@ -67,22 +70,25 @@ class ResponsesRouting:
         return urls[at:] + urls[:at]
 
     async def _ask_each(self, servers: list[str], method: str, path: str, content: bytes,
-                        content_type: str | None, request_id: str | None
-                        ) -> tuple[str, httpx.Response, bytes | None]:
-        """The first of `servers` to answer other than 404: (server, its response unread,
-        None); a server that refuses the connection never got the request and is passed
-        over. When every one that answered said 404: the last of those, read. None
-        reachable: the client's 503."""
+                        content_type: str | None, request_id: str | None,
+                        next_on_404: bool = True) -> tuple[str, httpx.Response, bytes | None]:
+        """The first of `servers` to answer (other than 404, with `next_on_404`): (server, its
+        response unread, None); a server that refuses the connection never got the request
+        and is passed over (one server down does not fail its turn's share of the requests;
+        any other failure is the client's 503: the request may have reached the server). When
+        every one that answered said 404: the last of those, read. None reachable: a 503."""
         refused: list[str] = []
         not_found: tuple[str, httpx.Response, bytes | None] | None = None
         for server in servers:
             try:
                 response = await self._send(server, path, content, content_type, method=method,
                                             request_id=request_id, pass_connect_errors=True)
-            except httpx.ConnectError:
+            except httpx.ConnectError as exc:
+                logger.warning("decode server %s cannot be reached (%r); trying the next one",
+                               server, exc)
                 refused.append(server)
                 continue
-            if response.status_code != 404:
+            if response.status_code != 404 or not next_on_404:
                 return server, response, None
             not_found = (server, response, await read_answer(response))
         if not_found is not None:
