@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from ksana_llm.api.outputs import (Request, RequestError, RequestHandle, RequestOutput,
                                        SequenceDelta, SequenceOutput)
     from ksana_llm.config import EngineConfig
-    from ksana_llm.engine.scheduler import QueueFullError, QueueTimeoutError
+    from ksana_llm.engine.scheduler_records import QueueFullError, QueueTimeoutError
     from ksana_llm.engine.scheduling_policy import RequestInfo, SchedulingPolicy
     from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec
     from ksana_llm.logits_processor import (LogitsProcessor, LogitsProcessorContext, LogitsRow,

@@ -11,7 +11,8 @@ import itertools
 
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.request import Sequence
-from ksana_llm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ksana_llm.engine.scheduler import Scheduler
+from ksana_llm.engine.scheduler_records import SchedulerConfig, SchedulerOutput
 from ksana_llm.generation_config import GenerationConfig
 
 _arrivals = itertools.count(1)

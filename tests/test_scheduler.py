@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from ksana_llm.engine.request import SequenceStatus
-from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.engine.scheduler_records import QueueFullError
 from tests.scheduler_harness import ids, make_scheduler, make_seq, plan, step
 
 

@@ -15,7 +15,7 @@ from ksana_llm.distributed.executor import DistributedRunner
 from ksana_llm.engine.core import EngineCore
 from ksana_llm.engine.kv_cache import BlockManager
 from ksana_llm.engine.ngram_proposer import NgramProposer
-from ksana_llm.engine.scheduler import SchedulerConfig
+from ksana_llm.engine.scheduler_records import SchedulerConfig
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.kv_scales import KV_SCALES_FILENAME, load_kv_cache_scales
 from ksana_llm.loader.weight_map import find_weight_map

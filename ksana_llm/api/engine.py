@@ -35,7 +35,7 @@ from ksana_llm.api.weight_control import WeightControl
 from ksana_llm.config import EngineConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
 from ksana_llm.engine.request import Sequence
-from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.engine.scheduler_records import QueueFullError
 from ksana_llm.engine.scheduling_policy import SchedulingPolicy
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.cpu_threads import openmp_pool_releaser

@@ -11,7 +11,7 @@ from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
 from ksana_llm.api.request import Prompt, as_token_ids
 from ksana_llm.api.scoring import pair_scores, score_pairs
-from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.engine.scheduler_records import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
 
 

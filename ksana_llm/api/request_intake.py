@@ -13,7 +13,7 @@ from typing import Any
 from ksana_llm.api.outputs import Prompt, Request, RequestHandle
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.request import Sequence
-from ksana_llm.engine.scheduler import QueueFullError
+from ksana_llm.engine.scheduler_records import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
 
 __all__ = ["EngineDeadError", "RequestIntake"]

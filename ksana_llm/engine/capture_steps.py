@@ -13,7 +13,7 @@ import torch
 
 from ksana_llm.engine.outputs import CaptureRead, ForwardResult, StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence
-from ksana_llm.engine.scheduler import ScheduledSequence
+from ksana_llm.engine.scheduler_records import ScheduledSequence
 from ksana_llm.runner.captured_rows import CapturedRows
 from ksana_llm.runner.host_copy import start_host_copy
 from ksana_llm.runner.model_runner import SeqSlice

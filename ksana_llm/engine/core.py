@@ -46,8 +46,9 @@ from ksana_llm.engine.request import (
     SequenceStatus,
 )
 from ksana_llm.engine.sampling_steps import SamplingSteps
-from ksana_llm.engine.scheduler import (QueueTimeoutError, ScheduledSequence, Scheduler,
-                                        SchedulerConfig, SchedulerOutput)
+from ksana_llm.engine.scheduler import Scheduler
+from ksana_llm.engine.scheduler_records import (QueueTimeoutError, ScheduledSequence,
+                                                SchedulerConfig, SchedulerOutput)
 from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.engine.step_histogram import HistogramSnapshot, StepHistogram
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput

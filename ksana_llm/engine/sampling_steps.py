@@ -16,7 +16,7 @@ import torch
 
 from ksana_llm.engine.outputs import SampledStep, StepOutput
 from ksana_llm.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
-from ksana_llm.engine.scheduler import ScheduledSequence
+from ksana_llm.engine.scheduler_records import ScheduledSequence
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.model_runner import PendingInputs
 from ksana_llm.runner.sampler import SamplingRow, make_generator

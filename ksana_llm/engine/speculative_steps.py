@@ -27,7 +27,7 @@ import torch
 from ksana_llm.engine.ngram_proposer import NgramIndex
 from ksana_llm.engine.outputs import StepOutput, join_token_outputs
 from ksana_llm.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
-from ksana_llm.engine.scheduler import ScheduledSequence
+from ksana_llm.engine.scheduler_records import ScheduledSequence
 from ksana_llm.runner.draft_verification import (
     ACCEPTED,
     DRAFT_LOGPROB,
