@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ksana_llm as kt
-from ksana_llm.server.app import OutputParsing, check_tokenizer
+from ksana_llm.server.serve_options import OutputParsing, check_tokenizer
 from tests.server_process import openai_error, server_fixture
 
 PROMPT = "The capital of France is"

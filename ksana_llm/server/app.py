@@ -12,8 +12,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI
@@ -37,18 +35,17 @@ from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddlewar
                                          DisconnectWatchMiddleware, LoadTrackingMiddleware,
                                          RequestIdMiddleware, add_cors, add_user_middlewares,
                                          cors_from_args, user_middlewares)
-from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.request_log import RequestLog
 from ksana_llm.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from ksana_llm.server.sampling_defaults import (NO_MODEL_DEFAULTS, SamplingDefaults,
-                                               load_sampling_defaults)
+from ksana_llm.server.sampling_defaults import SamplingDefaults
+from ksana_llm.server.serve_options import (OutputParsing, check_sampling_defaults_args,
+                                            check_tokenizer, output_parsing_from_args,
+                                            request_options_from_args, sampling_defaults_from_args)
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.stats_log import DEFAULT_INTERVAL_S as DEFAULT_STATS_INTERVAL_S
 from ksana_llm.server.stats_log import StatsLogThread
-from ksana_llm.server.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
-from ksana_llm.server.tool_parsers.plugin import load_tool_parser_plugin
 
 logger = logging.getLogger("ksana_llm.server")
 
@@ -61,57 +58,6 @@ def _mount_extensions(app: FastAPI, engine: Engine, state: ServerState,
     metrics.mount(app, engine, state.metrics)
     native.mount(app, engine)
     forward.mount(app)
-
-
-@dataclass(frozen=True)
-class OutputParsing:
-    """How outputs are read and shown: `--tool-call-parser`, `--enable-auto-tool-choice`,
-    `--reasoning-parser`, the `--max-logprobs` cap and `--return-tokens-as-token-ids`."""
-
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
-    # The parsers a --tool-parser-plugin file defines (`load_tool_parser_plugin`), by name.
-    plugin_tool_parsers: Mapping[str, type[ToolParser]] = field(
-        default_factory=lambda: MappingProxyType({}))
-    reasoning_parser: str | None = None
-    max_logprobs: int = MAX_LOGPROBS
-    return_tokens_as_token_ids: bool = False  # every request's logprob tokens as token_id:<id>
-
-    def check(self) -> None:
-        """ValueError for a bad combination or an unknown parser (listing the known names);
-        run before the model loads so that a typo fails at once."""
-        if self.tool_call_parser is not None:
-            self.tool_parser()
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            known = {**TOOL_PARSERS, **self.plugin_tool_parsers}
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
-                             f"(one of: {', '.join(sorted(known))})")
-        if self.reasoning_parser is not None:
-            get_reasoning_parser(self.reasoning_parser)
-        if self.max_logprobs < 0:
-            raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
-
-    def tool_parser(self) -> ToolParser | None:
-        """The --tool-call-parser (built-in or from the plugin file), or None."""
-        if self.tool_call_parser is None:
-            return None
-        return get_tool_parser(self.tool_call_parser, self.plugin_tool_parsers)
-
-
-def check_tokenizer(engine: Engine, parsing: OutputParsing, chat_template: str | None) -> None:
-    """A server without a tokenizer only with --skip-tokenizer-init, and then none of the
-    settings that read or write text (parsers, a chat template): ValueError otherwise."""
-    if engine.tokenizer is not None:
-        return
-    if not engine.config.skip_tokenizer_init:
-        raise ValueError("the OpenAI server needs a tokenizer, and this model folder has none: "
-                         "give one (--tokenizer), or serve token ids only "
-                         "(--skip-tokenizer-init)")
-    for flag, value in (("--tool-call-parser", parsing.tool_call_parser),
-                        ("--reasoning-parser", parsing.reasoning_parser),
-                        ("--chat-template", chat_template)):
-        if value is not None:
-            raise ValueError(f"{flag} works on text: not with --skip-tokenizer-init")
 
 
 def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
@@ -285,56 +231,6 @@ def check_kv_role(role: str | None, tensor_parallel_size: int, pipeline_parallel
     if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
         raise ValueError("--kv-role needs a single-rank engine (tensor_parallel_size=1 and "
                          "pipeline_parallel_size=1): a parallel engine's KV is split over ranks")
-
-
-def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
-    plugin = getattr(args, "tool_parser_plugin", None)
-    return OutputParsing(tool_call_parser=getattr(args, "tool_call_parser", None),
-                         enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
-                         plugin_tool_parsers=(load_tool_parser_plugin(plugin, TOOL_PARSERS)
-                                              if plugin is not None else MappingProxyType({})),
-                         reasoning_parser=getattr(args, "reasoning_parser", None),
-                         max_logprobs=MAX_LOGPROBS if getattr(args, "max_logprobs", None) is None
-                         else args.max_logprobs,
-                         return_tokens_as_token_ids=bool(
-                             getattr(args, "return_tokens_as_token_ids", False)))
-
-
-
-def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> SamplingDefaults:
-    """--generation-config / --override-generation-config, read for the loaded model."""
-    defaults = load_sampling_defaults(getattr(args, "generation_config", None) or "auto",
-                                      model_dir, getattr(args, "override_generation_config", None))
-    if defaults.summary():
-        logger.warning("Requests that leave them out get the model's sampling defaults "
-                       "(--generation-config vllm: none): %s", defaults.summary())
-    return defaults
-
-
-def check_sampling_defaults_args(args: argparse.Namespace) -> None:
-    """What of --generation-config / --override-generation-config can be checked without the
-    model: a folder named outright, and the overrides' values. ("auto" reads the model's own
-    folder, which is known only once it is found.)"""
-    source = getattr(args, "generation_config", None) or "auto"
-    load_sampling_defaults(NO_MODEL_DEFAULTS if source == "auto" else source, None,
-                           getattr(args, "override_generation_config", None))
-
-
-def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """build_app's request options from the flags serve and run-batch share:
-    --enable-prompt-embeds, --enable-log-requests / --enable-log-outputs / --max-log-len,
-    --default-chat-template-kwargs, --enable-force-include-usage,
-    --chat-template-content-format and --response-role."""
-    log = bool(getattr(args, "enable_log_requests", False))
-    log_outputs = bool(getattr(args, "enable_log_outputs", False))
-    return {"enable_prompt_embeds": bool(getattr(args, "enable_prompt_embeds", False)),
-            "request_log": RequestLog(args.max_log_len, requests=log, outputs=log_outputs).enable()
-            if log or log_outputs else None,
-            "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
-            "force_include_usage": bool(getattr(args, "enable_force_include_usage", False)),
-            "chat_template_content_format": getattr(args, "chat_template_content_format", "auto"),
-            "response_role": getattr(args, "response_role", "assistant"),
-            "metrics_prefix": getattr(args, "metrics_prefix", metrics.DEFAULT_PREFIX)}
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -143,9 +143,11 @@ def run_batch(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ksana_llm.api.engine import Engine
-    from ksana_llm.server.app import (build_app, configs_from_args, default_served_model_name,
-                                      check_sampling_defaults_args, output_parsing_from_args,
-                                      request_options_from_args, sampling_defaults_from_args)
+    from ksana_llm.server.app import build_app, configs_from_args, default_served_model_name
+    from ksana_llm.server.serve_options import (check_sampling_defaults_args,
+                                                output_parsing_from_args,
+                                                request_options_from_args,
+                                                sampling_defaults_from_args)
     from ksana_llm.server.chat import load_chat_template
 
     if args.max_concurrency is not None and args.max_concurrency < 1:

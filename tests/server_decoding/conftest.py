@@ -33,7 +33,8 @@ def server(default_model_dir, template_file):
 def r1_app(default_model):
     """A second server, in-process (it shares the test session's model instead of loading one):
     `--reasoning-parser deepseek_r1`, no tool parser."""
-    from ksana_llm.server.app import OutputParsing, build_app
+    from ksana_llm.server.app import build_app
+    from ksana_llm.server.serve_options import OutputParsing
 
     engine = kt.Engine(default_model, num_device_blocks=128)
     yield build_app(engine, served_model_name="r1", parsing=OutputParsing(reasoning_parser="deepseek_r1"))
