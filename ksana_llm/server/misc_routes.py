@@ -12,15 +12,10 @@ import ksana_llm
 from ksana_llm.server.chat import render_chat
 from ksana_llm.api.engine import EngineDeadError
 from ksana_llm.server.errors import bad_request, engine_unavailable, model_not_found
-from ksana_llm.server.openai_protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from ksana_llm.server.openai_protocol import ModelCard, ModelList
 from ksana_llm.server.submission import parse_body
+from ksana_llm.server.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse,
+                                                TokenizeRequest, TokenizeResponse)
 from ksana_llm.server.params import check_token_ids
 from ksana_llm.server.state import server_state
 from ksana_llm.server.tools import plan_tools
