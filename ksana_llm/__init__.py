@@ -24,13 +24,13 @@ _EXPORTS = MappingProxyType({
     "Model": "ksana_llm.api.model",
     "Request": "ksana_llm.api.outputs",
     "RequestError": "ksana_llm.api.outputs",
-    "RequestHandle": "ksana_llm.api.outputs",
+    "RequestHandle": "ksana_llm.api.request_handle",
     "RequestOutput": "ksana_llm.api.outputs",
     "SequenceDelta": "ksana_llm.api.outputs",
     "SequenceOutput": "ksana_llm.api.outputs",
     "EngineConfig": "ksana_llm.config",
-    "QueueFullError": "ksana_llm.engine.scheduler",
-    "QueueTimeoutError": "ksana_llm.engine.scheduler",
+    "QueueFullError": "ksana_llm.engine.scheduler_records",
+    "QueueTimeoutError": "ksana_llm.engine.scheduler_records",
     "RequestInfo": "ksana_llm.engine.scheduling_policy",
     "SchedulingPolicy": "ksana_llm.engine.scheduling_policy",
     "GenerationConfig": "ksana_llm.generation_config",
@@ -53,8 +53,9 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from ksana_llm.api.engine import Engine, EngineDeadError
     from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
     from ksana_llm.api.model import Model
-    from ksana_llm.api.outputs import (Request, RequestError, RequestHandle, RequestOutput,
-                                       SequenceDelta, SequenceOutput)
+    from ksana_llm.api.outputs import (Request, RequestError, RequestOutput, SequenceDelta,
+                                       SequenceOutput)
+    from ksana_llm.api.request_handle import RequestHandle
     from ksana_llm.config import EngineConfig
     from ksana_llm.engine.scheduler_records import QueueFullError, QueueTimeoutError
     from ksana_llm.engine.scheduling_policy import RequestInfo, SchedulingPolicy

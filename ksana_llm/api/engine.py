@@ -26,7 +26,7 @@ from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
 from ksana_llm.api.model import Model
 from ksana_llm.api.output_delivery import OutputDelivery
-from ksana_llm.api.outputs import RequestHandle
+from ksana_llm.api.request_handle import RequestHandle
 from ksana_llm.api.request_builder import RequestBuilder
 from ksana_llm.api.request_intake import EngineDeadError, RequestIntake
 from ksana_llm.api.sleep_control import SleepControl

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ksana_llm.api.outputs import RequestError, RequestHandle
+from ksana_llm.api.outputs import RequestError
+from ksana_llm.api.request_handle import RequestHandle
 
 FORWARD_TARGETS = ("logits", "layernorm")
 TOKEN_REDUCE_MODES = ("GATHER_ALL", "GATHER_TOKEN_ID")

@@ -11,7 +11,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ksana_llm.api.outputs import Prompt, Request, RequestHandle, RequestOutput, as_token_ids
+from ksana_llm.api.outputs import Prompt, Request, RequestOutput, as_token_ids
+from ksana_llm.api.request_handle import RequestHandle
 from ksana_llm.generation_config import GenerationConfig
 
 

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from ksana_llm.api.outputs import AsyncDeliveries, RequestHandle
+from ksana_llm.api.request_handle import AsyncDeliveries, RequestHandle
 from ksana_llm.api.stats import StatsTracker
 from ksana_llm.engine.outputs import StepOutput
 

@@ -10,7 +10,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ksana_llm.api.outputs import Prompt, Request, RequestHandle
+from ksana_llm.api.outputs import Prompt, Request
+from ksana_llm.api.request_handle import RequestHandle
 from ksana_llm.config import EngineConfig
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler_records import QueueFullError
