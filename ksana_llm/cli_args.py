@@ -129,9 +129,12 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                                  "vllm gives vLLM's names, for its dashboards and autoscalers)")
         parser.add_argument("--disable-fastapi-docs", action="store_true",
                             help="no /docs, /redoc or /openapi.json (vLLM's flag)")
-    parser.add_argument("--api-key", default=os.environ.get("KLLM_API_KEY"),
+    # An empty $KLLM_API_KEY means no key, as vLLM reads an empty $VLLM_API_KEY; an empty
+    # --api-key is refused at once, before the model loads.
+    parser.add_argument("--api-key", type=cli_types.non_empty_str,
+                        default=os.environ.get("KLLM_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on every route but /health "
-                             "(default: $KLLM_API_KEY, else no key)")
+                             "and /ping (default: $KLLM_API_KEY, else no key)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template file (default: the tokenizer's)")
     parser.add_argument("--chat-template-content-format", default="auto",
@@ -415,6 +418,6 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "server computes it instead; one that times out or cannot be "
                              "reached rests for 30 s (default: 120)")
     add_listen_args(parser)
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key", type=cli_types.non_empty_str, default=None,
                         help="required of clients, and sent to the servers (which share it)")
     add_cors_args(parser)

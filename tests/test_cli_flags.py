@@ -390,3 +390,19 @@ def test_choices_below_the_config_are_spelled_as_it_spells_them(flag, module, na
     add_serve_args(parser)
     action = next(a for a in parser._actions if flag in a.option_strings)
     assert tuple(action.choices) == lower
+
+
+def test_api_key_from_the_environment_and_an_empty_one(monkeypatch, capsys):
+    from ksana_llm.cli import build_parser
+
+    monkeypatch.setenv("KLLM_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "given"]).api_key == "given"
+    # An empty $KLLM_API_KEY means no key (vLLM reads an empty $VLLM_API_KEY so).
+    monkeypatch.setenv("KLLM_API_KEY", "")
+    assert build_parser().parse_args(["serve"]).api_key is None
+    # An empty --api-key is a mistake, told at once (before any model loads), on the router too.
+    for command in (["serve", "--api-key", ""], ["router", "--decode", "http://a", "--api-key", " "]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(command)
+        assert "--api-key: must not be empty" in capsys.readouterr().err

@@ -53,10 +53,15 @@ def test_two_replicas_behind_one_endpoint(tiny):
     ids = tokenizer(PROMPT)["input_ids"]
     expected = tokenizer.decode(greedy_trace(reference, ids, MAX_TOKENS)[0][len(ids):])
     server = ServerProcess(["--model", str(folder), "--served-model-name", "tiny", "--dtype",
-                            "float32", "--data-parallel-size", "2", "--api-key", "secret"])
+                            "float32", "--data-parallel-size", "2", "--api-key", "secret",
+                            "--root-path", "/api"])
     try:
         replicas = [url for url, _ in _replicas(server)]
         assert len(set(replicas)) == 2
+        # --root-path (a proxy strips its prefix): probes stay open without the key, and what
+        # the front end passes on reaches the replicas' routes, which have no prefix.
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True}
         headers = {"Authorization": "Bearer secret"}
@@ -77,6 +82,13 @@ def test_two_replicas_behind_one_endpoint(tiny):
         load = httpx.get(server.url + "/load", headers=headers, timeout=10)
         assert load.status_code == 200, load.text
         assert load.json() == {"server_load": 0, "servers": {url: 0 for url in replicas}}
+        models = httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny", models.text
+        tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=headers,
+                            timeout=10)
+        assert tokens.status_code == 200 and tokens.json()["tokens"] == ids, tokens.text
+        reset = httpx.post(server.url + "/reset_prefix_cache", headers=headers, timeout=10)
+        assert reset.status_code == 200, reset.text
         stats = httpx.get(server.url + "/v1/stats", headers=headers, timeout=10)
         assert stats.status_code == 200, stats.text
         assert set(stats.json()["servers"]) == set(replicas)

@@ -46,8 +46,9 @@ def test_a_batch_file_is_answered_line_by_line(tmp_path, local_engine):
          "body": {"input": QUESTION, "max_output_tokens": 4, "background": True}},
     ]
     source = tmp_path / "in.jsonl"
+    # Saved with a byte-order mark, as Windows editors do: the first line is read all the same.
     source.write_text("\n".join([json.dumps(line, ensure_ascii=False) for line in lines]
-                                + ["{not json"]) + "\n", encoding="utf-8")
+                                + ["{not json"]) + "\n", encoding="utf-8-sig")
     target = tmp_path / "out.jsonl"
     done = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "run-batch", "-i", str(source),
                            "-o", str(target), "--device", "cpu", "--num-device-blocks", "256",

@@ -58,11 +58,11 @@ def test_https_server_answers_the_openai_client(authority, tls_files, encrypted_
                             "--max-model-len", "256", "--ssl-certfile", str(cert_file),
                             "--ssl_keyfile", str(encrypted_key),  # KsanaLLM's spelling
                             "--ssl-keyfile-password", PASSWORD,
-                            "--access-log", "--root_path", "/llm",
+                            "--access-log", "--root_path", "/llm", "--api-key", "k",
                             "--endpoint", "python"], tls_context=trusting)  # KsanaLLM's flag
     try:
         assert server.url.startswith("https://")
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+        client = openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0,
                                timeout=120, http_client=httpx.Client(verify=trusting))
         answer = client.chat.completions.create(
             model=client.models.list().data[0].id, max_tokens=8, temperature=0,
@@ -74,9 +74,16 @@ def test_https_server_answers_the_openai_client(authority, tls_files, encrypted_
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(server.url + "/health", timeout=10)
         # --root-path: the proxy strips its prefix, so the routes stay where they are; the
-        # prefix shows in the URLs the server gives out (its API description).
-        assert httpx.get(server.url + "/v1/models", verify=trusting, timeout=10).status_code == 200
-        described = httpx.get(server.url + "/openapi.json", verify=trusting, timeout=10).json()
+        # prefix shows in the URLs the server gives out (its API description). The probes stay
+        # open without the key (the readiness wait above got /health without it).
+        key = {"Authorization": "Bearer k"}
+        assert httpx.get(server.url + "/v1/models", verify=trusting, headers=key,
+                         timeout=10).status_code == 200
+        assert httpx.get(server.url + "/v1/models", verify=trusting,
+                         timeout=10).status_code == 401
+        assert httpx.get(server.url + "/ping", verify=trusting, timeout=10).status_code == 200
+        described = httpx.get(server.url + "/openapi.json", verify=trusting, headers=key,
+                              timeout=10).json()
         assert described["servers"] == [{"url": "/llm"}]
         # Ready: said once it listens, though --log-level stays at warning.
         assert f"on https://127.0.0.1:{server.port} (Ctrl-C to stop)" in server.log()

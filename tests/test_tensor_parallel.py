@@ -180,9 +180,9 @@ def test_invalid_parallel_sizes_are_clear_errors(tmp_path):
 
 
 def test_a_dead_worker_fails_the_engine_fast(tmp_path):
-    build("llama", tmp_path)
+    build("llama-tp3", tmp_path)
     model = Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
-                                  tensor_parallel_size=2)
+                                  tensor_parallel_size=3)
     engine = kt.Engine(model, generation_config=GenerationConfig(max_new_tokens=4),
                        num_device_blocks=32)
     try:
@@ -196,6 +196,12 @@ def test_a_dead_worker_fails_the_engine_fast(tmp_path):
         with pytest.raises(Exception, match="worker"):
             engine.generate_outputs([[5, 6, 7]])
         assert time.monotonic() - start < 10
+        # The rank that lives on waits in a collective that never completes: shutting down
+        # stops it at once (it used to be given 30 s to leave, each such rank in turn).
+        start = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - start < 15
+        assert not any(worker.is_alive() for worker in model.workers)
     finally:
         engine.shutdown()
 

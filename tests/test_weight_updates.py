@@ -14,8 +14,10 @@ from __future__ import annotations
 
 
 import re
+import shutil
 
 import pytest
+import safetensors.torch
 import torch
 
 import ksana_llm as kt
@@ -115,6 +117,10 @@ def test_an_update_that_does_not_fit_changes_nothing(pair, tmp_path):
     last = sorted(state)[-1]
     other_type = tmp_path / "moe"
     build_tiny_model("qwen3-moe", other_type)
+    empty = tmp_path / "empty"  # a checkpoint folder whose weights file holds nothing
+    empty.mkdir()
+    shutil.copy(pair["a"] / "config.json", empty)
+    safetensors.torch.save_file({}, str(empty / "model.safetensors"))
     bad_updates = {
         # every tensor valid but the last: the check catches it before any value changes
         "shape": ({**state, last: torch.zeros(3, 5)}, re.escape(f"{last}: shape (3, 5)")),
@@ -122,6 +128,7 @@ def test_an_update_that_does_not_fit_changes_nothing(pair, tmp_path):
                  "'model.layers.9.mlp.up_proj.weight'"),
         "model type": (str(other_type), "holds a 'qwen3_moe' model, this engine serves a 'llama'"),
         "no folder": (str(tmp_path / "missing"), "is not a checkpoint folder"),
+        "empty folder": (str(empty), f"{re.escape(str(empty))} holds no tensors"),
         "not a tensor": ({"model.norm.weight": [1.0] * 64}, "expected \\(name, tensor\\) pairs"),
         "nothing": ({}, "no tensors given"),
         "a tensor alone": (state[last], "weights must be"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,9 @@ from ksana_llm.runner.drafting import DraftInput
 from ksana_llm.runner.model_runner import ModelRunner, StepInput, StepResult
 
 logger = logging.getLogger("ksana_llm.distributed")
+
+# How long the workers have, together, to finish their last step and exit after STOP.
+_STOP_TIMEOUT_S = 30.0
 
 
 class WorkerFailure(RuntimeError):
@@ -185,8 +189,17 @@ class DistributedRunner:
                 broadcast_message((STOP, None), self.runtime)
             except RuntimeError:
                 logger.warning("could not tell the workers to stop", exc_info=True)
+        if self.failure is not None:
+            # A rank died: the others wait in a collective that can never complete, and would
+            # only give up at its timeout. Stop them now (a supervisor restarts the server).
+            for worker in self.workers:
+                if worker.is_alive():
+                    worker.terminate()
+        deadline = time.monotonic() + _STOP_TIMEOUT_S  # for all of them, not each in turn
         for worker in self.workers:
-            worker.join(timeout=30)
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in self.workers:
             if worker.is_alive():
                 worker.terminate()
+                worker.join(timeout=5)
         shutdown_runtime()

@@ -178,6 +178,9 @@ def check_update(module: nn.Module, update: WeightUpdate) -> CheckedUpdate:
     before = dict(_tensors_by_name(twin))
     filled = twin.load_weights(_counted(update.stream(shapes_only=True), _meta_tensor, count),
                                require_all=False)
+    if count[0] == 0:  # (tensors given outright were checked for this already)
+        # An empty or half-written checkpoint: "updated" would be a lie.
+        raise ValueError(f"weights: {update.folder} holds no tensors")
     after = dict(_tensors_by_name(twin))
     for name in sorted(before.keys() | after.keys()):
         old, new = before.get(name), after.get(name)

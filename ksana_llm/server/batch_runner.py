@@ -162,7 +162,8 @@ def run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--output-file {args.output_file} is the input file: it would be "
                          "emptied before the run, and the requests lost if the run stops")
     # JSON lines end at "\n" only: str.splitlines would also cut at U+2028 inside a string.
-    text = Path(args.input_file).read_text(encoding="utf-8")
+    # utf-8-sig: a file saved with a byte-order mark (Windows editors) reads like any other.
+    text = Path(args.input_file).read_text(encoding="utf-8-sig")
     lines = [line for line in text.split("\n") if line.strip()]
     parsing = output_parsing_from_args(args)
     parsing.check()

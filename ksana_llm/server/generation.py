@@ -19,7 +19,8 @@ from starlette.requests import Request as HTTPRequest
 
 from ksana_llm.api.engine import Engine, EngineDeadError
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput
-from ksana_llm.api.outputs import Request, RequestError, RequestHandle, RequestOutput
+from ksana_llm.api.outputs import Request, RequestError, RequestOutput
+from ksana_llm.api.request_handle import RequestHandle
 from ksana_llm.engine.scheduler_records import QueueFullError, QueueTimeoutError
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.logits_processor import LogitsProcessorError

@@ -41,6 +41,12 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes see it: uvicorn puts `--root-path` in front of
+    `scope["path"]` (the ASGI rule), and Starlette's router takes it off again."""
+    return scope["path"].removeprefix(scope.get("root_path", ""))
+
+
 class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on every path but `open_paths`, compared in constant time."""
 
@@ -51,7 +57,7 @@ class ApiKeyMiddleware:
         self._open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self._open_paths:
+        if scope["type"] != "http" or route_path(scope) in self._open_paths:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization") or b""
@@ -122,7 +128,7 @@ class LoadTrackingMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or \
-                scope["path"].removeprefix(scope.get("root_path", "")) not in WORK_ROUTES:
+                route_path(scope) not in WORK_ROUTES:
             await self.app(scope, receive, send)
             return
         self.load.in_flight += 1  # one event loop: no lock needed

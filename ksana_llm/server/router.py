@@ -51,7 +51,8 @@ from ksana_llm.server.router_upstream import (RelayedStream, client_error, error
                                               error_param, passed_on, read_answer)
 from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, REQUEST_ID_HEADER,
                                         ApiKeyMiddleware, BodyLimitMiddleware, CorsSettings,
-                                        RequestIdMiddleware, add_cors, cors_from_args)
+                                        RequestIdMiddleware, add_cors, cors_from_args,
+                                        route_path)
 
 logger = logging.getLogger("ksana_llm.router")
 
@@ -354,7 +355,7 @@ def build_router_app(config: RouterConfig, *, max_body_bytes: int = DEFAULT_MAX_
         computes the prompt (the body is passed on as it came: JSON or msgpack)."""
         router: Router = request.app.state.router
         router.stats.num_direct += 1
-        work = router.decode(request.url.path, await request.body(),
+        work = router.decode(route_path(request.scope), await request.body(),
                              request.headers.get("content-type"), stream=True,
                              request_id=request_id_of(request))
         return await _unless_client_leaves(request, work)

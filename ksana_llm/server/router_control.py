@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 import ksana_llm
 from ksana_llm.server.errors import engine_unavailable
 from ksana_llm.server.metrics import PROMETHEUS_TEXT_FORMAT
+from ksana_llm.server.middleware import route_path
 from ksana_llm.server.router_metrics import PROBE_TIMEOUT_S, merged_metrics, scrape_servers
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
         failures: list[str] = []
         for server in config.decode_urls:
             try:
-                response = await router.client.get(server + request.url.path,
+                response = await router.client.get(server + route_path(request.scope),
                                                    headers=router.headers(request_id_of(request)))
             except httpx.HTTPError as exc:
                 failures.append(f"{server}: {exc!r}")
@@ -77,7 +78,7 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
         content = await request.body()
         if content:
             headers["Content-Type"] = request.headers.get("content-type", "application/json")
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        path = route_path(request.scope) + (f"?{request.url.query}" if request.url.query else "")
         servers = await _ask_every_server(router, config, "POST", path, headers, content)
         done = all(isinstance(answer, dict) for answer in servers.values())
         return JSONResponse({"servers": servers}, status_code=200 if done else 502)
