@@ -120,6 +120,14 @@ def test_the_stats_line(engine):
         "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 25.0 tokens/s, "
         "Running: 3 reqs, Waiting: 0 reqs, Swapped: 0 reqs, KV cache usage: 12.5%, "
         "Prefix cache hit rate: 50.0%")
+    # With speculative decoding: the interval's mean acceptance length and, per position, the
+    # share of verifying steps that accepted that draft (counts since start, differenced).
+    earlier = replace(idle, num_accepted_draft_tokens_per_position=(1,))
+    drafted = replace(busy, num_drafts=idle.num_drafts + 30, num_accepted_draft_tokens=(
+        idle.num_accepted_draft_tokens + 40), num_accepted_draft_tokens_per_position=(26, 15))
+    assert stats_line(earlier, drafted, 10.0).endswith(
+        ", Prefix cache hit rate: 50.0%, Spec decoding: mean acceptance length 2.33, "
+        "per-position acceptance rate 0.83, 0.50")
     # The interval the last work ended in still gets its line; the idle ones after do not.
     assert stats_line(idle, replace(idle, num_generation_tokens=idle.num_generation_tokens + 4),
                       2.0).startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation "

@@ -185,14 +185,22 @@ def test_gauges_are_read_at_scrape_time():
     assert value(parsed, "ksana_llm:prefix_cache_hit_rate") == 0.25
     assert value(parsed, "ksana_llm:num_preemptions_total") == 7
     assert value(parsed, "ksana_llm:spec_decode_num_draft_tokens_total") == 0
+    assert not any(name == "ksana_llm:spec_decode_num_accepted_tokens_per_pos_total"
+                   for name, _ in parsed)  # no positions before any draft
     state["stats"] = EngineStats(0, 9, 0, 0.75, 64, 16, 8, 0.5, 0, 0.0, None, None, None, None,
-                                 num_draft_tokens=40, num_accepted_draft_tokens=30)
+                                 num_draft_tokens=40, num_accepted_draft_tokens=30,
+                                 num_drafts=20, num_accepted_draft_tokens_per_position=(18, 12))
     parsed = samples(metrics.render()[0].decode())
     assert value(parsed, "ksana_llm:num_requests_running") == 9
     assert value(parsed, "ksana_llm:num_preemptions_total") == 8
     assert value(parsed, "ksana_llm:spec_decode_num_draft_tokens_total") == 40
     assert value(parsed, "ksana_llm:spec_decode_num_accepted_tokens_total") == 30
+    assert value(parsed, "ksana_llm:spec_decode_num_drafts_total") == 20
+    per_position = "ksana_llm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert {labels: v for (name, labels), v in parsed.items() if name == per_position} == {
+        frozenset({("position", "0")}): 18, frozenset({("position", "1")}): 12}
     assert state["stats"].draft_acceptance_rate == 0.75
+    assert state["stats"].mean_acceptance_length == 2.5
 
 
 def test_failing_stats_source_does_not_break_the_scrape():

@@ -107,6 +107,14 @@ def test_greedy_tokens_equal_transformers(setup, num_drafts, overlap):
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
     assert stats.prefix_cache_hit_rate > 0
     assert stats.draft_acceptance_rate == stats.num_accepted_draft_tokens / stats.num_draft_tokens
+    # Per position: a draft stands only if those before it did, so the counts never rise; they
+    # add up to the accepted drafts; each verifying step had at most num_drafts drafts.
+    per_position = stats.num_accepted_draft_tokens_per_position
+    assert 1 <= len(per_position) <= num_drafts
+    assert sum(per_position) == stats.num_accepted_draft_tokens
+    assert list(per_position) == sorted(per_position, reverse=True)
+    assert per_position[0] <= stats.num_drafts <= stats.num_draft_tokens <= num_drafts * stats.num_drafts
+    assert stats.mean_acceptance_length == 1 + stats.num_accepted_draft_tokens / stats.num_drafts
 
 
 def test_greedy_tokens_equal_transformers_on_the_triton_backend(setup):

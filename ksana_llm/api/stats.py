@@ -41,6 +41,11 @@ class EngineStats:
     # Speculative decoding, since the engine started: drafts verified, and those accepted.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # ... how many times a sequence's drafts were verified, and how many of those accepted the
+    # draft at each position (0 = the first; vLLM's per-position counters): where acceptance
+    # falls off says how many drafts are worth proposing.
+    num_drafts: int = 0
+    num_accepted_draft_tokens_per_position: tuple[int, ...] = ()
     # Prefill/decode disaggregation, since the engine started: prompt tokens whose KV was
     # imported from (exported to) another engine.
     num_imported_kv_tokens: int = 0
@@ -70,10 +75,19 @@ class EngineStats:
             return None
         return self.num_accepted_draft_tokens / self.num_draft_tokens
 
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a sequence gains per verifying step: 1 (the verifier's own) + its accepted
+        drafts, on average (vLLM's "mean acceptance length"; None before any draft)."""
+        if not self.num_drafts:
+            return None
+        return 1 + self.num_accepted_draft_tokens / self.num_drafts
+
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able values (the iteration histogram as its buckets, counts and sum)."""
         iteration = self.iteration_tokens
         return {**self.__dict__, "draft_acceptance_rate": self.draft_acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
                 "iteration_tokens": None if iteration is None else asdict(iteration)}
 
 
@@ -128,6 +142,8 @@ class StatsTracker:
             peak_used_kv_blocks=core.peak_used_blocks,
             num_draft_tokens=core.num_draft_tokens,
             num_accepted_draft_tokens=core.num_accepted_draft_tokens,
+            num_drafts=core.num_drafts,
+            num_accepted_draft_tokens_per_position=core.num_accepted_per_position,
             num_imported_kv_tokens=core.num_imported_kv_tokens,
             num_exported_kv_tokens=core.num_exported_kv_tokens,
             num_preemptions=core.num_preemptions, prefix_cache_hit_rate=hit_rate,

@@ -82,6 +82,8 @@ class CoreStats:
     num_lora_loads: int = 0  # adapters copied into a device slot so far
     num_prompt_tokens: int = 0  # prompt tokens computed so far (cache hits and imports not)
     iteration_tokens: HistogramSnapshot | None = None  # tokens computed per step (drafts too)
+    num_drafts: int = 0  # sequence-steps that verified drafts
+    num_accepted_per_position: tuple[int, ...] = ()  # accepted drafts by position (0 = first)
 
 
 def _lora_ids(*queues: list[Sequence]) -> tuple[int, ...]:
@@ -123,6 +125,10 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         self.ngram = ngram
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        # Sequence-steps that verified drafts, and how often the draft at each position (0 =
+        # the first) was accepted: vLLM's per-position counters, where acceptance falls off.
+        self.num_drafts = 0
+        self.num_accepted_per_position: list[int] = []
         self.num_prompt_tokens = 0  # prompt tokens computed so far (see _count_prompt_tokens)
         self.iteration_tokens = StepHistogram()
         self._init_exports()
@@ -197,7 +203,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                          self.num_draft_tokens, self.num_accepted_draft_tokens,
                          s.num_imported_kv_tokens, self.num_exported_kv_tokens,
                          _lora_ids(s.running), _lora_ids(s.waiting, s.swapped), s.num_lora_loads,
-                         self.num_prompt_tokens, self.iteration_tokens.snapshot())
+                         self.num_prompt_tokens, self.iteration_tokens.snapshot(),
+                         self.num_drafts, tuple(self.num_accepted_per_position))
 
     # ---- one step ------------------------------------------------------------------------------
     def expire_waiting(self, timeout_s: float) -> list[StepOutput]:

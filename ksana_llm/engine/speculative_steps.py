@@ -86,6 +86,12 @@ class SpeculativeSteps:
             offset += k + 1
             self.num_draft_tokens += k
             self.num_accepted_draft_tokens += num_accepted
+            self.num_drafts += 1
+            per_position = self.num_accepted_per_position
+            if len(per_position) < num_accepted:  # (k can change: 0 while drafting pauses)
+                per_position.extend([0] * (num_accepted - len(per_position)))
+            for position in range(num_accepted):
+                per_position[position] += 1
             accepted[seq] = num_accepted
             # The accepted drafts' KV is computed (the refused ones' is overwritten later).
             seq.num_computed_tokens += num_accepted

@@ -38,7 +38,8 @@ Series (all carry the label `model_name`):
   waiting_lora_adapters}` (comma-separated adapter names; the value is the scrape time)
 - counters `ksana_llm:num_preemptions_total`, `ksana_llm:prefix_cache_queries_total`,
   `ksana_llm:prefix_cache_hits_total` (prompt tokens), `ksana_llm:spec_decode_num_draft_tokens_total`,
-  `ksana_llm:spec_decode_num_accepted_tokens_total`,
+  `ksana_llm:spec_decode_num_accepted_tokens_total`, `ksana_llm:spec_decode_num_drafts_total`,
+  `ksana_llm:spec_decode_num_accepted_tokens_per_pos_total{position}` (once drafts ran),
   `ksana_llm:kv_transfer_imported_tokens_total`, `ksana_llm:kv_transfer_exported_tokens_total`
   (from the engine),
   `ksana_llm:prompt_tokens_total`,
@@ -173,6 +174,8 @@ class _EngineCollector(Collector):
              stats.num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
              stats.num_accepted_draft_tokens),
+            ("spec_decode_num_drafts", "Sequence-steps that verified drafts (speculative "
+             "decoding).", stats.num_drafts),
             ("kv_transfer_imported_tokens", "Prompt tokens whose KV came from a prefill server.",
              stats.num_imported_kv_tokens),
             ("kv_transfer_exported_tokens", "Prompt tokens whose KV was kept for a decode server.",
@@ -183,6 +186,15 @@ class _EngineCollector(Collector):
                 family = kind(self.prefix + name, doc, labels=["model_name"])
                 family.add_metric(labels, float(value))
                 yield family
+        if stats.num_accepted_draft_tokens_per_position:
+            # vLLM's: one series per draft position, where acceptance falls off.
+            per_position = CounterMetricFamily(
+                self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                "Drafts accepted at each position (speculative decoding).",
+                labels=["model_name", "position"])
+            for position, count in enumerate(stats.num_accepted_draft_tokens_per_position):
+                per_position.add_metric([self.model_name, str(position)], float(count))
+            yield per_position
         if stats.iteration_tokens is not None:
             steps = HistogramMetricFamily(self.prefix + "iteration_tokens_total",
                                           "Tokens computed per engine step.",

@@ -5,6 +5,10 @@ every `--log-stats-interval` seconds while the engine has work, or did some sinc
     Running: 8 reqs, Waiting: 0 reqs, Swapped: 0 reqs, KV cache usage: 12.5%,
     Prefix cache hit rate: 40.2%
 
+and, with speculative decoding, what the interval's drafts gave (vLLM's SpecDecoding line):
+
+    ..., Spec decoding: mean acceptance length 2.31, per-position acceptance rate 0.82, 0.49
+
 on the `ksana_llm.stats` logger at INFO, which `serve` lets through whatever KLLM_LOG_LEVEL is,
 so that an operator sees the server work without turning on every module's INFO lines.
 An idle server says nothing.
@@ -31,11 +35,27 @@ def stats_line(before: EngineStats, now: EngineStats, seconds: float) -> str | N
     generation = (now.num_generation_tokens - before.num_generation_tokens) / seconds
     if not (prompt or generation or now.num_running or now.num_waiting or now.num_swapped):
         return None
-    return (f"Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: "
+    line = (f"Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: "
             f"{generation:.1f} tokens/s, Running: {now.num_running} reqs, Waiting: "
             f"{now.num_waiting} reqs, Swapped: {now.num_swapped} reqs, KV cache usage: "
             f"{100 * now.kv_cache_usage:.1f}%, Prefix cache hit rate: "
             f"{100 * now.prefix_cache_hit_rate:.1f}%")
+    return line + _speculation(before, now)
+
+
+def _speculation(before: EngineStats, now: EngineStats) -> str:
+    """The interval's drafts: tokens gained per verifying step, and the share of verifying
+    steps that accepted the draft at each position."""
+    drafts = now.num_drafts - before.num_drafts
+    if not drafts:
+        return ""
+    accepted = now.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+    earlier = before.num_accepted_draft_tokens_per_position
+    per_position = [count - (earlier[i] if i < len(earlier) else 0)
+                    for i, count in enumerate(now.num_accepted_draft_tokens_per_position)]
+    rates = ", ".join(f"{count / drafts:.2f}" for count in per_position) or "none accepted"
+    return (f", Spec decoding: mean acceptance length {1 + accepted / drafts:.2f}, "
+            f"per-position acceptance rate {rates}")
 
 
 @dataclass
