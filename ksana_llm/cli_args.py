@@ -34,6 +34,11 @@ class _FlagWithoutEffect(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
+        # Once per parser: a command line with `--config FILE` is parsed twice (cli.main).
+        warned = parser.__dict__.setdefault("_ksana_flags_warned", set())
+        if option_string in warned:
+            return
+        warned.add(option_string)
         logging.getLogger("ksana_llm.cli").warning("%s changes nothing: %s", option_string,
                                                     self.why)
 

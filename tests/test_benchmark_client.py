@@ -10,6 +10,7 @@ import asyncio
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -331,3 +332,21 @@ def test_ksana_llm_bench_against_a_real_server(server, backend, extra, tmp_path)
     assert row["Successful requests"] == 3 and row["Failed requests"] == 0, row
     assert 1 <= row["Avg output tokens"] <= 4 and row["Avg input tokens"] > 0, row
     assert row["P99 TTFT"] >= row["P50 TTFT"] > 0
+
+
+def test_clear_cache_empties_the_servers_prefix_cache_before_each_pass(server, tmp_path):
+    """--clear_cache (KsanaLLM's flag): each measured pass starts with the server's prefix cache
+    empty, so the second pass of the same prompts finds none of the first one's blocks."""
+    def cache_hits() -> int:
+        return httpx.get(server.url + "/v1/stats", timeout=10).json()["num_prefix_cache_hits"]
+
+    before = cache_hits()
+    done = _cli("bench", "--host", "127.0.0.1", "--port", str(server.port), "--input_csv",
+                SAMPLE_CSV, "--prompt_num", "3", "--max_new_tokens", "16", "--ignore_eos",
+                "--mode", "sync", "--repeat_num_iters", "2", "--clear_cache",
+                "--perf_csv", str(tmp_path / "p.csv"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    dropped = [int(n) for n in re.findall(r"--clear_cache: prefix cache emptied \((\d+) blocks "
+                                          r"dropped\)", done.stderr)]
+    assert len(dropped) == 2 and dropped[1] > 0, done.stderr  # the first pass's blocks
+    assert cache_hits() == before  # no prompt found another's (or its own earlier) blocks

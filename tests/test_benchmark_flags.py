@@ -215,9 +215,8 @@ def test_flags_without_effect_here_are_accepted_with_a_warning(recorder, caplog)
     port, bodies = recorder
     with caplog.at_level(logging.WARNING, logger="ksana_llm.bench"):
         assert main(["--host", "127.0.0.1", "--port", str(port), "--input_csv", SAMPLE_CSV,
-                     "--prompt_num", "1", "--clear_cache", "--triton_model_name", "x"]) == 0
+                     "--prompt_num", "1", "--triton_model_name", "x"]) == 0
     assert len(bodies) == 1
-    assert "--clear_cache has no effect" in caplog.text
     assert "--triton_model_name has no effect" in caplog.text
 
 

@@ -332,7 +332,7 @@ def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
         check_kv_role("decode", 2, 1)  # (checked before the model loads)
 
 
-def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys):
+def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys, caplog):
     """vLLM's `serve --config FILE`: the YAML's keys are the command's long flag names (dashes
     or underscores); they reach the EngineConfig and the server's settings; a flag on the
     command line wins, as does its model; a key the command does not take, or a switch given
@@ -361,6 +361,13 @@ def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys)
     for argv in (["serve", "/models/typed", "--config", str(flags)],
                  ["serve", "--config", str(flags), "--model", "/models/typed"]):
         assert configs_from_args(parse(*argv))[0].model == "/models/typed"
+    # A flag without effect, on the command line and in the file: one warning for each (the
+    # command line is read twice, once before the file is known).
+    flags.write_text("enable-chunked-prefill: true\n")
+    with caplog.at_level("WARNING", logger="ksana_llm.cli"):
+        parse("serve", "--config", str(flags), "--disable-log-requests")
+    assert sorted(r.getMessage().split(":")[0] for r in caplog.records) == [
+        "--disable-log-requests changes nothing", "--enable-chunked-prefill changes nothing"]
     for text, message in (("max-modle-len: 5\n", "'max-modle-len' is not a flag"),
                           ("enable-prefix-caching: maybe\n", "enable-prefix-caching is a switch"),
                           ("- port\n", "must hold a mapping"),

@@ -324,11 +324,36 @@ async def run_benchmark(cfg: BenchConfig, prompts: Sequence[str | list[int]],
             print(f"warm-up pass {i + 1}/{cfg.warmup_num_iters} at {cfg.request_rate:g} req/s: "
                   f"{ok}/{len(warm)} requests succeeded", file=sys.stderr)
         results: list[RequestResult] = []
-        t0 = time.perf_counter()
+        duration = 0.0
         for _ in range(cfg.repeat_num_iters):
+            if cfg.clear_cache:
+                await clear_prefix_cache(client, cfg)  # (not timed)
+            t0 = time.perf_counter()
             results += await run_pass(client, cfg, prompts)
-        duration = time.perf_counter() - t0
+            duration += time.perf_counter() - t0
     return cfg, results, duration
+
+
+async def clear_prefix_cache(client: httpx.AsyncClient, cfg: BenchConfig) -> None:
+    """--clear_cache: POST /reset_prefix_cache (this server's route, and vLLM's in its dev
+    mode); KsanaLLM's client sends a special request to a server built to flush on it instead.
+    A server that cannot flush gets a warning, and the run goes on."""
+    try:
+        response = await client.post("/reset_prefix_cache", headers=_headers(cfg))
+    except httpx.HTTPError as exc:
+        log.warning("--clear_cache: POST /reset_prefix_cache failed (%r); the prefix cache "
+                    "stays", exc)
+        return
+    if response.status_code != 200:
+        log.warning("--clear_cache: the server answered %d to POST /reset_prefix_cache; the "
+                    "prefix cache stays", response.status_code)
+        return
+    try:
+        dropped = response.json().get("num_blocks_dropped")
+    except (ValueError, AttributeError):
+        dropped = None  # vLLM answers with an empty body
+    print("--clear_cache: prefix cache emptied" +
+          ("" if dropped is None else f" ({dropped} blocks dropped)"), file=sys.stderr)
 
 
 def _diff_check(args: argparse.Namespace, results: Sequence[RequestResult], per_pass: int,

@@ -51,6 +51,7 @@ class BenchConfig:
     seed: int = 0
     warmup_num_iters: int = 0
     repeat_num_iters: int = 1
+    clear_cache: bool = False  # empty the server's prefix cache before each measured pass
     request_rate_step: float = 1.0
     request_rate_num_iters: int = 1
     max_avg_latency: float = math.inf
@@ -191,7 +192,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     load.add_argument("--client_timeout", type=float, default=3 * 3600.0,
                       help="seconds per request")
     load.add_argument("--clear_cache", action="store_true",
-                      help="KsanaLLM's prefix-cache flush (a build option there); no effect here")
+                      help="empty the server's prefix cache before each measured pass "
+                           "(POST /reset_prefix_cache), so no pass finds the last one's prompts "
+                           "cached")
 
     server = p.add_argument_group("backend")
     server.add_argument("--backend", type=_backend, default="ksana", metavar="{ksana,openai,vllm}",
@@ -314,9 +317,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     for flag, path in outputs:
         if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
             raise ValueError(f"{flag} {path}: its folder does not exist")
-    if args.clear_cache:
-        log.warning("--clear_cache has no effect: this server has no prefix-cache flush, so "
-                    "repeated prompts may hit the prefix cache")
     if args.triton_model_name is not None:
         log.warning("--triton_model_name has no effect: the triton-grpc backend is not supported")
     regex = args.structured_output_regex
@@ -346,7 +346,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         stop_token_ids=tuple(stop_ids or ()), stop_strings=tuple(args.stop_strings or ()),
         ignore_eos=args.ignore_eos, structured_output_regex=regex, percentiles=percentiles,
         show_decode_token_throughput=args.show_decode_token_throughput,
-        client_timeout=args.client_timeout)
+        client_timeout=args.client_timeout, clear_cache=args.clear_cache)
 
 
 def _prompt_affix(args: argparse.Namespace) -> tuple[str, str]:

@@ -96,7 +96,7 @@ def sampling_defaults_from_args(args: argparse.Namespace, model_dir: Any) -> Sam
                                       model_dir, getattr(args, "override_generation_config", None))
     if defaults.summary():
         logger.warning("Requests that leave them out get the model's sampling defaults "
-                       "(--generation-config vllm: none): %s", defaults.summary())
+                       "(--generation-config vllm leaves them out): %s", defaults.summary())
     return defaults
 
 
