@@ -20,10 +20,10 @@ import pytest
 
 from ksana_llm.bench.client import (
     BenchConfig,
-    build_request,
     main,
     run_benchmark,
 )
+from ksana_llm.bench.request_bodies import build_request
 from ksana_llm.bench.results import summarize, write_perf_csv
 from ksana_llm.bench.stream import error_message
 

@@ -18,10 +18,10 @@ import pytest
 from ksana_llm.bench.client import (
     BenchConfig,
     build_parser,
-    build_request,
     config_from_args,
     main,
 )
+from ksana_llm.bench.request_bodies import build_request
 from ksana_llm.bench.results import read_prompts
 from tests.server_process import stub_http_server
 
