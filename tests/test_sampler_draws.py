@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.runner.sampler import Sampler, SamplerOutput, make_generator
+from ksana_llm.runner.sampled_tokens import SamplerOutput
+from ksana_llm.runner.sampler import Sampler, make_generator
 
 # Short local names for the shared helpers: the tests build many rows inline.
 from tests.sampler_harness import chi_square_pvalue as _chi_square_pvalue

@@ -9,7 +9,7 @@ import torch
 
 from ksana_llm.engine.request import FinishReason, Sequence
 from ksana_llm.runner.host_copy import HostCopy
-from ksana_llm.runner.sampler import HostSamples
+from ksana_llm.runner.sampled_tokens import HostSamples
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,9 @@ from ksana_llm.generation_config import GenerationConfig, processor_arity
 from ksana_llm.logits_processor import LogitsProcessor, LogitsRow
 from ksana_llm.runner.grammar_masks import (apply_grammar_masks, keep_grammar_choices,
                                             remask_grammar_rows)
-from ksana_llm.runner.host_copy import HostCopy, start_host_copy
 from ksana_llm.runner.logits_processing import process_logits, to_device
 from ksana_llm.runner.logprobs_mode import check_logprobs_mode, reported_values
+from ksana_llm.runner.sampled_tokens import SamplerOutput
 from ksana_llm.runner.token_history import TokenHistories
 
 logger = logging.getLogger("ksana_llm.runner")
@@ -58,7 +58,6 @@ logger = logging.getLogger("ksana_llm.runner")
 __all__ = [
     "SamplingRow",
     "SamplerOutput",
-    "HostSamples",
     "Sampler",
     "beam_log_probs",
     "make_generator",
@@ -151,75 +150,6 @@ class SamplingRow:
     @property
     def wants_logprob(self) -> bool:
         return self.need_logprob or self.config.logprobs is not None
-
-
-@dataclass
-class SamplerOutput:
-    """The chosen tokens of one step, and their log-probs when some row asked for them."""
-
-    token_ids: torch.Tensor  # [B] int64
-    # [B] float32: the chosen token's log-prob, by default under the raw distribution (what the
-    # values are: `Sampler.logprobs_mode`; the top ones are of the same kind)
-    logprobs: torch.Tensor | None = None
-    # (values [B, k_max] float32, ids [B, k_max] int64); k_max is the largest k asked in the
-    # batch, so a row that asked for fewer should keep only its first `config.logprobs` columns.
-    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def to_lists(
-        self,
-    ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
-        """(token_ids, logprobs, (top values, top ids)) as Python lists, with one host sync."""
-        return self.to_host().to_lists()
-
-    def to_host(self) -> HostSamples:
-        """Start copying everything to the host, without waiting for the device.
-
-        Everything is packed into one tensor first: token ids alone when nothing else was asked,
-        else float64, in which token ids are exact (< 2**53) and float32 log-probs widen exactly.
-        On CUDA the copy lands in pinned memory behind an event, so work queued after it (the
-        next step's forward) does not delay reading it.
-        """
-        top_k = None if self.top_logprobs is None else self.top_logprobs[0].shape[1]
-        if self.logprobs is None and self.top_logprobs is None:
-            packed = self.token_ids
-        else:
-            parts = [self.token_ids.to(torch.float64).unsqueeze(1)]
-            if self.logprobs is not None:
-                parts.append(self.logprobs.to(torch.float64).unsqueeze(1))
-            if self.top_logprobs is not None:
-                parts.extend(t.to(torch.float64) for t in self.top_logprobs)
-            packed = torch.cat(parts, dim=1)
-        return HostSamples(start_host_copy(packed), self.logprobs is not None, top_k)
-
-
-@dataclass(frozen=True)
-class HostSamples:
-    """A step's chosen tokens (and log-probs) on their way to the host (`SamplerOutput.to_host`)."""
-
-    packed: HostCopy  # [B] int64 token ids, or [B, 1 (+1) (+2k)] float64
-    has_logprobs: bool
-    top_k: int | None  # top log-prob columns (values, then ids); None: none asked
-
-    def to_lists(
-        self,
-    ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
-        """(token_ids, logprobs, (top values, top ids)) as Python lists; waits for the copy."""
-        packed = self.packed.wait()
-        if packed.dim() == 1:
-            return packed.tolist(), None, None  # the common case: token ids only
-        rows = packed.tolist()
-        token_ids = [int(r[0]) for r in rows]
-        col = 1
-        logprobs = None
-        if self.has_logprobs:
-            logprobs = [r[1] for r in rows]
-            col = 2
-        top = None
-        k = self.top_k
-        if k is not None:
-            top = ([r[col:col + k] for r in rows], [[int(t) for t in r[col + k:col + 2 * k]]
-                                                    for r in rows])
-        return token_ids, logprobs, top
 
 
 def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow],
