@@ -5,11 +5,10 @@ and `chat`, the server's (`serve`, `run-batch`), where and how a server listens 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-from typing import Any
 
 from ksana_llm import cli_types
+from ksana_llm.cli_vllm_flags import add_vllm_flags_without_effect
 from ksana_llm.config import (KV_CACHE_DTYPES, KV_ROLES, LOAD_FORMATS, LOGPROBS_MODES,
                               SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS)
 
@@ -22,48 +21,6 @@ _QUANTIZATION_HELP = ("fp8: keep the projections' weights as FP8 with per-row sc
                       "quantized checkpoints load as they are without it")
 _KV_CACHE_DTYPE_HELP = ("KV cache storage: auto = the model's dtype; fp8_e5m2 / fp8_e4m3 (= fp8) "
                         "hold twice the tokens of a 16-bit cache, K/V rounded to FP8")
-
-
-class _FlagWithoutEffect(argparse.Action):
-    """A vLLM flag that means nothing here, taken (so a vLLM command line runs as it is) with a
-    warning that says why."""
-
-    def __init__(self, option_strings: list[str], dest: str, why: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
-        self.why = why
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        # Once per parser: a command line with `--config FILE` is parsed twice (cli.main).
-        warned = parser.__dict__.setdefault("_ksana_flags_warned", set())
-        if option_string in warned:
-            return
-        warned.add(option_string)
-        logging.getLogger("ksana_llm.cli").warning("%s changes nothing: %s", option_string,
-                                                    self.why)
-
-
-def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: bool) -> None:
-    # (Not without effect: vLLM's flag, grouped here so generate and serve both take it.)
-    parser.add_argument("--trust-remote-code", action="store_true", default=None,
-                        help="run the ksana_plugin.py a Hugging Face hub repository ships (its "
-                             "own Python code; a local folder's plugin runs either way); "
-                             "ksana-llm never imports a checkpoint's modelling code")
-    if not serve:
-        return
-    for flag, why in (
-            ("--disable-log-requests", "requests are logged only with --enable-log-requests"),
-            ("--enable-chunked-prefill", "long prompts are always split across steps by the "
-                                         "token budget (--max-num-batched-tokens)"),
-            ("--enable-request-id-headers", "every response carries X-Request-Id already"),
-            ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details "
-                                               "(cached_tokens)"),
-            ("--enable-lora", "LoRA is on with --lora-modules or "
-                              "--allow-runtime-lora-updating"),
-            ("--enable-server-load-tracking", "GET /load always counts the requests being "
-                                              "answered")):
-        parser.add_argument(flag, action=_FlagWithoutEffect, why=why,
-                            help=f"accepted for vLLM's command lines: {why}")
 
 
 def add_tokenizer_arg(parser: argparse.ArgumentParser) -> None:
