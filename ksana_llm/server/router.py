@@ -14,9 +14,10 @@ request, prompt log-probs (the decode server does not compute the imported rows)
 native `/generate` and `/forward` (and `/tokenize`, `/detokenize`, `/v1/embeddings`), and
 `/v1/responses`, which keep their conversations on the decode server that answered: the router
 remembers which one, sends a `previous_response_id` continuation there, and looks stored
-responses up there (or, for one it does not know, on each decode server: server/router_responses.py). So does every request when
-the prefill server is down, overloaded, failing or refuses the KV-transfer part: slower, never
-lost. A prefill server's 400 about the request itself is the client's answer.
+responses up there (or, for one it does not know, on each decode server:
+server/router_responses.py; the failover over decode servers is server/router_failover.py).
+So does every request when the prefill server is down, overloaded, failing or refuses the
+KV-transfer part: slower, never lost. A prefill server's 400 about the request itself is the client's answer.
 `/invocations` (SageMaker's) goes where its body's API would; `/reset_prefix_cache`,
 `/update_weights_from_disk`, `/sleep` and `/wake_up` go to every server.
 """

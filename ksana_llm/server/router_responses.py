@@ -8,19 +8,16 @@ over. Split from `server/router.py`; mixed into its `Router`."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi.responses import Response
 
-from ksana_llm.server.errors import engine_unavailable
+from ksana_llm.server.router_failover import DecodeFailover
 from ksana_llm.server.router_upstream import RelayedStream, passed_on, read_answer
-
-logger = logging.getLogger("ksana_llm.router")
 
 # Response ids whose decode server the router remembers (the oldest are forgotten first).
 MAX_REMEMBERED_RESPONSES = 65536
@@ -28,19 +25,12 @@ MAX_REMEMBERED_RESPONSES = 65536
 _RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9A-Za-z]+)"')
 
 
-class ResponsesRouting:
-    """Mixed into `Router`, which provides `config`, `stats`, `_decode`, `_send` and the
-    `_response_servers` map (response id -> the decode server that stored it)."""
+class ResponsesRouting(DecodeFailover):
+    """Mixed into `Router`, which provides `stats` and the `_response_servers` map (response
+    id -> the decode server that stored it), and what `DecodeFailover` needs."""
 
-    config: Any
     stats: Any
-    _decode: Iterator[str]
     _response_servers: OrderedDict[str, str]
-
-    async def _send(self, server: str, path: str, content: bytes, content_type: str | None,
-                    method: str = "POST", request_id: str | None = None,
-                    pass_connect_errors: bool = False) -> httpx.Response:  # pragma: no cover
-        raise NotImplementedError
 
     async def respond(self, body: dict[str, Any], request_id: str | None = None) -> Response:
         """A Responses request to the decode server holding its `previous_response_id`; one the
@@ -61,40 +51,6 @@ class ResponsesRouting:
             if match:
                 self._remember(match[1].decode(), server)
         return passed_on(response, content)
-
-    def _servers_from_next(self) -> list[str]:
-        """Every decode server, the next in the rotation first."""
-        first = next(self._decode)
-        urls = list(self.config.decode_urls)
-        at = urls.index(first)
-        return urls[at:] + urls[:at]
-
-    async def _ask_each(self, servers: list[str], method: str, path: str, content: bytes,
-                        content_type: str | None, request_id: str | None,
-                        next_on_404: bool = True) -> tuple[str, httpx.Response, bytes | None]:
-        """The first of `servers` to answer (other than 404, with `next_on_404`): (server, its
-        response unread, None); a server that refuses the connection never got the request
-        and is passed over (one server down does not fail its turn's share of the requests;
-        any other failure is the client's 503: the request may have reached the server). When
-        every one that answered said 404: the last of those, read. None reachable: a 503."""
-        refused: list[str] = []
-        not_found: tuple[str, httpx.Response, bytes | None] | None = None
-        for server in servers:
-            try:
-                response = await self._send(server, path, content, content_type, method=method,
-                                            request_id=request_id, pass_connect_errors=True)
-            except httpx.ConnectError as exc:
-                logger.warning("decode server %s cannot be reached (%r); trying the next one",
-                               server, exc)
-                refused.append(server)
-                continue
-            if response.status_code != 404 or not next_on_404:
-                return server, response, None
-            not_found = (server, response, await read_answer(response))
-        if not_found is not None:
-            return not_found
-        raise engine_unavailable(f"no decode server can be reached (refused: "
-                                 f"{', '.join(refused)})")
 
     async def _remember_streamed(self, response: httpx.Response, server: str
                                  ) -> AsyncIterator[bytes]:
