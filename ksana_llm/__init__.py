@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # light entry points -- `ksana-llm bench`, `ksana-llm --help`, the YAML checker -- do not pay for
 # importing torch and transformers just because they live inside this package.
 _EXPORTS = MappingProxyType({
+    "ClassificationOutput": "ksana_llm.api.classification",
     "Engine": "ksana_llm.api.engine",
     "EngineDeadError": "ksana_llm.api.engine",
     "ForwardOutput": "ksana_llm.api.forward_outputs",
@@ -42,7 +43,7 @@ _EXPORTS = MappingProxyType({
     "TransferredKv": "ksana_llm.runner.kv_transfer",
 })
 
-__all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
+__all__ = ["ClassificationOutput", "Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "ForwardTarget",
            "GenerationConfig", "LogitsProcessor", "LogitsProcessorContext", "LogitsRow", "Model",
            "PerRequestLogitsProcessor", "QueueFullError", "QueueTimeoutError", "Request",
            "RequestError", "RequestHandle", "RequestInfo", "RequestOutput", "SchedulingPolicy",
@@ -50,6 +51,7 @@ __all__ = ["Engine", "EngineConfig", "EngineDeadError", "ForwardOutput", "Forwar
            "__version__"]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
+    from ksana_llm.api.classification import ClassificationOutput
     from ksana_llm.api.engine import Engine, EngineDeadError
     from ksana_llm.api.forward_outputs import ForwardOutput, ForwardTarget
     from ksana_llm.api.model import Model

@@ -284,6 +284,13 @@ def test_online_fp8_matches_per_row_fake_quantized_transformers(tmp_path):
                    quantization="fp8", block_token_num=4, num_device_blocks=64) as engine:
         assert engine.model.module.model.layers[1].self_attn.o_proj.weight.dtype == FP8
         assert engine.generate_outputs([prompt])[0].token_ids == expected
+    # The loaded model given with the setting it was loaded with: accepted; another: refused.
+    with kt.Engine(model, generation_config=config, quantization="fp8", block_token_num=4,
+                   num_device_blocks=64) as engine:
+        assert engine.generate_outputs([prompt])[0].token_ids == expected
+    with pytest.raises(ValueError, match=r"quantization='w8a8_int8' applies while a model "
+                                         r"loads; this model is loaded already \(quantization fp8\)"):
+        kt.Engine(model, quantization="w8a8_int8")
 
 
 def test_lora_adapter_on_fp8_base_matches_peft(tmp_path):

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from ksana_llm.server.chat import ChatTemplate
 from ksana_llm.server.embedding_protocol import EmbeddingRequest
-from ksana_llm.server.embeddings import _inputs
+from ksana_llm.server.embeddings import pooling_inputs
 from ksana_llm.server.params import ModelLimits, prompt_token_lists
 
 
@@ -46,7 +46,7 @@ def test_embeddings_inputs_take_add_special_tokens(bos_tokenizer):
     bare = bos_tokenizer.encode("Hello there", add_special_tokens=False)
 
     def inputs(**body):
-        return _inputs(EmbeddingRequest(**body), state)
+        return pooling_inputs(EmbeddingRequest(**body), state)
 
     assert inputs(input="Hello there") == [[bos, *bare]]
     assert inputs(input="Hello there", add_special_tokens=False) == [bare]

@@ -157,3 +157,15 @@ def test_engine_score_equals_the_server(server, local_engine):
                         (("a", [{"prompt": "b"}]), "text_2")]:
         with pytest.raises(ValueError, match=field):
             local_engine.score(*args)
+
+
+def test_classify_on_a_language_model_is_a_400(server, local_engine):
+    """A language model has no classes: /classify (and /v1/classify) say so, as vLLM answers a
+    model that does not classify; `Engine.classify` raises ValueError."""
+    for path in ("/classify", "/v1/classify"):
+        response = _post(server, path, {"input": "a"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and error["code"] == "model_not_supported"
+    with pytest.raises(ValueError, match="needs a sequence-classification model"):
+        local_engine.classify("a")

@@ -24,6 +24,7 @@ from ksana_llm.loader.hub import hub_snapshot, is_repo_id, names_a_hub_repo
 from ksana_llm.loader.load_format import check_load_format
 from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
+from ksana_llm.models.sequence_classification import ClassifierHead
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -176,6 +177,7 @@ class Model:
     runtime: Runtime | None = None
     workers: list[Any] = field(default_factory=list)
     load_format: str = "auto"  # where the weights came from (ksana_llm.loader.load_format)
+    quantization: str | None = None  # the online quantization it was loaded with ("fp8", ...)
 
     @property
     def max_context(self) -> int:
@@ -185,6 +187,11 @@ class Model:
         if own is not None:
             return int(own)
         return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+
+    @property
+    def classifier(self) -> ClassifierHead | None:
+        """A `*ForSequenceClassification` checkpoint's `score` head; None for a language model."""
+        return getattr(self.module, "classifier", None)
 
     @property
     def vocab_size(self) -> int:
@@ -238,7 +245,7 @@ class Model:
         match: it could not apply, and would otherwise be ignored without a word."""
         ctx = self.runtime.ctx if self.runtime is not None else None
         actual: dict[str, Any] = {"device": self.device, "dtype": self.dtype_name,
-                                  "quantization": None,
+                                  "quantization": self.quantization,
                                   "tensor_parallel_size": ctx.tp_size if ctx else 1,
                                   "pipeline_parallel_size": ctx.pp_size if ctx else 1,
                                   "load_format": self.load_format,
@@ -371,7 +378,7 @@ class Model:
                 path=None if plugin is True else plugin)
         return cls(module, hf_config, tokenizer, Path(model_dir), torch_device, torch_dtype,
                    _eos_token_ids(Path(model_dir), hf_config, tokenizer), loaded_plugin,
-                   runtime, workers, load_format)
+                   runtime, workers, load_format, quantization)
 
 
 def _came_from_the_hub(path: Any) -> bool:

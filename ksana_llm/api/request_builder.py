@@ -121,6 +121,9 @@ class RequestBuilder:
     def sequence(self, request: Request, default_config: GenerationConfig) -> tuple[Sequence, Any]:
         """Validate and build the request's first sequence; also returns what the model's plugin
         preprocess gave (for its postprocess), or None."""
+        if self.model.classifier is not None:
+            raise ValueError("model: a sequence-classification model does not generate; "
+                             "classify, score or embed with it")
         config = _as_config(request.generation_config, default_config)
         keep = config.truncate_prompt_tokens
         if request.prompt_embeds is not None:
@@ -390,6 +393,11 @@ class RequestBuilder:
                     for j, t in enumerate(targets)]
         targets = [t for t, _ in resolved]
         positions = [ps for _, ps in resolved]
+        if self.model.classifier is not None:
+            for j, target in enumerate(targets):
+                if target.target_name == "logits":  # its LM head is a stand-in (the embeddings)
+                    raise ValueError(f"targets[{j}]: a sequence-classification model has no "
+                                     "language-model logits; ask for layernorm (or classify)")
         spec = ForwardSpec(tuple(sorted({p for ps in positions for p in ps})),
                            logits=any(t.target_name == "logits" for t in targets),
                            hidden=any(t.target_name == "layernorm" for t in targets))

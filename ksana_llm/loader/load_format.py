@@ -45,18 +45,21 @@ def check_load_format(load_format: str, path: str | Path | None = None) -> str:
     return load_format
 
 
-def dummy_weights(hf_config: Any, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_weights(hf_config: Any, seed: int = 0, *, sequence_classification: bool = False
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, float32 tensor) for every tensor of the checkpoint transformers would save for
     `hf_config`, made up (see the module docstring). Each tensor's values depend only on
-    `seed` and its name, so every rank of a parallel run makes the same ones."""
-    from transformers import AutoModelForCausalLM
+    `seed` and its name, so every rank of a parallel run makes the same ones.
+    `sequence_classification`: a `*ForSequenceClassification` checkpoint's (a `score` head)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if getattr(hf_config, "quantization_config", None):
         raise ValueError("load_format 'dummy' makes unquantized weights; this model's "
                          "config.json has a quantization_config")
     try:
         with torch.device("meta"):  # names and shapes only: no memory for the values
-            skeleton = AutoModelForCausalLM.from_config(hf_config)
+            skeleton = (AutoModelForSequenceClassification if sequence_classification
+                        else AutoModelForCausalLM).from_config(hf_config)
     except Exception as exc:  # noqa: BLE001 - say why no dummy weights can be made
         raise ValueError(f"load_format 'dummy': transformers cannot build this model's "
                          f"architecture to learn its tensors ({type(exc).__name__}: {exc})"

@@ -24,6 +24,8 @@ from ksana_llm.loader.quantized import checkpoint_quantization, paired_quantized
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.llama import LlamaForCausalLM
 from ksana_llm.models.registry import model_class_for
+from ksana_llm.models.sequence_classification import (HeadTensors, backbone_config,
+                                                      classification_architecture)
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -108,9 +110,11 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     if weight_map_path is not None:  # a broken map should fail in milliseconds, not after a build
         load_weight_map(weight_map_path)
     model_cls = model_class(hf_config, weight_map_path)
+    # A classifier's `score` head is taken out of the stream, its decoder built as an LM's.
+    head_tensors = HeadTensors(hf_config) if classification_architecture(hf_config) else None
     # Build on the meta device so no memory is touched before the real weights arrive.
     with torch.device("meta"):
-        module = build_module(model_cls, hf_config, parallel)
+        module = build_module(model_cls, backbone_config(hf_config), parallel)
     module = module.to(torch_dtype).to_empty(device=device)
     if quantization is not None and checkpoint_format is None:
         logger.info("quantizing %d projections to %s (per-row scales) as they load",
@@ -118,9 +122,15 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
                     "FP8" if quantization == "fp8" else "int8, their inputs int8 per token")
     elif quantization is not None:
         logger.info("quantization %r ignored: the checkpoint is quantized already", quantization)
-    module.load_weights(dummy_weights(hf_config) if load_format == "dummy" else
-                        checkpoint_tensors(model_dir, hf_config, progress=progress,
-                                           load_format=load_format))
+    weights = (dummy_weights(hf_config, sequence_classification=head_tensors is not None)
+               if load_format == "dummy" else
+               checkpoint_tensors(model_dir, hf_config, progress=progress,
+                                  load_format=load_format))
+    if head_tensors is None:
+        module.load_weights(weights)
+    else:
+        module.load_weights(head_tensors.decoder_tensors(weights))
+        module.classifier = head_tensors.head()
     return module.eval(), torch_dtype
 
 

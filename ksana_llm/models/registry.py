@@ -28,6 +28,12 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1 (MLA + DeepSeek MoE)
+    # Classifiers, reward models, cross-encoder rerankers: the LM's decoder with a `score` head
+    # (models/sequence_classification.py)
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": MistralForCausalLM,
+    "Qwen2ForSequenceClassification": Qwen2ForCausalLM,
+    "Qwen3ForSequenceClassification": Qwen3ForCausalLM,
 })
 _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "llama": LlamaForCausalLM,

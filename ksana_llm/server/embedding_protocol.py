@@ -11,10 +11,10 @@ from ksana_llm.server.openai_protocol import ChatMessage, _Request
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request, as OpenAI
 
 
-class EmbeddingRequest(_Request):
-    """`POST /v1/embeddings`. `input`: a string, a list of strings, a list of token ids or a list
-    of token-id lists (OpenAI's four shapes); or, vLLM's chat form, `messages` rendered by the
-    chat template into one input."""
+class PoolingInputRequest(_Request):
+    """What a request for last-token states (`/v1/embeddings`, `/classify`) computes. `input`: a
+    string, a list of strings, a list of token ids or a list of token-id lists (OpenAI's four
+    shapes); or, vLLM's chat form, `messages` rendered by the chat template into one input."""
 
     model: str | None = None
     # Typed loosely, like CompletionRequest.prompt: `prompt_token_lists` names the shapes.
@@ -27,13 +27,18 @@ class EmbeddingRequest(_Request):
     # vLLM's: the tokenizer's special tokens (BOS, ...) around the text; None: True for `input`,
     # False for `messages` (the template writes its own).
     add_special_tokens: bool | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     # vLLM's: keep each input's last N tokens (-1: the model's context).
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's: lower runs first; needs a server started with --scheduling-policy priority.
     priority: int = Field(0, ge=-(2**63), lt=2**63)
+
+
+class EmbeddingRequest(PoolingInputRequest):
+    """`POST /v1/embeddings`."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
 
 
 class EmbeddingData(BaseModel):

@@ -27,7 +27,7 @@ from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle
 from ksana_llm.server.embedding_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                                  EmbeddingRequest, EmbeddingResponse,
-                                                 EmbeddingUsage)
+                                                 EmbeddingUsage, PoolingInputRequest)
 from ksana_llm.server.chat import render_chat
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import run_forward
@@ -62,7 +62,8 @@ def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | No
     return cut
 
 
-def _inputs(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
+def pooling_inputs(req: PoolingInputRequest, state: ServerState) -> list[list[int]]:
+    """The token ids of an embeddings (or classification) request's `input` or `messages`."""
     if (req.input is None) == (req.messages is None):
         raise bad_request("Give exactly one of `input` or `messages`.", param="input")
     if req.messages is not None:
@@ -99,13 +100,13 @@ def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.Abstr
     return submit
 
 
-async def embed_prompts(state: ServerState, prompts: list[list[int]], request: Request,
-                        lora: str | None, fields: Sequence[str] | None = None,
-                        priority: int = 0) -> list[torch.Tensor] | None:
-    """Each prompt's embedding (`api.embeddings`), in order; None when the client left first
-    (its requests aborted and counted). `fields`: each prompt's field name for errors
-    (default: all `input`). `priority`: the request's (checked against the scheduler). Also
-    what `/score` and `/rerank` compare."""
+async def last_token_states(state: ServerState, prompts: list[list[int]], request: Request,
+                            lora: str | None, fields: Sequence[str] | None = None,
+                            priority: int = 0) -> list[torch.Tensor] | None:
+    """Each prompt's last-token hidden state after the final norm, in order; None when the
+    client left first (its requests aborted and counted). `fields`: each prompt's field name
+    for errors (default: all `input`). `priority`: the request's (checked against the
+    scheduler). What embeddings, scores and classifications are made of."""
     fields = fields if fields is not None else ["input"] * len(prompts)
     submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, fields,
                         checked_priority(priority, state))
@@ -113,7 +114,16 @@ async def embed_prompts(state: ServerState, prompts: list[list[int]], request: R
     if outputs is None:
         state.count_failure("aborted")  # forward-only: see server.metrics for the rule
         return None
-    return [embedding_from_hidden(out.targets[0].tensor) for out in outputs]
+    return [out.targets[0].tensor for out in outputs]
+
+
+async def embed_prompts(state: ServerState, prompts: list[list[int]], request: Request,
+                        lora: str | None, fields: Sequence[str] | None = None,
+                        priority: int = 0) -> list[torch.Tensor] | None:
+    """Each prompt's embedding (`api.embeddings`), in order; None when the client left first.
+    As `last_token_states`; also what `/score` and `/rerank` compare."""
+    states = await last_token_states(state, prompts, request, lora, fields, priority)
+    return None if states is None else [embedding_from_hidden(hidden) for hidden in states]
 
 
 @router.post("/v1/embeddings")
@@ -126,7 +136,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
         raise bad_request(f"This model's embeddings have {hidden_size} dimensions and cannot be "
                           f"shortened to {req.dimensions}.", param="dimensions",
                           code="unsupported_parameter")
-    prompts = _inputs(req, state)
+    prompts = pooling_inputs(req, state)
     vectors = await embed_prompts(state, prompts, request, lora, priority=req.priority)
     if vectors is None:  # the client left; its requests were aborted
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)

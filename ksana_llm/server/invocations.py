@@ -1,7 +1,7 @@
 """`POST /invocations`: SageMaker's one inference route (vLLM serves it too), picking the API
 from the body's shape: `messages` is a chat completion, `prompt` (or `prompt_embeds`) a
-completion, `input` an embedding, `text_1` a score (`/score`) and `documents` a rerank. The
-chosen route answers as it would on its own path (streams, errors, metrics and
+completion, `input` an embedding (a classification, `/classify`, with a classification model),
+`text_1` a score (`/score`) and `documents` a rerank. The chosen route answers as it would on its own path (streams, errors, metrics and
 all); a body with none of those keys, or more than one, is a 400 naming them.
 """
 
@@ -12,10 +12,12 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ksana_llm.server.classification import create_classifications
 from ksana_llm.server.embeddings import create_embeddings
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.openai_routes import create_chat_completion, create_completion
 from ksana_llm.server.scores import create_scores, rerank
+from ksana_llm.server.state import server_state
 
 router = APIRouter()
 
@@ -39,4 +41,7 @@ async def invocations(request: Request) -> Response:
                           "completion), `prompt` or `prompt_embeds` (a completion), `input` "
                           "(embeddings), `text_1` (scores) or `documents` (a rerank).",
                           param=keys[-1] if keys else "messages")
-    return await routes.pop()(request)
+    route = routes.pop()
+    if route is create_embeddings and server_state(request).engine.model.classifier is not None:
+        route = create_classifications  # vLLM: `input` goes to the task the model serves
+    return await route(request)

@@ -11,7 +11,8 @@ For each `/v1/completions` or `/v1/chat/completions` request the router
 Servers are taken in turn (round robin). Requests the split cannot help go straight to a
 decode server, which then computes the prompt itself: several prompts in one completions
 request, prompt log-probs (the decode server does not compute the imported rows), and KsanaLLM's
-native `/generate` and `/forward` (and `/tokenize`, `/detokenize`, `/v1/embeddings`), and
+native `/generate` and `/forward` (and `/tokenize`, `/detokenize`, `/v1/embeddings`, `/score`,
+`/rerank`, `/classify`), and
 `/v1/responses`, which keep their conversations on the decode server that answered: the router
 remembers which one, sends a `previous_response_id` continuation there, and looks stored
 responses up there (or, for one it does not know, on each decode server:
@@ -62,7 +63,8 @@ logger = logging.getLogger("ksana_llm.router")
 _INVOCATION_APIS = (("messages", "/v1/chat/completions"), ("prompt", "/v1/completions"),
                     ("prompt_embeds", "/v1/completions"))
 _DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings",
-                 "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+                 "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
+                 "/v1/classify")
 
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens, and whose

@@ -1,0 +1,137 @@
+"""Sequence-classification checkpoints (transformers' `*ForSequenceClassification`): a causal
+LM's decoder with a `score` head in place of the LM head. Classifiers, reward models and
+cross-encoder rerankers built on Llama, Mistral and Qwen2/3 ship this way.
+
+transformers computes `score(final_norm(hidden))` at every position and keeps the last
+non-padding token's row; for one unpadded sequence that is the last token's. The engine runs
+the decoder as any model's (the `layernorm` forward target at the last position, as an
+embedding is computed) and applies the head here, on the CPU in float32: a [num_labels, hidden]
+product, nothing a GPU would notice. The decoder is built with a tied LM head (the embeddings;
+such a checkpoint has no `lm_head.weight`), which only a generation request would read, and a
+classification model refuses generation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ksana_llm.loader.quantized_weight import dense
+
+# The checkpoints' architectures, with the causal LM whose decoder they share.
+BACKBONES = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+_HEAD_PREFIX = "score."
+# How transformers' loss (`config.problem_type`) reads the logits, and so what turns them into
+# the probabilities vLLM's classify API returns: softmax over classes, an independent sigmoid
+# per label, or the raw values (a regression or reward score has no probability).
+ACTIVATIONS = ("softmax", "sigmoid", "identity")
+
+
+def classification_architecture(hf_config: Any) -> str | None:
+    """The config's sequence-classification architecture, or None for any other model."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in BACKBONES:
+            return arch
+    return None
+
+
+def backbone_config(hf_config: Any) -> Any:
+    """The config the decoder is built from: a copy with a tied LM head (the checkpoint has
+    none of its own; see the module docstring). Other configs come back as they are."""
+    if classification_architecture(hf_config) is None:
+        return hf_config
+    config = copy.copy(hf_config)
+    config.tie_word_embeddings = True
+    return config
+
+
+def _activation(hf_config: Any, num_labels: int) -> str:
+    problem = getattr(hf_config, "problem_type", None)
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification" or num_labels == 1:
+        return "sigmoid"  # one label: a binary classifier's (a reranker's) logit
+    return "softmax"
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """The `score` head: `weight` [num_labels, hidden] (and `bias`, which transformers' heads
+    do not have but a converted checkpoint may), float32 on the CPU; `labels` the config's
+    `id2label` names in class order; `activation` one of `ACTIVATIONS`."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    labels: tuple[str, ...]
+    activation: str
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.weight.shape[0])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_labels] (or [n, num_labels]) float32 logits of last-token hidden states."""
+        return torch.nn.functional.linear(hidden.float(), self.weight, self.bias)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.activation == "softmax":
+            return torch.softmax(logits, dim=-1)
+        if self.activation == "sigmoid":
+            return torch.sigmoid(logits)
+        return logits
+
+
+class HeadTensors:
+    """Takes the `score.*` tensors out of a checkpoint's stream (the decoder has no place for
+    them) and builds the head from them once the stream is spent."""
+
+    def __init__(self, hf_config: Any) -> None:
+        self.hf_config = hf_config
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def decoder_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            if name.startswith(_HEAD_PREFIX):
+                self.tensors[name[len(_HEAD_PREFIX):]] = tensor
+            else:
+                yield name, tensor
+
+    def head(self) -> ClassifierHead:
+        """ValueError when the checkpoint had no `score.weight` or one of the wrong shape."""
+        unknown = sorted(set(self.tensors) - {"weight", "bias"})
+        if unknown:
+            raise ValueError(f"checkpoint tensor 'score.{unknown[0]}' has no place in a "
+                             "sequence-classification head (score.weight, score.bias)")
+        if "weight" not in self.tensors:
+            raise ValueError(f"{classification_architecture(self.hf_config)} checkpoint has no "
+                             "score.weight (the classification head)")
+        weight = dense(self.tensors["weight"]).detach().to("cpu", torch.float32).contiguous()
+        hidden = int(self.hf_config.hidden_size)
+        if weight.dim() != 2 or weight.shape[1] != hidden:
+            raise ValueError(f"score.weight: shape {tuple(weight.shape)}, expected "
+                             f"[num_labels, {hidden}]")
+        bias = self.tensors.get("bias")
+        if bias is not None:
+            bias = dense(bias).detach().to("cpu", torch.float32).contiguous()
+            if tuple(bias.shape) != (weight.shape[0],):
+                raise ValueError(f"score.bias: shape {tuple(bias.shape)}, expected "
+                                 f"[{weight.shape[0]}]")
+        num_labels = int(weight.shape[0])
+        return ClassifierHead(weight, bias, _labels(self.hf_config, num_labels),
+                              _activation(self.hf_config, num_labels))
+
+
+def _labels(hf_config: Any, num_labels: int) -> tuple[str, ...]:
+    """`id2label`'s names (keys may be ints or, read from JSON, strings); LABEL_i where it has
+    none, as transformers names them."""
+    names = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels))

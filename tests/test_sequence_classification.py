@@ -1,0 +1,210 @@
+"""Sequence-classification models (transformers' `*ForSequenceClassification`: classifiers,
+reward models, cross-encoder rerankers) against transformers on the same tiny random weights:
+`Engine.classify`'s logits, probabilities and labels; a one-label model's `Engine.score` as a
+cross-encoder; and over HTTP on a real server process, `/classify`, `/score` and `/rerank`
+with the refusals (generation, LM logits, scoring with several labels, classifying with a
+language model) as 400s naming the field."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForSequenceClassification,
+                          Qwen2Config, Qwen2ForSequenceClassification, Qwen3Config,
+                          Qwen3ForSequenceClassification)
+
+import ksana_llm as kt
+from tests.server_process import ServerProcess, openai_error
+
+TEXTS = ["I love this movie, it was wonderful.", "terrible", "The capital of France is Paris.",
+         "def add(a, b):\n    return a + b\n"]
+QUERY = "What is the capital of France?"
+DOCUMENTS = ["Paris is the capital of France.", "Bananas are yellow.", "Berlin",
+             "France's capital city is Paris, on the Seine."]
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _save(folder, hf_model, tokenizer) -> None:
+    # Biases and norms away from their initial values, so a dropped one would show.
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1, 0.2)
+    hf_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def _classifier(kind: str, tokenizer, num_labels: int, **extra):
+    torch.manual_seed(len(kind) + num_labels)
+    common = dict(SHAPE, vocab_size=len(tokenizer), num_labels=num_labels,
+                  pad_token_id=tokenizer.pad_token_id or 0, **extra)
+    if kind == "llama":
+        return LlamaForSequenceClassification(LlamaConfig(**common)).eval()
+    if kind == "qwen2":
+        return Qwen2ForSequenceClassification(Qwen2Config(**common)).eval()
+    return Qwen3ForSequenceClassification(Qwen3Config(**common, head_dim=32)).eval()
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory, tokenizer):
+    """A one-label Llama classifier (a cross-encoder's shape) and its folder."""
+    folder = tmp_path_factory.mktemp("reranker")
+    hf = _classifier("llama", tokenizer, 1)
+    _save(folder, hf, tokenizer)
+    return hf, folder
+
+
+def _hf_logits(hf, tokenizer, *texts) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(**tokenizer(*texts, return_tensors="pt")).logits[0].float()
+
+
+@pytest.mark.parametrize("kind,labels,extra", [
+    ("llama", 3, dict(id2label={0: "negative", 1: "neutral", 2: "positive"},
+                      label2id={"negative": 0, "neutral": 1, "positive": 2},
+                      tie_word_embeddings=False)),
+    ("qwen2", 2, dict(tie_word_embeddings=True)),
+    ("qwen3", 4, dict(problem_type="multi_label_classification", tie_word_embeddings=False)),
+])
+def test_classify_equals_transformers(tmp_path, tokenizer, kind, labels, extra):
+    hf = _classifier(kind, tokenizer, labels, **extra)
+    _save(tmp_path, hf, tokenizer)
+    # Read back as the engine reads it: transformers picks the tokenizer class by the
+    # config's model type (a Qwen2 folder's pre-tokenizes "\n    " otherwise).
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    model = kt.Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False)
+    assert model.classifier is not None and model.classifier.num_labels == labels
+    engine = kt.Engine(model, max_num_seqs=4, max_queue_size=1)  # 4 prompts wait for room
+    outputs = engine.classify(TEXTS)
+    assert len(outputs) == len(TEXTS)
+    names = [hf.config.id2label[i] for i in range(labels)]
+    for text, out in zip(TEXTS, outputs):
+        reference = _hf_logits(hf, tokenizer, text)
+        torch.testing.assert_close(torch.tensor(out.logits), reference, atol=2e-5, rtol=1e-4)
+        expected = (torch.sigmoid(reference) if kind == "qwen3"
+                    else torch.softmax(reference, dim=-1))
+        torch.testing.assert_close(torch.tensor(out.probs), expected, atol=2e-5, rtol=1e-4)
+        assert out.num_classes == labels
+        assert out.label == names[int(reference.argmax())]
+        assert out.num_prompt_tokens == len(tokenizer.encode(text))
+    # The last 3 tokens only: transformers on those tokens.
+    kept = tokenizer.encode(TEXTS[0])[-3:]
+    cut = engine.classify(TEXTS[0], truncate_prompt_tokens=3)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(cut.logits), hf(torch.tensor([kept])).logits[0],
+                                   atol=2e-5, rtol=1e-4)
+    # A classifier does not generate, and has no language-model logits to give.
+    with pytest.raises(ValueError, match="^model: a sequence-classification model does not"):
+        engine.generate("Hello")
+    with pytest.raises(ValueError, match=r"^targets\[0\]: .* no language-model logits"):
+        engine.forward("Hello", [{"target_name": "logits"}])
+    with pytest.raises(ValueError, match=f"has {labels} labels; scoring pairs needs a one-label"):
+        engine.score("a", "b")
+    assert model.classifier.labels == tuple(names)
+
+
+def test_reranker_scores_pairs_read_together(reranker, tokenizer):
+    hf, folder = reranker
+    model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    engine = kt.Engine(model, max_num_seqs=4)
+    scores = engine.score(QUERY, DOCUMENTS)
+    expected = [float(torch.sigmoid(_hf_logits(hf, tokenizer, QUERY, d))[0]) for d in DOCUMENTS]
+    assert scores == pytest.approx(expected, abs=2e-5)
+    # N:N by position, and token ids joined as given.
+    ids = [tokenizer.encode(QUERY), tokenizer.encode(DOCUMENTS[1])]
+    pair = engine.score([ids[0], QUERY], [ids[1], DOCUMENTS[0]])
+    with torch.no_grad():
+        joined = torch.sigmoid(hf(torch.tensor([ids[0] + ids[1]])).logits[0, 0])
+    assert pair == pytest.approx([float(joined), expected[0]], abs=2e-5)
+
+
+def test_dummy_weights_make_a_head(tmp_path, tokenizer):
+    """--load-format dummy: the architecture's tensors made up, the score head among them."""
+    hf = _classifier("llama", tokenizer, 2, tie_word_embeddings=False)
+    _save(tmp_path, hf, tokenizer)
+    (tmp_path / "model.safetensors").unlink()  # the config alone
+    model = kt.Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                     load_format="dummy")
+    assert model.classifier.weight.shape == (2, SHAPE["hidden_size"])
+    assert model.classifier.weight.abs().sum() > 0
+
+
+def test_checkpoint_without_score_head_is_refused(tmp_path, tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    hf = _classifier("llama", tokenizer, 2)
+    _save(tmp_path, hf, tokenizer)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["score.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="checkpoint has no score.weight"):
+        kt.Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reranker_server(reranker):
+    proc = ServerProcess(["--model", str(reranker[1]), "--num-device-blocks", "64"])
+    yield proc
+    proc.stop()
+
+
+def test_server_classify_score_and_rerank(reranker_server, reranker, tokenizer):
+    hf, _ = reranker
+    url = reranker_server.url
+    body = httpx.post(f"{url}/classify", json={"input": TEXTS[:2]}, timeout=60).json()
+    assert body["object"] == "list" and body["id"].startswith("classify-")
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    for item, text in zip(body["data"], TEXTS):
+        expected = torch.sigmoid(_hf_logits(hf, tokenizer, text))
+        assert item["probs"] == pytest.approx(expected.tolist(), abs=2e-5)
+        assert item["num_classes"] == 1 and item["label"] == "LABEL_0"
+    tokens = sum(len(tokenizer.encode(t)) for t in TEXTS[:2])
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens,
+                             "completion_tokens": 0, "prompt_tokens_details": None}
+    # SGLang's path, and the chat form (rendered by the template, as on /v1/embeddings).
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    chat = httpx.post(f"{url}/v1/classify", json={"messages": messages}, timeout=60).json()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert chat["data"][0]["probs"] == pytest.approx(
+        torch.sigmoid(hf(torch.tensor([tokenizer.encode(rendered, add_special_tokens=False)])
+                          ).logits[0]).tolist(), abs=2e-5)
+
+    expected = [float(torch.sigmoid(_hf_logits(hf, tokenizer, QUERY, d))[0]) for d in DOCUMENTS]
+    scores = httpx.post(f"{url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS},
+                        timeout=60).json()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(expected, abs=2e-5)
+    pair_tokens = sum(len(tokenizer(QUERY, d)["input_ids"]) for d in DOCUMENTS)
+    assert scores["usage"]["prompt_tokens"] == pair_tokens
+    ranked = httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": DOCUMENTS,
+                                               "top_n": 2}, timeout=60).json()
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: expected[i], reverse=True)[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+        [expected[i] for i in order], abs=2e-5)
+    assert ranked["results"][0]["document"]["text"] == DOCUMENTS[order[0]]
+
+    # Refusals: generation, LM logits, a shape error; the server keeps serving.
+    for path, request in (("/v1/completions", {"prompt": "Hi", "max_tokens": 4}),
+                          ("/v1/chat/completions", {"messages": messages, "max_tokens": 4})):
+        response = httpx.post(url + path, json=request, timeout=60)
+        assert response.status_code == 400
+        assert openai_error(response)["param"] == "model"
+    response = httpx.post(f"{url}/score", json={"text_1": [QUERY, QUERY], "text_2": DOCUMENTS},
+                          timeout=60)
+    assert response.status_code == 400 and openai_error(response)["param"] == "text_2"
+    response = httpx.post(f"{url}/classify", json={"input": ""}, timeout=60)
+    assert response.status_code == 400 and openai_error(response)["param"] == "input"
+    again = httpx.post(f"{url}/classify", json={"input": TEXTS[0]}, timeout=60).json()
+    assert again["data"][0]["probs"] == body["data"][0]["probs"]
+    # SageMaker's route sends `input` to the API the model serves: classification.
+    sagemaker = httpx.post(f"{url}/invocations", json={"input": TEXTS[0]}, timeout=60).json()
+    assert sagemaker["object"] == "list" and sagemaker["data"][0]["probs"] == again["data"][0]["probs"]
