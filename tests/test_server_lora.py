@@ -53,12 +53,13 @@ def greedy_text(model: torch.nn.Module, tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def test_models_lists_adapters(client, adapters):
+def test_models_lists_adapters(client, adapters, default_model_dir):
     folder, _ = adapters
     cards = {card.id: card for card in client.models.list().data}
     assert set(cards) == {BASE, "sql", "tone"}
     assert cards["sql"].parent == BASE and cards["sql"].root == str(folder / "sql")
     assert getattr(cards[BASE], "parent", None) is None
+    assert cards[BASE].root == str(default_model_dir)  # where the weights came from, as vLLM
     assert client.models.retrieve("sql") == cards["sql"]
 
 

@@ -79,11 +79,13 @@ async def version() -> JSONResponse:
 
 
 def _model_cards(request: Request) -> list[ModelCard]:
-    """The served model under each of its names, then the loaded LoRA adapters."""
+    """The served model under each of its names, then the loaded LoRA adapters. `root` is
+    where the weights came from, as vLLM gives it: the model's folder, an adapter's."""
     state = server_state(request)
     base = state.served_model_name
     limit, created = state.limits.max_model_len, state.started_at
-    cards = [ModelCard(id=name, root=base, max_model_len=limit, created=created)
+    folder = str(state.engine.model.path)
+    cards = [ModelCard(id=name, root=folder, max_model_len=limit, created=created)
              for name in (base, *state.model_aliases)]
     cards += [ModelCard(id=name, root=path, parent=base, max_model_len=limit, created=created)
               for name, path in state.engine.lora_adapters.items()]
