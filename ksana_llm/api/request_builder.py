@@ -16,23 +16,11 @@ from ksana_llm.api.lora_registry import LoraRegistry
 from ksana_llm.api.model import Model
 from ksana_llm.api.forward_outputs import ForwardTarget
 from ksana_llm.api.outputs import Prompt, Request, as_token_ids
+from ksana_llm.api.prompt_rows import input_embedding_rows, prompt_embeds_rows, truncate_prompt
 from ksana_llm.engine.request import ForwardSpec, Sequence
 from ksana_llm.generation_config import GenerationConfig, check_truncate_prompt_tokens
 from ksana_llm.logits_processor import LogitsProcessor, processors_for_request
 from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
-
-
-def truncate_prompt(ids: Any, keep: int | None, max_model_len: int) -> Any:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the
-    model's context holds); `ids` may be token ids or a prompt's embedding rows. More than the
-    context holds is a ValueError, as in vLLM (it could only mean a wrong setting)."""
-    if keep == -1:
-        keep = max_model_len
-    elif keep is not None and keep > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
-                         f"({max_model_len}): select a smaller truncation size, or -1 to keep "
-                         "as many tokens as the context holds")
-    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def _as_config(value: GenerationConfig | dict[str, Any] | None,
@@ -48,9 +36,6 @@ def _as_config(value: GenerationConfig | dict[str, Any] | None,
         return default.replace(**value)
     raise ValueError(f"generation_config must be a GenerationConfig or a dict, got {type(value).__name__}")
 
-
-# What prompt embeddings may be (vLLM's rule): the model's own float types, not float8 codes.
-_EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
 
 class RequestBuilder:
     """Validates prompts and settings against one model and engine and builds their sequences.
@@ -127,14 +112,16 @@ class RequestBuilder:
         config = _as_config(request.generation_config, default_config)
         keep = config.truncate_prompt_tokens
         if request.prompt_embeds is not None:
-            token_ids, embeddings = self._prompt_embeds(request, keep)
+            token_ids, embeddings = prompt_embeds_rows(request, keep, self.model,
+                                                       self.max_model_len)
         else:
             token_ids = self.tokenize(request.prompt)
             if keep is not None and request.input_embeddings is not None:
                 raise ValueError("truncate_prompt_tokens cannot cut a prompt with "
                                  "input_embeddings (their positions would move)")
             token_ids = truncate_prompt(token_ids, keep, self.max_model_len)
-            embeddings = self._check_embeddings(request.input_embeddings, len(token_ids))
+            embeddings = input_embedding_rows(request.input_embeddings, len(token_ids),
+                                              self.model)
         plugin_info = None
         plugin = getattr(self.model, "plugin", None)
         if plugin is not None and request.prompt_embeds is None:
@@ -307,57 +294,6 @@ class RequestBuilder:
                 "best_of" if config.best_of else "num_return_sequences")
             raise ValueError(f"{what} must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {config.num_sequences}")
-
-    def _prompt_embeds(self, request: Request, keep: int | None
-                       ) -> tuple[list[int], tuple[list[int], Any]]:
-        """`Request.prompt_embeds` (its last `keep` rows: truncate_prompt_tokens) -> placeholder
-        token ids, and the embeddings replacing them all (on the model's device and dtype)."""
-        import torch
-
-        if request.prompt is not None or request.input_embeddings is not None:
-            raise ValueError("prompt_embeds is the whole prompt: give it without prompt and "
-                             "input_embeddings")
-        rows = request.prompt_embeds
-        hidden = int(self.model.hf_config.hidden_size)
-        if isinstance(rows, torch.Tensor) and rows.dim() == 3 and rows.shape[0] == 1:
-            rows = rows[0]  # a batch of one, as transformers takes inputs_embeds
-        if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != hidden \
-                or str(rows.dtype).removeprefix("torch.") not in _EMBEDDING_DTYPES \
-                or rows.shape[0] == 0 \
-                or rows.layout != torch.strided or rows.device.type == "meta":
-            got = (f"a {rows.layout} {rows.device.type} {rows.dtype} tensor of shape "
-                   f"{tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
-                   else type(rows).__name__)
-            raise ValueError(f"prompt_embeds must be a dense float32, float16 or bfloat16 "
-                             f"tensor of shape (num_tokens, {hidden}) (hidden_size), got {got}")
-        if not bool(torch.isfinite(rows).all()):
-            raise ValueError("prompt_embeds must hold finite values (no NaN or inf)")
-        rows = truncate_prompt(rows, keep, self.max_model_len)
-        rows = rows.detach().to(self.model.device, self.model.dtype)
-        return [0] * rows.shape[0], (list(range(rows.shape[0])), rows)
-
-    def _check_embeddings(self, value: Any, num_tokens: int) -> tuple[list[int], Any] | None:
-        """`Request.input_embeddings` -> (positions, rows on the model's device and dtype)."""
-        if value is None:
-            return None
-        import torch
-
-        hidden = int(self.model.hf_config.hidden_size)
-        try:
-            positions, rows = value
-        except (TypeError, ValueError):
-            raise ValueError("input_embeddings must be (positions, tensor of [len(positions), "
-                             "hidden_size])") from None
-        if not isinstance(positions, (list, tuple)) or not positions or not all(
-                isinstance(p, int) and not isinstance(p, bool) and 0 <= p < num_tokens
-                for p in positions) or len(set(positions)) != len(positions):
-            raise ValueError(f"input_embeddings positions must be distinct prompt positions in "
-                             f"[0, {num_tokens}), got {positions!r}")
-        if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (len(positions), hidden):
-            shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise ValueError(f"input_embeddings rows must be a tensor of shape "
-                             f"({len(positions)}, {hidden}), got {shape}")
-        return list(positions), rows.detach().to(self.model.device, self.model.dtype)
 
     def grammar(self) -> Any:
         """The structured-output compiler, built on first use (it needs xgrammar and a scan of

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ksana_llm.api.request import Request as EngineRequest
-from ksana_llm.api.request_builder import truncate_prompt
+from ksana_llm.api.prompt_rows import truncate_prompt
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, no_tokenizer
 from ksana_llm.server.openai_protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
