@@ -186,6 +186,32 @@ def test_server_records_request_parameters_and_engine_steps(server):
     assert delta(before, after, "iteration_tokens_total_sum") == usage["prompt_tokens"] + 3
 
 
+def test_forward_only_requests_count_as_pooling_requests(server):
+    """Embeddings, scores and /forward count as vLLM counts pooling requests: each input a
+    finished request ("stop") with its prompt tokens, nothing generated."""
+    before = scrape(server)
+    answer = httpx.post(server.base_url + "/embeddings", json={"input": ["one two", "three"]},
+                        headers=AUTH, timeout=60)
+    assert answer.status_code == 200, answer.text
+    tokens = answer.json()["usage"]["prompt_tokens"]
+    scored = httpx.post(server.url + "/score", json={"text_1": "a", "text_2": ["b", "c"]},
+                        headers=AUTH, timeout=60)
+    assert scored.status_code == 200, scored.text
+    tokens += scored.json()["usage"]["prompt_tokens"]
+    forward = httpx.post(server.url + "/forward", headers=AUTH, timeout=60, json={
+        "requests": [{"input_tokens": HOLDER_PROMPT,
+                      "request_target": [{"target_name": "layernorm"}]}]})
+    assert forward.status_code == 200, forward.text
+    tokens += len(HOLDER_PROMPT)
+    after = scrape(server)
+    assert delta(before, after, "request_success_total", finished_reason="stop") == 2 + 3 + 1
+    assert delta(before, after, "prompt_tokens_total") == tokens
+    assert delta(before, after, "request_prompt_tokens_sum") == tokens
+    assert delta(before, after, "generation_tokens_total") == 0
+    assert sum(delta(before, after, "request_failure_total", reason=r)
+               for r in FAILURE_REASONS) == 0
+
+
 def test_401_and_413_are_counted(server):
     before = scrape(server)
     for headers in ({}, {"Authorization": "Bearer wrong"}):

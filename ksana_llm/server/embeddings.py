@@ -111,10 +111,8 @@ async def last_token_states(state: ServerState, prompts: list[list[int]], reques
     submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, fields,
                         checked_priority(priority, state))
     outputs = await run_forward(state.engine, submit, len(prompts), request)
-    if outputs is None:
-        state.count_failure("aborted")  # forward-only: see server.metrics for the rule
-        return None
-    return [out.targets[0].tensor for out in outputs]
+    state.count_forward_outputs(outputs)
+    return None if outputs is None else [out.targets[0].tensor for out in outputs]
 
 
 async def embed_prompts(state: ServerState, prompts: list[list[int]], request: Request,

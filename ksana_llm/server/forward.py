@@ -270,8 +270,8 @@ async def _forward(request: Request, raw: bytes, is_msgpack: bool) -> Response:
     submit = _submitter(state.engine, body, jobs, asyncio.get_running_loop())
     # Queued as the queue allows: a body may hold more requests than the queue.
     outputs = await run_forward(state.engine, submit, len(jobs), request)
+    state.count_forward_outputs(outputs)
     if outputs is None:  # the client left; its requests were aborted
-        state.count_failure("aborted")  # forward-only: see server.metrics for the rule
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     payload = {"responses": [_response_item(out, req.request_target)
                              for out, req in zip(outputs, body.requests)],

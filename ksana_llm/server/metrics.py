@@ -27,8 +27,11 @@ What counts where (each HTTP request once, by how it ended):
   scheduled within --waiting-timeout-ms), "engine_error" (503), "other" (500). The engine
   requests a refused request had already queued are aborted and never reach the success series.
   A failure after a stream started (its error event) is counted when the stream ends.
-- Forward-only requests (/forward, /v1/embeddings) have no success series: one whose client went
-  away is counted as request_failure_total{reason="aborted"} (the only use of that reason).
+- Forward-only requests (/forward, /v1/embeddings, /score, /rerank, /classify): each engine
+  request that finishes counts as vLLM counts a pooling request, in
+  `request_success_total{finished_reason="stop"}`, `prompt_tokens_total` and
+  `request_prompt_tokens`; an HTTP request whose client went away is counted once as
+  request_failure_total{reason="aborted"} (the only use of that reason).
 
 Series (all carry the label `model_name`):
 - gauges `ksana_llm:num_requests_running|waiting|swapped`, `ksana_llm:kv_cache_usage_perc`
@@ -365,6 +368,13 @@ class ServerMetrics:
         # per token: a 0 would only drag the histogram down.
         if ttft is not None and latency is not None and steps > 1 and latency > ttft:
             self.tpot.observe((latency - ttft) / (steps - 1))
+
+    def observe_forward_finished(self, num_prompt_tokens: int) -> None:
+        """Record one forward-only engine request (an embedding, a score, a classification,
+        a /forward request) that finished: its prompt was computed, nothing generated."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self._success.labels(self.model_name, "stop").inc()
 
     def count_failure(self, reason: str) -> None:
         """Count a request that was refused or failed; unknown reasons count as "other"."""

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from ksana_llm.api.engine import Engine
+from ksana_llm.api.forward_outputs import ForwardOutput
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.chat import ChatTemplate
 from ksana_llm.server.errors import engine_unavailable, model_not_found, no_tokenizer
@@ -97,6 +98,15 @@ class ServerState:
     def count_failure(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.count_failure(reason)
+
+    def count_forward_outputs(self, outputs: list[ForwardOutput] | None) -> None:
+        """Count forward-only requests as they ended (server.metrics' rule): None, the client
+        left (their requests aborted), is one "aborted" failure; else each finished one."""
+        if outputs is None:
+            self.count_failure("aborted")
+        elif self.metrics is not None:
+            for output in outputs:
+                self.metrics.observe_forward_finished(len(output.prompt_token_ids))
 
     def logprob_texts(self, req: Any) -> TokenTexts | TokenIdTexts:
         """How a request's logprob entries name tokens: their text, or "token_id:<id>" when it
