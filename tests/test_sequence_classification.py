@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForSequenceClassification,
                           Qwen2Config, Qwen2ForSequenceClassification, Qwen3Config,
-                          Qwen3ForSequenceClassification)
+                          Qwen3ForCausalLM, Qwen3ForSequenceClassification)
 
 import ksana_llm as kt
 from tests.server_process import ServerProcess, openai_error
@@ -125,6 +125,45 @@ def test_reranker_scores_pairs_read_together(reranker, tokenizer):
     with torch.no_grad():
         joined = torch.sigmoid(hf(torch.tensor([ids[0] + ids[1]])).logits[0, 0])
     assert pair == pytest.approx([float(joined), expected[0]], abs=2e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_original_qwen3_reranker_converted_by_hf_overrides(tmp_path, tokenizer, tied):
+    """vLLM's recipe for Qwen3-Reranker (a causal LM answering "yes" / "no"): hf_overrides
+    routing it to Qwen3ForSequenceClassification with classifier_from_token ["no", "yes"] and
+    is_original_qwen3_reranker. A pair's score must be transformers' softmax over the two
+    tokens' next-token logits, the yes share, as the model card computes it."""
+    torch.manual_seed(5)
+    hf = Qwen3ForCausalLM(Qwen3Config(**SHAPE, vocab_size=len(tokenizer), head_dim=32,
+                                      tie_word_embeddings=tied)).eval()
+    _save(tmp_path, hf, tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    model = kt.Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                     hf_overrides=overrides)
+    assert model.classifier.num_labels == 1 and model.classifier.activation == "sigmoid"
+    scores = kt.Engine(model).score(QUERY, DOCUMENTS)
+    expected = []
+    with torch.no_grad():
+        for document in DOCUMENTS:
+            logits = hf(**tokenizer(QUERY, document, return_tensors="pt")).logits[0, -1]
+            expected.append(float(torch.softmax(logits[[no, yes]], dim=-1)[1]))
+    assert scores == pytest.approx(expected, abs=2e-5)
+    # One token, no post-processing: that token's logit, one label.
+    single = kt.Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                      hf_overrides={**overrides, "classifier_from_token": ["yes"],
+                                                    "is_original_qwen3_reranker": False})
+    with torch.no_grad():
+        logit = hf(**tokenizer(TEXTS[0], return_tensors="pt")).logits[0, -1, yes]
+    assert kt.Engine(single).classify(TEXTS[0])[0].logits == pytest.approx([float(logit)],
+                                                                           abs=2e-5)
+    for bad, message in ((["no", "yes", "maybe"], "takes two tokens"),
+                         (["no", "zzqqxx-not-a-token"], "'zzqqxx-not-a-token' is not a token")):
+        with pytest.raises(ValueError, match=message):
+            kt.Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False,
+                                     hf_overrides={**overrides, "classifier_from_token": bad})
 
 
 def test_dummy_weights_make_a_head(tmp_path, tokenizer):

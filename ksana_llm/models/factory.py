@@ -25,7 +25,8 @@ from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.llama import LlamaForCausalLM
 from ksana_llm.models.registry import model_class_for
 from ksana_llm.models.sequence_classification import (HeadTensors, backbone_config,
-                                                      classification_architecture)
+                                                      classification_architecture,
+                                                      head_from_tokens)
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -111,7 +112,8 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
         load_weight_map(weight_map_path)
     model_cls = model_class(hf_config, weight_map_path)
     # A classifier's `score` head is taken out of the stream, its decoder built as an LM's.
-    head_tensors = HeadTensors(hf_config) if classification_architecture(hf_config) else None
+    head_tensors = (HeadTensors(hf_config, head_from_tokens(hf_config, model_dir))
+                    if classification_architecture(hf_config) else None)
     # Build on the meta device so no memory is touched before the real weights arrive.
     with torch.device("meta"):
         module = build_module(model_cls, backbone_config(hf_config), parallel)

@@ -90,23 +90,89 @@ class ClassifierHead:
         return logits
 
 
+@dataclass(frozen=True)
+class HeadFromTokens:
+    """vLLM's conversion of a causal-LM reranker (Qwen3-Reranker, bge-reranker-v2-gemma,
+    mxbai-rerank-v2) into a classifier, asked for through the config (`--hf-overrides`):
+    `classifier_from_token` names vocabulary tokens whose LM-head rows make the `score` head.
+    `method` "no_post_processing": one label per token, its row as it is; "from_2_way_softmax"
+    (two tokens, what `is_original_qwen3_reranker` means): one label whose logit is the second
+    token's minus the first's, so its sigmoid is the second token's share of a softmax over
+    the two, the yes-probability the model card computes."""
+
+    token_ids: tuple[int, ...]
+    method: str
+
+
+CONVERSION_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def head_from_tokens(hf_config: Any, tokenizer_dir: Any) -> HeadFromTokens | None:
+    """The config's LM-head conversion, its tokens looked up in the model folder's tokenizer;
+    None without `classifier_from_token`. ValueError naming the key at fault."""
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    original_qwen3 = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+    method = getattr(hf_config, "method", None)
+    if tokens is None:
+        if original_qwen3 or method is not None:
+            raise ValueError("classifier_from_token: is_original_qwen3_reranker and method "
+                             "convert the LM head's rows of these tokens; name them")
+        return None
+    if not isinstance(tokens, (list, tuple)) or not tokens \
+            or not all(isinstance(token, str) and token for token in tokens):
+        raise ValueError(f"classifier_from_token must be a non-empty list of tokens, got "
+                         f"{tokens!r}")
+    method = method or ("from_2_way_softmax" if original_qwen3 else "no_post_processing")
+    if method not in CONVERSION_METHODS:
+        raise ValueError(f"method must be one of {', '.join(CONVERSION_METHODS)}, got "
+                         f"{method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"classifier_from_token: from_2_way_softmax (is_original_qwen3_"
+                         f"reranker) takes two tokens (no, yes), got {len(tokens)}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        # An unknown token comes back as the unknown token's id (or None): look it up again.
+        if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != token:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's "
+                             "vocabulary")
+        ids.append(token_id)
+    return HeadFromTokens(tuple(ids), method)
+
+
 class HeadTensors:
     """Takes the `score.*` tensors out of a checkpoint's stream (the decoder has no place for
-    them) and builds the head from them once the stream is spent."""
+    them) and builds the head from them once the stream is spent; with `from_tokens`, takes the
+    LM head's rows of those tokens instead (the LM head itself is dropped: the decoder's is a
+    stand-in, see the module docstring), or the embeddings' rows when they are the LM head."""
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, from_tokens: HeadFromTokens | None = None) -> None:
         self.hf_config = hf_config
+        self.from_tokens = from_tokens
         self.tensors: dict[str, torch.Tensor] = {}
+        self.token_rows: dict[str, torch.Tensor] = {}  # "lm_head" / "embed_tokens" -> rows
 
     def decoder_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         for name, tensor in weights:
             if name.startswith(_HEAD_PREFIX):
                 self.tensors[name[len(_HEAD_PREFIX):]] = tensor
-            else:
-                yield name, tensor
+                continue
+            if self.from_tokens is not None and name in _TOKEN_ROW_SOURCES:
+                rows = dense(tensor)[list(self.from_tokens.token_ids)]
+                self.token_rows[_TOKEN_ROW_SOURCES[name]] = rows.detach().to("cpu",
+                                                                             torch.float32)
+                if name == "lm_head.weight":
+                    continue
+            yield name, tensor
 
     def head(self) -> ClassifierHead:
-        """ValueError when the checkpoint had no `score.weight` or one of the wrong shape."""
+        """ValueError when the checkpoint had no `score.weight` (or, converting, no LM head)
+        or one of the wrong shape."""
+        if self.from_tokens is not None:
+            return self._head_from_token_rows()
         unknown = sorted(set(self.tensors) - {"weight", "bias"})
         if unknown:
             raise ValueError(f"checkpoint tensor 'score.{unknown[0]}' has no place in a "
@@ -128,6 +194,22 @@ class HeadTensors:
         num_labels = int(weight.shape[0])
         return ClassifierHead(weight, bias, _labels(self.hf_config, num_labels),
                               _activation(self.hf_config, num_labels))
+
+
+    def _head_from_token_rows(self) -> ClassifierHead:
+        rows = self.token_rows.get("lm_head", self.token_rows.get("embed_tokens"))
+        if rows is None:
+            raise ValueError("classifier_from_token: the checkpoint has no lm_head.weight or "
+                             "model.embed_tokens.weight to take the tokens' rows from")
+        if self.from_tokens.method == "from_2_way_softmax":
+            rows = rows[1:2] - rows[0:1]
+        num_labels = int(rows.shape[0])
+        return ClassifierHead(rows.contiguous(), None, _labels(self.hf_config, num_labels),
+                              _activation(self.hf_config, num_labels))
+
+
+# Where a converted reranker's rows come from: the LM head, or the embeddings it is tied to.
+_TOKEN_ROW_SOURCES = {"lm_head.weight": "lm_head", "model.embed_tokens.weight": "embed_tokens"}
 
 
 def _labels(hf_config: Any, num_labels: int) -> tuple[str, ...]:
