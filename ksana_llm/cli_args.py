@@ -74,6 +74,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the name clients pass as `model` (default: the model folder's "
                              "name); more names are aliases, the first is the one reported")
+    add_model_task_args(parser)
     if listen:
         add_listen_args(parser)
         parser.add_argument("--data-parallel-size", "-dp", type=cli_types.positive_int,
@@ -383,3 +384,18 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", type=cli_types.non_empty_str, default=None,
                         help="required of clients, and sent to the servers (which share it)")
     add_cors_args(parser)
+
+
+def add_model_task_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --runner / --convert / --task: checked against the model (server/model_tasks.py)."""
+    from ksana_llm.server.model_tasks import CONVERTS, RUNNERS, TASKS
+
+    parser.add_argument("--runner", choices=RUNNERS, default=None,
+                        help="vLLM's: every API the model has is served; `generate` refuses "
+                             "a classification model at start")
+    parser.add_argument("--convert", choices=CONVERTS, default=None,
+                        help="vLLM's: `classify` refuses a model without a classification head "
+                             "at start (nothing is converted; see --hf-overrides "
+                             "classifier_from_token)")
+    parser.add_argument("--task", choices=TASKS, default=None,
+                        help="vLLM's older form of --runner / --convert, checked the same way")

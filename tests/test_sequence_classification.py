@@ -7,6 +7,9 @@ language model) as 400s naming the field."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 import torch
@@ -15,6 +18,7 @@ from transformers import (AutoTokenizer, LlamaConfig, LlamaForSequenceClassifica
                           Qwen3ForCausalLM, Qwen3ForSequenceClassification)
 
 import ksana_llm as kt
+from ksana_llm.server.model_tasks import check_model_task
 from tests.server_process import ServerProcess, openai_error
 
 TEXTS = ["I love this movie, it was wonderful.", "terrible", "The capital of France is Paris.",
@@ -247,3 +251,34 @@ def test_server_classify_score_and_rerank(reranker_server, reranker, tokenizer):
     # SageMaker's route sends `input` to the API the model serves: classification.
     sagemaker = httpx.post(f"{url}/invocations", json={"input": TEXTS[0]}, timeout=60).json()
     assert sagemaker["object"] == "list" and sagemaker["data"][0]["probs"] == again["data"][0]["probs"]
+
+
+def test_vllm_task_flags_check_the_model(reranker, default_model, tmp_path):
+    """--runner / --convert / --task switch nothing here (every API a model has is served):
+    they refuse, naming the flag, a model that cannot do what they ask for."""
+    classifier = kt.Model.from_pretrained(reranker[1], device="cpu", dtype="float32",
+                                          progress=False)
+    for model, ok in ((classifier, [dict(runner="pooling"), dict(convert="classify"),
+                                    dict(task="score"), dict(task="classify")]),
+                      (default_model, [dict(runner="generate"), dict(runner="pooling"),
+                                       dict(task="embed"), dict(task="score")])):
+        for flags in ok:
+            check_model_task(model, **flags)
+    with pytest.raises(ValueError, match="^--runner generate: LlamaForSequenceClassification "
+                                         "is a sequence-classification model"):
+        check_model_task(classifier, runner="generate")
+    with pytest.raises(ValueError, match="^--task generate"):
+        check_model_task(classifier, task="generate")
+    for flags, flag in ((dict(convert="classify"), "--convert"), (dict(task="classify"), "--task")):
+        with pytest.raises(ValueError, match=f"^{flag} classify: .* no classification head"):
+            check_model_task(default_model, **flags)
+    # On the command line: run-batch (as serve) stops with the message before reading a line.
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/score", '
+                      '"body": {"text_1": "a", "text_2": "b"}}\n')
+    done = subprocess.run([sys.executable, "-m", "ksana_llm.cli", "run-batch", "-i", str(source),
+                           "-o", str(out), "--model", str(reranker[1]), "--device", "cpu",
+                           "--task", "generate"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "ksana-llm: error: --task generate: LlamaForSequenceClassification" in done.stderr
+    assert out.read_text() == ""

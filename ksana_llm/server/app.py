@@ -35,6 +35,7 @@ from ksana_llm.server.middleware import (DEFAULT_MAX_BODY_BYTES, ApiKeyMiddlewar
                                          DisconnectWatchMiddleware, LoadTrackingMiddleware,
                                          RequestIdMiddleware, add_cors, add_user_middlewares,
                                          cors_from_args, user_middlewares)
+from ksana_llm.server.model_tasks import check_model_task_args
 from ksana_llm.server.params import ModelLimits
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.request_log import RequestLog
@@ -257,6 +258,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         engine = Engine(config.model, config=config)
         try:
+            check_model_task_args(args, engine.model)
             defaults = sampling_defaults_from_args(args, engine.model.path)
         except ValueError:
             engine.shutdown()

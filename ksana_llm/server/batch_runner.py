@@ -144,6 +144,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
     from ksana_llm.api.engine import Engine
     from ksana_llm.server.app import build_app, configs_from_args, default_served_model_name
+    from ksana_llm.server.model_tasks import check_model_task_args
     from ksana_llm.server.serve_options import (check_sampling_defaults_args,
                                                 output_parsing_from_args,
                                                 request_options_from_args,
@@ -172,6 +173,7 @@ def run_batch(args: argparse.Namespace) -> int:
     with open(args.output_file, "w", encoding="utf-8") as out:  # a bad path fails before loading
         engine = Engine(config.model, config=config)
         try:
+            check_model_task_args(args, engine.model)
             app = build_app(engine, served_model_name=args.served_model_name
                             or default_served_model_name(config.model),
                             chat_template=chat_template, parsing=parsing,
