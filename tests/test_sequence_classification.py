@@ -7,6 +7,7 @@ language model) as 400s naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -90,6 +91,9 @@ def test_classify_equals_transformers(tmp_path, tokenizer, kind, labels, extra):
     engine = kt.Engine(model, max_num_seqs=4, max_queue_size=1)  # 4 prompts wait for room
     outputs = engine.classify(TEXTS)
     assert len(outputs) == len(TEXTS)
+    # (Batched as the engine's steps fell: equal to rounding.)
+    for out, again in zip(outputs, asyncio.run(engine.classify_async(TEXTS))):
+        assert again.logits == pytest.approx(out.logits, abs=1e-5) and again.label == out.label
     names = [hf.config.id2label[i] for i in range(labels)]
     for text, out in zip(TEXTS, outputs):
         reference = _hf_logits(hf, tokenizer, text)
@@ -123,6 +127,7 @@ def test_reranker_scores_pairs_read_together(reranker, tokenizer):
     scores = engine.score(QUERY, DOCUMENTS)
     expected = [float(torch.sigmoid(_hf_logits(hf, tokenizer, QUERY, d))[0]) for d in DOCUMENTS]
     assert scores == pytest.approx(expected, abs=2e-5)
+    assert asyncio.run(engine.score_async(QUERY, DOCUMENTS)) == pytest.approx(scores, abs=1e-6)
     # N:N by position, and token ids joined as given.
     ids = [tokenizer.encode(QUERY), tokenizer.encode(DOCUMENTS[1])]
     pair = engine.score([ids[0], QUERY], [ids[1], DOCUMENTS[0]])

@@ -21,6 +21,7 @@ from ksana_llm.api.chat import ChatMixin
 from ksana_llm.api.core_builder import build_core
 from ksana_llm.api.exit_hook import ExitHook
 from ksana_llm.api.forward_calls import ForwardCalls
+from ksana_llm.api.pooling_calls import PoolingCalls
 from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
@@ -54,7 +55,7 @@ UNREADABLE_CHECK_S = 0.5
 
 
 class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCalls,
-             ChatMixin):
+             PoolingCalls, ChatMixin):
     """Continuous-batching generation over one model.
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
