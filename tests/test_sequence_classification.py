@@ -88,6 +88,7 @@ def test_classify_equals_transformers(tmp_path, tokenizer, kind, labels, extra):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     model = kt.Model.from_pretrained(tmp_path, device="cpu", dtype="float32", progress=False)
     assert model.classifier is not None and model.classifier.num_labels == labels
+    assert model.module._lm_head_packed is None  # the stand-in LM head gets no second copy
     engine = kt.Engine(model, max_num_seqs=4, max_queue_size=1)  # 4 prompts wait for room
     outputs = engine.classify(TEXTS)
     assert len(outputs) == len(TEXTS)

@@ -131,6 +131,7 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     if head_tensors is None:
         module.load_weights(weights)
     else:
+        module.lm_head_unused = True
         module.load_weights(head_tensors.decoder_tensors(weights))
         module.classifier = head_tensors.head()
     return module.eval(), torch_dtype

@@ -265,6 +265,9 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
     """
 
     supports_parallel = True  # tensor and pipeline parallelism (see ksana_llm.distributed)
+    # True for a sequence-classification model's decoder (models/sequence_classification.py):
+    # its LM head only stands in, and gets no prepacked copy.
+    lm_head_unused = False
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__()
@@ -352,7 +355,9 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
         for module in packers:  # copies of weights a weight update has replaced since
             module.packed_weight = None
         weights = [m.weight for m in packers]
-        if self.parallel.is_first_stage:
+        # A classifier's LM head is a stand-in no request reads: no copy of it.
+        pack_lm_head = self.parallel.is_first_stage and not self.lm_head_unused
+        if pack_lm_head:
             weights.append(self._lm_head_weight())
         num_bytes = sum(w.numel() * w.element_size() for w in weights
                         if w.device.type == "cpu" and w.dtype == torch.float32)
@@ -360,7 +365,7 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
             return
         for module in packers:
             module.prepack()
-        if self.parallel.is_first_stage:
+        if pack_lm_head:
             self._lm_head_packed = prepack_cpu_weight(self._lm_head_weight())
         packed = [m for m in packers if m.packed_weight is not None]
         if packed and not prepacked_wins_few_rows():

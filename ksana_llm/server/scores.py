@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
