@@ -8,7 +8,7 @@ import argparse
 import os
 
 from ksana_llm import cli_types
-from ksana_llm.cli_vllm_flags import add_vllm_flags_without_effect
+from ksana_llm.cli_vllm_flags import add_model_task_args, add_vllm_flags_without_effect
 from ksana_llm.config import (KV_CACHE_DTYPES, KV_ROLES, LOAD_FORMATS, LOGPROBS_MODES,
                               SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS)
 
@@ -385,17 +385,3 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="required of clients, and sent to the servers (which share it)")
     add_cors_args(parser)
 
-
-def add_model_task_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's --runner / --convert / --task: checked against the model (server/model_tasks.py)."""
-    from ksana_llm.server.model_tasks import CONVERTS, RUNNERS, TASKS
-
-    parser.add_argument("--runner", choices=RUNNERS, default=None,
-                        help="vLLM's: every API the model has is served; `generate` refuses "
-                             "a classification model at start")
-    parser.add_argument("--convert", choices=CONVERTS, default=None,
-                        help="vLLM's: `classify` refuses a model without a classification head "
-                             "at start (nothing is converted; see --hf-overrides "
-                             "classifier_from_token)")
-    parser.add_argument("--task", choices=TASKS, default=None,
-                        help="vLLM's older form of --runner / --convert, checked the same way")

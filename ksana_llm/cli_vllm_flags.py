@@ -1,5 +1,7 @@
 """vLLM flags that change nothing here, taken so that a vLLM command line runs as it is, each
-with a warning that says why (and `--trust-remote-code`, which does, taken by the same commands)."""
+with a warning that says why (and `--trust-remote-code`, which does, taken by the same commands);
+and vLLM's --runner / --convert / --task, which switch nothing either but are checked against
+the model once it loads."""
 
 from __future__ import annotations
 
@@ -48,3 +50,19 @@ def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: boo
                                               "answered")):
         parser.add_argument(flag, action=_FlagWithoutEffect, why=why,
                             help=f"accepted for vLLM's command lines: {why}")
+
+
+
+def add_model_task_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --runner / --convert / --task: checked against the model (server/model_tasks.py)."""
+    from ksana_llm.server.model_tasks import CONVERTS, RUNNERS, TASKS
+
+    parser.add_argument("--runner", choices=RUNNERS, default=None,
+                        help="vLLM's: every API the model has is served; `generate` refuses "
+                             "a classification model at start")
+    parser.add_argument("--convert", choices=CONVERTS, default=None,
+                        help="vLLM's: `classify` refuses a model without a classification head "
+                             "at start (nothing is converted; see --hf-overrides "
+                             "classifier_from_token)")
+    parser.add_argument("--task", choices=TASKS, default=None,
+                        help="vLLM's older form of --runner / --convert, checked the same way")
