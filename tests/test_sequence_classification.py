@@ -169,6 +169,14 @@ def test_original_qwen3_reranker_converted_by_hf_overrides(tmp_path, tokenizer, 
         logit = hf(**tokenizer(TEXTS[0], return_tensors="pt")).logits[0, -1, yes]
     assert kt.Engine(single).classify(TEXTS[0])[0].logits == pytest.approx([float(logit)],
                                                                            abs=2e-5)
+    # A weights-only folder and the tokenizer given apart: the tokens are looked up in that one.
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights_only / name).write_bytes((tmp_path / name).read_bytes())
+    apart = kt.Model.from_pretrained(weights_only, device="cpu", dtype="float32",
+                                     progress=False, tokenizer=tmp_path, hf_overrides=overrides)
+    assert kt.Engine(apart).score(QUERY, DOCUMENTS) == pytest.approx(expected, abs=2e-5)
     for bad, message in ((["no", "yes", "maybe"], "takes two tokens"),
                          (["no", "zzqqxx-not-a-token"], "'zzqqxx-not-a-token' is not a token")):
         with pytest.raises(ValueError, match=message):

@@ -24,7 +24,9 @@ from ksana_llm.loader.hub import hub_snapshot, is_repo_id, names_a_hub_repo
 from ksana_llm.loader.load_format import check_load_format
 from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
-from ksana_llm.models.sequence_classification import ClassifierHead
+from ksana_llm.models.sequence_classification import (TOKEN_IDS_KEY, ClassifierHead,
+                                                      classification_architecture,
+                                                      classifier_token_ids)
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -337,6 +339,16 @@ class Model:
         given_tokenizer = (None if tokenizer is None
                            else load_tokenizer(tokenizer, int(hf_config.vocab_size),
                                                download_dir=download_dir))
+        folder_tokenizer = None
+        if classification_architecture(hf_config) \
+                and getattr(hf_config, "classifier_from_token", None) is not None:
+            # A reranker made a classifier (models.sequence_classification): its tokens are
+            # looked up in the tokenizer it serves with, and the ids reach every rank's config.
+            if given_tokenizer is None:
+                folder_tokenizer = _load_tokenizer(model_dir)
+            ids = classifier_token_ids(hf_config, given_tokenizer or folder_tokenizer)
+            hf_overrides = {**(hf_overrides or {}), TOKEN_IDS_KEY: ids}
+            setattr(hf_config, TOKEN_IDS_KEY, ids)
         model_type = getattr(hf_config, "model_type", None)
         runtime, workers = None, []
         node = multi_node_env()
@@ -358,8 +370,8 @@ class Model:
                 shutdown_runtime()
             raise
         model_cls = type(module)
-        tokenizer = None if skip_tokenizer_init else \
-            given_tokenizer if given_tokenizer is not None else _load_tokenizer(model_dir)
+        tokenizer = None if skip_tokenizer_init else given_tokenizer if given_tokenizer \
+            is not None else folder_tokenizer or _load_tokenizer(model_dir)
         _set_pad_token(tokenizer, pad_token_id, int(hf_config.vocab_size))
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)

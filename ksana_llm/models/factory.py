@@ -112,7 +112,7 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
         load_weight_map(weight_map_path)
     model_cls = model_class(hf_config, weight_map_path)
     # A classifier's `score` head is taken out of the stream, its decoder built as an LM's.
-    head_tensors = (HeadTensors(hf_config, head_from_tokens(hf_config, model_dir))
+    head_tensors = (HeadTensors(hf_config, head_from_tokens(hf_config))
                     if classification_architecture(hf_config) else None)
     # Build on the meta device so no memory is touched before the real weights arrive.
     with torch.device("meta"):

@@ -107,31 +107,24 @@ class HeadFromTokens:
 CONVERSION_METHODS = ("from_2_way_softmax", "no_post_processing")
 
 
-def head_from_tokens(hf_config: Any, tokenizer_dir: Any) -> HeadFromTokens | None:
-    """The config's LM-head conversion, its tokens looked up in the model folder's tokenizer;
-    None without `classifier_from_token`. ValueError naming the key at fault."""
+# Where `Model.from_pretrained` puts `classifier_from_token`'s ids, looked up in the tokenizer
+# the model serves with (every rank of a parallel run reads them from its config).
+TOKEN_IDS_KEY = "classifier_from_token_ids"
+
+
+def classifier_token_ids(hf_config: Any, tokenizer: Any) -> list[int] | None:
+    """The ids of the config's `classifier_from_token` in `tokenizer` (None without the key).
+    ValueError naming the key for a malformed list, a missing tokenizer or an unknown token."""
     tokens = getattr(hf_config, "classifier_from_token", None)
-    original_qwen3 = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
-    method = getattr(hf_config, "method", None)
     if tokens is None:
-        if original_qwen3 or method is not None:
-            raise ValueError("classifier_from_token: is_original_qwen3_reranker and method "
-                             "convert the LM head's rows of these tokens; name them")
         return None
     if not isinstance(tokens, (list, tuple)) or not tokens \
             or not all(isinstance(token, str) and token for token in tokens):
         raise ValueError(f"classifier_from_token must be a non-empty list of tokens, got "
                          f"{tokens!r}")
-    method = method or ("from_2_way_softmax" if original_qwen3 else "no_post_processing")
-    if method not in CONVERSION_METHODS:
-        raise ValueError(f"method must be one of {', '.join(CONVERSION_METHODS)}, got "
-                         f"{method!r}")
-    if method == "from_2_way_softmax" and len(tokens) != 2:
-        raise ValueError(f"classifier_from_token: from_2_way_softmax (is_original_qwen3_"
-                         f"reranker) takes two tokens (no, yes), got {len(tokens)}")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if tokenizer is None:
+        raise ValueError("classifier_from_token: the model has no tokenizer to look its tokens "
+                         "up in; pass one (tokenizer=..., --tokenizer)")
     ids = []
     for token in tokens:
         token_id = tokenizer.convert_tokens_to_ids(token)
@@ -140,7 +133,35 @@ def head_from_tokens(hf_config: Any, tokenizer_dir: Any) -> HeadFromTokens | Non
             raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's "
                              "vocabulary")
         ids.append(token_id)
-    return HeadFromTokens(tuple(ids), method)
+    return ids
+
+
+def head_from_tokens(hf_config: Any) -> HeadFromTokens | None:
+    """The config's LM-head conversion (its token ids as `classifier_token_ids` found them);
+    None without `classifier_from_token`. ValueError naming the key at fault."""
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    original_qwen3 = getattr(hf_config, "is_original_qwen3_reranker", False)
+    method = getattr(hf_config, "method", None)
+    if not isinstance(original_qwen3, bool):
+        raise ValueError(f"is_original_qwen3_reranker must be true or false, got "
+                         f"{original_qwen3!r}")
+    if tokens is None:
+        if original_qwen3 or method is not None:
+            raise ValueError("classifier_from_token: is_original_qwen3_reranker and method "
+                             "convert the LM head's rows of these tokens; name them")
+        return None
+    method = method or ("from_2_way_softmax" if original_qwen3 else "no_post_processing")
+    if method not in CONVERSION_METHODS:
+        raise ValueError(f"method must be one of {', '.join(CONVERSION_METHODS)}, got "
+                         f"{method!r}")
+    ids = getattr(hf_config, TOKEN_IDS_KEY, None)
+    if not isinstance(ids, (list, tuple)) or len(ids) != len(tokens):
+        raise ValueError("classifier_from_token: its token ids were not looked up (load the "
+                         "model with Model.from_pretrained, which finds them in its tokenizer)")
+    if method == "from_2_way_softmax" and len(ids) != 2:
+        raise ValueError(f"classifier_from_token: from_2_way_softmax (is_original_qwen3_"
+                         f"reranker) takes two tokens (no, yes), got {len(ids)}")
+    return HeadFromTokens(tuple(int(i) for i in ids), method)
 
 
 class HeadTensors:
