@@ -216,7 +216,6 @@ class HeadTensors:
         return ClassifierHead(weight, bias, _labels(self.hf_config, num_labels),
                               _activation(self.hf_config, num_labels))
 
-
     def _head_from_token_rows(self) -> ClassifierHead:
         rows = self.token_rows.get("lm_head", self.token_rows.get("embed_tokens"))
         if rows is None:
