@@ -21,6 +21,7 @@ from transformers import (AutoTokenizer, LlamaConfig, LlamaForSequenceClassifica
 import ksana_llm as kt
 from ksana_llm.server.model_tasks import check_model_task
 from tests.server_process import ServerProcess, openai_error
+from tests.tiny_models import perturb_biases_and_norms
 
 TEXTS = ["I love this movie, it was wonderful.", "terrible", "The capital of France is Paris.",
          "def add(a, b):\n    return a + b\n"]
@@ -32,13 +33,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 def _save(folder, hf_model, tokenizer) -> None:
-    # Biases and norms away from their initial values, so a dropped one would show.
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.normal_(1, 0.2)
+    perturb_biases_and_norms(hf_model)
     hf_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

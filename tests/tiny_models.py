@@ -66,16 +66,20 @@ def build_tiny_model(name: str, folder: Path, *, safe_serialization: bool = True
     torch.manual_seed(seed)
     config = TINY_CONFIGS[name]()
     model = MODEL_CLASSES[type(config)](config).eval()
-    # Random init leaves biases at 0 and q/k norm weights at 1; give them values so a dropped
-    # bias or norm weight would be noticed.
+    perturb_biases_and_norms(model)
+    model.save_pretrained(folder, safe_serialization=safe_serialization)
+    return model
+
+
+def perturb_biases_and_norms(model: torch.nn.Module) -> None:
+    """Random init leaves biases at 0 and q/k norm weights at 1; give them values so that a
+    dropped bias or norm weight would be noticed."""
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("bias"):
                 param.normal_(0, 0.1)
             elif param_name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.normal_(1, 0.2)
-    model.save_pretrained(folder, safe_serialization=safe_serialization)
-    return model
 
 
 def build_tiny_chat_model(folder: Path, tokenizer_dir: Path, *, num_hidden_layers: int = 3,
