@@ -63,7 +63,7 @@ def test_gpu_benchmark_lora_stage_smoke(tmp_path):
                                                ("deepseek-v2-lite-8l", "n_routed_experts")])
 def test_gpu_benchmark_moe_stages_smoke(tmp_path, name, experts_key):
     """run.sh's engine-qwen3moe and engine-deepseek stages: the workload on a Qwen3-MoE and on
-    a DeepSeek-V3 (MLA; tiny on CPU), each its own file."""
+    a DeepSeek-V2 (MLA; tiny on CPU), each its own file."""
     from benchmarks.gpu import bench_engine
 
     assert bench_engine.main(["--smoke", "--models", name, "--out", str(tmp_path)]) == 0

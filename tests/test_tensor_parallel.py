@@ -2,7 +2,8 @@
 
 Each parallel engine must give the same greedy tokens as transformers (= TP 1) and logits within
 fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2, Mixtral
-(MoE) and DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split),
+(MoE), DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split) and
+DeepSeek-V2-Lite's shape (a full-rank MLA query split by heads, softmax group-limited routing),
 with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
 """
 
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                          DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import ksana_llm as kt
 from ksana_llm.api.model import Model
@@ -56,6 +58,15 @@ MODELS = {
         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 32,
         "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
         "rope_interleave": True})),
+    # DeepSeek-V2-Lite's shape: a full-rank q_proj split by heads; softmax routing limited to
+    # the best 2 of 4 expert groups (V2's group_limited_greedy), 3 experts per token.
+    "deepseek-v2": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(**{
+        **SMALL, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1, "num_key_value_heads": 4, "n_routed_experts": 8,
+        "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "n_shared_experts": 2,
+        "topk_method": "group_limited_greedy", "routed_scaling_factor": 2.0,
+        "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 16})),
 }
 
 
@@ -107,7 +118,8 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
 
 
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
-                                      ("qwen2", 2), ("mixtral", 2), ("deepseek", 2)])
+                                      ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
+                                      ("deepseek-v2", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
     check_engine(tmp_path, hf, tp=tp)

@@ -32,26 +32,24 @@ QWEN3_30B_A3B_12L = dict(vocab_size=151936, hidden_size=2048, intermediate_size=
                          num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
                          rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643,
                          eos_token_id=151645, rope_theta=1000000.0)
-# DeepSeek-V2-Lite's dimensions (MLA with a 512 latent and no query LoRA, 64 routed experts of
-# 1408, 6 active, 2 shared) on the V3 architecture we serve, at 8 of its 27 layers (~9 GB):
-# MLA and MoE on one H200.
+# DeepSeek-V2-Lite (MLA with a 512 latent and no query LoRA, 64 routed experts of 1408, 6 active
+# by plain softmax top-k, 2 shared) at 8 of its 27 layers (~9 GB): MLA and MoE on one H200.
 DEEPSEEK_V2_LITE_8L = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
                            moe_intermediate_size=1408, n_routed_experts=64,
                            num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
-                           n_group=1, topk_group=1, norm_topk_prob=False,
+                           n_group=1, topk_group=1, topk_method="greedy", norm_topk_prob=False,
                            routed_scaling_factor=1.0, num_hidden_layers=8,
                            num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
                            q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
                            v_head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-6,
                            tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
-                           num_nextn_predict_layers=0, rope_theta=10000.0)
+                           rope_theta=10000.0)
 TINY_MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 TINY_DEEPSEEK = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                      n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-                     num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                     topk_method="group_limited_greedy", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                     head_dim=8,  # transformers keeps the rope dim under this name
-                     num_nextn_predict_layers=0)
+                     head_dim=8)  # transformers keeps the rope dim under this name
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
@@ -60,7 +58,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # "qwen3" | "llama" | "qwen3_moe" | "deepseek_v3"
+    family: str  # "qwen3" | "llama" | "qwen3_moe" | "deepseek_v2"
     shape: dict[str, Any]
     hf_time_cap_s: float  # HF generate_batch stops here if not done
     off_throughput: bool  # run the workload with graphs off too
@@ -75,10 +73,10 @@ SPECS = {
                             {"batch1_ms_per_token_max": 5.5}),
     "qwen3-30b-a3b-12l": ModelSpec("qwen3-30b-a3b-12l", "qwen3_moe", QWEN3_30B_A3B_12L, 60.0,
                                    True),
-    "deepseek-v2-lite-8l": ModelSpec("deepseek-v2-lite-8l", "deepseek_v3", DEEPSEEK_V2_LITE_8L,
+    "deepseek-v2-lite-8l": ModelSpec("deepseek-v2-lite-8l", "deepseek_v2", DEEPSEEK_V2_LITE_8L,
                                      60.0, True),
 }
-SMOKE_EXTRAS = {"qwen3_moe": TINY_MOE, "deepseek_v3": TINY_DEEPSEEK}
+SMOKE_EXTRAS = {"qwen3_moe": TINY_MOE, "deepseek_v2": TINY_DEEPSEEK}
 
 
 def model_shape(spec: ModelSpec, smoke: bool) -> dict[str, Any]:
@@ -89,12 +87,12 @@ def model_shape(spec: ModelSpec, smoke: bool) -> dict[str, Any]:
 
 
 def hf_config(spec: ModelSpec, smoke: bool) -> Any:
-    from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     shape = model_shape(spec, smoke)
     theta = shape.pop("rope_theta", 10000.0)
     cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig,
-           "deepseek_v3": DeepseekV3Config}[spec.family]
+           "deepseek_v2": DeepseekV2Config}[spec.family]
     config = cls(**shape)
     # transformers 5 keeps the RoPE base in rope_parameters (4.x: rope_theta).
     if getattr(config, "rope_parameters", None) is not None:

@@ -118,7 +118,7 @@ for stage in "${STAGES[@]}"; do
         # an MoE model: Qwen3-30B-A3B's layers (12 of 48), grouped Triton experts, graphs on/off
         engine-qwen3moe) run_stage engine-qwen3moe "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-30b-a3b-12l --out "$RESULTS" ;;
-        # MLA + MoE: DeepSeek-V2-Lite's dimensions (8 of 27 layers) on the V3 architecture
+        # MLA + MoE: DeepSeek-V2-Lite (8 of its 27 layers)
         engine-deepseek) run_stage engine-deepseek "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models deepseek-v2-lite-8l --out "$RESULTS" ;;
         # the same at the Llama-3-8B shape

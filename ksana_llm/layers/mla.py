@@ -128,7 +128,10 @@ class MultiLatentAttention(nn.Module):
     load into `qkv_a_proj` through MLA_FUSED_PARTS)."""
 
     def __init__(self, config: Any, layer_idx: int = 0, *,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 parallel: ParallelContext = SINGLE, interleaved_rope: bool | None = None
+                 ) -> None:
+        """`interleaved_rope`: the rope dims pair up as (0, 1), (2, 3), ...; None reads the
+        config's `rope_interleave` (DeepSeek-V3's field; V2 always interleaves)."""
         super().__init__()
         full = MLADims.from_config(config)
         check_heads_divisible(full.num_heads, parallel)
@@ -157,7 +160,8 @@ class MultiLatentAttention(nn.Module):
                                         ctx=parallel)
         _, scaling = rope_settings(config)
         self.scale = mla_softmax_scale(d.qk_head_dim, scaling, config.max_position_embeddings)
-        self.interleaved_rope = bool(getattr(config, "rope_interleave", False))
+        self.interleaved_rope = (bool(getattr(config, "rope_interleave", False))
+                                 if interleaved_rope is None else interleaved_rope)
         # Prefill chunks with at least this many rows attend in the expanded form.
         self.expand_min_tokens: float = d.expand_min_tokens()
         self.layer_idx = layer_idx  # picks this layer's FP8 cache scale from the metadata

@@ -43,34 +43,27 @@ from ksana_llm.models.weight_loading import expected_keys, place_tensor
 _MLP_FUSED_PARTS = MappingProxyType({"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
 
 
-def _check_config(config: Any) -> None:
-    """ValueError naming the field for DeepSeek configs this implementation does not cover."""
-    checks = (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1))
-    for field, supported in checks:
-        value = getattr(config, field, supported)
-        if value != supported:
-            raise ValueError(f"{field}={value!r} is not supported (DeepSeek-V3 uses {supported!r})")
+def check_moe_layer_spacing(config: Any) -> None:
+    """ValueError naming the field for layer layouts no DeepSeek implementation here covers."""
+    if getattr(config, "moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq={config.moe_layer_freq!r} is not supported (DeepSeek "
+                         "V2 and V3 use 1)")
     first_dense = getattr(config, "first_k_dense_replace", 0) or 0
     if first_dense < 0:
         raise ValueError(f"first_k_dense_replace must be >= 0, got {first_dense}")
-    if num_mtp_layers(config) < 0:
-        raise ValueError(f"num_nextn_predict_layers must be >= 0, got {num_mtp_layers(config)}")
 
 
 def num_mtp_layers(config: Any) -> int:
     return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
 
 
-def deepseek_moe_block(config: Any, parallel: ParallelContext = SINGLE) -> SparseMoeBlock:
+def deepseek_moe_block(config: Any, router: nn.Module,
+                       parallel: ParallelContext = SINGLE) -> SparseMoeBlock:
     """Under tensor parallelism every rank routes (the router is replicated) and keeps a slice
     of every expert's (and the shared experts') intermediate columns; the block all-reduces the
     partial sums once."""
     act = getattr(config, "hidden_act", "silu")
     hidden, num_experts = config.hidden_size, config.n_routed_experts
-    router = GroupedTopKRouter(
-        hidden, num_experts, config.num_experts_per_tok, n_group=config.n_group or 1,
-        topk_group=config.topk_group or 1, renormalize=bool(config.norm_topk_prob),
-        routed_scaling_factor=config.routed_scaling_factor)
     experts = FusedExperts(num_experts, hidden, config.moe_intermediate_size, act,
                            parallel=parallel)
     num_shared = getattr(config, "n_shared_experts", 0) or 0
@@ -157,7 +150,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     attention_backends = ("torch", "triton")
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
-        _check_config(config)
+        check_moe_layer_spacing(config)
+        self.check_routing(config)
+        if num_mtp_layers(config) < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0, got {num_mtp_layers(config)}")
         super().__init__(config, parallel)
         self.mla_dims = MLADims.from_config(config)
         # Llama's RoPE table spans head_dim and knows no YaRN (uses_rope is False for that
@@ -170,20 +166,43 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if num_mtp_layers(config) and self.parallel.is_last_stage:
             self.mtp = DeepseekV3Mtp(
                 DeepseekV3MtpLayer(config, self.make_attention(config, first + i),
-                                   deepseek_moe_block(config, self.parallel))
+                                   deepseek_moe_block(config, self.make_router(config),
+                                                      self.parallel))
                 for i in range(num_mtp_layers(config)))
 
-    # ---- building blocks -----------------------------------------------------------------------
+    # ---- building blocks (DeepSeek-V2 overrides the routing and the RoPE layout) --------------
+    @staticmethod
+    def check_routing(config: Any) -> None:
+        """ValueError naming the field for routing this class does not implement."""
+        for field, supported in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+            value = getattr(config, field, supported)
+            if value != supported:
+                raise ValueError(f"{field}={value!r} is not supported (DeepSeek-V3 uses "
+                                 f"{supported!r})")
+
+    def make_router(self, config: Any) -> nn.Module:
+        return GroupedTopKRouter(
+            config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+            n_group=config.n_group or 1, topk_group=config.topk_group or 1,
+            renormalize=bool(config.norm_topk_prob),
+            routed_scaling_factor=config.routed_scaling_factor)
+
+    def interleaved_rope(self, config: Any) -> bool:
+        """Whether the checkpoint's rope dims pair up as (0, 1), (2, 3), ... (DeepSeek's own
+        layout) rather than as halves."""
+        return bool(getattr(config, "rope_interleave", False))
+
     def uses_rope(self, config: Any) -> bool:
         return False  # installed in __init__ instead (see there)
 
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
-        return MultiLatentAttention(config, layer_idx, parallel=self.parallel)
+        return MultiLatentAttention(config, layer_idx, parallel=self.parallel,
+                                    interleaved_rope=self.interleaved_rope(config))
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
         if layer_idx < (getattr(config, "first_k_dense_replace", 0) or 0):
             return LlamaMLP(config, layer_idx, parallel=self.parallel)
-        return deepseek_moe_block(config, self.parallel)
+        return deepseek_moe_block(config, self.make_router(config), self.parallel)
 
     # ---- facts the runner needs --------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ksana_llm.models.baichuan import BaichuanForCausalLM
+from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
@@ -27,6 +28,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "MixtralForCausalLM": MixtralForCausalLM,  # Mixtral 8x7B / 8x22B
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # DeepSeek-V2, V2-Lite, V2.5, Coder-V2
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1 (MLA + DeepSeek MoE)
     # Classifiers, reward models, cross-encoder rerankers: the LM's decoder with a `score` head
     # (models/sequence_classification.py)
@@ -46,6 +48,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
 })
 
