@@ -14,9 +14,11 @@ import sys
 import httpx
 import pytest
 import torch
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForSequenceClassification,
-                          Qwen2Config, Qwen2ForSequenceClassification, Qwen3Config,
-                          Qwen3ForCausalLM, Qwen3ForSequenceClassification)
+from transformers import (AutoTokenizer, Gemma3TextConfig, Gemma3TextForSequenceClassification,
+                          GemmaConfig, GemmaForSequenceClassification, LlamaConfig,
+                          LlamaForSequenceClassification, Qwen2Config,
+                          Qwen2ForSequenceClassification, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3ForSequenceClassification)
 
 import ksana_llm as kt
 from ksana_llm.server.model_tasks import check_model_task
@@ -51,6 +53,12 @@ def _classifier(kind: str, tokenizer, num_labels: int, **extra):
         return LlamaForSequenceClassification(LlamaConfig(**common)).eval()
     if kind == "qwen2":
         return Qwen2ForSequenceClassification(Qwen2Config(**common)).eval()
+    if kind == "gemma":
+        return GemmaForSequenceClassification(GemmaConfig(**common, head_dim=16)).eval()
+    if kind == "gemma3":  # a 4-token window on the first layer: the test texts outrun it
+        return Gemma3TextForSequenceClassification(Gemma3TextConfig(
+            **common, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"])).eval()
     return Qwen3ForSequenceClassification(Qwen3Config(**common, head_dim=32)).eval()
 
 
@@ -74,6 +82,8 @@ def _hf_logits(hf, tokenizer, *texts) -> torch.Tensor:
                       tie_word_embeddings=False)),
     ("qwen2", 2, dict(tie_word_embeddings=True)),
     ("qwen3", 4, dict(problem_type="multi_label_classification", tie_word_embeddings=False)),
+    ("gemma", 2, dict()),
+    ("gemma3", 3, dict()),
 ])
 def test_classify_equals_transformers(tmp_path, tokenizer, kind, labels, extra):
     hf = _classifier(kind, tokenizer, labels, **extra)

@@ -2,9 +2,9 @@
 
 Each parallel engine must give the same greedy tokens as transformers (= TP 1) and logits within
 fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2, Mixtral
-(MoE), DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split) and
-DeepSeek-V2-Lite's shape (a full-rank MLA query split by heads, softmax group-limited routing),
-with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
+(MoE), DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split),
+DeepSeek-V2-Lite's shape (a full-rank MLA query split by heads, softmax group-limited routing)
+and Gemma 3 (windowed and full layers, a scaled embedding), with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
-                          DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 import ksana_llm as kt
 from ksana_llm.api.model import Model
@@ -67,6 +68,11 @@ MODELS = {
         "topk_method": "group_limited_greedy", "routed_scaling_factor": 2.0,
         "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
         "v_head_dim": 16})),
+    # Gemma 3: a windowed layer then a full one (the 30-token prompt outruns the 8-token
+    # window), the scaled embedding split by vocabulary, q/k norms per head on each rank.
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**{
+        **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention"]})),
 }
 
 
@@ -77,6 +83,8 @@ def build(name: str, folder: Path) -> torch.nn.Module:
         for pname, param in model.named_parameters():
             if pname.endswith("bias"):
                 param.normal_(0, 0.1)  # a bias a rank dropped or doubled must show
+            elif pname.endswith("norm.weight") and "gemma" in name:
+                param.normal_(0, 0.3)  # Gemma's norm offsets (0 would hide a lost +1)
             elif "gate" in pname and param.dim() == 2 and param.shape[0] <= 8:
                 param.normal_(0, 0.5)  # routers: spread tokens over the experts
             elif "experts" in pname:
@@ -119,13 +127,13 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
 
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
                                       ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
-                                      ("deepseek-v2", 2)])
+                                      ("deepseek-v2", 2), ("gemma3", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
     check_engine(tmp_path, hf, tp=tp)
 
 
-@pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek"])
+@pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek", "gemma3"])
 def test_pipeline_parallel_matches_transformers(tmp_path, name):
     hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)

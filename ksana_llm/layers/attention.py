@@ -213,6 +213,8 @@ class AttentionMetadata:
                                                                   compare=False)
     _chunk_batches: dict[tuple[float, int], list[ChunkBatch]] = field(
         default_factory=dict, repr=False, compare=False)
+    _window_masks: dict[tuple[str, int, int], torch.Tensor] = field(
+        default_factory=dict, repr=False, compare=False)
 
     def kv_scale(self, layer_idx: int) -> float:
         """The FP8 cache scale of layer `layer_idx`: 1.0 for a layer beyond the list (the MTP
@@ -224,6 +226,19 @@ class AttentionMetadata:
         if self._slot_index is None:
             self._slot_index = (self.slot_mapping // block_size, self.slot_mapping % block_size)
         return self._slot_index
+
+    def window_mask(self, kind: str, index: int, q_pos: torch.Tensor, num_keys: int,
+                    window: int) -> torch.Tensor:
+        """[len(q_pos), num_keys] bool, True where key position k (0, 1, ...) is causal and in
+        the window (q - window < k <= q): the mask of the decode group or prefill chunk that
+        starts at row `index` (`kind` "decode" / "prefill") for layers with their own window,
+        computed once per step and window."""
+        key = (kind, index, window)
+        if key not in self._window_masks:
+            k_pos = torch.arange(num_keys, device=q_pos.device)
+            self._window_masks[key] = ((k_pos[None, :] <= q_pos[:, None])
+                                       & (k_pos[None, :] > q_pos[:, None] - window))
+        return self._window_masks[key]
 
     def chunk_batches(self, max_tokens: float, num_kv_heads: int) -> list[ChunkBatch]:
         """The prefill chunks over a cached prefix with fewer than `max_tokens` rows, batched by
@@ -298,16 +313,25 @@ def kernel_kv_write(v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                     meta: AttentionMetadata, scale: float,
                     alibi_slopes: torch.Tensor | None = None,
-                    kv_scale: float = 1.0, *, kv_stored: bool = False) -> torch.Tensor:
+                    kv_scale: float = 1.0, *, kv_stored: bool = False,
+                    layer_window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] / [T, Hkv, Dv] for the new tokens. Returns [T, Hq, Dv].
 
     `alibi_slopes` ([Hq], float32) adds ALiBi position biases (Baichuan-13B); it needs
     `meta.positions`. `kv_scale` is the layer's FP8 cache scale (ignored by other caches).
     `kv_stored`: the new K/V are in the cache already (`kernel_kv_write`; Triton backend only).
+    `layer_window`: this layer's own sliding window, for models whose layers differ (Gemma 3:
+    windowed and full layers interleaved; such a model declares no model-wide window, so the
+    step's metadata carries none). Blocks outside it stay cached: the full layers read them.
     """
+    if layer_window is not None:
+        if meta.sliding_window is not None:
+            raise ValueError("layer_window: the model declares a model-wide sliding window too")
+        if alibi_slopes is not None:
+            raise ValueError("layer_window: not combined with ALiBi")
     if meta.kernel_batch is not None:
         return _kernel_attention(q, k, v, kv_cache, meta, scale, alibi_slopes, kv_scale,
-                                 kv_stored)
+                                 kv_stored, layer_window or meta.sliding_window)
     if kv_stored:
         raise ValueError("kv_stored: only the Triton backend's steps store K/V ahead")
     k_cache, v_cache = kv_cache
@@ -329,6 +353,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         vd = gather_kv(v_cache, rows, (n,), **cached)
         qd = q[g.start:g.start + n].view(n, num_kv_heads, group_size, head_dim)
         mask = g.mask
+        if layer_window is not None and length > layer_window:
+            mask = meta.window_mask("decode", g.start, meta.positions[g.start:g.start + n],
+                                    length, layer_window)[:, None, None, :]
         if alibi_slopes is not None:
             q_pos = meta.positions[g.start:g.start + n, None]  # [n, 1]
             bias = _alibi_bias(alibi_slopes, q_pos, torch.arange(length, device=q.device),
@@ -346,6 +373,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             rows = chunk.rows(num_kv_heads)
             kp, vp = gather_kv(k_cache, rows, (), **cached), gather_kv(v_cache, rows, (), **cached)
         mask, causal = chunk.mask, chunk.mask is None and n > 1
+        if layer_window is not None and chunk.context_len > layer_window:
+            q_pos = meta.positions[s:s + n]
+            mask = meta.window_mask("prefill", s, q_pos, kp.shape[1], layer_window)
+            causal = False
         if alibi_slopes is not None:
             ctx = kp.shape[1]
             k_pos = torch.arange(ctx, device=q.device)
@@ -362,7 +393,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                       meta: AttentionMetadata, scale: float,
                       alibi_slopes: torch.Tensor | None, kv_scale: float,
-                      kv_stored: bool) -> torch.Tensor:
+                      kv_stored: bool, window: int | None) -> torch.Tensor:
     """The Triton backend: store the new K/V (unless the RoPE kernel did), then one decode
     launch and one prefill launch that read the paged cache in place (no gathers)."""
     from ksana_llm import kernels  # imports triton: only when this backend was chosen
@@ -377,11 +408,11 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     if d:
         kernels.paged_decode_attention(
             q[:d], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
-            sliding_window=meta.sliding_window, alibi_slopes=slopes, kv_scale=kv_scale,
+            sliding_window=window, alibi_slopes=slopes, kv_scale=kv_scale,
             out=out[:d], order=batch.decode_order)
     if q.shape[0] > d:
         kernels.paged_prefill_attention(
             q[d:], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_query_start_loc,
-            batch.prefill_seq_lens, scale, sliding_window=meta.sliding_window,
+            batch.prefill_seq_lens, scale, sliding_window=window,
             alibi_slopes=slopes, kv_scale=kv_scale, out=out[d:])
     return out

@@ -56,8 +56,10 @@ class LlamaAttention(nn.Module):
 
     The options cover the families built on this block: `qkv_bias` / `o_bias` override the
     config's `attention_bias` (Qwen2 and Qwen v1 bias q/k/v but not the output); `qk_norm` adds
-    RMSNorm over each head of q and k before RoPE (Qwen3); `alibi_slopes` ([num_heads]) replaces
-    RoPE with ALiBi position biases (Baichuan-13B).
+    RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3; `norm_class` picks the
+    norm); `alibi_slopes` ([num_heads]) replaces RoPE with ALiBi position biases (Baichuan-13B);
+    `scale` replaces head_dim^-0.5 (Gemma's query_pre_attn_scalar^-0.5); `layer_window` is this
+    layer's own sliding window where layers differ (Gemma 3).
 
     Under tensor parallelism each rank keeps num_heads / tp query heads and the KV heads they
     read (split, or replicated when there are fewer KV heads than ranks); `o_proj` sums the
@@ -68,7 +70,8 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: Any, layer_idx: int = 0, *, qkv_bias: bool | None = None,
                  o_bias: bool | None = None, qk_norm: bool = False,
-                 alibi_slopes: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None, scale: float | None = None,
+                 layer_window: int | None = None, norm_class: type[RMSNorm] = RMSNorm,
                  parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
@@ -77,7 +80,8 @@ class LlamaAttention(nn.Module):
         self.num_heads = total_heads // parallel.tp_size
         first_kv, self.num_kv_heads = kv_head_shard(total_kv_heads, parallel)
         self.head_dim = d = head_dim_of(config)
-        self.scale = d ** -0.5
+        self.scale = d ** -0.5 if scale is None else scale
+        self.layer_window = layer_window
         bias = bool(getattr(config, "attention_bias", False))
         self.split = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         q_shard = (parallel.tp_rank * self.num_heads * d, self.num_heads * d)
@@ -93,8 +97,8 @@ class LlamaAttention(nn.Module):
             alibi_slopes = alibi_slopes[first_head:first_head + self.num_heads]
         if qk_norm:
             eps = getattr(config, "rms_norm_eps", 1e-6)
-            self.q_norm = RMSNorm(self.head_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim, eps)
+            self.q_norm = norm_class(self.head_dim, eps)
+            self.k_norm = norm_class(self.head_dim, eps)
         self.qk_norm = qk_norm
         self.layer_idx = layer_idx  # picks this layer's FP8 cache scale from the metadata
         # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
@@ -145,7 +149,7 @@ class LlamaAttention(nn.Module):
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx),
-                              kv_stored=write_kv is not None)
+                              kv_stored=write_kv is not None, layer_window=self.layer_window)
         return self.o_proj(out.reshape(num_tokens, -1), meta.lora)
 
 
@@ -156,7 +160,8 @@ class LlamaMLP(nn.Module):
     accepts_lora = True  # forward takes the step's LoRA adapters (see LlamaDecoderLayer)
 
     def __init__(self, config: Any, layer_idx: int = 0, *,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 parallel: ParallelContext = SINGLE, hidden_act: str | None = None) -> None:
+        """`hidden_act` replaces the config's (families that name it otherwise: Gemma)."""
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
@@ -164,7 +169,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias,
                                          shards=[shard, shard])
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, ctx=parallel)
-        self.act = get_gated_activation(getattr(config, "hidden_act", "silu"))
+        self.act = get_gated_activation(hidden_act or getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
@@ -221,6 +226,9 @@ class LlamaModel(nn.Module):
         # One RoPE table for all layers; cos/sin are looked up once per step. ALiBi models
         # (use_rope False) position tokens inside attention instead.
         self.rotary_emb: RotaryEmbedding | None = None
+        # A second table for the layers whose `local_rope` is True (Gemma 3's windowed layers
+        # use another base); set by such families after construction.
+        self.local_rotary_emb: RotaryEmbedding | None = None
         if use_rope:
             theta, scaling = rope_settings(config)
             self.rotary_emb = build_rotary(head_dim_of(config), config.max_position_embeddings,
@@ -239,9 +247,12 @@ class LlamaModel(nn.Module):
                                  ctx.stage_rank(ctx.pp_rank - 1))
         rope = None if self.rotary_emb is None else self.rotary_emb.cos_sin(positions,
                                                                           hidden.dtype)
+        local_rope = (None if self.local_rotary_emb is None
+                      else self.local_rotary_emb.cos_sin(positions, hidden.dtype))
         residual = None
         for layer, kv_cache in zip(local_layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+            layer_rope = local_rope if local_rope is not None and layer.local_rope else rope
+            hidden, residual = layer(layer_rope, hidden, residual, kv_cache, meta)
         if not ctx.is_last_stage:
             # hidden + residual is what the next layer's fused add-norm would see.
             send_hidden(hidden if residual is None else hidden + residual,

@@ -28,6 +28,8 @@ BACKBONES = {
     "MistralForSequenceClassification": "MistralForCausalLM",
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "GemmaForSequenceClassification": "GemmaForCausalLM",
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
 }
 _HEAD_PREFIX = "score."
 # How transformers' loss (`config.problem_type`) reads the logits, and so what turns them into
