@@ -1,12 +1,14 @@
-"""Gemma (1) and Gemma 3 (text) end to end against transformers (fp32).
+"""Gemma (1), Gemma 2 and Gemma 3 (text) end to end against transformers (fp32).
 
-Tiny random `GemmaForCausalLM` (MQA: one KV head, tied embeddings) and `Gemma3ForCausalLM`
-(windowed and full layers interleaved with a 12-token window that the 40-token test prompts
-outrun, each kind with its own RoPE, q/k norms, query_pre_attn_scalar, final logit soft-capping)
-saved by transformers, their norm weights moved off 0 (Gemma stores them as offsets from 1):
-logits at prefill (whole and chunked), at 16 decode steps and on a prefix-cache hit, and greedy
-tokens through the Engine (tests/family_harness.py); Gemma 3 also on the Triton kernels. The
-Gemma 3 parts that a reference check might pass by luck are undone one at a time and must fail.
+Tiny random models saved by transformers, their norm weights moved off 0 (Gemma stores them as
+offsets from 1): `GemmaForCausalLM` (MQA: one KV head, tied embeddings); `Gemma2ForCausalLM`
+(windowed and full layers, a 12-token window that the 40-token test prompts outrun, attention
+logits soft-capped at 1.0 with attention weights large enough for the cap to bite,
+query_pre_attn_scalar, final logit soft-capping); `Gemma3ForCausalLM` (the same windows, each
+kind of layer with its own RoPE, q/k norms, no attention cap). Logits at prefill (whole and
+chunked), at 16 decode steps and on a prefix-cache hit, and greedy tokens through the Engine
+(tests/family_harness.py); Gemma 2 and 3 also on the Triton kernels. The parts a reference
+check might pass by luck are undone one at a time and must fail.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          GemmaConfig, GemmaForCausalLM)
 
 from ksana_llm.layers.attention import AttentionMetadata
+from ksana_llm.models.gemma import Gemma2ForCausalLM as OurGemma2
 from ksana_llm.models.gemma import Gemma3ForCausalLM as OurGemma3
 from ksana_llm.models.gemma import GemmaForCausalLM as OurGemma
 from ksana_llm.models.gemma import ScaledEmbedding
-from tests.family_harness import (check_family, check_prefill_and_decode, check_triton_backend,
-                                  hf_reference, load_ours, memoized)
+from tests.family_harness import (TritonDriver, check_family, check_prefill_and_decode,
+                                  check_triton_backend, hf_reference, load_ours, memoized)
 
 VOCAB = 256
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -37,6 +41,15 @@ def gemma_config(**overrides) -> GemmaConfig:
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": VOCAB,
         "max_position_embeddings": 256, "bos_token_id": 2, "eos_token_id": 1,
         "pad_token_id": 0, **overrides})
+
+
+def gemma2_config(**overrides) -> Gemma2Config:
+    return Gemma2Config(**{
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": VOCAB,
+        "max_position_embeddings": 256, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+        "sliding_window": 12, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.0,
+        "final_logit_softcapping": 5.0, **overrides})
 
 
 def gemma3_config(**overrides) -> Gemma3TextConfig:
@@ -52,13 +65,16 @@ def gemma3_config(**overrides) -> Gemma3TextConfig:
         **overrides})
 
 
-def _norms_off_zero(model: torch.nn.Module) -> None:
+def _randomize(model: torch.nn.Module) -> None:
     """transformers initialises Gemma's norm offsets to 0 (a weight of 1): give them values, so
-    a norm loaded without its +1, or not at all, shows."""
+    a norm loaded without its +1, or not at all, shows. Attention projections get weights large
+    enough that Gemma 2's logit cap changes the scores."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(0, 0.3)
+            elif ".self_attn." in name and name.endswith("proj.weight"):
+                param.normal_(0, 0.2)
 
 
 @dataclasses.dataclass
@@ -71,17 +87,18 @@ class Saved:
 def saved(tmp_path_factory) -> dict[str, Saved]:
     out = {}
     for name, build in (("gemma", lambda: GemmaForCausalLM(gemma_config())),
+                        ("gemma2", lambda: Gemma2ForCausalLM(gemma2_config())),
                         ("gemma3", lambda: Gemma3ForCausalLM(gemma3_config()))):
         torch.manual_seed(0)
         hf = build().eval()
-        _norms_off_zero(hf)
+        _randomize(hf)
         folder = tmp_path_factory.mktemp(name)
         hf.save_pretrained(folder)
         out[name] = Saved(hf, folder)
     return out
 
 
-@pytest.mark.parametrize("name", ["gemma", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_family_matches_transformers(saved, name):
     model = saved[name]
     check_family(load_ours(model.folder), model.folder, hf_reference(model.hf), vocab=VOCAB)
@@ -91,6 +108,14 @@ def test_gemma3_triton_backend_matches_transformers(saved):
     model = saved["gemma3"]
     check_triton_backend(load_ours(model.folder), model.folder, hf_reference(model.hf),
                          vocab=VOCAB)
+
+
+def test_gemma2_triton_kernels_match_transformers(saved):
+    """The soft-capped attention in the Triton kernels (windowed and full layers): logits over
+    a chunked prefill and 16 decode steps."""
+    model = saved["gemma2"]
+    check_prefill_and_decode(load_ours(model.folder), memoized(hf_reference(model.hf)),
+                             vocab=VOCAB, chunks=[16, 16, 8], driver_class=TritonDriver)
 
 
 def test_model_layout(saved):
@@ -112,17 +137,30 @@ def test_model_layout(saved):
     assert layers[0].self_attn.scale == 24 ** -0.5
     hf_q_norm = saved["gemma3"].hf.model.layers[2].self_attn.q_norm.weight
     torch.testing.assert_close(layers[2].self_attn.q_norm.weight, hf_q_norm + 1)
+    assert {layer.self_attn.softcap for layer in layers} == {None}
+
+    gemma2 = load_ours(saved["gemma2"].folder)
+    assert isinstance(gemma2, OurGemma2) and gemma2.model.local_rotary_emb is None
+    layers = gemma2.model.layers
+    assert [layer.self_attn.layer_window for layer in layers] == [12, None, 12, None]
+    assert {layer.self_attn.softcap for layer in layers} == {1.0}
+    assert not layers[0].self_attn.qk_norm and gemma2.final_logit_softcap == 5.0
 
 
-@pytest.mark.parametrize("mutation", ["no window", "one rope table", "no logit cap"])
-def test_gemma3_parity_checks_see_each_part(saved, mutation):
-    """With one Gemma 3 part undone, our logits leave transformers' (so the checks above
-    exercise the window, both RoPE tables and the soft-capping)."""
-    model = saved["gemma3"]
+@pytest.mark.parametrize("name, mutation", [
+    ("gemma3", "no window"), ("gemma3", "one rope table"), ("gemma3", "no logit cap"),
+    ("gemma2", "no window"), ("gemma2", "no attention cap")])
+def test_parity_checks_see_each_part(saved, name, mutation):
+    """With one part undone, our logits leave transformers' (so the checks above exercise the
+    windows, both RoPE tables, and both soft-cappings)."""
+    model = saved[name]
     ours = load_ours(model.folder)
     if mutation == "no window":
         for layer in ours.model.layers:
             layer.self_attn.layer_window = None
+    elif mutation == "no attention cap":
+        for layer in ours.model.layers:
+            layer.self_attn.softcap = None
     elif mutation == "one rope table":
         ours.model.local_rotary_emb = ours.model.rotary_emb
     else:
@@ -151,15 +189,16 @@ def test_gemma3_older_config_keys(saved, tmp_path):
     check_prefill_and_decode(ours, memoized(hf_reference(model.hf)), vocab=VOCAB, chunks=[40])
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
-    ("use_bidirectional_attention", True, "use_bidirectional_attention"),
+@pytest.mark.parametrize("cls, config, field, value", [
+    (OurGemma3, gemma3_config, "attn_logit_softcapping", 50.0),
+    (OurGemma3, gemma3_config, "use_bidirectional_attention", True),
+    (OurGemma2, gemma2_config, "layer_types", ["sliding_attention"]),
 ])
-def test_gemma3_unsupported_settings_name_the_field(field, value, match):
-    config = gemma3_config()
+def test_unsupported_settings_name_the_field(cls, config, field, value):
+    config = config()
     setattr(config, field, value)
-    with pytest.raises(ValueError, match=match):
-        OurGemma3(config)
+    with pytest.raises(ValueError, match=field):
+        cls(config)
 
 
 def test_layer_window_needs_no_model_wide_window():

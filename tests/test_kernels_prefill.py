@@ -63,6 +63,20 @@ def test_prefill_matches_reference(device, dtype, block_size, group, head_dim):
     assert_close(out, ref.paged_prefill_attention_ref(*args), dtype)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_prefill_softcap(device, window):
+    """Gemma 2's attention logit soft-capping over fresh prompts, chunks after a prefix and an
+    empty slot: equal to the reference, which differs from uncapped attention here."""
+    batch, q, starts, lens = prefill_inputs(PREFILL_SEQS, block_size=16, kv_heads=2, heads=4,
+                                            head_dim=32, dtype=torch.float32, device=device)
+    args = (q * 4, batch.k_cache, batch.v_cache, batch.block_tables, starts, lens, 0.5)
+    out = kernels.paged_prefill_attention(*args, sliding_window=window, softcap=1.0)
+    expected = ref.paged_prefill_attention_ref(*args, sliding_window=window, softcap=1.0)
+    assert_close(out, expected, torch.float32)
+    uncapped = ref.paged_prefill_attention_ref(*args, sliding_window=window)
+    assert (expected - uncapped).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_prefill_over_a_latent_cache(device, dtype):
     """MLA's absorbed prefill: every query head on one latent "head", values a strided view of

@@ -14,7 +14,8 @@ import sys
 import httpx
 import pytest
 import torch
-from transformers import (AutoTokenizer, Gemma3TextConfig, Gemma3TextForSequenceClassification,
+from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForSequenceClassification,
+                          Gemma3TextConfig, Gemma3TextForSequenceClassification,
                           GemmaConfig, GemmaForSequenceClassification, LlamaConfig,
                           LlamaForSequenceClassification, Qwen2Config,
                           Qwen2ForSequenceClassification, Qwen3Config, Qwen3ForCausalLM,
@@ -55,6 +56,10 @@ def _classifier(kind: str, tokenizer, num_labels: int, **extra):
         return Qwen2ForSequenceClassification(Qwen2Config(**common)).eval()
     if kind == "gemma":
         return GemmaForSequenceClassification(GemmaConfig(**common, head_dim=16)).eval()
+    if kind == "gemma2":  # a 4-token window on the first layer; logits capped at 50
+        return Gemma2ForSequenceClassification(Gemma2Config(
+            **common, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"])).eval()
     if kind == "gemma3":  # a 4-token window on the first layer: the test texts outrun it
         return Gemma3TextForSequenceClassification(Gemma3TextConfig(
             **common, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
@@ -83,6 +88,7 @@ def _hf_logits(hf, tokenizer, *texts) -> torch.Tensor:
     ("qwen2", 2, dict(tie_word_embeddings=True)),
     ("qwen3", 4, dict(problem_type="multi_label_classification", tie_word_embeddings=False)),
     ("gemma", 2, dict()),
+    ("gemma2", 2, dict()),
     ("gemma3", 3, dict()),
 ])
 def test_classify_equals_transformers(tmp_path, tokenizer, kind, labels, extra):

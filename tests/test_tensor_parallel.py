@@ -4,7 +4,8 @@ Each parallel engine must give the same greedy tokens as transformers (= TP 1) a
 fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2, Mixtral
 (MoE), DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split),
 DeepSeek-V2-Lite's shape (a full-rank MLA query split by heads, softmax group-limited routing)
-and Gemma 3 (windowed and full layers, a scaled embedding), with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
+and Gemma 2 / 3 (windowed and full layers, a scaled embedding; Gemma 2's capped logits), with
+TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
-                          DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
@@ -73,6 +75,10 @@ MODELS = {
     "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**{
         **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
         "layer_types": ["sliding_attention", "full_attention"]})),
+    # Gemma 2: the same layout without q/k norms, attention logits capped on each rank's heads.
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{
+        **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 0.5, "layer_types": ["sliding_attention", "full_attention"]})),
 }
 
 
@@ -127,7 +133,7 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
 
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
                                       ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
-                                      ("deepseek-v2", 2), ("gemma3", 2)])
+                                      ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
     check_engine(tmp_path, hf, tp=tp)

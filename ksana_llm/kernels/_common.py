@@ -109,3 +109,12 @@ def check_window(sliding_window: int | None) -> int:
     if sliding_window < 1:
         raise ValueError(f"sliding_window: must be >= 1 or None, got {sliding_window}")
     return int(sliding_window)
+
+
+def check_softcap(softcap: float | None) -> float:
+    """Attention logit soft-capping as the kernels take it: 0.0 = none."""
+    if softcap is None:
+        return 0.0
+    if not softcap > 0:
+        raise ValueError(f"softcap: must be > 0 or None, got {softcap}")
+    return float(softcap)

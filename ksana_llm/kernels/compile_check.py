@@ -176,7 +176,7 @@ def in_quick_set(config: ShapeConfig, launch: Launch) -> bool:
 
 def record_launches(config: ShapeConfig) -> list[Launch]:
     """Every kernel variant the engine can launch (decode with one and several splits, with and
-    without window / ALiBi, over a cache of the model's dtype or FP8; prefill of one and of
+    without window / ALiBi / logit soft-capping, over a cache of the model's dtype or FP8; prefill of one and of
     several sequences; norm with and without residual; rotary on views of a fused QKV, with
     and without q/k norms and the K/V store; the SiLU-gated activation; the quantized-weight
     matmuls: FP8 with block and per-row scales, int8 codes, packed 4-bit codes; the grouped MoE
@@ -210,6 +210,9 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
                                                 sliding_window=100, alibi_slopes=slopes,
                                                 num_splits=3)
+        # Gemma 2's windowed layers: soft-capped logits
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
+                                                sliding_window=100, softcap=50.0)
     launches += rec
     with recording(prefill_attention, "_prefill_kernel") as rec:
         q = torch.empty(40, heads, head_dim, dtype=dtype)
@@ -219,6 +222,9 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
             lens, 0.1, sliding_window=64, alibi_slopes=slopes)
+        prefill_attention.paged_prefill_attention(
+            q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
+            lens, 0.1, sliding_window=64, softcap=50.0)
     launches += rec
     if config.latent_values is not None:
         return launches

@@ -30,9 +30,11 @@ import triton
 import triton.language as tl
 
 from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
-                                       check_last_dim_contiguous, check_same_device, check_window,
+                                       check_last_dim_contiguous, check_same_device, check_softcap,
+                                       check_window,
                                        dot_precision, dot_tile, head_dim_tiles, next_pow2)
-from ksana_llm.kernels.paged_tiles import accumulate_tile, tile_scores, tile_slots
+from ksana_llm.kernels.paged_tiles import (accumulate_tile, capped_scores, tile_scores,
+                                           tile_slots)
 
 # Assumed SM count when running in the interpreter on CPU (an H100/H200 has 132), so the split
 # choice made in CPU tests is the one a Hopper GPU would make.
@@ -50,7 +52,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, Block_tables, Context_lens, Order, Alibi, Out, Mid_o, Mid_lse,
-    scale_log2, v_scale, window, split_len,
+    scale_log2, v_scale, window, softcap, split_len,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -62,7 +64,8 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     USE_ORDER: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(1)
@@ -114,7 +117,7 @@ def _decode_kernel(
         if BLOCK_DT > 0:
             s += tile_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
                              kv_mask, DOT_PRECISION)
-        s = s * scale_log2  # log2 domain; the K scale of an FP8 cache is folded in
+        s = capped_scores(s, scale_log2, softcap, USE_SOFTCAP)  # log2 domain
         if USE_ALIBI:
             s += slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]
         s = tl.where(kv_mask[None, :], s, float("-inf"))
@@ -261,7 +264,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, sliding_window: int | None = None,
                            alibi_slopes: torch.Tensor | None = None,
-                           num_splits: int | None = None, kv_scale: float = 1.0,
+                           softcap: float | None = None, num_splits: int | None = None,
+                           kv_scale: float = 1.0,
                            out: torch.Tensor | None = None,
                            tiles: tuple[int, int, int] | None = None,
                            order: torch.Tensor | None = None) -> torch.Tensor:
@@ -306,6 +310,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
     window = check_window(sliding_window)
+    cap = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, num_heads)
     if out is None:
         out = q.new_empty(batch, num_heads, v_head_dim)
@@ -344,7 +349,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens,
         order.contiguous() if order is not None else context_lens,
         slopes if slopes is not None else q, out, mid_o, mid_lse,
-        scale * kv_scale * _LOG2E, kv_scale, window, split_len,
+        scale * kv_scale * _LOG2E, kv_scale, window, cap, split_len,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -355,7 +360,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DT=block_dt,
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, SINGLE_SPLIT=single,
+        USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, USE_SOFTCAP=bool(cap),
+        SINGLE_SPLIT=single,
         USE_ORDER=order is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

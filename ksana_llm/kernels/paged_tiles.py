@@ -53,3 +53,16 @@ def accumulate_tile(s, m_i, l_i, acc, q, v_head, block, in_block, kv_mask, strid
     v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def capped_scores(s, scale_log2, softcap, USE_SOFTCAP: tl.constexpr):
+    """Raw q.k scores -> the log2-domain scores the online softmax takes: times `scale_log2`
+    (softmax scale * log2(e), an FP8 cache's K scale folded in), or with logit soft-capping
+    (Gemma 2) cap * tanh(score * scale / cap) first. tanh from exp2, which every Triton
+    version and the interpreter have: 1 - 2 / (e^(2x) + 1), exact at both infinities."""
+    if USE_SOFTCAP:
+        x = s * (scale_log2 / 1.4426950408889634) / softcap
+        t = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # tanh(x); 2 * log2(e)
+        return softcap * t * 1.4426950408889634
+    return s * scale_log2

@@ -15,9 +15,11 @@ import triton
 import triton.language as tl
 
 from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
-                                       check_last_dim_contiguous, check_same_device, check_window,
+                                       check_last_dim_contiguous, check_same_device, check_softcap,
+                                       check_window,
                                        dot_precision, dot_tile, head_dim_tiles)
-from ksana_llm.kernels.paged_tiles import accumulate_tile, tile_scores, tile_slots
+from ksana_llm.kernels.paged_tiles import (accumulate_tile, capped_scores, tile_scores,
+                                           tile_slots)
 
 _LOG2E = 1.4426950408889634
 
@@ -42,7 +44,7 @@ def _find_sequence(Query_start_loc, q_block, num_seqs, BLOCK_M: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     Q, K_cache, V_cache, Block_tables, Query_start_loc, Seq_lens, Alibi, Out,
-    scale_log2, v_scale, window, num_seqs,
+    scale_log2, v_scale, window, softcap, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -52,7 +54,8 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -106,7 +109,7 @@ def _prefill_kernel(
         if BLOCK_DT > 0:
             s += tile_scores(q_tail, k_head, block, in_block, stride_kb, stride_ks, dt, dt_mask,
                              kv_mask, DOT_PRECISION)
-        s = s * scale_log2  # log2 domain; the K scale of an FP8 cache is folded in
+        s = capped_scores(s, scale_log2, softcap, USE_SOFTCAP)  # log2 domain
         rel = pos[None, :] - q_pos[:, None]  # key pos - query pos
         if USE_ALIBI:
             s += slope * rel.to(tl.float32)
@@ -135,7 +138,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, *,
                             sliding_window: int | None = None,
-                            alibi_slopes: torch.Tensor | None = None, kv_scale: float = 1.0,
+                            alibi_slopes: torch.Tensor | None = None,
+                            softcap: float | None = None, kv_scale: float = 1.0,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query chunks over their paged contexts (prefill, chunked prefill,
     prefix-cache hits, and multi-token extends alike).
@@ -169,6 +173,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     query_start_loc = query_start_loc.contiguous()
     seq_lens = seq_lens.contiguous()
     window = check_window(sliding_window)
+    cap = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, num_heads)
     if out is None:
         out = q.new_empty(num_tokens, num_heads, v_head_dim)
@@ -187,7 +192,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         slopes if slopes is not None else q, out,
-        scale * kv_scale * _LOG2E, kv_scale, window, batch,
+        scale * kv_scale * _LOG2E, kv_scale, window, cap, batch,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -197,7 +202,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_DT=block_dt,
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        USE_WINDOW=bool(window), USE_ALIBI=slopes is not None,
+        USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, USE_SOFTCAP=bool(cap),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

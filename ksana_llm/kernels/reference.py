@@ -37,17 +37,21 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, *,
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                scale: float, *, sliding_window: int | None = None,
-               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               alibi_slopes: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
     """Attention of queries at absolute positions `q_pos` [n] over keys at positions 0..L-1.
 
     q [n, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv] -> [n, Hq, Dv] in q's dtype. Causal (key pos <=
     query pos), optionally windowed (key pos > query pos - window) and ALiBi-biased
-    (+ slope[h] * (key pos - query pos)). Query head h reads KV head h // (Hq // Hkv).
+    (+ slope[h] * (key pos - query pos)); `softcap` caps the scaled scores at
+    softcap * tanh(score / softcap) (Gemma 2). Query head h reads KV head h // (Hq // Hkv).
     """
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale  # [Hq, n, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     k_pos = torch.arange(k.shape[0], device=q.device)
     rel = k_pos[None, :] - q_pos.long()[:, None]  # [n, L]
     allowed = rel <= 0
@@ -64,6 +68,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float, *, sliding_window: int | None = None,
                                alibi_slopes: torch.Tensor | None = None,
+                               softcap: float | None = None,
                                kv_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence at position context_len - 1: q [B, Hq, D] -> [B, Hq, Dv]."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
@@ -74,7 +79,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         v = gather_kv(v_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
         q_pos = torch.tensor([length - 1], device=q.device)
         out[b] = attend_ref(q[b:b + 1], k, v, q_pos, scale, sliding_window=sliding_window,
-                            alibi_slopes=alibi_slopes)[0]
+                            alibi_slopes=alibi_slopes, softcap=softcap)[0]
     return out
 
 
@@ -83,6 +88,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 seq_lens: torch.Tensor, scale: float, *,
                                 sliding_window: int | None = None,
                                 alibi_slopes: torch.Tensor | None = None,
+                                softcap: float | None = None,
                                 kv_scale: float = 1.0) -> torch.Tensor:
     """Query chunks over a paged prefix: q [T, Hq, D] -> [T, Hq, Dv].
 
@@ -99,7 +105,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = gather_kv(v_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
         q_pos = torch.arange(length - (e - s), length, device=q.device)
         out[s:e] = attend_ref(q[s:e], k, v, q_pos, scale, sliding_window=sliding_window,
-                              alibi_slopes=alibi_slopes)
+                              alibi_slopes=alibi_slopes, softcap=softcap)
     return out
 
 

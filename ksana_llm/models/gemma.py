@@ -1,4 +1,4 @@
-"""Gemma (1) and Gemma 3 (text) on the Llama block.
+"""Gemma (1), Gemma 2 and Gemma 3 (text) on the Llama block.
 
 What every Gemma changes from Llama:
 - RMSNorm multiplies by (1 + weight): the checkpoint stores the offset from 1, so each
@@ -10,16 +10,19 @@ What every Gemma changes from Llama:
 - the gated MLP's activation is GeLU (tanh approximation), named `hidden_act` (Gemma 1) or
   `hidden_activation` (Gemma 2, 3); tied embeddings; `final_logit_softcapping` when set.
 
-Gemma 3 (`Gemma3ForCausalLM`, the 1B model and text-only configs) adds:
-- q/k RMSNorm per head before RoPE, softmax scale `query_pre_attn_scalar`^-0.5;
+Gemma 2 (`Gemma2ForCausalLM`) adds:
+- softmax scale `query_pre_attn_scalar`^-0.5, attention logits soft-capped at
+  `attn_logit_softcapping` (cap * tanh(logit / cap), in both attention backends);
 - a norm after attention and around the MLP (`pre_`/`post_feedforward_layernorm`);
-- `layer_types`: windowed layers (`sliding_window`) interleaved with full ones (5 to 1), each
-  kind with its own RoPE (`rope_parameters["sliding_attention"]` / `["full_attention"]`, or the
-  older `rope_local_base_freq` / `rope_theta` + `rope_scaling`). The runner keeps every block
-  (the full layers read them); windowed layers mask what they do not see.
+- `layer_types`: windowed layers (`sliding_window`) interleaved with full ones. The runner keeps
+  every block (the full layers read them); windowed layers mask what they do not see.
 
-Gemma 2 (attention logit soft-capping) and the multimodal Gemma 3 checkpoints
-(`Gemma3ForConditionalGeneration`) are not covered.
+Gemma 3 (`Gemma3ForCausalLM`, the 1B model and text-only configs) is Gemma 2's layout with q/k
+RMSNorm per head before RoPE instead of attention soft-capping, windowed layers 5 to 1, and
+each kind of layer with its own RoPE (`rope_parameters["sliding_attention"]` /
+`["full_attention"]`, or the older `rope_local_base_freq` / `rope_theta` + `rope_scaling`).
+
+The multimodal Gemma 3 checkpoints (`Gemma3ForConditionalGeneration`) are not covered.
 """
 
 from __future__ import annotations
@@ -97,9 +100,10 @@ def _norms_from_offsets(weights: Iterable[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
-class Gemma3DecoderLayer(nn.Module):
-    """norm -> attention -> norm, added to the residual; norm -> MLP -> norm, added to the
-    residual. The additions ride on the next norm's fused add (as in `LlamaDecoderLayer`)."""
+class Gemma2DecoderLayer(nn.Module):
+    """Gemma 2 and 3: norm -> attention -> norm, added to the residual; norm -> MLP -> norm,
+    added to the residual. The additions ride on the next norm's fused add (as in
+    `LlamaDecoderLayer`)."""
 
     def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, *,
                  local_rope: bool) -> None:
@@ -150,13 +154,35 @@ def rope_of(config: Any, layer_type: str) -> tuple[float, dict[str, Any]]:
     return rope_settings(config)
 
 
-class Gemma3ForCausalLM(GemmaForCausalLM):
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """Gemma 2 2B / 9B / 27B."""
+
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention is not supported (an encoder setting)")
+        self._types = layer_types(config)  # checked before any weight is built
+        super().__init__(config, parallel)
+
+    def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
+        return LlamaAttention(config, layer_idx,
+                              scale=float(config.query_pre_attn_scalar) ** -0.5,
+                              layer_window=self._window_of(config, layer_idx),
+                              softcap=getattr(config, "attn_logit_softcapping", None),
+                              parallel=self.parallel)
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        return Gemma2DecoderLayer(config, self.make_attention(config, layer_idx),
+                                  self.make_mlp(config, layer_idx),
+                                  local_rope=self._types[layer_idx] == SLIDING)
+
+    def _window_of(self, config: Any, layer_idx: int) -> int | None:
+        return config.sliding_window if self._types[layer_idx] == SLIDING else None
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         if getattr(config, "attn_logit_softcapping", None):
             raise ValueError("attn_logit_softcapping is not supported (Gemma 3 sets none)")
-        if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention is not supported (an encoder setting)")
-        self._types = layer_types(config)
         super().__init__(config, parallel)
         d, max_pos = head_dim_of(config), config.max_position_embeddings
         self.model.rotary_emb = build_rotary(d, max_pos, *rope_of(config, FULL))
@@ -166,12 +192,7 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
         return False  # the two tables are installed in __init__
 
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
-        window = config.sliding_window if self._types[layer_idx] == SLIDING else None
         return LlamaAttention(config, layer_idx, qk_norm=True,
                               scale=float(config.query_pre_attn_scalar) ** -0.5,
-                              layer_window=window, parallel=self.parallel)
-
-    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
-        return Gemma3DecoderLayer(config, self.make_attention(config, layer_idx),
-                                  self.make_mlp(config, layer_idx),
-                                  local_rope=self._types[layer_idx] == SLIDING)
+                              layer_window=self._window_of(config, layer_idx),
+                              parallel=self.parallel)

@@ -56,10 +56,11 @@ class LlamaAttention(nn.Module):
 
     The options cover the families built on this block: `qkv_bias` / `o_bias` override the
     config's `attention_bias` (Qwen2 and Qwen v1 bias q/k/v but not the output); `qk_norm` adds
-    RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3; `norm_class` picks the
-    norm); `alibi_slopes` ([num_heads]) replaces RoPE with ALiBi position biases (Baichuan-13B);
-    `scale` replaces head_dim^-0.5 (Gemma's query_pre_attn_scalar^-0.5); `layer_window` is this
-    layer's own sliding window where layers differ (Gemma 3).
+    RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3); `alibi_slopes`
+    ([num_heads]) replaces RoPE with ALiBi position biases (Baichuan-13B); `scale` replaces
+    head_dim^-0.5 (Gemma's query_pre_attn_scalar^-0.5); `layer_window` is this layer's own
+    sliding window where layers differ (Gemma 2, 3); `softcap` caps the attention logits at
+    softcap * tanh(logit / softcap) (Gemma 2).
 
     Under tensor parallelism each rank keeps num_heads / tp query heads and the KV heads they
     read (split, or replicated when there are fewer KV heads than ranks); `o_proj` sums the
@@ -71,7 +72,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int = 0, *, qkv_bias: bool | None = None,
                  o_bias: bool | None = None, qk_norm: bool = False,
                  alibi_slopes: torch.Tensor | None = None, scale: float | None = None,
-                 layer_window: int | None = None, norm_class: type[RMSNorm] = RMSNorm,
+                 layer_window: int | None = None, softcap: float | None = None,
                  parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
@@ -82,6 +83,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = d = head_dim_of(config)
         self.scale = d ** -0.5 if scale is None else scale
         self.layer_window = layer_window
+        self.softcap = softcap
         bias = bool(getattr(config, "attention_bias", False))
         self.split = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         q_shard = (parallel.tp_rank * self.num_heads * d, self.num_heads * d)
@@ -97,8 +99,8 @@ class LlamaAttention(nn.Module):
             alibi_slopes = alibi_slopes[first_head:first_head + self.num_heads]
         if qk_norm:
             eps = getattr(config, "rms_norm_eps", 1e-6)
-            self.q_norm = norm_class(self.head_dim, eps)
-            self.k_norm = norm_class(self.head_dim, eps)
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
         self.qk_norm = qk_norm
         self.layer_idx = layer_idx  # picks this layer's FP8 cache scale from the metadata
         # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
@@ -149,7 +151,8 @@ class LlamaAttention(nn.Module):
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx),
-                              kv_stored=write_kv is not None, layer_window=self.layer_window)
+                              kv_stored=write_kv is not None, layer_window=self.layer_window,
+                              softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, -1), meta.lora)
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from ksana_llm.models.baichuan import BaichuanForCausalLM
 from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ksana_llm.models.gemma import Gemma3ForCausalLM, GemmaForCausalLM
+from ksana_llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
@@ -30,6 +30,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
     "GemmaForCausalLM": GemmaForCausalLM,  # Gemma 2B / 7B, CodeGemma
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,  # Gemma 2 2B / 9B / 27B
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Gemma 3 1B (text)
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # DeepSeek-V2, V2-Lite, V2.5, Coder-V2
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1 (MLA + DeepSeek MoE)
@@ -40,6 +41,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen2ForSequenceClassification": Qwen2ForCausalLM,
     "Qwen3ForSequenceClassification": Qwen3ForCausalLM,
     "GemmaForSequenceClassification": GemmaForCausalLM,  # also bge-reranker-v2-gemma's recipe
+    "Gemma2ForSequenceClassification": Gemma2ForCausalLM,
     "Gemma3TextForSequenceClassification": Gemma3ForCausalLM,
 })
 _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
@@ -54,6 +56,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma": GemmaForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,

@@ -29,6 +29,7 @@ BACKBONES = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
     "GemmaForSequenceClassification": "GemmaForCausalLM",
+    "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
 }
 _HEAD_PREFIX = "score."
