@@ -14,6 +14,7 @@ from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
+from ksana_llm.models.phi3 import Phi3ForCausalLM
 from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
 from ksana_llm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -29,6 +30,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "MixtralForCausalLM": MixtralForCausalLM,  # Mixtral 8x7B / 8x22B
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 mini / medium (4k), Phi-4
     "GemmaForCausalLM": GemmaForCausalLM,  # Gemma 2B / 7B, CodeGemma
     "Gemma2ForCausalLM": Gemma2ForCausalLM,  # Gemma 2 2B / 9B / 27B
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Gemma 3 1B (text)
@@ -55,6 +57,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,

@@ -1,0 +1,74 @@
+"""Phi-3 and Phi-4 (`Phi3ForCausalLM`): Llama's layers with fused checkpoint projections.
+
+The checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (gate first),
+the layout of our own fused matmuls; they are split into their parts as they load, so tensor
+parallelism shards them like any Llama's. `sliding_window` applies to every layer, as in
+transformers' Phi-3 (2047 in Phi-3-mini-4k's config, null in Phi-4's).
+
+Not covered, refused by name: LongRoPE scaling (`rope_scaling` type "longrope" / "su": the
+128k-context Phi-3 / Phi-3.5 / Phi-4-mini models, whose rotation transformers switches by the
+current sequence length) and `partial_rotary_factor` below 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ksana_llm.distributed.context import ParallelContext
+from ksana_llm.layers.rotary import rope_settings
+from ksana_llm.models.llama import MistralForCausalLM, head_dim_of
+
+
+def check_phi3_rope(config: Any) -> None:
+    _, scaling = rope_settings(config)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("longrope", "su"):
+        raise ValueError(f"rope_scaling type {rope_type!r} (LongRoPE, Phi's 128k-context "
+                         "models) is not supported")
+    factor = float(scaling.get("partial_rotary_factor",
+                               getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+    if factor != 1.0:
+        raise ValueError(f"partial_rotary_factor {factor} is not supported (RoPE over the "
+                         "whole head only)")
+
+
+class Phi3ForCausalLM(MistralForCausalLM):
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
+        check_phi3_rope(config)
+        super().__init__(config, parallel)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
+                     require_all: bool = True) -> set[str]:
+        return super().load_weights(self._split_fused(weights), require_all=require_all)
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`qkv_proj` -> q_proj, k_proj, v_proj and `gate_up_proj` -> gate_proj, up_proj (rows
+        in that order), so that each part lands in this rank's shard of the fused matmul."""
+        config = self.config
+        d = head_dim_of(config)
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        qkv_rows = [config.num_attention_heads * d, kv_heads * d, kv_heads * d]
+        for name, tensor in weights:
+            if name.endswith(".self_attn.qkv_proj.weight"):
+                prefix = name[:-len("qkv_proj.weight")]
+                parts = torch.split(tensor, qkv_rows) if tensor.shape[0] == sum(qkv_rows) \
+                    else None
+                if parts is None:
+                    raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
+                                     f"expected {sum(qkv_rows)} (q, k, v heads x head_dim)")
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), parts):
+                    yield f"{prefix}{part}.weight", piece
+            elif name.endswith(".mlp.gate_up_proj.weight"):
+                prefix = name[:-len("gate_up_proj.weight")]
+                if tensor.shape[0] != 2 * config.intermediate_size:
+                    raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
+                                     f"expected {2 * config.intermediate_size} (gate, up)")
+                gate, up = tensor.chunk(2, dim=0)
+                yield f"{prefix}gate_proj.weight", gate
+                yield f"{prefix}up_proj.weight", up
+            else:
+                yield name, tensor
