@@ -1,5 +1,6 @@
 """A tiny random DeepSeek-V3 (transformers' classes) and its MTP layer as hub checkpoints store
-it: shared by the DeepSeek family tests and the speculative decoding tests and benchmark."""
+it: shared by the DeepSeek family tests and the speculative decoding tests and benchmark; and
+the comparison of a router of ours with transformers' (DeepSeek V2 and V3)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def deepseek_config(**overrides) -> DeepseekV3Config:
                             "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
         "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
         **overrides})
+
+
+def same_routing(hf_router: torch.nn.Module, router: torch.nn.Module, x: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both routers on `x`, which must pick the same experts for every token (both pick with
+    sorted=False: compared per token after sorting by expert id). Returns (experts, our
+    weights, transformers' weights), each row ordered by expert id."""
+    with torch.no_grad():
+        _, hf_weights, hf_experts = hf_router(x)
+        routing = router(x)
+    hf_experts, hf_order = hf_experts.sort(dim=-1)
+    experts, order = routing.experts.sort(dim=-1)
+    assert torch.equal(experts, hf_experts)
+    return experts, routing.weights.gather(1, order), hf_weights.gather(1, hf_order)
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:

@@ -30,7 +30,7 @@ from ksana_llm.layers.moe import SparseMoeBlock
 from ksana_llm.layers.moe_routers import GroupLimitedSoftmaxRouter
 from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM as OurDeepseekV2
 from ksana_llm.models.llama import LlamaMLP
-from tests.deepseek_checkpoint import randomize
+from tests.deepseek_checkpoint import randomize, same_routing
 from tests.family_harness import (check_family, check_prefill_and_decode, check_triton_backend,
                                   hf_reference, load_ours, memoized)
 
@@ -171,16 +171,10 @@ def _routers(method: str, **overrides) -> tuple[DeepseekV2TopkRouter, GroupLimit
 def test_router_matches_transformers(method):
     hf, ours = _routers(method)
     x = torch.randn(64, 64)
-    with torch.no_grad():
-        _, hf_weights, hf_experts = hf(x)
-        routing = ours(x)
-    # both pick with sorted=False: compare per token after sorting by expert id
-    hf_experts, hf_order = hf_experts.sort(dim=-1)
-    experts, order = routing.experts.sort(dim=-1)
-    assert torch.equal(experts, hf_experts)
-    torch.testing.assert_close(routing.weights.gather(1, order), hf_weights.gather(1, hf_order))
+    experts, weights, hf_weights = same_routing(hf, ours, x)
+    torch.testing.assert_close(weights, hf_weights)
     probs = torch.softmax(x @ ours.weight.t(), dim=-1)
-    torch.testing.assert_close(routing.weights.gather(1, order), probs.gather(1, experts) * 2.5)
+    torch.testing.assert_close(weights, probs.gather(1, experts) * 2.5)
     unlimited = probs.topk(4, dim=-1).indices.sort(dim=-1).values
     groups = experts // 4
     if method == "group_limited_greedy":
@@ -196,15 +190,8 @@ def test_router_renormalises_when_the_config_asks():
     before the scaling factor; transformers' port ignores the flag, so the reference here is the
     unnormalised transformers router's output, divided by its own row sums."""
     hf, ours = _routers("group_limited_greedy", norm_topk_prob=True)
-    x = torch.randn(32, 64)
-    with torch.no_grad():
-        _, hf_weights, hf_experts = hf(x)
-        routing = ours(x)
-    hf_experts, hf_order = hf_experts.sort(dim=-1)
-    experts, order = routing.experts.sort(dim=-1)
-    assert torch.equal(experts, hf_experts)
-    expected = hf_weights / hf_weights.sum(-1, keepdim=True) * 2.5
-    torch.testing.assert_close(routing.weights.gather(1, order), expected.gather(1, hf_order))
+    _, weights, hf_weights = same_routing(hf, ours, torch.randn(32, 64))
+    torch.testing.assert_close(weights, hf_weights / hf_weights.sum(-1, keepdim=True) * 2.5)
 
 
 @pytest.mark.parametrize("field, value", [("topk_method", "noaux_tc"),

@@ -24,6 +24,7 @@ from ksana_llm.layers.moe import (
 )
 from ksana_llm.models.llama import LlamaForCausalLM
 from ksana_llm.models.weight_loading import load_checkpoint
+from tests.deepseek_checkpoint import same_routing
 
 H, I = 32, 16
 ATOL = 1e-5
@@ -172,14 +173,8 @@ def test_deepseek_v3_grouped_router_matches_transformers(norm_topk_prob):
         ours.weight.copy_(hf.weight)
         ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
     x = torch.randn(64, H)
-    with torch.no_grad():
-        _, hf_weights, hf_experts = hf(x)
-        routing = ours(x)
-    # both pick with sorted=False: compare per token after sorting by expert id
-    hf_experts, hf_order = hf_experts.sort(dim=-1)
-    experts, order = routing.experts.sort(dim=-1)
-    assert torch.equal(experts, hf_experts)
-    torch.testing.assert_close(routing.weights.gather(1, order), hf_weights.gather(1, hf_order))
+    experts, weights, hf_weights = same_routing(hf, ours, x)
+    torch.testing.assert_close(weights, hf_weights)
     # the group limit is real: every token's experts lie in at most topk_group groups, and
     # plain top-k over all biased scores would have chosen differently for some tokens
     groups = experts // (config.n_routed_experts // config.n_group)
@@ -191,7 +186,7 @@ def test_deepseek_v3_grouped_router_matches_transformers(norm_topk_prob):
     scores = torch.sigmoid(x @ ours.weight.t()).gather(1, experts)
     if norm_topk_prob:
         scores = scores / scores.sum(-1, keepdim=True)
-    torch.testing.assert_close(routing.weights.gather(1, order), scores * 2.5)
+    torch.testing.assert_close(weights, scores * 2.5)
 
 
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
