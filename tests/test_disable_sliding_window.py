@@ -43,6 +43,31 @@ def test_sequences_are_capped_at_the_window(tmp_path):
         _engine(folder, disable_sliding_window=True, max_model_len=32)
 
 
+def test_alternating_windows_cap_at_the_layers_window(tmp_path):
+    """Gemma 2: windowed layers between full ones, no model-wide window; the flag caps
+    sequences at the windowed layers' window, within which tokens are transformers'."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Gemma2ForCausalLM(Gemma2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=WINDOW,
+        query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    folder = tmp_path / "gemma2"
+    hf.save_pretrained(folder)
+    prompt = list(range(3, 3 + WINDOW - 6))
+    expected, _ = greedy_trace(hf_reference(hf), prompt, 6)
+    with _engine(folder) as engine:
+        assert engine.max_model_len > WINDOW
+    with _engine(folder, disable_sliding_window=True) as engine:
+        assert engine.max_model_len == WINDOW
+        out = engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=6,
+                                                                  ignore_eos=True),
+                                      use_tqdm=False)[0]
+        assert out.token_ids == expected[len(prompt):]
+
+
 def test_models_without_a_window_ignore_it(tmp_path):
     folder = tmp_path / "llama"
     build_tiny_model("llama2", folder)

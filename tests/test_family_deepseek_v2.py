@@ -186,9 +186,9 @@ def test_router_matches_transformers(method):
 
 
 def test_router_renormalises_when_the_config_asks():
-    """norm_topk_prob: DeepSeek's own V2 code (and vLLM) renormalise the chosen probabilities
-    before the scaling factor; transformers' port ignores the flag, so the reference here is the
-    unnormalised transformers router's output, divided by its own row sums."""
+    """norm_topk_prob: vLLM renormalises the chosen probabilities before the scaling factor;
+    transformers' port ignores the flag, so the reference here is the unnormalised
+    transformers router's output, divided by its own row sums."""
     hf, ours = _routers("group_limited_greedy", norm_topk_prob=True)
     _, weights, hf_weights = same_routing(hf, ours, torch.randn(32, 64))
     torch.testing.assert_close(weights, hf_weights / hf_weights.sum(-1, keepdim=True) * 2.5)

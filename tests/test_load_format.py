@@ -72,6 +72,30 @@ def test_dummy_weights_agree_across_tensor_parallel_ranks(default_model_dir, tmp
     assert out.token_ids == expected[len(PROMPT):]
 
 
+def test_dummy_weights_for_norm_offset_families(tmp_path):
+    """Gemma stores norm weights as offsets from 1: its made-up norms are offsets of 0 (a scale
+    of 1, as transformers initialises them), and the engine matches transformers holding the
+    same made-up tensors."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          vocab_size=256, sliding_window=8, query_pre_attn_scalar=16,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    folder = tmp_path / "gemma2"
+    config.save_pretrained(folder)
+    made_up = dict(dummy_weights(config, norm_offsets=True))
+    assert not made_up["model.layers.0.input_layernorm.weight"].any()
+    model = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                     load_format="dummy")
+    norm = model.module.model.layers[1].pre_feedforward_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    hf.load_state_dict(made_up, strict=False)
+    expected, _ = greedy_trace(hf_reference(hf), PROMPT, STEPS)
+    assert _greedy(model, PROMPT)[0] == expected[len(PROMPT):]
+
+
 def test_safetensors_or_pt_reads_only_those_files(tmp_path):
     """A folder with model.safetensors (one model) and pytorch_model.bin (another)."""
     folder, other = tmp_path / "both", tmp_path / "other"

@@ -31,9 +31,11 @@ logger = logging.getLogger("ksana_llm.engine")
 
 def model_context(model: Model, cfg: EngineConfig) -> int:
     """The longest sequence the model serves: its context, or with `disable_sliding_window`
-    (vLLM's) its sliding window, within which windowed attention is full attention. A
+    (vLLM's) its sliding window, within which windowed attention is full attention (for models
+    whose windowed layers alternate with full ones, Gemma 2 / 3, their layers' window). A
     `max_model_len` beyond that window is a ValueError; a model without a window ignores it."""
-    window = getattr(model.module, "sliding_window", None)
+    window = (getattr(model.module, "sliding_window", None)
+              or getattr(model.module, "layer_sliding_window", None))
     if not cfg.disable_sliding_window or not window:
         return model.max_context
     if cfg.max_model_len is not None and cfg.max_model_len > window:

@@ -210,9 +210,11 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
                                                 sliding_window=100, alibi_slopes=slopes,
                                                 num_splits=3)
-        # Gemma 2's windowed layers: soft-capped logits
+        # Gemma 2's soft-capped logits, on its windowed and its full layers
         decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
                                                 sliding_window=100, softcap=50.0)
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
+                                                softcap=50.0, num_splits=3)
     launches += rec
     with recording(prefill_attention, "_prefill_kernel") as rec:
         q = torch.empty(40, heads, head_dim, dtype=dtype)
@@ -225,6 +227,9 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
             lens, 0.1, sliding_window=64, softcap=50.0)
+        prefill_attention.paged_prefill_attention(
+            q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
+            lens, 0.1, softcap=50.0)
     launches += rec
     if config.latent_values is not None:
         return launches

@@ -119,8 +119,9 @@ class GroupLimitedSoftmaxRouter(_Float32Router):
     then the top k, either over every expert (`topk_method="greedy"`) or only within the best
     `topk_group` of `n_group` groups, each group scored by its highest probability
     (`"group_limited_greedy"`). The weights are the probabilities, renormalised when
-    `norm_topk_prob` (as DeepSeek's own code and vLLM do; transformers' port ignores the flag, and
-    no published V2 checkpoint sets it), times `routed_scaling_factor`. No selection bias. The
+    `norm_topk_prob`, times `routed_scaling_factor`, as vLLM computes them (DeepSeek's own code
+    skips the factor when it renormalises; transformers' port ignores the flag; no published
+    V2 checkpoint sets it). No selection bias. The
     router weight stays in float32 (see `_Float32Router`).
     """
 

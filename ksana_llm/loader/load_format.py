@@ -45,12 +45,13 @@ def check_load_format(load_format: str, path: str | Path | None = None) -> str:
     return load_format
 
 
-def dummy_weights(hf_config: Any, seed: int = 0, *, sequence_classification: bool = False
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_weights(hf_config: Any, seed: int = 0, *, sequence_classification: bool = False,
+                  norm_offsets: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, float32 tensor) for every tensor of the checkpoint transformers would save for
     `hf_config`, made up (see the module docstring). Each tensor's values depend only on
     `seed` and its name, so every rank of a parallel run makes the same ones.
-    `sequence_classification`: a `*ForSequenceClassification` checkpoint's (a `score` head)."""
+    `sequence_classification`: a `*ForSequenceClassification` checkpoint's (a `score` head).
+    `norm_offsets`: the family stores norm weights as offsets from 1 (Gemma): they are 0."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if getattr(hf_config, "quantization_config", None):
@@ -70,15 +71,16 @@ def dummy_weights(hf_config: Any, seed: int = 0, *, sequence_classification: boo
         if id(meta) in seen:
             continue  # a tied copy (lm_head of tied embeddings): a checkpoint stores it once
         seen.add(id(meta))
-        yield name, _made_up(name, tuple(meta.shape), std, seed)
+        yield name, _made_up(name, tuple(meta.shape), std, seed, norm_offsets)
 
 
-def _made_up(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+def _made_up(name: str, shape: tuple[int, ...], std: float, seed: int,
+             norm_offsets: bool) -> torch.Tensor:
     if len(shape) < 2:
         # Norm scales start at 1 (their absence would zero every activation); biases and
         # other vectors at 0, as transformers' _init_weights does.
         is_norm_scale = name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]
-        fill = 1.0 if is_norm_scale else 0.0
+        fill = 1.0 if is_norm_scale and not norm_offsets else 0.0
         return torch.full(shape, fill, dtype=torch.float32)
     generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)

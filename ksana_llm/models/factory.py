@@ -124,7 +124,8 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
                     "FP8" if quantization == "fp8" else "int8, their inputs int8 per token")
     elif quantization is not None:
         logger.info("quantization %r ignored: the checkpoint is quantized already", quantization)
-    weights = (dummy_weights(hf_config, sequence_classification=head_tensors is not None)
+    weights = (dummy_weights(hf_config, sequence_classification=head_tensors is not None,
+                             norm_offsets=getattr(model_cls, "stores_norm_offsets", False))
                if load_format == "dummy" else
                checkpoint_tensors(model_dir, hf_config, progress=progress,
                                   load_format=load_format))

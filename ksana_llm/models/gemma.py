@@ -3,10 +3,13 @@
 What every Gemma changes from Llama:
 - RMSNorm multiplies by (1 + weight): the checkpoint stores the offset from 1, so each
   `*norm.weight` tensor gets 1 added as it loads and our RMSNorm runs unchanged (the same
-  numbers in float32; in bf16 the sum is rounded once more than transformers rounds it);
+  numbers in float32; in bf16 the sum and the normalised input are rounded before the multiply,
+  where transformers multiplies in float32 and rounds once: within bf16's own noise, measured
+  against fp32);
 - token embeddings are multiplied by sqrt(hidden_size), rounded to the weights' dtype
   (`ScaledEmbedding`; embeddings given in place of tokens, `prompt_embeds`, are used as given,
-  as transformers uses `inputs_embeds`);
+  as transformers uses `inputs_embeds`, whose `get_input_embeddings()` scales them already;
+  vLLM's Gemma 1 / 2 scale given rows once more);
 - the gated MLP's activation is GeLU (tanh approximation), named `hidden_act` (Gemma 1) or
   `hidden_activation` (Gemma 2, 3); tied embeddings; `final_logit_softcapping` when set.
 
@@ -67,6 +70,9 @@ def gemma_activation(config: Any) -> str:
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2B / 7B (and CodeGemma): Llama's layers with the changes in the module doc."""
+
+    # Made-up weights (load_format "dummy") give norms an offset of 0, a scale of 1.
+    stores_norm_offsets = True
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__(config, parallel)
@@ -167,7 +173,7 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         return LlamaAttention(config, layer_idx,
                               scale=float(config.query_pre_attn_scalar) ** -0.5,
                               layer_window=self._window_of(config, layer_idx),
-                              softcap=getattr(config, "attn_logit_softcapping", None),
+                              softcap=getattr(config, "attn_logit_softcapping", None) or None,
                               parallel=self.parallel)
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
@@ -177,6 +183,13 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
     def _window_of(self, config: Any, layer_idx: int) -> int | None:
         return config.sliding_window if self._types[layer_idx] == SLIDING else None
+
+    @property
+    def layer_sliding_window(self) -> int | None:
+        """The windowed layers' window (None when every layer is full): what
+        `disable_sliding_window` caps sequences at. The model-wide `sliding_window` stays None,
+        since the full layers see everything."""
+        return self.config.sliding_window if SLIDING in self._types else None
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
