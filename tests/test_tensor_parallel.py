@@ -144,7 +144,8 @@ def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     check_engine(tmp_path, hf, tp=tp)
 
 
-@pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek", "gemma3"])
+@pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek", "deepseek-v2",
+                                  "gemma3"])
 def test_pipeline_parallel_matches_transformers(tmp_path, name):
     hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)
