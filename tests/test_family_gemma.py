@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                          GemmaConfig, GemmaForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
+                          GemmaForCausalLM, SiglipVisionConfig)
 
 from ksana_llm.layers.attention import AttentionMetadata
 from ksana_llm.models.gemma import Gemma2ForCausalLM as OurGemma2
@@ -168,6 +169,32 @@ def test_parity_checks_see_each_part(saved, name, mutation):
     with pytest.raises(AssertionError, match="not close"):
         check_prefill_and_decode(ours, memoized(hf_reference(model.hf)), vocab=VOCAB,
                                  chunks=[40])
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """A `Gemma3ForConditionalGeneration` checkpoint (Gemma 3 4B-27B; here tiny, with a
+    one-layer SigLIP tower) as transformers saves it (`language_model.model.*`,
+    `vision_tower.*`, `multi_modal_projector.*`): served as its language model, equal to
+    transformers' model on text, with no vision weight loaded."""
+    text = gemma3_config(vocab_size=VOCAB + 4, final_logit_softcapping=None)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          boi_token_index=VOCAB, eoi_token_index=VOCAB + 1,
+                          image_token_index=VOCAB + 2)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    _randomize(hf)
+    hf.save_pretrained(tmp_path)
+    ours = load_ours(tmp_path)
+    assert isinstance(ours, OurGemma3)
+    assert not any("vision" in name or "projector" in name for name, _ in ours.named_parameters())
+
+    def reference(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor([ids])).logits[0].float()
+
+    check_family(ours, tmp_path, reference, vocab=VOCAB)
 
 
 def test_gemma3_older_config_keys(saved, tmp_path):

@@ -33,7 +33,9 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 mini / medium (4k), Phi-4
     "GemmaForCausalLM": GemmaForCausalLM,  # Gemma 2B / 7B, CodeGemma
     "Gemma2ForCausalLM": Gemma2ForCausalLM,  # Gemma 2 2B / 9B / 27B
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Gemma 3 1B (text)
+    # Gemma 3 1B; 4B-27B (Gemma3ForConditionalGeneration) as their language model, for text
+    # (loader.hf_config.language_model_config)
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # DeepSeek-V2, V2-Lite, V2.5, Coder-V2
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1 (MLA + DeepSeek MoE)
     # Classifiers, reward models, cross-encoder rerankers: the LM's decoder with a `score` head
