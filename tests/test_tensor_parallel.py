@@ -4,9 +4,9 @@ Each parallel engine must give the same greedy tokens as transformers (= TP 1) a
 fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwen2, Mixtral
 (MoE), DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split),
 DeepSeek-V2-Lite's shape (a full-rank MLA query split by heads, softmax group-limited routing),
-Gemma 2 / 3 (windowed and full layers, a scaled embedding; Gemma 2's capped logits) and Phi-3
-(fused checkpoint projections split by rank), with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead
-worker must fail the engine fast and clearly.
+Gemma 2 / 3 (windowed and full layers, a scaled embedding; Gemma 2's capped logits), Phi-3
+(fused checkpoint projections split by rank) and GLM-4-0414 (partial interleaved RoPE), with
+TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
-                          DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                          DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Glm4Config,
+                          Glm4ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
@@ -80,6 +81,8 @@ MODELS = {
     # Phi-3: the checkpoint's fused qkv_proj / gate_up_proj split into each rank's heads and
     # columns.
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**SMALL, pad_token_id=0)),
+    # GLM-4-0414: q/k rotary rows reordered per head before each rank takes its heads; biases.
+    "glm4": lambda: Glm4ForCausalLM(Glm4Config(**SMALL, head_dim=16, pad_token_id=0)),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{
         **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 0.5, "layer_types": ["sliding_attention", "full_attention"]})),
@@ -138,7 +141,7 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
                                       ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
                                       ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2),
-                                      ("phi3", 2)])
+                                      ("phi3", 2), ("glm4", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
     check_engine(tmp_path, hf, tp=tp)

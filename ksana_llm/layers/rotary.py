@@ -83,6 +83,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the head dim (NeoX / Llama layout)."""
+    """Rotate the two halves of the head dim (NeoX / Llama layout); with a table narrower than
+    the head (partial rotary: GLM), its first 2 * cos.shape[-1] dims, the rest passed through."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]),
+                         dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

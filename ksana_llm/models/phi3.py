@@ -42,33 +42,34 @@ class Phi3ForCausalLM(MistralForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
                      require_all: bool = True) -> set[str]:
-        return super().load_weights(self._split_fused(weights), require_all=require_all)
+        return super().load_weights(split_fused_checkpoint_tensors(weights, self.config),
+                                    require_all=require_all)
 
-    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """`qkv_proj` -> q_proj, k_proj, v_proj and `gate_up_proj` -> gate_proj, up_proj (rows
-        in that order), so that each part lands in this rank's shard of the fused matmul."""
-        config = self.config
-        d = head_dim_of(config)
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        qkv_rows = [config.num_attention_heads * d, kv_heads * d, kv_heads * d]
-        for name, tensor in weights:
-            if name.endswith(".self_attn.qkv_proj.weight"):
-                prefix = name[:-len("qkv_proj.weight")]
-                parts = torch.split(tensor, qkv_rows) if tensor.shape[0] == sum(qkv_rows) \
-                    else None
-                if parts is None:
-                    raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
-                                     f"expected {sum(qkv_rows)} (q, k, v heads x head_dim)")
-                for part, piece in zip(("q_proj", "k_proj", "v_proj"), parts):
-                    yield f"{prefix}{part}.weight", piece
-            elif name.endswith(".mlp.gate_up_proj.weight"):
-                prefix = name[:-len("gate_up_proj.weight")]
-                if tensor.shape[0] != 2 * config.intermediate_size:
-                    raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
-                                     f"expected {2 * config.intermediate_size} (gate, up)")
-                gate, up = tensor.chunk(2, dim=0)
-                yield f"{prefix}gate_proj.weight", gate
-                yield f"{prefix}up_proj.weight", up
-            else:
-                yield name, tensor
+
+def split_fused_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], config: Any
+                                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`qkv_proj` -> q_proj, k_proj, v_proj and `gate_up_proj` -> gate_proj, up_proj (rows in
+    that order), so that each part lands in this rank's shard of our fused matmul (Phi-3; GLM's
+    gate_up_proj)."""
+    d = head_dim_of(config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    qkv_rows = [config.num_attention_heads * d, kv_heads * d, kv_heads * d]
+    for name, tensor in weights:
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            prefix = name[:-len("qkv_proj.weight")]
+            if tensor.shape[0] != sum(qkv_rows):
+                raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
+                                 f"expected {sum(qkv_rows)} (q, k, v heads x head_dim)")
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"),
+                                   torch.split(tensor, qkv_rows)):
+                yield f"{prefix}{part}.weight", piece
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            prefix = name[:-len("gate_up_proj.weight")]
+            if tensor.shape[0] != 2 * config.intermediate_size:
+                raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
+                                 f"expected {2 * config.intermediate_size} (gate, up)")
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{prefix}gate_proj.weight", gate
+            yield f"{prefix}up_proj.weight", up
+        else:
+            yield name, tensor

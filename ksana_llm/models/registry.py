@@ -12,6 +12,7 @@ from ksana_llm.models.baichuan import BaichuanForCausalLM
 from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from ksana_llm.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.phi3 import Phi3ForCausalLM
@@ -31,6 +32,8 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 mini / medium (4k), Phi-4
+    "GlmForCausalLM": GlmForCausalLM,  # glm-4-9b(-chat)-hf
+    "Glm4ForCausalLM": Glm4ForCausalLM,  # GLM-4-9B/32B-0414, GLM-Z1
     "GemmaForCausalLM": GemmaForCausalLM,  # Gemma 2B / 7B, CodeGemma
     "Gemma2ForCausalLM": Gemma2ForCausalLM,  # Gemma 2 2B / 9B / 27B
     # Gemma 3 1B; 4B-27B (Gemma3ForConditionalGeneration) as their language model, for text
@@ -60,6 +63,8 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "glm": GlmForCausalLM,
+    "glm4": Glm4ForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
