@@ -250,6 +250,26 @@ def test_moe_attention_adapter_matches_peft_and_unadaptable_modules_are_refused(
         make_engine(tmp_path / "deepseek", lora_modules={"mla": str(tmp_path / "mla")})
 
 
+@pytest.mark.parametrize("family, targets", [
+    ("glm4", ["q_proj", "k_proj", "v_proj"]),  # q/k rows reordered on load: B's rows follow
+    ("phi3", ["qkv_proj", "gate_up_proj"]),  # the checkpoint's own fused projections
+])
+def test_adapters_on_families_that_reshape_projections_match_peft(tmp_path, family, targets):
+    from tests.test_tensor_parallel import build
+
+    base = build(family, tmp_path / family)
+    reference = make_adapter(base, tmp_path / "adapter", seed=6, targets=targets, rank=4,
+                             b_std=0.3)
+    with make_engine(tmp_path / family,
+                     lora_modules={"a": str(tmp_path / "adapter")}) as engine:
+        got = engine.generate_outputs(PROMPTS[:2], use_tqdm=False, lora="a")
+        logits = engine.forward(PROMPTS[0], [{"target_name": "logits"}], lora="a")
+    assert [o.token_ids for o in got] == [expected_tokens(reference, p) for p in PROMPTS[:2]]
+    assert [o.token_ids for o in got] != [expected_tokens(base, p) for p in PROMPTS[:2]]
+    torch.testing.assert_close(logits.targets[0].tensor, hf_reference(reference)(PROMPTS[0]),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_lora_memory_is_set_aside_from_the_kv_cache(tiny):
     """The KV planner leaves room for the slots: the estimate equals what the stacks take once
     every projection has them, plus the largest step's low-rank products."""

@@ -70,19 +70,25 @@ class GlmForCausalLM(LlamaForCausalLM):
 
     def _rotary_rows_as_halves(self, weights: Iterable[tuple[str, torch.Tensor]]
                                ) -> Iterator[tuple[str, torch.Tensor]]:
-        d = head_dim_of(self.config)
-        order = halves_order(d, self._rotary_dim)
         for name, tensor in weights:
             module, _, kind = name.rpartition(".")
             if module.endswith((".q_proj", ".k_proj")):
                 if kind not in ("weight", "bias"):
                     raise ValueError(f"checkpoint tensor {name!r}: quantized GLM checkpoints "
                                      "are not supported (their q/k rows are reordered on load)")
-                heads = tensor.shape[0] // d
-                rows = (order + d * torch.arange(heads)[:, None]).reshape(-1)
-                tensor = tensor.index_select(0, rows.to(tensor.device)) \
-                    if not tensor.is_meta else tensor
+                tensor = self.loaded_output_rows(module, tensor)
             yield name, tensor
+
+    def loaded_output_rows(self, module: str, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (a weight, bias or LoRA B of checkpoint module `module`) in the order this
+        model holds that module's outputs: each head's rotary rows as halves for q_proj and
+        k_proj, as stored for anything else."""
+        if not module.endswith((".q_proj", ".k_proj")) or rows.is_meta:
+            return rows
+        d = head_dim_of(self.config)
+        heads = rows.shape[0] // d
+        order = (halves_order(d, self._rotary_dim) + d * torch.arange(heads)[:, None])
+        return rows.index_select(0, order.reshape(-1).to(rows.device))
 
 
 class Glm4ForCausalLM(GlmForCausalLM):

@@ -17,6 +17,8 @@ split A's columns (their partial deltas join the layer's all-reduce).
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -236,6 +238,11 @@ class LoraSlots:
             projection, index = target
             self._check_shapes(adapter.path, checkpoint_module, projection, index, weights.a,
                                weights.b)
+            # A model that reorders a projection's output rows as it loads (GLM's q/k rotary
+            # rows) reorders B's rows the same way.
+            reorder = getattr(self.model, "loaded_output_rows", None)
+            if reorder is not None:
+                weights = dataclasses.replace(weights, b=reorder(checkpoint_module, weights.b))
             parts = range(projection.num_parts) if index == WHOLE else (index,)
             for part in parts:
                 other = taken.setdefault((projection.name, part), checkpoint_module)
