@@ -130,8 +130,10 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         slopes = self._slopes_on(q.device)
+        # No table: a layer without positions in q/k (ALiBi's, or SmolLM3's NoPE layers).
+        rotate = slopes is None and rope is not None
         write_kv = None
-        if slopes is None and fused_kernels_on():  # in-place RoPE
+        if rotate and fused_kernels_on():  # in-place RoPE
             from ksana_llm import kernels
 
             # q, k are views of this step's fresh QKV output. In the same launch: Qwen3's q/k
@@ -147,7 +149,7 @@ class LlamaAttention(nn.Module):
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            if slopes is None:
+            if rotate:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx),

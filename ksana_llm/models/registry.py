@@ -18,11 +18,13 @@ from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.phi3 import Phi3ForCausalLM
 from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
 from ksana_llm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from ksana_llm.models.smollm3 import SmolLM3ForCausalLM
 
 _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1/2/3, Yi, SmolLM2, Vicuna
     "MistralForCausalLM": MistralForCausalLM,  # Llama's layout, sliding window from the config
     "YiForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # SmolLM3-3B (NoPE every 4th layer)
     "Qwen2ForCausalLM": Qwen2ForCausalLM,  # Qwen1.5, Qwen2, Qwen2.5
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "QWenLMHeadModel": QWenLMHeadModel,  # Qwen (v1)
@@ -55,6 +57,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
     "yi": LlamaForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen": QWenLMHeadModel,
