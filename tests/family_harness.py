@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -214,6 +215,15 @@ def check_triton_backend(module: torch.nn.Module, folder: Path, reference: Refer
     check_prefill_and_decode(module, reference, vocab=vocab, chunks=[16, 16, 8], atol=atol,
                              driver_class=TritonDriver)
     check_engine_greedy(folder, reference, vocab=vocab, attention_backend="triton")
+
+
+def write_bin_twin(folder: Path, target: Path) -> Path:
+    """`folder` (a transformers save: model.safetensors) again as a lone pytorch_model.bin
+    (transformers 5 writes no .bin itself), with the same config and other files."""
+    shutil.copytree(folder, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(safetensors.torch.load_file(folder / "model.safetensors"),
+               target / "pytorch_model.bin")
+    return target
 
 
 def check_other_format(first: torch.nn.Module, folder: Path, reference: Reference, *,

@@ -41,15 +41,8 @@ from tests.deepseek_checkpoint import (
     randomize,
 )
 from tests.family_harness import (Reference, check_family, check_triton_backend, hf_reference,
-                                  load_ours)
+                                  load_ours, write_bin_twin)
 
-
-
-def _write_bin_twin(folder: Path, target: Path) -> Path:
-    """The same tensors as a lone pytorch_model.bin (transformers 5 writes no .bin itself)."""
-    shutil.copytree(folder, target, ignore=shutil.ignore_patterns("*.safetensors"))
-    torch.save(load_file(folder / "model.safetensors"), target / "pytorch_model.bin")
-    return target
 
 
 def _memoized(reference: Reference) -> Reference:
@@ -74,7 +67,7 @@ def family(tmp_path_factory) -> Family:
     root = tmp_path_factory.mktemp("deepseek_v3")
     hf.save_pretrained(root / "safetensors")
     folders = {"safetensors": root / "safetensors"}
-    folders["bin"] = _write_bin_twin(folders["safetensors"], root / "bin")
+    folders["bin"] = write_bin_twin(folders["safetensors"], root / "bin")
     return Family(hf, folders, _memoized(hf_reference(hf)))
 
 

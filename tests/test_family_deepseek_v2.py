@@ -31,8 +31,9 @@ from ksana_llm.layers.moe_routers import GroupLimitedSoftmaxRouter
 from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM as OurDeepseekV2
 from ksana_llm.models.llama import LlamaMLP
 from tests.deepseek_checkpoint import randomize, same_routing
-from tests.family_harness import (check_family, check_prefill_and_decode, check_triton_backend,
-                                  hf_reference, load_ours, memoized)
+from tests.family_harness import (check_family, check_other_format, check_prefill_and_decode,
+                                  check_triton_backend, hf_reference, load_ours, memoized,
+                                  write_bin_twin)
 
 VOCAB = 256
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
@@ -202,3 +203,8 @@ def test_unsupported_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         OurDeepseekV2(config)
 
+
+def test_pytorch_bin_loads_the_same(saved, tmp_path):
+    model = saved["v2"]
+    check_other_format(load_ours(model.folder), write_bin_twin(model.folder, tmp_path / "bin"),
+                       memoized(hf_reference(model.hf)), vocab=VOCAB)

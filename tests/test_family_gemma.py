@@ -29,8 +29,9 @@ from ksana_llm.models.gemma import Gemma2ForCausalLM as OurGemma2
 from ksana_llm.models.gemma import Gemma3ForCausalLM as OurGemma3
 from ksana_llm.models.gemma import GemmaForCausalLM as OurGemma
 from ksana_llm.models.gemma import ScaledEmbedding
-from tests.family_harness import (TritonDriver, check_family, check_prefill_and_decode,
-                                  check_triton_backend, hf_reference, load_ours, memoized)
+from tests.family_harness import (TritonDriver, check_family, check_other_format,
+                                  check_prefill_and_decode, check_triton_backend, hf_reference,
+                                  load_ours, memoized, write_bin_twin)
 
 VOCAB = 256
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -238,3 +239,11 @@ def test_layer_window_needs_no_model_wide_window():
     with pytest.raises(ValueError, match="layer_window"):
         paged_attention(q, q, q, (torch.zeros(1, 4, 1, 4), torch.zeros(1, 4, 1, 4)), meta, 1.0,
                         layer_window=4)
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+def test_pytorch_bin_loads_the_same(saved, tmp_path, name):
+    """Norm offsets, scaled embeddings and windows read from pytorch_model.bin as well."""
+    model = saved[name]
+    check_other_format(load_ours(model.folder), write_bin_twin(model.folder, tmp_path / "bin"),
+                       memoized(hf_reference(model.hf)), vocab=VOCAB)

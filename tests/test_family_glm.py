@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM
 
 from ksana_llm.models import glm
-from tests.family_harness import (TritonDriver, check_family, check_prefill_and_decode,
-                                  hf_reference, load_ours, memoized)
+from tests.family_harness import (TritonDriver, check_family, check_other_format,
+                                  check_prefill_and_decode, hf_reference, load_ours, memoized,
+                                  write_bin_twin)
 from tests.tiny_models import perturb_biases_and_norms
 
 VOCAB = 256
@@ -84,3 +85,9 @@ def test_quantized_q_proj_is_refused(saved, tmp_path):
     save_file(tensors, changed / "model.safetensors")
     with pytest.raises(ValueError, match="quantized GLM checkpoints"):
         load_ours(changed)
+
+
+def test_pytorch_bin_loads_the_same(saved, tmp_path):
+    hf, folder = saved["glm4"]
+    check_other_format(load_ours(folder), write_bin_twin(folder, tmp_path / "bin"),
+                       memoized(hf_reference(hf)), vocab=VOCAB)

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Phi3Config, Phi3ForCausalLM
 
 from ksana_llm.models.phi3 import Phi3ForCausalLM as OurPhi3
-from tests.family_harness import check_family, hf_reference, load_ours
+from tests.family_harness import (check_family, check_other_format, hf_reference, load_ours,
+                                  memoized, write_bin_twin)
 
 VOCAB = 256
 
@@ -84,3 +85,9 @@ def test_unsupported_rope_is_refused_by_name(saved, tmp_path, rope_parameters, m
     (changed / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         load_ours(changed)
+
+
+def test_pytorch_bin_loads_the_same(saved, tmp_path):
+    hf, folder = saved["windowed"]
+    check_other_format(load_ours(folder), write_bin_twin(folder, tmp_path / "bin"),
+                       memoized(hf_reference(hf)), vocab=VOCAB)

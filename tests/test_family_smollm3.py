@@ -17,14 +17,9 @@ from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 from ksana_llm.models.llama import LlamaDecoderLayer
 from ksana_llm.models.smollm3 import NoPEDecoderLayer
-from tests.family_harness import (
-    TritonDriver,
-    check_family,
-    check_prefill_and_decode,
-    hf_reference,
-    load_ours,
-    memoized,
-)
+from tests.family_harness import (TritonDriver, check_family, check_other_format,
+                                  check_prefill_and_decode, hf_reference, load_ours, memoized,
+                                  write_bin_twin)
 
 VOCAB = 256
 
@@ -81,3 +76,9 @@ def test_no_rope_layers_of_the_wrong_length_are_refused():
     config.no_rope_layers = [1, 0]
     with pytest.raises(ValueError, match="no_rope_layers must have 4 entries"):
         Ours(config)
+
+
+def test_pytorch_bin_loads_the_same(saved, tmp_path):
+    hf, folder = saved["released"]
+    check_other_format(load_ours(folder), write_bin_twin(folder, tmp_path / "bin"),
+                       memoized(hf_reference(hf)), vocab=VOCAB)
