@@ -46,7 +46,7 @@ from ksana_llm.layers.parallel import VocabParallelEmbedding
 from ksana_llm.layers.rotary import rope_settings
 from ksana_llm.layers.rotary_yarn import build_rotary
 from ksana_llm.models.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, Rope,
-                                    head_dim_of)
+                                    head_dim_of, input_norm, run_mlp)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -129,17 +129,10 @@ class Gemma2DecoderLayer(nn.Module):
 
     def forward(self, rope: Rope | None, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        if meta.lora is not None:
-            hidden = self.mlp(hidden, meta.lora)
-        else:
-            hidden = self.mlp(hidden)
+        hidden = run_mlp(self.mlp, hidden, meta)
         return self.post_feedforward_layernorm(hidden), residual
 
 

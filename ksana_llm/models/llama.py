@@ -193,16 +193,26 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, rope: Rope | None, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        if meta.lora is not None and getattr(self.mlp, "accepts_lora", False):
-            return self.mlp(hidden, meta.lora), residual
-        return self.mlp(hidden), residual
+        return run_mlp(self.mlp, hidden, meta), residual
+
+
+def input_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first norm, fused with the previous layer's residual add; the first layer has
+    no residual yet (its input is the residual)."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
+def run_mlp(mlp: nn.Module, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The MLP, with the step's LoRA adapters when it takes them."""
+    if meta.lora is not None and getattr(mlp, "accepts_lora", False):
+        return mlp(hidden, meta.lora)
+    return mlp(hidden)
 
 
 class LlamaModel(nn.Module):
