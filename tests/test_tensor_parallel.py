@@ -5,8 +5,8 @@ fp32 tolerance, on tiny Llama (even and uneven splits, KV heads replicated), Qwe
 (MoE), DeepSeek-V3 (MLA heads split, latents replicated; routed and shared experts split),
 DeepSeek-V2-Lite's shape (a full-rank MLA query split by heads, softmax group-limited routing),
 Gemma 2 / 3 (windowed and full layers, a scaled embedding; Gemma 2's capped logits), Phi-3
-(fused checkpoint projections split by rank) and GLM-4-0414 (partial interleaved RoPE), with
-TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
+(fused checkpoint projections split by rank), GLM-4-0414 (partial interleaved RoPE) and Granite
+(scaled embeddings, residual branches and logits), with TP 2 and 3, PP 2 and TP 2 x PP 2; and a dead worker must fail the engine fast and clearly.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                           DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Glm4Config,
-                          Glm4ForCausalLM,
+                          Glm4ForCausalLM, GraniteConfig, GraniteForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
@@ -83,6 +83,11 @@ MODELS = {
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**SMALL, pad_token_id=0)),
     # GLM-4-0414: q/k rotary rows reordered per head before each rank takes its heads; biases.
     "glm4": lambda: Glm4ForCausalLM(Glm4Config(**SMALL, head_dim=16, pad_token_id=0)),
+    # Granite: the embedding scaled on every rank after the vocabulary-parallel gather, the
+    # residual branches and logits scaled.
+    "granite": lambda: GraniteForCausalLM(GraniteConfig(
+        **SMALL, embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
+        logits_scaling=8.0)),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{
         **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 0.5, "layer_types": ["sliding_attention", "full_attention"]})),
@@ -141,7 +146,8 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
                                       ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
                                       ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2),
-                                      ("phi3", 2), ("glm4", 2)])
+                                      ("phi3", 2), ("glm4", 2),
+                                      ("granite", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
     check_engine(tmp_path, hf, tp=tp)

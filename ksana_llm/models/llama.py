@@ -244,6 +244,8 @@ class LlamaModel(nn.Module):
         # A second table for the layers whose `local_rope` is True (Gemma 3's windowed layers
         # use another base); set by such families after construction.
         self.local_rotary_emb: RotaryEmbedding | None = None
+        # Granite scales every input embedding (given ones too) by this; None: no scaling.
+        self.embedding_multiplier: float | None = None
         if use_rope:
             theta, scaling = rope_settings(config)
             self.rotary_emb = build_rotary(head_dim_of(config), config.max_position_embeddings,
@@ -256,6 +258,8 @@ class LlamaModel(nn.Module):
         local_layers = self.layers[self.first_layer:self.end_layer]
         if ctx.is_first_stage:
             hidden = embed_tokens(self.embed_tokens, input_ids, embedding_overrides)
+            if self.embedding_multiplier is not None:
+                hidden = hidden * self.embedding_multiplier
         else:
             dtype = local_layers[0].input_layernorm.weight.dtype
             hidden = recv_hidden((input_ids.shape[0], self.hidden_size), dtype, input_ids.device,

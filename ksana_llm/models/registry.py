@@ -13,6 +13,7 @@ from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from ksana_llm.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from ksana_llm.models.granite import GraniteForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.phi3 import Phi3ForCausalLM
@@ -34,6 +35,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 mini / medium (4k), Phi-4
+    "GraniteForCausalLM": GraniteForCausalLM,  # IBM Granite 3.x dense
     "GlmForCausalLM": GlmForCausalLM,  # glm-4-9b(-chat)-hf
     "Glm4ForCausalLM": Glm4ForCausalLM,  # GLM-4-9B/32B-0414, GLM-Z1
     "GemmaForCausalLM": GemmaForCausalLM,  # Gemma 2B / 7B, CodeGemma
@@ -66,6 +68,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "granite": GraniteForCausalLM,
     "glm": GlmForCausalLM,
     "glm4": Glm4ForCausalLM,
     "gemma": GemmaForCausalLM,
