@@ -131,3 +131,20 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 
 WINDOW_ALIBI = [pytest.param(None, False, id="plain"), pytest.param(24, False, id="window"),
                 pytest.param(None, True, id="alibi"), pytest.param(40, True, id="window+alibi")]
+
+
+# (query tokens, context tokens) per sequence: a one-token extend, a fresh prefill longer than a
+# query block, a chunk after a cached prefix, an empty slot, a chunk after a long prefix.
+PREFILL_SEQS = [(1, 1), (70, 70), (5, 37), (0, 12), (20, 130)]
+
+
+def prefill_inputs(seqs, *, block_size, kv_heads, heads, head_dim, dtype, device, seed=0,
+                   v_head_dim=None):
+    batch = make_paged_batch([n for _, n in seqs], block_size=block_size, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=dtype, device=device, seed=seed,
+                             v_head_dim=v_head_dim)
+    q_lens = torch.tensor([m for m, _ in seqs])
+    starts = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32)
+    q = random_q(int(q_lens.sum()), heads, head_dim, dtype, device, seed=seed + 1)
+    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
+    return batch, q, starts, lens

@@ -239,37 +239,6 @@ def test_decode_window_and_alibi(device, window, alibi):
     assert_close(out, expected, torch.float32)
 
 
-@pytest.mark.parametrize("window, num_splits", [(None, None), (None, 3), (20, 1)])
-def test_decode_softcap(device, window, num_splits):
-    """Gemma 2's attention logit soft-capping, with the context in one split or several: equal
-    to the reference, and (the scores being large for the cap) not to uncapped attention."""
-    heads, kv_heads, head_dim = 4, 2, 32
-    batch = make_paged_batch([3, 24, 70], block_size=16, kv_heads=kv_heads,
-                             head_dim=head_dim, dtype=torch.float32, device=device)
-    q = random_q(3, heads, head_dim, torch.float32, device) * 4
-    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
-    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, 0.5)
-    out = kernels.paged_decode_attention(*args, sliding_window=window, softcap=1.0,
-                                         num_splits=num_splits)
-    expected = ref.paged_decode_attention_ref(*args, sliding_window=window, softcap=1.0)
-    assert_close(out, expected, torch.float32)
-    uncapped = ref.paged_decode_attention_ref(*args, sliding_window=window)
-    assert (expected - uncapped).abs().max() > 0.05
-
-
-def test_softcap_reference_is_tanh_capped_scores():
-    """The reference's soft-capping by hand: softmax(cap * tanh(q.k * scale / cap)) v."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(3, 2, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
-    out = ref.attend_ref(q, k, v, torch.tensor([2, 3, 4]), 0.7, softcap=2.0)
-    scores = torch.einsum("nhd,ld->hnl", q, k[:, 0]) * 0.7
-    scores = 2.0 * torch.tanh(scores / 2.0)
-    scores = scores.masked_fill(torch.arange(5)[None, :] > torch.tensor([2, 3, 4])[:, None],
-                                float("-inf"))
-    expected = torch.einsum("hnl,ld->nhd", torch.softmax(scores, -1), v[:, 0])
-    torch.testing.assert_close(out, expected)
-
-
 def test_choose_num_splits():
     # A full batch already fills the GPU: one split, no reduce pass.
     assert kernels.choose_num_splits(256, 8, 1024, num_sms=132) == 1

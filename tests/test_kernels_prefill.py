@@ -10,8 +10,9 @@ the same tests run natively on the GPU, adding bf16.
 from __future__ import annotations
 
 # First: without CUDA the harness switches triton to its interpreter before triton loads.
-from tests.kernel_harness import (DTYPES, WINDOW_ALIBI, PagedBatch, assert_close, dense_attention,
-                                  dtype_id, make_paged_batch, random_q, slopes_for)
+from tests.kernel_harness import (DTYPES, PREFILL_SEQS, WINDOW_ALIBI, PagedBatch, assert_close,
+                                  dense_attention, dtype_id, make_paged_batch, prefill_inputs,
+                                  random_q, slopes_for)
 from tests.kernel_harness import device_fixture  # noqa: F401  (the `device` fixture)
 
 # isort: split
@@ -33,21 +34,6 @@ PREFILL_SHAPES = [  # (block_size, q heads per kv head, head_dim)
     pytest.param(32, 4, 32, id="bs32-gqa4-d32"),
     pytest.param(64, 2, 96, id="bs64-gqa2-d96"),
 ]
-# (query tokens, context tokens) per sequence: a one-token extend, a fresh prefill longer than a
-# query block, a chunk after a cached prefix, an empty slot, a chunk after a long prefix.
-PREFILL_SEQS = [(1, 1), (70, 70), (5, 37), (0, 12), (20, 130)]
-
-
-def prefill_inputs(seqs, *, block_size, kv_heads, heads, head_dim, dtype, device, seed=0,
-                   v_head_dim=None):
-    batch = make_paged_batch([n for _, n in seqs], block_size=block_size, kv_heads=kv_heads,
-                             head_dim=head_dim, dtype=dtype, device=device, seed=seed,
-                             v_head_dim=v_head_dim)
-    q_lens = torch.tensor([m for m, _ in seqs])
-    starts = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32)
-    q = random_q(int(q_lens.sum()), heads, head_dim, dtype, device, seed=seed + 1)
-    lens = torch.tensor(batch.lens, dtype=torch.int32, device=device)
-    return batch, q, starts, lens
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -61,20 +47,6 @@ def test_prefill_matches_reference(device, dtype, block_size, group, head_dim):
     out = kernels.paged_prefill_attention(*args)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, ref.paged_prefill_attention_ref(*args), dtype)
-
-
-@pytest.mark.parametrize("window", [None, 24])
-def test_prefill_softcap(device, window):
-    """Gemma 2's attention logit soft-capping over fresh prompts, chunks after a prefix and an
-    empty slot: equal to the reference, which differs from uncapped attention here."""
-    batch, q, starts, lens = prefill_inputs(PREFILL_SEQS, block_size=16, kv_heads=2, heads=4,
-                                            head_dim=32, dtype=torch.float32, device=device)
-    args = (q * 4, batch.k_cache, batch.v_cache, batch.block_tables, starts, lens, 0.5)
-    out = kernels.paged_prefill_attention(*args, sliding_window=window, softcap=1.0)
-    expected = ref.paged_prefill_attention_ref(*args, sliding_window=window, softcap=1.0)
-    assert_close(out, expected, torch.float32)
-    uncapped = ref.paged_prefill_attention_ref(*args, sliding_window=window)
-    assert (expected - uncapped).abs().max() > 0.05
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
