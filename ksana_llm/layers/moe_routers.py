@@ -121,8 +121,8 @@ class GroupLimitedSoftmaxRouter(_Float32Router):
     (`"group_limited_greedy"`). The weights are the probabilities, renormalised when
     `norm_topk_prob`, times `routed_scaling_factor`, as vLLM computes them (DeepSeek's own code
     skips the factor when it renormalises; transformers' port ignores the flag; no published
-    V2 checkpoint sets it). No selection bias. The
-    router weight stays in float32 (see `_Float32Router`).
+    V2 checkpoint sets it). No selection bias. The router weight stays in float32 (see
+    `_Float32Router`).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, n_group: int = 1,

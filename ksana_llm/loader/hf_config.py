@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from ksana_llm.loader.json_files import read_json_object
@@ -24,7 +25,7 @@ def load_hf_config(model_dir: str | Path, overrides: Mapping[str, Any] | None = 
 
 
 # Multimodal checkpoints served for their text alone: architecture -> the language model's.
-_LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_LANGUAGE_MODELS = MappingProxyType({"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"})
 # What the composite config holds for the whole checkpoint and the text model needs too.
 _SHARED_KEYS = ("quantization_config", "tie_word_embeddings")
 
