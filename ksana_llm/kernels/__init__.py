@@ -2,10 +2,11 @@
 
     store_kv(k, v, k_cache, v_cache, slot_mapping)                         kv_store.py
     paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *,
-                           sliding_window=None, alibi_slopes=None, num_splits=None, out=None)
+                           sliding_window=None, alibi_slopes=None, softcap=None,
+                           num_splits=None, out=None)
     choose_num_splits(batch_size, num_kv_heads, max_context, num_sms)      decode_attention.py
     paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                            *, sliding_window=None, alibi_slopes=None, out=None)
+                            *, sliding_window=None, alibi_slopes=None, softcap=None, out=None)
                                                                            prefill_attention.py
     rms_norm(x, weight, eps, residual=None)                                rmsnorm.py
     fp8_linear(x, weight, scale, group_size, bias=None, zero_point=None)   fp8_matmul.py
