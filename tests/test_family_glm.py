@@ -6,16 +6,15 @@ biases (given values), a fused `gate_up_proj`, and for GLM-4-0414 the norms afte
 after the MLP (given values off 1). Logits at prefill (whole and chunked), at 16 decode steps and
 on a prefix-cache hit, and greedy tokens through the Engine (tests/family_harness.py); GLM-4-0414
 also through the Triton kernels. Without the load-time reordering of the rotary rows the logits
-leave transformers'. Tensor parallelism is in tests/test_tensor_parallel.py.
+leave transformers'. Tensor parallelism is in tests/test_tensor_parallel.py, GPTQ / AWQ / FP8
+checkpoints in tests/test_gptq_awq_checkpoints.py and tests/test_quantized_checkpoints.py.
 """
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM
 
 from ksana_llm.models import glm
@@ -75,16 +74,6 @@ def test_parity_needs_the_rotary_reordering(saved, monkeypatch):
 
 def test_halves_order():
     assert glm.halves_order(8, 4).tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
-
-
-def test_quantized_q_proj_is_refused(saved, tmp_path):
-    _, folder = saved["glm"]
-    changed = shutil.copytree(folder, tmp_path / "quantized")
-    tensors = load_file(changed / "model.safetensors")
-    tensors["model.layers.0.self_attn.q_proj.qweight"] = torch.zeros(8, 64, dtype=torch.int32)
-    save_file(tensors, changed / "model.safetensors")
-    with pytest.raises(ValueError, match="quantized GLM checkpoints"):
-        load_ours(changed)
 
 
 def test_pytorch_bin_loads_the_same(saved, tmp_path):

@@ -78,6 +78,20 @@ def test_awq_checkpoint_matches_the_library(tmp_path):
     check_family(module, tmp_path / "awq", hf_reference(hold(hf, held)), vocab=256)
 
 
+@pytest.mark.parametrize("family, method", [("phi3", "gptq"), ("glm4", "gptq"), ("glm4", "awq")])
+def test_checkpoints_of_families_that_reshape_projections(tmp_path, family, method):
+    """Phi-3's fused qkv_proj / gate_up_proj come split into parts, GLM's q/k rows reordered
+    per head: on packed 4-bit codes (their scales and zero points) as on dense weights."""
+    from tests.test_tensor_parallel import build
+
+    hf = build(family, tmp_path / "full")
+    write = write_gptq if method == "gptq" else write_awq
+    held = write(hf, tmp_path / "full", tmp_path / method)
+    module = load_ours(tmp_path / method)
+    assert_projections_quantized(module, INT4)
+    check_family(module, tmp_path / method, hf_reference(hold(hf, held)), vocab=256)
+
+
 def test_older_checkpoints_keep_settings_beside_config_and_zero_biases(tmp_path):
     """AutoAWQ's quant_config.json (w_bit / q_group_size / "GEMM") read when config.json has no
     quantization_config; AutoGPTQ's all-zero biases of bias-free projections (Llama) skipped."""

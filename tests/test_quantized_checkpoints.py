@@ -37,6 +37,19 @@ def test_fp8_llama_checkpoint_matches_transformers(tmp_path, block):
     check_family(module, folder, hf_reference(hf), vocab=256)
 
 
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_fp8_checkpoints_of_families_that_reshape_projections(tmp_path, family):
+    """Phi-3's fused qkv_proj / gate_up_proj split into parts, GLM's q/k rows reordered per
+    head: on FP8 block-scaled weights as on dense ones."""
+    from tests.test_tensor_parallel import build
+
+    build(family, tmp_path / "full")
+    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
+    module = load_ours(folder)
+    assert_projections_quantized(module)
+    check_family(module, folder, hf_reference(hf_fp8_model(folder, (16, 16))), vocab=256)
+
+
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
 def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, strategy):
     """llm-compressor's FP8 checkpoints (`quant_method: compressed-tensors`, float-quantized),

@@ -119,6 +119,13 @@ class QuantizedWeight:
         return replace(self, data=self.data[start:start + count],
                        scale=self.scale[start:start + count], zero_point=zero)
 
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The rows `index` names, in that order (their codes, scales and zero points)."""
+        index = index.to(self.data.device)
+        zero = None if self.zero_point is None else self.zero_point.index_select(0, index)
+        return replace(self, data=self.data.index_select(0, index),
+                       scale=self.scale.index_select(0, index), zero_point=zero)
+
     def split_rows(self, sizes: list[int]) -> list[QuantizedWeight]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [self.rows(start, size) for start, size in zip(starts, sizes)]

@@ -11,8 +11,8 @@ GLM-Z1) on the Llama block.
 - GLM-4-0414 adds a norm after attention (`post_self_attn_layernorm`) and after the MLP
   (`post_mlp_layernorm`): Gemma 2's sandwich layout, whose norms they load into.
 
-Quantized (GPTQ / AWQ) GLM checkpoints are refused: their packed q/k columns would need the
-same reordering.
+A quantized checkpoint's q/k weights (GPTQ, AWQ, FP8: `QuantizedWeight`, rows first) are
+reordered the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.rotary import rope_settings
 from ksana_llm.layers.rotary_yarn import build_rotary
+from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.gemma import Gemma2DecoderLayer
 from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
 from ksana_llm.models.phi3 import split_fused_checkpoint_tensors
@@ -72,23 +73,23 @@ class GlmForCausalLM(LlamaForCausalLM):
                                ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             module, _, kind = name.rpartition(".")
-            if module.endswith((".q_proj", ".k_proj")):
-                if kind not in ("weight", "bias"):
-                    raise ValueError(f"checkpoint tensor {name!r}: quantized GLM checkpoints "
-                                     "are not supported (their q/k rows are reordered on load)")
+            if module.endswith((".q_proj", ".k_proj")) and kind in ("weight", "bias"):
                 tensor = self.loaded_output_rows(module, tensor)
             yield name, tensor
 
-    def loaded_output_rows(self, module: str, rows: torch.Tensor) -> torch.Tensor:
-        """`rows` (a weight, bias or LoRA B of checkpoint module `module`) in the order this
-        model holds that module's outputs: each head's rotary rows as halves for q_proj and
-        k_proj, as stored for anything else."""
-        if not module.endswith((".q_proj", ".k_proj")) or rows.is_meta:
+    def loaded_output_rows(self, module: str, rows: torch.Tensor | QuantizedWeight
+                           ) -> torch.Tensor | QuantizedWeight:
+        """`rows` (a weight, dense or quantized, a bias, or a LoRA B of checkpoint module
+        `module`) in the order this model holds that module's outputs: each head's rotary rows
+        as halves for q_proj and k_proj, as stored for anything else."""
+        if not module.endswith((".q_proj", ".k_proj")):
             return rows
         d = head_dim_of(self.config)
         heads = rows.shape[0] // d
-        order = (halves_order(d, self._rotary_dim) + d * torch.arange(heads)[:, None])
-        return rows.index_select(0, order.reshape(-1).to(rows.device))
+        order = (halves_order(d, self._rotary_dim) + d * torch.arange(heads)[:, None]).reshape(-1)
+        if isinstance(rows, QuantizedWeight):
+            return rows.select_rows(order)
+        return rows if rows.is_meta else rows.index_select(0, order.to(rows.device))
 
 
 class Glm4ForCausalLM(GlmForCausalLM):

@@ -19,6 +19,7 @@ import torch
 
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.rotary import rope_settings
+from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.llama import MistralForCausalLM, head_dim_of
 
 
@@ -50,7 +51,8 @@ def split_fused_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], 
                                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """`qkv_proj` -> q_proj, k_proj, v_proj and `gate_up_proj` -> gate_proj, up_proj (rows in
     that order), so that each part lands in this rank's shard of our fused matmul (Phi-3; GLM's
-    gate_up_proj)."""
+    gate_up_proj). A quantized checkpoint's weights (GPTQ, AWQ, FP8: `QuantizedWeight`, rows
+    first) split the same way."""
     d = head_dim_of(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     qkv_rows = [config.num_attention_heads * d, kv_heads * d, kv_heads * d]
@@ -60,16 +62,23 @@ def split_fused_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], 
             if tensor.shape[0] != sum(qkv_rows):
                 raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
                                  f"expected {sum(qkv_rows)} (q, k, v heads x head_dim)")
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"),
-                                   torch.split(tensor, qkv_rows)):
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), _split_rows(tensor, qkv_rows)):
                 yield f"{prefix}{part}.weight", piece
         elif name.endswith(".mlp.gate_up_proj.weight"):
             prefix = name[:-len("gate_up_proj.weight")]
             if tensor.shape[0] != 2 * config.intermediate_size:
                 raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
                                  f"expected {2 * config.intermediate_size} (gate, up)")
-            gate, up = tensor.chunk(2, dim=0)
+            gate, up = _split_rows(tensor, [config.intermediate_size] * 2)
             yield f"{prefix}gate_proj.weight", gate
             yield f"{prefix}up_proj.weight", up
         else:
             yield name, tensor
+
+
+def _split_rows(tensor: torch.Tensor | QuantizedWeight, sizes: list[int]
+                ) -> list[torch.Tensor | QuantizedWeight]:
+    """A dense tensor's or a quantized checkpoint's weight's rows, in parts of `sizes`."""
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.split_rows(sizes)
+    return list(torch.split(tensor, sizes))
