@@ -12,7 +12,6 @@ checkpoints in tests/test_gptq_awq_checkpoints.py and tests/test_quantized_check
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM
