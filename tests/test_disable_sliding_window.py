@@ -19,9 +19,9 @@ def _engine(folder, **settings) -> kt.Engine:
                      block_token_num=4, **settings)
 
 
-def test_sequences_are_capped_at_the_window(tmp_path):
-    folder = tmp_path / "mistral"
-    reference = hf_reference(build_tiny_model("mistral-sliding", folder))
+def _check_capped_tokens(folder, reference) -> tuple[list[int], list[int]]:
+    """The model serves its whole context without the flag and its window with it, within
+    which 6 greedy tokens are the reference's. (prompt, reference trace)."""
     prompt = list(range(3, 3 + WINDOW - 6))
     expected, _ = greedy_trace(reference, prompt, 6)
     with _engine(folder) as engine:
@@ -32,6 +32,14 @@ def test_sequences_are_capped_at_the_window(tmp_path):
                                                                   ignore_eos=True),
                                       use_tqdm=False)[0]
         assert out.token_ids == expected[len(prompt):]
+    return prompt, expected
+
+
+def test_sequences_are_capped_at_the_window(tmp_path):
+    folder = tmp_path / "mistral"
+    reference = hf_reference(build_tiny_model("mistral-sliding", folder))
+    prompt, expected = _check_capped_tokens(folder, reference)
+    with _engine(folder, disable_sliding_window=True) as engine:
         with pytest.raises(ValueError, match="max_model_len"):
             engine.submit(kt.Request(list(range(3, 3 + WINDOW + 2)),
                                      kt.GenerationConfig(max_new_tokens=2)))
@@ -56,16 +64,7 @@ def test_alternating_windows_cap_at_the_layers_window(tmp_path):
         query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
     folder = tmp_path / "gemma2"
     hf.save_pretrained(folder)
-    prompt = list(range(3, 3 + WINDOW - 6))
-    expected, _ = greedy_trace(hf_reference(hf), prompt, 6)
-    with _engine(folder) as engine:
-        assert engine.max_model_len > WINDOW
-    with _engine(folder, disable_sliding_window=True) as engine:
-        assert engine.max_model_len == WINDOW
-        out = engine.generate_outputs(prompt, kt.GenerationConfig(max_new_tokens=6,
-                                                                  ignore_eos=True),
-                                      use_tqdm=False)[0]
-        assert out.token_ids == expected[len(prompt):]
+    _check_capped_tokens(folder, hf_reference(hf))
 
 
 def test_models_without_a_window_ignore_it(tmp_path):

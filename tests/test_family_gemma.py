@@ -37,30 +37,27 @@ VOCAB = 256
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
+# What every tiny Gemma here shares; each config adds its family's own keys.
+SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 32,
+         "vocab_size": VOCAB, "max_position_embeddings": 256, "bos_token_id": 2,
+         "eos_token_id": 1, "pad_token_id": 0}
+# Gemma 2 / 3: 4 layers, windowed and full alternating with a 12-token window.
+WINDOWED = {**SHAPE, "num_hidden_layers": 4, "num_key_value_heads": 2, "sliding_window": 12,
+            "query_pre_attn_scalar": 24, "final_logit_softcapping": 5.0}
+
+
 def gemma_config(**overrides) -> GemmaConfig:
-    return GemmaConfig(**{
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": VOCAB,
-        "max_position_embeddings": 256, "bos_token_id": 2, "eos_token_id": 1,
-        "pad_token_id": 0, **overrides})
+    return GemmaConfig(**{**SHAPE, "num_hidden_layers": 2, "num_key_value_heads": 1,
+                          **overrides})
 
 
 def gemma2_config(**overrides) -> Gemma2Config:
-    return Gemma2Config(**{
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": VOCAB,
-        "max_position_embeddings": 256, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-        "sliding_window": 12, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.0,
-        "final_logit_softcapping": 5.0, **overrides})
+    return Gemma2Config(**{**WINDOWED, "attn_logit_softcapping": 1.0, **overrides})
 
 
 def gemma3_config(**overrides) -> Gemma3TextConfig:
     return Gemma3TextConfig(**{
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": VOCAB,
-        "max_position_embeddings": 256, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-        "sliding_window": 12, "layer_types": GEMMA3_TYPES, "query_pre_attn_scalar": 24,
-        "final_logit_softcapping": 5.0,
+        **WINDOWED, "layer_types": GEMMA3_TYPES,
         "rope_parameters": {
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
