@@ -5,12 +5,12 @@ Tiny random models saved by transformers, whose checkpoints hold the fused `qkv_
 outrun by the 40-token test prompts), one without (Phi-4's): logits at prefill (whole and
 chunked), at 16 decode steps and on a prefix-cache hit, and greedy tokens through the Engine
 (tests/family_harness.py). Tensor parallelism (the fused tensors split into each rank's shard)
-is in tests/test_tensor_parallel.py. LongRoPE configs and partial rotary factors are refused.
+is in tests/test_tensor_parallel.py; LongRoPE and partial rotary factors in
+tests/test_family_phi3_longrope.py.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -67,24 +67,6 @@ def test_fused_tensor_of_the_wrong_size_names_it(saved, tmp_path):
     save_file(tensors, broken / "model.safetensors")
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         load_ours(broken)
-
-
-@pytest.mark.parametrize("rope_parameters, match", [
-    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-      "rope_theta": 10000.0}, "longrope"),
-    ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
-     "partial_rotary_factor"),
-])
-def test_unsupported_rope_is_refused_by_name(saved, tmp_path, rope_parameters, match):
-    _, folder = saved["full"]
-    changed = shutil.copytree(folder, tmp_path / "changed")
-    config = json.loads((changed / "config.json").read_text())
-    config["rope_parameters"] = rope_parameters
-    if match == "longrope":
-        config["max_position_embeddings"] = 512  # LongRoPE extends the original 256
-    (changed / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=match):
-        load_ours(changed)
 
 
 def test_pytorch_bin_loads_the_same(saved, tmp_path):

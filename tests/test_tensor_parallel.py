@@ -81,6 +81,13 @@ MODELS = {
     # Phi-3: the checkpoint's fused qkv_proj / gate_up_proj split into each rank's heads and
     # columns.
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**SMALL, pad_token_id=0)),
+    # Phi-3.5's LongRoPE over Phi-4-mini's partial rotary, an original context of 20: the
+    # 30-token prompt is long from its first chunk (rows marked on every rank), the others grow
+    # past it while decoding and are recomputed.
+    "phi3-longrope": lambda: Phi3ForCausalLM(Phi3Config(
+        **SMALL, pad_token_id=0, original_max_position_embeddings=20, partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                      "long_factor": [3.0 + 2.0 * i for i in range(6)]})),
     # GLM-4-0414: q/k rotary rows reordered per head before each rank takes its heads; biases.
     "glm4": lambda: Glm4ForCausalLM(Glm4Config(**SMALL, head_dim=16, pad_token_id=0)),
     # Granite: the embedding scaled on every rank after the vocabulary-parallel gather, the
@@ -146,7 +153,7 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
 @pytest.mark.parametrize("name, tp", [("llama", 2), ("llama-tp3", 3), ("llama-mqa-tied", 2),
                                       ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
                                       ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2),
-                                      ("phi3", 2), ("glm4", 2),
+                                      ("phi3", 2), ("phi3-longrope", 2), ("glm4", 2),
                                       ("granite", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)

@@ -131,6 +131,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
         policy=cfg.scheduler_policy, max_loras=cfg.num_lora_slots,
         lora_max_wait_steps=cfg.lora_max_wait_steps,
         speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,
+        long_rope_switch=getattr(model.module, "long_rope_switch", None),
         # Admission control happens in submit(); requests it admits to start at once sit in
         # the core's waiting list until the next step, so the core's bound leaves them room.
         max_queue_size=cfg.max_queue_size + cfg.max_num_seqs)

@@ -384,7 +384,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
             lo, hi = bisect.bisect_left(spec.positions, start), bisect.bisect_left(spec.positions, end)
             return SeqSlice(tokens, start, seq.block_table, sample=False,
                             capture=spec.positions[lo:hi], capture_logits=spec.logits,
-                            embeddings=embeddings, lora_slot=seq.lora_slot)
+                            embeddings=embeddings, lora_slot=seq.lora_slot,
+                            long_rope=seq.long_rope)
         capture: tuple[int, ...] = ()
         if seq.prompt_logprobs is not None:
             # Row p scores prompt token p + 1; rows already collected (before a recompute) are not
@@ -397,4 +398,5 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
                                       seq.config.prompt_logprobs or 0) if capture else None
         return SeqSlice(tokens, start, seq.block_table, sample=end == seq.num_tokens,
                         capture=capture, prompt_logprobs=scored, embeddings=embeddings,
-                        num_draft_tokens=item.num_draft_tokens, lora_slot=seq.lora_slot)
+                        num_draft_tokens=item.num_draft_tokens, lora_slot=seq.lora_slot,
+                        long_rope=seq.long_rope)

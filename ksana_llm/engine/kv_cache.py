@@ -88,9 +88,12 @@ class BlockManager:
         bs = self.block_size
         full = seq.num_known_tokens // bs
         hashes = seq.block_hashes
+        # KV computed with LongRoPE's long factors is another KV than the short factors' of the
+        # same tokens: its own chain.
+        root = hash((seq.cache_salt, "long_rope")) if seq.long_rope else seq.cache_salt
         while len(hashes) < full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else seq.cache_salt
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, tuple(seq.tokens_slice(i * bs, (i + 1) * bs))))
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:

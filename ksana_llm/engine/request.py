@@ -133,6 +133,9 @@ class Sequence:
     prediction: list[int] | None = None
     prediction_index: Any = None
     cache_salt: int | None = None
+    # LongRoPE models: its KV is computed with the long factors, as it is longer than the
+    # model's original context (set by the scheduler; see layers.rotary_longrope).
+    long_rope: bool = False
     # The engine-wide logits processors (ksana_llm.LogitsProcessor) that apply to its request.
     engine_processors: tuple[Any, ...] = ()
 
@@ -205,7 +208,7 @@ class Sequence:
             embeddings=self.embeddings, prompt_is_embeddings=self.prompt_is_embeddings,
             text=self.text, max_num_tokens=self.max_num_tokens,
             kv_imported=self.kv_imported, lora_id=self.lora_id, lora_slot=self.lora_slot,
-            cache_salt=self.cache_salt, prediction=self.prediction,
+            cache_salt=self.cache_salt, long_rope=self.long_rope, prediction=self.prediction,
             engine_processors=self.engine_processors)
 
     def tokens_slice(self, start: int, end: int) -> list[int]:

@@ -19,6 +19,12 @@ one whose pending token is its last is not scheduled again.
 A running sequence with nothing to compute (a beam waiting for its siblings' logits) is skipped;
 if such idle sequences hold the blocks that everything else waits for, the last one is preempted
 for recompute so the others can move (see `schedule`).
+
+LongRoPE models (`long_rope_switch`) follow transformers: a sequence longer than the original
+context is computed with the long factors throughout (`Sequence.long_rope`, decided when it is
+admitted), and a running sequence that grows past that length goes back to the waiting queue to
+be recomputed with them, whatever KV it holds (not a preemption: nothing ran short). Its drafts
+stop short of that length, so no row past it is computed with the short factors.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # ordered by policy key
         self._admissions = 0  # FIFO tie-breaker that survives preemption
         self.num_preemptions = 0
+        self.num_long_rope_recomputes = 0  # sequences recomputed as they outgrew the short factors
         # The last step left requests waiting for KV memory (see `schedule`).
         self.waiting_blocked = False
         self.num_imported_kv_tokens = 0  # prompt tokens whose KV another engine computed
@@ -176,6 +183,7 @@ class Scheduler:
         if self._num_reserved_running() + seq.num_reserved_slots > self.config.max_num_seqs:
             return False
         bm = self.block_manager
+        self._settle_long_rope(seq)
         prefix = bm.match_prefix(seq)
         first = self._chunk(seq, self.config.max_step_tokens, prefix.num_tokens)
         needed = bm.blocks_needed(prefix.num_tokens + first) - len(prefix.block_ids)
@@ -197,6 +205,13 @@ class Scheduler:
                 # Out of budget, or idle: nothing to compute, or (async scheduling) its last
                 # token is still on its way back and ends it.
                 still_running.append(seq)
+                continue
+            if self._outgrew_short_rope(seq):
+                if not seq.num_pending_tokens:  # (else once its tokens are known)
+                    self._requeue_for_recompute(seq)
+                    self.num_long_rope_recomputes += 1
+                else:
+                    still_running.append(seq)
                 continue
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
             while not self.block_manager.allocate(seq, num_new):
@@ -235,7 +250,9 @@ class Scheduler:
                     or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             num_drafts = min(len(seq.draft_token_ids), budget)
-            if self.block_manager.allocate(seq, 1 + num_drafts):
+            if self.config.long_rope_switch is not None and not seq.long_rope:
+                num_drafts = min(num_drafts, self.config.long_rope_switch - seq.num_tokens)
+            if num_drafts > 0 and self.block_manager.allocate(seq, 1 + num_drafts):
                 item.num_new_tokens += num_drafts
                 item.num_draft_tokens = num_drafts
                 budget -= num_drafts
@@ -286,6 +303,7 @@ class Scheduler:
                     i += 1  # it waits for a slot, and those behind it may go
                     continue
             # Forward-only, prompt-logprob and embedding sequences get no prefix-cache hits.
+            self._settle_long_rope(seq)
             prefix = bm.match_prefix(seq)
             imported = seq.imported_kv
             if imported is not None and imported.num_tokens > prefix.num_tokens:
@@ -307,7 +325,8 @@ class Scheduler:
             seq.imported_kv = None  # written now, or not needed; a recompute computes it all
             self.waiting.pop(i)
             seq.num_computed_tokens = start
-            if seq.num_preemptions == 0:
+            if seq.num_preemptions == 0 and not seq.output_token_ids:
+                # First admitted (a preempted or LongRoPE-recomputed sequence has tokens out).
                 # Prompt tokens not computed here: prefix-cache hits, or KV imported from a
                 # prefill engine (vLLM counts a KV connector's tokens as cached too).
                 seq.num_cached_tokens = start
@@ -375,13 +394,31 @@ class Scheduler:
                 seq.status = SequenceStatus.SWAPPED
                 self._insert(self.swapped, seq)
                 return
-        # Recompute (or the host pool is full): drop the KV, keep the tokens.
+        self._requeue_for_recompute(seq)  # recompute (or the host pool is full)
+
+    def _requeue_for_recompute(self, seq: Sequence) -> None:
+        """Drop the sequence's KV and put it back in the waiting queue, tokens kept."""
         self._release_adapter(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.kv_imported = False  # all computed here from now on
         seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, seq)
+
+    # ---- LongRoPE ---------------------------------------------------------------------------
+    def _settle_long_rope(self, seq: Sequence) -> None:
+        """A sequence about to be computed from its start takes the long factors when it is
+        longer than the original context; its prefix-cache chain then starts over (KV computed
+        with the other factors must not serve it)."""
+        switch = self.config.long_rope_switch
+        if switch is not None and not seq.long_rope and seq.num_tokens > switch:
+            seq.long_rope = True
+            seq.block_hashes = []
+
+    def _outgrew_short_rope(self, seq: Sequence) -> bool:
+        """A running sequence computed with the short factors has grown past the switch."""
+        switch = self.config.long_rope_switch
+        return switch is not None and not seq.long_rope and seq.num_tokens > switch
 
     def finish(self, seq: Sequence) -> None:
         """A sequence is done: release everything it holds."""

@@ -33,6 +33,9 @@ class SchedulerConfig:
     lora_max_wait_steps: int | None = 64
     # Speculative decoding: steps running at least this many sequences carry no drafts.
     speculative_disable_by_batch_size: int | None = None
+    # LongRoPE models: the original context, past which a sequence takes the long factors (the
+    # model's `long_rope_switch`; see Scheduler). None for every other model.
+    long_rope_switch: int | None = None
 
 
 @dataclass(slots=True)  # built per sequence per step: not frozen, which costs more to build

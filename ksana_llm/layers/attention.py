@@ -209,6 +209,9 @@ class AttentionMetadata:
     kv_scales: tuple[float, ...] = ()
     # The step's LoRA adapters (ksana_llm.layers.lora); None when no token uses one.
     lora: LoraBatch | None = None
+    # [T] bool: rows of sequences whose KV takes LongRoPE's long factors (layers.rotary_longrope);
+    # None when no prefill row needs the mark.
+    long_rope_rows: torch.Tensor | None = None
     _slot_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False,
                                                                   compare=False)
     _chunk_batches: dict[tuple[float, int], list[ChunkBatch]] = field(

@@ -17,6 +17,19 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any]]:
     return float(theta), scaling
 
 
+def partial_rotary_dim(config: Any, head_dim: int, default: float = 1.0) -> int:
+    """How many of a head's dims RoPE rotates: `partial_rotary_factor` (in the config or its rope
+    parameters; `default` when neither gives it) of `head_dim`."""
+    _, scaling = rope_settings(config)
+    factor = scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    factor = default if factor is None else float(factor)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} gives a rotary dim of {rotary_dim}; "
+                         "it must be even and at least 2")
+    return rotary_dim
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama-3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, short kept,
     the band between interpolated."""
@@ -46,7 +59,7 @@ def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> 
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, "
-                     "yarn")
+                     "yarn, longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,10 +86,11 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = cached
         return cached
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                long_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions`, shaped [T, 1, D/2]; computed once per step, shared by
-        every layer."""
+        every layer. `long_rows` ([T] bool) picks LongRoPE's long factors
+        (layers.rotary_longrope); a table with one set of frequencies has nothing to pick."""
         cos_table, sin_table = self._table(positions.device, dtype)
         return cos_table.index_select(0, positions).unsqueeze(1), \
             sin_table.index_select(0, positions).unsqueeze(1)

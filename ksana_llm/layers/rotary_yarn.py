@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ksana_llm.layers.rotary import RotaryEmbedding
+from ksana_llm.layers.rotary_longrope import LONGROPE_TYPES, LongRopeRotaryEmbedding
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -96,7 +97,10 @@ class ScaledRotaryEmbedding(RotaryEmbedding):
 
 def build_rotary(rotary_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any]) -> RotaryEmbedding:
-    """YaRN when the scaling dict asks for it, otherwise the plain / Llama-3 / linear table."""
+    """YaRN or LongRoPE when the scaling dict asks for it, otherwise the plain / Llama-3 / linear
+    table."""
+    if _rope_type(scaling) in LONGROPE_TYPES:
+        return LongRopeRotaryEmbedding(rotary_dim, max_positions, theta, scaling)
     if _rope_type(scaling) == "yarn":
         inv_freq, attention_factor = yarn_parameters(rotary_dim, theta, scaling, max_positions)
         return ScaledRotaryEmbedding(rotary_dim, max_positions, inv_freq, attention_factor)

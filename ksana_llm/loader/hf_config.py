@@ -108,10 +108,15 @@ def hf_overrides_applied(config: Any, overrides: Mapping[str, Any]) -> bool:
 
 
 def _read_hf_config(model_dir: str | Path) -> Any:
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PretrainedConfig
 
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except StrictDataclassError as exc:
+        # A transformers config class refused its values (e.g. LongRoPE factors of the wrong
+        # length): the config is wrong, not foreign.
+        raise ValueError(f"config.json of {model_dir} fails transformers' checks: {exc}") from exc
     except (ValueError, KeyError) as exc:
         path = Path(model_dir) / "config.json"
         if not path.exists():

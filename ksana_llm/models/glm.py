@@ -24,22 +24,12 @@ import torch
 from torch import nn
 
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.layers.rotary import rope_settings
+from ksana_llm.layers.rotary import partial_rotary_dim, rope_settings
 from ksana_llm.layers.rotary_yarn import build_rotary
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.gemma import Gemma2DecoderLayer
 from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
 from ksana_llm.models.phi3 import split_fused_checkpoint_tensors
-
-
-def rotary_dim_of(config: Any) -> int:
-    _, scaling = rope_settings(config)
-    factor = scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5))
-    rotary_dim = int(head_dim_of(config) * float(factor))
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"partial_rotary_factor {factor} gives a rotary dim of {rotary_dim}; "
-                         "it must be even and at least 2")
-    return rotary_dim
 
 
 def halves_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -51,7 +41,8 @@ def halves_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
 
 class GlmForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
-        self._rotary_dim = rotary_dim_of(config)  # checked before any weight is built
+        # Checked before any weight is built.
+        self._rotary_dim = partial_rotary_dim(config, head_dim_of(config), default=0.5)
         super().__init__(config, parallel)
         theta, scaling = rope_settings(config)
         self.model.rotary_emb = build_rotary(self._rotary_dim, config.max_position_embeddings,

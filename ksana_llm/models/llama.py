@@ -264,8 +264,8 @@ class LlamaModel(nn.Module):
             dtype = local_layers[0].input_layernorm.weight.dtype
             hidden = recv_hidden((input_ids.shape[0], self.hidden_size), dtype, input_ids.device,
                                  ctx.stage_rank(ctx.pp_rank - 1))
-        rope = None if self.rotary_emb is None else self.rotary_emb.cos_sin(positions,
-                                                                          hidden.dtype)
+        rope = None if self.rotary_emb is None else self.rotary_emb.cos_sin(
+            positions, hidden.dtype, meta.long_rope_rows)
         local_rope = (None if self.local_rotary_emb is None
                       else self.local_rotary_emb.cos_sin(positions, hidden.dtype))
         residual = None
@@ -352,6 +352,12 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
         """None: transformers' Llama attends to the whole context, even when a config carries a
         `sliding_window` key. Families with a window override this."""
         return None
+
+    @property
+    def long_rope_switch(self) -> int | None:
+        """LongRoPE: the length past which a sequence's KV takes the long factors (the scheduler
+        recomputes a sequence that grows past it); None for other RoPE."""
+        return getattr(self.model.rotary_emb, "switch_length", None)
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -5,9 +5,9 @@ the layout of our own fused matmuls; they are split into their parts as they loa
 parallelism shards them like any Llama's. `sliding_window` applies to every layer, as in
 transformers' Phi-3 (2047 in Phi-3-mini-4k's config, null in Phi-4's).
 
-Not covered, refused by name: LongRoPE scaling (`rope_scaling` type "longrope" / "su": the
-128k-context Phi-3 / Phi-3.5 / Phi-4-mini models, whose rotation transformers switches by the
-current sequence length) and `partial_rotary_factor` below 1.
+RoPE may cover only the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75), and may
+be LongRoPE (`rope_scaling` type "longrope" / "su": the 128k-context Phi-3, Phi-3.5 and
+Phi-4-mini), whose factors switch with the sequence's length (layers.rotary_longrope).
 """
 
 from __future__ import annotations
@@ -18,28 +18,26 @@ from typing import Any
 import torch
 
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.layers.rotary import rope_settings
+from ksana_llm.layers.rotary import partial_rotary_dim, rope_settings
+from ksana_llm.layers.rotary_yarn import build_rotary
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.llama import MistralForCausalLM, head_dim_of
 
 
-def check_phi3_rope(config: Any) -> None:
-    _, scaling = rope_settings(config)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in ("longrope", "su"):
-        raise ValueError(f"rope_scaling type {rope_type!r} (LongRoPE, Phi's 128k-context "
-                         "models) is not supported")
-    factor = float(scaling.get("partial_rotary_factor",
-                               getattr(config, "partial_rotary_factor", 1.0) or 1.0))
-    if factor != 1.0:
-        raise ValueError(f"partial_rotary_factor {factor} is not supported (RoPE over the "
-                         "whole head only)")
-
-
 class Phi3ForCausalLM(MistralForCausalLM):
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
-        check_phi3_rope(config)
+        rotary_dim = partial_rotary_dim(config, head_dim_of(config))  # checked before the weights
         super().__init__(config, parallel)
+        theta, scaling = rope_settings(config)
+        if "original_max_position_embeddings" not in scaling and \
+                getattr(config, "original_max_position_embeddings", None):
+            # transformers 4.x kept it beside rope_scaling, not in it.
+            scaling["original_max_position_embeddings"] = config.original_max_position_embeddings
+        self.model.rotary_emb = build_rotary(rotary_dim, config.max_position_embeddings, theta,
+                                             scaling)
+
+    def uses_rope(self, config: Any) -> bool:
+        return False  # a table over the rotary dims only, installed in __init__
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
                      require_all: bool = True) -> set[str]:

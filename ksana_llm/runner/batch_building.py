@@ -78,6 +78,9 @@ class BatchBuilding:
         if self.lora is not None:
             meta.lora = self.lora.batch([s.lora_slot for s in ordered],
                                         torch.from_numpy(flat.seq_index))
+        if any(s.long_rope for s in ordered):
+            long = torch.tensor([s.long_rope for s in ordered])
+            meta.long_rope_rows = long.index_select(0, torch.from_numpy(flat.seq_index))
         self._embedding_overrides = self._overrides(override_rows, override_values)
         if self.attention_backend == "triton":
             lengths = [s.num_tokens for s in ordered[num_decodes:]]
@@ -147,6 +150,7 @@ class BatchBuilding:
         move = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
         meta.slot_mapping = move(meta.slot_mapping)
         meta.positions = move(meta.positions)
+        meta.long_rope_rows = move(meta.long_rope_rows)
         if meta.lora is not None:
             meta.lora = meta.lora.to(self.device)
         if meta.kernel_batch is not None:

@@ -261,10 +261,13 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _graph_eligible(self, slices: list[SeqSlice]) -> bool:
-        """Pure decode (one token each), nothing captured or overridden, within the buffers."""
+        """Pure decode (one token each), nothing captured or overridden, within the buffers.
+        (A one-token prompt chunk of a LongRoPE-long sequence, which samples nothing, needs its
+        row marked; a graph's rows have no marks: layers.rotary_longrope.)"""
         graphs = self.decode_graphs
         return graphs is not None and len(slices) <= graphs.max_batch_size and all(
-            s.num_tokens == 1 and not s.capture and s.embeddings is None for s in slices
+            s.num_tokens == 1 and not s.capture and s.embeddings is None
+            and (s.sample or not s.long_rope) for s in slices
         ) and graphs.inputs.fits([s.block_table for s in slices])
 
     def _execute_decode_graph(self, slices: list[SeqSlice],

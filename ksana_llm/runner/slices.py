@@ -43,6 +43,9 @@ class SeqSlice:
     num_draft_tokens: int = 0
     # The LoRA adapter slot its tokens use (runner.lora_slots); 0 = the base model.
     lora_slot: int = 0
+    # LongRoPE models: the sequence is longer than the original context, so all its rows take
+    # the long factors (engine.scheduler, layers.rotary_longrope).
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:
