@@ -25,7 +25,8 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Glm4Config,
                           Glm4ForCausalLM, GraniteConfig, GraniteForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import ksana_llm as kt
@@ -95,6 +96,16 @@ MODELS = {
     "granite": lambda: GraniteForCausalLM(GraniteConfig(
         **SMALL, embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
         logits_scaling=8.0)),
+    # OLMo 2: q/k norms over all heads, each rank's sum of squares all-reduced (at TP 4 the 2
+    # KV heads are replicated: each counted twice, and divided back).
+    "olmo2": lambda: Olmo2ForCausalLM(Olmo2Config(**SMALL, pad_token_id=0)),
+    # OLMo 3: a windowed layer and a full one with their own RoPE bases, no residual between
+    # layers (the stream a stage sends is whole).
+    "olmo3": lambda: Olmo3ForCausalLM(Olmo3Config(
+        **SMALL, pad_token_id=0, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{
         **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 0.5, "layer_types": ["sliding_attention", "full_attention"]})),
@@ -110,6 +121,8 @@ def build(name: str, folder: Path) -> torch.nn.Module:
                 param.normal_(0, 0.1)  # a bias a rank dropped or doubled must show
             elif pname.endswith("norm.weight") and "gemma" in name:
                 param.normal_(0, 0.3)  # Gemma's norm offsets (0 would hide a lost +1)
+            elif pname.endswith("norm.weight") and "olmo" in name:
+                param.normal_(1, 0.5)  # q/k norm weights: a rank's slice taken wrong must show
             elif "gate" in pname and param.dim() == 2 and param.shape[0] <= 8:
                 param.normal_(0, 0.5)  # routers: spread tokens over the experts
             elif "experts" in pname:
@@ -154,6 +167,7 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
                                       ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
                                       ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2),
                                       ("phi3", 2), ("phi3-longrope", 2), ("glm4", 2),
+                                      ("olmo2", 2), ("olmo2", 4),
                                       ("granite", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
@@ -161,7 +175,7 @@ def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
 
 
 @pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek", "deepseek-v2",
-                                  "gemma3"])
+                                  "gemma3", "olmo3"])
 def test_pipeline_parallel_matches_transformers(tmp_path, name):
     hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)

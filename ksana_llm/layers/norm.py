@@ -1,11 +1,14 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; RMSNorm over a projection
+split across tensor-parallel ranks."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.fused_kernels import fused_kernels_on
+from ksana_llm.layers.parallel import tp_all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -33,3 +36,40 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a whole projection whose columns are split over the tensor-parallel ranks
+    (OLMo 2's q/k norms span every head): each rank keeps the weights of its columns
+    `[start, start + size)` of `full_size`, and the mean of squares sums over all of them (one
+    all-reduce of a [tokens, 1] tensor). `replicas`: how many ranks hold each column (KV heads
+    replicated over more ranks than there are heads), which the all-reduce counts that often.
+    The weight multiplies in float32, as transformers' OLMo 2 does."""
+
+    def __init__(self, full_size: int, shard: tuple[int, int], eps: float,
+                 parallel: ParallelContext, replicas: int = 1) -> None:
+        super().__init__()
+        self.full_size = full_size
+        self.replicas = replicas
+        self.start, size = shard
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if self.parallel.tp_size > 1:
+            squares = tp_all_reduce(squares, self.parallel).div_(self.replicas)
+        scale = torch.rsqrt(squares.div_(self.full_size).add_(self.eps))
+        return (self.weight.float() * (xf * scale)).to(x.dtype)
+
+    def expected_checkpoint_keys(self) -> list[str]:
+        return ["weight"]
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name != "weight" or tuple(tensor.shape) != (self.full_size,):
+            raise ValueError(f"norm {name!r}: shape {tuple(tensor.shape)}, expected "
+                             f"[{self.full_size}]")
+        self.weight.data.copy_(tensor[self.start:self.start + self.weight.shape[0]])
+        return ["weight"]

@@ -156,7 +156,25 @@ def rope_of(config: Any, layer_type: str) -> tuple[float, dict[str, Any]]:
     return rope_settings(config)
 
 
-class Gemma2ForCausalLM(GemmaForCausalLM):
+class PerLayerWindows:
+    """Models whose `layer_types` (in `_types`, checked by `layer_types`) mix sliding-window and
+    full attention layers (Gemma 2 and 3, OLMo 3)."""
+
+    _types: list[str]
+    config: Any
+
+    def _window_of(self, config: Any, layer_idx: int) -> int | None:
+        return config.sliding_window if self._types[layer_idx] == SLIDING else None
+
+    @property
+    def layer_sliding_window(self) -> int | None:
+        """The windowed layers' window (None when every layer is full): what
+        `disable_sliding_window` caps sequences at. The model-wide `sliding_window` stays None,
+        since the full layers see everything."""
+        return self.config.sliding_window if SLIDING in self._types else None
+
+
+class Gemma2ForCausalLM(PerLayerWindows, GemmaForCausalLM):
     """Gemma 2 2B / 9B / 27B."""
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
@@ -176,16 +194,6 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         return Gemma2DecoderLayer(config, self.make_attention(config, layer_idx),
                                   self.make_mlp(config, layer_idx),
                                   local_rope=self._types[layer_idx] == SLIDING)
-
-    def _window_of(self, config: Any, layer_idx: int) -> int | None:
-        return config.sliding_window if self._types[layer_idx] == SLIDING else None
-
-    @property
-    def layer_sliding_window(self) -> int | None:
-        """The windowed layers' window (None when every layer is full): what
-        `disable_sliding_window` caps sequences at. The model-wide `sliding_window` stays None,
-        since the full layers see everything."""
-        return self.config.sliding_window if SLIDING in self._types else None
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

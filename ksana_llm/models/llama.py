@@ -68,6 +68,9 @@ class LlamaAttention(nn.Module):
     """
 
     accepts_lora = True  # its projections apply the step's LoRA adapters (meta.lora)
+    # OLMo 2: `q_norm` / `k_norm` are one RMSNorm over all of q's heads and one over k's, applied
+    # to the projections as they come (models/olmo2.py).
+    norms_whole_projections = False
 
     def __init__(self, config: Any, layer_idx: int = 0, *, qkv_bias: bool | None = None,
                  o_bias: bool | None = None, qk_norm: bool = False,
@@ -126,6 +129,8 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden, meta.lora).split(self.split, dim=-1)
+        if self.norms_whole_projections:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -261,7 +266,7 @@ class LlamaModel(nn.Module):
             if self.embedding_multiplier is not None:
                 hidden = hidden * self.embedding_multiplier
         else:
-            dtype = local_layers[0].input_layernorm.weight.dtype
+            dtype = local_layers[0].post_attention_layernorm.weight.dtype
             hidden = recv_hidden((input_ids.shape[0], self.hidden_size), dtype, input_ids.device,
                                  ctx.stage_rank(ctx.pp_rank - 1))
         rope = None if self.rotary_emb is None else self.rotary_emb.cos_sin(
@@ -280,7 +285,8 @@ class LlamaModel(nn.Module):
                 return recv_hidden(hidden.shape, hidden.dtype, hidden.device,
                                    ctx.stage_rank(ctx.pp_size - 1))
             return hidden  # a middle stage's output is not used
-        hidden, _ = self.norm(hidden, residual)
+        # (Layers that keep the stream whole, OLMo 2's, leave no residual.)
+        hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
         if ctx.pp_size > 1:
             send_hidden(hidden, ctx.stage_rank(0))
         return hidden

@@ -17,6 +17,7 @@ from ksana_llm.models.granite import GraniteForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.phi3 import Phi3ForCausalLM
+from ksana_llm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
 from ksana_llm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from ksana_llm.models.smollm3 import SmolLM3ForCausalLM
@@ -34,7 +35,9 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "MixtralForCausalLM": MixtralForCausalLM,  # Mixtral 8x7B / 8x22B
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
-    "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 mini / medium (4k), Phi-4
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 / 3.5 mini, medium, Phi-4, Phi-4-mini
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 1B / 7B / 13B / 32B
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 3 7B / 32B
     "GraniteForCausalLM": GraniteForCausalLM,  # IBM Granite 3.x dense
     "GlmForCausalLM": GlmForCausalLM,  # glm-4-9b(-chat)-hf
     "Glm4ForCausalLM": Glm4ForCausalLM,  # GLM-4-9B/32B-0414, GLM-Z1
@@ -68,6 +71,8 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
+    "olmo3": Olmo3ForCausalLM,
     "granite": GraniteForCausalLM,
     "glm": GlmForCausalLM,
     "glm4": Glm4ForCausalLM,

@@ -1,0 +1,92 @@
+"""AllenAI OLMo 2 (`Olmo2ForCausalLM`) and OLMo 3 (`Olmo3ForCausalLM`) on the Llama block.
+
+- No norm before attention or the MLP: each one's output is normalised (`post_attention_layernorm`,
+  `post_feedforward_layernorm`) and added to the residual stream.
+- q and k are normalised as whole projections, all heads together (`q_norm` over
+  num_heads * head_dim, `k_norm` over num_kv_heads * head_dim), before RoPE; under tensor
+  parallelism each rank normalises its heads with the sum of squares of every rank's
+  (`ShardedRMSNorm`).
+- OLMo 3 adds Gemma 2's per-layer attention kinds: `layer_types` lists sliding-window and full
+  layers, each kind with its own RoPE parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ksana_llm.distributed.context import ParallelContext
+from ksana_llm.layers.attention import AttentionMetadata, KVCache
+from ksana_llm.layers.norm import RMSNorm, ShardedRMSNorm
+from ksana_llm.layers.parallel import kv_head_shard
+from ksana_llm.layers.rotary_yarn import build_rotary
+from ksana_llm.models.gemma import FULL, SLIDING, PerLayerWindows, layer_types, rope_of
+from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM, Rope, head_dim_of, run_mlp
+
+
+class Olmo2Attention(LlamaAttention):
+    norms_whole_projections = True
+
+    def __init__(self, config: Any, layer_idx: int, *, layer_window: int | None = None,
+                 parallel: ParallelContext) -> None:
+        super().__init__(config, layer_idx, layer_window=layer_window, parallel=parallel)
+        d, eps = self.head_dim, getattr(config, "rms_norm_eps", 1e-6)
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        first_kv, _ = kv_head_shard(total_kv, parallel)
+        self.q_norm = ShardedRMSNorm(total_heads * d, (parallel.tp_rank * self.num_heads * d,
+                                                       self.num_heads * d), eps, parallel)
+        self.k_norm = ShardedRMSNorm(total_kv * d, (first_kv * d, self.num_kv_heads * d), eps,
+                                     parallel, replicas=max(1, parallel.tp_size // total_kv))
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, *,
+                 local_rope: bool = False) -> None:
+        super().__init__()
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        self.local_rope = local_rope  # read by LlamaModel: which RoPE table this layer takes
+
+    def forward(self, rope: Rope | None, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
+        # The stream is whole after every layer here: no residual travels beside it.
+        if residual is not None:
+            hidden = hidden + residual
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
+        return hidden + self.post_feedforward_layernorm(run_mlp(self.mlp, hidden, meta)), None
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
+        return Olmo2Attention(config, layer_idx, parallel=self.parallel)
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        return Olmo2DecoderLayer(config, self.make_attention(config, layer_idx),
+                                 self.make_mlp(config, layer_idx))
+
+
+class Olmo3ForCausalLM(PerLayerWindows, Olmo2ForCausalLM):
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
+        self._types = layer_types(config)  # checked before any weight is built
+        super().__init__(config, parallel)
+        d, max_pos = head_dim_of(config), config.max_position_embeddings
+        self.model.rotary_emb = build_rotary(d, max_pos, *rope_of(config, FULL))
+        self.model.local_rotary_emb = build_rotary(d, max_pos, *rope_of(config, SLIDING))
+
+    def uses_rope(self, config: Any) -> bool:
+        return False  # the two tables are installed in __init__
+
+    def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
+        return Olmo2Attention(config, layer_idx, layer_window=self._window_of(config, layer_idx),
+                              parallel=self.parallel)
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        return Olmo2DecoderLayer(config, self.make_attention(config, layer_idx),
+                                 self.make_mlp(config, layer_idx),
+                                 local_rope=self._types[layer_idx] == SLIDING)
