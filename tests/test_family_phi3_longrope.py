@@ -153,6 +153,21 @@ def test_async_scheduling_recomputes_once_its_token_is_known(saved):
     _check_outputs(outputs, prompts, reference, 20)
 
 
+@pytest.mark.parametrize("preempt_mode", [0, 1])
+def test_preemption_while_growing_past_the_switch(saved, preempt_mode):
+    """Too few blocks for six prompts that all grow past 24: sequences are preempted (swapped
+    out, or freed) around their crossing; one preempted just as it crossed is recomputed, not
+    swapped back in on its short-factor KV."""
+    _, folder, reference = saved["whole"]
+    prompts = _prompts(list(range(17, 23)), seed=0)
+    config = GenerationConfig(max_new_tokens=14, ignore_eos=True, logprobs=1)
+    with _engine(folder, num_device_blocks=12, preempt_mode=preempt_mode,
+                 enable_prefix_caching=False) as engine:
+        outputs = engine.generate_outputs(prompts, config, use_tqdm=False)
+        assert engine.stats().num_preemptions > 0
+    _check_outputs(outputs, prompts, reference, 14)
+
+
 def test_prefix_cache_keeps_short_and_long_kv_apart(saved):
     """A long prompt that extends a cached short one recomputes the shared tokens with the long
     factors; a short one reuses them."""

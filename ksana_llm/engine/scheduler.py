@@ -23,7 +23,8 @@ for recompute so the others can move (see `schedule`).
 LongRoPE models (`long_rope_switch`) follow transformers: a sequence longer than the original
 context is computed with the long factors throughout (`Sequence.long_rope`, decided when it is
 admitted), and a running sequence that grows past that length goes back to the waiting queue to
-be recomputed with them, whatever KV it holds (not a preemption: nothing ran short). Its drafts
+be recomputed with them, whatever KV it holds (not a preemption: nothing ran short; preempted at
+that moment, it is recomputed rather than swapped out). Its drafts
 stop short of that length, so no row past it is computed with the short factors.
 """
 
@@ -387,7 +388,9 @@ class Scheduler:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)
-        if self.config.preempt_mode == 0 and not recompute:
+        # A sequence that just outgrew LongRoPE's short factors is recomputed anyway: its KV
+        # is not worth a swap (and a swap-in would decode on it).
+        if self.config.preempt_mode == 0 and not recompute and not self._outgrew_short_rope(seq):
             mapping = self.block_manager.swap_out(seq)
             if mapping is not None:
                 out.swap_out.extend(mapping)
