@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM
 
-from ksana_llm.models import glm
+from ksana_llm.models import interleaved_rope
 from tests.family_harness import (TritonDriver, check_family, check_other_format,
                                   check_prefill_and_decode, hf_reference, load_ours, memoized,
                                   write_bin_twin)
@@ -65,14 +65,14 @@ def test_parity_needs_the_rotary_reordering(saved, monkeypatch):
     """With the rotary rows loaded as stored (interleaved pairs rotated as halves), the logits
     leave transformers': the reordering is what the parity above rests on."""
     hf, folder = saved["glm"]
-    monkeypatch.setattr(glm, "halves_order", lambda head_dim, rotary_dim: torch.arange(head_dim))
+    monkeypatch.setattr(interleaved_rope, "halves_order", lambda head_dim, rotary_dim: torch.arange(head_dim))
     with pytest.raises(AssertionError, match="not close"):
         check_prefill_and_decode(load_ours(folder), memoized(hf_reference(hf)), vocab=VOCAB,
                                  chunks=[40])
 
 
 def test_halves_order():
-    assert glm.halves_order(8, 4).tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
+    assert interleaved_rope.halves_order(8, 4).tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
 
 
 def test_pytorch_bin_loads_the_same(saved, tmp_path):

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
+                          DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                           DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Glm4Config,
                           Glm4ForCausalLM, GraniteConfig, GraniteForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
@@ -106,6 +107,15 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
+    # Command R+: q/k rows reordered to halves per head, then each rank's heads taken with
+    # their own per-head q/k LayerNorm weights; attention and MLP side by side on one norm.
+    "command-r-plus": lambda: CohereForCausalLM(CohereConfig(**{
+        **SMALL, "pad_token_id": 0, "use_qk_norm": True, "logit_scale": 0.25,
+        "tie_word_embeddings": True})),
+    # Command R7B: a windowed rotating layer, a full NoPE one; a stage sends a whole stream.
+    "command-r7b": lambda: Cohere2ForCausalLM(Cohere2Config(**{
+        **SMALL, "pad_token_id": 0, "sliding_window": 8, "logit_scale": 0.25,
+        "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True})),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{
         **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 0.5, "layer_types": ["sliding_attention", "full_attention"]})),
@@ -121,7 +131,7 @@ def build(name: str, folder: Path) -> torch.nn.Module:
                 param.normal_(0, 0.1)  # a bias a rank dropped or doubled must show
             elif pname.endswith("norm.weight") and "gemma" in name:
                 param.normal_(0, 0.3)  # Gemma's norm offsets (0 would hide a lost +1)
-            elif pname.endswith("norm.weight") and "olmo" in name:
+            elif pname.endswith("norm.weight") and ("olmo" in name or "command" in name):
                 param.normal_(1, 0.5)  # q/k norm weights: a rank's slice taken wrong must show
             elif "gate" in pname and param.dim() == 2 and param.shape[0] <= 8:
                 param.normal_(0, 0.5)  # routers: spread tokens over the experts
@@ -167,7 +177,7 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
                                       ("qwen2", 2), ("mixtral", 2), ("deepseek", 2),
                                       ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2),
                                       ("phi3", 2), ("phi3-longrope", 2), ("glm4", 2),
-                                      ("olmo2", 2), ("olmo2", 4),
+                                      ("olmo2", 2), ("olmo2", 4), ("command-r-plus", 2),
                                       ("granite", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
@@ -175,7 +185,7 @@ def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
 
 
 @pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek", "deepseek-v2",
-                                  "gemma3", "olmo3"])
+                                  "gemma3", "olmo3", "command-r7b"])
 def test_pipeline_parallel_matches_transformers(tmp_path, name):
     hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)
@@ -204,6 +214,9 @@ def test_each_rank_holds_only_its_shard(tmp_path):
                                    full.module.model.layers[0].self_attn.qkv_proj.weight[:32])
     finally:
         kt.Engine(sharded, num_device_blocks=8).shutdown()
+    # Its worker ranks stopped with that engine: another one is refused, not left to hang.
+    with pytest.raises(ValueError, match="load the model again"):
+        kt.Engine(sharded, num_device_blocks=8)
 
 
 def test_deepseek_ranks_split_mla_heads_and_experts(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -161,6 +161,7 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
 
 # The module attribute listing the engines built on a model's weights (`Model.add_engine`).
 _ENGINES_ATTR = "_ksana_llm_engines"
+_WORKERS_TAKEN_ATTR = "_ksana_llm_workers_taken"  # a parallel model's ranks serve an engine
 
 
 @dataclass
@@ -233,6 +234,20 @@ class Model:
                              "engine's Model (the same weights), which would change under their "
                              "steps; give each engine its own Model (Engine(path) loads one) or "
                              "shut the others down first")
+
+    def take_workers(self, build: Callable[[], Any]) -> Any:
+        """`build()` (an engine's core), which drives this parallel model's worker ranks: they
+        serve that one engine and stop with it, so a second engine is a ValueError, raised
+        before it touches them. A single-process model serves any number of engines."""
+        if self.runtime is None:
+            return build()
+        if self.module.__dict__.get(_WORKERS_TAKEN_ATTR):
+            raise ValueError("this tensor/pipeline-parallel Model already served an engine, "
+                             "whose end stopped its worker ranks; load the model again "
+                             "(Model.from_pretrained, or Engine(path)) for another engine")
+        core = build()
+        self.module.__dict__[_WORKERS_TAKEN_ATTR] = True
+        return core
 
     def release_workers(self) -> None:
         """Stop the worker ranks this model started and leave its process groups (a parallel

@@ -1,5 +1,5 @@
 """RMSNorm, optionally fused with the residual add that precedes it; RMSNorm over a projection
-split across tensor-parallel ranks."""
+split across tensor-parallel ranks; LayerNorm without a bias (Cohere's), whole or per head."""
 
 from __future__ import annotations
 
@@ -72,4 +72,52 @@ class ShardedRMSNorm(nn.Module):
             raise ValueError(f"norm {name!r}: shape {tuple(tensor.shape)}, expected "
                              f"[{self.full_size}]")
         self.weight.data.copy_(tensor[self.start:self.start + self.weight.shape[0]])
+        return ["weight"]
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim without a bias, in float32, the weight multiplied before the
+    cast back (transformers' Cohere)."""
+    xf = x.float()
+    normed = torch.nn.functional.layer_norm(xf, (xf.shape[-1],), eps=eps)
+    return (weight.float() * normed).to(x.dtype)
+
+
+class LayerNormNoBias(nn.Module):
+    """Cohere's norm: mean-centred, scaled, no bias."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _layer_norm(x, self.weight, self.eps)
+
+
+class HeadwiseLayerNorm(nn.Module):
+    """`LayerNormNoBias` over each head of q or k ([tokens, heads, head_dim]), every head with
+    weights of its own (Cohere's q/k norms: a [heads, head_dim] checkpoint tensor); a
+    tensor-parallel rank keeps the rows of its heads `[first, first + count)`."""
+
+    def __init__(self, total_heads: int, shard: tuple[int, int], head_dim: int,
+                 eps: float) -> None:
+        super().__init__()
+        self.total_heads = total_heads
+        self.first, count = shard
+        self.weight = nn.Parameter(torch.ones(count, head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _layer_norm(x, self.weight, self.eps)
+
+    def expected_checkpoint_keys(self) -> list[str]:
+        return ["weight"]
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str]:
+        expected = (self.total_heads, self.weight.shape[1])
+        if name != "weight" or tuple(tensor.shape) != expected:
+            raise ValueError(f"norm {name!r}: shape {tuple(tensor.shape)}, expected "
+                             f"{list(expected)}")
+        self.weight.data.copy_(tensor[self.first:self.first + self.weight.shape[0]])
         return ["weight"]

@@ -266,7 +266,8 @@ class LlamaModel(nn.Module):
             if self.embedding_multiplier is not None:
                 hidden = hidden * self.embedding_multiplier
         else:
-            dtype = local_layers[0].post_attention_layernorm.weight.dtype
+            dtype = next(p.dtype for name, p in local_layers[0].named_parameters()
+                         if name.endswith("norm.weight"))  # the stream's, as layers norm it
             hidden = recv_hidden((input_ids.shape[0], self.hidden_size), dtype, input_ids.device,
                                  ctx.stage_rank(ctx.pp_rank - 1))
         rope = None if self.rotary_emb is None else self.rotary_emb.cos_sin(

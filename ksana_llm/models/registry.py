@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ksana_llm.models.baichuan import BaichuanForCausalLM
+from ksana_llm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
@@ -38,6 +39,8 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 / 3.5 mini, medium, Phi-4, Phi-4-mini
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 1B / 7B / 13B / 32B
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 3 7B / 32B
+    "CohereForCausalLM": CohereForCausalLM,  # Command R, R+, Aya 23 / Expanse
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,  # Command R7B, Command A
     "GraniteForCausalLM": GraniteForCausalLM,  # IBM Granite 3.x dense
     "GlmForCausalLM": GlmForCausalLM,  # glm-4-9b(-chat)-hf
     "Glm4ForCausalLM": Glm4ForCausalLM,  # GLM-4-9B/32B-0414, GLM-Z1
@@ -73,6 +76,8 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "phi3": Phi3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo3ForCausalLM,
+    "cohere": CohereForCausalLM,
+    "cohere2": Cohere2ForCausalLM,
     "granite": GraniteForCausalLM,
     "glm": GlmForCausalLM,
     "glm4": Glm4ForCausalLM,
