@@ -254,8 +254,10 @@ def test_moe_attention_adapter_matches_peft_and_unadaptable_modules_are_refused(
     ("glm4", ["q_proj", "k_proj", "v_proj"]),  # q/k rows reordered on load: B's rows follow
     ("phi3", ["qkv_proj", "gate_up_proj"]),  # the checkpoint's own fused projections
     ("gemma2", ["q_proj", "o_proj", "down_proj"]),  # sandwich-norm layers, capped logits
+    ("command-r-plus", ["q_proj", "k_proj", "up_proj"]),  # interleaved RoPE rows reordered
+    ("olmo2", ["q_proj", "k_proj"]),  # normalised as whole projections after the adapter
 ])
-def test_adapters_on_glm_phi3_gemma2_match_peft(tmp_path, family, targets):
+def test_adapters_on_newer_families_match_peft(tmp_path, family, targets):
     from tests.test_tensor_parallel import build
 
     base = build(family, tmp_path / family)
