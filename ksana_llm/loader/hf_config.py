@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from ksana_llm.loader.json_files import read_json_object
+from ksana_llm.loader.multimodal_text import language_model_config
 
 logger = logging.getLogger("ksana_llm.loader")
 
@@ -22,33 +22,6 @@ def load_hf_config(model_dir: str | Path, overrides: Mapping[str, Any] | None = 
     if overrides:
         apply_hf_overrides(config, overrides)
     return language_model_config(config)
-
-
-# Multimodal checkpoints served for their text alone: architecture -> the language model's.
-_LANGUAGE_MODELS = MappingProxyType({"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"})
-# What the composite config holds for the whole checkpoint and the text model needs too.
-_SHARED_KEYS = ("quantization_config", "tie_word_embeddings")
-
-
-def language_model_config(config: Any) -> Any:
-    """A multimodal checkpoint we serve as its language model (Gemma 3 4B-27B): its
-    `text_config`, under the language model's architecture, holding the composite's
-    quantization and head tying. Other configs come back as they are. Image inputs are
-    refused by the chat route as for any text model; the vision tower is not loaded."""
-    architectures = list(getattr(config, "architectures", None) or [])
-    text = getattr(config, "text_config", None)
-    language_model = next((_LANGUAGE_MODELS[a] for a in architectures if a in _LANGUAGE_MODELS),
-                          None)
-    if language_model is None or text is None:
-        return config
-    for key in _SHARED_KEYS:
-        value = getattr(config, key, None)
-        if value is not None:
-            setattr(text, key, value)
-    text.architectures = [language_model]
-    logger.info("%s: serving its language model (%s) for text; the vision tower is not loaded",
-                architectures[0], language_model)
-    return text
 
 
 def apply_hf_overrides(config: Any, overrides: Mapping[str, Any], prefix: str = "") -> None:

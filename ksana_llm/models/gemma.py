@@ -26,9 +26,8 @@ each kind of layer with its own RoPE (`rope_parameters["sliding_attention"]` /
 `["full_attention"]`, or the older `rope_local_base_freq` / `rope_theta` + `rope_scaling`).
 
 The multimodal Gemma 3 checkpoints (`Gemma3ForConditionalGeneration`, 4B to 27B) are served as
-their language model, for text: `loader.hf_config.language_model_config` reads their
-`text_config`, and `Gemma3ForCausalLM.load_weights` takes the `language_model.` tensors and
-leaves the vision tower and projector out.
+their language model, for text (`loader.multimodal_text`: their `text_config`, their
+`language_model.` tensors, the vision tower and projector left out).
 """
 
 from __future__ import annotations
@@ -208,33 +207,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def uses_rope(self, config: Any) -> bool:
         return False  # the two tables are installed in __init__
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,
-                     require_all: bool = True) -> set[str]:
-        return super().load_weights(_language_model_tensors(weights), require_all=require_all)
-
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
         return LlamaAttention(config, layer_idx, qk_norm=True,
                               scale=float(config.query_pre_attn_scalar) ** -0.5,
                               layer_window=self._window_of(config, layer_idx),
                               parallel=self.parallel)
-
-
-# A Gemma3ForConditionalGeneration checkpoint's prefixes (the hub's, and transformers' own
-# module names) -> a causal LM's; and the parts served text-only leaves out.
-_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."),
-                            ("language_model.lm_head.", "lm_head."),
-                            ("model.language_model.", "model."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
-
-
-def _language_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]
-                            ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
-            if name.startswith(prefix):
-                name = ours + name[len(prefix):]
-                break
-        yield name, tensor

@@ -18,6 +18,7 @@ from types import MappingProxyType
 import torch
 
 from ksana_llm.layers.parallel import ParallelLMHead
+from ksana_llm.loader.multimodal_text import language_model_tensors
 from ksana_llm.loader.quantized_weight import dense
 from ksana_llm.models.weight_loading import load_checkpoint
 
@@ -62,6 +63,8 @@ class LlamaWeightLoading:
                      require_all: bool = True) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set
         unless `require_all` is False (a weight update of some tensors). The keys filled."""
+        if getattr(self.config, "multimodal_checkpoint", None):  # served for its text
+            weights = language_model_tensors(weights)
         filled = self.load_checkpoint_tensors(weights, require_all=require_all)
         self.prepare_for_inference()
         return filled

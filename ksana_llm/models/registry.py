@@ -25,7 +25,10 @@ from ksana_llm.models.smollm3 import SmolLM3ForCausalLM
 
 _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1/2/3, Yi, SmolLM2, Vicuna
-    "MistralForCausalLM": MistralForCausalLM,  # Llama's layout, sliding window from the config
+    # Llama's layout, sliding window from the config; Mistral Small 3.1 / 3.2
+    # (Mistral3ForConditionalGeneration) as its language model, for text
+    # (loader.multimodal_text)
+    "MistralForCausalLM": MistralForCausalLM,
     "YiForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # SmolLM3-3B (NoPE every 4th layer)
     "Qwen2ForCausalLM": Qwen2ForCausalLM,  # Qwen1.5, Qwen2, Qwen2.5
@@ -47,7 +50,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "GemmaForCausalLM": GemmaForCausalLM,  # Gemma 2B / 7B, CodeGemma
     "Gemma2ForCausalLM": Gemma2ForCausalLM,  # Gemma 2 2B / 9B / 27B
     # Gemma 3 1B; 4B-27B (Gemma3ForConditionalGeneration) as their language model, for text
-    # (loader.hf_config.language_model_config)
+    # (loader.multimodal_text)
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # DeepSeek-V2, V2-Lite, V2.5, Coder-V2
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1 (MLA + DeepSeek MoE)
