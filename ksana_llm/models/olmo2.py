@@ -8,6 +8,9 @@
   (`ShardedRMSNorm`).
 - OLMo 3 adds Gemma 2's per-layer attention kinds: `layer_types` lists sliding-window and full
   layers, each kind with its own RoPE parameters.
+
+LG EXAONE 4.0 (`Exaone4ForCausalLM`) shares the layout, with q/k RMSNorms per head (Qwen3's) and,
+when it has a sliding window, full layers that take no positions (NoPE).
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
+    """`rotates` False: a layer that takes no positions (EXAONE 4's full layers)."""
+
     def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, *,
-                 local_rope: bool = False) -> None:
+                 local_rope: bool = False, rotates: bool = True) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.self_attn = attention
@@ -52,13 +57,15 @@ class Olmo2DecoderLayer(nn.Module):
         self.mlp = mlp
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
         self.local_rope = local_rope  # read by LlamaModel: which RoPE table this layer takes
+        self.rotates = rotates
 
     def forward(self, rope: Rope | None, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
         # The stream is whole after every layer here: no residual travels beside it.
         if residual is not None:
             hidden = hidden + residual
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
+        attended = self.self_attn(rope if self.rotates else None, hidden, kv_cache, meta)
+        hidden = hidden + self.post_attention_layernorm(attended)
         return hidden + self.post_feedforward_layernorm(run_mlp(self.mlp, hidden, meta)), None
 
 
@@ -90,3 +97,21 @@ class Olmo3ForCausalLM(PerLayerWindows, Olmo2ForCausalLM):
         return Olmo2DecoderLayer(config, self.make_attention(config, layer_idx),
                                  self.make_mlp(config, layer_idx),
                                  local_rope=self._types[layer_idx] == SLIDING)
+
+
+class Exaone4ForCausalLM(PerLayerWindows, Olmo2ForCausalLM):
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
+        self._types = layer_types(config)  # checked before any weight is built
+        super().__init__(config, parallel)
+
+    def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
+        return LlamaAttention(config, layer_idx, qk_norm=True,
+                              layer_window=self._window_of(config, layer_idx),
+                              parallel=self.parallel)
+
+    def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
+        # transformers' rule: every layer rotates unless the model has a window, in which case
+        # only the windowed ones do.
+        rotates = config.sliding_window is None or self._types[layer_idx] == SLIDING
+        return Olmo2DecoderLayer(config, self.make_attention(config, layer_idx),
+                                 self.make_mlp(config, layer_idx), rotates=rotates)

@@ -18,7 +18,7 @@ from ksana_llm.models.granite import GraniteForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.phi3 import Phi3ForCausalLM
-from ksana_llm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
+from ksana_llm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM
 from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
 from ksana_llm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from ksana_llm.models.smollm3 import SmolLM3ForCausalLM
@@ -42,6 +42,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 / 3.5 mini, medium, Phi-4, Phi-4-mini
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 1B / 7B / 13B / 32B
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 3 7B / 32B
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,  # EXAONE 4.0 1.2B / 32B
     "CohereForCausalLM": CohereForCausalLM,  # Command R, R+, Aya 23 / Expanse
     "Cohere2ForCausalLM": Cohere2ForCausalLM,  # Command R7B, Command A
     "GraniteForCausalLM": GraniteForCausalLM,  # IBM Granite 3.x dense
@@ -79,6 +80,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "phi3": Phi3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo3ForCausalLM,
+    "exaone4": Exaone4ForCausalLM,
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,
     "granite": GraniteForCausalLM,

@@ -1,0 +1,47 @@
+"""LG EXAONE 4.0 (`Exaone4ForCausalLM`) end to end against transformers (fp32).
+
+Tiny random models saved by transformers, norm weights drawn away from 1: the 32B's kind (a
+windowed layer of 8 tokens, outrun by the 40-token prompts, which rotates, and a full layer,
+which takes no positions) and the 1.2B's (no window, every layer rotates). Both normalise q and
+k per head and each block's output after it (OLMo 2's layout): logits at prefill (whole and
+chunked), at 16 decode steps and on a prefix-cache hit, and greedy tokens through the Engine
+(tests/family_harness.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Exaone4Config, Exaone4ForCausalLM
+
+from ksana_llm.models.olmo2 import Exaone4ForCausalLM as OurExaone4
+from tests.family_harness import check_family, hf_reference, load_ours
+
+VOCAB = 256
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+CONFIGS = {
+    "hybrid": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                   tie_word_embeddings=False),
+    "full": dict(sliding_window=None, layer_types=["full_attention"] * 2,
+                 tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_family_matches_transformers(tmp_path, name):
+    torch.manual_seed(0)
+    hf = Exaone4ForCausalLM(Exaone4Config(**SHAPE, **CONFIGS[name])).eval()
+    with torch.no_grad():
+        for pname, param in hf.named_parameters():
+            if "norm" in pname:
+                param.normal_(1.0, 0.5)
+            elif pname.endswith(("q_proj.weight", "k_proj.weight")):
+                param.normal_(0, 0.3)  # scores big enough for positions to matter
+    hf.save_pretrained(tmp_path)
+    ours = load_ours(tmp_path)
+    assert isinstance(ours, OurExaone4)
+    expected = [True, False] if name == "hybrid" else [True, True]
+    assert [layer.rotates for layer in ours.model.layers] == expected
+    check_family(ours, tmp_path, hf_reference(hf), vocab=VOCAB)
