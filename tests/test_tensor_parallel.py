@@ -28,7 +28,8 @@ from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, Coher
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
                           Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Starcoder2Config,
+                          Starcoder2ForCausalLM)
 
 import ksana_llm as kt
 from ksana_llm.api.model import Model
@@ -116,6 +117,10 @@ MODELS = {
     "command-r7b": lambda: Cohere2ForCausalLM(Cohere2Config(**{
         **SMALL, "pad_token_id": 0, "sliding_window": 8, "logit_scale": 0.25,
         "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True})),
+    # StarCoder 2: the plain MLP's c_fc split by columns, c_proj by rows (its bias once);
+    # LayerNorms with biases; a 12-token window outrun by the 30-token prompt.
+    "starcoder2": lambda: Starcoder2ForCausalLM(Starcoder2Config(**{
+        **SMALL, "pad_token_id": 0, "sliding_window": 12})),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{
         **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 0.5, "layer_types": ["sliding_attention", "full_attention"]})),
@@ -131,7 +136,8 @@ def build(name: str, folder: Path) -> torch.nn.Module:
                 param.normal_(0, 0.1)  # a bias a rank dropped or doubled must show
             elif pname.endswith("norm.weight") and "gemma" in name:
                 param.normal_(0, 0.3)  # Gemma's norm offsets (0 would hide a lost +1)
-            elif pname.endswith("norm.weight") and ("olmo" in name or "command" in name):
+            elif pname.endswith("norm.weight") and ("olmo" in name or "command" in name
+                                                    or "starcoder" in name):
                 param.normal_(1, 0.5)  # q/k norm weights: a rank's slice taken wrong must show
             elif "gate" in pname and param.dim() == 2 and param.shape[0] <= 8:
                 param.normal_(0, 0.5)  # routers: spread tokens over the experts
@@ -178,6 +184,7 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
                                       ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2),
                                       ("phi3", 2), ("phi3-longrope", 2), ("glm4", 2),
                                       ("olmo2", 2), ("olmo2", 4), ("command-r-plus", 2),
+                                      ("starcoder2", 2),
                                       ("granite", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)

@@ -1,4 +1,4 @@
-"""Gated activations."""
+"""Activations: gated (SwiGLU-style, over fused gate/up) and plain."""
 
 from __future__ import annotations
 
@@ -33,3 +33,11 @@ def get_gated_activation(name: str):
         return act(gate).mul_(up)  # in place on the fresh activation: one temporary fewer
 
     return gated
+
+
+def get_activation(name: str):
+    """The plain activation `name` (a non-gated MLP's: StarCoder 2's)."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(_ACTIVATIONS)}") from None

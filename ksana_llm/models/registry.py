@@ -22,6 +22,7 @@ from ksana_llm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3Fo
 from ksana_llm.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, QWenLMHeadModel
 from ksana_llm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from ksana_llm.models.smollm3 import SmolLM3ForCausalLM
+from ksana_llm.models.starcoder2 import Starcoder2ForCausalLM
 
 _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 1/2/3, Yi, SmolLM2, Vicuna
@@ -43,6 +44,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 1B / 7B / 13B / 32B
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 3 7B / 32B
     "Exaone4ForCausalLM": Exaone4ForCausalLM,  # EXAONE 4.0 1.2B / 32B
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,  # StarCoder 2 3B / 7B / 15B
     "CohereForCausalLM": CohereForCausalLM,  # Command R, R+, Aya 23 / Expanse
     "Cohere2ForCausalLM": Cohere2ForCausalLM,  # Command R7B, Command A
     "GraniteForCausalLM": GraniteForCausalLM,  # IBM Granite 3.x dense
@@ -81,6 +83,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo3ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
+    "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,
     "granite": GraniteForCausalLM,
