@@ -52,14 +52,16 @@ def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> 
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (theta ** exponents)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
+        # Dynamic NTK scaling changes the base only past max_position_embeddings, which bounds
+        # max_model_len: within it, transformers' tables are the default ones.
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, "
-                     "yarn, longrope")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, dynamic, "
+                     "linear, llama3, yarn, longrope")
 
 
 class RotaryEmbedding(nn.Module):

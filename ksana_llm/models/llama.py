@@ -170,10 +170,12 @@ class LlamaMLP(nn.Module):
     accepts_lora = True  # forward takes the step's LoRA adapters (see LlamaDecoderLayer)
 
     def __init__(self, config: Any, layer_idx: int = 0, *,
-                 parallel: ParallelContext = SINGLE, hidden_act: str | None = None) -> None:
-        """`hidden_act` replaces the config's (families that name it otherwise: Gemma)."""
+                 parallel: ParallelContext = SINGLE, hidden_act: str | None = None,
+                 bias: bool | None = None) -> None:
+        """`hidden_act` and `bias` replace the config's `hidden_act` and `mlp_bias` (families
+        that name them otherwise: Gemma, InternLM 3)."""
         super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = bool(getattr(config, "mlp_bias", False)) if bias is None else bias
         size = config.intermediate_size
         shard = parallel.tp_split(size)
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias,

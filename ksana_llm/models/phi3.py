@@ -60,21 +60,21 @@ def split_fused_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], 
             if tensor.shape[0] != sum(qkv_rows):
                 raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
                                  f"expected {sum(qkv_rows)} (q, k, v heads x head_dim)")
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"), _split_rows(tensor, qkv_rows)):
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), split_rows(tensor, qkv_rows)):
                 yield f"{prefix}{part}.weight", piece
         elif name.endswith(".mlp.gate_up_proj.weight"):
             prefix = name[:-len("gate_up_proj.weight")]
             if tensor.shape[0] != 2 * config.intermediate_size:
                 raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, "
                                  f"expected {2 * config.intermediate_size} (gate, up)")
-            gate, up = _split_rows(tensor, [config.intermediate_size] * 2)
+            gate, up = split_rows(tensor, [config.intermediate_size] * 2)
             yield f"{prefix}gate_proj.weight", gate
             yield f"{prefix}up_proj.weight", up
         else:
             yield name, tensor
 
 
-def _split_rows(tensor: torch.Tensor | QuantizedWeight, sizes: list[int]
+def split_rows(tensor: torch.Tensor | QuantizedWeight, sizes: list[int]
                 ) -> list[torch.Tensor | QuantizedWeight]:
     """A dense tensor's or a quantized checkpoint's weight's rows, in parts of `sizes`."""
     if isinstance(tensor, QuantizedWeight):

@@ -15,6 +15,7 @@ from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from ksana_llm.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from ksana_llm.models.granite import GraniteForCausalLM
+from ksana_llm.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from ksana_llm.models.mixtral import MixtralForCausalLM
 from ksana_llm.models.phi3 import Phi3ForCausalLM
@@ -44,6 +45,8 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 1B / 7B / 13B / 32B
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 3 7B / 32B
     "Exaone4ForCausalLM": Exaone4ForCausalLM,  # EXAONE 4.0 1.2B / 32B
+    "InternLM2ForCausalLM": InternLM2ForCausalLM,  # InternLM 2 / 2.5 (remote-code configs)
+    "InternLM3ForCausalLM": InternLM3ForCausalLM,  # InternLM 3 8B (remote-code config)
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,  # StarCoder 2 3B / 7B / 15B
     "CohereForCausalLM": CohereForCausalLM,  # Command R, R+, Aya 23 / Expanse
     "Cohere2ForCausalLM": Cohere2ForCausalLM,  # Command R7B, Command A
@@ -83,6 +86,8 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo3ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
+    "internlm2": InternLM2ForCausalLM,
+    "internlm3": InternLM3ForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,
