@@ -49,13 +49,20 @@ def language_model_config(config: Any) -> Any:
     return text
 
 
+def language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor or module name under a causal LM's; None for the parts
+    served text-only leaves out (the vision tower, the projector)."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
+
+
 def language_model_tensors(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """A multimodal checkpoint's language-model tensors, under a causal LM's names."""
     for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
-            if name.startswith(prefix):
-                name = ours + name[len(prefix):]
-                break
-        yield name, tensor
+        renamed = language_model_name(name)
+        if renamed is not None:
+            yield renamed, tensor

@@ -31,6 +31,7 @@ from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.lora import LoraBatch, LoraWeights
 from ksana_llm.layers.parallel import RowParallelLinear
 from ksana_llm.loader.lora import LoraAdapter, load_lora_adapter
+from ksana_llm.loader.multimodal_text import language_model_name
 from ksana_llm.loader.weight_map import WeightMap
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -226,7 +227,15 @@ class LoraSlots:
         is kept, so a bad adapter changes nothing."""
         out = []
         taken: dict[tuple[str, int], str] = {}  # (projection, part) -> the module filling it
+        text_of_multimodal = getattr(getattr(self.model, "config", None),
+                                     "multimodal_checkpoint", None)
         for checkpoint_module, weights in adapter.modules.items():
+            if text_of_multimodal:
+                # Served for its text: the language model's modules under a causal LM's names;
+                # the vision tower's (not loaded) are nothing to adapt.
+                checkpoint_module = language_model_name(checkpoint_module)
+                if checkpoint_module is None:
+                    continue
             module = self._our_name(checkpoint_module)
             target = self.projections.get(module) if module is not None else None
             if target is None:
