@@ -54,6 +54,22 @@ def hf_reference(hf_model: torch.nn.Module) -> Reference:
     return logits
 
 
+def spread_weights(model: torch.nn.Module, *, norm_std: float = 0.5, bias_std: float = 0.1,
+                   qk_std: float | None = None) -> torch.nn.Module:
+    """Move a random model's norm weights (about 1) and biases (about 0) off their initial
+    values, and with `qk_std` widen its q/k projections (scores big enough for positions to
+    matter), so that a lost norm, bias or rotation moves the logits. Returns it in eval mode."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, bias_std)
+            elif "norm" in name:
+                param.normal_(1.0, norm_std)
+            elif qk_std is not None and name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.normal_(0, qk_std)
+    return model.eval()
+
+
 def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> Path:
     """A checkpoint folder written by hand (families transformers has no class for): config.json
     plus the tensors as model.safetensors or pytorch_model.bin."""

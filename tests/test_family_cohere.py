@@ -21,7 +21,7 @@ from ksana_llm.models.cohere import Cohere2ForCausalLM as OurCohere2
 from ksana_llm.models.cohere import CohereForCausalLM as OurCohere
 from tests.family_harness import (TritonDriver, check_family, check_other_format,
                                   check_prefill_and_decode, hf_reference, load_ours, memoized,
-                                  write_bin_twin)
+                                  spread_weights, write_bin_twin)
 
 VOCAB = 256
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -37,13 +37,7 @@ MODELS = {
 
 def build_cohere(name: str, folder) -> torch.nn.Module:
     torch.manual_seed(0)
-    hf = MODELS[name]().eval()
-    with torch.no_grad():
-        for pname, param in hf.named_parameters():
-            if "norm" in pname:
-                param.normal_(1.0, 0.5)
-            elif pname.endswith(("q_proj.weight", "k_proj.weight")):
-                param.normal_(0, 0.3)  # scores big enough for positions to matter
+    hf = spread_weights(MODELS[name](), qk_std=0.3)
     hf.save_pretrained(folder)
     return hf
 

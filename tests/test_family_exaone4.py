@@ -15,7 +15,7 @@ import torch
 from transformers import Exaone4Config, Exaone4ForCausalLM
 
 from ksana_llm.models.olmo2 import Exaone4ForCausalLM as OurExaone4
-from tests.family_harness import check_family, hf_reference, load_ours
+from tests.family_harness import check_family, hf_reference, load_ours, spread_weights
 
 VOCAB = 256
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -32,13 +32,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_family_matches_transformers(tmp_path, name):
     torch.manual_seed(0)
-    hf = Exaone4ForCausalLM(Exaone4Config(**SHAPE, **CONFIGS[name])).eval()
-    with torch.no_grad():
-        for pname, param in hf.named_parameters():
-            if "norm" in pname:
-                param.normal_(1.0, 0.5)
-            elif pname.endswith(("q_proj.weight", "k_proj.weight")):
-                param.normal_(0, 0.3)  # scores big enough for positions to matter
+    hf = spread_weights(Exaone4ForCausalLM(Exaone4Config(**SHAPE, **CONFIGS[name])), qk_std=0.3)
     hf.save_pretrained(tmp_path)
     ours = load_ours(tmp_path)
     assert isinstance(ours, OurExaone4)

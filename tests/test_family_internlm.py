@@ -19,23 +19,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ksana_llm.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
-from tests.family_harness import check_family, hf_reference, load_ours, write_checkpoint
+from tests.family_harness import (check_family, hf_reference, load_ours, spread_weights,
+                                  write_checkpoint)
 
 VOCAB = 256
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
              rms_norm_eps=1e-5, rope_theta=50000.0, bos_token_id=1, eos_token_id=2,
              pad_token_id=0, tie_word_embeddings=False)
-
-
-def _random(hf: torch.nn.Module) -> torch.nn.Module:
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)
-            elif "norm" in name:
-                param.normal_(1.0, 0.3)
-    return hf.eval()
 
 
 def fused_wqkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int, head_dim: int
@@ -80,7 +71,7 @@ def internlm2_config(bias: bool) -> dict:
 @pytest.mark.parametrize("bias", [False, True])
 def test_internlm2_matches_llama(tmp_path, bias):
     torch.manual_seed(0)
-    llama = _random(LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=bias)))
+    llama = spread_weights(LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=bias)))
     folder = write_checkpoint(tmp_path, internlm2_config(bias), internlm2_checkpoint(llama, bias),
                               "safetensors")
     ours = load_ours(folder)
@@ -90,7 +81,7 @@ def test_internlm2_matches_llama(tmp_path, bias):
 
 def test_internlm2_wqkv_of_the_wrong_size_names_it(tmp_path):
     torch.manual_seed(0)
-    llama = _random(LlamaForCausalLM(LlamaConfig(**SHAPE)))
+    llama = spread_weights(LlamaForCausalLM(LlamaConfig(**SHAPE)))
     tensors = internlm2_checkpoint(llama, bias=False)
     name = "model.layers.1.attention.wqkv.weight"
     tensors[name] = tensors[name][:-8]
@@ -104,8 +95,8 @@ def test_internlm3_matches_its_llama_block(tmp_path):
     name; transformers 5 reads it as InternLM3Config, which requires the two biases equal),
     Llama's tensor names: the biased Llama block."""
     torch.manual_seed(0)
-    llama = _random(LlamaForCausalLM(LlamaConfig(**SHAPE, head_dim=16, attention_bias=True,
-                                                 mlp_bias=True)))
+    llama = spread_weights(LlamaForCausalLM(LlamaConfig(**SHAPE, head_dim=16,
+                                                        attention_bias=True, mlp_bias=True)))
     tensors = {n: t.clone() for n, t in llama.state_dict().items() if "rotary_emb" not in n}
     config = {**SHAPE, "head_dim": 16, "architectures": ["InternLM3ForCausalLM"],
               "model_type": "internlm3", "qkv_bias": True, "bias": True, "hidden_act": "silu",
@@ -122,7 +113,7 @@ def test_internlm2_tensor_parallel(tmp_path):
     from tests.test_tensor_parallel import check_engine
 
     torch.manual_seed(0)
-    llama = _random(LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True)))
+    llama = spread_weights(LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True)))
     folder = write_checkpoint(tmp_path, internlm2_config(True),
                               internlm2_checkpoint(llama, True), "safetensors")
     check_engine(folder, llama, tp=2)

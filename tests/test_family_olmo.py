@@ -21,7 +21,7 @@ from ksana_llm.models.olmo2 import Olmo2ForCausalLM as OurOlmo2
 from ksana_llm.models.olmo2 import Olmo3ForCausalLM as OurOlmo3
 from tests.family_harness import (check_family, check_other_format, check_prefill_and_decode,
                                   check_triton_backend, hf_reference, load_ours, memoized,
-                                  write_bin_twin)
+                                  spread_weights, write_bin_twin)
 
 VOCAB = 256
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -38,11 +38,7 @@ MODELS = {
 
 def build_olmo(name: str, folder) -> torch.nn.Module:
     torch.manual_seed(0)
-    hf = MODELS[name]().eval()
-    with torch.no_grad():
-        for pname, param in hf.named_parameters():
-            if "norm" in pname:
-                param.normal_(1.0, 0.5)
+    hf = spread_weights(MODELS[name]())
     hf.save_pretrained(folder)
     return hf
 

@@ -16,24 +16,18 @@ from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
 from ksana_llm.models.starcoder2 import Starcoder2ForCausalLM as OurStarcoder2
 from tests.family_harness import (check_family, check_other_format, hf_reference, load_ours,
-                                  memoized, write_bin_twin)
+                                  memoized, spread_weights, write_bin_twin)
 
 VOCAB = 256
 
 
 def build_starcoder2(folder, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    hf = Starcoder2ForCausalLM(Starcoder2Config(**{
+    hf = spread_weights(Starcoder2ForCausalLM(Starcoder2Config(**{
         "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
         "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2,
-        "pad_token_id": 0, **overrides})).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)
-            elif "norm" in name:
-                param.normal_(1.0, 0.3)
+        "pad_token_id": 0, **overrides})), norm_std=0.3)
     hf.save_pretrained(folder)
     return hf
 

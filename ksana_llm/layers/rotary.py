@@ -78,24 +78,32 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = 1.0
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _angles(self) -> torch.Tensor:
+        """The table's rotation angles, [rows, D/2] float32; row p is position p here."""
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        return torch.outer(t, self.inv_freq)
+
     def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._cos_sin
         if cached is None or cached[0].device != device or cached[0].dtype != dtype:
-            t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
-            freqs = torch.outer(t, self.inv_freq)  # [P, D/2]
-            cached = ((freqs.cos() * self.attention_factor).to(device, dtype),
-                      (freqs.sin() * self.attention_factor).to(device, dtype))
+            angles = self._angles()
+            cached = ((angles.cos() * self.attention_factor).to(device, dtype),
+                      (angles.sin() * self.attention_factor).to(device, dtype))
             self._cos_sin = cached
         return cached
+
+    def _rows(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table's cos and sin at `rows`, shaped [T, 1, D/2]."""
+        cos_table, sin_table = self._table(rows.device, dtype)
+        return cos_table.index_select(0, rows).unsqueeze(1), \
+            sin_table.index_select(0, rows).unsqueeze(1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 long_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions`, shaped [T, 1, D/2]; computed once per step, shared by
         every layer. `long_rows` ([T] bool) picks LongRoPE's long factors
         (layers.rotary_longrope); a table with one set of frequencies has nothing to pick."""
-        cos_table, sin_table = self._table(positions.device, dtype)
-        return cos_table.index_select(0, positions).unsqueeze(1), \
-            sin_table.index_select(0, positions).unsqueeze(1)
+        return self._rows(positions, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -64,25 +64,16 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         # transformers' expression, so the tables agree to the last bit.
         return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * theta ** exponents)
 
-    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self._cos_sin
-        if cached is None or cached[0].device != device or cached[0].dtype != dtype:
-            freqs = torch.cat((
-                torch.outer(torch.arange(self.switch_length, dtype=torch.float32, device="cpu"),
-                            self.short_inv_freq),
-                torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"),
-                            self.long_inv_freq)))
-            cached = ((freqs.cos() * self.attention_factor).to(device, dtype),
-                      (freqs.sin() * self.attention_factor).to(device, dtype))
-            self._cos_sin = cached
-        return cached
+    def _angles(self) -> torch.Tensor:
+        return torch.cat((
+            torch.outer(torch.arange(self.switch_length, dtype=torch.float32, device="cpu"),
+                        self.short_inv_freq),
+            torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"),
+                        self.long_inv_freq)))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 long_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         long = positions >= self.switch_length
         if long_rows is not None:
             long = long | long_rows
-        rows = positions + long * self.switch_length
-        cos_table, sin_table = self._table(positions.device, dtype)
-        return cos_table.index_select(0, rows).unsqueeze(1), \
-            sin_table.index_select(0, rows).unsqueeze(1)
+        return self._rows(positions + long * self.switch_length, dtype)

@@ -195,17 +195,27 @@ class Gemma2ForCausalLM(PerLayerWindows, GemmaForCausalLM):
                                   local_rope=self._types[layer_idx] == SLIDING)
 
 
-class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError("attn_logit_softcapping is not supported (Gemma 3 sets none)")
-        super().__init__(config, parallel)
+class RopePerLayerKind(PerLayerWindows):
+    """Windowed and full layers each with their own RoPE table (`rope_of`: Gemma 3, OLMo 3):
+    the model's `__init__` calls `install_rope_tables` once its layers are built."""
+
+    model: Any
+
+    def uses_rope(self, config: Any) -> bool:
+        return False  # the two tables come from install_rope_tables
+
+    def install_rope_tables(self, config: Any) -> None:
         d, max_pos = head_dim_of(config), config.max_position_embeddings
         self.model.rotary_emb = build_rotary(d, max_pos, *rope_of(config, FULL))
         self.model.local_rotary_emb = build_rotary(d, max_pos, *rope_of(config, SLIDING))
 
-    def uses_rope(self, config: Any) -> bool:
-        return False  # the two tables are installed in __init__
+
+class Gemma3ForCausalLM(RopePerLayerKind, Gemma2ForCausalLM):
+    def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError("attn_logit_softcapping is not supported (Gemma 3 sets none)")
+        super().__init__(config, parallel)
+        self.install_rope_tables(config)
 
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
         return LlamaAttention(config, layer_idx, qk_norm=True,

@@ -24,9 +24,8 @@ from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.attention import AttentionMetadata, KVCache
 from ksana_llm.layers.norm import RMSNorm, ShardedRMSNorm
 from ksana_llm.layers.parallel import kv_head_shard
-from ksana_llm.layers.rotary_yarn import build_rotary
-from ksana_llm.models.gemma import FULL, SLIDING, PerLayerWindows, layer_types, rope_of
-from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM, Rope, head_dim_of, run_mlp
+from ksana_llm.models.gemma import SLIDING, PerLayerWindows, RopePerLayerKind, layer_types
+from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM, Rope, run_mlp
 
 
 class Olmo2Attention(LlamaAttention):
@@ -78,16 +77,11 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
                                  self.make_mlp(config, layer_idx))
 
 
-class Olmo3ForCausalLM(PerLayerWindows, Olmo2ForCausalLM):
+class Olmo3ForCausalLM(RopePerLayerKind, Olmo2ForCausalLM):
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         self._types = layer_types(config)  # checked before any weight is built
         super().__init__(config, parallel)
-        d, max_pos = head_dim_of(config), config.max_position_embeddings
-        self.model.rotary_emb = build_rotary(d, max_pos, *rope_of(config, FULL))
-        self.model.local_rotary_emb = build_rotary(d, max_pos, *rope_of(config, SLIDING))
-
-    def uses_rope(self, config: Any) -> bool:
-        return False  # the two tables are installed in __init__
+        self.install_rope_tables(config)
 
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
         return Olmo2Attention(config, layer_idx, layer_window=self._window_of(config, layer_idx),
