@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -68,6 +69,20 @@ def spread_weights(model: torch.nn.Module, *, norm_std: float = 0.5, bias_std: f
             elif qk_std is not None and name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.normal_(0, qk_std)
     return model.eval()
+
+
+def save_each(tmp_path_factory: Any, builders: Mapping[str, Callable[[], torch.nn.Module]],
+              **spread: float) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """Each builder's transformers model (seed 0, weights moved off their init by
+    `spread_weights(**spread)`), saved in a folder of its own: name -> (model, folder)."""
+    out = {}
+    for name, build in builders.items():
+        torch.manual_seed(0)
+        model = spread_weights(build(), **spread)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        out[name] = (model, folder)
+    return out
 
 
 def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> Path:

@@ -21,7 +21,7 @@ from ksana_llm.models.cohere import Cohere2ForCausalLM as OurCohere2
 from ksana_llm.models.cohere import CohereForCausalLM as OurCohere
 from tests.family_harness import (TritonDriver, check_family, check_other_format,
                                   check_prefill_and_decode, hf_reference, load_ours, memoized,
-                                  spread_weights, write_bin_twin)
+                                  save_each, write_bin_twin)
 
 VOCAB = 256
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -35,20 +35,9 @@ MODELS = {
 }
 
 
-def build_cohere(name: str, folder) -> torch.nn.Module:
-    torch.manual_seed(0)
-    hf = spread_weights(MODELS[name](), qk_std=0.3)
-    hf.save_pretrained(folder)
-    return hf
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    out = {}
-    for name in MODELS:
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (build_cohere(name, folder), folder)
-    return out
+    return save_each(tmp_path_factory, MODELS, qk_std=0.3)  # scores big enough for positions
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -21,7 +21,7 @@ from ksana_llm.models.olmo2 import Olmo2ForCausalLM as OurOlmo2
 from ksana_llm.models.olmo2 import Olmo3ForCausalLM as OurOlmo3
 from tests.family_harness import (check_family, check_other_format, check_prefill_and_decode,
                                   check_triton_backend, hf_reference, load_ours, memoized,
-                                  spread_weights, write_bin_twin)
+                                  save_each, write_bin_twin)
 
 VOCAB = 256
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -36,20 +36,9 @@ MODELS = {
 }
 
 
-def build_olmo(name: str, folder) -> torch.nn.Module:
-    torch.manual_seed(0)
-    hf = spread_weights(MODELS[name]())
-    hf.save_pretrained(folder)
-    return hf
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    out = {}
-    for name in MODELS:
-        folder = tmp_path_factory.mktemp(name)
-        out[name] = (build_olmo(name, folder), folder)
-    return out
+    return save_each(tmp_path_factory, MODELS)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
