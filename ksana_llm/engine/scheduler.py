@@ -24,8 +24,8 @@ LongRoPE models (`long_rope_switch`) follow transformers: a sequence longer than
 context is computed with the long factors throughout (`Sequence.long_rope`, decided when it is
 admitted), and a running sequence that grows past that length goes back to the waiting queue to
 be recomputed with them, whatever KV it holds (not a preemption: nothing ran short; preempted at
-that moment, it is recomputed rather than swapped out). Its drafts
-stop short of that length, so no row past it is computed with the short factors.
+that moment, it is recomputed rather than swapped out). Its drafts stop short of that length,
+so no row past it is computed with the short factors.
 """
 
 from __future__ import annotations
