@@ -210,7 +210,7 @@ class AttentionMetadata:
     # The step's LoRA adapters (ksana_llm.layers.lora); None when no token uses one.
     lora: LoraBatch | None = None
     # [T] bool: rows of sequences whose KV takes LongRoPE's long factors (layers.rotary_longrope);
-    # None when no prefill row needs the mark.
+    # None when the step holds no such sequence.
     long_rope_rows: torch.Tensor | None = None
     _slot_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False,
                                                                   compare=False)

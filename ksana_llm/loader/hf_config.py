@@ -81,8 +81,12 @@ def hf_overrides_applied(config: Any, overrides: Mapping[str, Any]) -> bool:
 
 
 def _read_hf_config(model_dir: str | Path) -> Any:
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: transformers 4 validates no config this way
+        StrictDataclassError = ()  # noqa: N806  (an except clause that catches nothing)
 
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
