@@ -11,8 +11,9 @@ taking the wrong set changes every logit.
 
 Covered through the real Engine: prompts longer than the original context (prefilled in chunks,
 rows before the switch included), prompts that grow past it while decoding (recomputed once), both
-kinds in one batch, async scheduling, the prefix cache (short- and long-factor KV of the same
-tokens never shared) and n-gram drafts (stopped at the switch).
+kinds in one batch, async scheduling, preemption, the prefix cache (short- and long-factor KV of
+the same tokens never shared), KV transferred between engines (tagged with its factor set) and
+n-gram drafts (stopped at the switch).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ksana_llm.engine.scheduler_records import SchedulerConfig
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.layers.rotary_yarn import build_rotary
 from ksana_llm.models.phi3 import Phi3ForCausalLM as OurPhi3
+from ksana_llm.runner.kv_transfer import TransferredKv
 from ksana_llm.runner.slices import SeqSlice
 from tests.family_harness import (check_family, greedy_trace, hf_reference, load_ours, memoized,
                                   one_thread)
@@ -182,6 +184,30 @@ def test_prefix_cache_keeps_short_and_long_kv_apart(saved):
         outputs.append(engine.generate_outputs([shorter], config, use_tqdm=False)[0])
         assert engine.stats().prefix_cache_hit_rate > 0
     _check_outputs(outputs, [base, longer, shorter], reference, 4)
+
+
+def test_transferred_kv_carries_its_factor_set(saved):
+    """Prefill/decode disaggregation: KV exported by a sequence that grew past the switch (so
+    recomputed with the long factors) is not taken by a decode whose prompt is short, which
+    computes its prompt itself; a long prompt's KV is taken (and survives the wire)."""
+    _, folder, reference = saved["whole"]
+    short, long = _prompts([20, 30], seed=8)
+    greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True, logprobs=1)
+    with _engine(folder) as prefill:
+        grown = prefill.submit(kt.Request(short, generation_config=greedy,
+                                          export_kv=True)).result().exported_kv
+        long_kv = prefill.submit(kt.Request(long, generation_config=greedy.replace(
+            max_new_tokens=1), export_kv=True)).result().exported_kv
+    assert grown.long_rope and long_kv.long_rope
+    with _engine(folder, enable_prefix_caching=False) as decode:
+        outputs = [decode.submit(kt.Request(short, generation_config=greedy,
+                                            imported_kv=grown)).result()]
+        assert decode.stats().num_imported_kv_tokens == 0
+        outputs.append(decode.submit(kt.Request(
+            long, generation_config=greedy,
+            imported_kv=TransferredKv.from_bytes(long_kv.to_bytes()))).result())
+        assert decode.stats().num_imported_kv_tokens == len(long) - 1
+    _check_outputs(outputs, [short, long], reference, 8)
 
 
 def test_ngram_drafts_match_greedy(saved):

@@ -16,6 +16,8 @@ A mixin of `EngineCore`: it works on the core's `runner`, `block_manager`,
 
 from __future__ import annotations
 
+import dataclasses
+
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence
 
@@ -45,7 +47,8 @@ class KvExportSteps:
 
     def _export(self, seq: Sequence, block_table: list[int]) -> None:
         num_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-        seq.group.exported_kv = self.runner.export_kv(block_table, seq.prompt_token_ids[:num_tokens])
+        kv = self.runner.export_kv(block_table, seq.prompt_token_ids[:num_tokens])
+        seq.group.exported_kv = dataclasses.replace(kv, long_rope=True) if seq.long_rope else kv
         self.num_exported_kv_tokens += num_tokens
 
     def _held_export_table(self, seq: Sequence) -> list[int] | None:

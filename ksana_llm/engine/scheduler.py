@@ -309,6 +309,8 @@ class Scheduler(AdapterAdmission):
             self._settle_long_rope(seq)
             prefix = bm.match_prefix(seq)
             imported = seq.imported_kv
+            if imported is not None and imported.long_rope != seq.long_rope:
+                imported = None  # KV of LongRoPE's other factor set: recomputed here
             if imported is not None and imported.num_tokens > prefix.num_tokens:
                 # KV from another engine covers more than the cache: fresh blocks, filled with it.
                 num_new = self._chunk(seq, budget, imported.num_tokens)

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,9 @@ class TransferredKv:
     kv_scales: tuple[float, ...] = ()  # an FP8 cache's per-layer scales; () = all 1.0
     # The exporting model's `weights_fingerprint`; "" (KV built by hand) is taken on trust.
     weights_fingerprint: str = ""
+    # LongRoPE models: computed with the long factors (layers.rotary_longrope); a sequence
+    # that takes the other set recomputes its prompt instead (engine.scheduler).
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -121,9 +125,8 @@ class TransferredKv:
 
     def truncated(self, num_tokens: int) -> TransferredKv:
         """The first `num_tokens` positions (views, no copy)."""
-        return TransferredKv(self.token_ids[:num_tokens],
-                             tuple(t[:num_tokens] for t in self.tensors), self.kv_scales,
-                             self.weights_fingerprint)
+        return dataclasses.replace(self, token_ids=self.token_ids[:num_tokens],
+                                   tensors=tuple(t[:num_tokens] for t in self.tensors))
 
     def usable_prefix(self, prompt_token_ids: list[int]) -> int:
         """How many leading positions of `prompt_token_ids` this KV holds: the common prefix,
@@ -140,7 +143,8 @@ class TransferredKv:
         if self.kv_scales:
             tensors["kv_scales"] = torch.tensor(self.kv_scales, dtype=torch.float64)
         return save_safetensors(tensors, metadata={
-            "format": _FORMAT, "weights_fingerprint": self.weights_fingerprint})
+            "format": _FORMAT, "weights_fingerprint": self.weights_fingerprint,
+            "long_rope": "1" if self.long_rope else "0"})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TransferredKv:
@@ -162,7 +166,7 @@ class TransferredKv:
             raise ValueError("not a KV transfer payload: kv_scales must be a list of numbers")
         return cls(tuple(token_ids.tolist()), tuple(caches),
                    () if scales is None else tuple(scales.tolist()),
-                   metadata.get("weights_fingerprint", ""))
+                   metadata.get("weights_fingerprint", ""), metadata.get("long_rope") == "1")
 
 
 def _payload_metadata(data: bytes) -> dict[str, str]:
