@@ -273,6 +273,15 @@ def test_server_classify_score_and_rerank(reranker_server, reranker, tokenizer):
     assert response.status_code == 400 and openai_error(response)["param"] == "input"
     again = httpx.post(f"{url}/classify", json={"input": TEXTS[0]}, timeout=60).json()
     assert again["data"][0]["probs"] == body["data"][0]["probs"]
+    # vLLM's /pooling: a classifier's own task is classification; "embed" gives its
+    # embedding (as /v1/embeddings).
+    pooled = httpx.post(f"{url}/pooling", json={"input": TEXTS[:2]}, timeout=60).json()
+    assert [d["data"] for d in pooled["data"]] == [d["probs"] for d in body["data"]]
+    assert pooled["usage"]["prompt_tokens"] == tokens
+    embedded = httpx.post(f"{url}/pooling", json={"input": TEXTS[0], "task": "embed"},
+                          timeout=60).json()["data"][0]["data"]
+    assert embedded == httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[0]},
+                                  timeout=60).json()["data"][0]["embedding"]
     # SageMaker's route sends `input` to the API the model serves: classification.
     sagemaker = httpx.post(f"{url}/invocations", json={"input": TEXTS[0]}, timeout=60).json()
     assert sagemaker["object"] == "list" and sagemaker["data"][0]["probs"] == again["data"][0]["probs"]

@@ -5,6 +5,8 @@ agree; every bad input is a 400 naming the parameter and the server keeps servin
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 import openai
 import pytest
@@ -126,6 +128,33 @@ def test_the_most_inputs_fit_a_default_server(server):
     data = response.json()["data"]
     assert [d["index"] for d in data] == list(range(MAX_EMBEDDING_INPUTS))
     assert len({d["embedding"] for d in data[:8]}) == 8  # base64 strings: distinct vectors
+
+
+def test_pooling_api_gives_a_language_model_its_embeddings(server, hf_default_model,
+                                                          default_model):
+    """vLLM's `/pooling`: a language model's pooled output is its embedding (`task` "embed",
+    the default here), floats or base64; "classify" is a 400 naming `task`'s model, and an
+    unknown task one naming `task`."""
+    url = server.url + "/pooling"
+    body = httpx.post(url, json={"input": TEXTS[:2]}, timeout=60).json()
+    assert body["object"] == "list" and body["id"].startswith("pool-")
+    ids = [default_model.tokenizer.encode(t) for t in TEXTS[:2]]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+    for item, index, prompt in zip(body["data"], range(2), ids):
+        assert item["object"] == "pooling" and item["index"] == index
+        torch.testing.assert_close(torch.tensor(item["data"]),
+                                   hf_embedding(hf_default_model, prompt), atol=2e-5, rtol=1e-4)
+    packed = httpx.post(url, json={"input": TEXTS[0], "task": "embed",
+                                   "encoding_format": "base64"}, timeout=60).json()
+    vector = torch.frombuffer(bytearray(base64.b64decode(packed["data"][0]["data"])),
+                              dtype=torch.float32)
+    torch.testing.assert_close(vector, torch.tensor(body["data"][0]["data"]), atol=1e-6,
+                               rtol=0)
+    for request, param in (({"input": "Hi", "task": "classify"}, "model"),
+                           ({"input": "Hi", "task": "token_classify"}, "task"),
+                           ({"input": ""}, "input")):
+        response = httpx.post(url, json=request, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
 def test_unknown_model_is_404_and_the_server_keeps_serving(client, server):

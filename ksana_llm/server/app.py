@@ -158,6 +158,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     install_error_handlers(app)
 
     from ksana_llm.server.classification import router as classification_router
+    from ksana_llm.server.pooling import router as pooling_router
     from ksana_llm.server.embeddings import router as embeddings_router
     from ksana_llm.server.invocations import router as invocations_router
     from ksana_llm.server.misc_routes import router as misc_router
@@ -171,6 +172,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     app.include_router(embeddings_router)
     app.include_router(scores_router)
     app.include_router(classification_router)
+    app.include_router(pooling_router)
     app.include_router(invocations_router)
     if allow_runtime_lora_updating:
         from ksana_llm.server.lora_routes import router as lora_router

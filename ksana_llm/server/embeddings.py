@@ -38,7 +38,8 @@ from ksana_llm.server.state import ServerState, server_state
 router = APIRouter()
 
 
-def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+def encode_vector(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    """A vector as the response sends it: floats, or base64 of little-endian float32."""
     if encoding_format == "base64":
         data = vector.numpy().astype("<f4", copy=False).tobytes()
         return base64.b64encode(data).decode("ascii")
@@ -138,7 +139,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
     vectors = await embed_prompts(state, prompts, request, lora, priority=req.priority)
     if vectors is None:  # the client left; its requests were aborted
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
-    data = [EmbeddingData(index=i, embedding=_encode(vector, req.encoding_format))
+    data = [EmbeddingData(index=i, embedding=encode_vector(vector, req.encoding_format))
             for i, vector in enumerate(vectors)]
     tokens = sum(map(len, prompts))
     response = EmbeddingResponse(data=data, model=state.response_model(req.model),

@@ -107,7 +107,7 @@ class RequestIdMiddleware:
 WORK_ROUTES = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/score",
     "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/generate",
-    "/forward", "/classify", "/v1/classify"})
+    "/forward", "/classify", "/v1/classify", "/pooling"})
 
 
 @dataclass

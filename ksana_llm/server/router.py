@@ -64,7 +64,7 @@ _INVOCATION_APIS = (("messages", "/v1/chat/completions"), ("prompt", "/v1/comple
                     ("prompt_embeds", "/v1/completions"))
 _DIRECT_PATHS = ("/generate", "/forward", "/tokenize", "/detokenize", "/v1/embeddings",
                  "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
-                 "/v1/classify")
+                 "/v1/classify", "/pooling")
 
 
 # What a prefill request keeps of the client's: what decides the prompt's tokens, and whose

@@ -1,0 +1,36 @@
+"""Request and response bodies of vLLM's pooling API (`POST /pooling`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ksana_llm.server.classification_protocol import ClassificationUsage
+from ksana_llm.server.embedding_protocol import PoolingInputRequest
+
+
+class PoolingRequest(PoolingInputRequest):
+    """`input` (or `messages`) as on /v1/embeddings. `task`: what to pool, "embed" (the
+    embedding /v1/embeddings gives) or "classify" (the class probabilities /classify gives);
+    None: the model's own, classify for a sequence-classification model, else embed."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    task: Literal["embed", "classify"] | None = None
+
+
+class PoolingData(BaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | str  # str: base64 of little-endian float32
+
+
+class PoolingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"pool-{uuid.uuid4().hex}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: ClassificationUsage
