@@ -117,3 +117,58 @@ def test_internlm2_tensor_parallel(tmp_path):
     folder = write_checkpoint(tmp_path, internlm2_config(True),
                               internlm2_checkpoint(llama, True), "safetensors")
     check_engine(folder, llama, tp=2)
+
+
+def test_internlm2_lora_adapter_on_its_own_module_names(tmp_path):
+    """An adapter trained on InternLM 2 names its modules `attention.wqkv` (one A, one B over
+    the fused rows, interleaved per KV head), `attention.wo`, `feed_forward.w2`. The reference
+    is transformers' Llama with those deltas merged into its q/k/v, o and down weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    import ksana_llm as kt
+    from ksana_llm.api.model import Model
+    from ksana_llm.generation_config import GenerationConfig
+    from tests.family_harness import greedy_trace
+
+    torch.manual_seed(0)
+    llama = spread_weights(LlamaForCausalLM(LlamaConfig(**SHAPE)))
+    base = write_checkpoint(tmp_path / "base", internlm2_config(False),
+                            internlm2_checkpoint(llama, False), "safetensors")
+    d, kv = SHAPE["hidden_size"] // SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+    rank, alpha, hidden = 4, 8, SHAPE["hidden_size"]
+    tensors = {}
+    with torch.no_grad():
+        for i in range(SHAPE["num_hidden_layers"]):
+            attn, mlp = llama.model.layers[i].self_attn, llama.model.layers[i].mlp
+            q, k, v = (torch.randn(p.weight.shape[0], rank) * 0.3
+                       for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            a_qkv, a_o, a_down = (torch.randn(rank, n) * 0.3
+                                  for n in (hidden, hidden, SHAPE["intermediate_size"]))
+            b_o, b_down = torch.randn(hidden, rank) * 0.3, torch.randn(hidden, rank) * 0.3
+            prefix = f"base_model.model.model.layers.{i}."
+            tensors[prefix + "attention.wqkv.lora_A.weight"] = a_qkv
+            tensors[prefix + "attention.wqkv.lora_B.weight"] = fused_wqkv(q, k, v, kv, d)
+            tensors[prefix + "attention.wo.lora_A.weight"] = a_o
+            tensors[prefix + "attention.wo.lora_B.weight"] = b_o
+            tensors[prefix + "feed_forward.w2.lora_A.weight"] = a_down
+            tensors[prefix + "feed_forward.w2.lora_B.weight"] = b_down
+            scale = alpha / rank
+            for proj, b, a in ((attn.q_proj, q, a_qkv), (attn.k_proj, k, a_qkv),
+                               (attn.v_proj, v, a_qkv), (attn.o_proj, b_o, a_o),
+                               (mlp.down_proj, b_down, a_down)):
+                proj.weight += scale * b @ a
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+        "target_modules": ["wqkv", "wo", "w2"], "base_model_name_or_path": str(base)}))
+    prompt = list(range(3, 30))
+    expected = greedy_trace(hf_reference(llama), prompt, 8)[0][len(prompt):]
+    model = Model.from_pretrained(base, device="cpu", dtype="float32", progress=False)
+    with kt.Engine(model, generation_config=GenerationConfig(max_new_tokens=8, ignore_eos=True),
+                   lora_modules={"a": str(adapter)}) as engine:
+        got = engine.generate_outputs([prompt], use_tqdm=False, lora="a")[0].token_ids
+    assert got == expected

@@ -220,6 +220,9 @@ def test_each_rank_holds_only_its_shard(tmp_path):
         torch.testing.assert_close(attn.qkv_proj.weight[:32],
                                    full.module.model.layers[0].self_attn.qkv_proj.weight[:32])
     finally:
+        # A setting refused before the ranks are told anything leaves them free for the next.
+        with pytest.raises(ValueError, match="async_scheduling"):
+            kt.Engine(sharded, num_device_blocks=8, async_scheduling=True)
         kt.Engine(sharded, num_device_blocks=8).shutdown()
     # Its worker ranks stopped with that engine: another one is refused, not left to hang.
     with pytest.raises(ValueError, match="load the model again"):

@@ -117,6 +117,7 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
     if model.runtime is not None:
         # A parallel run: every step also goes to the worker ranks, which build the same
         # runner (same block count, so block tables mean the same thing everywhere).
+        model.mark_workers_taken()  # told to build this runner: they serve no other engine
         runner = DistributedRunner(runner, model.runtime, runner_kwargs, model.workers,
                                    on_failure=on_worker_failure)
         try:

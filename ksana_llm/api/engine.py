@@ -144,9 +144,11 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         # The memory profile and graph captures launch Triton kernels, which run on the
         # current GPU, not their tensors': make it the model's for the build.
         with torch.cuda.device(model.device) if model.device.type == "cuda" else nullcontext():
-            self._core = model.take_workers(lambda: build_core(
-                model, self.config, self.tokenizer, self._on_worker_failure,
-                lora_adapters=[(info.lora_id, info.path) for info in adapters]))
+            model.check_workers_free()
+            self._core = build_core(model, self.config, self.tokenizer,
+                                    self._on_worker_failure,
+                                    lora_adapters=[(info.lora_id, info.path)
+                                                   for info in adapters])
         for info in adapters:
             self._lora.commit(info)
         self.max_model_len = self._core.max_model_len

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -235,19 +235,18 @@ class Model:
                              "steps; give each engine its own Model (Engine(path) loads one) or "
                              "shut the others down first")
 
-    def take_workers(self, build: Callable[[], Any]) -> Any:
-        """`build()` (an engine's core), which drives this parallel model's worker ranks: they
-        serve that one engine and stop with it, so a second engine is a ValueError, raised
-        before it touches them. A single-process model serves any number of engines."""
-        if self.runtime is None:
-            return build()
-        if self.module.__dict__.get(_WORKERS_TAKEN_ATTR):
+    def check_workers_free(self) -> None:
+        """ValueError when this parallel model's worker ranks were told to build an engine's
+        runner already: they serve that one engine and stop with it (or with its failure). A
+        single-process model serves any number of engines."""
+        if self.runtime is not None and self.module.__dict__.get(_WORKERS_TAKEN_ATTR):
             raise ValueError("this tensor/pipeline-parallel Model already served an engine, "
                              "whose end stopped its worker ranks; load the model again "
                              "(Model.from_pretrained, or Engine(path)) for another engine")
-        core = build()
+
+    def mark_workers_taken(self) -> None:
+        """The worker ranks are building an engine's runner now (see `check_workers_free`)."""
         self.module.__dict__[_WORKERS_TAKEN_ATTR] = True
-        return core
 
     def release_workers(self) -> None:
         """Stop the worker ranks this model started and leave its process groups (a parallel

@@ -4,8 +4,8 @@ GLM, Cohere), served by our NeoX rotation of halves.
 Pairs are rotated the same way in q and k, and a dot product does not see an order both share:
 the rotary rows of each head's q_proj / k_proj (weights, dense or quantized, biases, LoRA B) are
 reordered to halves as they load, (0, 2, 4, ... | 1, 3, 5, ...), the rest where they are, and the
-rotation runs unchanged (kernels included). Per-head norm weights on q and k ([heads, head_dim]:
-Cohere's) take the same order.
+rotation runs unchanged (kernels included). Per-head norm weights on q and k ([head_dim], or
+[heads, head_dim]: Cohere's) take the same order.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ class InterleavedRotaryRows:
             if module.endswith((".q_proj", ".k_proj")) and kind in ("weight", "bias"):
                 tensor = self.loaded_output_rows(module, tensor)
             elif module.endswith((".q_norm", ".k_norm")) and kind == "weight" \
-                    and tensor.dim() == 2:
-                tensor = tensor[:, self._head_order().to(tensor.device)]
+                    and tensor.shape[-1] == head_dim_of(self.config):
+                # A per-head norm's weights, one set for all heads or one per head.
+                tensor = tensor[..., self._head_order().to(tensor.device)]
             yield name, tensor
 
     def loaded_output_rows(self, module: str, rows: torch.Tensor | QuantizedWeight

@@ -7,7 +7,8 @@ plain keys.
   `w2`, `attention_norm` / `ffn_norm`, `output`. The fused `wqkv` interleaves its rows per KV
   head, [q for each of that head's query heads | k | v], head_dim rows each; its rows are taken
   apart into q, k and v as it loads (dense or quantized), so tensor parallelism shards them like
-  any Llama's. `bias` puts biases on wqkv and wo.
+  any Llama's. `bias` puts biases on wqkv and wo. LoRA adapters trained on these names load
+  (`lora_module_name`; a wqkv adapter's B rows reordered as the weight's).
 - InternLM 3: Llama's names; `qkv_bias` biases q/k/v, `bias` the output projection and the MLP.
 - RoPE "dynamic" scaling (both) changes nothing within `max_position_embeddings`, which bounds
   the served context.
@@ -64,22 +65,44 @@ class InternLM2ForCausalLM(LlamaForCausalLM):
 
     def _split_wqkv(self, name: str, tensor: torch.Tensor | QuantizedWeight
                     ) -> list[torch.Tensor | QuantizedWeight]:
-        """wqkv's rows as q, k, v: per KV head h, rows [h's query heads | k_h | v_h]."""
-        config = self.config
-        d, heads = head_dim_of(config), config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        group = heads // kv_heads
+        """wqkv's rows as q, k, v."""
+        heads, kv_heads, d = self._heads()
         if tensor.shape[0] != (heads + 2 * kv_heads) * d:
             raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, expected "
                              f"{(heads + 2 * kv_heads) * d} (q, k, v heads x head_dim)")
+        return split_rows(self._qkv_rows(tensor), [heads * d, kv_heads * d, kv_heads * d])
+
+    def _heads(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head_dim)."""
+        heads = self.config.num_attention_heads
+        return heads, getattr(self.config, "num_key_value_heads", None) or heads, \
+            head_dim_of(self.config)
+
+    def _qkv_rows(self, rows: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        """wqkv-ordered rows (per KV head h: [h's query heads | k_h | v_h]) as [q | k | v]."""
+        heads, kv_heads, d = self._heads()
+        group = heads // kv_heads
         blocks = torch.arange((heads + 2 * kv_heads) * d).view(kv_heads, group + 2, d)
         order = torch.cat((blocks[:, :group].reshape(-1), blocks[:, group].reshape(-1),
                            blocks[:, group + 1].reshape(-1)))
-        if isinstance(tensor, QuantizedWeight):
-            tensor = tensor.select_rows(order)
-        elif not tensor.is_meta:
-            tensor = tensor.index_select(0, order.to(tensor.device))
-        return split_rows(tensor, [heads * d, kv_heads * d, kv_heads * d])
+        if isinstance(rows, QuantizedWeight):
+            return rows.select_rows(order)
+        return rows if rows.is_meta else rows.index_select(0, order.to(rows.device))
+
+    # ---- LoRA adapters (trained on InternLM 2's own module names) -----------------------------
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's module under our names: `attention.wqkv` is the fused qkv_proj."""
+        if module.endswith(".attention.wqkv"):
+            return module.removesuffix(".attention.wqkv") + ".self_attn.qkv_proj"
+        for theirs, ours in _INTERNLM2_NAMES:
+            if theirs in f".{module}.":
+                return f".{module}.".replace(theirs, ours, 1)[1:-1]
+        return module
+
+    def loaded_output_rows(self, module: str, rows: torch.Tensor | QuantizedWeight
+                           ) -> torch.Tensor | QuantizedWeight:
+        """A wqkv adapter's B rows in our fused q | k | v order; other modules' as stored."""
+        return self._qkv_rows(rows) if module.endswith(".attention.wqkv") else rows
 
 
 class InternLM3ForCausalLM(LlamaForCausalLM):

@@ -262,7 +262,11 @@ class LoraSlots:
         return out
 
     def _our_name(self, module: str) -> str | None:
-        """The module's name in our model (None: the weight map drops it)."""
+        """The module's name in our model (None: the weight map drops it): as the model names
+        its own checkpoint's modules (InternLM 2's), or through the weight map."""
+        rename = getattr(self.model, "lora_module_name", None)
+        if rename is not None:
+            module = rename(module)
         if self.name_map is None:
             return module
         mapped = self.name_map.map_name(module + ".weight")
