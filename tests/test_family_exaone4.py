@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import Exaone4Config, Exaone4ForCausalLM
 
+from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.models.olmo2 import Exaone4ForCausalLM as OurExaone4
 from tests.family_harness import check_family, hf_reference, load_ours, spread_weights
 
@@ -38,4 +39,6 @@ def test_family_matches_transformers(tmp_path, name):
     assert isinstance(ours, OurExaone4)
     expected = [True, False] if name == "hybrid" else [True, True]
     assert [layer.rotates for layer in ours.model.layers] == expected
+    # transformers' EXAONE 4 norms round before the weight multiply, as Llama's (unlike OLMo 2's)
+    assert not any(m.weight_in_float32 for m in ours.modules() if isinstance(m, RMSNorm))
     check_family(ours, tmp_path, hf_reference(hf), vocab=VOCAB)

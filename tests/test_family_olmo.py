@@ -53,6 +53,17 @@ def test_family_matches_transformers(saved, name):
     check_family(ours, folder, hf_reference(hf), vocab=VOCAB)
 
 
+def test_norms_multiply_their_weight_in_float32(saved):
+    """transformers' OLMo 2 / 3 norms multiply the weight before the cast back (bfloat16 rounds
+    the two orders differently: tests/test_family_gpt_oss.py proves the multiply itself)."""
+    from ksana_llm.layers.norm import RMSNorm
+
+    for name in MODELS:
+        ours = load_ours(saved[name][1])
+        norms = [m for m in ours.modules() if isinstance(m, RMSNorm)]
+        assert norms and all(norm.weight_in_float32 for norm in norms)
+
+
 def test_olmo3_through_the_triton_kernels(saved):
     hf, folder = saved["olmo3"]
     check_triton_backend(load_ours(folder), folder, memoized(hf_reference(hf)), vocab=VOCAB)

@@ -24,6 +24,7 @@ import torch
 from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
                           DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                           DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Glm4Config,
+                          GptOssConfig, GptOssForCausalLM,
                           Glm4ForCausalLM, GraniteConfig, GraniteForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
@@ -121,6 +122,14 @@ MODELS = {
     # LayerNorms with biases; a 12-token window outrun by the 30-token prompt.
     "starcoder2": lambda: Starcoder2ForCausalLM(Starcoder2Config(**{
         **SMALL, "pad_token_id": 0, "sliding_window": 12})),
+    # GPT-OSS: each rank its heads' sink logits, its slice of every expert (gate and up rows
+    # de-interleaved first; the down bias added once), the router's bias whole; a windowed
+    # layer and a full one.
+    "gpt-oss": lambda: GptOssForCausalLM(GptOssConfig(**{
+        **SMALL, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 8, "swiglu_limit": 1.0, "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 150000.0,
+                            "original_max_position_embeddings": 64, "truncate": False}})),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{
         **SMALL, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
         "attn_logit_softcapping": 0.5, "layer_types": ["sliding_attention", "full_attention"]})),
@@ -139,7 +148,10 @@ def build(name: str, folder: Path) -> torch.nn.Module:
             elif pname.endswith("norm.weight") and ("olmo" in name or "command" in name
                                                     or "starcoder" in name):
                 param.normal_(1, 0.5)  # q/k norm weights: a rank's slice taken wrong must show
-            elif "gate" in pname and param.dim() == 2 and param.shape[0] <= 8:
+            elif pname.endswith("sinks"):
+                param.normal_(0, 1.5)  # GPT-OSS: a rank's heads given another's sinks must show
+            elif ("gate" in pname or "router" in pname) and param.dim() == 2 \
+                    and param.shape[0] <= 8:
                 param.normal_(0, 0.5)  # routers: spread tokens over the experts
             elif "experts" in pname:
                 param.normal_(0, 0.1)  # experts big enough for a wrong split to show
@@ -184,7 +196,7 @@ def check_engine(folder: Path, hf: torch.nn.Module, *, tp: int = 1, pp: int = 1,
                                       ("deepseek-v2", 2), ("gemma3", 2), ("gemma2", 2),
                                       ("phi3", 2), ("phi3-longrope", 2), ("glm4", 2),
                                       ("olmo2", 2), ("olmo2", 4), ("command-r-plus", 2),
-                                      ("starcoder2", 2),
+                                      ("starcoder2", 2), ("gpt-oss", 2),
                                       ("granite", 2)])
 def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
     hf = build(name, tmp_path)
@@ -192,7 +204,7 @@ def test_tensor_parallel_matches_transformers(tmp_path, name, tp):
 
 
 @pytest.mark.parametrize("name", ["llama-tp3", "qwen2", "mixtral", "deepseek", "deepseek-v2",
-                                  "gemma3", "olmo3", "command-r7b"])
+                                  "gemma3", "olmo3", "command-r7b", "gpt-oss"])
 def test_pipeline_parallel_matches_transformers(tmp_path, name):
     hf = build(name, tmp_path)  # llama-tp3: 3 layers over 2 stages, 2 + 1
     check_engine(tmp_path, hf, pp=2)

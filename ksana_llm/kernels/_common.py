@@ -92,14 +92,25 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
         raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
-def check_alibi(alibi_slopes: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
-    """Slopes as a contiguous fp32 [num_heads] tensor (what the kernels read), or None."""
-    if alibi_slopes is None:
+def per_head_floats(name: str, values: torch.Tensor | None, num_heads: int
+                    ) -> torch.Tensor | None:
+    """A per-query-head parameter as the kernels read it, a contiguous fp32 [num_heads] tensor,
+    or None."""
+    if values is None:
         return None
-    if alibi_slopes.shape != (num_heads,):
-        raise ValueError(f"alibi_slopes: expected shape ({num_heads},), "
-                         f"got {tuple(alibi_slopes.shape)}")
-    return alibi_slopes.float().contiguous()
+    if values.shape != (num_heads,):
+        raise ValueError(f"{name}: expected shape ({num_heads},), got {tuple(values.shape)}")
+    return values.float().contiguous()
+
+
+def check_alibi(alibi_slopes: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """ALiBi slopes as the kernels read them (fp32 [num_heads]), or None."""
+    return per_head_floats("alibi_slopes", alibi_slopes, num_heads)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Attention-sink logits (GPT-OSS) as the kernels read them (fp32 [num_heads]), or None."""
+    return per_head_floats("sinks", sinks, num_heads)
 
 
 def check_window(sliding_window: int | None) -> int:

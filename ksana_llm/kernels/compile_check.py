@@ -215,6 +215,12 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
                                                 sliding_window=100, softcap=50.0)
         decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
                                                 softcap=50.0, num_splits=3)
+        # GPT-OSS's attention sinks, folded in by the kernel itself or by the reduce step
+        sinks = torch.zeros(heads)
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
+                                                sliding_window=100, sinks=sinks, num_splits=1)
+        decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1,
+                                                sinks=sinks, num_splits=3)
     launches += rec
     with recording(prefill_attention, "_prefill_kernel") as rec:
         q = torch.empty(40, heads, head_dim, dtype=dtype)
@@ -230,6 +236,9 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
             lens, 0.1, softcap=50.0)
+        prefill_attention.paged_prefill_attention(
+            q, k_cache, v_cache, tables, torch.tensor([0, 1, 20, 30, 40], dtype=torch.int32),
+            lens, 0.1, sliding_window=64, sinks=torch.zeros(heads))
     launches += rec
     if config.latent_values is not None:
         return launches

@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
+from ksana_llm.kernels._common import (check_alibi, check_sinks, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_softcap,
                                        check_window,
                                        dot_precision, dot_tile, head_dim_tiles, next_pow2)
-from ksana_llm.kernels.paged_tiles import (accumulate_tile, capped_scores, tile_scores,
+from ksana_llm.kernels.paged_tiles import (accumulate_tile, add_sink, capped_scores, tile_scores,
                                            tile_slots)
 
 # Assumed SM count when running in the interpreter on CPU (an H100/H200 has 132), so the split
@@ -51,7 +51,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    Q, K_cache, V_cache, Block_tables, Context_lens, Order, Alibi, Out, Mid_o, Mid_lse,
+    Q, K_cache, V_cache, Block_tables, Context_lens, Order, Alibi, Sinks, Out, Mid_o, Mid_lse,
     scale_log2, v_scale, window, softcap, split_len,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -65,7 +65,7 @@ def _decode_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    USE_SINKS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     USE_ORDER: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(1)
@@ -124,6 +124,8 @@ def _decode_kernel(
         m_i, l_i, acc = accumulate_tile(s, m_i, l_i, acc, q, v_head, block, in_block, kv_mask,
                                         stride_vb, stride_vs, dv, dv_mask, DOT_PRECISION)
 
+    if USE_SINKS and SINGLE_SPLIT:  # with several splits, the reduce step adds the sink
+        m_i, l_i, acc = add_sink(Sinks, heads, g_mask, m_i, l_i, acc)
     # An empty split (or context) leaves l_i == 0: output zeros, log-sum-exp -inf.
     # The V scale (1.0 unless the cache is FP8) applies to the whole weighted sum at once.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
@@ -141,11 +143,12 @@ def _decode_kernel(
 # num_splits varies with batch and context; unspecialised, it cannot trigger recompiles.
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    Mid_o, Mid_lse, Out, num_splits,
+    Mid_o, Mid_lse, Sinks, Out, num_splits,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -156,9 +159,14 @@ def _reduce_kernel(
     lse = tl.load(Mid_lse + b * stride_lb + h * stride_lh + s, mask=s_mask,
                   other=float("-inf"))
     m = tl.max(lse, 0)
+    if USE_SINKS:  # one more logit in the denominator (log2 domain), attached to no value
+        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights all 0, output 0
     w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m)
     o = tl.load(Mid_o + b * stride_mb + h * stride_mh + s[:, None] * stride_ms + dv[None, :],
                 mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
@@ -265,7 +273,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            *, sliding_window: int | None = None,
                            alibi_slopes: torch.Tensor | None = None,
                            softcap: float | None = None, num_splits: int | None = None,
-                           kv_scale: float = 1.0,
+                           kv_scale: float = 1.0, sinks: torch.Tensor | None = None,
                            out: torch.Tensor | None = None,
                            tiles: tuple[int, int, int] | None = None,
                            order: torch.Tensor | None = None) -> torch.Tensor:
@@ -275,7 +283,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     int32; context_lens [B] int32 (tokens in the cache, the new token's included: it sits at
     position context_len - 1). Returns [B, Hq, Dv] in q's dtype (into `out` when given).
     `sliding_window`: attend only keys with pos > q_pos - window. `alibi_slopes` [Hq]: add
-    slope[h] * (k_pos - q_pos). `num_splits` overrides the flash-decoding split count (tests,
+    slope[h] * (k_pos - q_pos). `sinks` [Hq] (GPT-OSS): one more logit per head in the softmax's
+    denominator, attached to no value. `num_splits` overrides the flash-decoding split count (tests,
     tuning); by default it follows `choose_num_splits` on the block-table capacity. An FP8
     cache holds value / kv_scale (`kv_quant`): its entries read as entry * kv_scale.
     `tiles` (BLOCK_N, num_warps, num_stages) overrides `_decode_config`'s launch settings, for
@@ -301,7 +310,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
     check_same_device(q=q, k_cache=k_cache, block_tables=block_tables,
                       context_lens=context_lens, alibi_slopes=alibi_slopes, out=out,
-                      order=order)
+                      order=order, sinks=sinks)
     if order is not None and (order.shape != (batch,) or order.dtype != torch.int32):
         raise ValueError(f"order: expected int32 of shape ({batch},), got "
                          f"{order.dtype} {tuple(order.shape)}")
@@ -312,6 +321,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     window = check_window(sliding_window)
     cap = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, num_heads)
+    sink_logits = check_sinks(sinks, num_heads)
     if out is None:
         out = q.new_empty(batch, num_heads, v_head_dim)
     elif out.shape != (batch, num_heads, v_head_dim):
@@ -348,7 +358,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_kernel[(num_kv_heads * blocks_per_head, batch, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         order.contiguous() if order is not None else context_lens,
-        slopes if slopes is not None else q, out, mid_o, mid_lse,
+        slopes if slopes is not None else q,
+        sink_logits if sink_logits is not None else q, out, mid_o, mid_lse,
         scale * kv_scale * _LOG2E, kv_scale, window, cap, split_len,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -361,17 +372,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, USE_SOFTCAP=bool(cap),
-        SINGLE_SPLIT=single,
+        USE_SINKS=sink_logits is not None, SINGLE_SPLIT=single,
         USE_ORDER=order is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _reduce_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, num_splits,
+            mid_o, mid_lse, sink_logits if sink_logits is not None else out, out, num_splits,
             *mid_strides,
             out.stride(0), out.stride(1),
             HEAD_DIM_V=v_head_dim, BLOCK_DV=next_pow2(v_head_dim),
-            BLOCK_S=next_pow2(num_splits),
+            BLOCK_S=next_pow2(num_splits), USE_SINKS=sink_logits is not None,
             num_warps=4,
         )
     return out

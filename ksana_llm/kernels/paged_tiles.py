@@ -56,6 +56,17 @@ def accumulate_tile(s, m_i, l_i, acc, q, v_head, block, in_block, kv_mask, strid
 
 
 @triton.jit
+def add_sink(Sinks, heads, head_mask, m_i, l_i, acc):
+    """Fold each head's sink logit (GPT-OSS; natural log domain, read from `Sinks` at `heads`)
+    into the finished online softmax: one more term in the denominator, attached to no value,
+    so it only takes weight from the keys. Returns the new (m_i, l_i, acc)."""
+    sink = tl.load(Sinks + heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)  # finite: the sink is
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def capped_scores(s, scale_log2, softcap, USE_SOFTCAP: tl.constexpr):
     """Raw q.k scores -> the log2-domain scores the online softmax takes: times `scale_log2`
     (softmax scale * log2(e), an FP8 cache's K scale folded in), or with logit soft-capping

@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ksana_llm.kernels._common import (check_alibi, check_cache_dtype, check_kv_cache,
+from ksana_llm.kernels._common import (check_alibi, check_sinks, check_cache_dtype, check_kv_cache,
                                        check_last_dim_contiguous, check_same_device, check_softcap,
                                        check_window,
                                        dot_precision, dot_tile, head_dim_tiles)
-from ksana_llm.kernels.paged_tiles import (accumulate_tile, capped_scores, tile_scores,
+from ksana_llm.kernels.paged_tiles import (accumulate_tile, add_sink, capped_scores, tile_scores,
                                            tile_slots)
 
 _LOG2E = 1.4426950408889634
@@ -43,7 +43,7 @@ def _find_sequence(Query_start_loc, q_block, num_seqs, BLOCK_M: tl.constexpr):
 # The batch size varies step to step; unspecialised (==1, %16), it cannot trigger recompiles.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
-    Q, K_cache, V_cache, Block_tables, Query_start_loc, Seq_lens, Alibi, Out,
+    Q, K_cache, V_cache, Block_tables, Query_start_loc, Seq_lens, Alibi, Sinks, Out,
     scale_log2, v_scale, window, softcap, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -55,7 +55,7 @@ def _prefill_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -120,6 +120,9 @@ def _prefill_kernel(
         m_i, l_i, acc = accumulate_tile(s, m_i, l_i, acc, q, v_head, block, in_block, kv_mask,
                                         stride_vb, stride_vs, dv, dv_mask, DOT_PRECISION)
 
+    if USE_SINKS:
+        m_i, l_i, acc = add_sink(Sinks, head + tl.zeros([BLOCK_M], tl.int32), m_mask, m_i, l_i,
+                                 acc)
     # The V scale (1.0 unless the cache is FP8) applies to the whole weighted sum at once.
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + dv[None, :],
@@ -140,6 +143,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             sliding_window: int | None = None,
                             alibi_slopes: torch.Tensor | None = None,
                             softcap: float | None = None, kv_scale: float = 1.0,
+                            sinks: torch.Tensor | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query chunks over their paged contexts (prefill, chunked prefill,
     prefix-cache hits, and multi-token extends alike).
@@ -149,6 +153,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the chunk, whose K/V must already be in the cache (`store_kv` first); query i of sequence b
     sits at position seq_lens[b] - q_len_b + i. block_tables [B, W] int32. Returns [T, Hq, Dv]
     in q's dtype (into `out` when given). An FP8 cache holds value / kv_scale (`kv_quant`).
+    `sinks` [Hq] (GPT-OSS): one more logit per head in the softmax's denominator, attached to
+    no value.
     """
     block_size, num_kv_heads, head_dim, v_head_dim = check_kv_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
@@ -166,7 +172,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"block_tables: expected [{batch}, W], got {tuple(block_tables.shape)}")
     check_same_device(q=q, k_cache=k_cache, block_tables=block_tables,
                       query_start_loc=query_start_loc, seq_lens=seq_lens,
-                      alibi_slopes=alibi_slopes, out=out)
+                      alibi_slopes=alibi_slopes, out=out, sinks=sinks)
     check_last_dim_contiguous("q", q)
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
@@ -175,6 +181,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     window = check_window(sliding_window)
     cap = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, num_heads)
+    sink_logits = check_sinks(sinks, num_heads)
     if out is None:
         out = q.new_empty(num_tokens, num_heads, v_head_dim)
     elif out.shape != (num_tokens, num_heads, v_head_dim):
@@ -191,7 +198,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (num_tokens // block_m + batch, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        slopes if slopes is not None else q, out,
+        slopes if slopes is not None else q,
+        sink_logits if sink_logits is not None else q, out,
         scale * kv_scale * _LOG2E, kv_scale, window, cap, batch,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -203,7 +211,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         HEAD_DIM_V=v_head_dim, BLOCK_DV=dot_tile(v_head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         USE_WINDOW=bool(window), USE_ALIBI=slopes is not None, USE_SOFTCAP=bool(cap),
-        DOT_PRECISION=dot_precision(q.dtype),
+        USE_SINKS=sink_logits is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

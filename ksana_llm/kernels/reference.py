@@ -38,13 +38,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, *,
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                scale: float, *, sliding_window: int | None = None,
                alibi_slopes: torch.Tensor | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries at absolute positions `q_pos` [n] over keys at positions 0..L-1.
 
     q [n, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv] -> [n, Hq, Dv] in q's dtype. Causal (key pos <=
     query pos), optionally windowed (key pos > query pos - window) and ALiBi-biased
     (+ slope[h] * (key pos - query pos)); `softcap` caps the scaled scores at
-    softcap * tanh(score / softcap) (Gemma 2). Query head h reads KV head h // (Hq // Hkv).
+    softcap * tanh(score / softcap) (Gemma 2). `sinks` [Hq] (GPT-OSS): one more logit per head
+    in the softmax's denominator, attached to no value (it only takes weight from the keys).
+    Query head h reads KV head h // (Hq // Hkv).
     """
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)
@@ -60,7 +63,11 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
     if alibi_slopes is not None:
         scores = scores + alibi_slopes.float()[:, None, None] * rel[None].float()
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key gets zeros
+    if sinks is not None:
+        sink_logits = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_logits], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key gets zeros
     return torch.einsum("hnl,lhd->nhd", probs, vf).to(q.dtype)
 
 
@@ -69,6 +76,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                scale: float, *, sliding_window: int | None = None,
                                alibi_slopes: torch.Tensor | None = None,
                                softcap: float | None = None,
+                               sinks: torch.Tensor | None = None,
                                kv_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence at position context_len - 1: q [B, Hq, D] -> [B, Hq, Dv]."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
@@ -79,7 +87,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         v = gather_kv(v_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
         q_pos = torch.tensor([length - 1], device=q.device)
         out[b] = attend_ref(q[b:b + 1], k, v, q_pos, scale, sliding_window=sliding_window,
-                            alibi_slopes=alibi_slopes, softcap=softcap)[0]
+                            alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)[0]
     return out
 
 
@@ -89,6 +97,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 sliding_window: int | None = None,
                                 alibi_slopes: torch.Tensor | None = None,
                                 softcap: float | None = None,
+                                sinks: torch.Tensor | None = None,
                                 kv_scale: float = 1.0) -> torch.Tensor:
     """Query chunks over a paged prefix: q [T, Hq, D] -> [T, Hq, Dv].
 
@@ -105,7 +114,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = gather_kv(v_cache, block_tables[b], length, dtype=q.dtype, kv_scale=kv_scale)
         q_pos = torch.arange(length - (e - s), length, device=q.device)
         out[s:e] = attend_ref(q[s:e], k, v, q_pos, scale, sliding_window=sliding_window,
-                              alibi_slopes=alibi_slopes, softcap=softcap)
+                              alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
     return out
 
 

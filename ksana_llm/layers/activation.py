@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
 
 import torch
@@ -41,3 +42,18 @@ def get_activation(name: str):
         return _ACTIVATIONS[name]
     except KeyError:
         raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """GPT-OSS's gated activation over a fused [..., 2 * I] tensor of [gate; up] halves: the gate
+    clamped from above at `limit`, the up to [-limit, limit]; then
+    gate * sigmoid(alpha * gate) * (up + 1). (The checkpoint interleaves gate and up columns;
+    the loader de-interleaves them into halves, so this reads what every other MLP reads.)"""
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+    return gated

@@ -302,25 +302,34 @@ def _alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            causal: bool, scale: float, softcap: float | None, gqa: bool) -> torch.Tensor:
-    """`F.scaled_dot_product_attention`, or with logit soft-capping (Gemma 2), which SDPA has
-    no option for, the same computed out: scores * scale capped at softcap * tanh(s / softcap),
-    masked, softmax in float32. q [..., Hq, n, D], k/v [..., Hkv, L, D]."""
-    if softcap is None:
+            causal: bool, scale: float, softcap: float | None, gqa: bool,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`, or with logit soft-capping (Gemma 2) or attention
+    sinks (GPT-OSS), which SDPA has no option for, the same computed out: scores * scale capped
+    at softcap * tanh(s / softcap), masked, softmax in float32 -- with `sinks` (float32,
+    broadcastable to the scores' [..., Hq, n, 1]) as one more column of the softmax, dropped
+    before the values. q [..., Hq, n, D], k/v [..., Hkv, L, D]."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=scale, enable_gqa=gqa)
     if gqa:
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         n, length = scores.shape[-2], scores.shape[-1]
         mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
     if mask is not None:
         scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
                   else scores + mask)
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink_column = sinks.expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def kernel_kv_write(v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
@@ -339,8 +348,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     meta: AttentionMetadata, scale: float,
                     alibi_slopes: torch.Tensor | None = None,
                     kv_scale: float = 1.0, *, kv_stored: bool = False,
-                    layer_window: int | None = None, softcap: float | None = None
-                    ) -> torch.Tensor:
+                    layer_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] / [T, Hkv, Dv] for the new tokens. Returns [T, Hq, Dv].
 
     `alibi_slopes` ([Hq], float32) adds ALiBi position biases (Baichuan-13B); it needs
@@ -350,6 +359,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     windowed and full layers interleaved; such a model declares no model-wide window, so the
     step's metadata carries none). Blocks outside it stay cached: the full layers read them.
     `softcap`: attention logit soft-capping, softcap * tanh(score / softcap) (Gemma 2).
+    `sinks` ([Hq]): a learned logit per head in the softmax's denominator, attached to no value
+    (GPT-OSS), so a head may give its keys less than all of its weight.
     """
     if layer_window is not None:
         if meta.sliding_window is not None:
@@ -358,7 +369,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             raise ValueError("layer_window: not combined with ALiBi")
     if meta.kernel_batch is not None:
         return _kernel_attention(q, k, v, kv_cache, meta, scale, alibi_slopes, kv_scale,
-                                 kv_stored, layer_window or meta.sliding_window, softcap)
+                                 kv_stored, layer_window or meta.sliding_window, softcap, sinks)
     if kv_stored:
         raise ValueError("kv_stored: only the Triton backend's steps store K/V ahead")
     k_cache, v_cache = kv_cache
@@ -373,6 +384,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     # With one query token, the query heads that share a KV head can act as that head's "query
     # positions": plain multi-head attention with no head expansion (faster than enable_gqa).
     group_size = q.shape[1] // num_kv_heads
+    sinks = None if sinks is None else sinks.float()
     for g in meta.decode_groups:
         n, length = g.count, g.length
         rows = g.rows(num_kv_heads)
@@ -388,7 +400,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             bias = _alibi_bias(alibi_slopes, q_pos, torch.arange(length, device=q.device),
                                None if mask is None else mask.view(n, 1, 1, length))
             mask = bias.view(n, num_kv_heads, group_size, length).to(q.dtype)
-        o = _attend(qd, kd, vd, mask, False, scale, softcap, False)
+        o = _attend(qd, kd, vd, mask, False, scale, softcap, False,
+                    None if sinks is None else sinks.view(num_kv_heads, group_size, 1))
         out[g.start:g.start + n] = o.reshape(n, q.shape[1], v_dim)
     for chunk in meta.prefills:
         s, n = chunk.start, chunk.num_tokens
@@ -410,7 +423,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             q_pos = torch.arange(chunk.context_len - n, chunk.context_len, device=q.device)
             allowed = mask if mask is not None else k_pos[None, :] <= q_pos[:, None]
             mask, causal = _alibi_bias(alibi_slopes, q_pos, k_pos, allowed).unsqueeze(0).to(q.dtype), False
-        o = _attend(qp, kp.unsqueeze(0), vp.unsqueeze(0), mask, causal, scale, softcap, gqa)
+        o = _attend(qp, kp.unsqueeze(0), vp.unsqueeze(0), mask, causal, scale, softcap, gqa,
+                    None if sinks is None else sinks.view(-1, 1, 1))
         out[s:s + n] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -419,7 +433,7 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
                       meta: AttentionMetadata, scale: float,
                       alibi_slopes: torch.Tensor | None, kv_scale: float,
                       kv_stored: bool, window: int | None,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """The Triton backend: store the new K/V (unless the RoPE kernel did), then one decode
     launch and one prefill launch that read the paged cache in place (no gathers)."""
     from ksana_llm import kernels  # imports triton: only when this backend was chosen
@@ -435,10 +449,10 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         kernels.paged_decode_attention(
             q[:d], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
             sliding_window=window, alibi_slopes=slopes, softcap=softcap, kv_scale=kv_scale,
-            out=out[:d], order=batch.decode_order)
+            sinks=sinks, out=out[:d], order=batch.decode_order)
     if q.shape[0] > d:
         kernels.paged_prefill_attention(
             q[d:], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_query_start_loc,
             batch.prefill_seq_lens, scale, sliding_window=window,
-            alibi_slopes=slopes, softcap=softcap, kv_scale=kv_scale, out=out[d:])
+            alibi_slopes=slopes, softcap=softcap, kv_scale=kv_scale, sinks=sinks, out=out[d:])
     return out

@@ -58,13 +58,20 @@ class FusedExperts(nn.Module):
     the projections do -- W8A8 experts quantizing their inputs to int8 per token first (under
     tensor parallelism a token's scale for `w2` comes from its whole intermediate row, over
     every rank's slice). Experts whose checkpoint tensors disagree (some
-    quantized, some not, FP8 and int8, or other scale blocks) are all kept dense."""
+    quantized, some not, FP8 and int8, or other scale blocks) are all kept dense.
+
+    `bias` (GPT-OSS): each expert's projections add a bias, `w13_bias` [E, 2I] (this rank's gate
+    and up rows) and `w2_bias` [E, H] (added by the first tensor-parallel rank only: the ranks'
+    outputs are summed). `activation` replaces `hidden_act`'s gated activation over the
+    [gate; up] halves (GPT-OSS's `clamped_swiglu`)."""
 
     # The weight loader hands it quantized checkpoint weights as they are.
     takes_quantized_weights = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 hidden_act: str = "silu", *, parallel: ParallelContext = SINGLE) -> None:
+                 hidden_act: str = "silu", *, parallel: ParallelContext = SINGLE,
+                 bias: bool = False,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.parallel = parallel
         self.num_experts = num_experts
@@ -76,7 +83,12 @@ class FusedExperts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
-        self.act = get_gated_activation(hidden_act)
+        self.act = activation or get_gated_activation(hidden_act)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.w13_scale: torch.Tensor | None
         self.w2_scale: torch.Tensor | None
         self.register_buffer("w13_scale", None, persistent=False)
@@ -137,14 +149,14 @@ class FusedExperts(nn.Module):
             # the whole row's largest magnitude (one all-reduce for all of them).
             hidden = x_sorted.new_empty(x_sorted.shape[0], self.intermediate_size)
             for expert, rows in active:
-                hidden[rows] = self.act(self._expert_matmul(x_sorted[rows], "w13", expert))
+                hidden[rows] = self.act(self._biased_matmul(x_sorted[rows], "w13", expert))
             absmax = token_absmax_over_ranks(hidden, self.parallel)
             for expert, rows in active:
-                out_sorted[rows] = self._expert_matmul(hidden[rows], "w2", expert, absmax[rows])
+                out_sorted[rows] = self._biased_matmul(hidden[rows], "w2", expert, absmax[rows])
         else:
             for expert, rows in active:
-                hidden_rows = self.act(self._expert_matmul(x_sorted[rows], "w13", expert))
-                out_sorted[rows] = self._expert_matmul(hidden_rows, "w2", expert)
+                hidden_rows = self.act(self._biased_matmul(x_sorted[rows], "w13", expert))
+                out_sorted[rows] = self._biased_matmul(hidden_rows, "w2", expert)
         # As transformers' default (grouped_mm) path: weight in float32 (the router's dtype),
         # restore (token, k) order, sum the k contributions in float32, cast once at the end.
         weighted = out_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
@@ -176,9 +188,26 @@ class FusedExperts(nn.Module):
                                  getattr(self, f"{name}_zero_point"),
                                  getattr(self, f"{name}_input_order"))
 
-        hidden = self.act(stack(x.contiguous(), "w13", top_k))
-        out = stack(hidden, "w2", 1).view(num_tokens, top_k, -1)
+        assignments = routing.experts.reshape(-1)  # the stacks' rows are in (token, k) order
+        hidden = self.act(self._add_bias(stack(x.contiguous(), "w13", top_k), "w13",
+                                         assignments))
+        out = self._add_bias(stack(hidden, "w2", 1), "w2", assignments)
+        out = out.view(num_tokens, top_k, -1)
         return (out * routing.weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+    def _add_bias(self, out: torch.Tensor, name: str, experts: int | torch.Tensor
+                  ) -> torch.Tensor:
+        """`out` plus the bias of `name` for each row's expert (`experts`: one for all rows, or
+        one per row); unchanged without biases, and for `w2` on all but the first
+        tensor-parallel rank (the ranks' outputs are summed: the bias must count once)."""
+        bias = getattr(self, f"{name}_bias")
+        if bias is None or (name == "w2" and self.parallel.tp_rank != 0):
+            return out
+        return out + bias[experts]
+
+    def _biased_matmul(self, x: torch.Tensor, name: str, expert: int,
+                       token_absmax: torch.Tensor | None = None) -> torch.Tensor:
+        return self._add_bias(self._expert_matmul(x, name, expert, token_absmax), name, expert)
 
     def _expert_matmul(self, x: torch.Tensor, name: str, expert: int,
                        token_absmax: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,13 +229,17 @@ class FusedExperts(nn.Module):
 
     # ---- checkpoint loading (see models/weight_loading.py) -------------------------------------
     def expected_checkpoint_keys(self) -> list[str]:
-        return [f"{e}.{part}" for e in range(self.num_experts) for part in ("gate", "up", "down")]
+        keys = [f"{e}.{part}" for e in range(self.num_experts) for part in ("gate", "up", "down")]
+        return keys + (["gate_up_proj_bias", "down_proj_bias"] if self.w13_bias is not None
+                       else [])
 
     def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor | QuantizedWeight
                                ) -> list[str]:
         """One per-expert tensor (`3.w1.weight`, `3.down_proj.weight`, ...) or a stacked one
         (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`); returns the keys it filled."""
         full = self.full_intermediate_size
+        if local_name in ("gate_up_proj_bias", "down_proj_bias") and self.w13_bias is not None:
+            return self._load_bias(local_name, dense(tensor))
         if local_name in ("gate_up_proj", "down_proj"):  # stacked: expert by expert
             stacked = dense(tensor)
             if stacked.dim() != 3 or stacked.shape[0] != self.num_experts:
@@ -231,6 +264,22 @@ class FusedExperts(nn.Module):
             raise ValueError(f"expert tensor {local_name!r}: only {self.num_experts} experts")
         part = "down" if kind in ("w2", "down_proj") else ("gate", "up")[_PART[kind]]
         return self._load_expert(expert, part, tensor, local_name)
+
+    def _load_bias(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """Every expert's biases, stacked: `gate_up_proj_bias` [E, 2I] (gate half, then up)
+        or `down_proj_bias` [E, H]."""
+        full = self.full_intermediate_size
+        rows = 2 * full if name == "gate_up_proj_bias" else self.hidden_size
+        if tuple(tensor.shape) != (self.num_experts, rows):
+            raise ValueError(f"experts.{name}: shape {tuple(tensor.shape)}, expected "
+                             f"{(self.num_experts, rows)}")
+        if name == "down_proj_bias":
+            self.w2_bias.data.copy_(tensor)
+        else:  # this rank's rows of each half
+            first, size = self.shard_start, self.intermediate_size
+            self.w13_bias.data.copy_(torch.cat([tensor[:, first:first + size],
+                                                tensor[:, full + first:full + first + size]], 1))
+        return [name]
 
     def _load_expert(self, expert: int, part: str, tensor: torch.Tensor | QuantizedWeight,
                      name: str) -> list[str]:

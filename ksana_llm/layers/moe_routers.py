@@ -26,11 +26,13 @@ class SoftmaxTopKRouter(nn.Module):
 
     Mixtral always renormalises; Qwen2-MoE / Qwen3-MoE follow `norm_topk_prob`. transformers'
     Qwen routers round the weights to the activation dtype before the combine
-    (`weights_in_input_dtype=True`); Mixtral keeps them in float32.
+    (`weights_in_input_dtype=True`); Mixtral keeps them in float32. GPT-OSS's router has a
+    `bias` and takes the softmax of the top k logits, which is the renormalised top k of the
+    softmax over all.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, renormalize: bool,
-                 weights_in_input_dtype: bool = False) -> None:
+                 weights_in_input_dtype: bool = False, bias: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
@@ -38,9 +40,11 @@ class SoftmaxTopKRouter(nn.Module):
         self.renormalize = renormalize
         self.weights_in_input_dtype = weights_in_input_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias
+                     else None)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:

@@ -12,21 +12,28 @@ from ksana_llm.layers.parallel import tp_all_reduce
 
 
 class RMSNorm(nn.Module):
+    """`weight_in_float32`: multiply the weight in float32 before the cast back (transformers'
+    OLMo 2 and GPT-OSS norms), rather than after it (Llama's); set by those families."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.weight_in_float32 = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like transformers, then cast back before the weight multiply.
         xf = x.float()
         scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        if self.weight_in_float32:
+            return (self.weight.float() * (xf * scale)).to(x.dtype)
         return self.weight * (xf * scale).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if fused_kernels_on():
+        # (The fused kernel rounds before the weight multiply: Llama's order only.)
+        if fused_kernels_on() and not self.weight_in_float32:
             # One fused kernel (add + norm) instead of the half-dozen elementwise launches
             # below, which dominate small-batch GPU decode.
             from ksana_llm import kernels

@@ -38,6 +38,10 @@ def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
     quantization = quantization_settings(hf_config, model_dir)
     if quantization is None:
         return None
+    if quantization.get("quant_method") == "mxfp4":
+        # GPT-OSS's experts: the family dequantizes them as they load (models/gpt_oss.py); the
+        # rest of such a checkpoint is full precision.
+        return None
     if quantization.get("quant_method") in ("gptq", "awq"):
         fmt = PackedIntFormat.from_quantization(quantization)
         if fmt.desc_act:

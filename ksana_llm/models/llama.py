@@ -189,6 +189,9 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
     # True for a sequence-classification model's decoder (models/sequence_classification.py):
     # its LM head only stands in, and gets no prepacked copy.
     lm_head_unused = False
+    # Families whose RMSNorms multiply the weight in float32 before the cast back (OLMo 2,
+    # GPT-OSS), not after it: in bfloat16 the two round differently.
+    norm_weights_in_float32 = False
 
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__()
@@ -196,6 +199,10 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
         self.parallel = parallel or SINGLE
         self.model = LlamaModel(config, self.make_layer, use_rope=self.uses_rope(config),
                                 parallel=self.parallel)
+        if self.norm_weights_in_float32:
+            for module in self.model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight_in_float32 = True
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Logits are computed on the first pipeline stage, which also holds the embedding.
         if not self.tie_word_embeddings and self.parallel.is_first_stage:

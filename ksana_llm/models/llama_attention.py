@@ -34,7 +34,9 @@ class LlamaAttention(nn.Module):
     ([num_heads]) replaces RoPE with ALiBi position biases (Baichuan-13B); `scale` replaces
     head_dim^-0.5 (Gemma's query_pre_attn_scalar^-0.5); `layer_window` is this layer's own
     sliding window where layers differ (Gemma 2, 3); `softcap` caps the attention logits at
-    softcap * tanh(logit / softcap) (Gemma 2).
+    softcap * tanh(logit / softcap) (Gemma 2); `sinks` adds a learned logit per head to the
+    softmax's denominator (GPT-OSS: `self_attn.sinks`, this rank's heads' under tensor
+    parallelism).
 
     Under tensor parallelism each rank keeps num_heads / tp query heads and the KV heads they
     read (split, or replicated when there are fewer KV heads than ranks); `o_proj` sums the
@@ -50,7 +52,7 @@ class LlamaAttention(nn.Module):
                  o_bias: bool | None = None, qk_norm: bool = False,
                  alibi_slopes: torch.Tensor | None = None, scale: float | None = None,
                  layer_window: int | None = None, softcap: float | None = None,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 sinks: bool = False, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -61,6 +63,8 @@ class LlamaAttention(nn.Module):
         self.scale = d ** -0.5 if scale is None else scale
         self.layer_window = layer_window
         self.softcap = softcap
+        self.sinks = (nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if sinks
+                      else None)
         bias = bool(getattr(config, "attention_bias", False))
         self.split = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         q_shard = (parallel.tp_rank * self.num_heads * d, self.num_heads * d)
@@ -133,5 +137,5 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx),
                               kv_stored=write_kv is not None, layer_window=self.layer_window,
-                              softcap=self.softcap)
+                              softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(out.reshape(num_tokens, -1), meta.lora)

@@ -69,6 +69,8 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
+    norm_weights_in_float32 = True  # transformers' Olmo2RMSNorm / Olmo3RMSNorm
+
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
         return Olmo2Attention(config, layer_idx, parallel=self.parallel)
 
@@ -94,6 +96,8 @@ class Olmo3ForCausalLM(RopePerLayerKind, Olmo2ForCausalLM):
 
 
 class Exaone4ForCausalLM(PerLayerWindows, Olmo2ForCausalLM):
+    norm_weights_in_float32 = False  # transformers' Exaone4RMSNorm rounds first, as Llama's
+
     def __init__(self, config: Any, parallel: ParallelContext | None = None) -> None:
         self._types = layer_types(config)  # checked before any weight is built
         super().__init__(config, parallel)

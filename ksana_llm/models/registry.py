@@ -14,6 +14,7 @@ from ksana_llm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from ksana_llm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ksana_llm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from ksana_llm.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from ksana_llm.models.gpt_oss import GptOssForCausalLM
 from ksana_llm.models.granite import GraniteForCausalLM
 from ksana_llm.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
 from ksana_llm.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -41,6 +42,7 @@ _ARCHITECTURES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "MixtralForCausalLM": MixtralForCausalLM,  # Mixtral 8x7B / 8x22B
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, 235B-A22B
+    "GptOssForCausalLM": GptOssForCausalLM,  # gpt-oss-20b / 120b (MXFP4 experts dequantized)
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3 / 3.5 mini, medium, Phi-4, Phi-4-mini
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # OLMo 2 1B / 7B / 13B / 32B
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 3 7B / 32B
@@ -84,6 +86,7 @@ _MODEL_TYPES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "qwen3_moe": Qwen3MoeForCausalLM,
     "phi3": Phi3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "olmo3": Olmo3ForCausalLM,
     "exaone4": Exaone4ForCausalLM,
     "internlm2": InternLM2ForCausalLM,

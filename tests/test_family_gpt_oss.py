@@ -1,0 +1,170 @@
+"""OpenAI GPT-OSS (`GptOssForCausalLM`) end to end against transformers (fp32).
+
+A tiny random model saved by transformers, its weights moved where each GPT-OSS part shows: sink
+logits of either sign and up to ~3 (a lost sink moves every logit), a router spread wide enough
+that tokens pick different experts, biases, and a SwiGLU limit low enough that the clamps cut.
+Logits at prefill (whole and chunked), 16 decode steps and on a prefix-cache hit, greedy tokens
+through the Engine (tests/family_harness.py), the Triton kernels (their interpreter on CPU), a
+checkpoint whose experts are MXFP4 blocks and scales (the reference: the same model with
+transformers' own dequantization of them), and the norms' float32 weight multiply in bfloat16.
+Tensor parallelism is in tests/test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GptOssConfig, GptOssForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+from ksana_llm.layers.norm import RMSNorm
+from ksana_llm.loader.mxfp4 import dequantize_mxfp4
+from ksana_llm.models.gpt_oss import GptOssForCausalLM as OurGptOss
+from tests.family_harness import (check_family, check_prefill_and_decode, check_triton_backend,
+                                  hf_reference, load_ours, memoized)
+
+VOCAB = 256
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+              num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+              swiglu_limit=1.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                               "original_max_position_embeddings": 64})
+
+
+def build_model() -> GptOssForCausalLM:
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**CONFIG))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0, 1.5)
+            elif "norm" in name:
+                param.normal_(1.0, 0.5)
+            elif name.endswith("bias"):
+                param.normal_(0, 0.1)
+            elif "router" in name or "experts" in name:
+                param.normal_(0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = build_model()
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_family_matches_transformers(saved):
+    hf, folder = saved
+    ours = load_ours(folder)
+    assert isinstance(ours, OurGptOss)
+    assert [layer.self_attn.layer_window for layer in ours.model.layers] == [8, None]
+    assert ours.layer_sliding_window == 8 and ours.sliding_window is None
+    check_family(ours, folder, hf_reference(hf), vocab=VOCAB)
+
+
+def test_through_the_triton_kernels(saved):
+    hf, folder = saved
+    check_triton_backend(load_ours(folder), folder, memoized(hf_reference(hf)), vocab=VOCAB)
+
+
+@pytest.mark.parametrize("part", ["sinks", "clamp"])
+def test_each_gpt_oss_part_matters(saved, part):
+    """Without the sinks, or with the SwiGLU unclamped, transformers' logits are out of reach:
+    the model's weights exercise both."""
+    hf, folder = saved
+    ours = load_ours(folder)
+    for layer in ours.model.layers:
+        if part == "sinks":
+            layer.self_attn.sinks = None
+        else:
+            from ksana_llm.layers.activation import clamped_swiglu
+
+            layer.mlp.experts.act = clamped_swiglu(1.702, 1e4)
+    with pytest.raises(AssertionError, match="not close"):
+        check_prefill_and_decode(ours, memoized(hf_reference(hf)), vocab=VOCAB, chunks=[40])
+
+
+def _mxfp4_checkpoint(hf: GptOssForCausalLM, folder, target):
+    """`folder`'s checkpoint with every expert stack replaced by random MXFP4 blocks and scales
+    (in the released checkpoints' layout: [E, out, in / 32, 16], rows not transposed), and `hf`
+    given transformers' own dequantization of them: the reference for that checkpoint."""
+    shutil.copytree(folder, target)
+    tensors = load_file(target / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    config = hf.config
+    shapes = {"gate_up_proj": (2 * config.intermediate_size, config.hidden_size),
+              "down_proj": (config.hidden_size, config.intermediate_size)}
+    for i, layer in enumerate(hf.model.layers):
+        for proj, (rows, inputs) in shapes.items():
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            experts = config.num_local_experts
+            blocks = torch.randint(0, 256, (experts, rows, inputs // 32, 16), dtype=torch.uint8,
+                                   generator=generator)
+            scales = torch.randint(120, 125, (experts, rows, inputs // 32), dtype=torch.uint8,
+                                   generator=generator)
+            del tensors[name]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(layer.mlp.experts, proj).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, target / "model.safetensors")
+    config_file = target / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                             "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    config_file.write_text(json.dumps(raw))
+    return target
+
+
+def test_mxfp4_experts_dequantize_on_load(saved, tmp_path):
+    _, folder = saved
+    hf = build_model()
+    mxfp4 = _mxfp4_checkpoint(hf, folder, tmp_path / "mxfp4")
+    check_prefill_and_decode(load_ours(mxfp4), memoized(hf_reference(hf)), vocab=VOCAB,
+                             chunks=[16, 16, 8])
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    torch.manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8)
+    scales = torch.randint(110, 140, (3, 8, 2), dtype=torch.uint8)
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 64, 8]
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), expected.transpose(1, 2))
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        dequantize_mxfp4(blocks[..., :8], scales)
+
+
+def test_mxfp4_blocks_without_scales_are_named(saved, tmp_path):
+    _, folder = saved
+    mxfp4 = _mxfp4_checkpoint(build_model(), folder, tmp_path / "mxfp4")
+    tensors = load_file(mxfp4 / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, mxfp4 / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_blocks"):
+        load_ours(mxfp4)
+
+
+def test_norm_multiplies_its_weight_in_float32():
+    """In bfloat16 the weight multiply before the cast back rounds as transformers' GPT-OSS
+    (and OLMo 2) norm does, which Llama's order would not."""
+    torch.manual_seed(0)
+    reference = GptOssRMSNorm(256, eps=1e-5).to(torch.bfloat16)
+    torch.nn.init.normal_(reference.weight, 1.0, 0.5)
+    ours = RMSNorm(256, 1e-5).to(torch.bfloat16)
+    ours.weight.data.copy_(reference.weight)
+    ours.weight_in_float32 = True
+    x = torch.randn(64, 256, dtype=torch.bfloat16) * 3
+    assert torch.equal(ours(x), reference(x))
+    ours.weight_in_float32 = False
+    assert not torch.equal(ours(x), reference(x))
