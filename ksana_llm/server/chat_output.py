@@ -19,7 +19,7 @@ from ksana_llm.server.openai_protocol import (
     FunctionCall,
     ToolCallModel,
 )
-from ksana_llm.server.reasoning_parsers import ReasoningStream
+from ksana_llm.server.reasoning_parsers import ReasoningSplitter
 from ksana_llm.server.tool_parsers import ToolCallDelta, ToolCallStream, coalesce
 
 
@@ -47,7 +47,7 @@ class ChoiceOutputParser:
     """`forced_call`: tool_choice named the function, so a call is no news to the caller
     (OpenAI's finish_reason is then "stop", not "tool_calls")."""
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None, *,
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallStream | None, *,
                  forced_call: bool = False, include_reasoning: bool = True) -> None:
         self._reasoning = reasoning
         self._include_reasoning = include_reasoning  # else parsed out and dropped

@@ -89,14 +89,19 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
         extra["structured_output"] = spec
     if req.prompt_logprobs is not None:
         extra["prompt_logprobs"] = req.prompt_logprobs
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    jobs = plan_jobs(req, [ids], state, logprobs=logprobs, extra=extra,
-                     max_tokens=lambda _: max_tokens)
     # Reasoning is parsed unless the request turned thinking off, or constrained the whole
     # output to JSON (which leaves no room for a thinking block).
     reasoning = state.reasoning_parser
     if template_kwargs.get("enable_thinking") is False or kind in _JSON_KINDS:
         reasoning = None
+    if req.skip_special_tokens and any(getattr(parser, "reads_special_tokens", False)
+                                       for parser in (reasoning, tools.parser)):
+        # GPT-OSS's harmony parsers read the channels off its special tokens, and take them
+        # out of what they return.
+        req = req.model_copy(update={"skip_special_tokens": False})
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    jobs = plan_jobs(req, [ids], state, logprobs=logprobs, extra=extra,
+                     max_tokens=lambda _: max_tokens)
 
     thinking_open = opens_thinking(prompt)
 

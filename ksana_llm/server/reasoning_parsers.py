@@ -1,5 +1,6 @@
 """Reasoning parsers (`--reasoning-parser NAME`): split a thinking model's output into
-`reasoning_content` (inside `<think>...</think>`) and `content` (after it).
+`reasoning_content` (inside `<think>...</think>`) and `content` (after it); GPT-OSS's
+(`openai_gptoss`) by the harmony channel of each message instead (`tool_parsers.harmony`).
 
 As with the tool parsers, one incremental machine serves both paths (`extract` streams the whole
 text through it), so streamed deltas always add up to the non-streamed answer. Text that may be
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
+from ksana_llm.server.tool_parsers.harmony import CALL, HarmonyEvent, HarmonyMessages, harmony_header
 from ksana_llm.server.tool_parsers.base import held_prefix
 
 THINK_START = "<think>"
@@ -38,7 +40,17 @@ class ReasoningOutput:
     content: str | None
 
 
-class ReasoningStream:
+class ReasoningSplitter(ABC):
+    """One output's incremental split: `feed` text as it comes, then `finish`."""
+
+    @abstractmethod
+    def feed(self, text: str) -> ReasoningDelta: ...
+
+    @abstractmethod
+    def finish(self) -> ReasoningDelta: ...
+
+
+class ReasoningStream(ReasoningSplitter):
     """`starts_in_reasoning`: the prompt already opened the thinking block (DeepSeek-R1), so the
     output is reasoning until `</think>` even without a `<think>` of its own. Otherwise (Qwen3)
     only an output that opens with `<think>` has reasoning."""
@@ -98,11 +110,43 @@ def opens_thinking(prompt: str) -> bool:
     return prompt.rstrip(_WHITESPACE).endswith(THINK_START)
 
 
+class HarmonyReasoningStream(ReasoningSplitter):
+    """GPT-OSS: the `analysis` channel is reasoning, every other message's body content. A
+    message to a recipient (a tool call) goes on to the content as harmony, header and `<|call|>`
+    included, for the `openai` tool-call parser to read."""
+
+    def __init__(self) -> None:
+        self._messages = HarmonyMessages()
+
+    def feed(self, text: str) -> ReasoningDelta:
+        return self._route(self._messages.feed(text))
+
+    def finish(self) -> ReasoningDelta:
+        return self._route(self._messages.finish())
+
+    @staticmethod
+    def _route(events: list[HarmonyEvent]) -> ReasoningDelta:
+        out = ReasoningDelta()
+        for event in events:
+            message = event.message
+            if message.recipient is not None:
+                out.content += {"open": harmony_header(message), "text": event.text,
+                                "close": CALL}[event.kind]
+            elif message.channel == "analysis":
+                out.reasoning += event.text
+            else:
+                out.content += event.text
+        return out
+
+
 class ReasoningParser(ABC):
     name: ClassVar[str]
+    # Whether it reads the output's special tokens (harmony's): the server then decodes the
+    # output with them, whatever the request's skip_special_tokens says.
+    reads_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
-    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
+    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningSplitter:
         """`prompt_opens_thinking`: `opens_thinking` of the request's prompt."""
 
     def extract(self, text: str, prompt_opens_thinking: bool = False) -> ReasoningOutput:
@@ -134,8 +178,19 @@ class Qwen3ReasoningParser(ReasoningParser):
         return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """GPT-OSS's harmony channels (vLLM's `openai_gptoss`)."""
+
+    name = "openai_gptoss"
+    reads_special_tokens = True
+
+    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningSplitter:
+        return HarmonyReasoningStream()
+
+
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)})
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser,
+                              GptOssReasoningParser)})
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

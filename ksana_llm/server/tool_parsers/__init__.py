@@ -18,13 +18,14 @@ from ksana_llm.server.tool_parsers.base import (
     collect,
 )
 from ksana_llm.server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from ksana_llm.server.tool_parsers.harmony_calls import HarmonyToolParser
 from ksana_llm.server.tool_parsers.hermes import HermesToolParser, Qwen3ToolParser
 from ksana_llm.server.tool_parsers.json_calls import JsonCallSequenceStream
 from ksana_llm.server.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
     cls.name: cls for cls in (HermesToolParser, Qwen3ToolParser, Llama3JsonToolParser,
-                              DeepSeekV3ToolParser, DeepSeekV31ToolParser)})
+                              DeepSeekV3ToolParser, DeepSeekV31ToolParser, HarmonyToolParser)})
 
 
 def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:

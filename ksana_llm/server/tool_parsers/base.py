@@ -94,6 +94,9 @@ class ToolParser(ABC):
     """A named output format. Stateless: `stream()` makes the per-output state."""
 
     name: ClassVar[str]
+    # Whether it reads the output's special tokens (GPT-OSS's harmony): the server then decodes
+    # the output with them, whatever the request's skip_special_tokens says.
+    reads_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def stream(self) -> ToolCallStream: ...
