@@ -72,8 +72,8 @@ def stage_env(out_dir: Path) -> int:
 
 def stage_tests(out_dir: Path) -> int:
     """tests/test_kernels.py, test_kernels_layers.py and test_kernels_prefill.py natively on the
-    GPU (no interpreter): fp32, fp16 and bf16; the FP8-weight matmul's and the grouped MoE matmul's
-    tests; and the sampler's device token histories (tests/test_token_history.py) on the GPU.
+    GPU (no interpreter): fp32, fp16 and bf16; soft-capping (Gemma 2) and attention sinks
+    (GPT-OSS); the FP8-weight matmul's and the grouped MoE matmul's tests; and the sampler's device token histories (tests/test_token_history.py) on the GPU.
 
     Natively every kernel variant is compiled once (the first H200 run spent its whole 180 s
     there, one test at a time, and printed nothing): so the tests spread over worker processes
@@ -84,6 +84,7 @@ def stage_tests(out_dir: Path) -> int:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     command = [sys.executable, "-m", "pytest", "tests/test_kernels.py",
                "tests/test_kernels_layers.py", "tests/test_kernels_prefill.py",
+               "tests/test_kernels_softcap.py", "tests/test_kernels_sinks.py",
                "tests/test_fp8_matmul.py",
                "tests/test_kernels_moe.py", "tests/test_token_history.py", "-q", "-rfE",
                "-p", "no:cacheprovider", f"--junitxml={junit}"]
