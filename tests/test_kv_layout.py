@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ksana_llm.layers.attention import (allocate_kv_cache, block_runs, copy_cache_blocks, gather_kv,
-                                        gather_rows, store_kv)
+from ksana_llm.layers.kv_cache_layout import (allocate_kv_cache, block_runs, copy_cache_blocks,
+                                              gather_kv, gather_rows, store_kv)
 
 
 def test_cache_is_a_head_major_view():

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.kernels.kv_quant import through_cache
-from ksana_llm.layers.attention import (AttentionMetadata, ChunkBatch, KVCache, KVCacheSpec,
-                                        gather_kv, store_kv)
+from ksana_llm.layers.attention import AttentionMetadata, ChunkBatch, KVCache, KVCacheSpec
+from ksana_llm.layers.kv_cache_layout import gather_kv, store_kv
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.layers.norm import RMSNorm

@@ -15,8 +15,8 @@ from torch import nn
 from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.weight_map import load_weight_map
 from ksana_llm.layers.fused_kernels import use_fused_kernels
-from ksana_llm.layers.attention import (AttentionMetadata, KVCache, KVCacheSpec,
-                                        allocate_kv_cache, block_runs, copy_cache_blocks)
+from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec
+from ksana_llm.layers.kv_cache_layout import allocate_kv_cache, block_runs, copy_cache_blocks
 from ksana_llm.runner.batch_building import BatchBuilding, EmbeddingOverrides
 from ksana_llm.runner.captured_rows import CAPTURE_CHUNK_ELEMENTS, CapturedRows, capture_rows
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
