@@ -36,29 +36,44 @@ CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|cons
         '<|message|>{"city": "Paris", "unit": "C"}<|call|>')
 FINAL = "<|start|>assistant<|channel|>final<|message|>It is 18 C and sunny in Paris.<|return|>"
 
-# (text, reasoning, content) for the reasoning parser
+CALL_AS_HARMONY = ('<|channel|>commentary to=functions.get_weather<|message|>'
+                   '{"city": "Paris", "unit": "C"}<|call|>')
+
+# (text, calls_read, reasoning, content) for the reasoning parser
 REASONING_CASES = [
-    (ANALYSIS + FINAL, THOUGHT, "It is 18 C and sunny in Paris."),
-    (ANALYSIS + FINAL[:-len("<|return|>")], THOUGHT, "It is 18 C and sunny in Paris."),  # EOS cut
-    (ANALYSIS + "\n" + FINAL, THOUGHT, "It is 18 C and sunny in Paris."),
-    ("Plain text from a model not writing harmony.", None,
+    (ANALYSIS + FINAL, False, THOUGHT, "It is 18 C and sunny in Paris."),
+    (ANALYSIS + FINAL[:-len("<|return|>")], False, THOUGHT,
+     "It is 18 C and sunny in Paris."),  # the EOS not in the text
+    (ANALYSIS + "\n" + FINAL, False, THOUGHT, "It is 18 C and sunny in Paris."),
+    ("Plain text from a model not writing harmony.", False, None,
      "Plain text from a model not writing harmony."),
-    (f"<|channel|>analysis<|message|>{THOUGHT}", THOUGHT, None),  # cut off while thinking
-    (ANALYSIS + "<|start|>assistant<|channel|>fin", THOUGHT, None),  # cut off in a header
-    # A call stays harmony in the content, for the tool-call parser.
-    (ANALYSIS + PREAMBLE + CALL, THOUGHT,
-     'Checking the forecast.<|channel|>commentary to=functions.get_weather<|message|>'
-     '{"city": "Paris", "unit": "C"}<|call|>'),
+    (f"<|channel|>analysis<|message|>{THOUGHT}", False, THOUGHT, None),  # cut off while thinking
+    (ANALYSIS + "<|start|>assistant<|channel|>fin", False, THOUGHT, None),  # cut off in a header
+    (ANALYSIS + '<|start|>assistant to=functions.get_weather<|channel|>commentary json', False,
+     THOUGHT, None),
+    # A call goes on as harmony when the tool-call parser reads it; else it is no user text.
+    (ANALYSIS + PREAMBLE + CALL, True, THOUGHT, "Checking the forecast." + CALL_AS_HARMONY),
+    (ANALYSIS + PREAMBLE + CALL, False, THOUGHT, "Checking the forecast."),
+    # Off the format, nothing is lost: a header closed with no <|message|> is plain text, ...
+    ("<|channel|>final hello world<|end|>and more text", False, None,
+     "final hello worldand more text"),
+    ("<|start|>assistant hello world", False, None, "assistant hello world"),
+    # ... a header inside a body ends that body, terminators in plain text are dropped.
+    ("<|channel|>analysis<|message|>a<|channel|>final<|message|>b<|end|>", False, "a", "b"),
+    ("hello<|end|> world", False, None, "hello world"),
 ]
 
-# (text, content, calls) for the tool-call parser on its own
+# (text, content, calls) for the tool-call parser on its own: the analysis channel and calls to
+# other recipients are not content.
 TOOL_CASES = [
-    (ANALYSIS + PREAMBLE + CALL, THOUGHT + "Checking the forecast.",
+    (ANALYSIS + PREAMBLE + CALL, "Checking the forecast.",
      [ToolCall("get_weather", '{"city": "Paris", "unit": "C"}')]),
-    (ANALYSIS + CALL + CALL.replace("get_weather", "get_time").replace("Paris", "Rome"), THOUGHT,
+    (ANALYSIS + CALL + CALL.replace("get_weather", "get_time").replace("Paris", "Rome"), None,
      [ToolCall("get_weather", '{"city": "Paris", "unit": "C"}'),
       ToolCall("get_time", '{"city": "Rome", "unit": "C"}')]),
-    (ANALYSIS + FINAL, THOUGHT + "It is 18 C and sunny in Paris.", []),
+    (ANALYSIS + FINAL, "It is 18 C and sunny in Paris.", []),
+    (ANALYSIS + "<|start|>assistant<|channel|>commentary to=browser.search<|message|>"
+     '{"query": "Paris"}<|call|>', None, []),
     # the recipient before the channel, as harmony also allows
     ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": '
      '"Oslo"}<|call|>', None, [ToolCall("get_weather", '{"city": "Oslo"}')]),
@@ -87,12 +102,12 @@ def _no_half_special(piece: str) -> None:
             assert not piece.endswith(special[:n]) or piece.endswith(special), piece
 
 
-@pytest.mark.parametrize("text,reasoning,content", REASONING_CASES)
-def test_reasoning_parser_streamed_and_not(text, reasoning, content):
+@pytest.mark.parametrize("text,calls_read,reasoning,content", REASONING_CASES)
+def test_reasoning_parser_streamed_and_not(text, calls_read, reasoning, content):
     parser = get_reasoning_parser("openai_gptoss")
-    assert parser.extract(text) == ReasoningOutput(reasoning, content)
+    assert parser.extract(text, calls_read=calls_read) == ReasoningOutput(reasoning, content)
     for pieces in _chunkings(text):
-        stream = parser.stream()
+        stream = parser.stream(calls_read=calls_read)
         deltas = [stream.feed(piece) for piece in pieces] + [stream.finish()]
         for delta in deltas[:-1]:
             _no_half_special(delta.reasoning)
@@ -115,7 +130,8 @@ def test_tool_parser_streamed_and_not(text, content, calls):
 
 def test_parsers_composed_as_the_server_composes_them():
     """The reasoning parser's content goes on to the tool-call parser."""
-    split = get_reasoning_parser("openai_gptoss").extract(ANALYSIS + PREAMBLE + CALL)
+    split = get_reasoning_parser("openai_gptoss").extract(ANALYSIS + PREAMBLE + CALL,
+                                                          calls_read=True)
     assert split.reasoning == THOUGHT
     assert get_tool_parser("openai").extract(split.content) == ParsedOutput(
         "Checking the forecast.", [ToolCall("get_weather", '{"city": "Paris", "unit": "C"}')])
@@ -138,7 +154,7 @@ def test_token_by_token_through_the_detokenizer(harmony_tokenizer):
     text = ANALYSIS + PREAMBLE + CALL
     ids = harmony_tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(harmony_tokenizer, [], skip_special_tokens=False)
-    reasoning = get_reasoning_parser("openai_gptoss").stream()
+    reasoning = get_reasoning_parser("openai_gptoss").stream(calls_read=True)
     deltas = [reasoning.feed(detok.update([token]).delta) for token in ids]
     deltas += [reasoning.feed(detok.flush()), reasoning.finish()]
     content = "".join(d.content for d in deltas)
@@ -238,3 +254,7 @@ def test_server_reads_a_tool_call(servers):
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # Without tools no parser reads the call: no markup reaches the content either.
+    reply = client.chat.completions.create(model=model, max_tokens=40, temperature=0,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert not reply.choices[0].message.content and not reply.choices[0].message.tool_calls

@@ -15,14 +15,15 @@ import torch
 from torch import nn
 
 from ksana_llm.api.plugin import PLUGIN_FILENAME, Plugin, load_plugin
+from ksana_llm.api.tokenizer_loading import (find_eos_token_ids, load_folder_tokenizer,
+                                             load_tokenizer, set_pad_token)
 from ksana_llm.config import DTYPE_ALIASES, EngineConfig
 from ksana_llm.distributed.launch import start_master, stop_workers
 from ksana_llm.distributed.runtime import LaunchSpec, Runtime, multi_node_env, shutdown_runtime
 from ksana_llm.loader import load_hf_config, resolve_model_dir
 from ksana_llm.loader.hf_config import hf_overrides_applied
-from ksana_llm.loader.hub import hub_snapshot, is_repo_id, names_a_hub_repo
+from ksana_llm.loader.hub import names_a_hub_repo
 from ksana_llm.loader.load_format import check_load_format
-from ksana_llm.loader.json_files import GENERATION_CONFIG_FILE, read_json_object
 from ksana_llm.models.factory import check_parallel_sizes, check_quantization, load_model_module
 from ksana_llm.models.sequence_classification import (TOKEN_IDS_KEY, ClassifierHead,
                                                       classification_architecture,
@@ -82,83 +83,6 @@ def resolve_parallel_size(name: str, value: int, device: torch.device | None) ->
     return value
 
 
-def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids from generation_config.json, config.json and the tokenizer, in that order."""
-    found: list[int] = []
-    sources: list[Any] = []
-    gen_path = model_dir / GENERATION_CONFIG_FILE
-    if gen_path.exists():
-        sources.append(read_json_object(gen_path).get("eos_token_id"))
-    sources.append(getattr(hf_config, "eos_token_id", None))
-    sources.append(getattr(tokenizer, "eos_token_id", None))
-    for value in sources:
-        for token in (value if isinstance(value, list) else [value]):
-            if isinstance(token, int) and token not in found:
-                found.append(token)
-    return tuple(found)
-
-
-def _load_tokenizer(model_dir: Path) -> Any:
-    """The folder's tokenizer, or None (weights-only folders still run on token ids)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as exc:  # noqa: BLE001 - a broken tokenizer file fails in many ways
-        logger.warning("no usable tokenizer in %s (%s: %s); pass one to Engine(tokenizer=...)",
-                       model_dir, type(exc).__name__, exc)
-        return None
-    if not _tokenizes_text(tokenizer):
-        logger.warning("no usable tokenizer in %s (the one transformers built there has no "
-                       "vocabulary: no tokenizer files?); pass one to Engine(tokenizer=...)",
-                       model_dir)
-        return None
-    return tokenizer
-
-
-def _tokenizes_text(tokenizer: Any) -> bool:
-    """Whether `tokenizer` turns plain text into tokens. transformers builds an empty tokenizer
-    (one special token, no vocabulary) for some folders without tokenizer files instead of
-    failing; every text prompt would then be zero tokens."""
-    try:
-        return bool(tokenizer.encode("Hello world", add_special_tokens=False))
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode is no more usable
-        return False
-
-
-def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
-                   download_dir: str | os.PathLike | None = None) -> Any:
-    """The tokenizer in folder `path`, or of the Hugging Face hub id "owner/name" (vLLM's
-    --tokenizer Qwen/Qwen3-0.6B: the HF cache's snapshot, downloaded when missing, as for
-    models), asked for by name (unlike the model folder's own, which may be missing):
-    ValueError naming `tokenizer` when it does not load or holds tokens the model has no
-    embedding for."""
-    from transformers import AutoTokenizer
-
-    folder = Path(path)
-    if not folder.is_dir():
-        # Only "owner/name" is looked up on the hub: a bare name is far likelier a folder
-        # mistyped than a legacy hub id, and must not fetch someone else's tokenizer.
-        if "/" not in str(path) or not is_repo_id(str(path)):
-            raise ValueError(f"tokenizer: {path} is not a folder")
-        try:
-            folder = hub_snapshot(str(path), download_dir=download_dir, what="tokenizer")
-        except FileNotFoundError as exc:
-            raise ValueError(str(exc)) from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - a broken folder fails in many ways
-        raise ValueError(f"tokenizer: cannot load a tokenizer from {path} "
-                         f"({type(exc).__name__}: {exc})") from exc
-    if not _tokenizes_text(tokenizer):
-        raise ValueError(f"tokenizer: {path} holds no usable tokenizer (text encodes to no "
-                         "tokens: no tokenizer files?)")
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"tokenizer: {path} has {len(tokenizer)} tokens, more than the model's "
-                         f"vocab_size {vocab_size}: it is not this model's tokenizer")
-    return tokenizer
-
-
 # The module attribute listing the engines built on a model's weights (`Model.add_engine`).
 _ENGINES_ATTR = "_ksana_llm_engines"
 _WORKERS_TAKEN_ATTR = "_ksana_llm_workers_taken"  # a parallel model's ranks serve an engine
@@ -209,7 +133,7 @@ class Model:
         """This model (the same weights) with the tokenizer in folder `path` instead of its own,
         its EOS ids read again with it."""
         tokenizer = load_tokenizer(path, self.vocab_size)
-        return replace(self, tokenizer=tokenizer, eos_token_ids=_eos_token_ids(
+        return replace(self, tokenizer=tokenizer, eos_token_ids=find_eos_token_ids(
             self.path, self.hf_config, tokenizer))
 
     def without_tokenizer(self) -> Model:
@@ -217,7 +141,7 @@ class Model:
         EOS ids are those of generation_config.json / config.json, as `from_pretrained` reads
         them then."""
         return replace(self, tokenizer=None,
-                       eos_token_ids=_eos_token_ids(self.path, self.hf_config, None))
+                       eos_token_ids=find_eos_token_ids(self.path, self.hf_config, None))
 
     def add_engine(self, engine: Any) -> None:
         """`engine` serves these weights (kept weakly, on the module: `with_tokenizer` copies
@@ -359,7 +283,7 @@ class Model:
             # A reranker made a classifier (models.sequence_classification): its tokens are
             # looked up in the tokenizer it serves with, and the ids reach every rank's config.
             if given_tokenizer is None:
-                folder_tokenizer = _load_tokenizer(model_dir)
+                folder_tokenizer = load_folder_tokenizer(model_dir)
             ids = classifier_token_ids(hf_config, given_tokenizer or folder_tokenizer)
             hf_overrides = {**(hf_overrides or {}), TOKEN_IDS_KEY: ids}
             setattr(hf_config, TOKEN_IDS_KEY, ids)
@@ -385,8 +309,8 @@ class Model:
             raise
         model_cls = type(module)
         tokenizer = None if skip_tokenizer_init else given_tokenizer if given_tokenizer \
-            is not None else folder_tokenizer or _load_tokenizer(model_dir)
-        _set_pad_token(tokenizer, pad_token_id, int(hf_config.vocab_size))
+            is not None else folder_tokenizer or load_folder_tokenizer(model_dir)
+        set_pad_token(tokenizer, pad_token_id, int(hf_config.vocab_size))
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)
         loaded_plugin = None
@@ -403,23 +327,10 @@ class Model:
                 device=torch_device, dtype=torch_dtype,
                 path=None if plugin is True else plugin)
         return cls(module, hf_config, tokenizer, Path(model_dir), torch_device, torch_dtype,
-                   _eos_token_ids(Path(model_dir), hf_config, tokenizer), loaded_plugin,
+                   find_eos_token_ids(Path(model_dir), hf_config, tokenizer), loaded_plugin,
                    runtime, workers, load_format, quantization)
 
 
 def _came_from_the_hub(path: Any) -> bool:
     """Whether `path` named a hub repository (resolved to a snapshot), not a local folder."""
     return path is not None and names_a_hub_repo(path)  # (None: the embedded default model)
-
-
-def _set_pad_token(tokenizer: Any, pad_token_id: int | None, vocab_size: int) -> None:
-    """Name the tokenizer's pad token `pad_token_id` where it has none (ValueError for an id
-    outside the vocabulary)."""
-    if pad_token_id is None:
-        return
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) \
-            or not 0 <= pad_token_id < vocab_size:
-        raise ValueError(f"pad_token_id must be a token id in [0, {vocab_size}), got "
-                         f"{pad_token_id!r}")
-    if getattr(tokenizer, "pad_token_id", None) is None:
-        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_token_id)

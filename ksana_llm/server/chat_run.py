@@ -104,9 +104,12 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
                      max_tokens=lambda _: max_tokens)
 
     thinking_open = opens_thinking(prompt)
+    # GPT-OSS: calls go on (as harmony) from its reasoning parser to its tool-call parser
+    calls_read = getattr(tools.parser, "reads_special_tokens", False)
 
     def output_parser() -> ChoiceOutputParser:
-        return ChoiceOutputParser(reasoning.stream(thinking_open) if reasoning is not None else None,
+        return ChoiceOutputParser(reasoning.stream(thinking_open, calls_read=calls_read)
+                                  if reasoning is not None else None,
                                   tools.stream(), forced_call=tools.mode == "named",
                                   include_reasoning=req.include_reasoning)
 

@@ -113,10 +113,12 @@ def opens_thinking(prompt: str) -> bool:
 class HarmonyReasoningStream(ReasoningSplitter):
     """GPT-OSS: the `analysis` channel is reasoning, every other message's body content. A
     message to a recipient (a tool call) goes on to the content as harmony, header and `<|call|>`
-    included, for the `openai` tool-call parser to read."""
+    included, when the `openai` tool-call parser reads it (`calls_read`); otherwise it is no
+    text for the user (its body is a call's arguments) and is left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls_read: bool) -> None:
         self._messages = HarmonyMessages()
+        self._calls_read = calls_read
 
     def feed(self, text: str) -> ReasoningDelta:
         return self._route(self._messages.feed(text))
@@ -124,14 +126,14 @@ class HarmonyReasoningStream(ReasoningSplitter):
     def finish(self) -> ReasoningDelta:
         return self._route(self._messages.finish())
 
-    @staticmethod
-    def _route(events: list[HarmonyEvent]) -> ReasoningDelta:
+    def _route(self, events: list[HarmonyEvent]) -> ReasoningDelta:
         out = ReasoningDelta()
         for event in events:
             message = event.message
             if message.recipient is not None:
-                out.content += {"open": harmony_header(message), "text": event.text,
-                                "close": CALL}[event.kind]
+                if self._calls_read:
+                    out.content += {"open": harmony_header(message), "text": event.text,
+                                    "close": CALL}[event.kind]
             elif message.channel == "analysis":
                 out.reasoning += event.text
             else:
@@ -146,11 +148,14 @@ class ReasoningParser(ABC):
     reads_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
-    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningSplitter:
-        """`prompt_opens_thinking`: `opens_thinking` of the request's prompt."""
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningSplitter:
+        """`prompt_opens_thinking`: `opens_thinking` of the request's prompt. `calls_read`: a
+        tool-call parser reading harmony follows (GPT-OSS's; other formats ignore it)."""
 
-    def extract(self, text: str, prompt_opens_thinking: bool = False) -> ReasoningOutput:
-        stream = self.stream(prompt_opens_thinking)
+    def extract(self, text: str, prompt_opens_thinking: bool = False, *,
+                calls_read: bool = False) -> ReasoningOutput:
+        stream = self.stream(prompt_opens_thinking, calls_read=calls_read)
         first, last = stream.feed(text), stream.finish()
         return ReasoningOutput(first.reasoning + last.reasoning or None,
                                first.content + last.content or None)
@@ -163,7 +168,8 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
     name = "deepseek_r1"
 
-    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningStream:
         return ReasoningStream(starts_in_reasoning=True)
 
 
@@ -174,7 +180,8 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     name = "qwen3"
 
-    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningStream:
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningStream:
         return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
 
 
@@ -184,8 +191,9 @@ class GptOssReasoningParser(ReasoningParser):
     name = "openai_gptoss"
     reads_special_tokens = True
 
-    def stream(self, prompt_opens_thinking: bool = False) -> ReasoningSplitter:
-        return HarmonyReasoningStream()
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningSplitter:
+        return HarmonyReasoningStream(calls_read)
 
 
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({

@@ -1,6 +1,8 @@
 """GPT-OSS's tool calls (`--tool-call-parser openai`, vLLM's name): harmony messages to
-`functions.NAME`, whose body is the call's JSON arguments (see `tool_parsers.harmony`). Every other
-message's body is content; its headers and special tokens are not."""
+`functions.NAME`, whose body is the call's JSON arguments (see `tool_parsers.harmony`). The
+`final` and `commentary` messages' bodies (and plain text) are content; the `analysis` channel
+(the chain of thought, which `--reasoning-parser openai_gptoss` reads) and messages to other
+recipients (built-in tools) are not, nor any header or special token."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ class HarmonyCallStream(ToolCallStream):
             message = event.message
             function = message.function
             if function is None:
-                out.content += event.text
+                if message.recipient is None and message.channel != "analysis":
+                    out.content += event.text
             elif event.kind == "open":  # the name is whole once the header is
                 index = self._call_index[message.number] = len(self._call_index)
                 out.tool_calls.append(ToolCallDelta(index, function))
