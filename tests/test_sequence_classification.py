@@ -282,6 +282,11 @@ def test_server_classify_score_and_rerank(reranker_server, reranker, tokenizer):
                           timeout=60).json()["data"][0]["data"]
     assert embedded == httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[0]},
                                   timeout=60).json()["data"][0]["embedding"]
+    # The embedding's options are no classification's.
+    for extra in ({"normalize": False}, {"dimensions": 8}):
+        response = httpx.post(f"{url}/pooling", json={"input": TEXTS[0], **extra}, timeout=60)
+        assert response.status_code == 400
+        assert openai_error(response)["param"] == next(iter(extra))
     # SageMaker's route sends `input` to the API the model serves: classification.
     sagemaker = httpx.post(f"{url}/invocations", json={"input": TEXTS[0]}, timeout=60).json()
     assert sagemaker["object"] == "list" and sagemaker["data"][0]["probs"] == again["data"][0]["probs"]

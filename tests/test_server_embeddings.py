@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ksana_llm.server.embedding_protocol import MAX_EMBEDDING_INPUTS
-from tests.hf_references import hf_embedding
+from tests.hf_references import hf_embedding, hf_last_token_state
 from tests.server_process import server_fixture
 from tests.tolerances import EMBEDDING_ATOL
 
@@ -154,6 +154,29 @@ def test_pooling_api_gives_a_language_model_its_embeddings(server, hf_default_mo
                            ({"input": "Hi", "task": "token_classify"}, "task"),
                            ({"input": ""}, "input")):
         response = httpx.post(url, json=request, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_normalize_false_gives_the_state_itself(server, client, hf_default_model,
+                                                default_model):
+    """vLLM's `normalize: false`, on /v1/embeddings and /pooling: transformers' last-token state
+    as it is (its length far from 1); `dimensions` equal to the hidden size is served on both,
+    any other a 400 naming it on /pooling too."""
+    prompt = default_model.tokenizer.encode(TEXTS[0])
+    expected = hf_last_token_state(hf_default_model, prompt)
+    assert abs(float(expected.norm()) - 1) > 0.5
+    hidden = default_model.hf_config.hidden_size
+    response = client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS[0],
+                                        dimensions=hidden, extra_body={"normalize": False})
+    torch.testing.assert_close(torch.tensor(response.data[0].embedding), expected, atol=1e-4,
+                               rtol=1e-4)
+    body = httpx.post(server.url + "/pooling", timeout=60,
+                      json={"input": TEXTS[0], "normalize": False, "dimensions": hidden}).json()
+    torch.testing.assert_close(torch.tensor(body["data"][0]["data"]), expected, atol=1e-4,
+                               rtol=1e-4)
+    for request, param in (({"input": "Hi", "dimensions": 17}, "dimensions"),
+                           ({"input": "Hi", "normalize": "maybe"}, "normalize")):
+        response = httpx.post(server.url + "/pooling", json=request, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 

@@ -35,10 +35,13 @@ class PoolingInputRequest(_Request):
 
 
 class EmbeddingRequest(PoolingInputRequest):
-    """`POST /v1/embeddings`."""
+    """`POST /v1/embeddings`. `dimensions`: OpenAI's (only the model's own size is served, see
+    `server.embeddings`); `normalize` (vLLM's): false gives the last-token state itself, not
+    scaled to unit length."""
 
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
+    normalize: bool = True
 
 
 class EmbeddingData(BaseModel):

@@ -118,11 +118,25 @@ async def last_token_states(state: ServerState, prompts: list[list[int]], reques
 
 async def embed_prompts(state: ServerState, prompts: list[list[int]], request: Request,
                         lora: str | None, fields: Sequence[str] | None = None,
-                        priority: int = 0) -> list[torch.Tensor] | None:
+                        priority: int = 0, normalize: bool = True
+                        ) -> list[torch.Tensor] | None:
     """Each prompt's embedding (`api.embeddings`), in order; None when the client left first.
-    As `last_token_states`; also what `/score` and `/rerank` compare."""
+    As `last_token_states`; also what `/score` and `/rerank` compare. `normalize` False: the
+    last-token states as they are (float32), not scaled to unit length."""
     states = await last_token_states(state, prompts, request, lora, fields, priority)
-    return None if states is None else [embedding_from_hidden(hidden) for hidden in states]
+    if states is None:
+        return None
+    return [embedding_from_hidden(hidden) if normalize else hidden.float().flatten()
+            for hidden in states]
+
+
+def check_dimensions(dimensions: int | None, state: ServerState) -> None:
+    """A 400 naming `dimensions` unless it is None or the model's hidden size."""
+    hidden_size = int(state.engine.model.hf_config.hidden_size)
+    if dimensions is not None and dimensions != hidden_size:
+        raise bad_request(f"This model's embeddings have {hidden_size} dimensions and cannot be "
+                          f"shortened to {dimensions}.", param="dimensions",
+                          code="unsupported_parameter")
 
 
 @router.post("/v1/embeddings")
@@ -130,13 +144,10 @@ async def create_embeddings(request: Request) -> JSONResponse:
     state = server_state(request)
     req = await parse_body(request, EmbeddingRequest)
     lora = state.check_model(req.model)
-    hidden_size = int(state.engine.model.hf_config.hidden_size)
-    if req.dimensions is not None and req.dimensions != hidden_size:
-        raise bad_request(f"This model's embeddings have {hidden_size} dimensions and cannot be "
-                          f"shortened to {req.dimensions}.", param="dimensions",
-                          code="unsupported_parameter")
+    check_dimensions(req.dimensions, state)
     prompts = pooling_inputs(req, state)
-    vectors = await embed_prompts(state, prompts, request, lora, priority=req.priority)
+    vectors = await embed_prompts(state, prompts, request, lora, priority=req.priority,
+                                  normalize=req.normalize)
     if vectors is None:  # the client left; its requests were aborted
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     data = [EmbeddingData(index=i, embedding=encode_vector(vector, req.encoding_format))

@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse
 
 from ksana_llm.server.classification import checked_classifier, classify_prompts
 from ksana_llm.server.classification_protocol import ClassificationUsage
-from ksana_llm.server.embeddings import embed_prompts, encode_vector, pooling_inputs
+from ksana_llm.server.embeddings import (check_dimensions, embed_prompts, encode_vector,
+                                        pooling_inputs)
+from ksana_llm.server.errors import bad_request
 from ksana_llm.server.pooling_protocol import PoolingData, PoolingRequest, PoolingResponse
 from ksana_llm.server.state import server_state
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
@@ -28,12 +30,19 @@ async def create_pooling(request: Request) -> JSONResponse:
     task = req.task or ("classify" if state.engine.model.classifier is not None else "embed")
     if task == "classify":
         checked_classifier(state, "classification")
+        for field in ("dimensions", "normalize"):
+            if field in req.model_fields_set:
+                raise bad_request(f"`{field}` applies to the embed task, not classify.",
+                                  param=field)
+    else:
+        check_dimensions(req.dimensions, state)
     prompts = pooling_inputs(req, state)
     if task == "classify":
         outputs = await classify_prompts(state, prompts, request, lora, priority=req.priority)
         pooled = None if outputs is None else [torch.tensor(out.probs) for out in outputs]
     else:
-        pooled = await embed_prompts(state, prompts, request, lora, priority=req.priority)
+        pooled = await embed_prompts(state, prompts, request, lora, priority=req.priority,
+                                     normalize=req.normalize)
     if pooled is None:  # the client left; its requests were aborted
         return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
     data = [PoolingData(index=i, data=encode_vector(vector, req.encoding_format))

@@ -9,15 +9,15 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from ksana_llm.server.classification_protocol import ClassificationUsage
-from ksana_llm.server.embedding_protocol import PoolingInputRequest
+from ksana_llm.server.embedding_protocol import EmbeddingRequest
 
 
-class PoolingRequest(PoolingInputRequest):
-    """`input` (or `messages`) as on /v1/embeddings. `task`: what to pool, "embed" (the
-    embedding /v1/embeddings gives) or "classify" (the class probabilities /classify gives);
-    None: the model's own, classify for a sequence-classification model, else embed."""
+class PoolingRequest(EmbeddingRequest):
+    """`input` (or `messages`), `dimensions` and `normalize` as on /v1/embeddings. `task`: what
+    to pool, "embed" (the embedding /v1/embeddings gives) or "classify" (the class
+    probabilities /classify gives); None: the model's own, classify for a
+    sequence-classification model, else embed."""
 
-    encoding_format: Literal["float", "base64"] = "float"
     task: Literal["embed", "classify"] | None = None
 
 
