@@ -258,3 +258,31 @@ def test_server_reads_a_tool_call(servers):
     reply = client.chat.completions.create(model=model, max_tokens=40, temperature=0,
                                            messages=[{"role": "user", "content": "hi"}])
     assert not reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+# GPT-OSS's template's handling of an earlier assistant turn, in short: its reasoning as
+# `thinking` on the analysis channel, and no harmony tags allowed in the content.
+HISTORY_TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}"
+    "{%- if '<|channel|>' in m.content %}{{ raise_exception('harmony tags in content') }}"
+    "{%- endif %}{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m.thinking }}<|end|>{%- endif %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+    "{%- endif %}{%- endfor %}<|start|>assistant")
+
+
+def test_an_earlier_turns_reasoning_reaches_the_template_as_thinking(harmony_tokenizer):
+    """A client sends back the reasoning_content it got: GPT-OSS's template reads it as
+    `thinking`, rendered as transformers renders the same turn."""
+    from ksana_llm.server.chat import ChatTemplate, render_chat
+    from ksana_llm.server.openai_protocol import ChatMessage
+
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "Sunny.", "reasoning_content": THOUGHT},
+             {"role": "user", "content": "And tomorrow?"}]
+    rendered = render_chat(harmony_tokenizer, [ChatMessage.model_validate(t) for t in turns],
+                           ChatTemplate(HISTORY_TEMPLATE, "string"))
+    expected = harmony_tokenizer.apply_chat_template(
+        [turns[0], {"role": "assistant", "content": "Sunny.", "thinking": THOUGHT}, turns[2]],
+        chat_template=HISTORY_TEMPLATE, tokenize=False)
+    assert rendered == expected and f"analysis<|message|>{THOUGHT}<|end|>" in rendered

@@ -177,6 +177,9 @@ def to_template_messages(messages: list[ChatMessage], content_format: ContentFor
             entry["tool_call_id"] = message.tool_call_id
         if message.reasoning_content is not None:
             entry["reasoning_content"] = message.reasoning_content
+            # GPT-OSS's template reads an earlier turn's reasoning as `thinking` (its analysis
+            # channel), and refuses harmony tags in the content instead.
+            entry["thinking"] = message.reasoning_content
         out.append(entry)
     return out
 
