@@ -168,3 +168,14 @@ def test_norm_multiplies_its_weight_in_float32():
     assert torch.equal(ours(x), reference(x))
     ours.weight_in_float32 = False
     assert not torch.equal(ours(x), reference(x))
+
+
+def test_an_expert_stack_of_the_wrong_size_is_named(saved, tmp_path):
+    _, folder = saved
+    broken = shutil.copytree(folder, tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    tensors[name] = tensors[name][:3].contiguous()
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*one per expert"):
+        load_ours(broken)

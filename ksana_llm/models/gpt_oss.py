@@ -70,43 +70,65 @@ class GptOssForCausalLM(PerLayerWindows, LlamaForCausalLM):
     def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as our modules take them: router renamed, sinks sliced to
-        this rank's heads, experts de-interleaved and untransposed (MXFP4 ones dequantized
-        once both their blocks and scales have come)."""
+        this rank's heads, expert stacks handed on expert by expert as gate / up / down
+        matrices (MXFP4 ones dequantized once both their blocks and scales have come), so no
+        whole stack is ever copied or dequantized at once (120b's is 4 GB in bf16)."""
         mxfp4: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             name = name.replace(".mlp.router.", ".mlp.gate.")
-            if name.endswith(_MXFP4_PARTS):
-                base, part = name[:-7], name[-7:]
+            part = next((p for p in _MXFP4_PARTS if name.endswith(p)), None)
+            if part is not None:
+                base = name[:-len(part)]
                 parts = mxfp4.setdefault(base, {})
                 parts[part] = tensor
                 if len(parts) == 2:
                     del mxfp4[base]
-                    if self.skip_checkpoint_tensor(base):
-                        continue
-                    yield base, self._dequantized_experts(base, parts)
+                    if not self.skip_checkpoint_tensor(base):
+                        yield from self._one_by_one(base, self._checked_stack(
+                            base, parts["_scales"], "MXFP4 scales"), parts)
                 continue
             if name.endswith(".self_attn.sinks"):
                 heads = self.config.num_attention_heads // self.parallel.tp_size
                 first = self.parallel.tp_rank * heads
                 if tuple(tensor.shape) == (self.config.num_attention_heads,):
                     tensor = tensor[first:first + heads]
-            elif name.endswith(".mlp.experts.gate_up_proj") and tensor.dim() == 3:
-                tensor = halves_from_interleaved(tensor.transpose(1, 2), 1)
+            elif name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                yield from self._one_by_one(name, self._checked_stack(name, tensor, "stack"))
+                continue
             elif name.endswith(".mlp.experts.gate_up_proj_bias") and tensor.dim() == 2:
                 tensor = halves_from_interleaved(tensor, 1)
-            elif name.endswith(".mlp.experts.down_proj") and tensor.dim() == 3:
-                tensor = tensor.transpose(1, 2)
             yield name, tensor
         if mxfp4:
             raise ValueError(f"MXFP4 tensors without their blocks or scales: "
                              f"{sorted(base + next(iter(p)) for base, p in mxfp4.items())}")
 
+    def _checked_stack(self, name: str, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        if tensor.dim() < 3 or tensor.shape[0] != self.config.num_local_experts:
+            raise ValueError(f"checkpoint tensor {name!r}: {what} of shape "
+                             f"{tuple(tensor.shape)}, expected one per expert "
+                             f"({self.config.num_local_experts})")
+        return tensor
+
     @staticmethod
-    def _dequantized_experts(base: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """MXFP4 experts ([E, out, in] once dequantized) in our layout. bfloat16 holds every
-        e2m1 value times a power of two exactly."""
-        try:
-            values = dequantize_mxfp4(parts["_blocks"], parts["_scales"], torch.bfloat16)
-        except ValueError as exc:
-            raise ValueError(f"checkpoint tensor {base!r}: {exc}") from exc
-        return halves_from_interleaved(values, 1) if base.endswith("gate_up_proj") else values
+    def _one_by_one(base: str, stacked: torch.Tensor,
+                    mxfp4: dict[str, torch.Tensor] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stack (`...experts.gate_up_proj` [E, H, 2I] with gate and up columns interleaved,
+        or `...experts.down_proj` [E, I, H]; MXFP4: [E, out, in] once dequantized) as each
+        expert's `N.gate_proj.weight` / `N.up_proj.weight` / `N.down_proj.weight` ([out, in]).
+        bfloat16 holds every MXFP4 value (e2m1 times a power of two) exactly."""
+        prefix, proj = base.rsplit(".", 1)
+        for expert in range(stacked.shape[0]):
+            if mxfp4 is None:
+                weight = stacked[expert].T
+            else:
+                try:
+                    weight = dequantize_mxfp4(mxfp4["_blocks"][expert], mxfp4["_scales"][expert],
+                                              torch.bfloat16)
+                except ValueError as exc:
+                    raise ValueError(f"checkpoint tensor {base!r}: {exc}") from exc
+            if proj == "gate_up_proj":
+                yield f"{prefix}.{expert}.gate_proj.weight", weight[0::2]
+                yield f"{prefix}.{expert}.up_proj.weight", weight[1::2]
+            else:
+                yield f"{prefix}.{expert}.down_proj.weight", weight
