@@ -10,14 +10,15 @@ The channel says what a body is: `analysis` the chain of thought, `final` the an
 its JSON arguments. `HarmonyMessages` splits the text into events as it streams -- a message
 opens (its header complete), body text, a message closes -- holding back only what may be half
 of a special token. Text that does not begin with a header (a model not writing harmony) is a
-headerless message of plain text, until a header starts. The reasoning parser `openai_gptoss` and the tool-call parser
-`openai` are both this machine, routed differently.
+headerless message of plain text, until a header starts. The reasoning parser `openai_gptoss`
+and the tool-call parser `openai` are both this machine, routed differently.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from ksana_llm.server.tool_parsers.base import held_prefix
 
@@ -55,7 +56,7 @@ class HarmonyMessage:
 
 @dataclass(frozen=True)
 class HarmonyEvent:
-    kind: str  # "open" | "text" | "close"
+    kind: Literal["open", "text", "close"]
     message: HarmonyMessage
     text: str = ""
 
