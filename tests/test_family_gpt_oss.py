@@ -179,3 +179,24 @@ def test_an_expert_stack_of_the_wrong_size_is_named(saved, tmp_path):
     save_file(tensors, broken / "model.safetensors")
     with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*one per expert"):
         load_ours(broken)
+
+
+def test_sinks_convert_to_float32_once_and_follow_the_parameter():
+    """The attention reads float32 sinks: a bfloat16 model's are converted once, not per layer
+    per step, and a reloaded or re-cast parameter is converted again."""
+    from ksana_llm.models.llama_attention import LlamaAttention
+
+    attention = LlamaAttention(GptOssConfig(**CONFIG), sinks=True).to(torch.bfloat16)
+    with torch.no_grad():
+        attention.sinks.copy_(torch.tensor([0.5, -1.25, 2.0, 3.0]))
+    first = attention._sinks_in_float32()
+    assert first.dtype == torch.float32 and first.tolist() == [0.5, -1.25, 2.0, 3.0]
+    assert attention._sinks_in_float32() is first
+    with torch.no_grad():
+        attention.sinks.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # reloaded in place
+    assert attention._sinks_in_float32().tolist() == [1.0, 2.0, 3.0, 4.0]
+    attention.to(torch.float16)
+    assert attention._sinks_in_float32().tolist() == [1.0, 2.0, 3.0, 4.0]
+    attention.to(torch.float32)
+    # already float32: no copy
+    assert attention._sinks_in_float32().data_ptr() == attention.sinks.data_ptr()

@@ -66,18 +66,21 @@ def test_attention_references_match_dense_sdpa(window, alibi):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
-def test_rms_norm_reference_matches_layer(dtype):
+@pytest.mark.parametrize("multiply_fp32", [False, True], ids=["llama-order", "weight-in-fp32"])
+def test_rms_norm_reference_matches_layer(dtype, multiply_fp32):
     from ksana_llm.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(48, eps=1e-5).to(dtype)
+    norm.weight_in_float32 = multiply_fp32
     with torch.no_grad():
         norm.weight.copy_(torch.randn(48, generator=gen))
     x = torch.randn(5, 48, generator=gen).to(dtype)
     residual = torch.randn(5, 48, generator=gen).to(dtype)
+    order = {"weight_in_float32": multiply_fp32}
     with torch.no_grad():
-        assert torch.equal(ref.rms_norm_ref(x, norm.weight, 1e-5), norm(x))
-        out, new_residual = ref.rms_norm_ref(x, norm.weight, 1e-5, residual)
+        assert torch.equal(ref.rms_norm_ref(x, norm.weight, 1e-5, **order), norm(x))
+        out, new_residual = ref.rms_norm_ref(x, norm.weight, 1e-5, residual, **order)
         layer_out, layer_residual = norm(x, residual)
     assert torch.equal(out, layer_out) and torch.equal(new_residual, layer_residual)
 

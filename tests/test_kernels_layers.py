@@ -21,23 +21,79 @@ from ksana_llm.kernels._common import CacheWrite  # noqa: E402
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("weight_fp32", [False, True], ids=["weight-same", "weight-fp32"])
-def test_rms_norm_matches_reference(device, dtype, weight_fp32):
+@pytest.mark.parametrize("multiply_fp32", [False, True], ids=["llama-order", "weight-in-fp32"])
+def test_rms_norm_matches_reference(device, dtype, weight_fp32, multiply_fp32):
+    """`multiply_fp32`: OLMo 2's / GPT-OSS's order (weight times the fp32 row, then the cast)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 100, generator=gen).to(device, dtype)  # non-power-of-two hidden
     residual = torch.randn(3, 5, 100, generator=gen).to(device, dtype)
     weight = torch.randn(100, generator=gen).to(device, torch.float32 if weight_fp32 else dtype)
     x_before, residual_before = x.clone(), residual.clone()
+    order = {"weight_in_float32": multiply_fp32}
 
-    out = kernels.rms_norm(x, weight, 1e-6)
-    expected = ref.rms_norm_ref(x, weight, 1e-6)
+    out = kernels.rms_norm(x, weight, 1e-6, **order)
+    expected = ref.rms_norm_ref(x, weight, 1e-6, **order)
     assert out.dtype == expected.dtype and out.shape == x.shape
+    assert out.dtype == (dtype if multiply_fp32 else torch.promote_types(weight.dtype, dtype))
     assert_close(out, expected, dtype)
 
-    out, new_residual = kernels.rms_norm(x, weight, 1e-6, residual)
-    expected, expected_residual = ref.rms_norm_ref(x, weight, 1e-6, residual)
+    out, new_residual = kernels.rms_norm(x, weight, 1e-6, residual, **order)
+    expected, expected_residual = ref.rms_norm_ref(x, weight, 1e-6, residual, **order)
     assert_close(out, expected, dtype)
     assert torch.equal(new_residual, expected_residual)  # same single rounding of x + residual
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=dtype_id)
+@pytest.mark.parametrize("multiply_fp32", [False, True], ids=["llama-order", "weight-in-fp32"])
+def test_rms_norm_rounds_in_the_order_asked(device, dtype, multiply_fp32):
+    """The two orders differ by one rounding, under the tolerance above: count bit-equal
+    elements instead. The kernel's own order matches nearly everywhere, the other one far less."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 256, generator=gen).to(device, dtype)
+    weight = (1 + torch.rand(256, generator=gen)).to(device, dtype)
+    out = kernels.rms_norm(x, weight, 1e-6, weight_in_float32=multiply_fp32)
+
+    def equal_fraction(order: bool) -> float:
+        expected = ref.rms_norm_ref(x, weight, 1e-6, weight_in_float32=order)
+        return (out == expected).float().mean().item()
+
+    assert equal_fraction(multiply_fp32) > 0.97
+    assert equal_fraction(not multiply_fp32) < 0.9
+
+
+@pytest.mark.parametrize("multiply_fp32", [False, True], ids=["llama-order", "weight-in-fp32"])
+def test_rms_norm_layer_keeps_its_order_on_the_kernel(device, multiply_fp32):
+    """`RMSNorm(weight_in_float32=...)` (GPT-OSS, OLMo 2) takes the fused kernel too, and rounds
+    as its torch path does (bit-equal nearly everywhere in float16, where the orders differ)."""
+    from ksana_llm.layers.fused_kernels import use_fused_kernels
+    from ksana_llm.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(256, 1e-5).to(device, torch.float16)
+    norm.weight_in_float32 = multiply_fp32
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.rand(256, generator=gen))
+    x = torch.randn(64, 256, generator=gen).to(device, torch.float16)
+    residual = torch.randn(64, 256, generator=gen).to(device, torch.float16)
+    calls = []
+    real = kernels.rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    with torch.no_grad():
+        torch_out, torch_residual = norm(x, residual)
+        kernels.rms_norm = counted
+        try:
+            with use_fused_kernels(True):
+                fused_out, fused_residual = norm(x, residual)
+        finally:
+            kernels.rms_norm = real
+    assert calls == [{"weight_in_float32": multiply_fp32}]
+    assert torch.equal(fused_residual, torch_residual)
+    assert (fused_out == torch_out).float().mean().item() > 0.97
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

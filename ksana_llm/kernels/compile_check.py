@@ -246,6 +246,7 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
         x = torch.empty(8, heads * head_dim, dtype=dtype)
         rmsnorm.rms_norm(x, torch.empty(x.shape[1], dtype=dtype), 1e-6)
         rmsnorm.rms_norm(x, torch.empty(x.shape[1]), 1e-6, residual=x)
+        rmsnorm.rms_norm(x, torch.empty(x.shape[1]), 1e-6, residual=x, weight_in_float32=True)
     launches += rec
     with recording(rotary, "_rotary_kernel") as rec:
         qkv = torch.empty(8, (heads + 2 * kv_heads) * head_dim, dtype=dtype)

@@ -119,15 +119,17 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
+                 residual: torch.Tensor | None = None, *, weight_in_float32: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`layers.norm.RMSNorm` semantics: (x + residual) in x's dtype, normalised in fp32, cast
-    back, then times the weight. Returns normed, or (normed, x + residual)."""
+    back, then times the weight -- or, `weight_in_float32`, times the weight in fp32 and then
+    cast back to x's dtype. Returns normed, or (normed, x + residual)."""
     if residual is not None:
         x = x + residual
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    out = weight * normed
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = ((weight.float() * normed).to(x.dtype) if weight_in_float32
+           else weight * normed.to(x.dtype))
     return out if residual is None else (out, x)
 
 

@@ -2,7 +2,8 @@
 
 Same rounding as `layers.norm.RMSNorm`: x + residual rounded to x's dtype (it is the new residual
 stream), normalised in fp32, cast back to x's dtype, then multiplied by the weight in the
-promoted dtype of (weight, x).
+promoted dtype of (weight, x) -- Llama's order. With `weight_in_float32` (OLMo 2, GPT-OSS): the
+weight multiplies the fp32 normalised row and only the product is cast back, to x's dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def _rms_norm_kernel(
     X, Residual, W, Out, New_residual,
     eps, hidden,
     stride_x, stride_r, stride_o, stride_nr,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -31,9 +32,11 @@ def _rms_norm_kernel(
         tl.store(New_residual + row * stride_nr + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
-    normed = (xf * inv_rms).to(X.dtype.element_ty)
+    normed = xf * inv_rms
+    if not WEIGHT_IN_FP32:  # Llama's order: round to x's dtype before the weight multiply
+        normed = normed.to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * normed.to(tl.float32)
+    out = w.to(tl.float32) * normed
     tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -47,13 +50,14 @@ def _rows(name: str, t: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, *, weight_in_float32: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x [..., H] with weight [H].
 
     Without `residual`: returns norm(x). With it (same shape and dtype as x): returns
     (norm(x + residual), x + residual), like `layers.norm.RMSNorm.forward`. Inputs are not
-    modified."""
+    modified. `weight_in_float32`: the weight multiplies before the cast back and the result has
+    x's dtype (see the module doc)."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight: expected shape ({hidden},), got {tuple(weight.shape)}")
@@ -63,8 +67,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_same_device(x=x, weight=weight, residual=residual)
     weight = weight.contiguous()
     x2 = _rows("x", x, hidden)
-    out = torch.empty(x.shape, device=x.device,
-                      dtype=torch.promote_types(weight.dtype, x.dtype))
+    out_dtype = x.dtype if weight_in_float32 else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
     out2 = out.view(-1, hidden)
     if residual is not None:
         r2 = _rows("residual", residual, hidden)
@@ -79,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2, r2, weight, out2, nr2,
             eps, hidden,
             x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0),
-            BLOCK=block, HAS_RESIDUAL=residual is not None,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, WEIGHT_IN_FP32=weight_in_float32,
             # one row of up to a few thousand values: more warps for wider rows
             num_warps=min(16, max(1, block // 512)),
         )

@@ -32,13 +32,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        # (The fused kernel rounds before the weight multiply: Llama's order only.)
-        if fused_kernels_on() and not self.weight_in_float32:
+        if fused_kernels_on():
             # One fused kernel (add + norm) instead of the half-dozen elementwise launches
             # below, which dominate small-batch GPU decode.
             from ksana_llm import kernels
 
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+            return kernels.rms_norm(x, self.weight, self.eps, residual,
+                                    weight_in_float32=self.weight_in_float32)
         if residual is None:
             return self._norm(x)
         x = x + residual

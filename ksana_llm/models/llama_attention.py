@@ -87,12 +87,16 @@ class LlamaAttention(nn.Module):
         # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
         # would come out of `to_empty` uninitialised. Moved to the device on first use.
         self._alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().cpu()
+        # The sinks in float32, as every attention path reads them, with the (address, version)
+        # of the parameter it was converted from: converted once, not per layer per step, and
+        # again only when the parameter is moved, cast or reloaded.
+        self._float_sinks: tuple[tuple, torch.Tensor] | None = None
 
     def _norm_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q_norm, k_norm) weights for the fused norm + RoPE kernel, or None when there are no
         q/k norms or the kernel cannot stand in for them (weights in another dtype, or the two
-        norms' eps differ)."""
-        if not self.qk_norm or self.q_norm.eps != self.k_norm.eps:
+        norms' eps differ, or they multiply their weights in float32, which that kernel does not)."""
+        if not self.qk_norm or self.q_norm.eps != self.k_norm.eps or self.q_norm.weight_in_float32:
             return None
         weights = (self.q_norm.weight, self.k_norm.weight)
         return weights if all(w.dtype == dtype for w in weights) else None
@@ -102,6 +106,15 @@ class LlamaAttention(nn.Module):
         if slopes is not None and slopes.device != device:
             slopes = self._alibi_slopes = slopes.to(device)
         return slopes
+
+    def _sinks_in_float32(self) -> torch.Tensor | None:
+        if self.sinks is None:
+            return None
+        sinks = self.sinks
+        source = (sinks.data_ptr(), sinks._version, sinks.device, sinks.dtype)
+        if self._float_sinks is None or self._float_sinks[0] != source:
+            self._float_sinks = (source, sinks.detach().float().contiguous())
+        return self._float_sinks[1]
 
     def forward(self, rope: Rope | None, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -137,5 +150,5 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx),
                               kv_stored=write_kv is not None, layer_window=self.layer_window,
-                              softcap=self.softcap, sinks=self.sinks)
+                              softcap=self.softcap, sinks=self._sinks_in_float32())
         return self.o_proj(out.reshape(num_tokens, -1), meta.lora)
