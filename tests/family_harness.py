@@ -219,7 +219,8 @@ def check_prefix_hit_mixed_batch(module: torch.nn.Module, reference: Reference, 
 
 
 def check_engine_greedy(folder: Path, reference: Reference, *, vocab: int, num_tokens: int = 32,
-                        seed: int = 3, attention_backend: str = "auto") -> None:
+                        seed: int = 3, attention_backend: str = "auto",
+                        tensor_parallel_size: int = 1) -> None:
     """32 greedy tokens through the real Engine equal the reference's, for a prompt prefilled in
     chunks and for a second prompt that hits the first one's cached prefix."""
     torch.manual_seed(seed)
@@ -228,7 +229,8 @@ def check_engine_greedy(folder: Path, reference: Reference, *, vocab: int, num_t
                shared + torch.randint(3, vocab, (11,)).tolist()]
     expected = [greedy_trace(reference, p, num_tokens)[0][len(p):] for p in prompts]
     config = GenerationConfig(max_new_tokens=num_tokens, ignore_eos=True)
-    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=tensor_parallel_size)
     with kt.Engine(model, generation_config=config, block_token_num=4, num_device_blocks=128,
                    split_fuse_token_num=16, attention_backend=attention_backend) as engine:
         first = engine.generate_outputs([prompts[0]])[0]

@@ -23,10 +23,10 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
 from ksana_llm.layers.norm import RMSNorm
-from ksana_llm.loader.mxfp4 import dequantize_mxfp4
+from ksana_llm.loader.mxfp4 import dequantize_mxfp4, mxfp4_as_int8
 from ksana_llm.models.gpt_oss import GptOssForCausalLM as OurGptOss
-from tests.family_harness import (check_family, check_prefill_and_decode, check_triton_backend,
-                                  hf_reference, load_ours, memoized)
+from tests.family_harness import (check_engine_greedy, check_family, check_prefill_and_decode,
+                                  check_triton_backend, hf_reference, load_ours, memoized)
 
 VOCAB = 256
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -127,12 +127,43 @@ def _mxfp4_checkpoint(hf: GptOssForCausalLM, folder, target):
     return target
 
 
-def test_mxfp4_experts_dequantize_on_load(saved, tmp_path):
+@pytest.fixture(scope="module")
+def mxfp4_saved(saved, tmp_path_factory):
     _, folder = saved
     hf = build_model()
-    mxfp4 = _mxfp4_checkpoint(hf, folder, tmp_path / "mxfp4")
-    check_prefill_and_decode(load_ours(mxfp4), memoized(hf_reference(hf)), vocab=VOCAB,
-                             chunks=[16, 16, 8])
+    return hf, _mxfp4_checkpoint(hf, folder, tmp_path_factory.mktemp("gpt_oss") / "mxfp4")
+
+
+def test_mxfp4_experts_load_as_int8_codes(mxfp4_saved):
+    """The experts keep the checkpoint's numbers at one byte each (int8 codes, a float32 scale
+    per block of 32), and the logits match transformers' on its own dequantization, on the
+    torch path and through the grouped Triton kernel."""
+    hf, mxfp4 = mxfp4_saved
+    ours = load_ours(mxfp4, dtype="bfloat16")
+    experts = ours.model.layers[0].mlp.experts
+    hidden, inter, count = CONFIG["hidden_size"], CONFIG["intermediate_size"], 4
+    assert experts.w13.dtype == experts.w2.dtype == torch.int8
+    assert tuple(experts.w13_scale.shape) == (count, 2 * inter, hidden // 32)
+    assert tuple(experts.w2_scale.shape) == (count, hidden, inter // 32)
+    assert experts.group_sizes == {"w13": 32, "w2": 32}
+    reference = memoized(hf_reference(hf))
+    check_prefill_and_decode(load_ours(mxfp4), reference, vocab=VOCAB, chunks=[16, 16, 8])
+    check_triton_backend(load_ours(mxfp4), mxfp4, reference, vocab=VOCAB)
+
+
+def test_mxfp4_under_tensor_parallelism(mxfp4_saved):
+    """Two ranks each keep the codes of their half of the intermediate columns (one block of
+    32 each) and give transformers' greedy tokens; four ranks' slices (16 columns) would split
+    a block, so there the experts load dequantized."""
+    from ksana_llm.distributed.context import ParallelContext
+    from ksana_llm.models.gpt_oss import keeps_mxfp4_codes
+
+    hf, mxfp4 = mxfp4_saved
+    check_engine_greedy(mxfp4, memoized(hf_reference(hf)), vocab=VOCAB, tensor_parallel_size=2)
+    keeps = {tp: keeps_mxfp4_codes(CONFIG["intermediate_size"], ParallelContext(
+        tp_size=tp, tp_rank=tp - 1)) for tp in (1, 2, 4)}
+    assert keeps == {1: True, 2: True, 4: False}
+    assert not keeps_mxfp4_codes(2880, ParallelContext(tp_size=4, tp_rank=1))  # gpt-oss's
 
 
 def test_mxfp4_dequantization_equals_transformers():
@@ -141,6 +172,12 @@ def test_mxfp4_dequantization_equals_transformers():
     scales = torch.randint(110, 140, (3, 8, 2), dtype=torch.uint8)
     expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 64, 8]
     assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), expected.transpose(1, 2))
+    for expert in range(3):  # as int8 codes: the same numbers
+        codes = mxfp4_as_int8(blocks[expert], scales[expert])
+        assert codes.data.dtype == torch.int8 and codes.group_size == 32
+        assert torch.equal(codes.dequantize(), expected[expert].T)
+    with pytest.raises(ValueError, match="one weight's"):
+        mxfp4_as_int8(blocks, scales)
     with pytest.raises(ValueError, match="MXFP4 blocks"):
         dequantize_mxfp4(blocks[..., :8], scales)
 

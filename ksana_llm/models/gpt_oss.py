@@ -10,8 +10,11 @@
 
 Checkpoints: the experts are stacked, transposed (`gate_up_proj` [E, H, 2I], `down_proj`
 [E, I, H]) with gate and up columns interleaved (gate at even indices); released checkpoints
-store them as MXFP4 (`*_blocks` / `*_scales`, rows not transposed), dequantized here as they
-load (`loader.mxfp4`). Both become the [gate; up] halves `FusedExperts` keeps.
+store them as MXFP4 (`*_blocks` / `*_scales`, rows not transposed), which load as int8 codes
+with a scale per block of 32 (`loader.mxfp4.mxfp4_as_int8`: the same numbers at one byte each
+rather than bfloat16's two) -- or dequantized, where a tensor-parallel rank's slice of the
+intermediate columns would split those blocks. Both become the [gate; up] halves
+`FusedExperts` keeps.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.activation import clamped_swiglu
 from ksana_llm.layers.moe import FusedExperts, SparseMoeBlock
 from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
-from ksana_llm.loader.mxfp4 import dequantize_mxfp4
+from ksana_llm.loader.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_as_int8
+from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.gemma import PerLayerWindows, layer_types
 from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -40,6 +44,14 @@ def halves_from_interleaved(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Gate and up interleaved along `dim` (gate at even indices) -> [gate; up] halves."""
     pairs = t.unflatten(dim, (-1, 2))
     return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
+
+
+def keeps_mxfp4_codes(intermediate_size: int, parallel: ParallelContext) -> bool:
+    """Whether MXFP4 experts load as int8 codes: unless this rank's slice of the intermediate
+    columns (down_proj's input) splits a block of 32 (gpt-oss's 2880 over 4 or 8 ranks), which
+    one scale per block cannot describe."""
+    start, size = parallel.tp_split(intermediate_size)
+    return start % BLOCK == 0 and size % BLOCK == 0
 
 
 class GptOssForCausalLM(PerLayerWindows, LlamaForCausalLM):
@@ -109,26 +121,39 @@ class GptOssForCausalLM(PerLayerWindows, LlamaForCausalLM):
                              f"({self.config.num_local_experts})")
         return tensor
 
-    @staticmethod
-    def _one_by_one(base: str, stacked: torch.Tensor,
+    def _one_by_one(self, base: str, stacked: torch.Tensor,
                     mxfp4: dict[str, torch.Tensor] | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """A stack (`...experts.gate_up_proj` [E, H, 2I] with gate and up columns interleaved,
-        or `...experts.down_proj` [E, I, H]; MXFP4: [E, out, in] once dequantized) as each
-        expert's `N.gate_proj.weight` / `N.up_proj.weight` / `N.down_proj.weight` ([out, in]).
-        bfloat16 holds every MXFP4 value (e2m1 times a power of two) exactly."""
+        or `...experts.down_proj` [E, I, H]; MXFP4: [E, out, in]) as each expert's
+        `N.gate_proj.weight` / `N.up_proj.weight` / `N.down_proj.weight` ([out, in]). MXFP4
+        values come as int8 codes (see the module doc) or in bfloat16, which holds every one of
+        them (e2m1 times a power of two) exactly."""
         prefix, proj = base.rsplit(".", 1)
+        as_codes = mxfp4 is not None and keeps_mxfp4_codes(self.config.intermediate_size,
+                                                           self.parallel)
         for expert in range(stacked.shape[0]):
             if mxfp4 is None:
                 weight = stacked[expert].T
             else:
+                blocks, scales = mxfp4["_blocks"][expert], mxfp4["_scales"][expert]
                 try:
-                    weight = dequantize_mxfp4(mxfp4["_blocks"][expert], mxfp4["_scales"][expert],
-                                              torch.bfloat16)
+                    weight = mxfp4_as_int8(blocks, scales) if as_codes \
+                        else dequantize_mxfp4(blocks, scales, torch.bfloat16)
                 except ValueError as exc:
                     raise ValueError(f"checkpoint tensor {base!r}: {exc}") from exc
             if proj == "gate_up_proj":
-                yield f"{prefix}.{expert}.gate_proj.weight", weight[0::2]
-                yield f"{prefix}.{expert}.up_proj.weight", weight[1::2]
+                gate, up = _interleaved_rows(weight)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up
             else:
                 yield f"{prefix}.{expert}.down_proj.weight", weight
+
+
+def _interleaved_rows(weight: torch.Tensor | QuantizedWeight
+                      ) -> tuple[torch.Tensor | QuantizedWeight, torch.Tensor | QuantizedWeight]:
+    """(gate, up): the even and the odd rows."""
+    if isinstance(weight, QuantizedWeight):
+        rows = torch.arange(weight.shape[0])
+        return weight.select_rows(rows[0::2]), weight.select_rows(rows[1::2])
+    return weight[0::2], weight[1::2]
