@@ -23,7 +23,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
 from ksana_llm.layers.norm import RMSNorm
-from ksana_llm.loader.mxfp4 import dequantize_mxfp4, mxfp4_as_int8
+from ksana_llm.loader.mxfp4 import dequantize_mxfp4, mxfp4_weight
 from ksana_llm.models.gpt_oss import GptOssForCausalLM as OurGptOss
 from tests.family_harness import (check_engine_greedy, check_family, check_prefill_and_decode,
                                   check_triton_backend, hf_reference, load_ours, memoized)
@@ -134,15 +134,17 @@ def mxfp4_saved(saved, tmp_path_factory):
     return hf, _mxfp4_checkpoint(hf, folder, tmp_path_factory.mktemp("gpt_oss") / "mxfp4")
 
 
-def test_mxfp4_experts_load_as_int8_codes(mxfp4_saved):
-    """The experts keep the checkpoint's numbers at one byte each (int8 codes, a float32 scale
-    per block of 32), and the logits match transformers' on its own dequantization, on the
-    torch path and through the grouped Triton kernel."""
+def test_mxfp4_experts_stay_packed(mxfp4_saved):
+    """The experts keep the checkpoint's codes, half a byte a number (with a float32 scale per
+    block of 32), and the logits match transformers' on its own dequantization, on the torch
+    path and through the grouped Triton kernel."""
     hf, mxfp4 = mxfp4_saved
     ours = load_ours(mxfp4, dtype="bfloat16")
     experts = ours.model.layers[0].mlp.experts
     hidden, inter, count = CONFIG["hidden_size"], CONFIG["intermediate_size"], 4
-    assert experts.w13.dtype == experts.w2.dtype == torch.int8
+    assert experts.w13.dtype == experts.w2.dtype == torch.uint8
+    assert experts.fp4 == {"w13": True, "w2": True}
+    assert tuple(experts.w13.shape) == (count, 2 * inter, hidden // 2)
     assert tuple(experts.w13_scale.shape) == (count, 2 * inter, hidden // 32)
     assert tuple(experts.w2_scale.shape) == (count, hidden, inter // 32)
     assert experts.group_sizes == {"w13": 32, "w2": 32}
@@ -152,8 +154,8 @@ def test_mxfp4_experts_load_as_int8_codes(mxfp4_saved):
 
 
 def test_mxfp4_under_tensor_parallelism(mxfp4_saved):
-    """Two ranks each keep the codes of their half of the intermediate columns (one block of
-    32 each) and give transformers' greedy tokens; four ranks' slices (16 columns) would split
+    """Two ranks each keep the FP4 codes of their half of the intermediate columns (one block
+    of 32 each) and give transformers' greedy tokens; four ranks' slices (16 columns) would split
     a block, so there the experts load dequantized."""
     from ksana_llm.distributed.context import ParallelContext
     from ksana_llm.models.gpt_oss import keeps_mxfp4_codes
@@ -172,12 +174,16 @@ def test_mxfp4_dequantization_equals_transformers():
     scales = torch.randint(110, 140, (3, 8, 2), dtype=torch.uint8)
     expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 64, 8]
     assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), expected.transpose(1, 2))
-    for expert in range(3):  # as int8 codes: the same numbers
-        codes = mxfp4_as_int8(blocks[expert], scales[expert])
-        assert codes.data.dtype == torch.int8 and codes.group_size == 32
+    for expert in range(3):  # kept packed, and as int8 codes: the same numbers
+        codes = mxfp4_weight(blocks[expert], scales[expert])
+        assert codes.data.dtype == torch.uint8 and codes.fp4 and codes.group_size == 32
         assert torch.equal(codes.dequantize(), expected[expert].T)
+        unpacked = codes.unpacked()
+        assert unpacked.data.dtype == torch.int8 and not unpacked.fp4
+        assert torch.equal(unpacked.dequantize(), expected[expert].T)
+        assert torch.equal(codes.columns(32, 32).dequantize(), expected[expert].T[:, 32:])
     with pytest.raises(ValueError, match="one weight's"):
-        mxfp4_as_int8(blocks, scales)
+        mxfp4_weight(blocks, scales)
     with pytest.raises(ValueError, match="MXFP4 blocks"):
         dequantize_mxfp4(blocks[..., :8], scales)
 
@@ -237,3 +243,19 @@ def test_sinks_convert_to_float32_once_and_follow_the_parameter():
     attention.to(torch.float32)
     # already float32: no copy
     assert attention._sinks_in_float32().data_ptr() == attention.sinks.data_ptr()
+
+
+def test_an_fp4_weight_reaching_a_projection_becomes_int8_codes():
+    """A projection keeps 8-bit codes (its kernels read no FP4): an MXFP4 weight reaching one
+    is held as int8 codes, twice the e2m1 values under half the scales -- the same numbers."""
+    from ksana_llm.layers.parallel import RowParallelLinear
+
+    gen = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (16, 2, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(120, 126, (16, 2), dtype=torch.uint8, generator=gen)
+    projection = RowParallelLinear(64, 16)
+    projection.load_checkpoint_tensor("weight", mxfp4_weight(blocks, scales))
+    assert projection.weight.dtype == torch.int8
+    x = torch.randn(3, 64, generator=gen)
+    expected = x @ dequantize_mxfp4(blocks, scales, torch.float32).T
+    torch.testing.assert_close(projection(x), expected)

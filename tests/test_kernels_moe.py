@@ -22,6 +22,7 @@ from ksana_llm.kernels.reference import expert_matmul_ref
 from ksana_llm.layers.fused_kernels import use_fused_kernels
 from ksana_llm.layers.moe import FusedExperts
 from ksana_llm.layers.moe_routers import Routing, SoftmaxTopKRouter
+from ksana_llm.loader.mxfp4 import mxfp4_weight
 from ksana_llm.loader.quantized_weight import int4_weight, int8_weight, quantize_fp8_rows
 from ksana_llm.loader.weight_quant import quantize_fp8
 
@@ -141,9 +142,13 @@ def quantized_stack(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, to
     if layout == "int8-g32-zero":
         zeros = torch.randint(-20, 20, scales.shape, generator=gen, dtype=torch.int16)
         return codes, scales, 32, zeros
-    # packed 4-bit codes with zero points, in groups of 32 or one group per row
+    # packed 4-bit codes with zero points, in groups of 32 or one group per row; or MXFP4's
+    # e2m1 codes with power-of-two scales in blocks of 32 (no zero points)
     nibbles = torch.randint(0, 16, (experts, n, k), generator=gen, dtype=torch.uint8)
     packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    if layout == "mxfp4":
+        exponents = torch.randint(-9, -4, (experts, n, k // 32), generator=gen)
+        return packed, torch.ldexp(torch.ones(exponents.shape), exponents), 32, None
     group = 32 if layout == "int4-g32" else k
     scales = torch.rand(experts, n, k // group, generator=gen) * 0.05 + 0.01
     zeros = torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.int8)
@@ -151,7 +156,7 @@ def quantized_stack(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, to
 
 
 QUANTIZED_LAYOUTS = ["fp8-block32", "fp8-per-row", "int8-g32", "int8-g32-zero", "int4-g32",
-                     "int4-per-row"]
+                     "int4-per-row", "mxfp4"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -172,11 +177,12 @@ def test_expert_matmul_on_quantized_experts_matches_reference(dtype, layout, tok
     routing = routing_of("spread", tokens, top_k, experts).to(DEVICE)
     blocks = align_to_experts(routing, experts, expert_block_size(tokens * top_k, experts))
     x = torch.randn(tokens, k, generator=gen).to(DEVICE, dtype)
-    actual = expert_matmul(x, values, blocks, top_k, scales, group, zeros, order)
-    assert_close(actual, expert_matmul_ref(x, values, routing, top_k, scales, group, zeros, order),
-                 dtype)
+    fp4 = {"fp4": layout == "mxfp4"}
+    actual = expert_matmul(x, values, blocks, top_k, scales, group, zeros, order, **fp4)
+    assert_close(actual, expert_matmul_ref(x, values, routing, top_k, scales, group, zeros, order,
+                                           **fp4), dtype)
     if ordered:  # the order matters: without it the numbers differ
-        unordered = expert_matmul_ref(x, values, routing, top_k, scales, group, zeros)
+        unordered = expert_matmul_ref(x, values, routing, top_k, scales, group, zeros, **fp4)
         assert (actual.float() - unordered.float()).abs().max() > 0.1
 
 
@@ -199,6 +205,12 @@ def test_expert_matmul_rejects_mismatched_inputs():
     packed = torch.zeros(4, 32, 8, dtype=torch.uint8)
     with pytest.raises(ValueError, match="zero_point: packed"):
         expert_matmul(torch.randn(4, 16), packed, blocks, 2, torch.ones(4, 32, 1), 16)
+    with pytest.raises(ValueError, match="fp4: packed codes"):  # e2m1 codes: no zero points
+        expert_matmul(torch.randn(4, 16), packed, blocks, 2, torch.ones(4, 32, 1), 16,
+                      torch.zeros(4, 32, 1, dtype=torch.int8), fp4=True)
+    with pytest.raises(ValueError, match="fp4: packed codes"):
+        expert_matmul(torch.randn(4, 16), weight.to(torch.int8), blocks, 2, torch.ones(4, 32, 1),
+                      16, fp4=True)
     with pytest.raises(ValueError, match="input_order"):
         expert_matmul(torch.randn(4, 16), weight, blocks, 2, input_order=torch.zeros(4, 8))
     with pytest.raises(ValueError, match="assignments"):
@@ -256,7 +268,8 @@ def load_experts(method: str, num: int, hidden: int, inter: int, seed: int = 5) 
     quantization: FP8 per row; int8 per row with int8 activations), "int8-zero" (asymmetric
     int8 codes in groups of 32, an integer checkpoint's), "int4" / "int4-act-order" (packed
     4-bit codes in groups of 32, GPTQ's, the latter in activation order: gate and up of an
-    expert share one order, as GPTQ derives it from their common input)."""
+    expert share one order, as GPTQ derives it from their common input), "mxfp4" (packed e2m1
+    codes in blocks of 32, GPT-OSS's)."""
     gen = torch.Generator().manual_seed(seed)
     experts = FusedExperts(num, hidden, inter)
     if method in ("fp8", "w8a8_int8"):
@@ -271,6 +284,11 @@ def load_experts(method: str, num: int, hidden: int, inter: int, seed: int = 5) 
                 weight = int8_weight(torch.randint(0, 256, shape, generator=gen),
                                      torch.randint(100, 156, groups, generator=gen),
                                      torch.rand(groups, generator=gen) * 0.01, 32)
+            elif method == "mxfp4":
+                weight = mxfp4_weight(
+                    torch.randint(0, 256, (shape[0], shape[1] // 32, 16), generator=gen,
+                                  dtype=torch.uint8),
+                    torch.randint(120, 125, groups, generator=gen, dtype=torch.uint8))
             elif method.startswith("int4"):
                 weight = int4_weight(torch.randint(0, 16, shape, generator=gen),
                                      torch.randint(0, 17, groups, generator=gen),
@@ -280,14 +298,16 @@ def load_experts(method: str, num: int, hidden: int, inter: int, seed: int = 5) 
     return experts.to(DEVICE)
 
 
-@pytest.mark.parametrize("method", ["fp8", "w8a8_int8", "int8-zero", "int4", "int4-act-order"])
+@pytest.mark.parametrize("method", ["fp8", "w8a8_int8", "int8-zero", "int4", "int4-act-order",
+                                    "mxfp4"])
 def test_quantized_experts_take_the_grouped_path_too(method):
     """Quantized experts as each kind of checkpoint or online quantization loads them run
     grouped with no host read, computing what their per-expert path computes."""
     experts = load_experts(method, 4, 64, 32)
     expected_dtype = {"fp8": torch.float8_e4m3fn, "int4": torch.uint8,
-                      "int4-act-order": torch.uint8}.get(method, torch.int8)
+                      "int4-act-order": torch.uint8, "mxfp4": torch.uint8}.get(method, torch.int8)
     assert experts.w13.dtype == expected_dtype == experts.w2.dtype
+    assert experts.fp4 == {"w13": method == "mxfp4", "w2": method == "mxfp4"}
     assert (experts.w13_input_order is not None) == (method == "int4-act-order")
     assert experts.int8_activations["w13"] == (method == "w8a8_int8")
     gen = torch.Generator().manual_seed(6)
@@ -301,6 +321,24 @@ def test_quantized_experts_take_the_grouped_path_too(method):
             actual = experts(x, routing)
     scale = expected.abs().max().item()
     torch.testing.assert_close(actual, expected, atol=2e-5 * scale, rtol=1e-4)
+
+
+def test_fp4_experts_turn_dense_with_their_own_values():
+    """A dense tensor after MXFP4 ones (a checkpoint that mixes them) turns the stack dense:
+    the FP4 experts already stored keep their values, decoded as e2m1, not as integers."""
+    experts = load_experts("mxfp4", 2, 64, 32)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=gen).to(DEVICE)
+    routing = Routing(torch.rand(5, 2, generator=gen).to(DEVICE),
+                      routing_of("spread", 5, 2, 2).to(DEVICE))
+    with torch.no_grad():
+        before = experts(x, routing)
+        down = torch.stack([experts._expert_matmul(torch.eye(32, device=DEVICE), "w2", e).T
+                            for e in range(2)])  # each expert's dense down_proj [64, 32]
+        experts.load_checkpoint_tensor("1.down_proj.weight", down[1].cpu())
+        assert experts.w2.dtype == torch.float32 and experts.w2_scale is None
+        assert not experts.fp4["w2"] and experts.fp4["w13"]
+        torch.testing.assert_close(experts(x, routing), before)
 
 
 def test_experts_in_groups_the_tiles_do_not_divide_keep_the_per_expert_path():
@@ -326,8 +364,8 @@ def test_moe_benchmark_case_runs_here(monkeypatch):
 
         monkeypatch.setattr(bench_moe, "time_ms", wall_ms)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    for quantization in (None, "fp8"):
-        row = bench_moe.bench_moe_case("tiny", 8, 2, 32, 16, 5, device=DEVICE, dtype=dtype,
+    for quantization in bench_moe.QUANTIZATIONS:
+        row = bench_moe.bench_moe_case("tiny", 8, 2, 32, 32, 5, device=DEVICE, dtype=dtype,
                                        quantization=quantization)
         assert 2 <= row["active_experts"] <= 8 and row["speedup_vs_per_expert"] > 0
         assert row["weights"] == (quantization or str(dtype).removeprefix("torch."))

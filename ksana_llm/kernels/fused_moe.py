@@ -18,7 +18,8 @@ fixed-size index tensors on the device, and one launch covers every expert:
   feed the down stack.
 
 Weights are dense (the activations' dtype), 8-bit (FP8 E4M3, or int8 codes with optional zero
-points) or packed 4-bit codes (uint8 [E, N, K / 2] with their zero points), with float32 scales
+points) or packed 4-bit codes (uint8 [E, N, K / 2]: integers with their zero points, or MXFP4's
+e2m1 values, decoded arithmetically in registers), with float32 scales
 [E, N, groups] as `FusedExperts` keeps them: widened in registers as in `fp8_matmul` (group
 scales on each K tile before its dot, a per-row scale on the accumulated dot), so a decode step
 reads one byte, or half a byte, per weight. Experts in GPTQ's activation order gather their
@@ -162,18 +163,31 @@ def _expert_matmul_kernel(
 
 
 @triton.jit
+def _e2m1(codes):
+    """FP4 (e2m1) codes 0..15 -> their values in float32 (`weight_quant.E2M1_VALUES`)."""
+    c = codes.to(tl.int32)
+    exponent = (c >> 1) & 3
+    mantissa = c & 1
+    # In quarters: 2m when the exponent is 0 (0 and 0.5), else (2 + m) << exponent.
+    quarters = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)
+    magnitude = quarters.to(tl.float32) * 0.25
+    return tl.where((c & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _expert_int4_matmul_kernel(
     A, W, S, Z, Order, Out, Ids, BlockExperts,
     num_assignments, N, K,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_oe,
     stride_om,
     ROWS_PER_INPUT: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr,
-    ORDERED: tl.constexpr,
+    ORDERED: tl.constexpr, FP4: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Packed 4-bit codes, as `fp8_matmul._int4_linear_kernel` reads them: each byte tile split
-    into the even and the odd columns' codes, each meeting its own input columns in a dot."""
+    into the even and the odd columns' codes, each meeting its own input columns in a dot.
+    `FP4`: the codes are e2m1 values (MXFP4), with no zero points."""
     expert, ids, a_rows, row_ok, cols, col_ok, w_rows, scales = _program_tile(
         Ids, BlockExperts, W, S, num_assignments, N, stride_we, stride_wn, stride_se, stride_sn,
         ROWS_PER_INPUT, BLOCK_M, BLOCK_N)
@@ -191,9 +205,13 @@ def _expert_int4_matmul_kernel(
         codes = tl.load(w_rows + (k0 // 2 + pairs)[None, :],
                         mask=col_ok[:, None] & pair_ok[None, :], other=0)
         group = 0 if PER_ROW else k0 // GROUP
-        zero = tl.load(zeros + group, mask=col_ok, other=0).to(tl.float32)
-        w_even = (codes & 0xF).to(tl.float32) - zero[:, None]
-        w_odd = (codes >> 4).to(tl.float32) - zero[:, None]
+        if FP4:
+            w_even = _e2m1(codes & 0xF)
+            w_odd = _e2m1(codes >> 4)
+        else:
+            zero = tl.load(zeros + group, mask=col_ok, other=0).to(tl.float32)
+            w_even = (codes & 0xF).to(tl.float32) - zero[:, None]
+            w_odd = (codes >> 4).to(tl.float32) - zero[:, None]
         if not PER_ROW:
             group_scale = tl.load(scales + group, mask=col_ok, other=0.0)
             w_even = w_even * group_scale[:, None]
@@ -216,14 +234,18 @@ def grouped_block_k(weight_dtype: torch.dtype, group_size: int, per_row: bool) -
 def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
                   rows_per_input: int, scale: torch.Tensor | None = None, group_size: int = 0,
                   zero_point: torch.Tensor | None = None,
-                  input_order: torch.Tensor | None = None) -> torch.Tensor:
+                  input_order: torch.Tensor | None = None, *, fp4: bool = False) -> torch.Tensor:
     """a [R, K] times each assignment's expert of `weight` [E, N, K] -> [assignments, N] in a's
     dtype: row i is a[i // rows_per_input] @ weight[expert(i)]^T (see the module docstring).
     Quantized weights (8-bit values, or packed 4-bit codes [E, N, K / 2]) come with float32
-    `scale`s [E, N, groups] in groups of `group_size` columns and, for packed and asymmetric
-    int8 codes, `zero_point`s shaped like the scales; `input_order` [E, K]: expert e's column j
+    `scale`s [E, N, groups] in groups of `group_size` columns and, for packed integer and
+    asymmetric int8 codes, `zero_point`s shaped like the scales; `fp4`: the packed codes are
+    e2m1 values (MXFP4), with no zero points; `input_order` [E, K]: expert e's column j
     multiplies a[:, input_order[e, j]]."""
     packed = weight.dtype == PACKED_INT4_DTYPE
+    if fp4 and (not packed or zero_point is not None):
+        raise ValueError(f"fp4: packed codes (uint8) without zero points expected, got "
+                         f"{weight.dtype}{' with zero points' if zero_point is not None else ''}")
     k = weight.shape[-1] * (2 if packed else 1)
     if weight.dim() != 3 or a.dim() != 2 or a.shape[1] != k:
         raise ValueError(f"a [rows, K] and weight [experts, N, K] (K / 2 bytes packed) expected, "
@@ -240,8 +262,8 @@ def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
             zero_point is not None and zero_point.shape != scale.shape)):
         raise ValueError(f"scale: expected [experts, N, groups] for weight "
                          f"{tuple(weight.shape)} (zero points alike), got {tuple(scale.shape)}")
-    if packed and zero_point is None:
-        raise ValueError("zero_point: packed 4-bit codes need one zero point per scale")
+    if packed and zero_point is None and not fp4:
+        raise ValueError("zero_point: packed 4-bit integer codes need one zero point per scale")
     if input_order is not None and input_order.shape != (weight.shape[0], k):
         raise ValueError(f"input_order: expected [experts, K] = {(weight.shape[0], k)}, got "
                          f"{tuple(input_order.shape)}")
@@ -277,7 +299,7 @@ def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
                      ORDERED=input_order is not None, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
                      BLOCK_K=block_k, PRECISION=dot_precision(a.dtype))
         if packed:
-            _expert_int4_matmul_kernel[grid](*args, **tiles)
+            _expert_int4_matmul_kernel[grid](*args, FP4=fp4, **tiles)
         else:
             _expert_matmul_kernel[grid](*args, QUANTIZED=quantized,
                                         HAS_ZERO=zero_point is not None, **tiles)

@@ -163,16 +163,19 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, g
 def expert_matmul_ref(a: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor,
                       rows_per_input: int, scale: torch.Tensor | None = None,
                       group_size: int = 0, zero_point: torch.Tensor | None = None,
-                      input_order: torch.Tensor | None = None) -> torch.Tensor:
+                      input_order: torch.Tensor | None = None, *, fp4: bool = False
+                      ) -> torch.Tensor:
     """Assignment i of `experts` [T, K] (expert ids, flattened) gets a[i // rows_per_input] @
-    weight[expert]^T, with quantized experts dequantized to a's dtype first (`fp8_linear_ref`)
-    and a's columns taken in the expert's `input_order`, in float32, rounded to a's dtype."""
+    weight[expert]^T, with quantized experts dequantized to a's dtype first (`fp8_linear_ref`;
+    `fp4`: packed e2m1 codes) and a's columns taken in the expert's `input_order`, in float32,
+    rounded to a's dtype."""
     flat = experts.reshape(-1).long()
     rows = a[torch.arange(flat.numel(), device=a.device) // rows_per_input]
     if input_order is not None:
         rows = rows.gather(1, input_order[flat])
     if scale is not None:
         weight = torch.stack([dequantize_weight(weight[e], scale[e], group_size, a.dtype,
-                                                None if zero_point is None else zero_point[e])
+                                                None if zero_point is None else zero_point[e],
+                                                fp4)
                               for e in range(weight.shape[0])])
     return torch.bmm(weight[flat].float(), rows.float().unsqueeze(-1)).squeeze(-1).to(a.dtype)

@@ -227,6 +227,8 @@ class QuantizedStorage(nn.Module):
                 and self.quantized_capable:
             tensor = quantize_on_load(tensor, self.online_quantization)
         if isinstance(tensor, QuantizedWeight):
+            if tensor.fp4:  # FP4 codes as int8 (exactly): the projections' kernels read those
+                tensor = tensor.unpacked()
             if self.quantized_capable and not self._has_dense_rows \
                     and self._store_quantized(tensor):
                 return tensor

@@ -30,7 +30,7 @@ from ksana_llm.layers.int8_activations import dequantize_tokens, quantize_tokens
 from ksana_llm.layers.moe_loading import ExpertLoading
 from ksana_llm.layers.moe_routers import Routing
 from ksana_llm.distributed.context import ParallelContext
-from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE
+from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, quantized_matmul
 from ksana_llm.layers.parallel import (SINGLE, RowParallelLinear, tp_all_reduce,
                                        token_absmax_over_ranks)
@@ -43,10 +43,11 @@ class FusedExperts(ExpertLoading, nn.Module):
     intermediate columns; the output is then a partial sum that the enclosing `SparseMoeBlock`
     all-reduces once.
 
-    Quantized experts (an FP8 checkpoint's, `online_quantization` for online quantization, or an
-    integer checkpoint's codes: int8, or 4-bit packed two a byte; with `w13_zero_point` /
-    `w2_zero_point` beside the scales where the codes have zero points, and per-expert input
-    orders in GPTQ's activation order) stay so: `w13` / `w2` hold the quantized values and
+    Quantized experts (an FP8 checkpoint's, `online_quantization` for online quantization, an
+    integer checkpoint's codes: int8, or 4-bit packed two a byte, or an MXFP4 checkpoint's e2m1
+    codes, packed alike (`fp4`); with `w13_zero_point` / `w2_zero_point` beside the scales
+    where the codes have zero points, and per-expert input orders in GPTQ's activation order)
+    stay so: `w13` / `w2` hold the quantized values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
     (see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
     the projections do -- W8A8 experts quantizing their inputs to int8 per token first (under
@@ -101,6 +102,7 @@ class FusedExperts(ExpertLoading, nn.Module):
         self._ordered: dict[str, set[int]] = {"w13": set(), "w2": set()}  # experts with theirs
         self.group_sizes = {"w13": 0, "w2": 0}
         self.int8_activations = {"w13": False, "w2": False}  # see QuantizedWeight
+        self.fp4 = {"w13": False, "w2": False}  # packed codes are e2m1 (MXFP4): QuantizedWeight
         self.quantized_capable = True
         # "fp8" / "w8a8_int8": full-precision tensors quantized per row as they load
         self.online_quantization: str | None = None
@@ -180,7 +182,7 @@ class FusedExperts(ExpertLoading, nn.Module):
             return expert_matmul(a, getattr(self, name), blocks, rows_per_input,
                                  getattr(self, f"{name}_scale"), self.group_sizes[name],
                                  getattr(self, f"{name}_zero_point"),
-                                 getattr(self, f"{name}_input_order"))
+                                 getattr(self, f"{name}_input_order"), fp4=self.fp4[name])
 
         assignments = routing.experts.reshape(-1)  # the stacks' rows are in (token, k) order
         hidden = self.act(self._add_bias(stack(x.contiguous(), "w13", top_k), "w13",
@@ -209,6 +211,9 @@ class FusedExperts(ExpertLoading, nn.Module):
         if scale is None:
             return F.linear(x, weight[expert])
         group = self.group_sizes[name]
+        if self.fp4[name]:  # no per-expert FP4 kernel: this expert's values, then the matmul
+            return F.linear(x, dequantize_weight(weight[expert], scale[expert], group, x.dtype,
+                                                 fp4=True))
         zero = getattr(self, f"{name}_zero_point")
         input_order = getattr(self, f"{name}_input_order")
         if input_order is not None:

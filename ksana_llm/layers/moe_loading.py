@@ -36,6 +36,7 @@ class ExpertLoading:
     w2_bias: nn.Parameter | None
     group_sizes: dict[str, int]
     int8_activations: dict[str, bool]
+    fp4: dict[str, bool]
     online_quantization: str | None
     quantized_capable: bool
     _ordered: dict[str, set[int]]
@@ -149,7 +150,7 @@ class ExpertLoading:
             stored = QuantizedLayout.of(getattr(self, target), scale.shape[2],
                                         self.group_sizes[target],
                                         getattr(self, f"{target}_zero_point"),
-                                        self.int8_activations[target])
+                                        self.int8_activations[target], self.fp4[target])
             stored_ordered = getattr(self, f"{target}_input_order") is not None
             if (tensor.layout, ordered) == (stored, stored_ordered) \
                     and self._same_input_order(target, expert, tensor.input_order):
@@ -163,12 +164,12 @@ class ExpertLoading:
             order = getattr(self, f"{target}_input_order")
             dense_weight = torch.stack([in_input_order(
                 dequantize_weight(weight[e], scale[e], self.group_sizes[target], self._dense_dtype,
-                                  None if zero is None else zero[e]),
+                                  None if zero is None else zero[e], self.fp4[target]),
                 None if order is None else order[e]) for e in range(self.num_experts)])
             setattr(self, target, nn.Parameter(dense_weight, requires_grad=False))
             for buffer in ("scale", "zero_point", "input_order"):
                 setattr(self, f"{target}_{buffer}", None)
-            self.int8_activations[target] = False
+            self.int8_activations[target] = self.fp4[target] = False
         return tensor
 
     def _same_input_order(self, target: str, expert: int, order: torch.Tensor | None) -> bool:
@@ -191,7 +192,7 @@ class ExpertLoading:
             self.register_buffer(f"{target}_input_order",
                                  torch.arange(columns, device=param.device).repeat(experts, 1),
                                  persistent=False)
-        if layout.dtype == PACKED_INT4_DTYPE:  # two codes a byte
+        if layout.dtype == PACKED_INT4_DTYPE:  # two codes a byte (integers or FP4)
             columns //= 2
         if layout.zero_dtype is not None:
             self.register_buffer(f"{target}_zero_point",
@@ -206,3 +207,4 @@ class ExpertLoading:
                              persistent=False)
         self.group_sizes[target] = layout.group_size
         self.int8_activations[target] = layout.int8_activations
+        self.fp4[target] = layout.fp4

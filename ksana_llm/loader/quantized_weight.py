@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from ksana_llm.loader.weight_quant import (INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
-                                           QUANTIZED_WEIGHT_DTYPES, dequantize_weight,
+from ksana_llm.loader.weight_quant import (E2M1_VALUES, INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
+                                           QUANTIZED_WEIGHT_DTYPES, dequantize_weight, e2m1_codes,
                                            pack_nibbles, quantize_fp8, quantize_int8_rows,
                                            split_nibbles)
 
@@ -37,12 +37,14 @@ class QuantizedLayout(NamedTuple):
     group_size: int
     zero_dtype: torch.dtype | None
     int8_activations: bool = False
+    fp4: bool = False
 
     @classmethod
     def of(cls, data: torch.Tensor, groups: int, group_size: int,
-           zero_point: torch.Tensor | None, int8_activations: bool = False) -> QuantizedLayout:
+           zero_point: torch.Tensor | None, int8_activations: bool = False,
+           fp4: bool = False) -> QuantizedLayout:
         return cls(data.dtype, groups, group_size,
-                   None if zero_point is None else zero_point.dtype, int8_activations)
+                   None if zero_point is None else zero_point.dtype, int8_activations, fp4)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,10 @@ class QuantizedWeight:
 
     `int8_activations` (W8A8 checkpoints): the checkpoint quantizes the weight's input to int8,
     one scale per token, before the matmul (see `layers.int8_activations`); a module holding the
-    weight does the same."""
+    weight does the same.
+
+    `fp4` (MXFP4 checkpoints): the packed codes are e2m1 values (`weight_quant.E2M1_VALUES`),
+    not integers; they have no zero points and their scales are powers of two."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -72,6 +77,7 @@ class QuantizedWeight:
     input_order: torch.Tensor | None = None
     zero_point: torch.Tensor | None = None
     int8_activations: bool = False
+    fp4: bool = False
 
     def __post_init__(self) -> None:
         if self.data.dtype not in QUANTIZED_WEIGHT_DTYPES + (PACKED_INT4_DTYPE,):
@@ -82,7 +88,12 @@ class QuantizedWeight:
         if self.scale.shape != (rows, groups):
             raise ValueError(f"quantized weight scales: shape {tuple(self.scale.shape)} does "
                              f"not cover a [{rows}, {cols}] weight in groups of {self.group_size}")
-        if self.packed:
+        if self.fp4:
+            if not self.packed or self.zero_point is not None:
+                raise ValueError("FP4 codes come packed two a byte (uint8), without zero points")
+            if groups > 1 and self.group_size % 2:
+                raise ValueError(f"packed 4-bit groups of {self.group_size} columns split bytes")
+        elif self.packed:
             zero = self.zero_point
             if zero is None or zero.shape != self.scale.shape or zero.dtype != INT_WEIGHT_DTYPE:
                 raise ValueError("packed 4-bit codes need one int8 zero point per scale, got "
@@ -102,7 +113,7 @@ class QuantizedWeight:
     @property
     def layout(self) -> QuantizedLayout:
         return QuantizedLayout.of(self.data, self.scale.shape[1], self.group_size,
-                                  self.zero_point, self.int8_activations)
+                                  self.zero_point, self.int8_activations, self.fp4)
 
     @property
     def packed(self) -> bool:
@@ -158,9 +169,13 @@ class QuantizedWeight:
 
     def unpacked(self) -> QuantizedWeight:
         """The same numbers as 8-bit integers (codes minus zero points, which lie in
-        [-128, 127] for 4-bit codes), for code that takes 8-bit data only; 8-bit data as it is."""
+        [-128, 127] for 4-bit codes; FP4 codes as twice their values, under half the scales),
+        for code that takes 8-bit data only; 8-bit data as it is."""
         if not self.packed:
             return self
+        if self.fp4:
+            codes = e2m1_codes(self.data, tuple(2 * v for v in E2M1_VALUES), INT_WEIGHT_DTYPE)
+            return replace(self, data=codes, scale=self.scale / 2, fp4=False)
         values = split_nibbles(self.data).to(torch.int16)
         zeros = self.zero_point.to(torch.int16).repeat_interleave(self.group_size, dim=1)
         values = values - zeros[:, :values.shape[1]]
@@ -169,7 +184,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [rows, cols] weight, columns in input order."""
         return in_input_order(dequantize_weight(self.data, self.scale, self.group_size, dtype,
-                                                self.zero_point), self.input_order)
+                                                self.zero_point, self.fp4), self.input_order)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return replace(self, data=self.data.to(device), scale=self.scale.to(device),

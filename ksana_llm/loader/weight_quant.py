@@ -8,7 +8,8 @@ E4M3's largest finite value, 448), or int8 for integer checkpoints (GPTQ, AWQ,
 compressed-tensors int8), whose codes minus zero points it holds exactly (asymmetric ones, whose
 codes lie up to 255 from their zero point: the codes and zero points both minus 128, a weight
 being `(codes - zero_point) * scale`). 4-bit checkpoints keep half a byte per number: `data` is
-uint8 holding two 4-bit codes (0..15), with one int8 zero point per scale.
+uint8 holding two 4-bit codes (0..15), with one int8 zero point per scale -- or two FP4 (e2m1)
+codes (MXFP4 checkpoints: `E2M1_VALUES`), which have no zero points.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ QUANTIZED_WEIGHT_DTYPES = (FP8_WEIGHT_DTYPE, INT_WEIGHT_DTYPE)
 # Two 4-bit codes per byte, the even column's in the low nibble (the order of the checkpoints'
 # int32 words, read byte by byte).
 PACKED_INT4_DTYPE = torch.uint8
+# The sixteen e2m1 (FP4) values, by code: sign bit, two exponent bits, one mantissa bit. Twice
+# each is an integer, so int8 codes hold them exactly (`QuantizedWeight.unpacked`).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 # Symmetric int8 as compressed-tensors computes it (W8A8's weights and activations): a row's
@@ -61,13 +66,22 @@ def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
     return ((bits & 0x80) << 8 | (bits & 0x7F) << 7).view(torch.float16)
 
 
+def e2m1_codes(data: torch.Tensor, table: tuple[float, ...] = E2M1_VALUES,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`table[code]` for the packed FP4 codes of `data` [rows, n] uint8: [rows, 2n]."""
+    values = torch.tensor(table, dtype=dtype, device=data.device)
+    return values[split_nibbles(data).long()]
+
+
 def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
                       dtype: torch.dtype = torch.float32,
-                      zero_point: torch.Tensor | None = None) -> torch.Tensor:
+                      zero_point: torch.Tensor | None = None, fp4: bool = False) -> torch.Tensor:
     """8-bit values (FP8 or int8) or packed 4-bit codes, minus their `zero_point`s where given
-    (packed codes always; asymmetric int8 codes), times their group scales (computed in float32,
-    then cast once to `dtype`)."""
-    if data.dtype == PACKED_INT4_DTYPE:
+    (packed integer codes always; asymmetric int8 codes), times their group scales (computed in
+    float32, then cast once to `dtype`). `fp4`: the packed codes are e2m1 values."""
+    if fp4:
+        weight = e2m1_codes(data)
+    elif data.dtype == PACKED_INT4_DTYPE:
         if zero_point is None:
             raise ValueError("packed 4-bit codes need their zero points")
         # Codes 0..15 minus their zero points fit int8 (`int4_weight` packs only zero points

@@ -10,11 +10,10 @@
 
 Checkpoints: the experts are stacked, transposed (`gate_up_proj` [E, H, 2I], `down_proj`
 [E, I, H]) with gate and up columns interleaved (gate at even indices); released checkpoints
-store them as MXFP4 (`*_blocks` / `*_scales`, rows not transposed), which load as int8 codes
-with a scale per block of 32 (`loader.mxfp4.mxfp4_as_int8`: the same numbers at one byte each
-rather than bfloat16's two) -- or dequantized, where a tensor-parallel rank's slice of the
-intermediate columns would split those blocks. Both become the [gate; up] halves
-`FusedExperts` keeps.
+store them as MXFP4 (`*_blocks` / `*_scales`, rows not transposed), which the experts keep
+packed, half a byte a number, with a float32 scale per block of 32 (`loader.mxfp4.mxfp4_weight`)
+-- or dequantized, where a tensor-parallel rank's slice of the intermediate columns would split
+those blocks. Both become the [gate; up] halves `FusedExperts` keeps.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.activation import clamped_swiglu
 from ksana_llm.layers.moe import FusedExperts, SparseMoeBlock
 from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
-from ksana_llm.loader.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_as_int8
+from ksana_llm.loader.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_weight
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.gemma import PerLayerWindows, layer_types
 from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM
@@ -47,7 +46,7 @@ def halves_from_interleaved(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def keeps_mxfp4_codes(intermediate_size: int, parallel: ParallelContext) -> bool:
-    """Whether MXFP4 experts load as int8 codes: unless this rank's slice of the intermediate
+    """Whether MXFP4 experts load as FP4 codes: unless this rank's slice of the intermediate
     columns (down_proj's input) splits a block of 32 (gpt-oss's 2880 over 4 or 8 ranks), which
     one scale per block cannot describe."""
     start, size = parallel.tp_split(intermediate_size)
@@ -127,8 +126,8 @@ class GptOssForCausalLM(PerLayerWindows, LlamaForCausalLM):
         """A stack (`...experts.gate_up_proj` [E, H, 2I] with gate and up columns interleaved,
         or `...experts.down_proj` [E, I, H]; MXFP4: [E, out, in]) as each expert's
         `N.gate_proj.weight` / `N.up_proj.weight` / `N.down_proj.weight` ([out, in]). MXFP4
-        values come as int8 codes (see the module doc) or in bfloat16, which holds every one of
-        them (e2m1 times a power of two) exactly."""
+        values come as packed FP4 codes (see the module doc) or in bfloat16, which holds every
+        one of them (e2m1 times a power of two) exactly."""
         prefix, proj = base.rsplit(".", 1)
         as_codes = mxfp4 is not None and keeps_mxfp4_codes(self.config.intermediate_size,
                                                            self.parallel)
@@ -138,7 +137,7 @@ class GptOssForCausalLM(PerLayerWindows, LlamaForCausalLM):
             else:
                 blocks, scales = mxfp4["_blocks"][expert], mxfp4["_scales"][expert]
                 try:
-                    weight = mxfp4_as_int8(blocks, scales) if as_codes \
+                    weight = mxfp4_weight(blocks, scales) if as_codes \
                         else dequantize_mxfp4(blocks, scales, torch.bfloat16)
                 except ValueError as exc:
                     raise ValueError(f"checkpoint tensor {base!r}: {exc}") from exc
