@@ -282,11 +282,22 @@ def test_server_classify_score_and_rerank(reranker_server, reranker, tokenizer):
                           timeout=60).json()["data"][0]["data"]
     assert embedded == httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[0]},
                                   timeout=60).json()["data"][0]["embedding"]
+    # vLLM's token_classify: the head and its activation at every position (transformers'
+    # classifier scores every position before it pools the last).
+    per_token = httpx.post(f"{url}/pooling", json={"input": TEXTS[0], "task": "token_classify"},
+                           timeout=60).json()["data"][0]["data"]
+    ids = tokenizer.encode(TEXTS[0])
+    with torch.no_grad():
+        expected_rows = torch.sigmoid(hf.score(hf.model(torch.tensor([ids])).last_hidden_state))
+    assert torch.tensor(per_token).shape == (len(ids), 1)
+    torch.testing.assert_close(torch.tensor(per_token), expected_rows[0], atol=2e-5, rtol=1e-4)
+    assert per_token[-1] == pytest.approx(body["data"][0]["probs"], abs=1e-6)
     # The embedding's options are no classification's.
-    for extra in ({"normalize": False}, {"dimensions": 8}):
+    for extra in ({"normalize": False}, {"dimensions": 8}, {"task": "token_classify",
+                                                             "normalize": True}):
         response = httpx.post(f"{url}/pooling", json={"input": TEXTS[0], **extra}, timeout=60)
         assert response.status_code == 400
-        assert openai_error(response)["param"] == next(iter(extra))
+        assert openai_error(response)["param"] == next(k for k in extra if k != "task")
     # SageMaker's route sends `input` to the API the model serves: classification.
     sagemaker = httpx.post(f"{url}/invocations", json={"input": TEXTS[0]}, timeout=60).json()
     assert sagemaker["object"] == "list" and sagemaker["data"][0]["probs"] == again["data"][0]["probs"]

@@ -151,10 +151,42 @@ def test_pooling_api_gives_a_language_model_its_embeddings(server, hf_default_mo
     torch.testing.assert_close(vector, torch.tensor(body["data"][0]["data"]), atol=1e-6,
                                rtol=0)
     for request, param in (({"input": "Hi", "task": "classify"}, "model"),
-                           ({"input": "Hi", "task": "token_classify"}, "task"),
+                           ({"input": "Hi", "task": "token_classify"}, "model"),
+                           ({"input": "Hi", "task": "tokens"}, "task"),
                            ({"input": ""}, "input")):
         response = httpx.post(url, json=request, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_pooling_token_embed_gives_every_position(server, hf_default_model, default_model):
+    """vLLM's `token_embed`: one row per prompt token, transformers' final-norm state at that
+    position, each row unit length (`normalize: false`: the states as they are); base64 sends
+    the rows one after the other."""
+    url = server.url + "/pooling"
+    prompts = [default_model.tokenizer.encode(t) for t in TEXTS[:2]]
+    body = httpx.post(url, json={"input": TEXTS[:2], "task": "token_embed"}, timeout=60).json()
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    for item, prompt in zip(body["data"], prompts):
+        with torch.no_grad():
+            states = hf_default_model.model(torch.tensor([prompt])).last_hidden_state[0]
+        rows = torch.tensor(item["data"])
+        assert rows.shape == (len(prompt), default_model.hf_config.hidden_size)
+        torch.testing.assert_close(rows, torch.nn.functional.normalize(states, dim=-1),
+                                   atol=2e-5, rtol=1e-4)
+    raw = httpx.post(url, json={"input": TEXTS[0], "task": "token_embed", "normalize": False},
+                     timeout=60).json()["data"][0]["data"]
+    with torch.no_grad():
+        states = hf_default_model.model(torch.tensor([prompts[0]])).last_hidden_state[0]
+    torch.testing.assert_close(torch.tensor(raw), states, atol=1e-4, rtol=1e-4)
+    packed = httpx.post(url, json={"input": TEXTS[0], "task": "token_embed",
+                                   "encoding_format": "base64"}, timeout=60).json()
+    flat = torch.frombuffer(bytearray(base64.b64decode(packed["data"][0]["data"])),
+                            dtype=torch.float32)
+    torch.testing.assert_close(flat, torch.tensor(body["data"][0]["data"]).flatten(), atol=1e-6,
+                               rtol=0)
+    response = httpx.post(url, json={"input": "Hi", "task": "token_embed", "dimensions": 7},
+                          timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "dimensions"
 
 
 def test_normalize_false_gives_the_state_itself(server, client, hf_default_model,

@@ -6,6 +6,7 @@ no classes to give: a 400, as vLLM answers a model that does not classify.
 
 from __future__ import annotations
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -43,6 +44,18 @@ async def classify_prompts(state: ServerState, prompts: list[list[int]], request
         return None
     return [classification_from_hidden(head, hidden, len(prompt))
             for hidden, prompt in zip(states, prompts)]
+
+
+async def classify_tokens(state: ServerState, prompts: list[list[int]], request: Request,
+                          lora: str | None, priority: int = 0) -> list[torch.Tensor] | None:
+    """Each prompt's per-token class probabilities [tokens, classes] (vLLM's token_classify:
+    the head and its activation at every position), in order; None when the client left."""
+    head = checked_classifier(state, "token classification")
+    states = await last_token_states(state, prompts, request, lora, priority=priority,
+                                     every_token=True)
+    if states is None:
+        return None
+    return [head.probabilities(head.logits(rows)) for rows in states]
 
 
 @router.post("/classify")

@@ -23,7 +23,9 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
+from ksana_llm.api.embeddings import (EMBEDDING_TARGETS, TOKEN_STATE_TARGETS,
+                                      embedding_from_hidden, token_embeddings_from_hidden)
+from ksana_llm.api.forward_outputs import ForwardTarget
 from ksana_llm.api.forward_outputs import ForwardHandle
 from ksana_llm.server.embedding_protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData,
                                                  EmbeddingRequest, EmbeddingResponse,
@@ -38,8 +40,10 @@ from ksana_llm.server.state import ServerState, server_state
 router = APIRouter()
 
 
-def encode_vector(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
-    """A vector as the response sends it: floats, or base64 of little-endian float32."""
+def encode_vector(vector: torch.Tensor, encoding_format: str
+                  ) -> list[float] | list[list[float]] | str:
+    """A vector (or a [tokens, size] matrix) as the response sends it: floats (nested lists for
+    a matrix), or base64 of little-endian float32, a matrix's rows one after the other."""
     if encoding_format == "base64":
         data = vector.numpy().astype("<f4", copy=False).tobytes()
         return base64.b64encode(data).decode("ascii")
@@ -85,14 +89,14 @@ def pooling_inputs(req: PoolingInputRequest, state: ServerState) -> list[list[in
 
 
 def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.AbstractEventLoop,
-               lora: str | None, fields: Sequence[str], priority: int
-               ) -> Callable[[int], ForwardHandle]:
+               lora: str | None, fields: Sequence[str], priority: int,
+               targets: Sequence[ForwardTarget]) -> Callable[[int], ForwardHandle]:
     """What queues input i (a prompt the engine refuses is a 400 naming `fields[i]`)."""
     base = f"embd-{uuid.uuid4().hex}"
 
     def submit(i: int) -> ForwardHandle:
         try:
-            return state.engine.submit_forward(prompts[i], list(EMBEDDING_TARGETS),
+            return state.engine.submit_forward(prompts[i], list(targets),
                                                request_id=f"{base}-{i}", loop=loop, lora=lora,
                                                priority=priority)
         except ValueError as exc:  # too long for the model, ...
@@ -103,14 +107,17 @@ def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.Abstr
 
 async def last_token_states(state: ServerState, prompts: list[list[int]], request: Request,
                             lora: str | None, fields: Sequence[str] | None = None,
-                            priority: int = 0) -> list[torch.Tensor] | None:
+                            priority: int = 0, every_token: bool = False
+                            ) -> list[torch.Tensor] | None:
     """Each prompt's last-token hidden state after the final norm, in order; None when the
     client left first (its requests aborted and counted). `fields`: each prompt's field name
     for errors (default: all `input`). `priority`: the request's (checked against the
-    scheduler). What embeddings, scores and classifications are made of."""
+    scheduler). What embeddings, scores and classifications are made of. `every_token`: each
+    prompt's states at all its positions instead, [tokens, hidden] (the per-token tasks)."""
     fields = fields if fields is not None else ["input"] * len(prompts)
     submit = _submitter(state, prompts, asyncio.get_running_loop(), lora, fields,
-                        checked_priority(priority, state))
+                        checked_priority(priority, state),
+                        TOKEN_STATE_TARGETS if every_token else EMBEDDING_TARGETS)
     outputs = await run_forward(state.engine, submit, len(prompts), request)
     state.count_forward_outputs(outputs)
     return None if outputs is None else [out.targets[0].tensor for out in outputs]
@@ -128,6 +135,20 @@ async def embed_prompts(state: ServerState, prompts: list[list[int]], request: R
         return None
     return [embedding_from_hidden(hidden) if normalize else hidden.float().flatten()
             for hidden in states]
+
+
+async def embed_tokens(state: ServerState, prompts: list[list[int]], request: Request,
+                       lora: str | None, priority: int = 0, normalize: bool = True
+                       ) -> list[torch.Tensor] | None:
+    """Each prompt's per-token embeddings [tokens, hidden] (vLLM's token_embed: every
+    position's final-norm state, each row L2-normalised unless `normalize` is False), in order;
+    None when the client left first."""
+    states = await last_token_states(state, prompts, request, lora, priority=priority,
+                                     every_token=True)
+    if states is None:
+        return None
+    return [token_embeddings_from_hidden(rows) if normalize else rows.float()
+            for rows in states]
 
 
 def check_dimensions(dimensions: int | None, state: ServerState) -> None:
