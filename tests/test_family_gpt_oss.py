@@ -225,24 +225,42 @@ def test_an_expert_stack_of_the_wrong_size_is_named(saved, tmp_path):
 
 
 def test_sinks_convert_to_float32_once_and_follow_the_parameter():
-    """The attention reads float32 sinks: a bfloat16 model's are converted once, not per layer
-    per step, and a reloaded or re-cast parameter is converted again."""
+    """The attention reads float32 sinks: a bfloat16 model's are copied once, not per layer
+    per step, into one buffer (captured CUDA graphs read it there) that follows the parameter:
+    refreshed in place after a cast, and when asked -- by `prepare_for_inference`, which every
+    load and weight update ends with (a graph replay runs no Python to notice)."""
     from ksana_llm.models.llama_attention import LlamaAttention
 
     attention = LlamaAttention(GptOssConfig(**CONFIG), sinks=True).to(torch.bfloat16)
     with torch.no_grad():
         attention.sinks.copy_(torch.tensor([0.5, -1.25, 2.0, 3.0]))
-    first = attention._sinks_in_float32()
+    first = attention.sinks_in_float32()
     assert first.dtype == torch.float32 and first.tolist() == [0.5, -1.25, 2.0, 3.0]
-    assert attention._sinks_in_float32() is first
+    assert attention.sinks_in_float32() is first
     with torch.no_grad():
-        attention.sinks.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # reloaded in place
-    assert attention._sinks_in_float32().tolist() == [1.0, 2.0, 3.0, 4.0]
-    attention.to(torch.float16)
-    assert attention._sinks_in_float32().tolist() == [1.0, 2.0, 3.0, 4.0]
-    attention.to(torch.float32)
-    # already float32: no copy
-    assert attention._sinks_in_float32().data_ptr() == attention.sinks.data_ptr()
+        attention.sinks.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # updated in place
+    assert attention.sinks_in_float32(refresh=True) is first
+    assert first.tolist() == [1.0, 2.0, 3.0, 4.0]
+    attention.to(torch.float16)  # a new parameter tensor: noticed without being asked
+    with torch.no_grad():
+        attention.sinks.mul_(2)
+    assert attention.sinks_in_float32() is first and first.tolist() == [2.0, 4.0, 6.0, 8.0]
+    attention.to(torch.float32)  # already float32: the parameter itself
+    assert attention.sinks_in_float32() is attention.sinks
+
+
+def test_weight_updates_reach_the_float32_sinks(saved):
+    """A weight update (`load_weights`, which `update_weights` runs) copies new sinks into the
+    bfloat16 parameter in place; the float32 copy the attention reads (and a captured graph
+    would) holds them before any forward."""
+    _, folder = saved
+    ours = load_ours(folder, dtype="bfloat16")
+    attention = ours.model.layers[1].self_attn
+    copy = attention.sinks_in_float32()
+    new_sinks = (attention.sinks.detach().float() + 1).to(torch.bfloat16)
+    ours.load_weights([("model.layers.1.self_attn.sinks", new_sinks)], require_all=False)
+    assert attention._float_sinks is copy  # the same buffer, refreshed in place
+    assert torch.equal(copy, new_sinks.float())
 
 
 def test_an_fp4_weight_reaching_a_projection_becomes_int8_codes():

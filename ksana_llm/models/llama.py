@@ -285,6 +285,9 @@ class LlamaForCausalLM(LlamaWeightLoading, nn.Module):
         keep `F.linear` on CPUs where it was measured faster (`prepacked_wins_few_rows`)."""
         self._lm_head_packed = None
         self._lm_head_packed_min_rows = 1
+        for module in self.modules():  # float32 copies of sink logits (GPT-OSS) up to date
+            if isinstance(module, LlamaAttention):
+                module.sinks_in_float32(refresh=True)
         packers = [m for m in self.modules() if hasattr(m, "prepack")]
         for module in packers:  # copies of weights a weight update has replaced since
             module.packed_weight = None

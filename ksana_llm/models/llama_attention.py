@@ -87,10 +87,10 @@ class LlamaAttention(nn.Module):
         # A plain CPU tensor, not a buffer: models are built on the meta device and a buffer
         # would come out of `to_empty` uninitialised. Moved to the device on first use.
         self._alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().cpu()
-        # The sinks in float32, as every attention path reads them, with the (address, version)
-        # of the parameter it was converted from: converted once, not per layer per step, and
-        # again only when the parameter is moved, cast or reloaded.
-        self._float_sinks: tuple[tuple, torch.Tensor] | None = None
+        # The sinks in float32, as every attention path reads them (`sinks_in_float32`), and the
+        # address of the parameter they were copied from.
+        self._float_sinks: torch.Tensor | None = None
+        self._float_sinks_source: int | None = None
 
     def _norm_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q_norm, k_norm) weights for the fused norm + RoPE kernel, or None when there are no
@@ -107,14 +107,26 @@ class LlamaAttention(nn.Module):
             slopes = self._alibi_slopes = slopes.to(device)
         return slopes
 
-    def _sinks_in_float32(self) -> torch.Tensor | None:
-        if self.sinks is None:
-            return None
+    def sinks_in_float32(self, refresh: bool = False) -> torch.Tensor | None:
+        """The sink logits as float32: the parameter itself when it is float32, else a copy
+        converted once rather than per layer per step. The copy stays at one address (captured
+        CUDA graphs read it there), copied again in place when the parameter has moved or been
+        cast, or when asked (`refresh`): the model's `prepare_for_inference`, which every load
+        and weight update ends with, does -- the loader writes parameters through `.data`, which
+        no version counter sees."""
         sinks = self.sinks
-        source = (sinks.data_ptr(), sinks._version, sinks.device, sinks.dtype)
-        if self._float_sinks is None or self._float_sinks[0] != source:
-            self._float_sinks = (source, sinks.detach().float().contiguous())
-        return self._float_sinks[1]
+        if sinks is None or sinks.dtype == torch.float32:
+            return sinks
+        copy = self._float_sinks
+        if copy is None or copy.device != sinks.device or copy.shape != sinks.shape:
+            copy = self._float_sinks = torch.empty(sinks.shape, dtype=torch.float32,
+                                                   device=sinks.device)
+            refresh = True
+        if refresh or self._float_sinks_source != sinks.data_ptr():
+            with torch.no_grad():
+                copy.copy_(sinks)
+            self._float_sinks_source = sinks.data_ptr()
+        return copy
 
     def forward(self, rope: Rope | None, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -150,5 +162,5 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, alibi_slopes=slopes,
                               kv_scale=meta.kv_scale(self.layer_idx),
                               kv_stored=write_kv is not None, layer_window=self.layer_window,
-                              softcap=self.softcap, sinks=self._sinks_in_float32())
+                              softcap=self.softcap, sinks=self.sinks_in_float32())
         return self.o_proj(out.reshape(num_tokens, -1), meta.lora)
