@@ -24,9 +24,11 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.loader.mxfp4 import dequantize_mxfp4, mxfp4_weight
+from ksana_llm.loader.weight_quant import dequantize_weight, quantize_mxfp4
 from ksana_llm.models.gpt_oss import GptOssForCausalLM as OurGptOss
 from tests.family_harness import (check_engine_greedy, check_family, check_prefill_and_decode,
-                                  check_triton_backend, hf_reference, load_ours, memoized)
+                                  check_triton_backend, greedy_trace, hf_reference, load_ours,
+                                  memoized)
 
 VOCAB = 256
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -184,6 +186,18 @@ def test_mxfp4_dequantization_equals_transformers():
         assert torch.equal(codes.columns(32, 32).dequantize(), expected[expert].T[:, 32:])
     with pytest.raises(ValueError, match="one weight's"):
         mxfp4_weight(blocks, scales)
+    # and back: MXFP4 numbers quantize to themselves; ties go to the even code; past 6
+    # times the scale saturates
+    values = expected.transpose(1, 2).reshape(-1, 64)
+    codes, scale = quantize_mxfp4(values)
+    assert torch.equal(dequantize_weight(codes, scale, 32, fp4=True), values)
+    ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.9, -0.75] + [0.0] * 23])
+    codes, scale = quantize_mxfp4(ties)
+    assert scale.tolist() == [[1.0]]
+    assert dequantize_weight(codes, scale, 32, fp4=True)[0, :9].tolist() == \
+        [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_mxfp4(torch.ones(2, 48))
     with pytest.raises(ValueError, match="MXFP4 blocks"):
         dequantize_mxfp4(blocks[..., :8], scales)
 
@@ -277,3 +291,33 @@ def test_an_fp4_weight_reaching_a_projection_becomes_int8_codes():
     x = torch.randn(3, 64, generator=gen)
     expected = x @ dequantize_mxfp4(blocks, scales, torch.float32).T
     torch.testing.assert_close(projection(x), expected)
+
+
+def test_a_bf16_update_of_mxfp4_experts_keeps_them_packed(mxfp4_saved, saved):
+    """A trainer's weights (bf16 stacks, transformers' layout) into a model serving the MXFP4
+    checkpoint: the experts are quantized to MXFP4 as they load (keeping the model's format,
+    rather than being refused); values that are MXFP4 numbers already come back exactly, so
+    the greedy tokens stay transformers' own, and another model's weights switch them."""
+    import ksana_llm as kt
+    from ksana_llm.generation_config import GenerationConfig
+
+    hf, mxfp4 = mxfp4_saved
+    other_hf, _ = saved  # the dense model: other experts, not MXFP4 numbers
+    prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(8)).tolist()
+    expected = {name: greedy_trace(memoized(hf_reference(model)), prompt, 8)[0][len(prompt):]
+                for name, model in (("mxfp4", hf), ("other", other_hf))}
+    assert expected["mxfp4"] != expected["other"]
+    model = kt.Model.from_pretrained(mxfp4, device="cpu", dtype="float32", progress=False)
+    experts = model.module.model.layers[0].mlp.experts
+    config = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    with kt.Engine(model, generation_config=config, num_device_blocks=32) as engine:
+        for name, source in (("other", other_hf), ("mxfp4", hf)):
+            stacks = {k: v.to(torch.bfloat16) for k, v in source.state_dict().items()
+                      if ".mlp.experts." in k}
+            engine.update_weights(stacks.items())
+            assert experts.w13.dtype == torch.uint8 and experts.fp4 == {"w13": True, "w2": True}
+            tokens = engine.generate_outputs([prompt])[0].token_ids
+            if name == "mxfp4":  # exact: the MXFP4 values are bf16 numbers too
+                assert tokens == expected[name]
+            else:  # rounded to MXFP4: near the other model's, and surely not the first's
+                assert tokens != expected["mxfp4"]

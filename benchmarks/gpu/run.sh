@@ -56,7 +56,8 @@ if [ ${#STAGES[@]} -eq 0 ]; then
 fi
 
 # Seconds a stage may run before it is stopped (a hung stage must not eat the device lease).
-declare -A LIMIT=([env]=60 [tests]=240 [graph-tests]=150 [parity]=240 [engine-qwen3]=300
+declare -A LIMIT=([env]=60 [tests]=240 [graph-tests]=150 [parity]=240 [parity-gptoss]=180
+                  [engine-qwen3]=300
                   [profile]=180 [decode-tune]=240 [engine-qwen3-tuned]=240 [host-overhead]=120
                   [engine-llama8b]=330 [decode]=120 [prefill]=120 [spec]=240
                   [engine-qwen3-fp8]=300 [engine-qwen3-lora]=300 [engine-qwen3-fp8w]=300
@@ -90,6 +91,9 @@ for stage in "${STAGES[@]}"; do
                          tests/test_sleep_mode.py -q -p no:cacheprovider -k "not smoke" ;;
         # greedy tokens with the CUDA defaults (graphs, async scheduling) vs the CPU, fp32
         parity)  run_stage parity  "$PYTHON" -m benchmarks.gpu.parity --out "$RESULTS" ;;
+        # the same on a small GPT-OSS with MXFP4 experts: sinks, float32-weight norms, packed FP4
+        parity-gptoss) run_stage parity-gptoss "$PYTHON" -m benchmarks.gpu.parity --model gpt-oss \
+                           --out "$RESULTS" ;;
         # reference workload, Qwen3-0.6B shape: ours (graphs on, off) vs HF generate_batch
         engine-qwen3)   run_stage engine-qwen3 "$PYTHON" -m benchmarks.gpu.bench_engine \
                             --models qwen3-0.6b --out "$RESULTS" ;;
@@ -149,7 +153,7 @@ for stage in "${STAGES[@]}"; do
         # speculative decoding (DeepSeek MTP, fitted head) on the GPU: k = 0..3 vs HF generate
         spec)    run_stage spec "$PYTHON" benchmarks/speculative_decoding.py --device cuda \
                      --json-out "$RESULTS/spec.json" ;;
-        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity profile decode-tune engine-qwen3 engine-qwen3-tuned host-overhead" \
+        *) echo "unknown stage '$stage' (stages: env tests graph-tests parity parity-gptoss profile decode-tune engine-qwen3 engine-qwen3-tuned host-overhead" \
                 "engine-qwen3-fp8 engine-qwen3-lora engine-qwen3-fp8w engine-qwen3-int4w engine-qwen3moe"\
                 " engine-deepseek engine-llama8b"\
                 " engine-llama8b-fp8w engine-llama8b-int4w"\

@@ -47,7 +47,8 @@ class FusedExperts(ExpertLoading, nn.Module):
     integer checkpoint's codes: int8, or 4-bit packed two a byte, or an MXFP4 checkpoint's e2m1
     codes, packed alike (`fp4`); with `w13_zero_point` / `w2_zero_point` beside the scales
     where the codes have zero points, and per-expert input orders in GPTQ's activation order)
-    stay so: `w13` / `w2` hold the quantized values and
+    stay so (an MXFP4 stack quantizes dense tensors that arrive later, a weight update's, to
+    MXFP4 as they load): `w13` / `w2` hold the quantized values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
     (see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
     the projections do -- W8A8 experts quantizing their inputs to int8 per token first (under

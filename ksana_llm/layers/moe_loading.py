@@ -208,3 +208,7 @@ class ExpertLoading:
         self.group_sizes[target] = layout.group_size
         self.int8_activations[target] = layout.int8_activations
         self.fp4[target] = layout.fp4
+        if layout.fp4 and self.online_quantization is None:
+            # Dense tensors arriving later (a bf16 weight update from a trainer) are quantized
+            # to MXFP4 as they load, so the stack keeps its format rather than turning dense.
+            self.online_quantization = "mxfp4"

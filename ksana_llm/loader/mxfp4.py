@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from ksana_llm.loader.quantized_weight import QuantizedWeight
-from ksana_llm.loader.weight_quant import E2M1_VALUES, PACKED_INT4_DTYPE
+from ksana_llm.loader.weight_quant import E2M1_VALUES, MXFP4_BLOCK, PACKED_INT4_DTYPE
 
-BLOCK = 32  # values per scale
+BLOCK = MXFP4_BLOCK  # values per scale
 
 
 def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:

@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from ksana_llm.loader.weight_quant import (E2M1_VALUES, INT_WEIGHT_DTYPE, PACKED_INT4_DTYPE,
-                                           QUANTIZED_WEIGHT_DTYPES, dequantize_weight, e2m1_codes,
+from ksana_llm.loader.weight_quant import (E2M1_VALUES, INT_WEIGHT_DTYPE, MXFP4_BLOCK,
+                                           PACKED_INT4_DTYPE, QUANTIZED_WEIGHT_DTYPES,
+                                           dequantize_weight, e2m1_codes, quantize_mxfp4,
                                            pack_nibbles, quantize_fp8, quantize_int8_rows,
                                            split_nibbles)
 
@@ -208,13 +209,23 @@ def quantize_w8a8_rows(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(codes, scale, weight.shape[1], int8_activations=True)
 
 
+def quantize_mxfp4_weight(weight: torch.Tensor) -> QuantizedWeight:
+    """A weight as MXFP4 (`weight_quant.quantize_mxfp4`): packed e2m1 codes, a power-of-two
+    scale per 32 columns."""
+    codes, scale = quantize_mxfp4(weight)
+    return QuantizedWeight(codes, scale, MXFP4_BLOCK, fp4=True)
+
+
 def quantize_on_load(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    """A full-precision weight quantized per row by an online method (see
-    `fp8_weights.WEIGHT_QUANTIZATIONS`)."""
+    """A full-precision weight quantized by an online method (see
+    `fp8_weights.WEIGHT_QUANTIZATIONS`; "mxfp4": what an MXFP4 expert stack takes dense
+    tensors as, `layers.moe_loading`)."""
     if method == "fp8":
         return quantize_fp8_rows(weight)
     if method == "w8a8_int8":
         return quantize_w8a8_rows(weight)
+    if method == "mxfp4":
+        return quantize_mxfp4_weight(weight)
     raise ValueError(f"unknown online weight quantization {method!r}")
 
 

@@ -66,6 +66,42 @@ def e4m3_as_half(data: torch.Tensor) -> torch.Tensor:
     return ((bits & 0x80) << 8 | (bits & 0x7F) << 7).view(torch.float16)
 
 
+# Halfway points between the non-negative e2m1 values, and those of them a tie rounds up from
+# (to the even code: 0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0); other ties round down.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIES_UP = (0.75, 1.75, 3.5)
+MXFP4_BLOCK = 32  # values per power-of-two scale
+E2M1_MAX_EXPONENT = 2  # the largest e2m1 value, 6, is 1.5 * 2 ** 2
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rows, cols] weight (cols a multiple of 32) as MXFP4, the OCP microscaling rule:
+    each block of 32 gets the scale 2 ** (floor(log2(its largest magnitude)) - 2), and each
+    value divided by it rounds to the nearest e2m1 value (ties to the even code), 6 at most.
+    Returns (packed codes uint8 [rows, cols / 2], the low nibble first; float32 scales
+    [rows, cols / 32]). Values that are MXFP4 numbers already come back exactly."""
+    rows, cols = weight.shape
+    if cols % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs a multiple of {MXFP4_BLOCK} columns, got {cols}")
+    if weight.is_meta:  # a dry run: shapes only
+        return (torch.empty(rows, cols // 2, dtype=PACKED_INT4_DTYPE, device="meta"),
+                torch.empty(rows, cols // MXFP4_BLOCK, device="meta"))
+    blocks = weight.float().reshape(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+    largest = blocks.abs().amax(dim=-1)
+    # frexp: largest = m * 2 ** e with m in [0.5, 1), so floor(log2(largest)) = e - 1 (exact,
+    # unlike log2 in floating point); an all-zero block takes any scale (1 here).
+    _, exponent = torch.frexp(largest)
+    exponent = torch.where(largest > 0, exponent - 1 - E2M1_MAX_EXPONENT, 0).clamp(-127, 127)
+    scale = torch.ldexp(torch.ones_like(largest), exponent)
+    scaled = blocks / scale.unsqueeze(-1)
+    magnitude = scaled.abs()
+    midpoints = torch.tensor(_E2M1_MIDPOINTS, device=weight.device)
+    index = torch.bucketize(magnitude, midpoints)  # ties round down, here
+    ties_up = torch.isin(magnitude, torch.tensor(_E2M1_TIES_UP, device=weight.device))
+    codes = (index + ties_up.long()).clamp(max=7) | torch.where(scaled < 0, 8, 0)
+    return pack_nibbles(codes.reshape(rows, cols)), scale
+
+
 def e2m1_codes(data: torch.Tensor, table: tuple[float, ...] = E2M1_VALUES,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`table[code]` for the packed FP4 codes of `data` [rows, n] uint8: [rows, 2n]."""
