@@ -198,6 +198,10 @@ def test_mxfp4_dequantization_equals_transformers():
         [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0]
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_mxfp4(torch.ones(2, 48))
+    diverged = torch.linspace(-1, 1, 64).reshape(1, 64)  # NaN / inf: its block reads back NaN
+    diverged[0, 3], diverged[0, 40] = float("nan"), float("inf")
+    codes, scale = quantize_mxfp4(diverged)
+    assert dequantize_weight(codes, scale, 32, fp4=True).isnan().all()
     with pytest.raises(ValueError, match="MXFP4 blocks"):
         dequantize_mxfp4(blocks[..., :8], scales)
 

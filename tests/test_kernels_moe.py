@@ -371,6 +371,26 @@ def test_fp4_experts_take_dense_tensors_as_mxfp4_and_turn_dense_for_other_format
         torch.testing.assert_close(experts(x, routing), before)
 
 
+def test_only_an_fp4_stack_quantizes_dense_tensors_to_mxfp4():
+    """MXFP4 gate/up with a dense down_proj (loaded after them): the dense stack stays exact,
+    and so does a later dense update of it; the FP4 stack still takes dense tensors as MXFP4."""
+    gen = torch.Generator().manual_seed(9)
+    experts = FusedExperts(2, 64, 64)
+    downs = [torch.randn(64, 64, generator=gen) for _ in range(2)]
+    for e in range(2):
+        for part in ("gate", "up"):
+            experts.load_checkpoint_tensor(f"{e}.{part}_proj.weight", mxfp4_weight(
+                torch.randint(0, 256, (64, 2, 16), dtype=torch.uint8, generator=gen),
+                torch.randint(120, 125, (64, 2), dtype=torch.uint8, generator=gen)))
+        experts.load_checkpoint_tensor(f"{e}.down_proj.weight", downs[e])
+    assert experts.fp4 == {"w13": True, "w2": False} and experts.w2.dtype == torch.float32
+    assert torch.equal(experts.w2[1], downs[1])
+    experts.load_checkpoint_tensor("1.down_proj.weight", downs[0])
+    assert torch.equal(experts.w2[1], downs[0])
+    experts.load_checkpoint_tensor("0.gate_proj.weight", downs[0])
+    assert experts.w13.dtype == torch.uint8 and experts.fp4["w13"]
+
+
 def test_experts_in_groups_the_tiles_do_not_divide_keep_the_per_expert_path():
     experts = load_experts("int8-zero", 2, 64, 32)
     assert not experts.syncs_with_host(True)

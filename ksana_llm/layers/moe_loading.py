@@ -103,10 +103,10 @@ class ExpertLoading:
         slice, into w13 / w2."""
         if len(tensor.shape) != 2:  # a scalar or a stray dim: name it, do not index past it
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected a 2-d tensor")
-        if isinstance(tensor, torch.Tensor) and self.online_quantization \
-                and self.quantized_capable:
+        method = self._quantizes_dense("w2" if part == "down" else "w13")
+        if isinstance(tensor, torch.Tensor) and method is not None:
             # Whole rows, then this rank's slice: every rank has the scales one rank would.
-            tensor = quantize_on_load(tensor, self.online_quantization)
+            tensor = quantize_on_load(tensor, method)
         first, size = self.shard_start, self.intermediate_size
         full = self.full_intermediate_size
         if part == "down":
@@ -133,6 +133,16 @@ class ExpertLoading:
         else:
             getattr(self, target).data[expert, rows].copy_(tensor)
         return [f"{expert}.{part}"]
+
+    def _quantizes_dense(self, target: str) -> str | None:
+        """How a dense tensor for `target` is quantized as it loads: to MXFP4 while the stack
+        holds MXFP4 (a trainer's bf16 weight update keeps the model's format rather than being
+        refused), else by the online quantization asked for; None: kept as it is."""
+        if not self.quantized_capable:
+            return None
+        if self.fp4[target] and not self._has_dense[target]:
+            return "mxfp4"
+        return self.online_quantization
 
     def _incoming(self, target: str, tensor: torch.Tensor | QuantizedWeight, expert: int
                   ) -> torch.Tensor | QuantizedWeight:
@@ -208,7 +218,3 @@ class ExpertLoading:
         self.group_sizes[target] = layout.group_size
         self.int8_activations[target] = layout.int8_activations
         self.fp4[target] = layout.fp4
-        if layout.fp4 and self.online_quantization is None:
-            # Dense tensors arriving later (a bf16 weight update from a trainer) are quantized
-            # to MXFP4 as they load, so the stack keeps its format rather than turning dense.
-            self.online_quantization = "mxfp4"

@@ -79,7 +79,8 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     each block of 32 gets the scale 2 ** (floor(log2(its largest magnitude)) - 2), and each
     value divided by it rounds to the nearest e2m1 value (ties to the even code), 6 at most.
     Returns (packed codes uint8 [rows, cols / 2], the low nibble first; float32 scales
-    [rows, cols / 32]). Values that are MXFP4 numbers already come back exactly."""
+    [rows, cols / 32]). Values that are MXFP4 numbers already come back exactly; a block with
+    NaN or an infinity comes back all NaN."""
     rows, cols = weight.shape
     if cols % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 needs a multiple of {MXFP4_BLOCK} columns, got {cols}")
@@ -92,7 +93,10 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # unlike log2 in floating point); an all-zero block takes any scale (1 here).
     _, exponent = torch.frexp(largest)
     exponent = torch.where(largest > 0, exponent - 1 - E2M1_MAX_EXPONENT, 0).clamp(-127, 127)
-    scale = torch.ldexp(torch.ones_like(largest), exponent)
+    # A block holding NaN or an infinity gets a NaN scale (the OCP rule), so it reads back NaN
+    # as a dense weight would, rather than as finite numbers.
+    scale = torch.where(largest.isfinite(), torch.ldexp(torch.ones_like(largest), exponent),
+                        torch.nan)
     scaled = blocks / scale.unsqueeze(-1)
     magnitude = scaled.abs()
     midpoints = torch.tensor(_E2M1_MIDPOINTS, device=weight.device)
