@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ksana_llm.loader.quantized_weight import QuantizedWeight
-from ksana_llm.loader.weight_quant import E2M1_VALUES, MXFP4_BLOCK, PACKED_INT4_DTYPE
+from ksana_llm.loader.weight_quant import MXFP4_BLOCK, PACKED_INT4_DTYPE, dequantize_weight
 
 BLOCK = MXFP4_BLOCK  # values per scale
 
@@ -38,15 +38,15 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`blocks` [..., G, 16] uint8 and `scales` [..., G] uint8 -> values [..., G * 32]."""
     _check(blocks, scales)
-    shape = (*scales.shape[:-1], scales.shape[-1] * BLOCK)
+    groups = scales.shape[-1]
+    shape = (*scales.shape[:-1], groups * BLOCK)
     if blocks.is_meta:  # a dry run: shapes only
         return torch.empty(shape, dtype=dtype, device="meta")
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]
-    values = table[codes].flatten(-2)  # [..., G, 32]
-    # Exact in float32: e2m1 values times powers of two.
-    values = values * _powers_of_two(scales).unsqueeze(-1)
-    return values.reshape(shape).to(dtype)
+    # Every row as a packed FP4 weight's: e2m1 values times powers of two, exact in float32.
+    rows = blocks.reshape(-1, groups * BLOCK // 2)
+    values = dequantize_weight(rows, _powers_of_two(scales).reshape(rows.shape[0], groups),
+                               BLOCK, dtype, fp4=True)
+    return values.reshape(shape)
 
 
 def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
