@@ -22,10 +22,13 @@ from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
+from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.norm import RMSNorm
+from ksana_llm.models.factory import load_model_module
 from ksana_llm.loader.mxfp4 import dequantize_mxfp4, mxfp4_weight
-from ksana_llm.loader.weight_quant import dequantize_weight, quantize_mxfp4
-from ksana_llm.models.gpt_oss import GptOssForCausalLM as OurGptOss
+from ksana_llm.loader.quantized_weight import QuantizedWeight
+from ksana_llm.loader.weight_quant import dequantize_weight, e8m0_scales, quantize_mxfp4
+from ksana_llm.models.gpt_oss import GptOssForCausalLM as OurGptOss, keeps_mxfp4_codes
 from tests.family_harness import (check_engine_greedy, check_family, check_prefill_and_decode,
                                   check_triton_backend, greedy_trace, hf_reference, load_ours,
                                   memoized)
@@ -40,9 +43,9 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden
                                "original_max_position_embeddings": 64})
 
 
-def build_model() -> GptOssForCausalLM:
+def build_model(**overrides) -> GptOssForCausalLM:
     torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**CONFIG))
+    model = GptOssForCausalLM(GptOssConfig(**{**CONFIG, **overrides}))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
@@ -157,17 +160,44 @@ def test_mxfp4_experts_stay_packed(mxfp4_saved):
 
 def test_mxfp4_under_tensor_parallelism(mxfp4_saved):
     """Two ranks each keep the FP4 codes of their half of the intermediate columns (one block
-    of 32 each) and give transformers' greedy tokens; four ranks' slices (16 columns) would split
-    a block, so there the experts load dequantized."""
-    from ksana_llm.distributed.context import ParallelContext
-    from ksana_llm.models.gpt_oss import keeps_mxfp4_codes
-
+    of 32 each) and give transformers' greedy tokens; four ranks would have fewer than a block
+    each, so there the experts load dequantized."""
     hf, mxfp4 = mxfp4_saved
     check_engine_greedy(mxfp4, memoized(hf_reference(hf)), vocab=VOCAB, tensor_parallel_size=2)
     keeps = {tp: keeps_mxfp4_codes(CONFIG["intermediate_size"], ParallelContext(
         tp_size=tp, tp_rank=tp - 1)) for tp in (1, 2, 4)}
     assert keeps == {1: True, 2: True, 4: False}
-    assert not keeps_mxfp4_codes(2880, ParallelContext(tp_size=4, tp_rank=1))  # gpt-oss's
+    # gpt-oss's 2880 columns (90 blocks) over 4 and 8 ranks: whole blocks on every rank
+    for tp in (4, 8):
+        assert all(keeps_mxfp4_codes(2880, ParallelContext(tp_size=tp, tp_rank=rank))
+                   for rank in range(tp))
+
+
+def test_mxfp4_experts_split_unevenly_in_whole_blocks(saved, tmp_path):
+    """Three blocks of intermediate columns over two ranks: 64 and 32 columns, both kept as
+    FP4 codes (an even split, 48 each, would cut a block and load dequantized), with each
+    rank's biases and scales its own; the engine's greedy tokens are transformers'."""
+    hf = build_model(intermediate_size=96)
+    hf.save_pretrained(tmp_path / "full")
+    mxfp4 = _mxfp4_checkpoint(hf, tmp_path / "full", tmp_path / "mxfp4")
+    whole = load_ours(mxfp4).model.layers[0].mlp.experts
+    starts = {0: 0, 1: 64}
+    for rank, columns in ((0, 64), (1, 32)):
+        module, _ = load_model_module(mxfp4, device=torch.device("cpu"), dtype="float32",
+                                      parallel=ParallelContext(tp_size=2, tp_rank=rank),
+                                      progress=False)
+        experts = module.model.layers[0].mlp.experts
+        assert experts.fp4 == {"w13": True, "w2": True}
+        assert tuple(experts.w2.shape) == (4, 64, columns // 2)
+        assert tuple(experts.w2_scale.shape) == (4, 64, columns // 32)
+        first = starts[rank]
+        assert torch.equal(experts.w2, whole.w2[:, :, first // 2:(first + columns) // 2])
+        assert torch.equal(experts.w2_scale, whole.w2_scale[:, :, first // 32:
+                                                            (first + columns) // 32])
+        gate = slice(first, first + columns)
+        assert torch.equal(experts.w13_bias, torch.cat([whole.w13_bias[:, gate],
+                                                        whole.w13_bias[:, 96:][:, gate]], 1))
+    check_engine_greedy(mxfp4, memoized(hf_reference(hf)), vocab=VOCAB, tensor_parallel_size=2)
 
 
 def test_mxfp4_dequantization_equals_transformers():
@@ -193,7 +223,7 @@ def test_mxfp4_dequantization_equals_transformers():
     assert torch.equal(dequantize_weight(codes, scale, 32, fp4=True), values)
     ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.9, -0.75] + [0.0] * 23])
     codes, scale = quantize_mxfp4(ties)
-    assert scale.tolist() == [[1.0]]
+    assert scale.dtype == torch.uint8 and scale.tolist() == [[127]]  # E8M0: 2 ** 0
     assert dequantize_weight(codes, scale, 32, fp4=True)[0, :9].tolist() == \
         [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0]
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -204,6 +234,26 @@ def test_mxfp4_dequantization_equals_transformers():
     assert dequantize_weight(codes, scale, 32, fp4=True).isnan().all()
     with pytest.raises(ValueError, match="MXFP4 blocks"):
         dequantize_mxfp4(blocks[..., :8], scales)
+
+
+def test_e8m0_scale_bytes_are_powers_of_two_and_nan():
+    """Every scale byte as the OCP format defines it, written out: 2 ** (byte - 127), the
+    byte 255 NaN (transformers' dequantization reads it as 2 ** 128, an infinity)."""
+    exponents = torch.arange(256, dtype=torch.uint8)
+    decoded = e8m0_scales(exponents)
+    assert decoded.dtype == torch.float32 and decoded[255].isnan()
+    assert decoded[:255].tolist() == [2.0 ** (byte - 127) for byte in range(255)]
+    with pytest.raises(ValueError, match="uint8"):
+        e8m0_scales(torch.ones(3))
+    codes = torch.zeros(2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="E8M0"):  # FP4 weights keep their scales as bytes
+        QuantizedWeight(codes, torch.ones(2, 1), 32, fp4=True)
+    weight = QuantizedWeight(codes | 0x22, torch.tensor([[0], [254]], dtype=torch.uint8), 32,
+                             fp4=True)  # every value 1.0 times the scale
+    assert weight.dequantize()[:, 0].tolist() == [2.0 ** -127, 2.0 ** 127]
+    unpacked = weight.unpacked()  # int8 codes twice the values, float32 scales half as large
+    assert unpacked.scale.dtype == torch.float32 and not unpacked.fp4
+    assert torch.equal(unpacked.dequantize(), weight.dequantize())
 
 
 def test_mxfp4_blocks_without_scales_are_named(saved, tmp_path):

@@ -198,6 +198,43 @@ def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
     check_engine_matches(model, reference, prompts)
 
 
+def test_gptq_mlp_split_in_whole_groups_over_ranks(tmp_path):
+    """An MLP of 96 intermediate columns in GPTQ groups of 32 (three groups) over two ranks:
+    64 and 32 columns, packed on both, where an even split (48) would cut a group and be
+    refused; transformers' greedy tokens and logits (Qwen2.5-72B-GPTQ's 29568 columns over two
+    ranks are the same case at scale)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ksana_llm.distributed.context import ParallelContext
+    from ksana_llm.models.factory import load_model_module
+    from tests.tiny_models import COMMON, perturb_biases_and_norms
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**{**COMMON, "intermediate_size": 96},
+                                      tie_word_embeddings=False)).eval()
+    perturb_biases_and_norms(hf)
+    hf.save_pretrained(tmp_path / "full")
+    held = write_gptq(hf, tmp_path / "full", tmp_path / "q", sym=False)
+    whole = load_ours(tmp_path / "q").model.layers[0].mlp
+    for rank, (first, columns) in enumerate(((0, 64), (64, 32))):
+        module, _ = load_model_module(tmp_path / "q", device=torch.device("cpu"),
+                                      dtype="float32", progress=False,
+                                      parallel=ParallelContext(tp_size=2, tp_rank=rank))
+        mlp = module.model.layers[0].mlp
+        assert (mlp.down_proj.in_start, mlp.down_proj.local_in_features) == (first, columns)
+        assert mlp.down_proj.weight.dtype == INT4
+        assert torch.equal(mlp.down_proj.weight, whole.down_proj.weight[:, first // 2:
+                                                                          (first + columns) // 2])
+        gate_up = mlp.gate_up_proj.weight
+        assert gate_up.dtype == INT4 and gate_up.shape[0] == 2 * columns
+        assert torch.equal(gate_up[:columns], whole.gate_up_proj.weight[first:first + columns])
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 30, 17)]
+    model = Model.from_pretrained(tmp_path / "q", device="cpu", dtype="float32",
+                                  progress=False, tensor_parallel_size=2)
+    check_engine_matches(model, hf_reference(hold(hf, held)), prompts)
+
+
 def _library_gptq_parts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                         g_idx: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """AutoGPTQ's packing of the given integer codes [out, in] and zero points [groups, out]

@@ -143,12 +143,12 @@ def quantized_stack(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, to
         zeros = torch.randint(-20, 20, scales.shape, generator=gen, dtype=torch.int16)
         return codes, scales, 32, zeros
     # packed 4-bit codes with zero points, in groups of 32 or one group per row; or MXFP4's
-    # e2m1 codes with power-of-two scales in blocks of 32 (no zero points)
+    # e2m1 codes with power-of-two scales in blocks of 32, E8M0 bytes (no zero points)
     nibbles = torch.randint(0, 16, (experts, n, k), generator=gen, dtype=torch.uint8)
     packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
     if layout == "mxfp4":
-        exponents = torch.randint(-9, -4, (experts, n, k // 32), generator=gen)
-        return packed, torch.ldexp(torch.ones(exponents.shape), exponents), 32, None
+        exponents = torch.randint(127 - 9, 127 - 4, (experts, n, k // 32), generator=gen)
+        return packed, exponents.to(torch.uint8), 32, None
     group = 32 if layout == "int4-g32" else k
     scales = torch.rand(experts, n, k // group, generator=gen) * 0.05 + 0.01
     zeros = torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.int8)
@@ -186,6 +186,38 @@ def test_expert_matmul_on_quantized_experts_matches_reference(dtype, layout, tok
         assert (actual.float() - unordered.float()).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("k", [96, 32])  # groups of 32, and one group per row
+def test_expert_matmul_decodes_every_e8m0_scale_byte(k):
+    """The kernel turns scale bytes into powers of two as `weight_quant.e8m0_scales` does, at
+    the ends of the range too: 0 is the subnormal 2 ** -127 (not flushed to zero), 254 is
+    2 ** 127, 255 is NaN (the outputs it scales come out NaN, the others finite)."""
+    gen = torch.Generator().manual_seed(k)
+    experts, n, tokens, top_k = 2, 48, 5, 2
+    codes = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+    exponents = torch.randint(100, 150, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+    exponents[0, 0], exponents[0, 1] = 0, 1  # every group of rows 0 and 1: subnormal scales
+    exponents[1, 2, 0] = 255
+    exponents[1, 3] = 254  # 2 ** 127, on codes of 0.5 in its first two columns only: finite
+    codes[1, 3] = 0
+    codes[1, 3, 0] = 0x11
+    x = torch.randn(tokens, k, generator=gen).to(DEVICE)
+    routing = routing_of("spread", tokens, top_k, experts).to(DEVICE)
+    blocks = align_to_experts(routing, experts, expert_block_size(tokens * top_k, experts))
+    codes, exponents = codes.to(DEVICE), exponents.to(DEVICE)
+    actual = expert_matmul(x, codes, blocks, top_k, exponents, 32, fp4=True)
+    expected = expert_matmul_ref(x, codes, routing, top_k, exponents, 32, fp4=True)
+    on_expert_1 = routing.reshape(-1) == 1
+    assert on_expert_1.any() and (~on_expert_1).any()
+    assert actual[on_expert_1, 2].isnan().all() and not actual[~on_expert_1].isnan().any()
+    assert actual[on_expert_1, 3].abs().min() > 2.0 ** 120 and actual.isfinite()[:, 3].all()
+    tiny = actual[~on_expert_1, :2]
+    assert (tiny != 0).all() and tiny.abs().max() < 2.0 ** -110
+    # scaled up by 2 ** 127 (exact), the subnormal outputs compare as ordinary numbers
+    torch.testing.assert_close(actual[:, :2] * 2.0 ** 127, expected[:, :2] * 2.0 ** 127,
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3, equal_nan=True)
+
+
 def test_expert_matmul_rejects_mismatched_inputs():
     routing = routing_of("spread", 4, 2, 4)
     blocks = align_to_experts(routing, 4, 16)
@@ -205,12 +237,15 @@ def test_expert_matmul_rejects_mismatched_inputs():
     packed = torch.zeros(4, 32, 8, dtype=torch.uint8)
     with pytest.raises(ValueError, match="zero_point: packed"):
         expert_matmul(torch.randn(4, 16), packed, blocks, 2, torch.ones(4, 32, 1), 16)
+    exponents = torch.full((4, 32, 1), 127, dtype=torch.uint8)
     with pytest.raises(ValueError, match="fp4: packed codes"):  # e2m1 codes: no zero points
-        expert_matmul(torch.randn(4, 16), packed, blocks, 2, torch.ones(4, 32, 1), 16,
+        expert_matmul(torch.randn(4, 16), packed, blocks, 2, exponents, 16,
                       torch.zeros(4, 32, 1, dtype=torch.int8), fp4=True)
     with pytest.raises(ValueError, match="fp4: packed codes"):
-        expert_matmul(torch.randn(4, 16), weight.to(torch.int8), blocks, 2, torch.ones(4, 32, 1),
-                      16, fp4=True)
+        expert_matmul(torch.randn(4, 16), weight.to(torch.int8), blocks, 2, exponents, 16,
+                      fp4=True)
+    with pytest.raises(ValueError, match="E8M0 scales"):  # float scales are not exponent bytes
+        expert_matmul(torch.randn(4, 16), packed, blocks, 2, torch.ones(4, 32, 1), 16, fp4=True)
     with pytest.raises(ValueError, match="input_order"):
         expert_matmul(torch.randn(4, 16), weight, blocks, 2, input_order=torch.zeros(4, 8))
     with pytest.raises(ValueError, match="assignments"):
@@ -317,6 +352,9 @@ def test_quantized_experts_take_the_grouped_path_too(method):
                       "int4-act-order": torch.uint8, "mxfp4": torch.uint8}.get(method, torch.int8)
     assert experts.w13.dtype == expected_dtype == experts.w2.dtype
     assert experts.fp4 == {"w13": method == "mxfp4", "w2": method == "mxfp4"}
+    # MXFP4's scales stay the checkpoint's E8M0 bytes (a quarter of float32's memory)
+    expected_scale = torch.uint8 if method == "mxfp4" else torch.float32
+    assert experts.w13_scale.dtype == expected_scale == experts.w2_scale.dtype
     assert (experts.w13_input_order is not None) == (method == "int4-act-order")
     assert experts.int8_activations["w13"] == (method == "w8a8_int8")
     x, routing = spread_batch(9, 64, 4, seed=6)

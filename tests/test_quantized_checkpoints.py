@@ -312,6 +312,42 @@ def test_w8a8_moe_under_tensor_parallelism(tmp_path, source):
         check_engine_matches(model, reference, prompts)
 
 
+def test_fp8_experts_split_in_whole_blocks_over_ranks(tmp_path):
+    """A Qwen3-MoE FP8 checkpoint whose experts' 48 intermediate columns are three blocks of 16:
+    two ranks take 32 and 16 of them (an even split would cut a block and be refused), every
+    expert stays FP8 with the checkpoint's own block scales, and the engine's tokens and logits
+    are transformers' reading of the checkpoint."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from ksana_llm.distributed.context import ParallelContext
+    from ksana_llm.models.factory import load_model_module
+    from tests.test_family_moe import COMMON, _randomize
+
+    torch.manual_seed(0)
+    full = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **COMMON, head_dim=32, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True)).eval()
+    _randomize(full)
+    full.save_pretrained(tmp_path / "full")
+    folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (16, 16))
+    whole = load_ours(folder).model.layers[0].mlp.experts
+    for rank, (first, columns) in enumerate(((0, 32), (32, 16))):
+        module, _ = load_model_module(folder, device=torch.device("cpu"), dtype="float32",
+                                      parallel=ParallelContext(tp_size=2, tp_rank=rank),
+                                      progress=False)
+        experts = module.model.layers[0].mlp.experts
+        assert experts.w2.dtype == FP8 and tuple(experts.w2.shape) == (8, 64, columns)
+        assert torch.equal(experts.w2.view(torch.uint8),
+                           whole.w2[:, :, first:first + columns].view(torch.uint8))
+        assert torch.equal(experts.w2_scale, whole.w2_scale[:, :, first // 16:
+                                                            (first + columns) // 16])
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=2)
+    check_engine_matches(model, hf_reference(hf_fp8_model(folder, (16, 16))), prompts)
+
+
 def test_tensor_parallel_split_inside_a_block_is_refused(tmp_path):
     build_tiny_model("llama2", tmp_path / "full")  # o_proj / down_proj inputs 64 / 128
     folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (48, 48))

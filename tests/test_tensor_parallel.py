@@ -368,3 +368,22 @@ def test_each_rank_takes_a_gpu_of_its_own(tp, pp, multi_node, expected):
 
     spec = LaunchSpec("m", "bfloat16", "cuda", tp_size=tp, pp_size=pp)
     assert [node_local_rank(r, spec, multi_node=multi_node) for r in range(tp * pp)] == expected
+
+
+def test_balanced_splits_in_whole_units():
+    """Items split as evenly as whole units allow, the first parts one unit larger; every item
+    in exactly one part, in order. A total that is no whole number of units is refused."""
+    from ksana_llm.distributed.context import balanced_split
+
+    for total, parts, unit in ((10, 3, 1), (2880, 4, 32), (2880, 8, 32), (96, 2, 32), (64, 4, 32)):
+        splits = [balanced_split(total, parts, index, unit) for index in range(parts)]
+        assert [start for start, _ in splits] == [sum(s for _, s in splits[:i])
+                                                  for i in range(parts)]
+        assert sum(size for _, size in splits) == total
+        sizes = [size // unit for _, size in splits]
+        assert all(size % unit == 0 for _, size in splits)
+        assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
+    assert [balanced_split(2880, 4, i, 32) for i in range(4)] == \
+        [(0, 736), (736, 736), (1472, 704), (2176, 704)]
+    with pytest.raises(ValueError, match="units of 32"):
+        balanced_split(100, 2, 0, 32)

@@ -67,8 +67,11 @@ def bench_moe_case(name: str, experts: int, top_k: int, hidden: int, inter: int,
         timed = {"grouped": time_ms(lambda: run(True)), "per_expert": time_ms(lambda: run(False))}
         err = (run(True).float() - run(False).float()).abs().max().item()
     active = routing.experts.unique().numel()
-    # bytes of the values (packed MXFP4: half a byte each), not counting their scales
-    weight_bytes = active * sum(w[0].numel() * w.element_size() for w in (layer.w13, layer.w2))
+    # bytes of the values (packed MXFP4: half a byte each) and of their scales (MXFP4: a byte
+    # per 32 values), each active expert's read once
+    weight_bytes = active * sum(t[0].numel() * t.element_size()
+                                for t in (layer.w13, layer.w2, layer.w13_scale, layer.w2_scale)
+                                if t is not None)
     best = {path: min(v for v in (t["ms"], t.get("ms_graph")) if v is not None)
             for path, t in timed.items()}
     return {"shape": name, "weights": quantization or str(dtype).removeprefix("torch."),

@@ -11,13 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def balanced_split(total: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, size) of part `index` when `total` items are split as evenly as possible; the
-    first `total % parts` parts get one more. Used for uneven TP splits (vocab, MLP width)."""
-    base, extra = divmod(total, parts)
+def balanced_split(total: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
+    """(start, size) of part `index` when `total` items are split as evenly as possible in
+    whole `unit`s (`total` a multiple of it); the first parts get one unit more. Used for
+    uneven TP splits (vocab, MLP width, quantized experts' intermediate columns in whole scale
+    blocks)."""
+    if unit < 1 or total % unit:
+        raise ValueError(f"splitting {total} items in units of {unit}: not a whole number")
+    base, extra = divmod(total // unit, parts)
     size = base + (1 if index < extra else 0)
     start = index * base + min(index, extra)
-    return start, size
+    return start * unit, size * unit
 
 
 @dataclass(frozen=True)
@@ -54,5 +58,6 @@ class ParallelContext:
         start, size = balanced_split(num_layers, self.pp_size, self.pp_rank)
         return start, start + size
 
-    def tp_split(self, total: int) -> tuple[int, int]:
-        return balanced_split(total, self.tp_size, self.tp_rank)
+    def tp_split(self, total: int, unit: int = 1) -> tuple[int, int]:
+        """This rank's (start, size) of `total` items, in whole `unit`s (`balanced_split`)."""
+        return balanced_split(total, self.tp_size, self.tp_rank, unit)

@@ -323,9 +323,11 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
             for order in (None, torch.empty(experts, inter, dtype=torch.int64)):
                 fused_moe.expert_matmul(down_input, packed, blocks, 1, groups, 128,
                                         torch.empty(groups.shape, dtype=torch.int8), order)
-            # MXFP4 experts (GPT-OSS): packed e2m1 codes in blocks of 32, no zero points
+            # MXFP4 experts (GPT-OSS): packed e2m1 codes in blocks of 32, E8M0 scale bytes, no
+            # zero points
             fused_moe.expert_matmul(down_input, packed, blocks, 1,
-                                    torch.empty(experts, hidden, inter // 32), 32, fp4=True)
+                                    torch.empty(experts, hidden, inter // 32, dtype=torch.uint8),
+                                    32, fp4=True)
     launches += rec
     return launches
 

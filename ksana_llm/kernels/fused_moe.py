@@ -20,7 +20,8 @@ fixed-size index tensors on the device, and one launch covers every expert:
 Weights are dense (the activations' dtype), 8-bit (FP8 E4M3, or int8 codes with optional zero
 points) or packed 4-bit codes (uint8 [E, N, K / 2]: integers with their zero points, or MXFP4's
 e2m1 values, decoded arithmetically in registers), with float32 scales
-[E, N, groups] as `FusedExperts` keeps them: widened in registers as in `fp8_matmul` (group
+[E, N, groups] as `FusedExperts` keeps them (MXFP4's: E8M0 exponent bytes, turned into powers of
+two in registers): widened in registers as in `fp8_matmul` (group
 scales on each K tile before its dot, a per-row scale on the accumulated dot), so a decode step
 reads one byte, or half a byte, per weight. Experts in GPTQ's activation order gather their
 input columns in their own order (`input_order` [E, K]) as they load them. Tile sizes follow the
@@ -37,7 +38,8 @@ import triton.language as tl
 
 from ksana_llm.kernels._common import check_last_dim_contiguous, check_same_device, dot_precision
 from ksana_llm.kernels.fp8_matmul import kernel_block_k
-from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, QUANTIZED_WEIGHT_DTYPES
+from ksana_llm.loader.weight_quant import (E8M0_DTYPE, PACKED_INT4_DTYPE,
+                                           QUANTIZED_WEIGHT_DTYPES)
 
 
 class ExpertBlocks(NamedTuple):
@@ -117,10 +119,23 @@ def _program_tile(Ids, BlockExperts, W, S, num_assignments, N,
 
 
 @triton.jit
-def _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, PER_ROW: tl.constexpr):
+def _load_scales(pointers, mask, E8M0: tl.constexpr):
+    """Scales as float32: as stored, or from E8M0 bytes (MXFP4): 2 ** (byte - 127), built as
+    float32 bits so every byte is exact -- 0 the subnormal 2 ** -127, 255 NaN."""
+    if E8M0:
+        byte = tl.load(pointers, mask=mask, other=127).to(tl.int32)
+        bits = tl.where(byte == 0, 1 << 22, byte << 23)
+        bits = tl.where(byte == 255, 0x7FC00000, bits)
+        return bits.to(tl.float32, bitcast=True)
+    return tl.load(pointers, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, PER_ROW: tl.constexpr,
+                E8M0: tl.constexpr):
     """Both kernels' last step: the per-row scale (where the weight has one), the store."""
     if PER_ROW:
-        acc = acc * tl.load(scales, mask=col_ok, other=0.0)[None, :]
+        acc = acc * _load_scales(scales, col_ok, E8M0)[None, :]
     tl.store(Out + ids[:, None].to(tl.int64) * stride_om + cols[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -159,7 +174,8 @@ def _expert_matmul_kernel(
                 w = w * tl.load(scales + k0 // GROUP, mask=col_ok, other=0.0)[:, None]
             w = w.to(A.dtype.element_ty)
         acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
-    _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, QUANTIZED and PER_ROW)
+    _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, QUANTIZED and PER_ROW,
+                False)
 
 
 @triton.jit
@@ -187,7 +203,7 @@ def _expert_int4_matmul_kernel(
 ):
     """Packed 4-bit codes, as `fp8_matmul._int4_linear_kernel` reads them: each byte tile split
     into the even and the odd columns' codes, each meeting its own input columns in a dot.
-    `FP4`: the codes are e2m1 values (MXFP4), with no zero points."""
+    `FP4`: the codes are e2m1 values (MXFP4), with no zero points, and the scales E8M0 bytes."""
     expert, ids, a_rows, row_ok, cols, col_ok, w_rows, scales = _program_tile(
         Ids, BlockExperts, W, S, num_assignments, N, stride_we, stride_wn, stride_se, stride_sn,
         ROWS_PER_INPUT, BLOCK_M, BLOCK_N)
@@ -213,12 +229,12 @@ def _expert_int4_matmul_kernel(
             w_even = (codes & 0xF).to(tl.float32) - zero[:, None]
             w_odd = (codes >> 4).to(tl.float32) - zero[:, None]
         if not PER_ROW:
-            group_scale = tl.load(scales + group, mask=col_ok, other=0.0)
+            group_scale = _load_scales(scales + group, col_ok, FP4)
             w_even = w_even * group_scale[:, None]
             w_odd = w_odd * group_scale[:, None]
         acc += tl.dot(x_even, tl.trans(w_even.to(A.dtype.element_ty)), input_precision=PRECISION)
         acc += tl.dot(x_odd, tl.trans(w_odd.to(A.dtype.element_ty)), input_precision=PRECISION)
-    _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, PER_ROW)
+    _store_rows(acc, scales, Out, ids, cols, row_ok, col_ok, stride_om, PER_ROW, FP4)
 
 
 def grouped_block_k(weight_dtype: torch.dtype, group_size: int, per_row: bool) -> int | None:
@@ -240,12 +256,16 @@ def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
     Quantized weights (8-bit values, or packed 4-bit codes [E, N, K / 2]) come with float32
     `scale`s [E, N, groups] in groups of `group_size` columns and, for packed integer and
     asymmetric int8 codes, `zero_point`s shaped like the scales; `fp4`: the packed codes are
-    e2m1 values (MXFP4), with no zero points; `input_order` [E, K]: expert e's column j
+    e2m1 values (MXFP4), with no zero points and E8M0 scale bytes (uint8, `weight_quant.
+    e8m0_scales`); `input_order` [E, K]: expert e's column j
     multiplies a[:, input_order[e, j]]."""
     packed = weight.dtype == PACKED_INT4_DTYPE
-    if fp4 and (not packed or zero_point is not None):
-        raise ValueError(f"fp4: packed codes (uint8) without zero points expected, got "
-                         f"{weight.dtype}{' with zero points' if zero_point is not None else ''}")
+    if fp4 and (not packed or zero_point is not None or scale is None
+                or scale.dtype != E8M0_DTYPE):
+        raise ValueError(f"fp4: packed codes (uint8) with E8M0 scales (uint8) and no zero "
+                         f"points expected, got {weight.dtype} codes, "
+                         f"{None if scale is None else scale.dtype} scales"
+                         f"{' and zero points' if zero_point is not None else ''}")
     k = weight.shape[-1] * (2 if packed else 1)
     if weight.dim() != 3 or a.dim() != 2 or a.shape[1] != k:
         raise ValueError(f"a [rows, K] and weight [experts, N, K] (K / 2 bytes packed) expected, "
@@ -283,7 +303,8 @@ def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
     out = torch.empty(blocks.num_assignments, n, dtype=a.dtype, device=a.device)
     num_blocks = blocks.block_experts.numel()
     if num_blocks:
-        scale_arg = scale.float().contiguous() if quantized else out  # unread when dense
+        # unread when dense; E8M0 bytes as they are (the kernel decodes them)
+        scale_arg = (scale if fp4 else scale.float()).contiguous() if quantized else out
         zero_arg = zero_point.contiguous() if zero_point is not None else scale_arg
         order_arg = input_order.contiguous() if input_order is not None else blocks.assignment_ids
         block_n = 64 if blocks.block_m <= 32 else 128

@@ -32,16 +32,17 @@ from ksana_llm.layers.moe_routers import Routing
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.loader.weight_quant import PACKED_INT4_DTYPE, dequantize_weight
 from ksana_llm.layers.linear import MergedLinear, fp8_kernel_for, quantized_matmul
-from ksana_llm.layers.parallel import (SINGLE, RowParallelLinear, tp_all_reduce,
-                                       token_absmax_over_ranks)
+from ksana_llm.layers.parallel import (SINGLE, RowParallelLinear, scale_aligned_split,
+                                       tp_all_reduce, token_absmax_over_ranks)
 
 
 class FusedExperts(ExpertLoading, nn.Module):
     """`num_experts` gated MLPs stored stacked; forward over tokens sorted by expert.
 
     Under tensor parallelism every rank keeps every expert, each with a slice of its
-    intermediate columns; the output is then a partial sum that the enclosing `SparseMoeBlock`
-    all-reduces once.
+    intermediate columns (whole `scale_group`s, the checkpoint's scale blocks along them, where
+    it can: `layers.parallel.scale_aligned_split`); the output is then a partial sum that the enclosing
+    `SparseMoeBlock` all-reduces once.
 
     Quantized experts (an FP8 checkpoint's, `online_quantization` for online quantization, an
     integer checkpoint's codes: int8, or 4-bit packed two a byte, or an MXFP4 checkpoint's e2m1
@@ -49,8 +50,8 @@ class FusedExperts(ExpertLoading, nn.Module):
     where the codes have zero points, and per-expert input orders in GPTQ's activation order)
     stay so (an MXFP4 stack quantizes dense tensors that arrive later, a weight update's, to
     MXFP4 as they load): `w13` / `w2` hold the quantized values and
-    `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their float32 row-and-group scales
-    (see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
+    `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their row-and-group scales
+    (float32; MXFP4's E8M0 bytes: see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
     the projections do -- W8A8 experts quantizing their inputs to int8 per token first (under
     tensor parallelism a token's scale for `w2` comes from its whole intermediate row, over
     every rank's slice). Experts whose checkpoint tensors disagree (some
@@ -67,13 +68,15 @@ class FusedExperts(ExpertLoading, nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  hidden_act: str = "silu", *, parallel: ParallelContext = SINGLE,
                  bias: bool = False,
-                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 scale_group: int = 1) -> None:
         super().__init__()
         self.parallel = parallel
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
-        self.shard_start, intermediate_size = parallel.tp_split(intermediate_size)
+        self.shard_start, intermediate_size = scale_aligned_split(intermediate_size, parallel,
+                                                                  scale_group)
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
@@ -235,14 +238,17 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
                  bias: bool = False, *, parallel: ParallelContext = SINGLE,
-                 reduce_output: bool = True) -> None:
+                 reduce_output: bool = True, scale_group: int = 1) -> None:
+        """`scale_group`: the checkpoint's scale blocks along the intermediate columns, which a
+        rank's slice keeps whole where it can (`layers.parallel.scale_aligned_split`)."""
         super().__init__()
-        shard = parallel.tp_split(intermediate_size)
+        shard = scale_aligned_split(intermediate_size, parallel, scale_group)
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],
                                          bias=bias, shards=[shard, shard])
         # Inside a SparseMoeBlock the block all-reduces once for experts and shared expert.
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
-                                           ctx=parallel, reduce_output=reduce_output)
+                                           ctx=parallel, reduce_output=reduce_output,
+                                           in_shard=shard)
         self.act = get_gated_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

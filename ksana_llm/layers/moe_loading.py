@@ -212,8 +212,9 @@ class ExpertLoading:
         setattr(self, target, nn.Parameter(
             torch.empty(experts, rows, columns, dtype=layout.dtype, device=param.device),
             requires_grad=False))
-        self.register_buffer(f"{target}_scale", torch.ones(experts, rows, layout.groups,
-                                                           device=param.device),
+        self.register_buffer(f"{target}_scale",
+                             torch.full((experts, rows, layout.groups), layout.unit_scale,
+                                        dtype=layout.scale_dtype, device=param.device),
                              persistent=False)
         self.group_sizes[target] = layout.group_size
         self.int8_activations[target] = layout.int8_activations

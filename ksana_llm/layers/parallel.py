@@ -61,6 +61,20 @@ def tp_all_gather_rows(x: torch.Tensor, ctx: ParallelContext, total: int) -> tor
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
+def scale_aligned_split(total: int, ctx: ParallelContext, scale_group: int = 1
+                        ) -> tuple[int, int]:
+    """This rank's (start, size) of `total` input columns of a row-parallel weight (an MLP's
+    or the MoE experts' intermediate columns): whole `scale_group`s -- the checkpoint's scale
+    blocks along them, `loader.quantized.input_scale_group` -- where every rank gets one at
+    least, so quantized weights load as the checkpoint holds them (gpt-oss's 2880 expert
+    columns over 4 ranks as 23, 23, 22 and 22 blocks of 32; Qwen2.5-72B-GPTQ's 29568 MLP
+    columns over 2 ranks as 116 and 115 groups of 128, where 14784 each would cut a group);
+    otherwise as even a split as the columns allow."""
+    if scale_group > 1 and not total % scale_group and total // scale_group >= ctx.tp_size:
+        return ctx.tp_split(total, scale_group)
+    return ctx.tp_split(total)
+
+
 def kv_head_shard(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int]:
     """(first KV head, count) this rank keeps. Heads are split when there are at least as many
     as ranks, and replicated (each rank keeps the one its query heads read) when there are fewer."""
@@ -85,14 +99,18 @@ class RowParallelLinear(QuantizedStorage):
     takes_quantized_weights = True  # the weight loader hands it quantized weights as they are
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 ctx: ParallelContext = SINGLE, reduce_output: bool = True) -> None:
+                 ctx: ParallelContext = SINGLE, reduce_output: bool = True,
+                 in_shard: tuple[int, int] | None = None) -> None:
+        """`in_shard`: this rank's (start, size) of the input columns, where the layer before
+        split its outputs otherwise than evenly (`scale_aligned_split`)."""
         super().__init__()
         self.ctx = ctx
         # False: return this rank's partial sum (a caller that adds several partial sums
         # all-reduces once); the bias is then added by rank 0 only, so the sum has it once.
         self.reduce_output = reduce_output
         self.in_features = in_features  # all ranks' columns
-        self.in_start, local_in = ctx.tp_split(in_features)
+        self.in_start, local_in = in_shard if in_shard is not None \
+            else ctx.tp_split(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.lora_name = ""  # its name in the model, under which an engine keeps its adapters

@@ -4,6 +4,7 @@ compressed-tensors checkpoints (`fp8_weights`), GPTQ and AWQ ones (`gptq_awq`)."
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 
 from ksana_llm.loader.fp8_weights import QuantizedCheckpoint, paired_weights
 from ksana_llm.loader.quantized_weight import QuantizedWeight
+from ksana_llm.loader.weight_quant import MXFP4_BLOCK
 from ksana_llm.loader.gptq_awq import PackedIntFormat, paired_packed_ints, side_config
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,8 @@ def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
     if quantization is None:
         return None
     if quantization.get("quant_method") == "mxfp4":
-        # GPT-OSS's experts: the family dequantizes them as they load (models/gpt_oss.py); the
-        # rest of such a checkpoint is full precision.
+        # GPT-OSS's experts: the family pairs their blocks and scales itself
+        # (models/gpt_oss.py); the rest of such a checkpoint is full precision.
         return None
     if quantization.get("quant_method") in ("gptq", "awq"):
         fmt = PackedIntFormat.from_quantization(quantization)
@@ -50,6 +52,35 @@ def checkpoint_quantization(hf_config: Any, model_dir: str | Path | None = None
                         "the inputs loads dequantized to the model's dtype")
         return fmt
     return QuantizedCheckpoint.from_quantization(quantization)
+
+
+def input_scale_group(hf_config: Any) -> int:
+    """How many input columns one of the checkpoint's weight scales covers (1: a scale per row
+    or per tensor, or no quantization), from `quantization_config`: MXFP4's blocks of 32, FP8's
+    `weight_block_size`, GPTQ / AWQ's `group_size` (but 1 in activation order, whose slices
+    load dequantized), compressed-tensors' group or block sizes. What a tensor-parallel split
+    of a weight's inputs keeps whole, so every rank's scales stay the checkpoint's. Read before
+    any tensor loads; a config it cannot read gives 1 (`checkpoint_quantization` says why)."""
+    quantization = quantization_settings(hf_config)
+    if not quantization:
+        return 1
+    method = quantization.get("quant_method")
+    sizes: list[Any] = []
+    if method == "mxfp4":
+        sizes = [MXFP4_BLOCK]
+    elif method == "fp8":
+        sizes = [(quantization.get("weight_block_size") or [1, 1])[-1]]
+    elif method in ("gptq", "awq") and not quantization.get("desc_act"):
+        sizes = [quantization.get("group_size", quantization.get("q_group_size", 1))]
+    elif method == "compressed-tensors":
+        for group in (quantization.get("config_groups") or {}).values():
+            weights = (group or {}).get("weights") or {}
+            if weights.get("strategy") == "group":
+                sizes.append(weights.get("group_size"))
+            elif weights.get("strategy") == "block":
+                sizes.append((weights.get("block_structure") or [1, 1])[-1])
+    usable = [size for size in sizes if isinstance(size, int) and size > 0]
+    return math.lcm(*usable) if usable else 1
 
 
 def paired_quantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: CheckpointQuantization

@@ -1,6 +1,6 @@
 """A quantized weight in memory (`QuantizedWeight`): one byte per number (float8_e4m3fn, or
 int8 codes minus zero points) or half a byte (4-bit codes, with their zero points), and one
-float32 scale per row and input group (the row scales of a checkpoint's block are the block's
+scale per row and input group (float32; MXFP4's one E8M0 byte) (the row scales of a checkpoint's block are the block's
 scale repeated), so a tensor-parallel rank can take any rows and group-aligned columns of it.
 The checkpoint formats (`fp8_weights`, `gptq_awq`) make them; the modules that keep quantized
 weights (the projections, `MergedLinear` and `RowParallelLinear`, and the MoE experts,
@@ -15,10 +15,11 @@ from typing import NamedTuple
 
 import torch
 
-from ksana_llm.loader.weight_quant import (E2M1_VALUES, INT_WEIGHT_DTYPE, MXFP4_BLOCK,
-                                           PACKED_INT4_DTYPE, QUANTIZED_WEIGHT_DTYPES,
-                                           dequantize_weight, e2m1_codes, quantize_mxfp4,
-                                           pack_nibbles, quantize_fp8, quantize_int8_rows,
+from ksana_llm.loader.weight_quant import (E2M1_VALUES, E8M0_BIAS, E8M0_DTYPE,
+                                           INT_WEIGHT_DTYPE, MXFP4_BLOCK, PACKED_INT4_DTYPE,
+                                           QUANTIZED_WEIGHT_DTYPES, dequantize_weight,
+                                           e2m1_codes, e8m0_scales, pack_nibbles,
+                                           quantize_fp8, quantize_int8_rows, quantize_mxfp4,
                                            split_nibbles)
 
 
@@ -40,6 +41,16 @@ class QuantizedLayout(NamedTuple):
     int8_activations: bool = False
     fp4: bool = False
 
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """How the scales are stored: E8M0 bytes for FP4 codes, float32 otherwise."""
+        return E8M0_DTYPE if self.fp4 else torch.float32
+
+    @property
+    def unit_scale(self) -> int:
+        """A scale of 1 in that storage (what a stack's scales start as)."""
+        return E8M0_BIAS if self.fp4 else 1
+
     @classmethod
     def of(cls, data: torch.Tensor, groups: int, group_size: int,
            zero_point: torch.Tensor | None, int8_activations: bool = False,
@@ -51,8 +62,8 @@ class QuantizedLayout(NamedTuple):
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A [rows, cols] weight as 8-bit values (FP8, or int8 integer codes) or packed 4-bit codes,
-    and float32 scales, `scale[r, g]` multiplying `data[r, g * group_size:(g + 1) * group_size]`
-    (the last group may be shorter).
+    and float32 scales (FP4's: E8M0 bytes), `scale[r, g]` multiplying
+    `data[r, g * group_size:(g + 1) * group_size]` (the last group may be shorter).
 
     `zero_point[r, g]` (the shape of `scale`), where present, is subtracted from the group's
     codes before the scale multiplies them. Packed 4-bit codes (`data` uint8 [rows, cols / 2],
@@ -70,7 +81,8 @@ class QuantizedWeight:
     weight does the same.
 
     `fp4` (MXFP4 checkpoints): the packed codes are e2m1 values (`weight_quant.E2M1_VALUES`),
-    not integers; they have no zero points and their scales are powers of two."""
+    not integers; they have no zero points and their scales are powers of two, held as E8M0
+    exponent bytes (`weight_quant.e8m0_scales`)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -92,6 +104,9 @@ class QuantizedWeight:
         if self.fp4:
             if not self.packed or self.zero_point is not None:
                 raise ValueError("FP4 codes come packed two a byte (uint8), without zero points")
+            if self.scale.dtype != E8M0_DTYPE:
+                raise ValueError(f"FP4 scales are E8M0 exponent bytes (uint8), got "
+                                 f"{self.scale.dtype}")
             if groups > 1 and self.group_size % 2:
                 raise ValueError(f"packed 4-bit groups of {self.group_size} columns split bytes")
         elif self.packed:
@@ -176,7 +191,7 @@ class QuantizedWeight:
             return self
         if self.fp4:
             codes = e2m1_codes(self.data, tuple(2 * v for v in E2M1_VALUES), INT_WEIGHT_DTYPE)
-            return replace(self, data=codes, scale=self.scale / 2, fp4=False)
+            return replace(self, data=codes, scale=e8m0_scales(self.scale) / 2, fp4=False)
         values = split_nibbles(self.data).to(torch.int16)
         zeros = self.zero_point.to(torch.int16).repeat_interleave(self.group_size, dim=1)
         values = values - zeros[:, :values.shape[1]]
@@ -211,7 +226,7 @@ def quantize_w8a8_rows(weight: torch.Tensor) -> QuantizedWeight:
 
 def quantize_mxfp4_weight(weight: torch.Tensor) -> QuantizedWeight:
     """A weight as MXFP4 (`weight_quant.quantize_mxfp4`): packed e2m1 codes, a power-of-two
-    scale per 32 columns."""
+    scale (an E8M0 byte) per 32 columns."""
     codes, scale = quantize_mxfp4(weight)
     return QuantizedWeight(codes, scale, MXFP4_BLOCK, fp4=True)
 

@@ -9,7 +9,8 @@ compressed-tensors int8), whose codes minus zero points it holds exactly (asymme
 codes lie up to 255 from their zero point: the codes and zero points both minus 128, a weight
 being `(codes - zero_point) * scale`). 4-bit checkpoints keep half a byte per number: `data` is
 uint8 holding two 4-bit codes (0..15), with one int8 zero point per scale -- or two FP4 (e2m1)
-codes (MXFP4 checkpoints: `E2M1_VALUES`), which have no zero points.
+codes (MXFP4 checkpoints: `E2M1_VALUES`), which have no zero points and whose power-of-two
+scales stay one byte each, as the checkpoints store them (E8M0 exponents, `e8m0_scales`).
 """
 
 from __future__ import annotations
@@ -72,22 +73,39 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIES_UP = (0.75, 1.75, 3.5)
 MXFP4_BLOCK = 32  # values per power-of-two scale
 E2M1_MAX_EXPONENT = 2  # the largest e2m1 value, 6, is 1.5 * 2 ** 2
+# An MXFP4 scale is one E8M0 byte: the exponent of a power of two plus this bias (127 is 1.0);
+# the byte 255 is NaN. A quarter of a float32 scale's memory: on gpt-oss-120b's experts, 3.6 GB
+# rather than 14 GB.
+E8M0_DTYPE = torch.uint8
+E8M0_BIAS = 127
+E8M0_NAN = 255
+
+
+def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes as float32: 2 ** (byte - 127), exact for every byte (2 ** -127 a
+    subnormal), and NaN for 255."""
+    if exponents.dtype != E8M0_DTYPE:
+        raise ValueError(f"E8M0 scales are uint8 exponent bytes, got {exponents.dtype}")
+    powers = torch.ldexp(torch.ones(exponents.shape, device=exponents.device),
+                         exponents.to(torch.int32) - E8M0_BIAS)
+    return powers.masked_fill_(exponents == E8M0_NAN, torch.nan)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A [rows, cols] weight (cols a multiple of 32) as MXFP4, the OCP microscaling rule:
     each block of 32 gets the scale 2 ** (floor(log2(its largest magnitude)) - 2), and each
     value divided by it rounds to the nearest e2m1 value (ties to the even code), 6 at most.
-    Returns (packed codes uint8 [rows, cols / 2], the low nibble first; float32 scales
-    [rows, cols / 32]). Values that are MXFP4 numbers already come back exactly; a block with
-    NaN or an infinity comes back all NaN."""
+    Returns (packed codes uint8 [rows, cols / 2], the low nibble first; E8M0 scale bytes
+    [rows, cols / 32], `e8m0_scales`). Values that are MXFP4 numbers already come back
+    exactly; a block with NaN or an infinity comes back all NaN."""
     rows, cols = weight.shape
     if cols % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 needs a multiple of {MXFP4_BLOCK} columns, got {cols}")
     if weight.is_meta:  # a dry run: shapes only
         return (torch.empty(rows, cols // 2, dtype=PACKED_INT4_DTYPE, device="meta"),
-                torch.empty(rows, cols // MXFP4_BLOCK, device="meta"))
-    blocks = weight.float().reshape(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+                torch.empty(rows, cols // MXFP4_BLOCK, dtype=E8M0_DTYPE, device="meta"))
+    # contiguous: a transposed weight would otherwise keep its strides through the arithmetic
+    blocks = weight.float().contiguous().reshape(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
     largest = blocks.abs().amax(dim=-1)
     # frexp: largest = m * 2 ** e with m in [0.5, 1), so floor(log2(largest)) = e - 1 (exact,
     # unlike log2 in floating point); an all-zero block takes any scale (1 here).
@@ -103,7 +121,8 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     index = torch.bucketize(magnitude, midpoints)  # ties round down, here
     ties_up = torch.isin(magnitude, torch.tensor(_E2M1_TIES_UP, device=weight.device))
     codes = (index + ties_up.long()).clamp(max=7) | torch.where(scaled < 0, 8, 0)
-    return pack_nibbles(codes.reshape(rows, cols)), scale
+    biased = torch.where(largest.isfinite(), exponent + E8M0_BIAS, E8M0_NAN)
+    return pack_nibbles(codes.reshape(rows, cols)), biased.to(E8M0_DTYPE)
 
 
 def e2m1_codes(data: torch.Tensor, table: tuple[float, ...] = E2M1_VALUES,
@@ -118,9 +137,11 @@ def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, group_size: int,
                       zero_point: torch.Tensor | None = None, fp4: bool = False) -> torch.Tensor:
     """8-bit values (FP8 or int8) or packed 4-bit codes, minus their `zero_point`s where given
     (packed integer codes always; asymmetric int8 codes), times their group scales (computed in
-    float32, then cast once to `dtype`). `fp4`: the packed codes are e2m1 values."""
+    float32, then cast once to `dtype`). `fp4`: the packed codes are e2m1 values, the scales
+    E8M0 bytes (`e8m0_scales`)."""
     if fp4:
         weight = e2m1_codes(data)
+        scale = e8m0_scales(scale)
     elif data.dtype == PACKED_INT4_DTYPE:
         if zero_point is None:
             raise ValueError("packed 4-bit codes need their zero points")

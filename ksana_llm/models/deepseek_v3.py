@@ -33,6 +33,7 @@ from ksana_llm.layers.mla import MLADims, MultiLatentAttention
 from ksana_llm.layers.moe import FusedExperts, GatedMLP, SparseMoeBlock
 from ksana_llm.layers.moe_routers import GroupedTopKRouter
 from ksana_llm.layers.norm import RMSNorm
+from ksana_llm.loader.quantized import input_scale_group
 from ksana_llm.layers.parallel import SINGLE
 from ksana_llm.layers.rotary import rope_settings
 from ksana_llm.layers.rotary_yarn import build_rotary
@@ -65,11 +66,12 @@ def deepseek_moe_block(config: Any, router: nn.Module,
     act = getattr(config, "hidden_act", "silu")
     hidden, num_experts = config.hidden_size, config.n_routed_experts
     experts = FusedExperts(num_experts, hidden, config.moe_intermediate_size, act,
-                           parallel=parallel)
+                           parallel=parallel, scale_group=input_scale_group(config))
     num_shared = getattr(config, "n_shared_experts", 0) or 0
     # The shared experts are always on and unweighted: one MLP n_shared times as wide.
     shared = GatedMLP(hidden, config.moe_intermediate_size * num_shared, act, parallel=parallel,
-                      reduce_output=False) if num_shared else None
+                      reduce_output=False, scale_group=input_scale_group(config)) \
+        if num_shared else None
     return SparseMoeBlock(router, experts, shared, shared_expert_name="shared_experts",
                           parallel=parallel)
 

@@ -11,9 +11,10 @@
 Checkpoints: the experts are stacked, transposed (`gate_up_proj` [E, H, 2I], `down_proj`
 [E, I, H]) with gate and up columns interleaved (gate at even indices); released checkpoints
 store them as MXFP4 (`*_blocks` / `*_scales`, rows not transposed), which the experts keep
-packed, half a byte a number, with a float32 scale per block of 32 (`loader.mxfp4.mxfp4_weight`)
--- or dequantized, where a tensor-parallel rank's slice of the intermediate columns would split
-those blocks. Both become the [gate; up] halves `FusedExperts` keeps.
+packed, half a byte a number, with an E8M0 scale byte per block of 32
+(`loader.mxfp4.mxfp4_weight`): tensor-parallel ranks take whole blocks of the intermediate
+columns (2880 over 4 ranks: 736, 736, 704 and 704), dequantized only past one block a rank.
+Both become the [gate; up] halves `FusedExperts` keeps.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from torch import nn
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.activation import clamped_swiglu
 from ksana_llm.layers.moe import FusedExperts, SparseMoeBlock
+from ksana_llm.layers.parallel import scale_aligned_split
 from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
 from ksana_llm.loader.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_weight
+from ksana_llm.loader.quantized import input_scale_group
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.gemma import PerLayerWindows, layer_types
 from ksana_llm.models.llama import LlamaAttention, LlamaForCausalLM
@@ -47,9 +50,10 @@ def halves_from_interleaved(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def keeps_mxfp4_codes(intermediate_size: int, parallel: ParallelContext) -> bool:
     """Whether MXFP4 experts load as FP4 codes: unless this rank's slice of the intermediate
-    columns (down_proj's input) splits a block of 32 (gpt-oss's 2880 over 4 or 8 ranks), which
-    one scale per block cannot describe."""
-    start, size = parallel.tp_split(intermediate_size)
+    columns (down_proj's input, split in whole blocks where every rank gets one:
+    `layers.parallel.scale_aligned_split`) splits a block of 32, which one scale per block
+    cannot describe -- more ranks than blocks."""
+    start, size = scale_aligned_split(intermediate_size, parallel, BLOCK)
     return start % BLOCK == 0 and size % BLOCK == 0
 
 
@@ -71,7 +75,8 @@ class GptOssForCausalLM(PerLayerWindows, LlamaForCausalLM):
         activation = clamped_swiglu(float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)),
                                     float(getattr(config, "swiglu_limit", SWIGLU_LIMIT)))
         experts = FusedExperts(num_experts, hidden, config.intermediate_size,
-                               parallel=self.parallel, bias=True, activation=activation)
+                               parallel=self.parallel, bias=True, activation=activation,
+                               scale_group=input_scale_group(config))
         return SparseMoeBlock(router, experts, parallel=self.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,

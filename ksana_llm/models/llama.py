@@ -23,7 +23,8 @@ from ksana_llm.layers.linear import (FEW_ROWS, MergedLinear, packed_linear, prep
 from ksana_llm.layers.norm import RMSNorm
 from ksana_llm.layers.parallel import (SINGLE, ParallelLMHead, RowParallelLinear,
                                        VocabParallelEmbedding, kv_head_shard,
-                                       tp_all_gather_rows)
+                                       scale_aligned_split, tp_all_gather_rows)
+from ksana_llm.loader.quantized import input_scale_group
 from ksana_llm.layers.pipeline import PipelineGap, recv_hidden, send_hidden
 from ksana_llm.layers.rotary import RotaryEmbedding, rope_settings
 from ksana_llm.layers.rotary_yarn import build_rotary
@@ -59,10 +60,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False)) if bias is None else bias
         size = config.intermediate_size
-        shard = parallel.tp_split(size)
+        # whole scale groups of a quantized checkpoint per rank, where they divide evenly enough
+        shard = scale_aligned_split(size, parallel, input_scale_group(config))
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias,
                                          shards=[shard, shard])
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, ctx=parallel)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, ctx=parallel,
+                                           in_shard=shard)
         self.act = get_gated_activation(hidden_act or getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 from ksana_llm.layers.moe import FusedExperts, SparseMoeBlock
 from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
+from ksana_llm.loader.quantized import input_scale_group
 from ksana_llm.models.llama import MistralForCausalLM
 
 
@@ -25,7 +26,8 @@ class MixtralForCausalLM(MistralForCausalLM):
         router = SoftmaxTopKRouter(config.hidden_size, num_experts, config.num_experts_per_tok,
                                    renormalize=True)
         experts = FusedExperts(num_experts, config.hidden_size, config.intermediate_size,
-                               getattr(config, "hidden_act", "silu"), parallel=self.parallel)
+                               getattr(config, "hidden_act", "silu"), parallel=self.parallel,
+                               scale_group=input_scale_group(config))
         return SparseMoeBlock(router, experts, parallel=self.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *,

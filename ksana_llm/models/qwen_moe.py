@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from ksana_llm.layers.moe import FusedExperts, GatedMLP, SparseMoeBlock
+from ksana_llm.loader.quantized import input_scale_group
 from ksana_llm.layers.moe_routers import SoftmaxTopKRouter
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.parallel import SINGLE
@@ -42,11 +43,11 @@ def qwen_moe_block(config: Any, *, shared_expert: bool,
                                renormalize=bool(getattr(config, "norm_topk_prob", False)),
                                weights_in_input_dtype=True)
     experts = FusedExperts(num_experts, hidden, config.moe_intermediate_size, act,
-                           parallel=parallel)
+                           parallel=parallel, scale_group=input_scale_group(config))
     if not shared_expert:
         return SparseMoeBlock(router, experts, parallel=parallel)
     shared = GatedMLP(hidden, config.shared_expert_intermediate_size, act, parallel=parallel,
-                      reduce_output=False)
+                      reduce_output=False, scale_group=input_scale_group(config))
     return SparseMoeBlock(router, experts, shared, nn.Linear(hidden, 1, bias=False),
                           parallel=parallel)
 

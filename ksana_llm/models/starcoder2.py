@@ -18,7 +18,8 @@ from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.activation import get_activation
 from ksana_llm.layers.attention import AttentionMetadata, KVCache
 from ksana_llm.layers.linear import MergedLinear
-from ksana_llm.layers.parallel import SINGLE, RowParallelLinear
+from ksana_llm.layers.parallel import SINGLE, RowParallelLinear, scale_aligned_split
+from ksana_llm.loader.quantized import input_scale_group
 from ksana_llm.models.llama import LlamaAttention, MistralForCausalLM, Rope, run_mlp
 
 
@@ -26,9 +27,10 @@ class Starcoder2MLP(nn.Module):
     def __init__(self, config: Any, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         size, bias = config.intermediate_size, bool(getattr(config, "use_bias", True))
-        self.c_fc = MergedLinear(config.hidden_size, [size], bias=bias,
-                                 shards=[parallel.tp_split(size)])
-        self.c_proj = RowParallelLinear(size, config.hidden_size, bias=bias, ctx=parallel)
+        shard = scale_aligned_split(size, parallel, input_scale_group(config))
+        self.c_fc = MergedLinear(config.hidden_size, [size], bias=bias, shards=[shard])
+        self.c_proj = RowParallelLinear(size, config.hidden_size, bias=bias, ctx=parallel,
+                                        in_shard=shard)
         self.act = get_activation(getattr(config, "hidden_act", "gelu_pytorch_tanh"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
