@@ -87,14 +87,22 @@ def test_checkpoint_block_scales_expand_to_rows():
     assert fp8.scale.shape == (40, 4) and fp8.group_size == 16
     expected = block_dequantize(data, scale, (16, 16))
     torch.testing.assert_close(fp8.dequantize(), expected, atol=0, rtol=0)
-    # Tensor parallelism: any rows; columns at block boundaries (the last block may be short).
+    # Tensor parallelism: any rows; columns from a block boundary in the checkpoint's blocks
+    # (the last one may be short), from inside a block in smaller groups, each block's scale
+    # repeated over its parts: the same numbers either way.
     torch.testing.assert_close(fp8.rows(5, 20).dequantize(), expected[5:25], atol=0, rtol=0)
     torch.testing.assert_close(fp8.columns(32, 24).dequantize(), expected[:, 32:],
                                atol=0, rtol=0)
     parts = fp8.split_rows([24, 16])
     torch.testing.assert_close(parts[1].dequantize(), expected[24:], atol=0, rtol=0)
-    with pytest.raises(ValueError, match="split its scale blocks of 16 columns"):
-        fp8.columns(8, 16)
+    for start, count, group in ((8, 16, 8), (12, 40, 4), (16, 20, 16), (0, 28, 16)):
+        part = fp8.columns(start, count)
+        assert part.group_size == group and part.data.dtype == fp8.data.dtype
+        assert part.scale.shape == (40, -(-count // group))
+        torch.testing.assert_close(part.dequantize(), expected[:, start:start + count],
+                                   atol=0, rtol=0)
+    with pytest.raises(ValueError, match="do not divide"):
+        fp8.regrouped(6)
     with pytest.raises(ValueError, match=r"expected \(3, 4\)"):
         quantized_weight_from_checkpoint(data, scale[:2], (16, 16), "w")
     # One scale per tensor (vLLM's `weight_scale`) or per row: any columns.

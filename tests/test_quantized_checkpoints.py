@@ -12,8 +12,10 @@ import torch
 
 import ksana_llm as kt
 from ksana_llm.api.model import Model
+from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.layers.linear import QuantizedStorage
+from ksana_llm.models.factory import load_model_module
 from tests.family_harness import ATOL, check_family, check_triton_backend, hf_reference, load_ours
 from tests.quantized_checkpoints import (assert_experts_quantized, assert_projections_quantized,
                                          check_engine_matches, deepseek_full, fake_quantized,
@@ -319,8 +321,6 @@ def test_fp8_experts_split_in_whole_blocks_over_ranks(tmp_path):
     are transformers' reading of the checkpoint."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from ksana_llm.distributed.context import ParallelContext
-    from ksana_llm.models.factory import load_model_module
     from tests.test_family_moe import COMMON, _randomize
 
     torch.manual_seed(0)
@@ -348,12 +348,36 @@ def test_fp8_experts_split_in_whole_blocks_over_ranks(tmp_path):
     check_engine_matches(model, hf_reference(hf_fp8_model(folder, (16, 16))), prompts)
 
 
-def test_tensor_parallel_split_inside_a_block_is_refused(tmp_path):
-    build_tiny_model("llama2", tmp_path / "full")  # o_proj / down_proj inputs 64 / 128
+def test_tensor_parallel_split_inside_a_block_keeps_the_numbers(tmp_path):
+    """Blocks of 48 that no rank's slice follows (o_proj's 64 inputs split by heads at 32;
+    down_proj's 128, no whole number of blocks, at 64): a rank starting inside a block holds
+    its columns in groups of 16, each block's scale repeated over them, still FP8, and the
+    engine gives the tokens and logits of transformers holding the checkpoint's numbers (its
+    own FP8 loader wants blocks that divide every weight)."""
+    from safetensors.torch import load_file
+
+    from tests.gptq_awq_checkpoints import hold
+    from tests.quantized_checkpoints import block_dequantize
+
+    hf = build_tiny_model("llama2", tmp_path / "full")  # o_proj / down_proj inputs 64 / 128
     folder = write_fp8_checkpoint(tmp_path / "full", tmp_path / "fp8", (48, 48))
-    with pytest.raises(ValueError, match="split its scale blocks of 48 columns"):
-        Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
-                              tensor_parallel_size=2)
+    tensors = load_file(str(folder / "model.safetensors"))
+    held = {name: block_dequantize(tensors[name], scale, (48, 48))
+            for name, scale in ((name.replace("_scale_inv", ""), scale)
+                                for name, scale in tensors.items()
+                                if name.endswith("weight_scale_inv"))}
+    assert len(held) == 2 * 7  # every projection of both layers
+    module, _ = load_model_module(folder, device=torch.device("cpu"), dtype="float32",
+                                  parallel=ParallelContext(tp_size=2, tp_rank=1),
+                                  progress=False)
+    layer = module.model.layers[0]
+    for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert projection.weight.dtype == FP8 and projection.weight_group_size == 16
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,)).tolist() for n in (9, 30, 17)]
+    model = Model.from_pretrained(folder, device="cpu", dtype="float32", progress=False,
+                                  tensor_parallel_size=2)
+    check_engine_matches(model, hf_reference(hold(hf, held)), prompts)
 
 
 def test_fp8_deepseek_mtp_layer_drafts_keep_greedy_tokens(tmp_path):

@@ -158,30 +158,46 @@ class QuantizedWeight:
         return [self.rows(start, size) for start, size in zip(starts, sizes)]
 
     def columns(self, start: int, count: int) -> QuantizedWeight | torch.Tensor:
-        """Input columns [start, start + count): whole groups only, unless one scale covers the
-        row (per-row or per-tensor scales hold for any columns; packed codes then any even
-        ones, else they come as int8). In activation order a part of the inputs is no set of
-        whole groups: it comes dequantized (float32)."""
+        """Input columns [start, start + count), the same numbers: in the weight's own groups
+        where the slice starts on one, else in smaller groups that fit it (`regrouped`: a
+        tensor-parallel rank holding part of a scale block). Packed codes split at an odd
+        column come as int8. In activation order a part of the inputs is no set of whole
+        groups: it comes dequantized (float32)."""
         cols = self.shape[1]
         if self.input_order is not None:
             return self if (start, count) == (0, cols) \
                 else self.dequantize()[:, start:start + count]
-        if self.scale.shape[1] == 1:
-            if self.packed and (start % 2 or count % 2):
-                return self.unpacked().columns(start, count)
-            per_byte = 2 if self.packed else 1
-            return replace(self, data=self.data[:, start // per_byte:(start + count) // per_byte],
-                           group_size=max(count, 1))
-        end = start + count
-        if start % self.group_size or (end % self.group_size and end != cols):
-            raise ValueError(f"columns [{start}, {end}) of a quantized weight split its scale "
-                             f"blocks of {self.group_size} columns: choose a "
-                             "tensor_parallel_size that splits the input at block boundaries")
-        groups = slice(start // self.group_size, math.ceil(end / self.group_size))
+        if self.packed and (start % 2 or count % 2):
+            return self.unpacked().columns(start, count)
         per_byte = 2 if self.packed else 1
-        return replace(self, data=self.data[:, start // per_byte:end // per_byte],
-                       scale=self.scale[:, groups],
+        data = self.data[:, start // per_byte:(start + count) // per_byte]
+        if self.scale.shape[1] == 1:  # one scale a row holds for any columns
+            return replace(self, data=data, group_size=max(count, 1))
+        if start % self.group_size:
+            return self.regrouped(math.gcd(self.group_size, start)).columns(start, count)
+        # the slice's last group may be shorter, as a weight's last one may
+        groups = slice(start // self.group_size, math.ceil((start + count) / self.group_size))
+        return replace(self, data=data, scale=self.scale[:, groups],
                        zero_point=None if self.zero_point is None else self.zero_point[:, groups])
+
+    def regrouped(self, group_size: int) -> QuantizedWeight:
+        """The same numbers in groups of `group_size` columns (a divisor of the weight's), each
+        group's scale and zero point repeated over its parts; packed codes need an even size,
+        else they come as int8."""
+        if self.group_size % group_size:
+            raise ValueError(f"groups of {group_size} columns do not divide the weight's "
+                             f"groups of {self.group_size}")
+        if self.packed and group_size % 2:
+            return self.unpacked().regrouped(group_size)
+        parts = self.group_size // group_size
+        groups = math.ceil(self.shape[1] / group_size)
+
+        def repeated(per_group: torch.Tensor) -> torch.Tensor:
+            return per_group.repeat_interleave(parts, dim=1)[:, :groups].contiguous()
+
+        return replace(self, scale=repeated(self.scale), group_size=group_size,
+                       zero_point=None if self.zero_point is None
+                       else repeated(self.zero_point))
 
     def unpacked(self) -> QuantizedWeight:
         """The same numbers as 8-bit integers (codes minus zero points, which lie in
