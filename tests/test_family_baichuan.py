@@ -196,3 +196,26 @@ def test_bad_explicit_keys_are_refused(key, value):
                              num_hidden_layers=LAYERS, intermediate_size=128, **{key: value})
     with pytest.raises(ValueError, match=key):
         BaichuanForCausalLM(config)
+
+
+def test_quantized_configs_keep_their_scale_groups():
+    """Baichuan and Qwen v1 read their remote-code configs through views of Llama's keys; a
+    GPTQ checkpoint's quantization_config passes through, so the MLP's tensor-parallel split
+    follows its groups (`loader.quantized.input_scale_group`)."""
+    from ksana_llm.loader.quantized import input_scale_group
+    from ksana_llm.models.qwen import _qwen_v1_view
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    baichuan = SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB, num_attention_heads=HEADS,
+                               num_hidden_layers=LAYERS, intermediate_size=128,
+                               quantization_config=gptq)
+    qwen = SimpleNamespace(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                           num_hidden_layers=LAYERS, intermediate_size=256,
+                           quantization_config=gptq)
+    assert input_scale_group(_baichuan_view(baichuan)) == 128
+    assert input_scale_group(_qwen_v1_view(qwen)) == 128
+    del baichuan.quantization_config
+    assert input_scale_group(_baichuan_view(baichuan)) == 1
+    # a group size written as a string, as some configs have it
+    assert input_scale_group(SimpleNamespace(quantization_config={**gptq, "group_size": "64"})) \
+        == 64

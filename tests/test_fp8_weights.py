@@ -89,18 +89,29 @@ def test_checkpoint_block_scales_expand_to_rows():
     torch.testing.assert_close(fp8.dequantize(), expected, atol=0, rtol=0)
     # Tensor parallelism: any rows; columns from a block boundary in the checkpoint's blocks
     # (the last one may be short), from inside a block in smaller groups, each block's scale
-    # repeated over its parts: the same numbers either way.
+    # repeated over its parts (dequantized below groups of 16): the same numbers every way.
     torch.testing.assert_close(fp8.rows(5, 20).dequantize(), expected[5:25], atol=0, rtol=0)
     torch.testing.assert_close(fp8.columns(32, 24).dequantize(), expected[:, 32:],
                                atol=0, rtol=0)
     parts = fp8.split_rows([24, 16])
     torch.testing.assert_close(parts[1].dequantize(), expected[24:], atol=0, rtol=0)
-    for start, count, group in ((8, 16, 8), (12, 40, 4), (16, 20, 16), (0, 28, 16)):
+    for start, count in ((16, 20), (0, 28)):
         part = fp8.columns(start, count)
-        assert part.group_size == group and part.data.dtype == fp8.data.dtype
-        assert part.scale.shape == (40, -(-count // group))
+        assert part.group_size == 16 and part.data.dtype == fp8.data.dtype
+        assert part.scale.shape == (40, -(-count // 16))
         torch.testing.assert_close(part.dequantize(), expected[:, start:start + count],
                                    atol=0, rtol=0)
+    for start, count in ((8, 16), (12, 40)):  # groups of 8 or 4: plain numbers
+        part = fp8.columns(start, count)
+        assert isinstance(part, torch.Tensor) and part.dtype == torch.float32
+        torch.testing.assert_close(part, expected[:, start:start + count], atol=0, rtol=0)
+    data32, scale32 = quantize_fp8(weight, (8, 32))
+    fp8_32 = quantized_weight_from_checkpoint(data32, scale32, (8, 32), "w")
+    part = fp8_32.columns(16, 40)  # from the middle of a block of 32: groups of 16
+    assert part.group_size == 16 and part.scale.shape == (40, 3)
+    torch.testing.assert_close(part.dequantize(),
+                               block_dequantize(data32, scale32, (8, 32))[:, 16:56],
+                               atol=0, rtol=0)
     with pytest.raises(ValueError, match="do not divide"):
         fp8.regrouped(6)
     with pytest.raises(ValueError, match=r"expected \(3, 4\)"):

@@ -198,11 +198,13 @@ def test_gptq_awq_under_tensor_parallelism(tmp_path, method):
     check_engine_matches(model, reference, prompts)
 
 
-def test_gptq_mlp_split_in_whole_groups_over_ranks(tmp_path):
-    """An MLP of 96 intermediate columns in GPTQ groups of 32 (three groups) over two ranks:
-    64 and 32 columns, packed on both, where an even split (48) would cut a group and be
-    refused; transformers' greedy tokens and logits (Qwen2.5-72B-GPTQ's 29568 columns over two
-    ranks are the same case at scale)."""
+@pytest.mark.parametrize("method", ["gptq", "awq-side-file"])
+def test_gptq_mlp_split_in_whole_groups_over_ranks(tmp_path, method):
+    """An MLP of 96 intermediate columns in groups of 32 (three groups) over two ranks -- the
+    settings in config.json (GPTQ) or beside it (AutoAWQ's quant_config.json) alike:
+    64 and 32 columns, packed on both in the checkpoint's groups, where an even split (48)
+    would leave rank 1 groups of 16, too small for the packed kernels; transformers' greedy
+    tokens and logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ksana_llm.distributed.context import ParallelContext
@@ -214,7 +216,8 @@ def test_gptq_mlp_split_in_whole_groups_over_ranks(tmp_path):
                                       tie_word_embeddings=False)).eval()
     perturb_biases_and_norms(hf)
     hf.save_pretrained(tmp_path / "full")
-    held = write_gptq(hf, tmp_path / "full", tmp_path / "q", sym=False)
+    held = write_gptq(hf, tmp_path / "full", tmp_path / "q", sym=False) if method == "gptq" \
+        else write_awq(hf, tmp_path / "full", tmp_path / "q", side_file=True)
     whole = load_ours(tmp_path / "q").model.layers[0].mlp
     for rank, (first, columns) in enumerate(((0, 64), (64, 32))):
         module, _ = load_model_module(tmp_path / "q", device=torch.device("cpu"),

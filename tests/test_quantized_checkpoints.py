@@ -316,9 +316,9 @@ def test_w8a8_moe_under_tensor_parallelism(tmp_path, source):
 
 def test_fp8_experts_split_in_whole_blocks_over_ranks(tmp_path):
     """A Qwen3-MoE FP8 checkpoint whose experts' 48 intermediate columns are three blocks of 16:
-    two ranks take 32 and 16 of them (an even split would cut a block and be refused), every
-    expert stays FP8 with the checkpoint's own block scales, and the engine's tokens and logits
-    are transformers' reading of the checkpoint."""
+    two ranks take 32 and 16 of them (an even split, 24 each, would leave rank 1 groups of 8,
+    too small for the kernels), every expert stays FP8 with the checkpoint's own block scales,
+    and the engine's tokens and logits are transformers' reading of the checkpoint."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from tests.test_family_moe import COMMON, _randomize

@@ -387,3 +387,27 @@ def test_balanced_splits_in_whole_units():
         [(0, 736), (736, 736), (1472, 704), (2176, 704)]
     with pytest.raises(ValueError, match="units of 32"):
         balanced_split(100, 2, 0, 32)
+
+
+def test_quantized_columns_split_evenly_unless_the_kernels_lose_their_groups():
+    """Row-parallel input columns of a quantized checkpoint: the even split while every rank's
+    slice starts where groups of 32 (or the whole scale block, when smaller) still fit;
+    otherwise whole scale blocks, where every rank gets one."""
+    from ksana_llm.distributed.context import ParallelContext
+    from ksana_llm.layers.parallel import scale_aligned_split
+
+    def splits(total: int, ranks: int, group: int) -> list[tuple[int, int]]:
+        return [scale_aligned_split(total, ParallelContext(tp_size=ranks, tp_rank=rank), group)
+                for rank in range(ranks)]
+
+    # gpt-oss's experts (blocks of 32): 720 / 360 each would leave groups of 16 / 8
+    assert [size for _, size in splits(2880, 4, 32)] == [736, 736, 704, 704]
+    assert [size for _, size in splits(2880, 8, 32)] == [384, 384] + [352] * 6
+    assert splits(2880, 2, 32) == [(0, 1440), (1440, 1440)]
+    # 128-column blocks whose even splits start at multiples of 64: even, regrouped to 64
+    for total, ranks in ((768, 4), (1536, 8), (29568, 2), (18432, 32)):
+        assert {size for _, size in splits(total, ranks, 128)} == {total // ranks}
+    assert splits(48, 2, 16) == [(0, 32), (32, 16)]  # 24 would leave groups of 8
+    assert splits(40, 2, 16) == [(0, 20), (20, 20)]  # no whole number of blocks: even
+    assert splits(64, 4, 32) == [(0, 16), (16, 16), (32, 16), (48, 16)]  # fewer blocks than ranks
+    assert splits(96, 2, 1) == [(0, 48), (48, 48)]  # not quantized in groups

@@ -325,9 +325,10 @@ def record_launches(config: ShapeConfig) -> list[Launch]:
                                         torch.empty(groups.shape, dtype=torch.int8), order)
             # MXFP4 experts (GPT-OSS): packed e2m1 codes in blocks of 32, E8M0 scale bytes, no
             # zero points
-            fused_moe.expert_matmul(down_input, packed, blocks, 1,
-                                    torch.empty(experts, hidden, inter // 32, dtype=torch.uint8),
-                                    32, fp4=True)
+            for groups in (inter // 32, 1):  # and one block a row (a rank's single block)
+                fused_moe.expert_matmul(down_input, packed, blocks, 1,
+                                        torch.empty(experts, hidden, groups, dtype=torch.uint8),
+                                        32, fp4=True)
     launches += rec
     return launches
 

@@ -15,6 +15,8 @@ shard. With tp_size 1 they are plain layers (no communication).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -61,18 +63,30 @@ def tp_all_gather_rows(x: torch.Tensor, ctx: ParallelContext, total: int) -> tor
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
+# The smallest scale group the quantized matmul kernels take (packed 4-bit codes' K tile): a
+# rank's slice starting inside a scale block holds it in groups of gcd(block, start), and
+# below this the kernels fall back to slower paths.
+KERNEL_MIN_GROUP = 32
+
+
 def scale_aligned_split(total: int, ctx: ParallelContext, scale_group: int = 1
                         ) -> tuple[int, int]:
     """This rank's (start, size) of `total` input columns of a row-parallel weight (an MLP's
-    or the MoE experts' intermediate columns): whole `scale_group`s -- the checkpoint's scale
-    blocks along them, `loader.quantized.input_scale_group` -- where every rank gets one at
-    least, so quantized weights load as the checkpoint holds them (gpt-oss's 2880 expert
-    columns over 4 ranks as 23, 23, 22 and 22 blocks of 32; Qwen2.5-72B-GPTQ's 29568 MLP
-    columns over 2 ranks as 116 and 115 groups of 128, where 14784 each would cut a group);
-    otherwise as even a split as the columns allow."""
-    if scale_group > 1 and not total % scale_group and total // scale_group >= ctx.tp_size:
-        return ctx.tp_split(total, scale_group)
-    return ctx.tp_split(total)
+    or the MoE experts' intermediate columns), given the checkpoint's scale blocks along them
+    (`scale_group`, `loader.quantized.input_scale_group`). The even split, unless a rank's
+    slice would start inside a block at a place that leaves groups smaller than the kernels
+    take (`QuantizedWeight.columns` regroups a slice in groups of gcd(block, start)): then
+    whole blocks, as evenly as they go, where every rank gets one. gpt-oss's 2880 expert
+    columns over 4 ranks: 720 each would leave groups of 16, so 736, 736, 704, 704 (23, 23,
+    22, 22 blocks of 32); Qwen3-30B-A3B-FP8's 768 over 4: 192 each, in groups of 64."""
+    even = ctx.tp_split(total)
+    if scale_group <= 1 or total % scale_group or total // scale_group < ctx.tp_size:
+        return even
+    smallest = min(scale_group, KERNEL_MIN_GROUP)
+    if all(math.gcd(scale_group, balanced_split(total, ctx.tp_size, rank)[0]) >= smallest
+           for rank in range(ctx.tp_size)):
+        return even
+    return ctx.tp_split(total, scale_group)
 
 
 def kv_head_shard(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int]:

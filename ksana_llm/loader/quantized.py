@@ -60,7 +60,9 @@ def input_scale_group(hf_config: Any) -> int:
     `weight_block_size`, GPTQ / AWQ's `group_size` (but 1 in activation order, whose slices
     load dequantized), compressed-tensors' group or block sizes. What a tensor-parallel split
     of a weight's inputs keeps whole, so every rank's scales stay the checkpoint's. Read before
-    any tensor loads; a config it cannot read gives 1 (`checkpoint_quantization` says why)."""
+    any tensor loads (`models.factory.load_model_module` puts settings kept beside config.json,
+    older GPTQ / AWQ checkpoints', on the config first); 1 for anything it cannot read
+    (`checkpoint_quantization` refuses what cannot load)."""
     quantization = quantization_settings(hf_config)
     if not quantization:
         return 1
@@ -79,7 +81,8 @@ def input_scale_group(hf_config: Any) -> int:
                 sizes.append(weights.get("group_size"))
             elif weights.get("strategy") == "block":
                 sizes.append((weights.get("block_structure") or [1, 1])[-1])
-    usable = [size for size in sizes if isinstance(size, int) and size > 0]
+    usable = [int(size) for size in sizes
+              if isinstance(size, (int, str)) and str(size).isdigit() and int(size) > 0]
     return math.lcm(*usable) if usable else 1
 
 

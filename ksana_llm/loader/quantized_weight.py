@@ -1,8 +1,8 @@
 """A quantized weight in memory (`QuantizedWeight`): one byte per number (float8_e4m3fn, or
 int8 codes minus zero points) or half a byte (4-bit codes, with their zero points), and one
-scale per row and input group (float32; MXFP4's one E8M0 byte) (the row scales of a checkpoint's block are the block's
-scale repeated), so a tensor-parallel rank can take any rows and group-aligned columns of it.
-The checkpoint formats (`fp8_weights`, `gptq_awq`) make them; the modules that keep quantized
+scale per row and input group (float32; MXFP4's one E8M0 byte; the row scales of a
+checkpoint's block are the block's scale repeated), so a tensor-parallel rank can take any
+rows and columns of it (`QuantizedWeight.columns`). The checkpoint formats (`fp8_weights`, `gptq_awq`) make them; the modules that keep quantized
 weights (the projections, `MergedLinear` and `RowParallelLinear`, and the MoE experts,
 `FusedExperts`) take them as they are, everything else gets them dequantized (`dense`).
 """
@@ -26,6 +26,9 @@ from ksana_llm.loader.weight_quant import (E2M1_VALUES, E8M0_BIAS, E8M0_DTYPE,
 # Packed codes (0..15) minus their zero points must fit int8: the dequantization subtracts them
 # at one byte.
 PACKED_ZERO_RANGE = (15 - 127, 127)
+# The smallest groups a column slice is regrouped into: below it a float32 scale per group
+# costs as much memory as the codes, and no quantized kernel takes the groups.
+SMALLEST_REGROUP = 16
 
 
 class QuantizedLayout(NamedTuple):
@@ -160,9 +163,10 @@ class QuantizedWeight:
     def columns(self, start: int, count: int) -> QuantizedWeight | torch.Tensor:
         """Input columns [start, start + count), the same numbers: in the weight's own groups
         where the slice starts on one, else in smaller groups that fit it (`regrouped`: a
-        tensor-parallel rank holding part of a scale block). Packed codes split at an odd
-        column come as int8. In activation order a part of the inputs is no set of whole
-        groups: it comes dequantized (float32)."""
+        tensor-parallel rank holding part of a scale block) -- dequantized (float32) where
+        those would be under `SMALLEST_REGROUP` columns, as in activation order, where a part
+        of the inputs is no set of whole groups. Packed codes split at an odd column come as
+        int8."""
         cols = self.shape[1]
         if self.input_order is not None:
             return self if (start, count) == (0, cols) \
@@ -174,7 +178,10 @@ class QuantizedWeight:
         if self.scale.shape[1] == 1:  # one scale a row holds for any columns
             return replace(self, data=data, group_size=max(count, 1))
         if start % self.group_size:
-            return self.regrouped(math.gcd(self.group_size, start)).columns(start, count)
+            group = math.gcd(self.group_size, start)
+            if group < SMALLEST_REGROUP:
+                return self.dequantize()[:, start:start + count]
+            return self.regrouped(group).columns(start, count)
         # the slice's last group may be shorter, as a weight's last one may
         groups = slice(start // self.group_size, math.ceil((start + count) / self.group_size))
         return replace(self, data=data, scale=self.scale[:, groups],

@@ -88,7 +88,9 @@ def _baichuan_view(config: Any) -> SimpleNamespace:
         rope_theta=10000.0, hidden_act=get("hidden_act", "silu"),
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         position_embedding=_position_embedding(config),
-        normalize_lm_head=_normalize_lm_head(config))
+        normalize_lm_head=_normalize_lm_head(config),
+        # GPTQ / AWQ checkpoints: the MLP's split follows their groups
+        quantization_config=get("quantization_config"))
 
 
 class BaichuanForCausalLM(LlamaForCausalLM):

@@ -20,7 +20,8 @@ from ksana_llm.layers.parallel import check_heads_divisible, kv_head_shard
 from ksana_llm.loader import find_weight_map, iterate_weights, load_hf_config, load_weight_map
 from ksana_llm.loader.fp8_weights import WEIGHT_QUANTIZATIONS
 from ksana_llm.loader.load_format import dummy_weights
-from ksana_llm.loader.quantized import checkpoint_quantization, paired_quantized
+from ksana_llm.loader.quantized import (checkpoint_quantization, paired_quantized,
+                                        quantization_settings)
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.llama import LlamaForCausalLM
 from ksana_llm.models.registry import model_class_for
@@ -104,6 +105,10 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
     checkpoint_format = checkpoint_quantization(hf_config, model_dir)
+    if checkpoint_format is not None and getattr(hf_config, "quantization_config", None) is None:
+        # Settings kept beside config.json (older GPTQ / AWQ checkpoints) on the config, where
+        # the model's layers read the scale groups their tensor-parallel splits keep whole.
+        hf_config.quantization_config = quantization_settings(hf_config, model_dir)
     if load_format == "dummy" and checkpoint_format is not None:
         raise ValueError(f"load_format 'dummy' makes unquantized weights; {model_dir} holds a "
                          f"{checkpoint_format} checkpoint")

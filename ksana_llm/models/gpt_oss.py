@@ -50,9 +50,9 @@ def halves_from_interleaved(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def keeps_mxfp4_codes(intermediate_size: int, parallel: ParallelContext) -> bool:
     """Whether MXFP4 experts load as FP4 codes: unless this rank's slice of the intermediate
-    columns (down_proj's input, split in whole blocks where every rank gets one:
-    `layers.parallel.scale_aligned_split`) splits a block of 32, which one scale per block
-    cannot describe -- more ranks than blocks."""
+    columns (down_proj's input, split in whole blocks of 32 where the even split would cut
+    them: `layers.parallel.scale_aligned_split`) still starts inside a block -- more ranks
+    than blocks -- where the codes would need groups smaller than the grouped kernel takes."""
     start, size = scale_aligned_split(intermediate_size, parallel, BLOCK)
     return start % BLOCK == 0 and size % BLOCK == 0
 

@@ -111,7 +111,9 @@ def _qwen_v1_view(config: Any) -> SimpleNamespace:
         max_position_embeddings=max(get("max_position_embeddings") or 0, seq_length),
         rope_theta=float(get("rotary_emb_base", 10000.0)), hidden_act="silu",
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        attention_bias=False, mlp_bias=False, seq_length=seq_length)
+        attention_bias=False, mlp_bias=False, seq_length=seq_length,
+        # GPTQ checkpoints (Qwen-7B/14B/72B-Chat-Int4): the MLP's split follows their groups
+        quantization_config=get("quantization_config"))
 
 
 class QWenLMHeadModel(LlamaForCausalLM):
