@@ -19,9 +19,9 @@ fixed-size index tensors on the device, and one launch covers every expert:
 
 Weights are dense (the activations' dtype), 8-bit (FP8 E4M3, or int8 codes with optional zero
 points) or packed 4-bit codes (uint8 [E, N, K / 2]: integers with their zero points, or MXFP4's
-e2m1 values, decoded arithmetically in registers), with float32 scales
-[E, N, groups] as `FusedExperts` keeps them (MXFP4's: E8M0 exponent bytes, turned into powers of
-two in registers): widened in registers as in `fp8_matmul` (group
+e2m1 values, decoded arithmetically in registers), with float32 scales [E, N, groups] as
+`FusedExperts` keeps them (MXFP4's: E8M0 exponent bytes, made powers of two in registers):
+widened in registers as in `fp8_matmul` (group
 scales on each K tile before its dot, a per-row scale on the accumulated dot), so a decode step
 reads one byte, or half a byte, per weight. Experts in GPTQ's activation order gather their
 input columns in their own order (`input_order` [E, K]) as they load them. Tile sizes follow the
@@ -256,9 +256,9 @@ def expert_matmul(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks,
     Quantized weights (8-bit values, or packed 4-bit codes [E, N, K / 2]) come with float32
     `scale`s [E, N, groups] in groups of `group_size` columns and, for packed integer and
     asymmetric int8 codes, `zero_point`s shaped like the scales; `fp4`: the packed codes are
-    e2m1 values (MXFP4), with no zero points and E8M0 scale bytes (uint8, `weight_quant.
-    e8m0_scales`); `input_order` [E, K]: expert e's column j
-    multiplies a[:, input_order[e, j]]."""
+    e2m1 values (MXFP4), with no zero points and E8M0 scale bytes (uint8,
+    `weight_quant.e8m0_scales`); `input_order` [E, K]: expert e's column j multiplies
+    a[:, input_order[e, j]]."""
     packed = weight.dtype == PACKED_INT4_DTYPE
     if fp4 and (not packed or zero_point is not None or scale is None
                 or scale.dtype != E8M0_DTYPE):

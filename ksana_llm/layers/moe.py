@@ -40,9 +40,9 @@ class FusedExperts(ExpertLoading, nn.Module):
     """`num_experts` gated MLPs stored stacked; forward over tokens sorted by expert.
 
     Under tensor parallelism every rank keeps every expert, each with a slice of its
-    intermediate columns (whole `scale_group`s, the checkpoint's scale blocks along them, where
-    it can: `layers.parallel.scale_aligned_split`); the output is then a partial sum that the enclosing
-    `SparseMoeBlock` all-reduces once.
+    intermediate columns (split as `layers.parallel.scale_aligned_split` says, given the
+    checkpoint's scale blocks along them, `scale_group`); the output is then a partial sum that
+    the enclosing `SparseMoeBlock` all-reduces once.
 
     Quantized experts (an FP8 checkpoint's, `online_quantization` for online quantization, an
     integer checkpoint's codes: int8, or 4-bit packed two a byte, or an MXFP4 checkpoint's e2m1
@@ -51,11 +51,11 @@ class FusedExperts(ExpertLoading, nn.Module):
     stay so (an MXFP4 stack quantizes dense tensors that arrive later, a weight update's, to
     MXFP4 as they load): `w13` / `w2` hold the quantized values and
     `w13_scale` [E, 2I, groups] / `w2_scale` [E, H, groups] their row-and-group scales
-    (float32; MXFP4's E8M0 bytes: see `loader.quantized_weight`); each active expert's matmul takes its quantized weight as
-    the projections do -- W8A8 experts quantizing their inputs to int8 per token first (under
-    tensor parallelism a token's scale for `w2` comes from its whole intermediate row, over
-    every rank's slice). Experts whose checkpoint tensors disagree (some
-    quantized, some not, FP8 and int8, or other scale blocks) are all kept dense.
+    (float32; MXFP4's E8M0 bytes: see `loader.quantized_weight`); each active expert's matmul
+    takes its quantized weight as the projections do -- W8A8 experts quantizing their inputs
+    to int8 per token first (under tensor parallelism a token's scale for `w2` comes from its
+    whole intermediate row, over every rank's slice). Experts whose checkpoint tensors disagree
+    (some quantized, some not, FP8 and int8, or other scale blocks) are all kept dense.
 
     `bias` (GPT-OSS): each expert's projections add a bias, `w13_bias` [E, 2I] (this rank's gate
     and up rows) and `w2_bias` [E, H] (added by the first tensor-parallel rank only: the ranks'
@@ -239,8 +239,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
                  bias: bool = False, *, parallel: ParallelContext = SINGLE,
                  reduce_output: bool = True, scale_group: int = 1) -> None:
-        """`scale_group`: the checkpoint's scale blocks along the intermediate columns, which a
-        rank's slice keeps whole where it can (`layers.parallel.scale_aligned_split`)."""
+        """`scale_group`: the checkpoint's scale blocks along the intermediate columns, which
+        the tensor-parallel split takes into account (`layers.parallel.scale_aligned_split`)."""
         super().__init__()
         shard = scale_aligned_split(intermediate_size, parallel, scale_group)
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size],

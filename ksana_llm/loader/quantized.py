@@ -58,8 +58,8 @@ def input_scale_group(hf_config: Any) -> int:
     """How many input columns one of the checkpoint's weight scales covers (1: a scale per row
     or per tensor, or no quantization), from `quantization_config`: MXFP4's blocks of 32, FP8's
     `weight_block_size`, GPTQ / AWQ's `group_size` (but 1 in activation order, whose slices
-    load dequantized), compressed-tensors' group or block sizes. What a tensor-parallel split
-    of a weight's inputs keeps whole, so every rank's scales stay the checkpoint's. Read before
+    load dequantized), compressed-tensors' group or block sizes: what a tensor-parallel split
+    of an MLP's inputs takes into account (`layers.parallel.scale_aligned_split`). Read before
     any tensor loads (`models.factory.load_model_module` puts settings kept beside config.json,
     older GPTQ / AWQ checkpoints', on the config first); 1 for anything it cannot read
     (`checkpoint_quantization` refuses what cannot load)."""

@@ -2,9 +2,10 @@
 int8 codes minus zero points) or half a byte (4-bit codes, with their zero points), and one
 scale per row and input group (float32; MXFP4's one E8M0 byte; the row scales of a
 checkpoint's block are the block's scale repeated), so a tensor-parallel rank can take any
-rows and columns of it (`QuantizedWeight.columns`). The checkpoint formats (`fp8_weights`, `gptq_awq`) make them; the modules that keep quantized
-weights (the projections, `MergedLinear` and `RowParallelLinear`, and the MoE experts,
-`FusedExperts`) take them as they are, everything else gets them dequantized (`dense`).
+rows and columns of it (`QuantizedWeight.columns`). The checkpoint formats (`fp8_weights`,
+`gptq_awq`, `mxfp4`) make them; the modules that keep quantized weights (the projections,
+`MergedLinear` and `RowParallelLinear`, and the MoE experts, `FusedExperts`) take them as they
+are, everything else gets them dequantized (`dense`).
 """
 
 from __future__ import annotations

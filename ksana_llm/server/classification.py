@@ -15,7 +15,7 @@ from ksana_llm.models.sequence_classification import ClassifierHead
 from ksana_llm.server.classification_protocol import (ClassificationData, ClassificationRequest,
                                                       ClassificationResponse,
                                                       ClassificationUsage)
-from ksana_llm.server.embeddings import last_token_states, pooling_inputs
+from ksana_llm.server.embeddings import final_hidden_states, pooling_inputs
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.state import ServerState, server_state
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST, parse_body
@@ -37,9 +37,9 @@ async def classify_prompts(state: ServerState, prompts: list[list[int]], request
                            lora: str | None, fields: list[str] | None = None,
                            priority: int = 0) -> list[ClassificationOutput] | None:
     """Each prompt's classification, in order; None when the client left first. As
-    `last_token_states` (errors naming `fields[i]`)."""
+    `final_hidden_states` (errors naming `fields[i]`)."""
     head = checked_classifier(state, "classification")
-    states = await last_token_states(state, prompts, request, lora, fields, priority)
+    states = await final_hidden_states(state, prompts, request, lora, fields, priority)
     if states is None:
         return None
     return [classification_from_hidden(head, hidden, len(prompt))
@@ -51,8 +51,8 @@ async def classify_tokens(state: ServerState, prompts: list[list[int]], request:
     """Each prompt's per-token class probabilities [tokens, classes] (vLLM's token_classify:
     the head and its activation at every position), in order; None when the client left."""
     head = checked_classifier(state, "token classification")
-    states = await last_token_states(state, prompts, request, lora, priority=priority,
-                                     every_token=True)
+    states = await final_hidden_states(state, prompts, request, lora, priority=priority,
+                                       every_token=True)
     if states is None:
         return None
     return [head.probabilities(head.logits(rows)) for rows in states]

@@ -105,10 +105,10 @@ def _submitter(state: ServerState, prompts: list[list[int]], loop: asyncio.Abstr
     return submit
 
 
-async def last_token_states(state: ServerState, prompts: list[list[int]], request: Request,
-                            lora: str | None, fields: Sequence[str] | None = None,
-                            priority: int = 0, every_token: bool = False
-                            ) -> list[torch.Tensor] | None:
+async def final_hidden_states(state: ServerState, prompts: list[list[int]], request: Request,
+                              lora: str | None, fields: Sequence[str] | None = None,
+                              priority: int = 0, every_token: bool = False
+                              ) -> list[torch.Tensor] | None:
     """Each prompt's last-token hidden state after the final norm, in order; None when the
     client left first (its requests aborted and counted). `fields`: each prompt's field name
     for errors (default: all `input`). `priority`: the request's (checked against the
@@ -128,9 +128,9 @@ async def embed_prompts(state: ServerState, prompts: list[list[int]], request: R
                         priority: int = 0, normalize: bool = True
                         ) -> list[torch.Tensor] | None:
     """Each prompt's embedding (`api.embeddings`), in order; None when the client left first.
-    As `last_token_states`; also what `/score` and `/rerank` compare. `normalize` False: the
+    As `final_hidden_states`; also what `/score` and `/rerank` compare. `normalize` False: the
     last-token states as they are (float32), not scaled to unit length."""
-    states = await last_token_states(state, prompts, request, lora, fields, priority)
+    states = await final_hidden_states(state, prompts, request, lora, fields, priority)
     if states is None:
         return None
     return [embedding_from_hidden(hidden) if normalize else hidden.float().flatten()
@@ -143,8 +143,8 @@ async def embed_tokens(state: ServerState, prompts: list[list[int]], request: Re
     """Each prompt's per-token embeddings [tokens, hidden] (vLLM's token_embed: every
     position's final-norm state, each row L2-normalised unless `normalize` is False), in order;
     None when the client left first."""
-    states = await last_token_states(state, prompts, request, lora, priority=priority,
-                                     every_token=True)
+    states = await final_hidden_states(state, prompts, request, lora, priority=priority,
+                                       every_token=True)
     if states is None:
         return None
     return [token_embeddings_from_hidden(rows) if normalize else rows.float()
