@@ -86,7 +86,8 @@ def stage_tests(out_dir: Path) -> int:
                "tests/test_kernels_layers.py", "tests/test_kernels_prefill.py",
                "tests/test_kernels_softcap.py", "tests/test_kernels_sinks.py",
                "tests/test_fp8_matmul.py",
-               "tests/test_kernels_moe.py", "tests/test_token_history.py", "-q", "-rfE",
+               "tests/test_kernels_moe.py", "tests/test_kernels_moe_fp4.py",
+               "tests/test_token_history.py", "-q", "-rfE",
                "-p", "no:cacheprovider", f"--junitxml={junit}"]
     if importlib.util.find_spec("pytest_timeout") is not None:
         command.append("--timeout=150")
