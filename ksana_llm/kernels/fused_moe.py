@@ -122,12 +122,16 @@ def _program_tile(Ids, BlockExperts, W, S, num_assignments, N,
 def _load_scales(pointers, mask, E8M0: tl.constexpr):
     """Scales as float32: as stored, or from E8M0 bytes (MXFP4): 2 ** (byte - 127), built as
     float32 bits so every byte is exact -- 0 the subnormal 2 ** -127, 255 NaN."""
+    # One return after an if / else: triton compiles every return of a function, even one
+    # past a constexpr branch that returned, and they must agree in type.
     if E8M0:
         byte = tl.load(pointers, mask=mask, other=127).to(tl.int32)
         bits = tl.where(byte == 0, 1 << 22, byte << 23)
         bits = tl.where(byte == 255, 0x7FC00000, bits)
-        return bits.to(tl.float32, bitcast=True)
-    return tl.load(pointers, mask=mask, other=0.0)
+        scales = bits.to(tl.float32, bitcast=True)
+    else:
+        scales = tl.load(pointers, mask=mask, other=0.0)
+    return scales
 
 
 @triton.jit
