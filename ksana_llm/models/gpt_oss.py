@@ -13,7 +13,8 @@ Checkpoints: the experts are stacked, transposed (`gate_up_proj` [E, H, 2I], `do
 store them as MXFP4 (`*_blocks` / `*_scales`, rows not transposed), which the experts keep
 packed, half a byte a number, with an E8M0 scale byte per block of 32
 (`loader.mxfp4.mxfp4_weight`): tensor-parallel ranks take whole blocks of the intermediate
-columns (2880 over 4 ranks: 736, 736, 704 and 704), dequantized only past one block a rank.
+columns (2880 over 4 ranks: 736, 736, 704 and 704), dequantized only with more ranks than
+blocks.
 Both become the [gate; up] halves `FusedExperts` keeps.
 """
 

@@ -60,7 +60,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False)) if bias is None else bias
         size = config.intermediate_size
-        # whole scale groups of a quantized checkpoint per rank, where they divide evenly enough
+        # a quantized checkpoint's scale groups decide where the ranks' columns may start
         shard = scale_aligned_split(size, parallel, input_scale_group(config))
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias,
                                          shards=[shard, shard])
