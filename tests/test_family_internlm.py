@@ -110,7 +110,7 @@ def test_internlm3_matches_its_llama_block(tmp_path):
 
 def test_internlm2_tensor_parallel(tmp_path):
     """TP 2: each rank takes its heads of the q/k/v taken apart from wqkv (and their biases)."""
-    from tests.test_tensor_parallel import check_engine
+    from tests.parallel_models import check_engine
 
     torch.manual_seed(0)
     llama = spread_weights(LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True)))

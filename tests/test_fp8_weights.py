@@ -9,7 +9,8 @@
 - Online quantization: logits and tokens equal transformers' with every projection and expert
   fake-quantized per row by the formula written out in tests/quantized_checkpoints.py; a LoRA
   adapter over FP8 projections equals PEFT's on that base.
-Checkpoints end to end: tests/test_quantized_checkpoints.py; the Triton matmul:
+Checkpoints end to end: tests/test_quantized_checkpoints.py (two ranks:
+tests/test_quantized_parallel.py); the Triton matmul:
 tests/test_fp8_matmul.py.
 """
 

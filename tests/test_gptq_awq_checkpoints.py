@@ -82,7 +82,7 @@ def test_awq_checkpoint_matches_the_library(tmp_path):
 def test_checkpoints_of_families_that_reshape_projections(tmp_path, family, method):
     """Phi-3's fused qkv_proj / gate_up_proj come split into parts, GLM's q/k rows reordered
     per head: on packed 4-bit codes (their scales and zero points) as on dense weights."""
-    from tests.test_tensor_parallel import build
+    from tests.parallel_models import build
 
     hf = build(family, tmp_path / "full")
     write = write_gptq if method == "gptq" else write_awq

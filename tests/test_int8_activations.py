@@ -1,7 +1,8 @@
 """Int8 activations, one scale per token (W8A8 checkpoints, `layers.int8_activations`): the
 codes and scales against compressed-tensors' own functions, the int8 matmul against the
 dequantized product, and the projections and MoE experts that quantize their inputs so. The
-checkpoint end to end (and over two gloo ranks) is in tests/test_quantized_checkpoints.py.
+checkpoint end to end is in tests/test_quantized_checkpoints.py, over two gloo ranks in
+tests/test_quantized_parallel.py.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def test_tensor_parallel_adapters_match_peft(tiny):
 def test_moe_attention_adapter_matches_peft_and_unadaptable_modules_are_refused(tmp_path):
     """On Mixtral (MoE MLP) an attention adapter applies and equals PEFT; DeepSeek's MLA
     attention takes no adapter, which is an error naming the module, not a silent no-op."""
-    from tests.test_tensor_parallel import build
+    from tests.parallel_models import build
 
     moe = build("mixtral", tmp_path / "mixtral")
     reference = make_adapter(moe, tmp_path / "mixtral-qv", seed=4, targets=["q_proj", "v_proj"],
@@ -258,7 +258,7 @@ def test_moe_attention_adapter_matches_peft_and_unadaptable_modules_are_refused(
     ("olmo2", ["q_proj", "k_proj"]),  # normalised as whole projections after the adapter
 ])
 def test_adapters_on_newer_families_match_peft(tmp_path, family, targets):
-    from tests.test_tensor_parallel import build
+    from tests.parallel_models import build
 
     base = build(family, tmp_path / family)
     reference = make_adapter(base, tmp_path / "adapter", seed=6, targets=targets, rank=4,
