@@ -49,6 +49,7 @@ import asyncio
 import functools
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -59,7 +60,10 @@ from typing import Any
 import torch
 
 import ksana_llm as kt
-from benchmarks.gc_pauses import GcPauses
+
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a file
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.gc_pauses import GcPauses  # noqa: E402
 
 DEVICE_PHASES = ("forward", "lm_head", "sample")
 # Host phases that, with overlapped output processing, run while the device computes the step.
