@@ -13,14 +13,14 @@ from transformers import (
 )
 
 from ksana_llm.generation_config import GenerationConfig
-from ksana_llm.runner.sampler import SamplingRow
+from ksana_llm.runner.sampler import SamplingRow, SeededDraws
 
 
 def sampling_row(config: GenerationConfig, prompt: list[int] | None = None,
-         output: list[int] | None = None, generator: torch.Generator | None = None,
+         output: list[int] | None = None, draws: SeededDraws | None = None,
          eos: tuple[int, ...] = ()) -> SamplingRow:
     return SamplingRow(config=config, prompt_token_ids=list(prompt or []),
-                       output_token_ids=list(output or []), generator=generator,
+                       output_token_ids=list(output or []), draws=draws,
                        eos_token_ids=eos)
 
 

@@ -132,6 +132,28 @@ def test_batches_mix_drafting_and_sampled_requests(default_model):
     assert outs[1].token_ids == alone.token_ids
 
 
+def test_seeded_samples_are_those_without_drafts(default_model):
+    """A seeded sample draws position t's noise from (seed, t) alone, and a draft stands where
+    it is that draw's token: with drafts accepted, the samples (n = 2: seeds s and s + 1) are
+    the engine's without speculative decoding."""
+    prompt = default_model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": COPY_PROMPTS[1]}], add_generation_prompt=True,
+        tokenize=False)
+    config = kt.GenerationConfig(max_new_tokens=32, do_sample=True, temperature=0.5, seed=11,
+                                 num_return_sequences=2)
+    samples = {}
+    for drafts in (0, 4):
+        settings = dict(speculative_method="ngram", num_speculative_tokens=drafts) \
+            if drafts else {}
+        with kt.Engine(default_model, num_device_blocks=256, **settings) as engine:
+            output = engine.generate_outputs([prompt], config, use_tqdm=False)[0]
+            stats = engine.stats()
+        samples[drafts] = [s.token_ids for s in output.sequences]
+    assert stats.num_accepted_draft_tokens > 0
+    assert samples[4] == samples[0]
+    assert samples[0][0] != samples[0][1]
+
+
 def test_a_predicted_output_drafts_its_own_tokens(default_model, hf_default_model):
     """OpenAI's Predicted Outputs: with the expected answer as `prediction`, a text that does
     not copy its prompt is drafted from the prediction (most drafts accepted, far fewer

@@ -13,7 +13,7 @@ import torch
 
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.sampled_tokens import SamplerOutput
-from ksana_llm.runner.sampler import Sampler, make_generator
+from ksana_llm.runner.sampler import Sampler, SeededDraws, seeded_draws
 
 # Short local names for the shared helpers: the tests build many rows inline.
 from tests.sampler_harness import chi_square_pvalue as _chi_square_pvalue
@@ -64,7 +64,7 @@ def test_seeded_rows_distribution_chi_square() -> None:
     base = _stat_logits()
     n = 5_000
     probs = _hf_warpers(config)(None, base.unsqueeze(0).clone()).softmax(-1)[0]
-    rows = [_row(config, generator=make_generator(seed, "cpu")) for seed in range(n)]
+    rows = [_row(config, draws=seeded_draws(seed, "cpu")) for seed in range(n)]
     tokens = Sampler(seed=0).sample(base.expand(n, -1), rows).token_ids
     counts = torch.bincount(tokens, minlength=8)
     assert counts[probs == 0].sum() == 0
@@ -90,7 +90,7 @@ def _run(position: int, others: list[tuple[GenerationConfig, int | None]],
                               repetition_penalty=1.1, seed=42)
     requests = [(c, s) for c, s in others]
     requests.insert(position, (target, target.seed))
-    rows = [_row(c, prompt=[1, 2, 3], generator=None if s is None else make_generator(s, "cpu"))
+    rows = [_row(c, prompt=[1, 2, 3], draws=None if s is None else seeded_draws(s, "cpu"))
             for c, s in requests]
     sampler = Sampler(seed=sampler_seed)
     for step in range(_STEPS):
@@ -123,12 +123,12 @@ def test_different_seeds_differ_and_sampler_seed_reproduces() -> None:
     config = GenerationConfig(do_sample=True)
     logits = base.expand(64, -1)
 
-    def draw(generators: list[torch.Generator | None], sampler_seed: int | None) -> list[int]:
-        rows = [_row(config, generator=g) for g in generators]
+    def draw(draws: list[SeededDraws | None], sampler_seed: int | None) -> list[int]:
+        rows = [_row(config, draws=d) for d in draws]
         return Sampler(seed=sampler_seed).sample(logits, rows).token_ids.tolist()
 
-    a = draw([make_generator(1, "cpu") for _ in range(64)], None)
-    b = draw([make_generator(2, "cpu") for _ in range(64)], None)
+    a = draw([seeded_draws(1, "cpu") for _ in range(64)], None)
+    b = draw([seeded_draws(2, "cpu") for _ in range(64)], None)
     assert len(set(a)) == 1 and a != b  # same seed -> same token, whatever the row
     assert draw([None] * 64, 3) == draw([None] * 64, 3)
 

@@ -37,7 +37,7 @@ from ksana_llm.api.core_builder import build_core
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.runner.draft_verification import NO_DRAFT, verify_drafts
-from ksana_llm.runner.sampler import Sampler, SamplingRow, make_generator, warp_logits
+from ksana_llm.runner.sampler import Sampler, SamplingRow, seeded_draws, warp_logits
 from ksana_llm.yaml_config import parse_engine_config
 from tests.deepseek_checkpoint import (
     deepseek_config,
@@ -407,15 +407,30 @@ def test_greedy_verification_and_seeded_rows():
     verdict = verify_drafts(Sampler(), logits, [greedy] * 6, drafts)
     assert _emitted(verdict, drafts, 2) == [[1, 0], [1, 0, 2]]
 
-    def seeded_run() -> list[list[int]]:
-        config = GenerationConfig(do_sample=True, seed=7)
-        row = SamplingRow(config=config, prompt_token_ids=[1], output_token_ids=[],
-                          generator=make_generator(7, "cpu"))
-        return _emitted(verify_drafts(Sampler(), torch.randn(3, 50, generator=torch.Generator()
-                                                             .manual_seed(2)),
-                                      [row] * 3, [4, 9, NO_DRAFT]), [4, 9, NO_DRAFT], 2)
 
-    assert seeded_run() == seeded_run()
+def test_seeded_verification_emits_the_tokens_sampled_one_at_a_time():
+    """Row j of a seeded sequence decides output position len(output) + j with the noise the
+    sampler draws there: whatever the drafts, the emitted tokens are those sampling each
+    position alone gives (a refused draft's row emits that position's sample)."""
+    vocab, k = 50, 3
+    logits = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    config = GenerationConfig(do_sample=True, temperature=1.0, seed=7)
+
+    def row(num_outputs: int) -> SamplingRow:
+        return SamplingRow(config=config, prompt_token_ids=[1],
+                           output_token_ids=[5] * num_outputs, draws=seeded_draws(7, "cpu"))
+
+    # Position 3 + j sampled alone from logits row j (a fresh Sampler each: no shared state).
+    alone = [int(Sampler().sample(logits[j:j + 1], [row(3 + j)]).token_ids[0])
+             for j in range(k + 1)]
+    assert len(set(alone)) > 1
+    for wrong_at in (None, 0, 1, 2):
+        drafts = alone[:k]
+        if wrong_at is not None:
+            drafts[wrong_at] = (alone[wrong_at] + 1) % vocab
+        verdict = verify_drafts(Sampler(), logits, [row(3)] * (k + 1), drafts + [NO_DRAFT])
+        stop = k if wrong_at is None else wrong_at
+        assert _emitted(verdict, drafts + [NO_DRAFT], k) == [alone[:stop + 1]]
 
 
 # ---- configuration ----------------------------------------------------------------------------

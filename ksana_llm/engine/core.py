@@ -53,7 +53,7 @@ from ksana_llm.engine.speculative_steps import SpeculativeSteps
 from ksana_llm.engine.step_histogram import HistogramSnapshot, StepHistogram
 from ksana_llm.runner.model_runner import ModelRunner, SeqSlice, StepInput
 from ksana_llm.runner.slices import PromptLogprobTargets
-from ksana_llm.runner.sampler import Sampler, make_generator
+from ksana_llm.runner.sampler import Sampler, seeded_draws
 
 # stop_reason of a request that expired in the waiting queue.
 TIMEOUT_STOP_REASON = "timeout"
@@ -157,8 +157,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         seq.max_num_tokens = min(seq.num_prompt_tokens + config.max_new_tokens, self.max_model_len)
         # Everything that may fail comes before the scheduler takes the sequence, so a refused
         # request leaves nothing behind.
-        if config.seed is not None and seq.generator is None:
-            seq.generator = make_generator(config.seed, self.runner.device)
+        if config.seed is not None and seq.draws is None:
+            seq.draws = seeded_draws(config.seed, self.runner.device)
         seq.detokenizer = self._detokenizer(seq)
         self.scheduler.add(seq)
         self.groups[seq.request_id] = group

@@ -72,7 +72,7 @@ class Sequence:
     num_prompt_tokens_counted: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    generator: Any = None  # torch.Generator for seeded sampling (owned by the runner's device)
+    draws: Any = None  # a seeded sequence's SeededDraws (runner.sampler), on the runner's device
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     # Timing for metrics: set by the engine core.
     first_scheduled_time: float | None = None
@@ -195,7 +195,7 @@ class Sequence:
 
     def fork(self, index: int) -> Sequence:
         """A new sequence with a copy of this one's tokens and sampling state (not its blocks nor
-        its queue: `Scheduler.fork` does those). Its generator and detokenizer are the caller's."""
+        its queue: `Scheduler.fork` does those). Its seeded draws and detokenizer are the caller's."""
         return Sequence(
             self.request_id, self.prompt_token_ids, self.config, eos_token_ids=self.eos_token_ids,
             priority=self.priority, rank=self.rank, arrival_time=self.arrival_time,

@@ -19,7 +19,7 @@ from ksana_llm.engine.request import PENDING_TOKEN, Sequence, SequenceStatus
 from ksana_llm.engine.scheduler_records import ScheduledSequence
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.model_runner import PendingInputs
-from ksana_llm.runner.sampler import SamplingRow, make_generator
+from ksana_llm.runner.sampler import SamplingRow, seeded_draws
 
 
 class SamplingSteps:
@@ -45,7 +45,7 @@ class SamplingSteps:
         if seq.sampling_row is None:
             seq.sampling_row = SamplingRow(
                 config=seq.config, prompt_token_ids=seq.context_token_ids,
-                output_token_ids=seq.output_token_ids, generator=seq.generator,
+                output_token_ids=seq.output_token_ids, draws=seq.draws,
                 eos_token_ids=seq.eos_token_ids, matcher=seq.matcher,
                 need_logprob=seq.config.num_sequences > seq.config.num_return_sequences,
                 engine_processors=seq.engine_processors, request_id=seq.request_id,
@@ -148,7 +148,7 @@ class SamplingSteps:
             child.prompt_logprobs = None  # computed once, by the first sequence
             child.num_reserved_slots = 1
             if group.config.seed is not None:
-                child.generator = make_generator(group.config.seed + i, self.runner.device)
+                child.draws = seeded_draws(group.config.seed + i, self.runner.device)
             child.detokenizer = self._detokenizer(child)
             self.scheduler.fork(seq, child)
             children.append(child)

@@ -7,10 +7,12 @@ and warped exactly as the sampler does for one token (`process_logits`, `warp_lo
 - greedy rows accept d_{j+1} when it is row j's argmax; the token emitted at the first refusal
   (or after the last draft: the bonus token) is that row's argmax, so the output is the greedy
   output token for token;
-- sampling rows accept d_{j+1} with probability p_j(d_{j+1}) and, at the first refusal, draw
-  from p_j with d_{j+1} removed (renormalised); after the last draft they draw from p_k. Drafts
-  are the draft model's argmax (a one-hot proposal), for which this is the standard speculative
-  sampling rule: every emitted token follows the same distribution as without drafts.
+- sampling rows draw their token x_j from p_j as the sampler would (`Sampler.sample_rows`) and
+  accept d_{j+1} when x_j is d_{j+1}; the token emitted at the first refusal is that row's x_j
+  (after the last draft: x_k). Drafts are the draft model's argmax (a one-hot proposal), for
+  which this is the speculative sampling rule: a draft stands with probability p_j(d_{j+1}),
+  and a refused one leaves x_j distributed as p_j without d_{j+1} (renormalised), so every
+  emitted token follows the same distribution as without drafts.
 
 Log-probs (when asked) are what the sampler reports (by default the raw model distribution's;
 see `runner.logprobs_mode`) at each row: of the row's draft, of the token it would emit, and the
@@ -20,9 +22,10 @@ Rows only mix settings the sampler would accept for one token at a time; the eng
 for sequences whose processors do not depend on the tokens between rows (no penalties read the
 history, no grammar, no pending min_new_tokens: see `SpeculativeSteps._drafts_allowed`).
 
-Seeded rows draw their noise from their request's generator, one row at a time: a seeded request
-is reproducible, but its tokens depend on how many drafts each of its steps verified (which
-depends on the batch, the budget and free blocks), so they differ from those without drafts.
+Seeded rows draw each position's noise from (seed, position) alone (`SeededDraws`): row j of a
+sequence decides its output position len(output) + j with the noise the sampler would use
+there, so a seeded request's tokens are those without drafts, however many drafts each step
+verified (which depends on the batch, the budget and free blocks).
 """
 
 from __future__ import annotations
@@ -66,16 +69,8 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
         accepted, tokens = greedy_accept, greedy_ids
     else:
         final = warp_logits(processed, rows)
-        probs = final.softmax(dim=-1)
-        draft_probs = probs.gather(1, drafts).squeeze(1)
-        sampled_accept = _uniforms(sampler, rows, device) < draft_probs
-        # The residual distribution: p without the refused draft (rows without one keep p).
-        residual = probs.scatter(1, drafts, torch.where(has_draft.unsqueeze(1), 0.0,
-                                                        draft_probs.unsqueeze(1)))
-        # A draft with all the mass is always accepted; keep its row finite all the same.
-        residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, probs)
-        # `sample_rows` softmaxes its input: log(residual) gives back residual / sum.
-        sampled = sampler.sample_rows(residual.log(), rows)
+        sampled = sampler.sample_rows(final, rows, _positions_ahead(draft_ids))
+        sampled_accept = sampled == drafts.squeeze(1)
         greedy = to_device([row.config.greedy for row in rows], torch.bool, device)
         accepted = torch.where(greedy, greedy_accept, sampled_accept)
         tokens = torch.where(greedy, greedy_ids, sampled)
@@ -88,11 +83,11 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
     return torch.cat((verdict.double(), chosen.double(), values.double(), ids.double()), dim=1)
 
 
-def _uniforms(sampler: Sampler, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) draw per row: from the row's own generator (seeded requests) or the sampler's."""
-    out = torch.empty(len(rows), dtype=torch.float32, device=device)
-    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
-    out.uniform_(generator=sampler.default_generator(device))
-    for i in seeded:
-        out[i:i + 1].uniform_(generator=rows[i].generator)
-    return out
+def _positions_ahead(draft_ids: list[int]) -> list[int]:
+    """For each row, how many rows of its sequence come before it: row j of a sequence decides
+    output position len(output) + j. A sequence's rows end with its NO_DRAFT row."""
+    ahead, count = [], 0
+    for draft in draft_ids:
+        ahead.append(count)
+        count = 0 if draft == NO_DRAFT else count + 1
+    return ahead

@@ -20,8 +20,9 @@ Order of operations (that of `transformers.generate`, so greedy outputs match it
    `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`.
 3. Greedy rows take the argmax of the processed logits; sampling rows are drawn with the
    exponential race (`argmax(probs / E)`, `E ~ Exponential(1)`), which is an exact categorical
-   sample and lets every row draw its noise from its own generator: a seeded request then yields
-   the same tokens whatever else shares its batch.
+   sample and lets every row draw its noise from its own generator: a seeded request draws each
+   position's noise from (seed, position) alone (`SeededDraws`), so it yields the same tokens
+   whatever else shares its batch, and with or without speculative drafts.
 
 The repetition, presence and frequency penalties and the n-gram bans read each row's token ids
 from a table the sampler keeps on the device (`runner.token_history`) and extends with each
@@ -60,22 +61,48 @@ __all__ = [
     "SamplerOutput",
     "Sampler",
     "beam_log_probs",
-    "make_generator",
+    "SeededDraws",
+    "seeded_draws",
     "process_logits",
     "warp_logits",
 ]
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator for one seeded request, created once per request by the engine.
+# splitmix64's constants: the golden-ratio step between positions, and its finaliser's.
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
 
-    It must live on the logits' device because `exponential_` only accepts a generator of the
-    tensor's own device.
-    """
-    generator = torch.Generator(device=torch.device(device))
-    # manual_seed rejects values outside the 64-bit range; fold them so any Python int works.
-    generator.manual_seed(seed % (1 << 64))
-    return generator
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser: nearby inputs give unrelated 64-bit outputs."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+@dataclass
+class SeededDraws:
+    """The random draws of one seeded sequence. The token at output position t draws its noise
+    from a generator seeded with (seed, t) alone, so a seeded sample depends on nothing but its
+    seed and its distributions: not on what shares its batches, and not on how many of its
+    tokens one step decided (speculative decoding verifies several positions at once; a draft
+    stands where it is the token this position's draw picks, so the output is the one without
+    drafts)."""
+
+    seed: int
+    generator: torch.Generator  # on the logits' device: `exponential_` takes no other
+
+    def at(self, position: int) -> torch.Generator:
+        """The generator, seeded for output position `position` (reseeding is a host-side
+        setting: a draw already launched keeps the seed it was launched with)."""
+        self.generator.manual_seed(_mix64((self.seed + _GOLDEN64 * (position + 1)) & _MASK64))
+        return self.generator
+
+
+def seeded_draws(seed: int, device: torch.device | str) -> SeededDraws:
+    """The draws of one seeded sequence, created once per sequence by the engine (any Python
+    int: it is folded into 64 bits)."""
+    return SeededDraws(seed & _MASK64, torch.Generator(device=torch.device(device)))
 
 
 @dataclass
@@ -85,8 +112,8 @@ class SamplingRow:
     config: GenerationConfig
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # Per-request RNG for seeded requests (see `make_generator`); None: use the Sampler's own.
-    generator: torch.Generator | None = None
+    # A seeded sequence's draws (`seeded_draws`); None: the Sampler's shared generator.
+    draws: SeededDraws | None = None
     # Suppressed (with config.stop_token_ids) while len(output_token_ids) < min_new_tokens. The
     # engine decides what goes here (e.g. nothing when the request ignores EOS).
     eos_token_ids: tuple[int, ...] = ()
@@ -228,8 +255,9 @@ def warp_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 class Sampler:
     """Chooses the next token for a batch of requests with heterogeneous settings.
 
-    Rows without their own generator share one owned by the Sampler (one per device, created
-    lazily), seeded with `seed` when given so an engine run is reproducible as a whole.
+    Rows without their own draws (unseeded requests) share a generator owned by the Sampler
+    (one per device, created lazily), seeded with `seed` when given so an engine run is
+    reproducible as a whole.
     """
 
     def __init__(self, seed: int | None = None,
@@ -326,19 +354,22 @@ class Sampler:
             ids = token_ids.new_empty((raw.shape[0], 0))
         return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=(values, ids))
 
-    def sample_rows(self, warped: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def sample_rows(self, warped: torch.Tensor, rows: list[SamplingRow],
+                    ahead: list[int] | None = None) -> torch.Tensor:
         """Exponential race on warped logits: argmax(probs / E) ~ Categorical(probs).
 
-        Seeded rows draw exactly V exponentials per step from their own generator, so their
-        stream does not depend on batch size or position. Greedy rows get E = 1 (their result is
-        replaced by the argmax anyway) so they do not consume the shared generator.
+        Seeded rows draw exactly V exponentials from their draws' generator seeded for the
+        output position they decide: len(output_token_ids), plus `ahead[i]` for row i (draft
+        verification decides several positions of a sequence at once). Greedy rows get E = 1
+        (their result is replaced by the argmax anyway) so they do not consume the shared
+        generator.
         """
         probs = warped.softmax(dim=-1)
         batch = len(rows)
         shared = [i for i, row in enumerate(rows)
-                  if not row.config.greedy and row.generator is None]
+                  if not row.config.greedy and row.draws is None]
         seeded = [i for i, row in enumerate(rows)
-                  if not row.config.greedy and row.generator is not None]
+                  if not row.config.greedy and row.draws is not None]
         noise = torch.empty_like(probs)
         default = self.default_generator(probs.device)
         if len(shared) == batch:
@@ -350,7 +381,9 @@ class Sampler:
                                     device=probs.device).exponential_(generator=default)
                 noise.index_copy_(0, to_device(shared, torch.int64, probs.device), draws)
             for i in seeded:
-                noise[i].exponential_(generator=rows[i].generator)
+                row = rows[i]
+                position = len(row.output_token_ids) + (ahead[i] if ahead else 0)
+                noise[i].exponential_(generator=row.draws.at(position))
         # A zero draw would turn a removed token's 0 probability into 0/0 = NaN; clamp it away.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
