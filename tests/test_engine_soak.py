@@ -1,6 +1,7 @@
 """Everything at once, as a busy server meets it: requests arriving in waves while others run,
 aborts, a KV pool too small for the load (preemption by swap or recompute), shared prompt
-prefixes (prefix-cache hits), chunked prefill, parallel seeded samples and n-gram speculation.
+prefixes (prefix-cache hits), chunked prefill, parallel seeded samples, n-gram speculation and
+priorities.
 
 Whatever the engine interleaves, each greedy request must give transformers' greedy tokens on
 the same weights, an aborted one a prefix of them, and two seeded sampled requests with the same
@@ -58,10 +59,15 @@ def tiny(tmp_path_factory):
     {"preempt_mode": 1, "async_scheduling": False, "overlap_output_processing": True},
     {"preempt_mode": 0, "async_scheduling": False, "num_speculative_tokens": 3,
      "speculative_method": "ngram"},
-], ids=["swap-async", "recompute-overlap", "swap-ngram"])
+    {"preempt_mode": 1, "scheduler_policy": "priority"},
+], ids=["swap-async", "recompute-overlap", "swap-ngram", "recompute-priority"])
 def test_a_mixed_load_keeps_every_answer(tiny, settings):
     folder, items, expected = tiny
     rng = random.Random(11)
+    # Under the priority policy each request gets one of four priorities: urgent arrivals
+    # preempt running requests of less urgent ones.
+    priority = (lambda: rng.randrange(4)) if settings.get("scheduler_policy") == "priority" \
+        else (lambda: 0)
     # 4-token blocks, 56 of them (224 tokens) against ~36 requests of up to 80 tokens arriving
     # six at a time: sequences must be preempted for others to run.
     engine = kt.Engine(str(folder), device="cpu", dtype="float32", block_token_num=4,
@@ -75,18 +81,19 @@ def test_a_mixed_load_keeps_every_answer(tiny, settings):
             for index in range(wave_start, min(wave_start + WAVE, NUM_REQUESTS)):
                 prompt, steps = items[index]
                 greedy[index] = engine.submit(kt.Request(prompt, GenerationConfig(
-                    max_new_tokens=steps, ignore_eos=True), request_id=f"greedy-{index}"))
+                    max_new_tokens=steps, ignore_eos=True), request_id=f"greedy-{index}",
+                    priority=priority()))
             # A pair of seeded parallel-sampling requests per wave, the twin a wave later.
             prompt = items[wave_start][0]
             config = GenerationConfig(max_new_tokens=8, ignore_eos=True, do_sample=True,
                                       temperature=1.0, top_k=0, seed=wave_start,
                                       num_return_sequences=2)
-            first = engine.submit(kt.Request(prompt, config))
+            first = engine.submit(kt.Request(prompt, config, priority=priority()))
             sampled.append((first, None))  # type: ignore[arg-type]
             if len(sampled) > 1:
                 earlier, _ = sampled[-2]
                 twin = engine.submit(kt.Request(earlier.output.prompt_token_ids,
-                                                earlier.config))
+                                                earlier.config, priority=priority()))
                 sampled[-2] = (earlier, twin)
             # Abort one request of this wave while the load runs.
             victim = rng.randrange(wave_start, min(wave_start + WAVE, NUM_REQUESTS))
