@@ -14,7 +14,8 @@ import ksana_llm as kt
 from ksana_llm.cli import build_parser
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
-ENGINE_SETTINGS_HEADING = "### Engine settings (`kt.EngineConfig`, or keyword arguments to `Engine`)"
+ENGINE_SETTINGS_HEADING = ("### Engine settings (`kt.EngineConfig`, or keyword arguments to "
+                           "`Engine`)")
 
 
 def section(heading: str) -> list[str]:

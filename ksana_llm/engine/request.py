@@ -195,7 +195,8 @@ class Sequence:
 
     def fork(self, index: int) -> Sequence:
         """A new sequence with a copy of this one's tokens and sampling state (not its blocks nor
-        its queue: `Scheduler.fork` does those). Its seeded draws and detokenizer are the caller's."""
+        its queue: `Scheduler.fork` does those). Its seeded draws and detokenizer are the
+        caller's."""
         return Sequence(
             self.request_id, self.prompt_token_ids, self.config, eos_token_ids=self.eos_token_ids,
             priority=self.priority, rank=self.rank, arrival_time=self.arrival_time,
