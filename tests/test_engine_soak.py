@@ -74,7 +74,9 @@ def test_a_mixed_load_keeps_every_answer(tiny, settings):
                        num_device_blocks=56, split_fuse_token_num=16, max_step_tokens=64,
                        max_num_seqs=8, **settings)
     greedy: dict[int, kt.RequestHandle] = {}
-    sampled: list[tuple[kt.RequestHandle, kt.RequestHandle]] = []
+    # Each wave's seeded request, and its twin (same prompt and config) sent a wave later.
+    firsts: list[kt.RequestHandle] = []
+    twins: list[kt.RequestHandle] = []
     aborted: set[int] = set()
     try:
         for wave_start in range(0, NUM_REQUESTS, WAVE):
@@ -88,20 +90,18 @@ def test_a_mixed_load_keeps_every_answer(tiny, settings):
             config = GenerationConfig(max_new_tokens=8, ignore_eos=True, do_sample=True,
                                       temperature=1.0, top_k=0, seed=wave_start,
                                       num_return_sequences=2)
-            first = engine.submit(kt.Request(prompt, config, priority=priority()))
-            sampled.append((first, None))  # type: ignore[arg-type]
-            if len(sampled) > 1:
-                earlier, _ = sampled[-2]
-                twin = engine.submit(kt.Request(earlier.output.prompt_token_ids,
-                                                earlier.config, priority=priority()))
-                sampled[-2] = (earlier, twin)
+            firsts.append(engine.submit(kt.Request(prompt, config, priority=priority())))
+            if len(firsts) > 1:
+                earlier = firsts[-2]
+                twins.append(engine.submit(kt.Request(earlier.output.prompt_token_ids,
+                                                      earlier.config, priority=priority())))
             # Abort one request of this wave while the load runs.
             victim = rng.randrange(wave_start, min(wave_start + WAVE, NUM_REQUESTS))
             time.sleep(rng.uniform(0.0, 0.05))
             engine.abort(f"greedy-{victim}")
             aborted.add(victim)
         outputs = {index: handle.result(timeout=300) for index, handle in greedy.items()}
-        pairs = [(a.result(timeout=300), b.result(timeout=300)) for a, b in sampled if b]
+        pairs = [(a.result(timeout=300), b.result(timeout=300)) for a, b in zip(firsts, twins)]
         for index, output in outputs.items():
             tokens = output.token_ids
             if index in aborted:
