@@ -220,7 +220,10 @@ def test_401_and_413_are_counted(server):
     big = {"prompt": "x" * (MAX_BODY + 10)}
     r = httpx.post(server.base_url + "/completions", json=big, headers=AUTH)
     assert r.status_code == 413
-    after = scrape(server)
+    # Prometheus scrapes without the key (vLLM's and SGLang's /metrics are open too).
+    open_scrape = httpx.get(server.url + "/metrics", timeout=30)
+    assert open_scrape.status_code == 200, open_scrape.text
+    after = samples(open_scrape.text)
     assert delta(before, after, "request_failure_total", reason="unauthorized") == 2
     assert delta(before, after, "request_failure_total", reason="invalid_request") == 1
     assert sum(delta(before, after, "request_failure_total", reason=r)

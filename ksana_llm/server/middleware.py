@@ -47,11 +47,16 @@ def route_path(scope: Scope) -> str:
     return scope["path"].removeprefix(scope.get("root_path", ""))
 
 
+# Paths answered without the API key: liveness probes, and Prometheus' scrape (vLLM and SGLang
+# leave /metrics open too, so a stock scrape config keeps working when a key is set).
+OPEN_PATHS = ("/health", "/ping", "/metrics")
+
+
 class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on every path but `open_paths`, compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str,
-                 open_paths: Collection[str] = ("/health", "/ping")) -> None:
+                 open_paths: Collection[str] = OPEN_PATHS) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self._open_paths = frozenset(open_paths)
