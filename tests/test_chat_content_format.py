@@ -132,6 +132,17 @@ def test_without_a_generation_prompt_the_role_is_the_last_messages(server, local
     assert httpx.post(server.url + "/tokenize", json={
         "messages": conversation, "add_generation_prompt": False,
         "continue_final_message": True}).json()["tokens"] == ids
+    # The same flags as chat_template_kwargs win over the fields' defaults, as in vLLM.
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    as_kwargs = {"messages": conversation, "chat_template_kwargs": flags}
+    assert httpx.post(server.url + "/tokenize", json=as_kwargs).json()["tokens"] == ids
+    via_kwargs = httpx.post(server.base_url + "/chat/completions", timeout=120, json={
+        **as_kwargs, "max_tokens": 4, "temperature": 0}).json()["choices"][0]["message"]
+    assert (via_kwargs["role"], via_kwargs["content"]) == ("assistant", message["content"])
+    refused = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+        **body, "chat_template_kwargs": {"add_generation_prompt": "no"}})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
     echoed = httpx.post(server.base_url + "/chat/completions", timeout=120,
                         json={**body, "echo": True}).json()["choices"][0]["message"]
     assert echoed["content"] == "The capital" + message["content"]

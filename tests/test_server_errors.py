@@ -84,6 +84,10 @@ BAD_REQUESTS = [
     ("unsupported_suffix", "/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix", "unsupported_parameter"),
     ("malformed_tool", "/v1/chat/completions", {"messages": QUESTION, "tools": [{"type": "function"}]},
      "tools.0.function", None),
+    ("json_schema_without_name", "/v1/chat/completions",
+     {"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {
+         "schema": {"type": "object"}}}},
+     "response_format.json_schema.name", None),
     ("json_schema_without_schema", "/v1/chat/completions",
      {"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema", None),

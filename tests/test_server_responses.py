@@ -7,6 +7,7 @@ streamed events are the ones the SDK's accumulator accepts, and what the chat ro
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -46,6 +47,7 @@ def test_a_reply_equals_transformers(client, model_name, hf_default_model, defau
         hf_default_model, default_model.tokenizer, [{"role": "user", "content": QUESTION}], 24)
     assert (r.object, r.status, r.model, r.error) == ("response", "completed", model_name, None)
     assert r.id.startswith("resp_") and "Paris" in text
+    assert r.created_at <= r.completed_at <= time.time()  # OpenAI's: set once completed
     assert r.output_text == text
     (item,) = r.output
     assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
@@ -188,6 +190,7 @@ def test_streamed_events(client, model_name):
     assert last.type == "response.incomplete" and last.response.status == "incomplete"
     assert last.response.incomplete_details.reason == "max_output_tokens"
     assert last.response.output[0].status == "incomplete"
+    assert last.response.completed_at is None and events[0].response.completed_at is None
     same = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=3,
                                    temperature=0)
     assert (same.status, same.output_text) == ("incomplete", last.response.output_text)

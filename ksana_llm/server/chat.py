@@ -184,14 +184,39 @@ def to_template_messages(messages: list[ChatMessage], content_format: ContentFor
     return out
 
 
+# The request fields that are template arguments too: given in chat_template_kwargs they win
+# (vLLM applies chat_template_kwargs over the template arguments it builds from the fields).
+TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")
+
+
+def template_flags(add_generation_prompt: bool, continue_final_message: bool,
+                   template_kwargs: dict[str, Any] | None
+                   ) -> tuple[bool, bool, dict[str, Any]]:
+    """(add_generation_prompt, continue_final_message, the other template kwargs): the request's
+    fields, unless its chat_template_kwargs set them (true or false, else a 400 naming it)."""
+    kwargs = dict(template_kwargs or {})
+    flags = {"add_generation_prompt": add_generation_prompt,
+             "continue_final_message": continue_final_message}
+    for name in TEMPLATE_FLAGS:
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if not isinstance(value, bool):
+                raise bad_request(f"`chat_template_kwargs.{name}` must be true or false.",
+                                  param=f"chat_template_kwargs.{name}")
+            flags[name] = value
+    return flags["add_generation_prompt"], flags["continue_final_message"], kwargs
+
+
 def render_chat(tokenizer: Any, messages: list[ChatMessage], template: ChatTemplate, *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None,
                 documents: list[dict[str, str]] | None = None) -> str:
     """The prompt text. `tools` (OpenAI tool definitions), `template_kwargs` (the request's
-    chat_template_kwargs, e.g. enable_thinking) and `documents` (vLLM's, for RAG templates) are
-    handed to the template."""
+    chat_template_kwargs, e.g. enable_thinking, or the flags: `template_flags`) and `documents`
+    (vLLM's, for RAG templates) are handed to the template."""
+    add_generation_prompt, continue_final_message, template_kwargs = template_flags(
+        add_generation_prompt, continue_final_message, template_kwargs)
     if template.text is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions or start the "
                           "server with --chat-template.", param="messages")

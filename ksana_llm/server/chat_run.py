@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ksana_llm.server.chat import message_text, render_chat
+from ksana_llm.server.chat import message_text, render_chat, template_flags
 from ksana_llm.server.chat_output import ChoiceOutputParser
 from ksana_llm.server.errors import bad_request
 from ksana_llm.server.generation import ChoiceSet
@@ -124,7 +124,9 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
                                fields, state.request_log)
-    role = state.response_role if req.add_generation_prompt else req.messages[-1].role
+    adds_generation_prompt = template_flags(req.add_generation_prompt,
+                                            req.continue_final_message, template_kwargs)[0]
+    role = state.response_role if adds_generation_prompt else req.messages[-1].role
     last = req.messages[-1]
     echo = message_text(last, len(req.messages) - 1) if req.echo and last.role == role else ""
     return ChatRun(request_id, ids, choices, output_parser, state.response_model(req.model),

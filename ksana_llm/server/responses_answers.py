@@ -5,6 +5,7 @@ background responses (`responses`)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,8 @@ def response_body(plan: ResponsePlan, run: ChatRun, status: str,
     req = plan.req
     return {
         "id": run.request_id, "object": "response", "created_at": run.created, "status": status,
+        # OpenAI's: when it completed, only once it has (this body is built as it finishes).
+        "completed_at": int(time.time()) if status == "completed" else None,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

@@ -78,9 +78,9 @@ def from_response_format(value: Any) -> StructuredRequest | None:
             raise bad_request("`response_format.json_schema.schema` is required.",
                               param=f"{param}.json_schema.schema")
         name = spec.get("name")
-        if name is not None and not isinstance(name, str):
-            raise bad_request("`response_format.json_schema.name` must be a string.",
-                              param=f"{param}.json_schema.name")
+        if not isinstance(name, str) or not name:  # required by OpenAI and vLLM alike
+            raise bad_request("`response_format.json_schema.name` is required (a non-empty "
+                              "string).", param=f"{param}.json_schema.name")
         schema_param = f"{param}.json_schema.schema"
         return StructuredRequest("json_schema", _schema_text(spec["schema"], schema_param),
                                  schema_param)
