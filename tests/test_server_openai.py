@@ -107,6 +107,11 @@ def test_null_parameters_mean_their_defaults(server, client, model_name):
     assert nulled.status_code == 200, nulled.text
     assert nulled.json()["choices"] == plain.json()["choices"]
     assert nulled.json()["choices"][0]["message"]["refusal"] is None  # present, as OpenAI's
+    # vLLM's spaces_between_special_tokens: accepted (vLLM clients send it), the text unchanged.
+    spaced = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                        json={**body, "spaces_between_special_tokens": False})
+    assert spaced.status_code == 200, spaced.text
+    assert spaced.json()["choices"] == plain.json()["choices"]
     completion = {"model": model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     nulled = httpx.post(server.base_url + "/completions", timeout=60,
                         json={**completion, "echo": None, "n": None, "best_of": None,

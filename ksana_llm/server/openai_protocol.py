@@ -82,6 +82,9 @@ class _SamplingRequest(_Request):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    # vLLM's; decoding keeps the tokenizer's own setting (fast tokenizers put no spaces between
+    # special tokens either way, as vLLM's fast detokenizer does not).
+    spaces_between_special_tokens: bool = True
     best_of: int | None = Field(None, ge=1, le=MAX_BEAMS)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}; see structured_params
