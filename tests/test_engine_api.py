@@ -307,6 +307,8 @@ def test_input_embeddings_replace_token_embeddings(engine, model):
     assert out.token_ids == expected.token_ids != plain.token_ids
     with pytest.raises(ValueError, match="input_embeddings"):
         engine.submit(kt.Request(ids, config, input_embeddings=([3], rows)))
+    with pytest.raises(ValueError, match="input_embeddings rows must hold finite values"):
+        engine.submit(kt.Request(ids, config, input_embeddings=([3, 5], rows * float("nan"))))
 
 
 def test_tokenizer_ids_past_the_vocabulary_fail_the_request_not_the_engine(model, tmp_path):

@@ -229,6 +229,9 @@ def test_a_request_whose_event_loop_closed_is_aborted(engine):
         assert handle.output.finish_reason == "abort" and len(handle.output.token_ids) < 300
     assert heard and heard[-1].finish_reason == "length" and len(heard[-1].token_ids) == 6
     assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+    # Finished, never awaited: result() gives the output as the README says (it raised).
+    assert with_callback.result().token_ids == heard[-1].token_ids
+    assert all(handle.result().finish_reason == "abort" for handle in forgotten)
 
 
 def test_a_text_stream_of_several_sequences_is_refused_not_cut_to_one(engine):
@@ -270,3 +273,48 @@ def test_a_blocking_handle_awaited_says_how_to_submit_for_asyncio(engine):
         return handle
 
     assert asyncio.run(main()).result(timeout=60).finished  # still readable the blocking way
+
+
+def test_a_loop_or_callback_of_the_wrong_type_is_refused_at_submit(engine):
+    """Both are used on the engine thread: a string given as `loop` once killed the step loop
+    there, and the callers already waiting waited forever."""
+    waiting = engine.submit(kt.Request(PROMPT, kt.GenerationConfig(max_new_tokens=12,
+                                                                   ignore_eos=True)))
+    with pytest.raises(ValueError, match="loop must be an asyncio event loop, got str"):
+        engine.submit(kt.Request(PROMPT), loop="not a loop")
+    with pytest.raises(ValueError, match="callback must be callable, got int"):
+        engine.submit(kt.Request(PROMPT, callback=5))
+    assert len(waiting.result(timeout=60).token_ids) == 12 and engine.is_running
+
+
+def test_asyncio_calls_wait_for_room_in_a_full_queue_as_blocking_calls_do(default_model):
+    """generate_async / generate_output_async / stream_async wait while the queue is full (they
+    raised QueueFullError at once, where generate_outputs waited); submit() still raises."""
+    config = kt.GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    prompts = [f"{PROMPT} {i}" for i in range(8)]
+    with kt.Engine(default_model, max_num_seqs=1, max_queue_size=2, num_device_blocks=64,
+                   enable_prefix_caching=False) as engine:
+        expected = [o.text for o in engine.generate_outputs(prompts, config, use_tqdm=False)]
+
+        async def streamed(prompt: str) -> str:
+            return "".join([delta async for delta in engine.stream_async(prompt, config)])
+
+        async def main() -> list:
+            texts = [engine.generate_async(p, config) for p in prompts[:3]]
+            outputs = [engine.generate_output_async(p, config) for p in prompts[3:6]]
+            streams = [streamed(p) for p in prompts[6:]]
+            return await asyncio.gather(*texts, *outputs, *streams)
+
+        results = asyncio.run(main())
+        assert [r if isinstance(r, str) else r.text for r in results] == expected
+        assert wait_until_idle(engine)
+        assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+
+
+def test_a_batch_config_reaches_a_request_without_its_own(engine):
+    config = kt.GenerationConfig(max_new_tokens=5, ignore_eos=True)
+    outputs = engine.generate_outputs([kt.Request(PROMPT), PROMPT], config, use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [5, 5]
+    assert outputs[0].token_ids == outputs[1].token_ids
+    with pytest.raises(ValueError, match="a Request carries its own"):
+        engine.generate_outputs([kt.Request(PROMPT, config)], config, use_tqdm=False)

@@ -399,4 +399,7 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         for _, future in commands:
             future.set_exception(error)
         for handle in pending:
-            handle.fail(error)
+            try:
+                handle.fail(error)
+            except Exception:  # noqa: BLE001  one broken handle must not leave the rest waiting
+                logger.exception("failing request %s raised", handle.id)

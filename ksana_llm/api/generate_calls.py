@@ -7,12 +7,15 @@ when the caller stops listening).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ksana_llm.api.outputs import Prompt, Request, RequestOutput, as_token_ids
 from ksana_llm.api.request_handle import RequestHandle
+from ksana_llm.api.request_intake import ROOM_POLL_S
+from ksana_llm.engine.scheduler_records import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
 
 
@@ -140,38 +143,43 @@ class GenerateCalls:
         outputs = self._run_prepared(prepared, use_tqdm)
         return outputs[0].text if single else [o.text for o in outputs]
 
-    def _submit_text_stream(self, request: Request,
-                            loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+    def _submit_text_stream(self, request: Request) -> RequestHandle:
         """Submit a request whose text is streamed. A text stream carries one sequence: a
         request for several is refused before it is queued (a ValueError saying where they
         are streamed), as the rest would be lost unseen."""
-        return self._submit_one_sequence(
-            request, loop, "a text stream carries one sequence", "stream them all with "
-            "submit(request).deltas() (adeltas() for asyncio), each delta tagged with its "
-            "sequence index")
-
-    def _submit_one_sequence(self, request: Request, loop: asyncio.AbstractEventLoop | None,
-                             why: str, instead: str) -> RequestHandle:
-        """Submit a request for a call that gives back one sequence; one for several is a
-        ValueError (`why`, `instead`) before anything is queued."""
         seq, plugin_info = self._requests.sequence(request, self.generation_config)
-        _refuse_several(seq, why, instead)
-        return self._enqueue(seq, request.callback, loop, plugin_info)
+        _refuse_several(seq, *TEXT_STREAM_ONE_SEQUENCE)
+        return self._enqueue(seq, request.callback, None, plugin_info)
+
+    async def _submit_async(self, request: Request, one_sequence: tuple[str, str] | None = None
+                            ) -> RequestHandle:
+        """Queue a request for an asyncio caller, waiting (without blocking the loop) while the
+        queue is full, as the blocking calls wait; `one_sequence` = (why, instead): a request
+        for several sequences is a ValueError before it is queued."""
+        seq, plugin_info = self._requests.sequence(request, self.generation_config)
+        if one_sequence is not None:
+            _refuse_several(seq, *one_sequence)
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return self._enqueue(seq, request.callback, loop, plugin_info)
+            except QueueFullError:
+                # Polled: the engine thread signals room to threading waiters only.
+                await asyncio.sleep(ROOM_POLL_S)
 
     async def generate_async(self, prompt: Prompt | Request,
                              generation_config: GenerationConfig | None = None) -> str:
         """The prompt's text, awaited. One text per prompt, as `generate`: a request for
         several sequences is a ValueError before it is queued (the rest would be lost)."""
-        handle = self._submit_one_sequence(
-            _as_request(prompt, generation_config), asyncio.get_running_loop(),
-            "generate_async() returns one text", "use generate_output_async() (its "
-            ".sequences) or submit(request, loop=...).adeltas()")
+        handle = await self._submit_async(
+            _as_request(prompt, generation_config),
+            ("generate_async() returns one text", "use generate_output_async() (its "
+             ".sequences) or submit(request, loop=...).adeltas()"))
         return (await self._awaited(handle)).text
 
     async def generate_output_async(self, prompt: Prompt | Request,
                                     generation_config: GenerationConfig | None = None) -> RequestOutput:
-        handle = self.submit(_as_request(prompt, generation_config),
-                             loop=asyncio.get_running_loop())
+        handle = await self._submit_async(_as_request(prompt, generation_config))
         return await self._awaited(handle)
 
     async def _awaited(self, handle: RequestHandle) -> RequestOutput:
@@ -184,8 +192,8 @@ class GenerateCalls:
 
     async def stream_async(self, prompt: Prompt | Request,
                            generation_config: GenerationConfig | None = None) -> AsyncIterator[str]:
-        handle = self._submit_text_stream(_as_request(prompt, generation_config),
-                                          asyncio.get_running_loop())
+        handle = await self._submit_async(
+            _as_request(prompt, generation_config), TEXT_STREAM_ONE_SEQUENCE)
         finished = False
         try:
             async for delta in handle.astream():
@@ -194,6 +202,12 @@ class GenerateCalls:
         finally:
             if not finished:  # the consumer stopped early or was cancelled: free the blocks
                 self.abort(handle.id)
+
+
+# Why a text stream takes one sequence, and what streams several.
+TEXT_STREAM_ONE_SEQUENCE = (
+    "a text stream carries one sequence", "stream them all with submit(request).deltas() "
+    "(adeltas() for asyncio), each delta tagged with its sequence index")
 
 
 def _is_single(prompts: Any) -> bool:
@@ -208,10 +222,14 @@ def _as_request(prompt: Prompt | Request, generation_config: Any = None,
     if not isinstance(prompt, Request):
         return Request.of(prompt, generation_config, lora=lora)
     if generation_config is not None:
-        raise ValueError("generation_config: a Request carries its own "
-                         "(Request(prompt, generation_config=...))")
+        if prompt.generation_config is not None:
+            raise ValueError("generation_config: a Request carries its own "
+                             "(Request(prompt, generation_config=...))")
+        prompt = dataclasses.replace(prompt, generation_config=generation_config)
     if lora is not None:
-        raise ValueError("lora: a Request names its own adapter (Request(prompt, lora=...))")
+        if prompt.lora is not None:
+            raise ValueError("lora: a Request names its own adapter (Request(prompt, lora=...))")
+        prompt = dataclasses.replace(prompt, lora=lora)
     return prompt
 
 

@@ -22,12 +22,10 @@ from ksana_llm.api.classification import ClassificationOutput, classification_fr
 from ksana_llm.api.embeddings import EMBEDDING_TARGETS, embedding_from_hidden
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput
 from ksana_llm.api.request import Prompt, as_token_ids
+from ksana_llm.api.request_intake import ROOM_POLL_S
 from ksana_llm.api.scoring import cross_encoder_prompt, pair_scores, score_pairs
 from ksana_llm.engine.scheduler_records import QueueFullError
 from ksana_llm.models.sequence_classification import ClassifierHead
-
-# How often an asyncio caller holding no request of its own looks for room in a full queue.
-_ROOM_POLL_S = 0.05
 
 
 class PoolingCalls:
@@ -178,7 +176,7 @@ class PoolingCalls:
                     if len(outputs) < len(handles):
                         outputs.append(await handles[len(outputs)].aresult())
                     else:
-                        await asyncio.sleep(_ROOM_POLL_S)
+                        await asyncio.sleep(ROOM_POLL_S)
                 handles.append(handle)
             outputs += [await handle.aresult() for handle in handles[len(outputs):]]
         except BaseException:

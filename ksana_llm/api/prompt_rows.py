@@ -78,4 +78,7 @@ def input_embedding_rows(value: Any, num_tokens: int, model: Model
         shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
         raise ValueError(f"input_embeddings rows must be a tensor of shape "
                          f"({len(positions)}, {hidden}), got {shape}")
+    if not bool(torch.isfinite(rows).all()):
+        # A NaN would reach the KV cache, and attention over a block's unused slots reads them.
+        raise ValueError("input_embeddings rows must hold finite values (no NaN or inf)")
     return list(positions), rows.detach().to(model.device, model.dtype)

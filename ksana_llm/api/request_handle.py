@@ -100,6 +100,8 @@ class RequestHandle:
         # callback or logits processor) would wait for itself forever.
         self.engine_thread: threading.Thread | None = None
         self.abort_sent = False  # the engine aborted it on its own (nobody could read it)
+        # Set by the engine thread once the final output is complete (callback run, end queued).
+        self._delivered = False
 
     @property
     def finished(self) -> bool:
@@ -165,6 +167,7 @@ class RequestHandle:
                                      else None, reason, step.stop_reason), batch)
         if step.finished:
             self._push(_END, batch)
+            self._delivered = True
 
     def _call_back(self, out: RequestOutput) -> None:
         if self._callback is not None:
@@ -258,7 +261,12 @@ class RequestHandle:
         if self._already_ended():
             return self.output
         if self._async is not None:  # its items go to the event loop's queue, never here
-            raise RuntimeError("this handle was created for asyncio; use `await aresult()`")
+            if self.error is not None:
+                raise RequestError(f"request {self.id} failed: {self.error}") from self.error
+            if self._delivered:  # finished: the output is whole, whether awaited or not
+                return self.output
+            raise RuntimeError("this handle was created for asyncio and its request is still "
+                               "running; use `await aresult()`")
         self._refuse_waiting_on_the_engine_thread()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -17,6 +17,10 @@ from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler_records import QueueFullError
 from ksana_llm.generation_config import GenerationConfig
 
+# How often an asyncio caller waiting for room in a full queue looks again (the engine thread
+# signals room to threading waiters only).
+ROOM_POLL_S = 0.05
+
 __all__ = ["EngineDeadError", "RequestIntake"]
 
 
@@ -55,6 +59,11 @@ class RequestIntake:
 
     def _enqueue(self, seq: Sequence, callback: Any, loop: asyncio.AbstractEventLoop | None,
                  plugin_info: Any) -> RequestHandle:
+        # Both are used on the engine thread, where a wrong type would fail the step loop.
+        if loop is not None and not isinstance(loop, asyncio.AbstractEventLoop):
+            raise ValueError(f"loop must be an asyncio event loop, got {type(loop).__name__}")
+        if callback is not None and not callable(callback):
+            raise ValueError(f"callback must be callable, got {type(callback).__name__}")
         if threading.current_thread() is not self._thread:
             self._release_openmp_pool()
         handle = RequestHandle(seq.request_id, seq.prompt_token_ids, seq.config,
