@@ -54,7 +54,8 @@ def test_per_request_config_and_stop_tokens(engine):
 
 def test_requests_run_with_their_own_settings_in_every_call(engine):
     """generate / generate_outputs take Requests as the async calls do (alone, in a list beside
-    prompts, streamed); a config or adapter given beside a Request is refused, not dropped."""
+    prompts, streamed); a config or adapter given beside a Request that has its own is refused,
+    not dropped; one without takes it."""
     short = kt.GenerationConfig(max_new_tokens=3)
     expected = engine.generate(PROMPT, short)
     assert engine.generate(kt.Request(PROMPT, generation_config=short)) == expected
@@ -64,12 +65,15 @@ def test_requests_run_with_their_own_settings_in_every_call(engine):
                                    use_tqdm=False)
     assert outs[0].text == expected and len(outs[1].token_ids) == 16  # the engine's default
     with pytest.raises(ValueError, match="generation_config: a Request carries its own"):
-        engine.generate(kt.Request(PROMPT), short)
+        engine.generate(kt.Request(PROMPT, generation_config=short), short)
     with pytest.raises(ValueError, match="lora: a Request names its own"):
-        engine.generate_outputs([kt.Request(PROMPT)], lora="sql")
+        engine.generate_outputs([kt.Request(PROMPT, lora="other")], lora="sql")
     with pytest.raises(ValueError, match="generation_config: a Request carries its own"):
-        asyncio.run(engine.generate_async(kt.Request(PROMPT), short))
+        asyncio.run(engine.generate_async(kt.Request(PROMPT, generation_config=short), short))
     assert engine.generate(PROMPT, short) == expected  # nothing was queued by the refusals
+    # A Request without a config of its own takes the call's (as a plain prompt does).
+    assert engine.generate(kt.Request(PROMPT), short) == expected
+    assert asyncio.run(engine.generate_async(kt.Request(PROMPT), short)) == expected
 
 
 def test_stop_string_truncates(engine):
