@@ -360,7 +360,12 @@ class GenerationConfig:
             processors += changes["logits_processors"]
         memo = {id(fn): fn.clone() if callable(getattr(fn, "clone", None)) else fn
                 for fn in processors}
-        return dataclasses.replace(copy.deepcopy(self, memo), **copy.deepcopy(changes, memo))
+        try:
+            copied, changed = copy.deepcopy(self, memo), copy.deepcopy(changes, memo)
+        except (TypeError, copy.Error) as exc:  # e.g. a lock or an open file in extra_args
+            raise ValueError(f"generation config: every value must be copyable (each request "
+                             f"keeps its own copy), extra_args included: {exc}") from exc
+        return dataclasses.replace(copied, **changed)
 
 
 def check_truncate_prompt_tokens(value: Any) -> None:

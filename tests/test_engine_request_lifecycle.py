@@ -318,3 +318,18 @@ def test_a_batch_config_reaches_a_request_without_its_own(engine):
     assert outputs[0].token_ids == outputs[1].token_ids
     with pytest.raises(ValueError, match="a Request carries its own"):
         engine.generate_outputs([kt.Request(PROMPT, config)], config, use_tqdm=False)
+
+
+def test_request_fields_of_the_wrong_type_are_value_errors(engine):
+    import threading as threads
+
+    cases = [(kt.Request(PROMPT, export_kv="yes"), "export_kv must be True or False"),
+             (kt.Request(PROMPT, additional_params=[1, 2]), "additional_params must be a dict"),
+             (kt.Request(PROMPT, prompt_text=5), "prompt_text must be a string"),
+             (kt.Request(PROMPT, messages="junk"), "messages must be a list of dicts"),
+             (kt.Request(PROMPT, kt.GenerationConfig(extra_args={"lock": threads.Lock()})),
+              "every value must be copyable")]
+    for request, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(request)
+    assert len(engine.generate_outputs(PROMPT, use_tqdm=False)[0].token_ids) == 8

@@ -301,3 +301,11 @@ def test_the_guides_pad_token_id_is_taken_and_checked(default_model_dir):
     assert model.tokenizer.pad_token_id is not None
     with pytest.raises(ValueError, match="pad_token_id"):
         Model.from_pretrained(default_model_dir, device="cpu", progress=False, pad_token_id=-1)
+
+
+@pytest.mark.parametrize("path", [5, ["model"], b"folder"])
+def test_a_path_of_the_wrong_type_is_named(path):
+    from ksana_llm.api.model import Model
+
+    with pytest.raises(ValueError, match="path must be a folder, a .gguf file or a hub id"):
+        Model.from_pretrained(path, device="cpu", progress=False)

@@ -259,6 +259,8 @@ class Model:
         variables set (WORLD_SIZE > 1, NODE_RANK 0, MASTER_HOST, MASTER_PORT) the nodes are the
         pipeline stages and the other nodes' ranks join from their own `ksana-llm serve`.
         """
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path must be a folder, a .gguf file or a hub id, got {path!r}")
         check_quantization(quantization)
         check_load_format(load_format, path)
         if skip_tokenizer_init and tokenizer is not None:

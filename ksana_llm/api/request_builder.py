@@ -110,6 +110,12 @@ class RequestBuilder:
             raise ValueError("model: a sequence-classification model does not generate; "
                              "classify, score or embed with it")
         config = _as_config(request.generation_config, default_config)
+        if request.additional_params is not None and not isinstance(request.additional_params,
+                                                                    dict):
+            raise ValueError("additional_params must be a dict (values for the model's plugin), "
+                             f"got {type(request.additional_params).__name__}")
+        # What the plugin would read, checked with or without one (same input, same answer).
+        source_text, source_messages = _source_text(request), _source_messages(request)
         keep = config.truncate_prompt_tokens
         if request.prompt_embeds is not None:
             token_ids, embeddings = prompt_embeds_rows(request, keep, self.model,
@@ -126,8 +132,8 @@ class RequestBuilder:
         plugin = getattr(self.model, "plugin", None)
         if plugin is not None and request.prompt_embeds is None:
             plugin_info = plugin.run_preprocess(
-                token_ids, generation_config=config, prompt=_source_text(request),
-                messages=_source_messages(request), input_embeddings=embeddings,
+                token_ids, generation_config=config, prompt=source_text,
+                messages=source_messages, input_embeddings=embeddings,
                 additional_params=request.additional_params)
             token_ids, config = plugin_info.token_ids, plugin_info.generation_config
             embeddings = plugin_info.input_embeddings
@@ -213,6 +219,8 @@ class RequestBuilder:
 
     def _kv_transfer(self, request: Request, seq: Sequence) -> None:
         """Check `export_kv` / `imported_kv` and set them on the sequence."""
+        if not isinstance(request.export_kv, bool):
+            raise ValueError(f"export_kv must be True or False, got {request.export_kv!r}")
         wanted = "export_kv" if request.export_kv else (
             "imported_kv" if request.imported_kv is not None else None)
         if wanted is None:
@@ -345,11 +353,9 @@ class RequestBuilder:
 
 def _source_text(request: Request) -> str | None:
     """The prompt's text for a plugin: the prompt itself, or the text token ids came from."""
-    if isinstance(request.prompt, str):
-        return request.prompt
     if request.prompt_text is not None and not isinstance(request.prompt_text, str):
         raise ValueError(f"prompt_text must be a string, got {type(request.prompt_text).__name__}")
-    return request.prompt_text
+    return request.prompt if isinstance(request.prompt, str) else request.prompt_text
 
 
 def _source_messages(request: Request) -> list[dict[str, Any]] | None:
