@@ -67,9 +67,11 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     template_kwargs = state.chat_template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    adds_generation_prompt, continues_final_message, template_kwargs = template_flags(
+        req.add_generation_prompt, req.continue_final_message, template_kwargs)
     prompt = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,
-                         add_generation_prompt=req.add_generation_prompt,
-                         continue_final_message=req.continue_final_message,
+                         add_generation_prompt=adds_generation_prompt,
+                         continue_final_message=continues_final_message,
                          tools=tools.tools, template_kwargs=template_kwargs,
                          documents=req.documents)
     # The template already holds the special tokens (BOS etc.): not added twice unless asked.
@@ -124,8 +126,6 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     choices = ChoiceSet.submit(state.engine, request_id, jobs.items,
                                state.request_observer if state.metrics is not None else None,
                                fields, state.request_log)
-    adds_generation_prompt = template_flags(req.add_generation_prompt,
-                                            req.continue_final_message, template_kwargs)[0]
     role = state.response_role if adds_generation_prompt else req.messages[-1].role
     last = req.messages[-1]
     echo = message_text(last, len(req.messages) - 1) if req.echo and last.role == role else ""
