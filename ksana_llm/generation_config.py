@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import math
 import numbers
 from collections.abc import Callable
@@ -56,6 +57,18 @@ class StructuredOutputSpec:
                 _fail("structured_output.value", self.value, "None for kind 'json_object'")
         elif not isinstance(self.value, str) or not self.value.strip():
             _fail("structured_output.value", self.value, f"a non-empty string for kind {self.kind!r}")
+
+    @classmethod
+    def choice(cls, choices: list[str] | tuple[str, ...]) -> StructuredOutputSpec:
+        """Exactly one of `choices` (vLLM's `choice`): a grammar whose alternatives are the
+        strings."""
+        if not isinstance(choices, (list, tuple)) or not choices or not all(
+                isinstance(c, str) and c for c in choices):
+            _fail("structured_output.choice", choices, "a non-empty list of non-empty strings")
+        # EBNF string literals take JSON-style escapes, but not a surrogate pair's two halves
+        # (an emoji's \ud83d\ude00 would become two invalid code points): non-ASCII stays as is.
+        return cls("grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                       for c in choices))
 
 
 def _plain_int(value: Any) -> Any:

@@ -62,6 +62,21 @@ def test_regex_and_json_object_with_several_samples(default_model, local_engine)
     assert isinstance(json.loads(out_obj.text), dict) and out_obj.finish_reason == "stop"
 
 
+def test_a_choice_is_one_of_its_strings(default_model, local_engine):
+    """vLLM's `choice`: sampled answers are each exactly one of the strings (a grammar)."""
+    choices = ["Lyon", "Paris", "Nice", "Île-de-France"]
+    spec = StructuredOutputSpec.choice(choices)
+    assert spec.kind == "grammar"
+    config = kt.GenerationConfig(max_new_tokens=12, do_sample=True, seed=5, temperature=1.5,
+                                 num_return_sequences=8, structured_output=spec)
+    out = local_engine.generate_outputs(_chat(default_model, "Name a French city."), config,
+                                        use_tqdm=False)[0]
+    assert all(s.text in choices and s.finish_reason == "stop" for s in out.sequences)
+    for bad in ([], ["a", ""], "Paris", [1]):
+        with pytest.raises(ValueError, match="structured_output.choice"):
+            StructuredOutputSpec.choice(bad)
+
+
 @pytest.mark.parametrize("spec", [
     StructuredOutputSpec("json_schema", '{"type": "object", "properties": 5}'),
     StructuredOutputSpec("json_schema", "{not json"),

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ksana_llm.generation_config import GenerationConfig
+from ksana_llm.generation_config import GenerationConfig, StructuredOutputSpec
 from ksana_llm.server.errors import bad_request
 
 
@@ -38,8 +38,6 @@ def make_spec(req: StructuredRequest) -> Any:
     if not engine_supports_structured_output():
         raise bad_request("Structured output is not supported by this engine build.",
                           param=req.param, code="unsupported_parameter")
-    from ksana_llm.generation_config import StructuredOutputSpec
-
     return StructuredOutputSpec(req.kind, req.value)
 
 
@@ -89,12 +87,13 @@ def from_response_format(value: Any) -> StructuredRequest | None:
 
 
 def _choice_grammar(choices: Any, param: str) -> str:
-    if not isinstance(choices, list) or not choices or not all(
-            isinstance(c, str) and c for c in choices):
-        raise bad_request(f"`{param}` must be a non-empty list of non-empty strings.", param=param)
-    # EBNF string literals take JSON-style escapes, but not a surrogate pair's two halves (an
-    # emoji's \ud83d\ude00 would become two invalid code points): non-ASCII stays as it is.
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    if not isinstance(choices, list):  # the spec also takes a tuple, which JSON never gives
+        choices = None
+    try:
+        return StructuredOutputSpec.choice(choices).value
+    except ValueError:
+        raise bad_request(f"`{param}` must be a non-empty list of non-empty strings.",
+                          param=param) from None
 
 
 def _text(value: Any, param: str) -> str:
