@@ -130,6 +130,7 @@ def _weight_quant_method(value: str) -> str | None:
 
 _BS = "setting.batch_scheduler."
 _BM = "setting.block_manager."
+_GCC = "setting.global_cache_connector."
 _GPTQ_BACKEND = "setting.quantization_config.gptq_backend"
 GPTQ_BACKENDS = ("cutlass", "marlin")
 _SCHEMA: Mapping[str, _Key] = MappingProxyType({
@@ -196,6 +197,15 @@ _INERT: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType({
     "setting.global.pipeline_para_comm_type": (_equals("default", "scatter"), "default or scatter"),
     "setting.global.is_version_report": (_any_of(bool), "true or false"),
     _BS + "schedule_strategy": (_equals(0), "0 (continuous batching)"),
+    # 1 is the event-driven scheduler KsanaLLM's Global Cache (Mooncake) needs.
+    _BS + "scheduler_type": (_equals(0), "0 (the default scheduler)"),
+    # Global Cache: an empty service_endpoint leaves the connector off (KsanaLLM's rule); the
+    # other keys then configure nothing.
+    _GCC + "service_endpoint": (_equals(""), '"" (the Global Cache connector off)'),
+    _GCC + "master_server_addr": (_any_of(str), "a string"),
+    _GCC + "backend_type": (_any_of(str), "a string"),
+    _GCC + "protocol": (_any_of(str), "a string"),
+    _GCC + "rdma_devices": (_any_of(str), "a string"),
     # Swap and admission thresholds: this scheduler's own rule decides when to swap and admit.
     _BS + "swapout_block_threshold": (_any_of(int, float), "a number"),
     _BS + "swapin_block_threshold": (_any_of(int, float), "a number"),

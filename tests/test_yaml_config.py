@@ -347,6 +347,22 @@ def test_ksana_llms_own_example_file_loads(tmp_path, caplog):
     with pytest.raises(ValueError, match="use_flashinfer_for_decode"):
         load_engine_config(write(tmp_path, KSANA_EXAMPLE.replace(
             "use_flashinfer_for_decode: false", "use_flashinfer_for_decode: true")))
+    # KsanaLLM's Global Cache keys (its README): accepted while the connector is off (an empty
+    # service_endpoint, the default scheduler), refused by name when they would turn it on.
+    off = KSANA_EXAMPLE.replace("    schedule_strategy: 0\n", "    schedule_strategy: 0\n"
+                                "    scheduler_type: 0\n")
+    off = off.replace("  endpoint_type: python\n", '  endpoint_type: python\n'
+                      '  global_cache_connector:\n    service_endpoint: ""\n'
+                      '    master_server_addr: "127.0.0.1:50051"\n    backend_type: mooncake\n'
+                      '    protocol: tcp\n')
+    assert load_engine_config(write(tmp_path, off))[0] == config
+    for before, after, key in (
+            ("scheduler_type: 0", "scheduler_type: 1", "scheduler_type"),
+            ('service_endpoint: ""', 'service_endpoint: "http://127.0.0.1:8080/metadata"',
+             "service_endpoint")):
+        with pytest.raises(ValueError, match=f"setting.*{key}: a KsanaLLM key that ksana_llm "
+                                             "does not support yet"):
+            load_engine_config(write(tmp_path, off.replace(before, after)))
 
 
 @pytest.mark.parametrize("switch", ["enable_mtp_module", "enable_speculative_decoding"])
