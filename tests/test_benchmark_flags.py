@@ -64,6 +64,15 @@ def test_flags_and_payloads():
         "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
         "decoder_no_repeat_ngram_size": 0, "logprobs": 0, "stop_token_ids": [],
         "stop_strings": [], "ignore_eos": True}}
+    # --chat_template: a plain prompt goes as one user message (the server reads the prompt as
+    # the JSON text of a message list then); a message list goes as it is.
+    chat = BenchConfig(backend="ksana", chat_template=True)
+    body = build_request(chat, "hi")[1]
+    assert body["use_chat_template"] is True
+    assert json.loads(body["prompt"]) == [{"role": "user", "content": "hi"}]
+    listed = json.dumps([{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "hi"}])
+    assert build_request(chat, listed)[1]["prompt"] == listed
     openai = BenchConfig(backend="openai", stream=True, model="m", max_new_tokens=4)
     path, body = build_request(openai, "hi")
     assert path == "/v1/completions" and body["stream_options"] == {"include_usage": True}

@@ -208,7 +208,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "text prompts here; llama-3, qwen, yi also stop on their chat end "
                              "ids unless --stop_token_ids (default: no affix, not sent)")
     server.add_argument("--chat_template", action="store_true",
-                        help="ksana: send use_chat_template (prompts are JSON messages)")
+                        help="ksana: send use_chat_template (a prompt that is no JSON message "
+                             "list goes as one user message)")
     server.add_argument("--triton_model_name", default=None,
                         help="KsanaLLM's triton-grpc backend only; no effect here")
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ksana_llm.bench.flags import OPENAI_BACKENDS, BenchConfig
@@ -18,6 +19,18 @@ def build_request(cfg: BenchConfig, prompt: str | list[int], max_new_tokens: int
     return "/generate", _ksana_body(cfg, prompt, max_new_tokens)
 
 
+def chat_messages_text(prompt: str) -> str:
+    """A prompt as `use_chat_template` reads it, the JSON text of a message list: as it is when it
+    is one already, else a plain prompt as one user message."""
+    try:
+        messages = json.loads(prompt)
+    except ValueError:
+        messages = None
+    if isinstance(messages, list) and all(isinstance(m, dict) for m in messages) and messages:
+        return prompt
+    return json.dumps([{"role": "user", "content": prompt}], ensure_ascii=False)
+
+
 def _ksana_body(cfg: BenchConfig, prompt: str | list[int], max_new_tokens: int) -> dict[str, Any]:
     """KsanaLLM's /generate body: every sampling key its client sends, with its names."""
     sampling = {
@@ -30,6 +43,8 @@ def _ksana_body(cfg: BenchConfig, prompt: str | list[int], max_new_tokens: int) 
         "logprobs": cfg.logprobs, "stop_token_ids": list(cfg.stop_token_ids),
         "stop_strings": list(cfg.stop_strings), "ignore_eos": cfg.ignore_eos,
     }
+    if cfg.chat_template and isinstance(prompt, str):
+        prompt = chat_messages_text(prompt)
     key = "prompt" if isinstance(prompt, str) else "input_tokens"
     body: dict[str, Any] = {key: prompt, "sampling_config": sampling, "stream": cfg.stream}
     if cfg.model_type is not None:
