@@ -87,8 +87,6 @@ def from_response_format(value: Any) -> StructuredRequest | None:
 
 
 def _choice_grammar(choices: Any, param: str) -> str:
-    if not isinstance(choices, list):  # the spec also takes a tuple, which JSON never gives
-        choices = None
     try:
         return StructuredOutputSpec.choice(choices).value
     except ValueError:
