@@ -4,9 +4,10 @@ benchmarks' batch-1 decode, not here)."""
 
 from __future__ import annotations
 
-import os
+import ctypes
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -14,14 +15,39 @@ import ksana_llm as kt
 from ksana_llm.runner.cpu_threads import loaded_libgomp, openmp_pool_releaser
 
 
+# The OS name of the thread a test runs on. Linux threads inherit their creator's name, so
+# the threads this one starts (its OpenMP workers, an engine's step thread) carry it too, and
+# counting them by name leaves out threads that other tests' leftovers start or end meanwhile.
+PROBE_NAME = b"omp-probe"
+_PR_SET_NAME = 15
+
+
 def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """How many of this process's threads carry the probe thread's name (it included)."""
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            count += (task / "comm").read_bytes().strip() == PROBE_NAME
+        except OSError:  # the thread ended while being counted
+            continue
+    return count
+
+
+def name_this_thread() -> None:
+    if ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, PROBE_NAME, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NAME) failed")
 
 
 def on_new_thread(work: Callable[[], dict]) -> dict:
-    """`work`'s result, run on a thread of its own (whose OpenMP pool no other test touched)."""
+    """`work`'s result, run on a thread of its own (whose OpenMP pool no other test touched),
+    named PROBE_NAME so that `os_threads` counts it and the threads it starts."""
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(work()))
+
+    def named_work() -> None:
+        name_this_thread()
+        result.update(work())
+
+    thread = threading.Thread(target=named_work)
     thread.start()
     thread.join()
     return result
