@@ -31,6 +31,9 @@ CASES = [
     ("deepseek_r1", f"<think>\n{THOUGHT}</think>{ANSWER}", f"\n{THOUGHT}", ANSWER),
     ("deepseek_r1", THOUGHT, THOUGHT, None),  # no end yet: all reasoning
     ("deepseek_r1", f"{THOUGHT}</think>", THOUGHT, None),
+    # DeepSeek-V3.1 without thinking (its prompt ends with "</think>"): the output is the answer.
+    ("deepseek_v3", ANSWER, None, ANSWER),
+    ("deepseek_v3", f"<think>{THOUGHT}</think>{ANSWER}", THOUGHT, ANSWER),
 ]
 
 
@@ -82,7 +85,7 @@ def test_registry_names_and_unknown():
 
 # (parser, output) when the prompt opened the thinking block (Qwen3-Thinking-2507's template
 # ends with "<think>\n"): the output is reasoning until "</think>", for qwen3 as for deepseek_r1.
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1", "deepseek_v3"])
 @pytest.mark.parametrize("text,reasoning,content", [
     (f"{THOUGHT}\n</think>\n\n{ANSWER}", f"{THOUGHT}\n", ANSWER),
     (THOUGHT, THOUGHT, None),  # cut off while thinking
@@ -101,3 +104,6 @@ def test_opens_thinking_reads_the_end_of_the_prompt():
     assert opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
     assert not opens_thinking("<|im_start|>user\nWhat is <think>?<|im_end|>\n<|im_start|>assistant\n")
+    # DeepSeek-V3.1's template with thinking on, then off.
+    assert opens_thinking("<｜User｜>Hi<｜Assistant｜><think>")
+    assert not opens_thinking("<｜User｜>Hi<｜Assistant｜></think>")

@@ -6,6 +6,7 @@ the flag."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,8 +19,11 @@ from tests.server_process import ServerProcess
 
 # Reads every answer as one call of `record`, the answer's text its argument: whatever the
 # model writes, the call shows that the plugin's parser is the one reading it.
+# Its call ids are its own, as a model whose template checks them (Mistral's) needs.
 PLUGIN = '''
 import json
+import re
+import uuid
 
 from ksana_llm.server.tool_parsers import ParsedOutput, ToolCall, WholeTextToolParser
 
@@ -29,7 +33,12 @@ class EveryAnswerIsACall(WholeTextToolParser):
 
     def parse(self, text):
         return ParsedOutput(None, [ToolCall("record", json.dumps({"text": text}))])
+
+    @staticmethod
+    def new_call_id():
+        return "rec" + uuid.uuid4().hex[:6]
 '''
+PLUGIN_CALL_ID = re.compile("rec[0-9a-f]{6}")
 TOOLS = [{"type": "function", "function": {
     "name": "record", "description": "Record a sentence.",
     "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
@@ -166,5 +175,11 @@ def test_server_answers_with_the_plugin_parser(plugin_file, default_model_dir):
         assert calls[0].function.name == "record"
         assert "".join(c.function.arguments or "" for c in calls) == call.function.arguments
         assert streamed[-1].choices[0].finish_reason == "tool_calls"
+        # The server's parser gives the ids, streamed or not, and for a call tool_choice forced.
+        assert PLUGIN_CALL_ID.fullmatch(call.id) and PLUGIN_CALL_ID.fullmatch(calls[0].id)
+        named = client.chat.completions.create(**kwargs, tool_choice={
+            "type": "function", "function": {"name": "record"}})
+        (forced,) = named.choices[0].message.tool_calls
+        assert forced.function.name == "record" and PLUGIN_CALL_ID.fullmatch(forced.id)
     finally:
         server.stop()

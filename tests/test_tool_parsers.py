@@ -58,6 +58,27 @@ def deepseek_v31(content: str, calls: list) -> str:
     return content + "<｜tool▁calls▁begin｜>" + "".join(parts) + "<｜tool▁calls▁end｜>"
 
 
+def mistral_v3(content: str, calls: list) -> str:
+    """Tokenizers before v11: one JSON array after the token, each call with a 9-character id."""
+    body = json.dumps([{"name": n, "arguments": a, "id": f"{i:09d}"} for i, (n, a) in enumerate(calls)],
+                      ensure_ascii=False)
+    return f"{content}[TOOL_CALLS] {body}"
+
+
+def mistral_v11(content: str, calls: list, call_ids: bool = False) -> str:
+    """v11 and later: the token before each call, `name[CALL_ID]id[ARGS]{...}`."""
+    return content + "".join(f"[TOOL_CALLS]{n}" + (f"[CALL_ID]{i:09d}" if call_ids else "")
+                             + f"[ARGS]{json.dumps(a, ensure_ascii=False)}"
+                             for i, (n, a) in enumerate(calls))
+
+
+def pythonic(calls: list, tags: bool = False) -> str:
+    """`[name(key=literal, ...), ...]`, the literals as Python writes them (repr)."""
+    text = "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                           for n, a in calls) + "]"
+    return f"<|python_start|>{text}<|python_end|>" if tags else text
+
+
 # (parser, model text, expected content, expected calls)
 CASES = [
     ("hermes", hermes("Let me look that up.", CALLS), "Let me look that up.", CALLS),
@@ -98,6 +119,31 @@ CASES = [
      + "\n</tool_call>", None, CALLS),
     ("qwen3", "<tool_call>" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS])
      + "</tool_call>\nDone.", "Done.", CALLS),
+    ("mistral", mistral_v3("", CALLS), None, CALLS),
+    ("mistral", mistral_v3("Let me check.", [WEATHER]), "Let me check.", [WEATHER]),
+    ("mistral", mistral_v11("", CALLS), None, CALLS),
+    ("mistral", mistral_v11("On it.", [WEATHER, EMPTY], call_ids=True), "On it.", [WEATHER, EMPTY]),
+    # The first v11 releases: the arguments right after the name, no [ARGS].
+    ("mistral", "[TOOL_CALLS]get_weather" + json.dumps(WEATHER[1]), None, [WEATHER]),
+    ("mistral", "Lists look like [1, 2] or [TOOL] here.", "Lists look like [1, 2] or [TOOL] here.", []),
+    # No call after the token (no name, or not one a function may have): content, token included.
+    ("mistral", "[TOOL_CALLS]Sorry, I {cannot}.", "[TOOL_CALLS]Sorry, I {cannot}.", []),
+    ("pythonic", pythonic(CALLS), None, CALLS),
+    ("llama4_pythonic", pythonic([WEATHER, EMPTY], tags=True), None, [WEATHER, EMPTY]),
+    ("pythonic", pythonic([WEATHER]) + "\nDone.", "Done.", [WEATHER]),
+    ("pythonic", "[1, 2, 3] are the numbers.", "[1, 2, 3] are the numbers.", []),
+    ("pythonic", "The answer is [x].", "The answer is [x].", []),
+    ("pythonic", "[]", "[]", []),
+    ("pythonic", "[See (note)] below.", "[See (note)] below.", []),
+    # Not calls: positional arguments; a value without a JSON form (a set).
+    ("pythonic", "[get_weather('Paris')]", "[get_weather('Paris')]", []),
+    ("pythonic", "[f(a={1, 2})]", "[f(a={1, 2})]", []),
+    # A call that is not one after a call: the calls so far stay, the rest goes.
+    ("pythonic", "[get_weather(city='Paris'), get_weather(city=open('x'))] ok", None,
+     [("get_weather", {"city": "Paris"})]),
+    # Brackets, quotes and escapes inside strings (a triple-quoted one too) do not end a call.
+    ("pythonic", '[write(text="""a ) ] \\""" b""", path=\'x\\\'y]\')]', None,
+     [("write", {"text": 'a ) ] """ b', "path": "x'y]"})]),
 ]
 
 
@@ -217,6 +263,8 @@ def _scans_streaming(monkeypatch, name: str, text: str) -> tuple[int, ParsedOutp
     ("hermes", lambda args: f'<tool_call>{{"name": "write", "arguments": {args}}}</tool_call>'),
     ("deepseek_v31", lambda args: f"<｜tool▁call▁begin｜>write<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"),
     ("llama3_json", lambda args: f'{{"name": "write", "parameters": {args}}}'),
+    ("mistral", lambda args: f"[TOOL_CALLS]write[ARGS]{args}"),
+    ("mistral", lambda args: f'[TOOL_CALLS] [{{"name": "write", "arguments": {args}}}]'),
 ])
 def test_long_arguments_stream_without_rescanning(monkeypatch, name, wrap):
     """A 40 KB argument streamed 4 characters at a time is read once, not rescanned on every
@@ -393,3 +441,46 @@ def test_registry_names_and_unknown():
     assert {"hermes", "qwen3", "llama3_json", "deepseek_v3"} <= set(TOOL_PARSERS)
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*hermes.*llama3_json"):
         get_tool_parser("nope")
+
+
+def test_pythonic_calls_go_out_as_each_closes_and_are_parsed_once(monkeypatch):
+    """Each call is sent when its closing parenthesis arrives, before the list ends; a 40 KB
+    argument streamed 4 characters at a time is parsed once, with its call."""
+    import ksana_llm.server.tool_parsers.pythonic as pythonic_module
+
+    text = pythonic([WEATHER, ("write", {"content": "x" * 40_000, "path": "a.txt"})])
+    stream = get_tool_parser("pythonic").stream()
+    first = stream.feed(text[:text.index("write")])
+    assert [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [WEATHER]
+    parsed: list[str] = []
+    real = pythonic_module.python_call
+    monkeypatch.setattr(pythonic_module, "python_call", lambda source: parsed.append(source) or real(source))
+    rest = text[text.index("write"):]
+    deltas = [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
+    assert len(parsed) == 1
+    (call,) = collect(deltas).tool_calls
+    assert call.name == "write" and json.loads(call.arguments)["content"] == "x" * 40_000
+
+
+@pytest.mark.parametrize("cut_at, content, names", [
+    ("city", "[get_weather(", []),  # inside the first call: the output was never calls
+    ("search", None, ["get_weather"]),  # inside the second: the first stays
+])
+def test_pythonic_cut_off(cut_at, content, names):
+    text = pythonic([WEATHER, NESTED])
+    cut = text[:text.index(cut_at)]
+    parser = get_tool_parser("pythonic")
+    final = parser.extract(cut)
+    assert final.content == content and [c.name for c in final.tool_calls] == names
+    for sizes in _chunkings(cut, 20, seed=2):
+        assert collect(_stream(parser.stream(), cut, sizes)) == final
+
+
+def test_call_ids_are_the_formats():
+    """OpenAI's `call_...` by default; 9 letters or digits for Mistral, whose chat template
+    refuses any other id when the client sends the conversation back."""
+    import re
+
+    assert re.fullmatch("call_[0-9a-f]{24}", get_tool_parser("hermes").new_call_id())
+    ids = {get_tool_parser("mistral").new_call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(re.fullmatch("[A-Za-z0-9]{9}", i) for i in ids)

@@ -8,7 +8,7 @@ and non-streaming (feed everything, then finish), so both answers agree.
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ksana_llm.server.openai_protocol import (
@@ -20,11 +20,7 @@ from ksana_llm.server.openai_protocol import (
     ToolCallModel,
 )
 from ksana_llm.server.reasoning_parsers import ReasoningSplitter
-from ksana_llm.server.tool_parsers import ToolCallDelta, ToolCallStream, coalesce
-
-
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+from ksana_llm.server.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser, coalesce
 
 
 @dataclass
@@ -45,11 +41,14 @@ class ChatDelta:
 
 class ChoiceOutputParser:
     """`forced_call`: tool_choice named the function, so a call is no news to the caller
-    (OpenAI's finish_reason is then "stop", not "tool_calls")."""
+    (OpenAI's finish_reason is then "stop", not "tool_calls"). `new_call_id` gives each call
+    its id (the server's tool-call parser's, whose model may check them)."""
 
     def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallStream | None, *,
-                 forced_call: bool = False, include_reasoning: bool = True) -> None:
+                 forced_call: bool = False, include_reasoning: bool = True,
+                 new_call_id: Callable[[], str] = ToolParser.new_call_id) -> None:
         self._reasoning = reasoning
+        self._new_call_id = new_call_id
         self._include_reasoning = include_reasoning  # else parsed out and dropped
         self._tools = tools
         self._forced_call = forced_call
@@ -80,7 +79,7 @@ class ChoiceOutputParser:
             out.tool_calls = coalesce(parsed.tool_calls)
             for call in parsed.tool_calls:
                 if call.name is not None:
-                    self._ids[call.index] = tool_call_id()
+                    self._ids[call.index] = self._new_call_id()
         return out
 
     def feed(self, text: str) -> ChatDelta:

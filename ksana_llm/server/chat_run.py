@@ -29,6 +29,7 @@ from ksana_llm.server.state import ServerState
 from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
 from ksana_llm.server.submission import (check_common, constraint, plan_jobs, plugin_sees,
                                          request_fields)
+from ksana_llm.server.tool_parsers import ToolParser
 from ksana_llm.server.tools import plan_tools
 
 # Constraints that make the whole output JSON: such an output has no thinking block.
@@ -108,12 +109,16 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     thinking_open = opens_thinking(prompt)
     # GPT-OSS: calls go on (as harmony) from its reasoning parser to its tool-call parser
     calls_read = getattr(tools.parser, "reads_special_tokens", False)
+    # The server's parser names calls, whatever tool_choice: a model whose template checks the
+    # ids (Mistral's) gets them back in the conversation either way.
+    new_call_id = (state.tool_parser or ToolParser).new_call_id
 
     def output_parser() -> ChoiceOutputParser:
         return ChoiceOutputParser(reasoning.stream(thinking_open, calls_read=calls_read)
                                   if reasoning is not None else None,
                                   tools.stream(), forced_call=tools.mode == "named",
-                                  include_reasoning=req.include_reasoning)
+                                  include_reasoning=req.include_reasoning,
+                                  new_call_id=new_call_id)
 
     prediction = prediction_token_ids(req.prediction, state.tokenizer)
     if prediction is not None:

@@ -185,6 +185,19 @@ class Qwen3ReasoningParser(ReasoningParser):
         return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
 
 
+class DeepSeekV3ReasoningParser(ReasoningParser):
+    """DeepSeek-V3.1 / V3.2 think only when asked (`chat_template_kwargs: {"thinking": true}`),
+    and their template then ends the prompt with `<think>`; otherwise with `</think>`, and the
+    output is the answer. So, as vLLM's `deepseek_v3` does by the same flag: R1's split when the
+    prompt opened the thinking block, plain content (unless the output opens one) when not."""
+
+    name = "deepseek_v3"
+
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningStream:
+        return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
+
+
 class GptOssReasoningParser(ReasoningParser):
     """GPT-OSS's harmony channels (vLLM's `openai_gptoss`)."""
 
@@ -197,8 +210,8 @@ class GptOssReasoningParser(ReasoningParser):
 
 
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser,
-                              GptOssReasoningParser)})
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
+                              Qwen3ReasoningParser, GptOssReasoningParser)})
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

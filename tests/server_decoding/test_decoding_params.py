@@ -278,9 +278,10 @@ def test_400_server_settings(server, client, model, r1_app):
 
 @pytest.mark.parametrize("flags,message", [
     (["--tool-call-parser", "nope"], ("unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, "
-                                      "hermes, llama3_json, openai, qwen3")),
+                                      "hermes, llama3_json, llama4_pythonic, mistral, openai, "
+                                      "pythonic, qwen3")),
     (["--reasoning-parser", "r2"], ("unknown reasoning parser 'r2'; known: deepseek_r1, "
-                                    "openai_gptoss, qwen3")),
+                                    "deepseek_v3, openai_gptoss, qwen3")),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ])
 def test_bad_parser_flags_fail_at_start(flags, message, capsys):

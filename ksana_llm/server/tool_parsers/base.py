@@ -11,6 +11,7 @@ text is sent as it arrives (the raw JSON the model wrote, which is also the fina
 from __future__ import annotations
 
 import logging
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -100,6 +101,12 @@ class ToolParser(ABC):
 
     @abstractmethod
     def stream(self) -> ToolCallStream: ...
+
+    @staticmethod
+    def new_call_id() -> str:
+        """A fresh id for one call the model made (OpenAI's shape). Formats whose chat template
+        checks the ids a client sends back override it."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def extract(self, text: str) -> ParsedOutput:
         stream = self.stream()

@@ -7,8 +7,8 @@ V3 / R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜too
 from __future__ import annotations
 
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
-from ksana_llm.server.tool_parsers.json_scan import open_value_at, partial_value, skip_ws
-from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
+from ksana_llm.server.tool_parsers.json_scan import skip_ws
+from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream, named_arguments
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -16,12 +16,6 @@ CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 FENCE = "```"
-
-
-def _arguments(name: str, body: str, pos: int) -> BodyScan:
-    """The call `name` with the JSON value at `body[pos:]` (after whitespace) as arguments."""
-    start = skip_ws(body, pos)
-    return BodyScan(name, partial_value(body, start), open_at=open_value_at(body, start))
 
 
 def parse_v3_body(body: str) -> BodyScan:
@@ -47,7 +41,7 @@ def parse_v3_body(body: str) -> BodyScan:
             start += 1
         if start == len(body):
             return BodyScan(name)  # the tag may still grow
-    return _arguments(name, body, start)
+    return named_arguments(name, body, start)
 
 
 def parse_v31_body(body: str) -> BodyScan:
@@ -57,7 +51,7 @@ def parse_v31_body(body: str) -> BodyScan:
     name = body[:sep].strip()
     if not name:
         return BodyScan()
-    return _arguments(name, body, sep + len(SEP))
+    return named_arguments(name, body, sep + len(SEP))
 
 
 class DeepSeekV3ToolParser(ToolParser):

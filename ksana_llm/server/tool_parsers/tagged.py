@@ -14,7 +14,7 @@ from ksana_llm.server.tool_parsers.base import (
     held_prefix,
     stream_open_arguments,
 )
-from ksana_llm.server.tool_parsers.json_scan import OpenValue
+from ksana_llm.server.tool_parsers.json_scan import OpenValue, open_value_at, partial_value, skip_ws
 
 
 @dataclass
@@ -34,6 +34,13 @@ class BodyScan:
 BodyParser = Callable[[str], BodyScan]
 
 
+def named_arguments(name: str, body: str, pos: int) -> BodyScan:
+    """The call `name` whose arguments are the JSON value at `body[pos:]` (after whitespace),
+    for formats that write the name outside the JSON (DeepSeek's, Mistral's)."""
+    start = skip_ws(body, pos)
+    return BodyScan(name, partial_value(body, start), open_at=open_value_at(body, start))
+
+
 class TaggedToolStream(ToolCallStream):
     """`start` BODY `end` regions are calls, `ignored` tags vanish, everything else is content.
 
@@ -44,9 +51,12 @@ class TaggedToolStream(ToolCallStream):
     the same way. A region whose body never yields a name is given back as content, tags
     included, once it closes; a region that yielded a name stays a call even if the rest is
     malformed (its name and arguments were already streamed).
+
+    `end` None: a format without an end tag (Mistral's), where a call runs to the next start
+    tag or to the end of the output.
     """
 
-    def __init__(self, start: str, end: str, parse_body: BodyParser,
+    def __init__(self, start: str, end: str | None, parse_body: BodyParser,
                  ignored: tuple[str, ...] = ()) -> None:
         self._start = start
         self._end = end
@@ -85,15 +95,17 @@ class TaggedToolStream(ToolCallStream):
                 if marker == self._start:
                     self._body = ""
                 continue
-            j = self._buffer.find(self._end)
+            end = self._start if self._end is None else self._end
+            j = self._buffer.find(end)
             if j < 0:
                 # Hold back what may be the start of the end tag: wait for more text.
-                self._take_body(len(self._buffer) - held_prefix(self._buffer, (self._end,)))
+                self._take_body(len(self._buffer) - held_prefix(self._buffer, (end,)))
                 self._progress(out)
                 return out
             self._take_body(j)
-            self._buffer = self._buffer[len(self._end):]
-            self._close(out, self._end)
+            if self._end is not None:  # else the start tag stays, opening the next call
+                self._buffer = self._buffer[len(self._end):]
+            self._close(out, self._end or "")
 
     def _take_body(self, n: int) -> None:
         """Move the first `n` buffered characters into the body."""

@@ -1,0 +1,234 @@
+"""Pythonic tool calls (vLLM's `pythonic` and `llama4_pythonic`: Llama 3.2 and Llama 4's
+templates, ToolACE): the whole answer is a Python list of calls with keyword arguments,
+`[get_weather(city="Paris", days=3), get_time()]`, optionally after Llama 4's
+`<|python_start|>` and before its `<|python_end|>` (in the text only when special tokens are
+not skipped). An answer that does not open with `[`, or whose list holds no call, is content.
+
+Argument values are Python literals, turned into JSON when the call's closing parenthesis
+arrives, so each call is streamed whole then (JSON formats stream their arguments as written).
+A call that is not one (positional arguments, a value that is not a literal or has no JSON
+form) ends the calls: before any call the whole answer is content; after one, the rest is
+dropped (the calls before it were already sent).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from ksana_llm.server.tool_parsers.base import (
+    CallProgress,
+    ContentGate,
+    ParsedDelta,
+    ToolCall,
+    ToolCallStream,
+    ToolParser,
+    held_prefix,
+)
+from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, skip_ws
+
+PYTHON_START = "<|python_start|>"
+PYTHON_END = "<|python_end|>"
+
+_START, _LIST, _AFTER, _CONTENT, _DROP = range(5)
+
+
+def python_call(source: str) -> ToolCall | None:
+    """`name(key=literal, ...)` as a call with JSON arguments; None if `source` is not that."""
+    try:
+        node = ast.parse(source.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    arguments = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:  # **mapping
+            return None
+        try:
+            arguments[keyword.arg] = ast.literal_eval(keyword.value)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):  # a set, bytes, a complex number, NaN: no JSON for it
+        return None
+    return ToolCall(node.func.id, text)
+
+
+class PythonicCallStream(ToolCallStream):
+    """The list is scanned once, as it arrives: strings (any quotes) and bracket depth tell
+    where each call ends, and only then is the call parsed."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._pos = 0  # everything before it is decided
+        self._state = _START
+        self._prefix = ""  # the output's leading whitespace: content if the output is
+        self._region = 0  # where the list starts (after the lead tag)
+        self._depth = 0  # bracket depth; 1 between the list's calls
+        self._quote: str | None = None  # the open string literal's quote
+        self._call_start: int | None = None
+        self._comma_due = False  # a call ended: a comma (or the list's end) comes next
+        self._num_calls = 0
+        self._gate = ContentGate()
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._text += text
+        out = ParsedDelta()
+        self._advance(out)
+        return out
+
+    def _advance(self, out: ParsedDelta) -> None:
+        while True:
+            text, pos = self._text, self._pos
+            if self._state == _CONTENT:
+                out.content += self._gate.push(text[pos:])
+                self._pos = len(text)
+                return
+            if self._state == _DROP:
+                self._pos = len(text)
+                return
+            if self._state == _START:
+                i = skip_ws(text, pos)
+                self._prefix += text[pos:i]
+                self._pos = i
+                rest = text[i:]
+                if rest.startswith(PYTHON_START):
+                    self._pos = i + len(PYTHON_START)
+                    continue
+                if not rest or held_prefix(rest, (PYTHON_START,)) == len(rest):
+                    return
+                self._region = i
+                if rest[0] != "[":
+                    self._to_content()
+                    continue
+                self._pos, self._depth, self._state = i + 1, 1, _LIST
+                continue
+            if self._state == _AFTER:
+                rest = text[pos:]
+                if held_prefix(rest, (PYTHON_END,)) == len(rest):
+                    return  # nothing yet, or maybe <|python_end|> being spelled out
+                if rest.startswith(PYTHON_END):
+                    self._pos = pos + len(PYTHON_END)
+                self._state = _CONTENT
+                continue
+            if not self._scan_list(out):
+                return
+
+    def _scan_list(self, out: ParsedDelta) -> bool:
+        """Scan the list on from `_pos`; True when the state changed (False: more text needed)."""
+        text, pos = self._text, self._pos
+        while pos < len(text):
+            c = text[pos]
+            if self._quote is not None:
+                if c == "\\":
+                    if pos + 1 >= len(text):
+                        break
+                    pos += 2
+                elif text.startswith(self._quote, pos):
+                    pos += len(self._quote)
+                    self._quote = None
+                elif len(self._quote) == 3 and self._quote.startswith(text[pos:]):
+                    break  # maybe the closing triple quote, half written
+                else:
+                    pos += 1
+                continue
+            if c in "'\"":
+                ahead = text[pos:pos + 3]
+                if len(ahead) < 3 and ahead == c * len(ahead):
+                    break  # a triple quote or not: the next characters tell
+                self._quote = c * 3 if ahead == c * 3 else c
+                pos += len(self._quote)
+                continue
+            if self._depth == 1 and self._call_start is None:
+                if c in WHITESPACE:
+                    pos += 1
+                    continue
+                if c == "," and self._comma_due:
+                    self._comma_due = False
+                    pos += 1
+                    continue
+                if c == "]" and (self._comma_due or self._num_calls == 0):
+                    self._pos = pos + 1
+                    if self._num_calls == 0:  # an empty list: an answer, not calls
+                        self._to_content()
+                    else:
+                        self._state = _AFTER
+                    return True
+                if self._comma_due or c in ",])}":
+                    return self._not_a_call()
+                self._call_start = pos
+            if c in "([{":
+                self._depth += 1
+            elif c in ")]}":
+                self._depth -= 1
+                if self._depth < 1:
+                    return self._not_a_call()
+                if self._depth == 1:
+                    if c != ")":
+                        return self._not_a_call()
+                    call = python_call(text[self._call_start:pos + 1])
+                    if call is None:
+                        return self._not_a_call()
+                    self._send(out, call)
+            elif self._depth == 1 and c == ",":
+                return self._not_a_call()  # a bare value in the list (`[1, 2]`)
+            pos += 1
+        self._pos = pos
+        return False
+
+    def _send(self, out: ParsedDelta, call: ToolCall) -> None:
+        progress = CallProgress(self._num_calls)
+        self._num_calls += 1
+        self._gate.had_call = True
+        delta = progress.update(call.name, call.arguments)
+        if delta is not None:
+            out.tool_calls.append(delta)
+        closing = progress.close()
+        if closing is not None:
+            out.tool_calls.append(closing)
+        self._call_start = None
+        self._comma_due = True
+
+    def _not_a_call(self) -> bool:
+        if self._num_calls == 0:
+            self._to_content()
+        else:
+            self._state = _DROP
+        return True
+
+    def _to_content(self) -> None:
+        """The whole output is content (less a lead tag): no call was sent."""
+        self._state = _CONTENT
+        self._gate.push(self._prefix)  # held by the gate until visible text follows
+        self._pos = self._region
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._state == _START:
+            out.content += self._gate.push(self._prefix + self._text[self._pos:])
+        elif self._state == _LIST and self._num_calls == 0:
+            # The list never held a call: the output was an answer after all.
+            self._to_content()
+            self._advance(out)
+        elif self._state == _AFTER:
+            # A tail of text that only looked like the start of <|python_end|>.
+            out.content += self._gate.push(self._text[self._pos:])
+        # _LIST after calls: cut off inside the next call, which was never sent.
+        self._pos = len(self._text)
+        out.content += self._gate.finish()
+        return out
+
+
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+
+    def stream(self) -> ToolCallStream:
+        return PythonicCallStream()
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """Llama 4's template asks for the pythonic list (between its python tags)."""
+
+    name = "llama4_pythonic"
