@@ -484,3 +484,19 @@ def test_call_ids_are_the_formats():
     assert re.fullmatch("call_[0-9a-f]{24}", get_tool_parser("hermes").new_call_id())
     ids = {get_tool_parser("mistral").new_call_id() for _ in range(50)}
     assert len(ids) == 50 and all(re.fullmatch("[A-Za-z0-9]{9}", i) for i in ids)
+
+
+def test_serve_help_names_every_parser():
+    """`ksana-llm serve --help` lists the built-in parsers, so a new one cannot go unlisted."""
+    import argparse
+
+    from ksana_llm.cli_args import add_serve_args
+    from ksana_llm.server.reasoning_parsers import REASONING_PARSERS
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    helps = {action.dest: action.help or "" for action in parser._actions}
+    for name in TOOL_PARSERS:
+        assert name in helps["tool_call_parser"], name
+    for name in REASONING_PARSERS:
+        assert name in helps["reasoning_parser"], name
