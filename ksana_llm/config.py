@@ -155,6 +155,10 @@ class EngineConfig(BaseModel):
         None, ge=1, description="a request never scheduled within this many ms fails with "
                                 "QueueTimeoutError (KsanaLLM waiting_timeout_in_ms); None = no limit")
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context size")
+    clamp_max_model_len: bool = Field(
+        False, description="a max_model_len above the model's context is lowered to it (with a "
+                           "warning) instead of refused: KsanaLLM's rule for its YAML's "
+                           "max_token_len, which a YAML file's value follows")
     disable_sliding_window: bool = Field(
         False, description="vLLM's: cap sequences at the model's sliding window (Mistral, "
                            "windowed Qwen), within which its attention is full; no effect on "

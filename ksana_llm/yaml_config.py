@@ -18,7 +18,8 @@ Keys and where they go:
 | setting.global.enable_cuda_graph                  | EngineConfig.enable_cuda_graphs           |
 | setting.batch_scheduler.max_batch_size            | EngineConfig.max_num_seqs                 |
 | setting.batch_scheduler.max_step_tokens           | EngineConfig.max_step_tokens              |
-| setting.batch_scheduler.max_token_len             | EngineConfig.max_model_len (0 -> None)    |
+| setting.batch_scheduler.max_token_len             | EngineConfig.max_model_len (0 -> None;    |
+|                                                   |   lowered to the model's context)         |
 | setting.batch_scheduler.max_waiting_queue_len     | EngineConfig.max_queue_size               |
 | setting.batch_scheduler.waiting_timeout_in_ms     | EngineConfig.waiting_timeout_ms           |
 | setting.batch_scheduler.split_fuse_token_num      | EngineConfig.split_fuse_token_num         |
@@ -394,6 +395,9 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
             continue
         fields[name] = value
         sources[name] = (override_names or {}).get(name, f"{name} (override)")
+    if sources.get("max_model_len") == _BS + "max_token_len" and fields["max_model_len"]:
+        # KsanaLLM lowers it to the model's context (a --max-model-len flag is refused past it).
+        fields["clamp_max_model_len"] = True
     try:
         config = EngineConfig(**fields)
     except ValidationError as exc:

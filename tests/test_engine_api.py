@@ -182,6 +182,23 @@ def test_max_model_len_past_the_context_or_the_pool_is_refused(model, max_model_
         assert default.max_model_len == blocks * 16  # the pool, below the model's context
 
 
+def test_yaml_max_token_len_past_the_context_is_lowered_to_it(model):
+    """KsanaLLM's rule for its YAML's max_token_len: lowered to the model's context (with
+    --max-model-len given on top, vLLM's rule above holds)."""
+    from ksana_llm.yaml_config import parse_engine_config
+
+    yaml = {"setting": {"batch_scheduler": {"max_token_len": 10**6}}}
+    config, _ = parse_engine_config(yaml, {"num_device_blocks": 520})  # 8320 tokens
+    assert config.clamp_max_model_len
+    with kt.Engine(model, config=config) as engine:
+        assert engine.max_model_len == model.max_context == 8192
+    flagged, _ = parse_engine_config(yaml, {"max_model_len": 10**6, "num_device_blocks": 520},
+                                     override_names={"max_model_len": "--max-model-len"})
+    assert not flagged.clamp_max_model_len
+    with pytest.raises(ValueError, match="is more than the model's context"):
+        kt.Engine(model, config=flagged)
+
+
 def test_outputs_count_the_prompt_tokens_the_prefix_cache_served(model):
     """A second request with the first one's prompt (and more) reuses its full 16-token blocks;
     beam search (ranked outputs) reports it too."""

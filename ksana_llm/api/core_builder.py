@@ -85,18 +85,24 @@ def build_core(model: Model, cfg: EngineConfig, tokenizer: Any,
                                              max_step_tokens=cfg.max_step_tokens))
     # A sequence can never outgrow the model's context, nor the whole KV pool.
     # An explicit cap past either is refused (vLLM's rule), not silently lowered: a client told
-    # the larger context would see its long requests fail.
+    # the larger context would see its long requests fail. A KsanaLLM YAML's max_token_len is
+    # lowered to the model's context instead (KsanaLLM's rule; clamp_max_model_len).
     context = model_context(model, cfg)
     pool = num_blocks * cfg.block_token_num
-    if cfg.max_model_len is not None and cfg.max_model_len > context:
-        raise ValueError(f"max_model_len={cfg.max_model_len} is more than the model's context "
-                         f"({context} tokens)")
-    if cfg.max_model_len is not None and cfg.max_model_len > pool:
-        raise ValueError(f"max_model_len={cfg.max_model_len} is more than the KV cache holds "
+    requested = cfg.max_model_len
+    if requested is not None and requested > context:
+        if not cfg.clamp_max_model_len:
+            raise ValueError(f"max_model_len={requested} is more than the model's context "
+                             f"({context} tokens)")
+        logger.warning("max_model_len %d is more than the model's context: lowered to %d",
+                       requested, context)
+        requested = context
+    if requested is not None and requested > pool:
+        raise ValueError(f"max_model_len={requested} is more than the KV cache holds "
                          f"({num_blocks} blocks x {cfg.block_token_num} tokens = {pool}): give "
                          f"it more blocks (num_device_blocks, block_device_memory_ratio) or "
                          f"lower max_model_len")
-    max_model_len = min(cfg.max_model_len or context, context, pool)
+    max_model_len = min(requested or context, context, pool)
     num_host_blocks = host_swap_blocks(cfg, num_blocks, per_block, model.device)
     block_manager = BlockManager(num_blocks, cfg.block_token_num,
                                  enable_prefix_caching=cfg.enable_prefix_caching,
