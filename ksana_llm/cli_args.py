@@ -117,7 +117,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         help='let the model decide when to call tools (tool_choice "auto"); '
                              "needs --tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None,
-                        help="how tool calls are read from model text: hermes, qwen3, "
+                        help="how tool calls are read from model text: hermes, qwen3, qwen3_coder, "
                              "llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, "
                              "deepseek_v31, openai (GPT-OSS)")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",

@@ -500,3 +500,95 @@ def test_serve_help_names_every_parser():
         assert name in helps["tool_call_parser"], name
     for name in REASONING_PARSERS:
         assert name in helps["reasoning_parser"], name
+
+
+def qwen3_coder(content: str, calls: list) -> str:
+    """Qwen3-Coder's template: each parameter's value as bare text (JSON for non-strings)."""
+    blocks = []
+    for name, args in calls:
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
+                         f"</parameter>\n" for k, v in args.items())
+        blocks.append(f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>")
+    return content + ("\n" if content and blocks else "") + "\n".join(blocks)
+
+
+def _function(name: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties}}}
+
+
+CODER_TOOLS = [
+    _function("get_weather", {"city": {"type": "string"}, "unit": {"type": "string"}}),
+    _function("search", {"query": {"type": "string"}, "filters": {"type": "object"},
+                         "note": {"type": "string"}}),
+    _function("list_files", {}),
+    _function("typed", {"n": {"type": "integer"}, "x": {"type": "number"}, "whole": {"type": "number"},
+                        "flag": {"type": "boolean"}, "items": {"type": "array"},
+                        "maybe": {"type": ["integer", "null"]}, "either": {"anyOf": [
+                            {"type": "boolean"}, {"type": "string"}]}}),
+]
+TYPED_TEXT = ("<tool_call>\n<function=typed>\n<parameter=n>\n42\n</parameter>\n<parameter=x>\n2.5\n"
+              "</parameter>\n<parameter=whole>\n4\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n"
+              "<parameter=items>\n['a', 1]\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n"
+              "<parameter=either>\nfalse\n</parameter>\n<parameter=extra>\n7\n</parameter>\n"
+              "</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("text, tools, content, calls", [
+    (qwen3_coder("Let me look that up.", CALLS), CODER_TOOLS, "Let me look that up.", CALLS),
+    (qwen3_coder("", [WEATHER]) + "\nAnything else?", CODER_TOOLS, "Anything else?", [WEATHER]),
+    # Types from the schema; `extra` (not in it) stays text.
+    (TYPED_TEXT, CODER_TOOLS, None, [("typed", {"n": 42, "x": 2.5, "whole": 4, "flag": True,
+                                                "items": ["a", 1], "maybe": None, "either": False,
+                                                "extra": "7"})]),
+    # Without the request's tools every value is text (null still null).
+    (TYPED_TEXT, None, None, [("typed", {"n": "42", "x": "2.5", "whole": "4", "flag": "True",
+                                         "items": "['a', 1]", "maybe": None, "either": "false",
+                                         "extra": "7"})]),
+    # Text that does not read as the declared type stays as written.
+    ("<tool_call>\n<function=typed>\n<parameter=n>\nforty-two\n</parameter>\n<parameter=items>\n"
+     "{1, 2}\n</parameter>\n</function>\n</tool_call>", CODER_TOOLS, None,
+     [("typed", {"n": "forty-two", "items": "{1, 2}"})]),
+    # A closing tag left out: the value ends where the next parameter (or the function's end) starts.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=unit>\nC\n</function>\n"
+     "</tool_call>", CODER_TOOLS, None, [("get_weather", {"city": "Oslo", "unit": "C"})]),
+    # Code in a value, angle brackets and all; only its framing newlines go.
+    ("<tool_call>\n<function=write>\n<parameter=code>\n\nif a < b:\n    return '</p>'\n\n</parameter>\n"
+     "</function>\n</tool_call>", CODER_TOOLS, None,
+     [("write", {"code": "\nif a < b:\n    return '</p>'\n"})]),
+    ("<tool_call>\n<function=list_files>\n</function>\n</tool_call>", CODER_TOOLS, None, [EMPTY]),
+    # Not a call: the region is content, tags included.
+    ("<tool_call>\nnot a function\n</tool_call> ok", CODER_TOOLS,
+     "<tool_call>\nnot a function\n</tool_call> ok", []),
+])
+def test_qwen3_coder(text, tools, content, calls):
+    from ksana_llm.server.tools import plan_tools
+
+    parser = get_tool_parser("qwen3_coder")
+    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
+    assert final.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
+    for sizes in _chunkings(text, 40, seed=len(text)):
+        _check_stream(_stream(parser.stream_for(tools), text, sizes), final)
+    if tools is not None:  # a request's plan hands its tools to the parser
+        plan = plan_tools(tools, "auto", parallel_tool_calls=None, auto_enabled=True, parser=parser)
+        assert collect(_stream(plan.stream(), text, [7] * len(text))) == final
+
+
+def test_qwen3_coder_streams_each_parameter_once_complete(monkeypatch):
+    """A call's name goes out with its tag, each parameter with its closing tag; a 40 KB value
+    streamed 4 characters at a time is read as a value once."""
+    import ksana_llm.server.tool_parsers.qwen3_coder as coder
+
+    text = qwen3_coder("", [("write", {"path": "a.txt", "content": "x" * 40_000})])
+    stream = get_tool_parser("qwen3_coder").stream_for(CODER_TOOLS)
+    head = stream.feed(text[:text.index("<parameter=content>")])
+    assert [(c.name, c.arguments) for c in head.tool_calls] == [("write", '{"path": "a.txt"')]
+    typed: list[str] = []
+    real = coder.typed_value
+    monkeypatch.setattr(coder, "typed_value", lambda value, schema: typed.append(value) or real(value, schema))
+    rest = text[text.index("<parameter=content>"):]
+    deltas = [head] + [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
+    assert typed == ["x" * 40_000]
+    (call,) = collect(deltas).tool_calls
+    assert json.loads(call.arguments) == {"path": "a.txt", "content": "x" * 40_000}

@@ -45,7 +45,7 @@ class ToolPlan:
     def stream(self) -> ToolCallStream | None:
         """A fresh per-choice extractor, or None when tool calls are not extracted."""
         if self.mode == "auto" and self.parser is not None:
-            stream = self.parser.stream()
+            stream = self.parser.stream_for(self.tools)
             return FirstCallOnly(stream) if self.single_call else stream
         if self.mode == "required":
             return JsonCallSequenceStream(open="[", separator=",", close="]", calls_only=True)

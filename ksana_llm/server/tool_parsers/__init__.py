@@ -24,11 +24,13 @@ from ksana_llm.server.tool_parsers.json_calls import JsonCallSequenceStream
 from ksana_llm.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from ksana_llm.server.tool_parsers.mistral import MistralToolParser
 from ksana_llm.server.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
+from ksana_llm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
     cls.name: cls for cls in (HermesToolParser, Qwen3ToolParser, Llama3JsonToolParser,
                               DeepSeekV3ToolParser, DeepSeekV31ToolParser, HarmonyToolParser,
-                              MistralToolParser, PythonicToolParser, Llama4PythonicToolParser)})
+                              MistralToolParser, PythonicToolParser, Llama4PythonicToolParser,
+                              Qwen3CoderToolParser)})
 
 
 def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:

@@ -14,7 +14,7 @@ import logging
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, OpenValue
 
@@ -101,6 +101,12 @@ class ToolParser(ABC):
 
     @abstractmethod
     def stream(self) -> ToolCallStream: ...
+
+    def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
+        """`stream()` for a request that offers `tools` (OpenAI function tools, checked).
+        Formats whose markup carries untyped text (Qwen3-Coder's) read the parameters' types
+        there; the others ignore them."""
+        return self.stream()
 
     @staticmethod
     def new_call_id() -> str:

@@ -57,7 +57,11 @@ class TaggedToolStream(ToolCallStream):
     """
 
     def __init__(self, start: str, end: str | None, parse_body: BodyParser,
-                 ignored: tuple[str, ...] = ()) -> None:
+                 ignored: tuple[str, ...] = (), *,
+                 on_new_body: Callable[[], None] | None = None) -> None:
+        """`on_new_body`: told when a call's body starts, for a `parse_body` that keeps what it
+        read of the body so far (which only grows until then)."""
+        self._on_new_body = on_new_body
         self._start = start
         self._end = end
         self._parse_body = parse_body
@@ -93,7 +97,7 @@ class TaggedToolStream(ToolCallStream):
                 out.content += self._gate.push(self._buffer[:i])
                 self._buffer = self._buffer[i + len(marker):]
                 if marker == self._start:
-                    self._body = ""
+                    self._new_body("")
                 continue
             end = self._start if self._end is None else self._end
             j = self._buffer.find(end)
@@ -106,6 +110,11 @@ class TaggedToolStream(ToolCallStream):
             if self._end is not None:  # else the start tag stays, opening the next call
                 self._buffer = self._buffer[len(self._end):]
             self._close(out, self._end or "")
+
+    def _new_body(self, body: str) -> None:
+        self._body = body
+        if self._on_new_body is not None:
+            self._on_new_body()
 
     def _take_body(self, n: int) -> None:
         """Move the first `n` buffered characters into the body."""
@@ -137,7 +146,7 @@ class TaggedToolStream(ToolCallStream):
                 return
             # Several calls between one pair of tags (models do this): each is a call of its own.
             self._end_call(out)
-            self._body = body[scan.next_at:]
+            self._new_body(body[scan.next_at:])
 
     def _end_call(self, out: ParsedDelta) -> None:
         if self._call is not None:
