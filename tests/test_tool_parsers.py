@@ -79,6 +79,21 @@ def pythonic(calls: list, tags: bool = False) -> str:
     return f"<|python_start|>{text}<|python_end|>" if tags else text
 
 
+def kimi_k2(content: str, calls: list) -> str:
+    parts = [f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>"
+             f"{json.dumps(a, ensure_ascii=False)}<|tool_call_end|>" for i, (n, a) in enumerate(calls)]
+    return content + "<|tool_calls_section_begin|>" + "".join(parts) + "<|tool_calls_section_end|>"
+
+
+def internlm(content: str, call: tuple) -> str:
+    body = json.dumps({"name": call[0], "parameters": call[1]}, ensure_ascii=False)
+    return f"{content}<|action_start|><|plugin|>\n{body}<|action_end|>"
+
+
+def granite(calls: list, tag: str = "<tool_call>") -> str:
+    return tag + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
+
+
 # (parser, model text, expected content, expected calls)
 CASES = [
     ("hermes", hermes("Let me look that up.", CALLS), "Let me look that up.", CALLS),
@@ -141,6 +156,15 @@ CASES = [
     # A call that is not one after a call: the calls so far stay, the rest goes.
     ("pythonic", "[get_weather(city='Paris'), get_weather(city=open('x'))] ok", None,
      [("get_weather", {"city": "Paris"})]),
+    ("kimi_k2", kimi_k2("Checking.", CALLS), "Checking.", CALLS),
+    ("kimi_k2", "No tools needed: <|tool_ is not a tag.", "No tools needed: <|tool_ is not a tag.", []),
+    ("internlm", internlm("Let me look.", NESTED), "Let me look.", [NESTED]),
+    # A code-interpreter action is no function call: content.
+    ("internlm", "<|action_start|><|interpreter|>\nprint(1)<|action_end|>",
+     "<|action_start|><|interpreter|>\nprint(1)<|action_end|>", []),
+    ("granite", granite(CALLS), None, CALLS),
+    ("granite", granite([WEATHER], "<|tool_call|>") + " Done.", "Done.", [WEATHER]),
+    ("granite", "[1, 2] are the numbers.", "[1, 2] are the numbers.", []),
     # Brackets, quotes and escapes inside strings (a triple-quoted one too) do not end a call.
     ("pythonic", '[write(text="""a ) ] \\""" b""", path=\'x\\\'y]\')]', None,
      [("write", {"text": 'a ) ] """ b', "path": "x'y]"})]),
@@ -592,3 +616,24 @@ def test_qwen3_coder_streams_each_parameter_once_complete(monkeypatch):
     assert typed == ["x" * 40_000]
     (call,) = collect(deltas).tool_calls
     assert json.loads(call.arguments) == {"path": "a.txt", "content": "x" * 40_000}
+
+
+def test_kimi_k2_calls_keep_the_ids_their_markup_gives():
+    """Kimi's template writes each call's id (`functions.NAME:INDEX`) back into the
+    conversation: the client gets that id, streamed or not."""
+    from ksana_llm.server.chat_output import ChoiceOutputParser
+
+    text = kimi_k2("", [WEATHER, EMPTY])
+    for sizes in _chunkings(text, 10, seed=3):
+        parser = ChoiceOutputParser(None, get_tool_parser("kimi_k2").stream())
+        deltas, i = [], 0
+        for size in sizes:
+            deltas.append(parser.feed(text[i:i + size]))
+            i += size
+        deltas.append(parser.feed(text[i:]))
+        deltas.append(parser.finish())
+        message = parser.message(deltas)
+        assert [(c.id, c.function.name) for c in message.tool_calls] == [
+            ("functions.get_weather:0", "get_weather"), ("functions.list_files:1", "list_files")]
+        streamed = [c.id for d in deltas for c in parser.delta_message(d).tool_calls or [] if c.id]
+        assert streamed == ["functions.get_weather:0", "functions.list_files:1"]

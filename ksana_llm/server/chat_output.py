@@ -79,7 +79,7 @@ class ChoiceOutputParser:
             out.tool_calls = coalesce(parsed.tool_calls)
             for call in parsed.tool_calls:
                 if call.name is not None:
-                    self._ids[call.index] = self._new_call_id()
+                    self._ids[call.index] = call.id or self._new_call_id()
         return out
 
     def feed(self, text: str) -> ChatDelta:

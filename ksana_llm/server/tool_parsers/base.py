@@ -29,11 +29,14 @@ class ToolCall:
 
 @dataclass
 class ToolCallDelta:
-    """New output of tool call `index`: its name on the first delta, then argument text."""
+    """New output of tool call `index`: its name on the first delta, then argument text. `id`:
+    the call's id where the model's markup gives one (Kimi-K2's `functions.NAME:0`, which its
+    template writes back), on the first delta; otherwise the server makes one."""
 
     index: int
     name: str | None = None
     arguments: str = ""
+    id: str | None = None
 
 
 @dataclass
@@ -55,7 +58,8 @@ def coalesce(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
     out: list[ToolCallDelta] = []
     for call in calls:
         if out and out[-1].index == call.index and call.name is None:
-            out[-1] = ToolCallDelta(call.index, out[-1].name, out[-1].arguments + call.arguments)
+            out[-1] = ToolCallDelta(call.index, out[-1].name, out[-1].arguments + call.arguments,
+                                    out[-1].id)
         else:
             out.append(call)
     return out
@@ -229,13 +233,16 @@ class CallProgress:
     name_sent: bool = False
     args_sent: int = 0  # characters of arguments sent
 
-    def update(self, name: str | None, arguments: str) -> ToolCallDelta | None:
-        """The delta that brings the client up to (name, arguments); None if nothing is new."""
+    def update(self, name: str | None, arguments: str,
+               call_id: str | None = None) -> ToolCallDelta | None:
+        """The delta that brings the client up to (name, arguments); None if nothing is new.
+        `call_id`: the call's id as the markup gives it, sent with the name."""
         if name is None:
             return None  # arguments wait for the name: a call is announced by its name
         delta = ToolCallDelta(self.index)
         if not self.name_sent:
             delta.name = name
+            delta.id = call_id
             self.name_sent = True
         if len(arguments) > self.args_sent:
             delta.arguments = arguments[self.args_sent:]

@@ -29,6 +29,7 @@ class BodyScan:
     open_at: int | None = None
     open_is_arguments: bool = True
     next_at: int | None = None  # where another call starts in the same body, once this one ended
+    call_id: str | None = None  # the call's id, where the markup gives one
 
 
 BodyParser = Callable[[str], BodyScan]
@@ -139,7 +140,7 @@ class TaggedToolStream(ToolCallStream):
                 self._call = CallProgress(self._num_calls)
                 self._num_calls += 1
                 self._gate.had_call = True
-            delta = self._call.update(scan.name, scan.arguments)
+            delta = self._call.update(scan.name, scan.arguments, scan.call_id)
             if delta is not None:
                 out.tool_calls.append(delta)
             if scan.next_at is None:
