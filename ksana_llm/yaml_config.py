@@ -290,19 +290,23 @@ def _read_yaml(path: Path) -> Any:
         raise ValueError(f"{path}: invalid YAML: {exc}") from exc
 
 
-def _flatten(node: Any, prefix: str, out: dict[str, Any], inert: list[str]) -> None:
+def _flatten(node: Any, prefix: str, out: dict[str, Any], inert: list[str],
+             errors: list[str]) -> None:
     """Collect accepted leaves as dotted keys, and in `inert` the keys that change nothing here;
-    reject anything unknown or misplaced."""
+    in `errors`, what is wrong with each key unknown or misplaced (all of them, so that one
+    run names every key to mend)."""
     for key, value in node.items():
         if not isinstance(key, str):
-            raise ValueError(f"{prefix}{key!r}: keys must be strings")
+            errors.append(f"{prefix}{key!r}: keys must be strings")
+            continue
         dotted = prefix + key
         if dotted in _INERT:
             accepts, neutral = _INERT[dotted]
             if not accepts(value):
-                raise ValueError(f"{dotted}: a KsanaLLM key that ksana_llm does not support yet "
-                                 f"at {value!r} (accepted: {neutral}, which changes nothing here)")
-            inert.append(dotted)
+                errors.append(f"{dotted}: a KsanaLLM key that ksana_llm does not support yet "
+                              f"at {value!r} (accepted: {neutral}, which changes nothing here)")
+            else:
+                inert.append(dotted)
             continue
         if any(dotted == s or dotted.startswith(s + ".") for s in _INERT_SECTIONS):
             inert.append(dotted)
@@ -310,22 +314,25 @@ def _flatten(node: Any, prefix: str, out: dict[str, Any], inert: list[str]) -> N
         if dotted in _INERT_PARENTS and dotted not in _SECTIONS:
             if value is not None:
                 if not isinstance(value, Mapping):
-                    raise ValueError(f"{dotted}: expected a mapping of keys, got {value!r}")
-                _flatten(value, dotted + ".", out, inert)
+                    errors.append(f"{dotted}: expected a mapping of keys, got {value!r}")
+                else:
+                    _flatten(value, dotted + ".", out, inert, errors)
             continue
         if any(dotted == u or dotted.startswith(u + ".") for u in _UNSUPPORTED):
-            raise ValueError(f"{dotted}: a KsanaLLM key that ksana_llm does not support yet; "
-                             "remove it")
+            errors.append(f"{dotted}: a KsanaLLM key that ksana_llm does not support yet; "
+                          "remove it")
+            continue
         if dotted in _SCHEMA:
             out[dotted] = value
         elif dotted in _SECTIONS:
             if value is None:  # a section with every key commented out
                 continue
             if not isinstance(value, Mapping):
-                raise ValueError(f"{dotted}: expected a mapping of keys, got {value!r}")
-            _flatten(value, dotted + ".", out, inert)
+                errors.append(f"{dotted}: expected a mapping of keys, got {value!r}")
+            else:
+                _flatten(value, dotted + ".", out, inert, errors)
         else:
-            raise ValueError(f"{dotted}: unknown key")
+            errors.append(f"{dotted}: unknown key")
 
 
 def _check_type(dotted: str, kind: str, value: Any) -> Any:
@@ -357,7 +364,15 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
         raise ValueError(f"the top level must be a mapping of keys, got {type(data).__name__}")
     leaves: dict[str, Any] = {}
     inert: list[str] = []
-    _flatten(data, "", leaves, inert)
+    errors: list[str] = []
+    _flatten(data, "", leaves, inert, errors)
+    for dotted, raw in leaves.items():
+        try:
+            _check_type(dotted, _SCHEMA[dotted].kind, raw)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise ValueError("\n".join(errors))
     if inert:
         logger.warning("%s: KsanaLLM keys that change nothing here, accepted: %s",
                     config_file or "config", ", ".join(inert))

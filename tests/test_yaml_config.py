@@ -140,6 +140,19 @@ def test_unknown_keys_are_named(tmp_path, text, message):
     assert message in str(info.value)
 
 
+def test_every_bad_key_is_named_at_once(tmp_path):
+    """One run names everything to mend, each on a line of its own, not just the first."""
+    text = ("setting:\n  batch_scheduler:\n    max_step_tokenz: 4\n    max_batch_size: many\n"
+            "  block_managr:\n    block_token_num: 16\nextra: 1\n")
+    with pytest.raises(ValueError) as info:
+        load_engine_config(write(tmp_path, text))
+    assert str(info.value).splitlines() == [
+        "setting.batch_scheduler.max_step_tokenz: unknown key",
+        "setting.block_managr: unknown key",
+        "extra: unknown key",
+        "setting.batch_scheduler.max_batch_size: expected an integer, got 'many'"]
+
+
 @pytest.mark.parametrize("section, key, value, message", [
     ("block_manager", "block_token_num", "abc",
      "setting.block_manager.block_token_num: expected an integer, got 'abc'"),
