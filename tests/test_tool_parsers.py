@@ -626,12 +626,7 @@ def test_kimi_k2_calls_keep_the_ids_their_markup_gives():
     text = kimi_k2("", [WEATHER, EMPTY])
     for sizes in _chunkings(text, 10, seed=3):
         parser = ChoiceOutputParser(None, get_tool_parser("kimi_k2").stream())
-        deltas, i = [], 0
-        for size in sizes:
-            deltas.append(parser.feed(text[i:i + size]))
-            i += size
-        deltas.append(parser.feed(text[i:]))
-        deltas.append(parser.finish())
+        deltas = _stream(parser, text, sizes)  # (it feeds and finishes as a stream does)
         message = parser.message(deltas)
         assert [(c.id, c.function.name) for c in message.tool_calls] == [
             ("functions.get_weather:0", "get_weather"), ("functions.list_files:1", "list_files")]

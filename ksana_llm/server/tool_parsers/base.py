@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, OpenValue
+from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, OpenValue, skip_ws
 
 logger = logging.getLogger("ksana_llm.server")
 
@@ -192,6 +192,28 @@ def held_prefix(text: str, markers: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+@dataclass
+class OutputStart:
+    """The start of an output that may be all calls (`[...]`, `{...}`): its leading whitespace
+    (`prefix`, content if the output turns out to be content) and `lead` tags (dropped)."""
+
+    lead: tuple[str, ...] = ()
+    prefix: str = ""
+
+    def scan(self, text: str, pos: int) -> tuple[int, bool]:
+        """Read on from `pos`: (where the first visible text after whitespace and lead tags
+        starts, whether it is decided there -- False while only whitespace came, or what may
+        still be a lead tag being spelled out)."""
+        while True:
+            i = skip_ws(text, pos)
+            self.prefix += text[pos:i]
+            rest = text[i:]
+            tag = next((t for t in self.lead if rest.startswith(t)), None)
+            if tag is None:
+                return i, bool(rest) and held_prefix(rest, self.lead) < len(rest)
+            pos = i + len(tag)
 
 
 class ContentGate:

@@ -18,19 +18,25 @@ import json
 
 from ksana_llm.server.tool_parsers.base import (
     CallProgress,
-    ContentGate,
     ParsedDelta,
     ToolCall,
     ToolCallStream,
     ToolParser,
     held_prefix,
 )
-from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, skip_ws
+from ksana_llm.server.tool_parsers.call_list import (
+    CONTENT,
+    DROP,
+    FIRST_OWN_STATE,
+    START,
+    CallListStream,
+)
+from ksana_llm.server.tool_parsers.json_scan import WHITESPACE
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
 
-_START, _LIST, _AFTER, _CONTENT, _DROP = range(5)
+_LIST, _AFTER = range(FIRST_OWN_STATE, FIRST_OWN_STATE + 2)
 
 
 def python_call(source: str) -> ToolCall | None:
@@ -56,65 +62,34 @@ def python_call(source: str) -> ToolCall | None:
     return ToolCall(node.func.id, text)
 
 
-class PythonicCallStream(ToolCallStream):
+class PythonicCallStream(CallListStream):
     """The list is scanned once, as it arrives: strings (any quotes) and bracket depth tell
     where each call ends, and only then is the call parsed."""
 
     def __init__(self) -> None:
-        self._text = ""
-        self._pos = 0  # everything before it is decided
-        self._state = _START
-        self._prefix = ""  # the output's leading whitespace: content if the output is
-        self._region = 0  # where the list starts (after the lead tag)
+        super().__init__((PYTHON_START,))
         self._depth = 0  # bracket depth; 1 between the list's calls
         self._quote: str | None = None  # the open string literal's quote
         self._call_start: int | None = None
         self._comma_due = False  # a call ended: a comma (or the list's end) comes next
-        self._num_calls = 0
-        self._gate = ContentGate()
 
-    def feed(self, text: str) -> ParsedDelta:
-        self._text += text
-        out = ParsedDelta()
-        self._advance(out)
-        return out
+    def _open_at(self, pos: int) -> None:
+        if self._text[pos] == "[":
+            self._pos, self._depth, self._state = pos + 1, 1, _LIST
+        else:
+            self._to_content(pos)
 
-    def _advance(self, out: ParsedDelta) -> None:
-        while True:
-            text, pos = self._text, self._pos
-            if self._state == _CONTENT:
-                out.content += self._gate.push(text[pos:])
-                self._pos = len(text)
-                return
-            if self._state == _DROP:
-                self._pos = len(text)
-                return
-            if self._state == _START:
-                i = skip_ws(text, pos)
-                self._prefix += text[pos:i]
-                self._pos = i
-                rest = text[i:]
-                if rest.startswith(PYTHON_START):
-                    self._pos = i + len(PYTHON_START)
-                    continue
-                if not rest or held_prefix(rest, (PYTHON_START,)) == len(rest):
-                    return
-                self._region = i
-                if rest[0] != "[":
-                    self._to_content()
-                    continue
-                self._pos, self._depth, self._state = i + 1, 1, _LIST
-                continue
-            if self._state == _AFTER:
-                rest = text[pos:]
-                if held_prefix(rest, (PYTHON_END,)) == len(rest):
-                    return  # nothing yet, or maybe <|python_end|> being spelled out
-                if rest.startswith(PYTHON_END):
-                    self._pos = pos + len(PYTHON_END)
-                self._state = _CONTENT
-                continue
-            if not self._scan_list(out):
-                return
+    def _read_calls(self, out: ParsedDelta) -> bool:
+        if self._state == _LIST:
+            return self._scan_list(out)
+        # _AFTER: the list closed; what follows is content, less Llama 4's end tag.
+        rest = self._text[self._pos:]
+        if held_prefix(rest, (PYTHON_END,)) == len(rest):
+            return False  # nothing yet, or maybe <|python_end|> being spelled out
+        if rest.startswith(PYTHON_END):
+            self._pos += len(PYTHON_END)
+        self._state = CONTENT
+        return True
 
     def _scan_list(self, out: ParsedDelta) -> bool:
         """Scan the list on from `_pos`; True when the state changed (False: more text needed)."""
@@ -152,7 +127,7 @@ class PythonicCallStream(ToolCallStream):
                 if c == "]" and (self._comma_due or self._num_calls == 0):
                     self._pos = pos + 1
                     if self._num_calls == 0:  # an empty list: an answer, not calls
-                        self._to_content()
+                        self._to_content(self._pos)
                     else:
                         self._state = _AFTER
                     return True
@@ -193,24 +168,18 @@ class PythonicCallStream(ToolCallStream):
 
     def _not_a_call(self) -> bool:
         if self._num_calls == 0:
-            self._to_content()
+            self._to_content(self._pos)
         else:
-            self._state = _DROP
+            self._state = DROP
         return True
-
-    def _to_content(self) -> None:
-        """The whole output is content (less a lead tag): no call was sent."""
-        self._state = _CONTENT
-        self._gate.push(self._prefix)  # held by the gate until visible text follows
-        self._pos = self._region
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        if self._state == _START:
-            out.content += self._gate.push(self._prefix + self._text[self._pos:])
+        if self._state == START:
+            self._finish_undecided(out)
         elif self._state == _LIST and self._num_calls == 0:
             # The list never held a call: the output was an answer after all.
-            self._to_content()
+            self._to_content(self._pos)
             self._advance(out)
         elif self._state == _AFTER:
             # A tail of text that only looked like the start of <|python_end|>.
