@@ -118,8 +118,9 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "needs --tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None,
                         help="how tool calls are read from model text: hermes, qwen3, qwen3_coder, "
-                             "llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, "
-                             "deepseek_v31, kimi_k2, internlm, granite, openai (GPT-OSS)")
+                             "llama3_json, llama4_json, pythonic, llama4_pythonic, mistral, "
+                             "deepseek_v3, deepseek_v31, deepseek_v32, kimi_k2, internlm, "
+                             "granite, openai (GPT-OSS)")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
                         help="a Python file defining tool-call parsers of one's own "
                              "(ksana_llm.server.tool_parsers.ToolParser subclasses with a "

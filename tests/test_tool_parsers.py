@@ -79,6 +79,18 @@ def pythonic(calls: list, tags: bool = False) -> str:
     return f"<|python_start|>{text}<|python_end|>" if tags else text
 
 
+def deepseek_v32(content: str, calls: list) -> str:
+    """DSML: strings as plain text (`string="true"`), other values as JSON."""
+    def parameter(key, value) -> str:
+        is_string = isinstance(value, str)
+        text = value if is_string else json.dumps(value, ensure_ascii=False)
+        return (f'<｜DSML｜parameter name="{key}" string="{str(is_string).lower()}">{text}'
+                f"</｜DSML｜parameter>\n")
+    invokes = "".join(f'<｜DSML｜invoke name="{n}">\n' + "".join(parameter(k, v) for k, v in a.items())
+                      + "</｜DSML｜invoke>\n" for n, a in calls)
+    return f"{content}\n\n<｜DSML｜function_calls>\n{invokes}</｜DSML｜function_calls>"
+
+
 def kimi_k2(content: str, calls: list) -> str:
     parts = [f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>"
              f"{json.dumps(a, ensure_ascii=False)}<|tool_call_end|>" for i, (n, a) in enumerate(calls)]
@@ -156,6 +168,14 @@ CASES = [
     # A call that is not one after a call: the calls so far stay, the rest goes.
     ("pythonic", "[get_weather(city='Paris'), get_weather(city=open('x'))] ok", None,
      [("get_weather", {"city": "Paris"})]),
+    ("deepseek_v32", deepseek_v32("Checking both.", CALLS), "Checking both.", CALLS),
+    ("deepseek_v32", deepseek_v32("", [WEATHER]), None, [WEATHER]),
+    # string="false" text that is not JSON stays text; an invoke without a name is content.
+    ("deepseek_v32", '<｜DSML｜function_calls><｜DSML｜invoke name="f"><｜DSML｜parameter name="n" '
+     'string="false">twelve</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>', None,
+     [("f", {"n": "twelve"})]),
+    ("deepseek_v32", "<｜DSML｜invoke name=>x</｜DSML｜invoke> ok", "<｜DSML｜invoke name=>x</｜DSML｜invoke> ok", []),
+    ("llama4_json", llama3([WEATHER], tag=False), None, [WEATHER]),
     ("kimi_k2", kimi_k2("Checking.", CALLS), "Checking.", CALLS),
     ("kimi_k2", "No tools needed: <|tool_ is not a tag.", "No tools needed: <|tool_ is not a tag.", []),
     ("internlm", internlm("Let me look.", NESTED), "Let me look.", [NESTED]),

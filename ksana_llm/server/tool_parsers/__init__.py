@@ -17,14 +17,15 @@ from ksana_llm.server.tool_parsers.base import (
     coalesce,
     collect,
 )
-from ksana_llm.server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from ksana_llm.server.tool_parsers.deepseek import (DeepSeekV3ToolParser, DeepSeekV31ToolParser,
+                                                   DeepSeekV32ToolParser)
 from ksana_llm.server.tool_parsers.granite import GraniteToolParser
 from ksana_llm.server.tool_parsers.harmony_calls import HarmonyToolParser
 from ksana_llm.server.tool_parsers.hermes import HermesToolParser, Qwen3ToolParser
 from ksana_llm.server.tool_parsers.internlm import InternLMToolParser
 from ksana_llm.server.tool_parsers.json_calls import JsonCallSequenceStream
 from ksana_llm.server.tool_parsers.kimi_k2 import KimiK2ToolParser
-from ksana_llm.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from ksana_llm.server.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from ksana_llm.server.tool_parsers.mistral import MistralToolParser
 from ksana_llm.server.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
 from ksana_llm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -34,7 +35,7 @@ TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
                               DeepSeekV3ToolParser, DeepSeekV31ToolParser, HarmonyToolParser,
                               MistralToolParser, PythonicToolParser, Llama4PythonicToolParser,
                               Qwen3CoderToolParser, KimiK2ToolParser, InternLMToolParser,
-                              GraniteToolParser)})
+                              GraniteToolParser, DeepSeekV32ToolParser, Llama4JsonToolParser)})
 
 
 def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:

@@ -2,13 +2,24 @@
 
 V3 / R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
 <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`. V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
+V3.2 (DSML): `<｜DSML｜function_calls>`, then per call `<｜DSML｜invoke name="NAME">` and per
+parameter `<｜DSML｜parameter name="KEY" string="true">VALUE</｜DSML｜parameter>`, then
+`</｜DSML｜invoke>`, and `</｜DSML｜function_calls>`. `string="true"` marks a value written as
+plain text; `string="false"` one written as JSON (a number, an object), read as such (as text if
+it is not JSON).
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.json_scan import skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream, named_arguments
+from ksana_llm.server.tool_parsers.xml_calls import ParameterCallBody, ParameterMarkup
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -16,6 +27,12 @@ CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 FENCE = "```"
+DSML_CALLS_BEGIN = "<｜DSML｜function_calls>"
+DSML_CALLS_END = "</｜DSML｜function_calls>"
+DSML_INVOKE = "<｜DSML｜invoke name="
+DSML_MARKUP = ParameterMarkup(function="", parameter="<｜DSML｜parameter name=",
+                              parameter_end="</｜DSML｜parameter>", function_end="</｜DSML｜invoke>")
+_DSML_HEADER = re.compile(r'\s*"([^"]*)"(?:\s+string="(true|false)")?\s*')
 
 
 def parse_v3_body(body: str) -> BodyScan:
@@ -66,3 +83,27 @@ class DeepSeekV31ToolParser(ToolParser):
 
     def stream(self) -> ToolCallStream:
         return TaggedToolStream(CALL_BEGIN, CALL_END, parse_v31_body, ignored=(CALLS_BEGIN, CALLS_END))
+
+
+def read_dsml_parameter(header: str, text: str, properties: Mapping[str, Any]) -> tuple[str, Any]:
+    """`"KEY" string="true|false"` and the value: plain text, or JSON when `string="false"`."""
+    match = _DSML_HEADER.fullmatch(header)
+    if match is None:
+        return header.strip(), text
+    key, is_string = match.groups()
+    if is_string == "false":
+        try:
+            return key, json.loads(text)
+        except ValueError:
+            pass
+    return key, text
+
+
+class DeepSeekV32ToolParser(ToolParser):
+    name = "deepseek_v32"
+
+    def stream(self) -> ToolCallStream:
+        body = ParameterCallBody(DSML_MARKUP, read_dsml_parameter, {})
+        return TaggedToolStream(DSML_INVOKE, DSML_MARKUP.function_end, body,
+                                ignored=(DSML_CALLS_BEGIN, DSML_CALLS_END),
+                                on_new_body=body.restart, end_in_body=True)

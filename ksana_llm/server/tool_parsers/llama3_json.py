@@ -15,3 +15,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def stream(self) -> ToolCallStream:
         return JsonCallSequenceStream(open="{", separator=";", lead=(PYTHON_TAG,))
+
+
+class Llama4JsonToolParser(Llama3JsonToolParser):
+    """vLLM's `llama4_json`: Llama 4 in the JSON format of Llama 3's templates."""
+
+    name = "llama4_json"

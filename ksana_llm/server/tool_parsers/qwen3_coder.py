@@ -18,8 +18,7 @@ as its type stays a string, as written), the text `null` is null, and everything
 strings, parameters without a declared type, requests without that tool -- is a string.
 
 A call's name goes out once `<function=NAME>` is complete, each parameter once its closing tag
-arrives (the arguments object grows `{"city": "Paris"`, then `, "days": 3`, then `}` at
-`</function>`), so a long parameter costs linear time however finely it streams.
+arrives (`xml_calls`).
 """
 
 from __future__ import annotations
@@ -32,28 +31,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
-from ksana_llm.server.tool_parsers.json_scan import skip_ws
-from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
+from ksana_llm.server.tool_parsers.tagged import TaggedToolStream
+from ksana_llm.server.tool_parsers.xml_calls import (
+    ParameterCallBody,
+    ParameterMarkup,
+    parameter_schemas,
+)
 
-FUNCTION = "<function="
-FUNCTION_END = "</function>"
-PARAMETER = "<parameter="
-PARAMETER_END = "</parameter>"
-_LONGEST_TAG = max(len(FUNCTION_END), len(PARAMETER), len(PARAMETER_END))
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-
-Schemas = Mapping[str, Mapping[str, Any]]  # function name -> its parameters' JSON schemas
-
-
-def parameter_schemas(tools: list[dict[str, Any]] | None) -> Schemas:
-    """Each offered function's `parameters.properties`."""
-    out: dict[str, Mapping[str, Any]] = {}
-    for tool in tools or ():
-        function = tool.get("function") or {}
-        properties = (function.get("parameters") or {}).get("properties")
-        if isinstance(function.get("name"), str) and isinstance(properties, Mapping):
-            out[function["name"]] = properties
-    return out
+MARKUP = ParameterMarkup(function="<function=", parameter="<parameter=",
+                         parameter_end="</parameter>", function_end="</function>")
 
 
 def _declared_types(schema: Any) -> list[str]:
@@ -122,75 +108,9 @@ def _bare(value: str) -> str:
     return value
 
 
-class _CallBody:
-    """The body parser of one stream. A call's body only grows until the next call starts
-    (`restart`), so it resumes where it stopped: the parameters read so far are kept as the
-    arguments text they gave."""
-
-    def __init__(self, schemas: Schemas) -> None:
-        self._schemas = schemas
-        self.restart()
-
-    def restart(self) -> None:
-        self._name: str | None = None
-        self._properties: Mapping[str, Any] = {}
-        self._pos = 0  # the body before it is read
-        self._key: str | None = None  # the open parameter's name
-        self._value_start = 0  # where its value starts
-        self._search_from = 0  # where to look on for the end of its value
-        self._arguments = "{"
-        self._done = False
-
-    def __call__(self, body: str) -> BodyScan:
-        if self._name is None and not self._read_name(body):
-            return BodyScan()
-        while not self._done and self._read_parameter(body):
-            pass
-        return BodyScan(self._name, self._arguments + ("}" if self._done else ""))
-
-    def _read_name(self, body: str) -> bool:
-        start = skip_ws(body, 0)
-        if not body.startswith(FUNCTION, start):
-            return False  # still coming, or not a call (the region is then content)
-        close = body.find(">", start)
-        if close < 0:
-            return False
-        name = body[start + len(FUNCTION):close].strip()
-        if not _FUNCTION_NAME.fullmatch(name):
-            return False
-        self._name = name
-        self._properties = self._schemas.get(name, {})
-        self._pos = close + 1
-        return True
-
-    def _read_parameter(self, body: str) -> bool:
-        """Read the next parameter (or the function's end) if it is complete; False if not."""
-        if self._key is None:
-            opening = body.find(PARAMETER, self._pos)
-            closing = body.find(FUNCTION_END, self._pos)
-            if closing >= 0 and (opening < 0 or closing < opening):
-                self._done = True
-                return False
-            if opening < 0:
-                return False
-            key_end = body.find(">", opening)
-            if key_end < 0:
-                return False
-            self._key = body[opening + len(PARAMETER):key_end].strip()
-            self._value_start = self._search_from = key_end + 1
-        # The value ends at its closing tag, or where a model that left the tag out went on.
-        ends = [i for i in (body.find(tag, self._search_from)
-                            for tag in (PARAMETER_END, PARAMETER, FUNCTION_END)) if i >= 0]
-        if not ends:
-            self._search_from = max(self._value_start, len(body) - _LONGEST_TAG)
-            return False
-        end = min(ends)
-        value = typed_value(_bare(body[self._value_start:end]), self._properties.get(self._key))
-        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
-        self._arguments += pair if self._arguments == "{" else ", " + pair
-        self._pos = end + (len(PARAMETER_END) if body.startswith(PARAMETER_END, end) else 0)
-        self._key = None
-        return True
+def read_parameter(header: str, text: str, properties: Mapping[str, Any]) -> tuple[str, Any]:
+    key = header.strip()
+    return key, typed_value(_bare(text), properties.get(key))
 
 
 class Qwen3CoderToolParser(ToolParser):
@@ -200,5 +120,5 @@ class Qwen3CoderToolParser(ToolParser):
         return self.stream_for(None)
 
     def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        body = _CallBody(parameter_schemas(tools))
+        body = ParameterCallBody(MARKUP, read_parameter, parameter_schemas(tools))
         return TaggedToolStream("<tool_call>", "</tool_call>", body, on_new_body=body.restart)

@@ -59,10 +59,14 @@ class TaggedToolStream(ToolCallStream):
 
     def __init__(self, start: str, end: str | None, parse_body: BodyParser,
                  ignored: tuple[str, ...] = (), *,
-                 on_new_body: Callable[[], None] | None = None) -> None:
+                 on_new_body: Callable[[], None] | None = None,
+                 end_in_body: bool = False) -> None:
         """`on_new_body`: told when a call's body starts, for a `parse_body` that keeps what it
-        read of the body so far (which only grows until then)."""
+        read of the body so far (which only grows until then). `end_in_body`: the end tag is
+        read as the body's last text too (DeepSeek-V3.2's `</｜DSML｜invoke>` closes the
+        function whose parameters the body lists)."""
         self._on_new_body = on_new_body
+        self._end_in_body = end_in_body
         self._start = start
         self._end = end
         self._parse_body = parse_body
@@ -160,6 +164,9 @@ class TaggedToolStream(ToolCallStream):
 
     def _close(self, out: ParsedDelta, end_tag: str) -> None:
         self._open = None  # the body is whole now: parse it once more, all of it
+        if self._end_in_body:
+            self._body = (self._body or "") + end_tag
+            end_tag = ""
         self._progress(out)
         if self._call is None:  # never a call: the region was content after all
             out.content += self._gate.push(self._start + (self._body or "") + end_tag)

@@ -1,0 +1,140 @@
+"""Tool-call formats that write each parameter in tags of its own rather than as JSON
+(Qwen3-Coder's `<parameter=KEY>`, DeepSeek-V3.2's `<｜DSML｜parameter name="KEY" ...>`): the
+arguments object is built here, one parameter at a time as each closing tag arrives
+(`{"a": 1`, then `, "b": "x"`, then `}` at the function's end), so a long parameter costs linear
+time however finely it streams. What a parameter's text means (its JSON value) is the format's
+`ValueReader`."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ksana_llm.server.tool_parsers.json_scan import skip_ws
+from ksana_llm.server.tool_parsers.tagged import BodyScan
+
+# OpenAI's rule for function names: a body whose name breaks it is text, not a call.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+Schemas = Mapping[str, Mapping[str, Any]]  # function name -> its parameters' JSON schemas
+# (the parameter's header: the text between its opening tag's prefix and ">", its raw value
+# text, the function's schema properties) -> (the parameter's name, its JSON value)
+ValueReader = Callable[[str, str, Mapping[str, Any]], tuple[str, Any]]
+
+
+def parameter_schemas(tools: list[dict[str, Any]] | None) -> Schemas:
+    """Each offered function's `parameters.properties`."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for tool in tools or ():
+        function = tool.get("function") or {}
+        properties = (function.get("parameters") or {}).get("properties")
+        if isinstance(function.get("name"), str) and isinstance(properties, Mapping):
+            out[function["name"]] = properties
+    return out
+
+
+@dataclass(frozen=True)
+class ParameterMarkup:
+    """Where a format's tags sit in one call's body: `function` then the name then ">", each
+    parameter as `parameter` HEADER ">" VALUE `parameter_end`, then `function_end`."""
+
+    function: str
+    parameter: str
+    parameter_end: str
+    function_end: str
+
+    @property
+    def longest_tag(self) -> int:
+        return max(len(self.parameter), len(self.parameter_end), len(self.function_end))
+
+
+def _unquoted(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+class ParameterCallBody:
+    """The body parser of one stream. A call's body only grows until the next call starts
+    (`restart`), so it resumes where it stopped: the parameters read so far are kept as the
+    arguments text they gave."""
+
+    def __init__(self, markup: ParameterMarkup, read_value: ValueReader,
+                 schemas: Schemas) -> None:
+        self._markup = markup
+        self._read_value = read_value
+        self._schemas = schemas
+        self.restart()
+
+    def restart(self) -> None:
+        self._name: str | None = None
+        self._properties: Mapping[str, Any] = {}
+        self._pos = 0  # the body before it is read
+        self._header: str | None = None  # the open parameter's header
+        self._value_start = 0  # where its value starts
+        self._search_from = 0  # where to look on for the end of its value
+        self._arguments = "{"
+        self._done = False
+
+    def __call__(self, body: str) -> BodyScan:
+        if self._name is None and not self._read_name(body):
+            return BodyScan()
+        while not self._done and self._read_parameter(body):
+            pass
+        return BodyScan(self._name, self._arguments + ("}" if self._done else ""))
+
+    def _read_name(self, body: str) -> bool:
+        start = skip_ws(body, 0)
+        if not body.startswith(self._markup.function, start):
+            return False  # still coming, or not a call (the region is then content)
+        close = body.find(">", start)
+        if close < 0:
+            return False
+        name = _unquoted(body[start + len(self._markup.function):close])
+        if not FUNCTION_NAME.fullmatch(name):
+            return False
+        self._name = name
+        self._properties = self._schemas.get(name, {})
+        self._pos = close + 1
+        return True
+
+    def _read_parameter(self, body: str) -> bool:
+        """Read the next parameter (or the function's end) if it is complete; False if not."""
+        markup = self._markup
+        if self._header is None:
+            opening = body.find(markup.parameter, self._pos)
+            closing = body.find(markup.function_end, self._pos)
+            if closing >= 0 and (opening < 0 or closing < opening):
+                self._done = True
+                return False
+            if opening < 0:
+                return False
+            key_end = body.find(">", opening)
+            if key_end < 0:
+                return False
+            self._header = body[opening + len(markup.parameter):key_end]
+            self._value_start = self._search_from = key_end + 1
+        # The value ends at its closing tag, or where a model that left the tag out went on.
+        ends = [i for i in (body.find(tag, self._search_from)
+                            for tag in (markup.parameter_end, markup.parameter,
+                                        markup.function_end)) if i >= 0]
+        if not ends:
+            self._search_from = max(self._value_start, len(body) - markup.longest_tag)
+            return False
+        end = min(ends)
+        key, value = self._read_value(self._header, body[self._value_start:end], self._properties)
+        try:
+            pair = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        except (TypeError, ValueError):  # a reader's value with no JSON form: its text
+            pair = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(body[self._value_start:end])}"
+        self._arguments += pair if self._arguments == "{" else ", " + pair
+        self._pos = end + (len(markup.parameter_end)
+                           if body.startswith(markup.parameter_end, end) else 0)
+        self._header = None
+        return True
+
+
