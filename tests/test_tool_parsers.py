@@ -185,6 +185,16 @@ CASES = [
     ("granite", granite(CALLS), None, CALLS),
     ("granite", granite([WEATHER], "<|tool_call|>") + " Done.", "Done.", [WEATHER]),
     ("granite", "[1, 2] are the numbers.", "[1, 2] are the numbers.", []),
+    # An [ARGS] inside the arguments of the `name{...}` form is text (streamed or not).
+    ("mistral", '[TOOL_CALLS]f{"a": "[ARGS]"}', None, [("f", {"a": "[ARGS]"})]),
+    # A trailing comma (Python allows it); Llama 4's end tag after a newline; a name that is
+    # not ASCII is no function's; a bracketed answer with an apostrophe is content.
+    ("pythonic", "[get_weather(city='Oslo'), ] and more", "and more", [("get_weather", {"city": "Oslo"})]),
+    ("llama4_pythonic", "<|python_start|>[f(a=1)]\n<|python_end|>", None, [("f", {"a": 1})]),
+    ("pythonic", "[é(a=1)]", "[é(a=1)]", []),
+    ("pythonic", "[Don't worry] about it.", "[Don't worry] about it.", []),
+    # Escaped surrogate pairs in a Python literal are one character in the JSON.
+    ("pythonic", "[f(text='\\ud83d\\ude00')]", None, [("f", {"text": "\U0001F600"})]),
     # Brackets, quotes and escapes inside strings (a triple-quoted one too) do not end a call.
     ("pythonic", '[write(text="""a ) ] \\""" b""", path=\'x\\\'y]\')]', None,
      [("write", {"text": 'a ) ] """ b', "path": "x'y]"})]),
@@ -233,6 +243,8 @@ def _check_stream(deltas: list, final: ParsedOutput) -> None:
 def test_extract_and_stream(name, text, content, calls):
     parser = get_tool_parser(name)
     final = parser.extract(text)
+    for call in final.tool_calls:
+        call.arguments.encode()  # a response body can carry it (no lone surrogates)
     assert final.content == content
     assert [c.name for c in final.tool_calls] == [n for n, _ in calls]
     for call, (_, args) in zip(final.tool_calls, calls):
@@ -321,6 +333,21 @@ def test_long_arguments_stream_without_rescanning(monkeypatch, name, wrap):
         return count
 
     assert full_scans(40_000) == full_scans(400)
+
+
+@pytest.mark.parametrize("call", [
+    '[TOOL_CALLS]write[ARGS]{"path": "a.txt"}',
+    '[TOOL_CALLS] [{"name": "write", "arguments": {"path": "a.txt"}}]',
+])
+def test_text_after_a_call_without_end_tag_is_not_rescanning_it(monkeypatch, call):
+    """Mistral's calls have no end tag: the text after one (up to the end of the output) must
+    not make the call be read again on every piece."""
+    def full_scans(words: int) -> int:
+        count, final = _scans_streaming(monkeypatch, "mistral", call + " and then" * words)
+        assert [c.name for c in final.tool_calls] == ["write"]
+        return count
+
+    assert full_scans(2_000) == full_scans(20)
 
 
 def test_required_array_and_named_streams():
@@ -601,6 +628,15 @@ TYPED_TEXT = ("<tool_call>\n<function=typed>\n<parameter=n>\n42\n</parameter>\n<
      "</function>\n</tool_call>", CODER_TOOLS, None,
      [("write", {"code": "\nif a < b:\n    return '</p>'\n"})]),
     ("<tool_call>\n<function=list_files>\n</function>\n</tool_call>", CODER_TOOLS, None, [EMPTY]),
+    # </function> left out: the end of the tool call ends the value and the function.
+    ("<tool_call>\n<function=typed>\n<parameter=n>\n1\n</parameter>\n</tool_call>\nDone.", CODER_TOOLS,
+     "Done.", [("typed", {"n": 1})]),
+    ("<tool_call>\n<function=typed>\n<parameter=n>\n1\n</tool_call>", CODER_TOOLS, None, [("typed", {"n": 1})]),
+    ("<tool_call>\n<function=list_files>\n</tool_call>", CODER_TOOLS, None, [EMPTY]),
+    # A whole number past float precision; an array of escaped surrogate pairs.
+    ("<tool_call>\n<function=typed>\n<parameter=whole>\n12345678901234567891\n</parameter>\n"
+     "<parameter=items>\n['\\ud83d\\ude00']\n</parameter>\n</function>\n</tool_call>", CODER_TOOLS, None,
+     [("typed", {"whole": 12345678901234567891, "items": ["\U0001F600"]})]),
     # Not a call: the region is content, tags included.
     ("<tool_call>\nnot a function\n</tool_call> ok", CODER_TOOLS,
      "<tool_call>\nnot a function\n</tool_call> ok", []),
@@ -611,6 +647,8 @@ def test_qwen3_coder(text, tools, content, calls):
     parser = get_tool_parser("qwen3_coder")
     final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
     assert final.content == content
+    for call in final.tool_calls:
+        call.arguments.encode()
     assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
     for sizes in _chunkings(text, 40, seed=len(text)):
         _check_stream(_stream(parser.stream_for(tools), text, sizes), final)

@@ -10,7 +10,9 @@ text is sent as it arrives (the raw JSON the model wrote, which is also the fina
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -19,6 +21,26 @@ from typing import Any, ClassVar
 from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, OpenValue, skip_ws
 
 logger = logging.getLogger("ksana_llm.server")
+
+# OpenAI's rule for function names: markup whose name breaks it is text, not a call.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def json_text(value: object) -> str:
+    """`value` as JSON text, for arguments a parser builds from decoded values (Python literals,
+    tagged parameters). Those can hold surrogates (a Python literal's `'\\ud83d\\ude00'` is two
+    of them, not one emoji), which no UTF-8 response can carry: pairs are joined, and what is
+    still alone is written as a JSON escape. ValueError/TypeError for no JSON form (NaN, a set)."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        try:
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16")
+            text.encode()
+        except UnicodeError:
+            return json.dumps(value, allow_nan=False)
+    return text
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,19 @@ def parse_json_body(body: str) -> BodyScan:
         return BodyScan()
     call = scan_call_object(body, start)
     next_at = None
+    final = False
     if call.end is not None and call.name is not None:
         after = skip_ws(body, call.end)
         if after < len(body) and body[after] == ",":
             after = skip_ws(body, after + 1)
         if after < len(body) and body[after] == "{":
             next_at = after
+        # Other text after the object (`]`, prose): no call can follow in this body.
+        final = after < len(body) and body[after] not in ",{"
     return BodyScan(call.name, call.arguments(body) if call.name is not None else "",
                     open_at=call.open_at,
                     open_is_arguments=call.open_at is not None and call.open_at == call.args_start,
-                    next_at=next_at)
+                    next_at=next_at, final=final)
 
 
 class HermesToolParser(ToolParser):

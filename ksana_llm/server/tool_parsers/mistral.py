@@ -14,10 +14,9 @@ calls it reads get such ids (a client sends them back with the conversation).
 
 from __future__ import annotations
 
-import re
 import uuid
 
-from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
+from ksana_llm.server.tool_parsers.base import FUNCTION_NAME, ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.hermes import parse_json_body
 from ksana_llm.server.tool_parsers.json_scan import skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream, named_arguments
@@ -25,8 +24,6 @@ from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream, nam
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
-# OpenAI's rule for function names: a body whose "name" breaks it is text, not a call.
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def parse_mistral_body(body: str) -> BodyScan:
@@ -35,16 +32,18 @@ def parse_mistral_body(body: str) -> BodyScan:
         return BodyScan()
     if body[start] in "[{":
         return parse_json_body(body)
-    args = body.find(ARGS)
+    # The form is told by what comes first after the name: `[ARGS]`, or the arguments' `{`
+    # (an `[ARGS]` inside the arguments is text, streamed or not).
+    brace = body.find("{")
+    args = body.find(ARGS, 0, brace if brace >= 0 else len(body))
     if args >= 0:
         head, arguments_at = body[:args], args + len(ARGS)
-    else:
-        brace = body.find("{")
-        if brace < 0:
-            return BodyScan()  # the name (or [ARGS] after it) may still be coming
+    elif brace >= 0:
         head, arguments_at = body[:brace], brace
+    else:
+        return BodyScan()  # the name (or [ARGS] after it) may still be coming
     name = head.split(CALL_ID, 1)[0].strip()
-    if not _FUNCTION_NAME.fullmatch(name):
+    if not FUNCTION_NAME.fullmatch(name):
         return BodyScan()
     return named_arguments(name, body, arguments_at)
 

@@ -14,15 +14,16 @@ dropped (the calls before it were already sent).
 from __future__ import annotations
 
 import ast
-import json
 
 from ksana_llm.server.tool_parsers.base import (
+    FUNCTION_NAME,
     CallProgress,
     ParsedDelta,
     ToolCall,
     ToolCallStream,
     ToolParser,
     held_prefix,
+    json_text,
 )
 from ksana_llm.server.tool_parsers.call_list import (
     CONTENT,
@@ -31,7 +32,7 @@ from ksana_llm.server.tool_parsers.call_list import (
     START,
     CallListStream,
 )
-from ksana_llm.server.tool_parsers.json_scan import WHITESPACE
+from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, skip_ws
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
@@ -45,7 +46,8 @@ def python_call(source: str) -> ToolCall | None:
         node = ast.parse(source.strip(), mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+            or not FUNCTION_NAME.fullmatch(node.func.id):
         return None
     arguments = {}
     for keyword in node.keywords:
@@ -56,7 +58,7 @@ def python_call(source: str) -> ToolCall | None:
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
     try:
-        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text = json_text(arguments)
     except (TypeError, ValueError):  # a set, bytes, a complex number, NaN: no JSON for it
         return None
     return ToolCall(node.func.id, text)
@@ -72,6 +74,7 @@ class PythonicCallStream(CallListStream):
         self._quote: str | None = None  # the open string literal's quote
         self._call_start: int | None = None
         self._comma_due = False  # a call ended: a comma (or the list's end) comes next
+        self._in_name = False  # between a call's first character and its "("
 
     def _open_at(self, pos: int) -> None:
         if self._text[pos] == "[":
@@ -83,11 +86,12 @@ class PythonicCallStream(CallListStream):
         if self._state == _LIST:
             return self._scan_list(out)
         # _AFTER: the list closed; what follows is content, less Llama 4's end tag.
-        rest = self._text[self._pos:]
+        start = skip_ws(self._text, self._pos)
+        rest = self._text[start:]
         if held_prefix(rest, (PYTHON_END,)) == len(rest):
             return False  # nothing yet, or maybe <|python_end|> being spelled out
         if rest.startswith(PYTHON_END):
-            self._pos += len(PYTHON_END)
+            self._pos = start + len(PYTHON_END)
         self._state = CONTENT
         return True
 
@@ -124,16 +128,24 @@ class PythonicCallStream(CallListStream):
                     self._comma_due = False
                     pos += 1
                     continue
-                if c == "]" and (self._comma_due or self._num_calls == 0):
+                if c == "]":  # (after a call, or after a trailing comma, as Python allows)
                     self._pos = pos + 1
                     if self._num_calls == 0:  # an empty list: an answer, not calls
                         self._to_content(self._pos)
                     else:
                         self._state = _AFTER
                     return True
-                if self._comma_due or c in ",])}":
+                if self._comma_due or not (c.isalpha() or c == "_"):
                     return self._not_a_call()
                 self._call_start = pos
+                self._in_name = True
+            if self._in_name:
+                # A call opens with its name: any other text (`[Don't worry]`) is no call, and
+                # is known as such at once rather than read as an open string to the end.
+                if c == "(":
+                    self._in_name = False
+                elif not (c.isalnum() or c == "_" or c in WHITESPACE):
+                    return self._not_a_call()
             if c in "([{":
                 self._depth += 1
             elif c in ")]}":

@@ -38,8 +38,11 @@ from ksana_llm.server.tool_parsers.xml_calls import (
     parameter_schemas,
 )
 
+TOOL_CALL = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
 MARKUP = ParameterMarkup(function="<function=", parameter="<parameter=",
-                         parameter_end="</parameter>", function_end="</function>")
+                         parameter_end="</parameter>", function_end="</function>",
+                         call_end=TOOL_CALL_END)
 
 
 def _declared_types(schema: Any) -> list[str]:
@@ -80,7 +83,7 @@ def _as_type(text: str, kind: str) -> Any:
             return None
         if not math.isfinite(number):
             return None
-        return int(number) if number.is_integer() and re.fullmatch(r"[+-]?\d+", text) else number
+        return int(text) if re.fullmatch(r"[+-]?\d+", text) else number
     if kind == "boolean":
         return {"true": True, "false": False}.get(text.lower())
     if kind in ("object", "array"):
@@ -121,4 +124,5 @@ class Qwen3CoderToolParser(ToolParser):
 
     def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
         body = ParameterCallBody(MARKUP, read_parameter, parameter_schemas(tools))
-        return TaggedToolStream("<tool_call>", "</tool_call>", body, on_new_body=body.restart)
+        return TaggedToolStream(TOOL_CALL, TOOL_CALL_END, body, on_new_body=body.restart,
+                                end_in_body=True)

@@ -14,7 +14,8 @@ from ksana_llm.server.tool_parsers.base import (
     held_prefix,
     stream_open_arguments,
 )
-from ksana_llm.server.tool_parsers.json_scan import OpenValue, open_value_at, partial_value, skip_ws
+from ksana_llm.server.tool_parsers.json_scan import (OpenValue, open_value_at, partial_value, skip_ws,
+                                                    value_end)
 
 
 @dataclass
@@ -30,6 +31,9 @@ class BodyScan:
     open_is_arguments: bool = True
     next_at: int | None = None  # where another call starts in the same body, once this one ended
     call_id: str | None = None  # the call's id, where the markup gives one
+    # Nothing later in the body can change the call or start another (its arguments value is
+    # complete and the body goes on with other text): the body is not read again.
+    final: bool = False
 
 
 BodyParser = Callable[[str], BodyScan]
@@ -39,7 +43,8 @@ def named_arguments(name: str, body: str, pos: int) -> BodyScan:
     """The call `name` whose arguments are the JSON value at `body[pos:]` (after whitespace),
     for formats that write the name outside the JSON (DeepSeek's, Mistral's)."""
     start = skip_ws(body, pos)
-    return BodyScan(name, partial_value(body, start), open_at=open_value_at(body, start))
+    return BodyScan(name, partial_value(body, start), open_at=open_value_at(body, start),
+                    final=value_end(body, start) >= 0)
 
 
 class TaggedToolStream(ToolCallStream):
@@ -73,6 +78,7 @@ class TaggedToolStream(ToolCallStream):
         self._content_markers = (start, *ignored)
         self._buffer = ""  # text not yet committed anywhere
         self._body: str | None = None  # the open call's body so far, None outside calls
+        self._final = False  # the open call's body was read for good (BodyScan.final)
         self._call: CallProgress | None = None
         self._name: str | None = None  # the open call's name, once known
         self._open: OpenValue | None = None  # the body's unfinished arguments value
@@ -118,6 +124,7 @@ class TaggedToolStream(ToolCallStream):
 
     def _new_body(self, body: str) -> None:
         self._body = body
+        self._final = False
         if self._on_new_body is not None:
             self._on_new_body()
 
@@ -127,7 +134,7 @@ class TaggedToolStream(ToolCallStream):
         self._body = (self._body or "") + taken
 
     def _progress(self, out: ParsedDelta) -> None:
-        while True:
+        while not self._final:
             body = self._body or ""
             if self._open is not None and not self._open.advance(body):
                 # Inside a long value: nothing before it can change, so only the new text is
@@ -135,6 +142,7 @@ class TaggedToolStream(ToolCallStream):
                 stream_open_arguments(out, self._call, self._name, body, self._open)
                 return
             scan = self._parse_body(body)
+            self._final = scan.final and scan.name is not None and scan.next_at is None
             self._open = None if scan.open_at is None else \
                 OpenValue(body, scan.open_at, is_arguments=scan.open_is_arguments)
             if scan.name is None:

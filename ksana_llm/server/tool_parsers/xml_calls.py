@@ -7,17 +7,13 @@ time however finely it streams. What a parameter's text means (its JSON value) i
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ksana_llm.server.tool_parsers.base import FUNCTION_NAME, json_text
 from ksana_llm.server.tool_parsers.json_scan import skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan
-
-# OpenAI's rule for function names: a body whose name breaks it is text, not a call.
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 Schemas = Mapping[str, Mapping[str, Any]]  # function name -> its parameters' JSON schemas
 # (the parameter's header: the text between its opening tag's prefix and ">", its raw value
@@ -39,16 +35,23 @@ def parameter_schemas(tools: list[dict[str, Any]] | None) -> Schemas:
 @dataclass(frozen=True)
 class ParameterMarkup:
     """Where a format's tags sit in one call's body: `function` then the name then ">", each
-    parameter as `parameter` HEADER ">" VALUE `parameter_end`, then `function_end`."""
+    parameter as `parameter` HEADER ">" VALUE `parameter_end`, then `function_end`.
+    `call_end`: the tag that ends the whole call (read in the body: `TaggedToolStream`'s
+    `end_in_body`), which ends the function too where a model left `function_end` out."""
 
     function: str
     parameter: str
     parameter_end: str
     function_end: str
+    call_end: str = ""
+
+    @property
+    def function_ends(self) -> tuple[str, ...]:
+        return tuple(tag for tag in (self.function_end, self.call_end) if tag)
 
     @property
     def longest_tag(self) -> int:
-        return max(len(self.parameter), len(self.parameter_end), len(self.function_end))
+        return max(len(tag) for tag in (self.parameter, self.parameter_end, *self.function_ends))
 
 
 def _unquoted(text: str) -> str:
@@ -107,30 +110,36 @@ class ParameterCallBody:
         markup = self._markup
         if self._header is None:
             opening = body.find(markup.parameter, self._pos)
-            closing = body.find(markup.function_end, self._pos)
+            closing = min((i for i in (body.find(tag, self._pos) for tag in markup.function_ends)
+                           if i >= 0), default=-1)
             if closing >= 0 and (opening < 0 or closing < opening):
                 self._done = True
                 return False
             if opening < 0:
+                # Text between parameters is markup's whitespace (or stray text, ignored):
+                # read past it, so that it is not searched again as more arrives.
+                self._pos = max(self._pos, len(body) - markup.longest_tag)
                 return False
             key_end = body.find(">", opening)
             if key_end < 0:
+                self._pos = opening
                 return False
             self._header = body[opening + len(markup.parameter):key_end]
             self._value_start = self._search_from = key_end + 1
         # The value ends at its closing tag, or where a model that left the tag out went on.
         ends = [i for i in (body.find(tag, self._search_from)
                             for tag in (markup.parameter_end, markup.parameter,
-                                        markup.function_end)) if i >= 0]
+                                        *markup.function_ends)) if i >= 0]
         if not ends:
             self._search_from = max(self._value_start, len(body) - markup.longest_tag)
             return False
         end = min(ends)
-        key, value = self._read_value(self._header, body[self._value_start:end], self._properties)
+        text = body[self._value_start:end]
+        key, value = self._read_value(self._header, text, self._properties)
         try:
-            pair = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+            pair = f"{json_text(key)}: {json_text(value)}"
         except (TypeError, ValueError):  # a reader's value with no JSON form: its text
-            pair = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(body[self._value_start:end])}"
+            pair = f"{json_text(key)}: {json_text(text)}"
         self._arguments += pair if self._arguments == "{" else ", " + pair
         self._pos = end + (len(markup.parameter_end)
                            if body.startswith(markup.parameter_end, end) else 0)
