@@ -1,0 +1,80 @@
+"""Tool-call formats end to end: the model's output is forced (guided_regex) into a format, and
+the OpenAI app with that `--tool-call-parser` answers the `openai` client with the calls,
+streamed and not -- Qwen3-Coder's typed by the request's tool schema, Kimi-K2's with the ids
+its markup gives. In-process apps on the session's model (as the deepseek_r1 one)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ksana_llm as kt
+from tests.server_decoding.harness import run_r1
+
+FORECAST_TOOL = {"type": "function", "function": {
+    "name": "forecast", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}}}}
+QUESTION = [{"role": "user", "content": "Forecast for Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def parser_apps(default_model):
+    """An app per parser, sharing one engine."""
+    from ksana_llm.server.app import build_app
+    from ksana_llm.server.serve_options import OutputParsing
+
+    engine = kt.Engine(default_model, num_device_blocks=128)
+    yield {name: build_app(engine, served_model_name=name, parsing=OutputParsing(
+        tool_call_parser=name, enable_auto_tool_choice=True)) for name in ("qwen3_coder", "kimi_k2")}
+    engine.shutdown()
+
+
+async def _both(aclient, kwargs) -> tuple:
+    """The non-streamed message, and the streamed calls as {index: [id, name, arguments]}."""
+    message = (await aclient.chat.completions.create(**kwargs)).choices[0]
+    streamed: dict[int, list] = {}
+    async for chunk in await aclient.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                entry = streamed.setdefault(d.index, [d.id, d.function.name, ""])
+                entry[2] += d.function.arguments or ""
+    return message, streamed
+
+
+def test_qwen3_coder_calls_typed_by_the_tool_schema(parser_apps):
+    # (Held to the regex a token at a time, SmolLM2 spells the tags out in short pieces.)
+    regex = (r"Checking\.\n<tool_call>\n<function=forecast>\n<parameter=city>\n[A-Z][a-z]{2,6}\n"
+             r"</parameter>\n<parameter=days>\n[1-7]\n</parameter>\n<parameter=metric>\ntrue\n"
+             r"</parameter>\n</function>\n</tool_call>")
+
+    async def check(aclient, _http):
+        kwargs = dict(model="qwen3_coder", messages=QUESTION, tools=[FORECAST_TOOL], temperature=0,
+                      max_tokens=400, extra_body={"guided_regex": regex})
+        choice, streamed = await _both(aclient, kwargs)
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "forecast" and set(args) == {"city", "days", "metric"}
+        assert isinstance(args["days"], int) and args["metric"] is True and isinstance(args["city"], str)
+        assert [entry[1:] for entry in streamed.values()] == [["forecast", call.function.arguments]]
+
+    run_r1(parser_apps["qwen3_coder"], check)
+
+
+def test_kimi_k2_call_ids_come_from_the_markup(parser_apps):
+    regex = (r"<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.forecast:0"
+             r"<\|tool_call_argument_begin\|>\{\"city\": \"[A-Z][a-z]{2,6}\"\}<\|tool_call_end\|>"
+             r"<\|tool_calls_section_end\|>")
+
+    async def check(aclient, _http):
+        kwargs = dict(model="kimi_k2", messages=QUESTION, tools=[FORECAST_TOOL], temperature=0,
+                      max_tokens=120, extra_body={"guided_regex": regex})
+        choice, streamed = await _both(aclient, kwargs)
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert (call.id, call.function.name) == ("functions.forecast:0", "forecast")
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        assert list(streamed.values()) == [["functions.forecast:0", "forecast", call.function.arguments]]
+
+    run_r1(parser_apps["kimi_k2"], check)
