@@ -118,7 +118,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "needs --tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None,
                         help="how tool calls are read from model text: hermes, qwen3, qwen3_coder, "
-                             "llama3_json, llama4_json, pythonic, llama4_pythonic, mistral, "
+                             "qwen3_xml, llama3_json, llama4_json, pythonic, llama4_pythonic, mistral, "
                              "deepseek_v3, deepseek_v31, deepseek_v32, kimi_k2, internlm, "
                              "granite, openai (GPT-OSS)")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",

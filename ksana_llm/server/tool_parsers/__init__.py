@@ -28,14 +28,15 @@ from ksana_llm.server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from ksana_llm.server.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from ksana_llm.server.tool_parsers.mistral import MistralToolParser
 from ksana_llm.server.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
-from ksana_llm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from ksana_llm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser, Qwen3XmlToolParser
 
 TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
     cls.name: cls for cls in (HermesToolParser, Qwen3ToolParser, Llama3JsonToolParser,
                               DeepSeekV3ToolParser, DeepSeekV31ToolParser, HarmonyToolParser,
                               MistralToolParser, PythonicToolParser, Llama4PythonicToolParser,
                               Qwen3CoderToolParser, KimiK2ToolParser, InternLMToolParser,
-                              GraniteToolParser, DeepSeekV32ToolParser, Llama4JsonToolParser)})
+                              GraniteToolParser, DeepSeekV32ToolParser, Llama4JsonToolParser,
+                              Qwen3XmlToolParser)})
 
 
 def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:

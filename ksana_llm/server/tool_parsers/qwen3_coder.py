@@ -126,3 +126,9 @@ class Qwen3CoderToolParser(ToolParser):
         body = ParameterCallBody(MARKUP, read_parameter, parameter_schemas(tools))
         return TaggedToolStream(TOOL_CALL, TOOL_CALL_END, body, on_new_body=body.restart,
                                 end_in_body=True)
+
+
+class Qwen3XmlToolParser(Qwen3CoderToolParser):
+    """vLLM's `qwen3_xml`: the same Qwen3-Coder format, read by another of its parsers."""
+
+    name = "qwen3_xml"
