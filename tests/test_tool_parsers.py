@@ -9,7 +9,6 @@ arguments and no half-written tag ever sent as content.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -19,18 +18,21 @@ from ksana_llm.server.tool_parsers import (
     TOOL_PARSERS,
     JsonCallSequenceStream,
     ParsedOutput,
-    ToolCallStream,
     collect,
     get_tool_parser,
 )
 from ksana_llm.server.tools import NamedCallStream, plan_tools, required_schema
-
-WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
-NESTED = ("search", {"query": "tags: {a} [b] \"quoted\" <tool_call> \\", "filters": {"n": [1, 2.5, None, True]},
-                     "note": "naïve — ünïcode"})
-EMPTY = ("list_files", {})
-CALLS = [WEATHER, NESTED, EMPTY]
-
+from tests.tool_parser_harness import (
+    CALLS,
+    EMPTY,
+    NESTED,
+    WEATHER,
+    check_case,
+    check_stream,
+    chunkings,
+    scans_streaming,
+    stream_in,
+)
 
 def hermes(content: str, calls: list, pretty: bool = False) -> str:
     blocks = []
@@ -70,25 +72,6 @@ def mistral_v11(content: str, calls: list, call_ids: bool = False) -> str:
     return content + "".join(f"[TOOL_CALLS]{n}" + (f"[CALL_ID]{i:09d}" if call_ids else "")
                              + f"[ARGS]{json.dumps(a, ensure_ascii=False)}"
                              for i, (n, a) in enumerate(calls))
-
-
-def pythonic(calls: list, tags: bool = False) -> str:
-    """`[name(key=literal, ...), ...]`, the literals as Python writes them (repr)."""
-    text = "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
-                           for n, a in calls) + "]"
-    return f"<|python_start|>{text}<|python_end|>" if tags else text
-
-
-def deepseek_v32(content: str, calls: list) -> str:
-    """DSML: strings as plain text (`string="true"`), other values as JSON."""
-    def parameter(key, value) -> str:
-        is_string = isinstance(value, str)
-        text = value if is_string else json.dumps(value, ensure_ascii=False)
-        return (f'<｜DSML｜parameter name="{key}" string="{str(is_string).lower()}">{text}'
-                f"</｜DSML｜parameter>\n")
-    invokes = "".join(f'<｜DSML｜invoke name="{n}">\n' + "".join(parameter(k, v) for k, v in a.items())
-                      + "</｜DSML｜invoke>\n" for n, a in calls)
-    return f"{content}\n\n<｜DSML｜function_calls>\n{invokes}</｜DSML｜function_calls>"
 
 
 def kimi_k2(content: str, calls: list) -> str:
@@ -155,26 +138,6 @@ CASES = [
     ("mistral", "Lists look like [1, 2] or [TOOL] here.", "Lists look like [1, 2] or [TOOL] here.", []),
     # No call after the token (no name, or not one a function may have): content, token included.
     ("mistral", "[TOOL_CALLS]Sorry, I {cannot}.", "[TOOL_CALLS]Sorry, I {cannot}.", []),
-    ("pythonic", pythonic(CALLS), None, CALLS),
-    ("llama4_pythonic", pythonic([WEATHER, EMPTY], tags=True), None, [WEATHER, EMPTY]),
-    ("pythonic", pythonic([WEATHER]) + "\nDone.", "Done.", [WEATHER]),
-    ("pythonic", "[1, 2, 3] are the numbers.", "[1, 2, 3] are the numbers.", []),
-    ("pythonic", "The answer is [x].", "The answer is [x].", []),
-    ("pythonic", "[]", "[]", []),
-    ("pythonic", "[See (note)] below.", "[See (note)] below.", []),
-    # Not calls: positional arguments; a value without a JSON form (a set).
-    ("pythonic", "[get_weather('Paris')]", "[get_weather('Paris')]", []),
-    ("pythonic", "[f(a={1, 2})]", "[f(a={1, 2})]", []),
-    # A call that is not one after a call: the calls so far stay, the rest goes.
-    ("pythonic", "[get_weather(city='Paris'), get_weather(city=open('x'))] ok", None,
-     [("get_weather", {"city": "Paris"})]),
-    ("deepseek_v32", deepseek_v32("Checking both.", CALLS), "Checking both.", CALLS),
-    ("deepseek_v32", deepseek_v32("", [WEATHER]), None, [WEATHER]),
-    # string="false" text that is not JSON stays text; an invoke without a name is content.
-    ("deepseek_v32", '<｜DSML｜function_calls><｜DSML｜invoke name="f"><｜DSML｜parameter name="n" '
-     'string="false">twelve</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>', None,
-     [("f", {"n": "twelve"})]),
-    ("deepseek_v32", "<｜DSML｜invoke name=>x</｜DSML｜invoke> ok", "<｜DSML｜invoke name=>x</｜DSML｜invoke> ok", []),
     ("llama4_json", llama3([WEATHER], tag=False), None, [WEATHER]),
     ("kimi_k2", kimi_k2("Checking.", CALLS), "Checking.", CALLS),
     ("kimi_k2", "No tools needed: <|tool_ is not a tag.", "No tools needed: <|tool_ is not a tag.", []),
@@ -187,70 +150,13 @@ CASES = [
     ("granite", "[1, 2] are the numbers.", "[1, 2] are the numbers.", []),
     # An [ARGS] inside the arguments of the `name{...}` form is text (streamed or not).
     ("mistral", '[TOOL_CALLS]f{"a": "[ARGS]"}', None, [("f", {"a": "[ARGS]"})]),
-    # A trailing comma (Python allows it); Llama 4's end tag after a newline; a name that is
-    # not ASCII is no function's; a bracketed answer with an apostrophe is content.
-    ("pythonic", "[get_weather(city='Oslo'), ] and more", "and more", [("get_weather", {"city": "Oslo"})]),
-    ("llama4_pythonic", "<|python_start|>[f(a=1)]\n<|python_end|>", None, [("f", {"a": 1})]),
-    ("pythonic", "[é(a=1)]", "[é(a=1)]", []),
-    ("pythonic", "[Don't worry] about it.", "[Don't worry] about it.", []),
-    # Escaped surrogate pairs in a Python literal are one character in the JSON.
-    ("pythonic", "[f(text='\\ud83d\\ude00')]", None, [("f", {"text": "\U0001F600"})]),
-    # Brackets, quotes and escapes inside strings (a triple-quoted one too) do not end a call.
-    ("pythonic", '[write(text="""a ) ] \\""" b""", path=\'x\\\'y]\')]', None,
-     [("write", {"text": 'a ) ] """ b', "path": "x'y]"})]),
 ]
-
-
-def _stream(stream: ToolCallStream, text: str, sizes: list[int]) -> list:
-    deltas, i = [], 0
-    for size in sizes:
-        deltas.append(stream.feed(text[i:i + size]))
-        i += size
-    deltas.append(stream.feed(text[i:]))
-    deltas.append(stream.finish())
-    return deltas
-
-
-def _chunkings(text: str, count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = [[1] * len(text), [len(text)]]
-    for _ in range(count):
-        sizes, total = [], 0
-        while total < len(text):
-            sizes.append(rng.randint(1, 12))
-            total += sizes[-1]
-        out.append(sizes)
-    return out
-
-
-def _check_stream(deltas: list, final: ParsedOutput) -> None:
-    """Names before arguments, each call announced once, no half tag in the content."""
-    assert collect(deltas) == final
-    announced: set[int] = set()
-    for d in deltas:
-        for call in d.tool_calls:
-            if call.name is not None:
-                assert call.index not in announced
-                announced.add(call.index)
-            else:
-                assert call.index in announced and call.arguments
-    if final.content is None or "<" not in final.content:
-        assert not any("<" in d.content for d in deltas)
 
 
 @pytest.mark.parametrize("name,text,content,calls", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_extract_and_stream(name, text, content, calls):
-    parser = get_tool_parser(name)
-    final = parser.extract(text)
-    for call in final.tool_calls:
-        call.arguments.encode()  # a response body can carry it (no lone surrogates)
-    assert final.content == content
-    assert [c.name for c in final.tool_calls] == [n for n, _ in calls]
-    for call, (_, args) in zip(final.tool_calls, calls):
-        assert json.loads(call.arguments) == args
-    for sizes in _chunkings(text, 60, seed=len(text)):
-        _check_stream(_stream(parser.stream(), text, sizes), final)
+    check_case(name, text, content, calls)
 
 
 def test_arguments_stream_before_the_call_ends():
@@ -275,8 +181,8 @@ def test_cut_off_call_keeps_what_was_streamed():
     final = parser.extract(cut)
     assert final.content is None and [c.name for c in final.tool_calls] == ["get_weather"]
     assert final.tool_calls[0].arguments.startswith('{"city": "Paris"')
-    for sizes in _chunkings(cut, 20, seed=1):
-        assert collect(_stream(parser.stream(), cut, sizes)) == final
+    for sizes in chunkings(cut, 20, seed=1):
+        assert collect(stream_in(parser.stream(), cut, sizes)) == final
 
 
 def test_end_tag_ends_the_call_even_inside_a_broken_string():
@@ -290,29 +196,8 @@ def test_end_tag_ends_the_call_even_inside_a_broken_string():
     assert final.content == "Done." and [c.name for c in final.tool_calls] == ["f", "g"]
     assert final.tool_calls[0].arguments == '{"p": "C:\\tmp\\"}}'  # what the model wrote
     assert final.tool_calls[1].arguments == "{}"
-    for sizes in _chunkings(text, 30, seed=4):
-        _check_stream(_stream(parser.stream(), text, sizes), final)
-
-
-def _scans_streaming(monkeypatch, name: str, text: str) -> tuple[int, ParsedOutput]:
-    """`text` streamed through parser `name` 4 characters at a time: how many full JSON value
-    scans (`json_scan.value_end` calls) it took, and the result."""
-    import ksana_llm.server.tool_parsers.json_scan as json_scan
-
-    count = 0
-    real = json_scan.value_end
-
-    def counting(text, pos):
-        nonlocal count
-        count += 1
-        return real(text, pos)
-
-    monkeypatch.setattr(json_scan, "value_end", counting)
-    try:
-        final = collect(_stream(get_tool_parser(name).stream(), text, [4] * (len(text) // 4 + 1)))
-    finally:
-        monkeypatch.setattr(json_scan, "value_end", real)
-    return count, final
+    for sizes in chunkings(text, 30, seed=4):
+        check_stream(stream_in(parser.stream(), text, sizes), final)
 
 
 @pytest.mark.parametrize("name, wrap", [
@@ -327,7 +212,7 @@ def test_long_arguments_stream_without_rescanning(monkeypatch, name, wrap):
     piece (which cost quadratic time inside the server's event loop): the number of full
     scans stays the same whatever the argument's length."""
     def full_scans(size: int) -> int:
-        count, final = _scans_streaming(monkeypatch, name,
+        count, final = scans_streaming(monkeypatch, name,
                                         wrap(json.dumps({"content": "x" * size, "path": "a.txt"})))
         assert json.loads(final.tool_calls[0].arguments)["content"] == "x" * size
         return count
@@ -343,7 +228,7 @@ def test_text_after_a_call_without_end_tag_is_not_rescanning_it(monkeypatch, cal
     """Mistral's calls have no end tag: the text after one (up to the end of the output) must
     not make the call be read again on every piece."""
     def full_scans(words: int) -> int:
-        count, final = _scans_streaming(monkeypatch, "mistral", call + " and then" * words)
+        count, final = scans_streaming(monkeypatch, "mistral", call + " and then" * words)
         assert [c.name for c in final.tool_calls] == ["write"]
         return count
 
@@ -358,16 +243,16 @@ def test_required_array_and_named_streams():
     stream = required.stream()
     final = collect([stream.feed(text), stream.finish()])
     assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == CALLS
-    for sizes in _chunkings(text, 30, seed=2):
-        assert collect(_stream(JsonCallSequenceStream(open="[", separator=",", close="]"), text,
+    for sizes in chunkings(text, 30, seed=2):
+        assert collect(stream_in(JsonCallSequenceStream(open="[", separator=",", close="]"), text,
                                sizes)) == final
     args = json.dumps(WEATHER[1])
     # A key that is not JSON ends the calls without raising (the call already named stays).
     bad = '[{"name": "f", "parameters": {}, "\\z": 1}]'
-    for sizes in _chunkings(bad, 10, seed=5):
-        got = collect(_stream(JsonCallSequenceStream(open="[", separator=",", close="]"), bad, sizes))
+    for sizes in chunkings(bad, 10, seed=5):
+        got = collect(stream_in(JsonCallSequenceStream(open="[", separator=",", close="]"), bad, sizes))
         assert [(c.name, c.arguments) for c in got.tool_calls] == [("f", "{}")]
-    named = collect(_stream(NamedCallStream("get_weather"), args, [3, 5, 1]))
+    named = collect(stream_in(NamedCallStream("get_weather"), args, [3, 5, 1]))
     assert named == ParsedOutput(None, [named.tool_calls[0]])
     assert named.tool_calls[0].name == "get_weather" and named.tool_calls[0].arguments == args
 
@@ -434,7 +319,7 @@ def test_reasoning_then_tool_calls_streamed():
     whole = run([])
     assert whole[0] == "\nThe user wants weather.\n" and whole[1] == "Checking."
     assert [(n, json.loads(a)) for n, a in whole[2]] == [WEATHER] and whole[3] == "tool_calls"
-    for sizes in _chunkings(text, 30, seed=3):
+    for sizes in chunkings(text, 30, seed=3):
         assert run(sizes) == whole
 
 
@@ -453,7 +338,7 @@ def test_long_json_outside_the_arguments_streams_without_rescanning(monkeypatch,
     at a time once cost 14 s of the server's event loop (a rescan of the object per piece)."""
     def full_scans(size: int) -> int:
         text = wrap(json.dumps([{"id": i, "label": "item"} for i in range(size // 30)]))
-        count, final = _scans_streaming(monkeypatch, name, text)
+        count, final = scans_streaming(monkeypatch, name, text)
         assert final == get_tool_parser(name).extract(text)
         if is_call:
             assert [(c.name, c.arguments) for c in final.tool_calls] == [("f", "{}")]
@@ -481,8 +366,8 @@ def test_deepseek_v3_arguments_with_or_without_their_fence(body):
     final = parser.extract(text)
     assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == [
         ("get_weather", {"city": "Paris"})]
-    for sizes in _chunkings(text, 20, seed=len(body)):
-        _check_stream(_stream(parser.stream(), text, sizes), final)
+    for sizes in chunkings(text, 20, seed=len(body)):
+        check_stream(stream_in(parser.stream(), text, sizes), final)
 
 
 def test_the_finishing_chunk_names_each_call_once():
@@ -514,39 +399,6 @@ def test_registry_names_and_unknown():
         get_tool_parser("nope")
 
 
-def test_pythonic_calls_go_out_as_each_closes_and_are_parsed_once(monkeypatch):
-    """Each call is sent when its closing parenthesis arrives, before the list ends; a 40 KB
-    argument streamed 4 characters at a time is parsed once, with its call."""
-    import ksana_llm.server.tool_parsers.pythonic as pythonic_module
-
-    text = pythonic([WEATHER, ("write", {"content": "x" * 40_000, "path": "a.txt"})])
-    stream = get_tool_parser("pythonic").stream()
-    first = stream.feed(text[:text.index("write")])
-    assert [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [WEATHER]
-    parsed: list[str] = []
-    real = pythonic_module.python_call
-    monkeypatch.setattr(pythonic_module, "python_call", lambda source: parsed.append(source) or real(source))
-    rest = text[text.index("write"):]
-    deltas = [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
-    assert len(parsed) == 1
-    (call,) = collect(deltas).tool_calls
-    assert call.name == "write" and json.loads(call.arguments)["content"] == "x" * 40_000
-
-
-@pytest.mark.parametrize("cut_at, content, names", [
-    ("city", "[get_weather(", []),  # inside the first call: the output was never calls
-    ("search", None, ["get_weather"]),  # inside the second: the first stays
-])
-def test_pythonic_cut_off(cut_at, content, names):
-    text = pythonic([WEATHER, NESTED])
-    cut = text[:text.index(cut_at)]
-    parser = get_tool_parser("pythonic")
-    final = parser.extract(cut)
-    assert final.content == content and [c.name for c in final.tool_calls] == names
-    for sizes in _chunkings(cut, 20, seed=2):
-        assert collect(_stream(parser.stream(), cut, sizes)) == final
-
-
 def test_call_ids_are_the_formats():
     """OpenAI's `call_...` by default; 9 letters or digits for Mistral, whose chat template
     refuses any other id when the client sends the conversation back."""
@@ -573,118 +425,15 @@ def test_serve_help_names_every_parser():
         assert name in helps["reasoning_parser"], name
 
 
-def qwen3_coder(content: str, calls: list) -> str:
-    """Qwen3-Coder's template: each parameter's value as bare text (JSON for non-strings)."""
-    blocks = []
-    for name, args in calls:
-        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
-                         f"</parameter>\n" for k, v in args.items())
-        blocks.append(f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>")
-    return content + ("\n" if content and blocks else "") + "\n".join(blocks)
-
-
-def _function(name: str, properties: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": properties}}}
-
-
-CODER_TOOLS = [
-    _function("get_weather", {"city": {"type": "string"}, "unit": {"type": "string"}}),
-    _function("search", {"query": {"type": "string"}, "filters": {"type": "object"},
-                         "note": {"type": "string"}}),
-    _function("list_files", {}),
-    _function("typed", {"n": {"type": "integer"}, "x": {"type": "number"}, "whole": {"type": "number"},
-                        "flag": {"type": "boolean"}, "items": {"type": "array"},
-                        "maybe": {"type": ["integer", "null"]}, "either": {"anyOf": [
-                            {"type": "boolean"}, {"type": "string"}]}}),
-]
-TYPED_TEXT = ("<tool_call>\n<function=typed>\n<parameter=n>\n42\n</parameter>\n<parameter=x>\n2.5\n"
-              "</parameter>\n<parameter=whole>\n4\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n"
-              "<parameter=items>\n['a', 1]\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n"
-              "<parameter=either>\nfalse\n</parameter>\n<parameter=extra>\n7\n</parameter>\n"
-              "</function>\n</tool_call>")
-
-
-@pytest.mark.parametrize("text, tools, content, calls", [
-    (qwen3_coder("Let me look that up.", CALLS), CODER_TOOLS, "Let me look that up.", CALLS),
-    (qwen3_coder("", [WEATHER]) + "\nAnything else?", CODER_TOOLS, "Anything else?", [WEATHER]),
-    # Types from the schema; `extra` (not in it) stays text.
-    (TYPED_TEXT, CODER_TOOLS, None, [("typed", {"n": 42, "x": 2.5, "whole": 4, "flag": True,
-                                                "items": ["a", 1], "maybe": None, "either": False,
-                                                "extra": "7"})]),
-    # Without the request's tools every value is text (null still null).
-    (TYPED_TEXT, None, None, [("typed", {"n": "42", "x": "2.5", "whole": "4", "flag": "True",
-                                         "items": "['a', 1]", "maybe": None, "either": "false",
-                                         "extra": "7"})]),
-    # Text that does not read as the declared type stays as written.
-    ("<tool_call>\n<function=typed>\n<parameter=n>\nforty-two\n</parameter>\n<parameter=items>\n"
-     "{1, 2}\n</parameter>\n</function>\n</tool_call>", CODER_TOOLS, None,
-     [("typed", {"n": "forty-two", "items": "{1, 2}"})]),
-    # A closing tag left out: the value ends where the next parameter (or the function's end) starts.
-    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=unit>\nC\n</function>\n"
-     "</tool_call>", CODER_TOOLS, None, [("get_weather", {"city": "Oslo", "unit": "C"})]),
-    # Code in a value, angle brackets and all; only its framing newlines go.
-    ("<tool_call>\n<function=write>\n<parameter=code>\n\nif a < b:\n    return '</p>'\n\n</parameter>\n"
-     "</function>\n</tool_call>", CODER_TOOLS, None,
-     [("write", {"code": "\nif a < b:\n    return '</p>'\n"})]),
-    ("<tool_call>\n<function=list_files>\n</function>\n</tool_call>", CODER_TOOLS, None, [EMPTY]),
-    # </function> left out: the end of the tool call ends the value and the function.
-    ("<tool_call>\n<function=typed>\n<parameter=n>\n1\n</parameter>\n</tool_call>\nDone.", CODER_TOOLS,
-     "Done.", [("typed", {"n": 1})]),
-    ("<tool_call>\n<function=typed>\n<parameter=n>\n1\n</tool_call>", CODER_TOOLS, None, [("typed", {"n": 1})]),
-    ("<tool_call>\n<function=list_files>\n</tool_call>", CODER_TOOLS, None, [EMPTY]),
-    # A whole number past float precision; an array of escaped surrogate pairs.
-    ("<tool_call>\n<function=typed>\n<parameter=whole>\n12345678901234567891\n</parameter>\n"
-     "<parameter=items>\n['\\ud83d\\ude00']\n</parameter>\n</function>\n</tool_call>", CODER_TOOLS, None,
-     [("typed", {"whole": 12345678901234567891, "items": ["\U0001F600"]})]),
-    # Not a call: the region is content, tags included.
-    ("<tool_call>\nnot a function\n</tool_call> ok", CODER_TOOLS,
-     "<tool_call>\nnot a function\n</tool_call> ok", []),
-])
-def test_qwen3_coder(text, tools, content, calls):
-    from ksana_llm.server.tools import plan_tools
-
-    parser = get_tool_parser("qwen3_coder")
-    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
-    assert final.content == content
-    for call in final.tool_calls:
-        call.arguments.encode()
-    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
-    for sizes in _chunkings(text, 40, seed=len(text)):
-        _check_stream(_stream(parser.stream_for(tools), text, sizes), final)
-    if tools is not None:  # a request's plan hands its tools to the parser
-        plan = plan_tools(tools, "auto", parallel_tool_calls=None, auto_enabled=True, parser=parser)
-        assert collect(_stream(plan.stream(), text, [7] * len(text))) == final
-
-
-def test_qwen3_coder_streams_each_parameter_once_complete(monkeypatch):
-    """A call's name goes out with its tag, each parameter with its closing tag; a 40 KB value
-    streamed 4 characters at a time is read as a value once."""
-    import ksana_llm.server.tool_parsers.qwen3_coder as coder
-
-    text = qwen3_coder("", [("write", {"path": "a.txt", "content": "x" * 40_000})])
-    stream = get_tool_parser("qwen3_coder").stream_for(CODER_TOOLS)
-    head = stream.feed(text[:text.index("<parameter=content>")])
-    assert [(c.name, c.arguments) for c in head.tool_calls] == [("write", '{"path": "a.txt"')]
-    typed: list[str] = []
-    real = coder.typed_value
-    monkeypatch.setattr(coder, "typed_value", lambda value, schema: typed.append(value) or real(value, schema))
-    rest = text[text.index("<parameter=content>"):]
-    deltas = [head] + [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
-    assert typed == ["x" * 40_000]
-    (call,) = collect(deltas).tool_calls
-    assert json.loads(call.arguments) == {"path": "a.txt", "content": "x" * 40_000}
-
-
 def test_kimi_k2_calls_keep_the_ids_their_markup_gives():
     """Kimi's template writes each call's id (`functions.NAME:INDEX`) back into the
     conversation: the client gets that id, streamed or not."""
     from ksana_llm.server.chat_output import ChoiceOutputParser
 
     text = kimi_k2("", [WEATHER, EMPTY])
-    for sizes in _chunkings(text, 10, seed=3):
+    for sizes in chunkings(text, 10, seed=3):
         parser = ChoiceOutputParser(None, get_tool_parser("kimi_k2").stream())
-        deltas = _stream(parser, text, sizes)  # (it feeds and finishes as a stream does)
+        deltas = stream_in(parser, text, sizes)  # (it feeds and finishes as a stream does)
         message = parser.message(deltas)
         assert [(c.id, c.function.name) for c in message.tool_calls] == [
             ("functions.get_weather:0", "get_weather"), ("functions.list_files:1", "list_files")]

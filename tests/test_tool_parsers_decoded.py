@@ -1,0 +1,218 @@
+"""Tool-call formats whose argument values are decoded rather than copied: pythonic calls'
+Python literals, Qwen3-Coder's tagged parameters (typed by the request's tool schema) and
+DeepSeek-V3.2's DSML. Whole and streamed in many chunkings, as in test_tool_parsers.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ksana_llm.server.tool_parsers import collect, get_tool_parser
+from tests.tool_parser_harness import (
+    CALLS,
+    EMPTY,
+    NESTED,
+    WEATHER,
+    check_case,
+    check_stream,
+    chunkings,
+    stream_in,
+)
+
+
+def pythonic(calls: list, tags: bool = False) -> str:
+    """`[name(key=literal, ...), ...]`, the literals as Python writes them (repr)."""
+    text = "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                           for n, a in calls) + "]"
+    return f"<|python_start|>{text}<|python_end|>" if tags else text
+
+
+def deepseek_v32(content: str, calls: list) -> str:
+    """DSML: strings as plain text (`string="true"`), other values as JSON."""
+    def parameter(key, value) -> str:
+        is_string = isinstance(value, str)
+        text = value if is_string else json.dumps(value, ensure_ascii=False)
+        return (f'<｜DSML｜parameter name="{key}" string="{str(is_string).lower()}">{text}'
+                f"</｜DSML｜parameter>\n")
+    invokes = "".join(f'<｜DSML｜invoke name="{n}">\n' + "".join(parameter(k, v) for k, v in a.items())
+                      + "</｜DSML｜invoke>\n" for n, a in calls)
+    return f"{content}\n\n<｜DSML｜function_calls>\n{invokes}</｜DSML｜function_calls>"
+
+
+# (parser, model text, expected content, expected calls)
+CASES = [
+    ("pythonic", pythonic(CALLS), None, CALLS),
+    ("llama4_pythonic", pythonic([WEATHER, EMPTY], tags=True), None, [WEATHER, EMPTY]),
+    ("pythonic", pythonic([WEATHER]) + "\nDone.", "Done.", [WEATHER]),
+    ("pythonic", "[1, 2, 3] are the numbers.", "[1, 2, 3] are the numbers.", []),
+    ("pythonic", "The answer is [x].", "The answer is [x].", []),
+    ("pythonic", "[]", "[]", []),
+    ("pythonic", "[See (note)] below.", "[See (note)] below.", []),
+    # Not calls: positional arguments; a value without a JSON form (a set).
+    ("pythonic", "[get_weather('Paris')]", "[get_weather('Paris')]", []),
+    ("pythonic", "[f(a={1, 2})]", "[f(a={1, 2})]", []),
+    # A call that is not one after a call: the calls so far stay, the rest goes.
+    ("pythonic", "[get_weather(city='Paris'), get_weather(city=open('x'))] ok", None,
+     [("get_weather", {"city": "Paris"})]),
+    ("deepseek_v32", deepseek_v32("Checking both.", CALLS), "Checking both.", CALLS),
+    ("deepseek_v32", deepseek_v32("", [WEATHER]), None, [WEATHER]),
+    # string="false" text that is not JSON stays text; an invoke without a name is content.
+    ("deepseek_v32", '<｜DSML｜function_calls><｜DSML｜invoke name="f"><｜DSML｜parameter name="n" '
+     'string="false">twelve</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜function_calls>', None,
+     [("f", {"n": "twelve"})]),
+    ("deepseek_v32", "<｜DSML｜invoke name=>x</｜DSML｜invoke> ok", "<｜DSML｜invoke name=>x</｜DSML｜invoke> ok", []),
+    # A trailing comma (Python allows it); Llama 4's end tag after a newline; a name that is
+    # not ASCII is no function's; a bracketed answer with an apostrophe is content.
+    ("pythonic", "[get_weather(city='Oslo'), ] and more", "and more", [("get_weather", {"city": "Oslo"})]),
+    ("llama4_pythonic", "<|python_start|>[f(a=1)]\n<|python_end|>", None, [("f", {"a": 1})]),
+    ("pythonic", "[é(a=1)]", "[é(a=1)]", []),
+    ("pythonic", "[Don't worry] about it.", "[Don't worry] about it.", []),
+    # Escaped surrogate pairs in a Python literal are one character in the JSON.
+    ("pythonic", "[f(text='\\ud83d\\ude00')]", None, [("f", {"text": "\U0001F600"})]),
+    # Brackets, quotes and escapes inside strings (a triple-quoted one too) do not end a call.
+    ("pythonic", '[write(text="""a ) ] \\""" b""", path=\'x\\\'y]\')]', None,
+     [("write", {"text": 'a ) ] """ b', "path": "x'y]"})]),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_extract_and_stream(name, text, content, calls):
+    check_case(name, text, content, calls)
+
+
+def test_pythonic_calls_go_out_as_each_closes_and_are_parsed_once(monkeypatch):
+    """Each call is sent when its closing parenthesis arrives, before the list ends; a 40 KB
+    argument streamed 4 characters at a time is parsed once, with its call."""
+    import ksana_llm.server.tool_parsers.pythonic as pythonic_module
+
+    text = pythonic([WEATHER, ("write", {"content": "x" * 40_000, "path": "a.txt"})])
+    stream = get_tool_parser("pythonic").stream()
+    first = stream.feed(text[:text.index("write")])
+    assert [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [WEATHER]
+    parsed: list[str] = []
+    real = pythonic_module.python_call
+    monkeypatch.setattr(pythonic_module, "python_call", lambda source: parsed.append(source) or real(source))
+    rest = text[text.index("write"):]
+    deltas = [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
+    assert len(parsed) == 1
+    (call,) = collect(deltas).tool_calls
+    assert call.name == "write" and json.loads(call.arguments)["content"] == "x" * 40_000
+
+
+@pytest.mark.parametrize("cut_at, content, names", [
+    ("city", "[get_weather(", []),  # inside the first call: the output was never calls
+    ("search", None, ["get_weather"]),  # inside the second: the first stays
+])
+def test_pythonic_cut_off(cut_at, content, names):
+    text = pythonic([WEATHER, NESTED])
+    cut = text[:text.index(cut_at)]
+    parser = get_tool_parser("pythonic")
+    final = parser.extract(cut)
+    assert final.content == content and [c.name for c in final.tool_calls] == names
+    for sizes in chunkings(cut, 20, seed=2):
+        assert collect(stream_in(parser.stream(), cut, sizes)) == final
+
+
+def qwen3_coder(content: str, calls: list) -> str:
+    """Qwen3-Coder's template: each parameter's value as bare text (JSON for non-strings)."""
+    blocks = []
+    for name, args in calls:
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
+                         f"</parameter>\n" for k, v in args.items())
+        blocks.append(f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>")
+    return content + ("\n" if content and blocks else "") + "\n".join(blocks)
+
+
+def _function(name: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties}}}
+
+
+CODER_TOOLS = [
+    _function("get_weather", {"city": {"type": "string"}, "unit": {"type": "string"}}),
+    _function("search", {"query": {"type": "string"}, "filters": {"type": "object"},
+                         "note": {"type": "string"}}),
+    _function("list_files", {}),
+    _function("typed", {"n": {"type": "integer"}, "x": {"type": "number"}, "whole": {"type": "number"},
+                        "flag": {"type": "boolean"}, "items": {"type": "array"},
+                        "maybe": {"type": ["integer", "null"]}, "either": {"anyOf": [
+                            {"type": "boolean"}, {"type": "string"}]}}),
+]
+TYPED_TEXT = ("<tool_call>\n<function=typed>\n<parameter=n>\n42\n</parameter>\n<parameter=x>\n2.5\n"
+              "</parameter>\n<parameter=whole>\n4\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n"
+              "<parameter=items>\n['a', 1]\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n"
+              "<parameter=either>\nfalse\n</parameter>\n<parameter=extra>\n7\n</parameter>\n"
+              "</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("text, tools, content, calls", [
+    (qwen3_coder("Let me look that up.", CALLS), CODER_TOOLS, "Let me look that up.", CALLS),
+    (qwen3_coder("", [WEATHER]) + "\nAnything else?", CODER_TOOLS, "Anything else?", [WEATHER]),
+    # Types from the schema; `extra` (not in it) stays text.
+    (TYPED_TEXT, CODER_TOOLS, None, [("typed", {"n": 42, "x": 2.5, "whole": 4, "flag": True,
+                                                "items": ["a", 1], "maybe": None, "either": False,
+                                                "extra": "7"})]),
+    # Without the request's tools every value is text (null still null).
+    (TYPED_TEXT, None, None, [("typed", {"n": "42", "x": "2.5", "whole": "4", "flag": "True",
+                                         "items": "['a', 1]", "maybe": None, "either": "false",
+                                         "extra": "7"})]),
+    # Text that does not read as the declared type stays as written.
+    ("<tool_call>\n<function=typed>\n<parameter=n>\nforty-two\n</parameter>\n<parameter=items>\n"
+     "{1, 2}\n</parameter>\n</function>\n</tool_call>", CODER_TOOLS, None,
+     [("typed", {"n": "forty-two", "items": "{1, 2}"})]),
+    # A closing tag left out: the value ends where the next parameter (or the function's end) starts.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=unit>\nC\n</function>\n"
+     "</tool_call>", CODER_TOOLS, None, [("get_weather", {"city": "Oslo", "unit": "C"})]),
+    # Code in a value, angle brackets and all; only its framing newlines go.
+    ("<tool_call>\n<function=write>\n<parameter=code>\n\nif a < b:\n    return '</p>'\n\n</parameter>\n"
+     "</function>\n</tool_call>", CODER_TOOLS, None,
+     [("write", {"code": "\nif a < b:\n    return '</p>'\n"})]),
+    ("<tool_call>\n<function=list_files>\n</function>\n</tool_call>", CODER_TOOLS, None, [EMPTY]),
+    # </function> left out: the end of the tool call ends the value and the function.
+    ("<tool_call>\n<function=typed>\n<parameter=n>\n1\n</parameter>\n</tool_call>\nDone.", CODER_TOOLS,
+     "Done.", [("typed", {"n": 1})]),
+    ("<tool_call>\n<function=typed>\n<parameter=n>\n1\n</tool_call>", CODER_TOOLS, None, [("typed", {"n": 1})]),
+    ("<tool_call>\n<function=list_files>\n</tool_call>", CODER_TOOLS, None, [EMPTY]),
+    # A whole number past float precision; an array of escaped surrogate pairs.
+    ("<tool_call>\n<function=typed>\n<parameter=whole>\n12345678901234567891\n</parameter>\n"
+     "<parameter=items>\n['\\ud83d\\ude00']\n</parameter>\n</function>\n</tool_call>", CODER_TOOLS, None,
+     [("typed", {"whole": 12345678901234567891, "items": ["\U0001F600"]})]),
+    # Not a call: the region is content, tags included.
+    ("<tool_call>\nnot a function\n</tool_call> ok", CODER_TOOLS,
+     "<tool_call>\nnot a function\n</tool_call> ok", []),
+])
+def test_qwen3_coder(text, tools, content, calls):
+    from ksana_llm.server.tools import plan_tools
+
+    parser = get_tool_parser("qwen3_coder")
+    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
+    assert final.content == content
+    for call in final.tool_calls:
+        call.arguments.encode()
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
+    for sizes in chunkings(text, 40, seed=len(text)):
+        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+    if tools is not None:  # a request's plan hands its tools to the parser
+        plan = plan_tools(tools, "auto", parallel_tool_calls=None, auto_enabled=True, parser=parser)
+        assert collect(stream_in(plan.stream(), text, [7] * len(text))) == final
+
+
+def test_qwen3_coder_streams_each_parameter_once_complete(monkeypatch):
+    """A call's name goes out with its tag, each parameter with its closing tag; a 40 KB value
+    streamed 4 characters at a time is read as a value once."""
+    import ksana_llm.server.tool_parsers.qwen3_coder as coder
+
+    text = qwen3_coder("", [("write", {"path": "a.txt", "content": "x" * 40_000})])
+    stream = get_tool_parser("qwen3_coder").stream_for(CODER_TOOLS)
+    head = stream.feed(text[:text.index("<parameter=content>")])
+    assert [(c.name, c.arguments) for c in head.tool_calls] == [("write", '{"path": "a.txt"')]
+    typed: list[str] = []
+    real = coder.typed_value
+    monkeypatch.setattr(coder, "typed_value", lambda value, schema: typed.append(value) or real(value, schema))
+    rest = text[text.index("<parameter=content>"):]
+    deltas = [head] + [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
+    assert typed == ["x" * 40_000]
+    (call,) = collect(deltas).tool_calls
+    assert json.loads(call.arguments) == {"path": "a.txt", "content": "x" * 40_000}
