@@ -32,7 +32,8 @@ class BodyScan:
     next_at: int | None = None  # where another call starts in the same body, once this one ended
     call_id: str | None = None  # the call's id, where the markup gives one
     # Nothing later in the body can change the call or start another (its arguments value is
-    # complete and the body goes on with other text): the body is not read again.
+    # complete, and the format puts one call in a body or the text after it is no call): the
+    # body is not read again, however much more of it comes.
     final: bool = False
 
 
@@ -43,8 +44,10 @@ def named_arguments(name: str, body: str, pos: int) -> BodyScan:
     """The call `name` whose arguments are the JSON value at `body[pos:]` (after whitespace),
     for formats that write the name outside the JSON (DeepSeek's, Mistral's)."""
     start = skip_ws(body, pos)
-    return BodyScan(name, partial_value(body, start), open_at=open_value_at(body, start),
-                    final=value_end(body, start) >= 0)
+    end = value_end(body, start)
+    if end >= 0:  # complete: what follows it in the body is not the call's
+        return BodyScan(name, body[start:end], final=True)
+    return BodyScan(name, partial_value(body, start), open_at=open_value_at(body, start))
 
 
 class TaggedToolStream(ToolCallStream):
