@@ -88,7 +88,7 @@ class ParameterCallBody:
             return BodyScan()
         while not self._done and self._read_parameter(body):
             pass
-        return BodyScan(self._name, self._arguments + ("}" if self._done else ""))
+        return BodyScan(self._name, self._arguments + ("}" if self._done else ""), final=self._done)
 
     def _read_name(self, body: str) -> bool:
         start = skip_ws(body, 0)
