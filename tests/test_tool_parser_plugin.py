@@ -35,7 +35,7 @@ class EveryAnswerIsACall(WholeTextToolParser):
         return ParsedOutput(None, [ToolCall("record", json.dumps({"text": text}))])
 
     @staticmethod
-    def new_call_id():
+    def new_call_id(name, index):
         return "rec" + uuid.uuid4().hex[:6]
 '''
 PLUGIN_CALL_ID = re.compile("rec[0-9a-f]{6}")

@@ -404,8 +404,8 @@ def test_call_ids_are_the_formats():
     refuses any other id when the client sends the conversation back."""
     import re
 
-    assert re.fullmatch("call_[0-9a-f]{24}", get_tool_parser("hermes").new_call_id())
-    ids = {get_tool_parser("mistral").new_call_id() for _ in range(50)}
+    assert re.fullmatch("call_[0-9a-f]{24}", get_tool_parser("hermes").new_call_id("f", 0))
+    ids = {get_tool_parser("mistral").new_call_id("f", 0) for _ in range(50)}
     assert len(ids) == 50 and all(re.fullmatch("[A-Za-z0-9]{9}", i) for i in ids)
 
 

@@ -46,7 +46,7 @@ class ChoiceOutputParser:
 
     def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallStream | None, *,
                  forced_call: bool = False, include_reasoning: bool = True,
-                 new_call_id: Callable[[], str] = ToolParser.new_call_id) -> None:
+                 new_call_id: Callable[[str, int], str] = ToolParser.new_call_id) -> None:
         self._reasoning = reasoning
         self._new_call_id = new_call_id
         self._include_reasoning = include_reasoning  # else parsed out and dropped
@@ -79,7 +79,7 @@ class ChoiceOutputParser:
             out.tool_calls = coalesce(parsed.tool_calls)
             for call in parsed.tool_calls:
                 if call.name is not None:
-                    self._ids[call.index] = call.id or self._new_call_id()
+                    self._ids[call.index] = call.id or self._new_call_id(call.name, call.index)
         return out
 
     def feed(self, text: str) -> ChatDelta:

@@ -76,5 +76,11 @@ def test_kimi_k2_call_ids_come_from_the_markup(parser_apps):
         assert (call.id, call.function.name) == ("functions.forecast:0", "forecast")
         assert set(json.loads(call.function.arguments)) == {"city"}
         assert list(streamed.values()) == [["functions.forecast:0", "forecast", call.function.arguments]]
+        # A call tool_choice forces (JSON, no markup) gets an id of that shape too.
+        forced, streamed = await _both(aclient, dict(
+            model="kimi_k2", messages=QUESTION, tools=[FORECAST_TOOL], temperature=0, max_tokens=40,
+            tool_choice={"type": "function", "function": {"name": "forecast"}}))
+        assert [c.id for c in forced.message.tool_calls] == ["functions.forecast:0"]
+        assert [entry[0] for entry in streamed.values()] == ["functions.forecast:0"]
 
     run_r1(parser_apps["kimi_k2"], check)

@@ -135,9 +135,10 @@ class ToolParser(ABC):
         return self.stream()
 
     @staticmethod
-    def new_call_id() -> str:
-        """A fresh id for one call the model made (OpenAI's shape). Formats whose chat template
-        checks the ids a client sends back override it."""
+    def new_call_id(name: str, index: int) -> str:
+        """A fresh id for call `index` (of the answer's calls), to function `name`, where the
+        markup gives none (OpenAI's shape). Formats whose chat template reads the ids a client
+        sends back override it (Mistral's 9 characters, Kimi-K2's `functions.NAME:N`)."""
         return f"call_{uuid.uuid4().hex[:24]}"
 
     def extract(self, text: str) -> ParsedOutput:

@@ -4,7 +4,8 @@
     <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
 
 The text before `<|tool_call_argument_begin|>` is the call's id, `functions.NAME:INDEX`, which
-Kimi's chat template writes back into the conversation: it is the id the client gets. The
+Kimi's chat template writes back into the conversation: it is the id the client gets (and calls
+forced by tool_choice get ids of that shape). The
 markers are special tokens, so the server decodes the output with special tokens for it.
 """
 
@@ -43,3 +44,9 @@ class KimiK2ToolParser(ToolParser):
     def stream(self) -> ToolCallStream:
         return TaggedToolStream(CALL_BEGIN, CALL_END, parse_kimi_body,
                                 ignored=(SECTION_BEGIN, SECTION_END))
+
+    @staticmethod
+    def new_call_id(name: str, index: int) -> str:
+        """The id a call gets where the markup gives none (tool_choice "required" or named,
+        whose output is JSON): the shape Kimi's markup writes."""
+        return f"functions.{name}:{index}"

@@ -56,5 +56,5 @@ class MistralToolParser(ToolParser):
         return TaggedToolStream(TOOL_CALLS, None, parse_mistral_body)
 
     @staticmethod
-    def new_call_id() -> str:
+    def new_call_id(name: str, index: int) -> str:
         return uuid.uuid4().hex[:9]
