@@ -305,12 +305,7 @@ def test_reasoning_then_tool_calls_streamed():
     def run(sizes: list[int]):
         parser = ChoiceOutputParser(get_reasoning_parser("qwen3").stream(),
                                     get_tool_parser("qwen3").stream())
-        deltas, i = [], 0
-        for size in sizes:
-            deltas.append(parser.feed(text[i:i + size]))
-            i += size
-        deltas.append(parser.feed(text[i:]))
-        deltas.append(parser.finish())
+        deltas = stream_in(parser, text, sizes)  # (it feeds and finishes as a stream does)
         message = parser.message(deltas)
         return (message.reasoning_content, message.content,
                 [(c.function.name, c.function.arguments) for c in message.tool_calls],
