@@ -368,7 +368,7 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     _flatten(data, "", leaves, inert, errors)
     for dotted, raw in leaves.items():
         try:
-            _check_type(dotted, _SCHEMA[dotted].kind, raw)
+            leaves[dotted] = _check_type(dotted, _SCHEMA[dotted].kind, raw)
         except ValueError as exc:
             errors.append(str(exc))
     if errors:
@@ -380,9 +380,8 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
     fields: dict[str, Any] = {}
     sources: dict[str, str] = {}  # EngineConfig field -> the YAML key that set it
     server: dict[str, Any] = {"config_file": config_file}
-    for dotted, raw in leaves.items():
+    for dotted, value in leaves.items():  # (type-checked above)
         spec = _SCHEMA[dotted]
-        value = _check_type(dotted, spec.kind, raw)
         value = spec.convert(value) if spec.convert else value
         if spec.server is not None:
             server[spec.server] = value

@@ -14,6 +14,7 @@ from ksana_llm.server.reasoning_parsers import (
     get_reasoning_parser,
     opens_thinking,
 )
+from tests.tool_parser_harness import stream_in
 
 THOUGHT = "The user asks for the capital of France.\nThat is Paris; answer briefly."
 ANSWER = "The capital of France is Paris."
@@ -39,13 +40,7 @@ CASES = [
 
 def _streamed(name: str, text: str, sizes: list[int], opened: bool = False
               ) -> tuple[ReasoningOutput, list]:
-    stream = get_reasoning_parser(name).stream(opened)
-    deltas, i = [], 0
-    for size in sizes:
-        deltas.append(stream.feed(text[i:i + size]))
-        i += size
-    deltas.append(stream.feed(text[i:]))
-    deltas.append(stream.finish())
+    deltas = stream_in(get_reasoning_parser(name).stream(opened), text, sizes)
     reasoning = "".join(d.reasoning for d in deltas)
     content = "".join(d.content for d in deltas)
     return ReasoningOutput(reasoning or None, content or None), deltas

@@ -17,7 +17,8 @@ CALLS = [WEATHER, NESTED, EMPTY]
 
 
 def stream_in(stream: ToolCallStream, text: str, sizes: list[int]) -> list:
-    """`text` fed to `stream` in pieces of `sizes` (the rest in one), then finished: the deltas."""
+    """`text` fed to `stream` in pieces of `sizes` (the rest in one), then finished: the deltas.
+    (Any object that feeds and finishes so: reasoning splitters, ChoiceOutputParser.)"""
     deltas, i = [], 0
     for size in sizes:
         deltas.append(stream.feed(text[i:i + size]))
