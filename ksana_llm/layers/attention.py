@@ -252,15 +252,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-def zero_masked_slots(allowed: torch.Tensor, *gathered: torch.Tensor) -> None:
-    """Zero the gathered slots no query may read (`allowed` False): the tail of a last block
-    still holds what its former sequence left, and a masked weight of 0 times a value that is
-    not finite (a request whose activations overflowed) is NaN, which would spread one
-    request's garbage to whichever request reuses its blocks."""
-    for values in gathered:
-        values.masked_fill_(~allowed, 0)
-
-
 def kernel_kv_write(v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                     dtype: torch.dtype) -> CacheWrite | None:
     """On the Triton backend, where the RoPE kernel can store the step's K/V into the cache
@@ -319,10 +310,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         rows = g.rows(num_kv_heads)
         kd = gather_kv(k_cache, rows, (n,), **cached)  # [n, Hkv, L, D]
         vd = gather_kv(v_cache, rows, (n,), **cached)
-        mask = g.mask
-        if mask is not None:
-            zero_masked_slots(mask.view(n, 1, length, 1), kd, vd)
         qd = q[g.start:g.start + n].view(n, num_kv_heads, group_size, head_dim)
+        mask = g.mask
         if layer_window is not None and length > layer_window:
             mask = meta.window_mask("decode", g.start, meta.positions[g.start:g.start + n],
                                     length, layer_window)[:, None, None, :]
@@ -343,8 +332,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         else:
             rows = chunk.rows(num_kv_heads)
             kp, vp = gather_kv(k_cache, rows, (), **cached), gather_kv(v_cache, rows, (), **cached)
-            kp[:, chunk.context_len:] = 0  # the last block's unwritten tail: zero_masked_slots
-            vp[:, chunk.context_len:] = 0
         mask, causal = chunk.mask, chunk.mask is None and n > 1
         if layer_window is not None and chunk.context_len > layer_window:
             q_pos = meta.positions[s:s + n]

@@ -44,8 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ksana_llm.kernels.kv_quant import through_cache
-from ksana_llm.layers.attention import (AttentionMetadata, ChunkBatch, KVCache, KVCacheSpec,
-                                       zero_masked_slots)
+from ksana_llm.layers.attention import AttentionMetadata, ChunkBatch, KVCache, KVCacheSpec
 from ksana_llm.layers.kv_cache_layout import gather_kv, store_kv
 from ksana_llm.distributed.context import ParallelContext
 from ksana_llm.layers.linear import MergedLinear
@@ -243,7 +242,6 @@ class MultiLatentAttention(nn.Module):
         q = self._absorb(q_nope, q_pe).view(num_chunks, n, d.num_heads, -1)
         kv = gather_kv(cache, batch.kv_rows, (num_chunks,), dtype=q_nope.dtype,
                        kv_scale=kv_scale)  # [C, 1, L, r + dr]
-        zero_masked_slots(batch.mask.any(dim=1)[:, None, :, None], kv)
         o = F.scaled_dot_product_attention(
             q, kv, kv[..., :d.kv_lora_rank], attn_mask=batch.mask[:, :, None, :],
             scale=self.scale, enable_gqa=True)
@@ -301,8 +299,6 @@ class MultiLatentAttention(nn.Module):
             for g in meta.decode_groups:
                 n = g.count
                 kv = gather_kv(cache, g.rows(1), (n,), **cached)  # [n, 1, L, latent]
-                if g.mask is not None:
-                    zero_masked_slots(g.mask.view(n, 1, g.length, 1), kv)
                 o = F.scaled_dot_product_attention(
                     q_abs[g.start:g.start + n].unsqueeze(1), kv, kv[..., :d.kv_lora_rank],
                     attn_mask=g.mask, scale=self.scale)
@@ -325,7 +321,6 @@ class MultiLatentAttention(nn.Module):
                 kv = through_cache(entries[s:s + n], cache.dtype, kv_scale)
             else:
                 kv = gather_kv(cache, chunk.rows(1), (), **cached)[0]
-                kv[chunk.context_len:] = 0  # the last block's unwritten tail: zero_masked_slots
             attend = self._expanded_prefill if n >= self.expand_min_tokens else self._absorbed_prefill
             out[s:s + n] = attend(q_nope[s:s + n], q_pe[s:s + n], kv, chunk.mask)
         return self.o_proj(out.view(num_tokens, -1))
