@@ -385,3 +385,48 @@ def test_swap_out_of_shared_blocks_keeps_other_owner():
     bm.free_host(b)
     assert b.host_block_table == []
     assert bm.free_host_blocks == [3, 2, 1, 0]
+
+
+# ---- fresh blocks (cleared by the runner before their new owner writes) -----------------------
+def test_fresh_blocks_are_the_newly_handed_out_ones_once():
+    bm = BlockManager(8, 4)
+    a = make_seq("a", PROMPT10)
+    admit(bm, a)
+    assert bm.take_fresh_blocks() == [0, 1, 2] and bm.take_fresh_blocks() == []
+    # Decode tokens inside the last block take nothing new; crossing a boundary takes one.
+    a.output_token_ids.extend([500, 501])
+    assert bm.allocate(a, 2) and bm.take_fresh_blocks() == []
+    compute(bm, a, 2)
+    a.output_token_ids.append(502)
+    assert bm.allocate(a, 1) and a.block_table == [0, 1, 2, 3]
+    assert bm.take_fresh_blocks() == [3]
+
+
+def test_adopted_prefix_blocks_and_copy_destinations_are_not_fresh():
+    """Both hold KV already: a cached prefix the new owner reads, a fork's copy of a partial
+    block. Only the blocks after a prefix hit are fresh."""
+    bm = BlockManager(8, 4)
+    admit(bm, make_seq("a", PROMPT10))
+    bm.take_fresh_blocks()
+    b = make_seq("b", PROMPT10)
+    match = admit(bm, b)
+    assert match.block_ids == [0, 1] and b.block_table == [0, 1, 3]
+    assert bm.take_fresh_blocks() == [3]
+    bm, parent, child = _forked_pair()
+    bm.take_fresh_blocks()
+    assert bm.allocate(child, 1) and bm.take_copies() == [(2, 3)]
+    assert bm.take_fresh_blocks() == []
+
+
+def test_swapped_in_blocks_are_fresh():
+    """A swap-in's blocks are cleared first (the swap's copy then fills them); the block it
+    adds for the new token is only cleared."""
+    bm = BlockManager(4, 4, num_host_blocks=3)
+    a = make_seq("a", list(range(8)))
+    admit(bm, a)
+    bm.swap_out(a)
+    bm.take_fresh_blocks()
+    a.output_token_ids.append(500)
+    mapping = bm.swap_in(a, 1)
+    assert [device for _, device in mapping] == a.block_table[:2]
+    assert bm.take_fresh_blocks() == a.block_table and len(a.block_table) == 3

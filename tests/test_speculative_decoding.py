@@ -130,6 +130,30 @@ def test_greedy_tokens_equal_transformers_on_the_triton_backend(setup):
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
 
 
+def test_nan_left_in_the_latent_and_draft_caches_reaches_no_request(setup):
+    """MLA's torch attention reads whole blocks of latents too, and so does the draft layer:
+    blocks full of NaN (what an overflowing request could leave) are cleared as they are handed
+    out, in every cache (tests/test_stale_kv.py: the plain attention's). Stale draft KV would
+    not change the tokens (verification refuses bad drafts), only the drafts: so the drafts
+    accepted equal a clean engine's."""
+    def run(poisoned: bool):
+        config = GenerationConfig(max_new_tokens=NUM_TOKENS, ignore_eos=True)
+        with kt.Engine(setup.model, generation_config=config, block_token_num=4,
+                       num_device_blocks=128, num_speculative_tokens=2,
+                       attention_backend="torch") as engine:
+            runner = engine._core.runner
+            assert runner.draft_kv_caches
+            for pair in runner.kv_caches + runner.draft_kv_caches if poisoned else ():
+                for cache in pair:
+                    cache.fill_(float("nan"))
+            outputs = engine.generate_outputs(setup.prompts)
+            return [o.token_ids for o in outputs], engine.stats().num_accepted_draft_tokens
+
+    tokens, accepted = run(poisoned=True)
+    assert tokens == setup.expected
+    assert accepted == run(poisoned=False)[1] > 0
+
+
 def test_large_batches_pause_drafting(setup):
     """speculative_disable_by_batch_size=3: while three sequences run nobody drafts, yet the
     draft layer keeps its KV cache up, so once two are done the third's drafts are again

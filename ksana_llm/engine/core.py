@@ -245,7 +245,8 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         result = self.runner.execute(StepInput(slices, plan.swap_out, plan.swap_in,
                                                plan.copy_blocks,
                                                self._pending_inputs(plan.scheduled),
-                                               plan.kv_imports, plan.lora_loads))
+                                               plan.kv_imports, plan.lora_loads,
+                                               plan.fresh_blocks))
         num_step_tokens = 0
         for item in plan.scheduled:
             num_step_tokens += item.num_new_tokens

@@ -55,6 +55,9 @@ class BlockManager:
         self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
         # Copy-on-write copies decided by `allocate`, drained by the scheduler with take_copies().
         self.pending_copies: list[tuple[int, int]] = []
+        # Blocks handed to a sequence to write into, drained with take_fresh_blocks(): they
+        # still hold whatever their last owner left, which the runner clears (see there).
+        self.fresh_blocks: list[int] = []
         # Counters for metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -81,6 +84,12 @@ class BlockManager:
         """The copy-on-write (source, destination) block copies queued since the last call."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def take_fresh_blocks(self) -> list[int]:
+        """The blocks newly given to sequences since the last call, to write their KV into
+        (not adopted prefix-cache blocks, not copy-on-write destinations: those hold KV)."""
+        fresh, self.fresh_blocks = self.fresh_blocks, []
+        return fresh
 
     # ---- prefix cache --------------------------------------------------------------------
     def update_block_hashes(self, seq: Sequence) -> None:
@@ -180,7 +189,9 @@ class BlockManager:
             self._release(source)  # still held by the other owner(s): refcount stays >= 1
             self.pending_copies.append((source, copy))
         for _ in range(num_new_blocks):
-            seq.block_table.append(self._pop_free())
+            block = self._pop_free()
+            seq.block_table.append(block)
+            self.fresh_blocks.append(block)
         if prefix_blocks:
             seq.num_registered_blocks = len(prefix_blocks)
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)

@@ -154,6 +154,7 @@ class Scheduler(AdapterAdmission):
                 self.running.remove(idle[-1])
                 self._preempt(idle[-1], out, recompute=True)
         out.copy_blocks = self.block_manager.take_copies()
+        out.fresh_blocks = self.block_manager.take_fresh_blocks()
         if self.lora is not None:
             out.lora_loads = self.lora.take_loads()
             self.num_lora_loads += len(out.lora_loads)

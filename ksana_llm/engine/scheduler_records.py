@@ -54,6 +54,9 @@ class SchedulerOutput:
     # after the swaps: a victim is never a sequence that allocated this step, and swap-ins only
     # happen in steps that preempt nothing, so no source or destination changes hands before.
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Device blocks given to sequences this step, to clear before anything is written to them
+    # (`BlockManager.take_fresh_blocks`): after the swap-outs, before the swap-ins and copies.
+    fresh_blocks: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # Admitted sequences whose first positions come from another engine's KV (their block
     # tables now, and the KV to write there before the forward).

@@ -58,6 +58,11 @@ def copy_cache_blocks(src: torch.Tensor, dst: torch.Tensor,
                                                       non_blocking=True)
 
 
+def zero_cache_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Set every entry of the blocks `blocks` ([n] int64 on the cache's device) to zero."""
+    raw(cache.transpose(1, 2)).index_fill_(0, blocks, 0)
+
+
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
     """The [num_blocks * kv_heads, block_size * head_dim] rows behind a cache view."""
     storage = cache.transpose(1, 2)

@@ -16,7 +16,8 @@ from ksana_llm.kernels.kv_quant import cache_dtype_for
 from ksana_llm.loader.weight_map import load_weight_map
 from ksana_llm.layers.fused_kernels import use_fused_kernels
 from ksana_llm.layers.attention import AttentionMetadata, KVCache, KVCacheSpec
-from ksana_llm.layers.kv_cache_layout import allocate_kv_cache, block_runs, copy_cache_blocks
+from ksana_llm.layers.kv_cache_layout import (allocate_kv_cache, block_runs, copy_cache_blocks,
+                                              zero_cache_blocks)
 from ksana_llm.runner.batch_building import BatchBuilding, EmbeddingOverrides
 from ksana_llm.runner.captured_rows import CAPTURE_CHUNK_ELEMENTS, CapturedRows, capture_rows
 from ksana_llm.runner.cuda_graphs import (DecodeGraphs, DecodeInputs, graph_batch_sizes,
@@ -61,6 +62,8 @@ class StepInput:
     kv_imports: list[tuple[list[int], TransferredKv]] = field(default_factory=list)
     # (slot, adapter id): registered LoRA adapters to copy into device slots before the forward.
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
+    # Device blocks newly given to sequences, cleared after the swap-outs, before the rest.
+    fresh_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +140,12 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
         # grouped into one launch per weight stack -- for this runner's forwards only (engines
         # may share a model), so set around each step (`layers.fused_kernels`).
         self.fused_kernels = self.attention_backend == "triton"
+        # The torch backend attends over whole blocks, masking the tail of a sequence's last one;
+        # a masked position still multiplies its V by a zero weight, and 0 * NaN is NaN. So a
+        # NaN or inf a finished request left in a block (an fp16 overflow) would poison the
+        # next owner's output: blocks are zeroed as they change hands. The Triton kernels load
+        # only the positions they attend to.
+        self.clears_fresh_blocks = self.attention_backend == "torch"
         self.device = device
         self.dtype = dtype
         self.cache_dtype = cache_dtype_for(kv_cache_dtype, dtype)
@@ -302,6 +311,14 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
                 else:
                     copy_cache_blocks(host_cache, device_cache, runs)
 
+    def _clear_blocks(self, blocks: list[int]) -> None:
+        if not blocks or not self.clears_fresh_blocks:
+            return
+        index = to_device(blocks, torch.long, self.device)
+        for pair in self.kv_caches + self.draft_kv_caches:
+            for cache in pair:
+                zero_cache_blocks(cache, index)
+
     def _copy_device_blocks(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
@@ -319,6 +336,7 @@ class ModelRunner(BatchBuilding, MtpDrafting, KvTransferSteps, WeightSync, Sleep
 
     def _execute(self, step: StepInput) -> StepResult:
         self._copy_blocks(step.swap_out, to_host=True)
+        self._clear_blocks(step.fresh_blocks)  # (a block swapped out may be handed on at once)
         self._copy_blocks(step.swap_in, to_host=False)
         self._copy_device_blocks(step.copy_blocks)
         self._import_kv(step.kv_imports)
