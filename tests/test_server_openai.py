@@ -93,6 +93,12 @@ def test_an_answer_sent_back_as_the_client_dumps_it(client, model_name):
                     {"id": "call_1", "type": "function",
                      "function": {"name": "f", "arguments": "{}"}}]}])
     assert err.value.body["param"] == "messages.1.function_call"
+    for function in ({"name": "f"}, {"name": "f", "arguments": 3}):  # arguments: JSON text
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model_name, max_tokens=1, messages=[
+                *QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": function}]}])
+        assert err.value.body["param"] == "messages.1.tool_calls.0.function.arguments"
 
 
 def test_null_parameters_mean_their_defaults(server, client, model_name):

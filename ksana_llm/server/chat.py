@@ -125,7 +125,14 @@ def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[s
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_request("A tool call must be {'id', 'type': 'function', 'function': "
                               "{'name', 'arguments'}}.", param=f"messages.{index}.tool_calls.{j}")
-        arguments = fn.get("arguments", "{}")
+        where = f"messages.{index}.tool_calls.{j}.function.arguments"
+        if "arguments" not in fn:  # (OpenAI and vLLM refuse it too: a replayed call is whole)
+            raise bad_request("A tool call's function needs its 'arguments' (JSON text).",
+                              param=where)
+        arguments = fn["arguments"]
+        if not isinstance(arguments, (str, dict)):
+            raise bad_request("A tool call's 'arguments' must be JSON text (or an object).",
+                              param=where)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
