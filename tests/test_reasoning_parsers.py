@@ -35,6 +35,9 @@ CASES = [
     # DeepSeek-V3.1 without thinking (its prompt ends with "</think>"): the output is the answer.
     ("deepseek_v3", ANSWER, None, ANSWER),
     ("deepseek_v3", f"<think>{THOUGHT}</think>{ANSWER}", THOUGHT, ANSWER),
+    # GLM-4.5 opens the block itself; with thinking off its prompt holds an empty one.
+    ("glm45", f"<think>{THOUGHT}</think>\n{ANSWER}", THOUGHT, ANSWER),
+    ("glm45", f"\n{ANSWER}", None, f"\n{ANSWER}"),
 ]
 
 
@@ -80,7 +83,7 @@ def test_registry_names_and_unknown():
 
 # (parser, output) when the prompt opened the thinking block (Qwen3-Thinking-2507's template
 # ends with "<think>\n"): the output is reasoning until "</think>", for qwen3 as for deepseek_r1.
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1", "deepseek_v3", "glm45"])
 @pytest.mark.parametrize("text,reasoning,content", [
     (f"{THOUGHT}\n</think>\n\n{ANSWER}", f"{THOUGHT}\n", ANSWER),
     (THOUGHT, THOUGHT, None),  # cut off while thinking
@@ -102,3 +105,5 @@ def test_opens_thinking_reads_the_end_of_the_prompt():
     # DeepSeek-V3.1's template with thinking on, then off.
     assert opens_thinking("<｜User｜>Hi<｜Assistant｜><think>")
     assert not opens_thinking("<｜User｜>Hi<｜Assistant｜></think>")
+    # GLM-4.5's with thinking off.
+    assert not opens_thinking("[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>\n")

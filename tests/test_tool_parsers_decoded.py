@@ -1,5 +1,5 @@
 """Tool-call formats whose argument values are decoded rather than copied: pythonic calls'
-Python literals, Qwen3-Coder's tagged parameters (typed by the request's tool schema) and
+Python literals, Qwen3-Coder's and GLM-4.5's tagged parameters (typed by the request's tool schema) and
 DeepSeek-V3.2's DSML. Whole and streamed in many chunkings, as in test_tool_parsers.py."""
 
 from __future__ import annotations
@@ -214,5 +214,75 @@ def test_qwen3_coder_streams_each_parameter_once_complete(monkeypatch):
     rest = text[text.index("<parameter=content>"):]
     deltas = [head] + [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
     assert typed == ["x" * 40_000]
+    (call,) = collect(deltas).tool_calls
+    assert json.loads(call.arguments) == {"path": "a.txt", "content": "x" * 40_000}
+
+
+def glm(content: str, calls: list, compact: bool = False) -> str:
+    """GLM-4.5's template (GLM-4.7's with `compact`: no newlines between the tags): strings as
+    they are, other values as JSON."""
+    nl = "" if compact else "\n"
+    blocks = []
+    for name, args in calls:
+        params = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>"
+                         f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+                         f"</arg_value>{nl}" for k, v in args.items())
+        blocks.append(f"{nl}<tool_call>{name}{nl}{params}</tool_call>")
+    return content + "".join(blocks)
+
+
+GLM_TOOLS = [*CODER_TOOLS, _function("note", {"text": {"type": "string"}})]
+
+
+@pytest.mark.parametrize("name", ["glm45", "glm47"])
+@pytest.mark.parametrize("text, tools, content, calls", [
+    (glm("Let me look that up.", CALLS), GLM_TOOLS, "Let me look that up.", CALLS),
+    (glm("", CALLS, compact=True), GLM_TOOLS, None, CALLS),
+    (glm("", [WEATHER]) + "\nAnything else?", None, "Anything else?", [WEATHER]),
+    # A string the schema declares stays text, JSON-looking or not; without the request's
+    # tools (or for a parameter it does not declare) a value that reads as JSON or a Python
+    # literal is that value, anything else text.
+    (glm("", [("note", {"text": "42"}), ("typed", {"n": 7, "items": ["a", 1], "flag": True})]),
+     GLM_TOOLS, None, [("note", {"text": "42"}), ("typed", {"n": 7, "items": ["a", 1], "flag": True})]),
+    (glm("", [("note", {"text": "42"})]), None, None, [("note", {"text": 42})]),
+    ("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>['x', None]</arg_value>\n<arg_key>b</arg_key>"
+     "<arg_value> two words </arg_value>\n</tool_call>", None, None,
+     [("f", {"a": ["x", None], "b": " two words "})]),
+    # A call without arguments, on one line or two; the literal `\n` models write between tags.
+    ("<tool_call>list_files</tool_call>", GLM_TOOLS, None, [EMPTY]),
+    ("<tool_call>list_files\n</tool_call>Done.", GLM_TOOLS, "Done.", [EMPTY]),
+    ("<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n"
+     "</tool_call>", GLM_TOOLS, None, [("get_weather", {"city": "Paris"})]),
+    # </arg_value> left out: the value ends where the next key or the call's end starts.
+    ("<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Oslo\n<arg_key>unit</arg_key>"
+     "<arg_value>C</tool_call>", GLM_TOOLS, None, [("get_weather", {"city": "Oslo\n", "unit": "C"})]),
+    # Not a call: no function name in the region; it is content, tags included.
+    ("<tool_call>\n{\"name\": \"f\"}\n</tool_call> ok", GLM_TOOLS,
+     "<tool_call>\n{\"name\": \"f\"}\n</tool_call> ok", []),
+])
+def test_glm(name, text, tools, content, calls):
+    parser = get_tool_parser(name)
+    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
+    assert final.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
+    for sizes in chunkings(text, 40, seed=len(text)):
+        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+
+
+def test_glm_streams_the_name_then_each_parameter_once_complete(monkeypatch):
+    import ksana_llm.server.tool_parsers.glm as glm_module
+
+    text = glm("", [("write", {"path": "a.txt", "content": "x" * 40_000})])
+    stream = get_tool_parser("glm45").stream_for(GLM_TOOLS)
+    named = stream.feed(text[:text.index("<arg_key>")])
+    assert [(c.name, c.arguments) for c in named.tool_calls] == [("write", "{")]
+    head = stream.feed(text[text.index("<arg_key>"):text.index("<arg_key>content")])
+    assert [c.arguments for c in head.tool_calls] == ['"path": "a.txt"']
+    read: list[str] = []
+    real = glm_module.read_literal
+    monkeypatch.setattr(glm_module, "read_literal", lambda value: read.append(value) or real(value))
+    rest = text[text.index("<arg_key>content"):]
+    deltas = [named, head] + [stream.feed(rest[i:i + 4]) for i in range(0, len(rest), 4)] + [stream.finish()]
+    assert read == ["x" * 40_000]
     (call,) = collect(deltas).tool_calls
     assert json.loads(call.arguments) == {"path": "a.txt", "content": "x" * 40_000}

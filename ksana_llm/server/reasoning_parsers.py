@@ -185,6 +185,14 @@ class Qwen3ReasoningParser(ReasoningParser):
         return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
 
 
+class Glm45ReasoningParser(Qwen3ReasoningParser):
+    """GLM-4.5 / 4.6 / 4.7 (vLLM's `glm45`): the model opens `<think>` itself, as Qwen3 does;
+    with thinking off (`enable_thinking: false`) the template closes an empty block in the
+    prompt and the output is the answer."""
+
+    name = "glm45"
+
+
 class DeepSeekV3ReasoningParser(ReasoningParser):
     """DeepSeek-V3.1 / V3.2 think only when asked (`chat_template_kwargs: {"thinking": true}`),
     and their template then ends the prompt with `<think>`; otherwise with `</think>`, and the
@@ -211,7 +219,7 @@ class GptOssReasoningParser(ReasoningParser):
 
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
-                              Qwen3ReasoningParser, GptOssReasoningParser)})
+                              Qwen3ReasoningParser, GptOssReasoningParser, Glm45ReasoningParser)})
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

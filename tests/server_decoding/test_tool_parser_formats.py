@@ -1,7 +1,7 @@
 """Tool-call formats end to end: the model's output is forced (guided_regex) into a format, and
 the OpenAI app with that `--tool-call-parser` answers the `openai` client with the calls,
-streamed and not -- Qwen3-Coder's typed by the request's tool schema, Kimi-K2's with the ids
-its markup gives. In-process apps on the session's model (as the deepseek_r1 one)."""
+streamed and not -- Qwen3-Coder's and GLM-4.5's typed by the request's tool schema, Kimi-K2's
+with the ids its markup gives. In-process apps on the session's model (as the deepseek_r1 one)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def parser_apps(default_model):
 
     engine = kt.Engine(default_model, num_device_blocks=128)
     yield {name: build_app(engine, served_model_name=name, parsing=OutputParsing(
-        tool_call_parser=name, enable_auto_tool_choice=True)) for name in ("qwen3_coder", "kimi_k2")}
+        tool_call_parser=name, enable_auto_tool_choice=True))
+        for name in ("qwen3_coder", "kimi_k2", "glm45")}
     engine.shutdown()
 
 
@@ -60,6 +61,25 @@ def test_qwen3_coder_calls_typed_by_the_tool_schema(parser_apps):
         assert [entry[1:] for entry in streamed.values()] == [["forecast", call.function.arguments]]
 
     run_r1(parser_apps["qwen3_coder"], check)
+
+
+def test_glm45_calls_typed_by_the_tool_schema(parser_apps):
+    regex = (r"<tool_call>forecast\n<arg_key>city</arg_key>\n<arg_value>[1-7]</arg_value>\n"
+             r"<arg_key>days</arg_key>\n<arg_value>[1-7]</arg_value>\n</tool_call>")
+
+    async def check(aclient, _http):
+        kwargs = dict(model="glm45", messages=QUESTION, tools=[FORECAST_TOOL], temperature=0,
+                      max_tokens=300, extra_body={"guided_regex": regex})
+        choice, streamed = await _both(aclient, kwargs)
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        # Both values are digits: the city (a string in the schema) stays text, days is a number.
+        assert call.function.name == "forecast" and set(args) == {"city", "days"}
+        assert isinstance(args["city"], str) and isinstance(args["days"], int)
+        assert [entry[1:] for entry in streamed.values()] == [["forecast", call.function.arguments]]
+
+    run_r1(parser_apps["glm45"], check)
 
 
 def test_kimi_k2_call_ids_come_from_the_markup(parser_apps):

@@ -19,6 +19,7 @@ from ksana_llm.server.tool_parsers.base import (
 )
 from ksana_llm.server.tool_parsers.deepseek import (DeepSeekV3ToolParser, DeepSeekV31ToolParser,
                                                    DeepSeekV32ToolParser)
+from ksana_llm.server.tool_parsers.glm import Glm45ToolParser, Glm47ToolParser
 from ksana_llm.server.tool_parsers.granite import GraniteToolParser
 from ksana_llm.server.tool_parsers.harmony_calls import HarmonyToolParser
 from ksana_llm.server.tool_parsers.hermes import HermesToolParser, Qwen3ToolParser
@@ -36,7 +37,7 @@ TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
                               MistralToolParser, PythonicToolParser, Llama4PythonicToolParser,
                               Qwen3CoderToolParser, KimiK2ToolParser, InternLMToolParser,
                               GraniteToolParser, DeepSeekV32ToolParser, Llama4JsonToolParser,
-                              Qwen3XmlToolParser)})
+                              Qwen3XmlToolParser, Glm45ToolParser, Glm47ToolParser)})
 
 
 def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:

@@ -23,8 +23,6 @@ arrives (`xml_calls`).
 
 from __future__ import annotations
 
-import ast
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -35,7 +33,9 @@ from ksana_llm.server.tool_parsers.tagged import TaggedToolStream
 from ksana_llm.server.tool_parsers.xml_calls import (
     ParameterCallBody,
     ParameterMarkup,
+    declared_types,
     parameter_schemas,
+    read_literal,
 )
 
 TOOL_CALL = "<tool_call>"
@@ -45,24 +45,11 @@ MARKUP = ParameterMarkup(function="<function=", parameter="<parameter=",
                          call_end=TOOL_CALL_END)
 
 
-def _declared_types(schema: Any) -> list[str]:
-    if not isinstance(schema, Mapping):
-        return []
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return [kind]
-    if isinstance(kind, list):
-        return [k for k in kind if isinstance(k, str)]
-    options = schema.get("anyOf") or schema.get("oneOf") or []
-    return [k for option in options if isinstance(option, Mapping)
-            for k in _declared_types(option)]
-
-
 def typed_value(text: str, schema: Any) -> Any:
     """`text` as the JSON value its parameter's schema declares; the text itself otherwise."""
     if text.strip().lower() == "null":
         return None
-    for kind in _declared_types(schema):
+    for kind in declared_types(schema):
         value = _as_type(text.strip(), kind)
         if value is not None:
             return value
@@ -87,18 +74,8 @@ def _as_type(text: str, kind: str) -> Any:
     if kind == "boolean":
         return {"true": True, "false": False}.get(text.lower())
     if kind in ("object", "array"):
-        for read in (json.loads, ast.literal_eval):
-            try:
-                value = read(text)
-            except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
-                continue
-            if isinstance(value, dict if kind == "object" else (list, tuple)):
-                try:  # a Python literal (single quotes, True) must have a JSON form
-                    json.dumps(value, allow_nan=False)
-                except (TypeError, ValueError):
-                    return None
-                return value
-        return None
+        read, value = read_literal(text)
+        return value if read and isinstance(value, dict if kind == "object" else list) else None
     return None
 
 

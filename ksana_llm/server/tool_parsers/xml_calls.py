@@ -7,6 +7,8 @@ time however finely it streams. What a parameter's text means (its JSON value) i
 
 from __future__ import annotations
 
+import ast
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,18 +34,52 @@ def parameter_schemas(tools: list[dict[str, Any]] | None) -> Schemas:
     return out
 
 
+def declared_types(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema declares (`type`, a list of them, or anyOf/oneOf)."""
+    if not isinstance(schema, Mapping):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    options = schema.get("anyOf") or schema.get("oneOf") or []
+    return [k for option in options if isinstance(option, Mapping)
+            for k in declared_types(option)]
+
+
+def read_literal(text: str) -> tuple[bool, Any]:
+    """(True, the value) if `text` is JSON, or a Python literal (single quotes, True) that has a
+    JSON form (tuples as lists); (False, None) otherwise."""
+    for read in (json.loads, ast.literal_eval):
+        try:
+            value = read(text)
+        except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+            continue
+        try:
+            return True, json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError, RecursionError):
+            return False, None
+    return False, None
+
+
 @dataclass(frozen=True)
 class ParameterMarkup:
-    """Where a format's tags sit in one call's body: `function` then the name then ">", each
-    parameter as `parameter` HEADER ">" VALUE `parameter_end`, then `function_end`.
-    `call_end`: the tag that ends the whole call (read in the body: `TaggedToolStream`'s
-    `end_in_body`), which ends the function too where a model left `function_end` out."""
+    """Where a format's tags sit in one call's body: `function` then the name, up to the first
+    of `name_ends`, each parameter as `parameter` HEADER `header_end` [`value_open`] VALUE
+    `parameter_end`, then `function_end`. `call_end`: the tag that ends the whole call (read in
+    the body: `TaggedToolStream`'s `end_in_body`), which ends the function too where a model
+    left `function_end` out. `value_open`: a tag opening the value after the header (GLM's
+    `<arg_value>`), whitespace before it skipped."""
 
     function: str
     parameter: str
     parameter_end: str
     function_end: str
     call_end: str = ""
+    name_ends: tuple[str, ...] = (">",)
+    header_end: str = ">"
+    value_open: str = ""
 
     @property
     def function_ends(self) -> tuple[str, ...]:
@@ -91,19 +127,41 @@ class ParameterCallBody:
         return BodyScan(self._name, self._arguments + ("}" if self._done else ""), final=self._done)
 
     def _read_name(self, body: str) -> bool:
+        markup = self._markup
         start = skip_ws(body, 0)
-        if not body.startswith(self._markup.function, start):
+        if not body.startswith(markup.function, start):
             return False  # still coming, or not a call (the region is then content)
-        close = body.find(">", start)
+        start += len(markup.function)
+        close = min((i for i in (body.find(tag, start) for tag in markup.name_ends) if i >= 0),
+                    default=-1)
         if close < 0:
             return False
-        name = _unquoted(body[start + len(self._markup.function):close])
+        name = _unquoted(body[start:close])
         if not FUNCTION_NAME.fullmatch(name):
             return False
         self._name = name
         self._properties = self._schemas.get(name, {})
-        self._pos = close + 1
+        self._pos = close  # (the tag that ended the name is read past as text between parameters)
         return True
+
+    def _value_opened(self, body: str, pos: int) -> int:
+        """Where the value after a header ending at `pos` starts: past `value_open` and the
+        whitespace before it (or the two characters `\\n`, which models write there too); -1
+        while the tag may still be coming. A value without the tag starts at `pos`."""
+        opener = self._markup.value_open
+        if not opener:
+            return pos
+        at = pos
+        while True:
+            at = skip_ws(body, at)
+            if not body.startswith("\\n", at):
+                break
+            at += 2
+        if body.startswith(opener, at):
+            return at + len(opener)
+        rest = body[at:]
+        coming = rest == "\\" or (len(rest) < len(opener) and opener.startswith(rest))
+        return -1 if coming else pos
 
     def _read_parameter(self, body: str) -> bool:
         """Read the next parameter (or the function's end) if it is complete; False if not."""
@@ -120,12 +178,14 @@ class ParameterCallBody:
                 # read past it, so that it is not searched again as more arrives.
                 self._pos = max(self._pos, len(body) - markup.longest_tag)
                 return False
-            key_end = body.find(">", opening)
-            if key_end < 0:
+            key_end = body.find(markup.header_end, opening + len(markup.parameter))
+            value_start = self._value_opened(body, key_end + len(markup.header_end)) \
+                if key_end >= 0 else -1
+            if value_start < 0:
                 self._pos = opening
                 return False
             self._header = body[opening + len(markup.parameter):key_end]
-            self._value_start = self._search_from = key_end + 1
+            self._value_start = self._search_from = value_start
         # The value ends at its closing tag, or where a model that left the tag out went on.
         ends = [i for i in (body.find(tag, self._search_from)
                             for tag in (markup.parameter_end, markup.parameter,
