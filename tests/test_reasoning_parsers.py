@@ -38,6 +38,10 @@ CASES = [
     # GLM-4.5 opens the block itself; with thinking off its prompt holds an empty one.
     ("glm45", f"<think>{THOUGHT}</think>\n{ANSWER}", THOUGHT, ANSWER),
     ("glm45", f"\n{ANSWER}", None, f"\n{ANSWER}"),
+    # Seed-OSS: its own tags; <think> is text to it.
+    ("seed_oss", f"<seed:think>{THOUGHT}</seed:think>\n\n{ANSWER}", THOUGHT, ANSWER),
+    ("seed_oss", f"<think>{THOUGHT}</think>{ANSWER}", None, f"<think>{THOUGHT}</think>{ANSWER}"),
+    ("seed_oss", f"<seed:think>{THOUGHT}", THOUGHT, None),
 ]
 
 
@@ -83,13 +87,15 @@ def test_registry_names_and_unknown():
 
 # (parser, output) when the prompt opened the thinking block (Qwen3-Thinking-2507's template
 # ends with "<think>\n"): the output is reasoning until "</think>", for qwen3 as for deepseek_r1.
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1", "deepseek_v3", "glm45"])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1", "deepseek_v3", "glm45", "seed_oss"])
 @pytest.mark.parametrize("text,reasoning,content", [
     (f"{THOUGHT}\n</think>\n\n{ANSWER}", f"{THOUGHT}\n", ANSWER),
     (THOUGHT, THOUGHT, None),  # cut off while thinking
     (f"</think>{ANSWER}", None, ANSWER),
 ])
 def test_prompt_that_opened_the_thinking_block(name, text, reasoning, content):
+    end_tag = get_reasoning_parser(name).end_tag
+    text = text.replace("</think>", end_tag)
     final = get_reasoning_parser(name).extract(text, prompt_opens_thinking=True)
     assert final == ReasoningOutput(reasoning, content)
     rng = random.Random(7)
@@ -105,5 +111,10 @@ def test_opens_thinking_reads_the_end_of_the_prompt():
     # DeepSeek-V3.1's template with thinking on, then off.
     assert opens_thinking("<｜User｜>Hi<｜Assistant｜><think>")
     assert not opens_thinking("<｜User｜>Hi<｜Assistant｜></think>")
+    # Each parser's own tag: Seed-OSS's.
+    seed = get_reasoning_parser("seed_oss")
+    assert seed.opens_thinking("<seed:bos>assistant\n<seed:think>")
+    assert not seed.opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert get_reasoning_parser("qwen3").opens_thinking("<|im_start|>assistant\n<think>\n")
     # GLM-4.5's with thinking off.
     assert not opens_thinking("[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>\n")

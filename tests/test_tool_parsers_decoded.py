@@ -286,3 +286,30 @@ def test_glm_streams_the_name_then_each_parameter_once_complete(monkeypatch):
     assert read == ["x" * 40_000]
     (call,) = collect(deltas).tool_calls
     assert json.loads(call.arguments) == {"path": "a.txt", "content": "x" * 40_000}
+
+
+def seed_oss(content: str, calls: list) -> str:
+    """Seed-OSS's template: Qwen3-Coder's tags inside `<seed:tool_call>`, values unframed."""
+    blocks = []
+    for name, args in calls:
+        params = "".join(f"<parameter={k}>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+                         f"</parameter>\n" for k, v in args.items())
+        blocks.append(f"<seed:tool_call>\n<function={name}>\n{params}</function>\n</seed:tool_call>")
+    return content + ("\n" if content and blocks else "") + "\n".join(blocks)
+
+
+@pytest.mark.parametrize("text, tools, content, calls", [
+    (seed_oss("Let me look that up.", CALLS), CODER_TOOLS, "Let me look that up.", CALLS),
+    (seed_oss("", [("typed", {"n": 3, "flag": False, "items": [1]})]), CODER_TOOLS, None,
+     [("typed", {"n": 3, "flag": False, "items": [1]})]),
+    (seed_oss("", [("typed", {"n": 3})]), None, None, [("typed", {"n": "3"})]),
+    # Qwen3-Coder's own tags are not Seed-OSS's calls.
+    (qwen3_coder("", [WEATHER]), CODER_TOOLS, qwen3_coder("", [WEATHER]), []),
+])
+def test_seed_oss(text, tools, content, calls):
+    parser = get_tool_parser("seed_oss")
+    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
+    assert final.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
+    for sizes in chunkings(text, 40, seed=len(text)):
+        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)

@@ -24,7 +24,6 @@ from ksana_llm.server.params import (
     resolve_max_tokens,
     truncated_prompt,
 )
-from ksana_llm.server.reasoning_parsers import opens_thinking
 from ksana_llm.server.state import ServerState
 from ksana_llm.server.structured_params import from_response_format, from_vllm_extras
 from ksana_llm.server.submission import (check_common, constraint, plan_jobs, plugin_sees,
@@ -106,7 +105,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     jobs = plan_jobs(req, [ids], state, logprobs=logprobs, extra=extra,
                      max_tokens=lambda _: max_tokens)
 
-    thinking_open = opens_thinking(prompt)
+    thinking_open = reasoning is not None and reasoning.opens_thinking(prompt)
     # GPT-OSS: calls go on (as harmony) from its reasoning parser to its tool-call parser
     calls_read = getattr(tools.parser, "reads_special_tokens", False)
     # The server's parser names calls, whatever tool_choice: a model whose template checks the

@@ -1,5 +1,6 @@
 """Reasoning parsers (`--reasoning-parser NAME`): split a thinking model's output into
-`reasoning_content` (inside `<think>...</think>`) and `content` (after it); GPT-OSS's
+`reasoning_content` (inside `<think>...</think>`, or a model's own tags: Seed-OSS's
+`<seed:think>`) and `content` (after it); GPT-OSS's
 (`openai_gptoss`) by the harmony channel of each message instead (`tool_parsers.harmony`).
 
 As with the tool parsers, one incremental machine serves both paths (`extract` streams the whole
@@ -55,8 +56,10 @@ class ReasoningStream(ReasoningSplitter):
     output is reasoning until `</think>` even without a `<think>` of its own. Otherwise (Qwen3)
     only an output that opens with `<think>` has reasoning."""
 
-    def __init__(self, starts_in_reasoning: bool) -> None:
+    def __init__(self, starts_in_reasoning: bool, start: str = THINK_START,
+                 end: str = THINK_END) -> None:
         self._starts_in_reasoning = starts_in_reasoning
+        self._start, self._end = start, end
         self._state = _START
         self._buffer = ""
 
@@ -66,22 +69,22 @@ class ReasoningStream(ReasoningSplitter):
         while self._buffer:
             if self._state == _START:
                 visible = self._buffer.lstrip(_WHITESPACE)
-                if visible.startswith(THINK_START):
-                    self._buffer = visible[len(THINK_START):]
+                if visible.startswith(self._start):
+                    self._buffer = visible[len(self._start):]
                     self._state = _REASONING
-                elif THINK_START.startswith(visible):
+                elif self._start.startswith(visible):
                     return out  # whitespace, or the tag still being spelled out
                 else:
                     self._state = _REASONING if self._starts_in_reasoning else _CONTENT
             elif self._state == _REASONING:
-                end = self._buffer.find(THINK_END)
+                end = self._buffer.find(self._end)
                 if end < 0:
-                    cut = len(self._buffer) - held_prefix(self._buffer, (THINK_END,))
+                    cut = len(self._buffer) - held_prefix(self._buffer, (self._end,))
                     out.reasoning += self._buffer[:cut]
                     self._buffer = self._buffer[cut:]
                     return out
                 out.reasoning += self._buffer[:end]
-                self._buffer = self._buffer[end + len(THINK_END):]
+                self._buffer = self._buffer[end + len(self._end):]
                 self._state = _CONTENT_START
             elif self._state == _CONTENT_START:
                 self._buffer = self._buffer.lstrip(_WHITESPACE)
@@ -102,12 +105,12 @@ class ReasoningStream(ReasoningSplitter):
         return out
 
 
-def opens_thinking(prompt: str) -> bool:
+def opens_thinking(prompt: str, start: str = THINK_START) -> bool:
     """Whether the rendered prompt leaves a thinking block open for the output: its generation
     prompt ends with `<think>` (Qwen3-Thinking-2507, QwQ, DeepSeek-R1), so the output starts
     as reasoning and only writes `</think>`. (A prompt with thinking turned off ends with an
     empty `<think></think>` block instead.)"""
-    return prompt.rstrip(_WHITESPACE).endswith(THINK_START)
+    return prompt.rstrip(_WHITESPACE).endswith(start)
 
 
 class HarmonyReasoningStream(ReasoningSplitter):
@@ -143,6 +146,9 @@ class HarmonyReasoningStream(ReasoningSplitter):
 
 class ReasoningParser(ABC):
     name: ClassVar[str]
+    # The tags of the thinking block (Seed-OSS's are its own).
+    start_tag: ClassVar[str] = THINK_START
+    end_tag: ClassVar[str] = THINK_END
     # Whether it reads the output's special tokens (harmony's): the server then decodes the
     # output with them, whatever the request's skip_special_tokens says.
     reads_special_tokens: ClassVar[bool] = False
@@ -152,6 +158,10 @@ class ReasoningParser(ABC):
                calls_read: bool = False) -> ReasoningSplitter:
         """`prompt_opens_thinking`: `opens_thinking` of the request's prompt. `calls_read`: a
         tool-call parser reading harmony follows (GPT-OSS's; other formats ignore it)."""
+
+    def opens_thinking(self, prompt: str) -> bool:
+        """Whether `prompt` (the rendered chat) leaves this parser's thinking block open."""
+        return opens_thinking(prompt, self.start_tag)
 
     def extract(self, text: str, prompt_opens_thinking: bool = False, *,
                 calls_read: bool = False) -> ReasoningOutput:
@@ -170,7 +180,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
     def stream(self, prompt_opens_thinking: bool = False, *,
                calls_read: bool = False) -> ReasoningStream:
-        return ReasoningStream(starts_in_reasoning=True)
+        return ReasoningStream(True, self.start_tag, self.end_tag)
 
 
 class Qwen3ReasoningParser(ReasoningParser):
@@ -182,7 +192,7 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     def stream(self, prompt_opens_thinking: bool = False, *,
                calls_read: bool = False) -> ReasoningStream:
-        return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
+        return ReasoningStream(prompt_opens_thinking, self.start_tag, self.end_tag)
 
 
 class Glm45ReasoningParser(Qwen3ReasoningParser):
@@ -203,7 +213,18 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
 
     def stream(self, prompt_opens_thinking: bool = False, *,
                calls_read: bool = False) -> ReasoningStream:
-        return ReasoningStream(starts_in_reasoning=prompt_opens_thinking)
+        return ReasoningStream(prompt_opens_thinking, self.start_tag, self.end_tag)
+
+
+class SeedOssReasoningParser(Qwen3ReasoningParser):
+    """ByteDance Seed-OSS (vLLM's `seed_oss`), whose thinking block is `<seed:think>...
+    </seed:think>`, split as Qwen3's: the model opens the block itself, and an output that
+    does not open it is the answer (a prompt that left it open makes the output reasoning
+    until the end tag)."""
+
+    name = "seed_oss"
+    start_tag = "<seed:think>"
+    end_tag = "</seed:think>"
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -219,7 +240,8 @@ class GptOssReasoningParser(ReasoningParser):
 
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
-                              Qwen3ReasoningParser, GptOssReasoningParser, Glm45ReasoningParser)})
+                              Qwen3ReasoningParser, GptOssReasoningParser, Glm45ReasoningParser,
+                              SeedOssReasoningParser)})
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

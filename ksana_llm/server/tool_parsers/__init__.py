@@ -30,6 +30,7 @@ from ksana_llm.server.tool_parsers.llama3_json import Llama3JsonToolParser, Llam
 from ksana_llm.server.tool_parsers.mistral import MistralToolParser
 from ksana_llm.server.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
 from ksana_llm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser, Qwen3XmlToolParser
+from ksana_llm.server.tool_parsers.seed_oss import SeedOssToolParser
 
 TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
     cls.name: cls for cls in (HermesToolParser, Qwen3ToolParser, Llama3JsonToolParser,
@@ -37,7 +38,8 @@ TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
                               MistralToolParser, PythonicToolParser, Llama4PythonicToolParser,
                               Qwen3CoderToolParser, KimiK2ToolParser, InternLMToolParser,
                               GraniteToolParser, DeepSeekV32ToolParser, Llama4JsonToolParser,
-                              Qwen3XmlToolParser, Glm45ToolParser, Glm47ToolParser)})
+                              Qwen3XmlToolParser, Glm45ToolParser, Glm47ToolParser,
+                              SeedOssToolParser)})
 
 
 def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:

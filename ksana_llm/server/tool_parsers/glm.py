@@ -24,12 +24,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
-from ksana_llm.server.tool_parsers.tagged import TaggedToolStream
 from ksana_llm.server.tool_parsers.xml_calls import (
-    ParameterCallBody,
     ParameterMarkup,
     declared_types,
-    parameter_schemas,
+    parameter_call_stream,
     read_literal,
 )
 
@@ -57,9 +55,7 @@ class Glm45ToolParser(ToolParser):
         return self.stream_for(None)
 
     def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        body = ParameterCallBody(MARKUP, read_parameter, parameter_schemas(tools))
-        return TaggedToolStream(TOOL_CALL, TOOL_CALL_END, body, on_new_body=body.restart,
-                                end_in_body=True)
+        return parameter_call_stream(TOOL_CALL, MARKUP, read_parameter, tools)
 
 
 class Glm47ToolParser(Glm45ToolParser):

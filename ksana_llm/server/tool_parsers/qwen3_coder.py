@@ -26,23 +26,22 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
-from ksana_llm.server.tool_parsers.tagged import TaggedToolStream
 from ksana_llm.server.tool_parsers.xml_calls import (
-    ParameterCallBody,
     ParameterMarkup,
     declared_types,
-    parameter_schemas,
+    parameter_call_stream,
     read_literal,
 )
 
-TOOL_CALL = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-MARKUP = ParameterMarkup(function="<function=", parameter="<parameter=",
-                         parameter_end="</parameter>", function_end="</function>",
-                         call_end=TOOL_CALL_END)
+
+def coder_markup(call_end: str) -> ParameterMarkup:
+    """Qwen3-Coder's function and parameter tags, in calls that `call_end` ends."""
+    return ParameterMarkup(function="<function=", parameter="<parameter=",
+                           parameter_end="</parameter>", function_end="</function>",
+                           call_end=call_end)
 
 
 def typed_value(text: str, schema: Any) -> Any:
@@ -95,14 +94,15 @@ def read_parameter(header: str, text: str, properties: Mapping[str, Any]) -> tup
 
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
+    call_start: ClassVar[str] = "<tool_call>"
+    call_end: ClassVar[str] = "</tool_call>"
 
     def stream(self) -> ToolCallStream:
         return self.stream_for(None)
 
     def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        body = ParameterCallBody(MARKUP, read_parameter, parameter_schemas(tools))
-        return TaggedToolStream(TOOL_CALL, TOOL_CALL_END, body, on_new_body=body.restart,
-                                end_in_body=True)
+        return parameter_call_stream(self.call_start, coder_markup(self.call_end),
+                                     read_parameter, tools)
 
 
 class Qwen3XmlToolParser(Qwen3CoderToolParser):

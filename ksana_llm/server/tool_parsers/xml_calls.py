@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ksana_llm.server.tool_parsers.base import FUNCTION_NAME, json_text
+from ksana_llm.server.tool_parsers.base import FUNCTION_NAME, ToolCallStream, json_text
 from ksana_llm.server.tool_parsers.json_scan import skip_ws
-from ksana_llm.server.tool_parsers.tagged import BodyScan
+from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
 
 Schemas = Mapping[str, Mapping[str, Any]]  # function name -> its parameters' JSON schemas
 # (the parameter's header: the text between its opening tag's prefix and ">", its raw value
@@ -207,3 +207,12 @@ class ParameterCallBody:
         return True
 
 
+
+
+def parameter_call_stream(start: str, markup: ParameterMarkup, read_value: ValueReader,
+                          tools: list[dict[str, Any]] | None) -> ToolCallStream:
+    """The stream of a format whose calls sit between `start` and `markup.call_end`, each
+    parameter in tags of its own, values read by `read_value` with `tools`' schemas."""
+    body = ParameterCallBody(markup, read_value, parameter_schemas(tools))
+    return TaggedToolStream(start, markup.call_end, body, on_new_body=body.restart,
+                            end_in_body=True)
