@@ -89,6 +89,14 @@ def granite(calls: list, tag: str = "<tool_call>") -> str:
     return tag + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
 
 
+def tagged_json(start: str, end: str, calls: list, joiner: str | None = None) -> str:
+    """Call objects between `start` and `end`: a JSON array, or (`joiner`) one after the other."""
+    objects = [{"name": n, "arguments": a} for n, a in calls]
+    body = json.dumps(objects, ensure_ascii=False) if joiner is None else \
+        joiner.join(json.dumps(o, ensure_ascii=False) for o in objects)
+    return start + body + end
+
+
 # (parser, model text, expected content, expected calls)
 CASES = [
     ("hermes", hermes("Let me look that up.", CALLS), "Let me look that up.", CALLS),
@@ -148,6 +156,15 @@ CASES = [
     ("granite", granite(CALLS), None, CALLS),
     ("granite", granite([WEATHER], "<|tool_call|>") + " Done.", "Done.", [WEATHER]),
     ("granite", "[1, 2] are the numbers.", "[1, 2] are the numbers.", []),
+    ("longcat", "On it." + "".join(tagged_json("<longcat_tool_call>", "</longcat_tool_call>", [c], "")
+                                   for c in CALLS), "On it.", CALLS),
+    ("longcat", hermes("", [WEATHER]), hermes("", [WEATHER]), []),  # hermes's tags are text to it
+    ("jamba", "Checking." + tagged_json("<tool_calls>", "</tool_calls>", CALLS), "Checking.", CALLS),
+    ("jamba", tagged_json("<tool_calls>", "</tool_calls>", [WEATHER]) + "\nDone.", "Done.", [WEATHER]),
+    ("minimax", "Let me search.\n" + tagged_json("<tool_calls>\n", "\n</tool_calls>", CALLS, "\n"),
+     "Let me search.", CALLS),
+    ("phi4_mini_json", "functools" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS]), None, CALLS),
+    ("phi4_mini_json", "The tools are [a, b].", "The tools are [a, b].", []),
     # An [ARGS] inside the arguments of the `name{...}` form is text (streamed or not).
     ("mistral", '[TOOL_CALLS]f{"a": "[ARGS]"}', None, [("f", {"a": "[ARGS]"})]),
 ]

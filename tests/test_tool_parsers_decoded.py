@@ -313,3 +313,29 @@ def test_seed_oss(text, tools, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
     for sizes in chunkings(text, 40, seed=len(text)):
         check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+
+
+def minimax_m2(content: str, calls: list) -> str:
+    """MiniMax-M2's template: an <invoke> per call in one block, values as bare text."""
+    invokes = "".join(
+        f'<invoke name="{n}">\n' + "".join(
+            f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}'
+            f"</parameter>\n" for k, v in a.items()) + "</invoke>\n" for n, a in calls)
+    return f"{content}\n<minimax:tool_call>\n{invokes}</minimax:tool_call>"
+
+
+@pytest.mark.parametrize("text, tools, content, calls", [
+    (minimax_m2("Let me look that up.", CALLS), CODER_TOOLS, "Let me look that up.", CALLS),
+    (minimax_m2("", [("typed", {"n": 3, "flag": True, "items": ["a"]})]), CODER_TOOLS, None,
+     [("typed", {"n": 3, "flag": True, "items": ["a"]})]),
+    # Without the request's tools every value is text.
+    (minimax_m2("", [("typed", {"n": 3})]), None, None, [("typed", {"n": "3"})]),
+    ('<invoke name="">x</invoke> ok', CODER_TOOLS, '<invoke name="">x</invoke> ok', []),
+])
+def test_minimax_m2(text, tools, content, calls):
+    parser = get_tool_parser("minimax_m2")
+    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
+    assert final.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
+    for sizes in chunkings(text, 40, seed=len(text)):
+        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)

@@ -19,7 +19,7 @@ from typing import Any
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.json_scan import skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream, named_arguments
-from ksana_llm.server.tool_parsers.xml_calls import ParameterCallBody, ParameterMarkup
+from ksana_llm.server.tool_parsers.xml_calls import ParameterMarkup, parameter_call_stream
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -103,7 +103,6 @@ class DeepSeekV32ToolParser(ToolParser):
     name = "deepseek_v32"
 
     def stream(self) -> ToolCallStream:
-        body = ParameterCallBody(DSML_MARKUP, read_dsml_parameter, {})
-        return TaggedToolStream(DSML_INVOKE, DSML_MARKUP.function_end, body,
-                                ignored=(DSML_CALLS_BEGIN, DSML_CALLS_END),
-                                on_new_body=body.restart, end_in_body=True)
+        # (Not typed by the request's tools: the markup says which values are JSON.)
+        return parameter_call_stream(DSML_INVOKE, DSML_MARKUP, read_dsml_parameter, None,
+                                     ignored=(DSML_CALLS_BEGIN, DSML_CALLS_END))

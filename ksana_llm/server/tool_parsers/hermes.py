@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.json_scan import scan_call_object, skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
@@ -33,11 +35,21 @@ def parse_json_body(body: str) -> BodyScan:
                     next_at=next_at, final=final)
 
 
-class HermesToolParser(ToolParser):
-    name = "hermes"
+class TaggedJsonToolParser(ToolParser):
+    """Calls as JSON objects between `start` and `end` tags (`parse_json_body`), content
+    around them; other formats of this shape: `json_tagged`."""
+
+    start: ClassVar[str]
+    end: ClassVar[str]
 
     def stream(self) -> ToolCallStream:
-        return TaggedToolStream("<tool_call>", "</tool_call>", parse_json_body)
+        return TaggedToolStream(self.start, self.end, parse_json_body)
+
+
+class HermesToolParser(TaggedJsonToolParser):
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
 
 
 class Qwen3ToolParser(HermesToolParser):

@@ -34,6 +34,7 @@ from ksana_llm.server.tool_parsers.xml_calls import (
     declared_types,
     parameter_call_stream,
     read_literal,
+    unquoted,
 )
 
 
@@ -88,7 +89,7 @@ def _bare(value: str) -> str:
 
 
 def read_parameter(header: str, text: str, properties: Mapping[str, Any]) -> tuple[str, Any]:
-    key = header.strip()
+    key = unquoted(header)  # (MiniMax-M2 quotes the name)
     return key, typed_value(_bare(text), properties.get(key))
 
 

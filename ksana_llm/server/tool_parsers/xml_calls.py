@@ -90,7 +90,8 @@ class ParameterMarkup:
         return max(len(tag) for tag in (self.parameter, self.parameter_end, *self.function_ends))
 
 
-def _unquoted(text: str) -> str:
+def unquoted(text: str) -> str:
+    """`text` stripped, and out of the quotes around it if it has them."""
     text = text.strip()
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
         return text[1:-1]
@@ -136,7 +137,7 @@ class ParameterCallBody:
                     default=-1)
         if close < 0:
             return False
-        name = _unquoted(body[start:close])
+        name = unquoted(body[start:close])
         if not FUNCTION_NAME.fullmatch(name):
             return False
         self._name = name
@@ -210,9 +211,11 @@ class ParameterCallBody:
 
 
 def parameter_call_stream(start: str, markup: ParameterMarkup, read_value: ValueReader,
-                          tools: list[dict[str, Any]] | None) -> ToolCallStream:
-    """The stream of a format whose calls sit between `start` and `markup.call_end`, each
-    parameter in tags of its own, values read by `read_value` with `tools`' schemas."""
+                          tools: list[dict[str, Any]] | None,
+                          ignored: tuple[str, ...] = ()) -> ToolCallStream:
+    """The stream of a format whose calls sit between `start` and `markup.call_end` (or, where
+    it has none, its `function_end`), each parameter in tags of its own, values read by
+    `read_value` with `tools`' schemas; `ignored` tags (a block around the calls) vanish."""
     body = ParameterCallBody(markup, read_value, parameter_schemas(tools))
-    return TaggedToolStream(start, markup.call_end, body, on_new_body=body.restart,
-                            end_in_body=True)
+    return TaggedToolStream(start, markup.call_end or markup.function_end, body, ignored,
+                            on_new_body=body.restart, end_in_body=True)

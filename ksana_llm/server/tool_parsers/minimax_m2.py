@@ -1,0 +1,35 @@
+"""MiniMax-M2's tool calls (vLLM's `minimax_m2`), as its chat template asks for:
+
+    <minimax:tool_call>
+    <invoke name="get_weather">
+    <parameter name="city">Paris</parameter>
+    <parameter name="days">3</parameter>
+    </invoke>
+    </minimax:tool_call>
+
+Each `<invoke>` is one call (the block's tags vanish); parameter values are bare text typed by
+the request's tool schema, as Qwen3-Coder's are (`qwen3_coder.read_parameter`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
+from ksana_llm.server.tool_parsers.qwen3_coder import read_parameter
+from ksana_llm.server.tool_parsers.xml_calls import ParameterMarkup, parameter_call_stream
+
+BLOCK = ("<minimax:tool_call>", "</minimax:tool_call>")
+INVOKE = "<invoke name="
+MARKUP = ParameterMarkup(function="", parameter="<parameter name=", parameter_end="</parameter>",
+                         function_end="</invoke>")
+
+
+class MiniMaxM2ToolParser(ToolParser):
+    name = "minimax_m2"
+
+    def stream(self) -> ToolCallStream:
+        return self.stream_for(None)
+
+    def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
+        return parameter_call_stream(INVOKE, MARKUP, read_parameter, tools, ignored=BLOCK)
