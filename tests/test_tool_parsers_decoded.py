@@ -339,3 +339,66 @@ def test_minimax_m2(text, tools, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
     for sizes in chunkings(text, 40, seed=len(text)):
         check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+
+
+@pytest.mark.parametrize("name, region", [
+    # JSON in GLM's tags: no name, the region is content; so is a long line after the tag.
+    ("glm45", lambda n: "<tool_call>\n" + json.dumps({"name": "write", "arguments": {"c": "x" * n}})
+     + "\n</tool_call>"),
+    ("glm45", lambda n: "<tool_call>" + "word " * (n // 5) + "</tool_call>"),
+    # A parameter whose header never closes; stray text between parameters.
+    ("glm45", lambda n: "<tool_call>write\n<arg_key>" + "k" * n + "</tool_call>"),
+    ("qwen3_coder", lambda n: "<tool_call>\n<function=write>\n" + "x" * n
+     + "<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_tagged_parameter_bodies_are_read_in_linear_time(monkeypatch, name, region):
+    """Each search goes on from where the last stopped: streamed 4 characters at a time, the
+    text the searches read grows with the output's length, not with its square."""
+    import ksana_llm.server.tool_parsers.xml_calls as xml_calls
+
+    real = xml_calls._first
+
+    def read_per_character(size: int) -> float:
+        read = 0
+
+        def counting(text, tags, start):
+            nonlocal read
+            read += max(0, len(text) - start)
+            return real(text, tags, start)
+
+        text = region(size)
+        monkeypatch.setattr(xml_calls, "_first", counting)
+        final = collect(stream_in(get_tool_parser(name).stream(), text, [4] * (len(text) // 4 + 1)))
+        monkeypatch.setattr(xml_calls, "_first", real)
+        assert final == get_tool_parser(name).extract(text)
+        return read / len(text)
+
+    assert read_per_character(40_000) < 2 * read_per_character(4_000) + 20
+
+
+@pytest.mark.parametrize("name, text, calls", [
+    # A key the call's end cut short: the parameters before it stand, the call ends.
+    ("glm45", "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value><arg_key></tool_call>",
+     [("f", {"a": 1})]),
+    ("glm45", "<tool_call>f\n<arg_key>a\n<arg_value>1</arg_value>\n</tool_call>", [("f", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a\n</function>\n</tool_call>", [("f", {})]),
+    # Output that ends inside a named call (no end tag; a length limit): the arguments so far
+    # make a whole object, the last value as far as it got.
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n",
+     [("get_weather", {"city": "Paris"})]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
+     [("get_weather", {"city": "Par"})]),
+    ("glm45", "<tool_call>get_weather\n", [("get_weather", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n", [("f", {"a": "x"})]),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">x', [("f", {"a": "x"})]),
+])
+def test_broken_or_cut_off_calls_keep_whole_arguments(name, text, calls):
+    parser = get_tool_parser(name)
+    final = parser.extract(text)
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
+    for sizes in chunkings(text, 30, seed=3):
+        check_stream(stream_in(parser.stream(), text, sizes), final)
+
+
+def test_cut_off_before_the_name_ends_is_content():
+    assert get_tool_parser("glm45").extract("<tool_call>get_wea").content == "<tool_call>get_wea"

@@ -173,14 +173,18 @@ class TaggedToolStream(ToolCallStream):
         self._name = None
         self._open = None
 
-    def _close(self, out: ParsedDelta, end_tag: str) -> None:
+    def _close(self, out: ParsedDelta, end_tag: str, cut_off: bool = False) -> None:
+        """End the open region, which `end_tag` closed (`cut_off`: the output ended inside)."""
         self._open = None  # the body is whole now: parse it once more, all of it
+        written = self._body or ""
         if self._end_in_body:
-            self._body = (self._body or "") + end_tag
-            end_tag = ""
+            # A named call cut off reads as if its end tag were there: its parameters so far
+            # make a whole arguments object (the tag closes the function's last value too).
+            implied = self._end if cut_off and self._name is not None else end_tag
+            self._body = written + (implied or "")
         self._progress(out)
         if self._call is None:  # never a call: the region was content after all
-            out.content += self._gate.push(self._start + (self._body or "") + end_tag)
+            out.content += self._gate.push(self._start + written + end_tag)
         self._end_call(out)
         self._body = None
 
@@ -188,7 +192,8 @@ class TaggedToolStream(ToolCallStream):
         out = ParsedDelta()
         if self._body is not None:  # cut off inside a call (length limit, or no end tag)
             self._take_body(len(self._buffer))
-            self._close(out, "")
+            self._progress(out)  # (the name may be in the text held back as a possible tag)
+            self._close(out, "", cut_off=True)
         out.content += self._gate.push(self._buffer)
         self._buffer = ""
         out.content += self._gate.finish()

@@ -87,7 +87,8 @@ class ParameterMarkup:
 
     @property
     def longest_tag(self) -> int:
-        return max(len(tag) for tag in (self.parameter, self.parameter_end, *self.function_ends))
+        return max(len(tag) for tag in (self.parameter, self.parameter_end, self.header_end,
+                                        *self.function_ends, *self.name_ends))
 
 
 def unquoted(text: str) -> str:
@@ -114,6 +115,10 @@ class ParameterCallBody:
         self._name: str | None = None
         self._properties: Mapping[str, Any] = {}
         self._pos = 0  # the body before it is read
+        self._not_a_call = False  # the body's name is none a function may have
+        self._name_from = 0  # where to look on for the end of the name
+        self._opening = -1  # where the parameter whose header is incomplete opens
+        self._header_from = 0  # where to look on for the end of its header
         self._header: str | None = None  # the open parameter's header
         self._value_start = 0  # where its value starts
         self._search_from = 0  # where to look on for the end of its value
@@ -128,17 +133,24 @@ class ParameterCallBody:
         return BodyScan(self._name, self._arguments + ("}" if self._done else ""), final=self._done)
 
     def _read_name(self, body: str) -> bool:
+        """Whether the body's name is read (now or before). Each search goes on from where the
+        last one stopped: a long region that is no call (JSON in the tags) costs linear time."""
+        if self._not_a_call:
+            return False
         markup = self._markup
         start = skip_ws(body, 0)
         if not body.startswith(markup.function, start):
-            return False  # still coming, or not a call (the region is then content)
+            if not markup.function.startswith(body[start:]):
+                self._not_a_call = True  # (the region is then content)
+            return False  # (or the tag is still coming)
         start += len(markup.function)
-        close = min((i for i in (body.find(tag, start) for tag in markup.name_ends) if i >= 0),
-                    default=-1)
+        close = _first(body, markup.name_ends, max(start, self._name_from))
         if close < 0:
+            self._name_from = max(start, len(body) - markup.longest_tag)
             return False
         name = unquoted(body[start:close])
         if not FUNCTION_NAME.fullmatch(name):
+            self._not_a_call = True
             return False
         self._name = name
         self._properties = self._schemas.get(name, {})
@@ -164,13 +176,13 @@ class ParameterCallBody:
         coming = rest == "\\" or (len(rest) < len(opener) and opener.startswith(rest))
         return -1 if coming else pos
 
-    def _read_parameter(self, body: str) -> bool:
-        """Read the next parameter (or the function's end) if it is complete; False if not."""
+    def _read_header(self, body: str) -> bool:
+        """Read the next parameter's header, up to where its value starts (True), or the
+        function's end (the call is done). Searches go on from where the last one stopped."""
         markup = self._markup
-        if self._header is None:
-            opening = body.find(markup.parameter, self._pos)
-            closing = min((i for i in (body.find(tag, self._pos) for tag in markup.function_ends)
-                           if i >= 0), default=-1)
+        if self._opening < 0:
+            opening = _first(body, (markup.parameter,), self._pos)
+            closing = _first(body, markup.function_ends, self._pos)
             if closing >= 0 and (opening < 0 or closing < opening):
                 self._done = True
                 return False
@@ -179,22 +191,35 @@ class ParameterCallBody:
                 # read past it, so that it is not searched again as more arrives.
                 self._pos = max(self._pos, len(body) - markup.longest_tag)
                 return False
-            key_end = body.find(markup.header_end, opening + len(markup.parameter))
-            value_start = self._value_opened(body, key_end + len(markup.header_end)) \
-                if key_end >= 0 else -1
-            if value_start < 0:
-                self._pos = opening
-                return False
-            self._header = body[opening + len(markup.parameter):key_end]
-            self._value_start = self._search_from = value_start
+            self._opening = self._header_from = opening + len(markup.parameter)
+        key_end = _first(body, (markup.header_end,), self._header_from)
+        closing = _first(body, markup.function_ends, self._header_from)
+        if closing >= 0 and (key_end < 0 or closing < key_end):
+            self._done = True  # a header the function's end cut short: no parameter, the end
+            return False
+        if key_end < 0:
+            self._header_from = max(self._header_from, len(body) - markup.longest_tag)
+            return False
+        self._header_from = key_end  # (found again at once while the value's tag comes)
+        value_start = self._value_opened(body, key_end + len(markup.header_end))
+        if value_start < 0:
+            return False
+        self._header = body[self._opening:key_end]
+        self._value_start = self._search_from = value_start
+        self._opening = -1
+        return True
+
+    def _read_parameter(self, body: str) -> bool:
+        """Read the next parameter (or the function's end) if it is complete; False if not."""
+        markup = self._markup
+        if self._header is None and not self._read_header(body):
+            return False
         # The value ends at its closing tag, or where a model that left the tag out went on.
-        ends = [i for i in (body.find(tag, self._search_from)
-                            for tag in (markup.parameter_end, markup.parameter,
-                                        *markup.function_ends)) if i >= 0]
-        if not ends:
+        end = _first(body, (markup.parameter_end, markup.parameter, *markup.function_ends),
+                     self._search_from)
+        if end < 0:
             self._search_from = max(self._value_start, len(body) - markup.longest_tag)
             return False
-        end = min(ends)
         text = body[self._value_start:end]
         key, value = self._read_value(self._header, text, self._properties)
         try:
@@ -208,6 +233,10 @@ class ParameterCallBody:
         return True
 
 
+def _first(text: str, tags: tuple[str, ...], start: int) -> int:
+    """Where the first of `tags` occurs in `text` from `start` on; -1 if none does. (Every
+    search of a body goes through here: tests count what it reads.)"""
+    return min((i for i in (text.find(tag, start) for tag in tags) if i >= 0), default=-1)
 
 
 def parameter_call_stream(start: str, markup: ParameterMarkup, read_value: ValueReader,
