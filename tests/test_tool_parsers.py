@@ -165,6 +165,14 @@ CASES = [
      "Let me search.", CALLS),
     ("phi4_mini_json", "functools" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS]), None, CALLS),
     ("phi4_mini_json", "The tools are [a, b].", "The tools are [a, b].", []),
+    # `functools` is a word a plain answer may start with: it stays in the content.
+    ("phi4_mini_json", "functools.partial binds arguments.", "functools.partial binds arguments.", []),
+    # After the array's end everything is content, a separator and an object too.
+    ("phi4_mini_json", "functools" + json.dumps([{"name": n, "arguments": a} for n, a in [WEATHER]])
+     + ', {"name": "g", "arguments": {}}', ', {"name": "g", "arguments": {}}', [WEATHER]),
+    # A call, then an object that is no call, between one pair of tags: the rest is content.
+    ("jamba", '<tool_calls>[{"name": "f", "arguments": {}}, {"x": 1}]</tool_calls>',
+     '<tool_calls>{"x": 1}]</tool_calls>', [("f", {})]),
     # An [ARGS] inside the arguments of the `name{...}` form is text (streamed or not).
     ("mistral", '[TOOL_CALLS]f{"a": "[ARGS]"}', None, [("f", {"a": "[ARGS]"})]),
 ]

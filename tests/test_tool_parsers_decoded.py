@@ -305,6 +305,9 @@ def seed_oss(content: str, calls: list) -> str:
     (seed_oss("", [("typed", {"n": 3})]), None, None, [("typed", {"n": "3"})]),
     # Qwen3-Coder's own tags are not Seed-OSS's calls.
     (qwen3_coder("", [WEATHER]), CODER_TOOLS, qwen3_coder("", [WEATHER]), []),
+    # Several functions in one block: each a call.
+    ("<seed:tool_call>\n<function=list_files>\n</function>\n<function=typed>\n<parameter=n>3"
+     "</parameter>\n</function>\n</seed:tool_call>", CODER_TOOLS, None, [EMPTY, ("typed", {"n": 3})]),
 ])
 def test_seed_oss(text, tools, content, calls):
     parser = get_tool_parser("seed_oss")
@@ -330,7 +333,18 @@ def minimax_m2(content: str, calls: list) -> str:
      [("typed", {"n": 3, "flag": True, "items": ["a"]})]),
     # Without the request's tools every value is text.
     (minimax_m2("", [("typed", {"n": 3})]), None, None, [("typed", {"n": "3"})]),
-    ('<invoke name="">x</invoke> ok', CODER_TOOLS, '<invoke name="">x</invoke> ok', []),
+    # Outside a block an invoke is text, and so is a block's end tag.
+    ('See </minimax:tool_call> and <invoke name="f"></invoke> ok', CODER_TOOLS,
+     'See </minimax:tool_call> and <invoke name="f"></invoke> ok', []),
+    ('<minimax:tool_call><invoke name="">x</invoke></minimax:tool_call> ok', CODER_TOOLS,
+     '<minimax:tool_call><invoke name="">x</invoke></minimax:tool_call> ok', []),
+    # An </invoke> left out: the block's end, or the next invoke, ends the function.
+    ('<minimax:tool_call>\n<invoke name="typed">\n<parameter name="n">7</parameter>\n'
+     '</minimax:tool_call>\nDone. <minimax:tool_call><invoke name="list_files"></invoke>'
+     '</minimax:tool_call>', CODER_TOOLS, "Done.", [("typed", {"n": 7}), EMPTY]),
+    ('<minimax:tool_call>\n<invoke name="typed">\n<parameter name="n">7</parameter>\n'
+     '<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n</invoke>\n'
+     '</minimax:tool_call>', CODER_TOOLS, None, [("typed", {"n": 7}), ("get_weather", {"city": "Oslo"})]),
 ])
 def test_minimax_m2(text, tools, content, calls):
     parser = get_tool_parser("minimax_m2")
@@ -382,6 +396,9 @@ def test_tagged_parameter_bodies_are_read_in_linear_time(monkeypatch, name, regi
      [("f", {"a": 1})]),
     ("glm45", "<tool_call>f\n<arg_key>a\n<arg_value>1</arg_value>\n</tool_call>", [("f", {})]),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a\n</function>\n</tool_call>", [("f", {})]),
+    # The next function's start ends one whose end tags were left out.
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n<function=g>\n</function>\n"
+     "</tool_call>", [("f", {"a": "1"}), ("g", {})]),
     # Output that ends inside a named call (no end tag; a length limit): the arguments so far
     # make a whole object, the last value as far as it got.
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n",

@@ -220,10 +220,13 @@ def held_prefix(text: str, markers: tuple[str, ...]) -> int:
 @dataclass
 class OutputStart:
     """The start of an output that may be all calls (`[...]`, `{...}`): its leading whitespace
-    (`prefix`, content if the output turns out to be content) and `lead` tags (dropped)."""
+    (`prefix`, content if the output turns out to be content) and `lead` tags (dropped, unless
+    `lead_is_text`: a word such as Phi-4-mini's `functools`, which a plain answer may begin
+    with, goes back into the content with the whitespace)."""
 
     lead: tuple[str, ...] = ()
     prefix: str = ""
+    lead_is_text: bool = False
 
     def scan(self, text: str, pos: int) -> tuple[int, bool]:
         """Read on from `pos`: (where the first visible text after whitespace and lead tags
@@ -236,6 +239,8 @@ class OutputStart:
             tag = next((t for t in self.lead if rest.startswith(t)), None)
             if tag is None:
                 return i, bool(rest) and held_prefix(rest, self.lead) < len(rest)
+            if self.lead_is_text:
+                self.prefix += tag
             pos = i + len(tag)
 
 

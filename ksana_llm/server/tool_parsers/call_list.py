@@ -18,14 +18,15 @@ class CallListStream(ToolCallStream):
     tags, which are dropped) opens them (`_open_at`); otherwise all of it is content, unchanged.
     Subclasses read the calls in states of their own (`_read_calls`)."""
 
-    def __init__(self, lead: tuple[str, ...]) -> None:
-        self._start = OutputStart(lead)
+    def __init__(self, lead: tuple[str, ...], lead_is_text: bool = False) -> None:
+        self._start = OutputStart(lead, lead_is_text=lead_is_text)
         self._state = START
         self._text = ""  # everything received
         self._pos = 0  # where the undecided text starts
         self._region = 0  # where the calls start (after the lead tags)
         self._num_calls = 0
         self._gate = ContentGate()
+        self._lead_text = ""  # the start's text, to send with the content (`lead_is_text`)
 
     def feed(self, text: str) -> ParsedDelta:
         self._text += text
@@ -36,7 +37,8 @@ class CallListStream(ToolCallStream):
     def _advance(self, out: ParsedDelta) -> None:
         while True:
             if self._state == CONTENT:
-                out.content += self._gate.push(self._text[self._pos:])
+                out.content += self._lead_text + self._gate.push(self._text[self._pos:])
+                self._lead_text = ""
                 self._pos = len(self._text)
                 return
             if self._state == DROP:
@@ -67,7 +69,9 @@ class CallListStream(ToolCallStream):
         lead tags), so a plain answer passes through unchanged."""
         self._state = CONTENT
         if self._num_calls == 0:
-            self._gate.push(self._start.prefix)  # held by the gate until visible text follows
+            # Whitespace is held by the gate until visible text follows; a lead that is text
+            # goes out at once.
+            self._lead_text = self._gate.push(self._start.prefix)
             self._pos = self._region
         else:
             self._pos = pos

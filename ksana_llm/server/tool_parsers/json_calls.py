@@ -27,10 +27,12 @@ class JsonCallSequenceStream(CallListStream):
     """
 
     def __init__(self, *, open: str, separator: str, close: str | None = None,
-                 lead: tuple[str, ...] = (), calls_only: bool = False) -> None:
+                 lead: tuple[str, ...] = (), lead_is_text: bool = False,
+                 calls_only: bool = False) -> None:
         """`calls_only`: the output was constrained to calls (tool_choice "required"), so an
-        unfinished tail means the output was cut off inside one: dropped, never content."""
-        super().__init__(lead)
+        unfinished tail means the output was cut off inside one: dropped, never content.
+        `lead_is_text`: see `OutputStart`."""
+        super().__init__(lead, lead_is_text)
         self._open = open
         self._calls_only = calls_only
         self._separator = separator
@@ -107,8 +109,7 @@ class JsonCallSequenceStream(CallListStream):
             self._pos = i + 1
             self._state = _OBJECT
         elif self._close is not None and text[i] == self._close:
-            self._pos = i + 1
-            self._close = None  # closed: whatever follows is content
+            self._to_content(i + 1)  # closed: whatever follows is content, a separator too
         else:
             self._to_content(i)
         return True

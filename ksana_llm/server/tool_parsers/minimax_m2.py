@@ -7,8 +7,9 @@
     </invoke>
     </minimax:tool_call>
 
-Each `<invoke>` is one call (the block's tags vanish); parameter values are bare text typed by
-the request's tool schema, as Qwen3-Coder's are (`qwen3_coder.read_parameter`).
+Each `<invoke>` in a block is one call (an `<invoke>` outside one is text, as in vLLM);
+parameter values are bare text typed by the request's tool schema, as Qwen3-Coder's are
+(`qwen3_coder.read_parameter`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.qwen3_coder import read_parameter
 from ksana_llm.server.tool_parsers.xml_calls import ParameterMarkup, parameter_call_stream
 
-BLOCK = ("<minimax:tool_call>", "</minimax:tool_call>")
-INVOKE = "<invoke name="
-MARKUP = ParameterMarkup(function="", parameter="<parameter name=", parameter_end="</parameter>",
-                         function_end="</invoke>")
+BLOCK_START = "<minimax:tool_call>"
+MARKUP = ParameterMarkup(function="<invoke name=", parameter="<parameter name=",
+                         parameter_end="</parameter>", function_end="</invoke>",
+                         call_end="</minimax:tool_call>")
 
 
 class MiniMaxM2ToolParser(ToolParser):
@@ -32,4 +33,4 @@ class MiniMaxM2ToolParser(ToolParser):
         return self.stream_for(None)
 
     def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        return parameter_call_stream(INVOKE, MARKUP, read_parameter, tools, ignored=BLOCK)
+        return parameter_call_stream(BLOCK_START, MARKUP, read_parameter, tools)

@@ -12,4 +12,5 @@ class Phi4MiniJsonToolParser(ToolParser):
     name = "phi4_mini_json"
 
     def stream(self) -> ToolCallStream:
-        return JsonCallSequenceStream(open="[", separator=",", close="]", lead=("functools",))
+        return JsonCallSequenceStream(open="[", separator=",", close="]", lead=("functools",),
+                                      lead_is_text=True)

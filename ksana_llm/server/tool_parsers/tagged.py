@@ -176,14 +176,16 @@ class TaggedToolStream(ToolCallStream):
     def _close(self, out: ParsedDelta, end_tag: str, cut_off: bool = False) -> None:
         """End the open region, which `end_tag` closed (`cut_off`: the output ended inside)."""
         self._open = None  # the body is whole now: parse it once more, all of it
-        written = self._body or ""
+        read_end = ""  # the text added to the body to be read as its end
         if self._end_in_body:
             # A named call cut off reads as if its end tag were there: its parameters so far
             # make a whole arguments object (the tag closes the function's last value too).
-            implied = self._end if cut_off and self._name is not None else end_tag
-            self._body = written + (implied or "")
+            read_end = (self._end or "") if cut_off and self._name is not None else end_tag
+            self._body = (self._body or "") + read_end
         self._progress(out)
-        if self._call is None:  # never a call: the region was content after all
+        if self._call is None:  # never a call: the region (what is left of it) was content
+            body = self._body or ""
+            written = body[:len(body) - len(read_end)]
             out.content += self._gate.push(self._start + written + end_tag)
         self._end_call(out)
         self._body = None

@@ -83,7 +83,9 @@ class ParameterMarkup:
 
     @property
     def function_ends(self) -> tuple[str, ...]:
-        return tuple(tag for tag in (self.function_end, self.call_end) if tag)
+        """What ends a function: its end tag, the call's, or (where the call may hold several
+        functions: `function` is a tag) the next function's start."""
+        return tuple(tag for tag in (self.function_end, self.call_end, self.function) if tag)
 
     @property
     def longest_tag(self) -> int:
@@ -124,13 +126,35 @@ class ParameterCallBody:
         self._search_from = 0  # where to look on for the end of its value
         self._arguments = "{"
         self._done = False
+        self._end_at = 0  # where the function's end tag ends, once it is done
 
     def __call__(self, body: str) -> BodyScan:
         if self._name is None and not self._read_name(body):
             return BodyScan()
         while not self._done and self._read_parameter(body):
             pass
-        return BodyScan(self._name, self._arguments + ("}" if self._done else ""), final=self._done)
+        if not self._done:
+            return BodyScan(self._name, self._arguments)
+        next_at, more = self._next_function(body)
+        return BodyScan(self._name, self._arguments + "}", next_at=next_at, final=not more)
+
+    def _next_function(self, body: str) -> tuple[int | None, bool]:
+        """After the function: (where the next one in the body starts, if one does; whether
+        the body may still give one). Only formats whose functions open with a tag have
+        several per call (Qwen3-Coder's `<function=` blocks, MiniMax-M2's invokes)."""
+        opener = self._markup.function
+        if not opener:
+            return None, False
+        at = skip_ws(body, self._end_at)
+        if body.startswith(opener, at):
+            return at, True
+        return None, opener.startswith(body[at:])  # (whitespace, or the tag coming)
+
+    def _end_function(self, body: str, closing: int) -> None:
+        """The function ends at `closing` (one of `function_ends`)."""
+        self._done = True
+        tag = self._markup.function_end
+        self._end_at = closing + len(tag) if tag and body.startswith(tag, closing) else closing
 
     def _read_name(self, body: str) -> bool:
         """Whether the body's name is read (now or before). Each search goes on from where the
@@ -184,7 +208,7 @@ class ParameterCallBody:
             opening = _first(body, (markup.parameter,), self._pos)
             closing = _first(body, markup.function_ends, self._pos)
             if closing >= 0 and (opening < 0 or closing < opening):
-                self._done = True
+                self._end_function(body, closing)
                 return False
             if opening < 0:
                 # Text between parameters is markup's whitespace (or stray text, ignored):
@@ -195,7 +219,8 @@ class ParameterCallBody:
         key_end = _first(body, (markup.header_end,), self._header_from)
         closing = _first(body, markup.function_ends, self._header_from)
         if closing >= 0 and (key_end < 0 or closing < key_end):
-            self._done = True  # a header the function's end cut short: no parameter, the end
+            # A header the function's end cut short: no parameter; the function ends there.
+            self._end_function(body, closing)
             return False
         if key_end < 0:
             self._header_from = max(self._header_from, len(body) - markup.longest_tag)
