@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ksana_llm as kt
+from tests.hf_references import hf_greedy_tokens
 
 MAX_NEW = 24
 
@@ -46,13 +47,7 @@ def reference(model, prompts):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([model.tokenizer.encode(p)])
-            gen = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
-            out.append(gen[0, ids.shape[1]:].tolist())
-    return out
+    return hf_greedy_tokens(hf, model.tokenizer, prompts, MAX_NEW)
 
 
 def _engine(model, **kwargs) -> kt.Engine:

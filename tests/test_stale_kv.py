@@ -20,6 +20,7 @@ from ksana_llm.api.model import Model
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.runner.model_runner import ModelRunner, StepInput
 from tests.family_harness import greedy_trace, hf_reference
+from tests.hf_references import hf_greedy_tokens
 from tests.tiny_models import build_tiny_model
 
 MAX_NEW = 16
@@ -36,13 +37,7 @@ def poison(runner: ModelRunner) -> None:
 
 @pytest.fixture(scope="module")
 def reference(default_model, hf_default_model):
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([default_model.tokenizer.encode(prompt)])
-            gen = hf_default_model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
-            out.append(gen[0, ids.shape[1]:].tolist())
-    return out
+    return hf_greedy_tokens(hf_default_model, default_model.tokenizer, PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("num_blocks, preempt_mode", [(64, 0), (6, 0), (6, 1)],

@@ -115,14 +115,33 @@ def test_pythonic_cut_off(cut_at, content, names):
         assert collect(stream_in(parser.stream(), cut, sizes)) == final
 
 
-def qwen3_coder(content: str, calls: list) -> str:
-    """Qwen3-Coder's template: each parameter's value as bare text (JSON for non-strings)."""
+def bare(value) -> str:
+    """A parameter's value as the XML-style templates write it: strings as they are, JSON else."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def qwen3_coder(content: str, calls: list, block: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+                frame: str = "\n") -> str:
+    """Qwen3-Coder's template: each parameter's value as bare text between `frame`s (newlines);
+    Seed-OSS's with its own `block` tags and no frame."""
     blocks = []
     for name, args in calls:
-        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
-                         f"</parameter>\n" for k, v in args.items())
-        blocks.append(f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>")
+        params = "".join(f"<parameter={k}>{frame}{bare(v)}{frame}</parameter>\n" for k, v in args.items())
+        blocks.append(f"{block[0]}\n<function={name}>\n{params}</function>\n{block[1]}")
     return content + ("\n" if content and blocks else "") + "\n".join(blocks)
+
+
+def check_typed_case(name: str, text: str, tools, content, calls) -> None:
+    """`text` read by parser `name` with the request's `tools`: the content and calls
+    (arguments as JSON values) whole, and the same in 40 chunkings."""
+    parser = get_tool_parser(name)
+    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
+    assert final.content == content
+    for call in final.tool_calls:
+        call.arguments.encode()  # a response body can carry it (no lone surrogates)
+    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
+    for sizes in chunkings(text, 40, seed=len(text)):
+        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
 
 
 def _function(name: str, properties: dict) -> dict:
@@ -186,17 +205,13 @@ TYPED_TEXT = ("<tool_call>\n<function=typed>\n<parameter=n>\n42\n</parameter>\n<
 def test_qwen3_coder(text, tools, content, calls):
     from ksana_llm.server.tools import plan_tools
 
-    parser = get_tool_parser("qwen3_coder")
-    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
-    assert final.content == content
-    for call in final.tool_calls:
-        call.arguments.encode()
-    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
-    for sizes in chunkings(text, 40, seed=len(text)):
-        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+    check_typed_case("qwen3_coder", text, tools, content, calls)
     if tools is not None:  # a request's plan hands its tools to the parser
+        parser = get_tool_parser("qwen3_coder")
         plan = plan_tools(tools, "auto", parallel_tool_calls=None, auto_enabled=True, parser=parser)
-        assert collect(stream_in(plan.stream(), text, [7] * len(text))) == final
+        got = collect(stream_in(plan.stream(), text, [7] * len(text)))
+        assert got.content == content
+        assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == calls
 
 
 def test_qwen3_coder_streams_each_parameter_once_complete(monkeypatch):
@@ -224,9 +239,8 @@ def glm(content: str, calls: list, compact: bool = False) -> str:
     nl = "" if compact else "\n"
     blocks = []
     for name, args in calls:
-        params = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>"
-                         f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                         f"</arg_value>{nl}" for k, v in args.items())
+        params = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>{bare(v)}</arg_value>{nl}"
+                         for k, v in args.items())
         blocks.append(f"{nl}<tool_call>{name}{nl}{params}</tool_call>")
     return content + "".join(blocks)
 
@@ -261,12 +275,7 @@ GLM_TOOLS = [*CODER_TOOLS, _function("note", {"text": {"type": "string"}})]
      "<tool_call>\n{\"name\": \"f\"}\n</tool_call> ok", []),
 ])
 def test_glm(name, text, tools, content, calls):
-    parser = get_tool_parser(name)
-    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
-    assert final.content == content
-    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
-    for sizes in chunkings(text, 40, seed=len(text)):
-        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+    check_typed_case(name, text, tools, content, calls)
 
 
 def test_glm_streams_the_name_then_each_parameter_once_complete(monkeypatch):
@@ -289,13 +298,7 @@ def test_glm_streams_the_name_then_each_parameter_once_complete(monkeypatch):
 
 
 def seed_oss(content: str, calls: list) -> str:
-    """Seed-OSS's template: Qwen3-Coder's tags inside `<seed:tool_call>`, values unframed."""
-    blocks = []
-    for name, args in calls:
-        params = "".join(f"<parameter={k}>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                         f"</parameter>\n" for k, v in args.items())
-        blocks.append(f"<seed:tool_call>\n<function={name}>\n{params}</function>\n</seed:tool_call>")
-    return content + ("\n" if content and blocks else "") + "\n".join(blocks)
+    return qwen3_coder(content, calls, ("<seed:tool_call>", "</seed:tool_call>"), frame="")
 
 
 @pytest.mark.parametrize("text, tools, content, calls", [
@@ -310,20 +313,15 @@ def seed_oss(content: str, calls: list) -> str:
      "</parameter>\n</function>\n</seed:tool_call>", CODER_TOOLS, None, [EMPTY, ("typed", {"n": 3})]),
 ])
 def test_seed_oss(text, tools, content, calls):
-    parser = get_tool_parser("seed_oss")
-    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
-    assert final.content == content
-    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
-    for sizes in chunkings(text, 40, seed=len(text)):
-        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+    check_typed_case("seed_oss", text, tools, content, calls)
 
 
 def minimax_m2(content: str, calls: list) -> str:
     """MiniMax-M2's template: an <invoke> per call in one block, values as bare text."""
     invokes = "".join(
         f'<invoke name="{n}">\n' + "".join(
-            f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}'
-            f"</parameter>\n" for k, v in a.items()) + "</invoke>\n" for n, a in calls)
+            f'<parameter name="{k}">{bare(v)}</parameter>\n' for k, v in a.items()) + "</invoke>\n"
+        for n, a in calls)
     return f"{content}\n<minimax:tool_call>\n{invokes}</minimax:tool_call>"
 
 
@@ -347,12 +345,7 @@ def minimax_m2(content: str, calls: list) -> str:
      '</minimax:tool_call>', CODER_TOOLS, None, [("typed", {"n": 7}), ("get_weather", {"city": "Oslo"})]),
 ])
 def test_minimax_m2(text, tools, content, calls):
-    parser = get_tool_parser("minimax_m2")
-    final = collect([(s := parser.stream_for(tools)).feed(text), s.finish()])
-    assert final.content == content
-    assert [(c.name, json.loads(c.arguments)) for c in final.tool_calls] == calls
-    for sizes in chunkings(text, 40, seed=len(text)):
-        check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
+    check_typed_case("minimax_m2", text, tools, content, calls)
 
 
 @pytest.mark.parametrize("name, region", [
