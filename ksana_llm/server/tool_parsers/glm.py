@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.xml_calls import (
     ParameterMarkup,
+    ParameterTagToolParser,
     declared_types,
-    parameter_call_stream,
     read_literal,
 )
 
@@ -48,14 +47,11 @@ def read_parameter(header: str, text: str, properties: Mapping[str, Any]) -> tup
     return key, value if read else text
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(ParameterTagToolParser):
     name = "glm45"
-
-    def stream(self) -> ToolCallStream:
-        return self.stream_for(None)
-
-    def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        return parameter_call_stream(TOOL_CALL, MARKUP, read_parameter, tools)
+    call_start = TOOL_CALL
+    markup = MARKUP
+    read_value = staticmethod(read_parameter)
 
 
 class Glm47ToolParser(Glm45ToolParser):

@@ -14,23 +14,16 @@ parameter values are bare text typed by the request's tool schema, as Qwen3-Code
 
 from __future__ import annotations
 
-from typing import Any
-
-from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.qwen3_coder import read_parameter
-from ksana_llm.server.tool_parsers.xml_calls import ParameterMarkup, parameter_call_stream
+from ksana_llm.server.tool_parsers.xml_calls import ParameterMarkup, ParameterTagToolParser
 
-BLOCK_START = "<minimax:tool_call>"
 MARKUP = ParameterMarkup(function="<invoke name=", parameter="<parameter name=",
                          parameter_end="</parameter>", function_end="</invoke>",
                          call_end="</minimax:tool_call>")
 
 
-class MiniMaxM2ToolParser(ToolParser):
+class MiniMaxM2ToolParser(ParameterTagToolParser):
     name = "minimax_m2"
-
-    def stream(self) -> ToolCallStream:
-        return self.stream_for(None)
-
-    def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        return parameter_call_stream(BLOCK_START, MARKUP, read_parameter, tools)
+    call_start = "<minimax:tool_call>"
+    markup = MARKUP
+    read_value = staticmethod(read_parameter)

@@ -26,13 +26,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
-from ksana_llm.server.tool_parsers.base import ToolCallStream, ToolParser
 from ksana_llm.server.tool_parsers.xml_calls import (
     ParameterMarkup,
     declared_types,
-    parameter_call_stream,
+    ParameterTagToolParser,
     read_literal,
     unquoted,
 )
@@ -93,17 +92,11 @@ def read_parameter(header: str, text: str, properties: Mapping[str, Any]) -> tup
     return key, typed_value(_bare(text), properties.get(key))
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(ParameterTagToolParser):
     name = "qwen3_coder"
-    call_start: ClassVar[str] = "<tool_call>"
-    call_end: ClassVar[str] = "</tool_call>"
-
-    def stream(self) -> ToolCallStream:
-        return self.stream_for(None)
-
-    def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        return parameter_call_stream(self.call_start, coder_markup(self.call_end),
-                                     read_parameter, tools)
+    call_start = "<tool_call>"
+    markup = coder_markup("</tool_call>")
+    read_value = staticmethod(read_parameter)
 
 
 class Qwen3XmlToolParser(Qwen3CoderToolParser):

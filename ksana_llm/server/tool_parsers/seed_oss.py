@@ -11,10 +11,10 @@ schema the same way (`qwen3_coder`):
 
 from __future__ import annotations
 
-from ksana_llm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from ksana_llm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser, coder_markup
 
 
 class SeedOssToolParser(Qwen3CoderToolParser):
     name = "seed_oss"
     call_start = "<seed:tool_call>"
-    call_end = "</seed:tool_call>"
+    markup = coder_markup("</seed:tool_call>")

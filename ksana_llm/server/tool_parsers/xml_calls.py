@@ -11,9 +11,9 @@ import ast
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from ksana_llm.server.tool_parsers.base import FUNCTION_NAME, ToolCallStream, json_text
+from ksana_llm.server.tool_parsers.base import FUNCTION_NAME, ToolCallStream, ToolParser, json_text
 from ksana_llm.server.tool_parsers.json_scan import skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
 
@@ -273,3 +273,18 @@ def parameter_call_stream(start: str, markup: ParameterMarkup, read_value: Value
     body = ParameterCallBody(markup, read_value, parameter_schemas(tools))
     return TaggedToolStream(start, markup.call_end or markup.function_end, body, ignored,
                             on_new_body=body.restart, end_in_body=True)
+
+
+class ParameterTagToolParser(ToolParser):
+    """A format whose calls sit between `call_start` and its `markup`'s end, each parameter in
+    tags of its own, values read by `read_value` with the request's tool schemas."""
+
+    call_start: ClassVar[str]
+    markup: ClassVar[ParameterMarkup]
+    read_value: ClassVar[ValueReader]
+
+    def stream(self) -> ToolCallStream:
+        return self.stream_for(None)
+
+    def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
+        return parameter_call_stream(self.call_start, self.markup, self.read_value, tools)
