@@ -273,6 +273,8 @@ GLM_TOOLS = [*CODER_TOOLS, _function("note", {"text": {"type": "string"}})]
     # Not a call: no function name in the region; it is content, tags included.
     ("<tool_call>\n{\"name\": \"f\"}\n</tool_call> ok", GLM_TOOLS,
      "<tool_call>\n{\"name\": \"f\"}\n</tool_call> ok", []),
+    ("Wrap calls in <tool_call> ... </tool_call> tags.", GLM_TOOLS,
+     "Wrap calls in <tool_call> ... </tool_call> tags.", []),
 ])
 def test_glm(name, text, tools, content, calls):
     check_typed_case(name, text, tools, content, calls)

@@ -22,8 +22,9 @@ from ksana_llm.server.tool_parsers.json_scan import WHITESPACE, OpenValue, skip_
 
 logger = logging.getLogger("ksana_llm.server")
 
-# OpenAI's rule for function names: markup whose name breaks it is text, not a call.
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# OpenAI's rule for function names: markup whose name breaks it is text, not a call. (A name
+# of dots and dashes alone, prose's "<tool_call> ... </tool_call>", is none either.)
+FUNCTION_NAME = re.compile(r"(?=.*[A-Za-z0-9_])[A-Za-z0-9_.\-]{1,64}")
 
 
 def json_text(value: object) -> str:
