@@ -121,14 +121,15 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "qwen3_xml, llama3_json, llama4_json, pythonic, llama4_pythonic, mistral, "
                              "deepseek_v3, deepseek_v31, deepseek_v32, kimi_k2, internlm, "
                              "granite, glm45, glm47, seed_oss, longcat, jamba, minimax, minimax_m2, "
-                             "phi4_mini_json, openai (GPT-OSS)")
+                             "phi4_mini_json, hunyuan_a13b, openai (GPT-OSS)")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
                         help="a Python file defining tool-call parsers of one's own "
                              "(ksana_llm.server.tool_parsers.ToolParser subclasses with a "
                              "`name`), which --tool-call-parser can then name")
     parser.add_argument("--reasoning-parser", default=None,
                         help="fill reasoning_content from <think>...</think>: deepseek_r1, "
-                             "qwen3, deepseek_v3, glm45, seed_oss (<seed:think>); from GPT-OSS's "
+                             "qwen3, deepseek_v3, glm45, seed_oss (<seed:think>), hunyuan_a13b "
+                             "(and its <answer>); from GPT-OSS's "
                              "analysis channel: openai_gptoss")
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "

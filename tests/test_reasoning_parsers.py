@@ -42,6 +42,14 @@ CASES = [
     ("seed_oss", f"<seed:think>{THOUGHT}</seed:think>\n\n{ANSWER}", THOUGHT, ANSWER),
     ("seed_oss", f"<think>{THOUGHT}</think>{ANSWER}", None, f"<think>{THOUGHT}</think>{ANSWER}"),
     ("seed_oss", f"<seed:think>{THOUGHT}", THOUGHT, None),
+    # Hunyuan-A13B: the answer in <answer> tags, which (with the newlines inside) are no content;
+    # an answer cut off before its close tag; one without a thinking block.
+    ("hunyuan_a13b", f"<think>\n{THOUGHT}\n</think>\n<answer>\n{ANSWER}\n</answer>", f"\n{THOUGHT}\n",
+     ANSWER),
+    ("hunyuan_a13b", f"<think>{THOUGHT}</think>\n<answer>\n{ANSWER}", THOUGHT, ANSWER),
+    ("hunyuan_a13b", f"<answer>\n{ANSWER}\n</answer>", None, ANSWER),
+    ("hunyuan_a13b", ANSWER, None, ANSWER),
+    ("hunyuan_a13b", f"<think>{THOUGHT}</think><answer>A <b> </answ", THOUGHT, "A <b> </answ"),
 ]
 
 
@@ -87,7 +95,8 @@ def test_registry_names_and_unknown():
 
 # (parser, output) when the prompt opened the thinking block (Qwen3-Thinking-2507's template
 # ends with "<think>\n"): the output is reasoning until "</think>", for qwen3 as for deepseek_r1.
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1", "deepseek_v3", "glm45", "seed_oss"])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1", "deepseek_v3", "glm45", "seed_oss",
+                                  "hunyuan_a13b"])
 @pytest.mark.parametrize("text,reasoning,content", [
     (f"{THOUGHT}\n</think>\n\n{ANSWER}", f"{THOUGHT}\n", ANSWER),
     (THOUGHT, THOUGHT, None),  # cut off while thinking

@@ -322,14 +322,18 @@ def test_required_schema_shape():
         jsonschema.validate([{"name": "b", "parameters": {}}] * 2, single)
 
 
-def test_reasoning_then_tool_calls_streamed():
-    """Qwen3 thinks, then calls a tool: reasoning, content and calls come apart the same way
+@pytest.mark.parametrize("name, text", [
+    ("qwen3", "<think>\nThe user wants weather.\n</think>\n\n" + hermes("Checking.", [WEATHER])),
+    # Hunyuan-A13B's calls sit in its <answer>.
+    ("hunyuan_a13b", "<think>\nThe user wants weather.\n</think>\n<answer>\nChecking.\n"
+     + tagged_json("<tool_calls>", "</tool_calls>", [WEATHER]) + "\n</answer>"),
+])
+def test_reasoning_then_tool_calls_streamed(name, text):
+    """A model thinks, then calls a tool: reasoning, content and calls come apart the same way
     streamed in any chunking as in one piece."""
-    text = "<think>\nThe user wants weather.\n</think>\n\n" + hermes("Checking.", [WEATHER])
-
     def run(sizes: list[int]):
-        parser = ChoiceOutputParser(get_reasoning_parser("qwen3").stream(),
-                                    get_tool_parser("qwen3").stream())
+        parser = ChoiceOutputParser(get_reasoning_parser(name).stream(),
+                                    get_tool_parser(name).stream())
         deltas = stream_in(parser, text, sizes)  # (it feeds and finishes as a stream does)
         message = parser.message(deltas)
         return (message.reasoning_content, message.content,

@@ -22,7 +22,7 @@ from ksana_llm.server.tool_parsers.base import held_prefix
 THINK_START = "<think>"
 THINK_END = "</think>"
 
-_START, _REASONING, _CONTENT_START, _CONTENT = range(4)
+_START, _REASONING, _CONTENT_START, _CONTENT, _ANSWER = range(5)
 _WHITESPACE = " \t\r\n"
 
 
@@ -54,12 +54,16 @@ class ReasoningSplitter(ABC):
 class ReasoningStream(ReasoningSplitter):
     """`starts_in_reasoning`: the prompt already opened the thinking block (DeepSeek-R1), so the
     output is reasoning until `</think>` even without a `<think>` of its own. Otherwise (Qwen3)
-    only an output that opens with `<think>` has reasoning."""
+    only an output that opens with `<think>` has reasoning. `answer`: the (open, close) tags a
+    model puts around its answer (Hunyuan's `<answer>`): left out of the content, with the
+    whitespace just inside them."""
 
     def __init__(self, starts_in_reasoning: bool, start: str = THINK_START,
-                 end: str = THINK_END) -> None:
+                 end: str = THINK_END, answer: tuple[str, str] | None = None) -> None:
         self._starts_in_reasoning = starts_in_reasoning
         self._start, self._end = start, end
+        self._answer = answer
+        self._in_answer = False  # the answer's open tag came, its close tag not yet
         self._state = _START
         self._buffer = ""
 
@@ -74,8 +78,10 @@ class ReasoningStream(ReasoningSplitter):
                     self._state = _REASONING
                 elif self._start.startswith(visible):
                     return out  # whitespace, or the tag still being spelled out
+                elif self._starts_in_reasoning:
+                    self._state = _REASONING
                 else:
-                    self._state = _REASONING if self._starts_in_reasoning else _CONTENT
+                    self._state = _CONTENT_START if self._answer else _CONTENT
             elif self._state == _REASONING:
                 end = self._buffer.find(self._end)
                 if end < 0:
@@ -88,19 +94,50 @@ class ReasoningStream(ReasoningSplitter):
                 self._state = _CONTENT_START
             elif self._state == _CONTENT_START:
                 self._buffer = self._buffer.lstrip(_WHITESPACE)
-                if self._buffer:
-                    self._state = _CONTENT
+                if not self._buffer:
+                    break
+                if self._answer and not self._in_answer:
+                    opener = self._answer[0]
+                    if self._buffer.startswith(opener):
+                        self._buffer = self._buffer[len(opener):]
+                        self._in_answer = True
+                        continue  # (and the whitespace after the tag goes too)
+                    if opener.startswith(self._buffer):
+                        return out  # the tag still being spelled out
+                self._state = _ANSWER if self._in_answer else _CONTENT
+            elif self._state == _ANSWER:
+                self._read_answer(out)
+                if self._state == _ANSWER:
+                    return out
             else:
                 out.content += self._buffer
                 self._buffer = ""
         return out
+
+    def _read_answer(self, out: ReasoningDelta) -> None:
+        """Content up to the answer's close tag (the whitespace before it left out); what may
+        be that whitespace and tag waits for more text."""
+        close = self._answer[1]
+        end = self._buffer.find(close)
+        if end < 0:
+            cut = len(self._buffer) - held_prefix(self._buffer, (close,))
+            cut = len(self._buffer[:cut].rstrip(_WHITESPACE))
+            out.content += self._buffer[:cut]
+            self._buffer = self._buffer[cut:]
+            return
+        out.content += self._buffer[:end].rstrip(_WHITESPACE)
+        self._buffer = self._buffer[end + len(close):]
+        self._in_answer = False
+        self._state = _CONTENT_START  # what follows the answer is content still
 
     def finish(self) -> ReasoningDelta:
         out = ReasoningDelta()
         rest, self._buffer = self._buffer, ""
         if self._state == _REASONING or (self._state == _START and self._starts_in_reasoning):
             out.reasoning = rest
-        elif self._state != _CONTENT_START:
+        elif self._state == _ANSWER:
+            out.content = rest.rstrip(_WHITESPACE)  # (an answer cut off before its close tag)
+        elif self._state != _CONTENT_START or rest.strip(_WHITESPACE):
             out.content = rest
         return out
 
@@ -227,6 +264,19 @@ class SeedOssReasoningParser(Qwen3ReasoningParser):
     end_tag = "</seed:think>"
 
 
+class HunyuanA13BReasoningParser(Qwen3ReasoningParser):
+    """Tencent Hunyuan-A13B (vLLM's `hunyuan_a13b`): `<think>...</think>` then the answer inside
+    `<answer>...</answer>`, whose tags (and the newlines just inside them) are not content. An
+    output without the thinking block is content (its answer tags still dropped)."""
+
+    name = "hunyuan_a13b"
+
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningStream:
+        return ReasoningStream(prompt_opens_thinking, self.start_tag, self.end_tag,
+                               answer=("<answer>", "</answer>"))
+
+
 class GptOssReasoningParser(ReasoningParser):
     """GPT-OSS's harmony channels (vLLM's `openai_gptoss`)."""
 
@@ -241,7 +291,7 @@ class GptOssReasoningParser(ReasoningParser):
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
                               Qwen3ReasoningParser, GptOssReasoningParser, Glm45ReasoningParser,
-                              SeedOssReasoningParser)})
+                              SeedOssReasoningParser, HunyuanA13BReasoningParser)})
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

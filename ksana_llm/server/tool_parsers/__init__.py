@@ -25,8 +25,8 @@ from ksana_llm.server.tool_parsers.harmony_calls import HarmonyToolParser
 from ksana_llm.server.tool_parsers.hermes import HermesToolParser, Qwen3ToolParser
 from ksana_llm.server.tool_parsers.internlm import InternLMToolParser
 from ksana_llm.server.tool_parsers.json_calls import JsonCallSequenceStream
-from ksana_llm.server.tool_parsers.json_tagged import (JambaToolParser, LongcatToolParser,
-                                                     MiniMaxToolParser)
+from ksana_llm.server.tool_parsers.json_tagged import (HunyuanA13BToolParser, JambaToolParser,
+                                                     LongcatToolParser, MiniMaxToolParser)
 from ksana_llm.server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from ksana_llm.server.tool_parsers.llama3_json import Llama3JsonToolParser, Llama4JsonToolParser
 from ksana_llm.server.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
@@ -44,7 +44,8 @@ TOOL_PARSERS: MappingProxyType[str, type[ToolParser]] = MappingProxyType({
                               GraniteToolParser, DeepSeekV32ToolParser, Llama4JsonToolParser,
                               Qwen3XmlToolParser, Glm45ToolParser, Glm47ToolParser,
                               SeedOssToolParser, LongcatToolParser, JambaToolParser,
-                              MiniMaxToolParser, MiniMaxM2ToolParser, Phi4MiniJsonToolParser)})
+                              MiniMaxToolParser, MiniMaxM2ToolParser, Phi4MiniJsonToolParser,
+                              HunyuanA13BToolParser)})
 
 
 def get_tool_parser(name: str, plugins: Mapping[str, type[ToolParser]] | None = None) -> ToolParser:

@@ -4,7 +4,9 @@ a body is one object, several after each other, or a JSON array of them):
 
 - `longcat` (Meituan LongCat-Flash): `<longcat_tool_call>{...}</longcat_tool_call>` per call;
 - `jamba` (AI21 Jamba 1.5+): `<tool_calls>[{...}, {...}]</tool_calls>`;
-- `minimax` (MiniMax-M1): `<tool_calls>` then one object per line, then `</tool_calls>`.
+- `minimax` (MiniMax-M1): `<tool_calls>` then one object per line, then `</tool_calls>`;
+- `hunyuan_a13b` (Tencent Hunyuan-A13B): Jamba's, inside its `<answer>` (which the
+  `hunyuan_a13b` reasoning parser takes off).
 """
 
 from __future__ import annotations
@@ -28,3 +30,7 @@ class MiniMaxToolParser(JambaToolParser):
     """MiniMax-M1's block: the tags Jamba's has, one call object per line in it."""
 
     name = "minimax"
+
+
+class HunyuanA13BToolParser(JambaToolParser):
+    name = "hunyuan_a13b"
