@@ -327,6 +327,9 @@ def test_required_schema_shape():
     # Hunyuan-A13B's calls sit in its <answer>.
     ("hunyuan_a13b", "<think>\nThe user wants weather.\n</think>\n<answer>\nChecking.\n"
      + tagged_json("<tool_calls>", "</tool_calls>", [WEATHER]) + "\n</answer>"),
+    ("glm45", "<think>\nThe user wants weather.\n</think>\nChecking.\n<tool_call>get_weather\n"
+     "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit</arg_key>\n"
+     "<arg_value>celsius</arg_value>\n</tool_call>"),
 ])
 def test_reasoning_then_tool_calls_streamed(name, text):
     """A model thinks, then calls a tool: reasoning, content and calls come apart the same way
