@@ -186,6 +186,8 @@ class ReasoningParser(ABC):
     # The tags of the thinking block (Seed-OSS's are its own).
     start_tag: ClassVar[str] = THINK_START
     end_tag: ClassVar[str] = THINK_END
+    # (open, close) tags around the answer that are no content (Hunyuan's <answer>), if any.
+    answer_tags: ClassVar[tuple[str, str] | None] = None
     # Whether it reads the output's special tokens (harmony's): the server then decodes the
     # output with them, whatever the request's skip_special_tokens says.
     reads_special_tokens: ClassVar[bool] = False
@@ -229,7 +231,8 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     def stream(self, prompt_opens_thinking: bool = False, *,
                calls_read: bool = False) -> ReasoningStream:
-        return ReasoningStream(prompt_opens_thinking, self.start_tag, self.end_tag)
+        return ReasoningStream(prompt_opens_thinking, self.start_tag, self.end_tag,
+                               answer=self.answer_tags)
 
 
 class Glm45ReasoningParser(Qwen3ReasoningParser):
@@ -270,11 +273,7 @@ class HunyuanA13BReasoningParser(Qwen3ReasoningParser):
     output without the thinking block is content (its answer tags still dropped)."""
 
     name = "hunyuan_a13b"
-
-    def stream(self, prompt_opens_thinking: bool = False, *,
-               calls_read: bool = False) -> ReasoningStream:
-        return ReasoningStream(prompt_opens_thinking, self.start_tag, self.end_tag,
-                               answer=("<answer>", "</answer>"))
+    answer_tags = ("<answer>", "</answer>")
 
 
 class GptOssReasoningParser(ReasoningParser):
