@@ -198,6 +198,12 @@ class ReasoningParser(ABC):
         """`prompt_opens_thinking`: `opens_thinking` of the request's prompt. `calls_read`: a
         tool-call parser reading harmony follows (GPT-OSS's; other formats ignore it)."""
 
+    def thinking_tags(self) -> tuple[str, str] | None:
+        """The (start, end) text of the thinking block, which the engine watches for (a
+        request's thinking budget, structured output that starts after the thinking); None for
+        a format without one (harmony's channels)."""
+        return self.start_tag, self.end_tag
+
     def opens_thinking(self, prompt: str) -> bool:
         """Whether `prompt` (the rendered chat) leaves this parser's thinking block open."""
         return opens_thinking(prompt, self.start_tag)
@@ -281,6 +287,9 @@ class GptOssReasoningParser(ReasoningParser):
 
     name = "openai_gptoss"
     reads_special_tokens = True
+
+    def thinking_tags(self) -> tuple[str, str] | None:
+        return None
 
     def stream(self, prompt_opens_thinking: bool = False, *,
                calls_read: bool = False) -> ReasoningSplitter:
