@@ -129,7 +129,10 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--reasoning-parser", default=None,
                         help="fill reasoning_content from <think>...</think>: deepseek_r1, "
                              "qwen3, deepseek_v3, glm45, seed_oss (<seed:think>), hunyuan_a13b "
-                             "(and its <answer>); from GPT-OSS's "
+                             "(and its <answer>), step3, minimax_m2, ernie45 (and its "
+                             "<response>), olmo3, mistral ([THINK]); granite (\"Here is my "
+                             "thought process:\"); minimax_m2_append_think (no split: <think> "
+                             "+ the output as content); from GPT-OSS's "
                              "analysis channel: openai_gptoss")
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "

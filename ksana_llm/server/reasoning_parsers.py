@@ -1,7 +1,8 @@
 """Reasoning parsers (`--reasoning-parser NAME`): split a thinking model's output into
 `reasoning_content` (inside `<think>...</think>`, or a model's own tags: Seed-OSS's
-`<seed:think>`) and `content` (after it); GPT-OSS's
-(`openai_gptoss`) by the harmony channel of each message instead (`tool_parsers.harmony`).
+`<seed:think>`, Magistral's `[THINK]`, Granite's `Here is my thought process:` sentences) and
+`content` (after it); GPT-OSS's (`openai_gptoss`) by the harmony channel of each message instead
+(`tool_parsers.harmony`).
 
 As with the tool parsers, one incremental machine serves both paths (`extract` streams the whole
 text through it), so streamed deltas always add up to the non-streamed answer. Text that may be
@@ -51,17 +52,26 @@ class ReasoningSplitter(ABC):
     def finish(self) -> ReasoningDelta: ...
 
 
+def _find_first(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """Where the first of `tags` occurs in `text`, and which: (-1, "") if none does."""
+    found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+    return min(found) if found else (-1, "")
+
+
 class ReasoningStream(ReasoningSplitter):
     """`starts_in_reasoning`: the prompt already opened the thinking block (DeepSeek-R1), so the
     output is reasoning until `</think>` even without a `<think>` of its own. Otherwise (Qwen3)
-    only an output that opens with `<think>` has reasoning. `answer`: the (open, close) tags a
-    model puts around its answer (Hunyuan's `<answer>`): left out of the content, with the
-    whitespace just inside them."""
+    only an output that opens with `<think>` has reasoning. `start` / `end`: the block's tags,
+    or several spellings of each (Granite writes "Here's" or "Here is"). `answer`: the (open,
+    close) tags a model puts around its answer (Hunyuan's `<answer>`): left out of the content,
+    with the whitespace just inside them."""
 
-    def __init__(self, starts_in_reasoning: bool, start: str = THINK_START,
-                 end: str = THINK_END, answer: tuple[str, str] | None = None) -> None:
+    def __init__(self, starts_in_reasoning: bool, start: str | tuple[str, ...] = THINK_START,
+                 end: str | tuple[str, ...] = THINK_END,
+                 answer: tuple[str, str] | None = None) -> None:
         self._starts_in_reasoning = starts_in_reasoning
-        self._start, self._end = start, end
+        self._starts = (start,) if isinstance(start, str) else start
+        self._ends = (end,) if isinstance(end, str) else end
         self._answer = answer
         self._in_answer = False  # the answer's open tag came, its close tag not yet
         self._state = _START
@@ -73,24 +83,25 @@ class ReasoningStream(ReasoningSplitter):
         while self._buffer:
             if self._state == _START:
                 visible = self._buffer.lstrip(_WHITESPACE)
-                if visible.startswith(self._start):
-                    self._buffer = visible[len(self._start):]
+                opener = next((tag for tag in self._starts if visible.startswith(tag)), None)
+                if opener is not None:
+                    self._buffer = visible[len(opener):]
                     self._state = _REASONING
-                elif self._start.startswith(visible):
+                elif any(tag.startswith(visible) for tag in self._starts):
                     return out  # whitespace, or the tag still being spelled out
                 elif self._starts_in_reasoning:
                     self._state = _REASONING
                 else:
                     self._state = _CONTENT_START if self._answer else _CONTENT
             elif self._state == _REASONING:
-                end = self._buffer.find(self._end)
+                end, closer = _find_first(self._buffer, self._ends)
                 if end < 0:
-                    cut = len(self._buffer) - held_prefix(self._buffer, (self._end,))
+                    cut = len(self._buffer) - held_prefix(self._buffer, self._ends)
                     out.reasoning += self._buffer[:cut]
                     self._buffer = self._buffer[cut:]
                     return out
                 out.reasoning += self._buffer[:end]
-                self._buffer = self._buffer[end + len(self._end):]
+                self._buffer = self._buffer[end + len(closer):]
                 self._state = _CONTENT_START
             elif self._state == _CONTENT_START:
                 self._buffer = self._buffer.lstrip(_WHITESPACE)
@@ -140,6 +151,23 @@ class ReasoningStream(ReasoningSplitter):
         elif self._state != _CONTENT_START or rest.strip(_WHITESPACE):
             out.content = rest
         return out
+
+
+class PrefixedContentStream(ReasoningSplitter):
+    """No split: the whole output is content, with `prefix` before its first text (MiniMax-M2's
+    `<think>`, which the template wrote into the prompt, so the client sees the block whole)."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix  # "" once sent
+
+    def feed(self, text: str) -> ReasoningDelta:
+        if not text:
+            return ReasoningDelta()  # (an empty output gets no prefix either)
+        content, self._prefix = self._prefix + text, ""
+        return ReasoningDelta(content=content)
+
+    def finish(self) -> ReasoningDelta:
+        return ReasoningDelta()
 
 
 def opens_thinking(prompt: str, start: str = THINK_START) -> bool:
@@ -296,10 +324,96 @@ class GptOssReasoningParser(ReasoningParser):
         return HarmonyReasoningStream(calls_read)
 
 
+class MistralReasoningParser(Qwen3ReasoningParser):
+    """Magistral (vLLM's `mistral`): thinking inside `[THINK]...[/THINK]`, which the model opens
+    itself, split as Qwen3's (an output that does not open it is the answer). From Magistral
+    Small 1.1 on the tags are control tokens of the tokenizer, which decoding with
+    skip_special_tokens would drop: the server keeps them for this parser."""
+
+    name = "mistral"
+    start_tag = "[THINK]"
+    end_tag = "[/THINK]"
+    reads_special_tokens = True
+
+
+class Step3ReasoningParser(DeepSeekR1ReasoningParser):
+    """StepFun Step-3 (vLLM's `step3`): the model writes no `<think>`, its output starts inside
+    the thinking block; everything before `</think>` is reasoning, and an output without
+    `</think>` is all reasoning (R1's split)."""
+
+    name = "step3"
+
+
+class MiniMaxM2ReasoningParser(DeepSeekR1ReasoningParser):
+    """MiniMax-M2 (vLLM's `minimax_m2`): the template opens `<think>` in the prompt, so the
+    output is reasoning until `</think>` (R1's split)."""
+
+    name = "minimax_m2"
+
+
+class MiniMaxM2AppendThinkReasoningParser(ReasoningParser):
+    """MiniMax-M2 (vLLM's `minimax_m2_append_think`, which MiniMax recommends): no split. The
+    content is the whole output with the `<think>` the template put in the prompt before it, so
+    a client that sends the answer back gives the model its thinking block whole (M2 works best
+    with its earlier thinking in the conversation)."""
+
+    name = "minimax_m2_append_think"
+
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningSplitter:
+        return PrefixedContentStream(self.start_tag)
+
+
+class Ernie45ReasoningParser(DeepSeekR1ReasoningParser):
+    """Baidu ERNIE-4.5-21B-A3B-Thinking (vLLM's `ernie45`): the output starts inside the
+    thinking block (a leading `<think>` is tolerated) and is reasoning until `</think>`; the
+    answer after it may be wrapped in `<response>...</response>`, whose tags (and the newlines
+    just inside them) are not content. An output without `</think>` is all reasoning."""
+
+    name = "ernie45"
+    answer_tags = ("<response>", "</response>")
+
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningStream:
+        return ReasoningStream(True, self.start_tag, self.end_tag, answer=self.answer_tags)
+
+
+class Olmo3ReasoningParser(Qwen3ReasoningParser):
+    """AllenAI Olmo 3 Think (vLLM's `olmo3`): `<think>...</think>`, which the template may open
+    in the prompt (then the output is reasoning until `</think>`) or the model itself; split as
+    Qwen3's."""
+
+    name = "olmo3"
+
+
+class GraniteReasoningParser(ReasoningParser):
+    """IBM Granite 3.2 (vLLM's `granite`; thinking on with `chat_template_kwargs:
+    {"thinking": true}`): the output is `Here is my thought process:`, the reasoning, then
+    `Here is my response:` and the answer; either sentence may begin `Here's` instead. An
+    output that does not begin (after whitespace) with the first is all content; one cut off
+    before the second is all reasoning. The template never leaves the thoughts open."""
+
+    name = "granite"
+    start_tag = "Here is my thought process:"
+    end_tag = "Here is my response:"
+
+    def stream(self, prompt_opens_thinking: bool = False, *,
+               calls_read: bool = False) -> ReasoningStream:
+        return ReasoningStream(False, (self.start_tag, "Here's my thought process:"),
+                               (self.end_tag, "Here's my response:"))
+
+    def opens_thinking(self, prompt: str) -> bool:
+        return False
+
+
 REASONING_PARSERS: MappingProxyType[str, type[ReasoningParser]] = MappingProxyType({
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser,
                               Qwen3ReasoningParser, GptOssReasoningParser, Glm45ReasoningParser,
-                              SeedOssReasoningParser, HunyuanA13BReasoningParser)})
+                              SeedOssReasoningParser, HunyuanA13BReasoningParser,
+                              MistralReasoningParser, Step3ReasoningParser,
+                              MiniMaxM2ReasoningParser, MiniMaxM2AppendThinkReasoningParser,
+                              Ernie45ReasoningParser, Olmo3ReasoningParser,
+                              GraniteReasoningParser)})
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

@@ -283,7 +283,9 @@ def test_400_server_settings(server, client, model, r1_app):
                                       "minimax, minimax_m2, mistral, openai, phi4_mini_json, pythonic, "
                                       "qwen3, qwen3_coder, qwen3_xml, seed_oss")),
     (["--reasoning-parser", "r2"], ("unknown reasoning parser 'r2'; known: deepseek_r1, "
-                                    "deepseek_v3, glm45, hunyuan_a13b, openai_gptoss, qwen3, seed_oss")),
+                                    "deepseek_v3, ernie45, glm45, granite, hunyuan_a13b, minimax_m2, "
+                                    "minimax_m2_append_think, mistral, olmo3, openai_gptoss, qwen3, "
+                                    "seed_oss, step3")),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ])
 def test_bad_parser_flags_fail_at_start(flags, message, capsys):
