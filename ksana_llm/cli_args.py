@@ -134,6 +134,14 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "thought process:\"); minimax_m2_append_think (no split: <think> "
                              "+ the output as content); from GPT-OSS's "
                              "analysis channel: openai_gptoss")
+    parser.add_argument("--reasoning-config", type=cli_types.json_object, default=None,
+                        metavar="JSON",
+                        help="vLLM's: the text that opens and ends the thinking block, for "
+                             "requests' thinking_token_budget and structured output after the "
+                             "thinking, e.g. '{\"reasoning_start_str\": \"<think>\", "
+                             "\"reasoning_end_str\": \"Time to answer.</think>\"}' (the end "
+                             "string is what a spent budget forces; default: --reasoning-parser's "
+                             "tags)")
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")

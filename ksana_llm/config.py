@@ -58,6 +58,24 @@ KV_ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 DEFAULT_MAX_LORAS = 4
 
 
+class ReasoningConfig(BaseModel):
+    """The thinking block's text (vLLM's `--reasoning-config`), which the engine watches for:
+    a request's `thinking_token_budget` forces `reasoning_end_str` once the block is that long,
+    and structured output constrains only what follows the block. `reasoning_end_tag`: the
+    text that ends the block when the model writes it (default: `reasoning_end_str`), for an
+    end string that leads into the tag with a phrase ("Time to answer.</think>")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reasoning_start_str: str = Field(min_length=1)
+    reasoning_end_str: str = Field(min_length=1)
+    reasoning_end_tag: str | None = Field(None, min_length=1)
+
+    @property
+    def end_tag(self) -> str:
+        return self.reasoning_end_tag or self.reasoning_end_str
+
+
 class EngineConfig(BaseModel):
     """Validated, immutable engine settings. Invalid values raise a ValueError naming the field."""
 
@@ -144,6 +162,10 @@ class EngineConfig(BaseModel):
                         "subclasses, or their import paths 'module:Class', made once per engine "
                         "and run in this order on every step's logits for the requests they "
                         "apply to (set per request with GenerationConfig.extra_args)")
+    reasoning_config: ReasoningConfig | None = Field(
+        None, description="vLLM's --reasoning-config: the text that opens and ends the "
+                          "model's thinking block, for thinking_token_budget and for structured "
+                          "output after the thinking (serve sets it from --reasoning-parser)")
     logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="vLLM's: what requested log-probs report: log_softmax of "
                                     "the model's logits (raw_logprobs) or the logits "

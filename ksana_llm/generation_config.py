@@ -29,7 +29,8 @@ _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_siz
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "length_penalty")
 _BOOL_FIELDS = ("do_sample", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-_OPTIONAL_INT_FIELDS = ("logprobs", "seed", "best_of", "prompt_logprobs", "truncate_prompt_tokens")
+_OPTIONAL_INT_FIELDS = ("logprobs", "seed", "best_of", "prompt_logprobs", "truncate_prompt_tokens",
+                        "thinking_token_budget")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -111,6 +112,11 @@ class GenerationConfig:
     output) ends with the rest. `allowed_token_ids` (vLLM's) restricts every sampled token to
     those ids.
 
+    `thinking_token_budget` (vLLM's) caps the tokens of the model's thinking block: once the
+    block holds that many, the engine forces its end (`EngineConfig.reasoning_config` says
+    which text opens and ends it; `serve --reasoning-parser` sets it). With a reasoning config,
+    `structured_output` constrains the answer after the thinking block, not the thinking.
+
     `truncate_prompt_tokens` (vLLM's) keeps only the prompt's last k tokens (-1: as many as
     the engine's max_model_len), for prompts given as text, token ids or `prompt_embeds` rows.
 
@@ -157,6 +163,8 @@ class GenerationConfig:
     logits_processors: list[Callable[..., Any]] = field(default_factory=list)
     # vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len); None keeps all.
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the most tokens the thinking block may hold before its end is forced; None: no cap.
+    thinking_token_budget: int | None = None
     # vLLM's SamplingParams.extra_args (`vllm_xargs` over HTTP): settings for the engine's own
     # logits processors (ksana_llm.LogitsProcessor); the engine itself reads none of them.
     extra_args: dict[str, Any] = field(default_factory=dict)
@@ -273,6 +281,10 @@ class GenerationConfig:
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             _fail("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.thinking_token_budget is not None and (
+                not _is_int(self.thinking_token_budget) or self.thinking_token_budget < 0):
+            _fail("thinking_token_budget", self.thinking_token_budget,
+                  "None or an integer >= 0")
         self._validate_logit_bias()
         if not isinstance(self.bad_words_ids, list) or not all(
                 isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w)
@@ -337,6 +349,9 @@ class GenerationConfig:
             _fail("best_of", self.best_of, "None with beam search (num_beams is the beam width)")
         if self.structured_output is not None:
             _fail("structured_output", self.structured_output, "None with beam search (num_beams > 1)")
+        if self.thinking_token_budget is not None:
+            _fail("thinking_token_budget", self.thinking_token_budget,
+                  "None with beam search (num_beams > 1)")
 
     @property
     def greedy(self) -> bool:

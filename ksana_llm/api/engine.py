@@ -33,7 +33,7 @@ from ksana_llm.api.request_intake import EngineDeadError, RequestIntake
 from ksana_llm.api.sleep_control import SleepControl
 from ksana_llm.api.stats import EngineStats, StatsTracker
 from ksana_llm.api.weight_control import WeightControl
-from ksana_llm.config import EngineConfig
+from ksana_llm.config import EngineConfig, ReasoningConfig
 from ksana_llm.distributed.executor import DistributedRunner, WorkerFailure
 from ksana_llm.engine.request import Sequence
 from ksana_llm.engine.scheduler_records import QueueFullError
@@ -160,6 +160,8 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
             lora=self._lora, priority_scheduling=self.scheduling_policy.uses_priority,
             logits_processors=self._core.sampler.logits_processors,
             logprobs_mode=self._core.sampler.logprobs_mode)
+        if self.config.reasoning_config is not None:
+            self._watch_thinking(self.config.reasoning_config)
         self._stats = StatsTracker()
         self._inbox: list[tuple[Sequence, RequestHandle]] = []
         self._aborts: list[str] = []
@@ -186,6 +188,19 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         self._thread = threading.Thread(target=self._loop, name="ksana-llm-engine", daemon=True)
         self._thread.start()
         self._exit_hook = ExitHook(self)  # a script may end without shutdown(), mid-step
+
+    def set_reasoning_config(self, reasoning_config: ReasoningConfig | dict[str, Any]) -> None:
+        """The text that opens and ends the model's thinking block, for the requests submitted
+        from now on (what `EngineConfig.reasoning_config` sets at start; `build_app` sets its
+        reasoning parser's tags on an engine without one)."""
+        if isinstance(reasoning_config, dict):
+            reasoning_config = ReasoningConfig(**reasoning_config)
+        self._watch_thinking(reasoning_config)
+        self.config = self.config.model_copy(update={"reasoning_config": reasoning_config})
+
+    def _watch_thinking(self, config: ReasoningConfig) -> None:
+        self._requests.watch_thinking(config.reasoning_start_str, config.reasoning_end_str,
+                                      config.reasoning_end_tag)
 
     @property
     def kv_layout(self) -> KvLayout | None:

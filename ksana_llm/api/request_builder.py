@@ -67,6 +67,9 @@ class RequestBuilder:
         self.max_num_seqs = max_num_seqs
         self._ids = itertools.count()
         self._grammar_compiler: Any = None  # built on the first structured-output request
+        # The thinking block's text as this tokenizer spells it (structured.ThinkingMarkers),
+        # from the engine's reasoning_config; None: requests cannot cap their thinking.
+        self.thinking: Any = None
         self._grammar_lock = threading.Lock()
 
     def _new_id(self, prefix: str) -> str:
@@ -169,6 +172,9 @@ class RequestBuilder:
         if config.structured_output is not None:
             # Compiled here, so an invalid schema is a ValueError in the caller's thread.
             seq.matcher = self.grammar().matcher(config.structured_output)
+        if config.thinking_token_budget is not None or (seq.matcher is not None
+                                                        and self.thinking is not None):
+            seq.matcher = self._thinking_gate(seq, config.thinking_token_budget)
         self._kv_transfer(request, seq)
         return seq, plugin_info
 
@@ -302,6 +308,26 @@ class RequestBuilder:
                 "best_of" if config.best_of else "num_return_sequences")
             raise ValueError(f"{what} must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {config.num_sequences}")
+
+    def watch_thinking(self, start: str, end: str, end_tag: str | None = None) -> None:
+        """Requests from now on follow the thinking block these texts open and end."""
+        if self.tokenizer is None:
+            raise ValueError("reasoning_config: the thinking block is found by its text, and "
+                             "this engine has no tokenizer")
+        from ksana_llm.structured.thinking import ThinkingMarkers
+
+        self.thinking = ThinkingMarkers.from_tokenizer(self.tokenizer, start, end, end_tag)
+
+    def _thinking_gate(self, seq: Sequence, budget: int | None) -> Any:
+        """The sequence's grammar (if any) behind a gate that lets it think first."""
+        if self.thinking is None:
+            raise ValueError("thinking_token_budget: this engine does not know the model's "
+                             "thinking block; give it a reasoning_config (serve: "
+                             "--reasoning-parser or --reasoning-config)")
+        from ksana_llm.structured.thinking import thinking_gate
+
+        return thinking_gate(self.thinking, seq.context_token_ids, grammar=seq.matcher,
+                             budget=budget)
 
     def grammar(self) -> Any:
         """The structured-output compiler, built on first use (it needs xgrammar and a scan of

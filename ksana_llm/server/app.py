@@ -111,6 +111,12 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (omit it to disable authentication)")
     check_tokenizer(engine, parsing, chat_template)
+    reasoning_parser = (get_reasoning_parser(parsing.reasoning_parser)
+                        if parsing.reasoning_parser is not None else None)
+    tags = reasoning_parser.thinking_tags() if reasoning_parser is not None else None
+    if tags is not None and engine.config.reasoning_config is None:
+        # `serve` gives the engine these at start; an engine built without them gets them here.
+        engine.set_reasoning_config({"reasoning_start_str": tags[0], "reasoning_end_str": tags[1]})
     if not isinstance(response_role, str) or not response_role.strip():
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
     metrics.check_prefix(metrics_prefix)
@@ -134,8 +140,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         else TokenIdTexts(),
         tool_parser=parsing.tool_parser(),
         enable_auto_tool_choice=parsing.enable_auto_tool_choice,
-        reasoning_parser=(get_reasoning_parser(parsing.reasoning_parser)
-                          if parsing.reasoning_parser is not None else None),
+        reasoning_parser=reasoning_parser,
         max_logprobs=parsing.max_logprobs, kv_transfer=transfer,
         return_tokens_as_token_ids=parsing.return_tokens_as_token_ids,
         responses=ResponseStore(max_stored_responses),

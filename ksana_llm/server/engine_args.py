@@ -45,7 +45,7 @@ ENGINE_FLAGS = ("tokenizer", "skip_tokenizer_init", "trust_remote_code", "device
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides",
                 "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes",
                 "logprobs_mode", "load_format", "disable_sliding_window", "revision",
-                "download_dir")
+                "download_dir", "reasoning_config")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -69,6 +69,29 @@ def _same_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def reasoning_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--reasoning-config`, else the tags of `--reasoning-parser`'s thinking block (vLLM's
+    default too). With both, the parser's end tag is what ends the block when the model writes
+    it, so the config's end string may lead into the tag with a phrase."""
+    given = getattr(args, "reasoning_config", None)
+    tags = None
+    name = getattr(args, "reasoning_parser", None)
+    if name is not None and not getattr(args, "skip_tokenizer_init", False):
+        # (Without a tokenizer, the parser is refused with the settings that read text.)
+        from ksana_llm.server.reasoning_parsers import get_reasoning_parser
+
+        try:
+            tags = get_reasoning_parser(name).thinking_tags()
+        except ValueError:
+            tags = None  # an unknown name: refused with the other parsing flags
+    if given is None:
+        return None if tags is None else {"reasoning_start_str": tags[0],
+                                          "reasoning_end_str": tags[1]}
+    if tags is not None and "reasoning_end_tag" not in given:
+        return {**given, "reasoning_end_tag": tags[1]}
+    return given
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(EngineConfig, the YAML's ServerSettings or None) from --config_file (when given) with the
     engine flags given on top."""
@@ -76,6 +99,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
 
     overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
     overrides["model"] = model_from_args(args)
+    overrides["reasoning_config"] = reasoning_config_from_args(args)
     flags = {name: _flag_of(name) for name in overrides}
     for name, value in (getattr(args, "speculative_config", None) or {}).items():
         if overrides[name] is not None and overrides[name] != value:

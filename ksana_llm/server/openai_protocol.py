@@ -106,6 +106,8 @@ class _SamplingRequest(_Request):
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=2**18)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
+    # vLLM's: the most tokens the thinking block may hold before the server forces its end.
+    thinking_token_budget: int | None = Field(None, ge=0)
     # Prefill/decode disaggregation (vLLM's name); checked by server.kv_transfer.
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: lower runs first; needs a server started with --scheduling-policy priority.

@@ -288,6 +288,8 @@ def generation_config(req: _SamplingRequest, *, max_tokens: int, logprobs: int |
     # serves every request that does not use it.
     if req.no_repeat_ngram_size:
         fields["no_repeat_ngram_size"] = req.no_repeat_ngram_size
+    if req.thinking_token_budget is not None:
+        fields["thinking_token_budget"] = req.thinking_token_budget
     bias = logit_bias_map(req.logit_bias, limits.vocab_size, "logit_bias")
     if bias:
         fields["logit_bias"] = bias

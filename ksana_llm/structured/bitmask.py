@@ -38,3 +38,22 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
         backend = "auto"
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices,
                                     backend=backend)
+
+
+def _bit(token_id: int) -> tuple[int, int]:
+    """(word, value) of `token_id`'s bit, the value as the signed int32 the word holds."""
+    value = 1 << (token_id % 32)
+    return token_id // 32, value - (1 << 32) if value >= 1 << 31 else value
+
+
+def allow_only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Row `row` allows `token_id` alone."""
+    word, value = _bit(token_id)
+    bitmask[row].zero_()
+    bitmask[row, word] = value
+
+
+def allow_also(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Row `row` allows `token_id` besides what it allowed."""
+    word, value = _bit(token_id)
+    bitmask[row, word] = int(bitmask[row, word]) | value

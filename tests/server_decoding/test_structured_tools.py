@@ -344,13 +344,19 @@ def test_reasoning_qwen3(client, model):
     assert extra_field(raw.choices[0].message, "reasoning_content") is None
     assert re.fullmatch(regex, raw.choices[0].message.content)
     # A template that opens the block in the prompt (Qwen3-Thinking-2507): the output is
-    # reasoning until its "</think>", streamed or not.
-    opened = dict(kwargs, extra_body={"structured_outputs": {"regex": regex.removeprefix("<think>")},
+    # reasoning until its "</think>", streamed or not. The thinking is free (the grammar
+    # constrains the answer after it), here 6 tokens long (thinking_token_budget).
+    answer = r"[A-Z][A-Za-z ,.]{5,20}"
+    opened = dict(kwargs, extra_body={"structured_outputs": {"regex": answer},
+                                      "thinking_token_budget": 6,
                                       "chat_template_kwargs": {"open_thinking": True}})
-    message = client.chat.completions.create(**opened).choices[0].message
+    choice = client.chat.completions.create(
+        **dict(opened, extra_body={**opened["extra_body"], "return_token_ids": True})).choices[0]
+    message = choice.message
     reasoning = extra_field(message, "reasoning_content")
-    assert re.fullmatch(r"[a-z ]{5,20}", reasoning or "") and re.fullmatch(r"[A-Z][A-Za-z ,.]{5,20}",
-                                                                          message.content), message
+    end_ids = client_tokens(client, "</think>")
+    assert extra_field(choice, "token_ids")[6:6 + len(end_ids)] == end_ids
+    assert reasoning and re.fullmatch(answer, message.content), message
     parts = ["", ""]
     for chunk in client.chat.completions.create(**opened, stream=True):
         if chunk.choices:
