@@ -121,7 +121,8 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "qwen3_xml, llama3_json, llama4_json, pythonic, llama4_pythonic, mistral, "
                              "deepseek_v3, deepseek_v31, deepseek_v32, kimi_k2, internlm, "
                              "granite, glm45, glm47, seed_oss, longcat, jamba, minimax, minimax_m2, "
-                             "phi4_mini_json, hunyuan_a13b, openai (GPT-OSS)")
+                             "phi4_mini_json, hunyuan_a13b, ernie45, olmo3, xlam, step3, "
+                             "openai (GPT-OSS)")
     parser.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
                         help="a Python file defining tool-call parsers of one's own "
                              "(ksana_llm.server.tool_parsers.ToolParser subclasses with a "
