@@ -28,7 +28,8 @@ _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_siz
                "num_return_sequences")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "length_penalty")
-_BOOL_FIELDS = ("do_sample", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+_BOOL_FIELDS = ("do_sample", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                "detokenize")
 _OPTIONAL_INT_FIELDS = ("logprobs", "seed", "best_of", "prompt_logprobs", "truncate_prompt_tokens",
                         "thinking_token_budget")
 
@@ -112,6 +113,10 @@ class GenerationConfig:
     output) ends with the rest. `allowed_token_ids` (vLLM's) restricts every sampled token to
     those ids.
 
+    `detokenize=False` (vLLM's) returns token ids with empty text: no decoding per token, which
+    a caller reading ids only (an RL trainer, a benchmark) does not need; stop strings, which are
+    found in the text, are refused with it.
+
     `thinking_token_budget` (vLLM's) caps the tokens of the model's thinking block: once the
     block holds that many, the engine forces its end (`EngineConfig.reasoning_config` says
     which text opens and ends it; `serve --reasoning-parser` sets it). With a reasoning config,
@@ -151,6 +156,8 @@ class GenerationConfig:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: False leaves the output's text empty (token ids only), saving the decoding.
+    detokenize: bool = True
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + k top alternatives
     seed: int | None = None
     best_of: int | None = None  # sequences generated (>= num_return_sequences); None: as many
@@ -281,6 +288,9 @@ class GenerationConfig:
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             _fail("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.stop and self.detokenize is False:
+            _fail("stop", self.stop, "empty with detokenize=False (stop strings are found in the "
+                                     "text, which is not made)")
         if self.thinking_token_budget is not None and (
                 not _is_int(self.thinking_token_budget) or self.thinking_token_budget < 0):
             _fail("thinking_token_budget", self.thinking_token_budget,

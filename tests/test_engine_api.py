@@ -153,6 +153,8 @@ def test_async_generate_and_stream(engine):
     (PROMPT, {"prompt_logprobs": 21}, "prompt_logprobs"),
     (PROMPT, {"structured_output": {"kind": "xml"}}, "structured_output"),
     (PROMPT, {"early_stopping": "sometimes", "num_beams": 2}, "early_stopping"),
+    (PROMPT, {"detokenize": 0}, "detokenize"),
+    (PROMPT, {"detokenize": False, "stop": ["."]}, "stop"),  # stop strings need the text
 ])
 def test_bad_input_names_the_field_and_engine_keeps_serving(engine, prompt, config, field):
     with pytest.raises(ValueError, match=field):
@@ -251,6 +253,20 @@ def test_stop_string_kept_and_special_tokens_shown(engine, model):
     assert shown.token_ids[-1] in model.eos_token_ids and shown.finish_reason == "stop"
     # vLLM's rule: the EOS that ends the answer is text only with include_stop_str_in_output.
     assert shown.text == hidden.text + "<|im_end|>" and unshown.text == hidden.text
+
+
+def test_detokenize_off_gives_the_same_tokens_without_text(engine):
+    """vLLM's detokenize=False: the tokens of the decoded request, no text (streamed: no
+    deltas), beside a request that is decoded in the same batch; n samples and beams too."""
+    config = kt.GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    decoded, bare = engine.generate_outputs([PROMPT, PROMPT], [config, config.replace(
+        detokenize=False)], use_tqdm=False)
+    assert bare.token_ids == decoded.token_ids and decoded.text and bare.text == ""
+    assert list(engine.generate(PROMPT, config.replace(detokenize=False), stream=True)) == []
+    beams = engine.generate_outputs(PROMPT, config.replace(
+        detokenize=False, num_beams=2, num_return_sequences=2), use_tqdm=False)[0]
+    assert [s.text for s in beams.sequences] == ["", ""] and all(
+        len(s.token_ids) == 10 for s in beams.sequences)
 
 
 @pytest.mark.parametrize("stream", [False, True])

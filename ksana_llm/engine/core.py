@@ -168,7 +168,9 @@ class EngineCore(OutputSteps, SamplingSteps, CaptureSteps, BeamSearchSteps, Spec
         """`stop_after_min_tokens`: stop strings wait for min_new_tokens (vLLM's rule); beam
         search's text does not, as its stop checks follow transformers (`StopStringCheck`)."""
         c = seq.config
-        return IncrementalDetokenizer(self.tokenizer, seq.context_token_ids,
+        # Without a tokenizer the detokenizer makes no text (as for a weights-only model).
+        return IncrementalDetokenizer(self.tokenizer if c.detokenize else None,
+                                      seq.context_token_ids,
                                       skip_special_tokens=c.skip_special_tokens, stop=c.stop,
                                       include_stop_str_in_output=c.include_stop_str_in_output,
                                       min_tokens=c.min_new_tokens if stop_after_min_tokens else 0)
