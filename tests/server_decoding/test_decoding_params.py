@@ -278,10 +278,10 @@ def test_400_server_settings(server, client, model, r1_app):
 
 @pytest.mark.parametrize("flags,message", [
     (["--tool-call-parser", "nope"], ("unknown tool-call parser 'nope'; known: deepseek_v3, deepseek_v31, "
-                                      "deepseek_v32, glm45, glm47, granite, hermes, hunyuan_a13b, internlm, jamba, "
-                                      "kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, "
-                                      "minimax, minimax_m2, mistral, openai, phi4_mini_json, pythonic, "
-                                      "qwen3, qwen3_coder, qwen3_xml, seed_oss")),
+                                      "deepseek_v32, ernie45, glm45, glm47, granite, hermes, hunyuan_a13b, "
+                                      "internlm, jamba, kimi_k2, llama3_json, llama4_json, llama4_pythonic, "
+                                      "longcat, minimax, minimax_m2, mistral, olmo3, openai, phi4_mini_json, "
+                                      "pythonic, qwen3, qwen3_coder, qwen3_xml, seed_oss, step3, xlam")),
     (["--reasoning-parser", "r2"], ("unknown reasoning parser 'r2'; known: deepseek_r1, "
                                     "deepseek_v3, ernie45, glm45, granite, hunyuan_a13b, minimax_m2, "
                                     "minimax_m2_append_think, mistral, olmo3, openai_gptoss, qwen3, "

@@ -10,10 +10,11 @@ from ksana_llm.server.tool_parsers.json_scan import scan_call_object, skip_ws
 from ksana_llm.server.tool_parsers.tagged import BodyScan, TaggedToolStream
 
 
-def parse_json_body(body: str) -> BodyScan:
+def parse_json_body(body: str, pos: int = 0) -> BodyScan:
     """One call object; several in one body (after each other, comma-separated, or as a JSON
-    array) are several calls: `next_at` says where the next one starts."""
-    start = skip_ws(body, 0)
+    array) are several calls: `next_at` says where the next one starts. `pos`: where the JSON
+    starts (after a format's own text at the body's start)."""
+    start = skip_ws(body, pos)
     if start < len(body) and body[start] == "[":
         start = skip_ws(body, start + 1)
     if start >= len(body) or body[start] != "{":

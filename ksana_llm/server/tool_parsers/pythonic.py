@@ -38,12 +38,27 @@ PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
 
 _LIST, _AFTER = range(FIRST_OWN_STATE, FIRST_OWN_STATE + 2)
+NOT_A_CALL = -1  # (CallExtent.read)
+_JSON_NAMES = {"null": None, "true": True, "false": False}
 
 
-def python_call(source: str) -> ToolCall | None:
-    """`name(key=literal, ...)` as a call with JSON arguments; None if `source` is not that."""
+class _JsonNames(ast.NodeTransformer):
+    """JSON's `null`, `true` and `false` written as Python names, made the constants they mean
+    (models shown their tools' JSON schemas write them so)."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in _JSON_NAMES:
+            return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+        return node
+
+
+def python_call(source: str, json_names: bool = False) -> ToolCall | None:
+    """`name(key=literal, ...)` as a call with JSON arguments; None if `source` is not that.
+    `json_names`: `null`, `true` and `false` are literals too (Olmo 3 writes them)."""
     try:
         node = ast.parse(source.strip(), mode="eval").body
+        if json_names:
+            node = _JsonNames().visit(node)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
@@ -64,21 +79,74 @@ def python_call(source: str) -> ToolCall | None:
     return ToolCall(node.func.id, text)
 
 
+class CallExtent:
+    """Where one call, `name(...)` from its first character at `start`, ends, read as its text
+    arrives: strings (any quotes, escapes, triple quotes) and bracket depth tell, and each
+    character is read once however finely the text streams."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self._pos = start  # read up to here
+        self._depth = 0
+        self._quote: str | None = None  # the open string literal's quote
+        self._in_name = True  # before the call's "("
+
+    def read(self, text: str) -> int | None:
+        """Read on in `text`: where the call ends (past its `)`) once it does, None while more
+        text is needed, NOT_A_CALL once it is clear that none is there."""
+        pos = self._pos
+        while pos < len(text):
+            c = text[pos]
+            if self._quote is not None:
+                if c == "\\":
+                    if pos + 1 >= len(text):
+                        break
+                    pos += 2
+                elif text.startswith(self._quote, pos):
+                    pos += len(self._quote)
+                    self._quote = None
+                elif len(self._quote) == 3 and self._quote.startswith(text[pos:]):
+                    break  # maybe the closing triple quote, half written
+                else:
+                    pos += 1
+                continue
+            if self._in_name:
+                # A call opens with its name: any other text (`[Don't worry]`) is no call, and
+                # is known as such at once rather than read as an open string to the end.
+                if c == "(":
+                    self._in_name = False
+                elif not (c.isalnum() or c == "_" or c in WHITESPACE):
+                    return NOT_A_CALL
+            elif c in "'\"":
+                ahead = text[pos:pos + 3]
+                if len(ahead) < 3 and ahead == c * len(ahead):
+                    break  # a triple quote or not: the next characters tell
+                self._quote = c * 3 if ahead == c * 3 else c
+                pos += len(self._quote)
+                continue
+            if c in "([{":
+                self._depth += 1
+            elif c in ")]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    return pos + 1 if c == ")" else NOT_A_CALL
+            pos += 1
+        self._pos = pos
+        return None
+
+
 class PythonicCallStream(CallListStream):
     """The list is scanned once, as it arrives: strings (any quotes) and bracket depth tell
     where each call ends, and only then is the call parsed."""
 
     def __init__(self) -> None:
         super().__init__((PYTHON_START,))
-        self._depth = 0  # bracket depth; 1 between the list's calls
-        self._quote: str | None = None  # the open string literal's quote
-        self._call_start: int | None = None
+        self._call: CallExtent | None = None  # the call being read
         self._comma_due = False  # a call ended: a comma (or the list's end) comes next
-        self._in_name = False  # between a call's first character and its "("
 
     def _open_at(self, pos: int) -> None:
         if self._text[pos] == "[":
-            self._pos, self._depth, self._state = pos + 1, 1, _LIST
+            self._pos, self._state = pos + 1, _LIST
         else:
             self._to_content(pos)
 
@@ -98,72 +166,38 @@ class PythonicCallStream(CallListStream):
     def _scan_list(self, out: ParsedDelta) -> bool:
         """Scan the list on from `_pos`; True when the state changed (False: more text needed)."""
         text, pos = self._text, self._pos
-        while pos < len(text):
+        while True:
+            if self._call is not None:
+                end = self._call.read(text)
+                if end is None:
+                    self._pos = pos
+                    return False
+                call = None if end == NOT_A_CALL else python_call(text[self._call.start:end])
+                if call is None:
+                    return self._not_a_call()
+                self._send(out, call)
+                pos = end
+                continue
+            if pos >= len(text):
+                self._pos = pos
+                return False
             c = text[pos]
-            if self._quote is not None:
-                if c == "\\":
-                    if pos + 1 >= len(text):
-                        break
-                    pos += 2
-                elif text.startswith(self._quote, pos):
-                    pos += len(self._quote)
-                    self._quote = None
-                elif len(self._quote) == 3 and self._quote.startswith(text[pos:]):
-                    break  # maybe the closing triple quote, half written
+            if c in WHITESPACE:
+                pos += 1
+            elif c == "," and self._comma_due:
+                self._comma_due = False
+                pos += 1
+            elif c == "]":  # (after a call, or after a trailing comma, as Python allows)
+                self._pos = pos + 1
+                if self._num_calls == 0:  # an empty list: an answer, not calls
+                    self._to_content(self._pos)
                 else:
-                    pos += 1
-                continue
-            if c in "'\"":
-                ahead = text[pos:pos + 3]
-                if len(ahead) < 3 and ahead == c * len(ahead):
-                    break  # a triple quote or not: the next characters tell
-                self._quote = c * 3 if ahead == c * 3 else c
-                pos += len(self._quote)
-                continue
-            if self._depth == 1 and self._call_start is None:
-                if c in WHITESPACE:
-                    pos += 1
-                    continue
-                if c == "," and self._comma_due:
-                    self._comma_due = False
-                    pos += 1
-                    continue
-                if c == "]":  # (after a call, or after a trailing comma, as Python allows)
-                    self._pos = pos + 1
-                    if self._num_calls == 0:  # an empty list: an answer, not calls
-                        self._to_content(self._pos)
-                    else:
-                        self._state = _AFTER
-                    return True
-                if self._comma_due or not (c.isalpha() or c == "_"):
-                    return self._not_a_call()
-                self._call_start = pos
-                self._in_name = True
-            if self._in_name:
-                # A call opens with its name: any other text (`[Don't worry]`) is no call, and
-                # is known as such at once rather than read as an open string to the end.
-                if c == "(":
-                    self._in_name = False
-                elif not (c.isalnum() or c == "_" or c in WHITESPACE):
-                    return self._not_a_call()
-            if c in "([{":
-                self._depth += 1
-            elif c in ")]}":
-                self._depth -= 1
-                if self._depth < 1:
-                    return self._not_a_call()
-                if self._depth == 1:
-                    if c != ")":
-                        return self._not_a_call()
-                    call = python_call(text[self._call_start:pos + 1])
-                    if call is None:
-                        return self._not_a_call()
-                    self._send(out, call)
-            elif self._depth == 1 and c == ",":
-                return self._not_a_call()  # a bare value in the list (`[1, 2]`)
-            pos += 1
-        self._pos = pos
-        return False
+                    self._state = _AFTER
+                return True
+            elif self._comma_due or not (c.isalpha() or c == "_"):
+                return self._not_a_call()  # (a bare value in the list: `[1, 2]`)
+            else:
+                self._call = CallExtent(pos)
 
     def _send(self, out: ParsedDelta, call: ToolCall) -> None:
         progress = CallProgress(self._num_calls)
@@ -175,7 +209,7 @@ class PythonicCallStream(CallListStream):
         closing = progress.close()
         if closing is not None:
             out.tool_calls.append(closing)
-        self._call_start = None
+        self._call = None
         self._comma_due = True
 
     def _not_a_call(self) -> bool:

@@ -62,23 +62,26 @@ class TaggedToolStream(ToolCallStream):
     malformed (its name and arguments were already streamed).
 
     `end` None: a format without an end tag (Mistral's), where a call runs to the next start
-    tag or to the end of the output.
+    tag or to the end of the output. `more`: other (start, end) pairs that open and close
+    regions read the same way (xLAM's fences and tags), for formats with several spellings.
     """
 
     def __init__(self, start: str, end: str | None, parse_body: BodyParser,
                  ignored: tuple[str, ...] = (), *,
                  on_new_body: Callable[[], None] | None = None,
-                 end_in_body: bool = False) -> None:
+                 end_in_body: bool = False,
+                 more: tuple[tuple[str, str | None], ...] = ()) -> None:
         """`on_new_body`: told when a call's body starts, for a `parse_body` that keeps what it
         read of the body so far (which only grows until then). `end_in_body`: the end tag is
         read as the body's last text too (DeepSeek-V3.2's `</｜DSML｜invoke>` closes the
         function whose parameters the body lists)."""
         self._on_new_body = on_new_body
         self._end_in_body = end_in_body
-        self._start = start
-        self._end = end
+        self._ends: dict[str, str | None] = {start: end, **dict(more)}
+        self._start = start  # the start tag of the open region (or the last one)
+        self._end = end  # its end tag
         self._parse_body = parse_body
-        self._content_markers = (start, *ignored)
+        self._content_markers = (*self._ends, *ignored)
         self._buffer = ""  # text not yet committed anywhere
         self._body: str | None = None  # the open call's body so far, None outside calls
         self._final = False  # the open call's body was read for good (BodyScan.final)
@@ -110,7 +113,8 @@ class TaggedToolStream(ToolCallStream):
                 i, marker = found
                 out.content += self._gate.push(self._buffer[:i])
                 self._buffer = self._buffer[i + len(marker):]
-                if marker == self._start:
+                if marker in self._ends:
+                    self._start, self._end = marker, self._ends[marker]
                     self._new_body("")
                 continue
             end = self._start if self._end is None else self._end

@@ -277,14 +277,17 @@ def parameter_call_stream(start: str, markup: ParameterMarkup, read_value: Value
 
 class ParameterTagToolParser(ToolParser):
     """A format whose calls sit between `call_start` and its `markup`'s end, each parameter in
-    tags of its own, values read by `read_value` with the request's tool schemas."""
+    tags of its own, values read by `read_value` with the request's tool schemas; `ignored`
+    tags (a block around the calls) vanish."""
 
     call_start: ClassVar[str]
     markup: ClassVar[ParameterMarkup]
     read_value: ClassVar[ValueReader]
+    ignored: ClassVar[tuple[str, ...]] = ()
 
     def stream(self) -> ToolCallStream:
         return self.stream_for(None)
 
     def stream_for(self, tools: list[dict[str, Any]] | None) -> ToolCallStream:
-        return parameter_call_stream(self.call_start, self.markup, self.read_value, tools)
+        return parameter_call_stream(self.call_start, self.markup, self.read_value, tools,
+                                     self.ignored)
