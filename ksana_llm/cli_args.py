@@ -143,6 +143,13 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "\"reasoning_end_str\": \"Time to answer.</think>\"}' (the end "
                              "string is what a spent budget forces; default: --reasoning-parser's "
                              "tags)")
+    parser.add_argument("--profiler-config", type=cli_types.json_object, default=None,
+                        metavar="JSON",
+                        help="vLLM's: mount POST /start_profile and /stop_profile, which trace "
+                             "the engine's steps with torch.profiler, e.g. '{\"profiler\": "
+                             "\"torch\", \"torch_profiler_dir\": \"./traces\"}' (also "
+                             "torch_profiler_with_stack, _record_shapes, _with_memory, "
+                             "_with_flops, _use_gzip; default: VLLM_TORCH_PROFILER_DIR when set)")
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
                              "ask for (default: 20)")

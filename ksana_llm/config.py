@@ -76,6 +76,21 @@ class ReasoningConfig(BaseModel):
         return self.reasoning_end_tag or self.reasoning_end_str
 
 
+class ProfilerConfig(BaseModel):
+    """vLLM's `--profiler-config` (torch.profiler): where `Engine.stop_profile` (`POST
+    /stop_profile`) writes the trace of the steps since `start_profile`, and what it records."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profiler: Literal["torch"] = "torch"
+    torch_profiler_dir: str = Field(min_length=1)
+    torch_profiler_with_stack: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+
+
 class EngineConfig(BaseModel):
     """Validated, immutable engine settings. Invalid values raise a ValueError naming the field."""
 
@@ -166,6 +181,10 @@ class EngineConfig(BaseModel):
         None, description="vLLM's --reasoning-config: the text that opens and ends the "
                           "model's thinking block, for thinking_token_budget and for structured "
                           "output after the thinking (serve sets it from --reasoning-parser)")
+    profiler_config: ProfilerConfig | None = Field(
+        None, description="vLLM's --profiler-config: Engine.start_profile / stop_profile (and "
+                          "the server's /start_profile, /stop_profile) trace the engine's steps "
+                          "with torch.profiler into torch_profiler_dir")
     logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="vLLM's: what requested log-probs report: log_softmax of "
                                     "the model's logits (raw_logprobs) or the logits "

@@ -22,6 +22,7 @@ from ksana_llm.api.core_builder import build_core
 from ksana_llm.api.exit_hook import ExitHook
 from ksana_llm.api.forward_calls import ForwardCalls
 from ksana_llm.api.pooling_calls import PoolingCalls
+from ksana_llm.api.profile_control import ProfileControl
 from ksana_llm.api.generation_defaults import model_generation_config
 from ksana_llm.api.lora_control import LoraControl
 from ksana_llm.api.lora_registry import LoraRegistry, startup_adapters
@@ -55,7 +56,7 @@ UNREADABLE_CHECK_S = 0.5
 
 
 class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepControl, ForwardCalls,
-             PoolingCalls, ChatMixin):
+             PoolingCalls, ChatMixin, ProfileControl):
     """Continuous-batching generation over one model.
 
     `max_batch_size` is the token budget of one forward step (as in the KTransformers guide);
@@ -202,6 +203,10 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         self._requests.watch_thinking(config.reasoning_start_str, config.reasoning_end_str,
                                       config.reasoning_end_tag)
 
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer`); None for an engine without one."""
+        return self.tokenizer
+
     @property
     def kv_layout(self) -> KvLayout | None:
         """What this engine's KV rows look like, which KV given as `Request.imported_kv` must
@@ -248,6 +253,7 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         # Set first: a shutdown from the engine thread (a callback), or one whose wait runs
         # out, leaves the freeing to the loop as it ends.
         self._free_kv_when_stopped = True
+        self._stop_profile_at_shutdown()
         if not self._stop_step_loop(timeout):
             return
         if isinstance(self._core.runner, DistributedRunner):

@@ -191,6 +191,10 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         from ksana_llm.server.sleep_routes import router as sleep_router
 
         app.include_router(sleep_router)
+    if engine.config.profiler_config is not None:
+        from ksana_llm.server.profile_routes import router as profile_router
+
+        app.include_router(profile_router)
     if transfer is not None and transfer.exports:
         kv_transfer.mount(app)  # GET /kv_transfer/{id}
 

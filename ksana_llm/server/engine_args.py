@@ -45,7 +45,7 @@ ENGINE_FLAGS = ("tokenizer", "skip_tokenizer_init", "trust_remote_code", "device
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides",
                 "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes",
                 "logprobs_mode", "load_format", "disable_sliding_window", "revision",
-                "download_dir", "reasoning_config")
+                "download_dir", "reasoning_config", "profiler_config")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -92,6 +92,16 @@ def reasoning_config_from_args(args: argparse.Namespace) -> dict[str, Any] | Non
     return given
 
 
+def profiler_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--profiler-config`, else (as older vLLM) a torch profiler writing to
+    $VLLM_TORCH_PROFILER_DIR when that is set."""
+    given = getattr(args, "profiler_config", None)
+    if given is not None:
+        return given
+    directory = os.environ.get("VLLM_TORCH_PROFILER_DIR")
+    return {"torch_profiler_dir": directory} if directory else None
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(EngineConfig, the YAML's ServerSettings or None) from --config_file (when given) with the
     engine flags given on top."""
@@ -100,6 +110,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     overrides: dict[str, Any] = {name: getattr(args, name, None) for name in ENGINE_FLAGS}
     overrides["model"] = model_from_args(args)
     overrides["reasoning_config"] = reasoning_config_from_args(args)
+    overrides["profiler_config"] = profiler_config_from_args(args)
     flags = {name: _flag_of(name) for name in overrides}
     for name, value in (getattr(args, "speculative_config", None) or {}).items():
         if overrides[name] is not None and overrides[name] != value:

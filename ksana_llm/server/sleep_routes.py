@@ -33,7 +33,7 @@ async def sleep(request: Request) -> Response:
         level = int(raw)
     except ValueError:
         raise bad_request(f"level must be 1 or 2, got {raw!r}", param="level") from None
-    await _on_engine(lambda: state.engine.sleep(level), param="level")
+    await on_engine(lambda: state.engine.sleep(level), param="level")
     return Response(status_code=200)
 
 
@@ -42,7 +42,7 @@ async def wake_up(request: Request) -> Response:
     state = server_state(request)
     state.check_alive()
     tags = request.query_params.getlist("tags") or None
-    await _on_engine(lambda: state.engine.wake_up(tags), param="tags")
+    await on_engine(lambda: state.engine.wake_up(tags), param="tags")
     return Response(status_code=200)
 
 
@@ -50,11 +50,11 @@ async def wake_up(request: Request) -> Response:
 async def is_sleeping(request: Request) -> JSONResponse:
     state = server_state(request)
     state.check_alive()
-    asleep = await _on_engine(state.engine.is_sleeping, param=None)
+    asleep = await on_engine(state.engine.is_sleeping, param=None)
     return JSONResponse({"is_sleeping": asleep})
 
 
-async def _on_engine(work: Callable[[], Any], *, param: str | None) -> Any:
+async def on_engine(work: Callable[[], Any], *, param: str | None) -> Any:
     """`work()` off the event loop (it waits for the engine thread); its ValueError is a 400
     (naming `param` when it is about that parameter)."""
     try:
