@@ -122,6 +122,12 @@ def test_reset_prefix_cache_goes_to_every_server(router, upstream):
     assert r.status_code == 200 and list(r.json()["servers"]) == [upstream.url]
     assert [seen[:2] for seen in upstream.seen] == [("POST", "/update_weights_from_disk")]
     assert upstream.bodies == [{"model_path": "/ckpt/7"}]  # the client's body, passed on
+    upstream.seen.clear()
+    for path in ("/start_profile", "/stop_profile"):  # each server traces its own steps
+        r = httpx.post(router.url + path)
+        assert r.status_code == 200 and list(r.json()["servers"]) == [upstream.url]
+    assert [seen[:2] for seen in upstream.seen] == [("POST", "/start_profile"),
+                                                    ("POST", "/stop_profile")]
     down = f"http://127.0.0.1:{free_port()}"
     proc = ServerProcess(["--prefill", down, "--decode", upstream.url], command="router")
     try:

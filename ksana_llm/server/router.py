@@ -20,7 +20,8 @@ server/router_responses.py; the failover over decode servers is server/router_fa
 So does every request when the prefill server is down, overloaded, failing or refuses the
 KV-transfer part: slower, never lost. A prefill server's 400 about the request itself is the client's answer.
 `/invocations` (SageMaker's) goes where its body's API would; `/reset_prefix_cache`,
-`/update_weights_from_disk`, `/sleep` and `/wake_up` go to every server.
+`/update_weights_from_disk`, `/sleep`, `/wake_up`, `/start_profile` and `/stop_profile` go to
+every server.
 """
 
 from __future__ import annotations
