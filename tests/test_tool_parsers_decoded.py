@@ -17,6 +17,7 @@ from tests.tool_parser_harness import (
     check_case,
     check_stream,
     chunkings,
+    function_tool,
     stream_in,
 )
 
@@ -144,17 +145,12 @@ def check_typed_case(name: str, text: str, tools, content, calls) -> None:
         check_stream(stream_in(parser.stream_for(tools), text, sizes), final)
 
 
-def _function(name: str, properties: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": properties}}}
-
-
 CODER_TOOLS = [
-    _function("get_weather", {"city": {"type": "string"}, "unit": {"type": "string"}}),
-    _function("search", {"query": {"type": "string"}, "filters": {"type": "object"},
+    function_tool("get_weather", {"city": {"type": "string"}, "unit": {"type": "string"}}),
+    function_tool("search", {"query": {"type": "string"}, "filters": {"type": "object"},
                          "note": {"type": "string"}}),
-    _function("list_files", {}),
-    _function("typed", {"n": {"type": "integer"}, "x": {"type": "number"}, "whole": {"type": "number"},
+    function_tool("list_files", {}),
+    function_tool("typed", {"n": {"type": "integer"}, "x": {"type": "number"}, "whole": {"type": "number"},
                         "flag": {"type": "boolean"}, "items": {"type": "array"},
                         "maybe": {"type": ["integer", "null"]}, "either": {"anyOf": [
                             {"type": "boolean"}, {"type": "string"}]}}),
@@ -245,7 +241,7 @@ def glm(content: str, calls: list, compact: bool = False) -> str:
     return content + "".join(blocks)
 
 
-GLM_TOOLS = [*CODER_TOOLS, _function("note", {"text": {"type": "string"}})]
+GLM_TOOLS = [*CODER_TOOLS, function_tool("note", {"text": {"type": "string"}})]
 
 
 @pytest.mark.parametrize("name", ["glm45", "glm47"])

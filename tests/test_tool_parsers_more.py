@@ -19,6 +19,7 @@ from tests.tool_parser_harness import (
     check_case,
     check_stream,
     chunkings,
+    function_tool,
     stream_in,
 )
 
@@ -52,17 +53,12 @@ def step3(content: str, calls: list) -> str:
     return f"{content}\n{STEP3_CALLS_BEGIN}\n{parts}{STEP3_CALLS_END}"
 
 
-def _function(name: str, properties: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": properties}}}
-
-
 TOOLS = [
-    _function("get_weather", {"city": {"type": "string"}, "unit": {"type": "string"}}),
-    _function("search", {"query": {"type": "string"}, "filters": {"type": "object"},
+    function_tool("get_weather", {"city": {"type": "string"}, "unit": {"type": "string"}}),
+    function_tool("search", {"query": {"type": "string"}, "filters": {"type": "object"},
                          "note": {"type": "string"}}),
-    _function("list_files", {}),
-    _function("typed", {"n": {"type": "integer"}, "x": {"type": "number"},
+    function_tool("list_files", {}),
+    function_tool("typed", {"n": {"type": "integer"}, "x": {"type": "number"},
                         "flag": {"type": "boolean"}, "items": {"type": "array"},
                         "label": {"type": "string"}}),
 ]

@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 import random
 
-from ksana_llm.server.tool_parsers import ParsedOutput, ToolCallStream, collect, get_tool_parser
+from ksana_llm.server.tool_parsers import (
+    ParsedOutput,
+    ToolCallStream,
+    collect,
+    get_tool_parser,
+)
 
 WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
 NESTED = ("search", {"query": "tags: {a} [b] \"quoted\" <tool_call> \\", "filters": {"n": [1, 2.5, None, True]},
@@ -89,3 +94,9 @@ def scans_streaming(monkeypatch, name: str, text: str) -> tuple[int, ParsedOutpu
     finally:
         monkeypatch.setattr(json_scan, "value_end", real)
     return count, final
+
+
+def function_tool(name: str, properties: dict) -> dict:
+    """A request's function tool whose parameters are an object of `properties`."""
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties}}}
