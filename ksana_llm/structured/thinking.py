@@ -89,19 +89,17 @@ class ThinkingGate:
         self.budget = budget
         if grammar is not None and state is ThinkingState.BEFORE and markers.start_token is None:
             state = ThinkingState.AFTER  # only a one-token tag may open the block (see above)
-        self.state = state
         self.thought = 0  # tokens in the block so far (all blocks: one budget)
         self.forcing: int | None = None  # index into forced_end_ids once the budget is spent
         self._recent: list[int] = []  # the tokens since the state changed, for the tag search
         self._first = True  # no token accepted yet
+        self._enter(state)
 
     # -- the matcher protocol -------------------------------------------------------------------
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of an all-allowing bitmask gets this step's constraint."""
         if self.state is ThinkingState.THINKING:
-            if self.forcing is None and self.budget is not None and self.thought >= self.budget:
-                self.forcing = 0
             if self.forcing is not None:
                 allow_only(bitmask, index, self.markers.forced_end_ids[self.forcing])
             return
@@ -152,6 +150,11 @@ class ThinkingGate:
             self._enter(ThinkingState.AFTER)
         else:
             self.thought += 1
+            self._force_end_if_spent()
+
+    def _force_end_if_spent(self) -> None:
+        if self.budget is not None and self.thought >= self.budget:
+            self.forcing = 0
 
     def _seen(self, token_id: int, text: str) -> bool:
         """Whether the tokens since the last change, with `token_id`, spell `text`. Only the
@@ -162,6 +165,8 @@ class ThinkingGate:
 
     def _enter(self, state: ThinkingState) -> None:
         self.state, self.forcing, self._recent = state, None, []
+        if state is ThinkingState.THINKING:
+            self._force_end_if_spent()  # a budget of 0, or spent by an earlier block
 
 
 def thinking_gate(markers: ThinkingMarkers, prompt_token_ids: list[int], *, grammar: Any = None,
