@@ -279,7 +279,8 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         default=None, help="replay CUDA graphs for decode steps")
     parser.add_argument("--enforce-eager", dest="enable_cuda_graphs", action="store_const",
                         const=False, help="no CUDA graphs (vLLM's flag; = --no-enable-cuda-graphs)")
-    parser.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+    parser.add_argument("--cuda-graph-max-batch-size", "--max-cudagraph-capture-size",
+                        dest="cuda_graph_max_batch_size", type=int, default=None,
                         help="largest decode batch replayed from a graph (default: max-num-seqs)")
     parser.add_argument("--cuda-graph-sizes", type=cli_types.positive_int, nargs="+",
                         default=None, metavar="N",

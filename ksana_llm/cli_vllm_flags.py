@@ -6,20 +6,30 @@ the model once it loads."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from typing import Any
 
 
 class _FlagWithoutEffect(argparse.Action):
     """A vLLM flag that means nothing here, taken (so a vLLM command line runs as it is) with a
-    warning that says why."""
+    warning that says why. `takes_value`: a flag with a value (read and dropped); `allowed`: the
+    values that mean nothing here (another one is refused: it would ask for what this engine
+    does not do)."""
 
-    def __init__(self, option_strings: list[str], dest: str, why: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+    def __init__(self, option_strings: list[str], dest: str, why: str,
+                 takes_value: bool = False, allowed: tuple[str, ...] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=None if takes_value else 0,
+                         default=argparse.SUPPRESS, **kwargs)
         self.why = why
+        self.allowed = allowed
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
+        if self.allowed is not None and values not in self.allowed:
+            parser.error(f"{option_string} {values}: not supported here ({self.why}); "
+                         f"accepted: {', '.join(self.allowed)}")
         # Once per parser: a command line with `--config FILE` is parsed twice (cli.main).
         warned = parser.__dict__.setdefault("_ksana_flags_warned", set())
         if option_string in warned:
@@ -47,9 +57,62 @@ def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: boo
             ("--enable-lora", "LoRA is on with --lora-modules or "
                               "--allow-runtime-lora-updating"),
             ("--enable-server-load-tracking", "GET /load always counts the requests being "
-                                              "answered")):
+                                              "answered"),
+            ("--disable-custom-all-reduce", "all-reduces are torch.distributed's (NCCL on "
+                                            "GPUs, gloo on CPUs)"),
+            ("--disable-frontend-multiprocessing", "the server and the engine share one "
+                                                   "process (the engine steps on its own "
+                                                   "thread)"),
+            ("--disable-cascade-attn", "there is no cascade attention here"),
+            ("--enable-expert-parallel", "MoE experts are split across ranks by tensor "
+                                         "parallelism")):
         parser.add_argument(flag, action=_FlagWithoutEffect, why=why,
                             help=f"accepted for vLLM's command lines: {why}")
+    for flag, why, allowed in (
+            ("--max-parallel-loading-workers", "the weights load in one pass", None),
+            ("--max-seq-len-to-capture", "decode CUDA graphs serve every context length up to "
+                                         "--max-model-len", None),
+            ("--tokenizer-mode", "the tokenizer is the Hugging Face one the model folder (or "
+                                 "--tokenizer) holds", ("auto", "hf")),
+            ("--distributed-executor-backend", "the ranks are torch.distributed processes "
+                                               "the server starts", ("mp", "uni")),
+            ("--guided-decoding-backend", "structured output is xgrammar's",
+             ("auto", "xgrammar"))):
+        parser.add_argument(flag, action=_FlagWithoutEffect, why=why, takes_value=True,
+                            allowed=allowed, metavar="VALUE",
+                            help=f"accepted for vLLM's command lines: {why}"
+                                 + (f" (values: {', '.join(allowed)})" if allowed else ""))
+    why = ("structured output is xgrammar's (backend auto or xgrammar), JSON in one canonical "
+           "layout, no properties a schema does not declare; with a reasoning parser it "
+           "constrains the answer after the thinking (enable_in_reasoning true is refused)")
+    parser.add_argument("--structured-outputs-config", action=_FlagWithoutEffect, why=why,
+                        takes_value=True, type=structured_outputs_config, metavar="JSON",
+                        help=f"accepted for vLLM's command lines: {why}")
+
+
+# vLLM's StructuredOutputsConfig keys, and the values that describe this engine.
+_STRUCTURED_OUTPUTS_KEYS = {"backend": ("auto", "xgrammar"), "disable_fallback": (True, False),
+                            "disable_any_whitespace": (True, False),
+                            "disable_additional_properties": (True, False),
+                            "enable_in_reasoning": (False,), "reasoning_parser": None}
+
+
+def structured_outputs_config(value: str) -> dict[str, Any]:
+    """vLLM's `--structured-outputs-config` JSON, checked: what it asks must be what this
+    engine does (xgrammar, the answer after the thinking); it changes no setting."""
+    from ksana_llm.cli_types import json_object
+
+    parsed = json_object(value)
+    for key, given in parsed.items():
+        if key not in _STRUCTURED_OUTPUTS_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"unknown key {key!r}; known: {', '.join(_STRUCTURED_OUTPUTS_KEYS)}")
+        allowed = _STRUCTURED_OUTPUTS_KEYS[key]
+        if allowed is not None and given not in allowed:
+            raise argparse.ArgumentTypeError(
+                f"{key}: {given!r} is not supported here (accepted: "
+                f"{', '.join(json.dumps(a) for a in allowed)})")
+    return parsed
 
 
 

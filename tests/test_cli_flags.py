@@ -413,3 +413,38 @@ def test_api_key_from_the_environment_and_an_empty_one(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(command)
         assert "--api-key: must not be empty" in capsys.readouterr().err
+
+
+def test_more_vllm_flags_are_taken_or_refused_with_the_reason(caplog, capsys):
+    """Flags of vLLM deployment scripts: those that describe what this engine does anyway are
+    taken with a warning saying why; values that ask for what it does not do (another
+    tokenizer mode, Ray, another grammar backend, grammar over the thinking) stop the command
+    line with the reason; --max-cudagraph-capture-size is vLLM's --cuda-graph-max-batch-size."""
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    parse = build_parser().parse_args
+    flags = ["--tokenizer-mode", "auto", "--distributed-executor-backend", "mp",
+             "--guided-decoding-backend", "xgrammar", "--max-seq-len-to-capture", "8192",
+             "--max-parallel-loading-workers", "2", "--disable-custom-all-reduce",
+             "--disable-frontend-multiprocessing", "--disable-cascade-attn",
+             "--enable-expert-parallel", "--structured-outputs-config",
+             '{"backend": "xgrammar", "disable_any_whitespace": true}']
+    with caplog.at_level("WARNING", logger="ksana_llm.cli"):
+        args = parse(["serve", "/models/m", *flags, "--max-cudagraph-capture-size", "24"])
+    warned = {r.getMessage().split(" changes nothing")[0] for r in caplog.records}
+    assert warned == {f for f in flags if f.startswith("--")}
+    config = configs_from_args(args)[0]
+    assert (config.model, config.cuda_graph_max_batch_size) == ("/models/m", 24)
+    for refused, reason in ((["--tokenizer-mode", "mistral"], "accepted: auto, hf"),
+                            (["--distributed-executor-backend", "ray"], "accepted: mp, uni"),
+                            (["--guided-decoding-backend", "outlines"], "xgrammar"),
+                            (["--structured-outputs-config", '{"enable_in_reasoning": true}'],
+                             "enable_in_reasoning"),
+                            (["--structured-outputs-config", '{"backend": "guidance"}'],
+                             "backend"),
+                            (["--structured-outputs-config", '{"whitespace": 1}'],
+                             "unknown key")):
+        with pytest.raises(SystemExit):
+            parse(["serve", *refused])
+        assert reason in capsys.readouterr().err
