@@ -113,10 +113,10 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     check_tokenizer(engine, parsing, chat_template)
     reasoning_parser = (get_reasoning_parser(parsing.reasoning_parser)
                         if parsing.reasoning_parser is not None else None)
-    tags = reasoning_parser.thinking_tags() if reasoning_parser is not None else None
-    if tags is not None and engine.config.reasoning_config is None:
+    derived = reasoning_parser.reasoning_config() if reasoning_parser is not None else None
+    if derived is not None and engine.config.reasoning_config is None:
         # `serve` gives the engine these at start; an engine built without them gets them here.
-        engine.set_reasoning_config({"reasoning_start_str": tags[0], "reasoning_end_str": tags[1]})
+        engine.set_reasoning_config(derived)
     if not isinstance(response_role, str) or not response_role.strip():
         raise ValueError(f"response_role must be a non-empty string, got {response_role!r}")
     metrics.check_prefix(metrics_prefix)

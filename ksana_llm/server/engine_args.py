@@ -74,21 +74,20 @@ def reasoning_config_from_args(args: argparse.Namespace) -> dict[str, Any] | Non
     default too). With both, the parser's end tag is what ends the block when the model writes
     it, so the config's end string may lead into the tag with a phrase."""
     given = getattr(args, "reasoning_config", None)
-    tags = None
+    derived = None
     name = getattr(args, "reasoning_parser", None)
     if name is not None and not getattr(args, "skip_tokenizer_init", False):
         # (Without a tokenizer, the parser is refused with the settings that read text.)
         from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 
         try:
-            tags = get_reasoning_parser(name).thinking_tags()
+            derived = get_reasoning_parser(name).reasoning_config()
         except ValueError:
-            tags = None  # an unknown name: refused with the other parsing flags
+            derived = None  # an unknown name: refused with the other parsing flags
     if given is None:
-        return None if tags is None else {"reasoning_start_str": tags[0],
-                                          "reasoning_end_str": tags[1]}
-    if tags is not None and "reasoning_end_tag" not in given:
-        return {**given, "reasoning_end_tag": tags[1]}
+        return derived
+    if derived is not None and "reasoning_end_tag" not in given:
+        return {**given, "reasoning_end_tag": derived["reasoning_end_str"]}
     return given
 
 

@@ -232,6 +232,14 @@ class ReasoningParser(ABC):
         a format without one (harmony's channels)."""
         return self.start_tag, self.end_tag
 
+    def reasoning_config(self) -> dict[str, str] | None:
+        """The engine's `reasoning_config` that watches this parser's thinking block (what
+        `serve` and `build_app` give an engine built without one); None without tags."""
+        tags = self.thinking_tags()
+        if tags is None:
+            return None
+        return {"reasoning_start_str": tags[0], "reasoning_end_str": tags[1]}
+
     def opens_thinking(self, prompt: str) -> bool:
         """Whether `prompt` (the rendered chat) leaves this parser's thinking block open."""
         return opens_thinking(prompt, self.start_tag)
