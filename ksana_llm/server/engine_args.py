@@ -45,7 +45,7 @@ ENGINE_FLAGS = ("tokenizer", "skip_tokenizer_init", "trust_remote_code", "device
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides",
                 "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes",
                 "logprobs_mode", "load_format", "disable_sliding_window", "revision",
-                "download_dir", "reasoning_config", "profiler_config")
+                "download_dir", "reasoning_config", "profiler_config", "max_logprobs")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -87,7 +87,8 @@ def reasoning_config_from_args(args: argparse.Namespace) -> dict[str, Any] | Non
     if given is None:
         return derived
     if derived is not None and "reasoning_end_tag" not in given:
-        return {**given, "reasoning_end_tag": derived["reasoning_end_str"]}
+        return {**given, "reasoning_end_tag": derived.get("reasoning_end_tag")
+                or derived["reasoning_end_str"]}
     return given
 
 

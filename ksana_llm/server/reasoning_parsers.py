@@ -229,7 +229,8 @@ class ReasoningParser(ABC):
     def thinking_tags(self) -> tuple[str, str] | None:
         """The (start, end) text of the thinking block, which the engine watches for (a
         request's thinking budget, structured output that starts after the thinking); None for
-        a format without one (harmony's channels)."""
+        a format without one (harmony's channels, whose `reasoning_config` says where thought
+        ends)."""
         return self.start_tag, self.end_tag
 
     def reasoning_config(self) -> dict[str, str] | None:
@@ -325,7 +326,16 @@ class GptOssReasoningParser(ReasoningParser):
     reads_special_tokens = True
 
     def thinking_tags(self) -> tuple[str, str] | None:
-        return None
+        return None  # channels, not a tagged block (see reasoning_config)
+
+    def reasoning_config(self) -> dict[str, str] | None:
+        """Everything before the final channel is thought (vLLM constrains structured output
+        to the final channel too): the block opens with the assistant's turn, where a harmony
+        prompt ends, and closes at the final channel's header; a spent budget ends the
+        message it is in and opens the final channel."""
+        return {"reasoning_start_str": "<|start|>assistant",
+                "reasoning_end_str": "<|end|><|start|>assistant<|channel|>final<|message|>",
+                "reasoning_end_tag": "<|channel|>final<|message|>"}
 
     def stream(self, prompt_opens_thinking: bool = False, *,
                calls_read: bool = False) -> ReasoningSplitter:

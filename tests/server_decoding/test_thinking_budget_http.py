@@ -68,7 +68,10 @@ def test_a_server_without_a_reasoning_parser_refuses_the_budget(default_model):
     ([], None),
     (["--reasoning-parser", "deepseek_r1"], ("<think>", "</think>", None)),
     (["--reasoning-parser", "seed_oss"], ("<seed:think>", "</seed:think>", None)),
-    (["--reasoning-parser", "openai_gptoss"], None),  # harmony: no thinking tags
+    # harmony: thought is what comes before the final channel
+    (["--reasoning-parser", "openai_gptoss"],
+     ("<|start|>assistant", "<|end|><|start|>assistant<|channel|>final<|message|>",
+      "<|channel|>final<|message|>")),
     (["--reasoning-config", '{"reasoning_start_str": "<t>", "reasoning_end_str": "</t>"}'],
      ("<t>", "</t>", None)),
     # A phrase before the tag: the parser's tag is what ends a block the model closes.
