@@ -152,7 +152,8 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                              "_with_flops, _use_gzip; default: VLLM_TORCH_PROFILER_DIR when set)")
     parser.add_argument("--max-logprobs", type=int, default=None,
                         help="largest logprobs / top_logprobs / prompt_logprobs a request may "
-                             "ask for (default: 20)")
+                             "ask for (default: 20; -1: no cap, a request may ask for the whole "
+                             "vocabulary with -1)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's prompt, token ids and settings (vLLM's flag)")
     parser.add_argument("--enable-log-outputs", action="store_true",

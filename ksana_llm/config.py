@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from ksana_llm.engine.scheduling_policy import (SchedulingPolicy, resolve_scheduling_policy,
                                                 scheduling_policy_source)
+from ksana_llm.generation_config import MAX_LOGPROBS
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 def _takes_bool(annotation: Any) -> bool:
@@ -191,6 +192,11 @@ class EngineConfig(BaseModel):
                                     "(raw_logits); or, processed_*, of the logits each token "
                                     "was chosen from, after the processors and, for sampled "
                                     "requests, temperature / top-k / top-p / min-p")
+    max_logprobs: int = Field(
+        MAX_LOGPROBS, ge=-1, description="vLLM's: the most top alternatives a request's logprobs / "
+                               "prompt_logprobs may ask for; -1: no cap, a request may ask for "
+                               "the whole vocabulary (logprobs=-1), which costs vocabulary-wide "
+                               "rows of host and device memory per token")
     max_queue_size: int = Field(1000, ge=1, description="waiting requests before QueueFullError")
     waiting_timeout_ms: int | None = Field(
         None, ge=1, description="a request never scheduled within this many ms fails with "

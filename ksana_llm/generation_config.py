@@ -18,7 +18,9 @@ from typing import Any
 
 
 STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "regex", "grammar")
-MAX_LOGPROBS = 20  # top alternatives per position (outputs and prompt); servers may cap lower
+# Default cap on the top alternatives a request may ask for per position (outputs and prompt):
+# EngineConfig.max_logprobs, vLLM's default; -1 there lets a request ask for the vocabulary.
+MAX_LOGPROBS = 20
 LOGIT_BIAS_RANGE = 100.0
 # A temperature below this samples as greedy (vLLM's rule): dividing logits by ~1e-38 overflows
 # them to inf, and the softmax of infs is NaN.
@@ -158,12 +160,14 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     # vLLM's: False leaves the output's text empty (token ids only), saving the decoding.
     detokenize: bool = True
-    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + k top alternatives
+    # None: no logprobs; k >= 0: sampled token + k top alternatives; -1: every token of the
+    # vocabulary (vLLM's; the engine's max_logprobs must allow it)
+    logprobs: int | None = None
     seed: int | None = None
     best_of: int | None = None  # sequences generated (>= num_return_sequences); None: as many
     early_stopping: bool | str = False  # beam search only: True, False or "never"
     logit_bias: dict[int, float] = field(default_factory=dict)
-    prompt_logprobs: int | None = None  # None: none; k >= 0: prompt token + k top alternatives
+    prompt_logprobs: int | None = None  # None: none; k >= 0 (or -1): prompt token + k top alternatives
     structured_output: StructuredOutputSpec | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
@@ -278,15 +282,14 @@ class GenerationConfig:
         if not isinstance(self.stop_token_ids, list) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        if self.logprobs is not None and (
-                isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            _fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
+            _fail("logprobs", self.logprobs, "None, an integer >= 0 or -1 (the whole vocabulary)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             _fail("seed", self.seed, "None or an integer")
         if self.prompt_logprobs is not None and (
-                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            _fail("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+                not _is_int(self.prompt_logprobs) or self.prompt_logprobs < -1):
+            _fail("prompt_logprobs", self.prompt_logprobs,
+                  "None, an integer >= 0 or -1 (the whole vocabulary)")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.stop and self.detokenize is False:
             _fail("stop", self.stop, "empty with detokenize=False (stop strings are found in the "

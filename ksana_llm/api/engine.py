@@ -160,7 +160,8 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
             kv_layout=None if isinstance(runner, DistributedRunner) else runner.kv_layout,
             lora=self._lora, priority_scheduling=self.scheduling_policy.uses_priority,
             logits_processors=self._core.sampler.logits_processors,
-            logprobs_mode=self._core.sampler.logprobs_mode)
+            logprobs_mode=self._core.sampler.logprobs_mode,
+            max_logprobs=self.config.max_logprobs)
         if self.config.reasoning_config is not None:
             self._watch_thinking(self.config.reasoning_config)
         self._stats = StatsTracker()

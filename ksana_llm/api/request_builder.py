@@ -18,7 +18,7 @@ from ksana_llm.api.forward_outputs import ForwardTarget
 from ksana_llm.api.outputs import Prompt, Request, as_token_ids
 from ksana_llm.api.prompt_rows import input_embedding_rows, prompt_embeds_rows, truncate_prompt
 from ksana_llm.engine.request import ForwardSpec, Sequence
-from ksana_llm.generation_config import GenerationConfig, check_truncate_prompt_tokens
+from ksana_llm.generation_config import MAX_LOGPROBS, GenerationConfig, check_truncate_prompt_tokens
 from ksana_llm.logits_processor import LogitsProcessor, processors_for_request
 from ksana_llm.runner.kv_transfer import KvLayout, TransferredKv
 
@@ -48,8 +48,10 @@ class RequestBuilder:
                  max_num_seqs: int, kv_layout: KvLayout | None = None,
                  lora: LoraRegistry | None = None, priority_scheduling: bool = True,
                  logits_processors: tuple[LogitsProcessor, ...] = (),
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS) -> None:
         self.model = model
+        # The most alternatives a request may ask for (EngineConfig.max_logprobs; -1: all).
+        self.max_logprobs = max_logprobs
         # What sample log-probs report: best_of ranks by their sum, which logits cannot give.
         self.logprobs_mode = logprobs_mode
         # The engine's own processors: each checks a request's settings, and says whether it
@@ -147,6 +149,7 @@ class RequestBuilder:
                              "to generate")
         self._check_priority(request.priority)
         self._check_config(config)
+        config = self._resolve_logprobs(config)
         request_id = self._request_id(request.request_id, "req")
         eos = () if config.ignore_eos else self.model.eos_token_ids
         if config.ignore_eos and any(len(w) == 1 and w[0] in self.model.eos_token_ids
@@ -267,6 +270,28 @@ class RequestBuilder:
         if not isinstance(given, str) or not given:
             raise ValueError(f"request_id must be None or a non-empty string, got {given!r}")
         return given
+
+    def _resolve_logprobs(self, config: GenerationConfig) -> GenerationConfig:
+        """`logprobs` / `prompt_logprobs` checked against the engine's max_logprobs (vLLM's
+        rule), -1 made the vocabulary size: the sampler and the prompt scorer take a count."""
+        vocab = self.model.vocab_size
+        cap = vocab if self.max_logprobs == -1 else self.max_logprobs
+        resolved: dict[str, int] = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(config, name)
+            if asked is None:
+                continue
+            if asked > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size ({vocab}), or -1 "
+                                 f"for all of it, got {asked}")
+            if (vocab if asked == -1 else asked) > cap:
+                what = f"-1 (the whole vocabulary, {vocab} tokens)" if asked == -1 else str(asked)
+                raise ValueError(f"{name}: {what} is more than this engine's max_logprobs "
+                                 f"({self.max_logprobs}); start it with a larger max_logprobs "
+                                 "(-1: no cap)")
+            if asked == -1:
+                resolved[name] = vocab
+        return config.replace(**resolved) if resolved else config
 
     def _check_config(self, config: GenerationConfig) -> None:
         """The config as it is now (a field may have been set since it was built, or by a

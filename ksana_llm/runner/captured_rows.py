@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ksana_llm.runner.host_copy import HostCopy, copies_done, host_buffer, start_host_copy
+from ksana_llm.runner.host_copy import HostCopy, copies_done, host_buffer
 from ksana_llm.runner.logits_processing import to_device
 from ksana_llm.runner.prompt_logprobs import TOKEN_LOGPROBS_CHUNK_ELEMENTS, token_logprobs
 from ksana_llm.runner.slices import SeqSlice
@@ -100,7 +100,7 @@ def _reduce_logits(model: nn.Module, rows: torch.Tensor, num_logit_rows: int,
         return None, None
     targets_t = to_device(targets, torch.long, rows.device) if targets else None
     host: torch.Tensor | None = None  # the forward logits, filled slice by slice
-    packed: list[torch.Tensor] = []
+    scored: torch.Tensor | None = None  # the packed prompt log-probs, filled slice by slice
     for lo in range(0, rows.shape[0], step):
         chunk = model.compute_logits(rows[lo:lo + step])
         if chunk is None:
@@ -116,8 +116,13 @@ def _reduce_logits(model: nn.Module, rows: torch.Tensor, num_logit_rows: int,
             chosen, ranks, values, ids = token_logprobs(
                 chunk[split:], targets_t[first:first + chunk.shape[0] - split], top_k,
                 chunk_elements=chunk_elements)
-            packed.append(torch.cat((chosen.double().unsqueeze(1), ranks.double().unsqueeze(1),
-                                     values.double(), ids.double()), dim=1))
+            packed = torch.cat((chosen.double().unsqueeze(1), ranks.double().unsqueeze(1),
+                                values.double(), ids.double()), dim=1)
+            if scored is None:
+                scored = host_buffer((len(targets), packed.shape[1]), packed)
+            # To the host slice by slice, as the logits: with many alternatives (-1: the whole
+            # vocabulary) a prompt chunk's packed rows would not fit on the device at once.
+            scored[first:first + packed.shape[0]].copy_(packed, non_blocking=True)
     logits = copies_done(host, rows.device) if host is not None else None
-    logprobs = start_host_copy(torch.cat(packed)) if packed else None
+    logprobs = copies_done(scored, rows.device) if scored is not None else None
     return logits, logprobs

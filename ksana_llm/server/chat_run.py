@@ -61,7 +61,8 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     check_common(req, state)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
-    check_logprobs_cap(req.top_logprobs, state.max_logprobs, "top_logprobs")
+    check_logprobs_cap(req.top_logprobs, state.max_logprobs, "top_logprobs",
+                       state.limits.vocab_size)
     tools = plan_tools(req.tools, req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                        auto_enabled=state.enable_auto_tool_choice, parser=state.tool_parser)
     template_kwargs = state.chat_template_kwargs(req.chat_template_kwargs)

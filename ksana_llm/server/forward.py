@@ -182,7 +182,8 @@ def _plan(engine: Any, body: ForwardBody, state: Any
         ids = _prompt_ids(i, req, state)
         for j, t in enumerate(req.request_target):
             check_logprobs_cap(t.input_top_logprobs_num, state.max_logprobs,
-                               f"requests.{i}.request_target.{j}.input_top_logprobs_num")
+                               f"requests.{i}.request_target.{j}.input_top_logprobs_num",
+                               state.limits.vocab_size)
             if t.target_name in _UNSUPPORTED_TARGETS:
                 raise bad_request(f"target_name {t.target_name!r} is not supported yet "
                                   "(supported: logits, layernorm).",

@@ -255,7 +255,8 @@ def generation_config(sc: SamplingConfig, prompt_len: int, state: ServerState,
     check_token_ids([t for t in sc.stop_token_ids if t < 0], state.limits.vocab_size,
                     "sampling_config.stop_token_ids")
     stop_ids = [t for t in sc.stop_token_ids if t < state.limits.vocab_size]
-    check_logprobs_cap(sc.logprobs, state.max_logprobs, "sampling_config.logprobs")
+    check_logprobs_cap(sc.logprobs, state.max_logprobs, "sampling_config.logprobs",
+                       state.limits.vocab_size)
     if any(not s for s in sc.stop_strings):
         raise bad_request("Stop strings must be non-empty.", param="sampling_config.stop_strings")
     beam = _beam_fields(sc)

@@ -90,7 +90,7 @@ class _SamplingRequest(_Request):
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}; see structured_params
     response_format: Any = None
     # vLLM extras: prompt logprobs, beam search, n-gram blocking, structured outputs.
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     use_beam_search: bool = False
     num_beams: int | None = Field(None, ge=1, le=MAX_BEAMS)
     length_penalty: float = 1.0
@@ -172,7 +172,8 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # capped by --max-logprobs in the route
+    # Capped by --max-logprobs in the route; -1: the whole vocabulary (vLLM's).
+    top_logprobs: int | None = Field(None, ge=-1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     store: bool | None = None

@@ -155,7 +155,8 @@ async def create_completion(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, CompletionRequest)
     check_common(req, state)
-    check_logprobs_cap(req.logprobs, state.max_logprobs, "logprobs")
+    check_logprobs_cap(req.logprobs, state.max_logprobs, "logprobs",
+                       state.limits.vocab_size)
     # echo with max_tokens 0 scores the prompt (OpenAI's legacy rule, vLLM's too): one token is
     # generated, for the engine, and left out of the answer.
     score_only = req.max_tokens == 0

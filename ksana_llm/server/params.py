@@ -224,9 +224,18 @@ def logit_bias_map(bias: dict[str, float] | None, vocab_size: int, param: str) -
     return out
 
 
-def check_logprobs_cap(value: int | None, cap: int, param: str) -> None:
-    if value is not None and value > cap:
-        raise bad_request(f"`{param}` must be at most {cap} on this server (--max-logprobs), "
+def check_logprobs_cap(value: int | None, cap: int, param: str, vocab_size: int) -> None:
+    """A request's count of top alternatives against --max-logprobs (vLLM's rule: -1 counts
+    as the whole vocabulary, and a cap of -1 allows that much)."""
+    if value is None:
+        return
+    allowed = vocab_size if cap == -1 else cap
+    if value == -1 and vocab_size > allowed:
+        raise bad_request(f"`{param}` -1 asks for the whole vocabulary ({vocab_size} tokens); "
+                          f"this server allows at most {cap} (--max-logprobs; -1 allows it).",
+                          param=param)
+    if value > allowed:
+        raise bad_request(f"`{param}` must be at most {allowed} on this server (--max-logprobs), "
                           f"got {value}.", param=param)
 
 

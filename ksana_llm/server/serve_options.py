@@ -14,7 +14,6 @@ from typing import Any
 
 from ksana_llm.api.engine import Engine
 from ksana_llm.server import metrics
-from ksana_llm.server.openai_protocol import MAX_LOGPROBS
 from ksana_llm.server.reasoning_parsers import get_reasoning_parser
 from ksana_llm.server.request_log import RequestLog
 from ksana_llm.server.sampling_defaults import (NO_MODEL_DEFAULTS, SamplingDefaults,
@@ -36,7 +35,7 @@ class OutputParsing:
     plugin_tool_parsers: Mapping[str, type[ToolParser]] = field(
         default_factory=lambda: MappingProxyType({}))
     reasoning_parser: str | None = None
-    max_logprobs: int = MAX_LOGPROBS
+    max_logprobs: int | None = None  # None: the engine's max_logprobs; -1: no cap
     return_tokens_as_token_ids: bool = False  # every request's logprob tokens as token_id:<id>
 
     def check(self) -> None:
@@ -50,8 +49,9 @@ class OutputParsing:
                              f"(one of: {', '.join(sorted(known))})")
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
-        if self.max_logprobs < 0:
-            raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs is not None and self.max_logprobs < -1:
+            raise ValueError("--max-logprobs must be >= 0, or -1 for no cap, got "
+                             f"{self.max_logprobs}")
 
     def tool_parser(self) -> ToolParser | None:
         """The --tool-call-parser (built-in or from the plugin file), or None."""
@@ -83,8 +83,7 @@ def output_parsing_from_args(args: argparse.Namespace) -> OutputParsing:
                          plugin_tool_parsers=(load_tool_parser_plugin(plugin, TOOL_PARSERS)
                                               if plugin is not None else MappingProxyType({})),
                          reasoning_parser=getattr(args, "reasoning_parser", None),
-                         max_logprobs=MAX_LOGPROBS if getattr(args, "max_logprobs", None) is None
-                         else args.max_logprobs,
+                         max_logprobs=getattr(args, "max_logprobs", None),
                          return_tokens_as_token_ids=bool(
                              getattr(args, "return_tokens_as_token_ids", False)))
 

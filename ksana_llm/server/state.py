@@ -51,7 +51,8 @@ class ServerState:
     tool_parser: ToolParser | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
-    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: cap on top_logprobs / prompt_logprobs
+    # --max-logprobs: cap on top_logprobs / prompt_logprobs; -1: the whole vocabulary
+    max_logprobs: int = MAX_LOGPROBS
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: for every request
     enable_prompt_embeds: bool = False  # --enable-prompt-embeds: completions take prompt_embeds
     request_log: RequestLog | None = None  # --enable-log-requests

@@ -54,7 +54,8 @@ def check_common(req: _SamplingRequest, state: ServerState) -> None:
                           param=unsupported[0], code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-    check_logprobs_cap(req.prompt_logprobs, state.max_logprobs, "prompt_logprobs")
+    check_logprobs_cap(req.prompt_logprobs, state.max_logprobs, "prompt_logprobs",
+                       state.limits.vocab_size)
     if req.truncate_prompt_tokens == 0:
         raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
                           param="truncate_prompt_tokens")

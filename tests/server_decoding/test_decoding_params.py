@@ -269,6 +269,11 @@ def test_400_server_settings(server, client, model, r1_app):
                                ("/completions", {"prompt": "x", "logprobs": 9}, "logprobs")):
         r = httpx.post(server.base_url + route, json=body, timeout=60)
         assert r.status_code == 400 and openai_error(r)["param"] == param and "at most 8" in openai_error(r)["message"]
+    # -1 (vLLM's whole vocabulary) counts as the vocabulary's size against the cap.
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={"messages": QUESTION, "logprobs": True, "top_logprobs": -1})
+    assert r.status_code == 400 and openai_error(r)["param"] == "top_logprobs"
+    assert "whole vocabulary" in openai_error(r)["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=QUESTION, logprobs=True, top_logprobs=9)
     ok = client.chat.completions.create(model=model, messages=QUESTION, logprobs=True, top_logprobs=8,
@@ -287,6 +292,7 @@ def test_400_server_settings(server, client, model, r1_app):
                                     "minimax_m2_append_think, mistral, olmo3, openai_gptoss, qwen3, "
                                     "seed_oss, step3")),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--max-logprobs", "-2"], "--max-logprobs must be >= 0, or -1 for no cap, got -2"),
 ])
 def test_bad_parser_flags_fail_at_start(flags, message, capsys):
     """`ksana-llm serve` stops with exit code 2 and the known names, before loading any model."""

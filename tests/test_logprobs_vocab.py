@@ -1,0 +1,111 @@
+"""vLLM's whole-vocabulary log-probs and its cap: `logprobs=-1` / `prompt_logprobs=-1` return
+every token's log-prob (checked against transformers' log_softmax on the same weights) when the
+engine's `max_logprobs` is -1, and `max_logprobs` (EngineConfig, serve's `--max-logprobs`)
+bounds what a request may ask for, in Python and over HTTP (chat `top_logprobs=-1`)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+import ksana_llm as kt
+from ksana_llm.server.app import build_app
+from tests.family_harness import one_thread
+from tests.server_decoding.harness import run_r1
+
+PROMPT = "The quick brown fox"
+
+
+def _hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
+    """transformers' log-probs [len(ids), V] after each position."""
+    with torch.no_grad(), one_thread():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _check_whole_rows(entries, expected_rows: torch.Tensor) -> None:
+    """Each entry lists every token of the vocabulary, with transformers' log-prob."""
+    assert len(entries) == len(expected_rows)
+    for entry, row in zip(entries, expected_rows):
+        top = entry["top_logprobs"]
+        assert sorted(top) == list(range(row.shape[0]))
+        got = torch.tensor([top[t] for t in range(row.shape[0])])
+        torch.testing.assert_close(got, row, atol=2e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def uncapped(default_model):
+    with kt.Engine(default_model, num_device_blocks=64, max_logprobs=-1) as engine:
+        yield engine
+
+
+def test_whole_vocabulary_for_outputs_and_prompt(default_model, hf_default_model, uncapped):
+    ids = default_model.tokenizer.encode(PROMPT)
+    config = kt.GenerationConfig(max_new_tokens=3, logprobs=-1, prompt_logprobs=-1)
+    out = uncapped.generate_outputs(ids, config, use_tqdm=False)[0]
+    expected = _hf_log_softmax(hf_default_model, ids + out.token_ids)
+    _check_whole_rows(out.logprobs, expected[len(ids) - 1:-1])
+    _check_whole_rows(out.prompt_logprobs[1:], expected[:len(ids) - 1])
+    assert out.prompt_logprobs[0] is None
+    # Greedy: the chosen token is the most likely one of each whole row.
+    assert out.token_ids == expected[len(ids) - 1:-1].argmax(dim=-1).tolist()
+
+
+def test_beam_search_with_whole_vocabulary(default_model, uncapped):
+    config = kt.GenerationConfig(max_new_tokens=2, num_beams=2, logprobs=-1)
+    out = uncapped.generate_outputs(PROMPT, config, use_tqdm=False)[0]
+    vocab = default_model.vocab_size
+    assert all(len(entry["top_logprobs"]) == vocab for entry in out.logprobs)
+
+
+def test_the_cap_and_bad_counts(default_model, uncapped):
+    vocab = default_model.vocab_size
+    with pytest.raises(ValueError, match=rf"logprobs must be at most the vocabulary size \({vocab}\)"):
+        uncapped.generate(PROMPT, kt.GenerationConfig(max_new_tokens=1, logprobs=vocab + 1))
+    with pytest.raises(ValueError, match="logprobs"):
+        kt.GenerationConfig(logprobs=-2).validate()
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        kt.GenerationConfig(prompt_logprobs=-5).validate()
+    with kt.Engine(default_model, num_device_blocks=32) as capped:  # vLLM's default cap, 20
+        for config, field in (({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"),
+                              ({"prompt_logprobs": -1}, "prompt_logprobs")):
+            with pytest.raises(ValueError, match=rf"{field}: .*max_logprobs \(20\)"):
+                capped.generate(PROMPT, kt.GenerationConfig(max_new_tokens=1, **config))
+        # The engine keeps serving, and 20 is allowed.
+        out = capped.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=1, logprobs=20),
+                                      use_tqdm=False)[0]
+        assert len(out.logprobs[0]["top_logprobs"]) == 20
+    with kt.Engine(default_model, num_device_blocks=32, max_logprobs=50) as wider:
+        out = wider.generate_outputs(PROMPT, kt.GenerationConfig(max_new_tokens=1, logprobs=30),
+                                     use_tqdm=False)[0]
+        assert len(out.logprobs[0]["top_logprobs"]) == 30
+    with pytest.raises(ValueError, match="max_logprobs"):
+        kt.EngineConfig(model="x", max_logprobs=-2)
+
+
+def test_chat_top_logprobs_minus_one_over_http(uncapped):
+    """A server whose engine allows the vocabulary: chat `top_logprobs: -1` lists every token,
+    `prompt_logprobs: -1` every token after each prompt position; -2 is a 400."""
+    app = build_app(uncapped, served_model_name="m")
+    vocab = uncapped.model.vocab_size
+
+    async def check(_aclient, http: httpx.AsyncClient):
+        r = await http.post("/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "logprobs": True, "top_logprobs": -1, "prompt_logprobs": -1})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        content = body["choices"][0]["logprobs"]["content"]
+        assert len(content) == 2 and all(len(c["top_logprobs"]) == vocab for c in content)
+        assert all(entry is None or len(entry) >= vocab for entry in body["prompt_logprobs"])
+        for bad in ({"top_logprobs": -2, "logprobs": True}, {"prompt_logprobs": -2},
+                    {"top_logprobs": -1}):  # -1 needs logprobs: true, as any count
+            r = await http.post("/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+        # Completions' logprobs takes no -1 (vLLM's rule).
+        r = await http.post("/completions", json={"model": "m", "prompt": "x", "logprobs": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+    run_r1(app, check)
