@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ksana_llm as kt
-from ksana_llm.structured.thinking import ThinkingMarkers, ThinkingState
+from ksana_llm.structured.thinking import ThinkingGate, ThinkingMarkers, ThinkingState
 
 THINK = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
 OPENED = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
@@ -180,3 +180,23 @@ def test_where_a_prompt_leaves_the_block(default_model, tail, state):
     tokenizer = default_model.tokenizer
     markers = ThinkingMarkers.from_tokenizer(tokenizer, "<think>", "</think>")
     assert markers.prompt_state(tokenizer.encode(tail)) is state
+
+
+def test_a_budget_spent_inside_the_end_tag_finishes_it(default_model, end_ids):
+    """The model had begun `</think>` itself when the budget ran out: the gate forces the rest
+    of it, not the whole tag again."""
+    tokenizer = default_model.tokenizer
+    markers = ThinkingMarkers.from_tokenizer(tokenizer, "<think>", "</think>")
+    assert len(end_ids) > 1
+    gate = ThinkingGate(markers, ThinkingState.THINKING, budget=3)
+    for token in tokenizer.encode(" Four", add_special_tokens=False)[:1] + [end_ids[0]]:
+        gate.accept_token(token)
+    assert gate.forcing is None
+    gate.accept_token(end_ids[1])  # the third token of the block, and the tag's second
+    assert gate.forcing == 2 and gate.state is ThinkingState.THINKING
+    mask = torch.full((1, (default_model.vocab_size + 31) // 32), -1, dtype=torch.int32)
+    gate.fill_bitmask(mask, 0)
+    allowed = [t for t in range(mask.shape[1] * 32) if (mask[0, t // 32] >> (t % 32)) & 1]
+    assert allowed == [end_ids[2]]
+    gate.accept_token(end_ids[2])
+    assert gate.state is ThinkingState.AFTER

@@ -7,7 +7,8 @@ text (`ThinkingMarkers`: the engine's `reasoning_config`), decoding a few recent
 time, so a tag the tokenizer spells over several tokens is seen as well as a special token.
 
 - Thinking: every token is allowed until the block holds `budget` tokens; then the end text's
-  tokens are forced, one a step. Its end (written or forced) closes the block.
+  tokens are forced, one a step (after those of them the model just wrote itself). Its end
+  (written or forced) closes the block.
 - Not thinking: the grammar, if any, rules. A request with a grammar may open its block only
   with its first token, and only where the start tag is one token (a reasoning model's
   `<think>`): that token is allowed beside the grammar's. After the block the grammar starts
@@ -154,7 +155,17 @@ class ThinkingGate:
 
     def _force_end_if_spent(self) -> None:
         if self.budget is not None and self.thought >= self.budget:
-            self.forcing = 0
+            self.forcing = self._end_begun()
+
+    def _end_begun(self) -> int:
+        """How many of the forced end's tokens the block already ends with: a budget spent
+        while the model was writing the end itself goes on from there rather than starting
+        the end over ("</" then "</think>")."""
+        ids, recent = self.markers.forced_end_ids, self._recent
+        for m in range(min(len(ids) - 1, len(recent)), 0, -1):
+            if tuple(recent[-m:]) == ids[:m]:
+                return m
+        return 0
 
     def _seen(self, token_id: int, text: str) -> bool:
         """Whether the tokens since the last change, with `token_id`, spell `text`. Only the
