@@ -18,9 +18,7 @@ from typing import Any
 
 
 STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "regex", "grammar")
-# Default cap on the top alternatives a request may ask for per position (outputs and prompt):
-# EngineConfig.max_logprobs, vLLM's default; -1 there lets a request ask for the vocabulary.
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # default EngineConfig.max_logprobs: top alternatives a request may ask for
 LOGIT_BIAS_RANGE = 100.0
 # A temperature below this samples as greedy (vLLM's rule): dividing logits by ~1e-38 overflows
 # them to inf, and the softmax of infs is NaN.
@@ -160,14 +158,13 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     # vLLM's: False leaves the output's text empty (token ids only), saving the decoding.
     detokenize: bool = True
-    # None: no logprobs; k >= 0: sampled token + k top alternatives; -1: every token of the
-    # vocabulary (vLLM's; the engine's max_logprobs must allow it)
+    # None: none; k >= 0: sampled token + k top alternatives; -1: the whole vocabulary (vLLM's)
     logprobs: int | None = None
     seed: int | None = None
     best_of: int | None = None  # sequences generated (>= num_return_sequences); None: as many
     early_stopping: bool | str = False  # beam search only: True, False or "never"
     logit_bias: dict[int, float] = field(default_factory=dict)
-    prompt_logprobs: int | None = None  # None: none; k >= 0 (or -1): prompt token + k top alternatives
+    prompt_logprobs: int | None = None  # as logprobs, for each prompt token
     structured_output: StructuredOutputSpec | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
@@ -282,14 +279,12 @@ class GenerationConfig:
         if not isinstance(self.stop_token_ids, list) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
-            _fail("logprobs", self.logprobs, "None, an integer >= 0 or -1 (the whole vocabulary)")
+        for name in ("logprobs", "prompt_logprobs"):  # counts; the engine's max_logprobs caps them
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                _fail(name, value, "None, an integer >= 0 or -1 (the whole vocabulary)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             _fail("seed", self.seed, "None or an integer")
-        if self.prompt_logprobs is not None and (
-                not _is_int(self.prompt_logprobs) or self.prompt_logprobs < -1):
-            _fail("prompt_logprobs", self.prompt_logprobs,
-                  "None, an integer >= 0 or -1 (the whole vocabulary)")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.stop and self.detokenize is False:
             _fail("stop", self.stop, "empty with detokenize=False (stop strings are found in the "
