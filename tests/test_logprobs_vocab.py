@@ -51,6 +51,19 @@ def test_whole_vocabulary_for_outputs_and_prompt(default_model, hf_default_model
     assert out.token_ids == expected[len(ids) - 1:-1].argmax(dim=-1).tolist()
 
 
+def test_whole_vocabulary_under_speculative_drafts(default_model, hf_default_model):
+    """n-gram drafts verified several positions a step: each position's row is still the
+    model's whole distribution there."""
+    prompt = "one two three four one two three four one two three"
+    ids = default_model.tokenizer.encode(prompt)
+    with kt.Engine(default_model, num_device_blocks=64, max_logprobs=-1,
+                   speculative_method="ngram", num_speculative_tokens=3) as engine:
+        out = engine.generate_outputs(ids, kt.GenerationConfig(max_new_tokens=8, logprobs=-1),
+                                      use_tqdm=False)[0]
+    expected = _hf_log_softmax(hf_default_model, ids + out.token_ids)
+    _check_whole_rows(out.logprobs, expected[len(ids) - 1:-1])
+
+
 def test_beam_search_with_whole_vocabulary(default_model, uncapped):
     config = kt.GenerationConfig(max_new_tokens=2, num_beams=2, logprobs=-1)
     out = uncapped.generate_outputs(PROMPT, config, use_tqdm=False)[0]
