@@ -8,7 +8,8 @@ import argparse
 import os
 
 from ksana_llm import cli_types
-from ksana_llm.cli_vllm_flags import add_model_task_args, add_vllm_flags_without_effect
+from ksana_llm.cli_vllm_flags import (add_model_task_args, add_vllm_flags_without_effect,
+                                      compilation_config)
 from ksana_llm.config import (KV_CACHE_DTYPES, KV_ROLES, LOAD_FORMATS, LOGPROBS_MODES,
                               SPECULATIVE_METHODS, WEIGHT_QUANTIZATIONS)
 
@@ -287,6 +288,13 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
                         default=None, metavar="N",
                         help="decode batch sizes captured (vLLM's flag): one value is the "
                              "largest (= --cuda-graph-max-batch-size), several are the sizes")
+    parser.add_argument("--compilation-config", "-O", type=compilation_config, default=None,
+                        metavar="JSON|LEVEL",
+                        help="vLLM's: its cudagraph_mode (NONE: no graphs; any other: the "
+                             "decode-step graphs), use_cudagraph, cudagraph_capture_sizes (as "
+                             "--cuda-graph-sizes) and max_cudagraph_capture_size set the CUDA "
+                             "graphs; torch.compile's keys and the level (-O0..-O3) change "
+                             "nothing (with a warning): this engine compiles nothing")
     parser.add_argument("--attention-backend", default=None, choices=("auto", "torch", "triton"),
                         help="auto: Triton kernels on CUDA, torch SDPA otherwise")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -114,6 +115,76 @@ def structured_outputs_config(value: str) -> dict[str, Any]:
                 f"{', '.join(json.dumps(a) for a in allowed)})")
     return parsed
 
+
+# vLLM's CompilationConfig keys. Its CUDA-graph ones set EngineConfig fields; the others are
+# torch.compile's, and this engine compiles nothing (eager modules, Triton kernels, and CUDA
+# graphs of whole decode steps), so they change nothing.
+_CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+_COMPILE_ONLY_KEYS = frozenset((
+    "level", "mode", "backend", "custom_ops", "splitting_ops", "use_inductor", "compile_sizes",
+    "inductor_compile_config", "inductor_passes", "cudagraph_num_of_warmups",
+    "cudagraph_copy_inputs", "full_cuda_graph", "pass_config", "debug_dump_path", "cache_dir",
+    "use_inductor_graph_partition", "cudagraph_specialize_lora", "compile_mm_encoder"))
+_COMPILATION_KEYS = ("cudagraph_mode", "use_cudagraph", "cudagraph_capture_sizes",
+                     "max_cudagraph_capture_size")
+
+
+@dataclass(frozen=True)
+class CompilationFlags:
+    """What vLLM's `--compilation-config` / `-O` says here."""
+
+    fields: dict[str, Any]  # EngineConfig fields its CUDA-graph keys set
+    ignored: tuple[str, ...]  # its torch.compile keys (and level), which change nothing
+
+
+def compilation_config(value: str) -> CompilationFlags:
+    """vLLM's `--compilation-config`: an optimization level (0-3, as `-O3`), or a JSON object
+    whose `cudagraph_mode` (NONE: no graphs; any other mode: this engine's whole-step decode
+    graphs), `use_cudagraph`, `cudagraph_capture_sizes` and `max_cudagraph_capture_size` set
+    the CUDA-graph settings, and whose torch.compile keys are taken without effect."""
+    from ksana_llm.cli_types import json_object
+
+    if value.strip().isdigit():
+        parsed: dict[str, Any] = {"level": int(value)}
+    else:
+        parsed = json_object(value)
+    fields: dict[str, Any] = {}
+    for key, item in parsed.items():
+        if key in ("level", "mode") and item not in (0, 1, 2, 3):
+            raise argparse.ArgumentTypeError(f"{key} must be 0, 1, 2 or 3, got {item!r}")
+        if key == "cudagraph_mode":
+            mode = str(item).upper()
+            if mode not in _CUDAGRAPH_MODES:
+                raise argparse.ArgumentTypeError(
+                    f"cudagraph_mode must be one of {', '.join(_CUDAGRAPH_MODES)}, got {item!r}")
+            fields["enable_cuda_graphs"] = mode != "NONE"
+        elif key == "use_cudagraph":
+            if not isinstance(item, bool):
+                raise argparse.ArgumentTypeError(f"use_cudagraph must be true or false, got {item!r}")
+            if fields.get("enable_cuda_graphs", item) != item:
+                raise argparse.ArgumentTypeError("cudagraph_mode and use_cudagraph disagree")
+            fields["enable_cuda_graphs"] = item
+        elif key == "cudagraph_capture_sizes":
+            if not isinstance(item, list) or not item or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in item):
+                raise argparse.ArgumentTypeError(
+                    f"cudagraph_capture_sizes must be a list of positive integers, got {item!r}")
+            fields["cuda_graph_sizes"] = sorted(set(item))
+        elif key == "max_cudagraph_capture_size":
+            if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+                raise argparse.ArgumentTypeError(
+                    f"max_cudagraph_capture_size must be a positive integer, got {item!r}")
+            fields["cuda_graph_max_batch_size"] = item
+        elif key not in _COMPILE_ONLY_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"unknown key {key!r}; known: {', '.join(_COMPILATION_KEYS)} (CUDA graphs) and "
+                f"{', '.join(sorted(_COMPILE_ONLY_KEYS))} (torch.compile's: no effect here)")
+    if "cuda_graph_sizes" in fields and "cuda_graph_max_batch_size" in fields:
+        # vLLM caps the list by the largest size; EngineConfig takes one or the other.
+        largest = fields.pop("cuda_graph_max_batch_size")
+        fields["cuda_graph_sizes"] = [n for n in fields["cuda_graph_sizes"] if n <= largest] \
+            or [largest]
+    return CompilationFlags(fields, tuple(k for k in parsed if k in _COMPILE_ONLY_KEYS))
 
 
 def add_model_task_args(parser: argparse.ArgumentParser) -> None:

@@ -112,11 +112,19 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     overrides["reasoning_config"] = reasoning_config_from_args(args)
     overrides["profiler_config"] = profiler_config_from_args(args)
     flags = {name: _flag_of(name) for name in overrides}
-    for name, value in (getattr(args, "speculative_config", None) or {}).items():
-        if overrides[name] is not None and overrides[name] != value:
-            raise ValueError(f"--speculative-config sets {name} to {value!r} and "
-                             f"{flags[name]} to {overrides[name]!r}; give one")
-        overrides[name], flags[name] = value, "--speculative-config"
+    compilation = getattr(args, "compilation_config", None)
+    if compilation is not None and compilation.ignored:
+        logger.warning("--compilation-config %s changes nothing: this engine compiles nothing "
+                       "(eager modules, Triton kernels, CUDA graphs of decode steps)",
+                       ", ".join(compilation.ignored))
+    for flag, fields in (("--speculative-config", getattr(args, "speculative_config", None)),
+                         ("--compilation-config",
+                          compilation.fields if compilation is not None else None)):
+        for name, value in (fields or {}).items():
+            if overrides[name] is not None and overrides[name] != value:
+                raise ValueError(f"{flag} sets {name} to {value!r} and "
+                                 f"{flags[name]} to {overrides[name]!r}; give one")
+            overrides[name], flags[name] = value, flag
     if overrides["lora_modules"] is not None:
         names = [name for name, _ in overrides["lora_modules"]]
         if len(set(names)) != len(names):
