@@ -327,6 +327,13 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--revision", default=None,
                         help="vLLM's: the branch, tag or commit of a Hugging Face hub model id "
                              "(default main)")
+    parser.add_argument("--tokenizer-revision", default=None,
+                        help="vLLM's: the branch, tag or commit of a hub tokenizer (--tokenizer, "
+                             "else the hub model's own)")
+    parser.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
+                        help="vLLM's: the Hugging Face token hub downloads use (without a "
+                             "value, or by default: huggingface_hub's own, HF_TOKEN or the "
+                             "stored login)")
     parser.add_argument("--download-dir", default=None,
                         help="vLLM's: the Hugging Face cache a hub model id is read from and "
                              "downloaded into (default HF_HUB_CACHE / HF_HOME's; "

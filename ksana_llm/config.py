@@ -109,6 +109,13 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = Field(
         None, description="folder of the tokenizer to use instead of the model's own (vLLM "
                           "--tokenizer, KsanaLLM tokenizer_dir); None -> the model's")
+    tokenizer_revision: str | None = Field(
+        None, description="vLLM's: the revision of a hub tokenizer (or, without tokenizer, of "
+                          "the hub model's own)")
+    # A secret: not in the config's repr (logs, errors).
+    hf_token: str | bool | None = Field(
+        None, repr=False,
+        description="vLLM's: the hub token downloads use (None or True: huggingface_hub's own)")
     skip_tokenizer_init: bool = Field(
         False, description="vLLM's: load no tokenizer. Prompts are token ids, outputs carry "
                            "token ids and no text; text inputs and stop strings are refused")

@@ -106,6 +106,8 @@ def test_a_revision_for_a_local_model_is_refused(default_model_dir):
 def test_a_revision_given_with_a_loaded_model_is_refused(default_model):
     with pytest.raises(ValueError, match="revision='v2' applies while a model loads"):
         kt.Engine(default_model, revision="v2", num_device_blocks=16)
+    with pytest.raises(ValueError, match="tokenizer_revision applies while a model"):
+        kt.Engine(default_model, tokenizer_revision="v2", num_device_blocks=16)
 
 
 def test_a_tokenizer_hub_id_reads_the_cache(hub_cache, monkeypatch, default_model_dir, tmp_path):
@@ -166,3 +168,58 @@ def test_a_hub_repositorys_plugin_runs_only_with_trust_remote_code(
     parse = build_parser().parse_args
     assert configs_from_args(parse(["serve", "--trust-remote-code"]))[0].trust_remote_code
     assert not configs_from_args(parse(["serve"]))[0].trust_remote_code
+
+
+def test_a_tokenizer_revision_picks_the_snapshot(hub_cache, monkeypatch, default_model_dir):
+    """vLLM's tokenizer_revision: of --tokenizer's hub id, or (without one) of the hub model's
+    own tokenizer; a revision the cache lacks fails naming it, and one for a local folder is
+    refused."""
+    from transformers import AutoTokenizer
+
+    cache, _ = hub_cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reference = AutoTokenizer.from_pretrained(default_model_dir)
+    text = "The capital of France is"
+    settings = {"device": "cpu", "dtype": "float32", "progress": False, "download_dir": cache}
+    for tokenizer in (REPO, None):
+        model = kt.Model.from_pretrained(REPO, tokenizer=tokenizer, tokenizer_revision="v2",
+                                         **settings)
+        assert model.tokenizer.encode(text) == reference.encode(text)
+        with pytest.raises(ValueError, match="tokenizer 'tiny-org/tiny-chat' at revision 'v3'"):
+            kt.Model.from_pretrained(REPO, tokenizer=tokenizer, tokenizer_revision="v3",
+                                     **settings)
+    with pytest.raises(ValueError, match="tokenizer_revision 'v2' applies to Hugging Face hub"):
+        kt.Model.from_pretrained(default_model_dir, tokenizer_revision="v2", **settings)
+    with pytest.raises(ValueError, match="tokenizer_revision 'v2' applies to Hugging Face hub"):
+        kt.Model.from_pretrained(REPO, tokenizer=default_model_dir, tokenizer_revision="v2",
+                                 **settings)
+
+
+def test_the_hf_token_reaches_the_hub_and_stays_out_of_logs(hub_cache, monkeypatch):
+    """--hf-token (vLLM's) is what huggingface_hub is called with. The hub cannot be reached
+    here, so the call is watched on its way to huggingface_hub's real snapshot_download (which
+    serves the cache); the token never shows in the config's repr."""
+    import huggingface_hub
+
+    from ksana_llm.cli import build_parser
+    from ksana_llm.server.app import configs_from_args
+
+    cache, _ = hub_cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    real, tokens = huggingface_hub.snapshot_download, []
+
+    def watched(*args, **kwargs):
+        tokens.append(kwargs.get("token"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", watched)
+    config = configs_from_args(build_parser().parse_args(
+        ["serve", REPO, "--download-dir", str(cache), "--hf-token", "hf_secret",
+         "--tokenizer-revision", "v2"]))[0]
+    assert (config.hf_token, config.tokenizer_revision) == ("hf_secret", "v2")
+    assert "hf_secret" not in repr(config)
+    kt.Model.from_pretrained(config.model, device="cpu", dtype="float32", progress=False,
+                             download_dir=cache, hf_token=config.hf_token,
+                             tokenizer_revision=config.tokenizer_revision)
+    assert tokens and set(tokens) == {"hf_secret"}  # the model's snapshot and the tokenizer's
+    assert build_parser().parse_args(["serve", "--hf-token"]).hf_token is True

@@ -101,8 +101,14 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
             self.config = self.config.model_copy(update={"device": str(model.device),
                                                          "dtype": model.dtype_name,
                                                          "load_format": model.load_format})
+            if self.config.tokenizer_revision is not None and self.config.tokenizer is None:
+                raise ValueError("tokenizer_revision applies while a model (or a tokenizer) "
+                                 "loads; this engine was given a loaded model and no tokenizer")
             if tokenizer is None and self.config.tokenizer is not None:
-                model = model.with_tokenizer(self.config.tokenizer)
+                model = model.with_tokenizer(self.config.tokenizer,
+                                             revision=self.config.tokenizer_revision,
+                                             download_dir=self.config.download_dir,
+                                             token=self.config.hf_token)
             if self.config.skip_tokenizer_init:
                 model = model.without_tokenizer()
         else:
@@ -114,7 +120,8 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
                 hf_overrides=self.config.hf_overrides, load_format=self.config.load_format,
                 revision=self.config.revision, download_dir=self.config.download_dir,
                 skip_tokenizer_init=self.config.skip_tokenizer_init,
-                trust_remote_code=self.config.trust_remote_code)
+                trust_remote_code=self.config.trust_remote_code,
+                tokenizer_revision=self.config.tokenizer_revision, hf_token=self.config.hf_token)
             try:
                 self._start(model, tokenizer, generation_config)
             except BaseException:

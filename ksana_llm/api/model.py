@@ -129,10 +129,13 @@ class Model:
         """The weights' dtype as EngineConfig names it ("float32", "bfloat16", ...)."""
         return str(self.dtype).removeprefix("torch.")
 
-    def with_tokenizer(self, path: str | os.PathLike) -> Model:
-        """This model (the same weights) with the tokenizer in folder `path` instead of its own,
-        its EOS ids read again with it."""
-        tokenizer = load_tokenizer(path, self.vocab_size)
+    def with_tokenizer(self, path: str | os.PathLike, *, revision: str | None = None,
+                       download_dir: str | os.PathLike | None = None,
+                       token: str | bool | None = None) -> Model:
+        """This model (the same weights) with the tokenizer in folder (or hub id) `path`
+        instead of its own, its EOS ids read again with it."""
+        tokenizer = load_tokenizer(path, self.vocab_size, revision=revision,
+                                   download_dir=download_dir, token=token)
         return replace(self, tokenizer=tokenizer, eos_token_ids=find_eos_token_ids(
             self.path, self.hf_config, tokenizer))
 
@@ -222,7 +225,8 @@ class Model:
                         load_format: str = "auto", revision: str | None = None,
                         download_dir: str | os.PathLike | None = None,
                         skip_tokenizer_init: bool = False,
-                        trust_remote_code: bool = False) -> Model:
+                        trust_remote_code: bool = False, tokenizer_revision: str | None = None,
+                        hf_token: str | bool | None = None) -> Model:
         """Load an HF folder, a .gguf file, a Hugging Face hub id ("Qwen/Qwen3-0.6B") or (path
         None) the embedded SmolLM2-135M-Instruct.
 
@@ -239,7 +243,10 @@ class Model:
         quantized to int8 per token; a quantized checkpoint loads as it is without it.
 
         `tokenizer`: a folder whose tokenizer replaces the model's own (vLLM's `tokenizer`;
-        e.g. a weights-only folder, or a GGUF file whose embedded tokenizer is not wanted).
+        e.g. a weights-only folder, or a GGUF file whose embedded tokenizer is not wanted), or
+        a hub id; `tokenizer_revision` (vLLM's) is its revision, or, without `tokenizer`, that
+        of the model's hub repository's tokenizer. `hf_token` (vLLM's): the hub token that
+        downloads use (None or True: huggingface_hub's own, HF_TOKEN or the stored login).
         `skip_tokenizer_init` (vLLM's): load none; the model then runs on token ids only
         (EOS ids still come from generation_config.json / config.json).
 
@@ -265,20 +272,27 @@ class Model:
         check_load_format(load_format, path)
         if skip_tokenizer_init and tokenizer is not None:
             raise ValueError("tokenizer: not with skip_tokenizer_init, which loads none")
+        if tokenizer_revision is not None and tokenizer is None:
+            if path is None or not names_a_hub_repo(path):
+                raise ValueError(f"tokenizer_revision {tokenizer_revision!r} applies to Hugging "
+                                 "Face hub ids; neither the model nor a tokenizer is one")
+            tokenizer = path  # the model repository's tokenizer, at that revision
         if not isinstance(plugin, (bool, str, os.PathLike)):
             raise ValueError(f"plugin must be True, False or the path of a ksana_plugin.py, got {plugin!r}")
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         tp_size = resolve_parallel_size("tensor_parallel_size", tensor_parallel_size, torch_device)
         pp_size = resolve_parallel_size("pipeline_parallel_size", pipeline_parallel_size, None)
-        model_dir = resolve_model_dir(path, revision=revision, download_dir=download_dir)
+        model_dir = resolve_model_dir(path, revision=revision, download_dir=download_dir,
+                                      token=hf_token)
         if hf_overrides is not None and not isinstance(hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict, got {type(hf_overrides).__name__}")
         hf_config = load_hf_config(model_dir, hf_overrides)
         # Before the weights: a wrong tokenizer path fails in seconds, not after the load.
         given_tokenizer = (None if tokenizer is None
                            else load_tokenizer(tokenizer, int(hf_config.vocab_size),
-                                               download_dir=download_dir))
+                                               download_dir=download_dir,
+                                               revision=tokenizer_revision, token=hf_token))
         folder_tokenizer = None
         if classification_architecture(hf_config) \
                 and getattr(hf_config, "classifier_from_token", None) is not None:

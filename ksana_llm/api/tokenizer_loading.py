@@ -61,22 +61,27 @@ def _tokenizes_text(tokenizer: Any) -> bool:
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
-                   download_dir: str | os.PathLike | None = None) -> Any:
+                   download_dir: str | os.PathLike | None = None, revision: str | None = None,
+                   token: str | bool | None = None) -> Any:
     """The tokenizer in folder `path`, or of the Hugging Face hub id "owner/name" (vLLM's
-    --tokenizer Qwen/Qwen3-0.6B: the HF cache's snapshot, downloaded when missing, as for
-    models), asked for by name (unlike the model folder's own, which may be missing):
-    ValueError naming `tokenizer` when it does not load or holds tokens the model has no
-    embedding for."""
+    --tokenizer Qwen/Qwen3-0.6B: the HF cache's snapshot at `revision` (vLLM's
+    tokenizer_revision), downloaded with `token` when missing, as for models), asked for by
+    name (unlike the model folder's own, which may be missing): ValueError naming `tokenizer`
+    when it does not load or holds tokens the model has no embedding for."""
     from transformers import AutoTokenizer
 
     folder = Path(path)
+    if folder.is_dir() and revision is not None:
+        raise ValueError(f"tokenizer_revision {revision!r} applies to Hugging Face hub ids; "
+                         f"the tokenizer {path} is a local folder")
     if not folder.is_dir():
         # Only "owner/name" is looked up on the hub: a bare name is far likelier a folder
         # mistyped than a legacy hub id, and must not fetch someone else's tokenizer.
         if "/" not in str(path) or not is_repo_id(str(path)):
             raise ValueError(f"tokenizer: {path} is not a folder")
         try:
-            folder = hub_snapshot(str(path), download_dir=download_dir, what="tokenizer")
+            folder = hub_snapshot(str(path), revision=revision, download_dir=download_dir,
+                                  what="tokenizer", token=token)
         except FileNotFoundError as exc:
             raise ValueError(str(exc)) from exc
     try:

@@ -54,16 +54,18 @@ def hub_offline() -> bool:
 
 
 def hub_snapshot(repo_id: str, *, revision: str | None = None,
-                 download_dir: str | os.PathLike[str] | None = None, what: str = "model") -> Path:
+                 download_dir: str | os.PathLike[str] | None = None, what: str = "model",
+                 token: str | bool | None = None) -> Path:
     """The folder of `repo_id` at `revision` in the Hugging Face cache, downloaded first when the
     cache lacks it. FileNotFoundError when it is not cached and cannot be downloaded (`what` the
-    repository is for, in the message)."""
+    repository is for, in the message). `token` (vLLM's hf_token): the hub token to download
+    with; None or True: huggingface_hub's own (HF_TOKEN, or the stored login)."""
     from huggingface_hub import snapshot_download
 
     where = f"{what} {repo_id!r} at revision {revision or 'main'!r}"
     try:  # the cache first: no network, and a model cached once keeps working offline
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                      local_files_only=True))
+                                      local_files_only=True, token=token))
     except Exception as exc:  # noqa: BLE001 - any miss: not cached (or cached in part)
         cache_miss = exc
     cache = download_dir or "the Hugging Face cache"
@@ -74,10 +76,11 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None,
     LOGGER.info("downloading %s from the Hugging Face hub into %s", where, cache)
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                        allow_patterns=[*_MODEL_FILES, *_WEIGHTS]))
+                                        allow_patterns=[*_MODEL_FILES, *_WEIGHTS], token=token))
         if not any(folder.glob("*.safetensors")):  # an older repository: PyTorch .bin weights
             folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                            allow_patterns=[*_MODEL_FILES, *_TORCH_WEIGHTS]))
+                                            allow_patterns=[*_MODEL_FILES, *_TORCH_WEIGHTS],
+                                            token=token))
     except Exception as exc:  # noqa: BLE001 - network, auth, unknown repository or revision
         raise FileNotFoundError(
             f"{where} is neither a local path nor in {cache}, and downloading it from "

@@ -179,7 +179,8 @@ def _load_torch_file(path: Path) -> object:
 
 def resolve_model_dir(
     path: str | os.PathLike[str] | None, *, cache_dir: str | os.PathLike[str] | None = None,
-    revision: str | None = None, download_dir: str | os.PathLike[str] | None = None
+    revision: str | None = None, download_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None
 ) -> Path:
     """Turn what the user passed as "the model" into a Hugging Face checkpoint folder.
 
@@ -189,7 +190,8 @@ def resolve_model_dir(
     - a folder without ``config.json`` holding exactly one ``.gguf`` file: that file, converted;
     - a Hugging Face hub id ("Qwen/Qwen3-0.6B") that is no local path: its snapshot at
       ``revision`` in the Hugging Face cache (``download_dir``, else the default one),
-      downloaded when missing unless HF_HUB_OFFLINE is set (``ksana_llm.loader.hub``).
+      downloaded when missing unless HF_HUB_OFFLINE is set (``ksana_llm.loader.hub``), with
+      ``token`` (huggingface_hub's own when None).
 
     ``cache_dir`` overrides where GGUF conversions are cached (see ``convert_gguf_to_hf``).
 
@@ -202,7 +204,7 @@ def resolve_model_dir(
     target = None if path is None else Path(path).expanduser()
     if path is not None and names_a_hub_repo(path):
         return _resolve_folder(hub_snapshot(str(path), revision=revision,
-                                            download_dir=download_dir), cache_dir)
+                                            download_dir=download_dir, token=token), cache_dir)
     if revision is not None:
         raise ValueError(f"revision {revision!r} applies to Hugging Face hub model ids; the "
                          f"model {str(path) if path is not None else '(the default)'} is a "

@@ -45,7 +45,8 @@ ENGINE_FLAGS = ("tokenizer", "skip_tokenizer_init", "trust_remote_code", "device
                 "max_cpu_loras", "max_lora_rank", "lora_max_wait_steps", "hf_overrides",
                 "enable_sleep_mode", "logits_processors", "kv_cache_memory_bytes",
                 "logprobs_mode", "load_format", "disable_sliding_window", "revision",
-                "download_dir", "reasoning_config", "profiler_config", "max_logprobs")
+                "download_dir", "reasoning_config", "profiler_config", "max_logprobs",
+                "tokenizer_revision", "hf_token")
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
