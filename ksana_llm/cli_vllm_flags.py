@@ -66,7 +66,10 @@ def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: boo
                                                    "thread)"),
             ("--disable-cascade-attn", "there is no cascade attention here"),
             ("--enable-expert-parallel", "MoE experts are split across ranks by tensor "
-                                         "parallelism")):
+                                         "parallelism"),
+            ("--enable-eplb", "MoE experts are split across ranks by tensor parallelism, "
+                              "not placed by load"),
+            ("--enable-reasoning", "--reasoning-parser alone turns reasoning output on")):
         parser.add_argument(flag, action=_FlagWithoutEffect, why=why,
                             help=f"accepted for vLLM's command lines: {why}")
     for flag, why, allowed in (
@@ -78,7 +81,17 @@ def add_vllm_flags_without_effect(parser: argparse.ArgumentParser, *, serve: boo
             ("--distributed-executor-backend", "the ranks are torch.distributed processes "
                                                "the server starts", ("mp", "uni")),
             ("--guided-decoding-backend", "structured output is xgrammar's",
-             ("auto", "xgrammar"))):
+             ("auto", "xgrammar")),
+            ("--api-server-count", "one process serves the API (the engine steps on its own "
+                                   "thread; --data-parallel-size starts more engines)", None),
+            ("--limit-mm-per-prompt", "text models take no images or audio (a ksana_plugin.py "
+                                      "decides its own inputs)", None),
+            ("--model-impl", "the models are this engine's own modules",
+             ("auto", "vllm")),
+            ("--config-format", "config.json is read as Hugging Face writes it", ("auto", "hf")),
+            ("--safetensors-load-strategy", "safetensors files are memory-mapped and read "
+                                            "tensor by tensor", None),
+            ("--code-revision", "no checkpoint modelling code is ever imported", None)):
         parser.add_argument(flag, action=_FlagWithoutEffect, why=why, takes_value=True,
                             allowed=allowed, metavar="VALUE",
                             help=f"accepted for vLLM's command lines: {why}"

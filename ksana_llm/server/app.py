@@ -74,6 +74,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               request_log: RequestLog | None = None,
               default_chat_template_kwargs: Mapping[str, Any] | None = None,
               force_include_usage: bool = False, enable_docs: bool = True,
+              exclude_tools_when_tool_choice_none: bool = False,
               chat_template_content_format: str = "auto",
               response_role: str = "assistant", middleware: Sequence[Any] = (),
               metrics_prefix: str = metrics.DEFAULT_PREFIX) -> FastAPI:
@@ -95,6 +96,8 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     `request_log`: log every engine request as it is submitted (--enable-log-requests).
     `default_chat_template_kwargs`: chat template arguments every chat request gets under its
     own `chat_template_kwargs`. `force_include_usage`: every stream ends with a usage chunk.
+    `exclude_tools_when_tool_choice_none`: a chat request with `tool_choice: "none"` shows the
+    template no tools (vLLM's flag; by default they are shown, and no call is extracted).
     `enable_docs` False: no /docs, /redoc or /openapi.json.
     `chat_template_content_format` ("auto", "string", "openai"): message content as one string,
     or as a list of OpenAI text parts; "auto" reads the template to choose. `response_role`: the
@@ -148,7 +151,8 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         sampling_defaults=sampling_defaults or SamplingDefaults(),
         enable_prompt_embeds=enable_prompt_embeds, request_log=request_log,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
-        force_include_usage=force_include_usage)
+        force_include_usage=force_include_usage,
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

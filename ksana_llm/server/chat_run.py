@@ -73,7 +73,9 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     prompt = render_chat(state.text_tokenizer("messages"), req.messages, state.chat_template,
                          add_generation_prompt=adds_generation_prompt,
                          continue_final_message=continues_final_message,
-                         tools=tools.tools, template_kwargs=template_kwargs,
+                         tools=None if tools.mode == "none"
+                         and state.exclude_tools_when_tool_choice_none else tools.tools,
+                         template_kwargs=template_kwargs,
                          documents=req.documents)
     # The template already holds the special tokens (BOS etc.): not added twice unless asked.
     ids = truncated_prompt(list(state.tokenizer.encode(

@@ -112,6 +112,7 @@ def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """build_app's request options from the flags serve and run-batch share:
     --enable-prompt-embeds, --enable-log-requests / --enable-log-outputs / --max-log-len,
     --default-chat-template-kwargs, --enable-force-include-usage,
+    --exclude-tools-when-tool-choice-none,
     --chat-template-content-format and --response-role."""
     log = bool(getattr(args, "enable_log_requests", False))
     log_outputs = bool(getattr(args, "enable_log_outputs", False))
@@ -120,6 +121,8 @@ def request_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             if log or log_outputs else None,
             "default_chat_template_kwargs": getattr(args, "default_chat_template_kwargs", None),
             "force_include_usage": bool(getattr(args, "enable_force_include_usage", False)),
+            "exclude_tools_when_tool_choice_none": bool(
+                getattr(args, "exclude_tools_when_tool_choice_none", False)),
             "chat_template_content_format": getattr(args, "chat_template_content_format", "auto"),
             "response_role": getattr(args, "response_role", "assistant"),
             "metrics_prefix": getattr(args, "metrics_prefix", metrics.DEFAULT_PREFIX)}

@@ -59,6 +59,8 @@ class ServerState:
     # --default-chat-template-kwargs: under each chat request's own chat_template_kwargs
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with usage
+    # --exclude-tools-when-tool-choice-none: tool_choice "none" shows the template no tools
+    exclude_tools_when_tool_choice_none: bool = False
     response_role: str = "assistant"  # --response-role: the role of answers to a generation prompt
     kv_transfer: Any = None  # a ksana_llm.server.kv_transfer.KvTransfer with --kv-role
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses, store=true
