@@ -180,6 +180,9 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--enable-force-include-usage", action="store_true",
                         help="every streamed completion and chat ends with a usage chunk, as "
                              "with stream_options.include_usage")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="vLLM's: GET /tokenizer_info gives the tokenizer's configuration "
+                             "and chat template")
     parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help="vLLM's: a chat request with tool_choice \"none\" shows the chat "
                              "template no tools (by default they are shown; no call is "

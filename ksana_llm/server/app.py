@@ -75,6 +75,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
               default_chat_template_kwargs: Mapping[str, Any] | None = None,
               force_include_usage: bool = False, enable_docs: bool = True,
               exclude_tools_when_tool_choice_none: bool = False,
+              enable_tokenizer_info_endpoint: bool = False,
               chat_template_content_format: str = "auto",
               response_role: str = "assistant", middleware: Sequence[Any] = (),
               metrics_prefix: str = metrics.DEFAULT_PREFIX) -> FastAPI:
@@ -98,6 +99,7 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
     own `chat_template_kwargs`. `force_include_usage`: every stream ends with a usage chunk.
     `exclude_tools_when_tool_choice_none`: a chat request with `tool_choice: "none"` shows the
     template no tools (vLLM's flag; by default they are shown, and no call is extracted).
+    `enable_tokenizer_info_endpoint` mounts GET /tokenizer_info (server/tokenizer_info.py).
     `enable_docs` False: no /docs, /redoc or /openapi.json.
     `chat_template_content_format` ("auto", "string", "openai"): message content as one string,
     or as a list of OpenAI text parts; "auto" reads the template to choose. `response_role`: the
@@ -192,6 +194,10 @@ def build_app(engine: Engine, *, served_model_name: str | Sequence[str],
         from ksana_llm.server.weight_routes import router as weight_router
 
         app.include_router(weight_router)
+    if enable_tokenizer_info_endpoint:
+        from ksana_llm.server.tokenizer_info import router as tokenizer_info_router
+
+        app.include_router(tokenizer_info_router)
     if engine.config.enable_sleep_mode:
         from ksana_llm.server.sleep_routes import router as sleep_router
 
@@ -296,6 +302,8 @@ def run_server(args: argparse.Namespace) -> int:
                     else args.max_stored_responses,
                     sampling_defaults=defaults, cors=cors_from_args(args),
                     enable_docs=not getattr(args, "disable_fastapi_docs", False),
+                    enable_tokenizer_info_endpoint=bool(
+                        getattr(args, "enable_tokenizer_info_endpoint", False)),
                     middleware=middleware, **request_options_from_args(args))
     server = AnnouncingServer(uvicorn_config(
         app, args, tls, timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S),
