@@ -122,3 +122,38 @@ def test_chat_top_logprobs_minus_one_over_http(uncapped):
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
     run_r1(app, check)
+
+
+def test_vocabulary_wide_answers_are_built_off_the_event_loop(uncapped, monkeypatch):
+    """Formatting 49,152 alternatives per token takes long enough to stall every other client
+    if done on the event loop: such answers (streamed or not) are formatted in a worker
+    thread, while small ones stay on the loop."""
+    import threading
+
+    from ksana_llm.server import openai_routes
+
+    threads: list[tuple[str, bool]] = []
+    for name in ("chat_logprobs", "completion_logprobs"):
+        real = getattr(openai_routes, name)
+
+        def watched(*args, _real=real, _name=name, **kwargs):
+            threads.append((_name, threading.current_thread() is threading.main_thread()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(openai_routes, name, watched)
+    app = build_app(uncapped, served_model_name="m")
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "logprobs": True}
+
+    async def check(_aclient, http: httpx.AsyncClient):
+        for body in ({**chat, "top_logprobs": -1}, {**chat, "top_logprobs": -1, "stream": True},
+                     {"model": "m", "prompt": "Hi", "max_tokens": 2, "logprobs": 200},
+                     {**chat, "top_logprobs": 2}):
+            r = await http.post("/chat/completions" if "messages" in body else "/completions",
+                                json=body)
+            assert r.status_code == 200, r.text
+
+    run_r1(app, check)  # (the event loop runs on the main thread)
+    heavy = [on_loop for _, on_loop in threads[:-1]]
+    assert heavy and not any(heavy)  # every heavy formatting off the loop
+    assert threads[-1] == ("chat_logprobs", True)  # top_logprobs 2: on the loop

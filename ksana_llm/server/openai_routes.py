@@ -61,7 +61,9 @@ from ksana_llm.server.submission import (
     AbortOnCloseStreamingResponse,
     check_common,
     constraint,
+    heavy_logprobs,
     kv_response,
+    off_the_loop_if,
     parse_body,
     plan_jobs,
     plugin_sees,
@@ -70,6 +72,7 @@ from ksana_llm.server.submission import (
 )
 
 router = APIRouter()
+
 
 def _sse(payload: BaseModel | dict, *, null_usage: bool = False) -> str:
     """One SSE event. `null_usage`: a chunk without usage says `"usage": null` (the dump
@@ -83,12 +86,13 @@ def _sse(payload: BaseModel | dict, *, null_usage: bool = False) -> str:
 
 
 async def _sse_stream(choices: ChoiceSet, chunks: Callable[[], AsyncIterator[BaseModel]], *,
-                      include_usage: bool = False) -> AsyncIterator[str]:
+                      include_usage: bool = False, heavy: bool = False) -> AsyncIterator[str]:
     """SSE framing; an engine failure after the 200 went out becomes an error event. With
-    `include_usage`, every chunk before the usage one says `"usage": null`, as OpenAI's do."""
+    `include_usage`, every chunk before the usage one says `"usage": null`, as OpenAI's do.
+    `heavy` (vocabulary-wide log-probs): each chunk is serialized off the event loop."""
     try:
         async for chunk in chunks():
-            yield _sse(chunk, null_usage=include_usage)
+            yield await off_the_loop_if(heavy, lambda: _sse(chunk, null_usage=include_usage))
     except APIError as exc:
         yield _sse(exc.body())
     yield "data: [DONE]\n\n"
@@ -197,6 +201,7 @@ async def create_completion(request: Request) -> Response:
         jobs = jobs.with_prompts([{"prompt_embeds": rows} for rows in embeds])
     request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
     texts = state.logprob_texts(req)
+    heavy = heavy_logprobs(req.logprobs, prompt_lp)
     # Before submitting: a request refused here must not leave its choices running.
     echo_texts = ([state.text_tokenizer("echo").decode(p, skip_special_tokens=False)
                    for p in prompts] if req.echo else None)
@@ -243,8 +248,9 @@ async def create_completion(request: Request) -> Response:
                     text = echo_texts[jobs.prompt_of[r]]
                     lp = None
                     if echo_logprobs:
-                        lp = completion_prompt_logprobs(prompt_entries(r), prompts[jobs.prompt_of[r]],
-                                                        texts, offsets[ev.index])
+                        lp = await off_the_loop_if(heavy, lambda: completion_prompt_logprobs(
+                            prompt_entries(r), prompts[jobs.prompt_of[r]], texts,
+                            offsets[ev.index]))
                     else:
                         offsets[ev.index] = TextOffsets(start=len(text))
                     prompt_ids_sent[ev.index] = True
@@ -257,7 +263,8 @@ async def create_completion(request: Request) -> Response:
                                          token_ids=_ids_if(req, []))], usage=before)
                 logprobs = None
                 if ev.logprobs is not None:
-                    logprobs = completion_logprobs(ev.logprobs, texts, offsets[ev.index])
+                    logprobs = await off_the_loop_if(heavy, lambda: completion_logprobs(
+                        ev.logprobs, texts, offsets[ev.index]))
                     logprobs = logprobs if logprobs.tokens else None
                 if not ev.text and ev.finish_reason is None and logprobs is None \
                         and not (req.return_token_ids and ev.token_ids):
@@ -278,12 +285,13 @@ async def create_completion(request: Request) -> Response:
                                                       generated=not score_only))
 
         return AbortOnCloseStreamingResponse(
-            _sse_stream(choices, chunks, include_usage=include_usage), choices)
+            _sse_stream(choices, chunks, include_usage=include_usage, heavy=heavy), choices)
 
     if not await wait_for_choices(choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    result = []
-    for i, out in enumerate(choices.results()):
+    kv_params = kv_response(state, choices)
+
+    def choice_of(i: int, out: Any) -> CompletionChoice:
         if score_only:  # the generated token is not part of the answer
             out.text, out.token_ids, out.logprobs = "", [], out.logprobs and []
             out.finish_reason, out.stop_reason = "length", None
@@ -300,17 +308,23 @@ async def create_completion(request: Request) -> Response:
                     getattr(logprobs, name).extend(getattr(generated, name))
             else:
                 logprobs = completion_logprobs(out.logprobs, texts, TextOffsets(start=len(prefix)))
-        result.append(CompletionChoice(
+        return CompletionChoice(
             index=i, text=prefix + out.text, logprobs=logprobs, finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
             prompt_logprobs=(vllm_prompt_logprobs(entries, prompts[p], texts)
                              if req.prompt_logprobs is not None else None),
-            prompt_token_ids=_ids_if(req, prompt_ids[p]), token_ids=_ids_if(req, out.token_ids)))
-    response = CompletionResponse(id=request_id, created=created, model=model, choices=result,
-                                  usage=_usage(prompt_tokens, choices, jobs.prompt_of,
-                                               generated=not score_only),
-                                  kv_transfer_params=kv_response(state, choices))
-    return JSONResponse(response.model_dump())
+            prompt_token_ids=_ids_if(req, prompt_ids[p]), token_ids=_ids_if(req, out.token_ids))
+
+    def answer() -> JSONResponse:
+        response = CompletionResponse(
+            id=request_id, created=created, model=model,
+            choices=[choice_of(i, out) for i, out in enumerate(choices.results())],
+            usage=_usage(prompt_tokens, choices, jobs.prompt_of, generated=not score_only),
+            kv_transfer_params=kv_params)
+        return JSONResponse(response.model_dump())
+
+    # (Heavy with vocabulary-wide log-probs: then built off the event loop.)
+    return await off_the_loop_if(heavy, answer)
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -323,6 +337,7 @@ async def create_chat_completion(request: Request) -> Response:
     request_id, ids, choices, output_parser = run.request_id, run.ids, run.choices, run.output_parser
     created, model = run.created, run.model
     texts = state.logprob_texts(req)
+    heavy = heavy_logprobs(req.top_logprobs if req.logprobs else None, req.prompt_logprobs)
 
     if req.stream:
         include_usage = state.force_include_usage or bool(
@@ -350,7 +365,8 @@ async def create_chat_completion(request: Request) -> Response:
                 if ev.finish_reason is not None:
                     delta = delta.then(parser.finish())
                     finish_reason = parser.finish_reason(ev.finish_reason)
-                logprobs = chat_logprobs(ev.logprobs, texts) if ev.logprobs else None
+                logprobs = await off_the_loop_if(heavy, lambda: chat_logprobs(
+                    ev.logprobs, texts)) if ev.logprobs else None
                 if not delta and finish_reason is None and logprobs is None \
                         and not (req.return_token_ids and ev.token_ids):
                     continue
@@ -366,30 +382,36 @@ async def create_chat_completion(request: Request) -> Response:
                                                        prediction=run.prediction))
 
         return AbortOnCloseStreamingResponse(
-            _sse_stream(choices, chunks, include_usage=include_usage), choices)
+            _sse_stream(choices, chunks, include_usage=include_usage, heavy=heavy), choices)
 
     if not await wait_for_choices(choices, request, state):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    result = []
-    for i, out in enumerate(choices.results()):
+    kv_params = kv_response(state, choices)
+
+    def choice_of(i: int, out: Any) -> ChatChoice:
         parser = output_parser()
         message = parser.message([parser.feed(out.text), parser.finish()])
         message.role = run.role
         if run.echo:
             message.content = run.echo + (message.content or "")
         logprobs = chat_logprobs(out.logprobs, texts) if out.logprobs is not None else None
-        result.append(ChatChoice(index=i, message=message, logprobs=logprobs,
-                                 finish_reason=parser.finish_reason(out.finish_reason),
-                                 stop_reason=out.stop_reason,
-                                 token_ids=_ids_if(req, out.token_ids)))
-    prompt_lps = None
-    if req.prompt_logprobs is not None:
-        prompt_lps = vllm_prompt_logprobs(prompt_logprobs_entries(choices.handles[0].output), ids,
-                                          texts)
-    response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=result,
-                                      usage=_usage(len(ids), choices, prediction=run.prediction),
-                                      prompt_logprobs=prompt_lps,
-                                      kv_transfer_params=kv_response(state, choices),
-                                      prompt_token_ids=_ids_if(req, ids))
-    return JSONResponse(response.model_dump())
+        return ChatChoice(index=i, message=message, logprobs=logprobs,
+                          finish_reason=parser.finish_reason(out.finish_reason),
+                          stop_reason=out.stop_reason, token_ids=_ids_if(req, out.token_ids))
+
+    def answer() -> JSONResponse:
+        prompt_lps = None
+        if req.prompt_logprobs is not None:
+            prompt_lps = vllm_prompt_logprobs(prompt_logprobs_entries(choices.handles[0].output),
+                                              ids, texts)
+        response = ChatCompletionResponse(
+            id=request_id, created=created, model=model,
+            choices=[choice_of(i, out) for i, out in enumerate(choices.results())],
+            usage=_usage(len(ids), choices, prediction=run.prediction),
+            prompt_logprobs=prompt_lps, kv_transfer_params=kv_params,
+            prompt_token_ids=_ids_if(req, ids))
+        return JSONResponse(response.model_dump())
+
+    # (Heavy with vocabulary-wide log-probs: then built off the event loop.)
+    return await off_the_loop_if(heavy, answer)
 

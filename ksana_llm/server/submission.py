@@ -5,6 +5,7 @@ with the request aborted however the response ends."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ from ksana_llm.server.structured_params import (StructuredRequest, compile_spec,
                                                 refuse_with_beam_search, single)
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
+_Result = TypeVar("_Result")
 
 # Status for a client that left before its answer (nginx's convention; nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
@@ -245,3 +247,15 @@ async def wait_for_choices(choices: ChoiceSet, request: Request, state: ServerSt
     return True
 
 
+# Alternatives per position from which an answer's log-probs are formatted and serialized off
+# the event loop: vocabulary-wide ones (-1) take seconds, in which no other client is served.
+HEAVY_LOGPROBS = 100
+
+
+def heavy_logprobs(*counts: int | None) -> bool:
+    return any(c is not None and (c == -1 or c >= HEAVY_LOGPROBS) for c in counts)
+
+
+async def off_the_loop_if(heavy: bool, fn: Callable[[], _Result]) -> _Result:
+    """`fn()`, in a worker thread when `heavy`, so that the event loop serves others meanwhile."""
+    return await asyncio.to_thread(fn) if heavy else fn()
