@@ -104,6 +104,8 @@ def _content_parts(message: ChatMessage, index: int) -> list[str]:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             # An assistant turn's refusal part reads as its text, as /v1/responses reads it.
             key = "refusal" if kind == "refusal" and message.role == "assistant" else "text"
+            if kind is None:
+                raise bad_request("A content part needs a `type` ('text').", param=f"{param}.{j}")
             if kind != key:
                 raise bad_request(f"Content part of type {kind!r} is not supported; only 'text' parts.",
                                   param=f"{param}.{j}")

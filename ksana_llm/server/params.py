@@ -235,8 +235,9 @@ def check_logprobs_cap(value: int | None, cap: int, param: str, vocab_size: int)
                           f"this server allows at most {cap} (--max-logprobs; -1 allows it).",
                           param=param)
     if value > allowed:
-        raise bad_request(f"`{param}` must be at most {allowed} on this server (--max-logprobs), "
-                          f"got {value}.", param=param)
+        limit = (f"the vocabulary size ({vocab_size})" if cap == -1
+                 else f"{allowed} on this server (--max-logprobs)")
+        raise bad_request(f"`{param}` must be at most {limit}, got {value}.", param=param)
 
 
 def beam_search_fields(req: _SamplingRequest) -> dict[str, Any] | None:

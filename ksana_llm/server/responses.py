@@ -69,6 +69,7 @@ def _plan(req: ResponsesRequest, state: ServerState) -> ResponsePlan:
     if unsupported:
         raise bad_request(f"Unsupported parameter(s): {', '.join(unsupported)}.",
                           param=unsupported[0], code="unsupported_parameter")
+    req.check_include()
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true.",
                           param="stream_options")

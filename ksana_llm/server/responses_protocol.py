@@ -93,10 +93,16 @@ class ResponsesRequest(_Request):
         found = [name for name in ("background_options", "conversation", "prompt",
                                    "context_management", "access_programs", "image",
                                    "moderation") if getattr(self, name)]
+        return found
+
+    def check_include(self) -> None:
+        """An `include` value this server has nothing for is a 400 naming it (the known ones
+        listed)."""
         unknown = sorted(set(self.include or ()) - _IGNORED_INCLUDES - {LOGPROBS_INCLUDE})
         if unknown:
-            found.append("include")
-        return found
+            known = ", ".join(sorted({LOGPROBS_INCLUDE, *_IGNORED_INCLUDES}))
+            raise bad_request(f"Unsupported include value(s): {', '.join(unknown)} (supported: "
+                              f"{known}).", param="include", code="unsupported_parameter")
 
     @property
     def wants_logprobs(self) -> bool:

@@ -139,9 +139,9 @@ class ServerState:
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, or None for the base model. An omitted
-        model means the one being served (as vLLM does); a name that is neither the served
-        model nor a loaded adapter is a 404."""
-        if name is None or name == self.served_model_name or name in self.model_aliases:
+        model (or an empty name) means the one being served (as vLLM does); a name that is
+        neither the served model nor a loaded adapter is a 404."""
+        if not name or name == self.served_model_name or name in self.model_aliases:
             return None
         if name in self.engine.lora_adapters:
             return name
