@@ -55,6 +55,10 @@ def test_required_calls_cut_off_give_no_content():
             assert got.tool_calls[0].name == WEATHER[0]
         if cut >= second_named:  # the second call's name came: it is a call, arguments or not
             assert [c.name for c in got.tool_calls][:2] == [WEATHER[0], NESTED[0]], cut
+    # Cut before its arguments came: the call has none yet, not "{}" (a call taking none).
+    stream = required.stream()
+    got = collect([stream.feed(text[:second_named] + ', "param'), stream.finish()])
+    assert [(c.name, c.arguments) for c in got.tool_calls][1] == (NESTED[0], "")
     # Without the constraint (a parser's "auto" output), the same fragment is the answer's text.
     loose = JsonCallSequenceStream(open="[", separator=",", close="]")
     assert collect([loose.feed('[{"name":'), loose.finish()]).content == '[{"name":'

@@ -122,9 +122,10 @@ class JsonCallSequenceStream(CallListStream):
             return
         call = CallProgress(self._num_calls)
         self._num_calls += 1
-        for delta in (call.update(scan.name, ""), call.close()):
-            if delta is not None:
-                out.tool_calls.append(delta)
+        # Not closed: its arguments never came, and "{}" would read as a call that takes none.
+        delta = call.update(scan.name, "")
+        if delta is not None:
+            out.tool_calls.append(delta)
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
