@@ -173,7 +173,8 @@ def compilation_config(value: str) -> CompilationFlags:
             fields["enable_cuda_graphs"] = mode != "NONE"
         elif key == "use_cudagraph":
             if not isinstance(item, bool):
-                raise argparse.ArgumentTypeError(f"use_cudagraph must be true or false, got {item!r}")
+                raise argparse.ArgumentTypeError(
+                    f"use_cudagraph must be true or false, got {item!r}")
             if fields.get("enable_cuda_graphs", item) != item:
                 raise argparse.ArgumentTypeError("cudagraph_mode and use_cudagraph disagree")
             fields["enable_cuda_graphs"] = item
