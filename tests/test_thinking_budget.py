@@ -200,3 +200,35 @@ def test_a_budget_spent_inside_the_end_tag_finishes_it(default_model, end_ids):
     assert allowed == [end_ids[2]]
     gate.accept_token(end_ids[2])
     assert gate.state is ThinkingState.AFTER
+
+
+@pytest.mark.parametrize("prompt_end, output", [
+    ("</", "think>"),  # the end tag: begun by the prompt, finished by the output
+    ("</th", "ink>"),
+])
+def test_a_tag_the_prompt_begins_and_the_output_finishes(default_model, prompt_end, output):
+    from ksana_llm.structured.thinking import thinking_gate
+
+    tokenizer = default_model.tokenizer
+    markers = ThinkingMarkers.from_tokenizer(tokenizer, "<think>", "</think>")
+    prompt = tokenizer.encode(OPENED + "Four." + prompt_end)
+    gate = thinking_gate(markers, prompt, budget=10)
+    assert gate.state is ThinkingState.THINKING
+    for token in tokenizer.encode(output, add_special_tokens=False):
+        gate.accept_token(token)
+    assert gate.state is ThinkingState.AFTER and gate.forcing is None
+    # A prompt whose tail holds a whole tag already is not read twice: after the block closed,
+    # the start tag inside that tail does not open another one.
+    closed = thinking_gate(markers, tokenizer.encode(NEUTRAL + "<think>\n\n</think>\n\n"))
+    assert closed.state is ThinkingState.AFTER
+    closed.accept_token(tokenizer.encode("The", add_special_tokens=False)[0])
+    assert closed.state is ThinkingState.AFTER
+
+
+def test_a_prompt_ending_inside_the_end_tag_gets_the_grammar_after_it(engine, default_model):
+    """The prompt ends with `</`, the model writes `think>`: no second end tag is forced, and the
+    JSON follows at once."""
+    out = run(engine, OPENED + "Four.</", max_new_tokens=20, thinking_token_budget=3,
+              structured_output=JSON_OUTPUT)
+    assert out.text.startswith("think>") and "</think>" not in out.text
+    assert set(json.loads(out.text.removeprefix("think>"))) == {"answer"}

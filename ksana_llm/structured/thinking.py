@@ -15,7 +15,8 @@ time, so a tag the tokenizer spells over several tokens is seen as well as a spe
   over the answer; without a grammar the model may think again, on the same budget.
 - Where the prompt starts: in the block when the prompt's tail opened it (a template that
   ends with `<think>`); past it when the tail closed it (thinking turned off: `<think></think>`
-  with nothing after it but whitespace), so the grammar rules from the first token.
+  with nothing after it but whitespace), so the grammar rules from the first token. A tag the
+  prompt's last tokens begin and the output finishes counts as the output's.
 """
 
 from __future__ import annotations
@@ -139,6 +140,16 @@ class ThinkingGate:
         twin._recent = list(self._recent)
         return twin
 
+    def carry_prompt_tail(self, prompt_token_ids: list[int]) -> None:
+        """Start the tag search with the prompt's last tokens, short of a whole tag: a tag the
+        prompt begins and the output finishes (`...</thi` then `nk>`) is then seen."""
+        wanted = self.markers.end_tag if self.state is ThinkingState.THINKING \
+            else self.markers.start
+        tail = list(prompt_token_ids[-(len(wanted) + 1):])
+        while tail and wanted in self.markers.decode(tail):
+            del tail[0]  # (a whole tag there already made the state)
+        self._recent = tail
+
     # -- the block ---------------------------------------------------------------------------
 
     def _think(self, token_id: int) -> None:
@@ -183,8 +194,10 @@ class ThinkingGate:
 def thinking_gate(markers: ThinkingMarkers, prompt_token_ids: list[int], *, grammar: Any = None,
                   budget: int | None = None) -> ThinkingGate:
     """The gate of a request with this prompt, grammar and budget."""
-    return ThinkingGate(markers, markers.prompt_state(prompt_token_ids), grammar=grammar,
+    gate = ThinkingGate(markers, markers.prompt_state(prompt_token_ids), grammar=grammar,
                         budget=budget)
+    gate.carry_prompt_tail(prompt_token_ids)
+    return gate
 
 
 __all__ = ["PROMPT_TAIL_TOKENS", "ThinkingGate", "ThinkingMarkers", "ThinkingState",
