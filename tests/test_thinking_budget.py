@@ -232,3 +232,16 @@ def test_a_prompt_ending_inside_the_end_tag_gets_the_grammar_after_it(engine, de
               structured_output=JSON_OUTPUT)
     assert out.text.startswith("think>") and "</think>" not in out.text
     assert set(json.loads(out.text.removeprefix("think>"))) == {"answer"}
+
+
+def test_a_zero_budget_finishes_an_end_tag_the_prompt_began(default_model, end_ids):
+    from ksana_llm.structured.thinking import thinking_gate
+
+    tokenizer = default_model.tokenizer
+    markers = ThinkingMarkers.from_tokenizer(tokenizer, "<think>", "</think>")
+    gate = thinking_gate(markers, tokenizer.encode(OPENED + "Four.</"), budget=0)
+    assert gate.forcing == 1  # "</" is the prompt's: only "think>" is forced
+    for token in end_ids[1:]:
+        gate.accept_token(token)
+    assert gate.state is ThinkingState.AFTER
+    assert thinking_gate(markers, tokenizer.encode(OPENED + "Four."), budget=0).forcing == 0

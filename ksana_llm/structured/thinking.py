@@ -149,6 +149,8 @@ class ThinkingGate:
         while tail and wanted in self.markers.decode(tail):
             del tail[0]  # (a whole tag there already made the state)
         self._recent = tail
+        if self.forcing is not None:  # spent at the start (a budget of 0): the rest of the end
+            self.forcing = self._end_begun()
 
     # -- the block ---------------------------------------------------------------------------
 
