@@ -274,9 +274,12 @@ class GenerationConfig:
                   f"None or an integer >= num_return_sequences ({self.num_return_sequences})")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             _fail("early_stopping", self.early_stopping, "True, False or 'never'")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            _fail("stop", self.stop, "a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
+        # The forms the constructor takes (one string, tuples) pass here too: a field set after
+        # construction is checked as set, and the request's copy normalises it.
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            _fail("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         for name in ("logprobs", "prompt_logprobs"):  # counts; the engine's max_logprobs caps them

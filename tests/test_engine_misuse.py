@@ -45,7 +45,7 @@ def test_settings_of_the_wrong_type_are_refused_by_name(engine, config, field):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("stop", "Paris"), ("seed", 1.5), ("stop_token_ids", 5), ("max_new_tokens", None),
+    ("stop", ["Paris", ""]), ("stop", ("Paris", 5)), ("seed", 1.5), ("stop_token_ids", 5), ("max_new_tokens", None),
     ("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("num_beams", 0),
     ("logprobs", 10**6), ("skip_special_tokens", 1),
 ])
@@ -60,6 +60,23 @@ def test_a_config_changed_after_it_was_built_is_checked_again(engine, field, val
     with pytest.raises(ValueError, match=field):
         engine.submit(kt.Request(PROMPT, config))
     assert len(other.result(timeout=60).token_ids) == 12 and engine.is_running
+
+
+def test_a_lone_stop_string_or_tuples_set_after_construction_work_as_in_the_constructor(engine):
+    """The constructor takes stop="x" and tuples; so does a config changed afterwards (the
+    request's copy normalises them), and the caller's config is left as the caller set it."""
+    def run(config: kt.GenerationConfig) -> kt.RequestOutput:
+        return engine.submit(kt.Request(PROMPT, config)).result(timeout=60)
+
+    text = run(kt.GenerationConfig(max_new_tokens=8)).text
+    word = text.split()[2]  # a word from the middle of the greedy answer
+    built = run(kt.GenerationConfig(max_new_tokens=8, stop=word))
+    changed = kt.GenerationConfig(max_new_tokens=8)
+    changed.stop, changed.stop_token_ids = word, (0,)  # token 0 is not in this answer
+    answer = run(changed)
+    assert answer.finish_reason == built.finish_reason == "stop"
+    assert answer.text == built.text == text[:text.index(word)]
+    assert changed.stop == word and changed.stop_token_ids == (0,)
 
 
 def test_numpy_token_ids_are_taken_in_every_token_id_field():

@@ -239,6 +239,14 @@ def test_preprocess_results_are_validated(action, error, message) -> None:
     assert message in str(info.value)
 
 
+def test_a_lone_stop_string_a_plugin_sets_becomes_a_list() -> None:
+    """As GenerationConfig(stop="x") does: the engine matches stop strings from a list."""
+    result = _scripted(_set(sampling_config__stop="</answer>", sampling_config__stop_token_ids=(7,))
+                       ).run_preprocess([1, 2, 3], generation_config=GenerationConfig())
+    assert result.generation_config.stop == ["</answer>"]
+    assert result.generation_config.stop_token_ids == [7]
+
+
 def test_request_embeddings_reach_the_plugin_and_come_back() -> None:
     rows = torch.arange(8, dtype=torch.float32).reshape(2, 4)
     seen = {}

@@ -225,7 +225,8 @@ class Plugin:
             except Exception as exc:  # any other plugin failure fails this request only
                 raise PluginError(f"plugin {self.path} preprocess failed: {exc!r}") from exc
         tokens = self._checked_tokens(python_input.input_tokens)
-        config.validate()
+        config.validate()  # as the plugin left it; the copy normalises a lone stop string
+        config = config.replace()
         embeddings = self._collect_embeddings(python_input.input_refit_embedding, len(tokens))
         return PreprocessResult(tokens, config, embeddings, python_input)
 
