@@ -5,6 +5,8 @@ bounds what a request may ask for, in Python and over HTTP (chat `top_logprobs=-
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -157,3 +159,51 @@ def test_vocabulary_wide_answers_are_built_off_the_event_loop(uncapped, monkeypa
     heavy = [on_loop for _, on_loop in threads[:-1]]
     assert heavy and not any(heavy)  # every heavy formatting off the loop
     assert threads[-1] == ("chat_logprobs", True)  # top_logprobs 2: on the loop
+
+
+def test_native_generate_with_many_alternatives_is_formatted_off_the_event_loop(uncapped,
+                                                                                 monkeypatch):
+    """KsanaLLM's /generate too: its chunks with 200 alternatives a step are made in a worker
+    thread, each step formatted once however many cumulative chunks repeat it; its answers
+    equal the Python API's log-probs, streamed or not."""
+    import threading
+
+    from ksana_llm.server import native
+
+    calls: list[tuple[int, bool]] = []
+    real = native._logprob_steps
+
+    def watched(entries, n):
+        calls.append((len(entries), threading.current_thread() is threading.main_thread()))
+        return real(entries, n)
+
+    monkeypatch.setattr(native, "_logprob_steps", watched)
+    app = build_app(uncapped, served_model_name="m")
+    sampling = {"max_new_tokens": 4, "ignore_eos": True}
+    expected = uncapped.generate_outputs(
+        [PROMPT], kt.GenerationConfig(max_new_tokens=4, ignore_eos=True, logprobs=200),
+        use_tqdm=False)[0]
+
+    async def check(_aclient, http: httpx.AsyncClient):
+        answers = {}
+        for stream in (False, True):
+            calls.clear()
+            r = await http.post("http://r1/generate", json={
+                "prompt": PROMPT, "stream": stream,
+                "sampling_config": {**sampling, "logprobs": 200}})
+            assert r.status_code == 200, r.text
+            answers[stream] = json.loads(r.content.rstrip(b"\0").split(b"\0")[-1])
+            assert calls and not any(on_loop for _, on_loop in calls)
+            assert sum(n for n, _ in calls) == 4  # each of the 4 steps formatted once
+        assert answers[True] == answers[False]
+        (steps,) = answers[False]["logprobs"]
+        for entry, step in zip(expected.logprobs, steps, strict=True):
+            assert len(step) == 200
+            assert step == [[t, pytest.approx(lp)] for t, lp in sorted(
+                entry["top_logprobs"].items(), key=lambda kv: kv[1], reverse=True)]
+        calls.clear()
+        r = await http.post("http://r1/generate", json={
+            "prompt": PROMPT, "stream": False, "sampling_config": {**sampling, "logprobs": 2}})
+        assert r.status_code == 200 and calls and all(on_loop for _, on_loop in calls)
+
+    run_r1(app, check)

@@ -235,7 +235,31 @@ def test_logprobs(server, greedy16):
         assert step[0][0] == token  # greedy: the chosen token is the top one
         assert [lp for _, lp in step] == sorted((lp for _, lp in step), reverse=True)
         assert all(lp <= 0 for _, lp in step)
-    assert _chunks(_post(server, {"prompt": PROMPT, "sampling_config": sampling}))[-1] == out
+    chunks = _chunks(_post(server, {"prompt": PROMPT, "sampling_config": sampling}))
+    assert chunks[-1] == out
+    for chunk in chunks:  # cumulative: each chunk's steps are the answer's first ones
+        assert chunk["logprobs"] == [steps[:len(chunk["output_token_ids"][0])]]
+
+
+def test_logprob_steps_are_formatted_once_unless_an_output_is_replaced():
+    """The stream's cache of formatted steps: appended entries are formatted once; an output
+    whose entries were replaced (a beam's) is formatted again, not spliced onto stale steps."""
+    from ksana_llm.server.generation import ChoiceResult
+    from ksana_llm.server.native import LogprobSteps
+
+    def entry(token: int) -> dict:
+        return {"token_id": token, "logprob": -1.0, "top_logprobs": {token: -1.0, 99: -2.0}}
+
+    def result(entries: list[dict]) -> ChoiceResult:
+        return ChoiceResult("", [e["token_id"] for e in entries], entries, None)
+
+    steps = LogprobSteps(1)
+    first = [entry(1), entry(2)]
+    assert steps.of([result(first)]) == [[[[1, -1.0]], [[2, -1.0]]]]
+    assert steps.of([result(first + [entry(3)])]) == [[[[1, -1.0]], [[2, -1.0]], [[3, -1.0]]]]
+    assert steps.of([result([entry(7), entry(8)])]) == [[[[7, -1.0]], [[8, -1.0]]]]
+    assert steps.of([result([entry(7)]), result([entry(5)])]) == [[[[7, -1.0]]], [[[5, -1.0]]]]
+    assert LogprobSteps(0).of([result(first)]) == [[]]
 
 
 # ---- errors ------------------------------------------------------------------------------------------

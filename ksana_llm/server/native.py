@@ -37,7 +37,7 @@ from ksana_llm.server.generation import ChoiceResult, ChoiceSet, ClientDisconnec
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_BEAMS, MAX_N, MAX_STOP
 from ksana_llm.server.submission import (CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse,
-                                         plugin_sees)
+                                         heavy_logprobs, off_the_loop_if, plugin_sees)
 from ksana_llm.server.params import (
     check_logprobs_cap,
     check_token_ids,
@@ -310,16 +310,45 @@ def _text(out: ChoiceResult, tokenizer: Any) -> str:
     return out.text + tokenizer.decode(before + [stop], skip_special_tokens=True)[len(head):]
 
 
-def snapshot(choices: ChoiceSet, input_ids: list[int], logprobs_n: int, tokenizer: Any
+class LogprobSteps:
+    """Each sequence's log-prob steps in KsanaLLM's format, each step formatted once: a stream's
+    chunks are cumulative, and re-sorting every step's alternatives for every chunk grows with
+    the square of the output (seconds per chunk with vocabulary-wide ones)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._entries: list[list[dict[str, Any]]] = []  # the entries formatted so far
+        self._steps: list[list[list[list[float | int]]]] = []
+
+    def of(self, outs: list[ChoiceResult]) -> list[list[list[list[float | int]]]]:
+        """One list per sequence, as KsanaLLM's: empty when no log-probs were asked for."""
+        if not self.n:
+            return [[] for _ in outs]
+        for i, out in enumerate(outs):
+            entries = out.logprobs or []
+            if i == len(self._steps):
+                self._entries.append([])
+                self._steps.append([])
+            done = self._entries[i]
+            # Entries are only appended, except where a sequence's output was replaced (a
+            # beam's): then its steps are formatted again.
+            if len(done) > len(entries) or (done and entries[len(done) - 1] is not done[-1]):
+                done.clear()
+                self._steps[i] = []
+            new = entries[len(done):]
+            done.extend(new)
+            self._steps[i].extend(_logprob_steps(new, self.n))
+        return self._steps[:len(outs)]
+
+
+def snapshot(choices: ChoiceSet, input_ids: list[int], steps: LogprobSteps, tokenizer: Any
              ) -> dict[str, Any]:
     """The response object as of now (cumulative; final once every sequence finished)."""
     outs = choices.results()  # token lists copied: the engine thread appends
     return {
         "texts": [_text(o, tokenizer) for o in outs],
         "output_token_ids": [o.token_ids for o in outs],
-        # One list per sequence, as KsanaLLM's: empty when no log-probs were asked for.
-        "logprobs": [_logprob_steps(list(o.logprobs or []), logprobs_n) if logprobs_n else []
-                     for o in outs],
+        "logprobs": steps.of(outs),
         "input_token_ids": input_ids,
     }
 
@@ -332,21 +361,25 @@ async def _nul_stream(choices: ChoiceSet, input_ids: list[int], logprobs_n: int,
                       every_event: bool, tokenizer: Any) -> AsyncIterator[bytes]:
     """A chunk whenever the token count changes (every event with stop strings, as KsanaLLM),
     then the final result unless the last chunk was it already; an engine failure after the 200
-    went out becomes an error chunk."""
+    went out becomes an error chunk. Chunks with many alternatives per step are made off the
+    event loop."""
+    steps, heavy = LogprobSteps(logprobs_n), heavy_logprobs(logprobs_n)
     last_counts: list[int] | None = None
     last: bytes | None = None
     try:
         async for _ in choices.events():
-            payload = snapshot(choices, input_ids, logprobs_n, tokenizer)
+            payload = await off_the_loop_if(
+                heavy, lambda: snapshot(choices, input_ids, steps, tokenizer))
             counts = [len(t) for t in payload["output_token_ids"]]
             if every_event or counts != last_counts:
                 last_counts = counts
-                last = _chunk(payload)
+                last = await off_the_loop_if(heavy, lambda: _chunk(payload))
                 yield last
     except APIError as exc:
         yield _chunk(exc.body())
         return
-    final = _chunk(snapshot(choices, input_ids, logprobs_n, tokenizer))
+    final = await off_the_loop_if(
+        heavy, lambda: _chunk(snapshot(choices, input_ids, steps, tokenizer)))
     if final != last:
         yield final
 
@@ -381,7 +414,10 @@ async def generate(request: Request) -> Response:
         await choices.wait(request)
     except ClientDisconnected:  # not a failure: the metrics count its requests as aborted
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(snapshot(choices, ids, sc.logprobs, state.tokenizer))
+    def answer() -> Response:
+        return JSONResponse(snapshot(choices, ids, LogprobSteps(sc.logprobs), state.tokenizer))
+
+    return await off_the_loop_if(heavy_logprobs(sc.logprobs), answer)
 
 
 def mount(app: FastAPI, engine: Any = None) -> None:
