@@ -80,3 +80,31 @@ def test_seeded_verification_emits_the_tokens_sampled_one_at_a_time():
         verdict = verify_drafts(Sampler(), logits, [row(3)] * (k + 1), drafts + [NO_DRAFT])
         stop = k if wrong_at is None else wrong_at
         assert _emitted(verdict, drafts + [NO_DRAFT], k) == [alone[:stop + 1]]
+
+
+def test_log_prob_columns_hold_the_draft_and_the_token_with_their_ranks():
+    """With log-probs, each row carries its draft's and its own token's raw log-prob and rank in
+    the row (1 = the most likely), then the top k: the entries the engine reports."""
+    from ksana_llm.runner.draft_verification import (DRAFT_LOGPROB, DRAFT_RANK, TOKEN,
+                                                     TOKEN_LOGPROB, TOKEN_RANK, TOP_LOGPROBS)
+
+    vocab, k = 30, 2
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4)) * 2
+    config = GenerationConfig(do_sample=True, temperature=1.5, seed=3)
+    rows = [SamplingRow(config=config, prompt_token_ids=[1], output_token_ids=[],
+                        draws=seeded_draws(3, "cpu"))] * 3
+    raw = torch.log_softmax(logits, dim=-1)
+    order = raw.argsort(dim=-1, descending=True)
+    drafts = [int(order[0, 5]), int(order[1, 9]), NO_DRAFT]  # unlikely drafts: ranks 6 and 10
+    verdict = verify_drafts(Sampler(), logits, rows, drafts, num_top_logprobs=k)
+    assert verdict.shape == (3, TOP_LOGPROBS + 2 * k)
+    for r in range(3):
+        token = int(verdict[r, TOKEN])
+        assert verdict[r, TOKEN_LOGPROB].item() == pytest.approx(raw[r, token].item())
+        assert int(verdict[r, TOKEN_RANK]) == int((raw[r] >= raw[r, token]).sum())
+        if drafts[r] != NO_DRAFT:
+            assert verdict[r, DRAFT_LOGPROB].item() == pytest.approx(raw[r, drafts[r]].item())
+        values, ids = torch.topk(raw[r], k)
+        assert verdict[r, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist() == pytest.approx(values.tolist())
+        assert verdict[r, TOP_LOGPROBS + k:].long().tolist() == ids.tolist()
+    assert [int(verdict[r, DRAFT_RANK]) for r in range(2)] == [6, 10]

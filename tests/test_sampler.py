@@ -59,8 +59,9 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert out.token_ids.dtype == torch.int64
     assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
     assert out.logprobs is None and out.top_logprobs is None
-    ids, lps, top = out.to_lists()
-    assert ids == logits.float().argmax(dim=-1).tolist() and lps is None and top is None
+    lists = out.to_lists()
+    assert lists.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert lists.logprobs is None and lists.ranks is None and lists.top is None
 
 
 def test_greedy_rows_in_mixed_batch_are_argmax() -> None:

@@ -157,22 +157,28 @@ def test_logprobs_are_raw_log_softmax() -> None:
     torch.testing.assert_close(out.top_logprobs[0], values)
     assert torch.equal(out.top_logprobs[1], ids)
 
-    token_ids, logprobs, top = out.to_lists()
-    assert token_ids == out.token_ids.tolist()
+    # Ranks among the whole row, from 1; a tie counts against the token (vLLM's rule).
+    chosen = raw.gather(1, out.token_ids[:, None])
+    assert out.ranks.tolist() == (raw >= chosen).sum(dim=1).tolist()
+    assert out.ranks.tolist() == [sorted(r, reverse=True).index(c) + 1 for r, c in
+                                  zip(raw.tolist(), chosen[:, 0].tolist())]  # (no ties here)
+
+    lists = out.to_lists()
+    assert lists.token_ids == out.token_ids.tolist() and lists.ranks == out.ranks.tolist()
     # Exact: float32 values widen to Python floats without loss.
-    assert logprobs == out.logprobs.tolist()
-    assert top is not None
-    assert top[0] == out.top_logprobs[0].tolist() and top[1] == ids.tolist()
+    assert lists.logprobs == out.logprobs.tolist()
+    assert lists.top is not None
+    assert lists.top[0] == out.top_logprobs[0].tolist() and lists.top[1] == ids.tolist()
 
 
 def test_logprobs_zero_gives_empty_top() -> None:
     logits = _randn(2, 10, seed=12)
     out = Sampler().sample(logits, [_row(GenerationConfig(logprobs=0)), _row(GenerationConfig())])
     assert out.top_logprobs is not None and out.top_logprobs[0].shape == (2, 0)
-    ids, lps, top = out.to_lists()
-    assert top == ([[], []], [[], []])
+    lists = out.to_lists()
+    assert lists.top == ([[], []], [[], []]) and lists.ranks == [1, 1]  # greedy: the top one
     expected = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True))[:, 0]
-    assert lps == pytest.approx(expected.tolist())
+    assert lists.logprobs == pytest.approx(expected.tolist())
 
 
 def test_output_type() -> None:

@@ -82,8 +82,11 @@ class RequestOutput:
 
     The top-level `text`, `token_ids`, `logprobs`, `finish_reason` and `stop_reason` are those of
     sequence 0 (the best one for beam search and best_of); `sequences` lists every returned
-    sequence. `prompt_logprobs` (when asked): one entry per prompt token, the first None, each
-    like the `logprobs` entries plus the token's `rank` (1 = most likely). `extra`: free-form fields a plugin's postprocess added.
+    sequence. `logprobs` (when asked): one entry per generated token, `{"token_id", "logprob",
+    "rank", "top_logprobs": {id: logprob}}`, `rank` counting from 1 (a tie counts against the
+    token, as in vLLM). `prompt_logprobs` (when asked): one entry per prompt token, the first
+    None, each like the `logprobs` entries. `extra`: free-form fields a plugin's postprocess
+    added.
     """
 
     request_id: str

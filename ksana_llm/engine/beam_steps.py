@@ -18,7 +18,7 @@ from ksana_llm.engine.beam_search import Hypothesis, length_normalized
 from ksana_llm.engine.outputs import StepOutput
 from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from ksana_llm.runner.logits_processing import to_device
-from ksana_llm.runner.logprobs_mode import reported_values
+from ksana_llm.runner.logprobs_mode import chosen_ranks, reported_values
 from ksana_llm.runner.sampler import beam_log_probs
 
 
@@ -89,6 +89,7 @@ class BeamSearchSteps:
             row = reported[parent]
             top = torch.topk(row, want) if want else None
             return {"token_id": token, "logprob": float(row[token]),
+                    "rank": int(chosen_ranks(row.unsqueeze(0), row[token].unsqueeze(0))),
                     "top_logprobs": dict(zip(top.indices.tolist(), top.values.tolist())) if top else {}}
 
         def finalize(parent: int, token: int, score: float, sum_logprob: float,

@@ -18,8 +18,9 @@ from ksana_llm.engine.request import FinishReason, Sequence, SequenceGroup
 class OutputSteps:
     # ---- appending sampled tokens --------------------------------------------------------------
     def _append(self, seq: Sequence, index: int, token: int, logprob: float | None,
-                top: Any, now: float, defer: bool) -> list[StepOutput]:
-        """`token` replaces the pending placeholder at `index` of the sequence's output."""
+                rank: int | None, top: Any, now: float, defer: bool) -> list[StepOutput]:
+        """`token` replaces the pending placeholder at `index` of the sequence's output; with
+        log-probs, `rank` is its rank among them and `top` the top (id, log-prob) pairs."""
         seq.output_token_ids[index] = token
         seq.num_pending_tokens -= 1
         num_output = index + 1
@@ -29,7 +30,7 @@ class OutputSteps:
         if logprob is not None:
             seq.cumulative_logprob += logprob
             if seq.config.logprobs is not None:
-                entry = {"token_id": token, "logprob": logprob,
+                entry = {"token_id": token, "logprob": logprob, "rank": rank,
                          "top_logprobs": dict(top[:seq.config.logprobs]) if top else {}}
                 seq.logprobs.append(entry)
                 entries.append(entry)

@@ -115,7 +115,9 @@ class SamplingSteps:
     def _resolve(self, step: SampledStep, defer: bool) -> list[StepOutput]:
         """Read a step's tokens back and append them: stop checks, outputs (deferred to the
         next step when `defer` allows it)."""
-        token_ids, logprobs, top = step.host.to_lists()
+        sampled = step.host.to_lists()
+        token_ids, logprobs, ranks, top = sampled.token_ids, sampled.logprobs, sampled.ranks, \
+            sampled.top
         now = time.monotonic()
         outputs = []
         block_size = self.block_manager.block_size
@@ -127,6 +129,7 @@ class SamplingSteps:
             index = step.indices[i]
             outputs.extend(self._append(seq, index, token_ids[i],
                                         None if logprobs is None else logprobs[i],
+                                        None if ranks is None else ranks[i],
                                         None if top is None else list(zip(top[1][i], top[0][i])),
                                         now, defer))
             # A token that completes a block the step in flight has computed: publish it.

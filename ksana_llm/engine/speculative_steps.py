@@ -31,9 +31,11 @@ from ksana_llm.engine.scheduler_records import ScheduledSequence
 from ksana_llm.runner.draft_verification import (
     ACCEPTED,
     DRAFT_LOGPROB,
+    DRAFT_RANK,
     NO_DRAFT,
     TOKEN,
     TOKEN_LOGPROB,
+    TOKEN_RANK,
     TOP_LOGPROBS,
     verify_drafts,
 )
@@ -95,11 +97,11 @@ class SpeculativeSteps:
             accepted[seq] = num_accepted
             # The accepted drafts' KV is computed (the refused ones' is overwritten later).
             seq.num_computed_tokens += num_accepted
-            for token, (logprob, top) in zip(tokens, logprobs):
+            for token, (logprob, rank, top) in zip(tokens, logprobs):
                 index = len(seq.output_token_ids)
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
-                outputs.extend(self._append(seq, index, token, logprob, top, now, defer))
+                outputs.extend(self._append(seq, index, token, logprob, rank, top, now, defer))
                 if seq.status is SequenceStatus.FINISHED:
                     break  # a stop token or string among the drafts: the rest is dropped
             else:
@@ -133,18 +135,21 @@ class SpeculativeSteps:
 
     @staticmethod
     def _draft_logprobs(verdict: list[list[float]], top_k: int | None
-                        ) -> list[tuple[float | None, list[tuple[int, float]] | None]]:
-        """(log-prob, top (id, log-prob) pairs) of each emitted token: the accepted drafts', then
-        the last row's own token's (see `verify_drafts`' columns); Nones without log-probs."""
+                        ) -> list[tuple[float | None, int | None, list[tuple[int, float]] | None]]:
+        """(log-prob, rank, top (id, log-prob) pairs) of each emitted token: the accepted
+        drafts', then the last row's own token's (see `verify_drafts`' columns); Nones without
+        log-probs."""
         if top_k is None:
-            return [(None, None)] * len(verdict)
+            return [(None, None, None)] * len(verdict)
         out = []
         k = (len(verdict[0]) - TOP_LOGPROBS) // 2  # top_k, at most the vocabulary
         values, ids = slice(TOP_LOGPROBS, TOP_LOGPROBS + k), slice(TOP_LOGPROBS + k, None)
         for j, row in enumerate(verdict):
             top = list(zip((int(t) for t in row[ids]), row[values]))
             # An accepted draft's log-prob, then the last row's own token's.
-            out.append((row[DRAFT_LOGPROB] if j < len(verdict) - 1 else row[TOKEN_LOGPROB], top))
+            drafted = j < len(verdict) - 1
+            out.append((row[DRAFT_LOGPROB] if drafted else row[TOKEN_LOGPROB],
+                        int(row[DRAFT_RANK] if drafted else row[TOKEN_RANK]), top))
         return out
 
     def _propose(self, scheduled: list[ScheduledSequence], slices: list[SeqSlice],

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ksana_llm.runner.logits_processing import process_logits, to_device
-from ksana_llm.runner.logprobs_mode import reported_values
+from ksana_llm.runner.logprobs_mode import chosen_ranks, reported_values
 from ksana_llm.runner.sampler import Sampler, SamplingRow, warp_logits
 
 # Marks a row's draft id when it has none (the last row of each sequence: its bonus token).
@@ -41,7 +41,8 @@ NO_DRAFT = -1
 
 # Columns of `verify_drafts`' result.
 ACCEPTED, TOKEN = 0, 1  # whether the row accepts its draft; the token emitted if it stops there
-DRAFT_LOGPROB, TOKEN_LOGPROB, TOP_LOGPROBS = 2, 3, 4  # with log-probs: then k values, k ids
+# With log-probs: the draft's and the token's values and ranks, then k top values and k ids.
+DRAFT_LOGPROB, TOKEN_LOGPROB, DRAFT_RANK, TOKEN_RANK, TOP_LOGPROBS = 2, 3, 4, 5, 6
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
@@ -50,9 +51,9 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
     if row r is where its sequence stops accepting). `rows[r]` is row r's sequence's settings;
     `draft_ids[r]` the draft row r judges, or NO_DRAFT.
 
-    With `num_top_logprobs` (k, may be 0): [R, 4 + 2k] float64 instead (token ids are exact in
-    it), the columns followed by the reported log-probs of the draft and of the token, then the row's
-    top-k log-prob values and ids."""
+    With `num_top_logprobs` (k, may be 0): [R, 6 + 2k] float64 instead (token ids are exact in
+    it), the columns followed by the reported log-probs of the draft and of the token, their
+    ranks, then the row's top-k log-prob values and ids."""
     if logits.dim() != 2 or not logits.shape[0] == len(rows) == len(draft_ids):
         raise ValueError(f"expected logits [len(rows)={len(rows)}, V] and one draft id per row, "
                          f"got {tuple(logits.shape)} and {len(draft_ids)}")
@@ -79,8 +80,10 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
         return verdict
     raw = reported_values(sampler.logprobs_mode, logits, final)
     chosen = torch.cat((raw.gather(1, drafts), raw.gather(1, tokens.unsqueeze(1))), dim=1)
+    ranks = torch.stack((chosen_ranks(raw, chosen[:, 0]), chosen_ranks(raw, chosen[:, 1])), dim=1)
     values, ids = torch.topk(raw, min(num_top_logprobs, raw.shape[1]), dim=-1)
-    return torch.cat((verdict.double(), chosen.double(), values.double(), ids.double()), dim=1)
+    return torch.cat((verdict.double(), chosen.double(), ranks.double(), values.double(),
+                      ids.double()), dim=1)
 
 
 def _positions_ahead(draft_ids: list[int]) -> list[int]:

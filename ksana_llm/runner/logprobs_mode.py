@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOGPROBS_MODES", "check_logprobs_mode", "reported_values", "reports_logits"]
+__all__ = ["LOGPROBS_MODES", "check_logprobs_mode", "chosen_ranks", "reported_values",
+           "reports_logits"]
 
 # config.LogprobsMode spells the same (the config sits above the runner; a test holds them equal).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -44,3 +45,9 @@ def reported_values(mode: str, raw_logits: torch.Tensor, processed: torch.Tensor
     source = raw_logits if processed is None or mode.startswith("raw_") else processed
     source = source.float()
     return source if reports_logits(mode) else torch.log_softmax(source, dim=-1)
+
+
+def chosen_ranks(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the rank of each row's `chosen` value among its `values` [B, V] (1 = the
+    largest; a tie counts against the chosen token, as in vLLM)."""
+    return (values >= chosen.unsqueeze(1)).sum(dim=1)

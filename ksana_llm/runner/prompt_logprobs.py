@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ksana_llm.runner.logprobs_mode import chosen_ranks
+
 __all__ = ["TOKEN_LOGPROBS_CHUNK_ELEMENTS", "token_logprobs"]
 
 
@@ -39,7 +41,7 @@ def _token_logprobs_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     raw = torch.log_softmax(logits.float(), dim=-1)
     chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    ranks = (raw >= chosen.unsqueeze(1)).sum(dim=1)
+    ranks = chosen_ranks(raw, chosen)
     if k > 0:
         values, ids = torch.topk(raw, min(k, raw.shape[1]), dim=-1)
     else:

@@ -19,14 +19,14 @@ class SamplerOutput:
     # [B] float32: the chosen token's log-prob, by default under the raw distribution (what the
     # values are: `Sampler.logprobs_mode`; the top ones are of the same kind)
     logprobs: torch.Tensor | None = None
+    # [B] int64, with `logprobs`: the chosen token's rank among them (`chosen_ranks`)
+    ranks: torch.Tensor | None = None
     # (values [B, k_max] float32, ids [B, k_max] int64); k_max is the largest k asked in the
     # batch, so a row that asked for fewer should keep only its first `config.logprobs` columns.
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def to_lists(
-        self,
-    ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
-        """(token_ids, logprobs, (top values, top ids)) as Python lists, with one host sync."""
+    def to_lists(self) -> SampledLists:
+        """Everything as Python lists, with one host sync."""
         return self.to_host().to_lists()
 
     def to_host(self) -> HostSamples:
@@ -43,7 +43,10 @@ class SamplerOutput:
         else:
             parts = [self.token_ids.to(torch.float64).unsqueeze(1)]
             if self.logprobs is not None:
+                if self.ranks is None:
+                    raise ValueError("a SamplerOutput with logprobs carries their ranks too")
                 parts.append(self.logprobs.to(torch.float64).unsqueeze(1))
+                parts.append(self.ranks.to(torch.float64).unsqueeze(1))
             if self.top_logprobs is not None:
                 parts.extend(t.to(torch.float64) for t in self.top_logprobs)
             packed = torch.cat(parts, dim=1)
@@ -54,27 +57,34 @@ class SamplerOutput:
 class HostSamples:
     """A step's chosen tokens (and log-probs) on their way to the host (`SamplerOutput.to_host`)."""
 
-    packed: HostCopy  # [B] int64 token ids, or [B, 1 (+1) (+2k)] float64
-    has_logprobs: bool
+    packed: HostCopy  # [B] int64 token ids, or [B, 1 (+2) (+2k)] float64
+    has_logprobs: bool  # ... with the log-prob and rank columns
     top_k: int | None  # top log-prob columns (values, then ids); None: none asked
 
-    def to_lists(
-        self,
-    ) -> tuple[list[int], list[float] | None, tuple[list[list[float]], list[list[int]]] | None]:
-        """(token_ids, logprobs, (top values, top ids)) as Python lists; waits for the copy."""
+    def to_lists(self) -> SampledLists:
+        """Everything as Python lists; waits for the copy."""
         packed = self.packed.wait()
         if packed.dim() == 1:
-            return packed.tolist(), None, None  # the common case: token ids only
+            return SampledLists(packed.tolist())  # the common case: token ids only
         rows = packed.tolist()
-        token_ids = [int(r[0]) for r in rows]
+        out = SampledLists([int(r[0]) for r in rows])
         col = 1
-        logprobs = None
         if self.has_logprobs:
-            logprobs = [r[1] for r in rows]
-            col = 2
-        top = None
+            out.logprobs, out.ranks = [r[1] for r in rows], [int(r[2]) for r in rows]
+            col = 3
         k = self.top_k
         if k is not None:
-            top = ([r[col:col + k] for r in rows], [[int(t) for t in r[col + k:col + 2 * k]]
-                                                    for r in rows])
-        return token_ids, logprobs, top
+            out.top = ([r[col:col + k] for r in rows], [[int(t) for t in r[col + k:col + 2 * k]]
+                                                        for r in rows])
+        return out
+
+
+@dataclass
+class SampledLists:
+    """A step's chosen tokens on the host: with log-probs, each row's chosen log-prob and its
+    rank, and its top k (values, ids)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top: tuple[list[list[float]], list[list[int]]] | None = None

@@ -50,7 +50,7 @@ from ksana_llm.logits_processor import LogitsProcessor, LogitsRow
 from ksana_llm.runner.grammar_masks import (apply_grammar_masks, keep_grammar_choices,
                                             remask_grammar_rows)
 from ksana_llm.runner.logits_processing import process_logits, to_device
-from ksana_llm.runner.logprobs_mode import check_logprobs_mode, reported_values
+from ksana_llm.runner.logprobs_mode import check_logprobs_mode, chosen_ranks, reported_values
 from ksana_llm.runner.sampled_tokens import SamplerOutput
 from ksana_llm.runner.token_history import TokenHistories
 
@@ -346,13 +346,15 @@ class Sampler:
             return SamplerOutput(token_ids=token_ids)
         raw = reported_values(self.logprobs_mode, raw_logits, final)
         chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        ranks = chosen_ranks(raw, chosen)
         k_max = max(want_logprobs)
         if k_max > 0:
             values, ids = torch.topk(raw, min(k_max, raw.shape[1]), dim=-1)
         else:
             values = raw.new_empty((raw.shape[0], 0))
             ids = token_ids.new_empty((raw.shape[0], 0))
-        return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=(values, ids))
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen, ranks=ranks,
+                             top_logprobs=(values, ids))
 
     def sample_rows(self, warped: torch.Tensor, rows: list[SamplingRow],
                     ahead: list[int] | None = None) -> torch.Tensor:
