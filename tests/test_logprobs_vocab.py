@@ -66,6 +66,31 @@ def test_whole_vocabulary_under_speculative_drafts(default_model, hf_default_mod
     _check_whole_rows(out.logprobs, expected[len(ids) - 1:-1])
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_each_request_of_a_mixed_batch_gets_its_own_count(default_model, speculative):
+    """One step's columns are as many as its largest ask (the whole vocabulary here): a request
+    beside it that asked for 2 or 3 gets its own count, with the same log-probs, ranks and
+    alternatives as when it runs alone."""
+    vocab = default_model.vocab_size
+    prompts = ["one two three four one two three four one two", PROMPT]
+    configs = [kt.GenerationConfig(max_new_tokens=6, logprobs=-1, prompt_logprobs=-1),
+               kt.GenerationConfig(max_new_tokens=6, logprobs=3, prompt_logprobs=2)]
+    extra = {"speculative_method": "ngram", "num_speculative_tokens": 3} if speculative else {}
+    with kt.Engine(default_model, num_device_blocks=64, max_logprobs=-1, **extra) as engine:
+        wide, narrow = engine.generate_outputs(prompts, configs, use_tqdm=False)
+        alone = engine.generate_outputs(prompts[1], configs[1], use_tqdm=False)[0]
+    assert all(len(e["top_logprobs"]) == vocab for e in wide.logprobs + wide.prompt_logprobs[1:])
+    assert all(len(e["top_logprobs"]) == 3 for e in narrow.logprobs)
+    assert all(len(e["top_logprobs"]) == 2 for e in narrow.prompt_logprobs[1:])
+    assert narrow.token_ids == alone.token_ids
+    for got, ref in zip(narrow.logprobs + narrow.prompt_logprobs[1:],
+                        alone.logprobs + alone.prompt_logprobs[1:], strict=True):
+        assert got["rank"] == ref["rank"] and list(got["top_logprobs"]) == list(ref["top_logprobs"])
+        assert got["logprob"] == pytest.approx(ref["logprob"], abs=1e-4)
+        assert list(got["top_logprobs"].values()) == pytest.approx(
+            list(ref["top_logprobs"].values()), abs=1e-4)
+
+
 def test_beam_search_with_whole_vocabulary(default_model, uncapped):
     config = kt.GenerationConfig(max_new_tokens=2, num_beams=2, logprobs=-1)
     out = uncapped.generate_outputs(PROMPT, config, use_tqdm=False)[0]

@@ -67,11 +67,13 @@ class CaptureSteps:
         top K values and ids, K >= this sequence's k (`runner.captured_rows.CapturedRows`)."""
         k = seq.config.prompt_logprobs or 0
         width = (packed.shape[1] - 2) // 2
-        for p, row in zip(positions, packed.tolist()):
+        # Only this sequence's k columns become Python numbers (K may be another's, larger).
+        values = packed[:, 2:2 + k].tolist()
+        ids = packed[:, 2 + width:2 + width + k].to(torch.int64).tolist()
+        for j, (p, (chosen, rank)) in enumerate(zip(positions, packed[:, :2].tolist())):
             seq.prompt_logprobs[p + 1] = {
-                "token_id": seq.prompt_token_ids[p + 1], "logprob": row[0], "rank": int(row[1]),
-                "top_logprobs": dict(zip((int(t) for t in row[2 + width:2 + width + k]),
-                                         row[2:2 + k]))}
+                "token_id": seq.prompt_token_ids[p + 1], "logprob": chosen, "rank": int(rank),
+                "top_logprobs": dict(zip(ids[j], values[j]))}
         group = seq.group
         if group.prompt_logprobs is None and len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1:
             group.prompt_logprobs = [None] + [seq.prompt_logprobs[p]

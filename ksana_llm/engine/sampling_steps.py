@@ -115,7 +115,8 @@ class SamplingSteps:
     def _resolve(self, step: SampledStep, defer: bool) -> list[StepOutput]:
         """Read a step's tokens back and append them: stop checks, outputs (deferred to the
         next step when `defer` allows it)."""
-        sampled = step.host.to_lists()
+        sampled = step.host.to_lists([seq.config.logprobs or 0 for seq in step.seqs]
+                                     if step.host.top_k is not None else None)
         token_ids, logprobs, ranks, top = sampled.token_ids, sampled.logprobs, sampled.ranks, \
             sampled.top
         now = time.monotonic()

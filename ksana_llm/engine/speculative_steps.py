@@ -72,7 +72,9 @@ class SpeculativeSteps:
             logits = logits.index_select(0, to_device(logit_rows, torch.long, logits.device))
         wanted = [row.config.logprobs or 0 for row in rows if row.wants_logprob]
         top_k = max(wanted) if wanted else None
-        verdict = verify_drafts(self.sampler, logits, rows, draft_ids, top_k).tolist()
+        table = verify_drafts(self.sampler, logits, rows, draft_ids, top_k).cpu()
+        # The top columns become Python numbers per sequence, only as many as it asked for.
+        verdict = (table if top_k is None else table[:, :TOP_LOGPROBS]).tolist()
         now = time.monotonic()
         outputs: list[StepOutput] = []
         accepted: dict[Sequence, int] = {}
@@ -84,7 +86,10 @@ class SpeculativeSteps:
                 num_accepted += 1
             last = verdict[offset + num_accepted]
             tokens = draft_ids[offset:offset + num_accepted] + [int(last[TOKEN])]
-            logprobs = self._draft_logprobs(verdict[offset:offset + num_accepted + 1], top_k)
+            emitted = slice(offset, offset + num_accepted + 1)
+            logprobs = self._draft_logprobs(verdict[emitted],
+                                            None if top_k is None else table[emitted],
+                                            seq.config.logprobs or 0)
             offset += k + 1
             self.num_draft_tokens += k
             self.num_accepted_draft_tokens += num_accepted
@@ -134,18 +139,19 @@ class SpeculativeSteps:
             seq.draft_token_ids = self.ngram.propose(tokens, seq.ngram_index, wanted)
 
     @staticmethod
-    def _draft_logprobs(verdict: list[list[float]], top_k: int | None
+    def _draft_logprobs(verdict: list[list[float]], table: torch.Tensor | None, k: int
                         ) -> list[tuple[float | None, int | None, list[tuple[int, float]] | None]]:
-        """(log-prob, rank, top (id, log-prob) pairs) of each emitted token: the accepted
-        drafts', then the last row's own token's (see `verify_drafts`' columns); Nones without
-        log-probs."""
-        if top_k is None:
+        """(log-prob, rank, top k (id, log-prob) pairs) of each emitted token: the accepted
+        drafts', then the last row's own token's, from their rows of `verify_drafts`' result
+        (`table`, on the host; `verdict` its first columns as lists); Nones without it."""
+        if table is None:
             return [(None, None, None)] * len(verdict)
         out = []
-        k = (len(verdict[0]) - TOP_LOGPROBS) // 2  # top_k, at most the vocabulary
-        values, ids = slice(TOP_LOGPROBS, TOP_LOGPROBS + k), slice(TOP_LOGPROBS + k, None)
+        width = (table.shape[1] - TOP_LOGPROBS) // 2  # the batch's top_k, at most the vocabulary
+        values = table[:, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist()
+        ids = table[:, TOP_LOGPROBS + width:TOP_LOGPROBS + width + k].to(torch.int64).tolist()
         for j, row in enumerate(verdict):
-            top = list(zip((int(t) for t in row[ids]), row[values]))
+            top = list(zip(ids[j], values[j]))
             # An accepted draft's log-prob, then the last row's own token's.
             drafted = j < len(verdict) - 1
             out.append((row[DRAFT_LOGPROB] if drafted else row[TOKEN_LOGPROB],

@@ -11,6 +11,11 @@ import torch
 from ksana_llm.runner.host_copy import HostCopy, start_host_copy
 
 
+# Up to this many top columns, every row's are made Python numbers at once (quicker than a
+# conversion per row); beyond it, each row converts only the columns it asked for.
+_CONVERT_WHOLE_TOP = 64
+
+
 @dataclass
 class SamplerOutput:
     """The chosen tokens of one step, and their log-probs when some row asked for them."""
@@ -61,21 +66,31 @@ class HostSamples:
     has_logprobs: bool  # ... with the log-prob and rank columns
     top_k: int | None  # top log-prob columns (values, then ids); None: none asked
 
-    def to_lists(self) -> SampledLists:
-        """Everything as Python lists; waits for the copy."""
+    def to_lists(self, row_top: list[int] | None = None) -> SampledLists:
+        """Everything as Python lists; waits for the copy. `row_top[i]`: how many of the top
+        columns row i keeps (default: all): the batch's columns are as many as its largest ask
+        (the whole vocabulary for logprobs=-1), and making Python numbers of all of them for
+        every row costs the engine thread milliseconds per row."""
         packed = self.packed.wait()
         if packed.dim() == 1:
             return SampledLists(packed.tolist())  # the common case: token ids only
-        rows = packed.tolist()
-        out = SampledLists([int(r[0]) for r in rows])
+        out = SampledLists(packed[:, 0].to(torch.int64).tolist())
         col = 1
         if self.has_logprobs:
-            out.logprobs, out.ranks = [r[1] for r in rows], [int(r[2]) for r in rows]
+            out.logprobs = packed[:, 1].tolist()
+            out.ranks = packed[:, 2].to(torch.int64).tolist()
             col = 3
         k = self.top_k
         if k is not None:
-            out.top = ([r[col:col + k] for r in rows], [[int(t) for t in r[col + k:col + 2 * k]]
-                                                        for r in rows])
+            values, ids = packed[:, col:col + k], packed[:, col + k:col + 2 * k].to(torch.int64)
+            if row_top is None or k <= _CONVERT_WHOLE_TOP:
+                out.top = (values.tolist(), ids.tolist())
+                if row_top is not None:
+                    out.top = ([v[:n] for v, n in zip(out.top[0], row_top)],
+                               [t[:n] for t, n in zip(out.top[1], row_top)])
+            else:
+                out.top = ([values[i, :n].tolist() for i, n in enumerate(row_top)],
+                           [ids[i, :n].tolist() for i, n in enumerate(row_top)])
         return out
 
 
