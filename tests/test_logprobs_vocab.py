@@ -1,7 +1,8 @@
 """vLLM's whole-vocabulary log-probs and its cap: `logprobs=-1` / `prompt_logprobs=-1` return
 every token's log-prob (checked against transformers' log_softmax on the same weights) when the
 engine's `max_logprobs` is -1, and `max_logprobs` (EngineConfig, serve's `--max-logprobs`)
-bounds what a request may ask for, in Python and over HTTP (chat `top_logprobs=-1`)."""
+bounds what a request may ask for, in Python and over HTTP (chat `top_logprobs=-1`); answers with
+many alternatives are formatted once and off the event loop (/generate's cumulative chunks too)."""
 
 from __future__ import annotations
 
@@ -232,3 +233,24 @@ def test_native_generate_with_many_alternatives_is_formatted_off_the_event_loop(
         assert r.status_code == 200 and calls and all(on_loop for _, on_loop in calls)
 
     run_r1(app, check)
+
+
+def test_logprob_steps_are_formatted_once_unless_an_output_is_replaced():
+    """The stream's cache of formatted steps: appended entries are formatted once; an output
+    whose entries were replaced (a beam's) is formatted again, not spliced onto stale steps."""
+    from ksana_llm.server.generation import ChoiceResult
+    from ksana_llm.server.native import LogprobSteps
+
+    def entry(token: int) -> dict:
+        return {"token_id": token, "logprob": -1.0, "top_logprobs": {token: -1.0, 99: -2.0}}
+
+    def result(entries: list[dict]) -> ChoiceResult:
+        return ChoiceResult("", [e["token_id"] for e in entries], entries, None)
+
+    steps = LogprobSteps(1)
+    first = [entry(1), entry(2)]
+    assert steps.of([result(first)]) == [[[[1, -1.0]], [[2, -1.0]]]]
+    assert steps.of([result(first + [entry(3)])]) == [[[[1, -1.0]], [[2, -1.0]], [[3, -1.0]]]]
+    assert steps.of([result([entry(7), entry(8)])]) == [[[[7, -1.0]], [[8, -1.0]]]]
+    assert steps.of([result([entry(7)]), result([entry(5)])]) == [[[[7, -1.0]]], [[[5, -1.0]]]]
+    assert LogprobSteps(0).of([result(first)]) == [[]]

@@ -127,3 +127,16 @@ def test_the_output_file_may_not_be_the_input_file(tmp_path):
                           timeout=300)
     assert done.returncode == 2 and "is the input file" in done.stderr, done.stderr[-2000:]
     assert json.loads(source.read_text(encoding="utf-8")) == line
+
+
+def test_a_line_with_a_lone_surrogate_is_invalid_json():
+    """Not text (an unpaired \\ud800 escape): the line's own error, as a server body's 400; a
+    well-formed pair is one character."""
+    from ksana_llm.server.batch_runner import parse_line
+
+    line = '{"custom_id": "s", "method": "POST", "url": "/v1/completions", "body": {"prompt": "%s"}}'
+    request, error = parse_line(line % "x\\ud800", set())
+    assert request is None and error["error"]["code"] == "invalid_json"
+    assert "surrogate" in error["error"]["message"]
+    request, error = parse_line(line % "x\\ud83d\\ude00", set())
+    assert error is None and request["body"]["prompt"] == "x\U0001F600"

@@ -241,27 +241,6 @@ def test_logprobs(server, greedy16):
         assert chunk["logprobs"] == [steps[:len(chunk["output_token_ids"][0])]]
 
 
-def test_logprob_steps_are_formatted_once_unless_an_output_is_replaced():
-    """The stream's cache of formatted steps: appended entries are formatted once; an output
-    whose entries were replaced (a beam's) is formatted again, not spliced onto stale steps."""
-    from ksana_llm.server.generation import ChoiceResult
-    from ksana_llm.server.native import LogprobSteps
-
-    def entry(token: int) -> dict:
-        return {"token_id": token, "logprob": -1.0, "top_logprobs": {token: -1.0, 99: -2.0}}
-
-    def result(entries: list[dict]) -> ChoiceResult:
-        return ChoiceResult("", [e["token_id"] for e in entries], entries, None)
-
-    steps = LogprobSteps(1)
-    first = [entry(1), entry(2)]
-    assert steps.of([result(first)]) == [[[[1, -1.0]], [[2, -1.0]]]]
-    assert steps.of([result(first + [entry(3)])]) == [[[[1, -1.0]], [[2, -1.0]], [[3, -1.0]]]]
-    assert steps.of([result([entry(7), entry(8)])]) == [[[[7, -1.0]], [[8, -1.0]]]]
-    assert steps.of([result([entry(7)]), result([entry(5)])]) == [[[[7, -1.0]]], [[[5, -1.0]]]]
-    assert LogprobSteps(0).of([result(first)]) == [[]]
-
-
 # ---- errors ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param, code", [
@@ -328,6 +307,33 @@ def test_infinite_temperature_is_a_400(server):
         r = httpx.post(server.url + "/generate", timeout=60,
                        content=b'{"prompt": "x", "sampling_config": {"temperature": ' + raw + b"}}")
         assert r.status_code == 400 and openai_error(r)["param"] == "sampling_config.temperature"
+
+
+def test_lone_surrogates_are_a_400_as_on_the_openai_routes(server):
+    """An escaped lone UTF-16 surrogate is not text: Python's json module takes it (the OpenAI
+    routes' parser does not), and the tokenizer then failed with a 500. A well-formed pair is
+    one character and is served."""
+    lone = b'"x\\ud800y"'
+    for path, body in (
+            ("/generate", b'{"prompt": ' + lone + b', "stream": false}'),
+            ("/generate", b'{"prompt": "x", "sampling_config": {"stop_strings": [' + lone + b"]}}"),
+            ("/forward", b'{"requests": [{"prompt": ' + lone
+             + b', "request_target": [{"target_name": "layernorm"}]}]}'),
+            ("/invocations", b'{"prompt": ' + lone + b', "max_tokens": 1}'),
+            ("/v1/completions", b'{"prompt": ' + lone + b', "max_tokens": 1}')):
+        r = httpx.post(server.url + path, content=body, timeout=60,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+        assert openai_error(r)["code"] in ("invalid_json", "invalid_body"), (path, r.text)
+    # Inside the JSON text of /generate's chat messages (a valid body): a 400 naming prompt.
+    messages = '[{"role": "user", "content": "\\ud800"}]'  # the escape itself, in the text
+    r = _post(server, {"prompt": messages, "use_chat_template": True, "stream": False,
+                       "sampling_config": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and openai_error(r)["param"] == "prompt", r.text
+    r = httpx.post(server.url + "/generate", timeout=60, content=b'{"prompt": "x\\ud83d\\ude00",'
+                   b' "stream": false, "sampling_config": {"max_new_tokens": 2}}')
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
 
 
 def test_deeply_nested_json_is_a_400_and_the_connection_still_serves(server, greedy16):

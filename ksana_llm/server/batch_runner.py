@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ksana_llm.server.json_body import load_json
 from ksana_llm.server.middleware import REQUEST_ID_HEADER
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -44,7 +45,7 @@ def parse_line(line: str, seen: set[str]) -> tuple[dict[str, Any] | None, dict[s
     """(the request, None) or (None, the output line saying why it is not one). `seen`: the
     custom ids of the lines before (each must be unique, as OpenAI requires)."""
     try:
-        request = json.loads(line)
+        request = load_json(line)
     except ValueError as exc:
         return None, _line_error(None, "invalid_json", f"Line is not valid JSON: {exc}")
     if not isinstance(request, dict):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import re
 import uuid
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from ksana_llm.api.forward_targets import resolve_target
 from ksana_llm.api.forward_outputs import ForwardHandle, ForwardOutput, ForwardTarget
 from ksana_llm.server.errors import APIError, bad_request, count_failure, from_validation_error
 from ksana_llm.server.generation import run_forward
+from ksana_llm.server.json_body import load_json
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.submission import CLIENT_CLOSED_REQUEST
 from ksana_llm.server.params import check_logprobs_cap, check_token_ids, prompt_token_lists
@@ -86,7 +86,7 @@ def _decode(raw: bytes, is_msgpack: bool) -> Any:
     try:
         if is_msgpack:
             return msgpack.unpackb(raw, raw=False, strict_map_key=True)
-        return json.loads(raw)
+        return load_json(raw)
     # RecursionError: arrays nested past the JSON decoder's recursion limit
     except (ValueError, UnicodeDecodeError, RecursionError, msgpack.UnpackException) as exc:
         kind = "msgpack" if is_msgpack else "JSON"
@@ -227,14 +227,16 @@ def _submitter(engine: Any, body: ForwardBody, jobs: list[tuple[list[int], list[
 
 def _is_msgpack(content_type: str, raw: bytes) -> bool:
     """Whether the body is msgpack: said so by its Content-Type (any of msgpack's names), or,
-    with none that says JSON, a body that starts as a msgpack map does (a JSON object starts
-    with `{` or whitespace; KsanaLLM's clients send msgpack by default)."""
+    with none that says JSON, unless it starts as JSON's object or array does (`{` or `[`
+    after any whitespace, as curl's default form Content-Type carries JSON): KsanaLLM's
+    clients send msgpack by default, so a body that is neither is answered, its error
+    included, in msgpack."""
     kind = content_type.split(";")[0].strip().lower()
     if kind in (MSGPACK, "application/msgpack", "application/vnd.msgpack"):
         return True
     if kind == "application/json" or kind.startswith("text/"):
         return False
-    return bool(raw) and (0x80 <= raw[0] <= 0x8F or raw[0] in (0xDE, 0xDF))
+    return not raw.lstrip(b" \t\r\n").startswith((b"{", b"["))
 
 
 async def forward(request: Request) -> Response:

@@ -7,14 +7,14 @@ all); a body with none of those keys, or more than one, is a 400 naming them.
 
 from __future__ import annotations
 
-import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ksana_llm.server.classification import create_classifications
 from ksana_llm.server.embeddings import create_embeddings
-from ksana_llm.server.errors import bad_request
+from ksana_llm.server.errors import bad_request, malformed_json
+from ksana_llm.server.json_body import load_json
 from ksana_llm.server.openai_routes import create_chat_completion, create_completion
 from ksana_llm.server.scores import create_scores, rerank
 from ksana_llm.server.state import server_state
@@ -31,9 +31,9 @@ _ROUTES = {"messages": create_chat_completion, "prompt": create_completion,
 async def invocations(request: Request) -> Response:
     try:
         # The route parses the body again: Starlette keeps it, so it is read from the client once.
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise bad_request(f"The body is not valid JSON: {exc}") from exc
+        body = load_json(await request.body())
+    except (ValueError, RecursionError) as exc:  # the same 400 as every route's
+        raise malformed_json(exc) from exc
     keys = [key for key in _ROUTES if isinstance(body, dict) and key in body]
     routes = {_ROUTES[key] for key in keys}
     if len(routes) != 1:

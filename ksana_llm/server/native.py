@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, from_validation_error, malformed_json
 from ksana_llm.server.generation import ChoiceResult, ChoiceSet, ClientDisconnected
+from ksana_llm.server.json_body import load_json
 from ksana_llm.server.logprobs import _finite
 from ksana_llm.server.openai_protocol import MAX_BEAMS, MAX_N, MAX_STOP
 from ksana_llm.server.submission import (CLIENT_CLOSED_REQUEST, AbortOnCloseStreamingResponse,
@@ -153,7 +154,7 @@ def _check_keys(body: Any) -> None:
 async def parse_generate_request(request: Request) -> GenerateRequest:
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = load_json(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting
         raise malformed_json(exc) from exc
     # null means the default, as KsanaLLM reads its keys (also for the keys we do not serve);

@@ -122,6 +122,13 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
                 raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")
             if tokenizer is None:
                 raise no_tokenizer(field)
+            if not p.isascii():
+                try:  # a lone surrogate (from a JSON escape) is not text a tokenizer takes
+                    p.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise bad_request(f"The {field} holds a lone UTF-16 surrogate (an unpaired "
+                                      "\\ud800-\\udfff escape), which is not text.",
+                                      param=field) from None
             ids = list(tokenizer.encode(p, add_special_tokens=add_special_tokens))
         else:
             if not p:

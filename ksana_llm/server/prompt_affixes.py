@@ -4,7 +4,6 @@ model's own chat template (ksana-notes §1, `build_prompt`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from types import MappingProxyType
 from typing import Any
@@ -13,6 +12,7 @@ from pydantic import ValidationError
 
 from ksana_llm.server.chat import ChatTemplate, render_chat
 from ksana_llm.server.errors import bad_request
+from ksana_llm.server.json_body import load_json
 from ksana_llm.server.openai_protocol import ChatMessage
 
 logger = logging.getLogger("ksana_llm.server")
@@ -52,7 +52,7 @@ def build_prompt(prompt: str, model_type: str, use_chat_template: bool, tokenize
     (with use_chat_template)."""
     if use_chat_template:
         try:
-            messages = json.loads(prompt)
+            messages = load_json(prompt)
             if not isinstance(messages, list) or not messages:
                 raise ValueError("not a non-empty list")
             parsed = [ChatMessage.model_validate(m) for m in messages]
