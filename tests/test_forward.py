@@ -385,14 +385,10 @@ def test_server_malformed_bodies(server):
     assert msgpack.unpackb(r.content)["responses"][0]["input_token_ids"] == [1, 2]
     r = httpx.post(server.url + "/forward", json=[1, 2], timeout=30)
     assert r.status_code == 400
-    # Without a Content-Type saying JSON, a body that does not start as JSON does is msgpack,
-    # and so is its error (KsanaLLM's client unpacks every answer).
-    for content, headers in ((msgpack.packb([1, 2]), {}),
-                             (b"\xc1", {"Content-Type": "application/octet-stream"})):
-        r = httpx.post(server.url + "/forward", content=content, headers=headers, timeout=30)
-        assert r.status_code == 400 and r.headers["content-type"].startswith("application/x-msgpack")
-        error = msgpack.unpackb(r.content)["error"]
-        assert error["code"] in ("invalid_body", None) and "JSON" not in error["message"], error
+    # Without a JSON Content-Type, a body not starting as JSON does is msgpack, its error too.
+    for content, kind in ((msgpack.packb([1, 2]), {}), (b"\xc1", {"Content-Type": "a/b"})):
+        r = httpx.post(server.url + "/forward", content=content, headers=kind, timeout=30)
+        assert r.status_code == 400 and "JSON" not in msgpack.unpackb(r.content)["error"]["message"]
     # Nested past the JSON decoder's recursion limit: a 400, and the connection still serves.
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for _ in range(2):
