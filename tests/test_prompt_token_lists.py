@@ -2,7 +2,9 @@
 completions and embeddings read their text prompts with) and the embeddings route's inputs, in
 both its forms. SmolLM2's tokenizer adds no special tokens, so this one is the same tokenizer
 given a BOS post-processor (as Llama's tokenizers have). The embeddings route reads a server
-state's tokenizer, limits and chat template only: a namespace holding those stands in for it."""
+state's tokenizer, limits and chat template only: a namespace holding those stands in for it.
+A prompt holding a lone UTF-16 surrogate (a JSON escape some way in let through) is a 400 naming
+the field, never a tokenizer failure (a 500)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from transformers import AutoTokenizer
 from ksana_llm.server.chat import ChatTemplate
 from ksana_llm.server.embedding_protocol import EmbeddingRequest
 from ksana_llm.server.embeddings import pooling_inputs
+from ksana_llm.server.errors import APIError
 from ksana_llm.server.params import ModelLimits, prompt_token_lists
 
 
@@ -55,3 +58,12 @@ def test_embeddings_inputs_take_add_special_tokens(bos_tokenizer):
                                     add_special_tokens=False)
     assert inputs(messages=messages) == [rendered]  # the template writes its own
     assert inputs(messages=messages, add_special_tokens=True) == [[bos, *rendered]]
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(default_model):
+    tokenizer, limits = default_model.tokenizer, ModelLimits(2048, default_model.vocab_size)
+    with pytest.raises(APIError) as info:
+        prompt_token_lists(["fine", "x\ud800y"], tokenizer, limits, field="input")
+    assert info.value.status == 400 and info.value.body()["error"]["param"] == "input"
+    assert "surrogate" in info.value.body()["error"]["message"]
+    assert prompt_token_lists("x\U0001F600", tokenizer, limits) == [tokenizer.encode("x\U0001F600")]

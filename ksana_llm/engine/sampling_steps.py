@@ -117,8 +117,8 @@ class SamplingSteps:
         next step when `defer` allows it)."""
         sampled = step.host.to_lists([seq.config.logprobs or 0 for seq in step.seqs]
                                      if step.host.top_k is not None else None)
-        token_ids, logprobs, ranks, top = sampled.token_ids, sampled.logprobs, sampled.ranks, \
-            sampled.top
+        token_ids, logprobs, ranks, top = (sampled.token_ids, sampled.logprobs, sampled.ranks,
+                                           sampled.top)
         now = time.monotonic()
         outputs = []
         block_size = self.block_manager.block_size

@@ -10,7 +10,9 @@ import json
 import re
 from typing import Any
 
-__all__ = ["load_json"]
+__all__ = ["LONE_SURROGATE", "holds_lone_surrogate", "load_json"]
+
+LONE_SURROGATE = "a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not text"
 
 # Only a \u escape can make a surrogate (raw UTF-8 cannot carry one): the walk below runs only
 # for bodies that hold such an escape.
@@ -32,13 +34,21 @@ def _check_strings(value: Any) -> None:
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("a string holds a lone UTF-16 surrogate (an unpaired "
-                                 "\\ud800-\\udfff escape), which is not text") from None
+            if holds_lone_surrogate(item):
+                raise ValueError(f"a string holds {LONE_SURROGATE}")
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
+
+
+def holds_lone_surrogate(text: str) -> bool:
+    """Whether `text` cannot be UTF-8 (only a lone surrogate makes a Python string so)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

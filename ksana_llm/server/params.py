@@ -16,6 +16,7 @@ from ksana_llm.api.request import Request as EngineRequest
 from ksana_llm.api.prompt_rows import truncate_prompt
 from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.server.errors import APIError, bad_request, no_tokenizer
+from ksana_llm.server.json_body import LONE_SURROGATE, holds_lone_surrogate
 from ksana_llm.server.openai_protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
                                              _SamplingRequest)
 
@@ -122,13 +123,8 @@ def prompt_token_lists(prompt: Any, tokenizer: Any, limits: ModelLimits,
                 raise bad_request(f"The {field} is empty.", param=field, code="empty_prompt")
             if tokenizer is None:
                 raise no_tokenizer(field)
-            if not p.isascii():
-                try:  # a lone surrogate (from a JSON escape) is not text a tokenizer takes
-                    p.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise bad_request(f"The {field} holds a lone UTF-16 surrogate (an unpaired "
-                                      "\\ud800-\\udfff escape), which is not text.",
-                                      param=field) from None
+            if holds_lone_surrogate(p):  # (from a JSON escape): no tokenizer takes it
+                raise bad_request(f"The {field} holds {LONE_SURROGATE}.", param=field)
             ids = list(tokenizer.encode(p, add_special_tokens=add_special_tokens))
         else:
             if not p:
