@@ -121,7 +121,8 @@ class EngineConfig(BaseModel):
                            "token ids and no text; text inputs and stop strings are refused")
     trust_remote_code: bool = Field(
         False, description="vLLM's: run the ksana_plugin.py a Hugging Face hub repository ships "
-                           "(its own Python code); a local folder's plugin runs either way")
+                           "(its own Python code; a local folder's plugin runs either way) and "
+                           "a folder's own tokenizer code (tokenizer_config.json auto_map)")
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'")
     dtype: DType = Field("auto", description="'auto' = float32 on CPU, bfloat16 on CUDA")
     quantization: WeightQuantization | None = Field(

@@ -309,3 +309,45 @@ def test_a_path_of_the_wrong_type_is_named(path):
 
     with pytest.raises(ValueError, match="path must be a folder, a .gguf file or a hub id"):
         Model.from_pretrained(path, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of "
+                                 r"num_key_value_heads \(3\)"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be at least 1, got 0"),
+])
+def test_a_config_no_model_can_have_is_named(broken, edit, message):
+    """Not a shard's row count or a pipeline split nobody asked for."""
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
+        _load(broken)
+
+
+def test_a_folders_tokenizer_code_runs_only_with_trust_remote_code(broken, default_model_dir,
+                                                                   tmp_path):
+    """A tokenizer_config.json `auto_map` (Baichuan's, Qwen v1's) names Python code of the
+    folder's: without trust_remote_code transformers asked on stdin whether to run it (a server
+    stalled; "y" ran it). Now it is not run, the folder having no tokenizer, unless trusted."""
+    marker = tmp_path / "ran"
+    shutil.copy(default_model_dir / "tokenizer.json", broken / "tokenizer.json")
+    (broken / "tokenization_marked.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class MarkedTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    (broken / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "MarkedTokenizer",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_marked.MarkedTokenizer"]}}))
+    assert _load(broken).tokenizer is None
+    # Someone at a terminal answering transformers' question: nothing is asked any more.
+    load = (f"import ksana_llm as kt; m = kt.Model.from_pretrained({str(broken)!r}, "
+            "device='cpu', progress=False); print(m.tokenizer)")
+    proc = subprocess.run([sys.executable, "-c", load], input="y\ny\n", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
+    with pytest.raises(ValueError, match="(?s)tokenizer: cannot load .*trust_remote_code"):
+        kt.Model.from_pretrained(broken, device="cpu", progress=False, tokenizer=str(broken))
+    assert not marker.exists()
+    trusted = kt.Model.from_pretrained(broken, device="cpu", progress=False,
+                                       trust_remote_code=True)
+    assert marker.exists() and type(trusted.tokenizer).__name__ == "MarkedTokenizer"

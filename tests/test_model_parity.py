@@ -133,3 +133,37 @@ def test_tied_config_with_a_different_stored_head_unties_as_transformers(tmp_pat
     ours = load_ours(tied, tmp_path / "tied")
     assert ours.tie_word_embeddings and not hasattr(ours, "lm_head")
     check_prefill_and_decode(ours, hf_reference(tied), vocab=256)
+
+
+def test_tied_config_storing_only_the_head_loads_as_transformers(tmp_path):
+    """transformers ties the two either way: a tied checkpoint may store lm_head.weight alone."""
+    from safetensors.torch import load_file, save_file
+
+    tied = build_tiny_model("smollm-tied-mha", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ours = load_ours(tied, tmp_path)
+    assert ours.tie_word_embeddings and not hasattr(ours, "lm_head")
+    check_prefill_and_decode(ours, hf_reference(tied), vocab=256)
+
+
+@pytest.mark.parametrize("name", ["smollm-tied-mha", "qwen3"])
+def test_a_base_models_checkpoint_loads(tmp_path, name, caplog):
+    """Saved from the base model (Qwen3-Embedding's layout: "embed_tokens.weight",
+    "layers.0. ...", no "model." prefix and no LM head), as transformers loads it. Untied, the
+    head is the embedding (said in a warning): hidden states are the model's either way."""
+    from safetensors.torch import load_file, save_file
+
+    hf = build_tiny_model(name, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    base = {key.removeprefix("model."): value for key, value in tensors.items()
+            if key.startswith("model.")}
+    save_file(base, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="ksana_llm.model"):
+        ours = load_ours(hf, tmp_path)
+    if not hf.config.tie_word_embeddings:
+        assert "a base model's (no LM head)" in caplog.text
+        assert torch.equal(ours.lm_head.weight, ours.model.embed_tokens.weight)
+        hf.lm_head.weight.data.copy_(hf.model.embed_tokens.weight)
+    check_prefill_and_decode(ours, hf_reference(hf), vocab=256)

@@ -108,7 +108,8 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
                 model = model.with_tokenizer(self.config.tokenizer,
                                              revision=self.config.tokenizer_revision,
                                              download_dir=self.config.download_dir,
-                                             token=self.config.hf_token)
+                                             token=self.config.hf_token,
+                                             trust_remote_code=self.config.trust_remote_code)
             if self.config.skip_tokenizer_init:
                 model = model.without_tokenizer()
         else:

@@ -131,11 +131,14 @@ class Model:
 
     def with_tokenizer(self, path: str | os.PathLike, *, revision: str | None = None,
                        download_dir: str | os.PathLike | None = None,
-                       token: str | bool | None = None) -> Model:
+                       token: str | bool | None = None,
+                       trust_remote_code: bool = False) -> Model:
         """This model (the same weights) with the tokenizer in folder (or hub id) `path`
-        instead of its own, its EOS ids read again with it."""
+        instead of its own, its EOS ids read again with it (its folder's code runs only with
+        `trust_remote_code`)."""
         tokenizer = load_tokenizer(path, self.vocab_size, revision=revision,
-                                   download_dir=download_dir, token=token)
+                                   download_dir=download_dir, token=token,
+                                   trust_remote_code=trust_remote_code)
         return replace(self, tokenizer=tokenizer, eos_token_ids=find_eos_token_ids(
             self.path, self.hf_config, tokenizer))
 
@@ -238,7 +241,8 @@ class Model:
         package has one (see `ksana_llm.loader.weight_map`). `plugin`: True loads the folder's
         `ksana_plugin.py` if there is one, False never runs plugin code, a path loads that file
         (see `ksana_llm.api.plugin`); a hub repository's own `ksana_plugin.py` runs only with
-        `trust_remote_code` (vLLM's rule for a repository's code). `quantization` "fp8" keeps the projections' weights as FP8
+        `trust_remote_code` (vLLM's rule for a repository's code), as does tokenizer code
+        (a tokenizer_config.json `auto_map`: Baichuan's, Qwen v1's), local or not. `quantization` "fp8" keeps the projections' weights as FP8
         (per-row scales, quantized as they load), "w8a8_int8" as int8 with their inputs
         quantized to int8 per token; a quantized checkpoint loads as it is without it.
 
@@ -292,14 +296,16 @@ class Model:
         given_tokenizer = (None if tokenizer is None
                            else load_tokenizer(tokenizer, int(hf_config.vocab_size),
                                                download_dir=download_dir,
-                                               revision=tokenizer_revision, token=hf_token))
+                                               revision=tokenizer_revision, token=hf_token,
+                                               trust_remote_code=trust_remote_code))
         folder_tokenizer = None
         if classification_architecture(hf_config) \
                 and getattr(hf_config, "classifier_from_token", None) is not None:
             # A reranker made a classifier (models.sequence_classification): its tokens are
             # looked up in the tokenizer it serves with, and the ids reach every rank's config.
             if given_tokenizer is None:
-                folder_tokenizer = load_folder_tokenizer(model_dir)
+                folder_tokenizer = load_folder_tokenizer(
+                    model_dir, trust_remote_code=trust_remote_code)
             ids = classifier_token_ids(hf_config, given_tokenizer or folder_tokenizer)
             hf_overrides = {**(hf_overrides or {}), TOKEN_IDS_KEY: ids}
             setattr(hf_config, TOKEN_IDS_KEY, ids)
@@ -325,7 +331,8 @@ class Model:
             raise
         model_cls = type(module)
         tokenizer = None if skip_tokenizer_init else given_tokenizer if given_tokenizer \
-            is not None else folder_tokenizer or load_folder_tokenizer(model_dir)
+            is not None else folder_tokenizer or load_folder_tokenizer(
+                model_dir, trust_remote_code=trust_remote_code)
         set_pad_token(tokenizer, pad_token_id, int(hf_config.vocab_size))
         logger.info("loaded %s (%s) on %s as %s", model_dir, model_cls.__name__, torch_device,
                     torch_dtype)

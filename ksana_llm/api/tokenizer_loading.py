@@ -32,13 +32,18 @@ def find_eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple
     return tuple(found)
 
 
-def load_folder_tokenizer(model_dir: Path) -> Any:
-    """The folder's tokenizer, or None (weights-only folders still run on token ids)."""
+def load_folder_tokenizer(model_dir: Path, *, trust_remote_code: bool = False) -> Any:
+    """The folder's tokenizer, or None (weights-only folders still run on token ids).
+
+    A tokenizer that only the folder's own Python code builds (an `auto_map`, as Baichuan's and
+    Qwen v1's ship) loads only with `trust_remote_code` (vLLM's rule): without it transformers
+    would ask on stdin whether to run that code, stalling a server and running it on "y"."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - a broken tokenizer file fails in many ways
+        # transformers' own message names trust_remote_code where the folder's code is needed.
         logger.warning("no usable tokenizer in %s (%s: %s); pass one to Engine(tokenizer=...)",
                        model_dir, type(exc).__name__, exc)
         return None
@@ -62,12 +67,13 @@ def _tokenizes_text(tokenizer: Any) -> bool:
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
                    download_dir: str | os.PathLike | None = None, revision: str | None = None,
-                   token: str | bool | None = None) -> Any:
+                   token: str | bool | None = None, trust_remote_code: bool = False) -> Any:
     """The tokenizer in folder `path`, or of the Hugging Face hub id "owner/name" (vLLM's
     --tokenizer Qwen/Qwen3-0.6B: the HF cache's snapshot at `revision` (vLLM's
     tokenizer_revision), downloaded with `token` when missing, as for models), asked for by
     name (unlike the model folder's own, which may be missing): ValueError naming `tokenizer`
-    when it does not load or holds tokens the model has no embedding for."""
+    when it does not load or holds tokens the model has no embedding for. The folder's own
+    tokenizer code runs only with `trust_remote_code`, as for the model's folder."""
     from transformers import AutoTokenizer
 
     folder = Path(path)
@@ -85,7 +91,8 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int, *,
         except FileNotFoundError as exc:
             raise ValueError(str(exc)) from exc
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - a broken folder fails in many ways
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path} "
                          f"({type(exc).__name__}: {exc})") from exc

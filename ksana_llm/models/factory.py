@@ -28,6 +28,7 @@ from ksana_llm.models.registry import model_class_for
 from ksana_llm.models.sequence_classification import (HeadTensors, backbone_config,
                                                       classification_architecture,
                                                       head_from_tokens)
+from ksana_llm.models.weight_loading import with_base_model_prefix
 
 logger = logging.getLogger("ksana_llm.model")
 
@@ -132,8 +133,8 @@ def load_model_module(model_dir: str | Path, *, device: torch.device, dtype: tor
     weights = (dummy_weights(hf_config, sequence_classification=head_tensors is not None,
                              norm_offsets=getattr(model_cls, "stores_norm_offsets", False))
                if load_format == "dummy" else
-               checkpoint_tensors(model_dir, hf_config, progress=progress,
-                                  load_format=load_format))
+               with_base_model_prefix(module, checkpoint_tensors(
+                   model_dir, hf_config, progress=progress, load_format=load_format)))
     if head_tensors is None:
         module.load_weights(weights)
     else:

@@ -119,6 +119,8 @@ class LlamaModel(nn.Module):
         self.parallel = parallel
         self.hidden_size = config.hidden_size
         num_layers = config.num_hidden_layers
+        if num_layers < 1:
+            raise ValueError(f"num_hidden_layers must be at least 1, got {num_layers}")
         if parallel.pp_size > num_layers:
             raise ValueError(f"pipeline_parallel_size {parallel.pp_size} is more than the "
                              f"model's {num_layers} layers")

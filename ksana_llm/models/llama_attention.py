@@ -56,6 +56,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        if total_heads % total_kv_heads:  # else it surfaces later as a puzzling weight shape
+            raise ValueError(f"num_attention_heads ({total_heads}) must be a multiple of "
+                             f"num_key_value_heads ({total_kv_heads})")
         check_heads_divisible(total_heads, parallel)
         self.num_heads = total_heads // parallel.tp_size
         first_kv, self.num_kv_heads = kv_head_shard(total_kv_heads, parallel)

@@ -85,11 +85,16 @@ class LlamaWeightLoading:
     def _tied_head_set_aside(self, weights: Iterable[tuple[str, torch.Tensor]],
                              aside: dict[str, torch.Tensor]
                              ) -> Iterator[tuple[str, torch.Tensor]]:
+        embedding_seen = False
         for name, tensor in weights:
+            embedding_seen = embedding_seen or name == "model.embed_tokens.weight"
             if name == "lm_head.weight" and self.tie_word_embeddings and self._stage_holds(name):
                 aside[name] = tensor  # compared once the embedding is loaded
             else:
                 yield name, tensor
+        if not embedding_seen and "lm_head.weight" in aside:
+            # transformers ties the two either way: a tied checkpoint may store only the head.
+            yield "model.embed_tokens.weight", aside.pop("lm_head.weight")
 
     def _untie_if_different(self, stored: torch.Tensor) -> None:
         embedding = self.model.embed_tokens.weight

@@ -13,13 +13,17 @@ loudly instead of serving random weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from ksana_llm.layers.linear import MergedLinear
 from ksana_llm.loader.quantized_weight import QuantizedWeight, dense
+
+logger = logging.getLogger("ksana_llm.model")
 
 
 def _custom_loaders(model: nn.Module) -> dict[str, nn.Module]:
@@ -149,3 +153,33 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
     return set(loaded)
+
+
+def with_base_model_prefix(model: nn.Module, weights: Iterable[tuple[str, Any]]
+                           ) -> Iterator[tuple[str, Any]]:
+    """`weights` with the `model.` prefix on the names of a checkpoint saved from the base model
+    (transformers' `Qwen3Model` rather than `Qwen3ForCausalLM`, as Qwen3-Embedding ships:
+    "embed_tokens.weight", "layers.0. ..."), which transformers' `base_model_prefix` rule loads
+    too. Such a checkpoint stores no LM head: an untied model's head is then the embedding,
+    with a warning (transformers leaves it random), so its hidden states (embeddings, scores)
+    are exact and its generated text is not the model's."""
+    base = getattr(model, "model", None)
+    if not isinstance(base, nn.Module):
+        yield from weights
+        return
+    outer = {name for name, _ in model.named_children()}
+    inner = {name for name, _ in base.named_children()}
+    prefixed = 0
+    embedding, head_seen = None, False
+    for name, tensor in weights:
+        first = name.split(".", 1)[0]
+        if first not in outer and first in inner:
+            name, prefixed = f"model.{name}", prefixed + 1
+        if name == "model.embed_tokens.weight":
+            embedding = tensor
+        head_seen = head_seen or name == "lm_head.weight"
+        yield name, tensor
+    if prefixed and not head_seen and embedding is not None and "lm_head" in outer:
+        logger.warning("the checkpoint is a base model's (no LM head): its embedding stands in "
+                       "for the LM head; embeddings and scores are exact, generated text is not")
+        yield "lm_head.weight", embedding
