@@ -13,7 +13,8 @@ import torch
 import xgrammar as xgr
 
 from ksana_llm.generation_config import STRUCTURED_OUTPUT_KINDS
-from ksana_llm.structured.schema_support import unenforced_keyword
+from ksana_llm.structured.schema_support import (string_patterns, unenforced_keyword,
+                                                 with_required_properties)
 
 if TYPE_CHECKING:
     from ksana_llm.generation_config import StructuredOutputSpec
@@ -151,6 +152,15 @@ class GrammarCompiler:
             if keyword is not None:
                 raise ValueError(f"structured_output: the JSON schema's `{keyword}` is not "
                                  "supported: the grammar engine (xgrammar) would not enforce it")
+            for path, pattern in string_patterns(schema):
+                try:
+                    xgr.Grammar.from_regex(pattern)
+                except (RuntimeError, ValueError, TypeError) as exc:
+                    raise ValueError(f"structured_output: the JSON schema's `{path}` is not "
+                                     f"supported: {_reason(exc)}") from None
+            completed = with_required_properties(schema)
+            if completed is not schema:
+                value = json.dumps(completed)
             try:
                 return compiler.compile_json_schema(str(value), any_whitespace=False)
             except (RuntimeError, ValueError, TypeError) as exc:

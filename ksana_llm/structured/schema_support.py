@@ -4,17 +4,42 @@ xgrammar compiles some keywords into no constraint at all (it may log a warning,
 more): a schema using them compiles, and the model's "stop" answer can then break it. vLLM's
 xgrammar backend refuses such schemas; so do we, naming the keyword's place in the schema.
 Found by feeding xgrammar 0.2.x an instance that breaks each keyword (tests/test_structured_
-schema_support.py holds them to that).
+schema_support.py holds them to that). Besides keywords it ignores everywhere, it drops every
+constraint beside `anyOf` / `oneOf` / `$ref` and keeps only the values beside `enum` / `const`,
+follows no `$ref` outside the schema, and compiles a `required` name that `properties` lacks as a
+ban on that key: `with_required_properties` lists such names as properties, so they are made.
+`oneOf` is compiled as `anyOf` (an answer matching two branches passes; kept, as pydantic's
+tagged unions are `oneOf`s of disjoint branches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # Keywords that constrain nothing once compiled.
 _IGNORED = ("uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-            "dependencies", "unevaluatedItems", "unevaluatedProperties")
+            "dependencies", "unevaluatedItems", "unevaluatedProperties", "contains",
+            "minContains", "maxContains")
+# Keywords that constrain nothing by nature, and the schema maps a `$ref` points into: welcome
+# beside the keywords whose siblings xgrammar drops.
+_INERT = frozenset(("title", "description", "default", "examples", "$comment", "deprecated",
+                    "readOnly", "writeOnly", "$id", "$schema", "$anchor", "discriminator",
+                    "$defs", "definitions"))
+# Keywords beside which xgrammar compiles nothing else (enum / const: but the values, and a
+# `type` they all have is redundant).
+_ALONE = ("enum", "const", "anyOf", "oneOf", "$ref")
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: (isinstance(value, int) and not isinstance(value, bool))
+    or (isinstance(value, float) and value.is_integer()),
+    "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+    "boolean": lambda value: isinstance(value, bool),
+    "null": lambda value: value is None,
+    "array": lambda value: isinstance(value, list),
+    "object": lambda value: isinstance(value, dict),
+}
 # multipleOf holds alone, but is dropped beside a range.
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
@@ -42,7 +67,69 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
         return "multipleOf"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return "allOf"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return "$ref"  # another document: xgrammar would take any value there
+    if isinstance(node.get("required"), list) and "patternProperties" in node:
+        return "required"  # a required name the patterns match may not be listed as a property
+    alone = next((key for key in _ALONE if key in node), None)
+    if alone is not None:
+        for key in node:
+            if key == alone or key in _INERT:
+                continue
+            if key == "type" and alone in ("enum", "const") and _values_have_type(node, alone):
+                continue
+            return f"{key} (beside {alone})"
     return None
+
+
+def _values_have_type(node: dict[str, Any], values_key: str) -> bool:
+    values = node[values_key] if values_key == "enum" else [node[values_key]]
+    types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+    checks = [_JSON_TYPES.get(name) for name in types]
+    if not isinstance(values, list) or None in checks:
+        return False
+    return all(any(check(value) for check in checks) for value in values)
+
+
+def with_required_properties(schema: Any) -> Any:
+    """`schema`, with every `required` name that its object's `properties` lacks listed there,
+    its schema `additionalProperties`' (anything when that is absent or true), so that the
+    grammar makes the key instead of banning it (xgrammar's reading of such a schema). Unchanged
+    (the same object) when no name is missing; ValueError when `additionalProperties: false`
+    makes the object impossible."""
+    if not any(_missing_required(node) for _, node in _subschemas(schema, "")):
+        return schema
+    schema = copy.deepcopy(schema)
+    for path, node in _subschemas(schema, ""):
+        missing = _missing_required(node)
+        if not missing:
+            continue
+        extra = node.get("additionalProperties", True)
+        if extra is False:
+            raise ValueError(f"structured_output: the JSON schema's `{path}required` names "
+                             f"{missing[0]!r}, which `properties` lacks and "
+                             "`additionalProperties: false` forbids: no object satisfies it")
+        properties = node.setdefault("properties", {})
+        for name in missing:
+            properties[name] = extra if isinstance(extra, dict) else {}
+    return schema
+
+
+def _missing_required(node: dict[str, Any]) -> list[str]:
+    required, properties = node.get("required"), node.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict):
+        return []
+    return [name for name in required if isinstance(name, str) and name not in properties]
+
+
+def string_patterns(schema: Any) -> Iterator[tuple[str, str]]:
+    """(path, regex) of every `pattern` in `schema`, for the caller to check that the regex
+    engine takes it: xgrammar drops a lookahead it cannot compile, where its regex route
+    refuses it."""
+    for path, node in _subschemas(schema, ""):
+        if isinstance(node.get("pattern"), str):
+            yield f"{path}pattern", node["pattern"]
 
 
 def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
