@@ -238,6 +238,23 @@ def test_beams_survive_preemption(peaky_tiny, preempt_mode):
         assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-4), case
 
 
+def test_beams_catching_up_in_chunks_beside_an_idle_sibling_finish(peaky_tiny):
+    """A prompt longer than the step budget, a pool that holds one beam's KV and a bit: a beam
+    catching up in chunks ran short of blocks held by an idle sibling, gave up its own, came
+    back and ran short again, forever. It now takes the idle sibling's."""
+    hf, model = peaky_tiny
+    prompt = torch.randint(3, 256, (22,), generator=torch.Generator().manual_seed(0)).tolist()
+    config = kt.GenerationConfig(max_new_tokens=10, num_beams=4, num_return_sequences=2,
+                                 early_stopping=False, stop_token_ids=[7])
+    sequences, scores = _hf_tiny_beams(hf, prompt, 4, 1.0, False)
+    with kt.Engine(model, num_device_blocks=9, block_token_num=4, preempt_mode=1,
+                   max_step_tokens=4) as engine:
+        out = engine.submit(kt.Request(prompt, generation_config=config)).result(timeout=120)
+        assert engine.stats().num_preemptions > 0
+    assert [s.token_ids for s in out.sequences] == sequences[:2]
+    assert [s.score for s in out.sequences] == pytest.approx(scores[:2], abs=1e-4)
+
+
 def test_beams_fork_blocks_instead_of_copying(default_model):
     ids = default_model.tokenizer.encode(
         "The history of the printing press begins in the fifteenth century, when movable type "

@@ -351,3 +351,24 @@ def test_admission_reserves_the_width_of_a_multi_sequence_request():
     assert plan(step(sched)) == [("a", 4)]  # 1 running + 4 reserved > 4
     sched.finish(a)
     assert plan(step(sched)) == [("b", 4)]
+
+
+def test_a_sequence_short_of_blocks_preempts_an_idle_one_before_itself():
+    """A beam's sibling catching up (chunked prefill after a preemption) while an idle beam
+    holds most of the pool: giving up its own blocks each time, it was readmitted and ran short
+    again forever (the idle beam never let go); the idle one goes instead."""
+    sched = make_scheduler(num_blocks=5, max_step_tokens=4)
+    bm = sched.block_manager
+    a = make_seq("a", 12)
+    sched.add(a)
+    for _ in range(3):
+        step(sched)
+    a.output_token_ids.pop()  # idle: all 12 computed (3 blocks), waiting for its sibling
+    b = make_seq("b", 12)
+    sched.add(b)
+    assert plan(step(sched)) == [("b", 4)] and plan(step(sched)) == [("b", 4)]  # 4th, 5th block
+    assert bm.num_free_blocks == 0
+    out = step(sched)  # b's last chunk needs a 6th block: a's go
+    assert plan(out) == [("b", 4)] and out.preempted == [a]
+    assert a.status == SequenceStatus.WAITING and a.num_computed_tokens == 0
+    assert sched.running == [b] and sched.waiting == [a]

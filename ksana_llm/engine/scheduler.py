@@ -18,7 +18,8 @@ then holds pending tokens (`Sequence.num_pending_tokens`) that count like any ot
 one whose pending token is its last is not scheduled again.
 A running sequence with nothing to compute (a beam waiting for its siblings' logits) is skipped;
 if such idle sequences hold the blocks that everything else waits for, the last one is preempted
-for recompute so the others can move (see `schedule`).
+for recompute so the others can move (see `schedule`), and a sequence that runs short of blocks
+with no less urgent one to preempt takes an idle one's before giving up its own.
 
 LongRoPE models (`long_rope_switch`) follow transformers: a sequence longer than the original
 context is computed with the long factors throughout (`Sequence.long_rope`, decided when it is
@@ -149,10 +150,10 @@ class Scheduler(AdapterAdmission):
             # Idle sequences never allocate, so nothing above preempts them; if they hold the
             # blocks the others wait for, free the last one (recompute: swapping it back in would
             # just take the same blocks again).
-            idle = [s for s in self.running if s.num_computed_tokens >= s.num_tokens]
-            if idle:
-                self.running.remove(idle[-1])
-                self._preempt(idle[-1], out, recompute=True)
+            idle = self._last_idle(self.running)
+            if idle is not None:
+                self.running.remove(idle)
+                self._preempt(idle, out, recompute=True)
         out.copy_blocks = self.block_manager.take_copies()
         out.fresh_blocks = self.block_manager.take_fresh_blocks()
         if self.lora is not None:
@@ -219,7 +220,14 @@ class Scheduler(AdapterAdmission):
                 continue
             num_new = self._chunk(seq, budget, seq.num_computed_tokens)
             while not self.block_manager.allocate(seq, num_new):
-                # Out of blocks: preempt the least urgent sequence, possibly this one.
+                # Out of blocks: preempt the least urgent sequence; past this one, an idle one
+                # (a beam waiting for its siblings: were this one to give way instead, the
+                # siblings could take turns at the blocks it holds forever), else this one.
+                idle = None if queue else self._last_idle(still_running)
+                if idle is not None:
+                    still_running.remove(idle)
+                    self._preempt(idle, out, recompute=True)
+                    continue
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
@@ -232,6 +240,12 @@ class Scheduler(AdapterAdmission):
         if not out.preempted and not self.swapped:
             budget = self._add_drafts(out, budget)
         return budget
+
+    @staticmethod
+    def _last_idle(seqs: list[Sequence]) -> Sequence | None:
+        """The last of `seqs` with nothing to compute (its rows kept: a beam's log-probs still
+        count for its group's step once it is preempted and recomputed)."""
+        return next((s for s in reversed(seqs) if s.num_computed_tokens >= s.num_tokens), None)
 
     def speculation_paused(self, batch_size: int) -> bool:
         """Whether a step of batch_size sequences goes without drafts."""
