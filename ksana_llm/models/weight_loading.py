@@ -169,12 +169,12 @@ def with_base_model_prefix(model: nn.Module, weights: Iterable[tuple[str, Any]]
         return
     outer = {name for name, _ in model.named_children()}
     inner = {name for name, _ in base.named_children()}
-    prefixed = 0
-    embedding, head_seen = None, False
+    prefixed = head_seen = False
+    embedding = None
     for name, tensor in weights:
         first = name.split(".", 1)[0]
         if first not in outer and first in inner:
-            name, prefixed = f"model.{name}", prefixed + 1
+            name, prefixed = f"model.{name}", True
         if name == "model.embed_tokens.weight":
             embedding = tensor
         head_seen = head_seen or name == "lm_head.weight"

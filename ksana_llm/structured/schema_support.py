@@ -15,7 +15,7 @@ tagged unions are `oneOf`s of disjoint branches).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 # Keywords that constrain nothing once compiled.
@@ -30,16 +30,6 @@ _INERT = frozenset(("title", "description", "default", "examples", "$comment", "
 # Keywords beside which xgrammar compiles nothing else (enum / const: but the values, and a
 # `type` they all have is redundant).
 _ALONE = ("enum", "const", "anyOf", "oneOf", "$ref")
-_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda value: isinstance(value, str),
-    "integer": lambda value: (isinstance(value, int) and not isinstance(value, bool))
-    or (isinstance(value, float) and value.is_integer()),
-    "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
-    "boolean": lambda value: isinstance(value, bool),
-    "null": lambda value: value is None,
-    "array": lambda value: isinstance(value, list),
-    "object": lambda value: isinstance(value, dict),
-}
 # multipleOf holds alone, but is dropped beside a range.
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
@@ -86,10 +76,21 @@ def _unenforced_here(node: dict[str, Any]) -> str | None:
 def _values_have_type(node: dict[str, Any], values_key: str) -> bool:
     values = node[values_key] if values_key == "enum" else [node[values_key]]
     types = node["type"] if isinstance(node["type"], list) else [node["type"]]
-    checks = [_JSON_TYPES.get(name) for name in types]
-    if not isinstance(values, list) or None in checks:
+    if not isinstance(values, list):
         return False
-    return all(any(check(value) for check in checks) for value in values)
+    return all(any(_has_json_type(value, name) for name in types) for value in values)
+
+
+def _has_json_type(value: Any, name: Any) -> bool:
+    """Whether `value` (parsed JSON) is of JSON-schema type `name` (False for an unknown name)."""
+    if not isinstance(name, str):
+        return False
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name == "integer":
+        return number and (isinstance(value, int) or value.is_integer())
+    return {"string": isinstance(value, str), "number": number,
+            "boolean": isinstance(value, bool), "null": value is None,
+            "array": isinstance(value, list), "object": isinstance(value, dict)}.get(name, False)
 
 
 def with_required_properties(schema: Any) -> Any:
