@@ -155,6 +155,45 @@ def test_kv_of_a_model_with_other_weights_is_refused(tmp_path):
         assert same.stats().num_imported_kv_tokens == len(prompt) - 1
 
 
+
+def test_the_fingerprint_follows_update_weights(tmp_path):
+    """An RL weight sync reaching one server of a prefill/decode pair before the other: KV the
+    old weights made is refused by the updated engine (it took it, and decoded noise), and
+    once both hold the new weights they agree again, with the tokens of the new weights."""
+    from safetensors.torch import load_file
+
+    from ksana_llm.server.app import build_app
+    from tests.tiny_models import build_tiny_model
+
+    for seed in (0, 1):
+        build_tiny_model("llama2", tmp_path / str(seed), seed=seed)
+    new_weights = load_file(tmp_path / "1" / "model.safetensors")
+    prompt = list(range(10, 40))
+    settings = {"device": "cpu", "dtype": "float32", "num_device_blocks": 32,
+                "skip_tokenizer_init": True}
+    with kt.Engine(tmp_path / "0", block_token_num=16, **settings) as prefill, \
+            kt.Engine(tmp_path / "0", block_token_num=8, **settings) as decode, \
+            kt.Engine(tmp_path / "1", block_token_num=8, **settings) as reference:
+        old_kv = _export(prefill, prompt)
+        # A decode server checks the KV it fetches against its engine's layout as it is then.
+        server = build_app(decode, served_model_name="m", kv_role="decode").state.server
+        server.kv_transfer.layout().check(old_kv)
+        decode.update_weights(new_weights)
+        for check in (server.kv_transfer.layout().check, lambda kv: decode.submit(
+                kt.Request(prompt, generation_config=GREEDY, imported_kv=kv))):
+            with pytest.raises(ValueError, match="imported_kv: it comes from a model with "
+                                                 "other weights"):
+                check(old_kv)
+        prefill.update_weights(new_weights)
+        new_kv = _export(prefill, prompt)
+        assert new_kv.weights_fingerprint == reference.kv_layout.weights_fingerprint
+        with pytest.raises(ValueError, match="imported_kv: it comes from a model with other weights"):
+            reference.submit(kt.Request(prompt, generation_config=GREEDY, imported_kv=old_kv))
+        tokens = decode.submit(kt.Request(prompt, generation_config=GREEDY, imported_kv=new_kv)
+                               ).result().token_ids
+        assert tokens == reference.generate_outputs([prompt], GREEDY, use_tqdm=False)[0].token_ids
+        assert decode.stats().num_imported_kv_tokens == len(prompt) - 1
+
 @pytest.mark.parametrize("preempt_mode", [0, 1])
 def test_export_preempted_while_its_token_is_in_flight(default_model, preempt_mode):
     """Async scheduling: a one-token export request is preempted (swapped out, or dropped for

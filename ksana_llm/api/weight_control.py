@@ -11,8 +11,8 @@ from ksana_llm.models.weight_update import weight_update
 
 
 class WeightControl(EngineThreadWork):
-    """Mixed into `Engine`, which provides `model`, `_core`, `_on_engine_thread` and
-    `_dispatch_step`."""
+    """Mixed into `Engine`, which provides `model`, `_core`, `_requests`, `_on_engine_thread`
+    and `_dispatch_step`."""
 
     model: Any
 
@@ -55,6 +55,9 @@ class WeightControl(EngineThreadWork):
                                    "old and new weights; update them all again") from exc
             finally:
                 self._core.block_manager.reset_prefix_cache()
+                if self._requests.kv_layout is not None:
+                    # Imported KV must now come from these weights (the new fingerprint).
+                    self._requests.kv_layout = runner.kv_layout
             return count
 
         return self._on_engine_thread(swap)

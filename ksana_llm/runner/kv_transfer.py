@@ -214,6 +214,11 @@ class KvTransferSteps:
     def weights_fingerprint(self) -> str:
         return weights_fingerprint(self.model)
 
+    def weights_changed(self) -> None:
+        """The weights were replaced (`update_weights`): the fingerprint that KV exported from
+        now on carries, and imported KV must match, is read again when next asked for."""
+        vars(self).pop("weights_fingerprint", None)
+
     @property
     def kv_layout(self) -> KvLayout:
         return KvLayout(tuple(tuple(t.shape[2:]) for t in self._all_caches), self.cache_dtype,

@@ -35,3 +35,4 @@ class WeightSync:
             update, filled = staged
             apply_update(self.model, update)
             self.weights_loaded(filled)  # type: ignore[attr-defined] - SleepMode's
+            self.weights_changed()  # type: ignore[attr-defined] - KvTransferSteps'

@@ -243,7 +243,8 @@ def _kv_transfer(engine: Engine, role: str | None, ttl_s: float | None, api_key:
         raise ValueError("--kv-role needs a single-rank engine")
     # The largest payload a decode server accepts: a whole context's KV, and room for the header.
     max_payload = layout.bytes_per_token * engine.max_model_len + 2**20
-    return kv_transfer.KvTransfer(role, layout, max_payload, store=store, api_key=api_key,
+    return kv_transfer.KvTransfer(role, lambda: engine.kv_layout, max_payload, store=store,
+                                  api_key=api_key,
                                   prefill_urls=tuple(u.rstrip("/") for u in prefill_urls or ()))
 
 

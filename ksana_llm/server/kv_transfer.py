@@ -119,12 +119,13 @@ class KvTransfer:
     and how it fetches KV from prefill servers (with its own API key: the servers of one
     deployment share one).
 
-    `layout`: the engine's KV rows (fetched KV must match); `max_payload_bytes`: the largest
+    `layout`: the engine's KV rows as they are now (fetched KV must match; its weights
+    fingerprint changes with `update_weights`); `max_payload_bytes`: the largest
     payload fetched (a whole context's KV, plus room for the header); `prefill_urls`: the only
     base URLs fetched from (empty: any)."""
 
     role: KvRole
-    layout: KvLayout
+    layout: Callable[[], KvLayout]
     max_payload_bytes: int
     store: KvTransferStore = field(default_factory=KvTransferStore)
     api_key: str | None = None
@@ -161,7 +162,7 @@ class KvTransfer:
                 payload = await self._download(client, url, headers)
             # Off the event loop: reading a long prompt's payload takes milliseconds per MB.
             kv = await asyncio.to_thread(TransferredKv.from_bytes, payload)
-            self.layout.check(kv)
+            self.layout().check(kv)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
             self.num_fetch_failures += 1
             logger.warning("could not use KV from %s (%s); computing the prompt here", url, exc)
