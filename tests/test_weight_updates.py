@@ -25,7 +25,7 @@ from ksana_llm.generation_config import GenerationConfig
 from ksana_llm.loader.default_model import default_model_gguf
 from ksana_llm.models.factory import load_model_module
 from ksana_llm.models.weight_loading import expected_keys
-from ksana_llm.models.weight_update import check_update, weight_update
+from ksana_llm.models.weight_update import apply_update, check_update, weight_update
 from tests.family_harness import greedy_trace, hf_reference
 from tests.quantized_checkpoints import write_fp8_checkpoint
 from tests.tiny_models import build_tiny_model
@@ -83,6 +83,35 @@ def test_update_from_tensors_in_parts_and_another_dtype(pair):
         assert halfway not in (pair["tokens_a"], pair["tokens_b"])
         assert engine.update_weights([(name, state[name]) for name in second]) == len(second)
         assert greedy(engine, pair["prompts"]) == pair["tokens_b"]
+
+
+def test_a_base_models_names_update_like_at_load(pair, tmp_path):
+    """Names without the `model.` prefix (a trainer's `model.model.state_dict()`, a folder
+    saved from the base model) get it, as at load. Tensors given outright may be a part: a
+    head they lack keeps its values; a folder is whole: its embedding stands in for the head."""
+    state = pair["hf_b"].state_dict()
+    base = {name.removeprefix("model."): tensor for name, tensor in state.items()
+            if name.startswith("model.")}
+    assert "lm_head.weight" in state and len(base) == len(state) - 1
+    with kt.Engine(str(pair["a"]), **ENGINE) as engine:
+        assert engine.update_weights(base) == len(base)
+        assert greedy(engine, pair["prompts"]) != pair["tokens_b"]  # A's head still
+        engine.update_weights({"lm_head.weight": state["lm_head.weight"]})
+        assert greedy(engine, pair["prompts"]) == pair["tokens_b"]
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    shutil.copy(pair["b"] / "config.json", folder)
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in base.items()},
+                                str(folder / "model.safetensors"))
+    module, _ = load_model_module(pair["a"], device=torch.device("cpu"), dtype="float32",
+                                  progress=False)
+    update = weight_update(str(folder), pair["a"], module.config)
+    assert check_update(module, update).num_tensors == len(base)
+    apply_update(module, update)
+    assert torch.equal(module.lm_head.weight, base["embed_tokens.weight"])
+    assert torch.equal(module.model.layers[1].mlp.down_proj.weight,
+                       base["layers.1.mlp.down_proj.weight"])
 
 
 def test_the_prefix_cache_is_emptied(pair):

@@ -155,14 +155,15 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     return set(loaded)
 
 
-def with_base_model_prefix(model: nn.Module, weights: Iterable[tuple[str, Any]]
-                           ) -> Iterator[tuple[str, Any]]:
+def with_base_model_prefix(model: nn.Module, weights: Iterable[tuple[str, Any]],
+                           head_from_embedding: bool = True) -> Iterator[tuple[str, Any]]:
     """`weights` with the `model.` prefix on the names of a checkpoint saved from the base model
     (transformers' `Qwen3Model` rather than `Qwen3ForCausalLM`, as Qwen3-Embedding ships:
     "embed_tokens.weight", "layers.0. ..."), which transformers' `base_model_prefix` rule loads
     too. Such a checkpoint stores no LM head: an untied model's head is then the embedding,
     with a warning (transformers leaves it random), so its hidden states (embeddings, scores)
-    are exact and its generated text is not the model's."""
+    are exact and its generated text is not the model's. Not with `head_from_embedding` off
+    (an update given as tensors, which may be a part of the model: a missing head is kept)."""
     base = getattr(model, "model", None)
     if not isinstance(base, nn.Module):
         yield from weights
@@ -179,7 +180,8 @@ def with_base_model_prefix(model: nn.Module, weights: Iterable[tuple[str, Any]]
             embedding = tensor
         head_seen = head_seen or name == "lm_head.weight"
         yield name, tensor
-    if prefixed and not head_seen and embedding is not None and "lm_head" in outer:
+    if head_from_embedding and prefixed and not head_seen and embedding is not None \
+            and "lm_head" in outer:
         logger.warning("the checkpoint is a base model's (no LM head): its embedding stands in "
                        "for the LM head; embeddings and scores are exact, generated text is not")
         yield "lm_head.weight", embedding

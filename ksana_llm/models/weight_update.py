@@ -26,6 +26,7 @@ from torch import nn
 from ksana_llm.loader import load_hf_config, resolve_model_dir
 from ksana_llm.loader.quantized_weight import QuantizedWeight
 from ksana_llm.models.factory import checkpoint_tensors, renamed_by_weight_map
+from ksana_llm.models.weight_loading import with_base_model_prefix
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,21 @@ class WeightUpdate:
     tensors: tuple[tuple[str, torch.Tensor], ...] = ()
 
     def stream(self, shapes_only: bool = False) -> Iterator[tuple[str, Any]]:
-        """The update's tensors as a model's `load_weights` takes them; a fresh pass each call.
+        """The update's tensors under their checkpoint names; a fresh pass each call.
         `shapes_only` (the check): a folder's matrices may come as meta tensors, unread."""
         if self.folder is None:
             return iter(self.tensors)
         return checkpoint_tensors(self.folder, load_hf_config(self.folder), progress=False,
                                   shapes_only=shapes_only)
+
+    def named_for(self, module: nn.Module, tensors: Iterable[tuple[str, Any]]
+                  ) -> Iterator[tuple[str, Any]]:
+        """`tensors` (from `stream`) as `module.load_weights` takes them: a base model's names
+        ("layers.0. ...", a trainer's `model.model.state_dict()`) get the `model.` prefix, as
+        at load. A folder is a whole checkpoint: with no LM head, its embedding stands in, as
+        at load; tensors given outright may be a part, so a head they lack keeps its values."""
+        return with_base_model_prefix(module, tensors,
+                                      head_from_embedding=self.folder is not None)
 
 
 def weight_update(weights: Any, model_dir: str | os.PathLike, hf_config: Any) -> WeightUpdate:
@@ -176,8 +186,8 @@ def check_update(module: nn.Module, update: WeightUpdate) -> CheckedUpdate:
     count = [0]
     twin = meta_twin(module)
     before = dict(_tensors_by_name(twin))
-    filled = twin.load_weights(_counted(update.stream(shapes_only=True), _meta_tensor, count),
-                               require_all=False)
+    tensors = _counted(update.stream(shapes_only=True), _meta_tensor, count)
+    filled = twin.load_weights(update.named_for(twin, tensors), require_all=False)
     if count[0] == 0:  # (tensors given outright were checked for this already)
         # An empty or half-written checkpoint: "updated" would be a lie.
         raise ValueError(f"weights: {update.folder} holds no tensors")
@@ -204,4 +214,4 @@ def _describe_tensor(tensor: torch.Tensor | None) -> str:
 def apply_update(module: nn.Module, update: WeightUpdate) -> None:
     """Copy `update` (checked by `check_update`) into `module`'s parameters, in place."""
     with torch.no_grad():
-        module.load_weights(update.stream(), require_all=False)
+        module.load_weights(update.named_for(module, update.stream()), require_all=False)
