@@ -129,15 +129,20 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def _with_flags_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      argv: list[str]) -> argparse.Namespace:
-    """`args` parsed again with the flags of `--config FILE` (vLLM's) read before the command
-    line's, which win."""
-    from ksana_llm.cli_config import config_file_flags
+    """`args` parsed again over the values of `--config FILE` (vLLM's): the file's flags are
+    the command's defaults, the command line's win."""
+    from ksana_llm.cli_config import config_file_values
 
     command = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
     given_model = bool(getattr(args, "model_tag", None) or getattr(args, "model", None))
-    flags = config_file_flags(command, args.flags_file, given_model)
+    from_file = config_file_values(command, args.flags_file, given_model)
+    # The subcommand's parser itself: the top-level one would parse it into a fresh namespace,
+    # defaults over the file's values. (The command is argv's first word: the top level takes
+    # no flags.)
     at = argv.index(args.command)
-    return parser.parse_args([*argv[:at + 1], *flags, *argv[at + 1:]])
+    parsed = command.parse_args(argv[at + 1:], namespace=from_file)
+    parsed.command = args.command
+    return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:

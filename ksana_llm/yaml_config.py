@@ -62,7 +62,7 @@ from pydantic import ValidationError
 
 from ksana_llm.config import KV_ROLES, EngineConfig, named_validation_error
 
-__all__ = ["ServerSettings", "load_engine_config", "parse_engine_config"]
+__all__ = ["ServerSettings", "load_engine_config", "load_yaml_strictly", "parse_engine_config"]
 
 logger = logging.getLogger("ksana_llm.config")
 
@@ -282,10 +282,17 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def load_yaml_strictly(text: str) -> Any:
+    """`yaml.safe_load`, but a key given twice in one mapping is a yaml.YAMLError (PyYAML
+    would keep the last one silently)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(path: Path) -> Any:
-    text = path.read_text(encoding="utf-8")
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        return load_yaml_strictly(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: invalid YAML: {exc}") from exc
 

@@ -378,6 +378,41 @@ def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys,
         assert "--config" in error and message in error, error
 
 
+def test_config_file_lists_and_optional_values_reach_their_own_flags(tmp_path, capsys):
+    """A list in the flags file fills a list flag without swallowing the command line's
+    positional model; a repeatable flag is given once per item; a one-value flag refuses a
+    list naming the key; `hf-token: true` is the bare flag (huggingface_hub's own token) and
+    false none; a key given twice is an error, as in --config_file."""
+    from ksana_llm.cli import _with_flags_file, build_parser, main
+    from ksana_llm.server.app import configs_from_args
+
+    parser = build_parser()
+    flags = tmp_path / "vllm.yaml"
+
+    def parse(text: str, *argv: str):
+        flags.write_text(text)
+        argv = ("serve", *argv, "--config", str(flags))
+        return _with_flags_file(parser, parser.parse_args(list(argv)), list(argv))
+
+    args = parse("served-model-name: [a, b]\ncuda-graph-sizes: [1, 2]\n"
+                 "kv-prefill-url: [http://p:1, http://q:2]\n", "/models/typed")
+    assert configs_from_args(args)[0].model == "/models/typed"
+    assert (args.served_model_name, args.cuda_graph_sizes, args.kv_prefill_url) == (
+        ["a", "b"], [1, 2], ["http://p:1", "http://q:2"])
+    assert parse("served-model-name: [a, b]\n", "/models/typed",
+                 "--served-model-name", "c").served_model_name == ["c"]
+    assert configs_from_args(parse("hf-token: true\n"))[0].hf_token is True
+    assert configs_from_args(parse("hf-token: false\n"))[0].hf_token is None
+    assert configs_from_args(parse("hf-token: hf_abc\n"))[0].hf_token == "hf_abc"
+    for text, message in (("max-model-len: [256, 512]\n", "max-model-len: invalid int value"),
+                          ("max-num-seqs: 4\nmax-num-seqs: 8\n", "duplicate key 'max-num-seqs'"),
+                          ("load-format: nope\n", "load-format: invalid choice: 'nope'")):
+        flags.write_text(text)
+        assert main(["serve", "--config", str(flags)]) == 2
+        error = capsys.readouterr().err
+        assert "--config" in error and message in error, error
+
+
 @pytest.mark.parametrize("flag, module, name", [
     ("--load-format", "ksana_llm.loader.load_format", "LOAD_FORMATS"),
     ("--logprobs-mode", "ksana_llm.runner.logprobs_mode", "LOGPROBS_MODES")])

@@ -226,6 +226,10 @@ def test_duplicate_keys_and_bad_yaml_are_errors(tmp_path):
         load_engine_config(write(tmp_path, "setting: [unclosed\n"))
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_engine_config(write(tmp_path, "- a\n- b\n"))
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"setting: \xff\xfe\n")
+    with pytest.raises(ValueError, match=f"{binary}: not UTF-8 text"):
+        load_engine_config(binary)
 
 
 def test_connector_role_reaches_the_server_settings():
