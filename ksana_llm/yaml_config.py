@@ -410,7 +410,11 @@ def parse_engine_config(data: Mapping[str, Any] | None, overrides: Mapping[str, 
         enabled = any(leaves[k] for k in switches)
         steps = _check_type(_BS + "mtp_step_num", "int", leaves.get(_BS + "mtp_step_num", 1))
         fields["num_speculative_tokens"] = steps if enabled else 0
-        sources["num_speculative_tokens"] = _BS + "mtp_step_num"
+        # The key an error about it should name: the step count if the file gives one, else
+        # the switch that turned drafting on (the user never wrote mtp_step_num).
+        sources["num_speculative_tokens"] = (
+            _BS + "mtp_step_num" if _BS + "mtp_step_num" in leaves
+            else next((k for k in switches if leaves[k]), switches[0]))
     for name, value in (overrides or {}).items():
         if value is None:  # a CLI flag that was not given
             continue

@@ -135,6 +135,20 @@ def test_queued_requests_time_out_while_asleep(pair):
         assert answer.token_ids == pair["tokens_a"]
 
 
+def test_the_queue_limit_holds_while_asleep(pair):
+    """Asleep, no free sequence slot is about to take a request: every one counts as queued,
+    and the one past max_queue_size is refused (429 over HTTP) rather than kept."""
+    with kt.Engine(pair["a"], device="cpu", dtype="float32", enable_sleep_mode=True,
+                   max_queue_size=2, num_device_blocks=64) as engine:
+        engine.sleep()
+        queued = [engine.submit(kt.Request(pair["prompt"], generation_config=CONFIG))
+                  for _ in range(2)]
+        with pytest.raises(kt.QueueFullError):
+            engine.submit(kt.Request(pair["prompt"], generation_config=CONFIG))
+        engine.wake_up()
+        assert [h.result(timeout=60).token_ids for h in queued] == [pair["tokens_a"]] * 2
+
+
 def test_engines_sharing_a_model_may_not_sleep_or_update_under_each_other(pair):
     """Two engines on one loaded Model share its weights: one may neither sleep (the other's
     weights would vanish) nor load new weights (the other would step on half-copied ones)

@@ -396,3 +396,6 @@ def test_mtp_and_async_keys(switch):
         config, _ = parse_engine_config({"setting": {"batch_scheduler": {
             "enable_mtp_module": mtp, "enable_speculative_decoding": speculative}}})
         assert config.num_speculative_tokens == drafts, (mtp, speculative)
+    # An error about the drafts names the key the file gave: the switch without a step count.
+    with pytest.raises(ValueError, match=f"enable_async, setting.batch_scheduler.{switch}: "):
+        parse_engine_config({"setting": {"batch_scheduler": {switch: True, "enable_async": True}}})

@@ -362,7 +362,8 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
                 with self._wake:
                     self._num_waiting = len(core.scheduler.waiting) + len(core.scheduler.swapped)
                     self._num_running = len(core.scheduler.running)
-                    self._waiting_blocked = core.scheduler.waiting_blocked
+                    # (Asleep, no free slot takes a waiting request either.)
+                    self._waiting_blocked = core.scheduler.waiting_blocked or asleep
                     self._queue_space.notify_all()
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiter
             logger.exception("engine step loop failed")

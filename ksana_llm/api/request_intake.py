@@ -123,7 +123,8 @@ class RequestIntake:
         as queued, however quickly the next one arrives). Call with _wake held."""
         free_slots = max(0, self.config.max_num_seqs - self._num_running)
         if self._waiting_blocked:
-            # The last step left requests waiting for KV memory: a free slot takes none of them.
+            # The last step left requests waiting for KV memory, or the engine sleeps: a free
+            # slot takes none of them.
             return self._num_waiting + len(self._inbox)
         return max(0, self._num_waiting + len(self._inbox) - free_slots)
 

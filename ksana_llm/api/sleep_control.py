@@ -8,6 +8,7 @@ them, and nothing is scheduled until then either (never an answer from empty wei
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,11 +17,13 @@ from ksana_llm.runner.sleep_mode import check_sleep_level, check_wake_tags
 
 
 class SleepControl(EngineThreadWork):
-    """Mixed into `Engine`, which provides `config`, `model`, `_core`, `_on_engine_thread`
-    and `_dispatch_step`."""
+    """Mixed into `Engine`, which provides `config`, `model`, `_core`, `_on_engine_thread`,
+    `_dispatch_step` and the queue's `_wake` and `_waiting_blocked`."""
 
     config: Any
     model: Any
+    _wake: threading.Condition
+    _waiting_blocked: bool
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (the prefix cache is emptied) and the weights' device memory:
@@ -44,6 +47,10 @@ class SleepControl(EngineThreadWork):
                                  "them first")
             self._core.block_manager.reset_prefix_cache()
             self._core.runner.sleep(level)
+            with self._wake:
+                # Now rather than after the step loop's turn: a request submitted as soon as
+                # sleep() returns must find no free slot about to take it (the queue limit).
+                self._waiting_blocked = True
 
         self._on_engine_thread(fall_asleep)
 
