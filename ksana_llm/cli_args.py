@@ -362,7 +362,7 @@ def add_serve_args(parser: argparse.ArgumentParser, *, listen: bool = True) -> N
     parser.add_argument("--max-loras", type=int, default=None,
                         help="adapter slots on the device: the most adapters in one step; "
                              "more adapters take turns (default: the number of --lora-modules, "
-                             "at most 4)")
+                             "at most 4; 1 with --allow-runtime-lora-updating alone)")
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="adapters kept in host memory (least recently used dropped and "
                              "read again from their folder; default: all)")

@@ -236,6 +236,9 @@ def test_lora_flags_reach_the_engine_config(tmp_path, capsys):
     assert args.allow_runtime_lora_updating
     with pytest.raises(ValueError, match="each adapter once"):
         configs_from_args(parse(["serve", "--lora-modules", "a=/x", "a=/y"]))
+    # Runtime loading alone: one slot (vLLM's max_loras default), so a load can succeed.
+    assert configs_from_args(parse(["serve", "--allow-runtime-lora-updating"]))[0] \
+        .num_lora_slots == 1
     # More adapters than slots: they take turns.
     assert configs_from_args(parse(["serve", "--lora-modules", "a=/x", "b=/y", "--max-loras",
                                     "1"]))[0].num_lora_slots == 1

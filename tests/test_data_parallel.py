@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from ksana_llm.cli import main
 from ksana_llm.server.data_parallel import replica_command
 from tests.family_harness import greedy_trace, hf_reference
+from tests.lora_adapters import ALL_TARGETS, write_adapter_files
 from tests.server_process import ServerProcess
 from tests.tiny_models import build_tiny_chat_model
 
@@ -29,6 +30,7 @@ MAX_TOKENS = 6
 def tiny(default_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("data-parallel") / "tiny"
     hf = build_tiny_chat_model(folder, default_model_dir, num_hidden_layers=2)
+    write_adapter_files(hf, folder.parent / "adapter", seed=1, targets=ALL_TARGETS, rank=4)
     return folder, hf_reference(hf), AutoTokenizer.from_pretrained(default_model_dir)
 
 
@@ -54,7 +56,7 @@ def test_two_replicas_behind_one_endpoint(tiny):
     expected = tokenizer.decode(greedy_trace(reference, ids, MAX_TOKENS)[0][len(ids):])
     server = ServerProcess(["--model", str(folder), "--served-model-name", "tiny", "--dtype",
                             "float32", "--data-parallel-size", "2", "--api-key", "secret",
-                            "--root-path", "/api"])
+                            "--root-path", "/api", "--allow-runtime-lora-updating"])
     try:
         replicas = [url for url, _ in _replicas(server)]
         assert len(set(replicas)) == 2
@@ -96,6 +98,23 @@ def test_two_replicas_behind_one_endpoint(tiny):
                    for s in stats.json()["servers"].values())
         assert httpx.post(replicas[0] + "/v1/completions", json=body,
                           timeout=60).status_code == 401
+        # Runtime LoRA loading reaches every replica: each answers for the adapter alike.
+        adapter = {"lora_name": "tone", "lora_path": str(folder.parent / "adapter")}
+        loaded = httpx.post(server.url + "/v1/load_lora_adapter", json=adapter,
+                            headers=headers, timeout=60)
+        assert loaded.status_code == 200 and loaded.json() == {
+            "servers": {url: {} for url in replicas}}, loaded.text
+        texts = set()
+        for _ in range(2):
+            answer = httpx.post(server.base_url + "/completions", json={**body, "model": "tone"},
+                                headers=headers, timeout=60)
+            assert answer.status_code == 200, answer.text
+            texts.add(answer.json()["choices"][0]["text"])
+        assert len(texts) == 1
+        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "tone"},
+                          headers=headers, timeout=60).status_code == 200
+        assert httpx.post(server.base_url + "/completions", json={**body, "model": "tone"},
+                          headers=headers, timeout=60).status_code == 404
     finally:
         server.stop()
     for url in replicas:

@@ -190,6 +190,32 @@ def test_load_and_unload_while_serving(tiny):
     assert base_out.token_ids == expected_tokens(base, prompt)
 
 
+def test_load_inplace_replaces_an_adapter_and_a_failed_one_keeps_it(tiny, tmp_path):
+    """vLLM's load_inplace: the name serves the new adapter from the next request on; a request
+    holding the old one finishes with it, whose weights go when it ends; a replacement that
+    cannot load leaves the old one serving. On a name not loaded it is a plain load."""
+    folder, _, adapters = tiny
+    prompt = PROMPTS[0]
+    with make_engine(folder / "base", max_loras=1) as engine:
+        engine.load_lora_adapter("x", str(folder / "all"), load_inplace=True)
+        long_request = engine.submit(kt.Request(prompt, {"max_new_tokens": 300}, lora="x"))
+        old_id = engine._lora.resolve("x").lora_id
+        engine.load_lora_adapter("x", str(folder / "patterns"), load_inplace=True)
+        assert engine.lora_adapters == {"x": str(folder / "patterns")}
+        assert engine._lora.unlisted_ids() == [old_id]
+        with pytest.raises(ValueError, match="not a folder"):
+            engine.load_lora_adapter("x", str(tmp_path / "missing"), load_inplace=True)
+        with pytest.raises(ValueError, match="load_inplace must be a bool"):
+            engine.load_lora_adapter("x", str(folder / "all"), load_inplace="yes")
+        assert engine.lora_adapters == {"x": str(folder / "patterns")}
+        new = engine.generate_outputs([prompt], use_tqdm=False, lora="x")[0]
+        held = long_request.result()
+        engine.generate_outputs([prompt], use_tqdm=False)  # a step after it ended
+        assert engine._lora.unlisted_ids() == [] and old_id not in engine._core.runner.lora.paths
+    assert held.token_ids[:NUM_TOKENS] == expected_tokens(adapters["all"], prompt)
+    assert new.token_ids == expected_tokens(adapters["patterns"], prompt)
+
+
 def test_an_unloaded_adapter_drains_when_its_last_request_is_aborted(tiny):
     """The adapter's weights are freed when the requests holding it end by abort too (no step
     follows an abort in an idle engine); a request resolved to it before the unload but

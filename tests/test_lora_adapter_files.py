@@ -33,6 +33,10 @@ def test_bad_adapters_are_clear_errors(tiny, tmp_path):
                                              config={"alora_invocation_tokens": [5, 6]}), {}),
         "layer_replication": (rewrite_adapter(good, tmp_path / "replicate",
                                        config={"layer_replication": [[0, 2]]}), {}),
+        "'pissa_niter_4' changes the base": (rewrite_adapter(
+            good, tmp_path / "pissa", config={"init_lora_weights": "pissa_niter_4"}), {}),
+        "'olora' changes the base": (rewrite_adapter(
+            good, tmp_path / "olora", config={"init_lora_weights": "olora"}), {}),
         "lacks its lora_B": (rewrite_adapter(good, tmp_path / "noB", tensors=lambda w: {
             k: v for k, v in w.items() if k != first_b}), {}),
         "lm_head": (rewrite_adapter(good, tmp_path / "head", tensors=lambda w: {

@@ -128,6 +128,13 @@ def test_load_and_unload_over_http(server, client, adapters, default_model):
         response = httpx.post(url, json=body)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["param"] == param, response.text
+    # vLLM's load_inplace: the name serves another adapter.
+    response = httpx.post(load, json={"lora_name": "late", "lora_path": str(folder / "sql"),
+                                      "load_inplace": True})
+    assert response.status_code == 200, response.text
+    text = client.completions.create(model="late", prompt=PROMPT, max_tokens=NUM_TOKENS,
+                                     temperature=0).choices[0].text
+    assert text == greedy_text(peft_models["sql"], tokenizer, tokenizer.encode(PROMPT))
     response = httpx.post(unload, json={"lora_name": "nope"})  # vLLM's answer: 404
     assert response.status_code == 404 and response.json()["error"]["param"] == "lora_name"
 

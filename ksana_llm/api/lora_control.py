@@ -29,19 +29,29 @@ class LoraControl(EngineThreadWork):
         """The loaded LoRA adapters: name -> folder."""
         return {info.name: info.path for info in self._lora.adapters()}
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
+    def load_lora_adapter(self, name: str, path: str, *, load_inplace: bool = False) -> None:
         """Load the PEFT adapter in folder `path` (into host memory; a device slot when a step
-        needs it); requests may then name it (`Request(lora=name)`). Raises ValueError for a
-        taken name, an engine without slots (max_loras), or an adapter this engine cannot
+        needs it); requests may then name it (`Request(lora=name)`). `load_inplace` (vLLM's):
+        replace the adapter loaded under `name` -- requests submitted from now on get the new
+        one, those holding the old one finish with it (as after `unload_lora_adapter`), and a
+        load that fails keeps the old one. Raises ValueError for a taken name (without
+        `load_inplace`), an engine without slots (max_loras), or an adapter this engine cannot
         apply (rank above max_lora_rank, unsupported modules)."""
-        info = self._lora.reserve(name, path)
+        if not isinstance(load_inplace, bool):
+            raise ValueError(f"load_inplace must be a bool, got {type(load_inplace).__name__}")
+        info = self._lora.reserve(name, path, load_inplace=load_inplace)
+
+        def register() -> None:
+            self._core.runner.register_lora(info.lora_id, info.path)
+            # On the engine thread: every request submitted before this call has reached the
+            # core, holding the adapter it resolved (a replaced one is freed when they end).
+            self._lora.commit(info)
+
         try:
-            self._on_engine_thread(lambda: self._core.runner.register_lora(info.lora_id,
-                                                                           info.path))
+            self._on_engine_thread(register)
         except BaseException:
             self._lora.cancel(info)
             raise
-        self._lora.commit(info)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unlist adapter `name`: new requests naming it are refused (ValueError) from now on,

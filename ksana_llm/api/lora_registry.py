@@ -55,24 +55,31 @@ class LoraRegistry:
             return {info.lora_id: info.name
                     for info in (*self._loaded.values(), *self._unlisted.values())}
 
-    def reserve(self, name: str, path: str) -> LoraAdapterInfo:
-        """Claim `name` for the adapter in `path` (not resolvable until `commit`)."""
+    def reserve(self, name: str, path: str, load_inplace: bool = False) -> LoraAdapterInfo:
+        """Claim `name` for the adapter in `path` (not resolvable until `commit`).
+        `load_inplace`: the name may be loaded already (the adapter `commit` replaces)."""
         if not isinstance(name, str) or not name or name != name.strip():
             raise ValueError(f"lora_name must be a non-empty name without surrounding spaces, "
                              f"got {name!r}")
         if not self.num_slots:
             raise ValueError("this engine has no LoRA slots: set max_loras (or lora_modules)")
         with self._lock:
-            if name in self._loaded or name in self._reserved:
-                raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
+            if name in self._reserved or (name in self._loaded and not load_inplace):
+                raise ValueError(f"lora_name: an adapter named {name!r} is already loaded "
+                                 "(load_inplace replaces it)")
             self._reserved.add(name)
             lora_id = next(self._ids)
             return LoraAdapterInfo(name, str(path), lora_id, hash(("lora", name, str(path),
                                                                    lora_id)))
 
     def commit(self, info: LoraAdapterInfo) -> None:
+        """`info` resolves by its name from now on; an adapter it replaces (`load_inplace`) is
+        unlisted, as `remove` does."""
         with self._lock:
             self._reserved.discard(info.name)
+            replaced = self._loaded.get(info.name)
+            if replaced is not None:
+                self._unlisted[replaced.lora_id] = replaced
             self._loaded[info.name] = info
 
     def cancel(self, info: LoraAdapterInfo) -> None:

@@ -30,13 +30,21 @@ _REQUIRED_VALUES: Mapping[str, Any] = MappingProxyType({
 # PEFT's other LoRA variants and options that change the forward pass or the base model
 # (activated LoRA, Arrow routing, block-diagonal LoRA, KaSA, layer replication, QA-LoRA,
 # Megatron layers, MonteCLoRA, VeLoRA, LoRA on raw parameters, trainable token rows): refused
-# when set, rather than applied as plain LoRA. Options that only change initialisation (LoftQ,
-# EVA, CorDA, LoRA-GA) leave plain A and B behind and are fine.
+# when set, rather than applied as plain LoRA. Initialisations that only set A and B (EVA,
+# orthogonal, MiCA, NoRA) leave plain LoRA behind and are fine; those in
+# _BASE_CHANGING_INITS are not (below).
 _VARIANT_KEYS: tuple[str, ...] = (
     "alora_invocation_tokens", "arrow_config", "use_bdlora", "kasa_config", "layer_replication",
     "use_qalora", "megatron_config", "monteclora_config", "velora_config", "target_parameters",
     "trainable_token_indices",
 )
+
+# `init_lora_weights` values (prefixes: "pissa_niter_4") whose initialisation also rewrites the
+# base weights (PiSSA, CorDA and ASTRA subtract the initial A B, OLoRA its QR part, LoftQ and
+# LoRA-GA replace them): PEFT runs it again when it loads the folder, so the adapter's A and B
+# belong to a base model this engine does not serve. PEFT converts such an adapter to plain
+# LoRA on saving (`path_initial_model_for_weight_conversion`): that folder loads.
+_BASE_CHANGING_INITS: tuple[str, ...] = ("pissa", "corda", "astra", "olora", "loftq", "lora_ga")
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,12 @@ def _read_config(path: str) -> dict[str, Any]:
         if config.get(key):
             raise ValueError(f"LoRA adapter {path!r}: {key}={config[key]!r} is not supported "
                              "(only plain LoRA)")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise ValueError(f"LoRA adapter {path!r}: init_lora_weights={init!r} changes the base "
+                         "weights, which this engine serves unchanged; save the adapter "
+                         "converted to plain LoRA (PEFT's "
+                         "path_initial_model_for_weight_conversion)")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {path!r}: bias={config['bias']!r} is not supported "
                          "(only 'none')")

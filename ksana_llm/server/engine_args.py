@@ -131,6 +131,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names each adapter once, got {names}")
         overrides["lora_modules"] = dict(overrides["lora_modules"])
+    if (getattr(args, "allow_runtime_lora_updating", False) and overrides["max_loras"] is None
+            and not overrides["lora_modules"]):
+        # Adapters loaded later need a slot (vLLM's max_loras is 1 by default, too).
+        overrides["max_loras"], flags["max_loras"] = 1, "--allow-runtime-lora-updating"
     if args.config_file is not None:
         # Everything the engine acts on (including max_token_len and waiting_timeout_in_ms) is
         # in the EngineConfig; the ServerSettings add what only the server does (KV transfer).

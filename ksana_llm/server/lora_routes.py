@@ -2,6 +2,7 @@
 `serve --allow-runtime-lora-updating`: they make the server read folders a client names).
 
     POST /v1/load_lora_adapter   {"lora_name": "sql", "lora_path": "/adapters/sql"}
+                                 (+ "load_inplace": true to replace a loaded "sql")
     POST /v1/unload_lora_adapter {"lora_name": "sql"}
 
 A loaded adapter is served under its name (`model`) and listed by /v1/models.
@@ -27,6 +28,8 @@ class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_path: str
+    # vLLM's: replace the adapter loaded under lora_name (an RL trainer's new checkpoint).
+    load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -43,10 +46,14 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
     if req.lora_name in (state.served_model_name, *state.model_aliases):
         raise bad_request(f"The adapter name {req.lora_name!r} is the served model's.",
                           param="lora_name")
+    if req.lora_name in state.engine.lora_adapters and not req.load_inplace:
+        raise bad_request(f"The LoRA adapter {req.lora_name!r} has already been loaded. To "
+                          "replace it, set 'load_inplace' to true.", param="lora_name")
     try:
         # Off the event loop: it waits for the engine thread, which reads the files between
         # two steps.
-        await asyncio.to_thread(state.engine.load_lora_adapter, req.lora_name, req.lora_path)
+        await asyncio.to_thread(state.engine.load_lora_adapter, req.lora_name, req.lora_path,
+                                load_inplace=req.load_inplace)
     except EngineDeadError as exc:
         raise engine_unavailable(str(exc)) from exc
     except ValueError as exc:

@@ -2,8 +2,9 @@
 prefill and a decode server. `/v1/models` (and `/models`) is the first reachable decode
 server's list, `/version` the router's own; `/health` (and
 `/ping`) sums up every server's health; `/reset_prefix_cache`, `/update_weights_from_disk`,
-`/sleep`, `/wake_up`, `/start_profile` and `/stop_profile` go to every server, prefill and decode alike, their answers gathered by
-URL, `/is_sleeping` asks every one, and `/metrics` shows every server's metrics, labelled by
+`/sleep`, `/wake_up`, `/start_profile`, `/stop_profile`, `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` go to every server, prefill and decode alike, their answers gathered
+by URL, `/is_sleeping` asks every one, and `/metrics` shows every server's metrics, labelled by
 server (`server/router_metrics.py`).
 
 Split from `server/router.py`, which routes each generation request to one server in turn:
@@ -70,9 +71,11 @@ def add_control_routes(app: FastAPI, config: RouterConfig) -> None:
     @app.post("/wake_up")
     @app.post("/start_profile")
     @app.post("/stop_profile")
+    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
     async def every_server(request: Request) -> JSONResponse:
         """The same request to every server (prefill and decode alike: a prefix cache to empty,
-        new weights to load, sleep mode, profiling): each server's answer by URL (its JSON, {} for a 200
+        new weights to load, sleep mode, profiling, LoRA adapters to load or unload): each server's answer by URL (its JSON, {} for a 200
         without any, its status code for an error, null when it could not be reached); 200
         when every server said 200, else 502."""
         router: Router = request.app.state.router
