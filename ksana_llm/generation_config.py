@@ -286,8 +286,11 @@ class GenerationConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < -1):
                 _fail(name, value, "None, an integer >= 0 or -1 (the whole vocabulary)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            _fail("seed", self.seed, "None or an integer")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            # The generator's 64 bits (as the server's bound): beyond them two seeds would
+            # silently draw alike.
+            _fail("seed", self.seed, "None or an integer in [-2**63, 2**64)")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.stop and self.detokenize is False:
             _fail("stop", self.stop, "empty with detokenize=False (stop strings are found in the "

@@ -155,6 +155,7 @@ def test_async_generate_and_stream(engine):
     (PROMPT, {"early_stopping": "sometimes", "num_beams": 2}, "early_stopping"),
     (PROMPT, {"detokenize": 0}, "detokenize"),
     (PROMPT, {"detokenize": False, "stop": ["."]}, "stop"),  # stop strings need the text
+    (PROMPT, {"seed": 2**64}, "seed"),  # past the generator's 64 bits: it would draw as 0
 ])
 def test_bad_input_names_the_field_and_engine_keeps_serving(engine, prompt, config, field):
     with pytest.raises(ValueError, match=field):

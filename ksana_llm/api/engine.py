@@ -256,7 +256,8 @@ class Engine(RequestIntake, OutputDelivery, LoraControl, WeightControl, SleepCon
         return self._dead
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the step loop; unfinished requests fail with EngineDeadError. The KV cache's
+        """Stop the step loop; unfinished requests fail (their handles raise RequestError,
+        caused by an EngineDeadError), and later calls raise EngineDeadError. The KV cache's
         memory is freed (the weights stay: they are the Model's, which another engine may
         serve). In a parallel run the worker ranks are told to stop too."""
         # Set first: a shutdown from the engine thread (a callback), or one whose wait runs

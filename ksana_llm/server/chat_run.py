@@ -31,7 +31,8 @@ from ksana_llm.server.submission import (check_common, constraint, plan_jobs, pl
 from ksana_llm.server.tool_parsers import ToolParser
 from ksana_llm.server.tools import plan_tools
 
-# Constraints that make the whole output JSON: such an output has no thinking block.
+# Constraints that make the whole output JSON, where the engine does not let the model think
+# first (it has no reasoning_config): such an output has no thinking block.
 _JSON_KINDS = ("json_object", "json_schema")
 
 
@@ -95,9 +96,14 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     if req.prompt_logprobs is not None:
         extra["prompt_logprobs"] = req.prompt_logprobs
     # Reasoning is parsed unless the request turned thinking off, or constrained the whole
-    # output to JSON (which leaves no room for a thinking block).
+    # output to JSON (which leaves no room for a thinking block). An engine watching the
+    # thinking block (its reasoning_config, which the parser gives it) constrains only the
+    # answer after it, as vLLM does: the block is there to parse, the JSON (a forced tool
+    # call's too) after it.
     reasoning = state.reasoning_parser
-    if template_kwargs.get("enable_thinking") is False or kind in _JSON_KINDS:
+    whole_output_json = (kind in _JSON_KINDS
+                         and state.engine.config.reasoning_config is None)
+    if template_kwargs.get("enable_thinking") is False or whole_output_json:
         reasoning = None
     if req.skip_special_tokens and any(getattr(parser, "reads_special_tokens", False)
                                        for parser in (reasoning, tools.parser)):

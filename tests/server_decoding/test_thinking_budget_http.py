@@ -4,6 +4,8 @@ an in-process app with the deepseek_r1 reasoning parser (whose tags the app give
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import ksana_llm as kt
@@ -43,6 +45,46 @@ def test_budget_closes_the_reasoning_over_chat_and_completions(r1_app, default_m
         r = await http.post("/completions", json={"prompt": "x", "thinking_token_budget": -1})
         assert r.status_code == 400 and openai_error(r)["param"] == "thinking_token_budget"
         assert (await aclient.completions.create(model="r1", prompt="Hi", max_tokens=2)).choices
+
+    run_r1(r1_app, check)
+
+
+def test_structured_answers_and_forced_calls_after_an_opened_block_parse_the_reasoning(r1_app):
+    """The engine constrains only the answer after the thinking block (vLLM's way), so the
+    server parses the block out of JSON answers and forced tool calls too: the thinking is
+    reasoning_content, the content is the JSON, the call is a tool call -- streamed alike."""
+    tool = {"type": "function", "function": {"name": "capital", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    cases = {"json": dict(response_format={"type": "json_object"}),
+             "required": dict(tools=[tool], tool_choice="required")}
+
+    async def check(aclient, _http):
+        for case, extra in cases.items():
+            kwargs = dict(model="r1", messages=OPENED, temperature=0, max_tokens=60, **extra,
+                          extra_body={**CONTINUE, "thinking_token_budget": 4})
+            choice = (await aclient.chat.completions.create(**kwargs)).choices[0]
+            message = choice.message
+            reasoning = extra_field(message, "reasoning_content")
+            assert reasoning and "</think>" not in reasoning, (case, message)
+            if case == "json":
+                assert choice.finish_reason == "stop", message
+                assert isinstance(json.loads(message.content), dict), message
+            else:
+                assert choice.finish_reason == "tool_calls" and not message.content, message
+                (call,) = message.tool_calls
+                assert call.function.name == "capital", message
+                assert "city" in json.loads(call.function.arguments)
+            parts = {"reasoning": "", "content": "", "arguments": ""}
+            async for chunk in await aclient.chat.completions.create(**kwargs, stream=True):
+                if chunk.choices:
+                    delta = chunk.choices[0].delta
+                    parts["reasoning"] += extra_field(delta, "reasoning_content") or ""
+                    parts["content"] += delta.content or ""
+                    parts["arguments"] += "".join(c.function.arguments or ""
+                                                  for c in delta.tool_calls or [])
+            assert parts == {"reasoning": reasoning, "content": message.content or "",
+                             "arguments": message.tool_calls[0].function.arguments
+                             if message.tool_calls else ""}, case
 
     run_r1(r1_app, check)
 
