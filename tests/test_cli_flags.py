@@ -338,8 +338,9 @@ def test_kv_transfer_flags_and_yaml(tmp_path, local_engine):
 def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys, caplog):
     """vLLM's `serve --config FILE`: the YAML's keys are the command's long flag names (dashes
     or underscores); they reach the EngineConfig and the server's settings; a flag on the
-    command line wins, as does its model; a key the command does not take, or a switch given
-    a non-boolean, is an error naming --config and the key."""
+    command line wins, as does its model; a key the command does not take, a switch given a
+    non-boolean, a key given twice (as in --config_file) or a value its flag refuses (a list
+    for a one-value flag) is an error naming --config and the key."""
     from ksana_llm.cli import _with_flags_file, build_parser, main
     from ksana_llm.server.app import configs_from_args
 
@@ -374,19 +375,21 @@ def test_vllm_config_file_sets_flags_and_the_command_line_wins(tmp_path, capsys,
     for text, message in (("max-modle-len: 5\n", "'max-modle-len' is not a flag"),
                           ("enable-prefix-caching: maybe\n", "enable-prefix-caching is a switch"),
                           ("- port\n", "must hold a mapping"),
-                          ("config: other.yaml\n", "'config' is not a flag")):
+                          ("config: other.yaml\n", "'config' is not a flag"),
+                          ("max-model-len: [256, 512]\n", "max-model-len: invalid int value"),
+                          ("max-num-seqs: 4\nmax-num-seqs: 8\n", "duplicate key 'max-num-seqs'"),
+                          ("load-format: nope\n", "load-format: invalid choice: 'nope'")):
         flags.write_text(text)
         assert main(["serve", "--config", str(flags)]) == 2
         error = capsys.readouterr().err
         assert "--config" in error and message in error, error
 
 
-def test_config_file_lists_and_optional_values_reach_their_own_flags(tmp_path, capsys):
+def test_config_file_lists_and_optional_values_reach_their_own_flags(tmp_path):
     """A list in the flags file fills a list flag without swallowing the command line's
-    positional model; a repeatable flag is given once per item; a one-value flag refuses a
-    list naming the key; `hf-token: true` is the bare flag (huggingface_hub's own token) and
-    false none; a key given twice is an error, as in --config_file."""
-    from ksana_llm.cli import _with_flags_file, build_parser, main
+    positional model; a repeatable flag is given once per item; `hf-token: true` is the bare
+    flag (huggingface_hub's own token) and false none."""
+    from ksana_llm.cli import _with_flags_file, build_parser
     from ksana_llm.server.app import configs_from_args
 
     parser = build_parser()
@@ -407,13 +410,6 @@ def test_config_file_lists_and_optional_values_reach_their_own_flags(tmp_path, c
     assert configs_from_args(parse("hf-token: true\n"))[0].hf_token is True
     assert configs_from_args(parse("hf-token: false\n"))[0].hf_token is None
     assert configs_from_args(parse("hf-token: hf_abc\n"))[0].hf_token == "hf_abc"
-    for text, message in (("max-model-len: [256, 512]\n", "max-model-len: invalid int value"),
-                          ("max-num-seqs: 4\nmax-num-seqs: 8\n", "duplicate key 'max-num-seqs'"),
-                          ("load-format: nope\n", "load-format: invalid choice: 'nope'")):
-        flags.write_text(text)
-        assert main(["serve", "--config", str(flags)]) == 2
-        error = capsys.readouterr().err
-        assert "--config" in error and message in error, error
 
 
 @pytest.mark.parametrize("flag, module, name", [
