@@ -236,6 +236,20 @@ def test_error_in_a_200_answer_fails_the_request(backend, stream, chunks):
     assert row["Failed requests"] == 2 and row["Successful requests"] == 0
 
 
+@pytest.mark.parametrize("backend, chunks, message", [
+    ("ksana", [], "the stream ended without a result"),
+    ("openai", [], "the stream ended without [DONE]"),
+    ("openai", [b'data: {"choices": [{"text": "Hi"}]}\n\n'], "the stream ended without [DONE]"),
+])
+def test_a_stream_cut_off_or_empty_fails_the_request(backend, chunks, message):
+    """A 200 whose stream holds no result (/generate always ends with one) or stops before
+    [DONE] is not a finished request."""
+    cfg = BenchConfig(backend=backend, stream=True)
+    _, results, _ = asyncio.run(
+        run_benchmark(cfg, ["a"], transport=httpx.ASGITransport(app=_error_app(chunks))))
+    assert not results[0].ok and results[0].error == message
+
+
 def test_error_message_reads_error_objects():
     assert error_message(ENGINE_ERROR) == "the engine failed while serving this request"
     assert error_message({"error": "boom"}) == "boom"

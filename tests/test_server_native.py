@@ -252,7 +252,10 @@ def test_logprobs(server, greedy16):
      "sampling_config.stop_token_ids", "invalid_token_id"),
     ({"prompt": "x", "sampling_config": {"max_new_tokens": 10**6}},
      "sampling_config.max_new_tokens", "context_length_exceeded"),
-    ({"input_tokens": [1] * 5000}, "prompt", "context_length_exceeded"),
+    ({"input_tokens": [1] * 5000}, "input_tokens", "context_length_exceeded"),
+    # The prompt alone is too long: it is named, not the completion asked beside it.
+    ({"input_tokens": [1] * 5000, "sampling_config": {"max_new_tokens": 2}}, "input_tokens",
+     "context_length_exceeded"),
     ({"prompt": "x", "sampling_config": {"foo": 1, "bar": 2}}, "sampling_config.foo", "unknown_parameter"),
     ({"prompt": "x", "frobnicate": True}, "frobnicate", "unknown_parameter"),
     ({"prompt": "x", "sampling_config": {"num_beams": 4, "do_sample": True}}, "sampling_config.do_sample",

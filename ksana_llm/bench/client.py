@@ -72,26 +72,29 @@ class ServerError(Exception):
 
 
 async def _read_openai_stream(response: httpx.Response, result: RequestResult) -> None:
-    decoder = SSEDecoder()
+    decoder, done = SSEDecoder(), False
     try:
         async for raw in response.aiter_bytes():
             now = time.perf_counter()
             for data in decoder.feed(raw):
-                _apply_openai_event(data, result, now)
+                done = _apply_openai_event(data, result, now) or done
         for data in decoder.flush():
-            _apply_openai_event(data, result, time.perf_counter())
+            done = _apply_openai_event(data, result, time.perf_counter()) or done
     except ServerError as exc:
         result.error = str(exc)
+        return
+    if not done:  # cut off (or never an answer): not a finished request
+        result.error = f"the stream ended without {DONE}"
         return
     if result.output_tokens is None:  # no usage chunk: one token per chunk is the best guess
         result.output_tokens = len(result.chunk_times)
 
 
-def _apply_openai_event(data: str, result: RequestResult, now: float) -> None:
+def _apply_openai_event(data: str, result: RequestResult, now: float) -> bool:
     """One SSE payload: chunks with a choice count as token arrivals (their text may be empty:
-    EOS alone); the usage chunk gives the counts."""
+    EOS alone); the usage chunk gives the counts. True for the stream's closing [DONE]."""
     if data.strip() == DONE:
-        return
+        return True
     event = json.loads(data)
     message = error_message(event)
     if message is not None:
@@ -103,19 +106,22 @@ def _apply_openai_event(data: str, result: RequestResult, now: float) -> None:
     if usage:
         result.input_tokens = usage.get("prompt_tokens")
         result.output_tokens = usage.get("completion_tokens")
+    return False
 
 
 async def _read_ksana_stream(response: httpx.Response, result: RequestResult) -> None:
-    decoder, seen = NulChunkDecoder(), 0
+    decoder, seen, chunks = NulChunkDecoder(), 0, 0
     try:
         async for raw in response.aiter_bytes():
             now = time.perf_counter()
             for chunk in decoder.feed(raw):
-                seen = _apply_ksana_chunk(chunk, result, seen, now)
+                seen, chunks = _apply_ksana_chunk(chunk, result, seen, now), chunks + 1
         for chunk in decoder.flush():
-            seen = _apply_ksana_chunk(chunk, result, seen, time.perf_counter())
+            seen, chunks = _apply_ksana_chunk(chunk, result, seen, time.perf_counter()), chunks + 1
     except ServerError as exc:  # the rest of the stream is not read: the request failed
         result.error = str(exc)
+    if not chunks and result.error is None:  # /generate's stream always ends with its result
+        result.error = "the stream ended without a result"
     result.output_tokens = seen
 
 

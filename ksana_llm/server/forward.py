@@ -90,7 +90,9 @@ def _decode(raw: bytes, is_msgpack: bool) -> Any:
     # RecursionError: arrays nested past the JSON decoder's recursion limit
     except (ValueError, UnicodeDecodeError, RecursionError, msgpack.UnpackException) as exc:
         kind = "msgpack" if is_msgpack else "JSON"
-        raise bad_request(f"Malformed {kind} body: {exc}", code="invalid_body") from exc
+        # (Some unpacker errors have no message: their kind says it.)
+        raise bad_request(f"Malformed {kind} body: {exc or type(exc).__name__}",
+                          code="invalid_body") from exc
 
 
 def _targets_param(i: int, message: str) -> tuple[str, str | None]:

@@ -240,16 +240,16 @@ def _beam_fields(sc: SamplingConfig) -> dict[str, Any]:
 
 
 def generation_config(sc: SamplingConfig, prompt_len: int, state: ServerState,
-                      structured: Any = None) -> GenerationConfig:
+                      structured: Any = None, prompt_param: str = "prompt") -> GenerationConfig:
     """The engine config of the request (KsanaLLM semantics: greedy by default), returning all
-    its sequences (samples or beams)."""
-    param = "sampling_config.max_new_tokens"
+    its sequences (samples or beams). `prompt_param`: the field the prompt came from."""
     requested = sc.max_new_tokens if sc.max_new_tokens is not None and sc.max_new_tokens > 0 else None
     try:
-        max_tokens = resolve_max_tokens(requested, prompt_len, state.limits, "prompt")
+        max_tokens = resolve_max_tokens(requested, prompt_len, state.limits, prompt_param)
     except APIError as exc:
-        if requested is not None:
-            exc.param = param
+        if requested is not None and prompt_len < state.limits.max_model_len:
+            # The prompt fits: the completion asked for is what does not.
+            exc.param = "sampling_config.max_new_tokens"
         raise
     # A stop id past the vocabulary can never be generated, so it never stops anything: dropped,
     # as KsanaLLM does not check them (its clients send a model family's ids whatever the model).
@@ -394,7 +394,9 @@ async def generate(request: Request) -> Response:
     constraint = _structured(req)
     refuse_with_beam_search(constraint, sc.num_beams > 1)
     spec = await compile_spec(state, constraint) if constraint is not None else None
-    config = generation_config(sc, len(ids), state, spec)  # one engine request
+    config = generation_config(sc, len(ids), state, spec,  # one engine request
+                               prompt_param="prompt" if req.input_tokens is None
+                               else "input_tokens")
     limit = state.engine.config.max_num_seqs  # its sequences run side by side
     for key in ("num_return_sequences", "num_beams"):
         if getattr(sc, key) > limit:
