@@ -269,6 +269,12 @@ def test_server_classify_score_and_rerank(reranker_server, reranker, tokenizer):
     response = httpx.post(f"{url}/score", json={"text_1": [QUERY, QUERY], "text_2": DOCUMENTS},
                           timeout=60)
     assert response.status_code == 400 and openai_error(response)["param"] == "text_2"
+    # Each text fits the 512-token context, the pair read together does not: said so.
+    long = " ".join(["hello"] * 300)
+    response = httpx.post(f"{url}/score", json={"text_1": long, "text_2": long}, timeout=60)
+    error = openai_error(response)
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == "text_2" and "pair of text_1 and text_2" in error["message"], error
     response = httpx.post(f"{url}/classify", json={"input": ""}, timeout=60)
     assert response.status_code == 400 and openai_error(response)["param"] == "input"
     again = httpx.post(f"{url}/classify", json={"input": TEXTS[0]}, timeout=60).json()

@@ -51,9 +51,11 @@ def encode_vector(vector: torch.Tensor, encoding_format: str
 
 
 def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | None,
-                      add_special_tokens: bool = True) -> list[list[int]]:
+                      add_special_tokens: bool = True, what: str | None = None
+                      ) -> list[list[int]]:
     """`value`'s prompts as token ids, each cut to its last `keep` tokens (vLLM's
-    truncate_prompt_tokens; -1: the model's context; None: whole)."""
+    truncate_prompt_tokens; -1: the model's context; None: whole). `what`: the prompts' name
+    in a too-long error, when more than `field` (a cross-encoder's joined pairs)."""
     if keep == 0:
         raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1.",
                           param="truncate_prompt_tokens")
@@ -63,7 +65,7 @@ def truncated_prompts(value: Any, field: str, state: ServerState, keep: int | No
     longest = max(map(len, cut), default=0)
     if longest > state.limits.max_model_len:  # (a forward pass may fill the whole context)
         raise context_length_exceeded(state.limits.max_model_len, longest, field,
-                                      ", or set truncate_prompt_tokens")
+                                      ", or set truncate_prompt_tokens", what=what)
     return cut
 
 

@@ -144,13 +144,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def context_length_exceeded(max_model_len: int, prompt_len: int, prompt_param: str,
-                            remedy: str = "") -> APIError:
+                            remedy: str = "", what: str | None = None) -> APIError:
     """OpenAI's 400 (code context_length_exceeded) for a prompt of `prompt_len` tokens that
-    does not fit the model's context; `remedy` ends the advice (", or set ...")."""
+    does not fit the model's context; `remedy` ends the advice (", or set ..."); `what` names
+    the prompt in the message when it is more than `prompt_param` (a pair of texts)."""
+    what = what or prompt_param
     return bad_request(
         f"This model's maximum context length is {max_model_len} tokens. However, your "
-        f"{prompt_param} resulted in {prompt_len} tokens. Please reduce the length of the "
-        f"{prompt_param}{remedy}.", param=prompt_param, code="context_length_exceeded")
+        f"{what} resulted in {prompt_len} tokens. Please reduce the length of the "
+        f"{what}{remedy}.", param=prompt_param, code="context_length_exceeded")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ModelLimits,

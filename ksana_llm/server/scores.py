@@ -92,7 +92,8 @@ async def _cross_encoder_scores(state: ServerState, first: tuple[str, Any],
                           param=second_name)
     joined = [cross_encoder_prompt(state.tokenizer, first_texts[i], second_texts[j])
               for i, j in pairs]
-    prompts = truncated_prompts(joined, second_name, state, keep)
+    prompts = truncated_prompts(joined, second_name, state, keep,
+                                what=f"pair of {first_name} and {second_name} (read together)")
     outputs = await classify_prompts(state, prompts, request, lora, [second_name] * len(pairs),
                                      priority)
     if outputs is None:
