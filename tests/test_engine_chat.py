@@ -53,6 +53,11 @@ def test_template_options_reach_the_template(engine, hf_default_model, default_m
                       continue_final_message=True)[0]
     assert out.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
     assert out.text == _hf_greedy(hf_default_model, tokenizer, text, 8)
+    # A final user message continues as well (transformers' rule, and vLLM's): left open.
+    assert engine.render_chat(CONVERSATIONS[0], add_generation_prompt=False,
+                              continue_final_message=True) == tokenizer.encode(
+        tokenizer.apply_chat_template(CONVERSATIONS[0], continue_final_message=True,
+                                      tokenize=False), add_special_tokens=False)
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ suffix }}{% endfor %}"
     ids = engine.render_chat(CONVERSATIONS[0], chat_template=template,
                              add_generation_prompt=False, chat_template_kwargs={"suffix": "!"})
@@ -65,8 +70,6 @@ def test_template_options_reach_the_template(engine, hf_default_model, default_m
     ([{"content": "no role"}], {}, "messages\\[0\\]"),
     ("hello", {}, "messages"),
     (CONVERSATIONS[0], {"continue_final_message": True}, "continue_final_message"),
-    (CONVERSATIONS[0], {"continue_final_message": True, "add_generation_prompt": False},
-     "continue_final_message"),
     (CONVERSATIONS[0], {"chat_template": "{{ raise_exception('no') }}"}, "messages"),
     (CONVERSATIONS[0], {"chat_template": "{% if false %}x{% endif %}"}, "empty prompt"),
     # apply_chat_template's own arguments (a TypeError for a duplicate keyword, unchecked)

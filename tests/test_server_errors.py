@@ -121,6 +121,17 @@ def test_400_invalid_input(server, route, body, param, code):
     assert error["param"] == param and error["code"] == code, error
 
 
+def test_scoring_a_prompt_that_fills_the_context_says_why_it_does_not_fit(server):
+    """echo with max_tokens 0 generates one token for the engine, which the client did not
+    ask for: a prompt of the whole context is refused saying so, not "you requested N + 1"."""
+    limit = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    r = httpx.post(server.url + "/v1/completions", json={
+        "prompt": [1] * limit, "max_tokens": 0, "echo": True}, timeout=30)
+    error = openai_error(r)
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+    assert error["param"] == "prompt" and f"takes at most {limit - 1}" in error["message"]
+
+
 def test_n_and_prompt_lists_up_to_openai_limits(client, model_name):
     """OpenAI takes n up to 128 and long prompt lists; within max_num_seqs (256 here) and the
     queue, so does the server: n = 20 on a chat, 80 prompts in one completion."""

@@ -89,8 +89,6 @@ def apply_chat_template(tokenizer: Any, messages: Conversation, *, chat_template
     _check_conversation(messages)
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message cannot be true with add_generation_prompt true")
-    if continue_final_message and messages[-1].get("role") != "assistant":
-        raise ValueError("continue_final_message needs a final assistant message")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat_template: this model has no chat template; pass one")
     if chat_template_kwargs is not None and not (

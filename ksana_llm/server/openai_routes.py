@@ -192,11 +192,23 @@ async def create_completion(request: Request) -> Response:
         else req.logprobs if echo_logprobs else None
     if prompt_lp is not None:
         extra["prompt_logprobs"] = prompt_lp
+    def max_tokens(ids: list[int]) -> int:
+        if score_only and len(ids) >= state.limits.max_model_len:
+            # The one token the engine generates needs a place in the context, which the
+            # client did not ask for: said so, rather than "you requested N + 1 tokens".
+            raise bad_request(
+                f"This model's maximum context length is {state.limits.max_model_len} tokens. "
+                f"However, your prompt resulted in {len(ids)} tokens; scoring a prompt (echo "
+                f"with max_tokens 0) takes at most {state.limits.max_model_len - 1}. Please "
+                "reduce the length of the prompt.", param="prompt",
+                code="context_length_exceeded")
+        return resolve_max_tokens(
+            1 if score_only else req.max_tokens, len(ids), state.limits, "prompt",
+            min(COMPLETIONS_DEFAULT_MAX_TOKENS,
+                state.sampling_defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS))
+
     jobs = plan_jobs(req, prompts, state, logprobs=req.logprobs, extra=extra,
-                      max_tokens=lambda ids: resolve_max_tokens(
-                          1 if score_only else req.max_tokens, len(ids), state.limits, "prompt",
-                          min(COMPLETIONS_DEFAULT_MAX_TOKENS,
-                              state.sampling_defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)))
+                     max_tokens=max_tokens)
     if embeds is not None:
         jobs = jobs.with_prompts([{"prompt_embeds": rows} for rows in embeds])
     request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
