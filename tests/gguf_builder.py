@@ -54,7 +54,10 @@ def make_raw(shape, qtype, rng, target=0.08):
     return quantize(x, qtype)
 
 def build(path, arch="llama", qtype=T.Q4_0, tied=True, rope_theta=50000.0, eps=1e-5, seed=0,
-          embd_qtype=None, ctx=512, extra=None):
+          embd_qtype=None, ctx=512, extra=None, head_dim=HD, skip=(), eos_token_id=2):
+    """`head_dim`: the attention heads' size (stated as key_length where it is not hidden /
+    heads, as llama.cpp writes it); `skip`: tensor names left out of the file;
+    `eos_token_id`: one past the vocabulary makes a tokenizer transformers cannot build."""
     rng = np.random.default_rng(seed)
     toks, merges, types = vocab()
     V = len(toks)
@@ -62,17 +65,20 @@ def build(path, arch="llama", qtype=T.Q4_0, tied=True, rope_theta=50000.0, eps=1
     w.add_name("tiny-" + arch)
     w.add_context_length(ctx); w.add_embedding_length(HIDDEN); w.add_block_count(LAYERS)
     w.add_feed_forward_length(INTER); w.add_head_count(HEADS); w.add_head_count_kv(KV)
-    w.add_rope_dimension_count(HD); w.add_rope_freq_base(rope_theta)
-    if arch == "qwen3":  # its reader takes head_dim from here (and transformers' did not)
-        w.add_key_length(HD); w.add_value_length(HD)
+    w.add_rope_dimension_count(head_dim); w.add_rope_freq_base(rope_theta)
+    # Qwen3's reader takes head_dim from here (and transformers' did not)
+    if arch == "qwen3" or head_dim != HIDDEN // HEADS:
+        w.add_key_length(head_dim); w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(eps); w.add_vocab_size(V); w.add_file_type(1)
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")
     w.add_token_list(toks); w.add_token_types(types); w.add_token_merges(merges)
-    w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_unk_token_id(0); w.add_pad_token_id(2)
+    w.add_bos_token_id(1); w.add_eos_token_id(eos_token_id); w.add_unk_token_id(0); w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     stored = {}
     def add(name, shape, q):
+        if name in skip:
+            return
         raw = make_raw(shape, q, rng) if len(shape) == 2 else (rng.standard_normal(shape) * 0.05 + (1.0 if name.endswith("norm.weight") else 0.0)).astype(np.float32)
         if len(shape) == 2 and q not in (T.F32, T.F16):
             w.add_tensor(name, raw, raw_dtype=q)
@@ -84,17 +90,17 @@ def build(path, arch="llama", qtype=T.Q4_0, tied=True, rope_theta=50000.0, eps=1
     for i in range(LAYERS):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", (HIDDEN,), T.F32)
-        add(p + "attn_q.weight", (HEADS * HD, HIDDEN), qtype)
-        add(p + "attn_k.weight", (KV * HD, HIDDEN), qtype)
-        add(p + "attn_v.weight", (KV * HD, HIDDEN), qtype)
+        add(p + "attn_q.weight", (HEADS * head_dim, HIDDEN), qtype)
+        add(p + "attn_k.weight", (KV * head_dim, HIDDEN), qtype)
+        add(p + "attn_v.weight", (KV * head_dim, HIDDEN), qtype)
         if arch == "qwen2":
-            add(p + "attn_q.bias", (HEADS * HD,), T.F32)
-            add(p + "attn_k.bias", (KV * HD,), T.F32)
-            add(p + "attn_v.bias", (KV * HD,), T.F32)
+            add(p + "attn_q.bias", (HEADS * head_dim,), T.F32)
+            add(p + "attn_k.bias", (KV * head_dim,), T.F32)
+            add(p + "attn_v.bias", (KV * head_dim,), T.F32)
         if arch == "qwen3":
-            add(p + "attn_q_norm.weight", (HD,), T.F32)
-            add(p + "attn_k_norm.weight", (HD,), T.F32)
-        add(p + "attn_output.weight", (HIDDEN, HEADS * HD), qtype)
+            add(p + "attn_q_norm.weight", (head_dim,), T.F32)
+            add(p + "attn_k_norm.weight", (head_dim,), T.F32)
+        add(p + "attn_output.weight", (HIDDEN, HEADS * head_dim), qtype)
         add(p + "ffn_norm.weight", (HIDDEN,), T.F32)
         add(p + "ffn_gate.weight", (INTER, HIDDEN), qtype)
         add(p + "ffn_up.weight", (INTER, HIDDEN), qtype)
@@ -115,7 +121,7 @@ SUB = {'attn_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm', '
        'ffn_gate': 'mlp.gate_proj', 'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj',
        'attn_q_norm': 'self_attn.q_norm', 'attn_k_norm': 'self_attn.k_norm'}
 
-def reference_model(stored, V, arch, tied, rope_theta, eps, ctx=512):
+def reference_model(stored, V, arch, tied, rope_theta, eps, ctx=512, head_dim=HD):
     """A transformers model built from gguf-py's dequantized tensors (the llama.cpp q/k
     permutation undone for llama), config stated by hand."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
@@ -127,7 +133,8 @@ def reference_model(stored, V, arch, tied, rope_theta, eps, ctx=512):
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                                  "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
-    cfg = config_class(**kw) if arch == "qwen2" else config_class(head_dim=HD, **kw)
+    cfg = config_class(**kw) if arch == "qwen2" else config_class(head_dim=head_dim, **kw)
+    cfg.head_dim = head_dim  # (Qwen2's config has no such argument; its model reads it)
     model = model_class(cfg).float().eval()
     sd = {}
     for name, t in stored.items():

@@ -51,6 +51,53 @@ def test_a_qwen3_file_keeps_its_head_dim(tmp_path):
     torch.testing.assert_close(_logits(path, ids), expected, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_file_whose_heads_are_not_hidden_over_heads_loads(tmp_path, arch):
+    """attention.key_length other than hidden / heads (Mistral-Nemo's shape): Qwen2's config
+    has no head_dim attribute, which once left the stated size unread."""
+    path = tmp_path / f"{arch}.gguf"
+    stored, vocab_size = build(path, arch=arch, qtype=T.Q8_0, tied=False, rope_theta=THETA,
+                               head_dim=32)
+    reference = reference_model(stored, vocab_size, arch, False, THETA, 1e-5, head_dim=32)
+    ids = [5, 17, 42, 7, 99, 3, 64, 12]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(path, ids), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_a_file_missing_tensors_or_split_in_parts_is_refused(tmp_path):
+    """transformers makes up the tensors a file lacks (and says so only in its log): a file
+    missing one, or one part of a split model, would serve random weights."""
+    missing = tmp_path / "missing.gguf"
+    build(missing, skip=("blk.1.ffn_down.weight",))
+    with pytest.raises(ValueError, match="missing.gguf is missing 1 of the model's tensors, "
+                                         "e.g. \\['model.layers.1.mlp.down_proj.weight'\\]"):
+        kt.Model.from_pretrained(str(missing), device="cpu", progress=False)
+    part = tmp_path / "m-00001-of-00002.gguf"
+    build(part, extra=lambda writer: (writer.add_uint16("split.no", 0),
+                                      writer.add_uint16("split.count", 2)))
+    with pytest.raises(ValueError, match="one of 2 parts of a split GGUF model"):
+        kt.Model.from_pretrained(str(part), device="cpu", progress=False)
+
+
+def test_a_file_whose_tokenizer_cannot_be_built_serves_token_ids(tmp_path, caplog):
+    """Tokenizer metadata transformers cannot read (an EOS id past the vocabulary) is a
+    warning naming the file: the weights load, and serve token ids (skip_tokenizer_init)."""
+    path = tmp_path / "bad-tokenizer.gguf"
+    stored, vocab_size = build(path, qtype=T.Q8_0, rope_theta=THETA, eos_token_id=10**6)
+    with caplog.at_level("WARNING", logger="ksana_llm.loader"):
+        convert_gguf_to_hf(path)
+    assert f"{path}: its tokenizer cannot be read" in caplog.text
+    reference = reference_model(stored, vocab_size, "llama", True, THETA, 1e-5)
+    ids = [5, 17, 42, 7]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    with kt.Engine(str(path), device="cpu", dtype="float32", num_device_blocks=64,
+                   skip_tokenizer_init=True) as engine:
+        logits = engine.forward(ids, [ForwardTarget("logits")]).targets[0].tensor
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+
+
 def test_llama3_rope_freqs_become_llama3_scaling(tmp_path):
     """llama.cpp stores Llama 3.1's scaling as per-frequency divisors; transformers' reader
     drops them. 300 tokens, far past the original 64: the scaled model's logits, not the plain."""

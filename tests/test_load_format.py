@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import ksana_llm as kt
 from ksana_llm.loader.default_model import default_model_gguf
-from ksana_llm.loader.load_format import dummy_weights
+from ksana_llm.loader.load_format import check_load_format, dummy_weights
 from tests.family_harness import greedy_trace, hf_reference
 from tests.tiny_models import build_tiny_chat_model, build_tiny_model
 
@@ -122,17 +122,21 @@ def _only_safetensors(folder: Path, tmp_path: Path) -> Path:
     return target
 
 
-def test_bad_load_formats_are_clear_errors(default_model_dir, default_model):
+def test_bad_load_formats_are_clear_errors(default_model_dir, default_model, tmp_path):
     with pytest.raises(ValueError, match="load_format 'tensorizer' is not supported"):
         kt.Model.from_pretrained(default_model_dir, load_format="tensorizer")
     with pytest.raises(ValueError, match="load_format must be one of auto, safetensors"):
         kt.Model.from_pretrained(default_model_dir, load_format="safetensor")
     with pytest.raises(ValueError, match="load_format 'gguf' needs the path of a .gguf file"):
         kt.Model.from_pretrained(default_model_dir, load_format="gguf")
+    upper = tmp_path / "MODEL.GGUF"  # the extension in any case, as the loader reads it
+    upper.symlink_to(default_model_gguf())
     for folder_format in ("safetensors", "pt"):  # they read folders; 'auto' converts a GGUF
-        with pytest.raises(ValueError, match=f"load_format '{folder_format}' reads a model "
-                                             r"folder's .* is a GGUF file"):
-            kt.Model.from_pretrained(default_model_gguf(), load_format=folder_format)
+        for gguf in (default_model_gguf(), upper):
+            with pytest.raises(ValueError, match=f"load_format '{folder_format}' reads a model "
+                                                 r"folder's .* is a GGUF file"):
+                kt.Model.from_pretrained(gguf, load_format=folder_format)
+    assert check_load_format("gguf", upper) == "gguf"
     with pytest.raises(ValueError, match="load_format"):
         kt.EngineConfig(load_format="npcache")
     with pytest.raises(ValueError, match="load_format='dummy' applies while a model loads"):

@@ -221,21 +221,38 @@ def _write_hf_folder(source: Path, out_dir: Path) -> None:
 def _convert_alone(link: Path, source: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
+    _refuse_split_file(source)
     try:
-        model = _load_dense_model(link)
+        model, missing = _load_dense_model(link)
     except (ValueError, RuntimeError, OSError, KeyError, IndexError) as exc:
         # A GGUF whose header reads but whose tensors do not (a truncated download) fails
         # inside numpy with a reshape message that names neither the file nor the cause.
         raise ValueError(f"{source} cannot be loaded as a GGUF model: {exc} (a truncated or "
                          "corrupt file fails this way too)") from exc
+    if missing:
+        # transformers fills them with random values (and only says so in a log line); the
+        # converted folder would then look complete to the engine's own check.
+        raise ValueError(f"{source} is missing {len(missing)} of the model's tensors, e.g. "
+                         f"{sorted(missing)[:5]} (a file cut short, or a block count its "
+                         "tensors do not fill)")
     model.save_pretrained(out_dir, **_safetensors_kwargs(model.save_pretrained))
     del model  # free the fp32 weights before loading the tokenizer
 
     _state_rope_scaling(source, out_dir / "config.json")
-    tokenizer = AutoTokenizer.from_pretrained(str(link.parent), gguf_file=link.name)
-    if not getattr(tokenizer, "chat_template", None):
-        LOGGER.warning("%s has no chat template; chat requests will need one supplied", source.name)
-    tokenizer.save_pretrained(out_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(link.parent), gguf_file=link.name)
+    except (ValueError, KeyError, IndexError, TypeError, OSError) as exc:
+        # Broken or absent tokenizer metadata: the weights still serve token ids (as a folder
+        # without a tokenizer does: `tokenizer=` or skip_tokenizer_init), so warn, not fail.
+        LOGGER.warning("%s: its tokenizer cannot be read (%s: %s); the model loads without one "
+                       "(pass tokenizer= a folder, or skip_tokenizer_init=True)", source,
+                       type(exc).__name__, exc)
+        tokenizer = None
+    if tokenizer is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            LOGGER.warning("%s has no chat template; chat requests will need one supplied",
+                           source.name)
+        tokenizer.save_pretrained(out_dir)
     _strip_quantization_config(out_dir / "config.json")
     if not (out_dir / "generation_config.json").is_file():
         LOGGER.info("transformers produced no generation_config.json for %s", source.name)
@@ -266,8 +283,22 @@ def _safetensors_kwargs(save_pretrained: Any) -> dict[str, bool]:
     return {}
 
 
-def _load_dense_model(source: Path) -> Any:
-    """Load ``source`` through transformers' GGUF loader as a plain fp32 model."""
+def _refuse_split_file(source: Path) -> None:
+    """A ValueError for one part of a split GGUF (llama.cpp's gguf-split): transformers reads
+    the part's tensors alone and would make up the others."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(source)).fields.get("split.count")
+    parts = None if field is None else int(field.contents())
+    if parts is not None and parts > 1:
+        raise ValueError(f"{source} is one of {parts} parts of a split GGUF model, which is not "
+                         "supported: merge them into one file first (llama.cpp's "
+                         "`llama-gguf-split --merge`)")
+
+
+def _load_dense_model(source: Path) -> tuple[Any, list[str]]:
+    """Load ``source`` through transformers' GGUF loader as a plain fp32 model; with the
+    names of the model's tensors the file did not hold (transformers made them up)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -280,10 +311,11 @@ def _load_dense_model(source: Path) -> Any:
         # Newer transformers may keep GGUF weights packed (and refuse to save them); ask for
         # dense weights explicitly.
         kwargs["quantization_config"] = dequantize
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(str(source.parent),
+                                                       output_loading_info=True, **kwargs)
     if getattr(model, "hf_quantizer", None) is not None:
         model = _without_quantizer(model)
-    return model
+    return model, list(info.get("missing_keys") or ())
 
 
 def _config_with_head_dim(source: Path) -> Any | None:
@@ -301,7 +333,11 @@ def _config_with_head_dim(source: Path) -> Any | None:
         return None
     config = AutoConfig.from_pretrained(str(source.parent), gguf_file=source.name)
     head_dim = int(key_length.contents())
-    if not hasattr(config, "head_dim") or config.head_dim == head_dim:
+    # (Some configs, Qwen2's, have no head_dim attribute: their model reads one when it is set,
+    # else hidden / heads.)
+    current = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    if current == head_dim:
         return None
     config.head_dim = head_dim
     return config

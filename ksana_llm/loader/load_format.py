@@ -36,9 +36,10 @@ def check_load_format(load_format: str, path: str | Path | None = None) -> str:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                          f"{load_format!r}")
     # No path: the embedded default model, which is a GGUF file.
-    if load_format == "gguf" and path is not None and not str(path).endswith(".gguf"):
+    if load_format == "gguf" and path is not None and not str(path).lower().endswith(".gguf"):
         raise ValueError(f"load_format 'gguf' needs the path of a .gguf file, got {path}")
-    if load_format in ("safetensors", "pt") and path is not None and str(path).endswith(".gguf"):
+    if load_format in ("safetensors", "pt") and path is not None \
+            and str(path).lower().endswith(".gguf"):
         raise ValueError(f"load_format {load_format!r} reads a model folder's "
                          f"{'.safetensors' if load_format == 'safetensors' else '.bin'} files; "
                          f"{path} is a GGUF file (load_format 'auto' or 'gguf' reads it)")
