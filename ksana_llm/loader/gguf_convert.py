@@ -30,8 +30,10 @@ CACHE_ENV_VAR = "KSANA_LLM_CACHE"
 COMPLETE_MARKER = "ksana_llm_conversion.json"
 _GGUF_MAGIC = b"GGUF"
 # Part of the cache key: a conversion made by an older converter is made again (version 2
-# states the file's RoPE scaling in config.json and reads the tokenizer from the file alone).
-CONVERTER_VERSION = 2
+# states the file's RoPE scaling in config.json and reads the tokenizer from the file alone;
+# version 3 refuses files missing tensors, which version 2 cached with made-up ones, and keeps
+# a Qwen2 file's stated head size).
+CONVERTER_VERSION = 3
 _HEADER_BYTES = 1 << 20
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
 _STAGING_SUFFIX = ".tmp"
