@@ -201,6 +201,14 @@ def test_a_failing_processor_fails_only_its_requests(default_model, settings):
             failing.result(timeout=120)
         assert isinstance(caught.value.__cause__, LogitsProcessorError)
         assert other.result(timeout=120).token_ids == reference
+        # Parallel samples fail together: the stream ends with the error, no sample having
+        # been told it finished ("abort") first.
+        samples = engine.submit(kt.Request(PROMPTS[0], config.replace(
+            num_return_sequences=3, do_sample=True, extra_args={"explode_at": 2})))
+        finishes = []
+        with pytest.raises(kt.RequestError, match="out of ideas"):
+            finishes.extend(d.finish_reason for d in samples.deltas() if d.finish_reason)
+        assert finishes == []
         assert engine.stats().num_free_kv_blocks == 128
         assert engine.is_running and engine.generate("Hi", kt.GenerationConfig(max_new_tokens=2))
 

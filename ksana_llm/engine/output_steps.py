@@ -167,7 +167,9 @@ class OutputSteps:
             self._free(seq)
             seq.finished_time = time.monotonic()
         group.seqs = []
-        if group.config.ranks_sequences or not live:
+        # Failed (`error`): one final output, which fails the request; per-sequence "abort"
+        # finishes before it would read, to a stream, as samples stopped on purpose.
+        if error is not None or group.config.ranks_sequences or not live:
             first = live[0] if live else None
             return [StepOutput(group.request_id, [], "", True, FinishReason.ABORT, stop_reason,
                                first_scheduled_time=first.first_scheduled_time if first else None,
