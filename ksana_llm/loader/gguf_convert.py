@@ -290,7 +290,10 @@ def _refuse_split_file(source: Path) -> None:
     the part's tensors alone and would make up the others."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(source)).fields.get("split.count")
+    try:
+        field = GGUFReader(str(source)).fields.get("split.count")
+    except (ValueError, RuntimeError, OSError, KeyError, IndexError):
+        return  # unreadable (cut short): the load that follows names the file and the cause
     parts = None if field is None else int(field.contents())
     if parts is not None and parts > 1:
         raise ValueError(f"{source} is one of {parts} parts of a split GGUF model, which is not "

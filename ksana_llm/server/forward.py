@@ -91,7 +91,7 @@ def _decode(raw: bytes, is_msgpack: bool) -> Any:
     except (ValueError, UnicodeDecodeError, RecursionError, msgpack.UnpackException) as exc:
         kind = "msgpack" if is_msgpack else "JSON"
         # (Some unpacker errors have no message: their kind says it.)
-        raise bad_request(f"Malformed {kind} body: {exc or type(exc).__name__}",
+        raise bad_request(f"Malformed {kind} body: {str(exc) or type(exc).__name__}",
                           code="invalid_body") from exc
 
 
